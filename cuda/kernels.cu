@@ -1,0 +1,4 @@
+// kernels.cu: the one translation unit NVRTC compiles. The Python side (cuflash/_compile.py) asks
+// for each template instance by name expression, e.g.
+//   cuflash::fwd_kernel<cuflash::FwdTraits<128, 128, 64, 8, 2, cuflash::bf16>, false>
+#include "fwd.cuh"

@@ -1,0 +1,49 @@
+// mask.cuh: which (query, key) pairs are visible, at element and at tile level.
+//
+// Causal masks align to the bottom-right: query row i sees key column j iff j <= i + diag, with
+// diag = seqlen_k - seqlen_q. Keys j >= seqlen_k are tail padding of the last tile.
+#pragma once
+#include "traits.cuh"
+
+namespace cuflash {
+
+template <bool IS_CAUSAL>
+__device__ __forceinline__ bool is_masked(int row, int col, int seqlen_k, int diag) {
+  return col >= seqlen_k || (IS_CAUSAL && col > row + diag);
+}
+
+// Key tile n_block, seen from query rows >= row_first, contains a masked element.
+template <bool IS_CAUSAL, int BLOCK_N>
+__device__ __forceinline__ bool key_block_needs_mask(int n_block, int row_first, int seqlen_k, int diag) {
+  const int col_last = (n_block + 1) * BLOCK_N - 1;
+  return col_last >= seqlen_k || (IS_CAUSAL && col_last > row_first + diag);
+}
+
+// Number of key tiles that query rows <= row_last see: tiles above the causal diagonal are skipped.
+template <bool IS_CAUSAL, int BLOCK_N>
+__device__ __forceinline__ int num_key_blocks(int row_last, int seqlen_k, int diag) {
+  const int n_blocks = (seqlen_k + BLOCK_N - 1) / BLOCK_N;
+  if (!IS_CAUSAL) return n_blocks;
+  const int col_last = row_last + diag;  // last key the last row sees; < 0: the rows see nothing
+  return col_last < 0 ? 0 : min(n_blocks, col_last / BLOCK_N + 1);
+}
+
+// S[M_TILES][N_TILES][4] (mma accumulators of rows row0 + mt*16 + g (+8), columns col0 + nt*8 + 2t (+1))
+// set to -inf where masked.
+template <bool IS_CAUSAL, int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_mask(float (&s)[M_TILES][N_TILES][4], int row0, int col0, int seqlen_k,
+                                           int diag, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int row = row0 + mt * 16 + g + (c >> 1) * 8;
+        const int col = col0 + nt * 8 + 2 * t + (c & 1);
+        if (is_masked<IS_CAUSAL>(row, col, seqlen_k, diag)) s[mt][nt][c] = neg_inf();
+      }
+}
+
+}  // namespace cuflash

@@ -1,0 +1,80 @@
+"""Kernel loading and launching: compiled cubins become CuPy modules, arguments a ctypes struct.
+
+Launches go through `cupy.cuda.driver.launchKernel` with one by-value struct argument mirroring the
+C++ params struct; a compiled function is cached per (device, instantiation), so a warm call costs a
+dictionary lookup, a struct fill and the driver call.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+
+from . import _compile
+
+_c_ll = ctypes.c_longlong
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+LOG2E = 1.4426950408889634
+
+
+class FwdParams(ctypes.Structure):
+    """Mirror of cuflash::FwdParams (cuda/fwd.cuh); field order and types must match."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p),
+        ("q_batch_stride", _c_ll), ("q_row_stride", _c_ll), ("q_head_stride", _c_ll),
+        ("k_batch_stride", _c_ll), ("k_row_stride", _c_ll), ("k_head_stride", _c_ll),
+        ("v_batch_stride", _c_ll), ("v_row_stride", _c_ll), ("v_head_stride", _c_ll),
+        ("o_batch_stride", _c_ll), ("o_row_stride", _c_ll), ("o_head_stride", _c_ll),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+        ("scale_log2", ctypes.c_float),
+    ]
+
+
+class _Kernel:
+    """A loaded kernel: its module (kept alive), function and launch shape."""
+
+    def __init__(self, compiled: _compile.Compiled, threads: int, smem_bytes: int):
+        from cupy.cuda import driver, function
+
+        self.module = function.Module()
+        self.module.load(compiled.cubin)
+        self.function = self.module.get_function(compiled.lowered_name)
+        self.threads = threads
+        self.smem_bytes = smem_bytes
+        if smem_bytes > 48 * 1024:
+            driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
+
+    def launch(self, grid, params: ctypes.Structure, stream_ptr: int) -> None:
+        from cupy.cuda import driver
+
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        driver.launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+                            stream_ptr, ctypes.addressof(args), 0)
+
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+def get_kernel(cfg, device_id: int) -> _Kernel:
+    """The loaded kernel of a config (FwdConfig, BwdConfig, ...) on a device; compiles on first use."""
+    key = (device_id, cfg)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with _lock:  # one thread compiles; the others wait for it instead of compiling again
+            kernel = _kernels.get(key)
+            if kernel is None:
+                arch = _compile.device_arch(device_id)
+                compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
+                kernel = _kernels[key] = _Kernel(compiled, cfg.threads, cfg.smem_bytes)
+    return kernel
+
+
+def scale_log2(softmax_scale: float) -> float:
+    return softmax_scale * LOG2E
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

@@ -1,0 +1,127 @@
+"""Kernel configurations: the one place where tile sizes, warps and shared-memory layouts are chosen.
+
+The CUDA traits (cuda/traits.cuh) derive every constant from the template arguments rendered here,
+and the IO analyzer (cuflash.simulator) reads the same dataclasses, so the counts it reports are
+the counts of the kernels we ship.
+
+Shared-memory layout of a [rows, HEAD_DIM] tile (Q, K, V, O staging), see cuda/tiles.cuh:
+  * the head dimension is cut into column panels of PANEL_COLS elements (64 = 128 bytes when
+    HEAD_DIM % 64 == 0, else 32 = 64 bytes); panel p holds columns [p*PANEL_COLS, (p+1)*PANEL_COLS)
+    of every row, panels are stored one after another: offset = p * rows * PANEL_BYTES + row * PANEL_BYTES + ...
+  * inside a panel the 16-byte chunk index is XOR-swizzled with the 128-byte line index
+    (bits 4..6 of the byte offset ^= bits 7..9, masked to the panel width), so 8 rows read at the
+    same column by ldmatrix, and 8 lanes writing one 128-byte line with cp.async, hit 8 distinct
+    16-byte bank groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+
+DTYPES = ("fp16", "bf16")
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+ELEM_BYTES = 2
+CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The smallest compiled HEAD_DIM that holds `head_dim` (a multiple of 8, at most 256)."""
+    for hd in KERNEL_HEAD_DIMS:
+        if head_dim <= hd:
+            return hd
+    raise ValueError(f"head_dim={head_dim} is larger than the largest kernel head dim {MAX_HEAD_DIM}")
+
+
+def panel_cols(head_dim: int) -> int:
+    return 64 if head_dim % 64 == 0 else 32
+
+
+def swizzled_offset(row: int, col: int, rows: int, head_dim: int) -> int:
+    """Byte offset of element (row, col) inside a swizzled [rows, head_dim] shared tile.
+
+    Mirrors `smem_offset` in cuda/tiles.cuh; col must be a multiple of 8 for chunk starts but any
+    column works (the swizzle moves whole 16-byte chunks and keeps the byte inside a chunk)."""
+    pc = panel_cols(head_dim)
+    panel_bytes = pc * ELEM_BYTES
+    panel, c = divmod(col, pc)
+    off = row * panel_bytes + c * ELEM_BYTES
+    line_mask = 7 if panel_bytes == 128 else 3
+    off ^= ((off >> 7) & line_mask) << 4
+    return panel * rows * panel_bytes + off
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One forward-kernel instantiation: `fwd_kernel<FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, T>, IS_CAUSAL>`."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dtype: str
+    causal: bool
+    stages: int = 2  # K/V shared-memory buffers (double buffering)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.head_dim % MMA_K or self.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 16 up to {MAX_HEAD_DIM}")
+        if self.block_m % (MMA_M * self.num_warps):
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
+        if self.block_n % 16:
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def m_tiles_per_warp(self) -> int:
+        return self.block_m // (MMA_M * self.num_warps)
+
+    @property
+    def smem_q_bytes(self) -> int:
+        return self.block_m * self.head_dim * ELEM_BYTES
+
+    @property
+    def smem_kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * ELEM_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile (reused to stage O), then `stages` K tiles, then `stages` V tiles.
+        return self.smem_q_bytes + 2 * self.stages * self.smem_kv_bytes
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::fwd_kernel<cuflash::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.stages}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# Forward tiles per kernel head dim: (block_m, block_n, num_warps). First choice, before tuning:
+# one m16 row tile per warp keeps the O and S accumulators at <= 96 + 32 fp32 registers per thread
+# (no spills at any head dim); see docs/PERFORMANCE.md for the measurements behind each row.
+FWD_TILES = {
+    32: (128, 128, 8),
+    64: (128, 128, 8),
+    96: (128, 64, 8),
+    128: (128, 64, 8),
+    192: (64, 64, 4),
+    256: (64, 64, 4),
+}
+
+
+def fwd_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
+    """The forward config the library launches for a (kernel) head dim, dtype and causal flag."""
+    bm, bn, warps = FWD_TILES[head_dim]
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
+
+
+def all_fwd_configs() -> list[FwdConfig]:
+    return [fwd_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]

@@ -1,0 +1,1 @@
+"""cuflash IO analyzer (installed as cuflash.simulator)."""
