@@ -28,10 +28,12 @@ struct FwdParams {
   int head_dim;      // run-time head dim <= HEAD_DIM; columns beyond it are zero in shared memory
   float scale_log2;  // softmax_scale * log2(e)
 };
+static_assert(sizeof(FwdParams) == 160, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
+// q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
 template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
-__device__ __forceinline__ void fwd_key_tile(const FwdParams& p, int n_block, u32 q_smem, u32 k_smem, u32 v_smem,
+__device__ __forceinline__ void fwd_key_tile(const FwdParams& p, int n_block, u32 q_lane, u32 k_lane, u32 v_lane,
                                              int warp_row0, int row0, int lane,
                                              float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
                                              OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES>& softmax) {
@@ -50,11 +52,11 @@ __device__ __forceinline__ void fwd_key_tile(const FwdParams& p, int n_block, u3
     u32 q_regs[Tr::M_TILES][4];
 #pragma unroll
     for (int mt = 0; mt < Tr::M_TILES; ++mt)
-      ldmatrix_a<typename Tr::TileQ>(q_regs[mt], q_smem, warp_row0 + mt * 16, kk * 16, lane);
+      ldmatrix_x4(q_regs[mt], Tr::TileQ::frag(q_lane, mt * 16, kk * 16));
 #pragma unroll
     for (int np = 0; np < Tr::N_TILES / 2; ++np) {
       u32 k_regs[4];
-      ldmatrix_b_nk<typename Tr::TileKV>(k_regs, k_smem, np * 16, kk * 16, lane);
+      ldmatrix_x4(k_regs, Tr::TileKV::frag(k_lane, np * 16, kk * 16));
 #pragma unroll
       for (int mt = 0; mt < Tr::M_TILES; ++mt) {
         Mma<T>::m16n8k16(s_acc[mt][2 * np], q_regs[mt], k_regs[0], k_regs[1]);
@@ -84,7 +86,7 @@ __device__ __forceinline__ void fwd_key_tile(const FwdParams& p, int n_block, u3
 #pragma unroll
     for (int dp = 0; dp < Tr::D_TILES / 2; ++dp) {
       u32 v_regs[4];
-      ldmatrix_b_kn_trans<typename Tr::TileKV>(v_regs, v_smem, kk * 16, dp * 16, lane);
+      ldmatrix_x4_trans(v_regs, Tr::TileKV::frag(v_lane, kk * 16, dp * 16));
 #pragma unroll
       for (int mt = 0; mt < Tr::M_TILES; ++mt) {
         Mma<T>::m16n8k16(o_acc[mt][2 * dp], p_regs[mt], v_regs[0], v_regs[1]);
@@ -122,6 +124,10 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
   const u32 q_smem = smem_u32(smem);
   const u32 k_smem0 = q_smem + Tr::SMEM_Q;                      // K stages, then V stages
   const u32 v_smem0 = k_smem0 + Tr::STAGES * Tr::SMEM_KV;
+  // ldmatrix lane addresses (tiles.cuh); a stage is a whole number of 1024-byte swizzle periods away
+  const u32 q_lane = q_smem + Tr::TileQ::offset(warp_row0, 0) + lane_offset_a<typename Tr::TileQ>(lane);
+  const u32 k_lane0 = k_smem0 + lane_offset_b_nk<typename Tr::TileKV>(lane);
+  const u32 v_lane0 = v_smem0 + lane_offset_b_kn_trans<typename Tr::TileKV>(lane);
 
   // prologue: Q and the first (last-indexed) K/V tile in one cp.async group
   int n_block = n_blocks - 1;
@@ -158,8 +164,8 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
     cp_async_commit_group();   // possibly empty: keeps the group count uniform
     cp_async_wait_group<1>();  // this stage's K/V (and Q) have landed
     __syncthreads();
-    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, n_block, q_smem, k_smem0 + stage * Tr::SMEM_KV,
-                                           v_smem0 + stage * Tr::SMEM_KV, warp_row0, row0, lane, o_acc, softmax);
+    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, n_block, q_lane, k_lane0 + stage * Tr::SMEM_KV,
+                                           v_lane0 + stage * Tr::SMEM_KV, warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     stage ^= 1;
   };

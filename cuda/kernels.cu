@@ -2,3 +2,4 @@
 // for each template instance by name expression, e.g.
 //   cuflash::fwd_kernel<cuflash::FwdTraits<128, 128, 64, 8, 2, cuflash::bf16>, false>
 #include "fwd.cuh"
+#include "bwd.cuh"

@@ -47,3 +47,23 @@ __device__ __forceinline__ void apply_mask(float (&s)[M_TILES][N_TILES][4], int 
 }
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// Transposed scores S^T[KEY_TILE 16 rows][Q_TILES n8 columns] of the backward: rows are keys
+// key0 + g (+8), columns queries query0 + qt*8 + 2t (+1). Masked entries = -inf.
+template <bool IS_CAUSAL, int Q_TILES>
+__device__ __forceinline__ void apply_mask_transposed(float (&s)[Q_TILES][4], int key0, int query0, int seqlen_k,
+                                                      int diag, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int qt = 0; qt < Q_TILES; ++qt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int key = key0 + g + (c >> 1) * 8;
+      const int query = query0 + qt * 8 + 2 * t + (c & 1);
+      if (is_masked<IS_CAUSAL>(query, key, seqlen_k, diag)) s[qt][c] = neg_inf();
+    }
+}
+
+}  // namespace cuflash

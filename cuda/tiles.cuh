@@ -30,6 +30,22 @@ struct SmemTile {
     off ^= ((off >> 7) & LINE_MASK) << 4;
     return panel * (ROWS * PANEL_BYTES) + off;
   }
+
+  // THREADS threads copy the tile with each thread on one column chunk, stepping rows by a multiple
+  // of 8 (the swizzle period), so its shared and global addresses advance by constants.
+  template <int THREADS>
+  static constexpr bool fixed_column() {
+    return THREADS % CHUNKS_PER_ROW == 0 &&
+           ((THREADS / CHUNKS_PER_ROW) % 8 == 0 || THREADS / CHUNKS_PER_ROW >= ROWS);
+  }
+
+  // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose
+  // address of the block at (0, 0) is lane_addr (tile base 1024-byte aligned). 16-column steps inside
+  // a panel flip swizzled chunk bits (XOR); 8-row steps and panels add whole lines.
+  static __device__ __forceinline__ u32 frag(u32 lane_addr, int row0, int col0) {
+    return (lane_addr ^ (((col0 % PANEL_COLS) / 8) << 4)) + (col0 / PANEL_COLS) * (ROWS * PANEL_BYTES) +
+           row0 * PANEL_BYTES;
+  }
 };
 
 // Tile [ROWS, HEAD_DIM] from global memory (row r at gmem + r * row_stride) into shared memory,
@@ -38,16 +54,26 @@ struct SmemTile {
 template <class Tile, int THREADS>
 __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_gmem, long long row_stride,
                                                 int rows_valid, int cols_valid, int tid) {
-  constexpr int ITERS = (Tile::CHUNKS + THREADS - 1) / THREADS;
-#pragma unroll
-  for (int i = 0; i < ITERS; ++i) {
-    const int idx = tid + i * THREADS;
-    if (Tile::CHUNKS % THREADS == 0 || idx < Tile::CHUNKS) {
-      const int row = idx / Tile::CHUNKS_PER_ROW;
-      const int col = (idx % Tile::CHUNKS_PER_ROW) * 8;
+  if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: plain chunk loop
+    for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+      const int row = idx / Tile::CHUNKS_PER_ROW, col = (idx % Tile::CHUNKS_PER_ROW) * 8;
       const bool valid = row < rows_valid && col < cols_valid;
-      const u16* src = valid ? tile_gmem + row * row_stride + col : tile_gmem;
-      cp_async_cg_16(tile_smem + Tile::offset(row, col), src, valid);
+      cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem, valid);
+    }
+    return;
+  }
+  // each thread keeps one column chunk; row steps of ROWS_PER_ITER (a multiple of 8) keep the swizzle
+  constexpr int ROWS_PER_ITER = THREADS / Tile::CHUNKS_PER_ROW;
+  const int row = tid / Tile::CHUNKS_PER_ROW, col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+  const u32 dst = tile_smem + Tile::offset(row, col);
+  const u16* src = tile_gmem + row * row_stride + col;
+  const bool col_ok = col < cols_valid;
+#pragma unroll
+  for (int i = 0; i < (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER; ++i) {
+    if (Tile::ROWS % ROWS_PER_ITER == 0 || row + i * ROWS_PER_ITER < Tile::ROWS) {
+      const bool valid = col_ok && row + i * ROWS_PER_ITER < rows_valid;
+      cp_async_cg_16(dst + i * ROWS_PER_ITER * Tile::PANEL_BYTES, valid ? src + i * ROWS_PER_ITER * row_stride : tile_gmem,
+                     valid);
     }
   }
 }
@@ -56,18 +82,25 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
 template <class Tile, int THREADS>
 __device__ __forceinline__ void store_tile(u16* tile_gmem, long long row_stride, const unsigned char* tile_smem,
                                            int rows_valid, int cols_valid, int tid) {
-  constexpr int ITERS = (Tile::CHUNKS + THREADS - 1) / THREADS;
-#pragma unroll
-  for (int i = 0; i < ITERS; ++i) {
-    const int idx = tid + i * THREADS;
-    if (Tile::CHUNKS % THREADS == 0 || idx < Tile::CHUNKS) {
-      const int row = idx / Tile::CHUNKS_PER_ROW;
-      const int col = (idx % Tile::CHUNKS_PER_ROW) * 8;
-      if (row < rows_valid && col < cols_valid) {
-        const uint4 chunk = *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
-        *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) = chunk;
-      }
+  if constexpr (!Tile::template fixed_column<THREADS>()) {
+    for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+      const int row = idx / Tile::CHUNKS_PER_ROW, col = (idx % Tile::CHUNKS_PER_ROW) * 8;
+      if (row < rows_valid && col < cols_valid)
+        *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
+            *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
     }
+    return;
+  }
+  constexpr int ROWS_PER_ITER = THREADS / Tile::CHUNKS_PER_ROW;
+  const int row = tid / Tile::CHUNKS_PER_ROW, col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+  const unsigned char* src = tile_smem + Tile::offset(row, col);
+  u16* dst = tile_gmem + row * row_stride + col;
+  if (col >= cols_valid) return;
+#pragma unroll
+  for (int i = 0; i < (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER; ++i) {
+    if ((Tile::ROWS % ROWS_PER_ITER == 0 || row + i * ROWS_PER_ITER < Tile::ROWS) && row + i * ROWS_PER_ITER < rows_valid)
+      *reinterpret_cast<uint4*>(dst + i * ROWS_PER_ITER * row_stride) =
+          *reinterpret_cast<const uint4*>(src + i * ROWS_PER_ITER * Tile::PANEL_BYTES);
   }
 }
 
@@ -85,26 +118,53 @@ __device__ __forceinline__ void zero_tile_gmem(u16* tile_gmem, long long row_str
 }
 
 // ---- shared -> register fragments of mma.m16n8k16 (lane l, g = l / 4, t = l % 4) --------------
+//
+// Each ldmatrix variant gives every lane one row address inside a 16 x 16 block. A kernel computes
+// a lane's address of the block at (0, 0) once (`lane_addr = tile_smem + lane_offset_*<Tile>(lane)`,
+// plus any run-time row offset that is a multiple of 8); `Tile::frag` moves it to the block at
+// (row0, col0) with one XOR and an immediate, so unrolled loops keep a handful of address registers.
 
-// A fragment (row-major 16 x 16) of rows [row0, row0+16), columns [col0, col0+16).
-// ldmatrix.x4 matrices: (rows 0-7, k 0-7), (rows 8-15, k 0-7), (rows 0-7, k 8-15), (rows 8-15, k 8-15).
+// A (row-major 16 x 16, rows m, columns k). x4 matrices: (m 0-7, k 0-7), (m 8-15, k 0-7),
+// (m 0-7, k 8-15), (m 8-15, k 8-15) -> a0..a3.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_a(int lane) {
+  return Tile::offset(lane & 15, (lane >> 4) * 8);
+}
+// B of two n8 tiles from a tile stored [n][k] (K as the B of Q K^T). x4 matrices: (n 0-7, k 0-7),
+// (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) -> b[0], b[1] of n-tile 0, b[2], b[3] of n-tile 1.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_b_nk(int lane) {
+  return Tile::offset((lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) * 8);
+}
+// B of two n8 tiles from a tile stored [k][n] (V as the B of P V), read with .trans. x4 matrices:
+// (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_b_kn_trans(int lane) {
+  return Tile::offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+}
+// A (16 x 16, rows m, columns k) from a tile stored [k][m] (dS^T read as dS), with .trans. x4
+// matrices: (k 0-7, m 0-7) -> a0, (k 0-7, m 8-15) -> a1, (k 8-15, m 0-7) -> a2, (k 8-15, m 8-15) -> a3.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_a_trans(int lane) {
+  return Tile::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+}
+
+// The same loads by (tile, block position); equivalent, for code that does not keep lane addresses.
 template <class Tile>
 __device__ __forceinline__ void ldmatrix_a(u32 (&a)[4], u32 tile_smem, int row0, int col0, int lane) {
-  ldmatrix_x4(a, tile_smem + Tile::offset(row0 + (lane & 15), col0 + (lane >> 4) * 8));
+  ldmatrix_x4(a, Tile::frag(tile_smem + lane_offset_a<Tile>(lane), row0, col0));
 }
-
-// B fragments of two n8 tiles from a tile stored [n][k] (K as the B of Q K^T): rows
-// [n0, n0+16), columns [k0, k0+16). b[0], b[1]: n-tile 0 (k 0-7, 8-15); b[2], b[3]: n-tile 1.
 template <class Tile>
 __device__ __forceinline__ void ldmatrix_b_nk(u32 (&b)[4], u32 tile_smem, int n0, int k0, int lane) {
-  ldmatrix_x4(b, tile_smem + Tile::offset(n0 + (lane & 7) + ((lane >> 4) << 3), k0 + ((lane >> 3) & 1) * 8));
+  ldmatrix_x4(b, Tile::frag(tile_smem + lane_offset_b_nk<Tile>(lane), n0, k0));
 }
-
-// B fragments of two n8 tiles from a tile stored [k][n] (V as the B of P V), transposed on load:
-// rows (k) [k0, k0+16), columns (n) [n0, n0+16). b[0], b[1]: n-tile 0; b[2], b[3]: n-tile 1.
 template <class Tile>
 __device__ __forceinline__ void ldmatrix_b_kn_trans(u32 (&b)[4], u32 tile_smem, int k0, int n0, int lane) {
-  ldmatrix_x4_trans(b, tile_smem + Tile::offset(k0 + (lane & 7) + ((lane >> 3) & 1) * 8, n0 + (lane >> 4) * 8));
+  ldmatrix_x4_trans(b, Tile::frag(tile_smem + lane_offset_b_kn_trans<Tile>(lane), k0, n0));
+}
+template <class Tile>
+__device__ __forceinline__ void ldmatrix_a_trans(u32 (&a)[4], u32 tile_smem, int k0, int m0, int lane) {
+  ldmatrix_x4_trans(a, Tile::frag(tile_smem + lane_offset_a_trans<Tile>(lane), k0, m0));
 }
 
 }  // namespace cuflash

@@ -48,3 +48,70 @@ struct FwdTraits {
 };
 
 }  // namespace cuflash
+
+namespace cuflash {
+
+// Backward, K/V-outer (FlashAttention-2 Algorithm 2): one CTA owns BLOCK_N keys, loops over query
+// blocks of BLOCK_M rows. It works on transposed scores S^T = K Q^T so that P^T and dS^T come out of
+// the accumulators already in the A-operand layout of dV += P^T dO and dK += dS^T Q.
+// Warp w owns the 16 key rows (w / D_SPLIT) and the head-dim slice (w % D_SPLIT) of dK and dV;
+// with D_SPLIT = 2 the two warps of a key group both compute that group's S^T and dP^T (cheaper in
+// registers than splitting them, and the only way to fit dK + dV of HEAD_DIM >= 192 in registers).
+template <int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPS_, int D_SPLIT_, class T_>
+struct BwdTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = BLOCK_M_;  // query rows per step (B_r)
+  static constexpr int BLOCK_N = BLOCK_N_;  // key rows per CTA (B_c)
+  static constexpr int WARPS = WARPS_;
+  static constexpr int D_SPLIT = D_SPLIT_;
+  static constexpr int THREADS = 32 * WARPS;
+  static constexpr int KEY_WARPS = WARPS / D_SPLIT;   // one m16 key tile per key group
+  static constexpr int Q_TILES = BLOCK_M / 8;         // n8 column (query) tiles of S^T, dP^T
+  static constexpr int QK_K_STEPS = HEAD_DIM / 16;    // k16 steps of S^T = K Q^T and dP^T = V dO^T
+  static constexpr int DKV_COLS = HEAD_DIM / D_SPLIT; // dK/dV columns per warp
+  static constexpr int DKV_TILES = DKV_COLS / 8;
+  static constexpr int Q_K_STEPS = BLOCK_M / 16;      // k16 steps of dV += P^T dO, dK += dS^T Q
+  // dQ_i = dS K_j: all warps split the [BLOCK_M, HEAD_DIM] result in a DQ_WARPS_M x DQ_WARPS_D grid
+  static constexpr int DQ_WARPS_M = (WARPS < BLOCK_M / 16) ? WARPS : BLOCK_M / 16;
+  static constexpr int DQ_WARPS_D = WARPS / DQ_WARPS_M;
+  static constexpr int DQ_M_TILES = BLOCK_M / 16 / DQ_WARPS_M;
+  static constexpr int DQ_D_TILES = HEAD_DIM / 8 / DQ_WARPS_D;
+  static constexpr int DQ_K_STEPS = BLOCK_N / 16;
+
+  using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;   // Q_i and dO_i
+  using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;  // K_j and V_j; reused to stage dK, dV
+  using TileDS = SmemTile<BLOCK_N, BLOCK_M>;   // dS^T (keys x queries), read transposed for dQ
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int SMEM_DS = TileDS::BYTES;
+  static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
+  // K, V, then 2 stages of (Q, dO), dS^T, then 2 stages of (lse_log2, delta)
+  static constexpr int OFF_K = 0;
+  static constexpr int OFF_V = SMEM_KV;
+  static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
+  static constexpr int OFF_DO = OFF_Q + SMEM_Q;            // + stage * 2 * SMEM_Q
+  static constexpr int OFF_DS = 2 * SMEM_KV + 4 * SMEM_Q;
+  static constexpr int OFF_LSE = OFF_DS + SMEM_DS;         // + stage * 2 * SMEM_ROWVEC
+  static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
+  static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC;
+
+  static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of mma K=16, at most 256");
+  static_assert(WARPS % D_SPLIT == 0 && BLOCK_N == 16 * KEY_WARPS, "each key group owns one m16 tile of keys");
+  static_assert(BLOCK_M % 16 == 0 && BLOCK_M <= THREADS, "BLOCK_M: k16 steps; one thread per row for lse/delta");
+  static_assert(DKV_TILES % 2 == 0 && DQ_D_TILES % 2 == 0, "B fragments are loaded for pairs of n8 tiles");
+  static_assert(WARPS % DQ_WARPS_M == 0 && (HEAD_DIM / 8) % DQ_WARPS_D == 0, "dQ warp grid must tile the result");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+// Deterministic dQ (Q-outer, like the forward): one CTA owns BLOCK_M query rows and loops over the
+// key tiles, recomputing S, P, dP and dS, and accumulates dQ in registers; no atomics.
+template <int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPS_, class T_>
+struct DqTraits : FwdTraits<HEAD_DIM_, BLOCK_M_, BLOCK_N_, WARPS_, 2, T_> {
+  using Base = FwdTraits<HEAD_DIM_, BLOCK_M_, BLOCK_N_, WARPS_, 2, T_>;
+  // Q, dO, then 2 stages of K, then 2 stages of V
+  static constexpr int SMEM_BYTES = 2 * Base::SMEM_Q + 4 * Base::SMEM_KV;
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+}  // namespace cuflash

@@ -13,6 +13,6 @@ if not (_here / "simulator").is_dir() and (_here.parent / "simulator" / "__init_
 
 __version__ = "0.1.0"
 
-from .api import attention, attention_forward  # noqa: E402
+from .api import attention, attention_forward, attention_backward  # noqa: E402
 
-__all__ = ["attention", "attention_forward", "__version__"]
+__all__ = ["attention", "attention_forward", "attention_backward", "__version__"]

@@ -32,6 +32,20 @@ class FwdParams(ctypes.Structure):
     ]
 
 
+class BwdParams(ctypes.Structure):
+    """Mirror of cuflash::BwdParams (cuda/bwd.cuh); field order and types must match."""
+
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "dq_accum", "lse_log2",
+                                       "delta")]
+        + [(f"{a}_{s}_stride", _c_ll) for a in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+           for s in ("batch", "row", "head")]
+        + [("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll), ("lse_row_stride", _c_ll)]
+        + [(n, ctypes.c_int) for n in ("seqlen_q", "seqlen_k", "seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
+        + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float)]
+    )
+
+
 class _Kernel:
     """A loaded kernel: its module (kept alive), function and launch shape."""
 

@@ -1,8 +1,11 @@
 """Public API: validate -> pick the kernel config -> compile (cached) -> launch on the current stream."""
 from __future__ import annotations
 
+import numpy as np
+
 from . import _launch, _validate
-from .config import fwd_config, kernel_head_dim
+from .config import (SEQLEN_Q_PAD, ElementwiseConfig, bwd_config, dq_config, fwd_config,
+                     kernel_head_dim)
 
 
 def _cupy():
@@ -98,3 +101,136 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd"):
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
     return attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)[0]
+
+
+def _check_like(info, dims, ref_dims, what):
+    if (dims.batch, dims.seqlen, dims.heads, dims.head_dim) != (ref_dims.batch, ref_dims.seqlen, ref_dims.heads,
+                                                                ref_dims.head_dim):
+        raise ValueError(f"{info.name} has shape {info.shape} but must have the shape of {what}")
+
+
+def _extent(info):
+    """[first, last) byte range an array's elements occupy."""
+    item = info.dtype.itemsize
+    lo = hi = 0
+    for n, s in zip(info.shape, info.strides):
+        if n == 0:
+            return info.ptr, info.ptr
+        (hi, lo) = (hi + (n - 1) * s * item, lo) if s >= 0 else (hi, lo + (n - 1) * s * item)
+    return info.ptr + lo, info.ptr + hi + item
+
+
+def _check_out(x, name, ref_dims, like_name, dtype, layout, inputs):
+    info = _validate.array_info(x, name)
+    if info.dtype != dtype:
+        raise TypeError(f"{name}.dtype={info.dtype} must be {dtype}, the dtype of {like_name}")
+    dims = _validate.bshd_dims(info, layout)
+    _check_like(info, dims, ref_dims, like_name)
+    if _validate.needs_aligned_copy(info, dims):
+        raise ValueError(f"{name} (preallocated) must be 16-byte aligned with batch/seqlen/head strides that are "
+                         f"multiples of 8 elements; got strides {info.strides} at address {info.ptr:#x}")
+    a0, a1 = _extent(info)
+    for other in inputs:
+        b0, b1 = _extent(other)
+        if a0 < b1 and b0 < a1:
+            raise ValueError(f"{name} (preallocated) overlaps the memory of {other.name}; outputs must not alias inputs")
+    return info, dims
+
+
+def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
+                       deterministic=False, dq=None, dk=None, dv=None):
+    """Gradients of attention with respect to q, k and v, recomputing P tile by tile (no N x N memory).
+
+    Args:
+        dout: gradient of the loss with respect to `out`, shaped like q (any strides, last dim contiguous).
+        q, k, v: the forward's inputs (same conventions as `attention_forward`).
+        out, lse: the forward's outputs, from `attention_forward(q, k, v, ...)` with the same options.
+            lse: float32 (batch, heads, seqlen_q).
+        causal, softmax_scale, layout: as given to the forward.
+        deterministic: False (default) accumulates dq with fp32 atomics, whose order varies from run to
+            run (results differ in the last bits); True computes dq in a second kernel that owns each
+            query block, bitwise reproducible, at the cost of recomputing S and dP (about 1.4x the
+            backward's FLOPs).
+        dq, dk, dv: optional preallocated outputs shaped like q, k, v, in their dtype, not aliasing an input.
+
+    Returns:
+        (dq, dk, dv) in the inputs' dtype and layout.
+
+    Extra device memory: lse_log2 and delta (float32, batch*heads*seqlen_q each) and, unless
+    deterministic, a float32 dq accumulator of batch*heads*seqlen_q*head_dim: O(N), never O(N^2).
+
+    Example:
+        >>> o, lse = cuflash.attention_forward(q, k, v, causal=True)
+        >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
+    """
+    causal = _validate.check_flag(causal, "causal")
+    deterministic = _validate.check_flag(deterministic, "deterministic")
+    qi, ki, vi = (_validate.array_info(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    dtype, dq_, dk_, dv_ = _validate.check_qkv(qi, ki, vi, layout)
+    doi, oi = _validate.array_info(dout, "dout"), _validate.array_info(out, "out")
+    _validate.check_dtype(qi, doi, oi)
+    ddo, do_ = _validate.bshd_dims(doi, layout), _validate.bshd_dims(oi, layout)
+    _check_like(doi, ddo, dq_, "q")
+    _check_like(oi, do_, dq_, "q")
+    li = _validate.array_info(lse, "lse")
+    if li.dtype != np.float32:
+        raise TypeError(f"lse.dtype={li.dtype} must be float32 (the lse returned by attention_forward)")
+    want = (dq_.batch, dq_.heads, dq_.seqlen)
+    if li.shape != want:
+        raise ValueError(f"lse has shape {li.shape}; expected (batch, heads, seqlen_q) = {want}")
+    if any(not float(s).is_integer() for s in li.strides):
+        raise ValueError(f"lse has strides {li.strides} (elements) that are not whole elements")
+    _validate.check_same_device(qi, ki, vi, doi, oi, li)
+    scale = _validate.check_softmax_scale(softmax_scale, dq_.head_dim)
+    cp = _cupy()
+    inputs = (qi, ki, vi, doi, oi, li)
+
+    with cp.cuda.Device(qi.device):
+        outs = []
+        for x, name, ref, like in ((dq, "dq", dq_, "q"), (dk, "dk", dk_, "k"), (dv, "dv", dv_, "v")):
+            if x is None:
+                x = _empty_like_layout(ref, ref.seqlen, q.dtype, layout)
+                info = _validate.array_info(x, name)
+                outs.append((x, _validate.bshd_dims(info, layout)))
+            else:
+                outs.append((x, _check_out(x, name, ref, like, q.dtype, layout, inputs)[1]))
+        (dq, ddq), (dk, ddk), (dv, ddv) = outs
+        if dq.size + dk.size == 0:
+            return dq, dk, dv
+        if dq_.seqlen == 0 or dk_.seqlen == 0:  # no query or no key: no pair contributes
+            for x in (dq, dk, dv):
+                x.fill(0)
+            return dq, dk, dv
+        q, dq_ = _as_kernel_operand(q, qi, dq_, layout)
+        k, dk_ = _as_kernel_operand(k, ki, dk_, layout)
+        v, dv_ = _as_kernel_operand(v, vi, dv_, layout)
+        dout, ddo = _as_kernel_operand(dout, doi, ddo, layout)
+        out, do_ = _as_kernel_operand(out, oi, do_, layout)
+        ls = tuple(int(s) for s in li.strides)
+
+        hd = kernel_head_dim(dq_.head_dim)
+        b, h, sq, sk = dq_.batch, dq_.heads, dq_.seqlen, dk_.seqlen
+        sq_pad = -(-sq // SEQLEN_Q_PAD) * SEQLEN_Q_PAD
+        lse_log2 = cp.empty((b, h, sq_pad), dtype=cp.float32)
+        delta = cp.empty((b, h, sq_pad), dtype=cp.float32)
+        dq_accum = None if deterministic else cp.empty((b, h, sq_pad, hd), dtype=cp.float32)
+
+        params = _launch.BwdParams(
+            q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+            lse.data.ptr, 0 if dq_accum is None else dq_accum.data.ptr, lse_log2.data.ptr, delta.data.ptr,
+            *(s for d in (dq_, dk_, dv_, do_, ddo, ddq, ddk, ddv) for s in (d.batch_stride, d.row_stride, d.head_stride)),
+            ls[0], ls[1], ls[2],
+            sq, sk, sq_pad, h, dq_.head_dim, hd, _launch.scale_log2(scale), scale)
+        stream = cp.cuda.get_current_stream().ptr
+        pre = ElementwiseConfig("preprocess", dtype)
+        _launch.get_kernel(pre, qi.device).launch((sq_pad // pre.rows_per_cta, h, b), params, stream)
+        main = bwd_config(hd, dtype, causal, deterministic)
+        _launch.get_kernel(main, qi.device).launch(main.grid(b, h, sk), params, stream)
+        if deterministic:
+            dqc = dq_config(hd, dtype, causal)
+            _launch.get_kernel(dqc, qi.device).launch(dqc.grid(b, h, sq), params, stream)
+        else:
+            conv = ElementwiseConfig("convert_dq", dtype)
+            chunks = sq * (dq_.head_dim // 8)
+            _launch.get_kernel(conv, qi.device).launch((-(-chunks // conv.threads), h, b), params, stream)
+    return dq, dk, dv

@@ -112,8 +112,8 @@ FWD_TILES = {
     64: (128, 128, 8),
     96: (128, 64, 8),
     128: (128, 64, 8),
-    192: (64, 64, 4),
-    256: (64, 64, 4),
+    192: (128, 64, 8),
+    256: (64, 32, 4),  # (64, 64, 4) spilled 28-32 bytes: O alone is 128 fp32 registers per thread
 }
 
 
@@ -125,3 +125,134 @@ def fwd_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
 
 def all_fwd_configs() -> list[FwdConfig]:
     return [fwd_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Main backward instantiation: `bwd_kernel<BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, D_SPLIT, T>,
+    IS_CAUSAL, IS_DETERMINISTIC>`: K/V-outer, one CTA per BLOCK_N keys, query blocks of BLOCK_M rows."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    d_split: int  # warps sharing one 16-key group, each with HEAD_DIM / d_split columns of dK and dV
+    dtype: str
+    causal: bool
+    deterministic: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_n != 16 * self.num_warps // self.d_split:
+            raise ValueError(f"block_n={self.block_n} must be 16 * num_warps / d_split")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        # K, V, 2 stages of (Q, dO), dS^T, 2 stages of (lse_log2, delta) in fp32
+        return 2 * kv + 4 * q + ds + 4 * self.block_m * 4
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_kernel<cuflash::BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.d_split}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """Deterministic dQ instantiation: `bwd_dq_kernel<DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, T>, IS_CAUSAL>`
+    (Q-outer, like the forward: recomputes S, P, dP, dS per key tile, dQ in registers)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dtype: str
+    causal: bool
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * self.block_m * self.head_dim * ELEM_BYTES + 4 * self.block_n * self.head_dim * ELEM_BYTES
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::bwd_dq_kernel<cuflash::DqTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """The backward's preprocess (delta, lse_log2, dQ_acc = 0) and dQ conversion kernels."""
+
+    kind: str  # "preprocess" | "convert_dq"
+    dtype: str
+    threads: int = 256
+    smem_bytes: int = 0
+    rows_per_cta: int = 8  # preprocess: one warp per query row (PREPROCESS_ROWS in bwd.cuh)
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return f"cuflash::bwd_{self.kind}_kernel<{t}>"
+
+
+# Backward tiles per kernel head dim: (block_m, block_n, num_warps, d_split). One m16 key tile per
+# warp group keeps dK + dV (2 * 16 * HEAD_DIM / d_split fp32 per warp) plus S^T and dP^T in registers.
+# Every entry is the largest spill-free choice found by compiling the candidates (sm_90a, ptxas -v):
+# e.g. HEAD_DIM 128 with (64, 128, 8, 1) spilled 72 bytes; d_split > 1 costs duplicated S^T/dP^T work.
+BWD_TILES = {
+    32: (64, 128, 8, 1),
+    64: (32, 128, 8, 1),
+    96: (64, 64, 8, 2),
+    128: (64, 64, 8, 2),
+    192: (32, 32, 8, 4),
+    256: (32, 32, 8, 4),
+}
+# Deterministic dQ tiles: (block_m, block_n, num_warps).
+DQ_TILES = {
+    32: (128, 64, 8),
+    64: (128, 64, 8),
+    96: (128, 64, 8),
+    128: (128, 32, 8),
+    192: (64, 32, 4),
+    256: (64, 32, 4),
+}
+SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m)
+
+
+def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdConfig:
+    bm, bn, warps, split = BWD_TILES[head_dim]
+    return BwdConfig(head_dim, bm, bn, warps, split, dtype, causal, deterministic)
+
+
+def dq_config(head_dim: int, dtype: str, causal: bool) -> DqConfig:
+    bm, bn, warps = DQ_TILES[head_dim]
+    return DqConfig(head_dim, bm, bn, warps, dtype, causal)
+
+
+def all_bwd_configs() -> list:
+    """Every backward instantiation the library can launch (main, deterministic dQ, elementwise)."""
+    out: list = []
+    for dt in DTYPES:
+        out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
+        for hd in KERNEL_HEAD_DIMS:
+            for c in (False, True):
+                out += [bwd_config(hd, dt, c, False), bwd_config(hd, dt, c, True), dq_config(hd, dt, c)]
+    return out
