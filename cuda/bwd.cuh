@@ -228,7 +228,8 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, unsigned cha
     for (int dt = 0; dt < Tr::DQ_D_TILES; ++dt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) dq_acc[mt][dt][c] = 0.f;
-#pragma unroll
+  // not unrolled: keeps the address registers of the loop body out of the S^T/dP^T register peak
+#pragma unroll 1
   for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk) {
     u32 ds_regs[Tr::DQ_M_TILES][4];
 #pragma unroll
@@ -253,10 +254,10 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, unsigned cha
 #pragma unroll
     for (int dt = 0; dt < Tr::DQ_D_TILES; ++dt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int row = (warp_m * Tr::DQ_M_TILES + mt) * 16 + g + (c >> 1) * 8;
-        const int col = (warp_d * Tr::DQ_D_TILES + dt) * 8 + 2 * t + (c & 1);
-        red_add_f32(acc + row * p.dq_accum_cols + col, dq_acc[mt][dt][c]);
+      for (int h = 0; h < 2; ++h) {  // c0,c1 (row g) and c2,c3 (row g+8): adjacent columns
+        const int row = (warp_m * Tr::DQ_M_TILES + mt) * 16 + g + h * 8;
+        const int col = (warp_d * Tr::DQ_D_TILES + dt) * 8 + 2 * t;
+        red_add_v2_f32(acc + row * p.dq_accum_cols + col, dq_acc[mt][dt][2 * h], dq_acc[mt][dt][2 * h + 1]);
       }
 }
 

@@ -109,7 +109,17 @@ __device__ __forceinline__ float ex2_approx(float x) {
 
 // ---- red.global.add.f32 (PTX ISA 9.7.13.7 "red"): fire-and-forget atomic add ----------------
 __device__ __forceinline__ void red_add_f32(float* addr, float v) {
-  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v));
+}
+
+// Two adjacent floats in one request (PTX ISA 9.7.13.7, .v2.f32 needs sm_90); two scalar reds before.
+__device__ __forceinline__ void red_add_v2_f32(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b));
+#else
+  red_add_f32(addr, a);
+  red_add_f32(addr + 1, b);
+#endif
 }
 
 }  // namespace cuflash

@@ -123,7 +123,7 @@ def bshd_dims(info: ArrayInfo, layout: str) -> Dims:
         want = "(batch, seqlen, heads, head_dim)" if layout == "bshd" else "(batch, heads, seqlen, head_dim)"
         raise ValueError(f"{info.name} has shape {info.shape} (rank {len(info.shape)}); "
                          f"layout={layout!r} needs rank 4: {want}")
-    if info.shape[-1] > 1 and info.strides[-1] != 1:
+    if info.shape[-1] > 1 and info.strides[-1] != 1 and 0 not in info.shape:  # CuPy gives size-0 arrays strides 0
         raise ValueError(f"{info.name} has strides {info.strides} (elements): its last dim (head_dim) must be "
                          f"contiguous (stride 1); use cupy.ascontiguousarray({info.name})")
     if layout == "bshd":

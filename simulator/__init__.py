@@ -1,1 +1,17 @@
-"""cuflash IO analyzer (installed as cuflash.simulator)."""
+"""cuflash IO analyzer (installed as cuflash.simulator): HBM/SRAM traffic, FLOPs and shared-memory bank
+conflicts of attention tiling strategies, counted from the same configuration code as the kernels.
+
+    from cuflash.simulator import Problem, simulate
+    c = simulate("cuflash", Problem(batch=1, heads=16, seqlen_q=4096, seqlen_k=4096, head_dim=128))
+    c.hbm_read_bytes, c.sram_read_bytes, c.bank_conflicts
+
+Modules: strategies (counts), banks (bank-conflict rule and the fwd_kernel walk), l2 (LRU L2 model),
+execute (the tile schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100).
+"""
+from .model import COUNT_FIELDS, STRATEGIES, Counts, Problem
+from .strategies import simulate
+from . import banks
+from .execute import execute_backward, execute_forward
+
+__all__ = ["Problem", "Counts", "COUNT_FIELDS", "STRATEGIES", "simulate", "banks", "execute_forward",
+           "execute_backward"]

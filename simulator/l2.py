@@ -1,0 +1,365 @@
+"""L2 model: predict DRAM bytes from the global accesses of a strategy's kernels.
+
+Model: one LRU cache of `l2_bytes` over 32-byte sectors, write-back and write-allocate (a store does not
+read DRAM; a dirty sector costs a DRAM write when it is evicted or, at the end, flushed). The kernels of
+a strategy run one after another; within a kernel the CTAs run in launch order (blockIdx.x fastest) in
+waves of `num_sms * ctas_per_sm` CTAs, and the CTAs of one wave advance in lock step: step t of every
+CTA of the wave (its t-th tile access group, e.g. "load K_j and V_j") before step t+1.
+
+Approximation (why it stays fast at N = 65536): the cache is simulated per *tile* (the rows a kernel
+loads or stores with one tile copy: a [BLOCK_N, d] K tile, a 128 x 128 S tile) instead of per sector.
+Sectors of one tile are always touched together, so they sit next to each other in LRU order and an
+exact sector LRU differs from the tile LRU only at the eviction boundary: by at most one tile per
+eviction decision, i.e. a relative error of about tile_bytes / l2_bytes (16 KB / 50 MB = 0.03%).
+`granularity="row"` simulates every row (every d*elem_bytes run of sectors) instead, which the tests
+use to check the tile model. A tile's weight is rows * ceil(row_bytes / 32) sectors: exact when
+d * elem_bytes is a multiple of 32 bytes (every head dim the kernels support).
+
+Not modelled: the two L2 partitions of an H100 (each SM sees its near half first; data can be
+duplicated), hashing of addresses to sets (the model is fully associative) and prefetching.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import njit
+
+
+from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
+from .strategies import block_sizes, cuflash_config, n_block_max, resolve_blocks
+
+SECTOR = 32
+STANDARD_TILE = 128  # the standard strategy's GEMM / softmax tiles: 128 rows (x 128 columns for S)
+
+
+@njit(cache=True)
+def _lru(units, is_write, weight, capacity):
+    """Run the access stream through a fully associative LRU of `capacity` sectors.
+
+    Returns (read-miss sectors, dirty sectors evicted, dirty sectors left at the end)."""
+    n = weight.shape[0]
+    head = n  # sentinel of a circular doubly linked list: nxt[head] = most recent, prv[head] = least
+    nxt = np.full(n + 1, -1, np.int64)
+    prv = np.full(n + 1, -1, np.int64)
+    nxt[head] = head
+    prv[head] = head
+    resident = np.zeros(n, np.bool_)
+    dirty = np.zeros(n, np.bool_)
+    occupied = 0
+    read_miss = 0
+    written_back = 0
+    for e in range(units.shape[0]):
+        u = units[e]
+        w = weight[u]
+        if resident[u]:
+            nxt[prv[u]] = nxt[u]  # unlink
+            prv[nxt[u]] = prv[u]
+        else:
+            if not is_write[e]:
+                read_miss += w
+            resident[u] = True
+            occupied += w
+        nxt[u] = nxt[head]  # link as most recent
+        prv[u] = head
+        prv[nxt[head]] = u
+        nxt[head] = u
+        if is_write[e]:
+            dirty[u] = True
+        while occupied > capacity:
+            t = prv[head]
+            if t == u:
+                break
+            nxt[prv[t]] = head
+            prv[head] = prv[t]
+            resident[t] = False
+            occupied -= weight[t]
+            if dirty[t]:
+                written_back += weight[t]
+                dirty[t] = False
+    left_dirty = 0
+    for u in range(n):
+        if dirty[u] and resident[u]:
+            left_dirty += weight[u]
+    return read_miss, written_back, left_dirty
+
+
+@dataclass
+class L2Result:
+    read_bytes: int  # DRAM reads: read misses
+    write_bytes: int  # DRAM writes: dirty evictions plus the dirty sectors flushed after the last kernel
+    write_back_during_bytes: int  # the part of write_bytes evicted while the kernels ran
+    accesses: int  # tile (or row) accesses simulated
+
+
+class _Trace:
+    """Tile accesses of a sequence of kernels, ordered (kernel, wave, step, cta, sub)."""
+
+    def __init__(self, p: Problem, granularity: str):
+        self.p = p
+        self.granularity = granularity
+        self.tensors = {}  # name -> (first unit id, units per (b,h), weights per (b,h) unit, rows per unit, row weight)
+        self.n_units = 0
+        self.parts = []
+
+    def tensor(self, name: str, rows: int, block: int, row_bytes: int, contiguous_rows: bool = False):
+        """A per-(batch, head) tensor of `rows` rows cut into units of `block` rows.
+
+        contiguous_rows: the rows of one (b, h) are contiguous (lse, D, S); else each row is its own
+        run of row_bytes (bshd layout)."""
+        sizes = block_sizes(rows, block)
+        if contiguous_rows:
+            w_unit, row_w = -(-sizes * row_bytes // SECTOR), 0
+        else:
+            row_w = -(-row_bytes // SECTOR)
+            w_unit = sizes * row_w
+        # granularity="row" splits bshd tensors into rows; contiguous fp32 vectors (several rows per
+        # sector) keep their tile units
+        expand = self.granularity == "row" and not contiguous_rows
+        w_u = np.full(rows, row_w, np.int64) if expand else w_unit
+        self.tensors[name] = (self.n_units, len(w_u), w_u, block, expand)
+        self.n_units += self.p.batch_heads * len(w_u)
+
+    def access(self, kernel: int, cta, step, sub, name: str, bh, unit, is_write: bool, wave_ctas: int):
+        first, per_bh, _, block, expand = self.tensors[name]
+        cta, step, sub, bh, unit = (np.broadcast_to(np.asarray(x, np.int64), np.broadcast(cta, step, sub, bh, unit).shape)
+                                    .ravel() for x in (cta, step, sub, bh, unit))
+        if expand:  # expand each tile access into its rows, in row order
+            rows_total = per_bh
+            r0 = unit * block
+            nrows = np.minimum(block, rows_total - r0)
+            rep = np.repeat(np.arange(len(unit)), nrows)
+            offs = np.arange(rep.size) - np.repeat(np.cumsum(nrows) - nrows, nrows)
+            cta, step, bh = cta[rep], step[rep], bh[rep]
+            sub = sub[rep] * (block + 1) + offs
+            unit = r0[rep] + offs
+        ids = first + bh * per_bh + unit
+        self.parts.append((np.full(ids.size, kernel), cta // wave_ctas, step, cta % wave_ctas, sub, ids,
+                           np.full(ids.size, is_write)))
+
+    def weights(self) -> np.ndarray:
+        w = np.empty(self.n_units, np.int64)
+        for first, per_bh, w_u, _, _ in self.tensors.values():
+            w[first:first + per_bh * self.p.batch_heads] = np.tile(w_u, self.p.batch_heads)
+        return w
+
+    def run(self, capacity_sectors: int) -> L2Result:
+        cols = [np.concatenate([part[i] for part in self.parts]) for i in range(7)]
+        kernel, wave, step, cta, sub, ids, is_write = cols
+        order = np.lexsort((sub, cta, step, wave, kernel))
+        r, wb, left = _lru(ids[order], is_write[order], self.weights(), capacity_sectors)
+        return L2Result(int(r) * SECTOR, int(wb + left) * SECTOR, int(wb) * SECTOR, int(ids.size))
+
+
+def _grid(p: Problem, x_blocks: int):
+    """CTA launch index c = (b*H + h)*x_blocks + x (x fastest) -> (bh, x)."""
+    c = np.arange(p.batch_heads * x_blocks)
+    return c, c // x_blocks, c % x_blocks
+
+
+def _ragged(counts):
+    """For counts [n_c]: (owner index repeated n_c times, position 0..n_c-1 within the owner)."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    pos = np.arange(owner.size) - np.repeat(np.cumsum(counts) - counts, counts)
+    return owner, pos
+
+
+def _q_outer_fwd(tr: _Trace, p, bm, bn, causal_skip, wave, reverse_n, reverse_m, kernel=0):
+    """fwd_kernel / FA2 forward: CTA (m_block, h, b): Q; K_n, V_n per step; O, lse."""
+    n_max = n_block_max(p, bm, bn, causal_skip)
+    t_r = len(n_max)
+    c, bh, x = _grid(p, t_r)
+    m_block = t_r - 1 - x if reverse_m else x
+    n = n_max[m_block]
+    live = n > 0
+    tr.access(kernel, c[live], 0, 0, "q", bh[live], m_block[live], False, wave)
+    owner, it = _ragged(n)
+    n_block = n[owner] - 1 - it if reverse_n else it
+    for sub, name in enumerate(("k", "v")):
+        tr.access(kernel, c[owner], 1 + it, sub, name, bh[owner], n_block, False, wave)
+    for sub, name in enumerate(("o", "lse")):
+        tr.access(kernel, c, n + 1, sub, name, bh, m_block, True, wave)
+
+
+def _fwd_tensors(tr, p, bm, bn):
+    d_bytes = p.head_dim * p.elem_bytes
+    tr.tensor("q", p.seqlen_q, bm, d_bytes)
+    tr.tensor("o", p.seqlen_q, bm, d_bytes)
+    tr.tensor("k", p.seqlen_k, bn, d_bytes)
+    tr.tensor("v", p.seqlen_k, bn, d_bytes)
+    tr.tensor("lse", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+
+
+def _pairs_kv_outer(p, bm, bn, causal_skip):
+    """Visited (i, j) pairs in K/V-outer order: arrays (j, i) sorted by j then i."""
+    n_max = n_block_max(p, bm, bn, causal_skip)
+    t_c = math.ceil(p.seqlen_k / bn)
+    jj, ii = np.meshgrid(np.arange(t_c), np.arange(len(n_max)), indexing="ij")
+    keep = n_max[ii] > jj
+    return jj[keep], ii[keep]
+
+
+def _stream(tr, kernel, p, names_read, names_write, rows, block, wave):
+    """An elementwise kernel: CTA per (row block, h, b) reads then writes its tiles."""
+    c, bh, x = _grid(p, math.ceil(rows / block))
+    for sub, name in enumerate(names_read):
+        tr.access(kernel, c, 0, sub, name, bh, x, False, wave)
+    for sub, name in enumerate(names_write):
+        tr.access(kernel, c, 1, sub, name, bh, x, True, wave)
+
+
+def _fa1_fwd(tr, p, bm, bn, causal_skip, wave):
+    _fwd_tensors(tr, p, bm, bn)
+    tr.tensor("m", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+    _stream(tr, 0, p, (), ("o", "lse", "m"), p.seqlen_q, bm, wave)  # O = 0, l = 0, m = -inf ("lse" holds l)
+    jj, ii = _pairs_kv_outer(p, bm, bn, causal_skip)
+    # one CTA per (b, h) runs the whole double loop: step = index of the (j, i) pair
+    n_pairs = len(jj)
+    c = np.repeat(np.arange(p.batch_heads), n_pairs)
+    step = np.tile(np.arange(n_pairs), p.batch_heads)
+    j, i = np.tile(jj, p.batch_heads), np.tile(ii, p.batch_heads)
+    first_of_j = np.tile(np.r_[True, jj[1:] != jj[:-1]], p.batch_heads)
+    tr.access(1, c[first_of_j], step[first_of_j], 0, "k", c[first_of_j], j[first_of_j], False, wave)
+    tr.access(1, c[first_of_j], step[first_of_j], 1, "v", c[first_of_j], j[first_of_j], False, wave)
+    for sub, name in enumerate(("q", "o", "lse", "m"), start=2):
+        tr.access(1, c, step, sub, name, c, i, False, wave)
+    for sub, name in enumerate(("o", "lse", "m"), start=6):
+        tr.access(1, c, step, sub, name, c, i, True, wave)
+
+
+def _bwd_tensors(tr, p, bm, bn, dq_acc_bytes):
+    _fwd_tensors(tr, p, bm, bn)
+    d_bytes = p.head_dim * p.elem_bytes
+    for name in ("do", "dq"):
+        tr.tensor(name, p.seqlen_q, bm, d_bytes)
+    for name in ("dk", "dv"):
+        tr.tensor(name, p.seqlen_k, bn, d_bytes)
+    tr.tensor("dq_acc", p.seqlen_q, bm, p.head_dim * dq_acc_bytes)
+    tr.tensor("d", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+
+
+def _kv_outer_bwd(tr, p, bm, bn, causal_skip, wave, fa1: bool):
+    """FA2 backward (preprocess, main, convert) or FA1 Algorithm 4 (memset, main)."""
+    _bwd_tensors(tr, p, bm, bn, p.elem_bytes if fa1 else STAT_BYTES)
+    if fa1:
+        tr.tensor("m", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+        _stream(tr, 0, p, (), ("dq",), p.seqlen_q, bm, wave)
+        _stream(tr, 0, p, (), ("dk", "dv"), p.seqlen_k, bn, wave)
+    else:
+        _stream(tr, 0, p, ("o", "do"), ("d", "dq_acc"), p.seqlen_q, bm, wave)
+    jj, ii = _pairs_kv_outer(p, bm, bn, causal_skip)
+    t_c = math.ceil(p.seqlen_k / bn)
+    # CTA (n_block, h, b): step 0 K_j, V_j; step 1 + k: the k-th visited row block; last: dK_j, dV_j
+    per_j = np.bincount(jj, minlength=t_c)
+    start_j = np.cumsum(per_j) - per_j
+    c, bh, x = _grid(p, t_c)
+    tr.access(1, c, 0, 0, "k", bh, x, False, wave)
+    tr.access(1, c, 0, 1, "v", bh, x, False, wave)
+    cc = (np.arange(p.batch_heads)[:, None] * t_c + jj[None, :]).ravel()
+    bhh = np.repeat(np.arange(p.batch_heads), len(jj))
+    i = np.tile(ii, p.batch_heads)
+    step = 1 + np.tile(np.arange(len(jj)) - start_j[jj], p.batch_heads)
+    reads = ("q", "o", "do", "dq", "lse", "m") if fa1 else ("q", "do", "lse", "d", "dq_acc")
+    for sub, name in enumerate(reads):
+        tr.access(1, cc, step, sub, name, bhh, i, False, wave)
+    tr.access(1, cc, step, len(reads), "dq" if fa1 else "dq_acc", bhh, i, True, wave)
+    for sub, name in enumerate(("dk", "dv")):
+        tr.access(1, c, 1 + per_j[x], sub, name, bh, x, True, wave)
+    if not fa1:
+        _stream(tr, 2, p, ("dq_acc",), ("dq",), p.seqlen_q, bm, wave)
+
+
+def _standard(tr, p, backward, wave):
+    """Each pass a tiled kernel over 128-row blocks and 128 x 128 tiles of the N x N matrices."""
+    if tr.granularity == "row":
+        raise ValueError("granularity='row' is available for the flash strategies only")
+    t = STANDARD_TILE
+    d_bytes = p.head_dim * p.elem_bytes
+    for name in ("q", "o", "do", "dq"):
+        tr.tensor(name, p.seqlen_q, t, d_bytes)
+    for name in ("k", "v", "dk", "dv"):
+        tr.tensor(name, p.seqlen_k, t, d_bytes)
+    t_r, t_c = math.ceil(p.seqlen_q / t), math.ceil(p.seqlen_k / t)
+    col_bytes = block_sizes(p.seqlen_k, t) * p.elem_bytes
+    for name in ("s", "p", "dp", "ds"):  # [Sq, Sk] matrices, unit = one 128 x 128 tile (row-major i, j)
+        rows = np.repeat(block_sizes(p.seqlen_q, t), t_c)
+        w = rows * -(-np.tile(col_bytes, t_r) // SECTOR)
+        tr.tensors[name] = (tr.n_units, t_r * t_c, w, 1, False)
+        tr.n_units += p.batch_heads * t_r * t_c
+    ii, jj = np.meshgrid(np.arange(t_r), np.arange(t_c), indexing="ij")
+    ii, jj = ii.ravel(), jj.ravel()
+
+    def gemm_tiles(kernel, a, b, out):  # out[i, j] = a_i b_j^T: CTA per tile
+        c, bh, x = _grid(p, t_r * t_c)
+        tr.access(kernel, c, 0, 0, a, bh, ii[x], False, wave)
+        tr.access(kernel, c, 0, 1, b, bh, jj[x], False, wave)
+        tr.access(kernel, c, 1, 0, out, bh, x, True, wave)
+
+    def row_pass(kernel, mats_in, mat_out, b_name=None, out=None, by_col=False):
+        """CTA per row block i (or column block j when by_col): step k reads tile (i, k) of each
+        matrix (and row block k of b_name); writes mat_out tiles or the out block at the end."""
+        outer, inner = (t_c, t_r) if by_col else (t_r, t_c)
+        c, bh, x = _grid(p, outer)
+        owner = np.repeat(np.arange(c.size), inner)
+        k = np.tile(np.arange(inner), c.size)
+        tile = k * t_c + x[owner] if by_col else x[owner] * t_c + k
+        for sub, m in enumerate(mats_in):
+            tr.access(kernel, c[owner], k, sub, m, bh[owner], tile, False, wave)
+        if b_name is not None:
+            tr.access(kernel, c[owner], k, len(mats_in), b_name, bh[owner], k, False, wave)
+        if mat_out is not None:
+            tr.access(kernel, c[owner], k, len(mats_in) + 1, mat_out, bh[owner], tile, True, wave)
+        if out is not None:
+            tr.access(kernel, c, inner, 0, out, bh, x, True, wave)
+
+    if not backward:
+        gemm_tiles(0, "q", "k", "s")  # S = Q K^T
+        row_pass(1, ("s",), "p")  # P = softmax(S): each S tile read once, each P tile written once
+        row_pass(2, ("p",), None, b_name="v", out="o")  # O = P V
+    else:
+        row_pass(0, ("p",), None, b_name="do", out="dv", by_col=True)  # dV = P^T dO
+        gemm_tiles(1, "do", "v", "dp")  # dP = dO V^T
+        row_pass(2, ("p", "dp"), "ds")  # dS = P o (dP - rowsum(P o dP))
+        row_pass(3, ("ds",), None, b_name="k", out="dq")  # dQ = dS K
+        row_pass(4, ("ds",), None, b_name="q", out="dk", by_col=True)  # dK = dS^T Q
+
+
+def ctas_per_sm(strategy: str, p: Problem) -> int:
+    """Resident CTAs per SM: cuflash from its shared memory and threads (registers assumed not to
+    limit), one for the others."""
+    if strategy != "cuflash":
+        return 1
+    cfg = cuflash_config(p)
+    return max(1, min(H100_SMEM_PER_SM // (cfg.smem_bytes + 1024), 2048 // cfg.threads, 32))
+
+
+def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = False, block_m=None, block_n=None,
+                causal_skip: bool = True, num_sms: int | None = None, ctas_per_sm_: int | None = None,
+                granularity: str = "tile") -> L2Result:
+    """Predict DRAM traffic of `strategy` on `p` through an LRU L2 of l2_bytes (see module docstring)."""
+    if not isinstance(l2_bytes, (int, np.integer)) or l2_bytes < SECTOR:
+        raise ValueError(f"l2_bytes={l2_bytes!r} must be an integer of at least {SECTOR} bytes")
+    if granularity not in ("tile", "row"):
+        raise ValueError(f"granularity={granularity!r}; allowed: 'tile', 'row'")
+    num_sms = H100_SMS if num_sms is None else num_sms
+    if not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
+        raise ValueError(f"num_sms={num_sms!r} must be a positive integer")
+    wave = num_sms * (ctas_per_sm(strategy, p) if ctas_per_sm_ is None else ctas_per_sm_)
+    tr = _Trace(p, granularity)
+    if strategy == "standard":
+        _standard(tr, p, backward, wave)
+    else:
+        if block_m is None:
+            block_m, block_n = resolve_blocks(strategy, p, None, None, None, backward)
+        if strategy == "fa1":
+            (_kv_outer_bwd(tr, p, block_m, block_n, causal_skip, wave, fa1=True) if backward
+             else _fa1_fwd(tr, p, block_m, block_n, causal_skip, wave))
+        elif backward:
+            _kv_outer_bwd(tr, p, block_m, block_n, causal_skip, wave, fa1=False)
+        else:
+            is_cuflash = strategy == "cuflash"
+            _fwd_tensors(tr, p, block_m, block_n)
+            _q_outer_fwd(tr, p, block_m, block_n, causal_skip, wave, reverse_n=is_cuflash,
+                         reverse_m=is_cuflash and p.causal)
+    return tr.run(l2_bytes // SECTOR)

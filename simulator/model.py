@@ -1,0 +1,128 @@
+"""The problem a strategy runs on, the counts it produces, and the conventions behind the counts.
+
+Every count is in bytes or FLOPs for the whole problem (all batches and heads). The conventions, so
+that a reader can recompute any number by hand:
+
+* Global (HBM) traffic counts the bytes an algorithm moves between HBM and the chip, each access as
+  written in the algorithm (an element read twice is counted twice). Tensors Q, K, V, O, dO, dQ, dK,
+  dV and the materialised S, P, dP, dS are `elem_bytes` wide; softmax statistics (l, m, lse, D) and
+  the FA2/cuflash dQ accumulator are fp32.
+* Shared memory (SRAM) traffic is exact for `cuflash` forward (every shared instruction of the kernel,
+  see banks.fwd_kernel_shared). For the paper strategies it follows the paper's model: each tile
+  loaded from HBM is written to SRAM once, each on-chip matmul reads both operand tiles from SRAM once,
+  FA1 keeps S and P in SRAM while FA2 keeps them in registers; `standard` stages each HBM byte once.
+* Matmul FLOPs are 2*m*n*k per product over the tiles an algorithm actually computes (the padded
+  tiles for `cuflash`, whose kernels compute whole tiles); `flops_useful` counts only the (query,
+  key) pairs that the causal mask keeps, 4*d per pair forward and 10*d backward.
+* Non-matmul FLOPs use the fixed per-element costs in NONMATMUL_FLOPS (an exp counts as one FLOP).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import asdict, dataclass, fields
+
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32
+STRATEGIES = ("standard", "fa1", "fa2", "cuflash")
+
+# H100 SXM (measured, DESIGN.md section 4): used by the runtime model and as L2 / SRAM defaults.
+H100_SMS = 132
+H100_L2_BYTES = 50 * 1024 * 1024
+H100_SMEM_PER_SM = 228 * 1024
+H100_SMEM_PER_BLOCK = 227 * 1024  # the largest dynamic shared memory one CTA may request
+H100_HBM_BYTES_PER_S = 3.0e12  # measured device-to-device copy
+H100_TENSOR_FLOPS = 767e12  # measured bf16 8192^3 matmul
+
+# FA1's on-chip memory M when neither blocks nor an SRAM size are given: one CTA's shared memory.
+DEFAULT_SRAM_BYTES = H100_SMEM_PER_BLOCK
+# FA2's blocks when none are given (the FlashAttention-2 paper's usual 128 x 128 tile).
+DEFAULT_FA2_BLOCKS = (128, 128)
+
+# Non-matmul FLOPs per element, one place for the whole analyzer.
+NONMATMUL_FLOPS = {
+    # standard forward, per element of S: scale, row max, subtract, exp, row sum, divide
+    "standard_fwd_per_score": 6,
+    # standard backward, per element of S: D = rowsum(P * dP) (2), dS = P * (dP - D) (2)
+    "standard_bwd_per_score": 4,
+    # flash forward, per element of a computed S tile: scale, row max, subtract, exp, row sum
+    "flash_fwd_per_score": 5,
+    # flash forward, per row of a computed tile: m_new, exp(m - m_new), l update (3) + rescale O (d)
+    "flash_fwd_per_row_tile": 3,
+    # flash backward, per element of a computed tile: recompute P (scale, subtract, exp) and
+    # dS = P * (dP - D) (2), scale dS (1)
+    "flash_bwd_per_score": 6,
+}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One attention call: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads, head_dim)."""
+
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: str = "fp16"
+    causal: bool = False
+
+    def __post_init__(self):
+        for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+            object.__setattr__(self, name, int(value))  # NumPy integers become Python ints
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; supported: {', '.join(DTYPE_BYTES)}")
+
+    @property
+    def elem_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def batch_heads(self) -> int:
+        return self.batch * self.heads
+
+
+@dataclass
+class Counts:
+    """What one strategy moves and computes for one Problem (forward or backward)."""
+
+    strategy: str
+    backward: bool
+    block_m: int | None
+    block_n: int | None
+    hbm_read_bytes: int = 0
+    hbm_write_bytes: int = 0
+    sram_read_bytes: int = 0
+    sram_write_bytes: int = 0
+    flops_matmul: int = 0
+    flops_nonmatmul: int = 0
+    flops_useful: int = 0
+    launches: int = 0
+    peak_extra_bytes: int = 0  # device memory beyond inputs and outputs, alive at one time
+    bank_conflicts: int | None = None  # shared-memory bank conflicts (cuflash forward only)
+    dram_read_bytes: int | None = None  # with an L2 model
+    dram_write_bytes: int | None = None
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.hbm_read_bytes + self.hbm_write_bytes
+
+    @property
+    def flops(self) -> int:
+        return self.flops_matmul + self.flops_nonmatmul
+
+    @property
+    def dram_bytes(self) -> int | None:
+        if self.dram_read_bytes is None:
+            return None
+        return self.dram_read_bytes + self.dram_write_bytes
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.update(hbm_bytes=self.hbm_bytes, flops=self.flops, dram_bytes=self.dram_bytes)
+        return d
+
+
+COUNT_FIELDS = tuple(f.name for f in fields(Counts))

@@ -1,0 +1,358 @@
+"""Closed-form, tile-loop counts of HBM/SRAM traffic and FLOPs for each tiling strategy.
+
+Strategies (DESIGN.md section 6):
+  standard  S = QK^T, P = softmax(S), O = PV as separate passes, S and P in HBM (FlashAttention paper
+            Algorithm 0; backward Algorithm 3 with dP and dS in HBM).
+  fa1       FlashAttention-1, Algorithm 1 / 4: K/V blocks outer, Q blocks inner; O, l, m (forward) and
+            dQ (backward) are re-read and re-written in HBM on every outer step.
+            B_c = ceil(M / 4d), B_r = min(B_c, d) from an SRAM size M (elements) when blocks are not given.
+  fa2       FlashAttention-2: Q blocks outer in the forward (O, m, l in registers, lse written once);
+            K/V blocks outer in the backward, dQ accumulated in an fp32 buffer by read-modify-write.
+  cuflash   what our kernels do: fwd_kernel tiles, warps, stages and padding from cuflash.config; the
+            shared-memory counts and bank conflicts come from walking every shared instruction
+            (banks.fwd_kernel_shared). The backward takes its blocks from cuflash.config.bwd_config
+            (the non-deterministic kernel: preprocess, K/V-outer main kernel with fp32 dQ atomics,
+            convert) and counts its global traffic as FA2's backward; its shared-memory walk is not
+            written yet (SRAM counts use the FA2 model).
+
+Causal block skipping: a tile whose keys all lie after the last query of its row block is not visited
+(n_block_max of fwd_kernel); with `causal_skip=False` every tile is visited and masked in registers.
+All counts loop over tiles (never elements), so N = 65536 costs microseconds.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cuflash import config as _config
+
+from .model import (
+    DEFAULT_FA2_BLOCKS,
+    DEFAULT_SRAM_BYTES,
+    NONMATMUL_FLOPS,
+    STAT_BYTES,
+    STRATEGIES,
+    Counts,
+    Problem,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block bookkeeping shared by the strategies (all per (batch, head); multiplied by batch*heads).
+# ----------------------------------------------------------------------------------------------
+
+def block_sizes(seqlen: int, block: int) -> np.ndarray:
+    """Rows in each of the ceil(seqlen/block) blocks: full blocks, then the tail."""
+    n = math.ceil(seqlen / block)
+    sizes = np.full(n, block, dtype=np.int64)
+    sizes[-1] = seqlen - (n - 1) * block
+    return sizes
+
+
+def n_block_max(p: Problem, block_m: int, block_n: int, causal_skip: bool = True) -> np.ndarray:
+    """Key blocks visited by each query block m_block (blocks 0 .. n_block_max-1), as in fwd_kernel:
+
+    n_block_max = ceil(Sk / BLOCK_N), and when causal, min(that, floor((last_row + Sk - Sq) / BLOCK_N) + 1)
+    with last_row = min(row0 + BLOCK_M, Sq) - 1 (bottom-right alignment). <= 0 means the block sees no
+    key at all: O = 0, lse = -inf are written and nothing is read."""
+    t_r = math.ceil(p.seqlen_q / block_m)
+    t_c = math.ceil(p.seqlen_k / block_n)
+    if not (p.causal and causal_skip):
+        return np.full(t_r, t_c, dtype=np.int64)
+    last_row = np.minimum((np.arange(t_r, dtype=np.int64) + 1) * block_m, p.seqlen_q) - 1
+    n_max = np.floor_divide(last_row + p.seqlen_k - p.seqlen_q, block_n) + 1
+    return np.clip(n_max, 0, t_c)
+
+
+def allowed_pairs(p: Problem) -> int:
+    """(query, key) pairs the mask keeps, per (batch, head): Sq*Sk, or sum_i clip(i + Sk - Sq + 1, 0, Sk)."""
+    if not p.causal:
+        return p.seqlen_q * p.seqlen_k
+    i = np.arange(p.seqlen_q, dtype=np.int64)
+    return int(np.clip(i + p.seqlen_k - p.seqlen_q + 1, 0, p.seqlen_k).sum())
+
+
+class _Tiles:
+    """The visited tiles of one (batch, head) for row blocks of block_m and key blocks of block_n."""
+
+    def __init__(self, p: Problem, block_m: int, block_n: int, causal_skip: bool):
+        self.rows = block_sizes(p.seqlen_q, block_m)  # r_i
+        self.cols = block_sizes(p.seqlen_k, block_n)  # c_j
+        self.n_max = n_block_max(p, block_m, block_n, causal_skip)  # tiles visited by row block i
+        # key rows read by row block i: blocks 0..n_max-1, only the last block of K can be a tail
+        self.kv_rows = np.minimum(self.n_max * block_n, p.seqlen_k)
+        self.visits_q = self.n_max > 0
+        # K/V-outer view: row blocks visiting column block j are those with n_max_i > j
+        j = np.arange(len(self.cols))
+        order = np.argsort(self.n_max, kind="stable")
+        n_sorted = self.n_max[order]
+        first = np.searchsorted(n_sorted, j, side="right")  # sorted positions with n_max > j start here
+        rows_cum = np.concatenate([[0], np.cumsum(self.rows[order])])
+        self.row_blocks_per_col = len(n_sorted) - first  # count_j
+        self.rows_per_col = rows_cum[-1] - rows_cum[first]  # R_j
+        self.visits_kv = self.row_blocks_per_col > 0
+        self.tiles = int(self.n_max.sum())
+        self.area = int((self.rows * self.kv_rows).sum())  # sum over visited tiles of r_i * c_j
+
+    def row_tiles(self) -> int:
+        """sum over visited tiles of r_i (rows x tiles, for per-row-per-tile work)."""
+        return int((self.rows * self.n_max).sum())
+
+
+def _scaled(c: Counts, factor: int) -> Counts:
+    for name in ("hbm_read_bytes", "hbm_write_bytes", "sram_read_bytes", "sram_write_bytes",
+                 "flops_matmul", "flops_nonmatmul", "flops_useful", "peak_extra_bytes"):
+        setattr(c, name, int(getattr(c, name)) * factor)
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------------------
+
+def fa1_blocks(head_dim: int, sram_bytes: int, elem_bytes: int) -> tuple[int, int]:
+    """FlashAttention Algorithm 1: B_c = ceil(M / 4d), B_r = min(B_c, d), M = SRAM size in elements."""
+    m_elems = sram_bytes // elem_bytes
+    b_c = math.ceil(m_elems / (4 * head_dim))
+    return min(b_c, head_dim), b_c
+
+
+def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int | None,
+                   sram_bytes: int | None, backward: bool = False) -> tuple[int | None, int | None]:
+    """(block_m, block_n) a strategy runs with; validates the user's choice."""
+    if (block_m is None) != (block_n is None):
+        raise ValueError(f"give both block_m and block_n or neither (got block_m={block_m}, block_n={block_n})")
+    if block_m is not None and sram_bytes is not None:
+        raise ValueError("give either block_m/block_n or sram_bytes, not both")
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("sram_bytes", sram_bytes)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if strategy == "standard":
+        return None, None
+    if strategy == "cuflash":
+        cfg = cuflash_config(p, backward)
+        return cfg.block_m, cfg.block_n
+    if block_m is not None:
+        return int(block_m), int(block_n)
+    if strategy == "fa1" or sram_bytes is not None:
+        blocks = fa1_blocks(p.head_dim, DEFAULT_SRAM_BYTES if sram_bytes is None else sram_bytes, p.elem_bytes)
+        if blocks[1] < 1 or sram_bytes is not None and sram_bytes < 4 * p.head_dim * p.elem_bytes:
+            raise ValueError(f"sram_bytes={sram_bytes} is too small for head_dim={p.head_dim}: "
+                             f"need at least 4*d*elem_bytes = {4 * p.head_dim * p.elem_bytes}")
+        return blocks
+    return DEFAULT_FA2_BLOCKS
+
+
+def cuflash_config(p: Problem, backward: bool = False):
+    """The kernel configuration cuflash launches for this problem (forward, or backward when available)."""
+    if p.dtype not in _config.DTYPES:
+        raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
+    hd = _config.kernel_head_dim(p.head_dim)
+    if backward:  # the main (non-deterministic) backward kernel: K/V-outer, dQ by fp32 atomics
+        return _config.bwd_config(hd, p.dtype, p.causal, deterministic=False)
+    return _config.fwd_config(hd, p.dtype, p.causal)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------------
+
+def _standard_fwd(p: Problem) -> Counts:
+    sq, sk, d, e = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
+    c = Counts("standard", False, None, None)
+    # S = QK^T: read Q, K, write S; P = softmax(S): read S, write P; O = PV: read P, V, write O
+    c.hbm_read_bytes = e * ((sq * d + sk * d) + sq * sk + (sq * sk + sk * d))
+    c.hbm_write_bytes = e * (sq * sk + sq * sk + sq * d)
+    c.sram_read_bytes = c.sram_write_bytes = c.hbm_read_bytes + c.hbm_write_bytes  # staged once
+    c.flops_matmul = 4 * sq * sk * d
+    c.flops_nonmatmul = NONMATMUL_FLOPS["standard_fwd_per_score"] * sq * sk
+    c.flops_useful = 4 * d * allowed_pairs(p)
+    c.launches = 3
+    c.peak_extra_bytes = 2 * sq * sk * e  # S and P are both alive while the softmax runs
+    return _scaled(c, p.batch_heads)
+
+
+def _fa1_fwd(p: Problem, bm: int, bn: int, causal_skip: bool) -> Counts:
+    t = _Tiles(p, bm, bn, causal_skip)
+    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, STAT_BYTES
+    c = Counts("fa1", False, bm, bn)
+    # K/V outer (j), Q inner (i): per visited (i, j) read Q_i, O_i, l_i, m_i; write O_i, l_i, m_i
+    pair_rows = int(t.rows_per_col.sum())  # sum over visited (i, j) of r_i
+    kv_loaded = int((t.cols * t.visits_kv).sum())
+    c.hbm_read_bytes = 2 * kv_loaded * d * e + pair_rows * (2 * d * e + 2 * s4)
+    # initialise O = 0, l = 0, m = -inf in HBM, then the per-step write-backs
+    c.hbm_write_bytes = sq * (d * e + 2 * s4) + pair_rows * (d * e + 2 * s4)
+    area = int((t.cols * t.rows_per_col).sum())
+    # SRAM: K_j, V_j once per j; per step Q_i, O_i, l_i, m_i, S_ij (fp32), P_ij written; S = Q_i K_j^T,
+    # softmax(S), P V_j and the O_i update read their operands
+    c.sram_write_bytes = (2 * kv_loaded * d * e + pair_rows * (2 * d * e + 2 * s4) + area * (s4 + e))
+    kv_reads = int((t.cols * t.row_blocks_per_col).sum()) * d * e  # K_j or V_j once per visited (i, j)
+    c.sram_read_bytes = pair_rows * d * e + 2 * kv_reads + area * (s4 + e) + pair_rows * (d * e + 2 * s4)
+    c.flops_matmul = 4 * d * area
+    c.flops_nonmatmul = (NONMATMUL_FLOPS["flash_fwd_per_score"] * area
+                         + pair_rows * (NONMATMUL_FLOPS["flash_fwd_per_row_tile"] + 3 + 3 * d))
+    c.flops_useful = 4 * d * allowed_pairs(p)
+    c.launches = 2  # memset of O, l, m; the fused kernel
+    c.peak_extra_bytes = 2 * sq * s4  # l and m
+    return _scaled(c, p.batch_heads)
+
+
+def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "fa2",
+             tile_dims: tuple[int, int, int] | None = None) -> Counts:
+    """Q outer (one CTA per row block), K/V blocks inner, O/m/l in registers, O and lse written once.
+
+    tile_dims = (BLOCK_M, BLOCK_N, HEAD_DIM) counts FLOPs on whole padded tiles (cuflash); None counts
+    the real tail sizes (the paper's algorithm)."""
+    t = _Tiles(p, bm, bn, causal_skip)
+    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, STAT_BYTES
+    c = Counts(strategy, False, bm, bn)
+    q_rows = int((t.rows * t.visits_q).sum())
+    kv_rows = int(t.kv_rows.sum())
+    c.hbm_read_bytes = (q_rows + 2 * kv_rows) * d * e  # Q once, K and V once per Q block
+    c.hbm_write_bytes = sq * (d * e + s4)  # O and lse once
+    c.sram_write_bytes = (q_rows + 2 * kv_rows + sq) * d * e  # Q, K, V loads; O staged for the store
+    c.sram_read_bytes = (t.row_tiles() + 2 * kv_rows + sq) * d * e  # Q per tile, K, V once, O
+    if tile_dims is None:
+        area, row_tiles, dh = t.area, t.row_tiles(), d
+    else:
+        tm, tn, dh = tile_dims
+        area, row_tiles = t.tiles * tm * tn, t.tiles * tm
+    c.flops_matmul = 4 * dh * area
+    c.flops_nonmatmul = (NONMATMUL_FLOPS["flash_fwd_per_score"] * area
+                         + row_tiles * (NONMATMUL_FLOPS["flash_fwd_per_row_tile"] + dh) + sq * (d + 2))
+    c.flops_useful = 4 * d * allowed_pairs(p)
+    c.launches = 1
+    c.peak_extra_bytes = 0
+    return _scaled(c, p.batch_heads)
+
+
+def _cuflash_fwd(p: Problem, causal_skip: bool) -> Counts:
+    from . import banks  # local import: banks imports this module's helpers
+
+    cfg = cuflash_config(p)
+    c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+    walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)
+    c.sram_read_bytes = walk.read_bytes
+    c.sram_write_bytes = walk.write_bytes
+    c.bank_conflicts = walk.conflicts
+    return c
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------------
+
+def _standard_bwd(p: Problem) -> Counts:
+    sq, sk, d, e = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
+    c = Counts("standard", True, None, None)
+    # Algorithm 3: dV = P^T dO | dP = dO V^T | dS = P o (dP - D), D = rowsum(P o dP) | dQ = dS K | dK = dS^T Q
+    reads = (sq * sk + sq * d) + (sq * d + sk * d) + 2 * sq * sk + (sq * sk + sk * d) + (sq * sk + sq * d)
+    writes = sk * d + sq * sk + sq * sk + sq * d + sk * d
+    c.hbm_read_bytes, c.hbm_write_bytes = e * reads, e * writes
+    c.sram_read_bytes = c.sram_write_bytes = c.hbm_read_bytes + c.hbm_write_bytes
+    c.flops_matmul = 8 * sq * sk * d
+    c.flops_nonmatmul = NONMATMUL_FLOPS["standard_bwd_per_score"] * sq * sk
+    c.flops_useful = 10 * d * allowed_pairs(p)  # the problem's FLOPs (2.5 x forward), as for every strategy
+    c.launches = 5
+    c.peak_extra_bytes = 3 * sq * sk * e  # P (kept from the forward), dP, dS
+    return _scaled(c, p.batch_heads)
+
+
+def _fa1_bwd(p: Problem, bm: int, bn: int, causal_skip: bool) -> Counts:
+    t = _Tiles(p, bm, bn, causal_skip)
+    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    c = Counts("fa1", True, bm, bn)
+    pair_rows = int(t.rows_per_col.sum())
+    kv_loaded = int((t.cols * t.visits_kv).sum())
+    area = int((t.cols * t.rows_per_col).sum())
+    # Algorithm 4: per j load K_j, V_j; per visited (i, j) load Q_i, O_i, dO_i, dQ_i, l_i, m_i and
+    # write dQ_i; per j write dK_j, dV_j. dQ, dK, dV are initialised to 0 in HBM first.
+    c.hbm_read_bytes = 2 * kv_loaded * d * e + pair_rows * (4 * d * e + 2 * s4)
+    c.hbm_write_bytes = (sq + 2 * sk) * d * e + pair_rows * d * e + 2 * sk * d * e
+    # SRAM: loads written once; S, P (fp32 + elem), dP (fp32), dS (elem) tiles written; the five
+    # products read both operands, the dS elementwise step reads P and dP
+    c.sram_write_bytes = (2 * kv_loaded * d * e + pair_rows * (4 * d * e + 2 * s4)
+                          + area * (s4 + e + s4 + e))
+    kv_reads = int((t.cols * t.row_blocks_per_col).sum()) * d * e  # K_j or V_j once per visited (i, j)
+    c.sram_read_bytes = (pair_rows * d * e * 5 + 3 * kv_reads + area * (3 * e + s4))
+    c.flops_matmul = 10 * d * area
+    c.flops_nonmatmul = NONMATMUL_FLOPS["flash_bwd_per_score"] * area + 2 * d * pair_rows  # D_i per step
+    c.flops_useful = 10 * d * allowed_pairs(p)
+    c.launches = 2  # memset of dQ, dK, dV; the fused kernel
+    c.peak_extra_bytes = 0
+    return _scaled(c, p.batch_heads)
+
+
+def _fa2_bwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "fa2",
+             tile_dims: tuple[int, int, int] | None = None) -> Counts:
+    t = _Tiles(p, bm, bn, causal_skip)
+    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    c = Counts(strategy, True, bm, bn)
+    pair_rows = int(t.rows_per_col.sum())
+    kv_loaded = int((t.cols * t.visits_kv).sum())
+    # preprocess: D = rowsum(dO o O) (read O, dO, write D) and zero the fp32 dQ accumulator
+    pre_r, pre_w = 2 * sq * d * e, sq * s4 + sq * d * s4
+    # main (K/V outer): K_j, V_j once; per visited (i, j): Q_i, dO_i, lse_i, D_i, and dQacc_i += dS K_j
+    main_r = 2 * kv_loaded * d * e + pair_rows * (2 * d * e + 2 * s4 + d * s4)
+    main_w = pair_rows * d * s4 + 2 * sk * d * e  # dQacc_i per step, dK_j and dV_j once
+    # convert: dQ = dQacc (fp32 -> elem)
+    conv_r, conv_w = sq * d * s4, sq * d * e
+    c.hbm_read_bytes = pre_r + main_r + conv_r
+    c.hbm_write_bytes = pre_w + main_w + conv_w
+    kv_reads = int((t.cols * t.row_blocks_per_col).sum()) * d * e
+    area_real = int((t.cols * t.rows_per_col).sum())
+    # SRAM: K_j, V_j, Q_i, dO_i, lse_i, D_i loaded; P and dS staged (elem) for the transposed products;
+    # S = QK^T, dP = dO V^T, dV += P^T dO, dQ += dS K, dK += dS^T Q read their operands
+    c.sram_write_bytes = 2 * kv_loaded * d * e + pair_rows * (2 * d * e + 2 * s4) + area_real * 2 * e
+    c.sram_read_bytes = pair_rows * d * e * 4 + 3 * kv_reads + area_real * 3 * e
+    if tile_dims is None:
+        area, dh = area_real, d
+    else:
+        tm, tn, dh = tile_dims
+        area = int(t.row_blocks_per_col.sum()) * tm * tn
+    c.flops_matmul = 10 * dh * area
+    c.flops_nonmatmul = NONMATMUL_FLOPS["flash_bwd_per_score"] * area + 2 * sq * d
+    c.flops_useful = 10 * d * allowed_pairs(p)
+    c.launches = 3
+    c.peak_extra_bytes = sq * s4 + sq * d * s4  # D and the fp32 dQ accumulator
+    return _scaled(c, p.batch_heads)
+
+
+def _cuflash_bwd(p: Problem, causal_skip: bool) -> Counts:
+    cfg = cuflash_config(p, backward=True)
+    return _fa2_bwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry point
+# ----------------------------------------------------------------------------------------------
+
+def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m: int | None = None,
+             block_n: int | None = None, sram_bytes: int | None = None, causal_skip: bool = True,
+             l2_bytes: int | None = None, num_sms: int | None = None) -> Counts:
+    """Count what `strategy` moves and computes for `problem` (forward, or backward with backward=True).
+
+    block_m/block_n (B_r/B_c) or sram_bytes (M, from which FA1's rule derives the blocks) apply to fa1
+    and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
+    l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not known; known: {', '.join(STRATEGIES)}")
+    if not isinstance(problem, Problem):
+        raise TypeError(f"problem must be a cuflash.simulator.Problem, got {type(problem).__name__}")
+    bm, bn = resolve_blocks(strategy, problem, block_m, block_n, sram_bytes, backward)
+    if strategy == "standard":
+        counts = _standard_bwd(problem) if backward else _standard_fwd(problem)
+    elif strategy == "fa1":
+        counts = (_fa1_bwd if backward else _fa1_fwd)(problem, bm, bn, causal_skip)
+    elif strategy == "fa2":
+        counts = (_fa2_bwd if backward else _fa2_fwd)(problem, bm, bn, causal_skip)
+    else:
+        counts = _cuflash_bwd(problem, causal_skip) if backward else _cuflash_fwd(problem, causal_skip)
+    if l2_bytes is not None:
+        from . import l2
+
+        dram = l2.simulate_l2(strategy, problem, l2_bytes=l2_bytes, backward=backward, block_m=bm, block_n=bn,
+                              causal_skip=causal_skip, num_sms=num_sms)
+        counts.dram_read_bytes, counts.dram_write_bytes = dram.read_bytes, dram.write_bytes
+    return counts

@@ -1,0 +1,81 @@
+"""cuflash-sim: sweep output (JSON fields of issue 4), plots, and clear errors."""
+import json
+import time
+
+import pytest
+
+from cuflash.simulator import Problem, simulate
+from cuflash.simulator.cli import SWEEP_FIELDS, main
+
+
+def test_sweep_json_has_exactly_the_issue_fields(capsys):
+    rc = main(["sweep", "--strategy", "fa2", "--strategy", "cuflash", "--seqlen", "512", "1000", "--head-dim", "64",
+               "--batch", "2", "--heads", "4", "--causal", "--json"])
+    assert rc == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["strategy"], r["seqlen"]) for r in records] == [("fa2", 512), ("fa2", 1000), ("cuflash", 512),
+                                                               ("cuflash", 1000)]
+    for r in records:
+        assert tuple(r) == SWEEP_FIELDS, f"fields {tuple(r)}"
+        c = simulate(r["strategy"], Problem(2, 4, r["seqlen"], r["seqlen"], 64, "fp16", True))
+        assert (r["hbm_read_bytes"], r["flops"], r["bank_conflicts"]) == (c.hbm_read_bytes, c.flops, c.bank_conflicts)
+
+
+def test_sweep_with_l2_adds_dram_bytes(capsys):
+    assert main(["sweep", "--strategy", "cuflash", "--seqlen", "2048", "--head-dim", "128", "--batch", "1",
+                 "--heads", "8", "--l2-bytes", "50MiB", "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert tuple(rec) == SWEEP_FIELDS + ("dram_bytes",)
+    assert 0 < rec["dram_bytes"] < rec["hbm_read_bytes"] + rec["hbm_write_bytes"]
+
+
+def test_sweep_table_is_readable(capsys):
+    assert main(["sweep", "--strategy", "standard", "--strategy", "fa1", "--seqlen", "1024", "--head-dim", "64",
+                 "--batch", "1", "--heads", "16", "--sram-bytes", "100K", "--backward"]) == 0
+    out = capsys.readouterr().out
+    assert "backward" in out and "standard" in out and "fa1" in out and "HBM read" in out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["sweep", "--strategy", "fa3", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1"], "invalid choice"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "0", "--head-dim", "64", "--batch", "1", "--heads", "1"], "positive"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "8", "--batch", "1", "--heads", "1"], "--head-dim"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--block-m", "64"], "--block-m and --block-n"),
+    (["sweep", "--strategy", "fa1", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--sram-bytes", "lots"], "byte size"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--dtype", "fp32"], "fp16/bf16"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "320", "--batch", "1", "--heads", "1"],
+     "head_dim=320"),
+    (["plot", "hbm-vs-n"], "--out"),
+    (["plot", "roofline", "--out", "x.png"], "invalid choice"),
+])
+def test_bad_arguments_exit_nonzero_with_a_message(argv, message, capsys):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code
+    assert rc not in (0, None)
+    assert message in capsys.readouterr().err
+
+
+def test_plot_hbm_vs_n_is_fast_and_writes_a_png(tmp_path):
+    out = tmp_path / "hbm.png"
+    main(["plot", "hbm-vs-n", "--out", str(out)])  # warm-up (Numba cache, matplotlib)
+    t0 = time.perf_counter()
+    assert main(["plot", "hbm-vs-n", "--out", str(out)]) == 0
+    elapsed = time.perf_counter() - t0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert elapsed < 10, f"plot hbm-vs-n took {elapsed:.1f} s (issue 4: under 10 s warm)"
+
+
+def test_plot_block_size_writes_a_png(tmp_path):
+    out = tmp_path / "bs.png"
+    assert main(["plot", "block-size", "--out", str(out), "--blocks", "32", "128", "512"]) == 0
+    assert out.stat().st_size > 10_000
+
+
+def test_unwritable_output_is_an_error(tmp_path, capsys):
+    assert main(["plot", "block-size", "--out", str(tmp_path / "missing" / "x.png"), "--blocks", "64"]) != 0
+    assert "cannot write" in capsys.readouterr().err

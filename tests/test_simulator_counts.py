@@ -1,0 +1,147 @@
+"""Claims of the FlashAttention papers as exact counts (issue 4), and the counting conventions."""
+import math
+
+import pytest
+
+from cuflash import config
+from cuflash.simulator import Problem, simulate
+from cuflash.simulator.model import STAT_BYTES
+
+
+def P(n, d=64, causal=False, batch=1, heads=1, nk=None, dtype="fp16"):
+    return Problem(batch, heads, n, n if nk is None else nk, d, dtype, causal)
+
+
+@pytest.mark.parametrize("n,d", [(256, 64), (1024, 64), (1000, 96), (4096, 128)])
+def test_standard_forward_moves_4n2_plus_4nd_elements_per_head(n, d):
+    c = simulate("standard", P(n, d, batch=2, heads=3))
+    expected = 2 * 3 * (4 * n * n + 4 * n * d) * 2
+    assert c.hbm_bytes == expected, f"standard forward N={n} d={d}: {c.hbm_bytes} != {expected}"
+    assert c.launches == 3 and c.peak_extra_bytes == 2 * 3 * 2 * n * n * 2, "S and P live in HBM"
+
+
+@pytest.mark.parametrize("n,d", [(256, 64), (1024, 64), (1000, 96)])
+def test_standard_backward_moves_7n2_plus_8nd_elements_per_head(n, d):
+    """Algorithm 3: dV = P^T dO (N^2 + Nd read, Nd write), dP = dO V^T (2Nd, N^2), dS from P and dP
+    (2N^2, N^2), dQ = dS K (N^2 + Nd, Nd), dK = dS^T Q (N^2 + Nd, Nd)."""
+    c = simulate("standard", P(n, d), backward=True)
+    assert c.hbm_read_bytes == (5 * n * n + 5 * n * d) * 2
+    assert c.hbm_write_bytes == (2 * n * n + 3 * n * d) * 2
+    assert c.hbm_bytes == (7 * n * n + 8 * n * d) * 2
+
+
+def test_fa1_blocks_follow_algorithm_1():
+    c = simulate("fa1", P(1024, 64), sram_bytes=64 * 1024)  # M = 32768 fp16 elements
+    assert (c.block_m, c.block_n) == (64, 128), "B_c = ceil(M/4d) = 128, B_r = min(B_c, d) = 64"
+    c = simulate("fa1", P(1024, 256), sram_bytes=64 * 1024)
+    assert (c.block_m, c.block_n) == (32, 32)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_fa1_traffic_is_theta_n2_d2_over_m(backward):
+    """Theorem 2 / 5: halving the SRAM size M about doubles FA1's HBM traffic (while B_r = d)."""
+    p = P(16384, 64)
+    sizes = [256 * 1024, 128 * 1024, 64 * 1024]
+    traffic = [simulate("fa1", p, sram_bytes=m, backward=backward).hbm_bytes for m in sizes]
+    for big, small, m in zip(traffic, traffic[1:], sizes[1:]):
+        assert 1.8 < small / big < 2.1, f"M {m * 2} -> {m}: traffic x{small / big:.2f}, expected about 2"
+    # and it grows as N^2 for fixed M
+    t1, t2 = (simulate("fa1", P(n, 64), sram_bytes=64 * 1024, backward=backward).hbm_bytes for n in (8192, 16384))
+    assert 3.8 < t2 / t1 < 4.1, f"doubling N: x{t2 / t1:.2f}, expected about 4"
+
+
+@pytest.mark.parametrize("sq,sk,bm,bn", [(1024, 1024, 128, 128), (1000, 1500, 64, 128), (113, 203, 128, 64)])
+def test_fa2_forward_reads_q_once_and_kv_once_per_q_block(sq, sk, bm, bn):
+    d, e = 64, 2
+    c = simulate("fa2", P(sq, d, batch=2, heads=2, nk=sk), block_m=bm, block_n=bn)
+    t_r = math.ceil(sq / bm)
+    assert c.hbm_read_bytes == 4 * (sq * d + t_r * 2 * sk * d) * e
+    assert c.hbm_write_bytes == 4 * (sq * d * e + sq * STAT_BYTES), "O and lse written once"
+    assert c.peak_extra_bytes == 0 and c.launches == 1
+
+
+def test_causal_block_skipping_halves_kv_reads():
+    """Sq = Sk, B_r = B_c: row block i visits i + 1 key blocks, T(T+1)/2 of T^2 tiles."""
+    n, b, d = 4096, 128, 64
+    full = simulate("fa2", P(n, d), block_m=b, block_n=b)
+    causal = simulate("fa2", P(n, d, causal=True), block_m=b, block_n=b)
+    t = n // b
+    kv = lambda c: c.hbm_read_bytes - n * d * 2  # noqa: E731  (minus the Q reads)
+    assert kv(causal) * 2 * t == kv(full) * (t + 1)
+    assert causal.flops_matmul * 2 * t == full.flops_matmul * (t + 1)
+    no_skip = simulate("fa2", P(n, d, causal=True), block_m=b, block_n=b, causal_skip=False)
+    assert no_skip.hbm_bytes == full.hbm_bytes, "without skipping every tile is visited (and masked)"
+
+
+def test_causal_rows_that_see_no_key_read_nothing():
+    # Sq > Sk, bottom-right: queries 0 .. Sq-Sk-1 see no key
+    c = simulate("fa2", P(512, 64, causal=True, nk=128), block_m=128, block_n=128)
+    assert c.hbm_read_bytes == (128 * 64 + 2 * 128 * 64) * 2, "only the last row block reads Q, K, V"
+    assert c.hbm_write_bytes == 512 * (64 * 2 + 4), "every row still writes O = 0 and lse = -inf"
+
+
+@pytest.mark.parametrize("strategy", ["standard", "fa1", "fa2", "cuflash"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_useful_flops_are_the_problems(strategy, causal):
+    n, d = 1000, 64
+    f = simulate(strategy, P(n, d, causal=causal))
+    b = simulate(strategy, P(n, d, causal=causal), backward=True)
+    pairs = n * (n + 1) // 2 if causal else n * n
+    assert f.flops_useful == 4 * d * pairs
+    assert b.flops_useful == 10 * d * pairs, "backward = 2.5 x forward (DESIGN.md section 4)"
+    assert f.flops_matmul >= f.flops_useful and b.flops_matmul >= 0.8 * b.flops_useful, \
+        "an algorithm computes at least the kept pairs (standard's backward skips the S recompute)"
+
+
+@pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal):
+    hd = config.kernel_head_dim(head_dim)
+    cfg = config.fwd_config(hd, "bf16", causal)
+    p = P(777, head_dim, causal=causal, dtype="bf16", nk=901)
+    c = simulate("cuflash", p)
+    assert (c.block_m, c.block_n) == config.FWD_TILES[hd][:2]
+    ref = simulate("fa2", p, block_m=cfg.block_m, block_n=cfg.block_n)
+    assert (c.hbm_read_bytes, c.hbm_write_bytes) == (ref.hbm_read_bytes, ref.hbm_write_bytes), \
+        "fwd_kernel reads only valid rows and the real head_dim columns, like FA2"
+    tiles = c.flops_matmul // (4 * cfg.block_m * cfg.block_n * hd)
+    assert tiles * 4 * cfg.block_m * cfg.block_n * hd == c.flops_matmul, "cuflash computes whole padded tiles"
+    bwd = simulate("cuflash", p, backward=True)
+    bcfg = config.bwd_config(hd, "bf16", causal, deterministic=False)
+    assert (bwd.block_m, bwd.block_n) == (bcfg.block_m, bcfg.block_n)
+
+
+def test_figure_2_configuration():
+    """GPT-2 medium (N=1024, d=64, 16 heads, batch 64, fp16), forward + backward. The paper reports
+    40.3 GB (standard) vs 4.4 GB (FlashAttention); exact algorithm counts give 25.2 GB vs 4.65 GB
+    (docs/IO_ANALYSIS.md explains the difference)."""
+    p = Problem(64, 16, 1024, 1024, 64, "fp16", False)
+    std = sum(simulate("standard", p, backward=b).hbm_bytes for b in (False, True))
+    fa1 = sum(simulate("fa1", p, backward=b).hbm_bytes for b in (False, True))
+    assert std == 64 * 16 * (4 * 1024**2 + 4 * 1024 * 64 + 7 * 1024**2 + 8 * 1024 * 64) * 2
+    assert round(std / 1e9, 1) == 25.2
+    assert round(fa1 / 1e9, 2) == 4.65
+    assert std / fa1 > 5
+
+
+@pytest.mark.parametrize("kwargs,err,match", [
+    (dict(strategy="fa3"), ValueError, "strategy='fa3'"),
+    (dict(strategy="fa2", block_m=64), ValueError, "both block_m and block_n"),
+    (dict(strategy="fa1", block_m=64, block_n=64, sram_bytes=1 << 16), ValueError, "either"),
+    (dict(strategy="fa1", sram_bytes=100), ValueError, "too small"),
+    (dict(strategy="fa2", block_m=0, block_n=64), ValueError, "block_m=0"),
+    (dict(strategy="cuflash", dtype="fp32"), ValueError, "fp16/bf16"),
+])
+def test_bad_arguments_are_explained(kwargs, err, match):
+    dtype = kwargs.pop("dtype", "fp16")
+    strategy = kwargs.pop("strategy")
+    with pytest.raises(err, match=match):
+        simulate(strategy, P(256, 64, dtype=dtype), **kwargs)
+
+
+@pytest.mark.parametrize("field,value", [("seqlen_q", 0), ("head_dim", -1), ("batch", 1.5), ("dtype", "int8")])
+def test_bad_problems_are_explained(field, value):
+    kw = dict(batch=1, heads=1, seqlen_q=8, seqlen_k=8, head_dim=64, dtype="fp16")
+    kw[field] = value
+    with pytest.raises(ValueError, match=field if field != "dtype" else "dtype='int8'"):
+        Problem(**kw)

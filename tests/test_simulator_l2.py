@@ -1,0 +1,78 @@
+"""The LRU L2 model: the cache itself on hand-made traces, and the DRAM predictions at the limits."""
+import numpy as np
+import pytest
+
+from cuflash.simulator import Problem, simulate
+from cuflash.simulator.l2 import _lru, simulate_l2
+
+
+def _run(trace, capacity, weights=None):
+    units = np.array([u for u, _ in trace], np.int64)
+    writes = np.array([w for _, w in trace], np.bool_)
+    weights = np.ones(units.max() + 1, np.int64) if weights is None else np.asarray(weights, np.int64)
+    return tuple(int(x) for x in _lru(units, writes, weights, capacity))
+
+
+def test_lru_evicts_the_least_recently_used():
+    # capacity 2: A B A C -> C evicts B (A was used after B); B misses again
+    assert _run([(0, 0), (1, 0), (0, 0), (2, 0), (1, 0)], 2) == (4, 0, 0)
+    # and A stayed: one more A is a hit
+    assert _run([(0, 0), (1, 0), (0, 0), (2, 0), (0, 0)], 2) == (3, 0, 0)
+
+
+def test_writes_allocate_without_reading_and_are_written_back():
+    # write A, read B, read C: A (dirty) is evicted -> one write-back; B, C left clean
+    assert _run([(0, 1), (1, 0), (2, 0)], 2) == (2, 1, 0)
+    # a write that stays resident is flushed at the end
+    assert _run([(0, 1), (1, 0)], 2) == (1, 0, 1)
+
+
+def test_weights_count_sectors():
+    # A weighs 3 sectors, B 2: with room for 4 sectors B evicts A
+    assert _run([(0, 0), (1, 0), (0, 0)], 4, weights=[3, 2]) == (8, 0, 0)
+
+
+@pytest.mark.parametrize("strategy", ["fa1", "fa2", "cuflash"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_an_l2_that_holds_everything_reads_each_input_once(strategy, causal):
+    p = Problem(2, 4, 640, 768, 64, "fp16", causal)
+    r = simulate_l2(strategy, p, l2_bytes=1 << 30)
+    compulsory = 2 * 4 * (640 + 2 * 768) * 64 * 2
+    if strategy == "fa1":
+        assert r.read_bytes == compulsory, "O, l, m are written (memset) before they are read"
+    else:
+        assert r.read_bytes <= compulsory, f"{strategy}: {r.read_bytes} > compulsory {compulsory}"
+        assert r.read_bytes >= compulsory - 2 * 4 * 640 * 64 * 2 * (1 if causal else 0)
+
+
+@pytest.mark.parametrize("strategy", ["fa2", "cuflash"])
+def test_an_l2_smaller_than_a_tile_misses_every_access(strategy):
+    p = Problem(1, 4, 512, 512, 64, "fp16", True)
+    r = simulate_l2(strategy, p, l2_bytes=32)
+    assert r.read_bytes == simulate(strategy, p).hbm_read_bytes
+
+
+@pytest.mark.parametrize("strategy", ["fa1", "fa2", "cuflash"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_tile_granularity_agrees_with_row_granularity(strategy, backward):
+    """The documented approximation: LRU over whole tiles vs over every row (sector runs)."""
+    p = Problem(1, 4, 1500, 1300, 64, "fp16", True)
+    for l2 in (192 * 1024, 1 << 20):
+        a = simulate_l2(strategy, p, l2_bytes=l2, backward=backward)
+        b = simulate_l2(strategy, p, l2_bytes=l2, backward=backward, granularity="row")
+        assert abs(a.read_bytes - b.read_bytes) <= 0.01 * b.read_bytes, f"reads {a.read_bytes} vs {b.read_bytes} at L2={l2}"
+        assert abs(a.write_bytes - b.write_bytes) <= 0.01 * b.write_bytes
+
+
+def test_standard_intermediates_spill_to_dram_when_they_do_not_fit():
+    p = Problem(1, 16, 4096, 4096, 64, "fp16", False)
+    c = simulate("standard", p, l2_bytes=50 * 2**20)
+    assert c.dram_read_bytes >= 0.9 * c.hbm_read_bytes, "S and P (512 MB) cannot stay in a 50 MB L2"
+
+
+def test_l2_arguments_are_checked():
+    p = Problem(1, 1, 128, 128, 64)
+    with pytest.raises(ValueError, match="l2_bytes"):
+        simulate_l2("fa2", p, l2_bytes=0)
+    with pytest.raises(ValueError, match="granularity"):
+        simulate_l2("fa2", p, l2_bytes=1 << 20, granularity="sector")
