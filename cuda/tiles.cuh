@@ -39,6 +39,16 @@ struct SmemTile {
            ((THREADS / CHUNKS_PER_ROW) % 8 == 0 || THREADS / CHUNKS_PER_ROW >= ROWS);
   }
 
+  // Chunk idx in panel order: panel by panel, rows within a panel, chunks within a row. 8 consecutive
+  // chunks are one 128-byte line of one panel, so 8 lanes never collide on a bank group (row-major
+  // order would put chunks of two 64-byte panels, ROWS * 64 bytes apart, in the same phase).
+  static __device__ __forceinline__ void panel_order(int idx, int& row, int& col) {
+    constexpr int PANEL_CHUNKS = PANEL_COLS / 8;
+    const int panel = idx / (ROWS * PANEL_CHUNKS), rest = idx % (ROWS * PANEL_CHUNKS);
+    row = rest / PANEL_CHUNKS;
+    col = panel * PANEL_COLS + (rest % PANEL_CHUNKS) * 8;
+  }
+
   // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose
   // address of the block at (0, 0) is lane_addr (tile base 1024-byte aligned). 16-column steps inside
   // a panel flip swizzled chunk bits (XOR); 8-row steps and panels add whole lines.
@@ -54,9 +64,10 @@ struct SmemTile {
 template <class Tile, int THREADS>
 __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_gmem, long long row_stride,
                                                 int rows_valid, int cols_valid, int tid) {
-  if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: plain chunk loop
+  if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: chunks in panel order
     for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
-      const int row = idx / Tile::CHUNKS_PER_ROW, col = (idx % Tile::CHUNKS_PER_ROW) * 8;
+      int row, col;
+      Tile::panel_order(idx, row, col);
       const bool valid = row < rows_valid && col < cols_valid;
       cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem, valid);
     }
@@ -84,7 +95,8 @@ __device__ __forceinline__ void store_tile(u16* tile_gmem, long long row_stride,
                                            int rows_valid, int cols_valid, int tid) {
   if constexpr (!Tile::template fixed_column<THREADS>()) {
     for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
-      const int row = idx / Tile::CHUNKS_PER_ROW, col = (idx % Tile::CHUNKS_PER_ROW) * 8;
+      int row, col;
+      Tile::panel_order(idx, row, col);
       if (row < rows_valid && col < cols_valid)
         *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
             *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
