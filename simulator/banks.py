@@ -1,5 +1,5 @@
-"""Shared-memory bank conflicts: the hardware rule for one warp instruction, and a walk over every
-shared-memory instruction fwd_kernel issues.
+"""Shared-memory bank conflicts: the hardware rule for one warp instruction, and walks over every
+shared-memory instruction that fwd_kernel, bwd_kernel and bwd_dq_kernel (cuda/*.cuh) issue.
 
 The rule (DESIGN.md section 6; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
@@ -164,7 +164,96 @@ def swizzled_offset(row, col, rows: int, head_dim: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# Walk of fwd_kernel's shared-memory instructions
+# Mirrors of cuda/tiles.cuh: tile copies, ldmatrix lane addresses
+# ----------------------------------------------------------------------------------------------
+
+def fixed_column(threads: int, rows: int, tile_cols: int) -> bool:
+    """SmemTile<rows, tile_cols>::fixed_column<threads>(): each thread keeps one 16-byte column chunk
+    and steps rows by ROWS_PER_ITER = threads / CHUNKS_PER_ROW, a multiple of 8 (or one step)."""
+    cpr = tile_cols // _config.CHUNK_ELEMS
+    return threads % cpr == 0 and ((threads // cpr) % 8 == 0 or threads // cpr >= rows)
+
+
+def panel_order(idx, rows: int, tile_cols: int):
+    """SmemTile::panel_order: chunk idx -> (row, col), panel by panel, then rows, then the chunks of
+    that panel row (NumPy arrays work)."""
+    pc = _config.panel_cols(tile_cols)
+    panel_chunks = pc // _config.CHUNK_ELEMS
+    panel, rest = np.divmod(idx, rows * panel_chunks)
+    row, chunk = np.divmod(rest, panel_chunks)
+    return row, panel * pc + chunk * _config.CHUNK_ELEMS
+
+
+def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_valid: int | None = None,
+                   cols_valid: int | None = None) -> np.ndarray:
+    """Shared addresses of a [rows, tile_cols] tile copy by `threads` threads, load_tile_async or
+    store_tile of cuda/tiles.cuh: [warp, i, lane], -1 where the lane issues nothing.
+
+    fixed_column: thread tid keeps column chunk tid % CHUNKS_PER_ROW, rows tid / CHUNKS_PER_ROW +
+    i * ROWS_PER_ITER for i < ceil(ROWS / ROWS_PER_ITER), rows >= ROWS skipped. Otherwise chunks
+    idx = tid + i * THREADS < CHUNKS in panel order (panel_order). cp.async issues every chunk of the
+    tile (rows >= rows_valid and columns >= cols_valid are zero-filled, still written); store_tile
+    reads only rows < rows_valid and cols < cols_valid (pass them for a store)."""
+    cpr = tile_cols // _config.CHUNK_ELEMS
+    n_chunks = rows * cpr
+    tid = np.arange(threads).reshape(threads // WARP, 1, WARP)
+    if fixed_column(threads, rows, tile_cols):
+        rows_per_iter = threads // cpr
+        iters = -(-rows // rows_per_iter)
+        row = tid // cpr + np.arange(iters).reshape(1, iters, 1) * rows_per_iter
+        col = np.broadcast_to((tid % cpr) * _config.CHUNK_ELEMS, row.shape)
+        issued = row < rows
+    else:
+        iters = -(-n_chunks // threads)
+        idx = tid + np.arange(iters).reshape(1, iters, 1) * threads
+        issued = idx < n_chunks
+        row, col = panel_order(np.minimum(idx, n_chunks - 1), rows, tile_cols)
+    addr = base + swizzled_offset(np.minimum(row, rows - 1), col, rows, tile_cols)
+    if rows_valid is not None:
+        issued = issued & (row < rows_valid)
+    if cols_valid is not None:
+        issued = issued & (col < cols_valid)
+    return np.where(issued, addr, -1)
+
+
+# lane l -> (row, col) inside a 16 x 16 block, per lane_offset_* function of cuda/tiles.cuh
+_L = np.arange(WARP)
+LANE_PATTERNS = {
+    "a": (_L & 15, (_L >> 4) * 8),  # lane_offset_a: A row-major (Q, K, V as A)
+    "b_nk": ((_L & 7) + ((_L >> 4) << 3), ((_L >> 3) & 1) * 8),  # lane_offset_b_nk: B from [n][k]
+    "b_kn_trans": ((_L & 7) + ((_L >> 3) & 1) * 8, (_L >> 4) * 8),  # lane_offset_b_kn_trans (.trans)
+    "a_trans": ((_L & 7) + (_L >> 4) * 8, ((_L >> 3) & 1) * 8),  # lane_offset_a_trans (.trans)
+}
+
+
+def frag_addresses(pattern: str, base: int, rows: int, tile_cols: int, row0, col0) -> np.ndarray:
+    """ldmatrix.x4 lane addresses of the 16 x 16 block at (row0, col0) of a [rows, tile_cols] tile
+    at `base`: Tile::frag(base + lane_offset_<pattern>(lane), row0, col0), which equals
+    base + Tile::offset(row0 + r, col0 + c) for the lane's (r, c) (test_frag_equals_offset).
+    row0 and col0 broadcast; the result has a trailing lane axis."""
+    r, c = LANE_PATTERNS[pattern]
+    row0 = np.asarray(row0)[..., None]
+    col0 = np.asarray(col0)[..., None]
+    return base + swizzled_offset(row0 + r, col0 + c, rows, tile_cols)
+
+
+def tile_frag(lane_addr, row0: int, col0: int, rows: int, tile_cols: int):
+    """Literal mirror of SmemTile::frag (XOR of the chunk bits, panels and 8-row steps added)."""
+    pc = _config.panel_cols(tile_cols)
+    return ((lane_addr ^ (((col0 % pc) // 8) << 4)) + (col0 // pc) * (rows * pc * _config.ELEM_BYTES)
+            + row0 * pc * _config.ELEM_BYTES)
+
+
+def accumulator_store_addresses(base: int, rows: int, tile_cols: int, row0, col0) -> np.ndarray:
+    """st.shared.b32 of one m16n8 accumulator half: lane (g = l >> 2, t = l & 3) writes the packed pair
+    (row0 + g, col0 + 2t) of a [rows, tile_cols] tile; row0, col0 broadcast, trailing lane axis."""
+    row0 = np.asarray(row0)[..., None]
+    col0 = np.asarray(col0)[..., None]
+    return base + swizzled_offset(row0 + (_L >> 2), col0 + 2 * (_L & 3), rows, tile_cols)
+
+
+# ----------------------------------------------------------------------------------------------
+# Walks: every shared-memory instruction of a kernel over its grid
 # ----------------------------------------------------------------------------------------------
 
 @dataclass
@@ -194,18 +283,60 @@ FWD_ROLES = {
     "o_read": ("ld128", "LDS"),  # O smem -> regs for the 16-byte global stores
 }
 
+# bwd_kernel (cuda/bwd.cuh), in program order
+BWD_ROLES = {
+    "k_load": ("cp.async16", "LDGSTS"),  # K_j, V_j once per CTA
+    "v_load": ("cp.async16", "LDGSTS"),
+    "q_load": ("cp.async16", "LDGSTS"),  # Q_i, dO_i per query block, into stage (visit % 2)
+    "do_load": ("cp.async16", "LDGSTS"),
+    "vec_load": ("cp.async16", "LDGSTS"),  # lse_log2_i, delta_i: BLOCK_M / 4 chunks each
+    "k_frag_a": ("ldmatrix.x4", "LDSM"),  # S^T = K Q^T: A = K (lane_offset_a)
+    "q_frag_b": ("ldmatrix.x4", "LDSM"),  # B = Q [query][d] (lane_offset_b_nk)
+    "lse_load": ("ld64", "LDS"),  # float2 lse_log2 per n8 query tile
+    "do_frag_t": ("ldmatrix.x4", "LDSM"),  # dV += P^T dO: B = dO .trans (lane_offset_b_kn_trans)
+    "v_frag_a": ("ldmatrix.x4", "LDSM"),  # dP^T = V dO^T: A = V
+    "do_frag_b": ("ldmatrix.x4", "LDSM"),  # B = dO
+    "delta_load": ("ld64", "LDS"),  # float2 delta per n8 query tile
+    "q_frag_t": ("ldmatrix.x4", "LDSM"),  # dK += dS^T Q: B = Q .trans
+    "ds_store": ("st32", "STS"),  # dS^T (packed pairs) by the warps with warp % D_SPLIT == 0
+    "ds_frag_t": ("ldmatrix.x4", "LDSM"),  # dQ += dS K: A = dS^T .trans (lane_offset_a_trans)
+    "k_frag_t": ("ldmatrix.x4", "LDSM"),  # B = K .trans
+    "dk_store": ("st32", "STS"),  # epilogue: dK into the K tile, dV into the V tile
+    "dv_store": ("st32", "STS"),
+    "dk_read": ("ld128", "LDS"),  # store_tile of dK, dV (valid keys and columns)
+    "dv_read": ("ld128", "LDS"),
+}
+
+# bwd_dq_kernel (deterministic dQ, Q-outer)
+DQ_ROLES = {
+    "q_load": ("cp.async16", "LDGSTS"),  # Q_i, dO_i once per CTA
+    "do_load": ("cp.async16", "LDGSTS"),
+    "k_load": ("cp.async16", "LDGSTS"),  # K_j, V_j per key tile, into stage (iteration % 2)
+    "v_load": ("cp.async16", "LDGSTS"),
+    "q_frag": ("ldmatrix.x4", "LDSM"),  # S = Q K^T: A = Q
+    "do_frag": ("ldmatrix.x4", "LDSM"),  # dP = dO V^T: A = dO
+    "k_frag": ("ldmatrix.x4", "LDSM"),  # B = K
+    "v_frag": ("ldmatrix.x4", "LDSM"),  # B = V
+    "k_frag_t": ("ldmatrix.x4", "LDSM"),  # dQ += dS K: B = K .trans
+    "dq_store": ("st32", "STS"),  # epilogue: dQ into the Q tile
+    "dq_read": ("ld128", "LDS"),  # store_tile of dQ
+}
+
+SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")
+
 
 @dataclass
 class SharedWalk:
-    """Totals over the whole grid of fwd_kernel, per role (see FWD_ROLES) and per SASS class."""
+    """Totals over the whole grid of one kernel, per role (role_table: role -> (kind, SASS class))."""
 
     config: object
     roles: dict = field(default_factory=dict)
+    role_table: dict = field(default_factory=lambda: FWD_ROLES)
 
     def by_sass(self, sass: str) -> InstrStats:
         out = InstrStats(sass)
-        for role, (_, s) in FWD_ROLES.items():
-            if s == sass:
+        for role, (_, s) in self.role_table.items():
+            if s == sass and role in self.roles:
                 out.add(self.roles[role])
         return out
 
@@ -224,39 +355,28 @@ class SharedWalk:
 
 
 def _stats(kind: str, addrs: np.ndarray) -> InstrStats:
-    addrs = addrs.reshape(-1, WARP)
+    addrs = np.asarray(addrs, dtype=np.int64).reshape(-1, WARP)
     addrs = addrs[(addrs >= 0).any(axis=1)]  # a warp with no active lane issues nothing
     wf, conf = count_instructions(addrs, kind)
     return InstrStats(kind, addrs.shape[0], wf, conf, int((addrs >= 0).sum()) * KINDS[kind][0])
 
 
-def tile_copy_addresses(cfg, rows: int, base: int, rows_valid: int | None = None,
-                        cols_valid: int | None = None) -> np.ndarray:
-    """Shared addresses of a [rows, HEAD_DIM] tile copy (load_tile_async / store_tile in tiles.cuh):
-    [warp, i, lane], -1 where the lane issues nothing.
+def _per_warp(a: np.ndarray, num_warps: int) -> np.ndarray:
+    """The same addresses for every warp: [warp, ...]."""
+    return np.broadcast_to(a, (num_warps,) + np.shape(a))
 
-    A thread keeps one 16-byte column: row = tid / (HEAD_DIM/8) + i * ROWS_PER_ITER,
-    col = (tid % (HEAD_DIM/8)) * 8, the same chunks as idx = tid + i*THREADS. cp.async issues every
-    chunk (rows >= seqlen and cols >= head_dim are zero-filled, still written); store_tile reads only
-    rows < rows_valid and cols < cols_valid (pass them for the store)."""
-    chunks_per_row = cfg.head_dim // _config.CHUNK_ELEMS
-    n_chunks = rows * chunks_per_row
-    iters = -(-n_chunks // cfg.threads)
-    tid = np.arange(cfg.threads).reshape(cfg.num_warps, 1, WARP)
-    idx = tid + np.arange(iters).reshape(1, iters, 1) * cfg.threads
-    row, chunk = np.divmod(np.minimum(idx, n_chunks - 1), chunks_per_row)
-    col = chunk * _config.CHUNK_ELEMS
-    addr = base + swizzled_offset(row, col, rows, cfg.head_dim)
-    issued = idx < n_chunks
-    if rows_valid is not None:
-        issued &= row < rows_valid
-    if cols_valid is not None:
-        issued &= col < cols_valid
-    return np.where(issued, addr, -1)
 
+def _ax(n: int, pos: int, ndim: int) -> np.ndarray:
+    """arange(n) shaped to broadcast along axis pos of ndim axes."""
+    shape = [1] * ndim
+    shape[pos] = n
+    return np.arange(n).reshape(shape)
+
+
+# ---- fwd_kernel --------------------------------------------------------------------------------
 
 def _warp_rows0(cfg) -> np.ndarray:
-    return np.arange(cfg.num_warps) * cfg.m_tiles_per_warp * _config.MMA_M
+    return np.arange(cfg.num_warps) * (cfg.block_m // cfg.num_warps)
 
 
 def fwd_addresses(cfg, stage: int, rows_q: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
@@ -264,38 +384,32 @@ def fwd_addresses(cfg, stage: int, rows_q: int | None = None, head_dim: int | No
 
     Per-iteration roles (k_load, v_load, q_frag, k_frag, v_frag) are given for one iteration using
     K/V stage buffer `stage`; q_load, o_store and o_read happen once per CTA, o_read (store_tile) only
-    for the CTA's valid rows rows_q and columns < head_dim (default: all)."""
-    lane = np.arange(WARP)
-    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
-    k_base = cfg.smem_q_bytes + stage * cfg.smem_kv_bytes
-    v_base = cfg.smem_q_bytes + cfg.stages * cfg.smem_kv_bytes + stage * cfg.smem_kv_bytes
-    warp_row0 = _warp_rows0(cfg).reshape(-1, 1, 1, 1)  # [warp, ...]
+    for the CTA's valid rows rows_q and columns < head_dim (default: all). Per warp and k-step the Q
+    A fragments are loaded once per m-tile (M_TILES of them); the K (and V) B fragments once per
+    n-pair (d-pair) and used for every m-tile."""
+    hd, bm, bn, nw = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
+    m_tiles = bm // (_config.MMA_M * nw)
+    q_bytes, kv_bytes = bm * hd * _config.ELEM_BYTES, bn * hd * _config.ELEM_BYTES
+    k_base = q_bytes + stage * kv_bytes
+    v_base = q_bytes + 2 * kv_bytes + stage * kv_bytes
     out = {
-        "q_load": tile_copy_addresses(cfg, bm, 0),
-        "k_load": tile_copy_addresses(cfg, bn, k_base),
-        "v_load": tile_copy_addresses(cfg, bn, v_base),
-        "o_read": tile_copy_addresses(cfg, bm, 0, rows_q, head_dim),
+        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
+        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
+        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
+        "o_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
     }
-    kk = np.arange(hd // 16).reshape(1, -1, 1, 1)
-    # S = Q K^T, A fragments: for kk, for mt: row warp_row0 + mt*16 + (l & 15), col kk*16 + (l >> 4)*8
-    mt = np.arange(cfg.m_tiles_per_warp).reshape(1, 1, -1, 1)
-    out["q_frag"] = swizzled_offset(warp_row0 + mt * 16 + (lane & 15), kk * 16 + (lane >> 4) * 8, bm, hd)
-    # B fragments, per pair of n-tiles np: row np*16 + (l & 7) + ((l >> 4) << 3), col kk*16 + ((l >> 3) & 1)*8
-    npair = np.arange(bn // 16).reshape(1, 1, -1, 1)
-    k_frag = swizzled_offset(npair * 16 + (lane & 7) + ((lane >> 4) << 3), kk * 16 + ((lane >> 3) & 1) * 8, bn, hd)
-    out["k_frag"] = k_base + np.broadcast_to(k_frag, (cfg.num_warps,) + k_frag.shape[1:])
-    # O += P V, .trans: for kk over keys, for dp: row kk*16 + (l & 7) + ((l >> 3) & 1)*8, col dp*16 + (l >> 4)*8
-    kk_n = np.arange(bn // 16).reshape(1, -1, 1, 1)
-    dp = np.arange(hd // 16).reshape(1, 1, -1, 1)
-    v_frag = swizzled_offset(kk_n * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, dp * 16 + (lane >> 4) * 8, bn, hd)
-    out["v_frag"] = v_base + np.broadcast_to(v_frag, (cfg.num_warps,) + v_frag.shape[1:])
-    # epilogue: lane (g = l >> 2, t = l & 3) writes rows warp_row0 + mt*16 + g (+8), col dt*8 + 2t
-    g, t = lane >> 2, lane & 3
-    mt = np.arange(cfg.m_tiles_per_warp).reshape(1, -1, 1, 1, 1)
-    dt = np.arange(hd // 8).reshape(1, 1, -1, 1, 1)
-    half = np.arange(2).reshape(1, 1, 1, -1, 1)
-    out["o_store"] = swizzled_offset(warp_row0.reshape(-1, 1, 1, 1, 1) + mt * 16 + g + 8 * half,
-                                     dt * 8 + 2 * t, bm, hd)
+    w_row0 = _warp_rows0(cfg).reshape(-1, 1, 1)
+    # S = Q K^T: for kk: for mt: A(Q, warp_row0 + mt*16, kk*16); for np: B(K, np*16, kk*16)
+    out["q_frag"] = frag_addresses("a", 0, bm, hd, w_row0 + _ax(m_tiles, 2, 3) * 16, _ax(hd // 16, 1, 3) * 16)
+    out["k_frag"] = _per_warp(frag_addresses("b_nk", k_base, bn, hd, _ax(bn // 16, 1, 2) * 16,
+                                             _ax(hd // 16, 0, 2) * 16), nw)
+    # O += P V: for kk over keys: for dp: B(V .trans, kk*16, dp*16)
+    out["v_frag"] = _per_warp(frag_addresses("b_kn_trans", v_base, bn, hd, _ax(bn // 16, 0, 2) * 16,
+                                             _ax(hd // 16, 1, 2) * 16), nw)
+    # epilogue: for mt, h, dt: rows warp_row0 + mt*16 + 8h + g, col dt*8 + 2t
+    w_row0 = _warp_rows0(cfg).reshape(-1, 1, 1, 1)
+    out["o_store"] = accumulator_store_addresses(0, bm, hd, w_row0 + _ax(m_tiles, 1, 4) * 16 + 8 * _ax(2, 2, 4),
+                                                 _ax(hd // 8, 3, 4) * 8)
     return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
 
 
@@ -309,12 +423,45 @@ def fwd_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -
 
     Cached: callers must not modify the returned stats."""
     per_iter = []
-    for stage in range(cfg.stages):
+    for stage in range(2):
         addrs = fwd_addresses(cfg, stage)
         per_iter.append({r: _stats(FWD_ROLES[r][0], addrs[r]) for r in PER_ITERATION_ROLES})
     addrs = fwd_addresses(cfg, 0, rows_q, head_dim)
     per_cta = {r: _stats(FWD_ROLES[r][0], addrs[r]) for r in PER_CTA_ROLES}
     return per_cta, per_iter
+
+
+def _check_head_dim(cfg, head_dim):
+    head_dim = cfg.head_dim if head_dim is None else head_dim
+    if not 1 <= head_dim <= cfg.head_dim:
+        raise ValueError(f"head_dim={head_dim} must be in 1..{cfg.head_dim} for a HEAD_DIM={cfg.head_dim} kernel")
+    return head_dim
+
+
+def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, batch, heads, seqlen_q, seqlen_k,
+                  head_dim, causal_skip) -> SharedWalk:
+    """Shared driver of the Q-outer kernels (fwd_kernel, bwd_dq_kernel): CTA m_block with n_blocks > 0
+    issues its per-CTA roles once (those that depend on the valid rows from cta_stats(cfg, rows, d))
+    and n_blocks iterations, iteration it on K/V stage it % 2."""
+    from .model import Problem
+    from .strategies import block_sizes, n_block_max
+
+    p = Problem(batch, heads, seqlen_q, seqlen_k, head_dim, cfg.dtype, cfg.causal)
+    n_max = n_block_max(p, cfg.block_m, cfg.block_n, causal_skip)
+    rows_q = block_sizes(seqlen_q, cfg.block_m)
+    walk = SharedWalk(cfg, {r: InstrStats(role_table[r][0]) for r in role_table}, role_table)
+    per_iter = None
+    for rows in np.unique(rows_q[n_max > 0]):  # full blocks, and the tail block when it has keys
+        live = (rows_q == rows) & (n_max > 0)
+        per_cta, per_iter = cta_stats(cfg, int(rows), head_dim)
+        for r in per_cta_roles:
+            walk.roles[r].add(per_cta[r], int(live.sum()) * batch * heads)
+    if per_iter is not None:
+        for s in range(2):
+            iters = int(((n_max - s + 1) // 2).sum()) * batch * heads  # it % 2 == s
+            for r in per_iter_roles:
+                walk.roles[r].add(per_iter[s][r], iters)
+    return walk
 
 
 def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
@@ -325,27 +472,233 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     issues the Q copy, n_blocks iterations (iteration it uses K/V stage buffer it % STAGES) and the
     epilogue; a CTA that sees no key writes O = 0 / lse = -inf straight to global memory and issues no
     shared instruction."""
-    from .model import Problem
-    from .strategies import block_sizes, n_block_max
-
     if not isinstance(cfg, _config.FwdConfig):
         raise TypeError(f"cfg must be a cuflash.config.FwdConfig, got {type(cfg).__name__}")
-    head_dim = cfg.head_dim if head_dim is None else head_dim
-    if not 1 <= head_dim <= cfg.head_dim:
-        raise ValueError(f"head_dim={head_dim} must be in 1..{cfg.head_dim} for a HEAD_DIM={cfg.head_dim} kernel")
-    p = Problem(batch, heads, seqlen_q, seqlen_k, head_dim, cfg.dtype, cfg.causal)
-    n_max = n_block_max(p, cfg.block_m, cfg.block_n, causal_skip)
-    rows_q = block_sizes(seqlen_q, cfg.block_m)
-    walk = SharedWalk(cfg, {r: InstrStats(FWD_ROLES[r][0]) for r in FWD_ROLES})
-    per_iter = None
-    for rows in np.unique(rows_q[n_max > 0]):  # full blocks, and the tail block when it has keys
-        live = (rows_q == rows) & (n_max > 0)
-        per_cta, per_iter = fwd_cta_stats(cfg, int(rows), head_dim)
-        for r in PER_CTA_ROLES:
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _q_outer_walk(cfg, FWD_ROLES, fwd_cta_stats, PER_ITERATION_ROLES, PER_CTA_ROLES, batch, heads,
+                         seqlen_q, seqlen_k, head_dim, causal_skip)
+
+
+# ---- bwd_dq_kernel (deterministic dQ) ------------------------------------------------------------
+
+def dq_addresses(cfg, stage: int, rows_q: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Byte addresses of every shared instruction one CTA of bwd_dq_kernel issues, per role (as
+    fwd_addresses): shared memory holds Q, dO, then 2 stages of K, then 2 stages of V."""
+    hd, bm, bn, nw = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
+    m_tiles = bm // (_config.MMA_M * nw)
+    q_bytes, kv_bytes = bm * hd * _config.ELEM_BYTES, bn * hd * _config.ELEM_BYTES
+    do_base = q_bytes
+    k_base = 2 * q_bytes + stage * kv_bytes
+    v_base = 2 * q_bytes + 2 * kv_bytes + stage * kv_bytes
+    out = {
+        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
+        "do_load": copy_addresses(cfg.threads, bm, hd, do_base),
+        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
+        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
+        "dq_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
+    }
+    w_row0 = _warp_rows0(cfg).reshape(-1, 1, 1)
+    # S = Q K^T and dP = dO V^T: for kk: for mt: A(Q), A(dO); for np: B(K), B(V)
+    a_rows, a_cols = w_row0 + _ax(m_tiles, 2, 3) * 16, _ax(hd // 16, 1, 3) * 16
+    out["q_frag"] = frag_addresses("a", 0, bm, hd, a_rows, a_cols)
+    out["do_frag"] = frag_addresses("a", do_base, bm, hd, a_rows, a_cols)
+    b_rows, b_cols = _ax(bn // 16, 1, 2) * 16, _ax(hd // 16, 0, 2) * 16
+    out["k_frag"] = _per_warp(frag_addresses("b_nk", k_base, bn, hd, b_rows, b_cols), nw)
+    out["v_frag"] = _per_warp(frag_addresses("b_nk", v_base, bn, hd, b_rows, b_cols), nw)
+    # dQ += dS K: for kk over keys: for dp: B(K .trans, kk*16, dp*16)
+    out["k_frag_t"] = _per_warp(frag_addresses("b_kn_trans", k_base, bn, hd, _ax(bn // 16, 0, 2) * 16,
+                                               _ax(hd // 16, 1, 2) * 16), nw)
+    w_row0 = _warp_rows0(cfg).reshape(-1, 1, 1, 1)
+    out["dq_store"] = accumulator_store_addresses(0, bm, hd, w_row0 + _ax(m_tiles, 1, 4) * 16 + 8 * _ax(2, 2, 4),
+                                                  _ax(hd // 8, 3, 4) * 8)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+DQ_PER_ITERATION_ROLES = ("k_load", "v_load", "q_frag", "do_frag", "k_frag", "v_frag", "k_frag_t")
+DQ_PER_CTA_ROLES = ("q_load", "do_load", "dq_store", "dq_read")
+
+
+@lru_cache(maxsize=256)
+def dq_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    per_iter = []
+    for stage in range(2):
+        addrs = dq_addresses(cfg, stage)
+        per_iter.append({r: _stats(DQ_ROLES[r][0], addrs[r]) for r in DQ_PER_ITERATION_ROLES})
+    addrs = dq_addresses(cfg, 0, rows_q, head_dim)
+    per_cta = {r: _stats(DQ_ROLES[r][0], addrs[r]) for r in DQ_PER_CTA_ROLES}
+    return per_cta, per_iter
+
+
+def dq_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                     causal_skip: bool = True) -> SharedWalk:
+    """Every shared-memory instruction of bwd_dq_kernel<cfg> (deterministic dQ) over its grid: like
+    fwd_kernel, a CTA that sees no key zero-fills dQ in global memory and issues nothing shared."""
+    if not isinstance(cfg, _config.DqConfig):
+        raise TypeError(f"cfg must be a cuflash.config.DqConfig, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _q_outer_walk(cfg, DQ_ROLES, dq_cta_stats, DQ_PER_ITERATION_ROLES, DQ_PER_CTA_ROLES, batch, heads,
+                         seqlen_q, seqlen_k, head_dim, causal_skip)
+
+
+# ---- bwd_kernel (K/V-outer) ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BwdLayout:
+    """The constants of BwdTraits (cuda/traits.cuh) for one BwdConfig: warp roles and shared-memory
+    offsets (K, V, then 2 stages of (Q, dO), dS^T, then 2 stages of (lse_log2, delta))."""
+
+    key_warps: int  # one m16 key tile per group of D_SPLIT warps
+    dkv_cols: int  # dK/dV columns per warp
+    dq_warps_m: int  # dQ_i = dS K_j: a DQ_WARPS_M x DQ_WARPS_D warp grid over [BLOCK_M, HEAD_DIM]
+    dq_warps_d: int
+    dq_m_tiles: int
+    dq_d_tiles: int
+    smem_q: int
+    smem_kv: int
+    smem_ds: int
+    rowvec: int  # BLOCK_M fp32 values
+    off_k: int
+    off_v: int
+    off_q: int  # + stage * 2 * smem_q
+    off_do: int  # + stage * 2 * smem_q
+    off_ds: int
+    off_lse: int  # + stage * 2 * rowvec
+    off_delta: int  # + stage * 2 * rowvec
+    smem_bytes: int
+
+
+def bwd_layout(cfg) -> BwdLayout:
+    hd, bm, bn, nw = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
+    dq_warps_m = min(nw, bm // 16)
+    smem_q, smem_kv, smem_ds = (r * c * _config.ELEM_BYTES for r, c in ((bm, hd), (bn, hd), (bn, bm)))
+    off_ds = 2 * smem_kv + 4 * smem_q
+    off_lse = off_ds + smem_ds
+    return BwdLayout(
+        key_warps=nw // cfg.d_split, dkv_cols=hd // cfg.d_split, dq_warps_m=dq_warps_m,
+        dq_warps_d=nw // dq_warps_m, dq_m_tiles=bm // 16 // dq_warps_m, dq_d_tiles=hd // 8 // (nw // dq_warps_m),
+        smem_q=smem_q, smem_kv=smem_kv, smem_ds=smem_ds, rowvec=bm * 4, off_k=0, off_v=smem_kv,
+        off_q=2 * smem_kv, off_do=2 * smem_kv + smem_q, off_ds=off_ds, off_lse=off_lse, off_delta=off_lse + bm * 4,
+        smem_bytes=off_lse + 4 * bm * 4)
+
+
+def bwd_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Byte addresses of every shared instruction one CTA of bwd_kernel issues, per role (BWD_ROLES).
+
+    Per-visit roles (query-block loads and bwd_query_block) are for one query block on stage `stage`;
+    the per-CTA roles (K/V loads, dK/dV staging and stores) once, the stores for `keys` valid keys and
+    columns < head_dim. Warp w owns keys (w / D_SPLIT) * 16 .. +15 and dK/dV columns
+    (w % D_SPLIT) * DKV_COLS ..; for dQ it is (w / DQ_WARPS_D, w % DQ_WARPS_D) of a grid over
+    [BLOCK_M, HEAD_DIM]. In the deterministic kernel the dS^T and dQ roles are absent."""
+    L = bwd_layout(cfg)
+    hd, bm, bn, nw, ds = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.d_split
+    q_base = L.off_q + stage * 2 * L.smem_q
+    do_base = L.off_do + stage * 2 * L.smem_q
+    lse_base = L.off_lse + stage * 2 * L.rowvec
+    delta_base = L.off_delta + stage * 2 * L.rowvec
+    out = {
+        "k_load": copy_addresses(cfg.threads, bn, hd, L.off_k),
+        "v_load": copy_addresses(cfg.threads, bn, hd, L.off_v),
+        "q_load": copy_addresses(cfg.threads, bm, hd, q_base),
+        "do_load": copy_addresses(cfg.threads, bm, hd, do_base),
+        "dk_read": copy_addresses(cfg.threads, bn, hd, L.off_k, keys, head_dim),
+        "dv_read": copy_addresses(cfg.threads, bn, hd, L.off_v, keys, head_dim),
+    }
+    # lse_log2 and delta: threads tid < 2 * BLOCK_M/4 copy one 16-byte chunk each; delta follows lse
+    chunks = bm // 4
+    tid = np.arange(cfg.threads).reshape(nw, WARP)
+    out["vec_load"] = np.where(tid < 2 * chunks, lse_base + tid * 16, -1)
+    w = np.arange(nw)
+    key_row0 = (w // ds) * 16
+    d_col0 = (w % ds) * L.dkv_cols
+    kr = key_row0.reshape(-1, 1)
+    # S^T = K Q^T: for kk (head dim): A(K, key_row0, kk*16); for qp: B(Q, qp*16, kk*16)
+    out["k_frag_a"] = frag_addresses("a", L.off_k, bn, hd, kr, np.arange(hd // 16).reshape(1, -1) * 16)
+    out["v_frag_a"] = frag_addresses("a", L.off_v, bn, hd, kr, np.arange(hd // 16).reshape(1, -1) * 16)
+    qb_rows, qb_cols = _ax(bm // 16, 1, 2) * 16, _ax(hd // 16, 0, 2) * 16
+    out["q_frag_b"] = _per_warp(frag_addresses("b_nk", q_base, bm, hd, qb_rows, qb_cols), nw)
+    out["do_frag_b"] = _per_warp(frag_addresses("b_nk", do_base, bm, hd, qb_rows, qb_cols), nw)
+    # P^T and dS^T: float2 of lse_log2 / delta at query qt*8 + 2t, per n8 query tile qt
+    t = _L & 3
+    qt = np.arange(bm // 8).reshape(-1, 1)
+    out["lse_load"] = _per_warp(lse_base + (qt * 8 + 2 * t) * 4, nw)
+    out["delta_load"] = _per_warp(delta_base + (qt * 8 + 2 * t) * 4, nw)
+    # dV += P^T dO and dK += dS^T Q: for kk (queries): for dp: B(dO/Q .trans, kk*16, d_col0 + dp*16)
+    dc = d_col0.reshape(-1, 1, 1) + _ax(L.dkv_cols // 16, 2, 3) * 16
+    out["do_frag_t"] = frag_addresses("b_kn_trans", do_base, bm, hd, _ax(bm // 16, 1, 3) * 16, dc)
+    out["q_frag_t"] = frag_addresses("b_kn_trans", q_base, bm, hd, _ax(bm // 16, 1, 3) * 16, dc)
+    if not cfg.deterministic:
+        # dS^T -> TileDS [BLOCK_N keys, BLOCK_M queries] by warps with w % D_SPLIT == 0: for qt: h = 0, 1
+        writer = (w % ds == 0).reshape(-1, 1, 1, 1)
+        st = accumulator_store_addresses(L.off_ds, bn, bm, key_row0.reshape(-1, 1, 1) + 8 * _ax(2, 2, 3),
+                                         _ax(bm // 8, 1, 3) * 8)
+        out["ds_store"] = np.where(writer, st, -1)
+        # dQ += dS K: for kk (keys): for mt: A(dS^T .trans, kk*16, m-tile*16); for dp: B(K .trans, kk*16, d)
+        warp_m, warp_d = w // L.dq_warps_d, w % L.dq_warps_d
+        m_cols = (warp_m * L.dq_m_tiles).reshape(-1, 1, 1) + _ax(L.dq_m_tiles, 2, 3)
+        out["ds_frag_t"] = frag_addresses("a_trans", L.off_ds, bn, bm, _ax(bn // 16, 1, 3) * 16, m_cols * 16)
+        d_cols = (warp_d * L.dq_d_tiles).reshape(-1, 1, 1) + 2 * _ax(L.dq_d_tiles // 2, 2, 3)
+        out["k_frag_t"] = frag_addresses("b_kn_trans", L.off_k, bn, hd, _ax(bn // 16, 1, 3) * 16, d_cols * 8)
+    # epilogue: for h, dt: (key_row0 + g + 8h, d_col0 + dt*8 + 2t) into the K tile (dK) and V tile (dV)
+    rows = key_row0.reshape(-1, 1, 1) + 8 * _ax(2, 1, 3)
+    cols = d_col0.reshape(-1, 1, 1) + _ax(L.dkv_cols // 8, 2, 3) * 8
+    out["dk_store"] = accumulator_store_addresses(L.off_k, bn, hd, rows, cols)
+    out["dv_store"] = accumulator_store_addresses(L.off_v, bn, hd, rows, cols)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+BWD_PER_CTA_ROLES = ("k_load", "v_load", "dk_store", "dv_store", "dk_read", "dv_read")
+BWD_PER_VISIT_ROLES = tuple(r for r in BWD_ROLES if r not in BWD_PER_CTA_ROLES)
+
+
+@lru_cache(maxsize=256)
+def bwd_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-visit stats per stage) of bwd_kernel; cached, do not modify."""
+    per_visit = []
+    for stage in range(2):
+        addrs = bwd_addresses(cfg, stage)
+        per_visit.append({r: _stats(BWD_ROLES[r][0], addrs[r]) for r in BWD_PER_VISIT_ROLES if r in addrs})
+    addrs = bwd_addresses(cfg, 0, keys, head_dim)
+    per_cta = {r: _stats(BWD_ROLES[r][0], addrs[r]) for r in BWD_PER_CTA_ROLES}
+    return per_cta, per_visit
+
+
+def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """(m_begin, m_end) of every key block n_block of bwd_kernel: query blocks m_begin .. m_end-1 are
+    visited; causal: m_begin = max(0, n0 - diag) / BLOCK_M (bottom-right diagonal, diag = Sk - Sq)."""
+    n0 = np.arange(-(-seqlen_k // cfg.block_n), dtype=np.int64) * cfg.block_n
+    m_end = np.full(n0.shape, -(-seqlen_q // cfg.block_m), dtype=np.int64)
+    if cfg.causal and causal_skip:
+        m_begin = np.maximum(0, n0 - (seqlen_k - seqlen_q)) // cfg.block_m
+    else:
+        m_begin = np.zeros_like(n0)
+    return m_begin, m_end
+
+
+def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                      causal_skip: bool = True) -> SharedWalk:
+    """Every shared-memory instruction of bwd_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch).
+
+    A CTA that no query sees (m_begin >= m_end) zero-fills dK, dV in global memory and issues nothing
+    shared; otherwise K and V copies, one visit per query block (visit k on stage k % 2: the Q, dO,
+    lse_log2, delta copies and bwd_query_block), then the dK/dV staging and stores of its valid keys."""
+    from .strategies import block_sizes
+
+    if not isinstance(cfg, _config.BwdConfig):
+        raise TypeError(f"cfg must be a cuflash.config.BwdConfig, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    m_begin, m_end = bwd_query_blocks(cfg, seqlen_q, seqlen_k, causal_skip)
+    visits = np.maximum(m_end - m_begin, 0)
+    keys = block_sizes(seqlen_k, cfg.block_n)
+    walk = SharedWalk(cfg, {r: InstrStats(BWD_ROLES[r][0]) for r in BWD_ROLES}, BWD_ROLES)
+    per_visit = None
+    for k in np.unique(keys[visits > 0]):
+        live = (keys == k) & (visits > 0)
+        per_cta, per_visit = bwd_cta_stats(cfg, int(k), head_dim)
+        for r in BWD_PER_CTA_ROLES:
             walk.roles[r].add(per_cta[r], int(live.sum()) * batch * heads)
-    if per_iter is not None:
-        for s in range(cfg.stages):
-            iters = int(((n_max - s + cfg.stages - 1) // cfg.stages).sum()) * batch * heads  # it % STAGES == s
-            for r in PER_ITERATION_ROLES:
-                walk.roles[r].add(per_iter[s][r], iters)
+    if per_visit is not None:
+        for s in range(2):
+            n = int(((visits - s + 1) // 2).sum()) * batch * heads  # visit % 2 == s
+            for r, st in per_visit[s].items():
+                walk.roles[r].add(st, n)
     return walk

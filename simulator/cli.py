@@ -71,6 +71,8 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
     p.add_argument("--causal", action="store_true", help="bottom-right causal mask")
     p.add_argument("--no-causal-skip", action="store_true", help="visit masked tiles too (no causal block skipping)")
     p.add_argument("--backward", action="store_true", help="count the backward pass instead of the forward")
+    p.add_argument("--deterministic", action="store_true",
+                   help="with --backward: cuflash's deterministic backward (dQ kernel instead of fp32 atomics)")
 
 
 def _add_block_args(p: argparse.ArgumentParser):
@@ -118,6 +120,8 @@ def _problem(args, n: int) -> Problem:
 def _blocks_kw(args, strategy):
     if strategy in ("fa1", "fa2"):
         return dict(block_m=args.block_m, block_n=args.block_n, sram_bytes=args.sram_bytes)
+    if strategy == "cuflash" and getattr(args, "deterministic", False):
+        return dict(deterministic=True)
     return {}
 
 
@@ -173,7 +177,9 @@ def _print_table(records, with_dram):
 def _config_title(args, n=None) -> str:
     seq = f"N={n}, " if n else ""
     mask = "causal" if args.causal else "no mask"
-    return (f"{'backward' if args.backward else 'forward'}, {seq}d={args.head_dim}, batch={args.batch}, "
+    direction = ("backward (deterministic)" if getattr(args, "deterministic", False) else "backward") \
+        if args.backward else "forward"
+    return (f"{direction}, {seq}d={args.head_dim}, batch={args.batch}, "
             f"heads={args.heads}, {args.dtype}, {mask}")
 
 
@@ -261,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--block-m and --block-n go together")
     if getattr(args, "sram_bytes", None) is not None and getattr(args, "block_m", None) is not None:
         parser.error("give either --block-m/--block-n or --sram-bytes, not both")
+    if getattr(args, "deterministic", False) and not args.backward:
+        parser.error("--deterministic selects cuflash's deterministic backward: add --backward")
     try:
         if args.command == "sweep":
             records = _run_sweep(args)

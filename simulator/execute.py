@@ -239,6 +239,39 @@ def _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
     return dq_acc[..., : p.head_dim], dk, dv
 
 
+def _q_outer_dq(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
+    """bwd_dq_kernel (deterministic): one CTA per query block (causal grids longest rows first), key
+    tiles from the last to the first, dQ_i = scale * sum_j dS_ij K_j in registers; rows that see no key
+    get dQ = 0. lse_log2 / delta of pad rows are +inf / 0 (P = 0 there)."""
+    dq = np.zeros(q.shape)
+    delta = np.einsum("bihd,bihd->bhi", do, o)
+    n_max = n_block_max(p, bm, bn, causal_skip)
+    t_r = len(n_max)
+    for b in range(p.batch):
+        for h in range(p.heads):
+            for block_x in range(t_r):
+                m_block = t_r - 1 - block_x if p.causal else block_x
+                row0 = m_block * bm
+                rows = min(bm, p.seqlen_q - row0)
+                if n_max[m_block] <= 0:
+                    continue
+                q_smem, do_smem = _tile(q[b, :, h], row0, bm, width), _tile(do[b, :, h], row0, bm, width)
+                lse_i = np.full(bm, np.inf)  # lse_log2 of pad rows and rows without keys: +inf
+                lse_i[:rows] = np.where(np.isfinite(lse[b, h, row0:row0 + rows]), lse[b, h, row0:row0 + rows], np.inf)
+                d_i = np.zeros(bm)
+                d_i[:rows] = delta[b, h, row0:row0 + rows]
+                acc = np.zeros((bm, width))
+                for n_block in reversed(range(n_max[m_block])):
+                    k_smem = _tile(k[b, :, h], n_block * bn, bn, width)
+                    v_smem = _tile(v[b, :, h], n_block * bn, bn, width)
+                    s = _mask(q_smem @ k_smem.T * scale, row0, n_block * bn, p, p.causal)
+                    p_ij = np.exp(s - lse_i[:, None])  # exp(-inf) = exp(x - inf) = 0
+                    ds = p_ij * (do_smem @ v_smem.T - d_i[:, None])
+                    acc += ds @ k_smem
+                dq[b, row0:row0 + rows, h] = (acc * scale)[:rows, : p.head_dim]
+    return dq
+
+
 def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
     """Algorithm 4: K/V outer, Q inner; P recomputed from l, m; dQ_i read-modify-written in HBM."""
     o, _, l_hbm, m_hbm = _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip, with_stats=True)
@@ -274,11 +307,16 @@ def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
 
 def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                      block_m: int | None = None, block_n: int | None = None, sram_bytes: int | None = None,
-                     causal_skip: bool = True, dtype: str = "fp16"):
-    """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv)."""
+                     causal_skip: bool = True, dtype: str = "fp16", deterministic: bool = False):
+    """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv).
+
+    deterministic=True (cuflash only): dQ from the Q-outer schedule of bwd_dq_kernel (dq_config blocks)
+    instead of the K/V-outer accumulation."""
     _check(strategy, (do, q, k, v), ("do", "q", "k", "v"))
     if do.shape != q.shape:
         raise ValueError(f"do must have q's shape {q.shape}, got {do.shape}")
+    if deterministic and strategy != "cuflash":
+        raise ValueError(f"deterministic=True is cuflash's deterministic backward (got strategy={strategy!r})")
     do, q, k, v = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v))
     p = _problem(q, k, dtype, causal)
     scale = 1.0 / math.sqrt(p.head_dim) if softmax_scale is None else float(softmax_scale)
@@ -291,4 +329,8 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softma
     o, lse = execute_forward(strategy, q, k, v, causal=causal, softmax_scale=scale, block_m=block_m,
                              block_n=block_n, sram_bytes=sram_bytes, causal_skip=causal_skip, dtype=dtype)
     bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True)
-    return _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip)
+    dq, dk, dv = _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip)
+    if deterministic:
+        dcfg = _config.dq_config(width, p.dtype, p.causal)
+        dq = _q_outer_dq(do, q, k, v, o, lse, p, scale, dcfg.block_m, dcfg.block_n, width, causal_skip)
+    return dq, dk, dv

@@ -26,9 +26,11 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
+from cuflash import config as _config
 
+from .banks import bwd_query_blocks
 from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
-from .strategies import block_sizes, cuflash_config, n_block_max, resolve_blocks
+from .strategies import block_sizes, cuflash_config, n_block_max, resolve_blocks, seqlen_q_pad
 
 SECTOR = 32
 STANDARD_TILE = 128  # the standard strategy's GEMM / softmax tiles: 128 rows (x 128 columns for S)
@@ -270,6 +272,91 @@ def _kv_outer_bwd(tr, p, bm, bn, causal_skip, wave, fa1: bool):
         _stream(tr, 2, p, ("dq_acc",), ("dq",), p.seqlen_q, bm, wave)
 
 
+def _access_tiles(tr, kernel, cta, step, sub, name, bh, tile, tile_rows, is_write, wave):
+    """Tile `tile` of tile_rows rows of tensor `name` (whose units are a divisor of tile_rows): its units
+    in row order; units past the tensor's end (a tail tile) are left out."""
+    _, per_bh, _, block, expand = tr.tensors[name]
+    n_units = -(-per_bh // block) if expand else per_bh
+    k = tile_rows // block
+    cta, step, bh, tile = (np.broadcast_to(np.asarray(x, np.int64), np.broadcast(cta, step, bh, tile).shape).ravel()
+                           for x in (cta, step, bh, tile))
+    unit = tile[:, None] * k + np.arange(k)[None, :]
+    keep = unit < n_units
+    rep = lambda a: np.broadcast_to(a[:, None], unit.shape)[keep]  # noqa: E731
+    subs = np.broadcast_to(sub * k + np.arange(k)[None, :], unit.shape)[keep]
+    tr.access(kernel, rep(cta), rep(step), subs, name, rep(bh), unit[keep], is_write, wave)
+
+
+def _resident(smem_bytes: int, threads: int) -> int:
+    """CTAs per SM from shared memory (1 KiB reserved per CTA) and threads; registers assumed not to limit."""
+    return max(1, min(H100_SMEM_PER_SM // (smem_bytes + 1024), 2048 // threads, 32))
+
+
+def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic):
+    """The launches of cuflash.attention_backward (strategies.cuflash_backward_kernels), each with its own
+    grid and residency: preprocess; bwd_kernel; convert, or (deterministic) bwd_dq_kernel. Units are
+    gcd-sized row blocks, so the main and dQ kernels' tiles of different heights touch the same units."""
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
+    dcfg = _config.dq_config(cfg.head_dim, p.dtype, p.causal) if deterministic else None
+    uq = math.gcd(cfg.block_m, dcfg.block_m) if deterministic else cfg.block_m
+    uk = math.gcd(cfg.block_n, dcfg.block_n) if deterministic else cfg.block_n
+    d_bytes, pad = p.head_dim * p.elem_bytes, seqlen_q_pad(p.seqlen_q)
+    for name in ("q", "do", "o", "dq"):
+        tr.tensor(name, p.seqlen_q, uq, d_bytes)
+    for name in ("k", "v", "dk", "dv"):
+        tr.tensor(name, p.seqlen_k, uk, d_bytes)
+    tr.tensor("lse", p.seqlen_q, uq, STAT_BYTES, contiguous_rows=True)
+    for name in ("lse_log2", "delta"):
+        tr.tensor(name, pad, uq, STAT_BYTES, contiguous_rows=True)
+    if not deterministic:
+        tr.tensor("dq_acc", pad, uq, cfg.head_dim * STAT_BYTES, contiguous_rows=True)
+    small = num_sms * _resident(0, 256)  # preprocess and convert: 256 threads, no shared memory
+    # 1. preprocess, a unit of rows per CTA: O, dO, lse of real rows; delta, lse_log2 (, dq_acc = 0) of all
+    c, bh, x = _grid(p, pad // uq)
+    real = x * uq < p.seqlen_q
+    for sub, name in enumerate(("o", "do", "lse")):
+        tr.access(0, c[real], 0, sub, name, bh[real], x[real], False, small)
+    for sub, name in enumerate(("delta", "lse_log2") + (() if deterministic else ("dq_acc",))):
+        tr.access(0, c, 1, sub, name, bh, x, True, small)
+    # 2. bwd_kernel: CTA (n_block, h, b): K_j, V_j; per visited query block Q_i, dO_i, lse_log2_i,
+    #    delta_i and the dQ_acc atomics (an L2 read-modify-write: read, then dirty); dK_j, dV_j
+    wave = num_sms * _resident(cfg.smem_bytes, cfg.threads)
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip)
+    visits = np.maximum(m_end - m_begin, 0)
+    c, bh, x = _grid(p, len(visits))
+    for sub, name in enumerate(("k", "v")):
+        _access_tiles(tr, 1, c, 0, sub, name, bh, x, cfg.block_n, False, wave)
+    owner, k = _ragged(visits[x])
+    m_block = m_begin[x[owner]] + k
+    reads = ("q", "do", "lse_log2", "delta") + (() if deterministic else ("dq_acc",))
+    for sub, name in enumerate(reads):
+        _access_tiles(tr, 1, c[owner], 1 + k, sub, name, bh[owner], m_block, cfg.block_m, False, wave)
+    if not deterministic:
+        _access_tiles(tr, 1, c[owner], 1 + k, len(reads), "dq_acc", bh[owner], m_block, cfg.block_m, True, wave)
+    for sub, name in enumerate(("dk", "dv")):
+        _access_tiles(tr, 1, c, 1 + visits[x], sub, name, bh, x, cfg.block_n, True, wave)
+    if not deterministic:  # 3. convert: dq_acc of real rows -> dQ
+        c, bh, x = _grid(p, math.ceil(p.seqlen_q / uq))
+        tr.access(2, c, 0, 0, "dq_acc", bh, x, False, small)
+        tr.access(2, c, 1, 0, "dq", bh, x, True, small)
+        return
+    # 3b. bwd_dq_kernel: CTA (m_block, h, b), causal grids reversed; Q, dO, lse_log2, delta; K_n, V_n from
+    #     the last key tile to the first; dQ
+    wave = num_sms * _resident(dcfg.smem_bytes, dcfg.threads)
+    n_max = n_block_max(p, dcfg.block_m, dcfg.block_n, causal_skip)
+    t_r = len(n_max)
+    c, bh, x = _grid(p, t_r)
+    m_block = t_r - 1 - x if p.causal else x
+    n = n_max[m_block]
+    live = n > 0
+    for sub, name in enumerate(("q", "do", "lse_log2", "delta")):
+        _access_tiles(tr, 2, c[live], 0, sub, name, bh[live], m_block[live], dcfg.block_m, False, wave)
+    owner, it = _ragged(n)
+    for sub, name in enumerate(("k", "v")):
+        _access_tiles(tr, 2, c[owner], 1 + it, sub, name, bh[owner], n[owner] - 1 - it, dcfg.block_n, False, wave)
+    _access_tiles(tr, 2, c, n + 1, 0, "dq", bh, m_block, dcfg.block_m, True, wave)
+
+
 def _standard(tr, p, backward, wave):
     """Each pass a tiled kernel over 128-row blocks and 128 x 128 tiles of the N x N matrices."""
     if tr.granularity == "row":
@@ -326,17 +413,17 @@ def _standard(tr, p, backward, wave):
 
 
 def ctas_per_sm(strategy: str, p: Problem) -> int:
-    """Resident CTAs per SM: cuflash from its shared memory and threads (registers assumed not to
-    limit), one for the others."""
+    """Resident CTAs per SM: cuflash's forward from its shared memory and threads (registers assumed not
+    to limit), one for the others (cuflash's backward kernels use their own, see _cuflash_bwd)."""
     if strategy != "cuflash":
         return 1
     cfg = cuflash_config(p)
-    return max(1, min(H100_SMEM_PER_SM // (cfg.smem_bytes + 1024), 2048 // cfg.threads, 32))
+    return _resident(cfg.smem_bytes, cfg.threads)
 
 
 def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = False, block_m=None, block_n=None,
                 causal_skip: bool = True, num_sms: int | None = None, ctas_per_sm_: int | None = None,
-                granularity: str = "tile") -> L2Result:
+                granularity: str = "tile", deterministic: bool = False) -> L2Result:
     """Predict DRAM traffic of `strategy` on `p` through an LRU L2 of l2_bytes (see module docstring)."""
     if not isinstance(l2_bytes, (int, np.integer)) or l2_bytes < SECTOR:
         raise ValueError(f"l2_bytes={l2_bytes!r} must be an integer of at least {SECTOR} bytes")
@@ -347,7 +434,9 @@ def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = Fa
         raise ValueError(f"num_sms={num_sms!r} must be a positive integer")
     wave = num_sms * (ctas_per_sm(strategy, p) if ctas_per_sm_ is None else ctas_per_sm_)
     tr = _Trace(p, granularity)
-    if strategy == "standard":
+    if strategy == "cuflash" and backward:
+        _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic)
+    elif strategy == "standard":
         _standard(tr, p, backward, wave)
     else:
         if block_m is None:

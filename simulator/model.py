@@ -6,14 +6,17 @@ that a reader can recompute any number by hand:
 * Global (HBM) traffic counts the bytes an algorithm moves between HBM and the chip, each access as
   written in the algorithm (an element read twice is counted twice). Tensors Q, K, V, O, dO, dQ, dK,
   dV and the materialised S, P, dP, dS are `elem_bytes` wide; softmax statistics (l, m, lse, D) and
-  the FA2/cuflash dQ accumulator are fp32.
-* Shared memory (SRAM) traffic is exact for `cuflash` forward (every shared instruction of the kernel,
-  see banks.fwd_kernel_shared). For the paper strategies it follows the paper's model: each tile
-  loaded from HBM is written to SRAM once, each on-chip matmul reads both operand tiles from SRAM once,
-  FA1 keeps S and P in SRAM while FA2 keeps them in registers; `standard` stages each HBM byte once.
+  the FA2/cuflash dQ accumulator are fp32. cuflash's fp32 dQ atomics (red.global.add) count as a read
+  and a write of their bytes (the accumulator's read-modify-write in the L2, like FA2's dQ update).
+* Shared memory (SRAM) traffic is exact for `cuflash`, forward and backward (every shared instruction
+  of the kernels, see banks.fwd_kernel_shared, bwd_kernel_shared, dq_kernel_shared). For the paper
+  strategies it follows the paper's model: each tile loaded from HBM is written to SRAM once, each
+  on-chip matmul reads both operand tiles from SRAM once, FA1 keeps S and P in SRAM while FA2 keeps
+  them in registers; `standard` stages each HBM byte once.
 * Matmul FLOPs are 2*m*n*k per product over the tiles an algorithm actually computes (the padded
-  tiles for `cuflash`, whose kernels compute whole tiles); `flops_useful` counts only the (query,
-  key) pairs that the causal mask keeps, 4*d per pair forward and 10*d backward.
+  tiles for `cuflash`, whose kernels compute whole tiles, duplicated and recomputed products
+  included); `flops_useful` counts only the (query, key) pairs that the causal mask keeps, 4*d per
+  pair forward and 10*d backward.
 * Non-matmul FLOPs use the fixed per-element costs in NONMATMUL_FLOPS (an exp counts as one FLOP).
 """
 from __future__ import annotations
@@ -101,7 +104,7 @@ class Counts:
     flops_useful: int = 0
     launches: int = 0
     peak_extra_bytes: int = 0  # device memory beyond inputs and outputs, alive at one time
-    bank_conflicts: int | None = None  # shared-memory bank conflicts (cuflash forward only)
+    bank_conflicts: int | None = None  # shared-memory bank conflicts (cuflash only, forward and backward)
     dram_read_bytes: int | None = None  # with an L2 model
     dram_write_bytes: int | None = None
 

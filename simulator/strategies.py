@@ -10,10 +10,11 @@ Strategies (DESIGN.md section 6):
             K/V blocks outer in the backward, dQ accumulated in an fp32 buffer by read-modify-write.
   cuflash   what our kernels do: fwd_kernel tiles, warps, stages and padding from cuflash.config; the
             shared-memory counts and bank conflicts come from walking every shared instruction
-            (banks.fwd_kernel_shared). The backward takes its blocks from cuflash.config.bwd_config
-            (the non-deterministic kernel: preprocess, K/V-outer main kernel with fp32 dQ atomics,
-            convert) and counts its global traffic as FA2's backward; its shared-memory walk is not
-            written yet (SRAM counts use the FA2 model).
+            (banks.fwd_kernel_shared). The backward counts the launches of cuda/bwd.cuh from
+            bwd_config / dq_config (cuflash_backward_kernels: preprocess, K/V-outer bwd_kernel with
+            fp32 dQ atomics, convert; or, deterministic, bwd_kernel without atomics and the Q-outer
+            bwd_dq_kernel), with the fp32 vectors padded to SEQLEN_Q_PAD rows, and walks the shared
+            instructions of bwd_kernel (banks.bwd_kernel_shared) and bwd_dq_kernel.
 
 Causal block skipping: a tile whose keys all lie after the last query of its row block is not visited
 (n_block_max of fwd_kernel); with `causal_skip=False` every tile is visited and masked in registers.
@@ -22,6 +23,7 @@ All counts loop over tiles (never elements), so N = 65536 costs microseconds.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -144,13 +146,17 @@ def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int 
     return DEFAULT_FA2_BLOCKS
 
 
-def cuflash_config(p: Problem, backward: bool = False):
-    """The kernel configuration cuflash launches for this problem (forward, or backward when available)."""
+def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False):
+    """The kernel configuration cuflash launches for this problem: fwd_config, or for the backward the
+    main kernel's bwd_config (deterministic selects the instantiation without dQ atomics)."""
     if p.dtype not in _config.DTYPES:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
     hd = _config.kernel_head_dim(p.head_dim)
-    if backward:  # the main (non-deterministic) backward kernel: K/V-outer, dQ by fp32 atomics
-        return _config.bwd_config(hd, p.dtype, p.causal, deterministic=False)
+    if p.head_dim % _config.CHUNK_ELEMS:
+        raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
+                         f"(got head_dim={p.head_dim})")
+    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
+        return _config.bwd_config(hd, p.dtype, p.causal, deterministic=deterministic)
     return _config.fwd_config(hd, p.dtype, p.causal)
 
 
@@ -319,9 +325,106 @@ def _fa2_bwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
     return _scaled(c, p.batch_heads)
 
 
-def _cuflash_bwd(p: Problem, causal_skip: bool) -> Counts:
-    cfg = cuflash_config(p, backward=True)
-    return _fa2_bwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+@dataclass
+class KernelTraffic:
+    """Global-memory traffic of one launch of the cuflash backward, all batches and heads."""
+
+    name: str
+    grid: tuple
+    threads: int
+    read_bytes: int  # loads (ld.global and cp.async; zero-filled chunks read nothing)
+    write_bytes: int  # stores
+    atomic_bytes: int = 0  # red.global.add.v2.f32 payload: the L2 reads, adds and writes these bytes
+
+
+def seqlen_q_pad(seqlen_q: int) -> int:
+    """Rows of the fp32 backward buffers (lse_log2, delta, dq_accum): seqlen_q rounded up to SEQLEN_Q_PAD."""
+    return -(-seqlen_q // _config.SEQLEN_Q_PAD) * _config.SEQLEN_Q_PAD
+
+
+def _bwd_visits(cfg, p: Problem, causal_skip: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(query blocks visited, query rows loaded) per key block of bwd_kernel (banks.bwd_query_blocks)."""
+    from .banks import bwd_query_blocks
+
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip)
+    rows_cum = np.concatenate([[0], np.cumsum(block_sizes(p.seqlen_q, cfg.block_m))])
+    visits = np.maximum(m_end - m_begin, 0)
+    return visits, np.where(visits > 0, rows_cum[m_end] - rows_cum[np.minimum(m_begin, m_end)], 0)
+
+
+def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False) -> list[KernelTraffic]:
+    """The launches of cuflash.attention_backward and what each reads and writes (cuda/bwd.cuh):
+
+    1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 8, heads, batch): reads O and dO rows
+       (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
+       unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
+    2. bwd_kernel, grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
+       query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats, pad rows included)
+       and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ tile into
+       dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
+       the block).
+    3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ.
+    3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
+       sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i."""
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
+    bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    hd, pad = cfg.head_dim, seqlen_q_pad(sq)
+    acc_bytes = 0 if deterministic else pad * hd * s4  # dq_accum per (batch, head)
+    out = [KernelTraffic("bwd_preprocess_kernel", (pad // 8, p.heads, p.batch), 256,
+                         bh * (2 * sq * d * e + sq * s4), bh * (2 * pad * s4 + acc_bytes))]
+    visits, q_rows = _bwd_visits(cfg, p, causal_skip)
+    keys = block_sizes(sk, cfg.block_n)
+    reads = 2 * int((keys * (visits > 0)).sum()) * d * e + 2 * int(q_rows.sum()) * d * e \
+        + 2 * int(visits.sum()) * cfg.block_m * s4
+    atomics = 0 if deterministic else int(visits.sum()) * cfg.block_m * hd * s4
+    out.append(KernelTraffic("bwd_kernel", cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
+                             bh * 2 * sk * d * e, bh * atomics))
+    if deterministic:
+        dcfg = _config.dq_config(hd, p.dtype, p.causal)
+        t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
+        reads = (2 * int((t.rows * t.visits_q).sum()) * d * e + 2 * int(t.visits_q.sum()) * dcfg.block_m * s4
+                 + 2 * int(t.kv_rows.sum()) * d * e)
+        out.append(KernelTraffic("bwd_dq_kernel", dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
+                                 bh * sq * d * e))
+    else:
+        out.append(KernelTraffic("bwd_convert_dq_kernel", (-(-sq * (d // 8) // 256), p.heads, p.batch), 256,
+                                 bh * sq * d * s4, bh * sq * d * e))
+    return out
+
+
+def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False) -> Counts:
+    """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
+    a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
+    conflicts from walking every shared instruction of bwd_kernel (and bwd_dq_kernel)."""
+    from . import banks  # local import: banks imports this module's helpers
+
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
+    kernels = cuflash_backward_kernels(p, causal_skip, deterministic)
+    c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
+    c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in kernels)
+    c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in kernels)
+    walks = [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)]
+    hd, bm, bn, ds = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.d_split
+    visits = int(_bwd_visits(cfg, p, causal_skip)[0].sum())
+    # per visit: S^T and dP^T by each of the D_SPLIT warps of a key group, dV and dK, dQ (atomic mode)
+    c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds + 2 + (0 if deterministic else 1))
+    scores = visits * ds * bm * bn
+    if deterministic:
+        dcfg = _config.dq_config(hd, p.dtype, p.causal)
+        walks.append(banks.dq_kernel_shared(dcfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip))
+        tiles = int(n_block_max(p, dcfg.block_m, dcfg.block_n, causal_skip).sum())
+        c.flops_matmul += tiles * 3 * 2 * dcfg.block_m * dcfg.block_n * hd  # S, dP and dQ recomputed per tile
+        scores += tiles * dcfg.block_m * dcfg.block_n
+    c.flops_matmul *= p.batch_heads
+    c.flops_nonmatmul = (NONMATMUL_FLOPS["flash_bwd_per_score"] * scores + 2 * p.seqlen_q * p.head_dim) * p.batch_heads
+    c.flops_useful = 10 * p.head_dim * allowed_pairs(p) * p.batch_heads
+    c.sram_read_bytes = sum(w.read_bytes for w in walks)
+    c.sram_write_bytes = sum(w.write_bytes for w in walks)
+    c.bank_conflicts = sum(w.conflicts for w in walks)
+    c.launches = len(kernels)
+    pad = seqlen_q_pad(p.seqlen_q)
+    c.peak_extra_bytes = p.batch_heads * (2 * pad * STAT_BYTES + (0 if deterministic else pad * hd * STAT_BYTES))
+    return c
 
 
 # ----------------------------------------------------------------------------------------------
@@ -330,16 +433,21 @@ def _cuflash_bwd(p: Problem, causal_skip: bool) -> Counts:
 
 def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m: int | None = None,
              block_n: int | None = None, sram_bytes: int | None = None, causal_skip: bool = True,
-             l2_bytes: int | None = None, num_sms: int | None = None) -> Counts:
+             l2_bytes: int | None = None, num_sms: int | None = None, deterministic: bool = False) -> Counts:
     """Count what `strategy` moves and computes for `problem` (forward, or backward with backward=True).
 
     block_m/block_n (B_r/B_c) or sram_bytes (M, from which FA1's rule derives the blocks) apply to fa1
     and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
-    l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes."""
+    l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes.
+    deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True):
+    bwd_kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not known; known: {', '.join(STRATEGIES)}")
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a cuflash.simulator.Problem, got {type(problem).__name__}")
+    if deterministic and not (strategy == "cuflash" and backward):
+        raise ValueError("deterministic=True selects cuflash's deterministic backward: it needs strategy='cuflash' "
+                         f"and backward=True (got strategy={strategy!r}, backward={backward})")
     bm, bn = resolve_blocks(strategy, problem, block_m, block_n, sram_bytes, backward)
     if strategy == "standard":
         counts = _standard_bwd(problem) if backward else _standard_fwd(problem)
@@ -348,11 +456,12 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
     elif strategy == "fa2":
         counts = (_fa2_bwd if backward else _fa2_fwd)(problem, bm, bn, causal_skip)
     else:
-        counts = _cuflash_bwd(problem, causal_skip) if backward else _cuflash_fwd(problem, causal_skip)
+        counts = (_cuflash_bwd(problem, causal_skip, deterministic) if backward
+                  else _cuflash_fwd(problem, causal_skip))
     if l2_bytes is not None:
         from . import l2
 
         dram = l2.simulate_l2(strategy, problem, l2_bytes=l2_bytes, backward=backward, block_m=bm, block_n=bn,
-                              causal_skip=causal_skip, num_sms=num_sms)
+                              causal_skip=causal_skip, num_sms=num_sms, deterministic=deterministic)
         counts.dram_read_bytes, counts.dram_write_bytes = dram.read_bytes, dram.write_bytes
     return counts

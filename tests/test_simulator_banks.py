@@ -88,93 +88,157 @@ def test_count_rejects_bad_input_with_a_message(bad, kind, err):
         banks.count(bad, kind)
 
 
-# ---- the fwd_kernel walk ------------------------------------------------------------------
+# ---- literal ports of cuda/tiles.cuh, independent of banks.py --------------------------------
 
-def _slow_walk(cfg, batch, heads, sq, sk, head_dim):
-    """Every CTA, iteration, warp and lane in plain Python loops, with scalar swizzled_offset calls:
-    the brief's description of fwd_kernel, restated independently of banks.fwd_addresses."""
-    totals = {}
+def _offset(row, col, rows, cols):
+    """SmemTile<rows, cols>::offset, scalar."""
+    pc = 64 if cols % 64 == 0 else 32
+    pb = pc * 2
+    off = row * pb + (col % pc) * 2
+    off ^= ((off >> 7) & (7 if pb == 128 else 3)) << 4
+    return (col // pc) * rows * pb + off
 
-    def issue(sass, kind, lane_addrs):  # lane_addrs: 32 addresses, None = lane issues nothing
+
+def _frag(lane_addr, row0, col0, rows, cols):
+    """SmemTile::frag, scalar."""
+    pc = 64 if cols % 64 == 0 else 32
+    return (lane_addr ^ (((col0 % pc) // 8) << 4)) + (col0 // pc) * rows * pc * 2 + row0 * pc * 2
+
+
+LANE_OFFSET = {  # lane_offset_* of tiles.cuh: lane -> (row, col) of its ldmatrix row address
+    "a": lambda l: (l & 15, (l >> 4) * 8),
+    "b_nk": lambda l: ((l & 7) + ((l >> 4) << 3), ((l >> 3) & 1) * 8),
+    "b_kn_trans": lambda l: ((l & 7) + ((l >> 3) & 1) * 8, (l >> 4) * 8),
+    "a_trans": lambda l: ((l & 7) + (l >> 4) * 8, ((l >> 3) & 1) * 8),
+}
+
+
+def _copy_per_thread(threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0):
+    """load_tile_async / store_tile: per thread the list of its copy instructions' shared addresses
+    (None: this thread is predicated off in that instruction)."""
+    cpr, pc = cols // 8, (64 if cols % 64 == 0 else 32)
+    fixed = threads % cpr == 0 and ((threads // cpr) % 8 == 0 or threads // cpr >= rows)
+    out = []
+    for tid in range(threads):
+        seq = []
+        if not fixed:  # chunks in panel order
+            idx = tid
+            while idx < rows * cpr:
+                panel, rest = divmod(idx, rows * (pc // 8))
+                r, c = rest // (pc // 8), panel * pc + (rest % (pc // 8)) * 8
+                seq.append(base + _offset(r, c, rows, cols) if not store or (r < rows_valid and c < cols_valid) else None)
+                idx += threads
+        else:  # one column chunk per thread, rows step by ROWS_PER_ITER
+            rpi = threads // cpr
+            r0, c = tid // cpr, (tid % cpr) * 8
+            dst = base + _offset(r0, c, rows, cols)
+            for i in range(-(-rows // rpi)):
+                ok = (rows % rpi == 0 or r0 + i * rpi < rows) and (not store or (c < cols_valid and r0 + i * rpi < rows_valid))
+                seq.append(dst + i * rpi * pc * 2 if ok else None)
+        out.append(seq)
+    return out
+
+
+class _Totals(dict):
+    def issue(self, sass, kind, lane_addrs):  # 32 addresses, None = lane issues nothing
+        if all(a is None for a in lane_addrs):
+            return  # a warp with no active lane issues nothing
         wf, conf = banks.count_instructions(np.array([-1 if a is None else a for a in lane_addrs]), kind)
-        t = totals.setdefault(sass, [0, 0, 0])
+        t = self.setdefault(sass, [0, 0, 0, 0])
         t[0] += 1
         t[1] += wf
         t[2] += conf
+        t[3] += sum(a is not None for a in lane_addrs) * banks.KINDS[kind][0]
 
-    off = config.swizzled_offset
-    threads, cpr = cfg.threads, cfg.head_dim // 8
-    k_base = [cfg.smem_q_bytes + s * cfg.smem_kv_bytes for s in range(2)]
-    v_base = [cfg.smem_q_bytes + 2 * cfg.smem_kv_bytes + s * cfg.smem_kv_bytes for s in range(2)]
-    diag = sk - sq
-    t_r = -(-sq // cfg.block_m)
+    def copy(self, threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0):
+        per_thread = _copy_per_thread(threads, rows, cols, base, store, rows_valid, cols_valid)
+        sass, kind = ("LDS", "ld128") if store else ("LDGSTS", "cp.async16")
+        for w in range(threads // 32):
+            lanes = per_thread[32 * w:32 * w + 32]
+            for i in range(max(len(s) for s in lanes)):
+                self.issue(sass, kind, [s[i] if i < len(s) else None for s in lanes])
+
+    def ldmatrix(self, pattern, base, rows, cols, row0, col0):
+        lane_addrs = [_frag(base + _offset(*LANE_OFFSET[pattern](l), rows, cols), row0, col0, rows, cols)
+                      for l in range(32)]
+        self.issue("LDSM", "ldmatrix.x4", lane_addrs)
+
+    def st_acc(self, base, rows, cols, row0, col0):  # st.shared.b32 of (row0 + g, col0 + 2t)
+        self.issue("STS", "st32", [base + _offset(row0 + (l >> 2), col0 + 2 * (l & 3), rows, cols) for l in range(32)])
+
+
+def _n_blocks(causal, row0, rows_q, sq, sk, bn):
+    n = -(-sk // bn)
+    if causal:
+        col_last = row0 + rows_q - 1 + sk - sq
+        n = 0 if col_last < 0 else min(n, col_last // bn + 1)
+    return n
+
+
+def _check(walk, totals, what):
+    for sass in banks.SASS_CLASSES:
+        s = walk.by_sass(sass)
+        assert (s.instructions, s.wavefronts, s.conflicts, s.bytes) == tuple(totals.get(sass, [0, 0, 0, 0])), \
+            f"{sass} totals differ for {what}"
+
+
+# ---- the fwd_kernel walk ------------------------------------------------------------------
+
+def _slow_walk(cfg, batch, heads, sq, sk, head_dim):
+    """Every CTA, iteration, warp and lane of fwd_kernel (cuda/fwd.cuh) in plain Python loops."""
+    tot = _Totals()
+    hd, bm, bn, threads = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    m_tiles = bm // (16 * cfg.num_warps)
+    q_bytes, kv_bytes = bm * hd * 2, bn * hd * 2
     for _ in range(batch * heads):
-        for m_block in range(t_r):
-            row0 = m_block * cfg.block_m
-            rows_q = min(cfg.block_m, sq - row0)
-            n_blocks = -(-sk // cfg.block_n)
-            if cfg.causal:
-                col_last = row0 + rows_q - 1 + diag
-                n_blocks = 0 if col_last < 0 else min(n_blocks, col_last // cfg.block_n + 1)
+        for m_block in range(-(-sq // bm)):
+            row0 = m_block * bm
+            rows_q = min(bm, sq - row0)
+            n_blocks = _n_blocks(cfg.causal, row0, rows_q, sq, sk, bn)
             if n_blocks <= 0:
                 continue
-
-            def copy(rows, base, valid_rows=None, valid_cols=None, sass="LDGSTS", kind="cp.async16"):
-                for w in range(cfg.num_warps):
-                    for i in range(-(-rows * cpr // threads)):
-                        lanes_addr = []
-                        for lane in range(32):
-                            idx = w * 32 + lane + i * threads
-                            r, c = idx // cpr, (idx % cpr) * 8
-                            ok = idx < rows * cpr and (valid_rows is None or r < valid_rows) and \
-                                (valid_cols is None or c < valid_cols)
-                            lanes_addr.append(base + off(r, c, rows, cfg.head_dim) if ok else None)
-                        if any(a is not None for a in lanes_addr):
-                            issue(sass, kind, lanes_addr)
-
-            copy(cfg.block_m, 0)
+            tot.copy(threads, bm, hd, 0)
             for it in range(n_blocks):
-                s = it % 2
-                copy(cfg.block_n, k_base[s])
-                copy(cfg.block_n, v_base[s])
+                k_base, v_base = q_bytes + (it % 2) * kv_bytes, q_bytes + (2 + it % 2) * kv_bytes
+                tot.copy(threads, bn, hd, k_base)
+                tot.copy(threads, bn, hd, v_base)
                 for w in range(cfg.num_warps):
-                    wr0 = w * cfg.m_tiles_per_warp * 16
-                    for kk in range(cfg.head_dim // 16):
-                        for mt in range(cfg.m_tiles_per_warp):
-                            lanes_addr = [off(wr0 + mt * 16 + (l & 15), kk * 16 + (l >> 4) * 8, cfg.block_m, cfg.head_dim)
-                                          for l in range(32)]
-                            issue("LDSM", "ldmatrix.x4", lanes_addr)
-                        for np_ in range(cfg.block_n // 16):
-                            lanes_addr = [k_base[s] + off(np_ * 16 + (l & 7) + ((l >> 4) << 3), kk * 16 + ((l >> 3) & 1) * 8,
-                                                          cfg.block_n, cfg.head_dim) for l in range(32)]
-                            issue("LDSM", "ldmatrix.x4", lanes_addr)
-                    for kk in range(cfg.block_n // 16):
-                        for dp in range(cfg.head_dim // 16):
-                            lanes_addr = [v_base[s] + off(kk * 16 + (l & 7) + ((l >> 3) & 1) * 8, dp * 16 + (l >> 4) * 8,
-                                                          cfg.block_n, cfg.head_dim) for l in range(32)]
-                            issue("LDSM", "ldmatrix.x4", lanes_addr)
+                    wr0 = w * m_tiles * 16
+                    for kk in range(hd // 16):
+                        for mt in range(m_tiles):  # Q A-fragments: once per m-tile and k-step
+                            tot.ldmatrix("a", 0, bm, hd, wr0 + mt * 16, kk * 16)
+                        for np_ in range(bn // 16):  # K B-fragments: once per n-pair, used for every m-tile
+                            tot.ldmatrix("b_nk", k_base, bn, hd, np_ * 16, kk * 16)
+                    for kk in range(bn // 16):
+                        for dp in range(hd // 16):
+                            tot.ldmatrix("b_kn_trans", v_base, bn, hd, kk * 16, dp * 16)
             for w in range(cfg.num_warps):
-                wr0 = w * cfg.m_tiles_per_warp * 16
-                for mt in range(cfg.m_tiles_per_warp):
+                for mt in range(m_tiles):
                     for h in range(2):
-                        for dt in range(cfg.head_dim // 8):
-                            lanes_addr = [off(wr0 + mt * 16 + (l >> 2) + 8 * h, dt * 8 + 2 * (l & 3), cfg.block_m,
-                                              cfg.head_dim) for l in range(32)]
-                            issue("STS", "st32", lanes_addr)
-            copy(cfg.block_m, 0, rows_q, head_dim, sass="LDS", kind="ld128")
-    return totals
+                        for dt in range(hd // 8):
+                            tot.st_acc(0, bm, hd, w * m_tiles * 16 + mt * 16 + 8 * h, dt * 8)
+            tot.copy(threads, bm, hd, 0, store=True, rows_valid=rows_q, cols_valid=head_dim)
+    return tot
 
 
-@pytest.mark.parametrize("hd,causal,sq,sk,head_dim", [(64, True, 200, 300, 64), (96, False, 130, 70, 80),
-                                                      (256, True, 150, 40, 256), (32, False, 64, 129, 24)])
-def test_walk_equals_instruction_by_instruction_enumeration(hd, causal, sq, sk, head_dim):
-    cfg = config.fwd_config(hd, "fp16", causal)
+FWD_WALK_CASES = [  # (config, sq, sk, head_dim): M_TILES 1 and 2, fixed-column and panel-order copies
+    (config.fwd_config(64, "fp16", True), 200, 300, 64),  # M_TILES 2, 128 threads
+    (config.fwd_config(96, "fp16", False), 130, 70, 80),  # panel order, 64-byte panels
+    (config.fwd_config(128, "fp16", False), 150, 90, 128),  # M_TILES 2, BLOCK_N 32
+    (config.fwd_config(128, "bf16", True), 150, 300, 120),  # M_TILES 1
+    (config.fwd_config(192, "fp16", False), 70, 70, 192),  # panel order, 128-byte panels
+    (config.fwd_config(256, "fp16", True), 150, 40, 256),  # panel order (4 rows per iteration)
+    (config.fwd_config(32, "fp16", False), 64, 129, 24),
+    (config.FwdConfig(64, 128, 64, 8, "fp16", False), 140, 100, 64),  # M_TILES 1 at d = 64
+    (config.FwdConfig(64, 64, 32, 1, "fp16", True), 100, 90, 64),  # M_TILES 4, one warp
+]
+
+
+@pytest.mark.parametrize("cfg,sq,sk,head_dim", FWD_WALK_CASES,
+                         ids=lambda x: f"hd{x.head_dim}-m{x.m_tiles_per_warp}" if isinstance(x, config.FwdConfig) else str(x))
+def test_walk_equals_instruction_by_instruction_enumeration(cfg, sq, sk, head_dim):
     walk = banks.fwd_kernel_shared(cfg, 1, 2, sq, sk, head_dim)
-    slow = _slow_walk(cfg, 1, 2, sq, sk, head_dim)
-    for sass in ("LDGSTS", "LDSM", "STS", "LDS"):
-        s = walk.by_sass(sass)
-        assert (s.instructions, s.wavefronts, s.conflicts) == tuple(slow.get(sass, [0, 0, 0])), \
-            f"{sass} totals differ for {cfg.cpp_name()} sq={sq} sk={sk} head_dim={head_dim}"
+    _check(walk, _slow_walk(cfg, 1, 2, sq, sk, head_dim), f"{cfg.cpp_name()} sq={sq} sk={sk} head_dim={head_dim}")
 
 
 @pytest.mark.parametrize("cfg", config.all_fwd_configs(), ids=lambda c: f"hd{c.head_dim}-{c.dtype}-{'causal' if c.causal else 'full'}")
@@ -185,31 +249,271 @@ def test_fragment_loads_and_epilogue_stores_are_conflict_free(cfg):
         assert s.instructions > 0 and s.conflicts == 0, f"{role} of {cfg.cpp_name()}: {s.conflicts} bank conflicts"
 
 
-@pytest.mark.parametrize("hd", [hd for hd in config.KERNEL_HEAD_DIMS if config.panel_cols(hd) == 64])
-def test_tile_copies_with_128_byte_panels_are_conflict_free(hd):
-    cfg = config.fwd_config(hd, "bf16", False)
+@pytest.mark.parametrize("hd", config.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_tile_copies_are_conflict_free(hd, causal):
+    """Fixed-column copies and panel-order copies (HEAD_DIM 96, 192, 256) alike: each phase of 8 lanes
+    is one 128-byte line, so cp.async (model) and the 16-byte epilogue loads take 4 wavefronts."""
+    cfg = config.fwd_config(hd, "bf16", causal)
     walk = banks.fwd_kernel_shared(cfg, 1, 1, 512, 512)
     for role in ("q_load", "k_load", "v_load", "o_read"):
         s = walk.roles[role]
-        assert s.wavefronts == 4 * s.instructions, f"{role} of HEAD_DIM={hd}: {s.wavefronts} wavefronts for {s.instructions} instructions"
+        assert s.wavefronts == 4 * s.instructions and s.conflicts == 0, \
+            f"{role} of HEAD_DIM={hd}: {s.wavefronts} wavefronts for {s.instructions} instructions"
 
 
-def test_head_dim_96_tile_copies_conflict_two_way():
-    """Finding (docs/IO_ANALYSIS.md): with 64-byte panels and 12 chunks per row, the 8 lanes of a phase
-    cover chunks 0-3 of panel 0 and 0-3 of panel 1 of the same row, at equal offsets mod 128 bytes."""
+@pytest.mark.parametrize("threads,rows,cols,fixed", [
+    (256, 128, 96, False), (256, 64, 96, False),  # 12 chunks per row
+    (256, 128, 192, False),  # 24 chunks per row
+    (128, 64, 256, False), (128, 32, 256, False),  # 4 rows per iteration, not a multiple of 8
+    (256, 32, 256, True),  # 8 rows per iteration
+    (128, 32, 32, True),  # 32 rows per iteration >= ROWS
+    (256, 128, 64, True), (128, 128, 128, True),
+])
+def test_copy_mapping_mirrors_tiles_cuh(threads, rows, cols, fixed):
+    """fixed_column and the chunk order against the literal port above, chunk for chunk."""
+    assert banks.fixed_column(threads, rows, cols) == fixed
+    addrs = banks.copy_addresses(threads, rows, cols, 4096)
+    per_thread = _copy_per_thread(threads, rows, cols, 4096)
+    for tid, seq in enumerate(per_thread):
+        got = [int(a) for a in addrs[tid // 32, :, tid % 32]]
+        want = [a if a is not None else -1 for a in seq] + [-1] * (len(got) - len(seq))
+        assert got == want, f"thread {tid}"
+    issued = addrs[addrs >= 0]
+    assert sorted(issued.tolist()) == list(range(4096, 4096 + rows * cols * 2, 16)), "every chunk once"
+
+
+def test_head_dim_96_copies_were_conflicting_in_row_major_order():
+    """Finding (docs/IO_ANALYSIS.md), found by this analyzer and fixed in tiles.cuh: the old HEAD_DIM = 96
+    copy order (chunk idx row-major: the 8 lanes of a phase = chunks 0-3 of panels 0 and 1 of one row,
+    ROWS * 64 bytes apart, equal modulo 128 bytes) conflicted 2-way in the 16-byte epilogue loads (6.67
+    wavefronts per instruction) and cost 2 lines per phase (8 wavefronts) in the cp.async model. Panel
+    order (SmemTile::panel_order) makes each phase one 128-byte line: 4 wavefronts, 0 conflicts."""
     cfg = config.fwd_config(96, "fp16", False)
+    assert not banks.fixed_column(cfg.threads, cfg.block_m, 96)
+    tid = np.arange(cfg.threads).reshape(-1, 1, 32)
+    idx = tid + np.arange(cfg.block_m * 12 // cfg.threads).reshape(1, -1, 1) * cfg.threads
+    old = banks.swizzled_offset(idx // 12, (idx % 12) * 8, cfg.block_m, 96)
+    assert banks.count_instructions(old, "ld128") == (320, 128), "row-major: 48 instructions, 2-way in 2 of 3"
+    assert banks.count_instructions(old, "cp.async16") == (384, 192)
+    new = banks.copy_addresses(cfg.threads, cfg.block_m, 96, 0)
+    assert banks.count_instructions(new, "ld128") == (192, 0)
+    assert banks.count_instructions(new, "cp.async16") == (192, 0)
     walk = banks.fwd_kernel_shared(cfg, 1, 1, 512, 512)
-    o_read = walk.roles["o_read"]
-    assert o_read.conflicts > 0, "HEAD_DIM=96 epilogue reads became conflict free: update docs/IO_ANALYSIS.md"
+    for role in ("o_read", "q_load", "k_load", "v_load"):
+        s = walk.roles[role]
+        assert s.conflicts == 0 and s.wavefronts == 4 * s.instructions, f"{role}: {s}"
 
 
-def test_shared_bytes_follow_from_the_instructions():
-    cfg = config.fwd_config(64, "fp16", False)
+FWD_BYTES_CASES = [config.fwd_config(64, "fp16", False), config.fwd_config(128, "fp16", False),  # M_TILES 2
+                   config.fwd_config(96, "fp16", False), config.FwdConfig(128, 128, 128, 8, "fp16", False),  # M_TILES 1
+                   config.FwdConfig(64, 128, 64, 8, "fp16", False)]
+
+
+@pytest.mark.parametrize("cfg", FWD_BYTES_CASES, ids=lambda c: f"hd{c.head_dim}-{c.block_m}x{c.block_n}x{c.num_warps}")
+def test_shared_bytes_follow_from_the_instructions(cfg):
+    """Per warp and k-step of S = Q K^T: M_TILES Q A-fragments and BLOCK_N/16 K B-fragments (shared by
+    the m-tiles); per k-step of O += P V: HEAD_DIM/16 V B-fragments. ldmatrix.x4 moves 512 bytes."""
     walk = banks.fwd_kernel_shared(cfg, 2, 3, 1024, 1024)
-    t_r = t_c = 1024 // 128
+    t_r, t_c = -(-1024 // cfg.block_m), -(-1024 // cfg.block_n)
     ctas, iters = 2 * 3 * t_r, 2 * 3 * t_r * t_c
     assert walk.write_bytes == ctas * (cfg.smem_q_bytes + cfg.smem_q_bytes) + iters * 2 * cfg.smem_kv_bytes, \
         "writes: Q copy and O staging once per CTA, K and V copies once per iteration"
-    per_iter_ldsm = cfg.num_warps * ((cfg.head_dim // 16) * (1 + cfg.block_n // 16) + (cfg.block_n // 16) * (cfg.head_dim // 16))
+    m, qk, pv = cfg.m_tiles_per_warp, cfg.head_dim // 16, cfg.block_n // 16
+    per_iter_ldsm = cfg.num_warps * (qk * (m + pv) + pv * qk)
     assert walk.by_sass("LDSM").instructions == iters * per_iter_ldsm
+    assert walk.roles["q_frag"].instructions == iters * cfg.num_warps * qk * m
     assert walk.read_bytes == iters * per_iter_ldsm * 512 + ctas * cfg.smem_q_bytes
+
+
+@pytest.mark.parametrize("rows,cols", [(128, 64), (64, 96), (32, 256), (128, 32), (32, 192), (128, 64)])
+@pytest.mark.parametrize("pattern", sorted(banks.LANE_PATTERNS))
+def test_frag_equals_offset(rows, cols, pattern):
+    """Tile::frag (XOR of the chunk bits from the lane's (0, 0) address) = Tile::offset of the element."""
+    base = 3 * 1024
+    lane0 = base + banks.swizzled_offset(*banks.LANE_PATTERNS[pattern], rows, cols)
+    for row0 in range(0, rows - 15, 8):
+        for col0 in range(0, cols, 16):
+            assert (banks.tile_frag(lane0, row0, col0, rows, cols)
+                    == banks.frag_addresses(pattern, base, rows, cols, row0, col0)).all(), (row0, col0)
+
+
+# ---- the bwd_kernel and bwd_dq_kernel walks -----------------------------------------------------
+
+def _slow_bwd_walk(cfg, batch, heads, sq, sk, head_dim):
+    """Every CTA, query block, warp and lane of bwd_kernel (cuda/bwd.cuh), literally."""
+    tot = _Totals()
+    hd, bm, bn, nw, D = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.d_split
+    threads = 32 * nw
+    smem_q, smem_kv, smem_ds, rowvec = bm * hd * 2, bn * hd * 2, bn * bm * 2, bm * 4
+    off_k, off_v, off_q, off_do = 0, smem_kv, 2 * smem_kv, 2 * smem_kv + smem_q
+    off_ds = 2 * smem_kv + 4 * smem_q
+    off_lse, off_delta = off_ds + smem_ds, off_ds + smem_ds + rowvec
+    dkv_cols = hd // D
+    dq_warps_m = min(nw, bm // 16)
+    dq_warps_d = nw // dq_warps_m
+    dq_m_tiles, dq_d_tiles = bm // 16 // dq_warps_m, hd // 8 // dq_warps_d
+    diag = sk - sq
+
+    def load_query_block(stage):
+        tot.copy(threads, bm, hd, off_q + stage * 2 * smem_q)
+        tot.copy(threads, bm, hd, off_do + stage * 2 * smem_q)
+        chunks = bm // 4
+        for w in range(nw):
+            lanes = []
+            for lane in range(32):
+                tid = 32 * w + lane
+                if tid < 2 * chunks:
+                    is_delta = tid >= chunks
+                    c = tid - chunks if is_delta else tid
+                    lanes.append((off_delta if is_delta else off_lse) + stage * 2 * rowvec + c * 16)
+                else:
+                    lanes.append(None)
+            tot.issue("LDGSTS", "cp.async16", lanes)
+
+    for _ in range(batch * heads):
+        for n_block in range(-(-sk // bn)):
+            n0 = n_block * bn
+            keys = min(bn, sk - n0)
+            m_begin = max(0, n0 - diag) // bm if cfg.causal else 0
+            m_end = -(-sq // bm)
+            if m_begin >= m_end:
+                continue
+            tot.copy(threads, bn, hd, off_k)
+            tot.copy(threads, bn, hd, off_v)
+            load_query_block(0)
+            stage = 0
+            for m_block in range(m_begin, m_end):
+                if m_block + 1 < m_end:
+                    load_query_block(stage ^ 1)
+                q_smem, do_smem = off_q + stage * 2 * smem_q, off_do + stage * 2 * smem_q
+                for w in range(nw):
+                    key_row0, d_col0 = (w // D) * 16, (w % D) * dkv_cols
+                    for kk in range(hd // 16):  # S^T = K Q^T
+                        tot.ldmatrix("a", off_k, bn, hd, key_row0, kk * 16)
+                        for qp in range(bm // 16):
+                            tot.ldmatrix("b_nk", q_smem, bm, hd, qp * 16, kk * 16)
+                    for qt in range(bm // 8):  # float2 lse_log2
+                        tot.issue("LDS", "ld64", [off_lse + stage * 2 * rowvec + (qt * 8 + 2 * (l & 3)) * 4 for l in range(32)])
+                    for kk in range(bm // 16):  # dV += P^T dO
+                        for dp in range(dkv_cols // 16):
+                            tot.ldmatrix("b_kn_trans", do_smem, bm, hd, kk * 16, d_col0 + dp * 16)
+                    for kk in range(hd // 16):  # dP^T = V dO^T
+                        tot.ldmatrix("a", off_v, bn, hd, key_row0, kk * 16)
+                        for qp in range(bm // 16):
+                            tot.ldmatrix("b_nk", do_smem, bm, hd, qp * 16, kk * 16)
+                    for qt in range(bm // 8):  # float2 delta
+                        tot.issue("LDS", "ld64", [off_delta + stage * 2 * rowvec + (qt * 8 + 2 * (l & 3)) * 4 for l in range(32)])
+                    for kk in range(bm // 16):  # dK += dS^T Q
+                        for dp in range(dkv_cols // 16):
+                            tot.ldmatrix("b_kn_trans", q_smem, bm, hd, kk * 16, d_col0 + dp * 16)
+                if not cfg.deterministic:
+                    for w in range(nw):
+                        if w % D == 0:
+                            for qt in range(bm // 8):
+                                for h in range(2):
+                                    tot.st_acc(off_ds, bn, bm, (w // D) * 16 + 8 * h, qt * 8)
+                    for w in range(nw):
+                        warp_m, warp_d = w // dq_warps_d, w % dq_warps_d
+                        for kk in range(bn // 16):
+                            for mt in range(dq_m_tiles):
+                                tot.ldmatrix("a_trans", off_ds, bn, bm, kk * 16, (warp_m * dq_m_tiles + mt) * 16)
+                            for dp in range(dq_d_tiles // 2):
+                                tot.ldmatrix("b_kn_trans", off_k, bn, hd, kk * 16, (warp_d * dq_d_tiles + 2 * dp) * 8)
+                stage ^= 1
+            for w in range(nw):
+                key_row0, d_col0 = (w // D) * 16, (w % D) * dkv_cols
+                for h in range(2):
+                    for dt in range(dkv_cols // 8):
+                        tot.st_acc(off_k, bn, hd, key_row0 + 8 * h, d_col0 + dt * 8)
+                        tot.st_acc(off_v, bn, hd, key_row0 + 8 * h, d_col0 + dt * 8)
+            tot.copy(threads, bn, hd, off_k, store=True, rows_valid=keys, cols_valid=head_dim)
+            tot.copy(threads, bn, hd, off_v, store=True, rows_valid=keys, cols_valid=head_dim)
+    return tot
+
+
+BWD_WALK_CASES = [(hd, causal, det, sq, sk) for hd, causal, det, sq, sk in [
+    (32, False, False, 70, 150), (64, True, False, 100, 150), (64, False, True, 40, 130),
+    (96, True, False, 90, 70), (128, False, False, 40, 140), (128, True, True, 70, 50),
+    (192, False, False, 40, 40), (256, True, False, 50, 40)]]
+
+
+@pytest.mark.parametrize("hd,causal,det,sq,sk", BWD_WALK_CASES)
+def test_bwd_walk_equals_instruction_by_instruction_enumeration(hd, causal, det, sq, sk):
+    cfg = config.bwd_config(hd, "fp16", causal, det)
+    head_dim = hd - 8
+    walk = banks.bwd_kernel_shared(cfg, 1, 2, sq, sk, head_dim)
+    _check(walk, _slow_bwd_walk(cfg, 1, 2, sq, sk, head_dim), f"{cfg.cpp_name()} sq={sq} sk={sk}")
+    assert banks.bwd_layout(cfg).smem_bytes == cfg.smem_bytes
+
+
+def _slow_dq_walk(cfg, batch, heads, sq, sk, head_dim):
+    """bwd_dq_kernel (deterministic dQ), literally."""
+    tot = _Totals()
+    hd, bm, bn, threads = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    m_tiles = bm // (16 * cfg.num_warps)
+    q_bytes, kv_bytes = bm * hd * 2, bn * hd * 2
+    for _ in range(batch * heads):
+        for m_block in range(-(-sq // bm)):
+            row0 = m_block * bm
+            rows_q = min(bm, sq - row0)
+            n_blocks = _n_blocks(cfg.causal, row0, rows_q, sq, sk, bn)
+            if n_blocks <= 0:
+                continue
+            tot.copy(threads, bm, hd, 0)
+            tot.copy(threads, bm, hd, q_bytes)
+            for it in range(n_blocks):
+                k_base, v_base = 2 * q_bytes + (it % 2) * kv_bytes, 2 * q_bytes + (2 + it % 2) * kv_bytes
+                tot.copy(threads, bn, hd, k_base)
+                tot.copy(threads, bn, hd, v_base)
+                for w in range(cfg.num_warps):
+                    wr0 = w * m_tiles * 16
+                    for kk in range(hd // 16):
+                        for mt in range(m_tiles):
+                            tot.ldmatrix("a", 0, bm, hd, wr0 + mt * 16, kk * 16)
+                            tot.ldmatrix("a", q_bytes, bm, hd, wr0 + mt * 16, kk * 16)
+                        for np_ in range(bn // 16):
+                            tot.ldmatrix("b_nk", k_base, bn, hd, np_ * 16, kk * 16)
+                            tot.ldmatrix("b_nk", v_base, bn, hd, np_ * 16, kk * 16)
+                    for kk in range(bn // 16):
+                        for dp in range(hd // 16):
+                            tot.ldmatrix("b_kn_trans", k_base, bn, hd, kk * 16, dp * 16)
+            for w in range(cfg.num_warps):
+                for mt in range(m_tiles):
+                    for h in range(2):
+                        for dt in range(hd // 8):
+                            tot.st_acc(0, bm, hd, w * m_tiles * 16 + mt * 16 + 8 * h, dt * 8)
+            tot.copy(threads, bm, hd, 0, store=True, rows_valid=rows_q, cols_valid=head_dim)
+    return tot
+
+
+@pytest.mark.parametrize("hd,causal,sq,sk", [(64, True, 200, 150), (96, False, 130, 70), (128, True, 150, 300),
+                                             (192, False, 70, 40), (256, True, 100, 60)])
+def test_dq_walk_equals_instruction_by_instruction_enumeration(hd, causal, sq, sk):
+    cfg = config.dq_config(hd, "bf16", causal)
+    walk = banks.dq_kernel_shared(cfg, 1, 2, sq, sk, hd)
+    _check(walk, _slow_dq_walk(cfg, 1, 2, sq, sk, hd), f"{cfg.cpp_name()} sq={sq} sk={sk}")
+
+
+@pytest.mark.parametrize("hd", config.KERNEL_HEAD_DIMS)
+@pytest.mark.parametrize("det", [False, True])
+def test_bwd_instruction_counts_and_conflicts(hd, det):
+    """Per visited (key block, query block) and warp: ldmatrix 2 * (HEAD_DIM/16) * (1 + BLOCK_M/16)
+    for S^T and dP^T, 2 * (BLOCK_M/16) * (DKV_COLS/16) for dV and dK, (BLOCK_N/16) * (DQ_M_TILES +
+    DQ_D_TILES/2) for dQ; 2 * BLOCK_M/8 float2 loads of lse_log2 and delta."""
+    cfg = config.bwd_config(hd, "fp16", False, det)
+    L = banks.bwd_layout(cfg)
+    sq, sk = 1024, 512
+    walk = banks.bwd_kernel_shared(cfg, 1, 2, sq, sk)
+    visits = 2 * (sk // cfg.block_n) * (sq // cfg.block_m)
+    per_warp = (2 * (hd // 16) * (1 + cfg.block_m // 16) + 2 * (cfg.block_m // 16) * (L.dkv_cols // 16)
+                + (0 if det else (cfg.block_n // 16) * (L.dq_m_tiles + L.dq_d_tiles // 2)))
+    assert walk.by_sass("LDSM").instructions == visits * cfg.num_warps * per_warp
+    assert walk.roles["lse_load"].instructions == visits * cfg.num_warps * cfg.block_m // 8
+    assert walk.roles["ds_store"].instructions == (0 if det else visits * L.key_warps * cfg.block_m // 4)
+    assert walk.roles["vec_load"].bytes == visits * 2 * cfg.block_m * 4
+    assert walk.roles["q_load"].bytes == visits * L.smem_q
+    # the swizzle keeps every ldmatrix, 16-byte copy, float2 load and accumulator store conflict free
+    for role in banks.BWD_ROLES:
+        s = walk.roles[role]
+        assert s.conflicts == 0, f"{role} of HEAD_DIM={hd}: {s}"

@@ -79,3 +79,22 @@ def test_plot_block_size_writes_a_png(tmp_path):
 def test_unwritable_output_is_an_error(tmp_path, capsys):
     assert main(["plot", "block-size", "--out", str(tmp_path / "missing" / "x.png"), "--blocks", "64"]) != 0
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_sweep_deterministic_backward(capsys):
+    argv = ["sweep", "--strategy", "fa2", "--strategy", "cuflash", "--seqlen", "1000", "--head-dim", "64",
+            "--batch", "1", "--heads", "2", "--backward", "--json"]
+    assert main(argv) == 0 and main(argv + ["--deterministic"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert recs[0] == recs[2], "--deterministic changes nothing for fa2"
+    p = Problem(1, 2, 1000, 1000, 64)
+    assert recs[3]["hbm_write_bytes"] == simulate("cuflash", p, backward=True, deterministic=True).hbm_write_bytes
+    assert recs[3]["hbm_write_bytes"] < recs[1]["hbm_write_bytes"], "no fp32 atomics or dq_accum zeroing"
+    assert recs[1]["bank_conflicts"] == 0
+
+
+def test_deterministic_needs_backward(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+              "--deterministic"])
+    assert e.value.code != 0 and "--backward" in capsys.readouterr().err

@@ -100,7 +100,9 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal):
     cfg = config.fwd_config(hd, "bf16", causal)
     p = P(777, head_dim, causal=causal, dtype="bf16", nk=901)
     c = simulate("cuflash", p)
-    assert (c.block_m, c.block_n) == config.FWD_TILES[hd][:2]
+    assert (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n)
+    tiles = config.FWD_TILES_CAUSAL.get(hd, config.FWD_TILES[hd]) if causal else config.FWD_TILES[hd]
+    assert (cfg.block_m, cfg.block_n) == tiles[:2]
     ref = simulate("fa2", p, block_m=cfg.block_m, block_n=cfg.block_n)
     assert (c.hbm_read_bytes, c.hbm_write_bytes) == (ref.hbm_read_bytes, ref.hbm_write_bytes), \
         "fwd_kernel reads only valid rows and the real head_dim columns, like FA2"
@@ -109,6 +111,83 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal):
     bwd = simulate("cuflash", p, backward=True)
     bcfg = config.bwd_config(hd, "bf16", causal, deterministic=False)
     assert (bwd.block_m, bwd.block_n) == (bcfg.block_m, bcfg.block_n)
+
+
+def _bwd_expected(sq, sk, d, causal, deterministic, b=2, h=3, e=2):
+    """cuda/bwd.cuh by hand, one loop per kernel (no analyzer helper): (reads, writes, atomics, peak)."""
+    hd = config.kernel_head_dim(d)
+    cfg = config.bwd_config(hd, "fp16", causal, deterministic)
+    pad = -(-sq // config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
+    reads = 2 * sq * d * e + sq * 4  # preprocess: O, dO, lse
+    writes = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)  # delta, lse_log2, dq_accum = 0
+    atomics = 0
+    diag = sk - sq
+    for n_block in range(-(-sk // cfg.block_n)):  # bwd_kernel
+        n0 = n_block * cfg.block_n
+        keys = min(cfg.block_n, sk - n0)
+        m_begin = max(0, n0 - diag) // cfg.block_m if causal else 0
+        m_end = -(-sq // cfg.block_m)
+        writes += 2 * keys * d * e  # dK, dV (zeros when no query sees the keys)
+        if m_begin >= m_end:
+            continue
+        reads += 2 * keys * d * e
+        for m_block in range(m_begin, m_end):
+            rows = min(cfg.block_m, sq - m_block * cfg.block_m)
+            reads += 2 * rows * d * e + 2 * cfg.block_m * 4  # Q, dO; lse_log2, delta incl. pad rows
+            if not deterministic:
+                atomics += cfg.block_m * hd * 4  # red.global.add.v2.f32 of the whole dQ tile
+    if deterministic:  # bwd_dq_kernel
+        dcfg = config.dq_config(hd, "fp16", causal)
+        for m_block in range(-(-sq // dcfg.block_m)):
+            row0 = m_block * dcfg.block_m
+            rows = min(dcfg.block_m, sq - row0)
+            n_blocks = -(-sk // dcfg.block_n)
+            if causal:
+                last = row0 + rows - 1 + diag
+                n_blocks = 0 if last < 0 else min(n_blocks, last // dcfg.block_n + 1)
+            writes += rows * d * e
+            if n_blocks > 0:
+                reads += 2 * rows * d * e + 2 * dcfg.block_m * 4
+                reads += 2 * sum(min(dcfg.block_n, sk - n * dcfg.block_n) for n in range(n_blocks)) * d * e
+    else:  # convert
+        reads += sq * d * 4
+        writes += sq * d * e
+    peak = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)
+    return b * h * reads, b * h * writes, b * h * atomics, b * h * peak
+
+
+@pytest.mark.parametrize("sq,sk,d", [(1000, 1000, 64), (300, 517, 40), (517, 300, 128), (200, 150, 96),
+                                     (130, 70, 256), (64, 1000, 192), (1, 239, 32)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_cuflash_backward_counts_what_the_kernels_move(sq, sk, d, causal, deterministic):
+    reads, writes, atomics, peak = _bwd_expected(sq, sk, d, causal, deterministic)
+    c = simulate("cuflash", P(sq, d, causal=causal, batch=2, heads=3, nk=sk), backward=True, deterministic=deterministic)
+    assert c.hbm_read_bytes == reads + atomics, "atomics count as a read and a write of the accumulator"
+    assert c.hbm_write_bytes == writes + atomics
+    assert c.peak_extra_bytes == peak and c.launches == 3
+    assert c.bank_conflicts == 0 and c.sram_read_bytes > 0
+
+
+def test_cuflash_backward_kernels_and_the_deterministic_cost():
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    p = P(4096, 64, batch=1, heads=16)
+    names = [k.name for k in cuflash_backward_kernels(p)]
+    assert names == ["bwd_preprocess_kernel", "bwd_kernel", "bwd_convert_dq_kernel"]
+    det = cuflash_backward_kernels(p, deterministic=True)
+    assert [k.name for k in det] == ["bwd_preprocess_kernel", "bwd_kernel", "bwd_dq_kernel"]
+    assert all(k.atomic_bytes == 0 for k in det)
+    a = simulate("cuflash", p, backward=True)
+    b = simulate("cuflash", p, backward=True, deterministic=True)
+    assert 1.3 < b.flops_matmul / a.flops_matmul < 1.5, "api.py: about 1.4x the backward's FLOPs"
+    assert b.peak_extra_bytes == 16 * 2 * 4096 * 4, "no fp32 dq accumulator, only lse_log2 and delta"
+    # atomic mode: 10 d per pair of matmul FLOPs with D_SPLIT = 1 (no duplicated S^T, dP^T)
+    assert a.flops_matmul == a.flops_useful
+    with pytest.raises(ValueError, match="deterministic"):
+        simulate("fa2", p, backward=True, deterministic=True)
+    with pytest.raises(ValueError, match="deterministic"):
+        simulate("cuflash", p, deterministic=True)
 
 
 def test_figure_2_configuration():

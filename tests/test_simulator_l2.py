@@ -76,3 +76,20 @@ def test_l2_arguments_are_checked():
         simulate_l2("fa2", p, l2_bytes=0)
     with pytest.raises(ValueError, match="granularity"):
         simulate_l2("fa2", p, l2_bytes=1 << 20, granularity="sector")
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuflash_backward_through_the_l2(deterministic, causal):
+    """The backward launches of cuda/bwd.cuh: a huge L2 reads every input once (the fp32 buffers are
+    written before they are read); an L2 smaller than a tile misses every read the counts list
+    (atomics read the accumulator), when every block is whole."""
+    p = Problem(1, 4, 512, 384, 64, "fp16", causal)
+    r = simulate_l2("cuflash", p, l2_bytes=1 << 30, backward=True, deterministic=deterministic)
+    unseen = 4 * 128 * 64 * 2 if causal else 0  # causal, Sq > Sk: Q of queries 0-127 is never read (dO is, by
+    # the preprocess)
+    assert r.read_bytes == 4 * ((3 * 512 + 2 * 384) * 64 * 2 + 512 * 4) - unseen, "Q, dO, O, K, V and lse once"
+    c = simulate("cuflash", p, backward=True, deterministic=deterministic)
+    r = simulate_l2("cuflash", p, l2_bytes=32, backward=True, deterministic=deterministic)
+    assert r.read_bytes == c.hbm_read_bytes
+    assert r.write_bytes == c.hbm_write_bytes
