@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
+from functools import lru_cache
 
 from . import _compile
 
@@ -72,6 +73,19 @@ _kernels: dict = {}
 _lock = threading.Lock()
 
 
+@lru_cache(maxsize=None)
+def device_arch(device_id: int) -> str:
+    """NVRTC target of a device ("sm_90a" on an H100), looked up once per device."""
+    return _compile.device_arch(device_id)
+
+
+@lru_cache(maxsize=None)
+def max_smem_optin(device_id: int) -> int:
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+
+
 def get_kernel(cfg, device_id: int) -> _Kernel:
     """The loaded kernel of a config (FwdConfig, BwdConfig, ...) on a device; compiles on first use."""
     key = (device_id, cfg)
@@ -80,8 +94,12 @@ def get_kernel(cfg, device_id: int) -> _Kernel:
         with _lock:  # one thread compiles; the others wait for it instead of compiling again
             kernel = _kernels.get(key)
             if kernel is None:
-                arch = _compile.device_arch(device_id)
-                compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
+                if cfg.smem_bytes > max_smem_optin(device_id):
+                    raise RuntimeError(
+                        f"{cfg.cpp_name()} needs {cfg.smem_bytes} bytes of shared memory per CTA but device "
+                        f"{device_id} allows {max_smem_optin(device_id)}: cuflash's tiles are chosen for A100/H100-class "
+                        f"GPUs (sm_80, sm_90) with >= 164 KB per CTA")
+                compiled = _compile.compile_kernel(cfg.cpp_name(), device_arch(device_id))
                 kernel = _kernels[key] = _Kernel(compiled, cfg.threads, cfg.smem_bytes)
     return kernel
 

@@ -77,7 +77,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         v, dv = _as_kernel_operand(v, vi, dv, layout)
         do_ = _validate.bshd_dims(_validate.array_info(o, "o"), layout)
 
-        cfg = fwd_config(kernel_head_dim(dq.head_dim), dtype, causal)
+        cfg = fwd_config(kernel_head_dim(dq.head_dim), dtype, causal, _launch.device_arch(qi.device))
         kernel = _launch.get_kernel(cfg, qi.device)
         params = _launch.FwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr,

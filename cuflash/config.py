@@ -119,16 +119,26 @@ FWD_TILES = {
 FWD_TILES_CAUSAL = {
     128: (128, 128, 8),  # (128, 32, 4) spills 56 bytes when causal; 318 TFLOP/s causal N=16k
 }
+# Before sm_90 ptxas allocates differently: (128, 32, 4) spills 8 bytes at d128 on sm_80.
+FWD_TILES_PRE_SM90 = {
+    128: (128, 128, 8),
+}
+DEFAULT_ARCH = "sm_90a"  # the H100/H200 this project targets; analyzer and docs use its configs
 
 
-def fwd_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
-    """The forward config the library launches for a (kernel) head dim, dtype and causal flag."""
-    bm, bn, warps = FWD_TILES_CAUSAL.get(head_dim, FWD_TILES[head_dim]) if causal else FWD_TILES[head_dim]
+def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH) -> FwdConfig:
+    """The forward config the library launches for a (kernel) head dim, dtype, causal flag and arch."""
+    tiles = FWD_TILES[head_dim]
+    if causal:
+        tiles = FWD_TILES_CAUSAL.get(head_dim, tiles)
+    if not arch.startswith("sm_9"):
+        tiles = FWD_TILES_PRE_SM90.get(head_dim, tiles)
+    bm, bn, warps = tiles
     return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
 
 
-def all_fwd_configs() -> list[FwdConfig]:
-    return [fwd_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list[FwdConfig]:
+    return [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,131 @@
+"""Helpers of the GPU tests: random inputs in either layout with awkward strides, best-effort output
+poisoning, and the pass rule of DESIGN.md section 5 with float64 / low-precision references computed on
+the GPU (cuflash._xpref: the math of cuflash.reference in CuPy matmuls; tests/test_reference.py checks
+that they agree with cuflash.reference on NumPy arrays)."""
+from __future__ import annotations
+
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+
+import cupy as cp
+
+from cuflash import _compile, _xpref
+
+# DESIGN.md section 5: awkward (seqlen_q, seqlen_k) pairs and the head dims with their own kernels
+SEQLEN_PAIRS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (1, 239),
+                (3, 799), (127, 513)]
+HEAD_DIMS = [32, 64, 96, 128, 256]
+DTYPES = ["fp16", "bf16"]
+LAYOUTS = ["bshd", "bhsd"]
+STRIDE_KINDS = ["contiguous", "padded", "transposed", "misaligned"]
+
+
+def seed_of(*key) -> int:
+    """A stable seed per test case (fresh inputs for every case, reproducible across runs)."""
+    return zlib.crc32(repr(key).encode())
+
+
+def batch_heads(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
+    """Small batch and head counts; one batch for the largest pairs keeps the references quick."""
+    return (1, 2) if seqlen_q * seqlen_k > 300_000 else (2, 3)
+
+
+def randn(shape, dtype: str, seed: int, scale: float = 1.0):
+    """Standard normal values (times scale) rounded to dtype ("fp16"/"bf16"): a contiguous CuPy array."""
+    if 0 in shape:  # nothing to draw (and cuRAND is not asked for zero numbers)
+        return _xpref.to_lowp(cp.empty(shape, dtype=cp.float32), dtype)
+    x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
+    if scale != 1.0:
+        x *= scale
+    return _xpref.to_lowp(x, dtype)
+
+
+def make_input(b, s, h, d, dtype, layout, kind, seed, scale=1.0):
+    """A (B, S, H, D) ("bshd") or (B, H, S, D) ("bhsd") array whose strides follow `kind`:
+      contiguous  a fresh C-contiguous array
+      padded      a view into a larger buffer: every batch/row/head stride padded, start offset (16-byte aligned)
+      transposed  the other layout's contiguous array, transposed into this layout
+      misaligned  head stride D + 4 elements: not 16-byte aligned, so the library copies it (still correct)
+    """
+    logical = (b, s, h, d) if layout == "bshd" else (b, h, s, d)
+    if kind == "contiguous":
+        return randn(logical, dtype, seed, scale)
+    if kind == "padded":
+        pad = (1, 3, 1) if layout == "bshd" else (1, 1, 3)  # 1 extra batch, 3 extra rows, 1 extra head
+        big = randn(tuple(n + p for n, p in zip(logical[:3], pad)) + (d + 8,), dtype, seed, scale)
+        return big[pad[0]:, pad[1]:, pad[2]:, :d]
+    if kind == "transposed":
+        other = (b, h, s, d) if layout == "bshd" else (b, s, h, d)
+        return randn(other, dtype, seed, scale).transpose(0, 2, 1, 3)
+    if kind == "misaligned":
+        return randn(logical[:3] + (d + 4,), dtype, seed, scale)[..., :d]
+    raise ValueError(f"kind={kind!r}")
+
+
+def to_bshd32(x, layout: str):
+    """float32 copy of an fp16/bf16 array in (B, S, H, D) order."""
+    x32 = _xpref.to_float32(x)
+    return x32 if layout == "bshd" else x32.transpose(0, 2, 1, 3)
+
+
+def poison_pool(nbytes: int):
+    """Best-effort output poisoning: the CuPy pool is emptied, then one block of `nbytes` filled with 0xFF
+    bytes (NaN in fp16, bf16 and fp32) is allocated and freed. The pool keeps it, and the next allocations
+    (the outputs and workspaces of the call under test) are usually carved from it, so an element the
+    kernel never writes shows up as NaN. Not guaranteed by CuPy; test_poisoning_reaches_the_outputs
+    checks that it happens. Returns the block's address."""
+    pool = cp.get_default_memory_pool()
+    cp.cuda.get_current_stream().synchronize()
+    pool.free_all_blocks()
+    junk = cp.full(int(nbytes), 0xFF, dtype=cp.uint8)
+    ptr = junk.data.ptr
+    del junk
+    return ptr
+
+
+def round_up(n: int, to: int = 512) -> int:
+    """CuPy's pool rounds each allocation up to 512 bytes."""
+    return -(-n // to) * to
+
+
+def max_abs(x) -> float:
+    return float(cp.abs(x).max()) if x.size else 0.0
+
+
+def check_rule(name: str, got, ref64, lowp, factor: float, what: str, extra: float = 1e-5):
+    """DESIGN.md section 5: max|got - ref64| <= factor * max|lowp - ref64| + extra, and no NaN/inf."""
+    assert not bool(cp.isnan(got).any()), f"{name} has NaN (unwritten or invalid) for {what}"
+    assert bool(cp.isfinite(got).all()), f"{name} has inf for {what}"
+    err = max_abs(got - ref64)
+    bound = factor * max_abs(lowp - ref64) + extra
+    assert err <= bound, (f"{name} mismatch for {what}: {err:.3e} > {bound:.3e} "
+                          f"({factor:g} x low-precision error + {extra:g})")
+    return err, bound
+
+
+def check_lse(lse, lse64, what: str, atol: float = 1e-3):
+    """lse (B, H, Sq) float32 against float64: -inf exactly where the row sees no key, else within atol."""
+    assert lse.dtype == cp.float32, f"lse dtype {lse.dtype} for {what}"
+    assert lse.shape == lse64.shape, f"lse shape {lse.shape} != {lse64.shape} for {what}"
+    finite64 = cp.isfinite(lse64)
+    assert not bool(cp.isnan(lse).any()), f"lse has NaN for {what}"
+    assert bool((cp.isfinite(lse) == finite64).all()), f"lse is -inf in other rows than the reference for {what}"
+    assert bool((lse[~finite64] == -cp.inf).all()), f"fully masked rows must have lse = -inf for {what}"
+    err = max_abs(cp.where(finite64, lse, 0.0) - cp.where(finite64, lse64, 0.0))
+    assert err <= atol, f"lse mismatch for {what}: {err:.3e} > {atol:g}"
+
+
+def warm_kernel_cache(configs) -> None:
+    """Compile (or load from the disk cache) the given kernel configs on all CPUs before the tests, so the
+    tests do not compile one kernel at a time. A config that fails to compile is left to its tests."""
+    arch = _compile.device_arch()
+
+    def build(cfg):
+        try:
+            _compile.compile_kernel(cfg.cpp_name(), arch)
+        except Exception:  # noqa: BLE001 - the test that launches it reports the error
+            pass
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        list(pool.map(build, configs))

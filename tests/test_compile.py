@@ -1,0 +1,113 @@
+"""The compile path without a GPU: representative kernels compile spill-free through NVRTC, the disk cache
+key follows the text of every file in cuda/, and ptxas -v logs are read correctly. The full check of every
+shipped instantiation is `python -m cuflash compile --arch sm_90a --all` (run by .ci/run)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from cuflash import _compile
+from cuflash.config import fwd_config
+
+
+def _nvrtc_or_skip():
+    try:
+        nvrtc = _compile._nvrtc()
+        nvrtc.getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+
+
+REPRESENTATIVE = [
+    (fwd_config(64, "fp16", False), "sm_80"),
+    (fwd_config(128, "bf16", True), "sm_90a"),
+    (fwd_config(256, "bf16", False), "sm_90a"),
+]
+
+
+@pytest.mark.parametrize("cfg,arch", REPRESENTATIVE, ids=lambda x: x if isinstance(x, str) else
+                         f"d{x.head_dim}-{x.dtype}-{'causal' if x.causal else 'full'}")
+def test_forward_kernel_compiles_without_spills(cfg, arch):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), arch, use_cache=False)
+    res = compiled.resources
+    assert compiled.cubin and compiled.lowered_name.startswith("_Z"), compiled.log
+    assert res["registers"] is not None and res["registers"] <= 255, f"{cfg}: {res}\n{compiled.log}"
+    spills = (res["spill_stores"], res["spill_loads"], res["stack"])
+    assert spills == (0, 0, 0), f"{cfg} on {arch} spills (stores, loads, stack) = {spills}\n{compiled.log}"
+    assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
+
+
+@pytest.fixture
+def private_sources(tmp_path, monkeypatch):
+    """A copy of cuda/ that the test may edit, and an empty cache directory, both under tmp_path."""
+    src = tmp_path / "cuda"
+    shutil.copytree(_compile.cuda_dir(), src)
+    monkeypatch.setattr(_compile, "cuda_dir", lambda: src)
+    monkeypatch.setenv("CUFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    _compile.source_hash.cache_clear()
+    yield src
+    _compile.source_hash.cache_clear()  # forget the copy's hash: later tests hash the real cuda/
+
+
+def test_cache_key_follows_the_text_of_every_header(private_sources, monkeypatch):
+    _nvrtc_or_skip()
+    cache = _compile.cache_dir()
+    name = fwd_config(64, "fp16", False).cpp_name()
+
+    first = _compile.compile_kernel(name, "sm_80")
+    entries = sorted(p.name for p in cache.glob("*.json"))
+    assert len(entries) == 1, entries
+
+    # the same sources: served from the cache, NVRTC is not called
+    def no_compile(*args, **kwargs):
+        raise AssertionError("compiled again although the sources did not change")
+
+    with monkeypatch.context() as m:
+        m.setattr(_compile._nvrtc(), "createProgram", no_compile)
+        again = _compile.compile_kernel(name, "sm_80")
+    assert again.cubin == first.cubin and again.lowered_name == first.lowered_name
+
+    # an edit in a header that kernels.cu only includes indirectly gives a new key and a new entry
+    header = private_sources / "softmax.cuh"
+    header.write_text(header.read_text() + "\n// an edit\n")
+    _compile.source_hash.cache_clear()
+    _compile.compile_kernel(name, "sm_80")
+    after = sorted(p.name for p in cache.glob("*.json"))
+    assert len(after) == 2 and entries[0] in after, after
+
+
+def test_cache_key_differs_per_arch(private_sources):
+    _nvrtc_or_skip()
+    name = fwd_config(64, "fp16", False).cpp_name()
+    _compile.compile_kernel(name, "sm_80")
+    _compile.compile_kernel(name, "sm_90a")
+    assert len(list(_compile.cache_dir().glob("*.json"))) == 2
+
+
+def test_compile_error_names_the_kernel(private_sources):
+    _nvrtc_or_skip()
+    bad = "cuflash::fwd_kernel<cuflash::FwdTraits<100, 128, 64, 8, 2, cuflash::f16>, false>"  # 100 % 16 != 0
+    with pytest.raises(RuntimeError, match="NVRTC failed to compile"):
+        _compile.compile_kernel(bad, "sm_80", use_cache=False)
+
+
+SAMPLE_LOG = """\
+ptxas info    : 134 bytes gmem
+ptxas info    : Compiling entry function '_ZN7cuflash10fwd_kernelE' for 'sm_90a'
+ptxas info    : Function properties for _ZN7cuflash10fwd_kernelE
+ptxas         .     24 bytes stack frame, 16 bytes spill stores, 20 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 2048 bytes smem, 400 bytes cmem[0]
+ptxas info    : Compile time = 331.834 ms
+"""
+
+
+def test_parse_ptxas_log():
+    assert _compile.parse_ptxas_log(SAMPLE_LOG) == {
+        "registers": 255, "spill_stores": 16, "spill_loads": 20, "stack": 24, "static_smem": 2048}
+    clean = SAMPLE_LOG.replace("24 bytes stack frame, 16 bytes spill stores, 20 bytes spill loads",
+                               "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
+    clean = clean.replace(", 2048 bytes smem", "")
+    assert _compile.parse_ptxas_log(clean) == {
+        "registers": 255, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0}
