@@ -25,6 +25,8 @@ DTYPE_NAMES = {FP16: "fp16"}
 if BF16 is not None:
     DTYPE_NAMES[BF16] = "bf16"
 LAYOUTS = ("bshd", "bhsd")
+MAX_SCALE_LOG2 = float(np.finfo(np.float32).max)
+MAX_GRID_YZ = 65535  # heads is gridDim.y and batch gridDim.z of every launch
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,9 @@ def check_softmax_scale(softmax_scale, head_dim: int) -> float:
     s = float(softmax_scale)
     if not math.isfinite(s) or s <= 0:
         raise ValueError(f"softmax_scale={softmax_scale!r} must be finite and > 0")
+    if s * 1.4426950408889634 >= MAX_SCALE_LOG2:  # the kernels take softmax_scale * log2(e) as float32
+        raise ValueError(f"softmax_scale={softmax_scale!r} is too large: softmax_scale * log2(e) must fit a float32 "
+                         f"(softmax_scale < {MAX_SCALE_LOG2 / 1.4426950408889634:.3g})")
     return s
 
 
@@ -161,6 +166,10 @@ def check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, layout: str):
         if d.batch != dq.batch or d.heads != dq.heads or d.head_dim != dq.head_dim:
             raise ValueError(f"{other.name} has shape {other.shape} but q has {q.shape} ({layout}): batch, heads "
                              f"and head_dim must match")
+    for name, n in (("batch", dq.batch), ("heads", dq.heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
+                             f"(a CUDA grid dimension); split the call")
     if dv.seqlen != dk.seqlen:
         raise ValueError(f"v has shape {v.shape} but k has {k.shape}: k and v need the same seqlen")
     check_same_device(q, k, v)

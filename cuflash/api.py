@@ -187,6 +187,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
 
     with cp.cuda.Device(qi.device):
         outs = []
+        dq_arg, dk_arg, dv_arg = dq, dk, dv
         for x, name, ref, like in ((dq, "dq", dq_, "q"), (dk, "dk", dk_, "k"), (dv, "dv", dv_, "v")):
             if x is None:
                 x = _empty_like_layout(ref, ref.seqlen, q.dtype, layout)
@@ -195,6 +196,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             else:
                 outs.append((x, _check_out(x, name, ref, like, q.dtype, layout, inputs)[1]))
         (dq, ddq), (dk, ddk), (dv, ddv) = outs
+        if sum(x is not None for x in (dq_arg, dk_arg, dv_arg)) > 1:
+            ranges = [(_extent(_validate.array_info(x, n)), n) for x, n, arg in
+                      ((dq, "dq", dq_arg), (dk, "dk", dk_arg), (dv, "dv", dv_arg)) if arg is not None]
+            for i, ((a0, a1), na) in enumerate(ranges):
+                for (b0, b1), nb in ranges[i + 1:]:
+                    if a0 < b1 and b0 < a1:
+                        raise ValueError(f"{nb} (preallocated) overlaps the memory of {na}; dq, dk and dv must be "
+                                         f"separate arrays")
         if dq.size + dk.size == 0:
             return dq, dk, dv
         if dq_.seqlen == 0 or dk_.seqlen == 0:  # no query or no key: no pair contributes

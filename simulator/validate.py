@@ -1,23 +1,30 @@
-"""Validate the analyzer against hardware counters: ncu on cuflash's forward kernel.
+"""Validate the analyzer against hardware counters: ncu on cuflash's forward and backward kernels.
 
     PYTHONPATH=. python -m cuflash.simulator.validate --out docs/IO_VALIDATION.md
 
-For each configuration this launches a small driver (`python -c ...`: random CuPy inputs, one warm-up
-call of cuflash.attention_forward, one profiled call) under
+Targets are (kernel, configuration) pairs: `fwd_kernel`; the backward's main `bwd_kernel` (default mode:
+dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum); and, for one deterministic case,
+`bwd_dq_kernel`. First every kernel instantiation the targets need is compiled once outside ncu
+(NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a small driver (`python -c ...`:
+random CuPy inputs; the forward twice, or the forward once for o and lse and then the backward twice)
+runs under
 
-    ncu --cache-control all --clock-control none --print-units base --csv
-        --kernel-name regex:fwd_kernel --launch-skip 1 --launch-count 1 --metrics <METRICS>
+    ncu --print-units base --cache-control all --clock-control none --csv
+        --kernel-name regex:<kernel> --launch-skip 1 --launch-count 1 --metrics <METRICS>
 
-parses ncu's CSV, and compares each metric with the analyzer's prediction for the same config. Raw ncu
-output and the rows as JSON are kept in out/ncu_raw/ (git-ignored; `--raw-dir`) so the table can be
-rebuilt without the GPU (`--from-raw out/ncu_raw`). A metric
-that this ncu does not know is dropped after probing the metrics one by one (printed, and listed in
-the document), so one bad name does not lose the run. `--dry-run` prints the predictions and the ncu
-commands without running anything.
+so only the second launch of the target kernel is profiled (the filter counts matching launches only;
+`bwd_kernel` does not match bwd_preprocess_kernel, bwd_convert_dq_kernel or bwd_dq_kernel). ncu's CSV is
+parsed, the profiled kernel's name checked, and each metric compared with the analyzer's prediction for
+the same kernel and config. Raw ncu output and the rows as JSON are kept in out/ncu_raw/ (git-ignored;
+`--raw-dir`) so the table can be rebuilt without the GPU (`--from-raw out/ncu_raw`). A metric that this
+ncu does not know is dropped: by the name in ncu's error when it gives one, else by probing the metrics
+one by one (printed, and listed in the document), so one bad name does not lose the run. `--dry-run`
+prints the predictions and the ncu commands without running anything.
 
 Targets (issue 4): L2->SM read bytes within 2% of the predicted global reads; shared wavefronts and
 bank conflicts of ld/st and ldmatrix exactly equal; cp.async wavefronts and DRAM bytes (L2 model)
-within 10%.
+within 10%. For bwd_kernel also the dQ atomics: reduction bytes and L2 reduction sectors within 2%,
+reduction requests exact (they travel SM->L2 as writes, never as L2->SM reads).
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +49,10 @@ from cuflash import config as _config
 
 from . import banks
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
-from .strategies import block_sizes, n_block_max, simulate
+from .strategies import block_sizes, cuflash_backward_kernels, n_block_max, simulate
 
 SECTOR = 32
+KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel")
 
 
 @dataclass(frozen=True)
@@ -66,27 +75,88 @@ class Case:
         return Problem(self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.dtype, self.causal)
 
     def config(self):
+        """The forward kernel's config."""
         return _config.fwd_config(_config.kernel_head_dim(self.head_dim), self.dtype, self.causal)
 
 
-# Chosen to cover: both panel widths (d = 96 uses 64-byte panels), every tile shape in FWD_TILES,
-# tails (1000 x 1500), causal with Sq > Sk (CTAs that see no key), K/V working sets below and above
-# the L2 size, and bf16.
+@dataclass(frozen=True)
+class Target:
+    """One profiled kernel: `kernel` of the call that `case` makes (attention_forward, or
+    attention_backward after a forward; deterministic=True for attention_backward(deterministic=True),
+    always so for bwd_dq_kernel)."""
+
+    kernel: str
+    case: Case
+    deterministic: bool = False
+
+    def __post_init__(self):
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel={self.kernel!r}; known: {', '.join(KERNELS)}")
+        if self.kernel == "bwd_dq_kernel" and not self.deterministic:
+            object.__setattr__(self, "deterministic", True)
+        if self.kernel == "fwd_kernel" and self.deterministic:
+            raise ValueError("deterministic applies to the backward kernels only")
+        if self.kernel != "fwd_kernel" and (self.case.head_dim * 2) % SECTOR:
+            # the backward predictions are bytes; they equal 32-byte sectors only for sector-aligned rows
+            raise ValueError(f"backward targets need head_dim * 2 bytes a multiple of {SECTOR} "
+                             f"(got head_dim={self.case.head_dim})")
+
+    @property
+    def label(self) -> str:
+        return self.kernel + (" (deterministic)" if self.deterministic and self.kernel == "bwd_kernel" else "")
+
+    @property
+    def name(self) -> str:
+        return f"{self.label} | {self.case.name}"
+
+    @property
+    def is_backward(self) -> bool:
+        return self.kernel != "fwd_kernel"
+
+
+def _fwd(*cases: Case) -> list[Target]:
+    return [Target("fwd_kernel", c) for c in cases]
+
+
+# Forward: both panel widths (d = 96 uses 64-byte panels), every forward tile shape (d64 (128,64,4),
+# d128 (128,32,4) and causal (128,128,8), d96/d192 (128,64,8), d256 (64,32,4), d32), tails (1000 x 1500),
+# causal with Sq > Sk (CTAs that see no key), bf16. Backward bwd_kernel: d64 and d128 (32,128,8,1), d96
+# (64,64,8,2: D_SPLIT 2), causal, tails with Sq != Sk, bf16 and fp16; deterministic bwd_dq_kernel with
+# causal Sq > Sk (query blocks that see no key). Small shapes (N <= 2048, batch*heads <= 32): the whole
+# default set takes a few minutes of ncu on an H100.
+_QUICK = [
+    Target("fwd_kernel", Case(2, 16, 2048, 2048, 64)),
+    Target("bwd_kernel", Case(2, 8, 2048, 2048, 64)),
+    Target("bwd_dq_kernel", Case(1, 8, 1536, 1024, 128, causal=True)),
+]
+# most informative first (a run cut short by --budget-s keeps them): the quick three, the backward, the forward
+_DEFAULT = _QUICK + [
+    Target("bwd_kernel", Case(1, 8, 2048, 2048, 128, "bf16", causal=True)),
+    Target("bwd_kernel", Case(2, 4, 1000, 1500, 64, "bf16")),
+    Target("bwd_kernel", Case(1, 8, 1536, 1024, 128, causal=True)),
+    Target("bwd_kernel", Case(2, 4, 1024, 1024, 96)),
+] + _fwd(
+    Case(2, 8, 2048, 2048, 128),
+    Case(1, 16, 2048, 2048, 128, "bf16", causal=True),
+    Case(2, 8, 1000, 1500, 96, causal=True),
+    Case(1, 8, 1536, 512, 64, causal=True),
+    Case(2, 8, 1024, 1024, 256),
+    Case(4, 8, 512, 512, 32),
+)
+
 CASES = {
-    "quick": [
-        Case(2, 16, 2048, 2048, 64),
-        Case(2, 8, 1000, 1500, 96, causal=True),
-    ],
-    "full": [
-        Case(2, 16, 2048, 2048, 64),
+    "quick": _QUICK,
+    "default": _DEFAULT,
+    # longer: adds large shapes (K/V working sets above the L2 size) and the deterministic bwd_kernel
+    "full": _DEFAULT + _fwd(
         Case(2, 16, 2048, 2048, 64, causal=True),
         Case(1, 16, 4096, 4096, 128, "bf16", causal=True),
         Case(4, 8, 1000, 1500, 96),
-        Case(2, 8, 1000, 1500, 96, causal=True),
-        Case(2, 8, 1024, 1024, 256),
-        Case(1, 8, 1536, 512, 64, causal=True),
-        Case(8, 16, 512, 512, 32),
+        Case(1, 8, 1024, 1024, 192, "bf16"),
         Case(1, 32, 16384, 16384, 128),
+    ) + [
+        Target("bwd_kernel", Case(1, 8, 1536, 1024, 128, causal=True), deterministic=True),
+        Target("bwd_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
     ],
 }
 
@@ -94,6 +164,7 @@ CASES = {
 METRICS = {
     "l1tex__m_xbar2l1tex_read_bytes.sum": ("L2->SM read bytes (global loads)", 0.02),
     "l1tex__m_l1tex2xbar_write_bytes.sum": ("SM->L2 write bytes (global stores)", 0.02),
+    "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": ("global store bytes at L1 (stores only)", 0.02),
     "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": ("local-memory store bytes (spills)", "exact"),
     "dram__bytes_read.sum": ("DRAM read bytes (L2 model)", 0.10),
     "dram__bytes_write.sum": ("DRAM write bytes", None),
@@ -113,6 +184,31 @@ METRICS = {
     "launch__grid_size": ("CTAs", "exact"),
     "launch__block_size": ("threads per CTA", "exact"),
 }
+
+# bwd_kernel's dQ atomics (red.global.add.v2.f32, SASS RED): each warp instruction sends 32 lanes x 8 bytes,
+# 8 rows x one full 32-byte sector, from L1 to the L2, which does the add. They are writes/reductions
+# on the SM->L2 path (l1tex2xbar), never L2->SM read bytes.
+RED_METRICS = {
+    "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": ("global reduction requests (RED instructions)", "exact"),
+    "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": ("global reduction bytes at L1 (dQ atomics)", 0.02),
+    "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": ("SM->L2 reduction bytes (dQ atomics)", 0.02),
+    "lts__t_sectors_srcunit_tex_op_red.sum": ("L2 reduction sectors from the SMs (dQ atomics)", 0.02),
+    # every L2 reduction sector; on an H100 a request may also be counted where it crosses between the two
+    # L2 partitions, so this one is reported, not targeted
+    "lts__t_sectors_op_red.sum": ("L2 reduction sectors, all sources", None),
+}
+
+
+def metrics_for(target: Target) -> dict:
+    """{metric: (what, tolerance)} compared for one target, in table order."""
+    out = dict(METRICS)
+    if target.kernel == "bwd_kernel" and not target.deterministic:
+        # after the SM->L2 write bytes, so the atomics sit next to the stores in the table
+        items = list(out.items())
+        at = [m for m, _ in items].index("l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum") + 1
+        out = dict(items[:at] + list(RED_METRICS.items()) + items[at:])
+    return out
+
 
 _UNIT_SCALE = {"byte": 1, "kbyte": 1e3, "mbyte": 1e6, "gbyte": 1e9, "tbyte": 1e12, "kib": 1024, "mib": 2 ** 20,
                "gib": 2 ** 30, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "nsecond": 1, "usecond": 1e3,
@@ -138,32 +234,65 @@ def parse_number(text: str) -> float | None:
         return None
 
 
+def _csv_rows(text: str):
+    """(column index by name, data rows) of the CSV block in `text`, or (None, [])."""
+    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
+    header_at = next((i for i, ln in enumerate(lines) if '"Metric Name"' in ln and '"ID"' in ln), None)
+    if header_at is None:
+        return None, []
+    reader = csv.reader(io.StringIO("\n".join(lines[header_at:])))
+    header = next(reader)
+    col = {name: i for i, name in enumerate(header)}
+    if any(n not in col for n in ("ID", "Metric Name", "Metric Value")):
+        return None, []
+    return col, [row for row in reader if len(row) == len(header) and row[col["ID"]] != "ID"]
+
+
 def parse_ncu_csv(text: str) -> dict[str, dict[str, float]]:
     """{kernel ID: {metric name: value in base units}} from `ncu --csv` output mixed with other lines.
 
     Rows: "ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",
     "Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value". Units such as
     Kbyte/Mbyte are converted to bytes (in case --print-units base was not honoured)."""
-    lines = [ln for ln in text.splitlines() if ln.startswith('"')]
-    header_at = next((i for i, ln in enumerate(lines) if '"Metric Name"' in ln and '"ID"' in ln), None)
-    if header_at is None:
-        return {}
-    reader = csv.reader(io.StringIO("\n".join(lines[header_at:])))
-    header = next(reader)
-    col = {name: i for i, name in enumerate(header)}
-    need = ("ID", "Metric Name", "Metric Value")
-    if any(n not in col for n in need):
-        return {}
+    col, rows = _csv_rows(text)
     out: dict[str, dict[str, float]] = {}
-    for row in reader:
-        if len(row) != len(header) or row[col["ID"]] == "ID":
-            continue
+    for row in rows:
         value = parse_number(row[col["Metric Value"]])
         if value is None:
             continue
         unit = row[col["Metric Unit"]].strip().lower() if "Metric Unit" in col else ""
         value *= _UNIT_SCALE.get(unit, 1)
         out.setdefault(row[col["ID"]], {})[row[col["Metric Name"]].strip()] = value
+    return out
+
+
+def parse_ncu_kernel_names(text: str) -> dict[str, str]:
+    """{kernel ID: "Kernel Name" column} of ncu's CSV output."""
+    col, rows = _csv_rows(text)
+    if col is None or "Kernel Name" not in col:
+        return {}
+    return {row[col["ID"]]: row[col["Kernel Name"]] for row in rows}
+
+
+def kernel_matches(kernel: str, name: str) -> bool:
+    """Whether ncu's kernel name (function, demangled or mangled) is `kernel`, as a whole identifier
+    (bwd_kernel must not match bwd_dq_kernel); mangled names spell it with its length: 10bwd_kernel."""
+    if re.search(rf"(?<![A-Za-z0-9_]){re.escape(kernel)}(?![A-Za-z0-9_])", name):
+        return True
+    return re.search(rf"(?<![0-9]){len(kernel)}{re.escape(kernel)}", name) is not None
+
+
+def rejected_metrics(text: str, metrics: list[str]) -> list[str]:
+    """Metrics of `metrics` that ncu's error output names as unknown, e.g.
+    '==ERROR== Failed to find metric regex:^foo__bar\\.(sum|min|max|avg|pct|ratio|max_rate)$' or
+    '... metric foo__bar.sum'."""
+    lines = [ln for ln in text.splitlines() if re.search(r"metric", ln, re.I) and re.search(r"ERROR|fail|not|invalid|unknown", ln, re.I)]
+    out = []
+    for m in metrics:
+        base = m.split(".")[0]
+        pat = rf"(?<![A-Za-z0-9_]){re.escape(base)}(?![A-Za-z0-9_])"
+        if any(re.search(pat, ln) for ln in lines):
+            out.append(m)
     return out
 
 
@@ -216,80 +345,232 @@ def predicted_global_bytes(case: Case) -> tuple[int, int]:
     return reads, o_writes + lse_sectors * SECTOR
 
 
-def predict(case: Case, l2_bytes: int, num_sms: int) -> dict[str, tuple[float | None, str]]:
-    """{metric: (predicted value or None, note)} for one case."""
+def _shared_predictions(walk, notes: dict) -> dict:
+    """The shared-memory rows of a kernel's walk (banks.*_kernel_shared). notes: SASS class -> text."""
+    lds, ldsm, sts, ldgsts = (walk.by_sass(s) for s in ("LDS", "LDSM", "STS", "LDGSTS"))
+
+    def by_role(sass: str) -> str:  # where predicted conflicts come from, to explain a miss
+        parts = [f"{r} {s.conflicts:,}" for r, s in walk.roles.items()
+                 if walk.role_table[r][1] == sass and s.conflicts]
+        return ("; conflicts: " + ", ".join(parts)) if parts else ""
+
+    return {
+        "smsp__inst_executed_op_shared_ld.sum": (lds.instructions + ldsm.instructions,
+                                                 f"LDS + LDSM; LDS alone = {lds.instructions:,}"),
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": (lds.wavefronts + ldsm.wavefronts,
+                                                                 f"LDS {lds.wavefronts:,} + LDSM {ldsm.wavefronts:,}"),
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (
+            lds.conflicts + ldsm.conflicts, f"LDS {lds.conflicts:,} + LDSM {ldsm.conflicts:,}" + by_role("LDS")),
+        "smsp__inst_executed_op_shared_st.sum": (sts.instructions, notes["STS"]),
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": (
+            sts.wavefronts, f"STS only; + LDGSTS would be {sts.wavefronts + ldgsts.wavefronts:,}"),
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": (sts.conflicts, "STS only" + by_role("STS")),
+        "smsp__inst_executed_op_ldsm.sum": (ldsm.instructions, notes["LDSM"]),
+        "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum": (ldsm.wavefronts, ""),
+        "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ldsm.sum": (ldsm.conflicts, by_role("LDSM")[2:]),
+        "smsp__sass_inst_executed_op_ldgsts.sum": (ldgsts.instructions, notes["LDGSTS"]),
+        "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum": (
+            ldgsts.wavefronts, "model: max(bank rule, 128-byte lines) per 8 lanes"),
+    }
+
+
+def _measured_only() -> dict:
+    return {
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": (None, "measured only"),
+        "gpu__time_duration.sum": (None, "measured only"),
+    }
+
+
+def _predict_fwd(case: Case, l2_bytes: int, num_sms: int) -> dict:
     p, cfg = case.problem(), case.config()
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
-    lds, ldsm, sts, ldgsts = (walk.by_sass(s) for s in ("LDS", "LDSM", "STS", "LDGSTS"))
     counts = simulate("cuflash", p, l2_bytes=l2_bytes, num_sms=num_sms)
     reads, writes = predicted_global_bytes(case)
     grid = cfg.grid(p.batch, p.heads, p.seqlen_q)
-    return {
+    out = {
         "l1tex__m_xbar2l1tex_read_bytes.sum": (reads, "Q once per CTA, K and V once per visited tile"),
         "l1tex__m_l1tex2xbar_write_bytes.sum": (writes, "O and lse once (32-byte sectors)"),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": (writes, "O and lse (32-byte sectors)"),
         "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": (0, "the kernels are spill-free"),
         "dram__bytes_read.sum": (counts.dram_read_bytes, f"LRU L2 of {l2_bytes / 2**20:.0f} MiB, {num_sms} SMs"),
         "dram__bytes_write.sum": (counts.dram_write_bytes,
                                   "model incl. the final write-back; ncu sees only evictions during the kernel"),
-        "smsp__inst_executed_op_shared_ld.sum": (lds.instructions + ldsm.instructions,
-                                                 f"LDS + LDSM; LDS alone = {lds.instructions}"),
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": (lds.wavefronts + ldsm.wavefronts,
-                                                                 f"LDS {lds.wavefronts} + LDSM {ldsm.wavefronts}"),
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (lds.conflicts + ldsm.conflicts,
-                                                                     f"LDS {lds.conflicts} + LDSM {ldsm.conflicts}"),
-        "smsp__inst_executed_op_shared_st.sum": (sts.instructions, "st.shared.b32 of the O epilogue"),
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": (sts.wavefronts,
-                                                                 f"STS only; + LDGSTS would be {sts.wavefronts + ldgsts.wavefronts}"),
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": (sts.conflicts, "STS only"),
-        "smsp__inst_executed_op_ldsm.sum": (ldsm.instructions, "ldmatrix.x4 of Q, K, V"),
-        "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum": (ldsm.wavefronts, ""),
-        "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ldsm.sum": (ldsm.conflicts, ""),
-        "smsp__sass_inst_executed_op_ldgsts.sum": (ldgsts.instructions, "Q once, K and V per tile, zero-fill included"),
-        "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum": (
-            ldgsts.wavefronts, "model: max(bank rule, 128-byte lines) per 8 lanes"),
-        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": (None, "measured only"),
-        "gpu__time_duration.sum": (None, "measured only"),
         "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
         "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
     }
+    out.update(_shared_predictions(walk, {"STS": "st.shared.b32 of the O epilogue",
+                                          "LDSM": "ldmatrix.x4 of Q, K, V",
+                                          "LDGSTS": "Q once, K and V per tile, zero-fill included"}))
+    out.update(_measured_only())
+    return out
+
+
+def isolated_kernel_dram(p: Problem, kernel_index: int, deterministic: bool, l2_bytes: int,
+                         num_sms: int) -> tuple[int, int]:
+    """(DRAM read, write) bytes of one launch of the cuflash backward in isolation: the L2 model's trace of
+    attention_backward (l2._cuflash_bwd: 0 preprocess, 1 bwd_kernel, 2 convert or bwd_dq_kernel) cut to
+    that launch and started cold, as ncu's --cache-control all flushes the L2 before the kernel."""
+    from . import l2 as _l2
+
+    tr = _l2._Trace(p, "tile")
+    _l2._cuflash_bwd(tr, p, True, num_sms, deterministic)
+    tr.parts = [part for part in tr.parts if part[0].size and int(part[0][0]) == kernel_index]
+    res = tr.run(l2_bytes // SECTOR)
+    return res.read_bytes, res.write_bytes
+
+
+def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
+    case, det = target.case, target.deterministic
+    p = case.problem()
+    hd = _config.kernel_head_dim(p.head_dim)
+    kt = {k.name: k for k in cuflash_backward_kernels(p, True, det)}[target.kernel]
+    if target.kernel == "bwd_kernel":
+        cfg = _config.bwd_config(hd, p.dtype, p.causal, det)
+        walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
+        index = 1
+        read_note = ("K, V once per CTA; per visited query block Q, dO (valid rows) and BLOCK_M lse_log2, delta "
+                     "(cp.async)")
+        notes = {"STS": "dK, dV epilogue" + ("" if det else " + dS^T (warps with warp % D_SPLIT == 0)"),
+                 "LDSM": "ldmatrix.x4 of K, V, Q, dO" + ("" if det else ", dS^T"),
+                 "LDGSTS": "K, V once; Q, dO, lse_log2, delta per visit; zero-fill included"}
+        store_note = "dK, dV (valid keys)"
+    else:
+        cfg = _config.dq_config(hd, p.dtype, p.causal)
+        walk = banks.dq_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
+        index = 2
+        read_note = ("per CTA that sees a key: Q, dO (cp.async), BLOCK_M lse_log2 and delta (ld.global, one "
+                     "sector per 8 rows); K, V per visited key tile")
+        notes = {"STS": "st.shared.b32 of the dQ epilogue", "LDSM": "ldmatrix.x4 of Q, dO, K, V",
+                 "LDGSTS": "Q, dO once, K and V per tile, zero-fill included"}
+        store_note = "dQ (every row; rows without keys get zeros)"
+    dram_r, dram_w = isolated_kernel_dram(p, index, det, l2_bytes, num_sms)
+    grid = kt.grid
+    red = kt.atomic_bytes
+    out = {
+        "l1tex__m_xbar2l1tex_read_bytes.sum": (kt.read_bytes, read_note),
+        "l1tex__m_l1tex2xbar_write_bytes.sum": (
+            kt.write_bytes + red,
+            store_note + (f" {kt.write_bytes:,} + dQ red payload {red:,} (reds leave the SM as writes)" if red else "")),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": (kt.write_bytes, store_note + ", 16-byte stores"),
+        "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": (0, "the kernels are spill-free"),
+        "dram__bytes_read.sum": (dram_r, f"LRU L2 of {l2_bytes / 2**20:.0f} MiB, this kernel alone, cold"
+                                 + (" (dq_accum sectors are read before the L2 adds)" if red else "")),
+        "dram__bytes_write.sum": (dram_w, "model incl. the final write-back; ncu sees only evictions during the kernel"),
+        "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
+        "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
+    }
+    if target.kernel == "bwd_kernel" and not det:
+        L = banks.bwd_layout(cfg)
+        m_begin, m_end = banks.bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+        visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
+        reds = visits * cfg.num_warps * L.dq_m_tiles * L.dq_d_tiles * 2
+        assert reds * WARP_RED_BYTES == red, (reds, red)
+        per = f"{visits:,} visits x {cfg.num_warps} warps x {L.dq_m_tiles * L.dq_d_tiles * 2} RED.v2 of 256 B"
+        out.update({
+            "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (reds, per),
+            "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, "whole [BLOCK_M, HEAD_DIM] fp32 tile per visit, "
+                                                                   "pad rows included; 8 full sectors per RED"),
+            "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
+            "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, "one L2 sector per 4 lanes"),
+            "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a "
+                                                        "request"),
+        })
+    out.update(_shared_predictions(walk, notes))
+    out.update(_measured_only())
+    return out
+
+
+WARP_RED_BYTES = 32 * 8  # red.global.add.v2.f32: 32 lanes x 2 floats
+
+
+def predict(target: Target | Case, l2_bytes: int, num_sms: int) -> dict[str, tuple[float | None, str]]:
+    """{metric: (predicted value or None, note)} for one target (a bare Case means its fwd_kernel)."""
+    if isinstance(target, Case):
+        target = Target("fwd_kernel", target)
+    if target.kernel == "fwd_kernel":
+        return _predict_fwd(target.case, l2_bytes, num_sms)
+    return _predict_bwd(target, l2_bytes, num_sms)
+
+
+def kernel_configs(target: Target) -> list:
+    """Every kernel instantiation the target's driver launches (to compile them before profiling)."""
+    c = target.case
+    hd = _config.kernel_head_dim(c.head_dim)
+    out = [_config.fwd_config(hd, c.dtype, c.causal)]
+    if target.is_backward:
+        out += [_config.ElementwiseConfig("preprocess", c.dtype),
+                _config.bwd_config(hd, c.dtype, c.causal, target.deterministic)]
+        out.append(_config.dq_config(hd, c.dtype, c.causal) if target.deterministic
+                   else _config.ElementwiseConfig("convert_dq", c.dtype))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
 # Running ncu
 # ----------------------------------------------------------------------------------------------
 
+# The profiled process: the forward twice (fwd_kernel), or the forward once (o, lse) and the backward
+# twice (bwd_kernel, bwd_dq_kernel); ncu's --launch-skip 1 --launch-count 1 picks the second launch of the
+# target kernel. Inputs are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying
+# on CuPy converting to ml_dtypes.bfloat16).
 DRIVER = r"""
 import sys
-import numpy as np, cupy as cp, cuflash
-b, h, sq, sk, d, causal, dtype = {args!r}
-if dtype == "bf16":
-    import ml_dtypes
-    dt = ml_dtypes.bfloat16
-else:
-    dt = np.float16
+import cupy as cp, cuflash
+from cuflash import _xpref
+kernel, b, h, sq, sk, d, causal, dtype, deterministic = {args!r}
 rs = cp.random.RandomState(0)
-q = rs.standard_normal((b, sq, h, d), dtype=cp.float32).astype(dt)
-k = rs.standard_normal((b, sk, h, d), dtype=cp.float32).astype(dt)
-v = rs.standard_normal((b, sk, h, d), dtype=cp.float32).astype(dt)
-for _ in range(2):  # warm-up (compiles), then the profiled launch
+q, k, v = (_xpref.to_lowp(rs.standard_normal((b, s, h, d), dtype=cp.float32), dtype) for s in (sq, sk, sk))
+if kernel == "fwd_kernel":
+    for _ in range(2):  # warm-up, then the profiled launch
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    res = o
+else:
     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    do = _xpref.to_lowp(rs.standard_normal((b, sq, h, d), dtype=cp.float32), dtype)
+    for _ in range(2):  # warm-up, then the profiled launch
+        dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=deterministic)
+    res = dq
 cp.cuda.runtime.deviceSynchronize()
-print("cuflash-validate-driver: ok", float(cp.abs(o.astype(cp.float32)).mean()), file=sys.stderr)
+print("cuflash-validate-driver: ok", kernel, float(cp.abs(_xpref.to_float32(res)).mean()), file=sys.stderr)
+"""
+
+# Compiles (or finds in the disk cache) every instantiation the targets launch, in parallel, so that the
+# profiled processes do not compile under ncu.
+PREWARM = r"""
+import sys, time
+from concurrent.futures import ThreadPoolExecutor
+from cuflash import _compile
+names = {names!r}
+arch = _compile.device_arch()
+t0 = time.perf_counter()
+def build(n):
+    t = time.perf_counter()
+    _compile.compile_kernel(n, arch)
+    return n, time.perf_counter() - t
+with ThreadPoolExecutor(max_workers={jobs}) as pool:
+    for n, s in pool.map(build, names):
+        print(f"  {{s:6.1f}} s  {{n}}", flush=True)
+print(f"compiled or loaded {{len(names)}} kernels for {{arch}} in {{time.perf_counter() - t0:.1f}} s", flush=True)
 """
 
 
-def driver_code(case: Case) -> str:
-    return DRIVER.format(args=(case.batch, case.heads, case.seqlen_q, case.seqlen_k, case.head_dim, case.causal,
-                               case.dtype))
+def driver_code(target: Target | Case) -> str:
+    if isinstance(target, Case):
+        target = Target("fwd_kernel", target)
+    c = target.case
+    return DRIVER.format(args=(target.kernel, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal,
+                               c.dtype, target.deterministic))
 
 
-def ncu_command(ncu: str, case: Case, metrics: list[str], print_units: bool = True) -> list[str]:
+def ncu_command(ncu: str, target: Target | Case, metrics: list[str], print_units: bool = True) -> list[str]:
+    if isinstance(target, Case):
+        target = Target("fwd_kernel", target)
     cmd = [ncu, "--target-processes", "all", "--cache-control", "all", "--clock-control", "none", "--csv",
-           "--kernel-name", "regex:fwd_kernel", "--launch-skip", "1", "--launch-count", "1",
+           "--kernel-name", f"regex:{target.kernel}", "--launch-skip", "1", "--launch-count", "1",
            "--metrics", ",".join(metrics)]
     if print_units:
         cmd[1:1] = ["--print-units", "base"]
-    return cmd + [sys.executable, "-c", driver_code(case)]
+    return cmd + [sys.executable, "-c", driver_code(target)]
 
 
 def _env() -> dict:
@@ -313,55 +594,120 @@ def _run(cmd: list[str], timeout: int) -> tuple[int, str, str]:
         return 127, "", f"cannot run {cmd[0]}: {e}"
 
 
+def prewarm(targets: list[Target], timeout: int, log=print) -> tuple[bool, str]:
+    """Compile every kernel the targets launch, outside ncu: one process per instantiation, as many at a
+    time as there are CPUs (NVRTC in separate processes runs in parallel whatever the GIL does).
+    (ok, message)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    names = list(dict.fromkeys(cfg.cpp_name() for t in targets for cfg in kernel_configs(t)))
+    jobs = max(1, min(len(names), os.cpu_count() or 1))
+    log(f"compiling {len(names)} kernel instantiations (NVRTC, disk cache), {jobs} at a time, before profiling ...")
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        results = list(pool.map(lambda n: _run([sys.executable, "-c", PREWARM.format(names=[n], jobs=1)], timeout),
+                                names))
+    failed = []
+    for name, (rc, out, err) in zip(names, results):
+        for ln in out.strip().splitlines()[:1]:
+            log(ln)
+        if rc != 0:
+            failed.append(f"{name}: rc={rc}, " + " / ".join((err.strip().splitlines() or ["no output"])[-2:])[:300])
+    took = time.perf_counter() - t0
+    if failed:
+        return False, f"prewarm: {len(failed)} of {len(names)} kernels failed ({took:.0f} s): {failed[0]}"
+    return True, f"{len(names)} kernels compiled or loaded in {took:.0f} s ({jobs} processes)"
+
+
 class Profiler:
-    """Runs ncu per case; finds out once which metrics this ncu accepts; keeps raw output."""
+    """Runs ncu per target; finds out which metrics this ncu accepts (once per metric); keeps raw output."""
 
     def __init__(self, ncu: str, raw_dir: Path, timeout: int, log=print):
         self.ncu, self.raw_dir, self.timeout, self.log = ncu, raw_dir, timeout, log
-        self.metrics = list(METRICS)
-        self.dropped: dict[str, str] = {}
+        self.dropped: dict[str, str] = {}  # metric -> why (ncu rejected it)
+        self.accepted: set[str] = set()
         self.print_units = True
+        self.runs = 0
+        self.seconds = 0.0
         raw_dir.mkdir(parents=True, exist_ok=True)
 
-    def _profile(self, case: Case, metrics: list[str], tag: str) -> tuple[dict, str]:
-        cmd = ncu_command(self.ncu, case, metrics, self.print_units)
+    def _profile(self, target: Target, metrics: list[str], tag: str) -> tuple[dict, str, str]:
+        """(metrics of the profiled launch, short error, ncu's error lines)."""
+        cmd = ncu_command(self.ncu, target, metrics, self.print_units)
+        t0 = time.perf_counter()
         rc, out, err = _run(cmd, self.timeout)
-        stem = _stem(case, tag)
+        dt = time.perf_counter() - t0
+        self.runs += 1
+        self.seconds += dt
+        stem = _stem(target, tag)
         (self.raw_dir / f"{stem}.stdout.txt").write_text(out)
-        (self.raw_dir / f"{stem}.stderr.txt").write_text(f"$ {shlex.join(cmd[:-1])} <driver>\nrc={rc}\n{err}")
+        (self.raw_dir / f"{stem}.stderr.txt").write_text(
+            f"$ {shlex.join(cmd[:-1])} <driver>\nrc={rc} wall={dt:.1f}s\n{err}")
+        # what went wrong, without the CSV (whose header says "Metric Name") and the driver's own lines
+        errors = "\n".join(ln for ln in (out + "\n" + err).splitlines()
+                           if not ln.startswith('"') and re.search(r"error|fail|unknown|invalid|not found|unrecogni",
+                                                                   ln, re.I))
         ids = parse_ncu_csv(out)
         if not ids:
             msgs = [ln for ln in (out + "\n" + err).splitlines() if "==ERROR==" in ln or "==WARNING==" in ln]
             last = msgs or err.strip().splitlines() or out.strip().splitlines() or ["no output"]
-            return {}, f"rc={rc}; " + " / ".join(last[-3:])[:400]
+            return {}, f"rc={rc}; " + " / ".join(last[-3:])[:400], errors
         first = sorted(ids, key=lambda x: int(x) if x.isdigit() else 0)[0]
-        return ids[first], ""
+        name = parse_ncu_kernel_names(out).get(first, "")
+        if name and not kernel_matches(target.kernel, name):
+            return {}, f"ncu profiled {name[:120]!r}, not {target.kernel}: check the --kernel-name filter", ""
+        return ids[first], "", errors
 
-    def measure(self, case: Case) -> tuple[dict, str]:
-        measured, error = self._profile(case, self.metrics, "all")
-        if measured or not self.metrics:
-            return measured, error
-        if self.print_units:  # an older ncu without --print-units?
-            self.print_units = False
-            measured, error2 = self._profile(case, self.metrics, "all_nounits")
-            if measured:
-                self.log("  note: ncu rejected --print-units base; units are converted from the CSV")
-                return measured, ""
-            self.print_units = True
-        if not re.search(r"metric", error, re.I):
+    def _drop(self, metric: str, why: str):
+        self.dropped[metric] = why
+        self.log(f"  dropped {metric}: {why}")
+
+    @staticmethod
+    def _about_metrics(errors: str) -> bool:
+        return re.search(r"metric", errors, re.I) is not None
+
+    def measure(self, target: Target) -> tuple[dict, str]:
+        metrics = [m for m in metrics_for(target) if m not in self.dropped]
+        if not metrics:
+            return {}, "no metric left to measure"
+        measured, error, errors = self._profile(target, metrics, "all")
+        if not measured and self.print_units and re.search(r"print-units", errors):
+            self.print_units = False  # an older ncu without --print-units: units are converted from the CSV
+            self.log("  note: ncu rejected --print-units base; units are converted from the CSV")
+            measured, error, errors = self._profile(target, metrics, "all_nounits")
+        # ncu names the metric it does not know: drop it and retry (one run per unknown metric)
+        for attempt in range(len(metrics)):
+            if measured or not self._about_metrics(errors):
+                break
+            named = rejected_metrics(errors, metrics)
+            if not named or len(named) == len(metrics):
+                break
+            for m in named:
+                self._drop(m, "ncu: " + next((ln.strip() for ln in errors.splitlines()
+                                                if m.split(".")[0] in ln), "rejected")[:160])
+                metrics.remove(m)
+            measured, error, errors = self._profile(target, metrics, f"retry{attempt + 1}")
+        if measured:
+            self.accepted.update(m for m in metrics if m in measured)
+            return measured, ""
+        if not self._about_metrics(errors):
             return {}, error  # the driver or the filter failed, not a metric name: probing would not help
-        # probe metric by metric once: keep the ones this ncu accepts
+        # probe the metrics not known to be good one by one; keep the ones this ncu accepts
         self.log(f"  ncu failed with all metrics ({error}); probing them one by one")
-        good, merged = [], {}
-        for m in self.metrics:
-            one, err = self._profile(case, [m], "probe_" + m.split(".")[0])
+        good = [m for m in metrics if m in self.accepted]
+        failed = {}
+        for m in [m for m in metrics if m not in self.accepted]:
+            one, err, _ = self._profile(target, [m], "probe_" + m.split(".")[0])
             if m in one:
                 good.append(m)
-                merged.update(one)
+                self.accepted.add(m)
             else:
-                self.dropped[m] = err or "not reported"
-                self.log(f"  dropped {m}: {self.dropped[m]}")
-        self.metrics = good
+                failed[m] = err or "not reported"
+        if not good:  # nothing works alone either: the run is broken, not the names; drop nothing
+            return {}, error
+        for m, why in failed.items():
+            self._drop(m, why)
+        merged, error, _ = self._profile(target, good, "good")
         return merged, "" if merged else error
 
 
@@ -371,6 +717,7 @@ class Profiler:
 
 @dataclass
 class Row:
+    kernel: str
     case: str
     metric: str
     what: str
@@ -378,6 +725,7 @@ class Row:
     measured: float | None
     target: object
     note: str
+    ran: bool = False  # ncu measured this target (so a missing value was not reported, not pending)
 
     @property
     def error(self) -> float | None:
@@ -392,7 +740,9 @@ class Row:
         if self.target is None:
             return "info"
         if self.measured is None:
-            return "pending" if self.predicted is not None else "-"
+            if self.predicted is None:
+                return "-"
+            return "not reported" if self.ran else "pending"
         if self.predicted is None:
             return "-"
         if self.target == "exact":
@@ -428,16 +778,33 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "Generated by `python -m cuflash.simulator.validate` (simulator/validate.py); do not edit the tables",
         "by hand, re-run the script (or `--from-raw` on the kept ncu output).",
         "",
-        "What is compared, per configuration of `fwd_kernel` (one profiled launch after one warm-up, caches",
-        "flushed by `--cache-control all`, clocks not locked by `--clock-control none`):",
+        "**Where the numbers come from.** The *predicted* column is the analyzer (cuflash.simulator, no GPU:",
+        "the same tile configs as the kernels, their shared-memory walks and global-access counts). The",
+        "*measured* column comes from running the script on the H100 with Nsight Compute (`ncu`); the `device`",
+        "and `ncu` lines below name the GPU and profiler of that run (`measurements: pending` means a dry run",
+        "that has predictions only).",
+        "",
+        "What is compared, per (kernel, configuration): one profiled launch of the kernel after one warm-up",
+        "launch (`--kernel-name regex:<kernel> --launch-skip 1 --launch-count 1`), caches flushed by",
+        "`--cache-control all`, clocks not locked (`--clock-control none`). Kernels: `fwd_kernel`; `bwd_kernel`,",
+        "the backward's K/V-outer main kernel in the default mode (dQ accumulated by fp32",
+        "`red.global.add.v2.f32` into dq_accum), after a forward that provides o and lse; `bwd_dq_kernel`, the",
+        "deterministic backward's Q-outer dQ kernel.",
         "",
         "* global traffic: `l1tex__m_xbar2l1tex_read_bytes` (L2 -> SM) is what the kernel's global loads",
         "  become; the L2 absorbs K/V re-reads, so `dram__bytes_read` is compared with the LRU L2 model",
-        "  instead. Stores: `l1tex__m_l1tex2xbar_write_bytes` (spills would add local stores; expected 0).",
-        "* shared memory: every instruction of the kernel walked by `banks.fwd_kernel_shared` with the",
-        "  hardware bank rule (DESIGN.md section 6). `..._op_ld` counts LDS and LDSM together; LDSM also",
-        "  has its own counters. cp.async (LDGSTS) wavefronts follow an undocumented rule that the analyzer",
-        "  models (see simulator/banks.py); its conflict counter always reads 0, so only wavefronts are compared.",
+        "  instead (for the backward kernels the model runs the one kernel from a cold L2).",
+        "  Stores: `l1tex__m_l1tex2xbar_write_bytes` (SM -> L2; for `bwd_kernel` it also carries the dQ",
+        "  reductions' payload) and `l1tex__t_bytes_pipe_lsu_mem_global_op_st` (stores only). Spills would",
+        "  add local stores; expected 0.",
+        "* dQ atomics of `bwd_kernel`: a RED is not a load, it sends its data SM -> L2 where the L2 adds it,",
+        "  so it is compared with the reduction counters (`..._op_red`: requests, bytes at L1, SM -> L2",
+        "  bytes, L2 sectors), not with the L2 -> SM reads.",
+        "* shared memory: every instruction of the kernel walked by `banks.fwd_kernel_shared`,",
+        "  `banks.bwd_kernel_shared` or `banks.dq_kernel_shared` with the hardware bank rule (DESIGN.md",
+        "  section 6). `..._op_ld` counts LDS and LDSM together; LDSM also has its own counters. cp.async",
+        "  (LDGSTS) wavefronts follow an undocumented rule that the analyzer models (see simulator/banks.py);",
+        "  its conflict counter always reads 0, so only wavefronts are compared.",
         "* error = (measured - predicted) / predicted, or measured - predicted for exact counts.",
         "",
     ]
@@ -447,50 +814,63 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         lines.append("Metrics this ncu did not accept (dropped): " + ", ".join(f"`{m}` ({e})" for m, e in dropped.items()))
         lines.append("")
     if failures:
-        lines.append("Configurations without measurements:")
+        lines.append("Targets without measurements:")
         lines += [f"- {c}: {e}" for c, e in failures.items()]
         lines.append("")
-    lines += ["| config | metric | predicted | measured | error | target | met | note |",
-              "|---|---|---:|---:|---:|---|---|---|"]
+    lines += ["| kernel | config | metric | predicted | measured | error | target | met | note |",
+              "|---|---|---|---:|---:|---:|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r.case} | {r.what}<br>`{r.metric}` | {_fmt(r.predicted)} | {_fmt(r.measured)} | "
+        lines.append(f"| {r.kernel} | {r.case} | {r.what}<br>`{r.metric}` | {_fmt(r.predicted)} | {_fmt(r.measured)} | "
                      f"{_fmt_err(r)} | {_target(r.target)} | {r.verdict} | {r.note} |")
     met = [r for r in rows if r.verdict in ("yes", "NO")]
     missed = [r for r in met if r.verdict == "NO"]
     lines += ["", f"Targets met: {len(met) - len(missed)} of {len(met)} compared rows."]
+    by_kernel = {}
+    for r in met:
+        k = by_kernel.setdefault(r.kernel, [0, 0])
+        k[0] += r.verdict == "yes"
+        k[1] += 1
+    if by_kernel:
+        lines.append("By kernel: " + "; ".join(f"{k} {a} of {n}" for k, (a, n) in by_kernel.items()) + ".")
     if missed:
         lines += ["", "Missed targets (explain each below when the document is reviewed):"]
-        lines += [f"- {r.case}: {r.what}: predicted {_fmt(r.predicted)}, measured {_fmt(r.measured)} ({_fmt_err(r)})"
-                  for r in missed]
+        lines += [f"- {r.kernel} | {r.case}: {r.what}: predicted {_fmt(r.predicted)}, measured {_fmt(r.measured)} "
+                  f"({_fmt_err(r)})" for r in missed]
     return "\n".join(lines) + "\n"
 
 
 def _print_table(rows: list[Row]) -> None:
-    head = ("config", "metric", "predicted", "measured", "error", "target", "met")
-    data = [(r.case, r.what, _fmt(r.predicted), _fmt(r.measured), _fmt_err(r),
-             _target(r.target), r.verdict) for r in rows]
+    head = ("metric", "predicted", "measured", "error", "target", "met")
+    data = [(r.what, _fmt(r.predicted), _fmt(r.measured), _fmt_err(r), _target(r.target), r.verdict) for r in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *data)] if data else [len(h) for h in head]
     for row in [head, tuple("-" * w for w in widths)] + data:
-        print("  ".join(x.ljust(w) for x, w in zip(row, widths)))
+        print("  " + "  ".join(x.ljust(w) for x, w in zip(row, widths)))
 
 
-def _stem(case: Case, tag: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{case.name}_{tag}")
+def _stem(target: Target | Case, tag: str) -> str:
+    """Raw-output file stem: '<kernel>_<config>__<tag>' (the double underscore keeps one config's files
+    apart from a config whose name extends it, e.g. '... fp16' and '... fp16 causal')."""
+    if isinstance(target, Case):
+        target = Target("fwd_kernel", target)
+    base = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{target.label} {target.case.name}").strip("_")
+    return f"{base}__{tag}"
 
 
-def read_raw(raw_dir: Path, case: Case) -> dict:
-    """Measurements of one case from kept ncu output (the full run, else the per-metric probes)."""
+def read_raw(raw_dir: Path, target: Target | Case) -> dict:
+    """Measurements of one target from kept ncu output (the full run, else retries and probes)."""
     merged = {}
-    for f in sorted(raw_dir.glob(_stem(case, "") + "*.stdout.txt")):
+    for f in sorted(raw_dir.glob(_stem(target, "") + "*.stdout.txt")):
         ids = parse_ncu_csv(f.read_text())
         if ids:
             merged.update(ids[sorted(ids, key=lambda x: int(x) if x.isdigit() else 0)[0]])
     return merged
 
 
-def build_rows(case: Case, predicted: dict, measured: dict) -> list[Row]:
-    return [Row(case.name, m, what, predicted[m][0], measured.get(m), target, predicted[m][1])
-            for m, (what, target) in METRICS.items()]
+def build_rows(target: Target | Case, predicted: dict, measured: dict, ran: bool = False) -> list[Row]:
+    if isinstance(target, Case):
+        target = Target("fwd_kernel", target)
+    return [Row(target.label, target.case.name, m, what, predicted[m][0], measured.get(m), tol, predicted[m][1], ran)
+            for m, (what, tol) in metrics_for(target).items()]
 
 
 def _device_header(ncu: str) -> dict:
@@ -505,13 +885,32 @@ def _device_header(ncu: str) -> dict:
     return out
 
 
+def select_targets(set_name: str, only: list[int] | None, kernels: list[str] | None) -> list[Target]:
+    targets = CASES[set_name]
+    if only:
+        bad = [i for i in only if not 0 <= i < len(targets)]
+        if bad:
+            raise ValueError(f"--only {bad}: indices must be in 0..{len(targets) - 1} (see --list)")
+        targets = [targets[i] for i in only]
+    if kernels:
+        targets = [t for t in targets if t.kernel in kernels]
+    return targets
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cuflash.simulator.validate", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="markdown file to write (e.g. docs/IO_VALIDATION.md)")
-    ap.add_argument("--cases", choices=tuple(CASES), default="full")
-    ap.add_argument("--only", type=int, nargs="+", default=None, metavar="I", help="run only these case indices")
+    ap.add_argument("--out", required=False, help="markdown file to write (e.g. docs/IO_VALIDATION.md)")
+    ap.add_argument("--cases", choices=tuple(CASES), default="default",
+                    help="target set (default: default, forward and backward, a few minutes of ncu on an H100)")
+    ap.add_argument("--only", type=int, nargs="+", default=None, metavar="I", help="run only these target indices")
+    ap.add_argument("--kernels", nargs="+", choices=KERNELS, default=None, help="run only targets of these kernels")
+    ap.add_argument("--list", action="store_true", help="list the targets of --cases with their indices and exit")
     ap.add_argument("--ncu", default=os.environ.get("NCU", "ncu"), help="ncu executable (default: ncu or $NCU)")
-    ap.add_argument("--timeout", type=int, default=420, help="seconds per ncu run")
+    ap.add_argument("--timeout", type=int, default=300, help="seconds per ncu run (default 300)")
+    ap.add_argument("--budget-s", type=float, default=None, metavar="S",
+                    help="start no new target after S seconds (prewarm included); the rest is listed as skipped")
+    ap.add_argument("--no-prewarm", action="store_true", help="do not compile the kernels before profiling")
+    ap.add_argument("--prewarm-timeout", type=int, default=900, help="seconds per kernel compile (default 900)")
     ap.add_argument("--l2-bytes", type=int, default=H100_L2_BYTES)
     ap.add_argument("--num-sms", type=int, default=H100_SMS)
     ap.add_argument("--raw-dir", default="out/ncu_raw", help="where raw ncu output and rows.json go (default: out/ncu_raw)")
@@ -519,53 +918,97 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print predictions and ncu commands only")
     args = ap.parse_args(argv)
 
-    cases = CASES[args.cases]
-    if args.only:
-        bad = [i for i in args.only if not 0 <= i < len(cases)]
-        if bad:
-            ap.error(f"--only {bad}: indices must be in 0..{len(cases) - 1}")
-        cases = [cases[i] for i in args.only]
+    try:
+        targets = select_targets(args.cases, args.only, args.kernels)
+    except ValueError as e:
+        ap.error(str(e))
+    if args.list:
+        for i, t in enumerate(CASES[args.cases]):
+            print(f"{i:3d}  {t.name}")
+        return 0
+    if not args.out:
+        ap.error("--out is required (e.g. --out docs/IO_VALIDATION.md)")
+    if not targets:
+        ap.error("no target selected")
     out = Path(args.out)
     raw_dir = Path(args.raw_dir)
-    header = {"date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"), "command": " ".join(["python -m cuflash.simulator.validate"] + (argv if argv is not None else sys.argv[1:])),
+    kept_dropped: dict = {}
+    header = {"date": _dt.datetime.now().strftime("%Y-%m-%d %H:%M"),
+              "command": " ".join(["python -m cuflash.simulator.validate"] + (argv if argv is not None else sys.argv[1:])),
               "L2 model": f"{args.l2_bytes / 2**20:.0f} MiB, {args.num_sms} SMs"}
     if args.dry_run:
-        header["measurements"] = "pending: predictions only (--dry-run); run the script on the H100"
+        header["measurements"] = "pending: predictions only (--dry-run); the measured columns are filled by running " \
+                                 "the script on the H100"
+    elif args.from_raw:
+        kept = Path(args.from_raw) / "run.json"  # the device, ncu and timing lines of the run that measured
+        if kept.is_file():
+            try:
+                run = json.loads(kept.read_text())
+                header.update({f"run {k}" if k in ("date", "command") else k: v for k, v in run["header"].items()
+                               if k != "measurements"})
+                kept_dropped = dict(run.get("dropped", {}))
+            except (ValueError, KeyError, TypeError):
+                pass
+        header["measurements"] = f"rebuilt from the kept ncu output in {args.from_raw}" + \
+            ("" if "device" in header else " (the H100 run)")
     if not (args.dry_run or args.from_raw):
         if shutil.which(args.ncu) is None:
             print(f"error: ncu not found ({args.ncu!r}); set --ncu or $NCU", file=sys.stderr)
             return 2
         header.update(_device_header(args.ncu))
+        header["measurements"] = "ncu on the device above"
     profiler = None if (args.dry_run or args.from_raw) else Profiler(args.ncu, raw_dir, args.timeout)
+    t_start = time.perf_counter()
+    if profiler is not None and not args.no_prewarm:
+        ok, msg = prewarm(targets, args.prewarm_timeout)
+        print(("" if ok else "warning: ") + msg + ("" if ok else "; the drivers compile on first use instead"),
+              flush=True)
+        header["prewarm"] = msg
 
     rows, failures = [], {}
-    for i, case in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {case.name}", flush=True)
-        predicted = predict(case, args.l2_bytes, args.num_sms)
-        measured = {}
-        if args.dry_run:
-            print("  " + shlex.join(ncu_command(args.ncu, case, list(METRICS))[:-1]) + " '<driver>'")
+    if not args.dry_run:
+        raw_dir.mkdir(parents=True, exist_ok=True)
+    for i, target in enumerate(targets):
+        print(f"[{i + 1}/{len(targets)}] {target.name}", flush=True)
+        predicted = predict(target, args.l2_bytes, args.num_sms)
+        measured, ran = {}, False
+        if profiler is not None and args.budget_s is not None and time.perf_counter() - t_start > args.budget_s:
+            failures[target.name] = f"skipped: --budget-s {args.budget_s:g} reached"
+            print("  " + failures[target.name], flush=True)
+        elif args.dry_run:
+            print("  " + shlex.join(ncu_command(args.ncu, target, list(metrics_for(target)))[:-1]) + " '<driver>'")
         elif args.from_raw:
-            measured = read_raw(Path(args.from_raw), case)
+            measured = read_raw(Path(args.from_raw), target)
+            ran = bool(measured)
             if not measured:
-                failures[case.name] = f"no ncu rows for this case in {args.from_raw}"
+                failures[target.name] = f"no ncu rows for this target in {args.from_raw}"
         else:
+            t0 = time.perf_counter()
             try:
-                measured, error = profiler.measure(case)
-            except Exception as e:  # keep going: one config must not cost the whole run
+                measured, error = profiler.measure(target)
+            except Exception as e:  # keep going: one target must not cost the whole run
                 measured, error = {}, f"{type(e).__name__}: {e}"
+            ran = bool(measured)
+            print(f"  ncu: {time.perf_counter() - t0:.1f} s", flush=True)
             if not measured:
-                failures[case.name] = error
+                failures[target.name] = error
                 print(f"  no measurements: {error}", flush=True)
-        case_rows = build_rows(case, predicted, measured)
-        _print_table(case_rows)
-        rows += case_rows
-        out.parent.mkdir(parents=True, exist_ok=True)  # write after every case: a crash keeps the rest
-        out.write_text(markdown(rows, header, profiler.dropped if profiler else {}, failures))
-    raw_dir.mkdir(parents=True, exist_ok=True)
-    with open(raw_dir / "rows.json", "w") as f:
-        json.dump([r.__dict__ | {"error": r.error, "verdict": r.verdict} for r in rows], f, indent=1, default=str)
-    print(f"wrote {out} ({len(rows)} rows) and {raw_dir / 'rows.json'}")
+        target_rows = build_rows(target, predicted, measured, ran)
+        _print_table(target_rows)
+        rows += target_rows
+        dropped = profiler.dropped if profiler else kept_dropped
+        if profiler is not None:
+            header["ncu runs"] = f"{profiler.runs} runs, {profiler.seconds:.0f} s of ncu wall time"
+            (raw_dir / "run.json").write_text(json.dumps({"header": header, "dropped": dropped}, indent=1))
+        # write after every target: a run cut short keeps what it measured
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(markdown(rows, header, dropped, failures))
+        if not args.dry_run:  # (a dry run must not overwrite the rows of a measuring run)
+            with open(raw_dir / "rows.json", "w") as f:
+                json.dump([r.__dict__ | {"error": r.error, "verdict": r.verdict} for r in rows], f, indent=1, default=str)
+    met = [r for r in rows if r.verdict in ("yes", "NO")]
+    print(f"wrote {out} ({len(rows)} rows; targets met {sum(r.verdict == 'yes' for r in met)} of {len(met)})"
+          + ("" if args.dry_run else f" and {raw_dir / 'rows.json'}") + f"; {time.perf_counter() - t_start:.0f} s")
     return 0
 
 

@@ -1,11 +1,19 @@
-"""The ncu validation script, without a GPU: CSV parsing, predictions, and a whole run against a fake ncu."""
+"""The ncu validation script, without a GPU: CSV parsing, predictions (forward and backward), the profiled
+drivers (run here against stand-ins for CuPy and the kernels), and whole runs against a fake ncu."""
 import json
+import re
 import stat
 import sys
+import types
 
+import numpy as np
 import pytest
 
+import cuflash
+from cuflash import _compile
+from cuflash import config as C
 from cuflash.simulator import simulate, validate
+from cuflash.simulator.strategies import cuflash_backward_kernels, seqlen_q_pad
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -41,6 +49,7 @@ def test_csv_parser_reads_ncu_rows_among_other_output():
     assert m["launch__grid_size"] == 512
     assert m["gpu__time_duration.sum"] == pytest.approx(1_234_500), "usecond must be converted to ns"
     assert "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum" not in m, "'n/a' must be skipped, not parsed as 0"
+    assert "fwd_kernel" in validate.parse_ncu_kernel_names(text)["0"]
 
 
 @pytest.mark.parametrize("text,value", [("1,234,567", 1234567.0), ("12.5", 12.5), ("0", 0.0), ("1,234.75", 1234.75),
@@ -53,72 +62,405 @@ def test_csv_parser_without_rows_returns_empty():
     assert validate.parse_ncu_csv("==ERROR== Failed to find metric foo\n") == {}
 
 
-@pytest.mark.parametrize("case", validate.CASES["full"], ids=lambda c: c.name)
-def test_predicted_global_reads_equal_the_strategy_counts(case):
+@pytest.mark.parametrize("kernel,name,ok", [
+    ("bwd_kernel", "bwd_kernel", True),
+    ("bwd_kernel", "void cuflash::bwd_kernel<cuflash::BwdTraits<64, 32, 128, 8, 1, cuflash::f16>, false, false>"
+                   "(cuflash::BwdParams)", True),
+    ("bwd_kernel", "_ZN7cuflash10bwd_kernelINS_9BwdTraitsILi64ELi32E", True),
+    ("bwd_kernel", "void cuflash::bwd_dq_kernel<cuflash::DqTraits<128, 128, 32, 8, cuflash::f16>, true>", False),
+    ("bwd_kernel", "_ZN7cuflash13bwd_dq_kernelINS_8DqTraits", False),
+    ("bwd_kernel", "void cuflash::bwd_preprocess_kernel<cuflash::f16>(cuflash::BwdParams)", False),
+    ("bwd_dq_kernel", "void cuflash::bwd_dq_kernel<cuflash::DqTraits<128, 128, 32, 8, cuflash::f16>, true>", True),
+    ("fwd_kernel", "fwd_kernel", True),
+])
+def test_kernel_name_check(kernel, name, ok):
+    assert validate.kernel_matches(kernel, name) is ok
+    if not name.startswith("_Z"):  # the --kernel-name regex:<kernel> filter (a search) selects the same kernels
+        assert (re.search(kernel, name) is not None) is ok
+
+
+def test_rejected_metric_names_are_read_from_ncu_errors():
+    metrics = ["l1tex__m_l1tex2xbar_write_bytes.sum", "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum",
+               "lts__t_sectors_op_red.sum"]
+    text = ("==PROF== Connected to process 1\n==ERROR== Failed to find metric "
+            "regex:^l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red\\.(sum|min|max|avg|pct|ratio|max_rate)$\n")
+    assert validate.rejected_metrics(text, metrics) == [metrics[1]], "a prefix of the bad name must not be dropped"
+    assert validate.rejected_metrics("==ERROR== Failed to find metric lts__t_sectors_op_red.sum", metrics) == [metrics[2]]
+    assert validate.rejected_metrics("==ERROR== the application returned an error code (1)", metrics) == []
+
+
+# ---- predictions --------------------------------------------------------------------------------
+
+FWD_TARGETS = [t for t in validate.CASES["full"] if t.kernel == "fwd_kernel"]
+BWD_TARGETS = [t for t in validate.CASES["full"] if t.is_backward]
+
+
+def test_default_set_covers_what_the_validation_needs():
+    ts = validate.CASES["default"]
+    bwd = [t for t in ts if t.kernel == "bwd_kernel" and not t.deterministic]
+    assert {t.case.head_dim for t in bwd} >= {64, 128}
+    assert any(t.case.causal for t in bwd) and any(t.case.seqlen_q != t.case.seqlen_k for t in bwd)
+    assert any(t.case.seqlen_q % 32 or t.case.seqlen_k % 128 for t in bwd), "a backward case with tails"
+    assert {t.case.dtype for t in bwd} == {"fp16", "bf16"}
+    assert any(t.kernel == "bwd_dq_kernel" for t in ts)
+    assert all(max(t.case.seqlen_q, t.case.seqlen_k) <= 2048 and t.case.batch * t.case.heads <= 32 for t in ts), \
+        "the default set must stay small (a few minutes of ncu)"
+    assert len({t.name for t in validate.CASES["full"]}) == len(validate.CASES["full"]), "target names must be unique"
+
+
+@pytest.mark.parametrize("target", FWD_TARGETS, ids=lambda t: t.name)
+def test_predicted_global_reads_equal_the_strategy_counts(target):
     """Every validated head dim has sector-aligned rows, so the sector count equals the byte count."""
+    case = target.case
     reads, writes = validate.predicted_global_bytes(case)
     c = simulate("cuflash", case.problem())
     assert reads == c.hbm_read_bytes, f"{case.name}: sector reads {reads} != counted {c.hbm_read_bytes}"
     assert writes >= c.hbm_write_bytes, f"{case.name}: sector writes {writes} < bytes {c.hbm_write_bytes}"
+    pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
+    assert set(pred) == set(validate.metrics_for(target)), "a prediction (or None) for every compared metric"
+    assert not any(m in pred for m in validate.RED_METRICS), "the forward has no atomics"
 
+
+def _sectors(first_byte: np.ndarray, nbytes: int) -> int:
+    return int(((first_byte + nbytes - 1) // 32 - first_byte // 32 + 1).sum())
+
+
+def _bshd_rows(b, h, s, d, e, rows):
+    """First bytes of rows `rows` of every (batch, head) of a contiguous bshd tensor."""
+    bb, hh, rr = np.meshgrid(np.arange(b), np.arange(h), np.asarray(rows), indexing="ij")
+    return (((bb * s + rr) * h + hh) * d * e).ravel()
+
+
+def _brute_force_bwd_kernel_reads(case):
+    """Every global load of bwd_kernel, access by access, in 32-byte sectors (cp.async.cg skips L1)."""
+    p = case.problem()
+    cfg = C.bwd_config(C.kernel_head_dim(p.head_dim), p.dtype, p.causal, False)
+    b, h, sq, sk, d, e = p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
+    pad, diag = seqlen_q_pad(sq), sk - sq
+    total = 0
+    m_end = -(-sq // cfg.block_m)
+    for n_block in range(-(-sk // cfg.block_n)):
+        n0 = n_block * cfg.block_n
+        keys = range(n0, min(n0 + cfg.block_n, sk))
+        m_begin = max(0, n0 - diag) // cfg.block_m if p.causal else 0
+        if m_begin >= m_end:
+            continue
+        total += 2 * _sectors(_bshd_rows(b, h, sk, d, e, keys), d * e)  # K, V
+        for m in range(m_begin, m_end):
+            rows = range(m * cfg.block_m, min((m + 1) * cfg.block_m, sq))
+            total += 2 * _sectors(_bshd_rows(b, h, sq, d, e, rows), d * e)  # Q, dO
+            # lse_log2, delta: BLOCK_M floats each, in 16-byte chunks of the threads tid < BLOCK_M / 2 (one or
+            # two warp instructions; a sector that two lanes of one instruction share is fetched once)
+            vec = (np.arange(b * h) * pad + m * cfg.block_m) * 4
+            total += 2 * _sectors(vec, cfg.block_m * 4)
+    return total * 32
+
+
+def _brute_force_dq_kernel_reads(case):
+    p = case.problem()
+    cfg = C.dq_config(C.kernel_head_dim(p.head_dim), p.dtype, p.causal)
+    b, h, sq, sk, d, e = p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
+    pad, diag = seqlen_q_pad(sq), sk - sq
+    total = 0
+    for m in range(-(-sq // cfg.block_m)):
+        rows = range(m * cfg.block_m, min((m + 1) * cfg.block_m, sq))
+        last = rows[-1]
+        n_blocks = -(-sk // cfg.block_n)
+        if p.causal:
+            n_blocks = min(n_blocks, (last + diag) // cfg.block_n + 1) if last + diag >= 0 else 0
+        if n_blocks <= 0:
+            continue
+        total += 2 * _sectors(_bshd_rows(b, h, sq, d, e, rows), d * e)  # Q, dO
+        # lse_log2[r], delta[r]: per warp, lanes of one g read one float; 8 rows per instruction
+        vec = (np.arange(b * h)[:, None] * pad + m * cfg.block_m + np.arange(0, cfg.block_m, 8)[None, :]) * 4
+        total += 2 * _sectors(vec.ravel(), 32)
+        for n in range(n_blocks):
+            keys = range(n * cfg.block_n, min((n + 1) * cfg.block_n, sk))
+            total += 2 * _sectors(_bshd_rows(b, h, sk, d, e, keys), d * e)  # K, V
+    return total * 32
+
+
+@pytest.mark.parametrize("case", [validate.Case(1, 2, 100, 150, 64, causal=True), validate.Case(2, 3, 150, 100, 128),
+                                  validate.Case(1, 2, 1000, 1500, 64, "bf16"),
+                                  validate.Case(1, 2, 300, 200, 96, causal=True)], ids=lambda c: c.name)
+def test_backward_read_predictions_equal_a_sector_by_sector_count(case):
+    pb = validate.predict(validate.Target("bwd_kernel", case), validate.H100_L2_BYTES, validate.H100_SMS)
+    assert pb["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_bwd_kernel_reads(case)
+    pd = validate.predict(validate.Target("bwd_dq_kernel", case), validate.H100_L2_BYTES, validate.H100_SMS)
+    assert pd["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_dq_kernel_reads(case)
+
+
+@pytest.mark.parametrize("target", BWD_TARGETS, ids=lambda t: t.name)
+def test_backward_predictions_are_consistent(target):
+    p = target.case.problem()
+    pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
+    assert set(pred) == set(validate.metrics_for(target))
+    kt = {k.name: k for k in cuflash_backward_kernels(p, True, target.deterministic)}[target.kernel]
+    v = {m: x for m, (x, _) in pred.items()}
+    assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == kt.read_bytes
+    assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == kt.write_bytes
+    assert v["launch__grid_size"] == int(np.prod(kt.grid)) and v["launch__block_size"] == kt.threads
+    assert v["dram__bytes_read.sum"] > 0
+    if target.kernel == "bwd_kernel" and not target.deterministic:
+        red = kt.atomic_bytes
+        assert red > 0
+        assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
+        assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] * 256 == red
+        assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == red
+        assert v["lts__t_sectors_srcunit_tex_op_red.sum"] * 32 == red
+        # the dq_accum rows the visited query blocks cover are read from DRAM before the L2 adds
+        assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
+    else:
+        assert not any(m in pred for m in validate.RED_METRICS)
+        assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes
+    assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum",
+                              "smsp__sass_inst_executed_op_ldgsts.sum", "smsp__inst_executed_op_ldsm.sum")) > 0
+    # the shared-memory rows come from the same walks as the strategy's bank-conflict count (which adds
+    # bwd_dq_kernel's walk to bwd_kernel's in the deterministic backward)
+    c = simulate("cuflash", p, backward=True, deterministic=target.deterministic)
+    conflicts = (v["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"]
+                 + v["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"])
+    assert conflicts == c.bank_conflicts if not target.deterministic else conflicts <= c.bank_conflicts
+
+
+def test_targets_reject_what_the_backward_predictions_cannot_count():
+    with pytest.raises(ValueError, match="head_dim"):
+        validate.Target("bwd_kernel", validate.Case(1, 1, 64, 64, 40))
+    with pytest.raises(ValueError, match="kernel"):
+        validate.Target("bwd_convert_dq_kernel", validate.Case(1, 1, 64, 64, 64))
+    assert validate.Target("bwd_dq_kernel", validate.Case(1, 1, 64, 64, 64)).deterministic
+
+
+def test_kernel_configs_are_what_the_driver_launches():
+    t = validate.Target("bwd_kernel", validate.Case(1, 2, 100, 150, 64, "bf16", causal=True))
+    names = [c.cpp_name() for c in validate.kernel_configs(t)]
+    assert names == [C.fwd_config(64, "bf16", True).cpp_name(), C.ElementwiseConfig("preprocess", "bf16").cpp_name(),
+                     C.bwd_config(64, "bf16", True, False).cpp_name(),
+                     C.ElementwiseConfig("convert_dq", "bf16").cpp_name()]
+    t = validate.Target("bwd_dq_kernel", validate.Case(1, 2, 100, 150, 128))
+    assert validate.kernel_configs(t)[-1] == C.dq_config(128, "fp16", False)
+    assert C.bwd_config(128, "fp16", False, True) in validate.kernel_configs(t)
+
+
+# ---- the profiled driver and the prewarm, against stand-ins -----------------------------------------
+
+def _fake_cupy():
+    cp = types.ModuleType("cupy")
+    cp.float32, cp.abs = np.float32, np.abs
+
+    class RandomState:
+        def __init__(self, seed):
+            self.rs = np.random.RandomState(seed)
+
+        def standard_normal(self, shape, dtype):
+            return self.rs.standard_normal(shape).astype(dtype)
+
+    cp.random = types.SimpleNamespace(RandomState=RandomState)
+    cp.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(deviceSynchronize=lambda: None))
+    return cp
+
+
+@pytest.mark.parametrize("target", validate.CASES["quick"] + [validate.Target("fwd_kernel", validate.Case(
+    1, 2, 100, 150, 64, "bf16", causal=True))], ids=lambda t: t.name)
+def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, capsys):
+    calls = []
+
+    def fwd(q, k, v, *, causal=False):
+        calls.append(("fwd", q.shape, k.shape, q.dtype.name, causal))
+        b, sq, h, d = q.shape
+        return q.copy(), np.zeros((b, h, sq), np.float32)
+
+    def bwd(do, q, k, v, o, lse, *, causal=False, deterministic=False):
+        calls.append(("bwd", do.shape, lse.shape, causal, deterministic))
+        return q.copy(), k.copy(), v.copy()
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
+    monkeypatch.setattr(cuflash, "attention_forward", fwd)
+    monkeypatch.setattr(cuflash, "attention_backward", bwd)
+    exec(compile(validate.driver_code(target), "<driver>", "exec"), {"__name__": "__main__"})
+    c = target.case
+    q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
+    want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
+    if target.kernel == "fwd_kernel":
+        assert calls == [want_fwd] * 2, "the forward twice: --launch-skip 1 profiles the second"
+    else:
+        assert calls == [want_fwd] + [("bwd", q_shape, (c.batch, c.heads, c.seqlen_q), c.causal,
+                                       target.deterministic)] * 2, "one forward, then the backward twice"
+    assert "cuflash-validate-driver: ok" in capsys.readouterr().err
+
+
+def test_prewarm_code_compiles_every_instantiation(monkeypatch, capsys):
+    seen = []
+    monkeypatch.setattr(_compile, "device_arch", lambda device_id=None: "sm_90a")
+    monkeypatch.setattr(_compile, "compile_kernel", lambda n, arch, use_cache=True: seen.append((n, arch)))
+    names = list(dict.fromkeys(c.cpp_name() for t in validate.CASES["default"] for c in validate.kernel_configs(t)))
+    exec(compile(validate.PREWARM.format(names=names, jobs=4), "<prewarm>", "exec"), {"__name__": "__main__"})
+    assert sorted(seen) == sorted((n, "sm_90a") for n in names)
+    assert f"compiled or loaded {len(names)} kernels" in capsys.readouterr().out
+
+
+# ---- whole runs against a fake ncu -----------------------------------------------------------------
 
 FAKE_NCU = r'''
-import sys
+import json, re, sys
 args = sys.argv[1:]
 if "--version" in args:
     print("NVIDIA (R) Nsight Compute Command Line Profiler\nVersion 2025.3.0.0 (fake)")
     sys.exit(0)
+with open({log!r}, "a") as f:
+    f.write(json.dumps(args[:-1]) + "\n")
 metrics = args[args.index("--metrics") + 1].split(",")
-values = {values}
+kernel = args[args.index("--kernel-name") + 1].split(":", 1)[1]
+values = {values!r}
 reject = {reject!r}
-if reject in metrics and len(metrics) > 1:
-    print("==ERROR== Failed to find metric " + reject, file=sys.stderr)
-    sys.exit(1)
+name = {name!r} or "void cuflash::%s<Traits>(Params)" % kernel
 if reject in metrics:
-    print("==ERROR== Failed to find metric " + reject, file=sys.stderr)
+    print("==PROF== Connected to process 1 (python)")
+    if {anonymous!r}:  # an error that does not say which metric
+        print("==ERROR== Failed to collect the requested metrics", file=sys.stderr)
+    else:
+        print("==ERROR== Failed to find metric regex:^" + reject.split(".")[0] + r"\.(sum|min|max|avg|pct|ratio|max_rate)$",
+              file=sys.stderr)
     sys.exit(1)
 print("==PROF== Connected to process 1 (python)")
 print({header!r})
 for m in metrics:
-    v = values.get(m, 1)
-    print(",".join('"%s"' % x for x in ["1", "1", "python", "h", "fwd_kernel", "1", "7", "(256, 1, 1)", "(16, 16, 2)",
+    v = values.get(kernel, {{}}).get(m, 1)
+    print(",".join('"%s"' % x for x in ["1", "1", "python", "h", name, "1", "7", "(256, 1, 1)", "(16, 16, 2)",
                                         "0", "9.0", "Command line profiler metrics", m, "byte", "{{:,}}".format(v)]))
 '''
 
 
-def _fake_ncu(tmp_path, values, reject="none"):
+def _fake_ncu(tmp_path, values, reject="none", name="", anonymous=False):
     path = tmp_path / "ncu"
-    path.write_text(f"#!{sys.executable}\n" + FAKE_NCU.format(values=values, reject=reject, header=HEADER))
+    log = tmp_path / "ncu_calls.jsonl"
+    path.write_text(f"#!{sys.executable}\n" + FAKE_NCU.format(values=values, reject=reject, header=HEADER, log=str(log),
+                                                              name=name, anonymous=anonymous))
     path.chmod(path.stat().st_mode | stat.S_IEXEC)
-    return str(path)
+    return str(path), log
 
 
-def test_whole_run_against_a_fake_ncu_drops_unknown_metrics(tmp_path):
-    case = validate.CASES["quick"][0]
-    pred = validate.predict(case, validate.H100_L2_BYTES, validate.H100_SMS)
-    values = {m: int(v) for m, (v, _) in pred.items() if v is not None}
-    rejected = "smsp__sass_inst_executed_op_ldgsts.sum"
-    ncu = _fake_ncu(tmp_path, values, reject=rejected)
+def _echo_predictions(targets):
+    """Fake ncu values per kernel: the predictions (each quick target is the only one of its kernel)."""
+    values = {}
+    for t in targets:
+        pred = validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS)
+        values[t.kernel] = {m: int(v) for m, (v, _) in pred.items() if v is not None}
+    return values
+
+
+def test_whole_run_against_a_fake_ncu_forward_and_backward(tmp_path):
+    targets = validate.CASES["quick"]
+    assert [t.kernel for t in targets] == ["fwd_kernel", "bwd_kernel", "bwd_dq_kernel"]
+    rejected = "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum"  # asked for bwd_kernel only
+    ncu, log = _fake_ncu(tmp_path, _echo_predictions(targets), reject=rejected)
     out = tmp_path / "IO_VALIDATION.md"
     raw = tmp_path / "raw"
-    rc = validate.main(["--out", str(out), "--cases", "quick", "--only", "0", "--ncu", ncu, "--timeout", "60",
-                        "--raw-dir", str(raw)])
+    # no --no-prewarm: without a GPU the prewarm fails and the run must go on
+    rc = validate.main(["--out", str(out), "--cases", "quick", "--ncu", ncu, "--timeout", "60", "--raw-dir", str(raw)])
     assert rc == 0
     text = out.read_text()
     assert "| NO |" not in text, f"a fake ncu that echoes the predictions must meet every target:\n{text}"
-    assert rejected in text.split("| config |")[0], "the rejected metric must be listed as dropped"
+    head = text.split("| kernel |")[0]
+    assert rejected in head, "the rejected metric must be listed as dropped"
+    assert "H100" in head and "- prewarm:" in head and "- ncu runs: 4 runs" in head
     rows = json.loads((raw / "rows.json").read_text())
-    met = {r["metric"]: r["verdict"] for r in rows}
-    assert met["l1tex__m_xbar2l1tex_read_bytes.sum"] == "yes"
-    assert met[rejected] == "pending", "a dropped metric has no measurement"
-    assert any(p.name.endswith(".stdout.txt") for p in raw.iterdir())
+    by = {(r["kernel"], r["metric"]): r["verdict"] for r in rows}
+    for k in ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel"):
+        assert by[(k, "l1tex__m_xbar2l1tex_read_bytes.sum")] == "yes"
+        assert by[(k, "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum")] == "yes"
+        assert by[(k, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum")] == "yes"
+    assert by[("bwd_kernel", "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum")] == "yes"
+    assert by[("bwd_kernel", "lts__t_sectors_srcunit_tex_op_red.sum")] == "yes"
+    assert by[("bwd_kernel", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum")] == "yes"
+    assert by[("bwd_kernel", rejected)] == "not reported", "a dropped metric has no measurement"
+    assert ("fwd_kernel", "lts__t_sectors_srcunit_tex_op_red.sum") not in by
+    # ncu calls: forward once; bwd_kernel rejected once, then retried without the bad metric; dq once
+    calls = [json.loads(ln) for ln in log.read_text().splitlines()]
+    kernels = [c[c.index("--kernel-name") + 1] for c in calls if "--kernel-name" in c]
+    assert kernels == ["regex:fwd_kernel", "regex:bwd_kernel", "regex:bwd_kernel", "regex:bwd_dq_kernel"]
+    for c in calls:
+        assert c[c.index("--launch-skip") + 1] == "1" and c[c.index("--launch-count") + 1] == "1"
+        assert "all" == c[c.index("--cache-control") + 1]
+    assert rejected not in calls[-1][calls[-1].index("--metrics") + 1]
     # the kept raw output rebuilds the same table without ncu
     out2 = tmp_path / "again.md"
-    assert validate.main(["--out", str(out2), "--cases", "quick", "--only", "0", "--from-raw", str(raw),
+    assert validate.main(["--out", str(out2), "--cases", "quick", "--from-raw", str(raw),
                           "--raw-dir", str(tmp_path / "raw2")]) == 0
-    assert out2.read_text().split("| config |")[1] == text.split("| config |")[1]
+    head2 = out2.read_text().split("| kernel |")[0]
+    assert "- ncu runs: 4 runs" in head2, "the measuring run's header lines are kept with the raw output"
+    assert rejected in head2, "and so is the list of dropped metrics"
+    table = lambda t: t.split("| kernel |")[1].split("\nTargets met")[0]  # noqa: E731
+    assert table(out2.read_text()).replace("not reported", "pending") == \
+        table(text).replace("not reported", "pending")
+
+
+def test_a_wrong_kernel_under_the_filter_is_a_failure_not_a_measurement(tmp_path):
+    targets = validate.CASES["quick"]
+    ncu, log = _fake_ncu(tmp_path, _echo_predictions(targets), name="void cuflash::bwd_dq_kernel<T, true>(P)")
+    out = tmp_path / "v.md"
+    rc = validate.main(["--out", str(out), "--cases", "quick", "--only", "1", "--ncu", ncu, "--no-prewarm",
+                        "--raw-dir", str(tmp_path / "raw")])
+    assert rc == 0
+    text = out.read_text()
+    assert "Targets without measurements" in text and "not bwd_kernel" in text
+    assert len(log.read_text().splitlines()) == 1, "a filter problem is not a metric problem: no probing"
+
+
+def test_an_unnamed_metric_error_falls_back_to_probing(tmp_path):
+    targets = validate.CASES["quick"]
+    bad = "smsp__sass_inst_executed_op_ldgsts.sum"
+    ncu, log = _fake_ncu(tmp_path, _echo_predictions(targets), reject=bad, anonymous=True)
+    out, raw = tmp_path / "v.md", tmp_path / "raw"
+    assert validate.main(["--out", str(out), "--cases", "quick", "--only", "0", "1", "--ncu", ncu, "--no-prewarm",
+                          "--raw-dir", str(raw)]) == 0
+    rows = {(r["kernel"], r["metric"]): r["verdict"] for r in json.loads((raw / "rows.json").read_text())}
+    assert rows[("fwd_kernel", bad)] == "not reported" and rows[("bwd_kernel", bad)] == "not reported"
+    assert rows[("fwd_kernel", "l1tex__m_xbar2l1tex_read_bytes.sum")] == "yes"
+    assert rows[("bwd_kernel", "lts__t_sectors_srcunit_tex_op_red.sum")] == "yes"
+    n_fwd = len(validate.metrics_for(targets[0]))
+    # fwd: all, one probe per metric, the good ones; bwd: one run, without the metric dropped before
+    assert len(log.read_text().splitlines()) == (1 + n_fwd + 1) + 1
+    assert bad in out.read_text().split("| kernel |")[0]
+
+
+def test_raw_files_of_similar_configs_stay_apart(tmp_path):
+    a = validate.Target("fwd_kernel", validate.Case(2, 16, 2048, 2048, 64))
+    b = validate.Target("fwd_kernel", validate.Case(2, 16, 2048, 2048, 64, causal=True))
+    c = validate.Target("bwd_kernel", validate.Case(2, 16, 2048, 2048, 64))
+    for t, v in ((a, 1), (b, 2), (c, 3)):
+        (tmp_path / f"{validate._stem(t, 'all')}.stdout.txt").write_text(
+            HEADER + "\n" + _row("launch__grid_size", "", str(v)))
+    assert [validate.read_raw(tmp_path, t)["launch__grid_size"] for t in (a, b, c)] == [1, 2, 3]
+
+
+def test_dry_run_and_listing(tmp_path, capsys):
+    out = tmp_path / "dry.md"
+    assert validate.main(["--out", str(out), "--dry-run", "--kernels", "bwd_kernel", "bwd_dq_kernel",
+                          "--raw-dir", str(tmp_path / "raw")]) == 0
+    text = out.read_text()
+    assert "measurements: pending" in text and "the H100" in text
+    assert "| fwd_kernel |" not in text and "| bwd_kernel |" in text and "| bwd_dq_kernel |" in text
+    assert "regex:bwd_kernel" in capsys.readouterr().out
+    assert validate.main(["--list", "--cases", "default"]) == 0
+    listing = capsys.readouterr().out
+    assert "bwd_dq_kernel | b1 h8 N1536x1024 d128 fp16 causal" in listing
+
+
+def test_budget_skips_the_remaining_targets(tmp_path):
+    ncu, log = _fake_ncu(tmp_path, _echo_predictions(validate.CASES["quick"]))
+    out = tmp_path / "v.md"
+    assert validate.main(["--out", str(out), "--cases", "quick", "--ncu", ncu, "--no-prewarm", "--budget-s", "0",
+                          "--raw-dir", str(tmp_path / "raw")]) == 0
+    text = out.read_text()
+    assert text.count("skipped: --budget-s 0 reached") == 3 and not log.exists()
 
 
 def test_missing_ncu_is_a_clear_error(tmp_path, capsys):
     rc = validate.main(["--out", str(tmp_path / "x.md"), "--ncu", str(tmp_path / "no-ncu"), "--raw-dir", str(tmp_path)])
     assert rc == 2 and "ncu not found" in capsys.readouterr().err
+
+
+def test_bad_selection_is_a_clear_error(tmp_path):
+    with pytest.raises(SystemExit):
+        validate.main(["--out", str(tmp_path / "x.md"), "--only", "99", "--dry-run"])
