@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -29,9 +29,9 @@ MAX_SCALE_LOG2 = float(np.finfo(np.float32).max)
 MAX_GRID_YZ = 65535  # heads is gridDim.y and batch gridDim.z of every launch
 
 
-@dataclass(frozen=True)
-class ArrayInfo:
-    """What validation needs to know of an array: shape, dtype, strides in elements, address, device."""
+class ArrayInfo(NamedTuple):
+    """What validation needs to know of an array: shape, dtype, strides in elements, address, device.
+    (A NamedTuple: built on every call, it must be cheap; see docs/PERFORMANCE.md, launch overhead.)"""
 
     name: str
     shape: tuple
@@ -46,8 +46,23 @@ def _type_name(x) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+_ndarray = None  # cupy.ndarray, imported on first use so that validation runs without CuPy
+
+
 def array_info(x, name: str) -> ArrayInfo:
     """Metadata of a CuPy array; a clear TypeError for anything else."""
+    global _ndarray
+    if _ndarray is None:
+        try:
+            import cupy
+        except ImportError:  # pragma: no cover
+            cupy = None
+        _ndarray = cupy.ndarray if cupy is not None else ()
+    if isinstance(x, _ndarray):  # the common case first: four attribute reads
+        item = x.dtype.itemsize
+        st = x.strides
+        strides = tuple([s // item if s % item == 0 else s / item for s in st])
+        return ArrayInfo(name, x.shape, x.dtype, strides, x.data.ptr, x.device.id)
     mod = type(x).__module__ or ""
     if isinstance(x, np.ndarray):
         raise TypeError(f"{name} is a numpy.ndarray on the host; cuflash needs a CuPy array on the GPU: "
@@ -57,16 +72,10 @@ def array_info(x, name: str) -> ArrayInfo:
                         f"with cupy.from_dlpack({name}) (the tensor must be on a CUDA device)")
     if mod.startswith("jax") or mod.startswith("jaxlib"):
         raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a CuPy array: use cupy.from_dlpack({name})")
-    try:
-        import cupy
-    except ImportError:  # pragma: no cover
+    if _ndarray == ():  # pragma: no cover
         raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a CuPy array, and CuPy is not installed")
-    if not isinstance(x, cupy.ndarray):
-        raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a cupy.ndarray "
-                        f"(cupy.asarray for host data, cupy.from_dlpack for other GPU frameworks)")
-    itemsize = x.dtype.itemsize
-    strides = tuple(s // itemsize if s % itemsize == 0 else s / itemsize for s in x.strides)
-    return ArrayInfo(name, tuple(x.shape), x.dtype, strides, int(x.data.ptr), int(x.device.id))
+    raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a cupy.ndarray "
+                    f"(cupy.asarray for host data, cupy.from_dlpack for other GPU frameworks)")
 
 
 def check_dtype(*infos: ArrayInfo) -> str:
@@ -109,8 +118,7 @@ def check_flag(value, name: str) -> bool:
     return bool(value)
 
 
-@dataclass(frozen=True)
-class Dims:
+class Dims(NamedTuple):
     """(batch, seqlen, heads, head_dim) of one array and its strides in elements, in bshd order."""
 
     batch: int
@@ -180,6 +188,9 @@ def needs_aligned_copy(info: ArrayInfo, dims: Dims) -> bool:
     """The kernels read 16-byte chunks: the address and the batch/row/head strides must be multiples of
     8 elements. Arrays that are not (rare: views at odd element offsets) are copied, not rejected."""
     # a dim of size 1 is never stepped over, so its stride does not matter
-    strides = [s for s, n in ((dims.batch_stride, dims.batch), (dims.row_stride, dims.seqlen),
-                              (dims.head_stride, dims.heads)) if n > 1]
-    return info.ptr % 16 != 0 or any(not float(s).is_integer() or int(s) % 8 for s in strides)
+    if info.ptr & 15:
+        return True
+    for stride, n in ((dims.batch_stride, dims.batch), (dims.row_stride, dims.seqlen), (dims.head_stride, dims.heads)):
+        if n > 1 and (type(stride) is not int or stride & 7):
+            return True
+    return False
