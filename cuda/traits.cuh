@@ -78,6 +78,7 @@ struct BwdTraits {
   static constexpr int DQ_M_TILES = BLOCK_M / 16 / DQ_WARPS_M;
   static constexpr int DQ_D_TILES = HEAD_DIM / 8 / DQ_WARPS_D;
   static constexpr int DQ_K_STEPS = BLOCK_N / 16;
+  static constexpr int DP_UNROLL = (HEAD_DIM == 128) ? 1 : QK_K_STEPS;  // see bwd.cuh, dP^T
 
   using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;   // Q_i and dO_i
   using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;  // K_j and V_j; reused to stage dK, dV

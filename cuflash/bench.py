@@ -138,18 +138,19 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
 
 
 def cupy_peak_bytes(call) -> int:
-    """Device memory the call needs beyond what is live before it: CuPy's pool keeps freed blocks, so its
-    total after the call (with the pool emptied before) is the call's high-water mark."""
+    """Device memory the call allocates at its high-water mark: the call runs with a fresh CuPy memory pool
+    as the allocator, which keeps every block it hands out cached after it is freed and reuses a cached
+    block only when no live one fits, so its total afterwards is the call's peak (outputs included)."""
     import cupy as cp
 
-    pool = cp.get_default_memory_pool()
     cp.cuda.Device().synchronize()
-    pool.free_all_blocks()
-    before = pool.total_bytes()
-    result = call()
-    cp.cuda.Device().synchronize()
-    peak = pool.total_bytes() - before
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        result = call()
+        cp.cuda.Device().synchronize()
+    peak = pool.total_bytes()
     del result
+    pool.free_all_blocks()
     return peak
 
 

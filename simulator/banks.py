@@ -14,14 +14,26 @@ bank = (addr >> 2) & 31. A warp instruction is split into phases served one afte
 Wavefronts of a phase = the largest number of distinct 4-byte words one bank must serve (lanes that
 read the same word are served by one broadcast); conflicts = wavefronts - phases.
 
-cp.async (LDGSTS) writes follow a different rule that is not documented. What was measured (H100,
-DESIGN.md section 6): 8 lanes copying one 128-byte global line into one 128-byte-aligned shared row cost 1
+cp.async (LDGSTS) writes follow a different rule that is not documented. Measured (H100, DESIGN.md
+section 6): 8 lanes copying one 128-byte global line into one 128-byte-aligned shared row cost 1
 wavefront per 8 lanes in any lane order; rows padded to 144 bytes cost about 2.5x; one row per thread
-(16 B at a 128 B stride) costs 8x. Our model: phases of 8 lanes, and a phase costs
-max(bank-rule wavefronts, number of distinct 128-byte shared lines it writes). It reproduces the
-first and the last measurement exactly and gives 1.875x (not 2.5x) for 144-byte rows; the XOR-swizzled
-tiles our kernels use are the first case. ncu's cp.async conflict counter always reads 0, so the
-validation compares wavefronts only.
+(16 B at a 128 B stride) costs 8x. Our model: phases of 8 lanes; a phase costs at least
+max(bank-rule wavefronts, distinct 128-byte shared lines it writes) (`count`, the lower bound) and at
+most max(that, distinct 128-byte global lines it reads) (`count_cp_async`, the upper bound). The
+validation run (docs/IO_VALIDATION.md, "What the misses mean") calibrates it:
+  * one global line per phase (every 128-byte panel tile: d64, d128, d256, 10 configs): the bounds are
+    equal and the measurement equals them exactly (1 wavefront per phase);
+  * two 64-byte global segments (two different 128-byte lines) into one shared line, conflict-free
+    (64-byte panels: d32, d96): measured 1.61 (fwd d32), 1.97 (fwd d96) and 1.00 (bwd d96) wavefronts
+    per phase, although the phase geometry is the same in all three. So the cost lies between the
+    bounds and is not a function of the addresses of one phase alone; the analyzer reports the band.
+The 144-byte-row case (1.875 by the lower bound, 2.5 measured) stays outside the model. ncu's
+cp.async conflict counter always reads 0, so the validation compares wavefronts only.
+
+ptxas (CUDA 13.0 and 13.5, sm_90a) puts three predicated-off `@!PT LDS RZ, [RZ]` at the head of every
+basic block that issues LDGSTS. They never touch shared memory (0 wavefronts) but are issued, so ncu's
+smsp__inst_executed_op_shared_ld counts them (it does not count LDSM). The walks count them as
+`guard_lds` (see `copy_code_blocks`).
 """
 from __future__ import annotations
 
@@ -145,6 +157,56 @@ def count_instructions(addrs: np.ndarray, kind: str) -> tuple[int, int]:
     return int(wf), int(wf - active)
 
 
+@njit(cache=True)
+def _cp_async_bounds_many(saddrs, gaddrs):
+    """(lower, upper) wavefronts summed over cp.async16 instructions saddrs[i, lane] (shared, -1 = inactive)
+    with global source addresses gaddrs[i, lane]: per phase of 8 lanes, lower = max(bank rule, shared
+    lines), upper = max(lower, distinct 128-byte global lines)."""
+    lo_total = 0
+    hi_total = 0
+    one = np.full(WARP, -1, np.int64)
+    glines = np.empty(8, np.int64)
+    for i in range(saddrs.shape[0]):
+        for ph in range(4):
+            one[:] = -1
+            n_g = 0
+            for lane in range(8 * ph, 8 * ph + 8):
+                a = saddrs[i, lane]
+                if a < 0:
+                    continue
+                one[lane] = a
+                line = gaddrs[i, lane] >> 7
+                seen = False
+                for k in range(n_g):
+                    if glines[k] == line:
+                        seen = True
+                if not seen:
+                    glines[n_g] = line
+                    n_g += 1
+            if n_g == 0:
+                continue
+            lo, _ = _instruction_wavefronts(one, 16, 8, 4, True)
+            lo_total += lo
+            hi_total += max(lo, n_g)
+    return lo_total, hi_total
+
+
+def count_cp_async(shared_addresses, global_addresses) -> tuple[int, int]:
+    """(lower, upper) bound on the shared-memory wavefronts of cp.async16 warp instruction(s).
+
+    shared_addresses, global_addresses: [..., 32] byte addresses per lane (shared -1 = lane inactive).
+    lower = `count(shared, "cp.async16")[0]` (bank rule, at least one wavefront per 128-byte shared line);
+    upper = per phase max(lower, distinct 128-byte global lines the 8 lanes read). Equal when every
+    phase reads one global line (128-byte panels); see the module docstring for what was measured
+    between them."""
+    s = np.asarray(shared_addresses, dtype=np.int64).reshape(-1, WARP)
+    g = np.broadcast_to(np.asarray(global_addresses, dtype=np.int64), np.shape(shared_addresses)).reshape(-1, WARP)
+    if (s[s >= 0] % 16).any() or (g[s >= 0] % 16).any():
+        raise ValueError("cp.async16 moves 16 bytes per lane: shared and global addresses must be multiples of 16")
+    lo, hi = _cp_async_bounds_many(np.ascontiguousarray(s), np.ascontiguousarray(g))
+    return int(lo), int(hi)
+
+
 # ----------------------------------------------------------------------------------------------
 # Layouts of a [rows, head_dim] 16-bit tile: byte offset of element (row, col)
 # ----------------------------------------------------------------------------------------------
@@ -194,6 +256,17 @@ def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_vali
     idx = tid + i * THREADS < CHUNKS in panel order (panel_order). cp.async issues every chunk of the
     tile (rows >= rows_valid and columns >= cols_valid are zero-filled, still written); store_tile
     reads only rows < rows_valid and cols < cols_valid (pass them for a store)."""
+    row, col, issued = _copy_lanes(threads, rows, tile_cols)
+    addr = base + swizzled_offset(np.minimum(row, rows - 1), col, rows, tile_cols)
+    if rows_valid is not None:
+        issued = issued & (row < rows_valid)
+    if cols_valid is not None:
+        issued = issued & (col < cols_valid)
+    return np.where(issued, addr, -1)
+
+
+def _copy_lanes(threads: int, rows: int, tile_cols: int):
+    """(row, col, issued) of every [warp, i, lane] of a tile copy (copy_addresses)."""
     cpr = tile_cols // _config.CHUNK_ELEMS
     n_chunks = rows * cpr
     tid = np.arange(threads).reshape(threads // WARP, 1, WARP)
@@ -202,18 +275,67 @@ def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_vali
         iters = -(-rows // rows_per_iter)
         row = tid // cpr + np.arange(iters).reshape(1, iters, 1) * rows_per_iter
         col = np.broadcast_to((tid % cpr) * _config.CHUNK_ELEMS, row.shape)
-        issued = row < rows
-    else:
-        iters = -(-n_chunks // threads)
-        idx = tid + np.arange(iters).reshape(1, iters, 1) * threads
-        issued = idx < n_chunks
-        row, col = panel_order(np.minimum(idx, n_chunks - 1), rows, tile_cols)
-    addr = base + swizzled_offset(np.minimum(row, rows - 1), col, rows, tile_cols)
-    if rows_valid is not None:
-        issued = issued & (row < rows_valid)
-    if cols_valid is not None:
-        issued = issued & (col < cols_valid)
-    return np.where(issued, addr, -1)
+        return row, col, row < rows
+    iters = -(-n_chunks // threads)
+    idx = tid + np.arange(iters).reshape(1, iters, 1) * threads
+    row, col = panel_order(np.minimum(idx, n_chunks - 1), rows, tile_cols)
+    return row, col, idx < n_chunks
+
+
+# global rows of a copied tile never share a 128-byte line and start on one (true for every kernel head
+# dim at its own run-time head_dim: the row segments of one panel are 64 or 128 bytes at a 64-byte-aligned
+# offset); only the distinct-line count per phase matters, so any stride >= the row length works
+GLOBAL_ROW_PITCH = 1 << 20
+
+
+def copy_global_offsets(threads: int, rows: int, tile_cols: int) -> np.ndarray:
+    """Global source byte offsets (from the tile's first row) of the lanes of load_tile_async, shaped as
+    copy_addresses: row * GLOBAL_ROW_PITCH + col * 2."""
+    row, col, _ = _copy_lanes(threads, rows, tile_cols)
+    return row * GLOBAL_ROW_PITCH + col * _config.ELEM_BYTES
+
+
+def copy_code_blocks(threads: int, rows: int, tile_cols: int) -> np.ndarray | None:
+    """Basic blocks with LDGSTS that each warp executes for one load_tile_async, or None when the copy
+    is straight-line code (fixed_column: fully unrolled, so it shares one block with the copies next to
+    it). The panel-order loop `for (idx = tid; idx < CHUNKS; idx += THREADS)` has a per-thread trip count
+    T; ptxas unrolls it by 4 with the remainder first: T % 4 single-copy blocks and T // 4 four-copy
+    blocks, and a warp runs a block when any of its threads does (checked against the SASS of every
+    validated instantiation, CUDA 13.0 and 13.5). Returns [warp] counts."""
+    if fixed_column(threads, rows, tile_cols):
+        return None
+    n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
+    tid = np.arange(threads).reshape(threads // WARP, WARP)
+    trips = np.maximum(n_chunks - tid + threads - 1, 0) // threads
+    return (trips % 4).max(axis=1) + (trips // 4).max(axis=1)
+
+
+GUARD_LDS_PER_BLOCK = 3  # `@!PT LDS RZ, [RZ]` x 3 at the head of every basic block that issues LDGSTS
+
+
+def guard_lds_per_warp(threads: int, copies) -> np.ndarray:
+    """Predicated-off LDS per warp of a sequence of tile copies in program order: copies = [(rows,
+    tile_cols) or ("guarded", warps_entering)], e.g. [(BLOCK_M, HD), (BLOCK_N, HD), (BLOCK_N, HD)].
+    Adjacent straight-line (fixed_column) copies share one block; a loop copy contributes its own
+    blocks and ends the run; ("guarded", mask) is one block of its own (an `if (tid < n)` copy) run by
+    the warps where mask is True."""
+    warps = threads // WARP
+    blocks = np.zeros(warps, dtype=np.int64)
+    in_run = False
+    for c in copies:
+        if c[0] == "guarded":
+            blocks += np.asarray(c[1], dtype=np.int64)
+            in_run = False
+            continue
+        b = copy_code_blocks(threads, *c)
+        if b is None:
+            if not in_run:
+                blocks += 1
+            in_run = True
+        else:
+            blocks += b
+            in_run = False
+    return GUARD_LDS_PER_BLOCK * blocks
 
 
 # lane l -> (row, col) inside a 16 x 16 block, per lane_offset_* function of cuda/tiles.cuh
@@ -263,10 +385,16 @@ class InstrStats:
     wavefronts: int = 0
     conflicts: int = 0
     bytes: int = 0  # bytes moved by active lanes
+    wavefronts_hi: int | None = None  # cp.async: upper bound (count_cp_async); None = wavefronts
+
+    def __post_init__(self):
+        if self.wavefronts_hi is None:
+            self.wavefronts_hi = self.wavefronts
 
     def add(self, other: "InstrStats", times: int = 1):
         self.instructions += other.instructions * times
         self.wavefronts += other.wavefronts * times
+        self.wavefronts_hi += other.wavefronts_hi * times
         self.conflicts += other.conflicts * times
         self.bytes += other.bytes * times
 
@@ -332,6 +460,9 @@ class SharedWalk:
     config: object
     roles: dict = field(default_factory=dict)
     role_table: dict = field(default_factory=lambda: FWD_ROLES)
+    # predicted-off `@!PT LDS RZ, [RZ]` that ptxas puts before LDGSTS (GUARD_LDS_PER_BLOCK per block):
+    # issued, so smsp__inst_executed_op_shared_ld counts them; no wavefront, no byte
+    guard_lds: int = 0
 
     def by_sass(self, sass: str) -> InstrStats:
         out = InstrStats(sass)
@@ -354,11 +485,20 @@ class SharedWalk:
         return sum(self.by_sass(s).conflicts for s in ("LDSM", "LDS", "STS"))
 
 
-def _stats(kind: str, addrs: np.ndarray) -> InstrStats:
+def _stats(kind: str, addrs: np.ndarray, gaddrs: np.ndarray | None = None) -> InstrStats:
+    """Totals of the warp instructions addrs[..., lane]; gaddrs (broadcast to addrs): the global sources
+    of cp.async, for the upper bound (without them the bound equals the lower one)."""
+    shape = np.shape(addrs)
     addrs = np.asarray(addrs, dtype=np.int64).reshape(-1, WARP)
-    addrs = addrs[(addrs >= 0).any(axis=1)]  # a warp with no active lane issues nothing
+    live = (addrs >= 0).any(axis=1)  # a warp with no active lane issues nothing
+    addrs = addrs[live]
     wf, conf = count_instructions(addrs, kind)
-    return InstrStats(kind, addrs.shape[0], wf, conf, int((addrs >= 0).sum()) * KINDS[kind][0])
+    hi = wf
+    if gaddrs is not None:
+        g = np.broadcast_to(np.asarray(gaddrs, dtype=np.int64), shape).reshape(-1, WARP)[live]
+        lo, hi = count_cp_async(addrs, g)
+        assert lo == wf, (lo, wf)
+    return InstrStats(kind, addrs.shape[0], wf, conf, int((addrs >= 0).sum()) * KINDS[kind][0], hi)
 
 
 def _per_warp(a: np.ndarray, num_warps: int) -> np.ndarray:
@@ -422,13 +562,20 @@ def fwd_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -
     """(per-CTA stats, per-iteration stats per stage): role -> InstrStats (per_iter[stage][role]).
 
     Cached: callers must not modify the returned stats."""
+    kv = (cfg.block_n, cfg.head_dim)
+    src = _tile_sources(cfg.threads, {"q_load": (cfg.block_m, cfg.head_dim), "k_load": kv, "v_load": kv})
     per_iter = []
     for stage in range(2):
         addrs = fwd_addresses(cfg, stage)
-        per_iter.append({r: _stats(FWD_ROLES[r][0], addrs[r]) for r in PER_ITERATION_ROLES})
+        per_iter.append({r: _stats(FWD_ROLES[r][0], addrs[r], src.get(r)) for r in PER_ITERATION_ROLES})
     addrs = fwd_addresses(cfg, 0, rows_q, head_dim)
-    per_cta = {r: _stats(FWD_ROLES[r][0], addrs[r]) for r in PER_CTA_ROLES}
+    per_cta = {r: _stats(FWD_ROLES[r][0], addrs[r], src.get(r)) for r in PER_CTA_ROLES}
     return per_cta, per_iter
+
+
+def _tile_sources(threads: int, tiles: dict) -> dict:
+    """{role: global source offsets} of the cp.async tile copies tiles = {role: (rows, tile_cols)}."""
+    return {r: copy_global_offsets(threads, rows, cols) for r, (rows, cols) in tiles.items()}
 
 
 def _check_head_dim(cfg, head_dim):
@@ -439,10 +586,12 @@ def _check_head_dim(cfg, head_dim):
 
 
 def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, batch, heads, seqlen_q, seqlen_k,
-                  head_dim, causal_skip) -> SharedWalk:
+                  head_dim, causal_skip, prologue_copies, step_copies) -> SharedWalk:
     """Shared driver of the Q-outer kernels (fwd_kernel, bwd_dq_kernel): CTA m_block with n_blocks > 0
     issues its per-CTA roles once (those that depend on the valid rows from cta_stats(cfg, rows, d))
-    and n_blocks iterations, iteration it on K/V stage it % 2."""
+    and n_blocks iterations, iteration it on K/V stage it % 2. The prologue copies (Q, ..., and the
+    first K/V tile) and, in every iteration but the last, the next tile's copies (step_copies) set the
+    guard LDS count (guard_lds_per_warp)."""
     from .model import Problem
     from .strategies import block_sizes, n_block_max
 
@@ -461,6 +610,10 @@ def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, bat
             iters = int(((n_max - s + 1) // 2).sum()) * batch * heads  # it % 2 == s
             for r in per_iter_roles:
                 walk.roles[r].add(per_iter[s][r], iters)
+    live = n_max > 0
+    walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, prologue_copies).sum())
+                      + int((n_max[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, step_copies).sum())
+                      ) * batch * heads
     return walk
 
 
@@ -475,8 +628,9 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     if not isinstance(cfg, _config.FwdConfig):
         raise TypeError(f"cfg must be a cuflash.config.FwdConfig, got {type(cfg).__name__}")
     head_dim = _check_head_dim(cfg, head_dim)
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, FWD_ROLES, fwd_cta_stats, PER_ITERATION_ROLES, PER_CTA_ROLES, batch, heads,
-                         seqlen_q, seqlen_k, head_dim, causal_skip)
+                         seqlen_q, seqlen_k, head_dim, causal_skip, [q, kv, kv], [kv, kv])
 
 
 # ---- bwd_dq_kernel (deterministic dQ) ------------------------------------------------------------
@@ -520,12 +674,14 @@ DQ_PER_CTA_ROLES = ("q_load", "do_load", "dq_store", "dq_read")
 
 @lru_cache(maxsize=256)
 def dq_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    src = _tile_sources(cfg.threads, {"q_load": q, "do_load": q, "k_load": kv, "v_load": kv})
     per_iter = []
     for stage in range(2):
         addrs = dq_addresses(cfg, stage)
-        per_iter.append({r: _stats(DQ_ROLES[r][0], addrs[r]) for r in DQ_PER_ITERATION_ROLES})
+        per_iter.append({r: _stats(DQ_ROLES[r][0], addrs[r], src.get(r)) for r in DQ_PER_ITERATION_ROLES})
     addrs = dq_addresses(cfg, 0, rows_q, head_dim)
-    per_cta = {r: _stats(DQ_ROLES[r][0], addrs[r]) for r in DQ_PER_CTA_ROLES}
+    per_cta = {r: _stats(DQ_ROLES[r][0], addrs[r], src.get(r)) for r in DQ_PER_CTA_ROLES}
     return per_cta, per_iter
 
 
@@ -536,8 +692,9 @@ def dq_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, 
     if not isinstance(cfg, _config.DqConfig):
         raise TypeError(f"cfg must be a cuflash.config.DqConfig, got {type(cfg).__name__}")
     head_dim = _check_head_dim(cfg, head_dim)
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, DQ_ROLES, dq_cta_stats, DQ_PER_ITERATION_ROLES, DQ_PER_CTA_ROLES, batch, heads,
-                         seqlen_q, seqlen_k, head_dim, causal_skip)
+                         seqlen_q, seqlen_k, head_dim, causal_skip, [q, q, kv, kv], [kv, kv])
 
 
 # ---- bwd_kernel (K/V-outer) ----------------------------------------------------------------------
@@ -653,12 +810,18 @@ BWD_PER_VISIT_ROLES = tuple(r for r in BWD_ROLES if r not in BWD_PER_CTA_ROLES)
 @lru_cache(maxsize=256)
 def bwd_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
     """(per-CTA stats, per-visit stats per stage) of bwd_kernel; cached, do not modify."""
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    src = _tile_sources(cfg.threads, {"q_load": q, "do_load": q, "k_load": kv, "v_load": kv})
+    # lse_log2 then delta: BLOCK_M / 4 contiguous 16-byte chunks each, in two arrays
+    chunks, tid = cfg.block_m // 4, np.arange(cfg.threads).reshape(cfg.num_warps, WARP)
+    src["vec_load"] = np.where(tid < chunks, tid * 16, GLOBAL_ROW_PITCH + (tid - chunks) * 16)
     per_visit = []
     for stage in range(2):
         addrs = bwd_addresses(cfg, stage)
-        per_visit.append({r: _stats(BWD_ROLES[r][0], addrs[r]) for r in BWD_PER_VISIT_ROLES if r in addrs})
+        per_visit.append({r: _stats(BWD_ROLES[r][0], addrs[r], src.get(r)) for r in BWD_PER_VISIT_ROLES
+                          if r in addrs})
     addrs = bwd_addresses(cfg, 0, keys, head_dim)
-    per_cta = {r: _stats(BWD_ROLES[r][0], addrs[r]) for r in BWD_PER_CTA_ROLES}
+    per_cta = {r: _stats(BWD_ROLES[r][0], addrs[r], src.get(r)) for r in BWD_PER_CTA_ROLES}
     return per_cta, per_visit
 
 
@@ -701,4 +864,12 @@ def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
             n = int(((visits - s + 1) // 2).sum()) * batch * heads  # visit % 2 == s
             for r, st in per_visit[s].items():
                 walk.roles[r].add(st, n)
+    # guard LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block,
+    # run by the warps holding such threads); every visit but the last prefetches the next Q, dO, lse, delta
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    vec = ("guarded", np.arange(cfg.num_warps) * WARP < 2 * (cfg.block_m // 4))
+    live = visits > 0
+    walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, [kv, kv, q, q, vec]).sum())
+                      + int((visits[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, [q, q, vec]).sum())
+                      ) * batch * heads
     return walk

@@ -79,6 +79,76 @@ def test_cp_async_model_reproduces_the_measurements():
     assert padded / (8 * 4) == pytest.approx(1.875), "padded-row model changed: update banks.py docs and IO_ANALYSIS.md"
 
 
+def test_cp_async_band_from_global_lines():
+    """count_cp_async: the lower bound is count(); the upper adds one wavefront per extra 128-byte global
+    line a phase reads (H100: 1.00, 1.61 and 1.97 wavefronts per phase measured for 64-byte panels,
+    docs/IO_VALIDATION.md section 3)."""
+    line_rows, chunks = LANES // 8, LANES % 8
+    shared = banks.swizzled_offset(line_rows, chunks * 8, 128, 64)
+    assert banks.count_cp_async(shared, line_rows * 4096 + chunks * 16) == (4, 4), "one global line per phase"
+    # 64-byte panel: lanes 0-3 row r, lanes 4-7 row r + 1 (two global lines) into one shared line
+    two = (LANES // 4) * 4096 + (LANES % 4) * 16
+    assert banks.count_cp_async(LANES * 16, two) == (4, 8)
+    assert banks.count_cp_async(LANES * 16, two)[0] == banks.count(LANES * 16, "cp.async16")[0]
+    # one row per thread: 8 shared lines and 8 global lines per phase, both bounds 8
+    assert banks.count_cp_async(LANES * 128, LANES * 4096) == (32, 32)
+    # inactive lanes (-1) read nothing; a phase with none costs nothing
+    half = np.where(LANES < 8, LANES * 16, -1)
+    assert banks.count_cp_async(half, two) == (1, 2)
+    with pytest.raises(ValueError):
+        banks.count_cp_async(LANES * 16, LANES * 8)
+
+
+@pytest.mark.parametrize("hd,two_lines", [(32, True), (64, False), (96, True), (128, False), (192, False),
+                                          (256, False)])
+def test_walk_bands_follow_the_panel_width(hd, two_lines):
+    """128-byte panels: each cp.async phase reads one global line, the band is a point. 64-byte panels
+    (d32, d96): each phase reads two, the upper bound is twice the lower one."""
+    cfg = config.fwd_config(hd, "fp16", False)
+    walk = banks.fwd_kernel_shared(cfg, 1, 2, 256, 256)
+    g = walk.by_sass("LDGSTS")
+    assert g.wavefronts == 4 * g.instructions
+    assert g.wavefronts_hi == (2 if two_lines else 1) * g.wavefronts
+
+
+def test_copy_code_blocks_mirror_the_sass():
+    """The basic blocks with LDGSTS per warp, as in the SASS of the kernels (nvcc 13.0 / NVRTC 13.5,
+    sm_90a): fixed-column copies are straight-line (None); panel-order loops run T % 4 + T // 4 blocks."""
+    assert banks.copy_code_blocks(128, 128, 64) is None  # fwd d64 Q
+    assert banks.copy_code_blocks(256, 32, 64) is None  # bwd d64 Q (32 rows, 8 chunks: one per thread)
+    assert banks.copy_code_blocks(128, 64, 256).tolist() == [4] * 4  # fwd d256 Q: T = 16
+    assert banks.copy_code_blocks(128, 32, 256).tolist() == [2] * 4  # fwd d256 K: T = 8
+    assert banks.copy_code_blocks(256, 128, 96).tolist() == [3] * 8  # fwd d96 Q: T = 6 -> 2 + 1
+    assert banks.copy_code_blocks(256, 64, 96).tolist() == [3] * 8  # d96 K: T = 3 -> 3 + 0
+    # uneven trip counts: a warp runs a block when any of its threads does
+    assert banks.copy_code_blocks(64, 8, 96).tolist() == [2, 1]  # 96 chunks: T = 2 for tid < 32, else 1
+    assert banks.copy_code_blocks(64, 10, 96).tolist() == [2, 2]  # 120 chunks: T = 2 for tid < 56
+    vec = ("guarded", np.array([True, False, False, False]))
+    per_warp = banks.guard_lds_per_warp(128, [(128, 64), (64, 64), vec, (64, 64), (64, 256)])
+    # [Q, K] one block, the guarded copy one (warp 0), K a new block after it, the d256 loop 4 (T = 16)
+    assert per_warp.tolist() == [3 * (1 + 1 + 1 + 4)] + [3 * (1 + 1 + 4)] * 3
+
+
+@pytest.mark.parametrize("cfg", [config.fwd_config(hd, "bf16", c) for hd in (32, 64, 96, 128, 256)
+                                 for c in (False, True)], ids=str)
+def test_guard_lds_of_the_forward(cfg):
+    """fwd_kernel: 3 predicated-off LDS per LDGSTS block per warp: the prologue (Q, K, V) and every
+    step but the last (the next K, V); straight-line copies share a block."""
+    b, h, s = 1, 2, 640
+    walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
+    from cuflash.simulator.model import Problem
+    from cuflash.simulator.strategies import n_block_max
+    n = n_block_max(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m, cfg.block_n)
+    n = n[n > 0]
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    if banks.fixed_column(cfg.threads, *q) and banks.fixed_column(cfg.threads, *kv):
+        assert walk.guard_lds == 3 * int(n.sum()) * cfg.num_warps * b * h
+    else:
+        blocks = lambda t: int(banks.copy_code_blocks(cfg.threads, *t).sum())  # noqa: E731
+        assert walk.guard_lds == 3 * (len(n) * blocks(q) + int(n.sum()) * 2 * blocks(kv)) * b * h
+    assert walk.by_sass("LDS").instructions < walk.by_sass("LDS").instructions + walk.guard_lds
+
+
 @pytest.mark.parametrize("bad,kind,err", [
     (LANES * 4, "ld16", ValueError), (LANES[:31] * 4, "ld32", ValueError), (LANES * 4 + 2, "ld32", ValueError),
     (LANES * 8 + 4, "ld64", ValueError), (-LANES * 16, "ld128", ValueError), (LANES * 4.0, "ld32", TypeError),
