@@ -1,11 +1,13 @@
-// ptx.cuh: the only file with inline assembly. Each wrapper is named after its PTX instruction and
-// cites the section of the PTX ISA (version 8.x) that defines it. No host headers: NVRTC compiles this.
+// ptx.cuh: the only hand-written file with inline assembly (its generated companion, ptx_wgmma.cuh,
+// holds the wgmma.mma_async wrappers). Each wrapper is named after its PTX instruction and cites the
+// section of the PTX ISA (version 8.x) that defines it. No host headers: NVRTC compiles this.
 #pragma once
 
 namespace cuflash {
 
 typedef unsigned int u32;
 typedef unsigned short u16;
+typedef unsigned long long u64;
 
 // Element-type tags. Storage is 16-bit; the tags select the mma / cvt variants.
 struct f16 {};
@@ -89,6 +91,8 @@ struct Cvt<f16> {
     asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
     return f;
   }
+  // element `hi` (0: lower address, 1: upper) of a pair packed by pack()
+  static __device__ __forceinline__ float unpack(u32 pair, int hi) { return to_float(static_cast<u16>(pair >> (16 * hi))); }
 };
 template <>
 struct Cvt<bf16> {
@@ -98,6 +102,9 @@ struct Cvt<bf16> {
     return r;
   }
   static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
+  static __device__ __forceinline__ float unpack(u32 pair, int hi) {
+    return __uint_as_float(hi ? (pair & 0xffff0000u) : (pair << 16));
+  }
 };
 
 // ---- ex2.approx (PTX ISA 9.7.4.9 "ex2"): 2^x, ex2(-inf) = +0 -----------------------------------
@@ -120,6 +127,53 @@ __device__ __forceinline__ void red_add_v2_f32(float* addr, float a, float b) {
   red_add_f32(addr, a);
   red_add_f32(addr + 1, b);
 #endif
+}
+
+// ---- mov %tid.x (PTX ISA 10.1 "%tid") as a volatile asm ------------------------------------------
+// threadIdx.x read anew: addresses derived from it after a long loop are recomputed there instead of
+// being kept live (or spilled) across the loop from the prologue's identical computation.
+__device__ __forceinline__ int tid_x_reread() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+
+// ---- Hopper (sm_90a) warpgroup MMA: wgmma.* (PTX ISA 9.7.15) -------------------------------------
+// Only the sm_90a kernels (fwd_sm90.cuh, bwd_sm90.cuh) call these; compiling them for another target
+// fails in ptxas, and the Python side never asks for those kernels there.
+
+// PTX ISA 9.7.15 (warpgroup MMA), "wgmma.fence": orders register accesses of the warpgroup before the following
+// wgmma.mma_async (needed before the first one, and whenever its accumulators or A registers were written).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// PTX ISA 9.7.15, "wgmma.commit_group": the wgmma.mma_async issued so far form one group.
+__device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// PTX ISA 9.7.15, "wgmma.wait_group": wait until at most N groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Not an instruction: tells the compiler that the accumulators may have changed (an async wgmma wrote
+// them), so no read of them is moved above the wgmma_wait_group before it.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[ROWS][COLS]) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+// PTX ISA 9.7.13.4 "membar/fence", fence.proxy.async: makes this thread's generic-proxy writes to shared memory
+// (st.shared, cp.async) visible to the async proxy (wgmma operand reads) after the next barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Matrix descriptor of a shared-memory operand (PTX ISA 9.7.15.5.1.2.2): start address, leading and
+// stride byte offsets (all >> 4), swizzle mode in bits 62-63 (1: 128-byte, 2: 64-byte, 3: 32-byte).
+// The swizzle pattern must start at a multiple of 8 * SWIZZLE_BYTES (base offset field 0).
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+  static_assert(SWIZZLE_BYTES == 128 || SWIZZLE_BYTES == 64 || SWIZZLE_BYTES == 32, "wgmma swizzle: 128, 64 or 32 bytes");
+  constexpr u64 MODE = SWIZZLE_BYTES == 128 ? 1 : (SWIZZLE_BYTES == 64 ? 2 : 3);
+  return static_cast<u64>((smem_addr & 0x3FFFF) >> 4) | (static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (MODE << 62);
 }
 
 }  // namespace cuflash

@@ -11,16 +11,20 @@
 
 namespace cuflash {
 
-template <int ROWS_, int HEAD_DIM_>
+// PANEL_COLS_ = 0: the default panel width (64 columns when HEAD_DIM % 64 == 0, else 32); a kernel that
+// must start an operand at column 32 of a 64-column head dim (the Hopper backward's dQ at HEAD_DIM 64)
+// asks for 32.
+template <int ROWS_, int HEAD_DIM_, int PANEL_COLS_ = 0>
 struct SmemTile {
   static constexpr int ROWS = ROWS_;
   static constexpr int HEAD_DIM = HEAD_DIM_;
-  static constexpr int PANEL_COLS = (HEAD_DIM % 64 == 0) ? 64 : 32;
+  static constexpr int PANEL_COLS = PANEL_COLS_ ? PANEL_COLS_ : ((HEAD_DIM % 64 == 0) ? 64 : 32);
   static constexpr int PANEL_BYTES = PANEL_COLS * 2;
   static constexpr int LINE_MASK = (PANEL_BYTES == 128) ? 7 : 3;  // 128-byte lines a swizzle period spans
   static constexpr int BYTES = ROWS * HEAD_DIM * 2;
   static constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks
   static constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  static_assert(PANEL_COLS == 64 || PANEL_COLS == 32, "panels are 128 or 64 bytes wide");
   static_assert(HEAD_DIM % PANEL_COLS == 0, "HEAD_DIM must be a whole number of panels");
 
   // Byte offset of element (row, col) from the tile base.
@@ -47,6 +51,28 @@ struct SmemTile {
     const int panel = idx / (ROWS * PANEL_CHUNKS), rest = idx % (ROWS * PANEL_CHUNKS);
     row = rest / PANEL_CHUNKS;
     col = panel * PANEL_COLS + (rest % PANEL_CHUNKS) * 8;
+  }
+
+  // ---- wgmma operand descriptors (sm_90a; PTX ISA 9.7.15.5.1.2) -----------------------------
+  // This layout is wgmma's canonical one with a PANEL_BYTES swizzle (the swizzle pattern repeats every
+  // 8 rows = SWIZZLE_ATOM bytes; the tile base must be a multiple of SWIZZLE_ATOM):
+  //  * K-major, when the tile's columns are the k dimension (Q and K in S = Q K^T): each 8-row group of
+  //    a panel is one swizzle atom, the next 8 rows are SWIZZLE_ATOM bytes on (stride byte offset), and
+  //    k steps of 16 inside a panel move the start address by 32 bytes (the hardware applies the XOR);
+  //  * MN-major, when the tile's rows are the k dimension (V in O += P V): 8 k rows of 128 (or 64)
+  //    contiguous MN elements form an atom, the next 8 k rows are SWIZZLE_ATOM bytes on (stride byte
+  //    offset) and the next panel of MN columns ROWS * PANEL_BYTES bytes on (leading byte offset).
+  static constexpr int SWIZZLE_ATOM = 8 * PANEL_BYTES;
+  // rows row0.. (M or N; row0 % 8 == 0) by k columns k0..k0+15 (k0 % 16 == 0)
+  static __device__ __forceinline__ u64 desc_k_major(u32 tile_smem, int row0, int k0) {
+    return wgmma_desc<PANEL_BYTES>(tile_smem + (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES +
+                                       (k0 % PANEL_COLS) * 2,
+                                   16, SWIZZLE_ATOM);
+  }
+  // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % PANEL_COLS == 0), any number of panels
+  static __device__ __forceinline__ u64 desc_mn_major(u32 tile_smem, int k0, int n0) {
+    return wgmma_desc<PANEL_BYTES>(tile_smem + (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES,
+                                   ROWS * PANEL_BYTES, SWIZZLE_ATOM);
   }
 
   // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose

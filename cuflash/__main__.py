@@ -124,9 +124,7 @@ def shipped_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
     from . import config
 
     out = [("fwd", cfg) for cfg in config.all_fwd_configs(arch)]
-    all_bwd = getattr(config, "all_bwd_configs", None)
-    if all_bwd is not None:
-        out += [("bwd", cfg) for cfg in all_bwd()]
+    out += [("bwd", cfg) for cfg in config.all_bwd_configs(arch)]
     return out
 
 

@@ -5,8 +5,8 @@ import contextlib
 
 import numpy as np
 
-from . import _launch, _validate
-from .config import (SEQLEN_Q_PAD, ElementwiseConfig, bwd_config, dq_config, fwd_config,
+from . import _launch, _validate, config
+from .config import (SEQLEN_Q_PAD, ElementwiseConfig, backward_kernel_config, dq_config, forward_kernel_config,
                      kernel_head_dim)
 
 
@@ -26,15 +26,15 @@ def _as_kernel_operand(x, info, dims, layout):
     return x, _validate.bshd_dims(info, layout)
 
 
-_forward_kernels: dict = {}  # (device, kernel head dim, dtype, causal) -> (FwdConfig, loaded kernel)
+_forward_kernels: dict = {}  # (device, kernel head dim, dtype, causal, family) -> (config, loaded kernel)
 
 
 def _forward_kernel(device, head_dim, dtype, causal):
     """Config and loaded kernel of a forward call, looked up once (the warm path is one dict get)."""
-    key = (device, head_dim, dtype, causal)
+    key = (device, head_dim, dtype, causal, config.KERNELS)
     entry = _forward_kernels.get(key)
     if entry is None:
-        cfg = fwd_config(head_dim, dtype, causal, _launch.device_arch(device))
+        cfg = forward_kernel_config(head_dim, dtype, causal, _launch.device_arch(device))
         entry = _forward_kernels[key] = (cfg, _launch.get_kernel(cfg, device))
     return entry
 
@@ -260,7 +260,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         stream = cp.cuda.get_current_stream().ptr
         pre = ElementwiseConfig("preprocess", dtype)
         _launch.get_kernel(pre, qi.device).launch((sq_pad // pre.rows_per_cta, h, b), params, stream)
-        main = bwd_config(hd, dtype, causal, deterministic)
+        main = backward_kernel_config(hd, dtype, causal, deterministic, _launch.device_arch(qi.device))
         _launch.get_kernel(main, qi.device).launch(main.grid(b, h, sk), params, stream)
         if deterministic:
             dqc = dq_config(hd, dtype, causal)

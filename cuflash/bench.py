@@ -123,10 +123,23 @@ class TorchEvents:
         e.synchronize()
 
 
+# Timed calls of one measurement stop after about this many seconds (at least MIN_REPS calls): the slow
+# methods (plain attention at N = 16k takes ~0.3 s a call) would otherwise dominate a whole run.
+MEASURE_BUDGET_S = 1.0
+MIN_REPS = 5
+
+
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
-    """Median time of call(i) (i selects the input set, rotating), each call between its own two events."""
+    """Median time of call(i) (i selects the input set, rotating), each call between its own two events;
+    `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S."""
     for i in range(warmup):
         call(i % n_sets)
+    probe = (events.event(), events.event())
+    events.record(probe[0])
+    call(warmup % n_sets)
+    events.record(probe[1])
+    events.synchronize(probe[1])
+    reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / max(events.elapsed_ms(*probe), 1e-3))))
     pairs = [(events.event(), events.event()) for _ in range(reps)]
     for i, (start, stop) in enumerate(pairs):
         events.record(start)
@@ -445,8 +458,8 @@ def print_table(records: list[Record], methods: list[str]):
             if not any(r is not None and r.ms for r in rows):
                 continue
             tf = [r.tflops if r is not None else None for r in rows]
-            flash = index.get(("sdpa-flash", p) + key)
-            ratio = (rows[0].tflops / flash.tflops if rows[0] is not None and rows[0].tflops and flash is not None
+            flash, ours = index.get(("sdpa-flash", p) + key), index.get(("cuflash", p) + key)
+            ratio = (ours.tflops / flash.tflops if ours is not None and ours.tflops and flash is not None
                      and flash.tflops else None)
             mem = [r.peak_mem_bytes / 2**20 if r is not None and r.peak_mem_bytes is not None else None for r in rows]
             plain = index.get(("plain", p) + key)
@@ -536,6 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqlen", nargs="+", type=_seqlen, default=list(DEFAULT_SEQLENS))
     p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd")
     p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
+                   help=f"methods to run (default: all that are available): {', '.join(METHODS)}")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
     p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
@@ -576,6 +591,11 @@ def main(argv=None) -> int:
 
     methods = ["cuflash"] + (["plain"] if args.compare else []) + \
         ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
+    if args.methods is not None:
+        missing = [m for m in args.methods if m not in methods]
+        if missing:
+            print(f"note: {', '.join(missing)} not available here (torch missing or --no-compare): skipped")
+        methods = [m for m in methods if m in args.methods]
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
     device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
@@ -592,20 +612,22 @@ def main(argv=None) -> int:
                 for n in args.seqlen:
                     shape = Shape(dtype, d, causal, n)
                     times = {}
-                    times["cuflash"] = run_method("cuflash", lambda s=shape: bench_cuflash(s, args, records), shape,
-                                                  records, backward, torch)
-                    if args.compare:
+                    if "cuflash" in methods:
+                        times["cuflash"] = run_method("cuflash", lambda s=shape: bench_cuflash(s, args, records),
+                                                      shape, records, backward, torch)
+                    if "plain" in methods:
                         times["plain"] = run_method("plain", lambda s=shape: bench_plain(s, args, records), shape,
                                                     records, args.backward, torch)
-                    if torch is not None:
-                        for name, backend in SDPA_BACKENDS:
+                    for name, backend in SDPA_BACKENDS:
+                        if name in methods:
                             times[name] = run_method(
                                 name, lambda s=shape, n=name, b=backend: bench_sdpa(s, args, n, b, records, torch),
                                 shape, records, args.backward, torch)
-                    fwd = {r.method: r.tflops for r in records if r.passname == "fwd" and r.tflops and
-                           (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
-                    print(f"{shape}: " + ", ".join(f"{m} {fwd[m]:.0f}" for m in methods if m in fwd)
-                          + f" TFLOP/s fwd ({sum(times.values()):.1f} s)", flush=True)
+                    for p in ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",):
+                        tf = {r.method: r.tflops for r in records if r.passname == p and r.tflops and
+                              (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
+                        print(f"{shape} {p}: " + ", ".join(f"{m} {tf[m]:.0f}" for m in methods if m in tf)
+                              + " TFLOP/s" + (f" ({sum(times.values()):.1f} s)" if p == "fwd" else ""), flush=True)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
     print_table(records, methods)
     if args.json:

@@ -85,12 +85,13 @@ class Case:
         work = self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.kernel_head_dim
         return 5.0 + work / 1e6
 
-    def configs(self) -> list:
-        """Every kernel config this case launches."""
+    def configs(self, arch: str = config.DEFAULT_ARCH, kernels: str | None = None) -> list:
+        """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
+        CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
-        return [config.fwd_config(hd, self.dtype, self.causal),
-                config.bwd_config(hd, self.dtype, self.causal, False),
-                config.bwd_config(hd, self.dtype, self.causal, True),
+        return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels),
+                config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels),
+                config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
                 config.dq_config(hd, self.dtype, self.causal),
                 config.ElementwiseConfig("preprocess", self.dtype),
                 config.ElementwiseConfig("convert_dq", self.dtype)]
@@ -461,12 +462,13 @@ def sanitize(args) -> int:
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     print(f"compute-sanitizer: {exe} ({version[-1] if version else 'unknown version'})")
     print(f"{len(cases)} cases ({set_name} set), each: forward, backward (atomic dQ), backward (deterministic); "
-          f"logs in {out_dir}")
+          f"kernels: {config.KERNELS} (CUFLASH_KERNELS); logs in {out_dir}")
     t_all = time.perf_counter()
 
     # 1. compile every needed kernel into the disk cache
     t0 = time.perf_counter()
-    configs = [cfg for c in cases for cfg in c.configs()]
+    arch = _compile.device_arch()
+    configs = [cfg for c in cases for cfg in c.configs(arch)]
     errors = {n: e for n, e in compile_configs(configs).items() if e}
     print(f"compiled/loaded {len(set(c.cpp_name() for c in configs))} kernels in {time.perf_counter() - t0:.1f} s")
     for name, err in errors.items():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 import math
+import os
 
 DTYPES = ("fp16", "bf16")
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
@@ -137,8 +138,100 @@ def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH
     return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
 
 
-def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list[FwdConfig]:
-    return [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
+    """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
+    sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma) and, for sm_90a, the wgmma kernels."""
+    out: list = [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    if arch == "sm_90a":
+        out += [fwd_sm90_config(hd, dt, c) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)]
+    return out
+
+
+# --- Hopper (sm_90a): warpgroup MMA kernels ------------------------------------------------------------
+#
+# Which kernel family the library launches on an sm_90a GPU: "auto" (default) takes the wgmma kernels
+# where one exists for the head dim and the mma.sync kernels elsewhere; "mma" takes mma.sync kernels
+# only (as on sm_80), e.g. to compare the two or to run the analyzer's ncu validation of them.
+KERNEL_FAMILIES = ("auto", "mma")
+KERNELS = os.environ.get("CUFLASH_KERNELS", "auto")
+if KERNELS not in KERNEL_FAMILIES:
+    raise ValueError(f"CUFLASH_KERNELS={KERNELS!r} is not allowed; allowed: {', '.join(KERNEL_FAMILIES)}")
+
+
+def uses_wgmma(arch: str, kernels: str | None = None) -> bool:
+    """True when the library launches its wgmma kernels on `arch` (sm_90a, unless kernels="mma")."""
+    kernels = KERNELS if kernels is None else kernels
+    if kernels not in KERNEL_FAMILIES:
+        raise ValueError(f"kernels={kernels!r} is not allowed; allowed: {', '.join(KERNEL_FAMILIES)}")
+    return arch == "sm_90a" and kernels == "auto"
+
+
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """One Hopper forward instantiation:
+    `fwd_sm90_kernel<FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N, CTAS_PER_SM, T>, IS_CAUSAL>`: one warpgroup
+    (4 warps) per 64 query rows, S = Q K^T and O += P V on wgmma.m64nNk16."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    ctas_per_sm: int  # __launch_bounds__ minimum blocks per SM (caps registers at 64K / (threads * this))
+    dtype: str
+    causal: bool
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_m % 64 or not 64 <= self.block_m <= 192:
+            raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows per warpgroup)")
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.block_m
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        return q + 2 * self.stages * kv + 1024  # + rounding the base up to the 1024-byte swizzle period
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::fwd_sm90_kernel<cuflash::FwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.ctas_per_sm}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# Hopper forward tiles per kernel head dim: (block_m, block_n, ctas_per_sm). See docs/PERFORMANCE.md.
+FWD_SM90_TILES = {
+    32: (128, 128, 2),
+    64: (128, 64, 2),    # H100 bf16 N=8k: 399 TFLOP/s vs 340 for (192, 128, 1), 315 for (128, 128, 1)
+    96: (128, 128, 1),
+    128: (128, 128, 1),  # 423 vs 424 for (192, 64, 1), 397 for (128, 64, 1)
+    192: (128, 64, 1),
+    256: (128, 64, 1),   # 473 vs 385 for (128, 32, 1)
+}
+
+
+def fwd_sm90_config(head_dim: int, dtype: str, causal: bool) -> FwdSm90Config:
+    bm, bn, ctas = FWD_SM90_TILES[head_dim]
+    return FwdSm90Config(head_dim, bm, bn, ctas, dtype, causal)
+
+
+def forward_kernel_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH,
+                          kernels: str | None = None):
+    """The forward config the library launches on `arch`: wgmma on sm_90a, else (or with kernels="mma")
+    the mma.sync kernel of fwd_config."""
+    if uses_wgmma(arch, kernels) and head_dim in FWD_SM90_TILES:
+        return fwd_sm90_config(head_dim, dtype, causal)
+    return fwd_config(head_dim, dtype, causal, arch)
 
 
 @dataclass(frozen=True)
@@ -261,12 +354,88 @@ def dq_config(head_dim: int, dtype: str, causal: bool) -> DqConfig:
     return DqConfig(head_dim, bm, bn, warps, dtype, causal)
 
 
-def all_bwd_configs() -> list:
-    """Every backward instantiation the library can launch (main, deterministic dQ, elementwise)."""
+def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
+    """Every backward instantiation the library can launch on `arch` (main, deterministic dQ,
+    elementwise; for sm_90a also the wgmma main kernels)."""
     out: list = []
     for dt in DTYPES:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
                 out += [bwd_config(hd, dt, c, False), bwd_config(hd, dt, c, True), dq_config(hd, dt, c)]
+                if arch == "sm_90a" and hd in BWD_SM90_TILES:
+                    out += [bwd_sm90_config(hd, dt, c, False), bwd_sm90_config(hd, dt, c, True)]
     return out
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """Hopper backward main kernel: `bwd_sm90_kernel<BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N, CTAS_PER_SM, T>,
+    IS_CAUSAL, IS_DETERMINISTIC>`: K/V-outer, one warpgroup per 64 keys, query blocks of BLOCK_M = 64."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    ctas_per_sm: int
+    dtype: str
+    causal: bool
+    deterministic: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_m != 64 or self.block_n not in (64, 128):
+            raise ValueError(f"(block_m, block_n)=({self.block_m}, {self.block_n}); the kernel takes block_m 64, "
+                             f"block_n 64 or 128")
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.block_n
+
+    @property
+    def panel_cols(self) -> int:
+        """Panel width of the K, V, Q, dO tiles (BwdSm90Traits::PANEL_COLS): dQ's column split must fall
+        on a panel boundary."""
+        return 64 if (self.head_dim // (self.block_n // 64)) % 64 == 0 else 32
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        # K, V, 2 stages of (Q, dO), dS^T, 2 stages of (lse_log2, delta), + 1024 to align the base
+        return 2 * kv + 4 * q + ds + 4 * self.block_m * 4 + 1024
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.ctas_per_sm}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+# Hopper backward tiles per kernel head dim: (block_m, block_n, ctas_per_sm). Other head dims run the
+# mma.sync backward (dK + dV of 64 keys x 192 or 256 columns do not fit a warpgroup's registers).
+BWD_SM90_TILES = {
+    64: (64, 128, 1),
+    128: (64, 128, 1),
+}
+
+
+def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdSm90Config:
+    bm, bn, ctas = BWD_SM90_TILES[head_dim]
+    return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic)
+
+
+def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,
+                           arch: str = DEFAULT_ARCH, kernels: str | None = None):
+    """The backward main-kernel config the library launches on `arch` (see forward_kernel_config)."""
+    if uses_wgmma(arch, kernels) and head_dim in BWD_SM90_TILES:
+        return bwd_sm90_config(head_dim, dtype, causal, deterministic)
+    return bwd_config(head_dim, dtype, causal, deterministic)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from cuflash import _compile
-from cuflash.config import fwd_config
+from cuflash.config import bwd_sm90_config, fwd_config, fwd_sm90_config
 
 
 def _nvrtc_or_skip():
@@ -23,12 +23,14 @@ REPRESENTATIVE = [
     (fwd_config(64, "fp16", False), "sm_80"),
     (fwd_config(128, "bf16", True), "sm_90a"),
     (fwd_config(256, "bf16", False), "sm_90a"),
+    (fwd_sm90_config(128, "bf16", True), "sm_90a"),
+    (bwd_sm90_config(128, "fp16", True, False), "sm_90a"),
 ]
 
 
 @pytest.mark.parametrize("cfg,arch", REPRESENTATIVE, ids=lambda x: x if isinstance(x, str) else
-                         f"d{x.head_dim}-{x.dtype}-{'causal' if x.causal else 'full'}")
-def test_forward_kernel_compiles_without_spills(cfg, arch):
+                         f"{type(x).__name__}-d{x.head_dim}-{x.dtype}-{'causal' if x.causal else 'full'}")
+def test_representative_kernels_compile_without_spills(cfg, arch):
     _nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), arch, use_cache=False)
     res = compiled.resources
@@ -111,3 +113,37 @@ def test_parse_ptxas_log():
     clean = clean.replace(", 2048 bytes smem", "")
     assert _compile.parse_ptxas_log(clean) == {
         "registers": 255, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0}
+
+
+def test_hopper_kernels_use_warpgroup_mma():
+    """The sm_90a kernels must really run on wgmma (HGMMA in SASS is what makes them fast); their PTX
+    says wgmma.mma_async, and a compile for sm_80 is refused by the kernel's own static_assert."""
+    _nvrtc_or_skip()
+    name = fwd_sm90_config(64, "bf16", False).cpp_name()
+    nvrtc = _compile._nvrtc()
+    source = (_compile.cuda_dir() / "kernels.cu").read_text()
+    prog = nvrtc.createProgram(source, "kernels.cu", [], [])
+    try:
+        nvrtc.addNameExpression(prog, name)
+        nvrtc.compileProgram(prog, list(_compile.BASE_OPTIONS) + ["-arch=compute_90a", f"-I{_compile.cuda_dir()}"])
+        ptx = nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) else nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ptx
+    with pytest.raises(RuntimeError, match="compile it for sm_90a"):
+        _compile.compile_kernel(name, "sm_80", use_cache=False)
+
+
+def test_generated_wgmma_wrappers_are_up_to_date():
+    """cuda/ptx_wgmma.cuh is written by tools/gen_ptx_wgmma.py; an edit of either must keep them equal."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "tools" / "gen_ptx_wgmma.py"
+    if not script.is_file():
+        pytest.skip("tools/ is not part of this installation")
+    spec = importlib.util.spec_from_file_location("gen_ptx_wgmma", script)
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert (_compile.cuda_dir() / "ptx_wgmma.cuh").read_text() == gen.render(), \
+        "cuda/ptx_wgmma.cuh differs from what tools/gen_ptx_wgmma.py writes: run the script"

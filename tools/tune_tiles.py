@@ -1,23 +1,47 @@
-"""Time candidate tile configs (forward and backward) side by side on one GPU: `python tools/tune_tiles.py`.
+"""Time candidate tile configs side by side on one GPU: `python tools/tune_tiles.py [--n N] [--heads-dims 64 128]`.
 
-Each candidate replaces the entry of cuflash.config.FWD_TILES / BWD_TILES for its head dim, is compiled
-(registers and spills printed from ptxas) and timed with CUDA events; `diff` is the largest difference to
-the first candidate's output (a wrong candidate shows up there). Results go to docs/PERFORMANCE.md."""
+For each kernel head dim, the shipped config (first) and its candidates replace the config table entry,
+are compiled (registers and spills from ptxas) and timed with CUDA events, bf16, FlashAttention benchmark
+shapes (batch = 16384 / N, heads = 2048 / D). `diff` is the largest difference to the first candidate's
+output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_TILES,
+BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). Results go to docs/PERFORMANCE.md.
+"""
+from __future__ import annotations
+
+import argparse
 import sys
-sys.path.insert(0, str(__import__('pathlib').Path(__file__).resolve().parents[1]))
-import numpy as np, cupy as cp, ml_dtypes
-import cuflash
-from cuflash import config, _compile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import _compile, api, config  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-arch = _compile.device_arch()
+
+# wgmma kernels (sm_90a): forward (block_m, block_n, ctas_per_sm), backward (block_m, block_n, ctas_per_sm)
+FWD_SM90 = {32: [(128, 64, 2), (192, 128, 1)],
+            64: [(192, 128, 1), (128, 128, 1), (192, 64, 1)],
+            96: [(192, 64, 1)],
+            128: [(128, 64, 1), (192, 64, 1)],
+            192: [(128, 32, 1)],
+            256: [(128, 32, 1)]}
+BWD_SM90 = {64: [(64, 64, 2)], 128: []}
+# mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
+# (block_m, block_n, warps, d_split)
+FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
+BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
 
 
-def rand(shape, dt=BF16):
-    return cp.random.standard_normal(shape, dtype=cp.float32).astype(dt)
+def rand(shape):
+    return cp.random.standard_normal(shape, dtype=cp.float32).astype(BF16)
 
 
-def bench(fn, reps=15):
+def bench_ms(fn, reps=15):
     for _ in range(2):
         fn()
     s, e = cp.cuda.Event(), cp.cuda.Event()
@@ -31,57 +55,74 @@ def bench(fn, reps=15):
     return float(np.median(ts))
 
 
-# The shipped choice first (the reference of `diff`), then the candidates it was chosen over.
-SHIPPED = (dict(config.FWD_TILES), dict(config.FWD_TILES_CAUSAL), dict(config.BWD_TILES))
-FWD = {64: [(128, 64, 4), (128, 128, 8), (128, 128, 4), (64, 64, 4), (128, 64, 8)],
-       128: [(128, 32, 4), (128, 128, 8), (128, 64, 8), (128, 64, 4), (64, 64, 4)]}
-BWD = {64: [config.BWD_TILES[64], (64, 64, 8, 2), (32, 64, 4, 1), (64, 128, 8, 1)],
-       128: [config.BWD_TILES[128], (64, 64, 8, 2), (32, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 1)]}
-
-
-def res(cfg):
+def resources(cfg, arch):
     r = _compile.compile_kernel(cfg.cpp_name(), arch).resources
     return f"regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']}"
 
 
-for d in (64, 128):
-    for causal in (False, True):
-        for n in (4096, 16384):
-            b, h = 16384 // n, 2048 // d
-            q, k, v, do = (rand((b, n, h, d)) for _ in range(4))
-            fl = 4 * b * h * n * n * d / (2 if causal else 1)
-            o_ref, lse_ref = None, None
-            shipped = config.fwd_config(d, "bf16", causal)
-            for cand in dict.fromkeys([(shipped.block_m, shipped.block_n, shipped.num_warps)] + FWD[d]):
-                config.FWD_TILES[d] = cand
-                config.FWD_TILES_CAUSAL.pop(d, None)
-                cfg = config.fwd_config(d, "bf16", causal)
-                try:
-                    t = bench(lambda: cuflash.attention_forward(q, k, v, causal=causal))
-                    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-                    if o_ref is None:
-                        o_ref = o.astype(cp.float32)
-                    diff = float(cp.abs(o.astype(cp.float32) - o_ref).max())
-                    print(f"FWD d={d} causal={causal} n={n} tiles={cand} {fl / t / 1e9:.0f} TFLOP/s {res(cfg)} diff={diff:.1e}", flush=True)
-                except Exception as ex:
-                    print(f"FWD d={d} causal={causal} n={n} tiles={cand} ERROR {str(ex)[:200]}", flush=True)
-            config.FWD_TILES.update(SHIPPED[0])
-            config.FWD_TILES_CAUSAL.update(SHIPPED[1])
-            o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-            dq_ref = None
-            for cand in BWD[d]:
-                config.BWD_TILES[d] = cand
-                cfg = config.bwd_config(d, "bf16", causal, False)
-                try:
-                    t = bench(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal))
-                    dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
-                    if dq_ref is None:
-                        dq_ref = [x.astype(cp.float32) for x in (dq, dk, dv)]
-                    diff = max(float(cp.abs(x.astype(cp.float32) - r).max()) for x, r in zip((dq, dk, dv), dq_ref))
-                    td = bench(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, deterministic=True))
-                    print(f"BWD d={d} causal={causal} n={n} tiles={cand} {2.5 * fl / t / 1e9:.0f} TFLOP/s "
-                          f"(deterministic {2.5 * fl / td / 1e9:.0f}) {res(cfg)} diff={diff:.1e}", flush=True)
-                except Exception as ex:
-                    print(f"BWD d={d} causal={causal} n={n} tiles={cand} ERROR {str(ex)[:200]}", flush=True)
-            config.BWD_TILES.update(SHIPPED[2])
-            print(flush=True)
+def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_cfg):
+    """Time table[d] = each candidate (shipped first), restore the table, print one row each."""
+    shipped = table[d]
+    ref = None
+    for cand in dict.fromkeys([shipped] + candidates):
+        table[d] = cand
+        api._forward_kernels.clear()
+        try:
+            res = resources(make_cfg(), arch)
+            ms, out = run()
+            outs = [x.astype(cp.float32) for x in out]
+            ref = outs if ref is None else ref
+            diff = max(float(cp.abs(x - r).max()) for x, r in zip(outs, ref))
+            print(f"  {kind} tiles={cand}{' (shipped)' if cand == shipped else ''}: {ms[1]:.0f} TFLOP/s "
+                  f"{res} diff={diff:.1e}", flush=True)
+        except Exception as ex:  # noqa: BLE001 - a candidate that does not compile or run is reported
+            print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
+    table[d] = shipped
+    api._forward_kernels.clear()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", type=int, nargs="+", default=[8192])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 192, 256])
+    args = ap.parse_args()
+    arch = _compile.device_arch()
+    wgmma = config.uses_wgmma(arch)
+    print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
+    for d in args.head_dims:
+        for causal in (False, True):
+            for n in args.n:
+                b, h = 16384 // n, 2048 // d
+                q, k, v, do = (rand((b, n, h, d)) for _ in range(4))
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                print(f"D={d} causal={causal} N={n} (B={b}, H={h})", flush=True)
+
+                def fwd():
+                    ms = bench_ms(lambda: cuflash.attention_forward(q, k, v, causal=causal))
+                    return (ms, flops / ms / 1e9), cuflash.attention_forward(q, k, v, causal=causal)
+
+                o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+
+                def bwd():
+                    ms = bench_ms(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal))
+                    return (ms, 2.5 * flops / ms / 1e9), cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+
+                if wgmma:
+                    if d in config.FWD_SM90_TILES:
+                        tune(config.FWD_SM90_TILES, FWD_SM90.get(d, []), d, "fwd", fwd, arch,
+                             lambda: config.fwd_sm90_config(d, "bf16", causal))
+                    if d in config.BWD_SM90_TILES:
+                        tune(config.BWD_SM90_TILES, BWD_SM90.get(d, []), d, "bwd", bwd, arch,
+                             lambda: config.bwd_sm90_config(d, "bf16", causal, False))
+                else:
+                    tune(config.FWD_TILES, FWD_MMA.get(d, []), d, "fwd", fwd, arch,
+                         lambda: config.fwd_config(d, "bf16", causal, arch))
+                    tune(config.BWD_TILES, BWD_MMA.get(d, []), d, "bwd", bwd, arch,
+                         lambda: config.bwd_config(d, "bf16", causal, False))
+                del q, k, v, do, o, lse
+                cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
