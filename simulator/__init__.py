@@ -5,9 +5,11 @@ conflicts of attention tiling strategies, counted from the same configuration co
     c = simulate("cuflash", Problem(batch=1, heads=16, seqlen_q=4096, seqlen_k=4096, head_dim=128))
     c.hbm_read_bytes, c.sram_read_bytes, c.bank_conflicts
 
-Modules: strategies (counts), banks (bank-conflict rule and the walks of fwd_kernel, bwd_kernel and
-bwd_dq_kernel), l2 (LRU L2 model), execute (the tile schedules run in float64), cli (`cuflash-sim`),
-validate (ncu on the H100).
+Modules: strategies (counts), banks (bank-conflict rule and the walks of fwd_kernel, bwd_kernel,
+bwd_dq_kernel and the wgmma kernels fwd_sm90_kernel, bwd_sm90_kernel), l2 (LRU L2 model), execute (the
+tile schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100). `cuflash` counts what the
+library launches on an H100 (`kernels="auto"`, the wgmma kernels where the head dim has one);
+`simulate(..., kernels="mma")` counts the mma.sync kernels.
 """
 from .model import COUNT_FIELDS, STRATEGIES, Counts, Problem
 from .strategies import simulate

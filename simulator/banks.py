@@ -1,5 +1,9 @@
 """Shared-memory bank conflicts: the hardware rule for one warp instruction, and walks over every
-shared-memory instruction that fwd_kernel, bwd_kernel and bwd_dq_kernel (cuda/*.cuh) issue.
+shared-memory instruction that fwd_kernel, bwd_kernel and bwd_dq_kernel (cuda/*.cuh) issue, and over the
+thread-issued ones of the Hopper kernels fwd_sm90_kernel and bwd_sm90_kernel (cp.async, st.shared, ld.shared).
+Those kernels' tensor-core operand reads (wgmma from shared-memory descriptors) are no thread instructions:
+the walks report their bytes apart (roles *_wgmma, SharedWalk.wgmma_read_bytes) with no bank model, and ncu
+counts them as neither LDS nor LDSM.
 
 The rule (DESIGN.md section 6; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
@@ -220,26 +224,41 @@ def padded_offset(row, col, head_dim: int, pad_elems: int = 8, elem_bytes: int =
     return (row * (head_dim + pad_elems) + col) * elem_bytes
 
 
-def swizzled_offset(row, col, rows: int, head_dim: int):
-    """The kernels' layout (cuflash.config.swizzled_offset, which also takes NumPy arrays)."""
-    return _config.swizzled_offset(row, col, rows, head_dim)
+def swizzled_offset(row, col, rows: int, head_dim: int, panel_cols: int | None = None):
+    """The kernels' layout, SmemTile<rows, head_dim, PANEL_COLS>::offset of cuda/tiles.cuh (NumPy arrays work).
+
+    panel_cols None: the default panel width (cuflash.config.swizzled_offset); 32 or 64: a tile that asks
+    for its own width (BwdSm90Traits::PANEL_COLS, `BwdSm90Config.panel_cols`)."""
+    if panel_cols is None:
+        return _config.swizzled_offset(row, col, rows, head_dim)
+    if panel_cols not in (32, 64) or head_dim % panel_cols:
+        raise ValueError(f"panel_cols={panel_cols} must be 32 or 64 and divide head_dim={head_dim}")
+    panel_bytes = panel_cols * _config.ELEM_BYTES
+    panel, c = np.divmod(col, panel_cols)
+    off = row * panel_bytes + c * _config.ELEM_BYTES
+    off = off ^ (((off >> 7) & (7 if panel_bytes == 128 else 3)) << 4)
+    return panel * rows * panel_bytes + off
 
 
 # ----------------------------------------------------------------------------------------------
 # Mirrors of cuda/tiles.cuh: tile copies, ldmatrix lane addresses
 # ----------------------------------------------------------------------------------------------
 
-def fixed_column(threads: int, rows: int, tile_cols: int) -> bool:
-    """SmemTile<rows, tile_cols>::fixed_column<threads>(): each thread keeps one 16-byte column chunk
-    and steps rows by ROWS_PER_ITER = threads / CHUNKS_PER_ROW, a multiple of 8 (or one step)."""
+def fixed_column(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> bool:
+    """SmemTile<rows, tile_cols, panel_cols>::fixed_column<threads>(): each thread keeps one 16-byte column
+    chunk and steps rows by ROWS_PER_ITER = threads / CHUNKS_PER_ROW, a multiple of 8 (or one step); only
+    when the 8 lanes of a phase stay in one 128-byte line of one panel (128-byte panels, or a row that is
+    one 64-byte panel)."""
     cpr = tile_cols // _config.CHUNK_ELEMS
-    return threads % cpr == 0 and ((threads // cpr) % 8 == 0 or threads // cpr >= rows)
+    pc = _config.panel_cols(tile_cols) if panel_cols is None else panel_cols
+    return (threads % cpr == 0 and (pc == 64 or cpr == pc // _config.CHUNK_ELEMS)
+            and ((threads // cpr) % 8 == 0 or threads // cpr >= rows))
 
 
-def panel_order(idx, rows: int, tile_cols: int):
+def panel_order(idx, rows: int, tile_cols: int, panel_cols: int | None = None):
     """SmemTile::panel_order: chunk idx -> (row, col), panel by panel, then rows, then the chunks of
-    that panel row (NumPy arrays work)."""
-    pc = _config.panel_cols(tile_cols)
+    that panel row (NumPy arrays work; panel_cols as in swizzled_offset)."""
+    pc = _config.panel_cols(tile_cols) if panel_cols is None else panel_cols
     panel_chunks = pc // _config.CHUNK_ELEMS
     panel, rest = np.divmod(idx, rows * panel_chunks)
     row, chunk = np.divmod(rest, panel_chunks)
@@ -247,7 +266,7 @@ def panel_order(idx, rows: int, tile_cols: int):
 
 
 def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_valid: int | None = None,
-                   cols_valid: int | None = None) -> np.ndarray:
+                   cols_valid: int | None = None, panel_cols: int | None = None) -> np.ndarray:
     """Shared addresses of a [rows, tile_cols] tile copy by `threads` threads, load_tile_async or
     store_tile of cuda/tiles.cuh: [warp, i, lane], -1 where the lane issues nothing.
 
@@ -255,9 +274,10 @@ def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_vali
     i * ROWS_PER_ITER for i < ceil(ROWS / ROWS_PER_ITER), rows >= ROWS skipped. Otherwise chunks
     idx = tid + i * THREADS < CHUNKS in panel order (panel_order). cp.async issues every chunk of the
     tile (rows >= rows_valid and columns >= cols_valid are zero-filled, still written); store_tile
-    reads only rows < rows_valid and cols < cols_valid (pass them for a store)."""
-    row, col, issued = _copy_lanes(threads, rows, tile_cols)
-    addr = base + swizzled_offset(np.minimum(row, rows - 1), col, rows, tile_cols)
+    reads only rows < rows_valid and cols < cols_valid (pass them for a store). panel_cols: the tile's
+    panel width when it is not the default (swizzled_offset)."""
+    row, col, issued = _copy_lanes(threads, rows, tile_cols, panel_cols)
+    addr = base + swizzled_offset(np.minimum(row, rows - 1), col, rows, tile_cols, panel_cols)
     if rows_valid is not None:
         issued = issued & (row < rows_valid)
     if cols_valid is not None:
@@ -265,12 +285,12 @@ def copy_addresses(threads: int, rows: int, tile_cols: int, base: int, rows_vali
     return np.where(issued, addr, -1)
 
 
-def _copy_lanes(threads: int, rows: int, tile_cols: int):
+def _copy_lanes(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None):
     """(row, col, issued) of every [warp, i, lane] of a tile copy (copy_addresses)."""
     cpr = tile_cols // _config.CHUNK_ELEMS
     n_chunks = rows * cpr
     tid = np.arange(threads).reshape(threads // WARP, 1, WARP)
-    if fixed_column(threads, rows, tile_cols):
+    if fixed_column(threads, rows, tile_cols, panel_cols):
         rows_per_iter = threads // cpr
         iters = -(-rows // rows_per_iter)
         row = tid // cpr + np.arange(iters).reshape(1, iters, 1) * rows_per_iter
@@ -278,7 +298,7 @@ def _copy_lanes(threads: int, rows: int, tile_cols: int):
         return row, col, row < rows
     iters = -(-n_chunks // threads)
     idx = tid + np.arange(iters).reshape(1, iters, 1) * threads
-    row, col = panel_order(np.minimum(idx, n_chunks - 1), rows, tile_cols)
+    row, col = panel_order(np.minimum(idx, n_chunks - 1), rows, tile_cols, panel_cols)
     return row, col, idx < n_chunks
 
 
@@ -288,21 +308,22 @@ def _copy_lanes(threads: int, rows: int, tile_cols: int):
 GLOBAL_ROW_PITCH = 1 << 20
 
 
-def copy_global_offsets(threads: int, rows: int, tile_cols: int) -> np.ndarray:
+def copy_global_offsets(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> np.ndarray:
     """Global source byte offsets (from the tile's first row) of the lanes of load_tile_async, shaped as
     copy_addresses: row * GLOBAL_ROW_PITCH + col * 2."""
-    row, col, _ = _copy_lanes(threads, rows, tile_cols)
+    row, col, _ = _copy_lanes(threads, rows, tile_cols, panel_cols)
     return row * GLOBAL_ROW_PITCH + col * _config.ELEM_BYTES
 
 
-def copy_code_blocks(threads: int, rows: int, tile_cols: int) -> np.ndarray | None:
+def copy_code_blocks(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> np.ndarray | None:
     """Basic blocks with LDGSTS that each warp executes for one load_tile_async, or None when the copy
     is straight-line code (fixed_column: fully unrolled, so it shares one block with the copies next to
     it). The panel-order loop `for (idx = tid; idx < CHUNKS; idx += THREADS)` has a per-thread trip count
     T; ptxas unrolls it by 4 with the remainder first: T % 4 single-copy blocks and T // 4 four-copy
     blocks, and a warp runs a block when any of its threads does (checked against the SASS of every
-    validated instantiation, CUDA 13.0 and 13.5). Returns [warp] counts."""
-    if fixed_column(threads, rows, tile_cols):
+    validated instantiation, CUDA 13.0 and 13.5). Returns [warp] counts. panel_cols: the tile's panel
+    width when not the default (bwd_sm90_kernel at HEAD_DIM 64)."""
+    if fixed_column(threads, rows, tile_cols, panel_cols):
         return None
     n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
     tid = np.arange(threads).reshape(threads // WARP, WARP)
@@ -311,11 +332,18 @@ def copy_code_blocks(threads: int, rows: int, tile_cols: int) -> np.ndarray | No
 
 
 GUARD_LDS_PER_BLOCK = 3  # `@!PT LDS RZ, [RZ]` x 3 at the head of every basic block that issues LDGSTS
+# ... and x 4 before every fence.proxy.async.shared::cta (SASS: MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S) of the
+# wgmma kernels: after each cp.async wait and, in bwd_sm90_kernel, after the dS^T stores (nvcc 13.0 SASS of
+# fwd_sm90 d64, d96, d256 causal and bwd_sm90 d64, d128 causal and deterministic, sources of a0bccd8)
+FENCE_GUARD_LDS = 4
+
+
+BLOCK_BREAK = ("break",)  # a copies entry of guard_lds_per_warp: the next straight-line copy starts a new block
 
 
 def guard_lds_per_warp(threads: int, copies) -> np.ndarray:
     """Predicated-off LDS per warp of a sequence of tile copies in program order: copies = [(rows,
-    tile_cols) or ("guarded", warps_entering)], e.g. [(BLOCK_M, HD), (BLOCK_N, HD), (BLOCK_N, HD)].
+    tile_cols[, panel_cols]) or ("guarded", warps_entering)], e.g. [(BLOCK_M, HD), (BLOCK_N, HD), (BLOCK_N, HD)].
     Adjacent straight-line (fixed_column) copies share one block; a loop copy contributes its own
     blocks and ends the run; ("guarded", mask) is one block of its own (an `if (tid < n)` copy) run by
     the warps where mask is True."""
@@ -323,6 +351,9 @@ def guard_lds_per_warp(threads: int, copies) -> np.ndarray:
     blocks = np.zeros(warps, dtype=np.int64)
     in_run = False
     for c in copies:
+        if c == BLOCK_BREAK:  # code between two copies ends the straight-line block
+            in_run = False
+            continue
         if c[0] == "guarded":
             blocks += np.asarray(c[1], dtype=np.int64)
             in_run = False
@@ -366,12 +397,13 @@ def tile_frag(lane_addr, row0: int, col0: int, rows: int, tile_cols: int):
             + row0 * pc * _config.ELEM_BYTES)
 
 
-def accumulator_store_addresses(base: int, rows: int, tile_cols: int, row0, col0) -> np.ndarray:
+def accumulator_store_addresses(base: int, rows: int, tile_cols: int, row0, col0,
+                                panel_cols: int | None = None) -> np.ndarray:
     """st.shared.b32 of one m16n8 accumulator half: lane (g = l >> 2, t = l & 3) writes the packed pair
     (row0 + g, col0 + 2t) of a [rows, tile_cols] tile; row0, col0 broadcast, trailing lane axis."""
     row0 = np.asarray(row0)[..., None]
     col0 = np.asarray(col0)[..., None]
-    return base + swizzled_offset(row0 + (_L >> 2), col0 + 2 * (_L & 3), rows, tile_cols)
+    return base + swizzled_offset(row0 + (_L >> 2), col0 + 2 * (_L & 3), rows, tile_cols, panel_cols)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,7 +413,7 @@ def accumulator_store_addresses(base: int, rows: int, tile_cols: int, row0, col0
 @dataclass
 class InstrStats:
     kind: str
-    instructions: int = 0  # warp instructions
+    instructions: int = 0  # warp instructions (kind "wgmma": wgmma.mma_async per warpgroup)
     wavefronts: int = 0
     conflicts: int = 0
     bytes: int = 0  # bytes moved by active lanes
@@ -450,7 +482,42 @@ DQ_ROLES = {
     "dq_read": ("ld128", "LDS"),  # store_tile of dQ
 }
 
-SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")
+# fwd_sm90_kernel (cuda/fwd_sm90.cuh), in program order. The wgmma roles are no thread instructions: the
+# tensor core reads its shared-memory operands through the descriptors, once per warpgroup instruction
+# (kind "wgmma": bytes only, no bank model; ncu counts no LDS or LDSM for them)
+FWD_SM90_ROLES = {
+    "q_load": ("cp.async16", "LDGSTS"),  # Q tile once per CTA
+    "k_load": ("cp.async16", "LDGSTS"),  # K, V per key tile, into stage (iteration % 2)
+    "v_load": ("cp.async16", "LDGSTS"),
+    "s_wgmma": ("wgmma", "HGMMA"),  # S = Q K^T: the warpgroup's 64 Q rows and all of K (K-major)
+    "o_wgmma": ("wgmma", "HGMMA"),  # O += P V: V (N-major); P from registers
+    "o_store": ("st32", "STS"),  # O (fp32 regs -> T) into the Q tile, warp w rows 16w + g (+8)
+    "o_read": ("ld128", "LDS"),  # store_tile of O
+}
+
+# bwd_sm90_kernel (cuda/bwd_sm90.cuh), in program order; every warp owns 16 keys (64 per warpgroup)
+BWD_SM90_ROLES = {
+    "k_load": ("cp.async16", "LDGSTS"),  # K_j, V_j once per CTA
+    "v_load": ("cp.async16", "LDGSTS"),
+    "q_load": ("cp.async16", "LDGSTS"),  # Q_i, dO_i, lse_log2_i, delta_i per query block (bwd_load_query_block)
+    "do_load": ("cp.async16", "LDGSTS"),
+    "vec_load": ("cp.async16", "LDGSTS"),
+    "st_wgmma": ("wgmma", "HGMMA"),  # S^T = K Q^T: the warpgroup's 64 K rows, all of Q (both K-major)
+    "dpt_wgmma": ("wgmma", "HGMMA"),  # dP^T = V dO^T: 64 V rows, all of dO
+    "lse_load": ("ld64", "LDS"),  # float2 lse_log2 per n8 query tile
+    "delta_load": ("ld64", "LDS"),  # float2 delta per n8 query tile
+    "dv_wgmma": ("wgmma", "HGMMA"),  # dV += P^T dO: dO N-major; P^T from registers
+    "dk_wgmma": ("wgmma", "HGMMA"),  # dK += dS^T Q: Q N-major; dS^T from registers
+    "ds_store": ("st32", "STS"),  # dS^T (packed pairs) by every warp, unless deterministic
+    "dq_wgmma": ("wgmma", "HGMMA"),  # dQ = dS K: all of dS^T (M-major), the warpgroup's DQ_COLS of K
+    "dk_store": ("st32", "STS"),  # epilogue: dK into the K tile, dV into the V tile
+    "dv_store": ("st32", "STS"),
+    "dk_read": ("ld128", "LDS"),  # store_tile of dK, dV (valid keys and columns)
+    "dv_read": ("ld128", "LDS"),
+}
+
+SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")  # the shared-memory instructions threads issue
+TENSOR_CLASS = "HGMMA"  # wgmma operand reads (tensor core, through descriptors)
 
 
 @dataclass
@@ -460,8 +527,9 @@ class SharedWalk:
     config: object
     roles: dict = field(default_factory=dict)
     role_table: dict = field(default_factory=lambda: FWD_ROLES)
-    # predicted-off `@!PT LDS RZ, [RZ]` that ptxas puts before LDGSTS (GUARD_LDS_PER_BLOCK per block):
-    # issued, so smsp__inst_executed_op_shared_ld counts them; no wavefront, no byte
+    # predicted-off `@!PT LDS RZ, [RZ]` that ptxas puts before LDGSTS (GUARD_LDS_PER_BLOCK per block) and
+    # before fence.proxy.async (FENCE_GUARD_LDS): issued, so smsp__inst_executed_op_shared_ld counts them;
+    # no wavefront, no byte
     guard_lds: int = 0
 
     def by_sass(self, sass: str) -> InstrStats:
@@ -472,8 +540,20 @@ class SharedWalk:
         return out
 
     @property
-    def read_bytes(self) -> int:
+    def thread_read_bytes(self) -> int:
+        """Bytes read by thread instructions (LDSM, LDS): what ncu's shared-load counters see."""
         return self.by_sass("LDSM").bytes + self.by_sass("LDS").bytes
+
+    @property
+    def wgmma_read_bytes(self) -> int:
+        """Shared-memory operand bytes the tensor core reads for wgmma (0 in the mma.sync kernels). These
+        are not thread instructions: no bank rule applies and ncu counts them as neither LDS nor LDSM."""
+        return self.by_sass(TENSOR_CLASS).bytes
+
+    @property
+    def read_bytes(self) -> int:
+        """Every byte read from shared memory: thread instructions plus wgmma operands."""
+        return self.thread_read_bytes + self.wgmma_read_bytes
 
     @property
     def write_bytes(self) -> int:
@@ -574,8 +654,9 @@ def fwd_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -
 
 
 def _tile_sources(threads: int, tiles: dict) -> dict:
-    """{role: global source offsets} of the cp.async tile copies tiles = {role: (rows, tile_cols)}."""
-    return {r: copy_global_offsets(threads, rows, cols) for r, (rows, cols) in tiles.items()}
+    """{role: global source offsets} of the cp.async tile copies tiles = {role: (rows, tile_cols[,
+    panel_cols])}."""
+    return {r: copy_global_offsets(threads, *tile) for r, tile in tiles.items()}
 
 
 def _check_head_dim(cfg, head_dim):
@@ -586,12 +667,13 @@ def _check_head_dim(cfg, head_dim):
 
 
 def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, batch, heads, seqlen_q, seqlen_k,
-                  head_dim, causal_skip, prologue_copies, step_copies) -> SharedWalk:
-    """Shared driver of the Q-outer kernels (fwd_kernel, bwd_dq_kernel): CTA m_block with n_blocks > 0
-    issues its per-CTA roles once (those that depend on the valid rows from cta_stats(cfg, rows, d))
-    and n_blocks iterations, iteration it on K/V stage it % 2. The prologue copies (Q, ..., and the
-    first K/V tile) and, in every iteration but the last, the next tile's copies (step_copies) set the
-    guard LDS count (guard_lds_per_warp)."""
+                  head_dim, causal_skip, prologue_copies, step_copies, fences_per_step: int = 0) -> SharedWalk:
+    """Shared driver of the Q-outer kernels (fwd_kernel, fwd_sm90_kernel, bwd_dq_kernel): CTA m_block with
+    n_blocks > 0 issues its per-CTA roles once (those that depend on the valid rows from cta_stats(cfg,
+    rows, d)) and n_blocks iterations, iteration it on K/V stage it % 2. The prologue copies (Q, ..., and
+    the first K/V tile), in every iteration but the last the next tile's copies (step_copies), and
+    fences_per_step fence.proxy.async per iteration set the guard LDS count (guard_lds_per_warp,
+    FENCE_GUARD_LDS)."""
     from .model import Problem
     from .strategies import block_sizes, n_block_max
 
@@ -613,6 +695,7 @@ def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, bat
     live = n_max > 0
     walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, prologue_copies).sum())
                       + int((n_max[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, step_copies).sum())
+                      + int(n_max[live].sum()) * fences_per_step * FENCE_GUARD_LDS * (cfg.threads // WARP)
                       ) * batch * heads
     return walk
 
@@ -625,12 +708,91 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     issues the Q copy, n_blocks iterations (iteration it uses K/V stage buffer it % STAGES) and the
     epilogue; a CTA that sees no key writes O = 0 / lse = -inf straight to global memory and issues no
     shared instruction."""
+    if isinstance(cfg, _config.FwdSm90Config):
+        return fwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip)
     if not isinstance(cfg, _config.FwdConfig):
-        raise TypeError(f"cfg must be a cuflash.config.FwdConfig, got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be a cuflash.config.FwdConfig or FwdSm90Config, got {type(cfg).__name__}")
+    if getattr(cfg, "decode", False):  # its O leaves from registers, its Q rows are gathered: another walk
+        raise ValueError("cfg.decode=True: the kv-cache decode variant of fwd_kernel is not walked; "
+                         "allowed: the prefill fwd_kernel (decode=False) and fwd_sm90_kernel")
     head_dim = _check_head_dim(cfg, head_dim)
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, FWD_ROLES, fwd_cta_stats, PER_ITERATION_ROLES, PER_CTA_ROLES, batch, heads,
                          seqlen_q, seqlen_k, head_dim, causal_skip, [q, kv, kv], [kv, kv])
+
+
+# ---- fwd_sm90_kernel (Hopper, wgmma) -----------------------------------------------------------------
+
+def wgmma_stats(instructions: int, nbytes: int) -> InstrStats:
+    """A wgmma role: `instructions` wgmma.mma_async (per warpgroup, summed over warpgroups) reading
+    `nbytes` of shared-memory operands; no wavefronts or conflicts (no thread instruction, no bank rule)."""
+    return InstrStats("wgmma", instructions, 0, 0, nbytes, 0)
+
+
+def fwd_sm90_addresses(cfg, stage: int, rows_q: int | None = None,
+                       head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Byte addresses (from the 1024-byte-aligned base) of every thread-issued shared instruction of one
+    CTA of fwd_sm90_kernel, per role: the copies and O staging as fwd_addresses (same tiles and layout:
+    Q, then 2 stages of K, then 2 of V), with 4 warps per 64 query rows, warp w owning rows 16w.. of the
+    tile. The wgmma operand reads are in fwd_sm90_wgmma."""
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    q_bytes, kv_bytes = bm * hd * _config.ELEM_BYTES, bn * hd * _config.ELEM_BYTES
+    k_base = q_bytes + stage * kv_bytes
+    v_base = q_bytes + 2 * kv_bytes + stage * kv_bytes
+    out = {
+        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
+        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
+        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
+        "o_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
+    }
+    # epilogue: for h, dt: (16w + g + 8h, dt*8 + 2t) into the Q tile
+    rows = (np.arange(cfg.num_warps) * 16).reshape(-1, 1, 1) + 8 * _ax(2, 1, 3)
+    out["o_store"] = accumulator_store_addresses(0, bm, hd, rows, _ax(hd // 8, 2, 3) * 8)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+def fwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
+    """wgmma operand reads of one key tile, all warpgroups: S = Q K^T is HEAD_DIM/16 wgmma per warpgroup,
+    each reading a 64 x 16 slice of the warpgroup's Q rows and a BLOCK_N x 16 slice of K; O += P V is
+    BLOCK_N/16 wgmma reading 16 x HEAD_DIM of V each."""
+    wg, hd, bn, e = cfg.block_m // 64, cfg.head_dim, cfg.block_n, _config.ELEM_BYTES
+    return {"s_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bn) * hd * e),
+            "o_wgmma": wgmma_stats(wg * bn // 16, wg * bn * hd * e)}
+
+
+FWD_SM90_PER_ITERATION_ROLES = ("k_load", "v_load", "s_wgmma", "o_wgmma")
+FWD_SM90_PER_CTA_ROLES = ("q_load", "o_store", "o_read")
+
+
+@lru_cache(maxsize=256)
+def fwd_sm90_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-iteration stats per stage) of fwd_sm90_kernel, as fwd_cta_stats; cached."""
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    src = _tile_sources(cfg.threads, {"q_load": q, "k_load": kv, "v_load": kv})
+    per_iter = []
+    for stage in range(2):
+        addrs = fwd_sm90_addresses(cfg, stage)
+        per_iter.append({r: _stats(FWD_SM90_ROLES[r][0], addrs[r], src.get(r)) for r in ("k_load", "v_load")}
+                        | fwd_sm90_wgmma(cfg))
+    addrs = fwd_sm90_addresses(cfg, 0, rows_q, head_dim)
+    per_cta = {r: _stats(FWD_SM90_ROLES[r][0], addrs[r], src.get(r)) for r in FWD_SM90_PER_CTA_ROLES}
+    return per_cta, per_iter
+
+
+def fwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                           causal_skip: bool = True) -> SharedWalk:
+    """Every shared-memory access of fwd_sm90_kernel<cfg> over the grid (ceil(Sq/BLOCK_M), heads, batch):
+    the thread-issued instructions (cp.async of Q once and K, V per key tile; the O staging st.shared.b32
+    and store_tile's 16-byte loads), walked with the bank rule, and the wgmma operand reads (roles
+    s_wgmma, o_wgmma: bytes only). Same grid, key-tile order and skipping as fwd_kernel; each iteration
+    also issues one fence.proxy.async (4 guard LDS per warp, FENCE_GUARD_LDS)."""
+    if not isinstance(cfg, _config.FwdSm90Config):
+        raise TypeError(f"cfg must be a cuflash.config.FwdSm90Config, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    return _q_outer_walk(cfg, FWD_SM90_ROLES, fwd_sm90_cta_stats, FWD_SM90_PER_ITERATION_ROLES,
+                         FWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip,
+                         [q, kv, kv], [kv, kv], fences_per_step=1)
 
 
 # ---- bwd_dq_kernel (deterministic dQ) ------------------------------------------------------------
@@ -839,37 +1001,183 @@ def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True
 
 def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
                       causal_skip: bool = True) -> SharedWalk:
-    """Every shared-memory instruction of bwd_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch).
+    """Every shared-memory instruction of bwd_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch)
+    (bwd_sm90_kernel_shared for a BwdSm90Config).
 
     A CTA that no query sees (m_begin >= m_end) zero-fills dK, dV in global memory and issues nothing
     shared; otherwise K and V copies, one visit per query block (visit k on stage k % 2: the Q, dO,
     lse_log2, delta copies and bwd_query_block), then the dK/dV staging and stores of its valid keys."""
+    if isinstance(cfg, _config.BwdSm90Config):
+        return bwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip)
+    if not isinstance(cfg, _config.BwdConfig):
+        raise TypeError(f"cfg must be a cuflash.config.BwdConfig or BwdSm90Config, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _kv_outer_walk(cfg, BWD_ROLES, bwd_cta_stats, BWD_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k,
+                          head_dim, causal_skip)
+
+
+def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seqlen_q, seqlen_k, head_dim,
+                   causal_skip, fences_per_visit: int = 0) -> SharedWalk:
+    """Shared driver of the K/V-outer kernels (bwd_kernel, bwd_sm90_kernel): per live CTA the per-CTA roles
+    of its valid keys (cta_stats(cfg, keys, d)), per visit the per-visit roles of stage visit % 2. Guard
+    LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block, run by
+    the warps holding such threads); every visit but the last prefetches the next Q, dO, lse, delta; each
+    visit issues fences_per_visit fence.proxy.async (FENCE_GUARD_LDS each)."""
     from .strategies import block_sizes
 
-    if not isinstance(cfg, _config.BwdConfig):
-        raise TypeError(f"cfg must be a cuflash.config.BwdConfig, got {type(cfg).__name__}")
-    head_dim = _check_head_dim(cfg, head_dim)
     m_begin, m_end = bwd_query_blocks(cfg, seqlen_q, seqlen_k, causal_skip)
     visits = np.maximum(m_end - m_begin, 0)
     keys = block_sizes(seqlen_k, cfg.block_n)
-    walk = SharedWalk(cfg, {r: InstrStats(BWD_ROLES[r][0]) for r in BWD_ROLES}, BWD_ROLES)
+    walk = SharedWalk(cfg, {r: InstrStats(role_table[r][0]) for r in role_table}, role_table)
     per_visit = None
     for k in np.unique(keys[visits > 0]):
         live = (keys == k) & (visits > 0)
-        per_cta, per_visit = bwd_cta_stats(cfg, int(k), head_dim)
-        for r in BWD_PER_CTA_ROLES:
+        per_cta, per_visit = cta_stats(cfg, int(k), head_dim)
+        for r in per_cta_roles:
             walk.roles[r].add(per_cta[r], int(live.sum()) * batch * heads)
     if per_visit is not None:
         for s in range(2):
             n = int(((visits - s + 1) // 2).sum()) * batch * heads  # visit % 2 == s
             for r, st in per_visit[s].items():
                 walk.roles[r].add(st, n)
-    # guard LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block,
-    # run by the warps holding such threads); every visit but the last prefetches the next Q, dO, lse, delta
-    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
-    vec = ("guarded", np.arange(cfg.num_warps) * WARP < 2 * (cfg.block_m // 4))
+    pc = getattr(cfg, "panel_cols", None)  # BwdSm90Config: 64-byte panels at HEAD_DIM 64
+    q, kv = (cfg.block_m, cfg.head_dim, pc), (cfg.block_n, cfg.head_dim, pc)
+    warps = cfg.threads // WARP
+    vec = ("guarded", np.arange(warps) * WARP < 2 * (cfg.block_m // 4))
     live = visits > 0
-    walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, [kv, kv, q, q, vec]).sum())
+    # prologue: K, V, then the first query block's Q, dO after its head's address arithmetic (GQA / varlen,
+    # head_rows in bwd.cuh), which ptxas puts in a block of its own (nvcc 13.0 SASS)
+    walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, [kv, kv, BLOCK_BREAK, q, q, vec]).sum())
                       + int((visits[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, [q, q, vec]).sum())
+                      + int(visits.sum()) * fences_per_visit * FENCE_GUARD_LDS * warps
                       ) * batch * heads
     return walk
+
+
+# ---- bwd_sm90_kernel (Hopper, wgmma) -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class BwdSm90Layout:
+    """The constants of BwdSm90Traits (cuda/traits.cuh) for one BwdSm90Config: offsets from the 1024-byte
+    aligned base (K, V, 2 stages of (Q, dO), dS^T, 2 stages of (lse_log2, delta)), as bwd_kernel's."""
+
+    warpgroups: int  # 64 keys each
+    dq_cols: int  # dQ columns per warpgroup
+    panel_cols: int  # panel width of the K, V, Q, dO tiles (dS^T keeps the default)
+    smem_q: int
+    smem_kv: int
+    smem_ds: int
+    rowvec: int
+    off_k: int
+    off_v: int
+    off_q: int  # + stage * 2 * smem_q
+    off_do: int
+    off_ds: int
+    off_lse: int  # + stage * 2 * rowvec
+    off_delta: int
+    smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
+
+
+def bwd_sm90_layout(cfg) -> BwdSm90Layout:
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    smem_q, smem_kv, smem_ds = (r * c * _config.ELEM_BYTES for r, c in ((bm, hd), (bn, hd), (bn, bm)))
+    off_ds = 2 * smem_kv + 4 * smem_q
+    off_lse = off_ds + smem_ds
+    wg = bn // 64
+    return BwdSm90Layout(
+        warpgroups=wg, dq_cols=hd // wg, panel_cols=cfg.panel_cols, smem_q=smem_q, smem_kv=smem_kv, smem_ds=smem_ds,
+        rowvec=bm * 4, off_k=0, off_v=smem_kv, off_q=2 * smem_kv, off_do=2 * smem_kv + smem_q, off_ds=off_ds,
+        off_lse=off_lse, off_delta=off_lse + bm * 4, smem_bytes=off_lse + 4 * bm * 4 + 1024)
+
+
+def bwd_sm90_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Byte addresses of every thread-issued shared instruction of one CTA of bwd_sm90_kernel, per role
+    (BWD_SM90_ROLES less the wgmma roles, see bwd_sm90_wgmma). Warp w owns keys 16w .. 16w + 15
+    (key_row0 = warpgroup * 64 + (w % 4) * 16) and all HEAD_DIM columns of dK, dV. Copies and stores of
+    the K, V, Q, dO tiles use the tiles' panel width (BwdSm90Config.panel_cols); dS^T is
+    SmemTile<BLOCK_N, BLOCK_M> with the default width."""
+    L = bwd_sm90_layout(cfg)
+    hd, bm, bn, nw, pc = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, L.panel_cols
+    q_base = L.off_q + stage * 2 * L.smem_q
+    do_base = L.off_do + stage * 2 * L.smem_q
+    lse_base = L.off_lse + stage * 2 * L.rowvec
+    delta_base = L.off_delta + stage * 2 * L.rowvec
+    out = {
+        "k_load": copy_addresses(cfg.threads, bn, hd, L.off_k, panel_cols=pc),
+        "v_load": copy_addresses(cfg.threads, bn, hd, L.off_v, panel_cols=pc),
+        "q_load": copy_addresses(cfg.threads, bm, hd, q_base, panel_cols=pc),
+        "do_load": copy_addresses(cfg.threads, bm, hd, do_base, panel_cols=pc),
+        "dk_read": copy_addresses(cfg.threads, bn, hd, L.off_k, keys, head_dim, panel_cols=pc),
+        "dv_read": copy_addresses(cfg.threads, bn, hd, L.off_v, keys, head_dim, panel_cols=pc),
+    }
+    # lse_log2 and delta (bwd_load_query_block): threads tid < 2 * BLOCK_M/4 copy one 16-byte chunk each
+    tid = np.arange(cfg.threads).reshape(nw, WARP)
+    out["vec_load"] = np.where(tid < 2 * (bm // 4), lse_base + tid * 16, -1)
+    # P^T and dS^T: float2 of lse_log2 / delta at query qt*8 + 2t, per n8 query tile qt
+    qt = np.arange(bm // 8).reshape(-1, 1)
+    out["lse_load"] = _per_warp(lse_base + (qt * 8 + 2 * (_L & 3)) * 4, nw)
+    out["delta_load"] = _per_warp(delta_base + (qt * 8 + 2 * (_L & 3)) * 4, nw)
+    key_row0 = (np.arange(nw) * 16).reshape(-1, 1, 1, 1)  # = warpgroup * 64 + (w % 4) * 16
+    if not cfg.deterministic:
+        # dS^T: for kk, r: (key_row0 + g + (r & 1) * 8, kk*16 + (r >> 1) * 8 + 2t)
+        r = _ax(4, 2, 4)
+        out["ds_store"] = accumulator_store_addresses(L.off_ds, bn, bm, key_row0 + (r & 1) * 8,
+                                                      _ax(bm // 16, 1, 4) * 16 + (r >> 1) * 8)
+    # epilogue: for h, dt: (key_row0 + g + 8h, dt*8 + 2t) into the K tile (dK) and V tile (dV)
+    rows, cols = key_row0[..., 0] + 8 * _ax(2, 1, 3), _ax(hd // 8, 2, 3) * 8
+    out["dk_store"] = accumulator_store_addresses(L.off_k, bn, hd, rows, cols, pc)
+    out["dv_store"] = accumulator_store_addresses(L.off_v, bn, hd, rows, cols, pc)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
+    """wgmma operand reads of one query block, all warpgroups (each: 64 keys). S^T = K Q^T and dP^T = V dO^T
+    (HEAD_DIM/16 wgmma each): the warpgroup's 64 rows of K (V) and all BLOCK_M rows of Q (dO); dV += P^T dO
+    and dK += dS^T Q (BLOCK_M/16 each): all of dO (Q), read N-major; unless deterministic dQ = dS K
+    (BLOCK_N/16): all of dS^T and the warpgroup's DQ_COLS columns of K."""
+    L = bwd_sm90_layout(cfg)
+    wg, hd, bm, bn, e = L.warpgroups, cfg.head_dim, cfg.block_m, cfg.block_n, _config.ELEM_BYTES
+    out = {"st_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
+           "dpt_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
+           "dv_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e),
+           "dk_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e)}
+    if not cfg.deterministic:
+        out["dq_wgmma"] = wgmma_stats(wg * bn // 16, wg * bn * (bm + L.dq_cols) * e)
+    return out
+
+
+BWD_SM90_PER_CTA_ROLES = ("k_load", "v_load", "dk_store", "dv_store", "dk_read", "dv_read")
+
+
+@lru_cache(maxsize=256)
+def bwd_sm90_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-visit stats per stage) of bwd_sm90_kernel; cached, do not modify."""
+    pc = cfg.panel_cols
+    q, kv = (cfg.block_m, cfg.head_dim, pc), (cfg.block_n, cfg.head_dim, pc)
+    src = _tile_sources(cfg.threads, {"q_load": q, "do_load": q, "k_load": kv, "v_load": kv})
+    chunks, tid = cfg.block_m // 4, np.arange(cfg.threads).reshape(cfg.num_warps, WARP)
+    src["vec_load"] = np.where(tid < chunks, tid * 16, GLOBAL_ROW_PITCH + (tid - chunks) * 16)
+    per_visit = []
+    for stage in range(2):
+        addrs = bwd_sm90_addresses(cfg, stage)
+        stats = {r: _stats(BWD_SM90_ROLES[r][0], a, src.get(r)) for r, a in addrs.items()
+                 if r not in BWD_SM90_PER_CTA_ROLES}
+        per_visit.append(stats | bwd_sm90_wgmma(cfg))
+    addrs = bwd_sm90_addresses(cfg, 0, keys, head_dim)
+    per_cta = {r: _stats(BWD_SM90_ROLES[r][0], addrs[r], src.get(r)) for r in BWD_SM90_PER_CTA_ROLES}
+    return per_cta, per_visit
+
+
+def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                           causal_skip: bool = True) -> SharedWalk:
+    """Every shared-memory access of bwd_sm90_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch),
+    with bwd_kernel's grid, query-block loop and causal skipping: the thread-issued instructions (cp.async
+    of K, V once and Q, dO, lse_log2, delta per visit; the float2 lse_log2 / delta loads; unless
+    deterministic the dS^T stores; the dK/dV staging stores and store_tile's 16-byte loads), walked with
+    the bank rule, and the wgmma operand reads (bwd_sm90_wgmma: bytes only). Each visit issues one
+    fence.proxy.async after the cp.async wait and, unless deterministic, one after the dS^T stores."""
+    if not isinstance(cfg, _config.BwdSm90Config):
+        raise TypeError(f"cfg must be a cuflash.config.BwdSm90Config, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _kv_outer_walk(cfg, BWD_SM90_ROLES, bwd_sm90_cta_stats, BWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q,
+                          seqlen_k, head_dim, causal_skip, fences_per_visit=1 if cfg.deterministic else 2)

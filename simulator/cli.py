@@ -1,6 +1,7 @@
 """cuflash-sim: count HBM/SRAM traffic, FLOPs and bank conflicts of attention tiling strategies.
 
   cuflash-sim sweep --strategy fa2 --strategy cuflash --seqlen 1024 4096 --head-dim 64 --batch 1 --heads 16 --json
+  cuflash-sim sweep --strategy cuflash --kernels mma --seqlen 4096 --head-dim 128 --batch 1 --heads 16
   cuflash-sim plot hbm-vs-n --out docs/img/hbm_vs_n.png
   cuflash-sim plot block-size --out docs/img/block_size.png
 """
@@ -10,6 +11,8 @@ import argparse
 import json
 import sys
 
+from cuflash.config import KERNEL_FAMILIES
+
 from .model import (
     DTYPE_BYTES,
     H100_HBM_BYTES_PER_S,
@@ -17,7 +20,7 @@ from .model import (
     STRATEGIES,
     Problem,
 )
-from .strategies import simulate
+from .strategies import DEFAULT_KERNELS, simulate
 
 SWEEP_FIELDS = ("strategy", "seqlen", "head_dim", "batch", "heads", "block_m", "block_n", "hbm_read_bytes",
                 "hbm_write_bytes", "sram_read_bytes", "sram_write_bytes", "flops", "bank_conflicts")
@@ -75,6 +78,12 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
                    help="with --backward: cuflash's deterministic backward (dQ kernel instead of fp32 atomics)")
 
 
+def _add_kernels_arg(p: argparse.ArgumentParser):
+    p.add_argument("--kernels", choices=KERNEL_FAMILIES, default=DEFAULT_KERNELS,
+                   help="cuflash's kernel family on the H100: auto (default, what the library launches: the wgmma "
+                        "kernels where the head dim has one) or mma (the mma.sync kernels, CUFLASH_KERNELS=mma)")
+
+
 def _add_block_args(p: argparse.ArgumentParser):
     g = p.add_argument_group("blocks (fa1, fa2; standard has none, cuflash reads cuflash.config)")
     g.add_argument("--block-m", type=_positive_int, default=None, metavar="BR", help="query block B_r")
@@ -93,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="repeat for several strategies")
     _add_problem_args(sw, head_dim=None, batch=None, heads=None)
     _add_block_args(sw)
+    _add_kernels_arg(sw)
     sw.add_argument("--l2-bytes", type=_bytes, default=None, metavar="X",
                     help="add an LRU L2 of X bytes (e.g. 50MiB for an H100) and report dram_bytes")
     sw.add_argument("--num-sms", type=_positive_int, default=None, help="SMs for the L2 model's waves (default 132)")
@@ -106,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="default: standard fa1 fa2 cuflash")
     _add_problem_args(hv, seqlen_default=DEFAULT_PLOT_SEQLENS, head_dim=64, batch=1, heads=1)
     _add_block_args(hv)
+    _add_kernels_arg(hv)
     bs = psub.add_parser("block-size", help="traffic and a runtime model against the block size (paper Fig. 2 middle)")
     bs.add_argument("--out", required=True, metavar="FILE.png")
     bs.add_argument("--blocks", type=_positive_int, nargs="+", default=[16, 32, 64, 128, 256, 512], metavar="BC")
@@ -120,8 +131,9 @@ def _problem(args, n: int) -> Problem:
 def _blocks_kw(args, strategy):
     if strategy in ("fa1", "fa2"):
         return dict(block_m=args.block_m, block_n=args.block_n, sram_bytes=args.sram_bytes)
-    if strategy == "cuflash" and getattr(args, "deterministic", False):
-        return dict(deterministic=True)
+    if strategy == "cuflash":
+        return dict(deterministic=getattr(args, "deterministic", False),
+                    kernels=getattr(args, "kernels", DEFAULT_KERNELS))
     return {}
 
 
@@ -179,8 +191,9 @@ def _config_title(args, n=None) -> str:
     mask = "causal" if args.causal else "no mask"
     direction = ("backward (deterministic)" if getattr(args, "deterministic", False) else "backward") \
         if args.backward else "forward"
+    kernels = "" if getattr(args, "kernels", DEFAULT_KERNELS) == DEFAULT_KERNELS else ", cuflash: mma.sync kernels"
     return (f"{direction}, {seq}d={args.head_dim}, batch={args.batch}, "
-            f"heads={args.heads}, {args.dtype}, {mask}")
+            f"heads={args.heads}, {args.dtype}, {mask}{kernels}")
 
 
 def plot_hbm_vs_n(args) -> None:

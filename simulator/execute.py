@@ -14,7 +14,7 @@ import numpy as np
 from cuflash import config as _config
 
 from .model import STRATEGIES, Problem
-from .strategies import block_sizes, n_block_max, resolve_blocks
+from .strategies import DEFAULT_KERNELS, block_sizes, check_kernels, n_block_max, resolve_blocks
 
 LOG2E = math.log2(math.e)
 
@@ -55,8 +55,14 @@ def _mask(s, row0, col0, p: Problem, masked: bool):
     return np.where(keep, s, -np.inf)
 
 
-def _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, backward):
-    bm, bn = resolve_blocks(strategy, p, block_m, block_n, sram_bytes, backward)
+def _check_kernels(strategy, kernels):
+    check_kernels(kernels)
+    if kernels != DEFAULT_KERNELS and strategy != "cuflash":
+        raise ValueError(f"kernels={kernels!r} selects cuflash's kernel family (got strategy={strategy!r})")
+
+
+def _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, backward, kernels=DEFAULT_KERNELS):
+    bm, bn = resolve_blocks(strategy, p, block_m, block_n, sram_bytes, backward, kernels)
     width = _config.kernel_head_dim(p.head_dim) if strategy == "cuflash" else p.head_dim
     return bm, bn, width
 
@@ -83,7 +89,8 @@ def _standard_fwd(q, k, v, p, scale):
 
 
 def _q_outer_fwd(q, k, v, p, scale, bm, bn, width, causal_skip, is_cuflash):
-    """FA2 / fwd_kernel: one CTA per (m_block, h, b); O, m, l in registers; exp2 with log2(e) folded in."""
+    """FA2 / fwd_kernel / fwd_sm90_kernel: one CTA per (m_block, h, b); O, m, l in registers; exp2 with
+    log2(e) folded in."""
     o = np.zeros(q.shape)
     lse = np.full((p.batch, p.heads, p.seqlen_q), -np.inf)
     n_max = n_block_max(p, bm, bn, causal_skip)
@@ -165,17 +172,20 @@ def _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip, with_stats=False):
 
 def execute_forward(strategy: str, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                     block_m: int | None = None, block_n: int | None = None, sram_bytes: int | None = None,
-                    causal_skip: bool = True, dtype: str = "fp16"):
+                    causal_skip: bool = True, dtype: str = "fp16", kernels: str = DEFAULT_KERNELS):
     """Run `strategy`'s forward schedule in float64. Returns (o (B, Sq, H, D), lse (B, H, Sq)).
 
-    dtype only selects the blocks (FA1's M in elements, cuflash's config); arithmetic is float64."""
+    dtype only selects the blocks (FA1's M in elements, cuflash's config); arithmetic is float64.
+    kernels (cuflash only): the kernel family whose tiles run, as in simulate ("auto": the wgmma kernels'
+    tiles where the head dim has them, "mma": the mma.sync kernels')."""
     _check(strategy, (q, k, v), ("q", "k", "v"))
+    _check_kernels(strategy, kernels)
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     p = _problem(q, k, dtype, causal)
     scale = 1.0 / math.sqrt(p.head_dim) if softmax_scale is None else float(softmax_scale)
     if strategy == "standard":
         return _standard_fwd(q, k, v, p, scale)
-    bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, False)
+    bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, False, kernels)
     if strategy == "fa1":
         return _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip)
     return _q_outer_fwd(q, k, v, p, scale, bm, bn, width, causal_skip, strategy == "cuflash")
@@ -307,12 +317,15 @@ def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
 
 def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
                      block_m: int | None = None, block_n: int | None = None, sram_bytes: int | None = None,
-                     causal_skip: bool = True, dtype: str = "fp16", deterministic: bool = False):
+                     causal_skip: bool = True, dtype: str = "fp16", deterministic: bool = False,
+                     kernels: str = DEFAULT_KERNELS):
     """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv).
 
     deterministic=True (cuflash only): dQ from the Q-outer schedule of bwd_dq_kernel (dq_config blocks)
-    instead of the K/V-outer accumulation."""
+    instead of the K/V-outer accumulation. kernels: as in execute_forward (bwd_sm90_kernel runs
+    bwd_kernel's K/V-outer schedule with its own blocks)."""
     _check(strategy, (do, q, k, v), ("do", "q", "k", "v"))
+    _check_kernels(strategy, kernels)
     if do.shape != q.shape:
         raise ValueError(f"do must have q's shape {q.shape}, got {do.shape}")
     if deterministic and strategy != "cuflash":
@@ -327,8 +340,9 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softma
         return _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip)
     # the forward runs with the forward blocks, the backward with the backward blocks
     o, lse = execute_forward(strategy, q, k, v, causal=causal, softmax_scale=scale, block_m=block_m,
-                             block_n=block_n, sram_bytes=sram_bytes, causal_skip=causal_skip, dtype=dtype)
-    bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True)
+                             block_n=block_n, sram_bytes=sram_bytes, causal_skip=causal_skip, dtype=dtype,
+                             kernels=kernels)
+    bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True, kernels)
     dq, dk, dv = _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip)
     if deterministic:
         dcfg = _config.dq_config(width, p.dtype, p.causal)

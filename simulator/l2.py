@@ -30,7 +30,7 @@ from cuflash import config as _config
 
 from .banks import bwd_query_blocks
 from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
-from .strategies import block_sizes, cuflash_config, n_block_max, resolve_blocks, seqlen_q_pad
+from .strategies import DEFAULT_KERNELS, block_sizes, cuflash_config, n_block_max, resolve_blocks, seqlen_q_pad
 
 SECTOR = 32
 STANDARD_TILE = 128  # the standard strategy's GEMM / softmax tiles: 128 rows (x 128 columns for S)
@@ -292,11 +292,23 @@ def _resident(smem_bytes: int, threads: int) -> int:
     return max(1, min(H100_SMEM_PER_SM // (smem_bytes + 1024), 2048 // threads, 32))
 
 
-def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic):
+def config_resident(cfg) -> int:
+    """CTAs per SM of a kernel config: _resident, and for the wgmma kernels at most CTAS_PER_SM. Their
+    launch bounds size the registers for exactly that many (a warpgroup keeps 64 rows of accumulators:
+    ptxas -v, sm_90a, gives 184-255 registers per thread at CTAS_PER_SM = 1, i.e. one 256-thread CTA),
+    so registers, which _resident leaves out, are what limits them."""
+    n = _resident(cfg.smem_bytes, cfg.threads)
+    if isinstance(cfg, (_config.FwdSm90Config, _config.BwdSm90Config)):
+        n = min(n, cfg.ctas_per_sm)
+    return n
+
+
+def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KERNELS):
     """The launches of cuflash.attention_backward (strategies.cuflash_backward_kernels), each with its own
-    grid and residency: preprocess; bwd_kernel; convert, or (deterministic) bwd_dq_kernel. Units are
-    gcd-sized row blocks, so the main and dQ kernels' tiles of different heights touch the same units."""
-    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
+    grid and residency: preprocess; bwd_kernel or bwd_sm90_kernel (same accesses, its own blocks);
+    convert, or (deterministic) bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels'
+    tiles of different heights touch the same units."""
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     dcfg = _config.dq_config(cfg.head_dim, p.dtype, p.causal) if deterministic else None
     uq = math.gcd(cfg.block_m, dcfg.block_m) if deterministic else cfg.block_m
     uk = math.gcd(cfg.block_n, dcfg.block_n) if deterministic else cfg.block_n
@@ -320,7 +332,7 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic):
         tr.access(0, c, 1, sub, name, bh, x, True, small)
     # 2. bwd_kernel: CTA (n_block, h, b): K_j, V_j; per visited query block Q_i, dO_i, lse_log2_i,
     #    delta_i and the dQ_acc atomics (an L2 read-modify-write: read, then dirty); dK_j, dV_j
-    wave = num_sms * _resident(cfg.smem_bytes, cfg.threads)
+    wave = num_sms * config_resident(cfg)
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip)
     visits = np.maximum(m_end - m_begin, 0)
     c, bh, x = _grid(p, len(visits))
@@ -342,7 +354,7 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic):
         return
     # 3b. bwd_dq_kernel: CTA (m_block, h, b), causal grids reversed; Q, dO, lse_log2, delta; K_n, V_n from
     #     the last key tile to the first; dQ
-    wave = num_sms * _resident(dcfg.smem_bytes, dcfg.threads)
+    wave = num_sms * config_resident(dcfg)
     n_max = n_block_max(p, dcfg.block_m, dcfg.block_n, causal_skip)
     t_r = len(n_max)
     c, bh, x = _grid(p, t_r)
@@ -412,19 +424,19 @@ def _standard(tr, p, backward, wave):
         row_pass(4, ("ds",), None, b_name="q", out="dk", by_col=True)  # dK = dS^T Q
 
 
-def ctas_per_sm(strategy: str, p: Problem) -> int:
-    """Resident CTAs per SM: cuflash's forward from its shared memory and threads (registers assumed not
-    to limit), one for the others (cuflash's backward kernels use their own, see _cuflash_bwd)."""
+def ctas_per_sm(strategy: str, p: Problem, kernels: str = DEFAULT_KERNELS) -> int:
+    """Resident CTAs per SM: cuflash's forward from its config (config_resident), one for the others
+    (cuflash's backward kernels use their own, see _cuflash_bwd)."""
     if strategy != "cuflash":
         return 1
-    cfg = cuflash_config(p)
-    return _resident(cfg.smem_bytes, cfg.threads)
+    return config_resident(cuflash_config(p, kernels=kernels))
 
 
 def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = False, block_m=None, block_n=None,
                 causal_skip: bool = True, num_sms: int | None = None, ctas_per_sm_: int | None = None,
-                granularity: str = "tile", deterministic: bool = False) -> L2Result:
-    """Predict DRAM traffic of `strategy` on `p` through an LRU L2 of l2_bytes (see module docstring)."""
+                granularity: str = "tile", deterministic: bool = False, kernels: str = DEFAULT_KERNELS) -> L2Result:
+    """Predict DRAM traffic of `strategy` on `p` through an LRU L2 of l2_bytes (see module docstring);
+    kernels: cuflash's kernel family (strategies.simulate)."""
     if not isinstance(l2_bytes, (int, np.integer)) or l2_bytes < SECTOR:
         raise ValueError(f"l2_bytes={l2_bytes!r} must be an integer of at least {SECTOR} bytes")
     if granularity not in ("tile", "row"):
@@ -432,15 +444,15 @@ def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = Fa
     num_sms = H100_SMS if num_sms is None else num_sms
     if not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
         raise ValueError(f"num_sms={num_sms!r} must be a positive integer")
-    wave = num_sms * (ctas_per_sm(strategy, p) if ctas_per_sm_ is None else ctas_per_sm_)
+    wave = num_sms * (ctas_per_sm(strategy, p, kernels) if ctas_per_sm_ is None else ctas_per_sm_)
     tr = _Trace(p, granularity)
     if strategy == "cuflash" and backward:
-        _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic)
+        _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels)
     elif strategy == "standard":
         _standard(tr, p, backward, wave)
     else:
         if block_m is None:
-            block_m, block_n = resolve_blocks(strategy, p, None, None, None, backward)
+            block_m, block_n = resolve_blocks(strategy, p, None, None, None, backward, kernels)
         if strategy == "fa1":
             (_kv_outer_bwd(tr, p, block_m, block_n, causal_skip, wave, fa1=True) if backward
              else _fa1_fwd(tr, p, block_m, block_n, causal_skip, wave))

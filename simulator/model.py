@@ -9,7 +9,8 @@ that a reader can recompute any number by hand:
   the FA2/cuflash dQ accumulator are fp32. cuflash's fp32 dQ atomics (red.global.add) count as a read
   and a write of their bytes (the accumulator's read-modify-write in the L2, like FA2's dQ update).
 * Shared memory (SRAM) traffic is exact for `cuflash`, forward and backward (every shared instruction
-  of the kernels, see banks.fwd_kernel_shared, bwd_kernel_shared, dq_kernel_shared). For the paper
+  of the kernels, see banks.fwd_kernel_shared, bwd_kernel_shared, dq_kernel_shared; for the wgmma
+  kernels also the tensor core's operand reads, counted once per warpgroup instruction). For the paper
   strategies it follows the paper's model: each tile loaded from HBM is written to SRAM once, each
   on-chip matmul reads both operand tiles from SRAM once, FA1 keeps S and P in SRAM while FA2 keeps
   them in registers; `standard` stages each HBM byte once.

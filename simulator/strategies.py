@@ -8,13 +8,18 @@ Strategies (DESIGN.md section 6):
             B_c = ceil(M / 4d), B_r = min(B_c, d) from an SRAM size M (elements) when blocks are not given.
   fa2       FlashAttention-2: Q blocks outer in the forward (O, m, l in registers, lse written once);
             K/V blocks outer in the backward, dQ accumulated in an fp32 buffer by read-modify-write.
-  cuflash   what our kernels do: fwd_kernel tiles, warps, stages and padding from cuflash.config; the
-            shared-memory counts and bank conflicts come from walking every shared instruction
-            (banks.fwd_kernel_shared). The backward counts the launches of cuda/bwd.cuh from
-            bwd_config / dq_config (cuflash_backward_kernels: preprocess, K/V-outer bwd_kernel with
-            fp32 dQ atomics, convert; or, deterministic, bwd_kernel without atomics and the Q-outer
-            bwd_dq_kernel), with the fp32 vectors padded to SEQLEN_Q_PAD rows, and walks the shared
-            instructions of bwd_kernel (banks.bwd_kernel_shared) and bwd_dq_kernel.
+  cuflash   what our kernels do on an H100 (sm_90a): the forward and backward main kernels that
+            cuflash.config's forward_kernel_config / backward_kernel_config pick, by default
+            (kernels="auto") the wgmma kernels fwd_sm90_kernel / bwd_sm90_kernel where the head dim has
+            one and the mma.sync fwd_kernel / bwd_kernel elsewhere; kernels="mma" counts the mma.sync
+            kernels only (CUFLASH_KERNELS=mma). Tiles, warps, stages and padding come from the config; the
+            shared-memory counts and bank conflicts from walking every shared instruction
+            (banks.fwd_kernel_shared, which adds the wgmma operand reads of the sm90 kernels). The
+            backward counts the launches of cuda/bwd.cuh (cuflash_backward_kernels: preprocess, the
+            K/V-outer main kernel with fp32 dQ atomics, convert; or, deterministic, the main kernel
+            without atomics and the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded to
+            SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
+            (banks.bwd_kernel_shared) and bwd_dq_kernel.
 
 Causal block skipping: a tile whose keys all lie after the last query of its row block is not visited
 (n_block_max of fwd_kernel); with `causal_skip=False` every tile is visited and masked in registers.
@@ -38,6 +43,18 @@ from .model import (
     Counts,
     Problem,
 )
+
+
+# The GPU the analyzer counts for: the H100 (sm_90a), whose kernel family cuflash picks by CUFLASH_KERNELS;
+# the analyzer takes the family as an argument instead, "auto" being the library's default.
+ARCH = _config.DEFAULT_ARCH
+DEFAULT_KERNELS = "auto"
+
+
+def check_kernels(kernels: str) -> str:
+    if kernels not in _config.KERNEL_FAMILIES:
+        raise ValueError(f"kernels={kernels!r} is not a kernel family; allowed: {', '.join(_config.KERNEL_FAMILIES)}")
+    return kernels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,7 +138,8 @@ def fa1_blocks(head_dim: int, sram_bytes: int, elem_bytes: int) -> tuple[int, in
 
 
 def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int | None,
-                   sram_bytes: int | None, backward: bool = False) -> tuple[int | None, int | None]:
+                   sram_bytes: int | None, backward: bool = False,
+                   kernels: str = DEFAULT_KERNELS) -> tuple[int | None, int | None]:
     """(block_m, block_n) a strategy runs with; validates the user's choice."""
     if (block_m is None) != (block_n is None):
         raise ValueError(f"give both block_m and block_n or neither (got block_m={block_m}, block_n={block_n})")
@@ -133,7 +151,7 @@ def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int 
     if strategy == "standard":
         return None, None
     if strategy == "cuflash":
-        cfg = cuflash_config(p, backward)
+        cfg = cuflash_config(p, backward, kernels=kernels)
         return cfg.block_m, cfg.block_n
     if block_m is not None:
         return int(block_m), int(block_n)
@@ -146,9 +164,12 @@ def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int 
     return DEFAULT_FA2_BLOCKS
 
 
-def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False):
-    """The kernel configuration cuflash launches for this problem: fwd_config, or for the backward the
-    main kernel's bwd_config (deterministic selects the instantiation without dQ atomics)."""
+def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
+    """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
+    the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
+    dQ atomics). kernels: "auto" (the library's default: a FwdSm90Config / BwdSm90Config where the head dim
+    has a wgmma kernel) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma)."""
+    check_kernels(kernels)
     if p.dtype not in _config.DTYPES:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
     hd = _config.kernel_head_dim(p.head_dim)
@@ -156,8 +177,24 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
         raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
                          f"(got head_dim={p.head_dim})")
     if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
-        return _config.bwd_config(hd, p.dtype, p.causal, deterministic=deterministic)
-    return _config.fwd_config(hd, p.dtype, p.causal)
+        return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
+    return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
+
+
+KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
+    _config.FwdConfig: "fwd_kernel",
+    _config.FwdSm90Config: "fwd_sm90_kernel",
+    _config.BwdConfig: "bwd_kernel",
+    _config.BwdSm90Config: "bwd_sm90_kernel",
+    _config.DqConfig: "bwd_dq_kernel",
+}
+
+
+def kernel_name(cfg) -> str:
+    """The kernel function a config instantiates (what ncu and the launch list call it)."""
+    if type(cfg) not in KERNEL_NAMES:
+        raise TypeError(f"cfg must be one of {', '.join(t.__name__ for t in KERNEL_NAMES)}, got {type(cfg).__name__}")
+    return KERNEL_NAMES[type(cfg)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -233,10 +270,12 @@ def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
     return _scaled(c, p.batch_heads)
 
 
-def _cuflash_fwd(p: Problem, causal_skip: bool) -> Counts:
+def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) -> Counts:
+    """fwd_kernel or fwd_sm90_kernel: FA2's global traffic with the config's blocks (both read Q once and
+    K, V once per query block); SRAM from the walk (wgmma operand reads included)."""
     from . import banks  # local import: banks imports this module's helpers
 
-    cfg = cuflash_config(p)
+    cfg = cuflash_config(p, kernels=kernels)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)
     c.sram_read_bytes = walk.read_bytes
@@ -352,13 +391,16 @@ def _bwd_visits(cfg, p: Problem, causal_skip: bool) -> tuple[np.ndarray, np.ndar
     return visits, np.where(visits > 0, rows_cum[m_end] - rows_cum[np.minimum(m_begin, m_end)], 0)
 
 
-def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False) -> list[KernelTraffic]:
-    """The launches of cuflash.attention_backward and what each reads and writes (cuda/bwd.cuh):
+def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False,
+                             kernels: str = DEFAULT_KERNELS) -> list[KernelTraffic]:
+    """The launches of cuflash.attention_backward and what each reads and writes (cuda/bwd.cuh; the main
+    kernel is bwd_sm90_kernel (cuda/bwd_sm90.cuh) where cuflash_config picks a BwdSm90Config, with the
+    same global accesses: each of its warpgroups adds DQ_COLS columns of the dQ tile, the whole tile in all):
 
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 8, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
-    2. bwd_kernel, grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
+    2. bwd_kernel (or bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
        query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats, pad rows included)
        and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ tile into
        dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
@@ -366,7 +408,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ.
     3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
        sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i."""
-    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
     acc_bytes = 0 if deterministic else pad * hd * s4  # dq_accum per (batch, head)
@@ -377,7 +419,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     reads = 2 * int((keys * (visits > 0)).sum()) * d * e + 2 * int(q_rows.sum()) * d * e \
         + 2 * int(visits.sum()) * cfg.block_m * s4
     atomics = 0 if deterministic else int(visits.sum()) * cfg.block_m * hd * s4
-    out.append(KernelTraffic("bwd_kernel", cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
+    out.append(KernelTraffic(kernel_name(cfg), cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
                              bh * 2 * sk * d * e, bh * atomics))
     if deterministic:
         dcfg = _config.dq_config(hd, p.dtype, p.causal)
@@ -392,21 +434,25 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     return out
 
 
-def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False) -> Counts:
+def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
+                 kernels: str = DEFAULT_KERNELS) -> Counts:
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
     a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
-    conflicts from walking every shared instruction of bwd_kernel (and bwd_dq_kernel)."""
+    conflicts from walking every shared access of the main kernel (and bwd_dq_kernel)."""
     from . import banks  # local import: banks imports this module's helpers
 
-    cfg = cuflash_config(p, backward=True, deterministic=deterministic)
-    kernels = cuflash_backward_kernels(p, causal_skip, deterministic)
+    cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
+    launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
-    c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in kernels)
-    c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in kernels)
+    c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in launches)
+    c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in launches)
     walks = [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)]
-    hd, bm, bn, ds = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.d_split
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; a wgmma
+    # warpgroup owns its 64 keys whole, so bwd_sm90_kernel computes them once
+    ds = cfg.d_split if isinstance(cfg, _config.BwdConfig) else 1
     visits = int(_bwd_visits(cfg, p, causal_skip)[0].sum())
-    # per visit: S^T and dP^T by each of the D_SPLIT warps of a key group, dV and dK, dQ (atomic mode)
+    # per visit: S^T and dP^T (D_SPLIT times), dV and dK, dQ (atomic mode)
     c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds + 2 + (0 if deterministic else 1))
     scores = visits * ds * bm * bn
     if deterministic:
@@ -421,7 +467,7 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False) -> 
     c.sram_read_bytes = sum(w.read_bytes for w in walks)
     c.sram_write_bytes = sum(w.write_bytes for w in walks)
     c.bank_conflicts = sum(w.conflicts for w in walks)
-    c.launches = len(kernels)
+    c.launches = len(launches)
     pad = seqlen_q_pad(p.seqlen_q)
     c.peak_extra_bytes = p.batch_heads * (2 * pad * STAT_BYTES + (0 if deterministic else pad * hd * STAT_BYTES))
     return c
@@ -433,22 +479,29 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False) -> 
 
 def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m: int | None = None,
              block_n: int | None = None, sram_bytes: int | None = None, causal_skip: bool = True,
-             l2_bytes: int | None = None, num_sms: int | None = None, deterministic: bool = False) -> Counts:
+             l2_bytes: int | None = None, num_sms: int | None = None, deterministic: bool = False,
+             kernels: str = DEFAULT_KERNELS) -> Counts:
     """Count what `strategy` moves and computes for `problem` (forward, or backward with backward=True).
 
     block_m/block_n (B_r/B_c) or sram_bytes (M, from which FA1's rule derives the blocks) apply to fa1
     and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
     l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes.
     deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True):
-    bwd_kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel."""
+    bwd_kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel. kernels (cuflash
+    only): "auto", what the library launches on an H100 by default (the wgmma kernels where the head dim
+    has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not known; known: {', '.join(STRATEGIES)}")
+    check_kernels(kernels)
+    if kernels != DEFAULT_KERNELS and strategy != "cuflash":
+        raise ValueError(f"kernels={kernels!r} selects cuflash's kernel family: it needs strategy='cuflash' "
+                         f"(got strategy={strategy!r})")
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a cuflash.simulator.Problem, got {type(problem).__name__}")
     if deterministic and not (strategy == "cuflash" and backward):
         raise ValueError("deterministic=True selects cuflash's deterministic backward: it needs strategy='cuflash' "
                          f"and backward=True (got strategy={strategy!r}, backward={backward})")
-    bm, bn = resolve_blocks(strategy, problem, block_m, block_n, sram_bytes, backward)
+    bm, bn = resolve_blocks(strategy, problem, block_m, block_n, sram_bytes, backward, kernels)
     if strategy == "standard":
         counts = _standard_bwd(problem) if backward else _standard_fwd(problem)
     elif strategy == "fa1":
@@ -456,12 +509,12 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
     elif strategy == "fa2":
         counts = (_fa2_bwd if backward else _fa2_fwd)(problem, bm, bn, causal_skip)
     else:
-        counts = (_cuflash_bwd(problem, causal_skip, deterministic) if backward
-                  else _cuflash_fwd(problem, causal_skip))
+        counts = (_cuflash_bwd(problem, causal_skip, deterministic, kernels) if backward
+                  else _cuflash_fwd(problem, causal_skip, kernels))
     if l2_bytes is not None:
         from . import l2
 
         dram = l2.simulate_l2(strategy, problem, l2_bytes=l2_bytes, backward=backward, block_m=bm, block_n=bn,
-                              causal_skip=causal_skip, num_sms=num_sms, deterministic=deterministic)
+                              causal_skip=causal_skip, num_sms=num_sms, deterministic=deterministic, kernels=kernels)
         counts.dram_read_bytes, counts.dram_write_bytes = dram.read_bytes, dram.write_bytes
     return counts

@@ -2,18 +2,22 @@
 
     PYTHONPATH=. python -m cuflash.simulator.validate --out docs/IO_VALIDATION.md
 
-Targets are (kernel, configuration) pairs: `fwd_kernel`; the backward's main `bwd_kernel` (default mode:
-dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum); and, for one deterministic case,
-`bwd_dq_kernel`. First every kernel instantiation the targets need is compiled once outside ncu
+Targets are (kernel, configuration) pairs: the mma.sync kernels `fwd_kernel`, the backward's main
+`bwd_kernel` (default mode: dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum) and, for one
+deterministic case, `bwd_dq_kernel`, profiled with CUFLASH_KERNELS=mma (on an H100 the library launches
+the wgmma kernels by default); and the wgmma kernels `fwd_sm90_kernel` and `bwd_sm90_kernel`, profiled
+with CUFLASH_KERNELS=auto, on the metrics that make sense for them (no ldmatrix; their wgmma operand
+reads are no thread instructions). First every kernel instantiation the targets need is compiled once outside ncu
 (NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a small driver (`python -c ...`:
 random CuPy inputs; the forward twice, or the forward once for o and lse and then the backward twice)
 runs under
 
     ncu --print-units base --cache-control all --clock-control none --csv
-        --kernel-name regex:<kernel> --launch-skip 1 --launch-count 1 --metrics <METRICS>
+        --kernel-name regex:<kernel_regex(kernel)> --launch-skip 1 --launch-count 1 --metrics <METRICS>
 
-so only the second launch of the target kernel is profiled (the filter counts matching launches only;
-`bwd_kernel` does not match bwd_preprocess_kernel, bwd_convert_dq_kernel or bwd_dq_kernel). ncu's CSV is
+so only the second launch of the target kernel is profiled (the filter counts matching launches only; the
+regex matches the kernel's name as a whole identifier, so `bwd_kernel` matches none of
+bwd_preprocess_kernel, bwd_convert_dq_kernel, bwd_dq_kernel, bwd_sm90_kernel). ncu's CSV is
 parsed, the profiled kernel's name checked, and each metric compared with the analyzer's prediction for
 the same kernel and config. Raw ncu output and the rows as JSON are kept in out/ncu_raw/ (git-ignored;
 `--raw-dir`) so the table can be rebuilt without the GPU (`--from-raw out/ncu_raw`). A metric that this
@@ -50,10 +54,14 @@ from cuflash import config as _config
 
 from . import banks
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
-from .strategies import block_sizes, cuflash_backward_kernels, n_block_max, simulate
+from .strategies import ARCH, block_sizes, cuflash_backward_kernels, n_block_max, simulate
 
 SECTOR = 32
-KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel")
+KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel")
+FORWARD_KERNELS = ("fwd_kernel", "fwd_sm90_kernel")
+# the wgmma kernels run with CUFLASH_KERNELS=auto (the library's default), the others with
+# CUFLASH_KERNELS=mma: bwd_dq_kernel and the elementwise kernels are the same in both families
+WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel")
 
 
 class Band(float):
@@ -85,9 +93,10 @@ class Case:
     def problem(self) -> Problem:
         return Problem(self.batch, self.heads, self.seqlen_q, self.seqlen_k, self.head_dim, self.dtype, self.causal)
 
-    def config(self):
-        """The forward kernel's config."""
-        return _config.fwd_config(_config.kernel_head_dim(self.head_dim), self.dtype, self.causal)
+    def config(self, kernels: str = "mma"):
+        """The forward kernel's config in kernel family `kernels` ("mma": fwd_kernel)."""
+        return _config.forward_kernel_config(_config.kernel_head_dim(self.head_dim), self.dtype, self.causal,
+                                             ARCH, kernels)
 
 
 @dataclass(frozen=True)
@@ -105,16 +114,22 @@ class Target:
             raise ValueError(f"kernel={self.kernel!r}; known: {', '.join(KERNELS)}")
         if self.kernel == "bwd_dq_kernel" and not self.deterministic:
             object.__setattr__(self, "deterministic", True)
-        if self.kernel == "fwd_kernel" and self.deterministic:
+        if self.kernel in FORWARD_KERNELS and self.deterministic:
             raise ValueError("deterministic applies to the backward kernels only")
-        if self.kernel != "fwd_kernel" and (self.case.head_dim * 2) % SECTOR:
+        hd = _config.kernel_head_dim(self.case.head_dim)
+        tiles = {"fwd_sm90_kernel": _config.FWD_SM90_TILES, "bwd_sm90_kernel": _config.BWD_SM90_TILES}.get(self.kernel)
+        if tiles is not None and hd not in tiles:
+            raise ValueError(f"{self.kernel} runs kernel head dims {', '.join(map(str, tiles))} "
+                             f"(got head_dim={self.case.head_dim}: the library launches the mma.sync kernel)")
+        if self.is_backward and (self.case.head_dim * 2) % SECTOR:
             # the backward predictions are bytes; they equal 32-byte sectors only for sector-aligned rows
             raise ValueError(f"backward targets need head_dim * 2 bytes a multiple of {SECTOR} "
                              f"(got head_dim={self.case.head_dim})")
 
     @property
     def label(self) -> str:
-        return self.kernel + (" (deterministic)" if self.deterministic and self.kernel == "bwd_kernel" else "")
+        main = self.kernel in ("bwd_kernel", "bwd_sm90_kernel")
+        return self.kernel + (" (deterministic)" if self.deterministic and main else "")
 
     @property
     def name(self) -> str:
@@ -122,7 +137,22 @@ class Target:
 
     @property
     def is_backward(self) -> bool:
-        return self.kernel != "fwd_kernel"
+        return self.kernel not in FORWARD_KERNELS
+
+    @property
+    def kernels(self) -> str:
+        """The kernel family the driver runs (its CUFLASH_KERNELS) and the predictions count."""
+        return "auto" if self.kernel in WGMMA_KERNELS else "mma"
+
+    def config(self):
+        """The config of the profiled kernel."""
+        c = self.case
+        hd = _config.kernel_head_dim(c.head_dim)
+        if self.kernel in FORWARD_KERNELS:
+            return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, self.kernels)
+        if self.kernel == "bwd_dq_kernel":
+            return _config.dq_config(hd, c.dtype, c.causal)
+        return _config.backward_kernel_config(hd, c.dtype, c.causal, self.deterministic, ARCH, self.kernels)
 
 
 def _fwd(*cases: Case) -> list[Target]:
@@ -134,7 +164,10 @@ def _fwd(*cases: Case) -> list[Target]:
 # causal with Sq > Sk (CTAs that see no key), bf16. Backward bwd_kernel: d64 and d128 (32,128,8,1), d96
 # (64,64,8,2: D_SPLIT 2), causal, tails with Sq != Sk, bf16 and fp16; deterministic bwd_dq_kernel with
 # causal Sq > Sk (query blocks that see no key). Small shapes (N <= 2048, batch*heads <= 32): the whole
-# default set takes a few minutes of ncu on an H100.
+# default set takes a few minutes of ncu on an H100. Those are the mma.sync kernels (CUFLASH_KERNELS=mma). The
+# wgmma kernels come last: fwd_sm90_kernel with 128-byte (d64, d128 causal bf16) and 64-byte panels (d96, with
+# tails); bwd_sm90_kernel at d64 (64-byte panels: PANEL_COLS 32 splits dQ's columns per warpgroup) and d128
+# causal bf16, and a deterministic one.
 _QUICK = [
     Target("fwd_kernel", Case(2, 16, 2048, 2048, 64)),
     Target("bwd_kernel", Case(2, 8, 2048, 2048, 64)),
@@ -153,7 +186,14 @@ _DEFAULT = _QUICK + [
     Case(1, 8, 1536, 512, 64, causal=True),
     Case(2, 8, 1024, 1024, 256),
     Case(4, 8, 512, 512, 32),
-)
+) + [
+    Target("fwd_sm90_kernel", Case(2, 16, 2048, 2048, 64)),
+    Target("bwd_sm90_kernel", Case(2, 8, 2048, 2048, 64)),
+    Target("fwd_sm90_kernel", Case(1, 16, 2048, 2048, 128, "bf16", causal=True)),
+    Target("bwd_sm90_kernel", Case(1, 8, 2048, 2048, 128, "bf16", causal=True)),
+    Target("fwd_sm90_kernel", Case(2, 8, 1000, 1500, 96, causal=True)),
+    Target("bwd_sm90_kernel", Case(2, 4, 1000, 1500, 128), deterministic=True),
+]
 
 CASES = {
     "quick": _QUICK,
@@ -168,6 +208,10 @@ CASES = {
     ) + [
         Target("bwd_kernel", Case(1, 8, 1536, 1024, 128, causal=True), deterministic=True),
         Target("bwd_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
+        Target("fwd_sm90_kernel", Case(1, 32, 16384, 16384, 128)),
+        Target("fwd_sm90_kernel", Case(4, 8, 512, 512, 32)),
+        Target("bwd_sm90_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
+        Target("bwd_sm90_kernel", Case(2, 4, 1000, 1500, 64, causal=True)),
     ],
 }
 
@@ -215,10 +259,26 @@ RED_METRICS = {
 }
 
 
+# The wgmma kernels issue no ldmatrix (the ldmatrix instruction row stays, predicted 0), and the tensor core
+# reads their Q, K, V (dO, dS^T) operands from shared memory without any thread instruction. Whether the l1tex
+# data-stage load counters see those operand fetches is not documented, so for these kernels the two rows
+# are reported, not targeted (predicted: LDS only); the SASS-attributed load conflicts stay exact.
+WGMMA_METRIC_CHANGES = {
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": ("shared load wavefronts (LDS; wgmma operand reads?)",
+                                                             None),
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": ("shared load bank conflicts (LDS; wgmma?)", None),
+    "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum": None,
+    "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ldsm.sum": None,
+}
+
+
 def metrics_for(target: Target) -> dict:
     """{metric: (what, tolerance)} compared for one target, in table order."""
     out = dict(METRICS)
-    if target.kernel == "bwd_kernel" and not target.deterministic:
+    if target.kernel in WGMMA_KERNELS:
+        out = {m: WGMMA_METRIC_CHANGES.get(m, v) for m, v in out.items()}
+        out = {m: v for m, v in out.items() if v is not None}
+    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
         # after the SM->L2 write bytes, so the atomics sit next to the stores in the table
         items = list(out.items())
         at = [m for m, _ in items].index("l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum") + 1
@@ -316,13 +376,16 @@ def rejected_metrics(text: str, metrics: list[str]) -> list[str]:
 # Predictions
 # ----------------------------------------------------------------------------------------------
 
-def predicted_global_bytes(case: Case) -> tuple[int, int]:
-    """(read, write) bytes between SMs and L2 at 32-byte sector granularity, fwd_kernel's accesses.
+def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
+    """(read, write) bytes between SMs and L2 at 32-byte sector granularity, the forward kernel's accesses
+    (cfg: a FwdConfig or FwdSm90Config, default case.config(), fwd_kernel; both kernels access global
+    memory the same way, with their own blocks).
 
     Rows of Q, K, V, O are head_dim*elem_bytes contiguous bytes at a row stride of heads*head_dim
     elements (contiguous bshd inputs); lse rows are 4 bytes, contiguous per (batch, head), written by the
     t == 0 lanes (8 rows per warp instruction) or, in a CTA that sees no key, 32 rows per instruction."""
-    p, cfg = case.problem(), case.config()
+    p = case.problem()
+    cfg = case.config() if cfg is None else cfg
     e, d, h = p.elem_bytes, p.head_dim, p.heads
     row_bytes = d * e
 
@@ -362,7 +425,8 @@ def predicted_global_bytes(case: Case) -> tuple[int, int]:
 
 
 def _shared_predictions(walk, notes: dict) -> dict:
-    """The shared-memory rows of a kernel's walk (banks.*_kernel_shared). notes: SASS class -> text."""
+    """The shared-memory rows of a kernel's walk (banks.*_kernel_shared). notes: SASS class -> text. The
+    load rows count thread instructions only; a wgmma kernel's operand reads are named in the note."""
     lds, ldsm, sts, ldgsts = (walk.by_sass(s) for s in ("LDS", "LDSM", "STS", "LDGSTS"))
 
     def by_role(sass: str) -> str:  # where predicted conflicts come from, to explain a miss
@@ -375,9 +439,11 @@ def _shared_predictions(walk, notes: dict) -> dict:
         # before cp.async blocks (banks.guard_lds_per_warp): issued, so counted, but no wavefront
         "smsp__inst_executed_op_shared_ld.sum": (
             lds.instructions + walk.guard_lds,
-            f"LDS {lds.instructions:,} + predicated-off LDS {walk.guard_lds:,} (3 per cp.async block); no LDSM"),
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": (lds.wavefronts + ldsm.wavefronts,
-                                                                 f"LDS {lds.wavefronts:,} + LDSM {ldsm.wavefronts:,}"),
+            f"LDS {lds.instructions:,} + predicated-off LDS {walk.guard_lds:,} (3 per cp.async block"
+            + (", 4 per fence.proxy.async" if walk.wgmma_read_bytes else "") + "); no LDSM"),
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": (
+            lds.wavefronts + ldsm.wavefronts, f"LDS {lds.wavefronts:,} + LDSM {ldsm.wavefronts:,}"
+            + (f"; not included: wgmma operand reads, {walk.wgmma_read_bytes:,} B" if walk.wgmma_read_bytes else "")),
         "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (
             lds.conflicts + ldsm.conflicts, f"LDS {lds.conflicts:,} + LDSM {ldsm.conflicts:,}" + by_role("LDS")),
         "smsp__inst_executed_op_shared_st.sum": (sts.instructions, notes["STS"]),
@@ -406,12 +472,14 @@ def _measured_only() -> dict:
     }
 
 
-def _predict_fwd(case: Case, l2_bytes: int, num_sms: int) -> dict:
-    p, cfg = case.problem(), case.config()
+def _predict_fwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
+    case, cfg = target.case, target.config()
+    p = case.problem()
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
-    counts = simulate("cuflash", p, l2_bytes=l2_bytes, num_sms=num_sms)
-    reads, writes = predicted_global_bytes(case)
+    counts = simulate("cuflash", p, l2_bytes=l2_bytes, num_sms=num_sms, kernels=target.kernels)
+    reads, writes = predicted_global_bytes(case, cfg)
     grid = cfg.grid(p.batch, p.heads, p.seqlen_q)
+    is_wgmma = target.kernel in WGMMA_KERNELS
     out = {
         "l1tex__m_xbar2l1tex_read_bytes.sum": (reads, "Q once per CTA, K and V once per visited tile"),
         "l1tex__m_l1tex2xbar_write_bytes.sum": (writes, "O and lse once (32-byte sectors)"),
@@ -423,22 +491,23 @@ def _predict_fwd(case: Case, l2_bytes: int, num_sms: int) -> dict:
         "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
         "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
     }
-    out.update(_shared_predictions(walk, {"STS": "st.shared.b32 of the O epilogue",
-                                          "LDSM": "ldmatrix.x4 of Q, K, V",
-                                          "LDGSTS": "Q once, K and V per tile, zero-fill included"}))
+    out.update(_shared_predictions(walk, {
+        "STS": "st.shared.b32 of the O epilogue",
+        "LDSM": "none: wgmma reads Q, K, V through descriptors" if is_wgmma else "ldmatrix.x4 of Q, K, V",
+        "LDGSTS": "Q once, K and V per tile, zero-fill included"}))
     out.update(_measured_only())
-    return out
+    return {m: out[m] for m in metrics_for(target)}
 
 
 def isolated_kernel_dram(p: Problem, kernel_index: int, deterministic: bool, l2_bytes: int,
-                         num_sms: int) -> tuple[int, int]:
+                         num_sms: int, kernels: str = "mma") -> tuple[int, int]:
     """(DRAM read, write) bytes of one launch of the cuflash backward in isolation: the L2 model's trace of
-    attention_backward (l2._cuflash_bwd: 0 preprocess, 1 bwd_kernel, 2 convert or bwd_dq_kernel) cut to
-    that launch and started cold, as ncu's --cache-control all flushes the L2 before the kernel."""
+    attention_backward (l2._cuflash_bwd: 0 preprocess, 1 the main kernel, 2 convert or bwd_dq_kernel) cut
+    to that launch and started cold, as ncu's --cache-control all flushes the L2 before the kernel."""
     from . import l2 as _l2
 
     tr = _l2._Trace(p, "tile")
-    _l2._cuflash_bwd(tr, p, True, num_sms, deterministic)
+    _l2._cuflash_bwd(tr, p, True, num_sms, deterministic, kernels)
     tr.parts = [part for part in tr.parts if part[0].size and int(part[0][0]) == kernel_index]
     res = tr.run(l2_bytes // SECTOR)
     return res.read_bytes, res.write_bytes
@@ -447,20 +516,21 @@ def isolated_kernel_dram(p: Problem, kernel_index: int, deterministic: bool, l2_
 def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     case, det = target.case, target.deterministic
     p = case.problem()
-    hd = _config.kernel_head_dim(p.head_dim)
-    kt = {k.name: k for k in cuflash_backward_kernels(p, True, det)}[target.kernel]
-    if target.kernel == "bwd_kernel":
-        cfg = _config.bwd_config(hd, p.dtype, p.causal, det)
+    cfg = target.config()
+    kt = {k.name: k for k in cuflash_backward_kernels(p, True, det, target.kernels)}[target.kernel]
+    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
+        is_wgmma = target.kernel in WGMMA_KERNELS
         walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
         index = 1
         read_note = ("K, V once per CTA; per visited query block Q, dO (valid rows) and BLOCK_M lse_log2, delta "
                      "(cp.async)")
-        notes = {"STS": "dK, dV epilogue" + ("" if det else " + dS^T (warps with warp % D_SPLIT == 0)"),
-                 "LDSM": "ldmatrix.x4 of K, V, Q, dO" + ("" if det else ", dS^T"),
+        writers = "every warp" if is_wgmma else "warps with warp % D_SPLIT == 0"
+        notes = {"STS": "dK, dV epilogue" + ("" if det else f" + dS^T ({writers})"),
+                 "LDSM": ("none: wgmma reads K, V, Q, dO" + ("" if det else ", dS^T") + " through descriptors")
+                 if is_wgmma else "ldmatrix.x4 of K, V, Q, dO" + ("" if det else ", dS^T"),
                  "LDGSTS": "K, V once; Q, dO, lse_log2, delta per visit; zero-fill included"}
         store_note = "dK, dV (valid keys)"
     else:
-        cfg = _config.dq_config(hd, p.dtype, p.causal)
         walk = banks.dq_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
         index = 2
         read_note = ("per CTA that sees a key: Q, dO (cp.async), BLOCK_M lse_log2 and delta (ld.global, one "
@@ -468,7 +538,7 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         notes = {"STS": "st.shared.b32 of the dQ epilogue", "LDSM": "ldmatrix.x4 of Q, dO, K, V",
                  "LDGSTS": "Q, dO once, K and V per tile, zero-fill included"}
         store_note = "dQ (every row; rows without keys get zeros)"
-    dram_r, dram_w = isolated_kernel_dram(p, index, det, l2_bytes, num_sms)
+    dram_r, dram_w = isolated_kernel_dram(p, index, det, l2_bytes, num_sms, target.kernels)
     grid = kt.grid
     red = kt.atomic_bytes
     out = {
@@ -484,13 +554,17 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
         "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
     }
-    if target.kernel == "bwd_kernel" and not det:
-        L = banks.bwd_layout(cfg)
+    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not det:
         m_begin, m_end = banks.bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
         visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
-        reds = visits * cfg.num_warps * L.dq_m_tiles * L.dq_d_tiles * 2
+        if isinstance(cfg, _config.BwdSm90Config):  # each warp: its 16 query rows x DQ_COLS columns
+            per_warp = banks.bwd_sm90_layout(cfg).dq_cols // 8 * 2
+        else:  # each warp: DQ_M_TILES x DQ_D_TILES m16n8 tiles of its part of the warp grid
+            L = banks.bwd_layout(cfg)
+            per_warp = L.dq_m_tiles * L.dq_d_tiles * 2
+        reds = visits * cfg.num_warps * per_warp
         assert reds * WARP_RED_BYTES == red, (reds, red)
-        per = f"{visits:,} visits x {cfg.num_warps} warps x {L.dq_m_tiles * L.dq_d_tiles * 2} RED.v2 of 256 B"
+        per = f"{visits:,} visits x {cfg.num_warps} warps x {per_warp} RED.v2 of 256 B"
         out.update({
             "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (reds, per),
             "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, "whole [BLOCK_M, HEAD_DIM] fp32 tile per visit, "
@@ -502,7 +576,7 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         })
     out.update(_shared_predictions(walk, notes))
     out.update(_measured_only())
-    return out
+    return {m: out[m] for m in metrics_for(target)}
 
 
 WARP_RED_BYTES = 32 * 8  # red.global.add.v2.f32: 32 lanes x 2 floats
@@ -512,19 +586,20 @@ def predict(target: Target | Case, l2_bytes: int, num_sms: int) -> dict[str, tup
     """{metric: (predicted value or None, note)} for one target (a bare Case means its fwd_kernel)."""
     if isinstance(target, Case):
         target = Target("fwd_kernel", target)
-    if target.kernel == "fwd_kernel":
-        return _predict_fwd(target.case, l2_bytes, num_sms)
+    if not target.is_backward:
+        return _predict_fwd(target, l2_bytes, num_sms)
     return _predict_bwd(target, l2_bytes, num_sms)
 
 
 def kernel_configs(target: Target) -> list:
-    """Every kernel instantiation the target's driver launches (to compile them before profiling)."""
+    """Every kernel instantiation the target's driver launches (to compile them before profiling), in the
+    target's kernel family."""
     c = target.case
     hd = _config.kernel_head_dim(c.head_dim)
-    out = [_config.fwd_config(hd, c.dtype, c.causal)]
+    out = [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels)]
     if target.is_backward:
         out += [_config.ElementwiseConfig("preprocess", c.dtype),
-                _config.bwd_config(hd, c.dtype, c.causal, target.deterministic)]
+                _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels)]
         out.append(_config.dq_config(hd, c.dtype, c.causal) if target.deterministic
                    else _config.ElementwiseConfig("convert_dq", c.dtype))
     return out
@@ -534,18 +609,22 @@ def kernel_configs(target: Target) -> list:
 # Running ncu
 # ----------------------------------------------------------------------------------------------
 
-# The profiled process: the forward twice (fwd_kernel), or the forward once (o, lse) and the backward
-# twice (bwd_kernel, bwd_dq_kernel); ncu's --launch-skip 1 --launch-count 1 picks the second launch of the
-# target kernel. Inputs are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying
-# on CuPy converting to ml_dtypes.bfloat16).
+# The profiled process: the forward twice (fwd_kernel, fwd_sm90_kernel), or the forward once (o, lse) and
+# the backward twice (bwd_kernel, bwd_sm90_kernel, bwd_dq_kernel); ncu's --launch-skip 1 --launch-count 1
+# picks the second launch of the target kernel. The kernel family comes from CUFLASH_KERNELS, which _env
+# sets per target; the driver stops if it did not arrive (ncu would otherwise profile nothing). Inputs are
+# drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying on CuPy converting to
+# ml_dtypes.bfloat16).
 DRIVER = r"""
 import sys
 import cupy as cp, cuflash
-from cuflash import _xpref
-kernel, b, h, sq, sk, d, causal, dtype, deterministic = {args!r}
+from cuflash import _xpref, config
+kernel, b, h, sq, sk, d, causal, dtype, deterministic, kernels = {args!r}
+if config.KERNELS != kernels:
+    sys.exit(f"cuflash-validate-driver: CUFLASH_KERNELS={{config.KERNELS}}, but {{kernel}} needs {{kernels}}")
 rs = cp.random.RandomState(0)
 q, k, v = (_xpref.to_lowp(rs.standard_normal((b, s, h, d), dtype=cp.float32), dtype) for s in (sq, sk, sk))
-if kernel == "fwd_kernel":
+if kernel in ("fwd_kernel", "fwd_sm90_kernel"):
     for _ in range(2):  # warm-up, then the profiled launch
         o, lse = cuflash.attention_forward(q, k, v, causal=causal)
     res = o
@@ -584,22 +663,33 @@ def driver_code(target: Target | Case) -> str:
         target = Target("fwd_kernel", target)
     c = target.case
     return DRIVER.format(args=(target.kernel, c.batch, c.heads, c.seqlen_q, c.seqlen_k, c.head_dim, c.causal,
-                               c.dtype, target.deterministic))
+                               c.dtype, target.deterministic, target.kernels))
+
+
+def kernel_regex(kernel: str) -> str:
+    """ncu's --kernel-name regex for `kernel` as a whole identifier: fwd_kernel must not select
+    fwd_sm90_kernel (nor bwd_kernel bwd_dq_kernel), whether ncu matches the bare function name or a
+    demangled one with namespace and template arguments (kernel_matches checks the profiled name)."""
+    return rf"(^|[^A-Za-z0-9_]){re.escape(kernel)}([^A-Za-z0-9_]|$)"
 
 
 def ncu_command(ncu: str, target: Target | Case, metrics: list[str], print_units: bool = True) -> list[str]:
     if isinstance(target, Case):
         target = Target("fwd_kernel", target)
     cmd = [ncu, "--target-processes", "all", "--cache-control", "all", "--clock-control", "none", "--csv",
-           "--kernel-name", f"regex:{target.kernel}", "--launch-skip", "1", "--launch-count", "1",
+           "--kernel-name", f"regex:{kernel_regex(target.kernel)}", "--launch-skip", "1", "--launch-count", "1",
            "--metrics", ",".join(metrics)]
     if print_units:
         cmd[1:1] = ["--print-units", "base"]
     return cmd + [sys.executable, "-c", driver_code(target)]
 
 
-def _env() -> dict:
+def _env(kernels: str | None = None) -> dict:
+    """The environment of the processes run here: cuflash importable, and CUFLASH_KERNELS = kernels when
+    given (the profiled driver's kernel family)."""
     env = dict(os.environ)
+    if kernels is not None:
+        env["CUFLASH_KERNELS"] = kernels
     root = str(Path(__file__).resolve().parents[1])  # the source tree (cuflash/ and simulator/ live here)
     import cuflash
 
@@ -608,9 +698,9 @@ def _env() -> dict:
     return env
 
 
-def _run(cmd: list[str], timeout: int) -> tuple[int, str, str]:
+def _run(cmd: list[str], timeout: int, kernels: str | None = None) -> tuple[int, str, str]:
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env())
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(kernels))
         return r.returncode, r.stdout, r.stderr
     except subprocess.TimeoutExpired as e:
         out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -660,14 +750,14 @@ class Profiler:
         """(metrics of the profiled launch, short error, ncu's error lines)."""
         cmd = ncu_command(self.ncu, target, metrics, self.print_units)
         t0 = time.perf_counter()
-        rc, out, err = _run(cmd, self.timeout)
+        rc, out, err = _run(cmd, self.timeout, target.kernels)
         dt = time.perf_counter() - t0
         self.runs += 1
         self.seconds += dt
         stem = _stem(target, tag)
         (self.raw_dir / f"{stem}.stdout.txt").write_text(out)
         (self.raw_dir / f"{stem}.stderr.txt").write_text(
-            f"$ {shlex.join(cmd[:-1])} <driver>\nrc={rc} wall={dt:.1f}s\n{err}")
+            f"$ CUFLASH_KERNELS={target.kernels} {shlex.join(cmd[:-1])} <driver>\nrc={rc} wall={dt:.1f}s\n{err}")
         # what went wrong, without the CSV (whose header says "Metric Name") and the driver's own lines
         errors = "\n".join(ln for ln in (out + "\n" + err).splitlines()
                            if not ln.startswith('"') and re.search(r"error|fail|unknown|invalid|not found|unrecogni",
@@ -830,11 +920,16 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "that has predictions only).",
         "",
         "What is compared, per (kernel, configuration): one profiled launch of the kernel after one warm-up",
-        "launch (`--kernel-name regex:<kernel> --launch-skip 1 --launch-count 1`), caches flushed by",
-        "`--cache-control all`, clocks not locked (`--clock-control none`). Kernels: `fwd_kernel`; `bwd_kernel`,",
-        "the backward's K/V-outer main kernel in the default mode (dQ accumulated by fp32",
-        "`red.global.add.v2.f32` into dq_accum), after a forward that provides o and lse; `bwd_dq_kernel`, the",
-        "deterministic backward's Q-outer dQ kernel.",
+        "launch (`--kernel-name regex:<kernel> --launch-skip 1 --launch-count 1`, the regex matching the name",
+        "as a whole identifier), caches flushed by `--cache-control all`, clocks not locked",
+        "(`--clock-control none`). Kernels: `fwd_kernel`; `bwd_kernel`, the backward's K/V-outer main kernel",
+        "in the default mode (dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum), after a forward",
+        "that provides o and lse; `bwd_dq_kernel`, the deterministic backward's Q-outer dQ kernel. These are",
+        "the mma.sync kernels, run with `CUFLASH_KERNELS=mma`: on an H100 the library launches the wgmma",
+        "kernels by default, `fwd_sm90_kernel` and `bwd_sm90_kernel`, which are run with",
+        "`CUFLASH_KERNELS=auto` and compared on global traffic, spills, cp.async and st.shared (their",
+        "tensor-core operand reads are no thread instructions: the l1tex shared-load wavefront and conflict",
+        "rows are reported, not targeted, for them).",
         "",
         "* global traffic: `l1tex__m_xbar2l1tex_read_bytes` (L2 -> SM) is what the kernel's global loads",
         "  become; the L2 absorbs K/V re-reads, so `dram__bytes_read` is compared with the LRU L2 model",
@@ -1180,7 +1275,8 @@ def main(argv: list[str] | None = None) -> int:
             failures[target.name] = f"skipped: --budget-s {args.budget_s:g} reached"
             print("  " + failures[target.name], flush=True)
         elif args.dry_run:
-            print("  " + shlex.join(ncu_command(args.ncu, target, list(metrics_for(target)))[:-1]) + " '<driver>'")
+            print(f"  CUFLASH_KERNELS={target.kernels} "
+                  + shlex.join(ncu_command(args.ncu, target, list(metrics_for(target)))[:-1]) + " '<driver>'")
         elif args.from_raw:
             measured = read_raw(Path(args.from_raw), target)
             ran = bool(measured)

@@ -160,9 +160,9 @@ def test_count_rejects_bad_input_with_a_message(bad, kind, err):
 
 # ---- literal ports of cuda/tiles.cuh, independent of banks.py --------------------------------
 
-def _offset(row, col, rows, cols):
-    """SmemTile<rows, cols>::offset, scalar."""
-    pc = 64 if cols % 64 == 0 else 32
+def _offset(row, col, rows, cols, pc=None):
+    """SmemTile<rows, cols, pc>::offset, scalar (pc None: the default panel width)."""
+    pc = pc or (64 if cols % 64 == 0 else 32)
     pb = pc * 2
     off = row * pb + (col % pc) * 2
     off ^= ((off >> 7) & (7 if pb == 128 else 3)) << 4
@@ -183,11 +183,13 @@ LANE_OFFSET = {  # lane_offset_* of tiles.cuh: lane -> (row, col) of its ldmatri
 }
 
 
-def _copy_per_thread(threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0):
+def _copy_per_thread(threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0, pc=None):
     """load_tile_async / store_tile: per thread the list of its copy instructions' shared addresses
     (None: this thread is predicated off in that instruction)."""
-    cpr, pc = cols // 8, (64 if cols % 64 == 0 else 32)
-    fixed = threads % cpr == 0 and ((threads // cpr) % 8 == 0 or threads // cpr >= rows)
+    cpr, pc = cols // 8, pc or (64 if cols % 64 == 0 else 32)
+    # SmemTile::fixed_column: the 8 lanes of a phase within one 128-byte line of one panel
+    fixed = (threads % cpr == 0 and (pc == 64 or cpr == pc // 8)
+             and ((threads // cpr) % 8 == 0 or threads // cpr >= rows))
     out = []
     for tid in range(threads):
         seq = []
@@ -196,12 +198,13 @@ def _copy_per_thread(threads, rows, cols, base, store=False, rows_valid=0, cols_
             while idx < rows * cpr:
                 panel, rest = divmod(idx, rows * (pc // 8))
                 r, c = rest // (pc // 8), panel * pc + (rest % (pc // 8)) * 8
-                seq.append(base + _offset(r, c, rows, cols) if not store or (r < rows_valid and c < cols_valid) else None)
+                seq.append(base + _offset(r, c, rows, cols, pc) if not store or (r < rows_valid and c < cols_valid)
+                           else None)
                 idx += threads
         else:  # one column chunk per thread, rows step by ROWS_PER_ITER
             rpi = threads // cpr
             r0, c = tid // cpr, (tid % cpr) * 8
-            dst = base + _offset(r0, c, rows, cols)
+            dst = base + _offset(r0, c, rows, cols, pc)
             for i in range(-(-rows // rpi)):
                 ok = (rows % rpi == 0 or r0 + i * rpi < rows) and (not store or (c < cols_valid and r0 + i * rpi < rows_valid))
                 seq.append(dst + i * rpi * pc * 2 if ok else None)
@@ -220,8 +223,8 @@ class _Totals(dict):
         t[2] += conf
         t[3] += sum(a is not None for a in lane_addrs) * banks.KINDS[kind][0]
 
-    def copy(self, threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0):
-        per_thread = _copy_per_thread(threads, rows, cols, base, store, rows_valid, cols_valid)
+    def copy(self, threads, rows, cols, base, store=False, rows_valid=0, cols_valid=0, pc=None):
+        per_thread = _copy_per_thread(threads, rows, cols, base, store, rows_valid, cols_valid, pc)
         sass, kind = ("LDS", "ld128") if store else ("LDGSTS", "cp.async16")
         for w in range(threads // 32):
             lanes = per_thread[32 * w:32 * w + 32]
@@ -233,8 +236,9 @@ class _Totals(dict):
                       for l in range(32)]
         self.issue("LDSM", "ldmatrix.x4", lane_addrs)
 
-    def st_acc(self, base, rows, cols, row0, col0):  # st.shared.b32 of (row0 + g, col0 + 2t)
-        self.issue("STS", "st32", [base + _offset(row0 + (l >> 2), col0 + 2 * (l & 3), rows, cols) for l in range(32)])
+    def st_acc(self, base, rows, cols, row0, col0, pc=None):  # st.shared.b32 of (row0 + g, col0 + 2t)
+        self.issue("STS", "st32", [base + _offset(row0 + (l >> 2), col0 + 2 * (l & 3), rows, cols, pc)
+                                   for l in range(32)])
 
 
 def _n_blocks(causal, row0, rows_q, sq, sk, bn):
@@ -311,12 +315,28 @@ def test_walk_equals_instruction_by_instruction_enumeration(cfg, sq, sk, head_di
     _check(walk, _slow_walk(cfg, 1, 2, sq, sk, head_dim), f"{cfg.cpp_name()} sq={sq} sk={sk} head_dim={head_dim}")
 
 
-@pytest.mark.parametrize("cfg", config.all_fwd_configs(), ids=lambda c: f"hd{c.head_dim}-{c.dtype}-{'causal' if c.causal else 'full'}")
+def _cfg_id(c):
+    family = "sm90" if isinstance(c, (config.FwdSm90Config, config.BwdSm90Config)) else "mma"
+    det = "-det" if getattr(c, "deterministic", False) else ""
+    return f"{family}-hd{c.head_dim}-{c.dtype}-{'causal' if c.causal else 'full'}{det}"
+
+
+# the forward kernels the walks model: fwd_kernel and fwd_sm90_kernel (not the kv-cache decode variant)
+WALKED_FWD = [c for c in config.all_fwd_configs() if isinstance(c, (config.FwdConfig, config.FwdSm90Config))
+              and not getattr(c, "decode", False)]
+
+
+@pytest.mark.parametrize("cfg", WALKED_FWD, ids=_cfg_id)
 def test_fragment_loads_and_epilogue_stores_are_conflict_free(cfg):
+    """mma.sync: the ldmatrix fragments and the O staging stores; wgmma: no ldmatrix at all (the tensor core
+    reads Q, K, V through descriptors) and conflict-free O staging stores."""
     walk = banks.fwd_kernel_shared(cfg, 1, 1, 1000, 1000)
-    for role in ("q_frag", "k_frag", "v_frag", "o_store"):
+    is_wgmma = isinstance(cfg, config.FwdSm90Config)
+    for role in ("o_store",) if is_wgmma else ("q_frag", "k_frag", "v_frag", "o_store"):
         s = walk.roles[role]
         assert s.instructions > 0 and s.conflicts == 0, f"{role} of {cfg.cpp_name()}: {s.conflicts} bank conflicts"
+    assert (walk.by_sass("LDSM").instructions == 0) == is_wgmma, cfg.cpp_name()
+    assert (walk.wgmma_read_bytes > 0) == is_wgmma, cfg.cpp_name()
 
 
 @pytest.mark.parametrize("hd", config.KERNEL_HEAD_DIMS)
@@ -587,3 +607,269 @@ def test_bwd_instruction_counts_and_conflicts(hd, det):
     for role in banks.BWD_ROLES:
         s = walk.roles[role]
         assert s.conflicts == 0, f"{role} of HEAD_DIM={hd}: {s}"
+
+
+# ---- the wgmma kernels: fwd_sm90_kernel and bwd_sm90_kernel ------------------------------------------
+
+SM90_FWD = [c for c in config.all_fwd_configs() if isinstance(c, config.FwdSm90Config)]
+SM90_BWD = [c for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90Config)]
+
+
+def test_the_h100_config_lists_hold_wgmma_kernels():
+    assert SM90_FWD and SM90_BWD, "all_fwd_configs / all_bwd_configs list the sm_90a wgmma kernels"
+    assert not any(isinstance(c, config.FwdSm90Config) for c in config.all_fwd_configs("sm_80"))
+
+
+@pytest.mark.parametrize("hd,pc", [(64, 32), (128, 32), (128, 64), (256, 64), (96, 32)])
+def test_swizzled_offset_with_a_panel_width(hd, pc):
+    """SmemTile<ROWS, HEAD_DIM, PANEL_COLS>::offset (the literal port above) for a chosen panel width, and
+    the default width equal to cuflash.config.swizzled_offset."""
+    rows, cols = np.meshgrid(np.arange(64), np.arange(0, hd, 2), indexing="ij")
+    got = banks.swizzled_offset(rows, cols, 64, hd, pc)
+    want = np.vectorize(lambda r, c: _offset(r, c, 64, hd, pc))(rows, cols)
+    assert (got == want).all(), f"HEAD_DIM={hd} PANEL_COLS={pc}"
+    assert (banks.swizzled_offset(rows, cols, 64, hd) == config.swizzled_offset(rows, cols, 64, hd)).all()
+    with pytest.raises(ValueError, match="panel_cols=48"):
+        banks.swizzled_offset(0, 0, 64, hd, 48)
+
+
+def _slow_fwd_sm90_walk(cfg, batch, heads, sq, sk, head_dim):
+    """Every CTA, key tile, warp and lane of fwd_sm90_kernel (cuda/fwd_sm90.cuh), literally: the thread
+    instructions, and the wgmma operand bytes (per key tile and warpgroup: its 64 Q rows and K for S,
+    V for O)."""
+    tot, wgmma = _Totals(), 0
+    hd, bm, bn, threads = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads
+    q_bytes, kv_bytes = bm * hd * 2, bn * hd * 2
+    for _ in range(batch * heads):
+        for m_block in range(-(-sq // bm)):
+            row0 = m_block * bm
+            rows_q = min(bm, sq - row0)
+            n_blocks = _n_blocks(cfg.causal, row0, rows_q, sq, sk, bn)
+            if n_blocks <= 0:
+                continue
+            tot.copy(threads, bm, hd, 0)
+            for it in range(n_blocks):
+                tot.copy(threads, bn, hd, q_bytes + (it % 2) * kv_bytes)
+                tot.copy(threads, bn, hd, q_bytes + (2 + it % 2) * kv_bytes)
+                for _wg in range(bm // 64):
+                    wgmma += (64 * hd + bn * hd) * 2 + bn * hd * 2
+            for w in range(threads // 32):  # O staging: rows 16w + g (+8), columns dt*8 + 2t
+                for h in range(2):
+                    for dt in range(hd // 8):
+                        tot.st_acc(0, bm, hd, w * 16 + 8 * h, dt * 8)
+            tot.copy(threads, bm, hd, 0, store=True, rows_valid=rows_q, cols_valid=head_dim)
+    return tot, wgmma
+
+
+@pytest.mark.parametrize("hd,causal,sq,sk,head_dim", [(64, True, 200, 300, 64), (96, False, 130, 70, 80),
+                                                      (128, True, 150, 300, 120), (256, False, 70, 40, 256),
+                                                      (32, True, 300, 129, 24)])
+def test_fwd_sm90_walk_equals_instruction_by_instruction_enumeration(hd, causal, sq, sk, head_dim):
+    cfg = config.fwd_sm90_config(hd, "fp16", causal)
+    walk = banks.fwd_kernel_shared(cfg, 1, 2, sq, sk, head_dim)
+    tot, wgmma = _slow_fwd_sm90_walk(cfg, 1, 2, sq, sk, head_dim)
+    _check(walk, tot, f"{cfg.cpp_name()} sq={sq} sk={sk}")
+    assert walk.wgmma_read_bytes == wgmma, f"wgmma operand bytes of {cfg.cpp_name()}"
+    assert walk.read_bytes == walk.thread_read_bytes + wgmma
+
+
+def _slow_bwd_sm90_walk(cfg, batch, heads, sq, sk, head_dim):
+    """Every CTA, query block, warp and lane of bwd_sm90_kernel (cuda/bwd_sm90.cuh), literally, with the
+    offsets of BwdSm90Traits written out here; wgmma operand bytes per visit and warpgroup: its 64 K and
+    V rows, Q and dO twice (S^T / dP^T, then dV / dK), dS^T and its DQ_COLS columns of K for dQ."""
+    tot, wgmma = _Totals(), 0
+    hd, bm, bn, threads, det = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.threads, cfg.deterministic
+    warpgroups = bn // 64
+    dq_cols = hd // warpgroups
+    pc = 64 if dq_cols % 64 == 0 else 32  # BwdSm90Traits::PANEL_COLS (K, V, Q, dO; dS^T keeps the default)
+    smem_q, smem_kv, smem_ds, rowvec = bm * hd * 2, bn * hd * 2, bn * bm * 2, bm * 4
+    off_k, off_v, off_q, off_do = 0, smem_kv, 2 * smem_kv, 2 * smem_kv + smem_q
+    off_ds = 2 * smem_kv + 4 * smem_q
+    off_lse, off_delta = off_ds + smem_ds, off_ds + smem_ds + rowvec
+    diag = sk - sq
+
+    def load_query_block(stage):
+        tot.copy(threads, bm, hd, off_q + stage * 2 * smem_q, pc=pc)
+        tot.copy(threads, bm, hd, off_do + stage * 2 * smem_q, pc=pc)
+        chunks = bm // 4
+        for w in range(threads // 32):
+            lanes = []
+            for lane in range(32):
+                tid = 32 * w + lane
+                is_delta = tid >= chunks
+                c = tid - chunks if is_delta else tid
+                lanes.append((off_delta if is_delta else off_lse) + stage * 2 * rowvec + c * 16
+                             if tid < 2 * chunks else None)
+            tot.issue("LDGSTS", "cp.async16", lanes)
+
+    for _ in range(batch * heads):
+        for n_block in range(-(-sk // bn)):
+            n0 = n_block * bn
+            keys = min(bn, sk - n0)
+            m_begin = max(0, n0 - diag) // bm if cfg.causal else 0
+            m_end = -(-sq // bm)
+            if m_begin >= m_end:
+                continue
+            tot.copy(threads, bn, hd, off_k, pc=pc)
+            tot.copy(threads, bn, hd, off_v, pc=pc)
+            load_query_block(0)
+            stage = 0
+            for m_block in range(m_begin, m_end):
+                if m_block + 1 < m_end:
+                    load_query_block(stage ^ 1)
+                for w in range(threads // 32):  # float2 lse_log2, then float2 delta, per n8 query tile
+                    for vec in (off_lse, off_delta):
+                        for qt in range(bm // 8):
+                            tot.issue("LDS", "ld64", [vec + stage * 2 * rowvec + (qt * 8 + 2 * (l & 3)) * 4
+                                                      for l in range(32)])
+                if not det:
+                    for w in range(threads // 32):
+                        key_row0 = (w // 4) * 64 + (w % 4) * 16
+                        for kk in range(bm // 16):
+                            for r in range(4):
+                                tot.st_acc(off_ds, bn, bm, key_row0 + (r & 1) * 8, kk * 16 + (r >> 1) * 8)
+                for _wg in range(warpgroups):
+                    wgmma += 2 * (64 + bm) * hd * 2 + 2 * bm * hd * 2 + (0 if det else (bn * bm + bn * dq_cols) * 2)
+                stage ^= 1
+            for w in range(threads // 32):
+                key_row0 = (w // 4) * 64 + (w % 4) * 16
+                for h in range(2):
+                    for dt in range(hd // 8):
+                        tot.st_acc(off_k, bn, hd, key_row0 + 8 * h, dt * 8, pc)
+                        tot.st_acc(off_v, bn, hd, key_row0 + 8 * h, dt * 8, pc)
+            tot.copy(threads, bn, hd, off_k, store=True, rows_valid=keys, cols_valid=head_dim, pc=pc)
+            tot.copy(threads, bn, hd, off_v, store=True, rows_valid=keys, cols_valid=head_dim, pc=pc)
+    return tot, wgmma
+
+
+@pytest.mark.parametrize("hd,causal,det,sq,sk", [(64, False, False, 100, 150), (64, True, True, 150, 100),
+                                                 (128, True, False, 70, 200), (128, False, True, 130, 70)])
+def test_bwd_sm90_walk_equals_instruction_by_instruction_enumeration(hd, causal, det, sq, sk):
+    cfg = config.bwd_sm90_config(hd, "bf16", causal, det)
+    head_dim = hd - 8
+    walk = banks.bwd_kernel_shared(cfg, 1, 2, sq, sk, head_dim)
+    tot, wgmma = _slow_bwd_sm90_walk(cfg, 1, 2, sq, sk, head_dim)
+    _check(walk, tot, f"{cfg.cpp_name()} sq={sq} sk={sk}")
+    assert walk.wgmma_read_bytes == wgmma, f"wgmma operand bytes of {cfg.cpp_name()}"
+    assert banks.bwd_sm90_layout(cfg).smem_bytes == cfg.smem_bytes
+
+
+@pytest.mark.parametrize("cfg", SM90_BWD, ids=_cfg_id)
+def test_bwd_sm90_stores_and_vector_loads_are_conflict_free(cfg):
+    """dS^T stores (each phase: 8 keys x 4 column pairs of one 16-byte chunk), dK/dV staging (64- and
+    128-byte panels), the float2 lse_log2 / delta loads (2 wavefronts: the phases of a 64-bit access, 4
+    distinct float2 broadcast per half-warp) and the lse/delta cp.async; no ldmatrix."""
+    walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1024)
+    m_begin, m_end = banks.bwd_query_blocks(cfg, 1024, 1024)
+    visits = 2 * int((m_end - m_begin).sum())
+    for role in ("ds_store", "dk_store", "dv_store", "lse_load", "delta_load", "vec_load"):
+        s = walk.roles[role]
+        if role == "ds_store" and cfg.deterministic:
+            assert s.instructions == 0, "the deterministic kernel stages no dS^T"
+            continue
+        assert s.instructions > 0 and s.conflicts == 0, f"{role} of {cfg.cpp_name()}: {s}"
+    assert walk.roles["lse_load"].instructions == visits * cfg.num_warps * cfg.block_m // 8
+    assert walk.roles["lse_load"].wavefronts == 2 * walk.roles["lse_load"].instructions
+    ds_stores = 0 if cfg.deterministic else visits * cfg.num_warps * cfg.block_m // 4
+    assert walk.roles["ds_store"].instructions == ds_stores
+    assert walk.by_sass("LDSM").instructions == 0
+
+
+@pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)
+def test_sm90_tile_copies(cfg):
+    """128-byte panels: 4 wavefronts per cp.async and 16-byte store_tile load, conflict free, as in the
+    mma.sync kernels; default 64-byte panels (forward d32, d96) too, with a cp.async band up to 2x.
+
+    bwd_sm90_kernel at HEAD_DIM 64 gives its K, V, Q, dO tiles 64-byte panels (PANEL_COLS = 32, so that each
+    warpgroup's 32 dQ columns of K start on a panel). Copied fixed-column (8 chunks per row), the 8 lanes of
+    a phase would span two panels ROWS * 64 bytes apart, on the same 16 banks: 8 wavefronts per instruction
+    (this walk found it); SmemTile::fixed_column now sends such tiles to the panel-order copy, 4."""
+    is_bwd = isinstance(cfg, config.BwdSm90Config)
+    walk = (banks.bwd_kernel_shared if is_bwd else banks.fwd_kernel_shared)(cfg, 1, 2, 1024, 1024)
+    roles = ("k_load", "v_load", "q_load", "do_load", "dk_read", "dv_read") if is_bwd else \
+        ("q_load", "k_load", "v_load", "o_read")
+    for role in roles:
+        s = walk.roles[role]
+        assert s.wavefronts == 4 * s.instructions, f"{role} of {cfg.cpp_name()}: {s}"
+        assert s.conflicts == 0, f"{role} of {cfg.cpp_name()}: {s}"
+    if is_bwd and cfg.panel_cols < 64 <= cfg.head_dim:
+        assert not banks.fixed_column(cfg.threads, cfg.block_n, cfg.head_dim, cfg.panel_cols)
+        # what the fixed-column copy of the same tile would cost: one 128-byte row over two panels per phase
+        rows, threads, cpr = cfg.block_n, cfg.threads, cfg.head_dim // 8
+        tid = np.arange(threads).reshape(-1, 1, 32)
+        r = tid // cpr + np.arange(rows * cpr // threads).reshape(1, -1, 1) * (threads // cpr)
+        addrs = banks.swizzled_offset(r, (tid % cpr) * 8, rows, cfg.head_dim, cfg.panel_cols)
+        assert banks.count_instructions(addrs, "ld128") == (8 * addrs.size // 32, 4 * addrs.size // 32)
+
+
+@pytest.mark.parametrize("cfg", SM90_FWD[:4], ids=_cfg_id)
+def test_guard_lds_of_the_sm90_forward(cfg):
+    """fwd_sm90_kernel: as fwd_kernel, 3 predicated-off LDS per LDGSTS block per warp, plus 4 before the
+    fence.proxy.async of every key tile (SASS of nvcc 13.0, sm_90a: `DEPBAR.LE SB0, 0x1; @!PT LDS RZ, [RZ]
+    x 4; MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S`)."""
+    from cuflash.simulator.model import Problem
+    from cuflash.simulator.strategies import n_block_max
+
+    b, h, s = 1, 2, 640
+    walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
+    n = n_block_max(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m, cfg.block_n)
+    n = n[n > 0]
+    q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
+    warps = cfg.threads // 32
+    if banks.fixed_column(cfg.threads, *q) and banks.fixed_column(cfg.threads, *kv):
+        copies = 3 * int(n.sum()) * warps
+    else:
+        blocks = lambda t: int(banks.copy_code_blocks(cfg.threads, *t).sum())  # noqa: E731
+        copies = 3 * (len(n) * blocks(q) + int(n.sum()) * 2 * blocks(kv))
+    assert walk.guard_lds == (copies + 4 * int(n.sum()) * warps) * b * h
+
+
+@pytest.mark.parametrize("det", [False, True])
+def test_guard_lds_of_the_sm90_backward(det):
+    """bwd_sm90_kernel: the copies' guards as bwd_kernel (prologue: K, V one block, then the first query
+    block's Q, dO a block of their own after its head's address arithmetic, lse/delta its own block run by
+    warp 0; per later visit Q, dO and lse/delta), plus 4 per fence.proxy.async: after each visit's cp.async
+    wait and, unless deterministic, after the dS^T stores (static SASS, nvcc 13.0)."""
+    cfg = config.bwd_sm90_config(128, "fp16", False, det)
+    sq = sk = 512
+    walk = banks.bwd_kernel_shared(cfg, 1, 1, sq, sk)
+    ctas, visits = sk // cfg.block_n, (sk // cfg.block_n) * (sq // cfg.block_m)
+    per_visit_fences = 1 if det else 2
+    want = ctas * (6 * cfg.num_warps + 3) + (visits - ctas) * (3 * cfg.num_warps + 3) \
+        + visits * per_visit_fences * 4 * cfg.num_warps
+    assert walk.guard_lds == want
+
+
+def test_wgmma_reads_are_counted_apart_from_thread_instructions():
+    """The walk's shared reads are thread instructions (ncu's LDS/LDSM counters) plus the tensor core's
+    operand reads: per key tile and warpgroup 64 Q rows + K for S, V for O."""
+    cfg = config.fwd_sm90_config(128, "bf16", False)
+    walk = banks.fwd_kernel_shared(cfg, 1, 1, 1024, 1024)
+    tiles = (1024 // cfg.block_m) * (1024 // cfg.block_n)
+    wg = cfg.block_m // 64
+    assert walk.wgmma_read_bytes == tiles * wg * (64 + 2 * cfg.block_n) * 128 * 2
+    assert walk.thread_read_bytes == walk.by_sass("LDS").bytes == (1024 // cfg.block_m) * cfg.block_m * 128 * 2
+    assert walk.conflicts == 0 and walk.roles["s_wgmma"].wavefronts == 0
+    with pytest.raises(TypeError, match="FwdSm90Config"):
+        banks.fwd_sm90_kernel_shared(config.fwd_config(128, "bf16", False), 1, 1, 64, 64)
+    with pytest.raises(TypeError, match="BwdConfig or BwdSm90Config"):
+        banks.bwd_kernel_shared(cfg, 1, 1, 64, 64)
+
+
+@pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)
+def test_sm90_staging_stores_write_each_word_of_their_tile_once(cfg):
+    """The 32-bit staging stores of one CTA (O into the Q tile; dS^T into its tile; dK, dV into the K, V
+    tiles) write every 4-byte word of the tile exactly once: the accumulator layout of 16 rows per warp,
+    g and g + 8, column pairs 2t, mapped through the tile's swizzle, is a permutation of the tile."""
+    if isinstance(cfg, config.FwdSm90Config):
+        addrs = banks.fwd_sm90_addresses(cfg, 0)
+        tiles = {"o_store": (0, cfg.block_m * cfg.head_dim * 2)}
+    else:
+        L = banks.bwd_sm90_layout(cfg)
+        addrs = banks.bwd_sm90_addresses(cfg, 0)
+        tiles = {"dk_store": (L.off_k, L.smem_kv), "dv_store": (L.off_v, L.smem_kv)}
+        if not cfg.deterministic:
+            tiles["ds_store"] = (L.off_ds, L.smem_ds)
+    for role, (base, nbytes) in tiles.items():
+        a = np.sort(addrs[role][addrs[role] >= 0].ravel())
+        assert (a == np.arange(base, base + nbytes, 4)).all(), f"{role} of {cfg.cpp_name()}"

@@ -48,6 +48,8 @@ def test_sweep_table_is_readable(capsys):
       "--dtype", "fp32"], "fp16/bf16"),
     (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "320", "--batch", "1", "--heads", "1"],
      "head_dim=320"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--kernels", "wgmma"], "invalid choice"),
     (["plot", "hbm-vs-n"], "--out"),
     (["plot", "roofline", "--out", "x.png"], "invalid choice"),
 ])
@@ -90,7 +92,7 @@ def test_sweep_deterministic_backward(capsys):
     p = Problem(1, 2, 1000, 1000, 64)
     assert recs[3]["hbm_write_bytes"] == simulate("cuflash", p, backward=True, deterministic=True).hbm_write_bytes
     assert recs[3]["hbm_write_bytes"] < recs[1]["hbm_write_bytes"], "no fp32 atomics or dq_accum zeroing"
-    assert recs[1]["bank_conflicts"] == 0
+    assert recs[1]["bank_conflicts"] == simulate("cuflash", p, backward=True).bank_conflicts
 
 
 def test_deterministic_needs_backward(capsys):
@@ -98,3 +100,25 @@ def test_deterministic_needs_backward(capsys):
         main(["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
               "--deterministic"])
     assert e.value.code != 0 and "--backward" in capsys.readouterr().err
+
+
+def test_sweep_counts_the_kernel_family_asked_for(capsys):
+    """--kernels auto (default): what the library launches on an H100 (the wgmma kernels where the head dim
+    has one); --kernels mma: the mma.sync kernels. The other strategies ignore it."""
+    from cuflash import config
+
+    argv = ["sweep", "--strategy", "cuflash", "--strategy", "fa2", "--seqlen", "1024", "--head-dim", "64",
+            "--batch", "1", "--heads", "16", "--json"]
+    assert main(argv) == 0 and main(argv + ["--kernels", "mma"]) == 0 and main(argv + ["--kernels", "auto"]) == 0
+    auto, fa2, mma, fa2_mma, auto2, _ = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert auto == auto2 and fa2 == fa2_mma
+    p = Problem(1, 16, 1024, 1024, 64)
+    for rec, kernels in ((auto, "auto"), (mma, "mma")):
+        c = simulate("cuflash", p, kernels=kernels)
+        cfg = config.forward_kernel_config(64, "fp16", False, kernels=kernels)
+        assert (rec["block_m"], rec["block_n"]) == (cfg.block_m, cfg.block_n)
+        assert (rec["hbm_read_bytes"], rec["sram_read_bytes"]) == (c.hbm_read_bytes, c.sram_read_bytes)
+    assert auto["sram_read_bytes"] != mma["sram_read_bytes"], "the two families read shared memory differently"
+    assert main(["sweep", "--strategy", "cuflash", "--seqlen", "1024", "--head-dim", "64", "--batch", "1",
+                 "--heads", "1", "--kernels", "mma"]) == 0
+    assert "cuflash: mma.sync kernels" in capsys.readouterr().out

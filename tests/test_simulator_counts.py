@@ -93,49 +93,91 @@ def test_useful_flops_are_the_problems(strategy, causal):
         "an algorithm computes at least the kept pairs (standard's backward skips the S recompute)"
 
 
+def _expected_tiles(hd, causal, kernels, backward=False):
+    """The tile table entry the library launches on an H100, looked up by hand."""
+    if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
+        return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
+    if backward:
+        return config.BWD_TILES[hd][:2]
+    return (config.FWD_TILES_CAUSAL.get(hd, config.FWD_TILES[hd]) if causal else config.FWD_TILES[hd])[:2]
+
+
 @pytest.mark.parametrize("head_dim", [40, 64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal):
+@pytest.mark.parametrize("kernels", ["auto", "mma"])
+def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal, kernels):
+    """kernels="auto" (default): the wgmma kernels' tiles where the head dim has them, as the library on
+    an H100; "mma": the mma.sync kernels' (CUFLASH_KERNELS=mma)."""
     hd = config.kernel_head_dim(head_dim)
-    cfg = config.fwd_config(hd, "bf16", causal)
     p = P(777, head_dim, causal=causal, dtype="bf16", nk=901)
-    c = simulate("cuflash", p)
-    assert (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n)
-    tiles = config.FWD_TILES_CAUSAL.get(hd, config.FWD_TILES[hd]) if causal else config.FWD_TILES[hd]
-    assert (cfg.block_m, cfg.block_n) == tiles[:2]
-    ref = simulate("fa2", p, block_m=cfg.block_m, block_n=cfg.block_n)
+    c = simulate("cuflash", p, kernels=kernels)
+    assert (c.block_m, c.block_n) == _expected_tiles(hd, causal, kernels)
+    if kernels == "auto":
+        default = simulate("cuflash", p)
+        assert (default.block_m, default.block_n) == (c.block_m, c.block_n), "the default family is auto"
+    ref = simulate("fa2", p, block_m=c.block_m, block_n=c.block_n)
     assert (c.hbm_read_bytes, c.hbm_write_bytes) == (ref.hbm_read_bytes, ref.hbm_write_bytes), \
-        "fwd_kernel reads only valid rows and the real head_dim columns, like FA2"
-    tiles = c.flops_matmul // (4 * cfg.block_m * cfg.block_n * hd)
-    assert tiles * 4 * cfg.block_m * cfg.block_n * hd == c.flops_matmul, "cuflash computes whole padded tiles"
-    bwd = simulate("cuflash", p, backward=True)
-    bcfg = config.bwd_config(hd, "bf16", causal, deterministic=False)
-    assert (bwd.block_m, bwd.block_n) == (bcfg.block_m, bcfg.block_n)
+        "fwd_kernel and fwd_sm90_kernel read only valid rows and the real head_dim columns, like FA2"
+    tiles = c.flops_matmul // (4 * c.block_m * c.block_n * hd)
+    assert tiles * 4 * c.block_m * c.block_n * hd == c.flops_matmul, "cuflash computes whole padded tiles"
+    bwd = simulate("cuflash", p, backward=True, kernels=kernels)
+    assert (bwd.block_m, bwd.block_n) == _expected_tiles(hd, causal, kernels, backward=True)
 
 
-def _bwd_expected(sq, sk, d, causal, deterministic, b=2, h=3, e=2):
-    """cuda/bwd.cuh by hand, one loop per kernel (no analyzer helper): (reads, writes, atomics, peak)."""
+@pytest.mark.parametrize("sq,sk,d", [(1000, 1500, 64), (777, 901, 128), (1024, 300, 96)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, causal):
+    """fwd_sm90_kernel by hand: Q and O once, lse once, K and V once per query block of BLOCK_M rows (the
+    key tiles it visits, tails exact); and its shared reads: the O store_tile loads plus the wgmma
+    operands (per visited key tile and warpgroup 64 Q rows and K for S, V for O)."""
+    cfg = config.fwd_sm90_config(d, "fp16", causal)
+    b, h, e = 2, 3, 2
+    reads = writes = wgmma = o_reads = 0
+    for m_block in range(-(-sq // cfg.block_m)):
+        row0 = m_block * cfg.block_m
+        rows = min(cfg.block_m, sq - row0)
+        n_blocks = -(-sk // cfg.block_n)
+        if causal:
+            last = row0 + rows - 1 + sk - sq
+            n_blocks = 0 if last < 0 else min(n_blocks, last // cfg.block_n + 1)
+        writes += rows * d * e + rows * 4
+        if n_blocks > 0:  # (a CTA that sees no key writes zeros to O without shared memory)
+            reads += rows * d * e + 2 * min(n_blocks * cfg.block_n, sk) * d * e
+            wgmma += n_blocks * (cfg.block_m // 64) * (64 + 2 * cfg.block_n) * d * e
+            o_reads += rows * d * e  # store_tile: the valid rows and columns, 16 bytes per lane
+    c = simulate("cuflash", P(sq, d, causal=causal, batch=b, heads=h, nk=sk))
+    assert (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n)
+    assert (c.hbm_read_bytes, c.hbm_write_bytes) == (b * h * reads, b * h * writes)
+    assert c.launches == 1 and c.bank_conflicts == 0
+    assert c.sram_read_bytes == b * h * (o_reads + wgmma)
+    mma = simulate("cuflash", P(sq, d, causal=causal, batch=b, heads=h, nk=sk), kernels="mma")
+    assert mma.sram_read_bytes > c.sram_read_bytes, "every mma.sync warp loads its own K and V fragments"
+
+
+def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
+    """cuda/bwd.cuh (main kernel: bwd_sm90.cuh where the tiles have one) by hand, one loop per kernel (no
+    analyzer helper): (reads, writes, atomics, peak)."""
     hd = config.kernel_head_dim(d)
-    cfg = config.bwd_config(hd, "fp16", causal, deterministic)
+    bm, bn = _expected_tiles(hd, causal, kernels, backward=True)
     pad = -(-sq // config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
     reads = 2 * sq * d * e + sq * 4  # preprocess: O, dO, lse
     writes = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)  # delta, lse_log2, dq_accum = 0
     atomics = 0
     diag = sk - sq
-    for n_block in range(-(-sk // cfg.block_n)):  # bwd_kernel
-        n0 = n_block * cfg.block_n
-        keys = min(cfg.block_n, sk - n0)
-        m_begin = max(0, n0 - diag) // cfg.block_m if causal else 0
-        m_end = -(-sq // cfg.block_m)
+    for n_block in range(-(-sk // bn)):  # bwd_kernel / bwd_sm90_kernel
+        n0 = n_block * bn
+        keys = min(bn, sk - n0)
+        m_begin = max(0, n0 - diag) // bm if causal else 0
+        m_end = -(-sq // bm)
         writes += 2 * keys * d * e  # dK, dV (zeros when no query sees the keys)
         if m_begin >= m_end:
             continue
         reads += 2 * keys * d * e
         for m_block in range(m_begin, m_end):
-            rows = min(cfg.block_m, sq - m_block * cfg.block_m)
-            reads += 2 * rows * d * e + 2 * cfg.block_m * 4  # Q, dO; lse_log2, delta incl. pad rows
+            rows = min(bm, sq - m_block * bm)
+            reads += 2 * rows * d * e + 2 * bm * 4  # Q, dO; lse_log2, delta incl. pad rows
             if not deterministic:
-                atomics += cfg.block_m * hd * 4  # red.global.add.v2.f32 of the whole dQ tile
+                atomics += bm * hd * 4  # red.global.add.v2.f32 of the whole dQ tile (by all warpgroups)
     if deterministic:  # bwd_dq_kernel
         dcfg = config.dq_config(hd, "fp16", causal)
         for m_block in range(-(-sq // dcfg.block_m)):
@@ -160,29 +202,36 @@ def _bwd_expected(sq, sk, d, causal, deterministic, b=2, h=3, e=2):
                                      (130, 70, 256), (64, 1000, 192), (1, 239, 32)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_cuflash_backward_counts_what_the_kernels_move(sq, sk, d, causal, deterministic):
-    reads, writes, atomics, peak = _bwd_expected(sq, sk, d, causal, deterministic)
-    c = simulate("cuflash", P(sq, d, causal=causal, batch=2, heads=3, nk=sk), backward=True, deterministic=deterministic)
+@pytest.mark.parametrize("kernels", ["auto", "mma"])
+def test_cuflash_backward_counts_what_the_kernels_move(sq, sk, d, causal, deterministic, kernels):
+    reads, writes, atomics, peak = _bwd_expected(sq, sk, d, causal, deterministic, kernels)
+    c = simulate("cuflash", P(sq, d, causal=causal, batch=2, heads=3, nk=sk), backward=True,
+                 deterministic=deterministic, kernels=kernels)
     assert c.hbm_read_bytes == reads + atomics, "atomics count as a read and a write of the accumulator"
     assert c.hbm_write_bytes == writes + atomics
     assert c.peak_extra_bytes == peak and c.launches == 3
-    assert c.bank_conflicts == 0 and c.sram_read_bytes > 0
+    assert c.sram_read_bytes > 0
+    cfg = config.backward_kernel_config(config.kernel_head_dim(d), "fp16", causal, deterministic, kernels=kernels)
+    # (incl. bwd_sm90 at d64, whose 64-byte-panel tiles copy in panel order: test_sm90_tile_copies)
+    assert c.bank_conflicts == 0, f"{cfg.cpp_name()}: {c.bank_conflicts} bank conflicts"
 
 
-def test_cuflash_backward_kernels_and_the_deterministic_cost():
+@pytest.mark.parametrize("kernels,main", [("auto", "bwd_sm90_kernel"), ("mma", "bwd_kernel")])
+def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main):
     from cuflash.simulator.strategies import cuflash_backward_kernels
 
     p = P(4096, 64, batch=1, heads=16)
-    names = [k.name for k in cuflash_backward_kernels(p)]
-    assert names == ["bwd_preprocess_kernel", "bwd_kernel", "bwd_convert_dq_kernel"]
-    det = cuflash_backward_kernels(p, deterministic=True)
-    assert [k.name for k in det] == ["bwd_preprocess_kernel", "bwd_kernel", "bwd_dq_kernel"]
+    names = [k.name for k in cuflash_backward_kernels(p, kernels=kernels)]
+    assert names == ["bwd_preprocess_kernel", main, "bwd_convert_dq_kernel"]
+    det = cuflash_backward_kernels(p, deterministic=True, kernels=kernels)
+    assert [k.name for k in det] == ["bwd_preprocess_kernel", main, "bwd_dq_kernel"]
     assert all(k.atomic_bytes == 0 for k in det)
-    a = simulate("cuflash", p, backward=True)
-    b = simulate("cuflash", p, backward=True, deterministic=True)
+    a = simulate("cuflash", p, backward=True, kernels=kernels)
+    b = simulate("cuflash", p, backward=True, deterministic=True, kernels=kernels)
     assert 1.3 < b.flops_matmul / a.flops_matmul < 1.5, "api.py: about 1.4x the backward's FLOPs"
     assert b.peak_extra_bytes == 16 * 2 * 4096 * 4, "no fp32 dq accumulator, only lse_log2 and delta"
-    # atomic mode: 10 d per pair of matmul FLOPs with D_SPLIT = 1 (no duplicated S^T, dP^T)
+    # atomic mode: 10 d per pair of matmul FLOPs with D_SPLIT = 1 (no duplicated S^T, dP^T) or one
+    # warpgroup per 64 keys (wgmma)
     assert a.flops_matmul == a.flops_useful
     with pytest.raises(ValueError, match="deterministic"):
         simulate("fa2", p, backward=True, deterministic=True)
@@ -205,6 +254,8 @@ def test_figure_2_configuration():
 
 @pytest.mark.parametrize("kwargs,err,match", [
     (dict(strategy="fa3"), ValueError, "strategy='fa3'"),
+    (dict(strategy="cuflash", kernels="wgmma"), ValueError, "kernels='wgmma'.*allowed: auto, mma"),
+    (dict(strategy="fa2", kernels="mma"), ValueError, "kernels='mma'.*strategy='cuflash'"),
     (dict(strategy="fa2", block_m=64), ValueError, "both block_m and block_n"),
     (dict(strategy="fa1", block_m=64, block_n=64, sram_bytes=1 << 16), ValueError, "either"),
     (dict(strategy="fa1", sram_bytes=100), ValueError, "too small"),

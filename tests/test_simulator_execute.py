@@ -10,8 +10,10 @@ STRATEGIES = [
     ("standard", {}),
     ("fa1", {"sram_bytes": 16 * 1024}),  # d=40: B_c = ceil(8192 / 160) = 52, B_r = 40
     ("fa2", {"block_m": 64, "block_n": 32}),
-    ("cuflash", {}),  # tiles from cuflash.config, head_dim padded to the kernel's
+    ("cuflash", {}),  # tiles from cuflash.config (the wgmma kernels'), head_dim padded to the kernel's
+    ("cuflash", {"kernels": "mma"}),  # the mma.sync kernels' tiles
 ]
+IDS = ["standard", "fa1", "fa2", "cuflash", "cuflash-mma"]
 SHAPES = [(113, 203), (203, 113), (1, 239), (300, 517), (128, 128)]
 TOL = 1e-10
 
@@ -22,7 +24,7 @@ def _inputs(sq, sk, d=40, b=2, h=2, seed=0):
             rng.standard_normal((b, sk, h, d)), rng.standard_normal((b, sq, h, d)))
 
 
-@pytest.mark.parametrize("strategy,kw", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.parametrize("strategy,kw", STRATEGIES, ids=IDS)
 @pytest.mark.parametrize("sq,sk", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_schedule_equals_reference(strategy, kw, sq, sk, causal):
@@ -38,7 +40,7 @@ def test_forward_schedule_equals_reference(strategy, kw, sq, sk, causal):
         assert err < TOL, f"lse mismatch for {strategy} sq={sq} sk={sk} causal={causal}: {err:.2e}"
 
 
-@pytest.mark.parametrize("strategy,kw", STRATEGIES, ids=[s for s, _ in STRATEGIES])
+@pytest.mark.parametrize("strategy,kw", STRATEGIES, ids=IDS)
 @pytest.mark.parametrize("sq,sk", SHAPES)
 @pytest.mark.parametrize("causal", [False, True])
 def test_backward_schedule_equals_reference(strategy, kw, sq, sk, causal):
@@ -89,3 +91,27 @@ def test_deterministic_dq_schedule_equals_reference(sq, sk, causal):
     dq, _, _ = execute_backward("cuflash", do, q, k, v, causal=causal, deterministic=True)
     err = np.abs(dq - attention_backward64(do, q, k, v, causal)[0]).max()
     assert err < TOL, f"dq mismatch sq={sq} sk={sk} causal={causal}: {err:.2e}"
+
+
+@pytest.mark.parametrize("kernels", ["auto", "mma"])
+def test_cuflash_schedule_uses_the_launched_tiles(kernels):
+    """The execute mode runs the tiles of what the library launches (cuflash.config): at head dim 104
+    (kernel 128) the wgmma kernels' with kernels="auto", the mma.sync kernels' with "mma"; the result
+    equals the reference with either."""
+    from cuflash import config
+    from cuflash.simulator import Problem
+    from cuflash.simulator.execute import _blocks_and_width
+
+    p = Problem(1, 1, 200, 150, 104, "bf16", True)
+    fwd = config.forward_kernel_config(128, "bf16", True, kernels=kernels)
+    bwd = config.backward_kernel_config(128, "bf16", True, False, kernels=kernels)
+    assert isinstance(fwd, config.FwdSm90Config) == (kernels == "auto")
+    assert _blocks_and_width("cuflash", p, None, None, None, False, kernels) == (fwd.block_m, fwd.block_n, 128)
+    assert _blocks_and_width("cuflash", p, None, None, None, True, kernels) == (bwd.block_m, bwd.block_n, 128)
+    q, k, v, do = _inputs(200, 150, d=104, b=1, h=1)
+    grads = execute_backward("cuflash", do, q, k, v, causal=True, dtype="bf16", kernels=kernels)
+    for name, g, ref in zip(("dq", "dk", "dv"), grads, attention_backward64(do, q, k, v, True)):
+        err = np.abs(g - ref).max()
+        assert err < TOL, f"{name} mismatch with kernels={kernels}: {err:.2e}"
+    with pytest.raises(ValueError, match="kernels='mma'"):
+        execute_forward("fa2", q, k, v, kernels="mma")

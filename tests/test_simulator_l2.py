@@ -45,11 +45,11 @@ def test_an_l2_that_holds_everything_reads_each_input_once(strategy, causal):
         assert r.read_bytes >= compulsory - 2 * 4 * 640 * 64 * 2 * (1 if causal else 0)
 
 
-@pytest.mark.parametrize("strategy", ["fa2", "cuflash"])
-def test_an_l2_smaller_than_a_tile_misses_every_access(strategy):
+@pytest.mark.parametrize("strategy,kw", [("fa2", {}), ("cuflash", {}), ("cuflash", {"kernels": "mma"})])
+def test_an_l2_smaller_than_a_tile_misses_every_access(strategy, kw):
     p = Problem(1, 4, 512, 512, 64, "fp16", True)
-    r = simulate_l2(strategy, p, l2_bytes=32)
-    assert r.read_bytes == simulate(strategy, p).hbm_read_bytes
+    r = simulate_l2(strategy, p, l2_bytes=32, **kw)
+    assert r.read_bytes == simulate(strategy, p, **kw).hbm_read_bytes
 
 
 @pytest.mark.parametrize("strategy", ["fa1", "fa2", "cuflash"])
@@ -80,16 +80,34 @@ def test_l2_arguments_are_checked():
 
 @pytest.mark.parametrize("deterministic", [False, True])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuflash_backward_through_the_l2(deterministic, causal):
+@pytest.mark.parametrize("kernels", ["auto", "mma"])
+def test_cuflash_backward_through_the_l2(deterministic, causal, kernels):
     """The backward launches of cuda/bwd.cuh: a huge L2 reads every input once (the fp32 buffers are
     written before they are read); an L2 smaller than a tile misses every read the counts list
     (atomics read the accumulator), when every block is whole."""
     p = Problem(1, 4, 512, 384, 64, "fp16", causal)
-    r = simulate_l2("cuflash", p, l2_bytes=1 << 30, backward=True, deterministic=deterministic)
+    r = simulate_l2("cuflash", p, l2_bytes=1 << 30, backward=True, deterministic=deterministic, kernels=kernels)
     unseen = 4 * 128 * 64 * 2 if causal else 0  # causal, Sq > Sk: Q of queries 0-127 is never read (dO is, by
     # the preprocess)
     assert r.read_bytes == 4 * ((3 * 512 + 2 * 384) * 64 * 2 + 512 * 4) - unseen, "Q, dO, O, K, V and lse once"
-    c = simulate("cuflash", p, backward=True, deterministic=deterministic)
-    r = simulate_l2("cuflash", p, l2_bytes=32, backward=True, deterministic=deterministic)
+    c = simulate("cuflash", p, backward=True, deterministic=deterministic, kernels=kernels)
+    r = simulate_l2("cuflash", p, l2_bytes=32, backward=True, deterministic=deterministic, kernels=kernels)
     assert r.read_bytes == c.hbm_read_bytes
     assert r.write_bytes == c.hbm_write_bytes
+
+
+def test_wgmma_kernels_are_resident_as_their_launch_bounds_say():
+    """CTAs per SM: shared memory and threads for every kernel; the wgmma kernels at most CTAS_PER_SM (their
+    registers are sized for exactly that many); the L2 model's forward waves follow the launched kernel."""
+    from cuflash import config
+    from cuflash.simulator.l2 import _resident, config_resident, ctas_per_sm
+
+    for cfg in config.all_fwd_configs() + [c for c in config.all_bwd_configs() if hasattr(c, "smem_bytes")]:
+        n = config_resident(cfg)
+        assert 1 <= n <= _resident(cfg.smem_bytes, cfg.threads)
+        if isinstance(cfg, (config.FwdSm90Config, config.BwdSm90Config)):
+            assert n <= cfg.ctas_per_sm, cfg.cpp_name()
+    p = Problem(1, 16, 4096, 4096, 128, "bf16", False)
+    for kernels in ("auto", "mma"):
+        cfg = config.forward_kernel_config(128, "bf16", False, kernels=kernels)
+        assert ctas_per_sm("cuflash", p, kernels) == config_resident(cfg)

@@ -64,6 +64,18 @@ def test_csv_parser_without_rows_returns_empty():
 
 @pytest.mark.parametrize("kernel,name,ok", [
     ("bwd_kernel", "bwd_kernel", True),
+    ("bwd_kernel", "cuflash::bwd_kernel", True),
+    ("bwd_kernel", "bwd_sm90_kernel", False),
+    ("bwd_kernel", "void cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<64, 64, 128, 1, cuflash::f16>, false, false>"
+                   "(cuflash::BwdParams)", False),
+    ("bwd_sm90_kernel", "void cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<64, 64, 128, 1, cuflash::f16>, false, "
+                        "false>(cuflash::BwdParams)", True),
+    ("bwd_sm90_kernel", "bwd_kernel", False),
+    ("fwd_kernel", "fwd_sm90_kernel", False),
+    ("fwd_sm90_kernel", "fwd_sm90_kernel", True),
+    ("fwd_sm90_kernel", "fwd_kernel", False),
+    ("fwd_sm90_kernel", "_ZN7cuflash15fwd_sm90_kernelINS_13FwdSm90Traits", True),
+    ("fwd_kernel", "_ZN7cuflash15fwd_sm90_kernelINS_13FwdSm90Traits", False),
     ("bwd_kernel", "void cuflash::bwd_kernel<cuflash::BwdTraits<64, 32, 128, 8, 1, cuflash::f16>, false, false>"
                    "(cuflash::BwdParams)", True),
     ("bwd_kernel", "_ZN7cuflash10bwd_kernelINS_9BwdTraitsILi64ELi32E", True),
@@ -75,8 +87,17 @@ def test_csv_parser_without_rows_returns_empty():
 ])
 def test_kernel_name_check(kernel, name, ok):
     assert validate.kernel_matches(kernel, name) is ok
-    if not name.startswith("_Z"):  # the --kernel-name regex:<kernel> filter (a search) selects the same kernels
-        assert (re.search(kernel, name) is not None) is ok
+    if not name.startswith("_Z"):  # the --kernel-name regex filter (a search) selects the same kernels
+        assert (re.search(validate.kernel_regex(kernel), name) is not None) is ok
+
+
+def test_kernel_regexes_select_one_kernel_each():
+    """No target's --kernel-name regex selects another kernel of the library, by bare or demangled name."""
+    launched = validate.KERNELS + ("bwd_preprocess_kernel", "bwd_convert_dq_kernel")
+    for kernel in validate.KERNELS:
+        for other in launched:
+            for name in (other, f"void cuflash::{other}<T, true>(cuflash::Params)"):
+                assert (re.search(validate.kernel_regex(kernel), name) is not None) == (kernel == other), (kernel, name)
 
 
 def test_rejected_metric_names_are_read_from_ncu_errors():
@@ -91,7 +112,7 @@ def test_rejected_metric_names_are_read_from_ncu_errors():
 
 # ---- predictions --------------------------------------------------------------------------------
 
-FWD_TARGETS = [t for t in validate.CASES["full"] if t.kernel == "fwd_kernel"]
+FWD_TARGETS = [t for t in validate.CASES["full"] if not t.is_backward]
 BWD_TARGETS = [t for t in validate.CASES["full"] if t.is_backward]
 
 
@@ -112,8 +133,9 @@ def test_default_set_covers_what_the_validation_needs():
 def test_predicted_global_reads_equal_the_strategy_counts(target):
     """Every validated head dim has sector-aligned rows, so the sector count equals the byte count."""
     case = target.case
-    reads, writes = validate.predicted_global_bytes(case)
-    c = simulate("cuflash", case.problem())
+    reads, writes = validate.predicted_global_bytes(case, target.config())
+    c = simulate("cuflash", case.problem(), kernels=target.kernels)
+    assert (c.block_m, c.block_n) == (target.config().block_m, target.config().block_n)
     assert reads == c.hbm_read_bytes, f"{case.name}: sector reads {reads} != counted {c.hbm_read_bytes}"
     assert writes >= c.hbm_write_bytes, f"{case.name}: sector writes {writes} < bytes {c.hbm_write_bytes}"
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
@@ -131,10 +153,11 @@ def _bshd_rows(b, h, s, d, e, rows):
     return (((bb * s + rr) * h + hh) * d * e).ravel()
 
 
-def _brute_force_bwd_kernel_reads(case):
-    """Every global load of bwd_kernel, access by access, in 32-byte sectors (cp.async.cg skips L1)."""
+def _brute_force_bwd_kernel_reads(case, kernels):
+    """Every global load of bwd_kernel (bwd_sm90_kernel: the same loads, its blocks), access by access, in
+    32-byte sectors (cp.async.cg skips L1)."""
     p = case.problem()
-    cfg = C.bwd_config(C.kernel_head_dim(p.head_dim), p.dtype, p.causal, False)
+    cfg = C.backward_kernel_config(C.kernel_head_dim(p.head_dim), p.dtype, p.causal, False, kernels=kernels)
     b, h, sq, sk, d, e = p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
     pad, diag = seqlen_q_pad(sq), sk - sq
     total = 0
@@ -185,7 +208,12 @@ def _brute_force_dq_kernel_reads(case):
                                   validate.Case(1, 2, 300, 200, 96, causal=True)], ids=lambda c: c.name)
 def test_backward_read_predictions_equal_a_sector_by_sector_count(case):
     pb = validate.predict(validate.Target("bwd_kernel", case), validate.H100_L2_BYTES, validate.H100_SMS)
-    assert pb["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_bwd_kernel_reads(case)
+    assert pb["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_bwd_kernel_reads(case, "mma")
+    if C.kernel_head_dim(case.head_dim) in C.BWD_SM90_TILES:
+        t = validate.Target("bwd_sm90_kernel", case)
+        ps = validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS)
+        assert ps["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_bwd_kernel_reads(case, "auto")
+        assert ps["launch__grid_size"][0] == -(-case.seqlen_k // t.config().block_n) * case.batch * case.heads
     pd = validate.predict(validate.Target("bwd_dq_kernel", case), validate.H100_L2_BYTES, validate.H100_SMS)
     assert pd["l1tex__m_xbar2l1tex_read_bytes.sum"][0] == _brute_force_dq_kernel_reads(case)
 
@@ -195,13 +223,13 @@ def test_backward_predictions_are_consistent(target):
     p = target.case.problem()
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
     assert set(pred) == set(validate.metrics_for(target))
-    kt = {k.name: k for k in cuflash_backward_kernels(p, True, target.deterministic)}[target.kernel]
+    kt = {k.name: k for k in cuflash_backward_kernels(p, True, target.deterministic, target.kernels)}[target.kernel]
     v = {m: x for m, (x, _) in pred.items()}
     assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == kt.read_bytes
     assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == kt.write_bytes
     assert v["launch__grid_size"] == int(np.prod(kt.grid)) and v["launch__block_size"] == kt.threads
     assert v["dram__bytes_read.sum"] > 0
-    if target.kernel == "bwd_kernel" and not target.deterministic:
+    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
         red = kt.atomic_bytes
         assert red > 0
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
@@ -214,10 +242,12 @@ def test_backward_predictions_are_consistent(target):
         assert not any(m in pred for m in validate.RED_METRICS)
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes
     assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum",
-                              "smsp__sass_inst_executed_op_ldgsts.sum", "smsp__inst_executed_op_ldsm.sum")) > 0
+                              "smsp__sass_inst_executed_op_ldgsts.sum")) > 0
+    assert (v["smsp__inst_executed_op_ldsm.sum"] == 0) == (target.kernel in validate.WGMMA_KERNELS), \
+        "wgmma reads its operands without ldmatrix"
     # the shared-memory rows come from the same walks as the strategy's bank-conflict count (which adds
     # bwd_dq_kernel's walk to bwd_kernel's in the deterministic backward)
-    c = simulate("cuflash", p, backward=True, deterministic=target.deterministic)
+    c = simulate("cuflash", p, backward=True, deterministic=target.deterministic, kernels=target.kernels)
     conflicts = (v["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum"]
                  + v["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"])
     assert conflicts == c.bank_conflicts if not target.deterministic else conflicts <= c.bank_conflicts
@@ -226,6 +256,11 @@ def test_backward_predictions_are_consistent(target):
 def test_targets_reject_what_the_backward_predictions_cannot_count():
     with pytest.raises(ValueError, match="head_dim"):
         validate.Target("bwd_kernel", validate.Case(1, 1, 64, 64, 40))
+    no_sm90_bwd = next(hd for hd in C.KERNEL_HEAD_DIMS if hd not in C.BWD_SM90_TILES)
+    with pytest.raises(ValueError, match="bwd_sm90_kernel runs kernel head dims"):
+        validate.Target("bwd_sm90_kernel", validate.Case(1, 1, 64, 64, no_sm90_bwd))
+    with pytest.raises(ValueError, match="deterministic"):
+        validate.Target("fwd_sm90_kernel", validate.Case(1, 1, 64, 64, 64), deterministic=True)
     with pytest.raises(ValueError, match="kernel"):
         validate.Target("bwd_convert_dq_kernel", validate.Case(1, 1, 64, 64, 64))
     assert validate.Target("bwd_dq_kernel", validate.Case(1, 1, 64, 64, 64)).deterministic
@@ -240,6 +275,14 @@ def test_kernel_configs_are_what_the_driver_launches():
     t = validate.Target("bwd_dq_kernel", validate.Case(1, 2, 100, 150, 128))
     assert validate.kernel_configs(t)[-1] == C.dq_config(128, "fp16", False)
     assert C.bwd_config(128, "fp16", False, True) in validate.kernel_configs(t)
+    # the wgmma targets run the library's default family: the forward and main backward kernels are sm90
+    t = validate.Target("bwd_sm90_kernel", validate.Case(1, 2, 100, 150, 64, "bf16", causal=True))
+    assert t.kernels == "auto" and t.config() == C.bwd_sm90_config(64, "bf16", True, False)
+    assert [c.cpp_name() for c in validate.kernel_configs(t)] == [
+        C.fwd_sm90_config(64, "bf16", True).cpp_name(), C.ElementwiseConfig("preprocess", "bf16").cpp_name(),
+        C.bwd_sm90_config(64, "bf16", True, False).cpp_name(), C.ElementwiseConfig("convert_dq", "bf16").cpp_name()]
+    assert validate.kernel_configs(validate.Target("fwd_sm90_kernel", validate.Case(1, 2, 100, 150, 96))) == \
+        [C.fwd_sm90_config(96, "fp16", False)]
 
 
 # ---- the profiled driver and the prewarm, against stand-ins -----------------------------------------
@@ -260,8 +303,12 @@ def _fake_cupy():
     return cp
 
 
-@pytest.mark.parametrize("target", validate.CASES["quick"] + [validate.Target("fwd_kernel", validate.Case(
-    1, 2, 100, 150, 64, "bf16", causal=True))], ids=lambda t: t.name)
+DRIVER_TARGETS = validate.CASES["quick"] + [validate.Target("fwd_kernel", validate.Case(1, 2, 100, 150, 64, "bf16",
+                                                                                      causal=True))]
+DRIVER_TARGETS += [t for t in validate.CASES["default"] if t.kernel in validate.WGMMA_KERNELS]
+
+
+@pytest.mark.parametrize("target", DRIVER_TARGETS, ids=lambda t: t.name)
 def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, capsys):
     calls = []
 
@@ -277,16 +324,27 @@ def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, c
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy())
     monkeypatch.setattr(cuflash, "attention_forward", fwd)
     monkeypatch.setattr(cuflash, "attention_backward", bwd)
+    monkeypatch.setattr(C, "KERNELS", target.kernels)  # what CUFLASH_KERNELS (validate._env) sets
     exec(compile(validate.driver_code(target), "<driver>", "exec"), {"__name__": "__main__"})
     c = target.case
     q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
     want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
-    if target.kernel == "fwd_kernel":
+    if not target.is_backward:
         assert calls == [want_fwd] * 2, "the forward twice: --launch-skip 1 profiles the second"
     else:
         assert calls == [want_fwd] + [("bwd", q_shape, (c.batch, c.heads, c.seqlen_q), c.causal,
                                        target.deterministic)] * 2, "one forward, then the backward twice"
     assert "cuflash-validate-driver: ok" in capsys.readouterr().err
+    # the wrong family would launch kernels the ncu filter does not select: the driver stops instead
+    monkeypatch.setattr(C, "KERNELS", "mma" if target.kernels == "auto" else "auto")
+    with pytest.raises(SystemExit, match=f"{target.kernel} needs {target.kernels}"):
+        exec(compile(validate.driver_code(target), "<driver>", "exec"), {"__name__": "__main__"})
+
+
+def test_the_driver_environment_sets_the_kernel_family():
+    assert validate._env("mma")["CUFLASH_KERNELS"] == "mma" and validate._env("auto")["CUFLASH_KERNELS"] == "auto"
+    assert {t.kernels for t in validate.CASES["full"] if t.kernel in ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel")} \
+        == {"mma"}, "the mma.sync targets run with CUFLASH_KERNELS=mma"
 
 
 def test_prewarm_code_compiles_every_instantiation(monkeypatch, capsys):
@@ -302,7 +360,7 @@ def test_prewarm_code_compiles_every_instantiation(monkeypatch, capsys):
 # ---- whole runs against a fake ncu -----------------------------------------------------------------
 
 FAKE_NCU = r'''
-import json, re, sys
+import json, os, re, sys
 args = sys.argv[1:]
 if "--version" in args:
     print("NVIDIA (R) Nsight Compute Command Line Profiler\nVersion 2025.3.0.0 (fake)")
@@ -310,7 +368,19 @@ if "--version" in args:
 with open({log!r}, "a") as f:
     f.write(json.dumps(args[:-1]) + "\n")
 metrics = args[args.index("--metrics") + 1].split(",")
-kernel = args[args.index("--kernel-name") + 1].split(":", 1)[1]
+# the launches of the driver, and which of them the --kernel-name regex selects (one, or it is an error)
+pattern = args[args.index("--kernel-name") + 1].split(":", 1)[1]
+launched = ["fwd_kernel", "fwd_sm90_kernel", "bwd_preprocess_kernel", "bwd_kernel", "bwd_sm90_kernel",
+            "bwd_convert_dq_kernel", "bwd_dq_kernel"]
+selected = [k for k in launched if re.search(pattern, k) and re.search(pattern, "void cuflash::%s<T>(P)" % k)]
+if len(selected) != 1:
+    print("==ERROR== --kernel-name %s selects %s" % (pattern, selected), file=sys.stderr)
+    sys.exit(1)
+kernel = selected[0]
+family = os.environ.get("CUFLASH_KERNELS")
+if family != ("auto" if "sm90" in kernel else "mma"):
+    print("==WARNING== No kernels were profiled (CUFLASH_KERNELS=%s launches no %s)" % (family, kernel))
+    sys.exit(0)
 values = {values!r}
 reject = {reject!r}
 name = {name!r} or "void cuflash::%s<Traits>(Params)" % kernel
@@ -378,7 +448,8 @@ def test_whole_run_against_a_fake_ncu_forward_and_backward(tmp_path):
     # ncu calls: forward once; bwd_kernel rejected once, then retried without the bad metric; dq once
     calls = [json.loads(ln) for ln in log.read_text().splitlines()]
     kernels = [c[c.index("--kernel-name") + 1] for c in calls if "--kernel-name" in c]
-    assert kernels == ["regex:fwd_kernel", "regex:bwd_kernel", "regex:bwd_kernel", "regex:bwd_dq_kernel"]
+    assert kernels == ["regex:" + validate.kernel_regex(k)
+                       for k in ("fwd_kernel", "bwd_kernel", "bwd_kernel", "bwd_dq_kernel")]
     for c in calls:
         assert c[c.index("--launch-skip") + 1] == "1" and c[c.index("--launch-count") + 1] == "1"
         assert "all" == c[c.index("--cache-control") + 1]
@@ -441,10 +512,20 @@ def test_dry_run_and_listing(tmp_path, capsys):
     text = out.read_text()
     assert "measurements: pending" in text and "the H100" in text
     assert "| fwd_kernel |" not in text and "| bwd_kernel |" in text and "| bwd_dq_kernel |" in text
-    assert "regex:bwd_kernel" in capsys.readouterr().out
+    assert "| bwd_sm90_kernel |" not in text
+    out = capsys.readouterr().out
+    assert "CUFLASH_KERNELS=mma" in out and "regex:" + validate.kernel_regex("bwd_kernel") in out
     assert validate.main(["--list", "--cases", "default"]) == 0
     listing = capsys.readouterr().out
     assert "bwd_dq_kernel | b1 h8 N1536x1024 d128 fp16 causal" in listing
+    assert "fwd_sm90_kernel | " in listing and "bwd_sm90_kernel | " in listing
+    # the wgmma targets, without a GPU: their own metric rows, run with CUFLASH_KERNELS=auto
+    assert validate.main(["--out", str(out_md := tmp_path / "sm90.md"), "--dry-run", "--kernels", "fwd_sm90_kernel",
+                          "bwd_sm90_kernel", "--raw-dir", str(tmp_path / "raw")]) == 0
+    text, out = out_md.read_text(), capsys.readouterr().out
+    assert "| fwd_sm90_kernel |" in text and "| bwd_sm90_kernel |" in text and "| fwd_kernel |" not in text
+    assert "CUFLASH_KERNELS=auto" in out and "CUFLASH_KERNELS=mma" not in out
+    assert "regex:" + validate.kernel_regex("fwd_sm90_kernel") in out
 
 
 def test_budget_skips_the_remaining_targets(tmp_path):
@@ -486,7 +567,13 @@ H100_2026_11_22 = {
 }
 
 
-@pytest.mark.parametrize("target", validate.CASES["default"], ids=lambda t: t.name)
+def test_the_h100_calibration_covers_the_mma_targets():
+    names = {t.name for t in validate.CASES["default"] if t.kernels == "mma"}
+    assert names == set(H100_2026_11_22), "the 2026-11-22 run measured every mma.sync target of the default set"
+
+
+@pytest.mark.parametrize("target", [t for t in validate.CASES["default"] if t.name in H100_2026_11_22],
+                         ids=lambda t: t.name)
 def test_predictions_meet_the_h100_measurements(target):
     """Shared load instructions = LDS + 3 predicated-off LDS per cp.async basic block (no LDSM): exact.
     cp.async wavefronts: inside the band; a point (exact) where every phase reads one global line."""
@@ -533,3 +620,64 @@ def test_the_document_explains_every_miss(tmp_path):
     assert "not explained yet" not in text
     dry = validate.markdown(validate.build_rows(target, pred, {}, False), {}, {}, {})
     assert "## What the misses mean" not in dry, "a dry run has nothing to explain"
+
+
+# ---- the wgmma targets ---------------------------------------------------------------------------------
+
+SM90_TARGETS = [t for t in validate.CASES["full"] if t.kernel in validate.WGMMA_KERNELS]
+
+
+@pytest.mark.parametrize("target", SM90_TARGETS, ids=lambda t: t.name)
+def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
+    """fwd_sm90_kernel: per live CTA 2 * HEAD_DIM/8 O staging stores per warp; bwd_sm90_kernel: per CTA 2 *
+    2 * HEAD_DIM/8 dK/dV staging stores per warp, per visit BLOCK_M/4 dS^T stores per warp (unless
+    deterministic) and 2 * DQ_COLS/8 RED.v2 per warp. No ldmatrix; the l1tex shared-load rows are
+    reported, not targeted (wgmma operand reads)."""
+    cfg, p = target.config(), target.case.problem()
+    assert type(cfg).__name__ in ("FwdSm90Config", "BwdSm90Config")
+    pred = {m: v for m, (v, _) in validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    metrics = validate.metrics_for(target)
+    assert pred["smsp__inst_executed_op_ldsm.sum"] == 0
+    assert "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum" not in metrics
+    assert metrics["l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum"][1] is None
+    assert metrics["smsp__inst_executed_op_shared_st.sum"][1] == "exact"
+    assert pred["l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"] == 0
+    warps, hd = cfg.threads // 32, cfg.head_dim
+    if not target.is_backward:
+        from cuflash.simulator.strategies import n_block_max
+        live = int((n_block_max(p, cfg.block_m, cfg.block_n) > 0).sum()) * p.batch_heads
+        assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * hd // 8
+        assert pred["launch__grid_size"] == -(-p.seqlen_q // cfg.block_m) * p.batch_heads
+        return
+    m_begin, m_end = validate.banks.bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+    visits = int((m_end - m_begin).clip(0).sum()) * p.batch_heads
+    live = int((m_end > m_begin).sum()) * p.batch_heads
+    ds = 0 if cfg.deterministic else visits * warps * cfg.block_m // 4
+    assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * 2 * hd // 8 + ds
+    dq_cols = hd // (cfg.block_n // 64)
+    if cfg.deterministic:
+        assert "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum" not in pred
+    else:
+        assert pred["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == visits * warps * dq_cols // 8 * 2
+        assert pred["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == visits * cfg.block_m * hd * 4
+
+
+def test_whole_run_of_the_wgmma_targets_against_a_fake_ncu(tmp_path):
+    """The wgmma targets profile with CUFLASH_KERNELS=auto (the fake ncu profiles nothing otherwise), under
+    a regex that selects their kernel only, with their own metric list (RED rows for bwd_sm90_kernel)."""
+    default = validate.CASES["default"]
+    only = [next(i for i, t in enumerate(default) if t.kernel == k) for k in validate.WGMMA_KERNELS]
+    targets = [default[i] for i in only]
+    ncu, log = _fake_ncu(tmp_path, _echo_predictions(targets))
+    out, raw = tmp_path / "v.md", tmp_path / "raw"
+    assert validate.main(["--out", str(out), "--only", *map(str, only), "--ncu", ncu, "--no-prewarm",
+                          "--raw-dir", str(raw)]) == 0
+    text = out.read_text()
+    assert "Targets without measurements" not in text and "| NO |" not in text, text
+    rows = {(r["kernel"], r["metric"]): r["verdict"] for r in json.loads((raw / "rows.json").read_text())}
+    assert rows[("fwd_sm90_kernel", "smsp__inst_executed_op_shared_st.sum")] == "yes"
+    assert rows[("bwd_sm90_kernel", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum")] == "yes"
+    assert rows[("bwd_sm90_kernel", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum")] == "info"
+    calls = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [c[c.index("--kernel-name") + 1] for c in calls] == ["regex:" + validate.kernel_regex(k)
+                                                               for k in validate.WGMMA_KERNELS]
