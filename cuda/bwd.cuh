@@ -6,29 +6,34 @@
 //      into dQ_acc (or, deterministic, not at all: then 3b)
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * dQ_acc in the input dtype and layout
 //   3b. bwd_dq_kernel (Q-outer, deterministic): dQ_i = softmax_scale * sum_j dS_ij K_j in registers
+// Dense or packed (varlen) sequences and GQA as in the forward (seqs.cuh). With GQA, a bwd_kernel CTA
+// owns keys of one K/V head and runs the query blocks of every query head of its group in turn, so dK
+// and dV are summed over the group in registers and written once (no atomics, no repeated K/V).
 #pragma once
 #include "ptx.cuh"
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
 #include "softmax.cuh"
+#include "seqs.cuh"
 
 namespace cuflash {
 
 // Arguments of every backward kernel, passed by value. Mirrored by cuflash/_launch.py:BwdParams.
 struct BwdParams {
-  const u16* q;     // [batch, seqlen_q, heads, head_dim] at the strides below (elements)
-  const u16* k;     // [batch, seqlen_k, heads, head_dim]
-  const u16* v;     // [batch, seqlen_k, heads, head_dim]
-  const u16* o;     // [batch, seqlen_q, heads, head_dim]
-  const u16* dout;  // [batch, seqlen_q, heads, head_dim]
-  u16* dq;          // [batch, seqlen_q, heads, head_dim]
-  u16* dk;          // [batch, seqlen_k, heads, head_dim]
-  u16* dv;          // [batch, seqlen_k, heads, head_dim]
-  const float* lse; // [batch, heads, seqlen_q] natural log, at lse strides
-  float* dq_accum;  // [batch, heads, seqlen_q_pad, dq_accum_cols] fp32, contiguous
-  float* lse_log2;  // [batch, heads, seqlen_q_pad]: lse * log2(e); +inf where lse = -inf and on pad rows
-  float* delta;     // [batch, heads, seqlen_q_pad]: rowsum(dO * O); 0 on pad rows
+  const u16* q;     // [batch, seqlen_q, heads, head_dim] (varlen: [total_q, heads, head_dim]) at the strides below
+  const u16* k;     // [batch, seqlen_k, kv_heads, head_dim]
+  const u16* v;     // [batch, seqlen_k, kv_heads, head_dim]
+  const u16* o;     // like q
+  const u16* dout;  // like q
+  u16* dq;          // like q
+  u16* dk;          // like k
+  u16* dv;          // like k
+  const float* lse; // lse[batch * lse_batch_stride + head * lse_head_stride + (q_row0 + row) * lse_row_stride]
+  float* dq_accum;  // [rows of padded_row0, dq_accum_cols] fp32, contiguous (seqs.cuh)
+  float* lse_log2;  // [rows of padded_row0]: lse * log2(e); +inf where lse = -inf and on pad rows
+  float* delta;     // [rows of padded_row0]: rowsum(dO * O); 0 on pad rows
+  SeqParams seq;
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;
   long long v_batch_stride, v_row_stride, v_head_stride;
@@ -38,15 +43,14 @@ struct BwdParams {
   long long dk_batch_stride, dk_row_stride, dk_head_stride;
   long long dv_batch_stride, dv_row_stride, dv_head_stride;
   long long lse_batch_stride, lse_head_stride, lse_row_stride;
-  int seqlen_q, seqlen_k;
-  int seqlen_q_pad;   // seqlen_q rounded up to 128: every query block's rows exist in the fp32 buffers
-  int heads;
+  int seqlen_q_pad;   // fp32 rows per (batch, head) (dense) or per head (varlen): seqs.cuh
+  int heads;          // query heads
   int head_dim;       // run-time head dim <= the kernel's HEAD_DIM
   int dq_accum_cols;  // the kernel's HEAD_DIM
   float scale_log2;   // softmax_scale * log2(e)
   float softmax_scale;
 };
-static_assert(sizeof(BwdParams) == 344, "BwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 376, "BwdParams is mirrored field by field in cuflash/_launch.py");
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -62,24 +66,27 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
   const int lane = threadIdx.x & 31;
   const int row = blockIdx.x * PREPROCESS_ROWS + (threadIdx.x >> 5);
   const int head = blockIdx.y, batch = blockIdx.z;
-  if (row >= p.seqlen_q_pad) return;
-  const long long vec = (static_cast<long long>(batch) * p.heads + head) * p.seqlen_q_pad + row;
+  const Seq seq = sequence(p.seq, batch);
+  // every row of the sequence's padded region, pad rows included, is initialized
+  if (row >= (seq.len_q + PAD_ROWS - 1) / PAD_ROWS * PAD_ROWS) return;
+  const long long vec = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + row;
   float delta = 0.f, lse_log2 = -neg_inf();  // pad rows: P = exp2(S - inf) = 0, no contribution
-  if (row < p.seqlen_q) {
-    const u16* o_row = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row * p.o_row_stride;
-    const u16* do_row = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
+  if (row < seq.len_q) {
+    const long long qrow = seq.q_row0 + row;
+    const u16* o_row = p.o + batch * p.o_batch_stride + head * p.o_head_stride + qrow * p.o_row_stride;
+    const u16* do_row = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + qrow * p.do_row_stride;
     for (int col = lane * 8; col < p.head_dim; col += 32 * 8) {
       const uint4 o8 = *reinterpret_cast<const uint4*>(o_row + col);
       const uint4 do8 = *reinterpret_cast<const uint4*>(do_row + col);
       const u32 ow[4] = {o8.x, o8.y, o8.z, o8.w}, dw[4] = {do8.x, do8.y, do8.z, do8.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        delta += Cvt<T>::to_float(static_cast<u16>(ow[i] & 0xffff)) * Cvt<T>::to_float(static_cast<u16>(dw[i] & 0xffff));
-        delta += Cvt<T>::to_float(static_cast<u16>(ow[i] >> 16)) * Cvt<T>::to_float(static_cast<u16>(dw[i] >> 16));
+        delta += Cvt<T>::unpack(ow[i], 0) * Cvt<T>::unpack(dw[i], 0);
+        delta += Cvt<T>::unpack(ow[i], 1) * Cvt<T>::unpack(dw[i], 1);
       }
     }
     delta = warp_sum(delta);
-    const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + row * p.lse_row_stride];
+    const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + qrow * p.lse_row_stride];
     // a row that saw no key (lse = -inf) gets +inf, so its P = exp2(S * scale_log2 - inf) = 0
     lse_log2 = (lse == neg_inf()) ? -neg_inf() : lse * LOG2E;
   }
@@ -98,9 +105,10 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
 
 // One query block: S^T, P^T, dV, dP^T, dS^T, dK, and (unless deterministic) dQ_i += dS K_j.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool IS_MASKED>
-__device__ __forceinline__ void bwd_query_block(const BwdParams& p, unsigned char* smem, u32 smem_base, int stage,
-                                                int m_block, int n0, long long vec_off, int warp, int lane,
-                                                float (&dk_acc)[Tr::DKV_TILES][4], float (&dv_acc)[Tr::DKV_TILES][4]) {
+__device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k, int diag, unsigned char* smem,
+                                                u32 smem_base, int stage, int m_block, int n0, long long vec_off,
+                                                int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                                float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = (warp / Tr::D_SPLIT) * 16;            // this warp's keys in the tile
@@ -132,7 +140,7 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, unsigned cha
   }
   // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
   if (IS_MASKED)
-    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, p.seqlen_k, p.seqlen_k - p.seqlen_q, lane);
+    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
 
   // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows)
 #pragma unroll
@@ -262,58 +270,86 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, unsigned cha
       }
 }
 
+// Where one query head's rows start: Q and dO of the sequence, and its fp32 rows (seqs.cuh).
+struct HeadRows {
+  const u16* q;
+  const u16* dout;
+  long long vec_off;
+};
+
+__device__ __forceinline__ HeadRows head_rows(const BwdParams& p, const Seq& seq, int batch, int head) {
+  HeadRows r;
+  r.q = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride + head * p.q_head_stride;
+  r.dout = p.dout + batch * p.do_batch_stride + static_cast<long long>(seq.q_row0) * p.do_row_stride +
+           head * p.do_head_stride;
+  r.vec_off = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad);
+  return r;
+}
+
+// Q_i, dO_i, lse_log2_i and delta_i of query block m_block into the given stage (one cp.async group's worth).
 template <class Tr>
 __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage, int m_block,
-                                                     const u16* q_gmem, const u16* do_gmem, long long vec_off,
-                                                     int tid) {
+                                                     const HeadRows& rows_of, int len_q, int tid) {
   const int m0 = m_block * Tr::BLOCK_M;
-  const int rows = min(Tr::BLOCK_M, p.seqlen_q - m0);
+  const int rows = min(Tr::BLOCK_M, len_q - m0);
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q,
-                                                   q_gmem + m0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim, tid);
+                                                   rows_of.q + m0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim,
+                                                   tid);
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q,
-                                                   do_gmem + m0 * p.do_row_stride, p.do_row_stride, rows, p.head_dim, tid);
+                                                   rows_of.dout + m0 * p.do_row_stride, p.do_row_stride, rows,
+                                                   p.head_dim, tid);
   // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
   constexpr int CHUNKS = Tr::BLOCK_M / 4;
   if (tid < 2 * CHUNKS) {
     const bool is_delta = tid >= CHUNKS;
     const int c = is_delta ? tid - CHUNKS : tid;
-    const float* src = (is_delta ? p.delta : p.lse_log2) + vec_off + m0 + c * 4;
+    const float* src = (is_delta ? p.delta : p.lse_log2) + rows_of.vec_off + m0 + c * 4;
     const u32 dst = smem_base + (is_delta ? Tr::OFF_DELTA : Tr::OFF_LSE) + stage * 2 * Tr::SMEM_ROWVEC + c * 16;
     cp_async_cg_16(dst, src, true);
   }
 }
+
+// The steps of one K/V-outer CTA: the kv_group query heads of its K/V head in turn, each over its query
+// blocks [m_begin, m_begin + blocks_per_head), flattened so that the cp.async pipeline runs on across heads.
+struct QuerySteps {
+  int head0, m_begin, blocks_per_head;
+  __device__ __forceinline__ int head(int step) const { return head0 + step / blocks_per_head; }
+  __device__ __forceinline__ int m_block(int step) const { return m_begin + step % blocks_per_head; }
+};
 
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
 __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
   const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
-  const int keys = min(Tr::BLOCK_N, p.seqlen_k - n0);      // valid keys
-  const int diag = p.seqlen_k - p.seqlen_q;                 // query i sees keys j <= i + diag
-  const long long vec_off = (static_cast<long long>(batch) * p.heads + head) * p.seqlen_q_pad;
+  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
+  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
+  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
 
-  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride;
-  const u16* do_gmem = p.dout + batch * p.do_batch_stride + head * p.do_head_stride;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + head * p.k_head_stride + n0 * p.k_row_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + head * p.v_head_stride + n0 * p.v_row_stride;
-  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + n0 * p.dk_row_stride;
-  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + n0 * p.dv_row_stride;
+  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
+  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
 
   // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
   const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
-  const int m_end = (p.seqlen_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
     return;
   }
+  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
+  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
 
   const u32 smem_base = smem_u32(smem);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
-  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, q_gmem, do_gmem, vec_off, tid);
+  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
   cp_async_commit_group();
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];
@@ -322,25 +358,28 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  // Query blocks in order; the masked ones (causal diagonal, or every block when this CTA holds the
-  // key tail) come first, then an unmasked loop. Each step first issues the next block's loads.
-  int m_block = m_begin, stage = 0;
-  auto step = [&](auto is_masked_tag) {
-    constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
-    if (m_block + 1 < m_end) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, m_block + 1, q_gmem, do_gmem, vec_off, tid);
+  // (query head, query block) steps in order; each first issues the next step's loads. A step needs the
+  // mask on the causal diagonal, or always when this CTA holds the key tail.
+  const bool is_key_tail = keys < Tr::BLOCK_N;
+  int stage = 0;
+  for (int step = 0; step < n_steps; ++step) {
+    const int m_block = steps.m_block(step);
+    if (step + 1 < n_steps)
+      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
+                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     __syncthreads();
-    bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, IS_MASKED>(p, smem, smem_base, stage, m_block, n0, vec_off, warp,
-                                                                lane, dk_acc, dv_acc);
+    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
+    if (is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag))
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true>(
+          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+    else
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false>(
+          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
     __syncthreads();
     stage ^= 1;
-  };
-  const bool is_key_tail = keys < Tr::BLOCK_N;
-  for (; m_block < m_end && (is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag));
-       ++m_block)
-    step(BoolTag<true>());
-  for (; m_block < m_end; ++m_block) step(BoolTag<false>());
+  }
 
   // epilogue: dK = softmax_scale * dK; stage dK in the K tile and dV in the V tile, 16-byte stores
   const int g = lane >> 2, t = lane & 3;
@@ -365,22 +404,24 @@ constexpr int CONVERT_THREADS = 256;
 template <class T>
 __global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
   const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
   const int chunks_per_row = p.head_dim / 8;
   const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;
   const int row = idx / chunks_per_row, col = (idx % chunks_per_row) * 8;
-  if (row >= p.seqlen_q) return;
-  const float* src = p.dq_accum + ((static_cast<long long>(batch) * p.heads + head) * p.seqlen_q_pad + row) *
-                                      p.dq_accum_cols + col;
+  if (row >= seq.len_q) return;
+  const float* src = p.dq_accum + (padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + row) * p.dq_accum_cols + col;
   const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
   const float s = p.softmax_scale;
   const uint4 out = make_uint4(Cvt<T>::pack(a.x * s, a.y * s), Cvt<T>::pack(a.z * s, a.w * s),
                                Cvt<T>::pack(b.x * s, b.y * s), Cvt<T>::pack(b.z * s, b.w * s));
-  *reinterpret_cast<uint4*>(p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + row * p.dq_row_stride + col) = out;
+  *reinterpret_cast<uint4*>(p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride +
+                            static_cast<long long>(seq.q_row0 + row) * p.dq_row_stride + col) = out;
 }
 
 // ---- 3b. deterministic dQ, Q-outer ----------------------------------------------------------
 template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
-__device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int n_block, u32 q_smem, u32 do_smem, u32 k_smem,
+__device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int seqlen_k, int diag, int n_block, u32 q_smem,
+                                                u32 do_smem, u32 k_smem,
                                                 u32 v_smem, int warp_row0, int row0, int lane,
                                                 const float (&lse_log2)[Tr::M_TILES][2],
                                                 const float (&delta)[Tr::M_TILES][2],
@@ -418,7 +459,7 @@ __device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int n_block,
     }
   }
   if (IS_MASKED)
-    apply_mask<IS_CAUSAL>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, p.seqlen_k, p.seqlen_k - p.seqlen_q, lane);
+    apply_mask<IS_CAUSAL>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, seqlen_k, diag, lane);
 
   // P = exp2(S * scale_log2 - lse_log2); dS = P * (dP - delta)
 #pragma unroll
@@ -463,21 +504,30 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
   const int g = lane >> 2, t = lane & 3;
   const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
   const int row0 = m_block * Tr::BLOCK_M;
-  const int rows_q = min(Tr::BLOCK_M, p.seqlen_q - row0);
-  const int diag = p.seqlen_k - p.seqlen_q;
+  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+  const int diag = seq.len_k - seq.len_q;
   const int warp_row0 = warp * Tr::WARP_ROWS;
-  const long long vec_off = (static_cast<long long>(batch) * p.heads + head) * p.seqlen_q_pad;
+  const int kv_head = head / p.seq.kv_group;
+  const long long vec_off = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad);
 
-  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride + row0 * p.q_row_stride;
-  const u16* do_gmem = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + row0 * p.do_row_stride;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + head * p.k_head_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + head * p.v_head_stride;
-  u16* dq_gmem = p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + row0 * p.dq_row_stride;
+  const long long q_row = static_cast<long long>(seq.q_row0) + row0;
+  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride + q_row * p.q_row_stride;
+  const u16* do_gmem = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + q_row * p.do_row_stride;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                      static_cast<long long>(seq.k_row0) * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                      static_cast<long long>(seq.k_row0) * p.v_row_stride;
+  // dQ of this CTA's rows (a function: computed anew after the key loop, not kept live through it)
+  auto dq_rows = [&](long long first_row) {
+    return p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + first_row * p.dq_row_stride;
+  };
 
-  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, p.seqlen_k, diag);
+  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, seq.len_k, diag);
   if (n_blocks <= 0) {  // rows that see no key have no gradient
-    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(dq_gmem, p.dq_row_stride, rows_q, p.head_dim, tid);
+    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(dq_rows(q_row), p.dq_row_stride, rows_q, p.head_dim, tid);
     return;
   }
 
@@ -487,9 +537,9 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(do_smem, do_gmem, p.do_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0, k_gmem + n_block * Tr::BLOCK_N * p.k_row_stride,
-                                                    p.k_row_stride, p.seqlen_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+                                                    p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(v_smem0, v_gmem + n_block * Tr::BLOCK_N * p.v_row_stride,
-                                                    p.v_row_stride, p.seqlen_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+                                                    p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
   cp_async_commit_group();
 
   // this thread's rows: lse_log2 and delta from the preprocess (pad rows: +inf and 0)
@@ -524,13 +574,13 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
     cp_async_commit_group();
     cp_async_wait_group<1>();
     __syncthreads();
-    bwd_dq_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, n_block, q_smem, do_smem, k_smem0 + stage * Tr::SMEM_KV,
+    bwd_dq_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, seq.len_k, diag, n_block, q_smem, do_smem, k_smem0 + stage * Tr::SMEM_KV,
                                               v_smem0 + stage * Tr::SMEM_KV, warp_row0, row0, lane, lse_log2, delta,
                                               dq_acc);
     __syncthreads();
     stage ^= 1;
   };
-  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, p.seqlen_k, diag); --n_block)
+  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, seq.len_k, diag); --n_block)
     step(BoolTag<true>());
   for (; n_block >= 0; --n_block) step(BoolTag<false>());
 
@@ -544,7 +594,8 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
         *reinterpret_cast<u32*>(smem + Tr::TileQ::offset(warp_row0 + mt * 16 + g + 8 * h, dt * 8 + 2 * t)) =
             Cvt<T>::pack(dq_acc[mt][dt][2 * h] * p.softmax_scale, dq_acc[mt][dt][2 * h + 1] * p.softmax_scale);
   __syncthreads();
-  store_tile<typename Tr::TileQ, Tr::THREADS>(dq_gmem, p.dq_row_stride, smem, rows_q, p.head_dim, tid);
+  store_tile<typename Tr::TileQ, Tr::THREADS>(dq_rows(opaque(seq.q_row0) + static_cast<long long>(row0)),
+                                              p.dq_row_stride, smem, rows_q, p.head_dim, tid);
 }
 
 }  // namespace cuflash

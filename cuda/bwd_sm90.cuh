@@ -22,9 +22,9 @@ namespace cuflash {
 // One query block for one warpgroup (see the file comment); dQ unless deterministic. is_masked: apply
 // the causal / key-tail mask to S^T.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
-__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked, unsigned char* smem,
-                                                     u32 smem_base, int stage, int m_block, int n0, long long vec_off,
-                                                     int warpgroup, int warp, int lane,
+__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked, int seqlen_k, int diag,
+                                                     unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
+                                                     long long vec_off, int warpgroup, int warp, int lane,
                                                      float (&dk_acc)[Tr::DKV_TILES][4],
                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
@@ -63,7 +63,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
 
   // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
   if (is_masked)
-    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, p.seqlen_k, p.seqlen_k - p.seqlen_q, lane);
+    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
 
   // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows),
   // straight into A registers (m16n8k16 A layout: rows = this warp's keys, k = queries). From here P^T is
@@ -185,31 +185,34 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int warpgroup = warp / 4;
-  const int n_block = blockIdx.x, head = blockIdx.y, batch = blockIdx.z;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
   const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
-  const int keys = min(Tr::BLOCK_N, p.seqlen_k - n0);      // valid keys
-  const int diag = p.seqlen_k - p.seqlen_q;                 // query i sees keys j <= i + diag
-  const long long vec_off = (static_cast<long long>(batch) * p.heads + head) * p.seqlen_q_pad;
+  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
+  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
+  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
 
-  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride;
-  const u16* do_gmem = p.dout + batch * p.do_batch_stride + head * p.do_head_stride;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + head * p.k_head_stride + n0 * p.k_row_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + head * p.v_head_stride + n0 * p.v_row_stride;
-  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + head * p.dk_head_stride + n0 * p.dk_row_stride;
-  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + head * p.dv_head_stride + n0 * p.dv_row_stride;
+  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
+  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
 
   // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
   const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
-  const int m_end = (p.seqlen_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
     return;
   }
+  // GQA: the query heads of this K/V head in turn (bwd.cuh, QuerySteps)
+  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
+  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
 
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
-  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, q_gmem, do_gmem, vec_off, tid);
+  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
   cp_async_commit_group();
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
@@ -218,20 +221,24 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  // Query blocks in order; each step first issues the next block's loads. Unlike bwd_kernel, the mask is
-  // a run-time flag of one loop body (causal diagonal; every block when this CTA holds the key tail):
-  // two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
+  // (query head, query block) steps in order; each first issues the next step's loads. Unlike bwd_kernel,
+  // the mask is a run-time flag of one loop body (causal diagonal; every block when this CTA holds the
+  // key tail): two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
   const bool is_key_tail = keys < Tr::BLOCK_N;
   int stage = 0;
-  for (int m_block = m_begin; m_block < m_end; ++m_block) {
+  for (int step = 0; step < n_steps; ++step) {
+    const int m_block = steps.m_block(step);
     const bool is_masked = is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag);
-    if (m_block + 1 < m_end) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, m_block + 1, q_gmem, do_gmem, vec_off, tid);
+    if (step + 1 < n_steps)
+      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
+                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
     __syncthreads();
-    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC>(p, is_masked, smem, smem_base, stage, m_block, n0, vec_off,
-                                                          warpgroup, warp, lane, dk_acc, dv_acc);
+    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
+    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC>(p, is_masked, seq.len_k, diag, smem, smem_base, stage,
+                                                          m_block, n0, vec_off, warpgroup, warp, lane, dk_acc, dv_acc);
     __syncthreads();
     stage ^= 1;
   }

@@ -21,8 +21,9 @@ namespace cuflash {
 // One key tile for one warpgroup: S = Q K_j^T, online softmax, O += P V_j.
 // q_smem: this warpgroup's first Q row; warp_row: the first query row (absolute) of this warp.
 template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
-__device__ __forceinline__ void fwd_sm90_key_tile(const FwdParams& p, int n_block, u32 q_smem, u32 k_smem, u32 v_smem,
-                                                  int warp_row, int lane, float (&o_acc)[1][Tr::D_TILES][4],
+__device__ __forceinline__ void fwd_sm90_key_tile(int seqlen_k, int diag, float scale_log2, int n_block, u32 q_smem,
+                                                  u32 k_smem, u32 v_smem, int warp_row, int lane,
+                                                  float (&o_acc)[1][Tr::D_TILES][4],
                                                   OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES>& softmax) {
   using T = typename Tr::T;
   // S = Q K^T (unscaled; the scale is folded into the exp2 argument). 64 x BLOCK_N per warpgroup:
@@ -40,10 +41,10 @@ __device__ __forceinline__ void fwd_sm90_key_tile(const FwdParams& p, int n_bloc
 
   // tail of K and the causal diagonal: masked scores = -inf
   if (IS_MASKED)
-    apply_mask<IS_CAUSAL>(s_acc, warp_row, n_block * Tr::BLOCK_N, p.seqlen_k, p.seqlen_k - p.seqlen_q, lane);
+    apply_mask<IS_CAUSAL>(s_acc, warp_row, n_block * Tr::BLOCK_N, seqlen_k, diag, lane);
 
   // m_new = max(m, rowmax(S)); O *= exp2(m - m_new); P = exp2(S*scale_log2 - m_new)
-  softmax.update(s_acc, o_acc, p.scale_log2);
+  softmax.update(s_acc, o_acc, scale_log2);
 
   // O += P V: P from the S accumulators into A registers (the m16n8k16 A layout, per warp)
   u32 p_regs[Tr::PV_K_STEPS][4];
@@ -78,21 +79,30 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   // causal: launch the longest query blocks (most key tiles) first so the last wave is short
   const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
   const int row0 = m_block * Tr::BLOCK_M;                      // first query row of this CTA
-  const int rows_q = min(Tr::BLOCK_M, p.seqlen_q - row0);      // valid query rows
-  const int diag = p.seqlen_k - p.seqlen_q;                    // query i sees keys j <= i + diag
+  if (row0 >= seq.len_q) return;                               // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);       // valid query rows
+  const int diag = seq.len_k - seq.len_q;                      // query i sees keys j <= i + diag
   const int warp_row0 = warp * 16;                             // this warp's first row in the tile
+  const int kv_head = head / p.seq.kv_group;                   // GQA: the K/V head of this query head
 
-  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride + row0 * p.q_row_stride;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + head * p.k_head_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + head * p.v_head_stride;
-  u16* o_gmem = p.o + batch * p.o_batch_stride + head * p.o_head_stride + row0 * p.o_row_stride;
-  float* lse_gmem = p.lse + (static_cast<long long>(batch) * p.heads + head) * p.seqlen_q + row0;
+  const u16* q_gmem = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0 + row0) * p.q_row_stride +
+                      head * p.q_head_stride;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + static_cast<long long>(seq.k_row0) * p.k_row_stride +
+                      kv_head * p.k_head_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + static_cast<long long>(seq.k_row0) * p.v_row_stride +
+                      kv_head * p.v_head_stride;
+  // O and lse of this CTA's rows (a function: computed anew after the key loop, not kept live through it)
+  auto o_rows = [&](int first_row) {
+    return p.o + batch * p.o_batch_stride + static_cast<long long>(first_row) * p.o_row_stride + head * p.o_head_stride;
+  };
+  auto lse_rows = [&](int first_row) { return p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + first_row; };
 
-  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, p.seqlen_k, diag);
+  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, seq.len_k, diag);
   if (n_blocks <= 0) {  // causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
-    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, rows_q, p.head_dim, tid);
-    for (int r = tid; r < rows_q; r += Tr::THREADS) lse_gmem[r] = neg_inf();
+    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_rows(seq.q_row0 + row0), p.o_row_stride, rows_q, p.head_dim, tid);
+    for (int r = tid; r < rows_q; r += Tr::THREADS) lse_rows(seq.q_row0 + row0)[r] = neg_inf();
     return;
   }
 
@@ -106,9 +116,9 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   int n_block = n_blocks - 1;
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0, k_gmem + n_block * Tr::BLOCK_N * p.k_row_stride,
-                                                    p.k_row_stride, p.seqlen_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+                                                    p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(v_smem0, v_gmem + n_block * Tr::BLOCK_N * p.v_row_stride,
-                                                    p.v_row_stride, p.seqlen_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+                                                    p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
   cp_async_commit_group();
 
   float o_acc[1][Tr::D_TILES][4];  // O of this warp's 16 rows, fp32, in registers throughout
@@ -136,18 +146,21 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
     cp_async_wait_group<1>();    // this stage's K/V (and Q) have landed
     fence_proxy_async_shared();  // ... and are visible to the tensor cores' (async proxy) reads
     __syncthreads();
-    fwd_sm90_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, n_block, q_smem_wg, k_smem0 + stage * Tr::SMEM_KV,
-                                                v_smem0 + stage * Tr::SMEM_KV, row0 + warp_row0, lane, o_acc, softmax);
+    fwd_sm90_key_tile<Tr, IS_CAUSAL, IS_MASKED>(seq.len_k, diag, p.scale_log2, n_block, q_smem_wg,
+                                                k_smem0 + stage * Tr::SMEM_KV, v_smem0 + stage * Tr::SMEM_KV,
+                                                row0 + warp_row0, lane, o_acc, softmax);
     __syncthreads();  // every warpgroup is done with this stage before the next iteration refills it
     stage ^= 1;
   };
-  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, p.seqlen_k, diag); --n_block)
+  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, seq.len_k, diag); --n_block)
     step(BoolTag<true>());
   for (; n_block >= 0; --n_block) step(BoolTag<false>());
 
   // epilogue: O /= l, lse; O -> shared (the Q tile's space, this warp's own rows) -> 16-byte stores
   float lse[1][2];
   softmax.finalize(o_acc, lse);
+  const int out_row0 = seq.q_row0 + row0;
+  float* lse_gmem = lse_rows(out_row0);
   const int g = lane >> 2, t = lane & 3;
   using T = typename Tr::T;
 #pragma unroll
@@ -160,7 +173,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
     if (t == 0 && row < rows_q) lse_gmem[row] = lse[0][h];
   }
   __syncthreads();
-  store_tile<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, smem, rows_q, p.head_dim, tid);
+  store_tile<typename Tr::TileQ, Tr::THREADS>(o_rows(out_row0), p.o_row_stride, smem, rows_q, p.head_dim, tid);
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_kernel uses wgmma: compile it for sm_90a");
 #endif

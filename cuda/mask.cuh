@@ -26,16 +26,17 @@ __device__ __forceinline__ int num_key_blocks(int row_last, int seqlen_k, int di
 // S[M_TILES][N_TILES][4] (mma accumulators of rows row0 + mt*16 + g (+8), columns col0 + nt*8 + 2t (+1))
 // set to -inf where masked. Per row, the visible columns are a prefix: col < min(seqlen_k, row + diag + 1),
 // so each thread compares the compile-time column offset nt*8 + (c&1) with one threshold per row.
-template <bool IS_CAUSAL, int M_TILES, int N_TILES>
+// IS_PACKED (decode with grouped query heads packed as rows): tile row r is query position r / rows_per_pos.
+template <bool IS_CAUSAL, int M_TILES, int N_TILES, bool IS_PACKED = false>
 __device__ __forceinline__ void apply_mask(float (&s)[M_TILES][N_TILES][4], int row0, int col0, int seqlen_k,
-                                           int diag, int lane) {
+                                           int diag, int lane, int rows_per_pos = 1) {
   const int g = lane >> 2, t = lane & 3;
   const int col_base = col0 + 2 * t;
 #pragma unroll
   for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = row0 + mt * 16 + g + h * 8;
+      const int row = IS_PACKED ? (row0 + mt * 16 + g + h * 8) / rows_per_pos : row0 + mt * 16 + g + h * 8;
       const int end = (IS_CAUSAL ? min(seqlen_k, row + diag + 1) : seqlen_k) - col_base;  // first masked offset
 #pragma unroll
       for (int nt = 0; nt < N_TILES; ++nt)

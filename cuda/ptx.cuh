@@ -129,13 +129,20 @@ __device__ __forceinline__ void red_add_v2_f32(float* addr, float a, float b) {
 #endif
 }
 
-// ---- mov %tid.x (PTX ISA 10.1 "%tid") as a volatile asm ------------------------------------------
+// ---- mov (PTX ISA 9.7.9.10 "mov") as a volatile asm: values the compiler must not reuse ------------
 // threadIdx.x read anew: addresses derived from it after a long loop are recomputed there instead of
 // being kept live (or spilled) across the loop from the prologue's identical computation.
 __device__ __forceinline__ int tid_x_reread() {
   int tid;
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   return tid;
+}
+// x itself, but opaque to the optimizer: what is computed from the result after a long loop is computed
+// there (a few integer ops) instead of being kept in registers through the loop.
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
 }
 
 // ---- Hopper (sm_90a) warpgroup MMA: wgmma.* (PTX ISA 9.7.15) -------------------------------------

@@ -36,10 +36,13 @@ struct SmemTile {
   }
 
   // THREADS threads copy the tile with each thread on one column chunk, stepping rows by a multiple
-  // of 8 (the swizzle period), so its shared and global addresses advance by constants.
+  // of 8 (the swizzle period), so its shared and global addresses advance by constants. The 8 lanes of
+  // a copy phase (8 consecutive chunks of one row) must then fall in one 128-byte line of one panel:
+  // with 64-byte panels of a wider row they would span two panels whose lines share the banks (2-way
+  // conflicts, found by the analyzer), so those tiles copy in panel order.
   template <int THREADS>
   static constexpr bool fixed_column() {
-    return THREADS % CHUNKS_PER_ROW == 0 &&
+    return THREADS % CHUNKS_PER_ROW == 0 && (PANEL_COLS == 64 || CHUNKS_PER_ROW == PANEL_COLS / 8) &&
            ((THREADS / CHUNKS_PER_ROW) % 8 == 0 || THREADS / CHUNKS_PER_ROW >= ROWS);
   }
 
@@ -112,6 +115,20 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
       cp_async_cg_16(dst + i * ROWS_PER_ITER * Tile::PANEL_BYTES, valid ? src + i * ROWS_PER_ITER * row_stride : tile_gmem,
                      valid);
     }
+  }
+}
+
+// The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
+// row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs). Chunks in panel
+// order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a placeholder address).
+template <class Tile, int THREADS, class RowPtr>
+__device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, RowPtr row_ptr, int rows_valid, int cols_valid,
+                                                     int tid) {
+  for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+    int row, col;
+    Tile::panel_order(idx, row, col);
+    const bool valid = row < rows_valid && col < cols_valid;
+    cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? row_ptr(row) + col : row_ptr(0), valid);
   }
 }
 

@@ -3,6 +3,7 @@
     cuflash                       # = cuflash demo: attention on a realistic shape, checked and timed
     cuflash compile --arch sm_80  # compile every shipped kernel, print registers/spills/shared memory
     cuflash compile --all         # every architecture we ship for (sm_80 and sm_90a)
+    cuflash compile --sass --filter fwd_sm90   # + SASS instruction counts (nvdisasm), some kernels only
 
 The compile check needs NVRTC but no GPU, so CI runs it. It exits non-zero on a compile error or on any
 spill (spill stores, spill loads or a stack frame).
@@ -128,6 +129,40 @@ def shipped_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
     return out
 
 
+SASS_OPS = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "LDG", "STG", "REDG", "LDL", "STL")
+
+
+def sass_counts(cubin: bytes) -> dict | None:
+    """Static counts of the SASS instructions of SASS_OPS in a cubin, read with nvdisasm (from the CUDA
+    toolkit or `pip install nvidia-cuda-nvdisasm`); None when nvdisasm is not found. Tells, without a GPU,
+    whether a kernel runs on wgmma (HGMMA) or mma.sync (HMMA), copies with cp.async (LDGSTS) and touches
+    local memory (LDL/STL: spills or an array indexed at run time)."""
+    import re
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("nvdisasm")
+    if exe is None:
+        try:
+            import nvidia.cu13  # the pip wheel puts nvdisasm in nvidia/cu13/bin
+
+            cand = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "nvdisasm")
+            exe = cand if os.path.isfile(cand) else None
+        except ImportError:
+            exe = None
+    if exe is None:
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        # CuPy's getCUBIN drops the image's last byte (it treats it as a string terminator); the driver does
+        # not mind, nvdisasm does: pad the ELF back to its size
+        f.write(cubin + b"\0" * 8)
+        f.flush()
+        text = subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", text, re.M)
+    return {op: sum(1 for o in ops if o == op) for op in SASS_OPS}
+
+
 def compile_check(args) -> int:
     from . import _compile
 
@@ -139,7 +174,8 @@ def compile_check(args) -> int:
         print(f"cuflash compile: NVRTC is not usable: {type(e).__name__}: {e}\n"
               f"install it with: pip install nvidia-cuda-nvrtc (CUDA 13) or nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 2
-    jobs = [(arch, kind, cfg) for arch in archs for kind, cfg in shipped_instantiations(arch)]
+    jobs = [(arch, kind, cfg) for arch in archs for kind, cfg in shipped_instantiations(arch)
+            if args.filter in cfg.cpp_name()]
     print(f"compiling {len(jobs)} kernel instantiations for {', '.join(archs)} with NVRTC {version}, "
           f"{args.jobs} threads, sources {_compile.cuda_dir()}")
 
@@ -175,8 +211,18 @@ def compile_check(args) -> int:
             flags.append("STACK")
         if res["registers"] is None:
             flags.append("NO-PTXAS-INFO")
+        sass = ""
+        if args.sass:
+            counts = sass_counts(compiled.cubin)
+            if counts is None:
+                print("cuflash compile --sass: nvdisasm not found (install the CUDA toolkit, or "
+                      "pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
+                return 2
+            sass = "  " + " ".join(f"{op}={n}" for op, n in counts.items() if n)
+            if counts["LDL"] or counts["STL"]:
+                flags.append("LOCAL-MEMORY")
         print(f"{arch:<7} {kind:<4} {regs:>4} {res['spill_stores']:>5}/{res['spill_loads']:<5} {res['stack']:>5} "
-              f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}")
+              f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}{sass}")
         if flags:
             problems.append(f"{arch} {name}: {' '.join(flags)} (spill stores {res['spill_stores']} B, "
                             f"spill loads {res['spill_loads']} B, stack {res['stack']} B, registers {regs})")
@@ -222,6 +268,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_compile = sub.add_parser("compile", help="compile every shipped kernel (no GPU needed); fail on any spill")
     p_compile.add_argument("--arch", choices=ARCHS, default="sm_90a", help="target architecture (default sm_90a)")
     p_compile.add_argument("--all", action="store_true", help=f"every architecture we ship for: {', '.join(ALL_ARCHS)}")
+    p_compile.add_argument("--sass", action="store_true",
+                           help="also count SASS instructions (HGMMA, HMMA, LDGSTS, LDL/STL, ...) with nvdisasm")
+    p_compile.add_argument("--filter", default="", metavar="TEXT",
+                           help="only kernels whose C++ name contains TEXT (e.g. fwd_sm90)")
     p_compile.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                            help="compiler threads (default: the number of CPUs)")
     return parser

@@ -18,18 +18,37 @@ _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 LOG2E = 1.4426950408889634
 
 
+class SeqParams(ctypes.Structure):
+    """Mirror of cuflash::SeqParams (cuda/seqs.cuh): dense or packed (varlen) sequences, GQA group size."""
+
+    _fields_ = [
+        ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("kv_group", ctypes.c_int), ("pad0", ctypes.c_int),
+    ]
+
+
+def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=None, cu_seqlens_k=None,
+               seqused_k=None) -> SeqParams:
+    """SeqParams for dense sequences (the cu_seqlens / seqused_k pointers None) or packed ones."""
+    return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, 0)
+
+
 class FwdParams(ctypes.Structure):
     """Mirror of cuflash::FwdParams (cuda/fwd.cuh); field order and types must match."""
 
     _fields_ = [
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
-        ("lse", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("seq", SeqParams),
+        ("block_table", ctypes.c_void_p), ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p),
         ("q_batch_stride", _c_ll), ("q_row_stride", _c_ll), ("q_head_stride", _c_ll),
         ("k_batch_stride", _c_ll), ("k_row_stride", _c_ll), ("k_head_stride", _c_ll),
         ("v_batch_stride", _c_ll), ("v_row_stride", _c_ll), ("v_head_stride", _c_ll),
         ("o_batch_stride", _c_ll), ("o_row_stride", _c_ll), ("o_head_stride", _c_ll),
-        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("heads", ctypes.c_int), ("head_dim", ctypes.c_int),
-        ("scale_log2", ctypes.c_float),
+        ("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll),
+        ("k_page_stride", _c_ll), ("v_page_stride", _c_ll),
+        ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("block_table_stride", ctypes.c_int),
+        ("page_size", ctypes.c_int), ("num_splits", ctypes.c_int), ("rows_per_pos", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int),
     ]
 
 
@@ -39,12 +58,17 @@ class BwdParams(ctypes.Structure):
     _fields_ = (
         [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "dq_accum", "lse_log2",
                                        "delta")]
+        + [("seq", SeqParams)]
         + [(f"{a}_{s}_stride", _c_ll) for a in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
            for s in ("batch", "row", "head")]
         + [("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll), ("lse_row_stride", _c_ll)]
-        + [(n, ctypes.c_int) for n in ("seqlen_q", "seqlen_k", "seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
+        + [(n, ctypes.c_int) for n in ("seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
         + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float)]
     )
+
+
+# The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
+assert ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 264 and ctypes.sizeof(BwdParams) == 376
 
 
 class _Kernel:

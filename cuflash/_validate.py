@@ -1,7 +1,9 @@
 """Argument checks, on array metadata only, so CI can test every message without a GPU.
 
 `array_info(x, name)` turns a user argument into an `ArrayInfo` (or raises TypeError naming the
-argument and saying how to convert it); the `check_*` functions work on ArrayInfo alone.
+argument and saying how to convert it); the `check_*` functions work on ArrayInfo alone, except
+`check_cu_seqlens_values` and `check_kvcache_values`, which check the values of index arrays on host
+(NumPy) copies that the caller reads back when check_inputs=True.
 """
 from __future__ import annotations
 
@@ -164,16 +166,34 @@ def check_same_device(*infos: ArrayInfo) -> int:
     return first.device
 
 
+def check_gqa_heads(heads_q: int, heads_kv: int, q: ArrayInfo, k: ArrayInfo, layout: str | None = None) -> int:
+    """Grouped-query attention: heads_q a multiple of heads_kv (both 0 allowed). Returns the group size
+    heads_q // heads_kv (query head h reads key/value head h // group), 1 when both are 0."""
+    where = f" ({layout})" if layout else ""
+    if heads_kv == 0 and heads_q == 0:
+        return 1
+    if heads_kv == 0 or heads_q == 0 or heads_q % heads_kv:
+        raise ValueError(f"{k.name} has shape {k.shape}{where} with heads_kv={heads_kv}, {q.name} has shape {q.shape} "
+                         f"with heads_q={heads_q}: heads_q must be a positive multiple of heads_kv (grouped-query "
+                         f"attention: query head h uses key/value head h // (heads_q // heads_kv))")
+    return heads_q // heads_kv
+
+
 def check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, layout: str):
-    """Shapes of q, k, v agree; returns (dtype name, dims of q, k, v)."""
+    """Shapes of q, k, v agree (k and v may have fewer heads than q: heads_q % heads_kv == 0, grouped-query
+    attention); returns (dtype name, dims of q, k, v)."""
     layout = check_layout(layout)
     dtype = check_dtype(q, k, v)
     dq, dk, dv = bshd_dims(q, layout), bshd_dims(k, layout), bshd_dims(v, layout)
     check_head_dim(dq.head_dim, q.name)
     for other, d in ((k, dk), (v, dv)):
-        if d.batch != dq.batch or d.heads != dq.heads or d.head_dim != dq.head_dim:
-            raise ValueError(f"{other.name} has shape {other.shape} but q has {q.shape} ({layout}): batch, heads "
-                             f"and head_dim must match")
+        if d.batch != dq.batch or d.head_dim != dq.head_dim:
+            raise ValueError(f"{other.name} has shape {other.shape} but q has {q.shape} ({layout}): batch and "
+                             f"head_dim must match")
+    if dv.heads != dk.heads:
+        raise ValueError(f"{v.name} has shape {v.shape} but {k.name} has {k.shape} ({layout}): k and v need the same "
+                         f"number of heads (heads_kv)")
+    check_gqa_heads(dq.heads, dk.heads, q, k, layout)
     for name, n in (("batch", dq.batch), ("heads", dq.heads)):
         if n > MAX_GRID_YZ:
             raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
@@ -194,3 +214,363 @@ def needs_aligned_copy(info: ArrayInfo, dims: Dims) -> bool:
         if n > 1 and (type(stride) is not int or stride & 7):
             return True
     return False
+
+
+def needs_aligned_copy_rows(info: ArrayInfo) -> bool:
+    """`needs_aligned_copy` for an array of any rank (packed varlen arrays): the address and the stride of
+    every dim but the last (when that dim has more than one element) must be multiples of 8 elements."""
+    if info.ptr & 15:
+        return True
+    for stride, n in zip(info.strides[:-1], info.shape[:-1]):
+        if n > 1 and (type(stride) is not int or stride & 7):
+            return True
+    return False
+
+
+def byte_extent(info: ArrayInfo) -> tuple:
+    """[first, last) byte range that an array's elements occupy (empty arrays: an empty range)."""
+    item = info.dtype.itemsize
+    lo = hi = 0
+    for n, s in zip(info.shape, info.strides):
+        if n == 0:
+            return info.ptr, info.ptr
+        if s >= 0:
+            hi += (n - 1) * s * item
+        else:
+            lo += (n - 1) * s * item
+    return int(info.ptr + lo), int(info.ptr + hi + item)
+
+
+def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """True when the byte ranges of a and b intersect (conservative: interleaved views count as overlapping)."""
+    a0, a1 = byte_extent(a)
+    b0, b1 = byte_extent(b)
+    return a0 < b1 and b0 < a1
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int(value, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
+    """A Python or NumPy integer (not a bool) in [lo, hi]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int")
+    n = int(value)
+    if n < lo or n > hi:
+        raise ValueError(f"{name}={n} is out of range: allowed {lo} <= {name} <= {hi}")
+    return n
+
+
+def _last_dim_contiguous(info: ArrayInfo, what: str) -> None:
+    if len(info.shape) and info.shape[-1] > 1 and info.strides[-1] != 1 and 0 not in info.shape:
+        raise ValueError(f"{info.name} has strides {info.strides} (elements): its last dim ({what}) must be "
+                         f"contiguous (stride 1); use cupy.ascontiguousarray({info.name})")
+
+
+def _check_int32(info: ArrayInfo, what: str) -> None:
+    if info.dtype != np.int32:
+        raise TypeError(f"{info.name}.dtype={info.dtype} must be int32 ({what}); use "
+                        f"cupy.asarray({info.name}, dtype=cupy.int32)")
+
+
+# --- variable-length (packed) batches ---------------------------------------------------------------------
+
+class VarlenDims(NamedTuple):
+    """What a varlen launch needs, from `check_varlen`. Strides in elements, as (token stride, head stride)."""
+
+    dtype: str  # "fp16" | "bf16"
+    batch: int  # len(cu_seqlens) - 1
+    total_q: int  # q.shape[0]
+    total_k: int  # k.shape[0]
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_strides: tuple  # (token, head)
+    k_strides: tuple
+    v_strides: tuple
+    device: int
+
+
+def _packed(info: ArrayInfo, total: str, heads: str) -> None:
+    if len(info.shape) != 3:
+        raise ValueError(f"{info.name} has shape {info.shape} (rank {len(info.shape)}); the varlen functions take "
+                         f"packed rank-3 arrays ({total}, {heads}, head_dim): sequence b is rows "
+                         f"cu_seqlens[b] .. cu_seqlens[b + 1] - 1")
+    _last_dim_contiguous(info, "head_dim")
+
+
+def check_cu_seqlens(cu_q: ArrayInfo, cu_k: ArrayInfo) -> int:
+    """Metadata of cu_seqlens_q / cu_seqlens_k: int32, 1-D, contiguous, equal length >= 2. Returns batch."""
+    for cu in (cu_q, cu_k):
+        _check_int32(cu, "cumulative sequence lengths")
+        if len(cu.shape) != 1:
+            raise ValueError(f"{cu.name} has shape {cu.shape}; it must be 1-D of length batch + 1")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{cu.name} has shape {cu.shape}: it needs batch + 1 >= 2 entries "
+                             f"(cu_seqlens[0] = 0, then the end row of each sequence)")
+        if cu.strides[0] != 1:
+            raise ValueError(f"{cu.name} has strides {cu.strides} (elements); it must be contiguous (stride 1): "
+                             f"use cupy.ascontiguousarray({cu.name})")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"{cu_k.name} has shape {cu_k.shape} but {cu_q.name} has {cu_q.shape}: both hold batch + 1 "
+                         f"entries")
+    return cu_q.shape[0] - 1
+
+
+def check_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_q: ArrayInfo, cu_k: ArrayInfo,
+                 max_seqlen_q, max_seqlen_k) -> VarlenDims:
+    """Packed q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), cu_seqlens int32 (batch + 1,),
+    max_seqlen ints >= 0: metadata only (the values of cu_seqlens: `check_cu_seqlens_values`)."""
+    dtype = check_dtype(q, k, v)
+    _packed(q, "total_q", "heads_q")
+    _packed(k, "total_k", "heads_kv")
+    _packed(v, "total_k", "heads_kv")
+    check_head_dim(q.shape[2], q.name)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{k.name} has shape {k.shape} but {q.name} has {q.shape}: head_dim must match")
+    if v.shape != k.shape:
+        raise ValueError(f"{v.name} has shape {v.shape} but {k.name} has {k.shape}: k and v must have the same shape "
+                         f"(total_k, heads_kv, head_dim)")
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_kv, _ = k.shape
+    check_gqa_heads(heads_q, heads_kv, q, k)
+    batch = check_cu_seqlens(cu_q, cu_k)
+    max_q = check_int(max_seqlen_q, "max_seqlen_q")
+    max_k = check_int(max_seqlen_k, "max_seqlen_k")
+    for name, total, total_name, mx, mx_name in ((cu_q.name, total_q, "total_q", max_q, "max_seqlen_q"),
+                                                 (cu_k.name, total_k, "total_k", max_k, "max_seqlen_k")):
+        if total > batch * mx:  # some sequence is longer than mx: caught here without reading cu_seqlens
+            raise ValueError(f"{mx_name}={mx} is too small: {total_name}={total} rows in batch={batch} sequences "
+                             f"({name} has {batch + 1} entries) means a sequence of at least "
+                             f"{-(-total // batch)} rows; {mx_name} must be >= the longest sequence")
+    for name, n in (("batch", batch), ("heads_q", heads_q)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} is too large: at most {MAX_GRID_YZ} (a CUDA grid dimension); split the call")
+    check_same_device(q, k, v, cu_q, cu_k)
+    return VarlenDims(dtype, batch, total_q, total_k, heads_q, heads_kv, head_dim, max_q, max_k,
+                      tuple(q.strides[:2]), tuple(k.strides[:2]), tuple(v.strides[:2]), q.device)
+
+
+def check_cu_seqlens_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int):
+    """Values of cu_seqlens_q / cu_seqlens_k, host copies (NumPy int arrays): cu[0] == 0, non-decreasing,
+    cu[-1] == total, every length <= max_seqlen. Returns (seqlens_q, seqlens_k), int64 arrays of length batch."""
+    out = []
+    for name, cu, total, total_name, mx, mx_name in (
+            ("cu_seqlens_q", cu_q, total_q, "total_q", max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_k, total_k, "total_k", max_seqlen_k, "max_seqlen_k")):
+        cu = np.asarray(cu).astype(np.int64).reshape(-1)
+        if cu[0] != 0:
+            raise ValueError(f"{name}[0]={cu[0]} must be 0 (the first sequence starts at row 0)")
+        lens = np.diff(cu)
+        bad = np.flatnonzero(lens < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={cu[i + 1]} < {name}[{i}]={cu[i]} "
+                             f"(sequence {i} would have length {lens[i]})")
+        last = len(cu) - 1
+        if cu[last] != total:
+            what = "q.shape[0]" if name.endswith("q") else "k.shape[0]"
+            raise ValueError(f"{name}[{last}]={cu[last]} (the last entry) must equal {total_name}={total} ({what}, "
+                             f"the number of packed rows)")
+        if lens.size and lens.max() > mx:
+            b = int(np.argmax(lens))
+            raise ValueError(f"sequence {b} has length {lens[b]} ({name}[{b + 1}] - {name}[{b}]) but {mx_name}={mx}: "
+                             f"{mx_name} must be >= the longest sequence")
+        out.append(lens)
+    return out[0], out[1]
+
+
+# --- KV-cache decoding --------------------------------------------------------------------------------------
+
+KV_TILE = 64  # the kernel's K/V tile: a paged cache's page size must be a multiple of it
+MAX_SPLITS = 128
+
+
+class KvcacheDims(NamedTuple):
+    """What a KV-cache launch needs, from `check_kvcache`. Dims are in bshd order with strides in elements;
+    for a paged cache, k_cache/v_cache Dims read (num_blocks, page_size, heads_kv, head_dim)."""
+
+    dtype: str  # "fp16" | "bf16"
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    s_new: int  # new keys per sequence in k, v (0 without them)
+    paged: bool
+    page_size: int  # rows per physical block (paged); S_cache for a dense cache
+    num_blocks: int  # k_cache.shape[0]: physical blocks (paged), batch (dense)
+    max_blocks: int  # block_table.shape[1] (paged); 1 for a dense cache
+    capacity: int  # keys one sequence can hold: S_cache, or max_blocks * page_size
+    cache_seqlen: int | None  # the keys already cached in every sequence when cache_seqlens is None (capacity)
+    #                           or an int; None when it is a per-sequence array
+    num_splits: int  # 0 (heuristic) or 1..MAX_SPLITS
+    q: Dims
+    k_cache: Dims
+    v_cache: Dims
+    k: Dims | None  # the new keys / values, or None
+    v: Dims | None
+    block_table_stride: int  # elements between rows of block_table; 0 for a dense cache
+    device: int
+
+
+def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
+                  cache_seqlens, block_table: ArrayInfo | None, num_splits) -> KvcacheDims:
+    """Metadata of an attention_with_kvcache call. cache_seqlens: None, an int, or the ArrayInfo of an int32
+    (batch,) array (its values: `check_kvcache_values`); block_table: None (dense cache) or ArrayInfo."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v (new keys and values) go together: got k={'None' if k is None else 'an array'} "
+                         f"and v={'None' if v is None else 'an array'}; pass both or neither")
+    new = [x for x in (k, v) if x is not None]
+    dtype = check_dtype(q, k_cache, v_cache, *new)
+    dq, dkc, dvc = bshd_dims(q, "bshd"), bshd_dims(k_cache, "bshd"), bshd_dims(v_cache, "bshd")
+    check_head_dim(dq.head_dim, q.name)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{v_cache.name} has shape {v_cache.shape} but {k_cache.name} has {k_cache.shape}: the key and "
+                         f"value caches must have the same shape")
+    if dkc.head_dim != dq.head_dim:
+        raise ValueError(f"{k_cache.name} has shape {k_cache.shape} but {q.name} has {q.shape}: head_dim must match")
+    check_gqa_heads(dq.heads, dkc.heads, q, k_cache)
+    batch, heads_kv, head_dim = dq.batch, dkc.heads, dq.head_dim
+
+    paged = block_table is not None
+    if paged:
+        _check_int32(block_table, "physical block indices")
+        if len(block_table.shape) != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"{block_table.name} has shape {block_table.shape}; expected (batch, max_blocks_per_seq) "
+                             f"with batch={batch} (q.shape[0])")
+        _last_dim_contiguous(block_table, "max_blocks_per_seq")
+        page_size, max_blocks = dkc.seqlen, block_table.shape[1]
+        if page_size < KV_TILE or page_size % KV_TILE:
+            raise ValueError(f"page_size={page_size} ({k_cache.name}.shape[1] of the paged cache (num_blocks, "
+                             f"page_size, heads_kv, head_dim)) is not supported: it must be a positive multiple of "
+                             f"{KV_TILE} (the kernel's K/V tile)")
+        capacity, bt_stride = max_blocks * page_size, int(block_table.strides[0]) if max_blocks else 0
+    else:
+        if dkc.batch != batch:
+            raise ValueError(f"{k_cache.name} has shape {k_cache.shape} but q has batch={batch} ({q.shape}): a dense "
+                             f"cache (no block_table) holds one sequence per batch entry, (batch, S_cache, heads_kv, "
+                             f"head_dim)")
+        page_size, max_blocks, capacity, bt_stride = dkc.seqlen, 1, dkc.seqlen, 0
+    for c, d in ((k_cache, dkc), (v_cache, dvc)):
+        if needs_aligned_copy(c, d):
+            raise ValueError(f"{c.name} must be 16-byte aligned with strides that are multiples of 8 elements (the "
+                             f"cache is read in 16-byte chunks and written in place, so it cannot be copied); got "
+                             f"strides {c.strides} at address {c.ptr:#x}")
+
+    dk = dv = None
+    s_new = 0
+    if k is not None:
+        dk, dv = bshd_dims(k, "bshd"), bshd_dims(v, "bshd")
+        s_new = dk.seqlen
+        for x, d in ((k, dk), (v, dv)):
+            if (d.batch, d.heads, d.head_dim) != (batch, heads_kv, head_dim) or d.seqlen != s_new:
+                raise ValueError(f"{x.name} has shape {x.shape}; the new keys/values must be (batch, S_new, heads_kv, "
+                                 f"head_dim) = ({batch}, S_new, {heads_kv}, {head_dim}), k and v alike "
+                                 f"(k has {k.shape})")
+        if s_new > capacity:
+            raise ValueError(f"k has S_new={s_new} new keys per sequence but the cache holds at most capacity="
+                             f"{capacity} keys per sequence")
+
+    cache_seqlen = None
+    if cache_seqlens is None:
+        cache_seqlen = capacity
+        if s_new:
+            raise ValueError(f"cache_seqlens=None means every sequence's cache is full ({capacity} keys): there is no "
+                             f"room for the S_new={s_new} new keys of k and v; pass cache_seqlens (the keys already "
+                             f"cached per sequence)")
+    elif isinstance(cache_seqlens, ArrayInfo):
+        _check_int32(cache_seqlens, "keys already cached per sequence")
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"{cache_seqlens.name} has shape {cache_seqlens.shape}; expected (batch,) = ({batch},)")
+        if batch > 1 and cache_seqlens.strides[0] != 1:
+            raise ValueError(f"{cache_seqlens.name} has strides {cache_seqlens.strides} (elements); it must be "
+                             f"contiguous: use cupy.ascontiguousarray({cache_seqlens.name})")
+    elif isinstance(cache_seqlens, (bool, np.bool_)) or not isinstance(cache_seqlens, numbers.Integral):
+        raise TypeError(f"cache_seqlens={cache_seqlens!r} must be None, an int or a CuPy int32 array of shape "
+                        f"(batch,)")
+    else:
+        cache_seqlen = int(cache_seqlens)
+        if cache_seqlen < 0 or cache_seqlen + s_new > capacity:
+            raise ValueError(f"cache_seqlens={cache_seqlen} with S_new={s_new} new keys does not fit the cache of "
+                             f"capacity={capacity} keys per sequence: allowed 0 <= cache_seqlens <= "
+                             f"{capacity - s_new}")
+
+    splits = check_int(num_splits, "num_splits", 0, MAX_SPLITS)
+    for name, n in (("batch", batch), ("heads", dq.heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
+                             f"(a CUDA grid dimension); split the call")
+    extra = [x for x in (cache_seqlens, block_table) if isinstance(x, ArrayInfo)]
+    check_same_device(q, k_cache, v_cache, *new, *extra)
+    if s_new:  # the call writes into the caches: nothing it reads or writes may share their memory
+        if overlaps(k_cache, v_cache):
+            raise ValueError(f"{v_cache.name} overlaps the memory of {k_cache.name}; the new keys and values are "
+                             f"written into them, so they must be separate arrays")
+        for c in (k_cache, v_cache):
+            for x in (q, k, v, *extra):
+                if overlaps(x, c):
+                    raise ValueError(f"{x.name} overlaps the memory of {c.name}, which the call writes into; "
+                                     f"{x.name} must not alias the cache")
+    return KvcacheDims(dtype, batch, dq.seqlen, dq.heads, heads_kv, head_dim, s_new, paged, page_size, dkc.batch,
+                       max_blocks, capacity, cache_seqlen, splits, dq, dkc, dvc, dk, dv, bt_stride, q.device)
+
+
+def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_new: int, num_blocks: int,
+                         page_size: int) -> int:
+    """Values of cache_seqlens and block_table, host copies, before anything is written.
+
+    cache_seqlens_host: None (every cache full), an int, or a NumPy int array (batch,): 0 <= cache_seqlens[b]
+        and cache_seqlens[b] + s_new <= capacity.
+    block_table_host: None (dense cache) or a NumPy int array (batch, max_blocks): the blocks sequence b uses
+        (the first ceil(L_b / page_size), L_b = cache_seqlens[b] + s_new) must be in [0, num_blocks); the
+        other entries may hold anything (-1, say). The new keys of all sequences must land in distinct slots.
+    Returns max_b L_b (0 for an empty batch)."""
+    table = None if block_table_host is None else np.asarray(block_table_host).astype(np.int64)
+    scalar = cache_seqlens_host is None or isinstance(cache_seqlens_host, numbers.Integral)
+    if scalar:  # the same count for every sequence
+        start = capacity if cache_seqlens_host is None else int(cache_seqlens_host)
+        cached = np.full(1 if table is None else table.shape[0], start, dtype=np.int64)
+    else:
+        cached = np.asarray(cache_seqlens_host).astype(np.int64).reshape(-1)
+
+    def label(b):
+        return "cache_seqlens" if scalar else f"cache_seqlens[{b}]"
+
+    bad = np.flatnonzero(cached < 0)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{label(b)}={cached[b]} must be >= 0 (the keys already in the cache of "
+                         f"{'every sequence' if scalar else f'sequence {b}'})")
+    bad = np.flatnonzero(cached + s_new > capacity)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{label(b)}={cached[b]} plus S_new={s_new} new keys = {cached[b] + s_new} exceeds the cache "
+                         f"capacity of {capacity} keys per sequence: allowed 0 <= cache_seqlens <= {capacity - s_new}")
+    lengths = cached + s_new
+    if table is not None:
+        used = -(-lengths // page_size)  # blocks sequence b reads: ceil(L_b / page_size)
+        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        wrong = in_use & ((table < 0) | (table >= num_blocks))
+        if wrong.any():
+            b, j = (int(i) for i in np.argwhere(wrong)[0])
+            raise ValueError(f"block_table[{b}, {j}]={table[b, j]} is out of range: sequence {b} holds "
+                             f"{lengths[b]} keys in blocks block_table[{b}, 0..{used[b] - 1}] (page_size={page_size}), "
+                             f"and each must be in [0, num_blocks={num_blocks})")
+        if s_new:  # physical slots of the new keys: block_table[b, p // page_size] * page_size + p % page_size
+            starts = lengths - s_new
+            pos = starts[:, None] + np.arange(s_new)[None, :]
+            slots = np.take_along_axis(table, pos // page_size, axis=1) * page_size + pos % page_size
+            flat = slots.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            dup = np.flatnonzero(flat[order][1:] == flat[order][:-1])
+            if dup.size:
+                first, second = (divmod(int(order[dup[0] + i]), s_new) for i in (0, 1))
+                slot = int(flat[order[dup[0]]])
+                raise ValueError(f"block_table sends new keys of sequence {first[0]} (position {pos[first]}) and "
+                                 f"sequence {second[0]} (position {pos[second]}) to the same cache slot (block "
+                                 f"{slot // page_size}, row {slot % page_size}): k and v would overwrite each other "
+                                 f"there; give each sequence its own blocks for the positions it writes")
+    return int(lengths.max()) if lengths.size else 0

@@ -13,6 +13,22 @@ before (the plain attention's N^2 intermediates dwarf the L2 anyway: it uses one
 Peak memory: device memory above the inputs during one call (for bwd and fwd+bwd: during a forward and a
 backward, so the tensors the forward saves count), from CuPy's memory pool or torch.cuda.max_memory_allocated.
 
+Decoding (--decode): attention_with_kvcache throughput, one query token per sequence (Sq = 1) over a dense
+KV cache of L valid keys (cache_seqlens = L, an int32 array; no new keys appended), bf16, D = 128,
+H_q = 32 over H_kv = 8 key/value heads (grouped-query, Llama-3-8B-like; --decode-heads 32:32 for multi-head),
+batch 1/8/64 x L 1k/8k/32k/128k, skipping shapes whose K/V exceed --decode-max-gb (20 GB). Reported: time,
+the K/V bytes read once (2 * B * L * H_kv * D * 2) per second, and that as a % of the device-copy ceiling
+measured in the same run (a 2 GiB device-to-device copy: bytes read + written per second); the same for
+torch SDPA (the best of its backends that run) on the same cache through DLPack (no copy): q as
+(B, H_q, 1, D), the cache as a (B, H_kv, L, D) view, enable_gqa=True when H_q != H_kv (torch >= 2.5).
+cuflash runs with num_splits=0 (its heuristic) and check_inputs=False (no host synchronization per call).
+A pure read can exceed the copy ceiling by a few %. Each call is timed alone (median_ms), so the smallest
+shapes (a few microseconds of GPU work) measure the host's launch overhead as much as the kernel.
+
+Variable length (--varlen): 16384 tokens in sequences of random lengths (uniform in [1, N] for each --seqlen N),
+attention_varlen forward and backward against the dense call on the same sequences padded to N; both in
+useful-token TFLOP/s: 4 * H * D * sum_b L_b^2 (halved when causal), bwd 2.5 x that (check_inputs=False).
+
 Methods:
   cuflash        this library
   plain          "standard attention" of the paper in CuPy: S = QK^T, softmax, O = PV with cuBLAS matmuls,
@@ -25,10 +41,12 @@ Methods:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 
 TOKENS = 16384
@@ -507,6 +525,325 @@ def plot(records: list[Record], path: str):
     print(f"plot written to {path}")
 
 
+# --- decoding: attention_with_kvcache against the device-copy ceiling and torch SDPA -----------------------
+
+DECODE_BATCHES = (1, 8, 64)
+DECODE_CACHE_LENS = (1024, 8192, 32768, 131072)
+DECODE_HEADS = ("32:8",)  # H_q:H_kv; the default is grouped-query (Llama-3-8B-like); "32:32" is multi-head
+DECODE_HEAD_DIM = 128
+DECODE_MAX_GB = 20.0
+COPY_BYTES = 2 << 30  # the device-copy ceiling: one 2 GiB copy, bytes read + written
+
+
+@dataclass
+class DecodeRecord:
+    method: str  # "cuflash" | "sdpa" | "copy"
+    dtype: str
+    batch: int
+    cache_len: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    kv_bytes: int  # K and V of the valid prefix, read once
+    ms: float | None = None
+    gbps: float | None = None  # kv_bytes / time
+    pct_of_copy: float | None = None  # gbps / the device-copy ceiling
+    note: str = ""  # the SDPA backend that was fastest, or why a row was skipped
+
+
+def decode_kv_bytes(batch: int, cache_len: int, heads_kv: int, head_dim: int, elem_bytes: int = 2) -> int:
+    return 2 * batch * cache_len * heads_kv * head_dim * elem_bytes
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """"32:8" -> (32, 8): H_q:H_kv with H_q a multiple of H_kv."""
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: expected H_q:H_kv, e.g. 32:8") from None
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: H_q must be a positive multiple of H_kv")
+    return hq, hkv
+
+
+def decode_shapes(batches, cache_lens, heads, head_dim, max_gb):
+    """(batch, L, H_q, H_kv, skip reason or "") for every combination; K/V above max_gb are skipped."""
+    out = []
+    for hq, hkv in heads:
+        for b in batches:
+            for n in cache_lens:
+                gb = decode_kv_bytes(b, n, hkv, head_dim) / 1e9
+                out.append((b, n, hq, hkv, f"skipped: K/V {gb:.1f} GB > --decode-max-gb {max_gb:g}"
+                            if gb > max_gb else ""))
+    return out
+
+
+def copy_ceiling_gbps(args) -> float:
+    """Device-to-device copy of COPY_BYTES: (bytes read + bytes written) / median time, in GB/s."""
+    import cupy as cp
+
+    src = cp.ones(COPY_BYTES // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+
+    def copy(_):
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+
+    ms = median_ms(copy, 1, CupyEvents(), args.reps, args.warmup)
+    del src, dst
+    free_memory()
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def decode_inputs(b, n, hq, hkv, d, dtype, n_sets, seed):
+    """n_sets (q, k_cache, v_cache, cache_seqlens): q (B, 1, H_q, D), full dense caches (B, L, H_kv, D)."""
+    import cupy as cp
+
+    from . import _xpref
+
+    rng = cp.random.RandomState(seed)
+    lens = cp.full((b,), n, dtype=cp.int32)
+    return [(_xpref.to_lowp(rng.standard_normal((b, 1, hq, d), dtype=cp.float32), dtype),
+             _xpref.to_lowp(rng.standard_normal((b, n, hkv, d), dtype=cp.float32), dtype),
+             _xpref.to_lowp(rng.standard_normal((b, n, hkv, d), dtype=cp.float32), dtype), lens)
+            for _ in range(n_sets)]
+
+
+def to_torch(x, torch):
+    """A torch view of a CuPy array through DLPack (no copy); bf16 through an int16 view if needed."""
+    import cupy as cp
+
+    try:
+        t = torch.from_dlpack(x)
+        if x.dtype.itemsize == 2 and t.dtype in (torch.float16, torch.bfloat16):
+            return t
+    except Exception:  # noqa: BLE001 - an older CuPy or torch without bf16 DLPack: go through int16
+        pass
+    t = torch.from_dlpack(x.view(cp.int16))
+    return t.view(torch.bfloat16 if x.dtype != cp.float16 else torch.float16)
+
+
+def bench_decode(rec: DecodeRecord, args, out: list, torch, ceiling: float):
+    import cupy as cp
+
+    import cuflash
+
+    n_sets = n_input_sets(rec.kv_bytes)
+    sets = decode_inputs(rec.batch, rec.cache_len, rec.heads_q, rec.heads_kv, rec.head_dim, rec.dtype, n_sets,
+                         seed=rec.cache_len + rec.batch)
+    cuflash.attention_with_kvcache(*sets[0][:3], cache_seqlens=sets[0][3])  # once with the value checks
+
+    def call(i):
+        q, kc, vc, lens = sets[i]
+        return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=0, check_inputs=False)
+
+    ms = median_ms(call, n_sets, CupyEvents(), args.reps, args.warmup)
+    gbps = rec.kv_bytes / ms / 1e6
+    out.append(DecodeRecord(**{**asdict(rec), "method": "cuflash", "ms": ms, "gbps": gbps,
+                               "pct_of_copy": 100 * gbps / ceiling}))
+    if torch is None:
+        return
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cp.cuda.Device().synchronize()
+    tsets = [tuple(to_torch(x, torch).transpose(1, 2) for x in s[:3]) for s in sets]  # (B, H, S, D) views
+    extra = {"enable_gqa": True} if rec.heads_q != rec.heads_kv else {}
+    best, notes = None, []
+    def sdpa(i):
+        q, k, v = tsets[i]
+        return F.scaled_dot_product_attention(q, k, v, **extra)
+
+    for name, backend_name in SDPA_BACKENDS:
+        try:  # the backend context is entered once, outside the timed calls (its cost is not SDPA's)
+            with torch.no_grad(), sdpa_kernel(getattr(SDPBackend, backend_name)), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "backend X cannot run this shape" warnings: noted below
+                t_ms = median_ms(sdpa, n_sets, TorchEvents(), args.reps, args.warmup)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape: noted, not fatal
+            notes.append(f"{name[5:]}: {'out of memory' if is_oom(e) else type(e).__name__}")
+            free_memory(torch)
+            continue
+        if best is None or t_ms < best[1]:
+            best = (name, t_ms)
+    if best is None:
+        out.append(DecodeRecord(**{**asdict(rec), "method": "sdpa", "note": "skipped: " + "; ".join(notes)}))
+        return
+    gbps = rec.kv_bytes / best[1] / 1e6
+    out.append(DecodeRecord(**{**asdict(rec), "method": "sdpa", "ms": best[1], "gbps": gbps,
+                               "pct_of_copy": 100 * gbps / ceiling, "note": best[0][5:]}))
+
+
+def print_decode_table(records: list[DecodeRecord], ceiling: float):
+    print(f"\ndecode, Sq = 1: K/V read once = 2*B*L*H_kv*D*2 bytes; device-copy ceiling {ceiling:.0f} GB/s "
+          f"(bytes read + written); cuflash num_splits=0, check_inputs=False; sdpa: its fastest backend")
+    head = (f"{'dtype':<5} {'H_q/H_kv':>8} {'B':>3} {'L':>7} {'K/V MB':>8} | {'cf us':>8} {'GB/s':>6} {'%copy':>5} | "
+            f"{'sdpa us':>8} {'GB/s':>6} {'%copy':>5} {'backend':<9} | {'cf/sdpa':>7}")
+    print(head)
+    print("-" * len(head))
+    index = {(r.method, r.dtype, r.batch, r.cache_len, r.heads_q, r.heads_kv): r for r in records}
+    keys = sorted({(r.dtype, r.heads_q, r.heads_kv, r.batch, r.cache_len) for r in records})
+    for dtype, hq, hkv, b, n in keys:
+        ours, sd = index.get(("cuflash", dtype, b, n, hq, hkv)), index.get(("sdpa", dtype, b, n, hq, hkv))
+        first = ours or sd
+        if ours is not None and ours.note.startswith("skipped"):
+            print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | {ours.note}")
+            continue
+        ratio = ours.gbps / sd.gbps if ours is not None and ours.gbps and sd is not None and sd.gbps else None
+        cols = [(r.ms * 1e3 if r.ms else None, r.gbps, r.pct_of_copy) if r is not None else (None, None, None)
+                for r in (ours, sd)]
+        backend = sd.note if sd is not None and sd.ms else ("-" if sd is None else "skipped")
+        print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | "
+              f"{_fmt(cols[0][0], '8.1f')} {_fmt(cols[0][1], '6.0f')} {_fmt(cols[0][2], '5.0f')} | "
+              f"{_fmt(cols[1][0], '8.1f')} {_fmt(cols[1][1], '6.0f')} {_fmt(cols[1][2], '5.0f')} {backend:<9} | "
+              f"{_fmt(ratio, '7.2f')}")
+    for r in records:
+        if r.method == "sdpa" and r.note.startswith("skipped"):
+            print(f"sdpa skipped for B={r.batch} L={r.cache_len} H={r.heads_q}/{r.heads_kv}: {r.note[9:]}")
+
+
+def run_decode(args, torch) -> tuple[list, float]:
+    ceiling = copy_ceiling_gbps(args)
+    print(f"device-copy ceiling: {ceiling:.0f} GB/s (a {COPY_BYTES >> 30} GiB copy, bytes read + written)")
+    records: list[DecodeRecord] = []
+    for dtype in args.dtype:
+        for b, n, hq, hkv, skip in decode_shapes(args.decode_batch, args.decode_cache, args.decode_heads,
+                                                 args.head_dim[0], args.decode_max_gb):
+            rec = DecodeRecord("cuflash", dtype, b, n, hq, hkv, args.head_dim[0],
+                               decode_kv_bytes(b, n, hkv, args.head_dim[0]))
+            if skip:
+                records.append(DecodeRecord(**{**asdict(rec), "note": skip}))
+                continue
+            before = len(records)
+            try:
+                bench_decode(rec, args, records, torch, ceiling)
+            except Exception as e:  # noqa: BLE001 - reported as a skipped row, never silent
+                why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                if not any(r.method == "cuflash" for r in records[before:]):
+                    records.append(DecodeRecord(**{**asdict(rec), "note": f"skipped: {why}"}))
+                print(f"    note: B={b} L={n} H={hq}/{hkv}: {why}")
+            finally:
+                free_memory(torch)
+            done = {r.method: r for r in records[before:] if r.gbps}
+            print(f"{dtype} B={b} L={n} H={hq}/{hkv}: " + ", ".join(
+                f"{m} {r.ms * 1e3:.1f} us {r.gbps:.0f} GB/s ({r.pct_of_copy:.0f}% of copy)" for m, r in done.items()),
+                flush=True)
+    print_decode_table(records, ceiling)
+    return records, ceiling
+
+
+# --- variable-length batches: attention_varlen against the padded dense call ---------------------------------
+
+def varlen_lengths(max_len: int, tokens: int = TOKENS, seed: int = 0) -> list[int]:
+    """Sequence lengths uniform in [1, max_len] until they hold `tokens` tokens (the last one trimmed)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total < tokens:
+        n = min(int(rng.integers(1, max_len + 1)), tokens - total)
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def varlen_useful_flops(lengths, heads: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of the sequences' own attention: 4 * H * D * sum_b L_b^2, halved when causal."""
+    return 4.0 * heads * head_dim * sum(n * n for n in lengths) * (0.5 if causal else 1.0)
+
+
+def bench_varlen(shape: Shape, args, out: list):
+    import cupy as cp
+
+    import cuflash
+
+    from . import _xpref
+
+    lengths = varlen_lengths(shape.seqlen, seed=shape.seqlen)
+    b, n, h, d = len(lengths), shape.seqlen, shape.heads, shape.head_dim
+    cu = cp.asarray([0] + list(itertools.accumulate(lengths)), dtype=cp.int32)
+    rng = cp.random.RandomState(shape.seqlen)
+    draw = lambda *dims: _xpref.to_lowp(rng.standard_normal(dims, dtype=cp.float32), shape.dtype)  # noqa: E731
+    n_sets = n_input_sets(3 * TOKENS * h * d * 2)
+    packed = [tuple(draw(TOKENS, h, d) for _ in range(4)) for _ in range(n_sets)]
+    padded = [tuple(draw(b, n, h, d) for _ in range(4)) for _ in range(n_sets)]
+    flops = varlen_useful_flops(lengths, h, d, shape.causal)
+    note = f"{b} sequences, {TOKENS} tokens ({b * n} padded)"
+    causal, events = shape.causal, CupyEvents()
+
+    def varlen_fwd(i):
+        q, k, v = packed[i][:3]
+        return cuflash.attention_varlen_forward(q, k, v, cu, cu, n, n, causal=causal, check_inputs=False)
+
+    def padded_fwd(i):
+        q, k, v = padded[i][:3]
+        return cuflash.attention_forward(q, k, v, causal=causal)
+
+    cuflash.attention_varlen_forward(*packed[0][:3], cu, cu, n, n, causal=causal)  # once with the value checks
+    for method, fwd, sets in (("cuflash-varlen", varlen_fwd, packed), ("cuflash-padded", padded_fwd, padded)):
+        ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
+        out.append(Record(method, "fwd", shape.dtype, d, causal, n, b, h, ms=ms, tflops=flops / ms / 1e9, note=note))
+        if not args.backward:
+            continue
+        saved = [fwd(i) for i in range(n_sets)]
+        if method == "cuflash-varlen":
+            def bwd(i):
+                q, k, v, dout = packed[i]
+                return cuflash.attention_varlen_backward(dout, q, k, v, *saved[i], cu, cu, n, n, causal=causal,
+                                                         deterministic=args.deterministic, check_inputs=False)
+        else:
+            def bwd(i):
+                q, k, v, dout = padded[i]
+                return cuflash.attention_backward(dout, q, k, v, *saved[i], causal=causal,
+                                                  deterministic=args.deterministic)
+        ms = median_ms(bwd, n_sets, events, args.reps, args.warmup)
+        out.append(Record(method, "bwd", shape.dtype, d, causal, n, b, h, ms=ms,
+                          tflops=PASS_FLOP_FACTOR["bwd"] * flops / ms / 1e9, note=note))
+        saved.clear()
+
+
+def print_varlen_table(records: list[Record]):
+    print(f"\nvarlen: {TOKENS} tokens in random-length sequences (uniform in [1, N]) vs the same sequences padded to N; "
+          f"useful-token TFLOP/s (4*H*D*sum L_b^2, halved when causal; bwd 2.5x)")
+    passes = [p for p in ("fwd", "bwd") if any(r.passname == p for r in records)]
+    head = f"{'dtype':<5} {'D':>3} {'causal':<6} {'N':>6} {'seqs':>5} | " + " | ".join(
+        f"{p + ' varlen':>10} {'padded':>7} {'ratio':>6}" for p in passes)
+    print(head)
+    print("-" * len(head))
+    index = {(r.method, r.passname, r.dtype, r.head_dim, r.causal, r.seqlen): r for r in records}
+    for key in sorted({(r.dtype, r.head_dim, r.causal, r.seqlen) for r in records}):
+        cells = []
+        for p in passes:
+            var, pad = index.get(("cuflash-varlen", p) + key), index.get(("cuflash-padded", p) + key)
+            tv, tp = (r.tflops if r is not None else None for r in (var, pad))
+            cells.append(f"{_fmt(tv, '10.1f')} {_fmt(tp, '7.1f')} {_fmt(tv / tp if tv and tp else None, '6.2f')}")
+        seqs = next(r.batch for r in records if (r.dtype, r.head_dim, r.causal, r.seqlen) == key)
+        print(f"{key[0]:<5} {key[1]:>3} {'yes' if key[2] else 'no':<6} {key[3]:>6} {seqs:>5} | " + " | ".join(cells))
+    for r in records:
+        if r.note.startswith("skipped"):
+            print(f"skipped: {r.method} {r.passname} {r.dtype} D={r.head_dim} causal={r.causal} N={r.seqlen}: "
+                  f"{r.note[9:]}")
+
+
+def run_varlen(args) -> list:
+    records: list[Record] = []
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    for dtype in args.dtype:
+        for d in args.head_dim:
+            for causal in causals:
+                for n in args.seqlen:
+                    shape = Shape(dtype, d, causal, n)
+                    t = run_method("cuflash-varlen", lambda s=shape: bench_varlen(s, args, records), shape, records,
+                                   args.backward)
+                    tf = {(r.method, r.passname): r.tflops for r in records if r.tflops and
+                          (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
+                    seqs = len(varlen_lengths(n, seed=n))
+                    print(f"{dtype} D={d} {'causal' if causal else 'full'} N<={n} ({seqs} sequences, "
+                          f"H={shape.heads}): " + ", ".join(f"{m[8:]} {p} {x:.0f}" for (m, p), x in tf.items())
+                          + f" useful TFLOP/s ({t:.1f} s)", flush=True)
+    print_varlen_table(records)
+    return records
+
+
 # --- command line -------------------------------------------------------------------------------------
 
 def _seqlen(text: str) -> int:
@@ -543,10 +880,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=["bf16", "fp16"])
-    p.add_argument("--head-dim", nargs="+", type=_head_dim, default=[64, 128])
+    p.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=None,
+                   help="default: bf16 and fp16 (--decode, --varlen: bf16)")
+    p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
+                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
-    p.add_argument("--seqlen", nargs="+", type=_seqlen, default=list(DEFAULT_SEQLENS))
+    p.add_argument("--seqlen", nargs="+", type=_seqlen, default=None,
+                   help=f"default: {' '.join(map(str, DEFAULT_SEQLENS))} (--varlen: the longest sequence, default "
+                        f"{' '.join(map(str, VARLEN_SEQLENS))})")
     p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd")
     p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
@@ -555,13 +896,41 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
     p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
     p.add_argument("--warmup", type=_positive, default=3, help="untimed calls first; default 3")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--decode", action="store_true",
+                      help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
+    mode.add_argument("--varlen", action="store_true",
+                      help="variable-length batches: attention_varlen against the padded dense call")
+    p.add_argument("--decode-batch", nargs="+", type=_positive, default=list(DECODE_BATCHES), metavar="B",
+                   help=f"--decode batch sizes (default {' '.join(map(str, DECODE_BATCHES))})")
+    p.add_argument("--decode-cache", nargs="+", type=_positive, default=list(DECODE_CACHE_LENS), metavar="L",
+                   help=f"--decode cache lengths (default {' '.join(map(str, DECODE_CACHE_LENS))})")
+    p.add_argument("--decode-heads", nargs="+", type=parse_heads, default=[parse_heads(h) for h in DECODE_HEADS],
+                   metavar="HQ:HKV", help=f"--decode query:key/value heads (default {' '.join(DECODE_HEADS)})")
+    p.add_argument("--decode-max-gb", type=float, default=DECODE_MAX_GB,
+                   help=f"--decode skips shapes whose K/V exceed this many GB (default {DECODE_MAX_GB:g})")
     p.add_argument("--plot", metavar="FILE.png", help="TFLOP/s against N, one panel per dtype/head dim/causal")
     p.add_argument("--json", metavar="FILE", help="write every record (and the device) as JSON")
     return p
 
 
+VARLEN_SEQLENS = (1024, 4096, 16384)
+
+
+def resolve_defaults(args):
+    """Defaults that depend on the mode: --decode and --varlen measure bf16 (decode at D=128, varlen up to 16k)."""
+    special = args.decode or args.varlen
+    if args.dtype is None:
+        args.dtype = ["bf16"] if special else ["bf16", "fp16"]
+    if args.head_dim is None:
+        args.head_dim = [DECODE_HEAD_DIM] if args.decode else [64, 128]
+    if args.seqlen is None:
+        args.seqlen = list(VARLEN_SEQLENS if args.varlen else DEFAULT_SEQLENS)
+    return args
+
+
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    args = resolve_defaults(build_parser().parse_args(argv))
     try:
         import cupy as cp
 
@@ -588,6 +957,9 @@ def main(argv=None) -> int:
             print("note: torch is not importable: SDPA columns skipped")
     if args.backward and not hasattr(cuflash, "attention_backward"):
         print("note: this cuflash has no attention_backward: backward columns skipped")
+
+    if args.decode or args.varlen:
+        return main_decode_varlen(args, cuflash, torch)
 
     methods = ["cuflash"] + (["plain"] if args.compare else []) + \
         ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
@@ -639,6 +1011,43 @@ def main(argv=None) -> int:
         print(f"records written to {args.json}")
     if args.plot:
         plot(records, args.plot)
+    return 0
+
+
+def device_line(cp, torch, cuflash) -> tuple[str, object]:
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"device: {name} (sm_{dev.compute_capability}), cupy {cp.__version__}"
+          + (f", torch {torch.__version__}" if torch is not None else "") + f", cuflash {cuflash.__version__}")
+    return name, dev
+
+
+def main_decode_varlen(args, cuflash, torch) -> int:
+    import cupy as cp
+
+    device_name, dev = device_line(cp, torch, cuflash)
+    t_start = time.perf_counter()
+    extra = {}
+    if args.decode:
+        if torch is not None and "enable_gqa" not in torch.nn.functional.scaled_dot_product_attention.__doc__ and \
+                any(hq != hkv for hq, hkv in args.decode_heads):
+            print(f"note: torch {torch.__version__} has no enable_gqa (needs >= 2.5): SDPA runs multi-head shapes only")
+        records, ceiling = run_decode(args, torch)
+        extra = {"mode": "decode", "copy_ceiling_gbps": ceiling}
+    else:
+        records = run_varlen(args)
+        extra = {"mode": "varlen", "tokens": TOKENS}
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "compute_capability": dev.compute_capability, "cupy": cp.__version__,
+                       "torch": torch.__version__ if torch is not None else None, "cuflash": cuflash.__version__,
+                       "reps": args.reps, "warmup": args.warmup, **extra,
+                       "records": [asdict(r) for r in records]}, f, indent=1)
+        print(f"records written to {args.json}")
+    if args.plot:
+        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen")
     return 0
 
 

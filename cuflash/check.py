@@ -60,9 +60,13 @@ STRIDES = ("contiguous", "padded", "transposed", "misaligned")
 
 # --- the case set ------------------------------------------------------------------------------------
 
+KINDS = ("dense", "varlen", "kvcache")
+
+
 @dataclass(frozen=True)
 class Case:
-    """One problem: forward, default backward and deterministic backward are all run on it."""
+    """One problem. dense and varlen: forward, default backward and deterministic backward are all run on it;
+    kvcache: attention_with_kvcache (forward only), appending seqlen_q new keys into a cache of seqlen_k."""
 
     name: str
     batch: int
@@ -72,8 +76,16 @@ class Case:
     head_dim: int
     dtype: str     # "fp16" | "bf16"
     causal: bool
-    layout: str    # "bshd" | "bhsd"
-    strides: str   # one of STRIDES, for q, k, v and dout
+    layout: str    # "bshd" | "bhsd" (dense only)
+    strides: str   # one of STRIDES, for q, k, v and dout (dense only)
+    kind: str = "dense"    # one of KINDS; varlen: batch sequences of lengths cycling through seqlen, 1, 0, 17
+    kv_heads: int = 0      # K/V heads (GQA); 0: heads
+    paged: bool = False    # kvcache: a paged cache of 64-key pages in shuffled order
+    splits: int = 0        # kvcache: num_splits (0: the heuristic)
+
+    @property
+    def heads_kv(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def kernel_head_dim(self) -> int:
@@ -89,6 +101,8 @@ class Case:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
+        if self.kind == "kvcache":  # the decode kernel runs on every architecture and kernel family
+            return [config.fwd_decode_config(hd, self.dtype, self.causal), config.CombineConfig(self.dtype)]
         return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels),
                 config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels),
                 config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
@@ -97,9 +111,11 @@ class Case:
                 config.ElementwiseConfig("convert_dq", self.dtype)]
 
 
-def _case(b, sq, sk, h, d, dtype, causal, layout, strides) -> Case:
-    name = (f"d{d}-{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-b{b}h{h}-{layout}-{strides}")
-    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides)
+def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0) -> Case:
+    name = (f"d{d}-{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-b{b}h{h}"
+            + (f"kv{kv_heads}" if kv_heads else "") + (f"-{layout}-{strides}" if kind == "dense" else f"-{kind}")
+            + ("-paged" if paged else "") + (f"-split{splits}" if splits else ""))
+    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits)
 
 
 # Seqlen pairs: odd lengths (1, 17, 113, 1023), Sq != Sk both ways, several tiles in each direction, causal
@@ -123,6 +139,18 @@ def default_cases() -> list[Case]:
               _case(2, 17, 1023, 1, 8, "fp16", False, "bshd", "misaligned"),
               _case(1, 1023, 17, 2, 200, "bf16", True, "bshd", "transposed"),
               _case(2, 203, 113, 1, 136, "fp16", True, "bhsd", "padded")]
+    # grouped-query heads and packed sequences (lengths cycling through seqlen, 1, 0, 17), forward and backward
+    cases += [_case(1, 113, 203, 4, 64, "fp16", True, "bshd", "contiguous", kv_heads=2),
+              _case(1, 203, 17, 4, 128, "bf16", False, "bhsd", "padded", kv_heads=1),
+              _case(4, 113, 203, 2, 128, "bf16", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
+              _case(4, 203, 113, 2, 64, "fp16", False, "bshd", "contiguous", kind="varlen")]
+    # kv-cache decoding: every decode instantiation (kernel head dim x dtype x causal), paged and dense caches,
+    # split-KV with its merge kernel, grouped query heads packed as rows; seqlen_k: cache capacity per sequence
+    for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):
+        for ci, (dtype, causal) in enumerate((("fp16", False), ("fp16", True), ("bf16", False), ("bf16", True))):
+            j = hi * 4 + ci
+            cases.append(_case(2, (1, 3, 17)[j % 3], 256 if j % 2 else 320, 4, hd, dtype, causal, "bshd", "contiguous",
+                               kind="kvcache", kv_heads=(4, 2, 1)[j % 3], paged=bool(j % 2), splits=(0, 1, 3)[j % 3]))
     return cases
 
 
@@ -210,9 +238,10 @@ def _upload(x_np):
     return cp.asarray(np.ascontiguousarray(x_np).view(np.uint16)).view(x_np.dtype)
 
 
-def _driver_input(rng, case: Case, seqlen: int):
-    """A (B, S, H, D) or (B, H, S, D) input with the case's strides; its whole buffer is initialized."""
-    b, h, d = case.batch, case.heads, case.head_dim
+def _driver_input(rng, case: Case, seqlen: int, heads: int = 0):
+    """A (B, S, H, D) or (B, H, S, D) input with the case's strides (H: heads or, for k and v, heads_kv); its
+    whole buffer is initialized."""
+    b, h, d = case.batch, heads or case.heads, case.head_dim
     logical = (b, seqlen, h, d) if case.layout == "bshd" else (b, h, seqlen, d)
     if case.strides == "contiguous":
         return _upload(_lowp_np(rng, logical, case.dtype))
@@ -290,17 +319,132 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det) -> list[
     return problems
 
 
+def _rule(problems: list, name: str, got, ref, low, factor: float, to32=None) -> None:
+    """The pass rule: max|got - ref64| <= factor * max|low - ref64| + 1e-5 (problems gets a line if not)."""
+    import cupy as cp
+
+    from . import _xpref
+
+    got32 = _xpref.to_float32(got) if to32 is None else to32(got)
+    err = float(cp.abs(got32 - ref).max()) if got.size else 0.0
+    bound = factor * (float(cp.abs(low - ref).max()) if got.size else 0.0) + 1e-5
+    if not err <= bound:
+        problems.append(f"{name}: {err:.3e} > {bound:.3e}")
+
+
+def _lse_rule(problems: list, lse, lse64) -> None:
+    import cupy as cp
+
+    finite = cp.isfinite(lse64)
+    if not bool((cp.isfinite(lse) == finite).all()):
+        problems.append("lse: -inf rows differ from the reference")
+    elif lse.size:
+        lse_err = float(cp.abs(cp.where(finite, lse, 0.0) - cp.where(finite, lse64, 0.0)).max())
+        if lse_err > 1e-3:
+            problems.append(f"lse: {lse_err:.3e} > 1e-3")
+
+
+def _varlen_lengths(case: Case):
+    """Sequence lengths of a varlen case: (seqlen, 1, 0, 17) for queries and (seqlen_k, 17, 0, 1) for keys,
+    cycling over the batch, so it has empty sequences and rows that see no key (causal, len_q > len_k)."""
+    lens_q = [(case.seqlen_q, 1, 0, 17)[b % 4] for b in range(case.batch)]
+    lens_k = [(case.seqlen_k, 17, 0, 1)[b % 4] for b in range(case.batch)]
+    return lens_q, lens_k
+
+
+def _run_varlen(case: Case, rng, verify: bool):
+    import cupy as cp
+    import numpy as np
+
+    from . import _xpref, attention_varlen_backward, attention_varlen_forward
+
+    lens_q, lens_k = _varlen_lengths(case)
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    tq, tk, d = int(cu_q[-1]), int(cu_k[-1]), case.head_dim
+    q, dout = (_upload(_lowp_np(rng, (tq, case.heads, d), case.dtype)) for _ in range(2))
+    k, v = (_upload(_lowp_np(rng, (tk, case.heads_kv, d), case.dtype)) for _ in range(2))
+    cuq, cuk = cp.asarray(cu_q), cp.asarray(cu_k)
+    mq, mk = max(lens_q), max(lens_k)
+    o, lse = attention_varlen_forward(q, k, v, cuq, cuk, mq, mk, causal=case.causal)
+    grads = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal)
+    grads_det = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal,
+                                          deterministic=True)
+    problems = []
+    if verify:
+        q32, k32, v32, do32 = (_xpref.to_float32(x) for x in (q, k, v, dout))
+        o64, lse64 = _xpref.attention_varlen_forward64(q32, k32, v32, cu_q, cu_k, case.causal)
+        _rule(problems, "o", o, o64, _xpref.attention_varlen_lowp(q32, k32, v32, cu_q, cu_k, case.dtype, case.causal), 2)
+        _lse_rule(problems, lse, lse64)
+        g64 = _xpref.attention_varlen_backward64(do32, q32, k32, v32, cu_q, cu_k, case.causal)
+        glowp = _xpref.attention_varlen_backward_lowp(do32, q32, k32, v32, cu_q, cu_k, case.dtype, case.causal)
+        for mode, gs in (("", grads), ("det ", grads_det)):
+            for name, g, ref, low in zip(("dq", "dk", "dv"), gs, g64, glowp):
+                _rule(problems, mode + name, g, ref, low, 3)
+    return {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2], "dq_det": grads_det[0],
+            "dk_det": grads_det[1], "dv_det": grads_det[2]}, problems
+
+
+def _run_kvcache(case: Case, rng, verify: bool):
+    import cupy as cp
+    import numpy as np
+
+    from . import _xpref, attention_with_kvcache
+
+    b, sq, d, capacity = case.batch, case.seqlen_q, case.head_dim, case.seqlen_k
+    q = _upload(_lowp_np(rng, (b, sq, case.heads, d), case.dtype))
+    k, v = (_upload(_lowp_np(rng, (b, sq, case.heads_kv, d), case.dtype)) for _ in range(2))
+    block_table = None
+    if case.paged:  # 64-key pages, each sequence's in shuffled order, two spare pages
+        pages = capacity // 64
+        table = rng.permutation(b * pages + 2)[:b * pages].reshape(b, pages).astype(np.int32)
+        cache_shape = (b * pages + 2, 64, case.heads_kv, d)
+        block_table = cp.asarray(table)
+    else:
+        cache_shape = (b, capacity, case.heads_kv, d)
+    k_cache, v_cache = (_upload(_lowp_np(rng, cache_shape, case.dtype)) for _ in range(2))
+    lens = rng.integers(0, capacity - sq + 1, size=b).astype(np.int32)
+    lens[0] = capacity - sq  # one sequence fills its cache
+    before = (k_cache.copy(), v_cache.copy()) if verify else None
+    o, lse = attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cp.asarray(lens),
+                                    block_table=block_table, causal=case.causal, num_splits=case.splits,
+                                    return_lse=True)
+    problems = []
+    if verify:
+        table = None if block_table is None else cp.asnumpy(block_table)
+        q32, k32, v32, kc32, vc32 = (_xpref.to_float32(x) for x in (q, k, v) + before)
+        o64, lse64, _, _ = _xpref.attention_kvcache64(q32, kc32, vc32, lens, k32, v32, table, case.causal)
+        low = _xpref.attention_kvcache_lowp(q32, kc32, vc32, case.dtype, lens, k32, v32, table, case.causal)
+        _rule(problems, "o", o, o64, low, 2)
+        _lse_rule(problems, lse, lse64)
+        u16 = cp.uint16
+        for name, got, old, new in (("k_cache", k_cache, before[0], k), ("v_cache", v_cache, before[1], v)):
+            want, _ = _xpref.kvcache_append(old.view(u16), old.view(u16), new.view(u16), new.view(u16), lens, table)
+            if not bool((got.view(u16) == want).all()):
+                problems.append(f"{name}: the appended keys/values are not exactly where they belong, or other "
+                                f"entries changed")
+    return {"o": o, "lse": lse, "k_cache": k_cache, "v_cache": v_cache}, problems
+
+
 def run_case(case: Case, verify: bool) -> dict:
-    """Forward, default backward and deterministic backward of one case; digests and problems."""
+    """The calls of one case (see Case); digests and problems."""
     import cupy as cp
     import numpy as np
 
     from . import attention_backward, attention_forward
 
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
+    if case.kind != "dense":
+        t0 = time.perf_counter()
+        outputs, problems = (_run_varlen if case.kind == "varlen" else _run_kvcache)(case, rng, verify)
+        cp.cuda.Device().synchronize()
+        seconds = time.perf_counter() - t0
+        for name, x in outputs.items():
+            problems = _host_problems(name, x, is_lse=(name == "lse")) + problems
+        digests = {name: _digest(x) for name, x in outputs.items() if name != "dq_atomic"}
+        return {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}
     q = _driver_input(rng, case, case.seqlen_q)
-    k = _driver_input(rng, case, case.seqlen_k)
-    v = _driver_input(rng, case, case.seqlen_k)
+    k = _driver_input(rng, case, case.seqlen_k, case.heads_kv)
+    v = _driver_input(rng, case, case.seqlen_k, case.heads_kv)
     dout = _driver_input(rng, case, case.seqlen_q)
     t0 = time.perf_counter()
     o, lse = attention_forward(q, k, v, causal=case.causal, layout=case.layout)

@@ -55,7 +55,8 @@ def swizzled_offset(row: int, col: int, rows: int, head_dim: int) -> int:
 
 @dataclass(frozen=True)
 class FwdConfig:
-    """One forward-kernel instantiation: `fwd_kernel<FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, T>, IS_CAUSAL>`."""
+    """One forward-kernel instantiation: `fwd_kernel<FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, T>,
+    IS_CAUSAL, IS_DECODE>` (IS_DECODE: the kv-cache variant, see cuda/fwd.cuh)."""
 
     head_dim: int
     block_m: int
@@ -64,6 +65,7 @@ class FwdConfig:
     dtype: str
     causal: bool
     stages: int = 2  # K/V shared-memory buffers (double buffering)
+    decode: bool = False
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -98,8 +100,9 @@ class FwdConfig:
 
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"cuflash::fwd_kernel<cuflash::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, {self.stages}, {t}>, {'true' if self.causal else 'false'}>")
+                f"{self.num_warps}, {self.stages}, {t}>, {b(self.causal)}, {b(self.decode)}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -138,10 +141,46 @@ def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH
     return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
 
 
+# attention_with_kvcache runs the mma.sync forward with IS_DECODE on every architecture: decoding reads
+# K/V once per key tile and does little arithmetic (a few query rows), so the wgmma kernel would not pay.
+# (block_m, block_n, num_warps) per kernel head dim, one m16 row tile per warp. A paged cache's page size
+# must be a multiple of DECODE_PAGE_MULTIPLE, which every block_n divides (a K/V tile never straddles pages).
+DECODE_TILES = {
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (64, 64, 4),
+    128: (64, 64, 4),
+    192: (64, 32, 4),  # block_n 64: 252-254 registers, at the limit
+    256: (64, 32, 4),  # block_n 64 spilled 104 bytes: O alone is 128 fp32 registers per thread
+}
+DECODE_PAGE_MULTIPLE = 64
+
+
+def fwd_decode_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
+    bm, bn, warps = DECODE_TILES[head_dim]
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, decode=True)
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """Split-KV merge of the decode kernel's partial results: `fwd_combine_kernel<T>` (cuda/fwd.cuh)."""
+
+    dtype: str
+    threads: int = 256
+    smem_bytes: int = 0
+    rows_per_cta: int = 8  # COMBINE_ROWS in fwd.cuh: one warp per (head, position)
+
+    def cpp_name(self) -> str:
+        return f"cuflash::fwd_combine_kernel<{'cuflash::f16' if self.dtype == 'fp16' else 'cuflash::bf16'}>"
+
+
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
-    sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma) and, for sm_90a, the wgmma kernels."""
+    sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
+    and, for sm_90a, the wgmma kernels."""
     out: list = [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    out += [CombineConfig(dt) for dt in DTYPES]
     if arch == "sm_90a":
         out += [fwd_sm90_config(hd, dt, c) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)]
     return out
@@ -211,12 +250,12 @@ class FwdSm90Config:
 
 # Hopper forward tiles per kernel head dim: (block_m, block_n, ctas_per_sm). See docs/PERFORMANCE.md.
 FWD_SM90_TILES = {
-    32: (128, 128, 2),
+    32: (128, 64, 2),    # (128, 128, 2) spills at the 128-register cap of 2 CTAs x 256 threads
     64: (128, 64, 2),    # H100 bf16 N=8k: 399 TFLOP/s vs 340 for (192, 128, 1), 315 for (128, 128, 1)
     96: (128, 128, 1),
     128: (128, 128, 1),  # 423 vs 424 for (192, 64, 1), 397 for (128, 64, 1)
     192: (128, 64, 1),
-    256: (128, 64, 1),   # 473 vs 385 for (128, 32, 1)
+    256: (128, 48, 1),   # (128, 64, 1): 473 vs 385 for (128, 32, 1), but it spills 8 bytes causal (255 registers)
 }
 
 
@@ -339,7 +378,7 @@ DQ_TILES = {
     96: (128, 64, 8),
     128: (128, 32, 8),
     192: (64, 32, 4),
-    256: (64, 32, 4),
+    256: (64, 16, 4),  # block_n 32 spilled 4-28 bytes once varlen and GQA took a few registers (255 in use)
 }
 SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m)
 

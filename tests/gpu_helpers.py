@@ -129,3 +129,47 @@ def warm_kernel_cache(configs) -> None:
 
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
         list(pool.map(build, configs))
+
+
+# --- issue 6: packed (varlen) inputs, KV caches, bit-for-bit comparisons -----------------------------------
+
+def bits(x):
+    """A copy of x's bit pattern as unsigned integers of its item size (compare fp16/bf16/fp32 exactly)."""
+    width = {1: cp.uint8, 2: cp.uint16, 4: cp.uint32, 8: cp.uint64}[x.dtype.itemsize]
+    return cp.ascontiguousarray(x.view(width))
+
+
+def same_bits(a, b) -> bool:
+    return a.shape == b.shape and bool(cp.array_equal(bits(a), bits(b)))
+
+
+def make_packed(total: int, h: int, d: int, dtype: str, kind: str, seed: int, scale: float = 1.0):
+    """A packed (total, H, D) array (varlen layout) whose token/head strides follow `kind`:
+      contiguous  a fresh C-contiguous array
+      padded      a view into (total + 3, H + 1, D + 8): token and head strides padded, start offset (16-byte aligned)
+      transposed  a head-major (H, total, D) array transposed: token stride D, head stride total * D
+    """
+    if kind == "contiguous":
+        return randn((total, h, d), dtype, seed, scale)
+    if kind == "padded":
+        return randn((total + 3, h + 1, d + 8), dtype, seed, scale)[3:, 1:, :d]
+    if kind == "transposed":
+        return randn((h, total, d), dtype, seed, scale).transpose(1, 0, 2)
+    raise ValueError(f"kind={kind!r}")
+
+
+def cu_seqlens(lengths):
+    """int32 CuPy cumulative lengths [0, l0, l0 + l1, ...] (batch + 1 entries)."""
+    import numpy as np
+
+    return cp.asarray(np.concatenate([[0], np.cumsum(np.asarray(lengths, dtype=np.int64))]).astype(np.int32))
+
+
+def random_lengths(seed: int, n: int, high: int, forced: dict):
+    """n sequence lengths drawn uniformly from [0, high], with lengths[i] = forced[i] for the given positions."""
+    import numpy as np
+
+    lengths = np.random.default_rng(seed).integers(0, high + 1, n)
+    for i, length in forced.items():
+        lengths[i] = length
+    return [int(x) for x in lengths]

@@ -152,9 +152,16 @@ CPU_CASES = [
     ("forward-q-last-dim-strided", lambda: fwd(fakes(q=F((2, 16, 2, 64), strides=(4096, 256, 128, 2)))), ValueError,
      ["q has strides (4096, 256, 128, 2)", "contiguous (stride 1)"]),
     ("attention-batch-mismatch", lambda: att(fakes(k=F((3, 24, 2, 64)))), ValueError,
-     ["k has shape (3, 24, 2, 64)", "batch, heads and head_dim must match"]),
+     ["k has shape (3, 24, 2, 64)", "batch and head_dim must match"]),
     ("forward-heads-mismatch-bhsd", lambda: fwd(fakes(layout="bhsd", v=F((2, 3, 24, 64))), layout="bhsd"), ValueError,
      ["v has shape (2, 3, 24, 64)", "(bhsd)"]),
+    # grouped-query attention: k and v may have fewer heads than q, a divisor of its head count, both alike
+    ("attention-heads-q-not-a-multiple-of-heads-kv", lambda: att(fakes(h=4, k=F((2, 24, 3, 64)), v=F((2, 24, 3, 64)))),
+     ValueError, ["k has shape (2, 24, 3, 64)", "heads_kv=3", "heads_q=4", "multiple of heads_kv"]),
+    ("forward-heads-kv-more-than-q", lambda: fwd(fakes(h=2, k=F((2, 24, 4, 64)), v=F((2, 24, 4, 64)))), ValueError,
+     ["heads_kv=4", "heads_q=2", "multiple"]),
+    ("backward-v-heads-differ-from-k", lambda: bwd(fakes(h=4, k=F((2, 24, 2, 64)), v=F((2, 24, 1, 64)))), ValueError,
+     ["v has shape (2, 24, 1, 64)", "k has (2, 24, 2, 64)", "same number of heads"]),
     ("attention-head-dim-mismatch", lambda: att(fakes(k=F((2, 24, 2, 128)))), ValueError,
      ["k has shape (2, 24, 2, 128)", "head_dim"]),
     ("forward-kv-seqlen-mismatch", lambda: fwd(fakes(v=F((2, 23, 2, 64)))), ValueError,
@@ -225,8 +232,10 @@ def test_numpy_arguments_are_not_modified():
 @pytest.mark.usefixtures("metadata_only")
 def test_valid_metadata_reaches_the_gpu():
     """The fakes themselves are valid: without a defect the call gets past validation (to the patched GPU)."""
+    gqa = dict(h=8, k=F((2, 24, 2, 64)), v=F((2, 24, 2, 64)))  # 8 query heads over 2 key/value heads
     for call in (lambda: att(fakes()), lambda: fwd(fakes(layout="bhsd"), layout="bhsd"), lambda: bwd(fakes()),
-                 lambda: bwd(fakes(dtype=BF16), causal=True, deterministic=True, softmax_scale=0.1)):
+                 lambda: bwd(fakes(dtype=BF16), causal=True, deterministic=True, softmax_scale=0.1),
+                 lambda: att(fakes(**gqa)), lambda: bwd(fakes(**gqa))):
         with pytest.raises(AssertionError, match="the GPU was used"):
             call()
 

@@ -57,7 +57,15 @@ def test_cases_have_the_required_variety():
     assert any(c.seqlen_q > c.seqlen_k and c.causal for c in cases)  # rows that see no key
     assert any(c.seqlen_q < c.seqlen_k and c.causal for c in cases)
     assert len({c.name for c in cases}) == len(cases)
-    assert max(c.batch * c.heads for c in cases) <= 2  # sanitizers are slow: tiny problems
+    # sanitizers are slow: tiny problems (a few more heads where GQA, varlen batches or kv caches need them)
+    assert max(c.batch * c.heads for c in cases if c.kind == "dense" and c.heads_kv == c.heads) <= 2
+    assert max(c.batch * c.heads * max(c.seqlen_q, c.seqlen_k) for c in cases) <= 4 * 1024
+    # the features: grouped-query (incl. multi-query) heads, packed sequences, kv caches dense and paged,
+    # with and without split-KV
+    assert {c.heads // c.heads_kv for c in cases} >= {1, 2, 4}
+    assert {c.kind for c in cases} == set(check.KINDS)
+    kv = [c for c in cases if c.kind == "kvcache"]
+    assert {c.paged for c in kv} == {False, True} and {c.splits for c in kv} >= {0, 1, 3}
 
 
 def test_shards_balance_cost_and_cover_each_case_once():

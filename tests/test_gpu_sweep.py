@@ -7,9 +7,11 @@ expression names gpu_slow). Run it, with the table of worst ratios per feature p
 
     python -m pytest -m gpu_slow tests/test_gpu_sweep.py -q -s
 
-Each configuration draws batch 1-3, heads 1-4, seqlens 1..4096 (log-uniform and uniform, edge values around
-powers of two, primes), head dims (multiples of 8 up to 256), fp16/bf16, causal, layout, deterministic mode,
-softmax_scale, and strides: inputs as views inside NaN-poisoned buffers with random padding and axis order
+Each configuration draws batch 1-3, heads 1-4 (with grouped-query K/V heads for a third of them), seqlens
+1..4096 (log-uniform and uniform, edge values around powers of two, primes), head dims (multiples of 8 up to
+256), fp16/bf16, causal, layout, deterministic mode, softmax_scale, the entry point (dense forward + backward;
+varlen forward + backward on packed sequences of random lengths, 0 included, for 10%; kv-cache decoding, dense
+or paged cache, split-KV, with or without appended keys, for 10%), and strides (dense): inputs as views inside NaN-poisoned buffers with random padding and axis order
 (guard bands: the buffers must come back unchanged and a read outside a view would bring NaN into the
 results), or head-dim offsets that are not 16-byte aligned (the library copies those); dq/dk/dv preallocated
 inside poisoned buffers for a third of the configurations. Most configurations are small; about 8% have
@@ -53,12 +55,15 @@ SIZES = {"small": (1, 300), "medium": (301, 1300), "large": (1301, 4096)}
 STRIDES = ("contiguous", "guarded", "guarded-permuted", "misaligned")
 
 
+MODES = ("dense", "varlen", "kvcache")
+
+
 @dataclass(frozen=True)
 class SweepConfig:
     idx: int
     batch: int
-    seqlen_q: int
-    seqlen_k: int
+    seqlen_q: int           # varlen: the longest query sequence; kvcache: new query tokens per sequence
+    seqlen_k: int           # varlen: the longest key sequence; kvcache: cache capacity per sequence
     heads: int
     head_dim: int
     dtype: str
@@ -69,11 +74,24 @@ class SweepConfig:
     preallocated: bool      # dq, dk, dv given as views inside poisoned buffers
     softmax_scale: float | None
     size: str               # the seqlen class the configuration was drawn from
+    kv_heads: int = 0       # K/V heads (grouped-query attention); 0: heads
+    mode: str = "dense"     # one of MODES
+    paged: bool = False     # kvcache: a paged cache (64-key pages, shuffled)
+    splits: int = 0         # kvcache: num_splits
+    append: bool = False    # kvcache: new keys/values appended (S_new = seqlen_q)
+
+    @property
+    def heads_kv(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def id(self) -> str:
         return (f"{self.idx:04d}-{self.dtype}-d{self.head_dim}-{self.seqlen_q}x{self.seqlen_k}-b{self.batch}h{self.heads}-"
-                f"{'causal' if self.causal else 'full'}-{self.layout}-{self.strides}"
+                + (f"kv{self.kv_heads}-" if self.kv_heads else "")
+                + f"{'causal' if self.causal else 'full'}-"
+                + (f"{self.layout}-{self.strides}" if self.mode == "dense" else self.mode)
+                + ("-paged" if self.paged else "") + (f"-split{self.splits}" if self.splits else "")
+                + ("-append" if self.append else "")
                 + ("-det" if self.deterministic else "") + ("-prealloc" if self.preallocated else "")
                 + (f"-scale{self.softmax_scale:.3f}" if self.softmax_scale is not None else ""))
 
@@ -81,12 +99,20 @@ class SweepConfig:
         """The feature values this configuration reports its ratios under."""
         khd = config.kernel_head_dim(self.head_dim)
         rel = "Sq=Sk" if self.seqlen_q == self.seqlen_k else ("Sq<Sk" if self.seqlen_q < self.seqlen_k else "Sq>Sk")
-        return {"dtype": self.dtype, "kernel head dim": str(khd),
-                "head dim": "kernel's own" if self.head_dim == khd else "zero-padded",
-                "causal": str(self.causal), "layout": self.layout, "Sq vs Sk": rel,
-                "deterministic": str(self.deterministic), "strides": self.strides,
-                "preallocated dq/dk/dv": str(self.preallocated),
-                "softmax_scale": "default" if self.softmax_scale is None else "custom", "size": self.size}
+        out = {"dtype": self.dtype, "kernel head dim": str(khd),
+               "head dim": "kernel's own" if self.head_dim == khd else "zero-padded",
+               "causal": str(self.causal), "entry point": self.mode,
+               "query heads / K/V head": str(self.heads // self.heads_kv),
+               "softmax_scale": "default" if self.softmax_scale is None else "custom", "size": self.size}
+        if self.mode == "dense":
+            out.update({"layout": self.layout, "Sq vs Sk": rel, "strides": self.strides,
+                        "preallocated dq/dk/dv": str(self.preallocated)})
+        if self.mode != "kvcache":
+            out["deterministic"] = str(self.deterministic)
+        else:
+            out.update({"kv cache": "paged" if self.paged else "dense", "num_splits": str(self.splits),
+                        "appended k/v": str(self.append)})
+        return out
 
 
 def _seqlen(rng, size: str) -> int:
@@ -114,13 +140,30 @@ def _draw(rng, idx: int) -> SweepConfig:
         else:
             b -= 1
     d = int(rng.choice(config.KERNEL_HEAD_DIMS)) if rng.random() < 0.55 else 8 * int(rng.integers(1, 33))
-    return SweepConfig(
+    cfg = SweepConfig(
         idx=idx, batch=b, seqlen_q=sq, seqlen_k=sk, heads=h, head_dim=d,
         dtype=str(rng.choice(["fp16", "bf16"])), causal=bool(rng.random() < 0.5),
         layout=str(rng.choice(["bshd", "bhsd"])), deterministic=bool(rng.random() < 0.3),
         strides=str(rng.choice(STRIDES, p=[0.35, 0.35, 0.15, 0.15])), preallocated=bool(rng.random() < 0.3),
         softmax_scale=None if rng.random() < 0.85 else float(rng.uniform(0.3, 2.0) / math.sqrt(d)),
         size=str(size))
+    # grouped-query K/V heads for a third: a proper divisor of heads (1: multi-query)
+    divisors = [x for x in range(1, h) if h % x == 0]
+    kv_heads = int(rng.choice(divisors)) if divisors and rng.random() < 0.33 else 0
+    mode = str(rng.choice(MODES, p=[0.8, 0.1, 0.1]))
+    extra = {"kv_heads": kv_heads, "mode": mode}
+    if mode == "kvcache":  # a few new tokens over a cache of up to seqlen_k keys (paged: 64-key pages)
+        paged = bool(rng.random() < 0.5)
+        capacity = max(64, -(-sk // 64) * 64) if paged else max(1, sk)
+        s_q = int(rng.choice([1, 1, 2, 3, 7, 16, 64]))
+        extra.update(seqlen_q=min(s_q, capacity), seqlen_k=capacity, paged=paged,
+                     splits=int(rng.choice([0, 0, 1, 2, 5, 16])), append=bool(rng.random() < 0.5),
+                     deterministic=False, preallocated=False, strides="contiguous", layout="bshd")
+    elif mode == "varlen":
+        extra.update(preallocated=False, strides="contiguous", layout="bshd")
+    from dataclasses import replace
+
+    return replace(cfg, **extra)
 
 
 def _anchors() -> list[SweepConfig]:
@@ -161,14 +204,14 @@ def _placement(cfg: SweepConfig, rng) -> dict:
     return opts
 
 
-def _shape(cfg: SweepConfig, seqlen: int) -> tuple:
-    b, h, d = cfg.batch, cfg.heads, cfg.head_dim
+def _shape(cfg: SweepConfig, seqlen: int, heads: int = 0) -> tuple:
+    b, h, d = cfg.batch, heads or cfg.heads, cfg.head_dim
     return (b, seqlen, h, d) if cfg.layout == "bshd" else (b, h, seqlen, d)
 
 
-def _input(cfg: SweepConfig, seqlen: int, seed: int, rng):
+def _input(cfg: SweepConfig, seqlen: int, seed: int, rng, heads: int = 0):
     """(array the library gets, Guarded or None)."""
-    values = randn(_shape(cfg, seqlen), cfg.dtype, seed)
+    values = randn(_shape(cfg, seqlen, heads), cfg.dtype, seed)
     if cfg.strides == "contiguous":
         return values, None
     g = guarded(values.shape, values.dtype, values, **_placement(cfg, rng))
@@ -264,14 +307,91 @@ def sweep_report(request):
 
 # --- the test ------------------------------------------------------------------------------------------------
 
+def _sweep_varlen(cfg: SweepConfig) -> dict:
+    """Packed sequences: batch lengths drawn up to seqlen_q / seqlen_k (0 included), forward and backward."""
+    rng = np.random.default_rng(seed_of("sweep-varlen", SEED, cfg.idx))
+    lens_q = rng.integers(0, cfg.seqlen_q + 1, cfg.batch)
+    lens_k = rng.integers(0, cfg.seqlen_k + 1, cfg.batch)
+    lens_q[0], lens_k[-1] = cfg.seqlen_q, cfg.seqlen_k  # the maxima occur
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    tq, tk, d, seed = int(cu_q[-1]), int(cu_k[-1]), cfg.head_dim, seed_of("sweep", SEED, cfg.idx)
+    q, dout = randn((tq, cfg.heads, d), cfg.dtype, seed), randn((tq, cfg.heads, d), cfg.dtype, seed + 3)
+    k, v = randn((tk, cfg.heads_kv, d), cfg.dtype, seed + 1), randn((tk, cfg.heads_kv, d), cfg.dtype, seed + 2)
+    cuq, cuk = cp.asarray(cu_q), cp.asarray(cu_k)
+    mq, mk = int(lens_q.max()), int(lens_k.max())
+    poison_pool(round_up(tq * cfg.heads * d * 2) + round_up(tq * cfg.heads * 4))
+    o, lse = cuflash.attention_varlen_forward(q, k, v, cuq, cuk, mq, mk, causal=cfg.causal,
+                                              softmax_scale=cfg.softmax_scale)
+    grads = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=cfg.causal,
+                                              softmax_scale=cfg.softmax_scale, deterministic=cfg.deterministic)
+    q32, k32, v32, do32 = (_xpref.to_float32(x) for x in (q, k, v, dout))
+    o64, lse64 = _xpref.attention_varlen_forward64(q32, k32, v32, cu_q, cu_k, cfg.causal, cfg.softmax_scale)
+    low = _xpref.attention_varlen_lowp(q32, k32, v32, cu_q, cu_k, cfg.dtype, cfg.causal, cfg.softmax_scale)
+    ratios = {"o": _ratio(_xpref.to_float32(o), o64, low, 2), "lse": _lse_ratio(lse, lse64)}
+    g64 = _xpref.attention_varlen_backward64(do32, q32, k32, v32, cu_q, cu_k, cfg.causal, cfg.softmax_scale)
+    glowp = _xpref.attention_varlen_backward_lowp(do32, q32, k32, v32, cu_q, cu_k, cfg.dtype, cfg.causal,
+                                                  cfg.softmax_scale)
+    for name, g, ref, lo in zip(("dq", "dk", "dv"), grads, g64, glowp):
+        ratios[name] = _ratio(_xpref.to_float32(g), ref, lo, 3)
+    return ratios
+
+
+def _sweep_kvcache(cfg: SweepConfig) -> dict:
+    """Decoding over a dense or paged cache with random valid lengths; the appended keys land exactly."""
+    rng = np.random.default_rng(seed_of("sweep-kvcache", SEED, cfg.idx))
+    b, sq, d, capacity, seed = cfg.batch, cfg.seqlen_q, cfg.head_dim, cfg.seqlen_k, seed_of("sweep", SEED, cfg.idx)
+    s_new = sq if cfg.append else 0
+    q = randn((b, sq, cfg.heads, d), cfg.dtype, seed)
+    k = v = None
+    if s_new:
+        k, v = (randn((b, s_new, cfg.heads_kv, d), cfg.dtype, seed + i) for i in (1, 2))
+    table = None
+    if cfg.paged:
+        pages = capacity // 64
+        table = rng.permutation(b * pages + 3)[:b * pages].reshape(b, pages).astype(np.int32)
+        shape = (b * pages + 3, 64, cfg.heads_kv, d)
+    else:
+        shape = (b, capacity, cfg.heads_kv, d)
+    k_cache, v_cache = randn(shape, cfg.dtype, seed + 4), randn(shape, cfg.dtype, seed + 5)
+    lens = rng.integers(0, capacity - s_new + 1, b).astype(np.int32)
+    before = (k_cache.copy(), v_cache.copy())
+    poison_pool(round_up(b * sq * cfg.heads * d * 2) + round_up(b * cfg.heads * sq * 4))
+    o, lse = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cp.asarray(lens),
+                                            block_table=None if table is None else cp.asarray(table),
+                                            causal=cfg.causal, softmax_scale=cfg.softmax_scale,
+                                            num_splits=cfg.splits, return_lse=True)
+    q32, kc32, vc32 = (_xpref.to_float32(x) for x in (q,) + before)
+    k32, v32 = (None, None) if k is None else (_xpref.to_float32(k), _xpref.to_float32(v))
+    o64, lse64, _, _ = _xpref.attention_kvcache64(q32, kc32, vc32, lens, k32, v32, table, cfg.causal,
+                                                  cfg.softmax_scale)
+    low = _xpref.attention_kvcache_lowp(q32, kc32, vc32, cfg.dtype, lens, k32, v32, table, cfg.causal,
+                                        cfg.softmax_scale)
+    ratios = {"o": _ratio(_xpref.to_float32(o), o64, low, 2), "lse": _lse_ratio(lse, lse64),
+              "dq": 0.0, "dk": 0.0, "dv": 0.0}
+    u16 = cp.uint16
+    want_k, want_v = _xpref.kvcache_append(before[0].view(u16), before[1].view(u16),
+                                           None if k is None else k.view(u16), None if v is None else v.view(u16),
+                                           lens, table)
+    assert bool((k_cache.view(u16) == want_k).all()) and bool((v_cache.view(u16) == want_v).all()), \
+        f"the cache after the append differs from the expected one (new keys misplaced or other entries changed) " \
+        f"for {cfg.id}"
+    return ratios
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=[c.id for c in CONFIGS])
 def test_sweep(cfg: SweepConfig, sweep_report):
+    if cfg.mode != "dense":
+        ratios = (_sweep_varlen if cfg.mode == "varlen" else _sweep_kvcache)(cfg)
+        sweep_report.record(cfg, ratios)
+        bad = {n: r for n, r in ratios.items() if not r <= 1.0}
+        assert not bad, f"pass rule broken for {cfg.id}: " + ", ".join(f"{n} ratio {r:.3g}" for n, r in bad.items())
+        return
     rng = np.random.default_rng(seed_of("sweep-placement", SEED, cfg.idx))
     seed = seed_of("sweep", SEED, cfg.idx)
     b, sq, sk, h, d = cfg.batch, cfg.seqlen_q, cfg.seqlen_k, cfg.heads, cfg.head_dim
     q, qg = _input(cfg, sq, seed, rng)
-    k, kg = _input(cfg, sk, seed + 1, rng)
-    v, vg = _input(cfg, sk, seed + 2, rng)
+    k, kg = _input(cfg, sk, seed + 1, rng, cfg.heads_kv)
+    v, vg = _input(cfg, sk, seed + 2, rng, cfg.heads_kv)
     dout, dog = _input(cfg, sq, seed + 3, rng)
     in_guards = {n: (g, g.snapshot()) for n, g in (("q", qg), ("k", kg), ("v", vg), ("dout", dog)) if g is not None}
 
@@ -325,3 +445,7 @@ def test_sweep_is_reproducible_and_large_enough():
         assert min(c.seqlen_q for c in CONFIGS) == 1 and max(c.seqlen_k for c in CONFIGS) == 4096
         assert {c.head_dim for c in CONFIGS} >= set(config.KERNEL_HEAD_DIMS)
         assert any(c.seqlen_q in PRIMES and c.seqlen_q > 1000 for c in CONFIGS)
+        assert {c.mode for c in CONFIGS} == set(MODES) and any(c.kv_heads == 1 for c in CONFIGS)
+        kv = [c for c in CONFIGS if c.mode == "kvcache"]
+        assert {c.paged for c in kv} == {False, True} and {c.append for c in kv} == {False, True}
+        assert len({c.splits for c in kv}) > 2

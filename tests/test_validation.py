@@ -78,6 +78,17 @@ BAD_INPUTS = [
      ["k.dtype=float16", "q.dtype=bfloat16"]),
     ("batch-mismatch-k", lambda: check_qkv(k_shape=(3, 32, 4, 64)), ValueError, ["k", "(3, 32, 4, 64)", "batch"]),
     ("heads-mismatch-v", lambda: check_qkv(v_shape=(2, 32, 8, 64)), ValueError, ["v", "(2, 32, 8, 64)", "heads"]),
+    # grouped-query attention: heads_q must be a positive multiple of heads_kv, and v must have k's heads
+    ("gqa-heads-q-not-multiple", lambda: check_qkv(q_shape=(2, 16, 6, 64), k_shape=(2, 32, 4, 64)), ValueError,
+     ["k has shape (2, 32, 4, 64)", "heads_kv=4", "heads_q=6", "heads_q must be a positive multiple of heads_kv"]),
+    ("gqa-heads-kv-zero", lambda: check_qkv(q_shape=(2, 16, 4, 64), k_shape=(2, 32, 0, 64)), ValueError,
+     ["heads_kv=0", "heads_q=4"]),
+    ("gqa-heads-q-zero", lambda: check_qkv(q_shape=(2, 16, 0, 64), k_shape=(2, 32, 2, 64)), ValueError,
+     ["heads_kv=2", "heads_q=0"]),
+    ("gqa-v-heads-differ", lambda: check_qkv(q_shape=(2, 16, 8, 64), k_shape=(2, 32, 2, 64), v_shape=(2, 32, 4, 64)),
+     ValueError, ["v has shape (2, 32, 4, 64)", "k has (2, 32, 2, 64)", "same number of heads"]),
+    ("gqa-bhsd-heads-q-not-multiple", lambda: check_qkv(layout="bhsd", q_shape=(2, 4, 16, 64), k_shape=(2, 3, 32, 64)),
+     ValueError, ["k has shape (2, 3, 32, 64) (bhsd)", "heads_kv=3", "heads_q=4"]),
     ("head-dim-mismatch-k", lambda: check_qkv(k_shape=(2, 32, 4, 128), v_shape=(2, 32, 4, 64)), ValueError,
      ["k", "(2, 32, 4, 128)", "head_dim"]),
     ("seqlen-k-vs-v", lambda: check_qkv(v_shape=(2, 31, 4, 64)), ValueError, ["v", "(2, 31, 4, 64)", "seqlen"]),
@@ -170,3 +181,13 @@ def test_default_softmax_scale_and_numpy_scalars():
 def test_misaligned_views_are_copied_not_rejected(strides, ptr, needs_copy):
     q = info("q", (2, 16, 4, 64), strides=strides, ptr=ptr)
     assert V.needs_aligned_copy(q, V.bshd_dims(q, "bshd")) is needs_copy
+
+
+@pytest.mark.parametrize("heads_q,heads_kv", [(8, 8), (8, 4), (8, 2), (8, 1), (6, 3), (6, 1), (0, 0)])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_gqa_heads_that_divide_the_query_heads_are_accepted(heads_q, heads_kv, layout):
+    """Grouped-query (H_kv < H_q) and multi-query (H_kv = 1) attention: q keeps its heads, k and v theirs."""
+    shape = (lambda s, h: (2, s, h, 64)) if layout == "bshd" else (lambda s, h: (2, h, s, 64))
+    dtype, dq, dk, dv = check_qkv(layout=layout, q_shape=shape(16, heads_q), k_shape=shape(32, heads_kv))
+    assert (dq.heads, dk.heads, dv.heads) == (heads_q, heads_kv, heads_kv)
+    assert V.check_gqa_heads(heads_q, heads_kv, *qkv()[:2]) == (heads_q // heads_kv if heads_kv else 1)

@@ -11,7 +11,8 @@
 #   tests_mma the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
 #   tune      tools/tune_tiles.py (candidate tile sizes, timed)
 #   bench     python -m cuflash.bench --backward (bf16 + fp16, D 64/128/256, causal and not, N 512..16k)
-#   sanitize  python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck)
+#   sanitize  python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels
+#   sanitize_mma  the same with CUFLASH_KERNELS=mma
 #   sweep     the 2000-configuration gpu_slow sweep
 #   ncu       python -m cuflash.simulator.validate (the analyzer against hardware counters)
 #   python:FILE   runs tools/FILE.py (for one-off measurements kept in the repository)
@@ -76,6 +77,11 @@ stage_bench() {
 stage_sanitize() {
   timeout 560 $PY -m cuflash.check sanitize --out /tmp/sanitize > "$OUT/sanitize.txt" 2>&1
   echo "sanitize exit $?: $(tail -3 "$OUT/sanitize.txt" | tr '\n' ' ')" >> "$summary"
+}
+
+stage_sanitize_mma() {
+  CUFLASH_KERNELS=mma timeout 560 $PY -m cuflash.check sanitize --out /tmp/sanitize_mma > "$OUT/sanitize_mma.txt" 2>&1
+  echo "sanitize (CUFLASH_KERNELS=mma) exit $?: $(tail -3 "$OUT/sanitize_mma.txt" | tr '\n' ' ')" >> "$summary"
 }
 
 stage_sweep() {

@@ -24,12 +24,12 @@ from cuflash import _compile, api, config  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 # wgmma kernels (sm_90a): forward (block_m, block_n, ctas_per_sm), backward (block_m, block_n, ctas_per_sm)
-FWD_SM90 = {32: [(128, 64, 2), (192, 128, 1)],
+FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             64: [(192, 128, 1), (128, 128, 1), (192, 64, 1)],
             96: [(192, 64, 1)],
             128: [(128, 64, 1), (192, 64, 1)],
             192: [(128, 32, 1)],
-            256: [(128, 32, 1)]}
+            256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
