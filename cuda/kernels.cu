@@ -6,3 +6,4 @@
 #include "bwd.cuh"
 #include "fwd_sm90.cuh"
 #include "bwd_sm90.cuh"
+#include "kvcache.cuh"

@@ -3,7 +3,8 @@
 //   dense   q [batch, seqlen_q, heads, d]: sequence b starts at q + b * q_batch_stride
 //   varlen  q [total_q, heads, d] (batch stride 0): sequence b is rows cu_seqlens_q[b] .. cu_seqlens_q[b+1]-1
 //   GQA     query head h reads K/V head h / kv_group (kv_group = H_q / H_kv; 1 for plain multi-head)
-//   kv cache (forward only): sequence b uses the first seqused_k[b] keys of its cache rows
+//   kv cache (forward only): sequence b uses the first seqused_k[b] + seqlen_k_new keys of its cache rows
+//     (the keys cached before this call, then the ones it appended)
 // The fp32 row vectors of the backward (lse_log2, delta, dQ accumulator) give every sequence a region
 // that starts at a multiple of PAD_ROWS and holds its last query block whole: dense, (b * heads + h) *
 // seqlen_q_pad; varlen, h * seqlen_q_pad + padded_start(b) with padded_start(b) = floor((cu_q[b] +
@@ -23,7 +24,7 @@ struct SeqParams {
   const int* seqused_k;     // [batch] keys in use per sequence (kv cache), or nullptr: seqlen_k each
   int seqlen_q, seqlen_k;   // dense lengths (varlen: the maxima, which size the grid)
   int kv_group;             // query heads per K/V head
-  int pad0;
+  int seqlen_k_new;         // kv cache: keys appended to every sequence this call (added to its cached keys)
 };
 
 // One sequence: its lengths and, for varlen, its first rows in the packed arrays (0 when dense).
@@ -46,7 +47,7 @@ __device__ __forceinline__ Seq sequence(const SeqParams& sp, int batch) {
     s.len_k = sp.cu_seqlens_k[batch + 1] - s.k_row0;
   } else {
     s.k_row0 = 0;
-    s.len_k = sp.seqused_k != nullptr ? sp.seqused_k[batch] : sp.seqlen_k;
+    s.len_k = (sp.seqused_k != nullptr ? sp.seqused_k[batch] : sp.seqlen_k) + sp.seqlen_k_new;
   }
   return s;
 }

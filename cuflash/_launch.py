@@ -23,14 +23,16 @@ class SeqParams(ctypes.Structure):
 
     _fields_ = [
         ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
-        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("kv_group", ctypes.c_int), ("pad0", ctypes.c_int),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("kv_group", ctypes.c_int),
+        ("seqlen_k_new", ctypes.c_int),
     ]
 
 
 def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=None, cu_seqlens_k=None,
-               seqused_k=None) -> SeqParams:
-    """SeqParams for dense sequences (the cu_seqlens / seqused_k pointers None) or packed ones."""
-    return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, 0)
+               seqused_k=None, seqlen_k_new: int = 0) -> SeqParams:
+    """SeqParams for dense sequences (the cu_seqlens / seqused_k pointers None), packed ones, or a kv cache
+    (seqused_k: keys cached per sequence, or None: seqlen_k each; plus seqlen_k_new appended keys)."""
+    return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, seqlen_k_new)
 
 
 class FwdParams(ctypes.Structure):
@@ -67,8 +69,20 @@ class BwdParams(ctypes.Structure):
     )
 
 
+class AppendParams(ctypes.Structure):
+    """Mirror of cuflash::AppendParams (cuda/kvcache.cuh)."""
+
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table")]
+        + [(f"{a}_{s}_stride", _c_ll) for a in ("kn", "vn", "kc", "vc") for s in ("batch", "row", "head")]
+        + [(n, ctypes.c_int) for n in ("cache_seqlen", "s_new", "kv_heads", "head_dim", "page_size",
+                                      "block_table_stride")]
+    )
+
+
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
 assert ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 264 and ctypes.sizeof(BwdParams) == 376
+assert ctypes.sizeof(AppendParams) == 168
 
 
 class _Kernel:

@@ -261,7 +261,7 @@ def check_int(value, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
     return n
 
 
-def _last_dim_contiguous(info: ArrayInfo, what: str) -> None:
+def check_last_dim_contiguous(info: ArrayInfo, what: str) -> None:
     if len(info.shape) and info.shape[-1] > 1 and info.strides[-1] != 1 and 0 not in info.shape:
         raise ValueError(f"{info.name} has strides {info.strides} (elements): its last dim ({what}) must be "
                          f"contiguous (stride 1); use cupy.ascontiguousarray({info.name})")
@@ -298,7 +298,7 @@ def _packed(info: ArrayInfo, total: str, heads: str) -> None:
         raise ValueError(f"{info.name} has shape {info.shape} (rank {len(info.shape)}); the varlen functions take "
                          f"packed rank-3 arrays ({total}, {heads}, head_dim): sequence b is rows "
                          f"cu_seqlens[b] .. cu_seqlens[b + 1] - 1")
-    _last_dim_contiguous(info, "head_dim")
+    check_last_dim_contiguous(info, "head_dim")
 
 
 def check_cu_seqlens(cu_q: ArrayInfo, cu_k: ArrayInfo) -> int:
@@ -441,7 +441,7 @@ def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: Array
         if len(block_table.shape) != 2 or block_table.shape[0] != batch:
             raise ValueError(f"{block_table.name} has shape {block_table.shape}; expected (batch, max_blocks_per_seq) "
                              f"with batch={batch} (q.shape[0])")
-        _last_dim_contiguous(block_table, "max_blocks_per_seq")
+        check_last_dim_contiguous(block_table, "max_blocks_per_seq")
         page_size, max_blocks = dkc.seqlen, block_table.shape[1]
         if page_size < KV_TILE or page_size % KV_TILE:
             raise ValueError(f"page_size={page_size} ({k_cache.name}.shape[1] of the paged cache (num_blocks, "

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import numpy as np
 
 from . import _launch, _validate, config
-from .config import (SEQLEN_Q_PAD, CombineConfig, ElementwiseConfig, backward_kernel_config, dq_config,
+from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, ElementwiseConfig, backward_kernel_config, dq_config,
                      forward_kernel_config, fwd_decode_config, kernel_head_dim)
 
 
@@ -406,7 +407,7 @@ def _grad_output(x, name, like, like_info, inputs):
     if info.dtype != like_info.dtype:
         raise TypeError(f"{name}.dtype={info.dtype} must be {like_info.dtype}, the dtype of {like_info.name}")
     _check_packed_like(info, like_info.shape, like_info.name)
-    _validate._last_dim_contiguous(info, "head_dim")
+    _validate.check_last_dim_contiguous(info, "head_dim")
     if _validate.needs_aligned_copy_rows(info):
         raise ValueError(f"{name} (preallocated) must be 16-byte aligned with token/head strides that are multiples "
                          f"of 8 elements; got strides {info.strides} at address {info.ptr:#x}")
@@ -443,7 +444,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     _validate.check_dtype(qi, doi, oi)
     for info in (doi, oi):
         _check_packed_like(info, qi.shape, "q")
-        _validate._last_dim_contiguous(info, "head_dim")
+        _validate.check_last_dim_contiguous(info, "head_dim")
     if li.dtype != np.float32:
         raise TypeError(f"lse.dtype={li.dtype} must be float32 (the lse returned by attention_varlen_forward)")
     if li.shape != (m.heads_q, m.total_q):
@@ -558,8 +559,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     kci, vci = _validate.array_info(k_cache, "k_cache"), _validate.array_info(v_cache, "v_cache")
     ki = None if k is None else _validate.array_info(k, "k")
     vi = None if v is None else _validate.array_info(v, "v")
-    lens_info = cache_seqlens if cache_seqlens is None or not hasattr(cache_seqlens, "data") \
-        else _validate.array_info(cache_seqlens, "cache_seqlens")
+    is_count = cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral)
+    lens_info = cache_seqlens if is_count else _validate.array_info(cache_seqlens, "cache_seqlens")
     bti = None if block_table is None else _validate.array_info(block_table, "block_table")
     m = _validate.check_kvcache(qi, kci, vci, ki, vi, lens_info, bti, num_splits)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
@@ -568,36 +569,36 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
     with _on_device(cp, m.device):
         max_len = m.capacity
         if check_inputs:  # before anything is written: a rejected call leaves the caches untouched
-            lens_host = cache_seqlens if not isinstance(lens_info, _validate.ArrayInfo) else cp.asnumpy(cache_seqlens)
+            lens_host = cache_seqlens if is_count else cp.asnumpy(cache_seqlens)
             max_len = _validate.check_kvcache_values(lens_host, None if bti is None else cp.asnumpy(block_table),
                                                      m.capacity, m.s_new, m.num_blocks, m.page_size)
         o = cp.empty((m.batch, m.seqlen_q, m.heads_q, m.head_dim), dtype=q.dtype)
         lse = cp.empty((m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
         if m.batch == 0:
             return (o, lse) if return_lse else o
-        # keys already cached per sequence, as a device int32 array
-        if isinstance(lens_info, _validate.ArrayInfo):
-            cached = cache_seqlens
-        else:
-            cached = cp.full((m.batch,), m.cache_seqlen, dtype=cp.int32)
-        if m.s_new:  # append k, v at positions cached[b] .. cached[b] + S_new - 1 (CuPy scatter, no sync)
-            pos = cached[:, None] + cp.arange(m.s_new, dtype=cp.int32)[None, :]  # (batch, S_new) logical positions
-            if m.paged:
-                blocks = cp.take_along_axis(block_table, pos // m.page_size, axis=1)
-                k_cache[blocks, pos % m.page_size] = k
-                v_cache[blocks, pos % m.page_size] = v
-            else:
-                rows = cp.arange(m.batch)[:, None]
-                k_cache[rows, pos] = k
-                v_cache[rows, pos] = v
-        used = cached + cp.int32(m.s_new) if m.s_new else cached  # keys per sequence after the append
+        stream = cp.cuda.get_current_stream().ptr
+        lens_ptr = None if is_count else cache_seqlens.data.ptr  # keys cached per sequence (device), or ...
+        cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen  # ... the same count for all
+        bt_ptr = block_table.data.ptr if m.paged else None
+        dkc, dvc = m.k_cache, m.v_cache  # paged: Dims of (num_pages, page_size, heads_kv, head_dim)
+        if m.s_new:  # append k, v at positions cache_seqlens[b] .. + S_new - 1: one launch, no host sync
+            k, dk = _as_kernel_operand(k, ki, m.k, "bshd")
+            v, dv = _as_kernel_operand(v, vi, m.v, "bshd")
+            params = _launch.AppendParams(
+                k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lens_ptr, bt_ptr,
+                *(s for d in (dk, dv, dkc, dvc) for s in (d.batch_stride, d.row_stride, d.head_stride)),
+                cache_seqlen, m.s_new, m.heads_kv, m.head_dim, m.page_size if m.paged else 0,
+                m.block_table_stride)
+            app = AppendConfig()
+            chunks = m.s_new * m.heads_kv * (m.head_dim // 8)
+            _launch.get_kernel(app, m.device).launch((-(-chunks // app.threads), m.batch, 1), params, stream)
         if o.size == 0:
             return (o, lse) if return_lse else o
         q, dq = _as_kernel_operand(q, qi, m.q, "bshd")
 
         # Grouped query heads are packed as rows (cuda/fwd.cuh): one K/V tile read serves the whole group.
         group = m.heads_q // m.heads_kv
-        rows_per_pos, grid_heads, seq_group = (group, m.heads_kv, 1) if group > 1 else (1, m.heads_q, 1)
+        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 else (1, m.heads_q)
         hd = kernel_head_dim(m.head_dim)
         cfg = fwd_decode_config(hd, m.dtype, causal)
         row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
@@ -608,22 +609,20 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         if splits > 1:
             o_accum = cp.empty((splits, m.batch, m.heads_q, m.seqlen_q, hd), dtype=cp.float32)
             lse_accum = cp.empty((splits, m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
-        dkc = m.k_cache
-        page = dict(block_table=block_table.data.ptr, block_table_stride=m.block_table_stride,
-                    page_size=m.page_size, page_strides=(kci.strides[0], vci.strides[0])) if m.paged else {}
-        if m.paged:  # pages are indexed from the cache base; no batch stride
-            dkc = dkc._replace(batch_stride=0)
-            dvc = m.v_cache._replace(batch_stride=0)
-        else:
-            dvc = m.v_cache
-        seq = _launch.seq_params(m.seqlen_q, m.capacity, seq_group, seqused_k=used.data.ptr)
+        page = {}
+        if m.paged:  # pages are indexed from the cache base (no batch stride)
+            page = dict(block_table=bt_ptr, block_table_stride=m.block_table_stride, page_size=m.page_size,
+                        page_strides=(dkc.batch_stride, dvc.batch_stride))
+            dkc, dvc = dkc._replace(batch_stride=0), dvc._replace(batch_stride=0)
+        # packed rows: grid.y runs over K/V heads, so no further query-head -> K/V-head division
+        seq = _launch.seq_params(m.seqlen_q, cache_seqlen, 1 if rows_per_pos > 1 else group, seqused_k=lens_ptr,
+                                 seqlen_k_new=m.s_new)
         params = _fwd_params(
-            q, k_cache, v_cache, o, lse, seq, dq, dkc, dvc, (m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim,
-                                                           m.head_dim),
+            q, k_cache, v_cache, o, lse, seq, dq, dkc, dvc,
+            (m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim, m.head_dim),
             (m.heads_q * m.seqlen_q, m.seqlen_q), m.heads_q, m.head_dim, scale, num_splits=splits,
             rows_per_pos=rows_per_pos, o_accum=0 if o_accum is None else o_accum.data.ptr,
             lse_accum=0 if lse_accum is None else lse_accum.data.ptr, accum_cols=hd, **page)
-        stream = cp.cuda.get_current_stream().ptr
         _launch.get_kernel(cfg, m.device).launch((row_blocks, grid_heads, m.batch * splits), params, stream)
         if splits > 1:
             comb = CombineConfig(m.dtype)

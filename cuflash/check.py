@@ -101,8 +101,9 @@ class Case:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
-        if self.kind == "kvcache":  # the decode kernel runs on every architecture and kernel family
-            return [config.fwd_decode_config(hd, self.dtype, self.causal), config.CombineConfig(self.dtype)]
+        if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
+            return [config.AppendConfig(), config.fwd_decode_config(hd, self.dtype, self.causal),
+                    config.CombineConfig(self.dtype)]
         return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels),
                 config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels),
                 config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),

@@ -174,13 +174,25 @@ class CombineConfig:
         return f"cuflash::fwd_combine_kernel<{'cuflash::f16' if self.dtype == 'fp16' else 'cuflash::bf16'}>"
 
 
+@dataclass(frozen=True)
+class AppendConfig:
+    """The kv cache's append of new keys and values: `kvcache_append_kernel` (cuda/kvcache.cuh), one thread
+    per 16-byte chunk, for every dtype (it copies bits)."""
+
+    threads: int = 128  # APPEND_THREADS
+    smem_bytes: int = 0
+
+    def cpp_name(self) -> str:
+        return "cuflash::kvcache_append_kernel"
+
+
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
     sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
     and, for sm_90a, the wgmma kernels."""
     out: list = [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
     out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
-    out += [CombineConfig(dt) for dt in DTYPES]
+    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig()]
     if arch == "sm_90a":
         out += [fwd_sm90_config(hd, dt, c) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)]
     return out

@@ -1,27 +1,30 @@
 #!/usr/bin/env bash
 # One device call, several stages: `tools/gpu_session.sh STAGE [STAGE ...]`, run from the repository root
 # on the lent GPU machine (no package index there: cuflash is installed without dependencies, the image
-# has CuPy, NumPy, Numba, ml_dtypes, pytest, pytest-xdist and torch). Logs go to $OUT (at most 8 files
-# come back, so each stage writes one log and the summary collects the last lines of each).
+# has CuPy, NumPy, Numba, ml_dtypes, pytest, pytest-xdist and torch). Each stage logs to $LOGS and appends
+# the end of its log to $OUT/summary.txt; the logs come back as $OUT/logs.tgz (at most 8 files come
+# back from $OUT, and a call stopped at its time limit still returns the summary).
 #
-#   env       GPU, driver, package versions; fills the kernel cache for sm_90a with every CPU at once
-#   layouts   tools/check_wgmma_layouts.py (wgmma descriptors against the shared-memory layouts)
-#   tests     python -m pytest -m gpu (every GPU test but the long sweep), 6 xdist workers: the default
-#             kernels (wgmma on an H100)
-#   tests_mma the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
-#   tune      tools/tune_tiles.py (candidate tile sizes, timed)
-#   bench     python -m cuflash.bench --backward (bf16 + fp16, D 64/128/256, causal and not, N 512..16k)
-#   sanitize  python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels
+#   env           GPU, driver, package versions; fills the kernel cache (every shipped sm_90a kernel)
+#   layouts       tools/check_wgmma_layouts.py (wgmma descriptors against the shared-memory layouts)
+#   tests         python -m pytest -m gpu (every GPU test but the long sweep), 6 xdist workers, default
+#                 kernels (wgmma on an H100)
+#   tests_mma     the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
+#   sanitize      python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels
 #   sanitize_mma  the same with CUFLASH_KERNELS=mma
-#   sweep     the 2000-configuration gpu_slow sweep
-#   ncu       python -m cuflash.simulator.validate (the analyzer against hardware counters)
-#   python:FILE   runs tools/FILE.py (for one-off measurements kept in the repository)
+#   sweep         the 2000-configuration gpu_slow sweep
+#   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
+#   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen
+#   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
+#   tune          tools/tune_tiles.py $TUNE_ARGS
 set -u
 OUT="${OUT:-/tmp/out}"
-mkdir -p "$OUT"
+LOGS=/tmp/cuflash-logs
+mkdir -p "$OUT" "$LOGS"
 export PYTHONUNBUFFERED=1 CUFLASH_CACHE_DIR=/tmp/cuflash-cache
 PY=python3
 summary="$OUT/summary.txt"
+note() { echo "$*" >> "$summary"; }
 
 stage_env() {
   {
@@ -31,78 +34,61 @@ stage_env() {
     $PY -c "import cupy, numpy, numba, ml_dtypes, cuflash; from cupy_backends.cuda.libs import nvrtc; \
 print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'numba', numba.__version__, 'nvrtc', nvrtc.getVersion())"
     $PY -c "import torch; print('torch', torch.__version__)" 2>&1 | tail -1
-    $PY - <<'EOF'
+    $PY - <<'PYEOF'
 import time
 from concurrent.futures import ThreadPoolExecutor
 from cuflash import _compile, config
-cfgs = config.all_fwd_configs("sm_90a") + config.all_bwd_configs()
+cfgs = config.all_fwd_configs("sm_90a") + config.all_bwd_configs("sm_90a")
 t0 = time.perf_counter()
 with ThreadPoolExecutor(16) as pool:
     list(pool.map(lambda c: _compile.compile_kernel(c.cpp_name(), "sm_90a"), cfgs))
 print(f"kernel cache: {len(cfgs)} sm_90a kernels compiled in {time.perf_counter() - t0:.1f} s")
-EOF
-  } > "$OUT/env.txt" 2>&1
-  tail -4 "$OUT/env.txt" >> "$summary"
+PYEOF
+  } > "$LOGS/env.txt" 2>&1
+  tail -4 "$LOGS/env.txt" >> "$summary"
 }
 
-stage_layouts() {
-  timeout 120 $PY tools/check_wgmma_layouts.py > "$OUT/layouts.txt" 2>&1
-  echo "layouts exit $?: $(tail -1 "$OUT/layouts.txt")" >> "$summary"
+run_logged() {  # name timeout command...: run, log, note exit code and last lines
+  local name=$1 limit=$2
+  shift 2
+  timeout "$limit" "$@" > "$LOGS/$name.txt" 2>&1
+  note "$name exit $?: $(tail -${TAIL:-2} "$LOGS/$name.txt" | tr '\n' ' ')"
 }
 
+stage_layouts() { run_logged layouts 120 $PY tools/check_wgmma_layouts.py; }
 stage_tests() {
-  timeout "${TESTS_TIMEOUT:-480}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfE --tb=line tests \
-    > "$OUT/tests.txt" 2>&1
-  echo "tests exit $?: $(tail -1 "$OUT/tests.txt")" >> "$summary"
+  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfE --tb=line tests
 }
-
 stage_tests_mma() {
-  CUFLASH_KERNELS=mma timeout "${TESTS_TIMEOUT:-480}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfE \
-    --tb=line tests > "$OUT/tests_mma.txt" 2>&1
-  echo "tests (CUFLASH_KERNELS=mma) exit $?: $(tail -1 "$OUT/tests_mma.txt")" >> "$summary"
+  CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider \
+    -rfE --tb=line tests
 }
-
-stage_tune() {
-  timeout "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-} > "$OUT/tune.txt" 2>&1
-  echo "tune exit $?" >> "$summary"
-}
-
-stage_bench() {
-  # BENCH_ARGS narrows it (the whole grid takes longer than one call may run)
-  timeout "${BENCH_TIMEOUT:-540}" $PY -m cuflash.bench --backward ${BENCH_ARGS:---head-dim 64 128 256} \
-    --json "$OUT/bench.json" --plot "$OUT/bench.png" > "$OUT/bench.txt" 2>&1
-  echo "bench exit $?" >> "$summary"
-}
-
-stage_sanitize() {
-  timeout 560 $PY -m cuflash.check sanitize --out /tmp/sanitize > "$OUT/sanitize.txt" 2>&1
-  echo "sanitize exit $?: $(tail -3 "$OUT/sanitize.txt" | tr '\n' ' ')" >> "$summary"
-}
-
+stage_sanitize() { TAIL=8 run_logged sanitize 400 $PY -m cuflash.check sanitize --out /tmp/sanitize --deadline 360; }
 stage_sanitize_mma() {
-  CUFLASH_KERNELS=mma timeout 560 $PY -m cuflash.check sanitize --out /tmp/sanitize_mma > "$OUT/sanitize_mma.txt" 2>&1
-  echo "sanitize (CUFLASH_KERNELS=mma) exit $?: $(tail -3 "$OUT/sanitize_mma.txt" | tr '\n' ' ')" >> "$summary"
+  CUFLASH_KERNELS=mma TAIL=8 run_logged sanitize_mma 400 $PY -m cuflash.check sanitize --out /tmp/sanitize_mma \
+    --deadline 360
 }
-
 stage_sweep() {
-  CUFLASH_SWEEP_REPORT="$OUT/sweep.json" timeout 580 $PY -m pytest -q -s -m gpu_slow -p no:cacheprovider \
-    tests/test_gpu_sweep.py > "$OUT/sweep.txt" 2>&1
-  echo "sweep exit $?: $(tail -1 "$OUT/sweep.txt")" >> "$summary"
+  CUFLASH_SWEEP_REPORT="$OUT/sweep.json" TAIL=3 run_logged sweep 500 $PY -m pytest -q -s -m gpu_slow \
+    -p no:cacheprovider tests/test_gpu_sweep.py
 }
-
+stage_bench() {
+  run_logged "bench${BENCH_NAME:-}" "${BENCH_TIMEOUT:-540}" $PY -m cuflash.bench --backward ${BENCH_ARGS:-} \
+    --json "$OUT/bench${BENCH_NAME:-}.json" --plot "$OUT/bench${BENCH_NAME:-}.png"
+}
+stage_bench_decode() { TAIL=30 run_logged bench_decode 240 $PY -m cuflash.bench --decode ${DECODE_ARGS:-}; }
+stage_bench_varlen() { TAIL=12 run_logged bench_varlen 180 $PY -m cuflash.bench --varlen; }
 stage_ncu() {
-  timeout 560 $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" --raw-dir /tmp/ncu_raw \
-    --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 180 --budget-s 480 > "$OUT/ncu.txt" 2>&1
-  echo "ncu exit $?" >> "$summary"
+  TAIL=3 run_logged ncu 500 $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" --raw-dir /tmp/ncu_raw \
+    --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 180 --budget-s 420
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
+stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
 
 for stage in "$@"; do
   t0=$(date +%s)
-  case "$stage" in
-    python:*) $PY "tools/${stage#python:}.py" > "$OUT/${stage#python:}.txt" 2>&1; echo "$stage exit $?" >> "$summary" ;;
-    *) "stage_$stage" ;;
-  esac
-  echo "== $stage: $(( $(date +%s) - t0 )) s" >> "$summary"
+  "stage_$stage"
+  note "== $stage: $(( $(date +%s) - t0 )) s"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" . 2>/dev/null
 done
 cat "$summary"
