@@ -277,7 +277,8 @@ def kvcache_slots(xp, b: int, positions, cache_shape, block_table=None):
     if block_table is None:
         return xp.full(positions.shape, b, dtype=positions.dtype), positions
     page_size = cache_shape[1]
-    return block_table[b, positions // page_size].astype(positions.dtype), positions % page_size
+    table = xp.asarray(block_table)  # a host (NumPy) table works with device positions too
+    return table[b, positions // page_size].astype(positions.dtype), positions % page_size
 
 
 def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):

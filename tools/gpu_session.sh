@@ -63,24 +63,36 @@ stage_tests_mma() {
   CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider \
     -rfE --tb=line tests
 }
-stage_sanitize() { TAIL=8 run_logged sanitize 400 $PY -m cuflash.check sanitize --out /tmp/sanitize --deadline 360; }
+stage_sanitize() {
+  TAIL=8 run_logged sanitize "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize --out /tmp/sanitize \
+    --deadline "$(( ${SANITIZE_TIMEOUT:-400} - 30 ))"
+}
 stage_sanitize_mma() {
-  CUFLASH_KERNELS=mma TAIL=8 run_logged sanitize_mma 400 $PY -m cuflash.check sanitize --out /tmp/sanitize_mma \
-    --deadline 360
+  CUFLASH_KERNELS=mma TAIL=8 run_logged sanitize_mma "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize \
+    --out /tmp/sanitize_mma --deadline "$(( ${SANITIZE_TIMEOUT:-400} - 30 ))"
 }
 stage_sweep() {
-  CUFLASH_SWEEP_REPORT="$OUT/sweep.json" TAIL=3 run_logged sweep 500 $PY -m pytest -q -s -m gpu_slow \
+  CUFLASH_SWEEP_REPORT="$OUT/sweep.json" TAIL=3 run_logged sweep "${SWEEP_TIMEOUT:-500}" $PY -m pytest -q -s -m gpu_slow \
     -p no:cacheprovider tests/test_gpu_sweep.py
 }
 stage_bench() {
   run_logged "bench${BENCH_NAME:-}" "${BENCH_TIMEOUT:-540}" $PY -m cuflash.bench --backward ${BENCH_ARGS:-} \
     --json "$OUT/bench${BENCH_NAME:-}.json" --plot "$OUT/bench${BENCH_NAME:-}.png"
 }
-stage_bench_decode() { TAIL=30 run_logged bench_decode 240 $PY -m cuflash.bench --decode ${DECODE_ARGS:-}; }
+stage_bench2() {  # a second benchmark in the same call (e.g. every method at one sequence length)
+  BENCH_NAME=2 BENCH_ARGS="${BENCH2_ARGS:-}" BENCH_TIMEOUT="${BENCH2_TIMEOUT:-240}" stage_bench
+}
+stage_reliability() {  # the sanitizers (both kernel families, one after the other) beside the sweep
+  (stage_sanitize; stage_sanitize_mma) &
+  stage_sweep
+  wait
+}
+stage_bench_decode() { TAIL=30 run_logged bench_decode "${DECODE_TIMEOUT:-240}" $PY -m cuflash.bench --decode ${DECODE_ARGS:-}; }
 stage_bench_varlen() { TAIL=12 run_logged bench_varlen 180 $PY -m cuflash.bench --varlen; }
 stage_ncu() {
-  TAIL=3 run_logged ncu 500 $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" --raw-dir /tmp/ncu_raw \
-    --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 180 --budget-s 420
+  TAIL=3 run_logged ncu "${NCU_TIMEOUT:-500}" $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" \
+    --raw-dir /tmp/ncu_raw --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 120 \
+    --budget-s "$(( ${NCU_TIMEOUT:-500} - 40 ))"
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
