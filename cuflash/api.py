@@ -22,7 +22,9 @@ def _as_kernel_operand(x, info, dims, layout):
     _validate.needs_aligned_copy) with its new metadata."""
     if not _validate.needs_aligned_copy(info, dims):
         return x, dims
-    x = _cupy().ascontiguousarray(x)
+    # a copy, always: ascontiguousarray returns a misaligned view unchanged when it is already C-contiguous
+    # (every outer dim of size 1), and the kernels would then read 16-byte chunks at an odd address
+    x = x.copy()
     info = _validate.array_info(x, info.name)
     return x, _validate.bshd_dims(info, layout)
 
@@ -305,7 +307,7 @@ def _packed_operand(x, info, name):
     """x itself when the kernel can read it in place (16-byte aligned rows and strides), else an aligned
     contiguous copy; returns (array, token stride, head stride) in elements."""
     if _validate.needs_aligned_copy_rows(info):
-        x = _cupy().ascontiguousarray(x)
+        x = x.copy()  # a copy, always (see _as_kernel_operand)
         info = _validate.array_info(x, name)
     return x, int(info.strides[0]), int(info.strides[1])
 

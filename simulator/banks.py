@@ -315,15 +315,22 @@ def copy_global_offsets(threads: int, rows: int, tile_cols: int, panel_cols: int
     return row * GLOBAL_ROW_PITCH + col * _config.ELEM_BYTES
 
 
+def panel_order_unrolled(threads: int, rows: int, tile_cols: int) -> bool:
+    """SmemTile::panel_order_unrolled<threads>(): a panel-order copy of at most 4 chunks per thread, the
+    same for every thread, is a fully unrolled (straight-line) copy."""
+    n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
+    return n_chunks % threads == 0 and n_chunks // threads <= 4
+
+
 def copy_code_blocks(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> np.ndarray | None:
     """Basic blocks with LDGSTS that each warp executes for one load_tile_async, or None when the copy
-    is straight-line code (fixed_column: fully unrolled, so it shares one block with the copies next to
-    it). The panel-order loop `for (idx = tid; idx < CHUNKS; idx += THREADS)` has a per-thread trip count
-    T; ptxas unrolls it by 4 with the remainder first: T % 4 single-copy blocks and T // 4 four-copy
-    blocks, and a warp runs a block when any of its threads does (checked against the SASS of every
-    validated instantiation, CUDA 13.0 and 13.5). Returns [warp] counts. panel_cols: the tile's panel
-    width when not the default (bwd_sm90_kernel at HEAD_DIM 64)."""
-    if fixed_column(threads, rows, tile_cols, panel_cols):
+    is straight-line code (fixed_column, or a short panel-order copy that is fully unrolled: it shares
+    one block with the copies next to it). The rolled panel-order loop `for (idx = tid; idx < CHUNKS;
+    idx += THREADS)` has a per-thread trip count T; ptxas unrolls it by 4 with the remainder first: T % 4
+    single-copy blocks and T // 4 four-copy blocks, and a warp runs a block when any of its threads does
+    (checked against the SASS of every validated instantiation, CUDA 13.0 and 13.5). Returns [warp]
+    counts. panel_cols: the tile's panel width when not the default (bwd_sm90_kernel at HEAD_DIM 64)."""
+    if fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols):
         return None
     n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
     tid = np.arange(threads).reshape(threads // WARP, WARP)

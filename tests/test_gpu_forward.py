@@ -13,7 +13,7 @@ import cuflash  # noqa: E402
 from cuflash import _xpref  # noqa: E402
 from cuflash.config import all_fwd_configs  # noqa: E402
 from gpu_helpers import (DTYPES, HEAD_DIMS, LAYOUTS, SEQLEN_PAIRS, batch_heads, check_lse, check_rule,  # noqa: E402
-                         make_input, max_abs, poison_pool, round_up, seed_of, to_bshd32, warm_kernel_cache)
+                         make_input, max_abs, poison_pool, randn, round_up, seed_of, to_bshd32, warm_kernel_cache)
 
 pytestmark = pytest.mark.gpu
 
@@ -86,6 +86,24 @@ STRIDED = [
 @pytest.mark.parametrize("kinds,d", STRIDED, ids=["/".join(k) + f"-d{d}" for k, d in STRIDED])
 def test_forward_non_contiguous_inputs(kinds, d, layout, dtype, causal):
     check_forward(2, 128, 217, 3, d, dtype, causal, layout, kinds=kinds)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_c_contiguous_views_at_an_odd_address_are_copied(causal, d):
+    """Found by the sweep (2026-11-22, config 232: Sk = 1, batch 1, one head): a view 4 elements into its
+    buffer whose outer dims are all 1 is C-contiguous, so cupy.ascontiguousarray returned it unchanged and
+    the kernel's 16-byte loads faulted on the misaligned address. The library must copy it."""
+    what = f"k, v of shape (1, 1, 1, {d}) at an 8-byte offset, causal={causal}"
+    q = make_input(1, 98, 1, d, "fp16", "bshd", "contiguous", seed_of("odd-address", d, causal))
+    k, v = (randn((d + 4,), "fp16", seed_of("odd-address", d, causal, i))[4:].reshape(1, 1, 1, d) for i in (1, 2))
+    assert k.flags.c_contiguous and k.data.ptr % 16 == 8, "the test needs a C-contiguous view at an odd address"
+    poison_pool(round_up(98 * d * 2) + round_up(98 * 4))
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    q32, k32, v32 = (to_bshd32(x, "bshd") for x in (q, k, v))
+    o64, lse64 = _xpref.attention_forward64(q32, k32, v32, causal)
+    check_rule("o", to_bshd32(o, "bshd"), o64, _xpref.attention_lowp(q32, k32, v32, "fp16", causal), 2, what)
+    check_lse(lse, lse64, what)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

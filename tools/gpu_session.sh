@@ -16,6 +16,7 @@
 #   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
 #   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen
 #   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
+#   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
 set -u
 OUT="${OUT:-/tmp/out}"
@@ -95,6 +96,7 @@ stage_ncu() {
     --budget-s "$(( ${NCU_TIMEOUT:-500} - 40 ))"
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
+stage_overhead() { TAIL=5 run_logged overhead 120 $PY tools/launch_overhead.py; }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
 
 for stage in "$@"; do

@@ -1,0 +1,64 @@
+"""Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
+
+For a problem so small that the kernel takes a few microseconds, back-to-back calls are bound by the host:
+the wall time per call (many calls, one synchronization at the end) is what a Python call adds, and the
+CUDA-event time of the same calls measured one by one is the GPU time. Printed for attention (forward),
+attention_backward, and attention_with_kvcache (decode, check_inputs=False); results go to
+docs/PERFORMANCE.md.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cuflash  # noqa: E402
+
+
+def per_call_us(fn, n=2000):
+    for _ in range(50):
+        fn()
+    cp.cuda.Device().synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    cp.cuda.Device().synchronize()
+    return (time.perf_counter() - t0) / n * 1e6
+
+
+def gpu_us(fn, n=200):
+    ev = [(cp.cuda.Event(), cp.cuda.Event()) for _ in range(n)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+    return float(np.median([cp.cuda.get_elapsed_time(a, b) for a, b in ev])) * 1e3
+
+
+def main() -> int:
+    rnd = cp.random.RandomState(0)
+    q, k, v, do = (rnd.standard_normal((1, 128, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(4))
+    o, lse = cuflash.attention_forward(q, k, v)
+    kc, vc = (rnd.standard_normal((1, 4096, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+    lens = cp.asarray([1000], dtype=cp.int32)
+    q1 = q[:, :1]
+    calls = {
+        "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
+        "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
+        "attention_with_kvcache (1 query, 1000 cached keys)":
+            lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
+    }
+    print(f"{'call':<52} {'host us/call':>13} {'GPU us (events)':>16}")
+    for name, fn in calls.items():
+        print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
