@@ -9,7 +9,7 @@ from __future__ import annotations
 import ctypes
 import math
 import threading
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from . import _compile
 
@@ -98,6 +98,14 @@ class _Kernel:
         self.smem_bytes = smem_bytes
         if smem_bytes > 48 * 1024:
             driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
+
+    @cached_property
+    def ctas_per_sm(self) -> int:
+        """How many CTAs of this kernel one SM holds at once (registers, shared memory, threads)."""
+        from cupy.cuda import driver
+
+        return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, self.threads,
+                                                                          self.smem_bytes))
 
     def launch(self, grid, params: ctypes.Structure, stream_ptr: int) -> None:
         from cupy.cuda import driver

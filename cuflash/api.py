@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 
 import numpy as np
@@ -511,16 +512,30 @@ def _sm_count(device: int) -> int:
 MAX_SPLITS = 128
 
 
-def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int) -> int:
+def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int = 2) -> int:
     """Split-KV factor for a decode launch of `ctas` CTAs (row blocks x heads x batch) over `key_blocks`
-    key tiles per sequence. Decoding reads K/V once and is bound by memory bandwidth, which takes many
-    loads in flight on every SM: aim for about two CTAs per SM (a decode CTA uses ~80 KB of shared memory
-    at head dim 128, so two fit an SM), but give each split at least 4 key tiles (256 keys), so the merge
-    stays a small fraction of the work."""
-    if ctas <= 0 or key_blocks <= 0 or ctas >= num_sms:
+    key tiles per sequence, on `num_sms` SMs that each hold `ctas_per_sm` of these CTAs at once.
+
+    Decoding reads K/V once and is bound by memory bandwidth, which takes many loads in flight on every
+    SM, so the launch should fill the machine, and fill it evenly: a launch of 1.2 waves leaves most SMs
+    idle for its last 0.2 wave (on an H100, 64 CTAs split 5 ways made 320 CTAs for 264 slots and read the
+    cache at 77-81% of the bandwidth that a 1-wave launch reaches). The factor is the smallest one whose
+    waves are at least 95% full (a wave of `num_sms * ctas_per_sm` CTAs), or else the fullest, among
+    those that leave each split at least 4 key tiles (256 keys), so the merge stays a small fraction of
+    the work. A launch of one wave or more is split only to even out its last wave, and one of 4 waves
+    or more is left whole (the SMs' schedulers already smooth the last of many waves)."""
+    slots = max(1, num_sms * max(1, ctas_per_sm))
+    if ctas <= 0 or key_blocks <= 0 or ctas >= 4 * slots:
         return 1
-    want = -(-2 * num_sms // ctas)
-    return max(1, min(want, key_blocks // 4, MAX_SPLITS))
+    most = max(1, min(key_blocks // 4, MAX_SPLITS))
+
+    def fill(s: int) -> float:  # work of the launch over the slot-time it occupies
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    fills = {s: fill(s) for s in range(1, most + 1)}
+    good = [s for s, f in fills.items() if f >= 0.95]
+    return good[0] if good else max(fills, key=lambda s: (fills[s], -s))
 
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
@@ -605,8 +620,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         cfg = fwd_decode_config(hd, m.dtype, causal)
         row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
         key_blocks = -(-max_len // cfg.block_n)
+        kernel = _launch.get_kernel(cfg, m.device)
         splits = m.num_splits or num_splits_heuristic(row_blocks * grid_heads * m.batch, key_blocks,
-                                                      _sm_count(m.device))
+                                                      _sm_count(m.device), kernel.ctas_per_sm)
         o_accum = lse_accum = None
         if splits > 1:
             o_accum = cp.empty((splits, m.batch, m.heads_q, m.seqlen_q, hd), dtype=cp.float32)
@@ -625,7 +641,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             (m.heads_q * m.seqlen_q, m.seqlen_q), m.heads_q, m.head_dim, scale, num_splits=splits,
             rows_per_pos=rows_per_pos, o_accum=0 if o_accum is None else o_accum.data.ptr,
             lse_accum=0 if lse_accum is None else lse_accum.data.ptr, accum_cols=hd, **page)
-        _launch.get_kernel(cfg, m.device).launch((row_blocks, grid_heads, m.batch * splits), params, stream)
+        kernel.launch((row_blocks, grid_heads, m.batch * splits), params, stream)
         if splits > 1:
             comb = CombineConfig(m.dtype)
             _launch.get_kernel(comb, m.device).launch(

@@ -1,0 +1,49 @@
+"""The split-KV heuristic of attention_with_kvcache (cuflash.api.num_splits_heuristic), checked against
+a brute-force model of the launch: CTAs run in waves of num_sms * ctas_per_sm, so the fraction of the
+slot-time that does work is waves / ceil(waves)."""
+import math
+
+import pytest
+
+from cuflash.api import MAX_SPLITS, num_splits_heuristic
+
+
+def fill(ctas, splits, slots):
+    waves = ctas * splits / slots
+    return waves / math.ceil(waves)
+
+
+@pytest.mark.parametrize("num_sms, per_sm", [(132, 2), (132, 3), (108, 2), (78, 1)])
+@pytest.mark.parametrize("ctas", [1, 3, 8, 32, 64, 100, 200, 263, 264, 400, 900])
+@pytest.mark.parametrize("key_blocks", [1, 4, 7, 64, 512, 2048])
+def test_the_split_fills_the_waves(num_sms, per_sm, ctas, key_blocks):
+    s = num_splits_heuristic(ctas, key_blocks, num_sms, per_sm)
+    slots = num_sms * per_sm
+    most = max(1, min(key_blocks // 4, MAX_SPLITS))
+    assert 1 <= s <= most
+    if ctas >= 4 * slots:
+        assert s == 1
+        return
+    best = max(fill(ctas, t, slots) for t in range(1, most + 1))
+    if best >= 0.95:  # the smallest factor that fills the waves to 95%
+        assert fill(ctas, s, slots) >= 0.95
+        assert all(fill(ctas, t, slots) < 0.95 for t in range(1, s))
+    else:  # none does: the fullest
+        assert fill(ctas, s, slots) == best
+
+
+def test_the_h100_decode_cases():
+    # B=8, 8 K/V heads, one 64-row block each: 64 CTAs on 132 SMs x 2 -> 4 splits make one 97% wave
+    # (5 splits, the old rule, made 1.2 waves)
+    assert num_splits_heuristic(64, 512, 132, 2) == 4
+    # B=1: 8 CTAs -> 32 splits, 256 of 264 slots
+    assert num_splits_heuristic(8, 512, 132, 2) == 32
+    # a short cache caps the factor at 4 key tiles per split
+    assert num_splits_heuristic(8, 16, 132, 2) == 4
+
+
+def test_degenerate_launches_are_not_split():
+    assert num_splits_heuristic(0, 100, 132, 2) == 1
+    assert num_splits_heuristic(10, 0, 132, 2) == 1
+    assert num_splits_heuristic(10, 3, 132, 2) == 1
+    assert num_splits_heuristic(10_000, 4096, 132, 2) == 1
