@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+from functools import lru_cache
 
 import numpy as np
 
@@ -512,6 +513,7 @@ def _sm_count(device: int) -> int:
 MAX_SPLITS = 128
 
 
+@lru_cache(maxsize=4096)  # on the host path of every decode call: a dict lookup, not 128 trials
 def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int = 2) -> int:
     """Split-KV factor for a decode launch of `ctas` CTAs (row blocks x heads x batch) over `key_blocks`
     key tiles per sequence, on `num_sms` SMs that each hold `ctas_per_sm` of these CTAs at once.
