@@ -1009,130 +1009,143 @@ def miss_reason(r: Row) -> str:
     return "not explained yet"
 
 
-# The analysis of the misses of the H100 run of 2026-11-22 (NVIDIA H100 80GB HBM3, driver 580.159.04,
-# ncu 2025.3.1). Numbers quoted here come from out/ncu_raw of that run; re-check them after a new run.
+# The analysis of the misses of the H100 runs of 2026-11-22 (NVIDIA H100 80GB HBM3, driver 580.159.04,
+# ncu 2025.3.1). Numbers quoted here come from out/ncu_raw of the last run (15:59); re-check them after a
+# new run.
 MISSES_EXPLAINED = r"""
 ## What the misses mean
 
-Analysis of the H100 run of 2026-11-22 (ncu 2025.3.1, raw output in `out/ncu_raw`), with the analyzer
-of this commit. Sections 1 and 3 were modelling errors and are fixed in the analyzer; 2, 4 and 5 are
-properties of the measurement, reported as measured.
+Analysis of the H100 runs of 2026-11-22 (ncu 2025.3.1, raw output in `out/ncu_raw`), with the analyzer
+of this commit; figures from the last run (15:59). Sections 1 and 3 were modelling errors and are fixed
+in the analyzer; 2, 5 and 6 are properties of the measurement, reported as measured; 4 was a kernel
+defect, fixed.
 
 ### 1. Shared load instructions: ldmatrix is not counted, ptxas's predicated-off LDS are (fixed)
 
 `smsp__inst_executed_op_shared_ld` counts LDS instructions only; ldmatrix (LDSM) has its own rows,
 which match exactly (instructions, wavefronts, conflicts). The analyzer used to predict LDS + LDSM and
-missed all 13 rows. LDS alone would still have missed them: fwd d64 measured 212,992 where the kernel
-issues 16,384 LDS.128 (the O epilogue). The rest are instructions that never touch memory. In the SASS
-of every measured instantiation (nvcc 13.0.88, the CUDA version of the H100 image, on the sources the
-H100 ran; the current sources under nvcc 13.0 and NVRTC 13.5 give the same counts) ptxas puts three
-`@!PT LDS RZ, [RZ]` (predicate "not true": never executed by any thread) at the head of every basic
-block that issues LDGSTS. A warp that runs the block issues them, so ncu counts them as executed
-shared-load instructions; they make no wavefront (the load wavefront rows match without them). Public
-SASS notes describe the same fillers ("3 before each LDGSTS group"); NVIDIA does not document them.
+missed all 13 mma.sync rows. LDS alone would still have missed them: fwd d64 measures 212,992 where
+the kernel issues 16,384 LDS.128 (the O epilogue). The rest are instructions that never touch memory.
+In the SASS of every measured instantiation (NVRTC 13.0, the CUDA version of the H100 image; NVRTC
+13.5 gives the same counts) ptxas puts three `@!PT LDS RZ, [RZ]` (predicate "not true": never executed
+by any thread) at the head of every basic block that issues LDGSTS, and four before a
+`fence.proxy.async` (the wgmma kernels). A warp that runs the block issues them, so ncu counts them as
+executed shared-load instructions; they make no wavefront (the load wavefront rows match without
+them). Public SASS notes describe the same fillers ("3 before each LDGSTS group"); NVIDIA does not
+document them.
 
 Rule (banks.guard_lds_per_warp): 3 per LDGSTS basic block a warp runs. A straight-line tile copy
-(fixed column, fully unrolled) shares one block with the copies next to it: fwd_kernel's prologue (Q,
-K, V) is one block, each later step's K, V copy another, so 3 x n_blocks per warp. A panel-order copy
-(d96, d256: `for (idx = tid; idx < CHUNKS; idx += THREADS)`, trip count T) is unrolled by 4 with the
-remainder first: T % 4 + T // 4 blocks (d256 Q: T = 16, 4 blocks; K: T = 8, 2 blocks). bwd_kernel's
-lse/delta copy is under `if (tid < 2 * BLOCK_M / 4)`: a block of its own, run only by warp 0 (16 or
-32 threads at BLOCK_M 32 or 64). Predicted now = LDS + guards; all 13 rows exact, e.g. fwd d64 16,384 + 3 x 32 steps x
-4 warps x 512 CTAs = 212,992; bwd_kernel d64 N2048 1,064,960 + 3 x 64 visits x (8 + 1 warps) x 256
-CTAs = 1,507,328; bwd_kernel d96 268,288 + 319,488 (K, V, Q, dO: T = 3, 3 blocks each).
+(fixed column, or a panel-order copy of at most 4 chunks per thread, both fully unrolled) shares one
+block with the copies next to it: fwd_kernel's prologue (Q, K, V) is one block, each later step's K, V
+copy another, so 3 x n_blocks per warp. A longer panel-order copy (`for (idx = tid; idx < CHUNKS; idx
++= THREADS)`, trip count T > 4: d256 Q, T = 16) stays a loop that ptxas unrolls by 4 with the
+remainder first: T % 4 + T // 4 blocks. bwd_kernel's lse/delta copy is under `if (tid < 2 * BLOCK_M /
+4)`: a block of its own, run only by warp 0. Predicted = LDS + guards, and all 13 mma.sync rows and
+all 5 wgmma rows are exact, e.g. fwd d64 16,384 + 3 x 32 steps x 4 warps x 512 CTAs = 212,992;
+bwd_kernel d64 N2048 1,064,960 + 448,512 = 1,513,472; bwd_kernel d96 268,288 + 58,368 = 326,656 (an
+earlier run, with the d96 copies still rolled loops of T = 3, measured 587,776: 3 blocks per copy
+instead of one, which the analyzer then predicted exactly too).
 
 ### 2. Small bank conflicts on plain LDS / STS where the per-instruction rule gives 0 (measured, kept)
 
-| kernel, config | CTAs per SM (regs x threads; smem) | grid | load conflicts / wavefronts | store conflicts / wavefronts |
+| kernel, config | CTAs per SM | grid | load conflicts | store conflicts |
 |---|---|---:|---:|---:|
-| fwd d64 (128,64,4) b2 h16 N2048 | 2 (239 x 128) | 512 | 2,121 / 10,553,417 | 8,405 / 73,941 |
-| fwd d128 (128,32,4) b2 h8 N2048 | 2 (255 x 128) | 256 | 20 / 12,648,468 | 0 / 65,536 |
-| fwd d256 (64,32,4) b2 h8 N1024 | 2 (246 x 128; 96 KiB) | 256 | 22,994 / 10,574,290 | 0 / 65,536 |
-| fwd d128 causal (128,128,8) | 1 (243 x 256; 160 KiB) | 256 | 0 | 0 |
-| fwd d96 causal (128,64,8) | 1 (151 x 256) | 128 | 0 | 0 |
-| fwd d64 causal 1536x512 | 2 possible, 32 live CTAs | 96 | 0 | 0 |
-| fwd d32 (128,64,4) | 3 possible, 128 CTAs on 132 SMs | 128 | 0 | 0 |
-| bwd_kernel d64 (32,128,8,1) b2 h8 N2048 | 1 (178 x 256) | 256 | 0 | 1,174 / 1,115,286 |
-| bwd_kernel d64 bf16 1000x1500 | 1 | 96 | 0 | 66 / 221,250 |
-| bwd_kernel d128 bf16 causal N2048 | 1 (255 x 256) | 128 | 0 | 2 / 344,066 |
-| bwd_kernel d128 fp16 causal 1536x1024 | 1 | 64 | 0 | 0 |
-| bwd_kernel d96 (64,64,8,2) | 1 (213 x 256) | 128 | 0 | 0 |
-| bwd_dq_kernel d128 causal | 1 (168 x 256) | 96 | 0 | 0 |
+| fwd d64 (128,64,4) b2 h16 N2048 | 2 | 512 | 0 (2,121 in the first run) | 0 (8,405 in the first run) |
+| fwd d128 (128,32,4) b2 h8 N2048 | 2 | 256 | 944 (20 in the first run) | 0 |
+| fwd d256 (64,32,4) b2 h8 N1024 | 2 (96 KiB) | 256 | 23,391 (22,994) | 0 |
+| fwd d128 causal, d96 causal, d64 causal 1536x512, d32 | 1-3 | 96-256 | 0 | 0 |
+| bwd_kernel d64 (32,128,8,1) b2 h8 N2048 | 1 | 256 | 0 | 448 (1,174) |
+| bwd_kernel d64 bf16 1000x1500, d128 causal (both), d96 | 1 | 64-128 | 0 | 0 (66 and 2 in the first run) |
+| bwd_dq_kernel d128 causal | 1 | 96 | 0 | 0 |
+| fwd_sm90 d64 (128,64,2) b2 h16 N2048 | 2 | 256 | 0 | 795 |
 
-(Registers from ptxas -v of nvcc 13.0 builds of the measured sources; CTAs per SM from 64K registers,
-228 KiB of shared memory and the grid on 132 SMs.) Counters: `l1tex__data_bank_conflicts_pipe_lsu_mem_
-shared_op_ld.sum` / `_op_st.sum` and the wavefront rows `l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld`
-/ `_op_st` (the excess wavefronts equal the conflicts exactly). These are hardware counters of the
-L1TEX data stage. The SASS-attributed ldmatrix counters (`smsp__sass_..._op_ldsm`), which ncu computes
-per instruction by SASS patching, read exactly our prediction everywhere (0 conflicts), so the extra load
-wavefronts are not ldmatrix's own conflicts.
+Counters: `l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum` / `_op_st.sum` and the wavefront
+rows `l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld` / `_op_st` (in the mma.sync kernels the excess
+wavefronts equal the conflicts exactly). These are hardware counters of the L1TEX data stage. The
+SASS-attributed ldmatrix counters (`smsp__sass_..._op_ldsm`), which ncu computes per instruction by
+SASS patching, read exactly our prediction everywhere (0 conflicts), so the extra load wavefronts are
+not ldmatrix's own conflicts.
 
-What the data show: in the forward, conflicts appear in exactly the three configs that run two CTAs
-per SM, and in none of those that run one. The forward's own STS (the O epilogue) and LDS.128 (its
-store) come after its last cp.async has landed, so inside one CTA nothing else touches shared memory
-then; with a second CTA on the SM, that CTA's LDGSTS fills and ldmatrix reads use the same banks in the
-same cycles. The backward runs one CTA per SM and shows only store conflicts, and only in bwd_kernel
-with D_SPLIT = 1, where every warp writes dS^T with STS in the middle of a visit while the next query
-block's cp.async fills (issued at the top of the visit) are landing; bwd_dq_kernel, whose STS come after
-its last fill, reads 0. The sizes vary with timing (1,174, 66, 2, 0), as arbitration would.
+What the data show: conflicts appear only in configs that run two CTAs per SM (forward) or whose warps
+store dS^T with STS while the next block's cp.async fills land (bwd_kernel with D_SPLIT = 1), and their
+sizes change from run to run with the same kernels and inputs (fwd d64: 2,121 then 0; bwd d64: 1,174
+then 448), as arbitration between concurrent accesses would. The forward's own STS (the O epilogue)
+and LDS.128 come after its last cp.async has landed, so inside one CTA nothing else touches shared
+memory then; with a second CTA on the SM, that CTA's LDGSTS fills and ldmatrix reads use the same banks
+in the same cycles.
 
 Most likely cause: the l1tex counters count a data-stage wavefront split by a collision with any
 concurrent shared-memory access (another CTA's, or the CTA's own cp.async fills), while the
-per-instruction rule (and ncu's SASS-level counters) can only see the addresses of one instruction.
-Public reports of conflict counts that the accessed addresses do not explain: NVIDIA/Fuser#2263 and the
-NVIDIA forum thread it cites (ncu detects bank conflicts in matrix transposition after padding),
-NVIDIA/cutlass#2212 (switching cp.async.ca to .cg changes the shared-store conflict count with the same
-shared addresses), and the forum thread "Matrix Transposition: Why are the number of Shared
-Store/Load Transactions different" (88 load conflicts over 1,048,664 load wavefronts, beside the
-expected store conflicts). No NVIDIA statement on what the l1tex
-counter includes was found. Remaining uncertainty: the run did not collect the SASS-level LDS/STS
-conflict counters; `smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ld` / `_op_st` are now
-in the metric list (predicted 0; the rows read "not reported" until the next run). If they read 0 the
-explanation holds; a direct check is to profile fwd d64 at 1 CTA per SM (grid <= 132, or more dynamic
-shared memory) and see the conflicts vanish. These rows keep their exact targets and stay missed.
+per-instruction rule can only see the addresses of one instruction. Public reports of conflict counts
+that the accessed addresses do not explain: NVIDIA/Fuser#2263 and the NVIDIA forum thread it cites (ncu
+detects bank conflicts in matrix transposition after padding), NVIDIA/cutlass#2212 (switching
+cp.async.ca to .cg changes the shared-store conflict count with the same shared addresses), and the
+forum thread "Matrix Transposition: Why are the number of Shared Store/Load Transactions different".
+No NVIDIA statement on what the l1tex counter includes was found. The SASS-level LDS/STS conflict
+counters (`smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ld` / `_op_st`) are in the
+metric list but this ncu does not report them for these kernels ("not reported"). A direct check is to
+profile fwd d256 at one CTA per SM and see the conflicts vanish. These rows keep their exact targets
+and stay missed.
 
 ### 3. cp.async wavefronts with 64-byte panels: the model is a band (fixed)
 
-The old model (per 8 lanes: max(bank rule, 128-byte shared lines)) is exact for every 128-byte-panel
-tile (d64, d128, d256: 10 configs, one global line per phase). With 64-byte panels (d32, d96) the 8
-lanes of a phase copy two 64-byte segments of two different 128-byte global lines (rows r and r + 1)
-into one 128-byte shared line, conflict-free, and the old model missed by +61% and +97%:
+The first model (per 8 lanes: max(bank rule, 128-byte shared lines)) is exact for every 128-byte-panel
+tile (d64, d128, d256: one global line per phase). With 64-byte panels (d32, d96) the 8 lanes of a
+phase copy two 64-byte segments of two different 128-byte global lines (rows r and r + 1) into one
+128-byte shared line, conflict-free:
 
-| target | phases (zero-filled) | lower bound | upper bound | measured | per phase |
+| target | lower bound | upper bound | first run | last run | per phase (last) |
 |---|---:|---:|---:|---:|---:|
-| fwd_kernel d32 b4 h8 N512 | 73,728 | 73,728 | 147,456 | 118,784 | 1.61 |
-| fwd_kernel d96 causal 1000x1500 | 442,368 (2,304) | 442,368 | 884,736 | 870,720 | 1.97 |
-| bwd_kernel d96 b2 h4 N1024 | 425,984 (incl. 8,192 lse/delta) | 425,984 | 843,776 | 425,984 | 1.00 |
+| fwd_kernel d32 b4 h8 N512 | 73,728 | 147,456 | 118,784 | 118,784 | 1.61 |
+| fwd_kernel d96 causal 1000x1500 | 442,368 | 884,736 | 870,720 | 862,976 | 1.95 |
+| bwd_kernel d96 b2 h4 N1024 | 425,984 | 843,776 | 425,984 | 843,776 | 1.98 |
+| fwd_sm90_kernel d96 causal 1000x1500 | 442,368 | 884,736 | - | 882,816 | 2.00 |
 
-The three have the same phase geometry (two global lines, one shared line, no bank conflict) and cost
-1.00, 1.61 and 1.97 wavefronts per phase, so no rule on a phase's addresses fits all three; the cost
-lies between one wavefront per shared line (the data of both segments written together) and one per
-global line (each 64-byte segment written as it arrives). Inferred rule, now in the analyzer
-(banks.count_cp_async): a phase costs at least max(bank rule, shared lines) and at most max(that,
-distinct 128-byte global lines). It reproduces DESIGN.md's facts 1 (one line per phase: 1) and 3 (one
-row per thread: 8, both bounds); the 144-byte rows (2.5x measured) stay outside it (1.875x). The target
-for these rows is the band widened by 10%; where the band is a point (all 128-byte-panel tiles) it is
-the old ±10% and the measurements equal it exactly. What picks the point inside the band is open: in
-bwd d96 the two lines of a phase are 6 lines (+ multiples of 8) apart, in fwd d96 12 (+ 16k), in d32
-exactly 4 for every phase, so the line-index bits may matter, but d32's fractional 1.61 with identical
-phases says part of it is timing (when the two L2 returns arrive). A microbenchmark (one warp copying
-two rows at a chosen line distance, repeated runs) would settle it. For the kernels: 64-byte panels
-cost up to twice the cp.async wavefronts of 128-byte ones.
+The phases have the same geometry (two global lines, one shared line, no bank conflict) and cost
+between 1.00 and 2.00 wavefronts, so no rule on a phase's addresses fits them all; bwd d96 went from
+1.00 to 1.98 per phase when its copies changed from a rolled loop to straight-line code (same
+addresses, different issue order). The cost lies between one wavefront per shared line (the data of
+both segments written together) and one per global line (each 64-byte segment written as it arrives).
+Rule in the analyzer (banks.count_cp_async): a phase costs at least max(bank rule, shared lines) and at
+most max(that, distinct 128-byte global lines). The target for these rows is the band widened by 10%;
+where the band is a point (all 128-byte-panel tiles) it is the old ±10% and the measurements equal it
+exactly. What picks the point inside the band is open; it depends on issue order and timing (when the
+two L2 returns arrive). For the kernels: 64-byte panels cost up to twice the cp.async wavefronts of
+128-byte ones.
 
-### 4. Local-memory stores in bwd_kernel d128 (measured binary, fixed in the kernel)
+### 4. Local-memory stores in bwd_kernel d128 (fixed in the kernel)
 
-bwd_kernel d128 (32,128,8,1) measured 262,144 and 131,072 local-store bytes = 8 bytes x 256 threads x
-128 and x 64 CTAs: one 8-byte spill per thread. The H100 compiled the kernel with NVRTC 13.0 from the
-bwd.cuh of commit 9caf989, which spills 8 bytes there (reproduced with nvcc 13.0.88: 255 registers,
-8 bytes spill stores, 16 bytes spill loads; NVRTC 13.5 did not spill). Commit 43d4992 leaves the dP^T
-k-loop rolled: 253 registers and no spill under nvcc 13.0 and NVRTC 13.5 alike. The prediction stays 0
-(the kernel as it is now); these two rows stay missed until the next H100 run.
+The first run measured 262,144 and 131,072 local-store bytes in bwd_kernel d128 (32,128,8,1): one
+8-byte spill per thread, from a build of bwd.cuh that spilled under NVRTC 13.0 (not 13.5). Commit
+43d4992 left the dP^T k-loop rolled (253 registers, no spill under either compiler), `python -m cuflash
+compile --all` now fails on any spill, and every kernel of the last run measures 0 local bytes.
 
 ### 5. DRAM write bytes are reported, not targeted
 
 `dram__bytes_write` counts only what the L2 writes back while the kernel runs. The outputs (O and lse,
 dK and dV, dQ) fit in the 50 MiB L2 and are still there when the kernel ends, so the measurement is far
 below the model, which includes the final write-back. The rows are "info".
+
+### 6. The wgmma kernels' shared store wavefronts exceed their STS (measured, open)
+
+| target | STS instructions (exact) | store wavefronts | excess | store conflicts |
+|---|---:|---:|---:|---:|
+| fwd_sm90 d64 b2 h16 N2048 (2 CTAs per SM) | 65,536 | 69,689 | 4,153 | 795 |
+| fwd_sm90 d128 causal, d96 causal | 65,536; 24,576 | = STS | 0 | 0 |
+| bwd_sm90 d64 b2 h8 N2048 | 1,114,112 | 1,264,960 | 150,848 | 0 |
+| bwd_sm90 d128 bf16 causal N2048 | 344,064 | 478,431 | 134,367 | 0 |
+| bwd_sm90 deterministic d128 1000x1500 | 49,152 | = STS | 0 | 0 |
+
+The instruction counts are exact, and the walk of their addresses gives one wavefront each. The excess
+appears where STS run while wgmma reads its operands from shared memory: the atomic-dQ backward stores
+dS^T in the middle of every visit while the wgmma it has just issued (dV += P^T dO, dK += dS^T Q, B
+operands dO and Q in shared memory) are still running; the deterministic backward, whose only STS are
+the final dK, dV epilogue, and the forward at one CTA per SM, show none. Unlike section 2, the excess is not counted as conflicts.
+Most likely cause: a store wavefront split or replayed by a collision with the async proxy's operand
+reads in the same data stage (the wgmma reads do not appear as thread instructions, and their
+wavefronts are not in `..._op_ld` either: see the "info" rows). Not confirmed; a microbenchmark (one
+warpgroup storing while another runs wgmma on other shared tiles, with and without overlap) would
+settle it. These rows keep their exact targets and stay missed.
 """
 
 

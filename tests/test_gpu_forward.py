@@ -166,6 +166,7 @@ def test_poisoning_reaches_the_outputs():
     """The pool poisoning of these tests works: o and lse are carved from the poisoned block (if CuPy's pool
     stops doing that, the other tests still check values but no longer catch unwritten elements)."""
     q, k, v = (make_input(2, 256, 2, 64, "fp16", "bshd", "contiguous", 4) for _ in range(3))
+    cuflash.attention_forward(q, k, v)  # once first: a fresh worker's one-time work stays out of the poisoned block
     size = round_up(q.nbytes) + round_up(2 * 2 * 256 * 4)
     ptr = poison_pool(size)
     o, lse = cuflash.attention_forward(q, k, v)
