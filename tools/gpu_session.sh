@@ -58,11 +58,11 @@ run_logged() {  # name timeout command...: run, log, note exit code and last lin
 
 stage_layouts() { run_logged layouts 120 $PY tools/check_wgmma_layouts.py; }
 stage_tests() {
-  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfE --tb=line tests
+  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfEs --tb=line tests
 }
 stage_tests_mma() {
   CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider \
-    -rfE --tb=line tests
+    -rfEs --tb=line tests
 }
 stage_sanitize() {
   TAIL=8 run_logged sanitize "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize --out /tmp/sanitize \
@@ -96,7 +96,7 @@ stage_ncu() {
     --budget-s "$(( ${NCU_TIMEOUT:-500} - 40 ))"
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
-stage_overhead() { TAIL=5 run_logged overhead 120 $PY tools/launch_overhead.py; }
+stage_overhead() { TAIL="${OVERHEAD_TAIL:-5}" run_logged overhead 120 $PY tools/launch_overhead.py ${OVERHEAD_ARGS:-}; }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
 
 for stage in "$@"; do

@@ -1,13 +1,17 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
 For a problem so small that the kernel takes a few microseconds, back-to-back calls are bound by the host:
-the wall time per call (many calls, one synchronization at the end) is what a Python call adds, and the
-CUDA-event time of the same calls measured one by one is the GPU time. Printed for attention (forward),
+the wall time per call (many calls, one synchronization at the end) is what a Python call adds. The
+second column is the CUDA-event span of one call alone on an idle GPU: it includes the host's launch work
+between the two events, so it bounds the GPU time from above (a kernel profiler gives the kernel time
+itself). Printed for attention (forward),
 attention_backward, and attention_with_kvcache (decode, check_inputs=False); results go to
-docs/PERFORMANCE.md.
+docs/PERFORMANCE.md. `--profile` adds a cProfile table (top functions by own time) per call.
 """
 from __future__ import annotations
 
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -54,9 +58,19 @@ def main() -> int:
         "attention_with_kvcache (1 query, 1000 cached keys)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
     }
-    print(f"{'call':<52} {'host us/call':>13} {'GPU us (events)':>16}")
+    print(f"{'call':<52} {'host us/call':>13} {'event span us':>16}")
     for name, fn in calls.items():
         print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f}", flush=True)
+    if "--profile" in sys.argv[1:]:
+        for name, fn in calls.items():
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(1000):
+                fn()
+            prof.disable()
+            cp.cuda.Device().synchronize()
+            print(f"\n{name}: 1000 calls under cProfile (its own overhead inflates the times)")
+            pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(12)
     return 0
 
 
