@@ -606,6 +606,27 @@ def _warp_rows0(cfg) -> np.ndarray:
     return np.arange(cfg.num_warps) * (cfg.block_m // cfg.num_warps)
 
 
+def _fwd_copy_addresses(cfg, stage: int, rows_q: int | None, head_dim: int | None) -> dict[str, np.ndarray]:
+    """The copies of both forward kernels (fwd_kernel, fwd_sm90_kernel), which share one shared-memory
+    layout: the Q tile (reused to stage O), then 2 stages of K, then 2 of V. q_load, k_load and v_load
+    (K/V of stage `stage`) are cp.async fills; o_read is the O store's read-back of the valid rows."""
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    k_base, v_base = _fwd_kv_bases(cfg, stage)
+    return {
+        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
+        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
+        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
+        "o_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
+    }
+
+
+def _fwd_kv_bases(cfg, stage: int) -> tuple[int, int]:
+    """Byte offsets of stage `stage`'s K and V tiles in the forward kernels' shared memory."""
+    q_bytes = cfg.block_m * cfg.head_dim * _config.ELEM_BYTES
+    kv_bytes = cfg.block_n * cfg.head_dim * _config.ELEM_BYTES
+    return q_bytes + stage * kv_bytes, q_bytes + (2 + stage) * kv_bytes
+
+
 def fwd_addresses(cfg, stage: int, rows_q: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
     """Byte addresses of every shared instruction one CTA of fwd_kernel issues, per role.
 
@@ -616,15 +637,8 @@ def fwd_addresses(cfg, stage: int, rows_q: int | None = None, head_dim: int | No
     n-pair (d-pair) and used for every m-tile."""
     hd, bm, bn, nw = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
     m_tiles = bm // (_config.MMA_M * nw)
-    q_bytes, kv_bytes = bm * hd * _config.ELEM_BYTES, bn * hd * _config.ELEM_BYTES
-    k_base = q_bytes + stage * kv_bytes
-    v_base = q_bytes + 2 * kv_bytes + stage * kv_bytes
-    out = {
-        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
-        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
-        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
-        "o_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
-    }
+    k_base, v_base = _fwd_kv_bases(cfg, stage)
+    out = _fwd_copy_addresses(cfg, stage, rows_q, head_dim)
     w_row0 = _warp_rows0(cfg).reshape(-1, 1, 1)
     # S = Q K^T: for kk: for mt: A(Q, warp_row0 + mt*16, kk*16); for np: B(K, np*16, kk*16)
     out["q_frag"] = frag_addresses("a", 0, bm, hd, w_row0 + _ax(m_tiles, 2, 3) * 16, _ax(hd // 16, 1, 3) * 16)
@@ -742,16 +756,8 @@ def fwd_sm90_addresses(cfg, stage: int, rows_q: int | None = None,
     CTA of fwd_sm90_kernel, per role: the copies and O staging as fwd_addresses (same tiles and layout:
     Q, then 2 stages of K, then 2 of V), with 4 warps per 64 query rows, warp w owning rows 16w.. of the
     tile. The wgmma operand reads are in fwd_sm90_wgmma."""
-    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
-    q_bytes, kv_bytes = bm * hd * _config.ELEM_BYTES, bn * hd * _config.ELEM_BYTES
-    k_base = q_bytes + stage * kv_bytes
-    v_base = q_bytes + 2 * kv_bytes + stage * kv_bytes
-    out = {
-        "q_load": copy_addresses(cfg.threads, bm, hd, 0),
-        "k_load": copy_addresses(cfg.threads, bn, hd, k_base),
-        "v_load": copy_addresses(cfg.threads, bn, hd, v_base),
-        "o_read": copy_addresses(cfg.threads, bm, hd, 0, rows_q, head_dim),
-    }
+    hd, bm = cfg.head_dim, cfg.block_m
+    out = _fwd_copy_addresses(cfg, stage, rows_q, head_dim)
     # epilogue: for h, dt: (16w + g + 8h, dt*8 + 2t) into the Q tile
     rows = (np.arange(cfg.num_warps) * 16).reshape(-1, 1, 1) + 8 * _ax(2, 1, 3)
     out["o_store"] = accumulator_store_addresses(0, bm, hd, rows, _ax(hd // 8, 2, 3) * 8)
