@@ -78,6 +78,21 @@ def test_forward64_with_no_keys():
     assert o.shape == (1, 3, 2, 8) and np.all(o == 0) and np.all(lse == -np.inf)
 
 
+def _central_difference(x, loss, eps):
+    """d loss / d x by central differences, one element of x at a time (x is perturbed in place and
+    restored)."""
+    numeric = np.zeros_like(x)
+    for idx in np.ndindex(x.shape):
+        orig = x[idx]
+        x[idx] = orig + eps
+        plus = loss()
+        x[idx] = orig - eps
+        minus = loss()
+        x[idx] = orig
+        numeric[idx] = (plus - minus) / (2 * eps)
+    return numeric
+
+
 def _loss(q, k, v, do, causal, scale):
     return float(np.sum(reference.attention_forward64(q, k, v, causal, scale)[0] * do))
 
@@ -90,15 +105,7 @@ def test_backward64_matches_central_finite_differences(sq, sk, causal):
     grads = reference.attention_backward64(do, q, k, v, causal=causal, softmax_scale=scale)
     eps = 1e-6
     for name, x, g in zip("qkv", (q, k, v), grads):
-        numeric = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            orig = x[idx]
-            x[idx] = orig + eps
-            plus = _loss(q, k, v, do, causal, scale)
-            x[idx] = orig - eps
-            minus = _loss(q, k, v, do, causal, scale)
-            x[idx] = orig
-            numeric[idx] = (plus - minus) / (2 * eps)
+        numeric = _central_difference(x, lambda: _loss(q, k, v, do, causal, scale), eps)
         err = np.abs(g - numeric).max()
         assert err <= 1e-7 * max(1.0, np.abs(numeric).max()), f"d{name} vs finite differences: {err:.2e}"
     if causal and sq > sk:  # rows that see no key get no gradient
@@ -270,15 +277,7 @@ def test_gqa_backward64_matches_central_finite_differences(hq, hkv, causal):
     eps = 1e-6
     for name, x, g in zip("qkv", (q, k, v), grads):
         assert g.shape == x.shape, f"d{name} has shape {g.shape}, {name} has {x.shape}"
-        numeric = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            orig = x[idx]
-            x[idx] = orig + eps
-            plus = _loss(q, k, v, do, causal, scale)
-            x[idx] = orig - eps
-            minus = _loss(q, k, v, do, causal, scale)
-            x[idx] = orig
-            numeric[idx] = (plus - minus) / (2 * eps)
+        numeric = _central_difference(x, lambda: _loss(q, k, v, do, causal, scale), eps)
         err = np.abs(g - numeric).max()
         assert err <= 1e-7 * max(1.0, np.abs(numeric).max()), f"GQA d{name} vs finite differences: {err:.2e}"
 
