@@ -8,6 +8,21 @@ follow the library's conventions:
   * causal masks align to the bottom-right: query i sees key j iff j <= i + Sk - Sq;
   * a query row that sees no key outputs 0 and has lse = -inf, and contributes no gradient.
 
+FlashAttention-2's score modifiers, keyword arguments of every attention function (all off by default, and
+then the results are bit-identical to the plain functions). With diag = Sk - Sq, query i and key j (0-based
+within the sequence), in this order:
+  1. S = softmax_scale * q_i . k_j;
+  2. softcap (float > 0; None or 0 = off): S = softcap * tanh(S / softcap);
+  3. alibi_slopes (float, (H_q,) or (B, H_q); None = off): S += -slope[b, h] * |i + diag - j| (`alibi_bias`);
+  4. masks: causal keeps j <= i + diag; window = (left, right), -1 = that side unbounded, keeps
+     i + diag - left <= j <= i + diag + right (`window_mask`); both given: the intersection; masked S = -inf;
+  5. P = softmax_j(S), lse = log sum_j exp S (of the scores before dropout);
+  6. dropout: with a keep mask Z (bool (B, H_q, Sq, Sk), e.g. `cuflash.philox.dropout_mask`) and
+     dropout_p in [0, 1), O = (P * Z / (1 - dropout_p)) V; lse is unchanged. dropout_p > 0 needs a mask.
+Backward (slopes and masks are constants): dV = (P Z/(1-p))^T dO; dP = (dO V^T) Z/(1-p); dS = P (dP - D) with
+D_i = rowsum(dO * O) (= rowsum(P dP), O the dropped output); through the soft-cap dS *= 1 - tanh^2(S / softcap)
+(S the scaled, uncapped score); dQ = scale dS K, dK = scale dS^T Q.
+
 `attention_forward64` / `attention_backward64` compute in float64. `attention_lowp` /
 `attention_backward_lowp` compute plain (unfused) attention rounding every intermediate to the input
 dtype, the way a framework's fp16/bf16 attention does; the test pass rule compares the kernel's error
@@ -15,9 +30,13 @@ against theirs (DESIGN.md section 5).
 
 Variable-length batches (`attention_varlen_*`): packed q (total_q, H_q, D), k and v (total_k, H_kv, D),
 sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1, computed one sequence at a time with the dense
-functions; lse is (H_q, total_q). KV cache (`attention_kvcache*`): the new keys are written into a copy of
-the cache, then each sequence is dense attention over the first L_b = cache_seqlens[b] + S_new keys of its
-cache (gathered through the block table when the cache is paged).
+functions; lse is (H_q, total_q). The modifiers apply per sequence (diag = len_k[b] - len_q[b]); alibi_slopes
+(num_seqs, H_q) gives sequence b row b; the dropout mask is a list with one bool (H_q, len_q[b], len_k[b])
+array per sequence b (`cuflash.philox.dropout_mask_varlen`).
+
+KV cache (`attention_kvcache*`, no modifiers): the new keys are written into a copy of the cache, then each
+sequence is dense attention over the first L_b = cache_seqlens[b] + S_new keys of its cache (gathered through
+the block table when the cache is paged).
 """
 from __future__ import annotations
 
@@ -36,6 +55,88 @@ def causal_mask(seqlen_q: int, seqlen_k: int) -> np.ndarray:
     i = np.arange(seqlen_q)[:, None]
     j = np.arange(seqlen_k)[None, :]
     return j <= i + (seqlen_k - seqlen_q)
+
+
+def window_mask(seqlen_q: int, seqlen_k: int, left: int, right: int, causal: bool = False) -> np.ndarray:
+    """Boolean (Sq, Sk): True where query i may attend key j under the sliding window (left, right), aligned to
+    the bottom-right like causal: i + diag - left <= j <= i + diag + right, diag = Sk - Sq; -1 leaves that side
+    unbounded. causal=True also requires j <= i + diag (the intersection)."""
+    left, right = _check_window((left, right))
+    i_aligned = np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q)  # the key column on query i's diagonal
+    j = np.arange(seqlen_k)[None, :]
+    visible = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if left >= 0:
+        visible &= j >= i_aligned - left
+    if right >= 0:
+        visible &= j <= i_aligned + right
+    if causal:
+        visible &= j <= i_aligned
+    return visible
+
+
+def alibi_bias(alibi_slopes, batch: int, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """float64 (B, H, Sq, Sk): -slope[b, h] * |i + diag - j|, diag = Sk - Sq, for slopes (H,) (shared by the
+    batch) or (B, H)."""
+    slopes = np.asarray(alibi_slopes, dtype=np.float64)
+    slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
+    distance = np.abs(np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, :])
+    return -slopes[:, :, None, None] * distance
+
+
+def _check_window(window):
+    """(left, right) as ints >= -1, or None for no window (None and (-1, -1) are the same)."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+    except (TypeError, ValueError):
+        raise ValueError(f"window={window!r} is not allowed; expected (left, right), ints >= -1 "
+                         "(-1: unbounded)") from None
+    for side, n in (("left", left), ("right", right)):
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise TypeError(f"window {side}={n!r} has type {type(n).__name__}; expected an int >= -1")
+        if n < -1:
+            raise ValueError(f"window {side}={n} is not allowed; expected an int >= -1 (-1: unbounded)")
+    return int(left), int(right)
+
+
+def _visible(seqlen_q, seqlen_k, causal, window):
+    """Boolean (Sq, Sk) mask of the visible keys, or None when every key is visible."""
+    window = _check_window(window)
+    if window is None or window == (-1, -1):
+        return causal_mask(seqlen_q, seqlen_k) if causal else None
+    return window_mask(seqlen_q, seqlen_k, *window, causal=causal)
+
+
+def _modifiers(shape_bhqk, window, alibi_slopes, softcap, dropout_mask, dropout_p):
+    """Validated modifiers of a dense problem with scores of shape (B, H_q, Sq, Sk): (window, slopes or None,
+    softcap or None, keep = Z / (1 - dropout_p) as float64 or None)."""
+    batch, heads = shape_bhqk[:2]
+    window = _check_window(window)
+    if alibi_slopes is not None:
+        alibi_slopes = np.asarray(alibi_slopes)
+        if alibi_slopes.shape not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}; expected ({heads},) or ({batch}, {heads})")
+        if not np.issubdtype(alibi_slopes.dtype, np.floating):
+            raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected a float array")
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap={softcap!r} is not allowed; expected a float > 0 (0 or None: off)")
+    softcap = float(softcap) if softcap else None
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not allowed; expected 0 <= dropout_p < 1")
+    keep = None
+    if dropout_mask is not None:
+        dropout_mask = np.asarray(dropout_mask)
+        if dropout_mask.dtype != np.bool_:
+            raise TypeError(f"dropout_mask has dtype {dropout_mask.dtype}; expected bool (True = kept)")
+        if dropout_mask.shape != tuple(shape_bhqk):
+            raise ValueError(f"dropout_mask has shape {dropout_mask.shape}; expected {tuple(shape_bhqk)}")
+        keep = dropout_mask / (1.0 - dropout_p)  # Z / (1 - p) in float64
+    elif dropout_p > 0:
+        raise ValueError(f"dropout_p={dropout_p} needs dropout_mask (bool {tuple(shape_bhqk)}, e.g. "
+                         "cuflash.philox.dropout_mask)")
+    return window, alibi_slopes, softcap, keep
 
 
 def repeat_kv(x, heads_q: int):
@@ -66,14 +167,32 @@ def _scale(softmax_scale, head_dim):
     return 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def attention_forward64(q, k, v, causal=False, softmax_scale=None):
-    """float64 attention. Returns (o (B, Sq, H_q, D) float64, lse (B, H_q, Sq) float64)."""
+def _logits64(q, k, scale, causal, window, alibi_slopes, softcap):
+    """The scores in float64, modifiers applied: (S (B, H_q, Sq, Sk) with -inf where masked, tanh(S / softcap)
+    of the uncapped S, or None without a soft-cap). k already has H_q heads."""
+    s = _scores(q, k, scale)
+    t = None
+    if softcap:
+        t = np.tanh(s / softcap)  # S = softcap * tanh(S / softcap)
+        s = softcap * t
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, q.shape[0], q.shape[1], k.shape[1])  # S += -slope * |i + diag - j|
+    visible = _visible(q.shape[1], k.shape[1], causal, window)
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
+    return s, t
+
+
+def attention_forward64(q, k, v, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
+                        softcap=None, dropout_mask=None, dropout_p=0.0):
+    """float64 attention, with the modifiers of the module docstring. Returns (o (B, Sq, H_q, D) float64,
+    lse (B, H_q, Sq) float64); lse is of the scores before dropout."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     sq, sk = q.shape[1], k.shape[1]
-    s = _scores(q, k, _scale(softmax_scale, q.shape[-1]))
-    if causal:
-        s = np.where(causal_mask(sq, sk), s, -np.inf)
+    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], sq, sk), window, alibi_slopes, softcap,
+                                                     dropout_mask, dropout_p)
+    s, _ = _logits64(q, k, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap)
     m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)  # fully masked row: exp(-inf - 0) = 0, not NaN
     p = np.exp(s - m_safe)
@@ -81,28 +200,36 @@ def attention_forward64(q, k, v, causal=False, softmax_scale=None):
     with np.errstate(divide="ignore", invalid="ignore"):
         p = np.where(l > 0, p / np.where(l > 0, l, 1.0), 0.0)
         lse = np.where(l[..., 0] > 0, m_safe[..., 0] + np.log(l[..., 0]), -np.inf)
+    if keep is not None:
+        p = p * keep  # dropout: P Z / (1 - p), after lse
     o = np.einsum("bhij,bjhd->bihd", p, v)
     return o, lse
 
 
-def attention_backward64(do, q, k, v, causal=False, softmax_scale=None):
-    """float64 gradients of attention_forward64's output. Returns (dq, dk, dv), each float64, shaped like
-    q, k, v (dk, dv summed over the query heads of each group)."""
+def attention_backward64(do, q, k, v, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
+                         softcap=None, dropout_mask=None, dropout_p=0.0):
+    """float64 gradients of attention_forward64's output (same modifiers; the slopes are not differentiated).
+    Returns (dq, dk, dv), each float64, shaped like q, k, v (dk, dv summed over the query heads of each group)."""
     do, q, k, v = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = _scale(softmax_scale, q.shape[-1])
-    o, lse = attention_forward64(q, k, v, causal, scale)
-    s = _scores(q, k, scale)
+    mods = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_mask=dropout_mask,
+                dropout_p=dropout_p)
+    o, lse = attention_forward64(q, k, v, causal, scale, **mods)  # o: the dropped output
+    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), **mods)
+    s, t = _logits64(q, k, scale, causal, window, alibi_slopes, softcap)
     lse_safe = np.where(np.isfinite(lse), lse, 0.0)[..., None]
-    p = np.exp(s - lse_safe)
-    if causal:
-        p = np.where(causal_mask(q.shape[1], k.shape[1]), p, 0.0)
+    p = np.exp(s - lse_safe)  # masked keys: exp(-inf) = 0
     p = np.where(np.isfinite(lse)[..., None], p, 0.0)
-    dv = np.einsum("bhij,bihd->bjhd", p, do)
+    dv = np.einsum("bhij,bihd->bjhd", p if keep is None else p * keep, do)  # dV = (P Z / (1 - p))^T dO
     dp = np.einsum("bihd,bjhd->bhij", do, v)
+    if keep is not None:
+        dp = dp * keep  # dP = (dO V^T) Z / (1 - p)
     delta = np.einsum("bihd,bihd->bhi", do, o)[..., None]  # D_i = rowsum(dO * O)
     ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (1.0 - t * t)  # through S = softcap * tanh(S / softcap)
     dq = np.einsum("bhij,bjhd->bihd", ds, k) * scale
     dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
     return dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
@@ -112,15 +239,36 @@ def _round(x, dtype):
     return np.asarray(x, dtype=np.float32).astype(_LOWP[dtype]).astype(np.float32)
 
 
-def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None):
-    """Plain attention in `dtype` ("fp16"/"bf16"): fp32 accumulation, each intermediate rounded."""
+def _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap):
+    """The scores as a framework computes them in `dtype`: (S float32 holding `dtype` values, -inf where masked;
+    the rounded tanh(S / softcap), or None). The soft-cap is three rounded steps (divide, tanh, multiply); the
+    ALiBi bias is made in float32 and added to the rounded scores, the sum rounded."""
+    s = _round(np.einsum("bihd,bjhd->bhij", q, k) * np.float32(scale), dtype)
+    t = None
+    if softcap:
+        t = _round(np.tanh(_round(s / np.float32(softcap), dtype)), dtype)
+        s = _round(t * np.float32(softcap), dtype)
+    if alibi_slopes is not None:
+        bias = alibi_bias(alibi_slopes, q.shape[0], q.shape[1], k.shape[1]).astype(np.float32)
+        s = _round(s + bias, dtype)
+    visible = _visible(q.shape[1], k.shape[1], causal, window)
+    if visible is not None:
+        s = np.where(visible, s, -np.inf)
+    return s, t
+
+
+def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
+                   softcap=None, dropout_mask=None, dropout_p=0.0):
+    """Plain attention in `dtype` ("fp16"/"bf16"): fp32 accumulation, each intermediate rounded; dropout
+    multiplies the rounded P by Z / (1 - p) (the factor in float32) and rounds."""
     q, k, v = (_round(x, dtype) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-    sq, sk = q.shape[1], k.shape[1]
-    s = _round(np.einsum("bihd,bjhd->bhij", q, k) * np.float32(_scale(softmax_scale, q.shape[-1])), dtype)
-    if causal:
-        s = np.where(causal_mask(sq, sk), s, -np.inf)
+    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), window,
+                                                     alibi_slopes, softcap, dropout_mask, dropout_p)
+    s, _ = _logits_lowp(q, k, dtype, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap)
     p = _round(_softmax_lowp(s), dtype)
+    if keep is not None:
+        p = _round(p * keep.astype(np.float32), dtype)
     return _round(np.einsum("bhij,bjhd->bihd", p, v), dtype)
 
 
@@ -133,24 +281,31 @@ def _softmax_lowp(s):
     return np.where(l > 0, p / np.where(l > 0, l, 1), 0)
 
 
-def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None):
-    """Plain attention backward in `dtype`: each matmul output and P, dP, dS rounded to `dtype`. With fewer
-    key/value heads, the per-query-head dk, dv (rounded) are summed over each group and rounded again, as a
-    framework's backward through a head repeat does."""
+def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None, *, window=None,
+                            alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
+    """Plain attention backward in `dtype`: each matmul output and P, dP, dS rounded to `dtype`; dropout scales
+    P and dP by Z / (1 - p) (rounded after); the soft-cap's dS * (1 - t^2) (t the rounded tanh) is rounded.
+    With fewer key/value heads, the per-query-head dk, dv (rounded) are summed over each group and rounded
+    again, as a framework's backward through a head repeat does."""
     do, q, k, v = (_round(x, dtype) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = np.float32(_scale(softmax_scale, q.shape[-1]))
-    sq, sk = q.shape[1], k.shape[1]
-    s = _round(np.einsum("bihd,bjhd->bhij", q, k) * scale, dtype)
-    if causal:
-        s = np.where(causal_mask(sq, sk), s, -np.inf)
+    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), window,
+                                                     alibi_slopes, softcap, dropout_mask, dropout_p)
+    s, t = _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap)
     p = _round(_softmax_lowp(s), dtype)
-    o = _round(np.einsum("bhij,bjhd->bihd", p, v), dtype)
-    dv = _round(np.einsum("bhij,bihd->bjhd", p, do), dtype)
+    keep = None if keep is None else keep.astype(np.float32)
+    p_kept = p if keep is None else _round(p * keep, dtype)
+    o = _round(np.einsum("bhij,bjhd->bihd", p_kept, v), dtype)
+    dv = _round(np.einsum("bhij,bihd->bjhd", p_kept, do), dtype)
     dp = _round(np.einsum("bihd,bjhd->bhij", do, v), dtype)
+    if keep is not None:
+        dp = _round(dp * keep, dtype)
     delta = np.einsum("bihd,bihd->bhi", do, o)[..., None]
     ds = _round(p * (dp - delta), dtype)
+    if t is not None:
+        ds = _round(ds * (1 - t * t), dtype)
     dq = _round(np.einsum("bhij,bjhd->bihd", ds, k) * scale, dtype)
     dk = _round(np.einsum("bhij,bihd->bjhd", ds, q) * scale, dtype)
     if heads_kv != q.shape[2]:
@@ -166,39 +321,71 @@ def sequences(cu_seqlens_q, cu_seqlens_k):
     return [(slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
 
 
-def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+def _sequence_modifiers(b, num_seqs, heads_q, window, alibi_slopes, softcap, dropout_mask, dropout_p):
+    """The keyword arguments of the dense call for sequence b of a packed batch: slopes (H_q,) or row b of
+    (num_seqs, H_q); dropout mask dropout_mask[b][None] (one (H_q, len_q, len_k) array per sequence)."""
+    if alibi_slopes is not None:
+        alibi_slopes = np.asarray(alibi_slopes)
+        if alibi_slopes.shape not in ((heads_q,), (num_seqs, heads_q)):
+            raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}; expected ({heads_q},) or "
+                             f"({num_seqs}, {heads_q}) for {num_seqs} sequences")
+        alibi_slopes = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b]
+    if dropout_mask is not None:
+        if len(dropout_mask) != num_seqs:
+            raise ValueError(f"dropout_mask holds {len(dropout_mask)} masks for {num_seqs} sequences; expected one "
+                             "bool (H_q, len_q, len_k) array per sequence")
+        dropout_mask = np.asarray(dropout_mask[b])[None]
+    return dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_mask=dropout_mask,
+                dropout_p=dropout_p)
+
+
+def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *, window=None,
+                               alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
     """float64 attention of packed sequences: q (total_q, H_q, D), k, v (total_k, H_kv, D). Returns
-    (o (total_q, H_q, D), lse (H_q, total_q)); causal is bottom-right aligned per sequence."""
+    (o (total_q, H_q, D), lse (H_q, total_q)); causal, window and ALiBi are bottom-right aligned per sequence;
+    dropout_mask: one bool (H_q, len_q[b], len_k[b]) array per sequence b."""
     o = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
+        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods)
         o[rq], lse[:, rq] = o_b[0], lse_b[0]
     return o, lse
 
 
-def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *,
+                                window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
     """float64 gradients of attention_varlen_forward64's output: (dq, dk, dv) packed like q, k, v."""
     grads = [np.zeros(x.shape, dtype=np.float64) for x in (q, k, v)]
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
+        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
     return tuple(grads)
 
 
-def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
+def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None, *,
+                          window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
     """`attention_lowp` one sequence at a time: o (total_q, H_q, D) float32 holding `dtype` values."""
     o = np.zeros(q.shape, dtype=np.float32)
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)[0]
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
+        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale, **mods)[0]
     return o
 
 
-def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
+def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None,
+                                   *, window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
     """`attention_backward_lowp` one sequence at a time: (dq, dk, dv) packed like q, k, v."""
     grads = [np.zeros(x.shape, dtype=np.float32) for x in (q, k, v)]
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
+        g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale,
+                                    **mods)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
     return tuple(grads)
 
