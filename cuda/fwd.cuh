@@ -18,6 +18,7 @@
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "seqs.cuh"
 
@@ -48,13 +49,15 @@ struct FwdParams {
   int rows_per_pos;    // decode: query heads packed per position (the GQA group size), else 1
   float scale_log2;    // softmax_scale * log2(e)
   int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
+  ModParams mods;      // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
 };
-static_assert(sizeof(FwdParams) == 264, "FwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(FwdParams) == 320, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
-template <class Tr, bool IS_CAUSAL, bool IS_MASKED, bool IS_PACKED>
-__device__ __forceinline__ void fwd_key_tile(int seqlen_k, int diag, int rows_per_pos, float scale_log2, int n_block,
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, bool IS_PACKED, int MODS>
+__device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                             const ScoreMods<MODS>& mods, int rows_per_pos, float scale_log2, int n_block,
                                              u32 q_lane, u32 k_lane, u32 v_lane, int warp_row0, int row0, int lane,
                                              float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
                                              OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES>& softmax) {
@@ -86,13 +89,16 @@ __device__ __forceinline__ void fwd_key_tile(int seqlen_k, int diag, int rows_pe
     }
   }
 
-  // tail of K and the causal diagonal: masked scores = -inf
+  // softcap, ALiBi (mods.cuh); then the tail of K, the causal diagonal, the window: masked scores = -inf
+  float unused_dcap[Tr::M_TILES][Tr::N_TILES][4];
+  apply_score_mods(s_acc, unused_dcap, row0 + warp_row0, n_block * Tr::BLOCK_N, band.diag, mods, lane);
   if (IS_MASKED)
-    apply_mask<IS_CAUSAL, Tr::M_TILES, Tr::N_TILES, IS_PACKED>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, seqlen_k,
-                                                              diag, lane, rows_per_pos);
+    apply_band_mask<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW, Tr::M_TILES, Tr::N_TILES, IS_PACKED>(
+        s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, band, lane, rows_per_pos);
 
   // m_new = max(m, rowmax(S)); O *= exp2(m - m_new); P = exp2(S*scale_log2 - m_new)
   softmax.update(s_acc, o_acc, scale_log2);
+  apply_dropout(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, mods, lane);  // after the row sums: lse is undropped
 
   // O += P V: P goes from the S accumulators straight into A fragments (no shared memory)
 #pragma unroll
@@ -172,8 +178,10 @@ __device__ __forceinline__ void fwd_decode_epilogue(const FwdParams& p, const fl
     }
 }
 
-template <class Tr, bool IS_CAUSAL, bool IS_DECODE>
+template <class Tr, bool IS_CAUSAL, bool IS_DECODE, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
+  static_assert(!IS_DECODE || MODS == 0, "the kv-cache forward takes no score modifiers");
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -201,10 +209,12 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
                 head * p.o_head_stride;
   float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_row0 + row0;
 
-  // key tiles of this CTA: [n_begin, n_end); decode splits share them out in equal runs
+  // key tiles of this CTA: [n_begin, n_end) (tiles outside the causal / window band are skipped);
+  // decode splits share them out in equal runs
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
   const int last_pos = (row0 + rows_q - 1) / rows_per_pos, first_pos = row0 / rows_per_pos;
-  int n_begin = 0;
-  int n_end = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(last_pos, seq.len_k, diag);
+  int n_begin = band.template key_block_begin<Tr::BLOCK_N>(first_pos);
+  int n_end = band.template key_block_end<Tr::BLOCK_N>(last_pos);
   if (IS_DECODE && p.num_splits > 1) {
     const int per_split = ((seq.len_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N + p.num_splits - 1) / p.num_splits;
     n_begin = split * per_split;
@@ -262,9 +272,12 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
       for (int c = 0; c < 4; ++c) o_acc[mt][dt][c] = 0.f;
   OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES> softmax;
   softmax.init();
+  ScoreMods<MODS> mods;
+  mods.init(p.mods, batch, head, p.heads);
 
-  // Key tiles from the last to the first: the masked ones (K tail, causal diagonal) come first, then
-  // an unmasked loop. Each iteration first issues the next tile's loads into the other stage.
+  // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
+  // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first
+  // issues the next tile's loads into the other stage.
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
@@ -281,20 +294,23 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
     cp_async_commit_group();   // possibly empty: keeps the group count uniform
     cp_async_wait_group<1>();  // this stage's K/V (and Q) have landed
     __syncthreads();
-    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE>(seq.len_k, diag, rows_per_pos, p.scale_log2, n_block, q_lane,
+    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2, n_block, q_lane,
                                                       k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
                                                       warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     stage ^= 1;
   };
-  for (; n_block >= n_begin && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, first_pos, seq.len_k, diag);
-       --n_block)
+  for (; n_block >= n_begin && band.needs_mask_right(first_pos, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
-  for (; n_block >= n_begin; --n_block) step(BoolTag<false>());
+  for (; n_block >= n_begin && !band.needs_mask_left(last_pos, n_block * Tr::BLOCK_N); --n_block)
+    step(BoolTag<false>());
+  if (HAS_WINDOW)
+    for (; n_block >= n_begin; --n_block) step(BoolTag<true>());
 
-  // epilogue: O /= l, lse
+  // epilogue: O /= l (and * 1 / (1 - p) with dropout), lse
   float lse[Tr::M_TILES][2];
   softmax.finalize(o_acc, lse);
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(o_acc, p.mods.dropout_rp);
   if (IS_DECODE) {
     fwd_decode_epilogue<Tr, /*IS_EMPTY=*/false>(p, o_acc, lse, batch, split, head, seq, row0, rows_q, warp_row0, lane);
     return;

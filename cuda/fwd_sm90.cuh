@@ -13,6 +13,7 @@
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "fwd.cuh"
 
@@ -20,8 +21,9 @@ namespace cuflash {
 
 // One key tile for one warpgroup: S = Q K_j^T, online softmax, O += P V_j.
 // q_smem: this warpgroup's first Q row; warp_row: the first query row (absolute) of this warp.
-template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
-__device__ __forceinline__ void fwd_sm90_key_tile(int seqlen_k, int diag, float scale_log2, int n_block, u32 q_smem,
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS>
+__device__ __forceinline__ void fwd_sm90_key_tile(const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                  const ScoreMods<MODS>& mods, float scale_log2, int n_block, u32 q_smem,
                                                   u32 k_smem, u32 v_smem, int warp_row, int lane,
                                                   float (&o_acc)[1][Tr::D_TILES][4],
                                                   OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES>& softmax) {
@@ -39,12 +41,15 @@ __device__ __forceinline__ void fwd_sm90_key_tile(int seqlen_k, int diag, float 
   wgmma_wait_group<0>();
   wgmma_fence_operand(s_acc[0]);
 
-  // tail of K and the causal diagonal: masked scores = -inf
+  // softcap, ALiBi (mods.cuh); then the tail of K, the causal diagonal, the window: masked scores = -inf
+  float unused_dcap[1][Tr::N_TILES][4];
+  apply_score_mods(s_acc, unused_dcap, warp_row, n_block * Tr::BLOCK_N, band.diag, mods, lane);
   if (IS_MASKED)
-    apply_mask<IS_CAUSAL>(s_acc, warp_row, n_block * Tr::BLOCK_N, seqlen_k, diag, lane);
+    apply_band_mask<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>(s_acc, warp_row, n_block * Tr::BLOCK_N, band, lane);
 
   // m_new = max(m, rowmax(S)); O *= exp2(m - m_new); P = exp2(S*scale_log2 - m_new)
   softmax.update(s_acc, o_acc, scale_log2);
+  apply_dropout(s_acc, warp_row, n_block * Tr::BLOCK_N, mods, lane);  // after the row sums: lse is undropped
 
   // O += P V: P from the S accumulators into A registers (the m16n8k16 A layout, per warp)
   u32 p_regs[Tr::PV_K_STEPS][4];
@@ -65,9 +70,10 @@ __device__ __forceinline__ void fwd_sm90_key_tile(int seqlen_k, int diag, float 
   wgmma_fence_operand(o_acc[0]);
 }
 
-template <class Tr, bool IS_CAUSAL>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(const FwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // wgmma's swizzle is a function of the address: the tiles must start on the 1024-byte period
   const u32 smem_raw_u32 = smem_u32(smem_raw);
@@ -99,8 +105,11 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   };
   auto lse_rows = [&](int first_row) { return p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + first_row; };
 
-  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, seq.len_k, diag);
-  if (n_blocks <= 0) {  // causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
+  // key tiles [n_begin, n_end): tiles outside the causal / window band are skipped
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  if (n_end <= n_begin) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_rows(seq.q_row0 + row0), p.o_row_stride, rows_q, p.head_dim, tid);
     for (int r = tid; r < rows_q; r += Tr::THREADS) lse_rows(seq.q_row0 + row0)[r] = neg_inf();
     return;
@@ -113,7 +122,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   const u32 q_smem_wg = q_smem + Tr::TileQ::offset(warpgroup * 64, 0);
 
   // prologue: Q and the first (last-indexed) K/V tile in one cp.async group
-  int n_block = n_blocks - 1;
+  int n_block = n_end - 1;
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0, k_gmem + n_block * Tr::BLOCK_N * p.k_row_stride,
                                                     p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
@@ -128,13 +137,16 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
     for (int c = 0; c < 4; ++c) o_acc[0][dt][c] = 0.f;
   OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES> softmax;
   softmax.init();
+  ScoreMods<MODS> mods;
+  mods.init(p.mods, batch, head, p.heads);
 
-  // Key tiles from the last to the first: the masked ones (K tail, causal diagonal) come first, then
-  // an unmasked loop. Each iteration first issues the next tile's loads into the other stage.
+  // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
+  // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first
+  // issues the next tile's loads into the other stage.
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
-    if (n_block > 0) {
+    if (n_block > n_begin) {
       const int next = n_block - 1;
       const u32 off = (stage ^ 1) * Tr::SMEM_KV;
       load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + off, k_gmem + next * Tr::BLOCK_N * p.k_row_stride,
@@ -146,19 +158,25 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
     cp_async_wait_group<1>();    // this stage's K/V (and Q) have landed
     fence_proxy_async_shared();  // ... and are visible to the tensor cores' (async proxy) reads
     __syncthreads();
-    fwd_sm90_key_tile<Tr, IS_CAUSAL, IS_MASKED>(seq.len_k, diag, p.scale_log2, n_block, q_smem_wg,
+    fwd_sm90_key_tile<Tr, IS_CAUSAL, IS_MASKED, MODS>(band, mods, p.scale_log2, n_block, q_smem_wg,
                                                 k_smem0 + stage * Tr::SMEM_KV, v_smem0 + stage * Tr::SMEM_KV,
                                                 row0 + warp_row0, lane, o_acc, softmax);
     __syncthreads();  // every warpgroup is done with this stage before the next iteration refills it
     stage ^= 1;
   };
-  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, seq.len_k, diag); --n_block)
+  const int row_last = row0 + rows_q - 1;
+  for (; n_block >= n_begin && band.needs_mask_right(row0, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
-  for (; n_block >= 0; --n_block) step(BoolTag<false>());
+  for (; n_block >= n_begin && !band.needs_mask_left(row_last, n_block * Tr::BLOCK_N); --n_block)
+    step(BoolTag<false>());
+  if (HAS_WINDOW)
+    for (; n_block >= n_begin; --n_block) step(BoolTag<true>());
 
-  // epilogue: O /= l, lse; O -> shared (the Q tile's space, this warp's own rows) -> 16-byte stores
+  // epilogue: O /= l (and * 1 / (1 - p) with dropout), lse; O -> shared (the Q tile's space, this warp's
+  // own rows) -> 16-byte stores
   float lse[1][2];
   softmax.finalize(o_acc, lse);
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(o_acc, p.mods.dropout_rp);
   const int out_row0 = seq.q_row0 + row0;
   float* lse_gmem = lse_rows(out_row0);
   const int g = lane >> 2, t = lane & 3;

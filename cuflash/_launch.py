@@ -35,6 +35,17 @@ def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=Non
     return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, seqlen_k_new)
 
 
+class ModParams(ctypes.Structure):
+    """Mirror of cuflash::ModParams (cuda/mods.cuh): the score modifiers' run-time values."""
+
+    _fields_ = [
+        ("alibi_slopes", ctypes.c_void_p), ("alibi_batch_stride", _c_ll), ("seed", ctypes.c_uint64),
+        ("window_left", ctypes.c_int), ("window_right", ctypes.c_int), ("softcap_pre", ctypes.c_float),
+        ("softcap_post", ctypes.c_float), ("alibi_scale", ctypes.c_float), ("dropout_offset", ctypes.c_uint32),
+        ("dropout_threshold", ctypes.c_uint32), ("dropout_rp", ctypes.c_float),
+    ]
+
+
 class FwdParams(ctypes.Structure):
     """Mirror of cuflash::FwdParams (cuda/fwd.cuh); field order and types must match."""
 
@@ -50,8 +61,15 @@ class FwdParams(ctypes.Structure):
         ("k_page_stride", _c_ll), ("v_page_stride", _c_ll),
         ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("block_table_stride", ctypes.c_int),
         ("page_size", ctypes.c_int), ("num_splits", ctypes.c_int), ("rows_per_pos", ctypes.c_int),
-        ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int), ("mods", ModParams),
     ]
+
+
+class DropoutMaskParams(ctypes.Structure):
+    """Mirror of cuflash::DropoutMaskParams (cuda/mods.cuh)."""
+
+    _fields_ = [("mask", ctypes.c_void_p), ("mods", ModParams), ("seqlen_q", ctypes.c_int),
+                ("seqlen_k", ctypes.c_int), ("heads", ctypes.c_int)]
 
 
 class BwdParams(ctypes.Structure):
@@ -81,8 +99,8 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 264 and ctypes.sizeof(BwdParams) == 376
-assert ctypes.sizeof(AppendParams) == 168
+assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 320 and ctypes.sizeof(BwdParams) == 376
+assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 80
 
 
 class _Kernel:

@@ -574,3 +574,118 @@ def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_
                                  f"{slot // page_size}, row {slot % page_size}): k and v would overwrite each other "
                                  f"there; give each sequence its own blocks for the positions it writes")
     return int(lengths.max()) if lengths.size else 0
+
+
+# --- score modifiers: sliding window, ALiBi, softcap, dropout (cuda/mods.cuh) -------------------------------
+
+class Mods(NamedTuple):
+    """The score modifiers of a call, validated and normalized (`check_mods`).
+
+    bits: the kernels' MODS (config.MOD_*); causal: the kernels' causal flag (False when a window carries it);
+    window: (left, right) with causal folded in (right <= 0), -1 unbounded, or None; the rest as given."""
+
+    bits: int
+    causal: bool
+    window: tuple | None
+    alibi: ArrayInfo | None
+    softcap: float | None
+    dropout_p: float
+    seed: int
+    offset: int
+
+
+def check_window(window) -> tuple | None:
+    """None, or (left, right) of ints >= -1 (-1: unbounded on that side)."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise TypeError(f"window={window!r} must be None or a pair (left, right) of ints >= -1 (-1 = unbounded)")
+    out = []
+    for side, v in zip(("left", "right"), window):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"window={tuple(window)!r}: {side}={v!r} must be an int >= -1 (-1 = unbounded)")
+        if int(v) < -1 or int(v) > INT32_MAX:
+            raise ValueError(f"window={tuple(window)!r}: {side}={int(v)} is out of range: allowed -1 (unbounded) "
+                             f"or 0 <= {side} <= {INT32_MAX}")
+        out.append(int(v))
+    return tuple(out)
+
+
+def check_softcap(softcap) -> float | None:
+    """None (off) or a finite float > 0."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap={softcap!r} must be a real number > 0, or None (no soft-capping)")
+    c = float(softcap)
+    if not math.isfinite(c) or c <= 0:
+        raise ValueError(f"softcap={softcap!r} must be finite and > 0 (None turns soft-capping off)")
+    return c
+
+
+def check_dropout(dropout_p, seed, offset) -> tuple:
+    """(p, seed, offset): p a float in [0, 1); seed an int in [0, 2**64), required when p > 0; offset an int
+    in [0, 2**32)."""
+    if isinstance(dropout_p, (bool, np.bool_)) or not isinstance(dropout_p, numbers.Real):
+        raise TypeError(f"dropout_p={dropout_p!r} must be a real number in [0, 1)")
+    p = float(dropout_p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout_p={dropout_p!r} is out of range: allowed 0 <= dropout_p < 1")
+    if seed is None:
+        if p > 0:
+            raise ValueError(f"dropout_p={p} needs seed=<int in [0, 2**64)>: the backward regenerates the dropout "
+                             f"mask from the same seed and offset")
+        seed = 0
+    elif isinstance(seed, (bool, np.bool_)) or not isinstance(seed, numbers.Integral):
+        raise TypeError(f"seed={seed!r} must be an int in [0, 2**64)")
+    elif not 0 <= int(seed) < 2**64:
+        raise ValueError(f"seed={int(seed)} is out of range: allowed 0 <= seed < 2**64")
+    if isinstance(offset, (bool, np.bool_)) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset={offset!r} must be an int in [0, 2**32)")
+    if not 0 <= int(offset) < 2**32:
+        raise ValueError(f"offset={int(offset)} is out of range: allowed 0 <= offset < 2**32")
+    return p, int(seed), int(offset)
+
+
+def check_alibi(slopes: ArrayInfo | None, batch: int, heads: int, device: int) -> ArrayInfo | None:
+    """float32 (heads,) or (batch, heads), contiguous along heads, on the inputs' device."""
+    if slopes is None:
+        return None
+    if slopes.dtype != np.float32:
+        raise TypeError(f"alibi_slopes.dtype={slopes.dtype} must be float32")
+    if tuple(slopes.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes has shape {tuple(slopes.shape)}; allowed: (heads,) = {(heads,)} or "
+                         f"(batch, heads) = {(batch, heads)}")
+    if heads > 1 and slopes.strides[-1] != 1:
+        raise ValueError(f"alibi_slopes has strides {slopes.strides} (elements): the heads dim must be contiguous")
+    if len(slopes.shape) == 2 and not float(slopes.strides[0]).is_integer():
+        raise ValueError(f"alibi_slopes has strides {slopes.strides} (elements) that are not whole elements")
+    if slopes.device != device:
+        raise ValueError(f"alibi_slopes is on device {slopes.device} but q is on device {device}")
+    return slopes
+
+
+def check_mods(causal: bool, window, alibi: ArrayInfo | None, softcap, dropout_p, seed, offset, batch: int,
+               heads: int, device: int) -> Mods:
+    """Validate and normalize the score modifiers of a call (see `Mods`). A window with causal=True keeps
+    right <= 0; window (-1, 0) is causal itself, (-1, -1) no window."""
+    from .config import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_WINDOW
+
+    window = check_window(window)
+    softcap = check_softcap(softcap)
+    p, seed, offset = check_dropout(dropout_p, seed, offset)
+    alibi = check_alibi(alibi, batch, heads, device)
+    bits = 0
+    if window is not None:
+        left, right = window
+        if causal:
+            right = 0 if right == -1 else min(right, 0)
+        if (left, right) == (-1, -1):
+            window = None
+        elif (left, right) == (-1, 0):
+            window, causal = None, True
+        else:
+            window, causal, bits = (left, right), False, MOD_WINDOW
+    bits |= (MOD_ALIBI if alibi is not None else 0) | (MOD_SOFTCAP if softcap is not None else 0)
+    bits |= MOD_DROPOUT if p > 0 else 0
+    return Mods(bits, causal, window, alibi, softcap, p, seed, offset)

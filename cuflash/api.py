@@ -9,8 +9,9 @@ from functools import lru_cache
 import numpy as np
 
 from . import _launch, _validate, config
-from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, ElementwiseConfig, backward_kernel_config, dq_config,
-                     forward_kernel_config, fwd_decode_config, kernel_head_dim)
+from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig,
+                     backward_kernel_config, dq_config, forward_kernel_config, fwd_decode_config, kernel_head_dim)
+from .philox import dropout_threshold
 
 
 def _cupy():
@@ -31,17 +32,60 @@ def _as_kernel_operand(x, info, dims, layout):
     return x, _validate.bshd_dims(info, layout)
 
 
-_forward_kernels: dict = {}  # (device, kernel head dim, dtype, causal, family) -> (config, loaded kernel)
+_forward_kernels: dict = {}  # (device, kernel head dim, dtype, causal, mods, family) -> (config, loaded kernel)
 
 
-def _forward_kernel(device, head_dim, dtype, causal):
+def _forward_kernel(device, head_dim, dtype, causal, mods=0):
     """Config and loaded kernel of a forward call, looked up once (the warm path is one dict get)."""
-    key = (device, head_dim, dtype, causal, config.KERNELS)
+    key = (device, head_dim, dtype, causal, mods, config.KERNELS)
     entry = _forward_kernels.get(key)
     if entry is None:
-        cfg = forward_kernel_config(head_dim, dtype, causal, _launch.device_arch(device))
+        cfg = forward_kernel_config(head_dim, dtype, causal, _launch.device_arch(device), mods=mods)
         entry = _forward_kernels[key] = (cfg, _launch.get_kernel(cfg, device))
     return entry
+
+
+# --- score modifiers (cuda/mods.cuh) ------------------------------------------------------------------------
+
+def _check_mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, batch, heads, device):
+    alibi = None if alibi_slopes is None else _validate.array_info(alibi_slopes, "alibi_slopes")
+    return _validate.check_mods(causal, window, alibi, softcap, dropout_p, seed, offset, batch, heads, device)
+
+
+def _mod_params(m: _validate.Mods, scale: float, max_seqlen: int) -> _launch.ModParams:
+    """ModParams of a launch. An unbounded window side becomes a bound no sequence reaches (the kernels
+    never test for -1)."""
+    left, right = m.window if m.window is not None else (-1, -1)
+    far = max(1, max_seqlen)
+    a = m.alibi
+    return _launch.ModParams(
+        0 if a is None else a.ptr, int(a.strides[0]) if a is not None and len(a.shape) == 2 else 0, m.seed,
+        far if left == -1 else left, far if right == -1 else right,
+        scale / m.softcap if m.softcap else 0.0, m.softcap / scale if m.softcap else 0.0, 1.0 / scale,
+        m.offset, dropout_threshold(m.dropout_p), 1.0 / (1.0 - m.dropout_p))
+
+
+def _dropout_mask(m: _validate.Mods, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int):
+    """bool (batch, heads, seqlen_q, seqlen_k): True where the kernels keep P (return_dropout_mask)."""
+    cp = _cupy()
+    if batch * heads * seqlen_q * seqlen_k > MAX_DROPOUT_MASK:
+        raise ValueError(f"return_dropout_mask=True would return {batch * heads * seqlen_q * seqlen_k} elements "
+                         f"(batch * heads * seqlen_q * seqlen_k); it is for testing small shapes, at most "
+                         f"{MAX_DROPOUT_MASK}")
+    mask = cp.empty((batch, heads, seqlen_q, seqlen_k), dtype=cp.uint8)
+    if mask.size == 0:
+        return mask.view(cp.bool_)
+    if m.dropout_p == 0:
+        return mask.fill(1) or mask.view(cp.bool_)
+    params = _launch.DropoutMaskParams(mask.data.ptr, _mod_params(m, 1.0, 1), seqlen_q, seqlen_k, heads)
+    cfg = DropoutMaskConfig()
+    groups = ((seqlen_q + 1) // 2) * ((seqlen_k + 1) // 2)
+    _launch.get_kernel(cfg, device).launch((-(-groups // cfg.threads), heads, batch), params,
+                                           cp.cuda.get_current_stream().ptr)
+    return mask.view(cp.bool_)
+
+
+MAX_DROPOUT_MASK = 2**30
 
 
 def _on_device(cp, device):
@@ -81,7 +125,8 @@ def _empty_like_layout(dims, seqlen, dtype, layout):
     return cp.empty(shape, dtype=dtype)
 
 
-def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd"):
+def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
+                      softcap=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
     """Fused attention forward, returning the output and the log-sum-exp of each query row.
 
     Args:
@@ -95,10 +140,23 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             A query that sees no key gets o = 0 and lse = -inf.
         softmax_scale: multiplies q k^T before the softmax; default 1/sqrt(head_dim).
         layout: "bshd" or "bhsd", for the inputs and the output.
+        window: sliding window (left, right), -1 = unbounded on that side: query i sees key j iff
+            i + Sk - Sq - left <= j <= i + Sk - Sq + right (and, with causal, j <= i + Sk - Sq). Key tiles
+            outside the band are skipped. None (default): no window.
+        alibi_slopes: CuPy float32 (heads,) or (batch, heads): score_ij += -slope * |i + Sk - Sq - j|.
+        softcap: float > 0: score = softcap * tanh(score / softcap) (applied before ALiBi and the masks).
+        dropout_p: drops each P_ij with probability dropout_p and scales the kept ones by 1 / (1 - dropout_p);
+            the mask comes from Philox4x32-10 keyed by `seed` (required when dropout_p > 0) and `offset`, so
+            the same seed gives the same result on every run, and the backward regenerates it (nothing of
+            size N^2 is stored). lse is that of the undropped softmax.
+        return_dropout_mask: also return the keep mask, bool (batch, heads, seqlen_q, seqlen_k) (for tests:
+            small shapes only).
+        The score is softmax_scale * q_i . k_j, then softcap, ALiBi, the masks, the softmax, dropout.
 
     Returns:
-        (o, lse): o like q (same dtype, layout and shape, a new contiguous array); lse float32
-        (batch, heads, seqlen_q), natural log: lse_i = log sum_j exp(softmax_scale * q_i . k_j).
+        (o, lse), or (o, lse, dropout_mask) with return_dropout_mask: o like q (same dtype, layout and shape,
+        a new contiguous array); lse float32 (batch, heads, seqlen_q), natural log: lse_i = log sum_j exp(s_ij)
+        of the (modified) scores s_ij = softmax_scale * q_i . k_j.
 
     Runs on the current CuPy stream, without host synchronization; allocates only o and lse.
 
@@ -110,43 +168,53 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
     causal = _validate.check_flag(causal, "causal")
+    return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     qi, ki, vi = _validate.array_info(q, "q"), _validate.array_info(k, "k"), _validate.array_info(v, "v")
     dtype, dq, dk, dv = _validate.check_qkv(qi, ki, vi, layout)
     scale = _validate.check_softmax_scale(softmax_scale, dq.head_dim)
+    mods = _check_mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, dq.batch, dq.heads, qi.device)
     cp = _cupy()
 
     with _on_device(cp, qi.device):
         o = _empty_like_layout(dq, dq.seqlen, q.dtype, layout)
         lse = cp.empty((dq.batch, dq.heads, dq.seqlen), dtype=cp.float32)
+        extra = (_dropout_mask(mods, dq.batch, dq.heads, dq.seqlen, dk.seqlen, qi.device),) if return_mask else ()
         if o.size == 0:
-            return o, lse
+            return (o, lse, *extra)
         if dk.seqlen == 0:  # no keys at all: every row is fully masked
             o.fill(0)
             lse.fill(-cp.inf)
-            return o, lse
+            return (o, lse, *extra)
         q, dq = _as_kernel_operand(q, qi, dq, layout)
         k, dk = _as_kernel_operand(k, ki, dk, layout)
         v, dv = _as_kernel_operand(v, vi, dv, layout)
         o_strides = _contiguous_strides(dq, layout)
 
-        cfg, kernel = _forward_kernel(qi.device, kernel_head_dim(dq.head_dim), dtype, causal)
+        cfg, kernel = _forward_kernel(qi.device, kernel_head_dim(dq.head_dim), dtype, mods.causal, mods.bits)
         params = _fwd_params(q, k, v, o, lse, _launch.seq_params(dq.seqlen, dk.seqlen, dq.heads // dk.heads),
                              dq, dk, dv, o_strides, (dq.heads * dq.seqlen, dq.seqlen), dq.heads, dq.head_dim, scale)
+        if mods.bits:
+            params.mods = _mod_params(mods, scale, max(dq.seqlen, dk.seqlen))
         kernel.launch((-(-dq.seqlen // cfg.block_m), dq.heads, dq.batch), params, cp.cuda.get_current_stream().ptr)
-    return o, lse
+    return (o, lse, *extra)
 
 
-def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd"):
+def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
+              softcap=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
     """Fused attention: softmax(softmax_scale * q k^T [+ causal mask]) v, exact, O(N) extra memory.
 
-    Same arguments as `attention_forward`; returns only o (like q: same dtype, layout and shape).
+    Same arguments as `attention_forward` (sliding window, ALiBi, softcap and dropout included); returns
+    only o (like q: same dtype, layout and shape), or (o, dropout_mask) with return_dropout_mask.
 
     Example:
         >>> import cupy as cp, ml_dtypes, cuflash
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
-    return attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout)[0]
+    out = attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
+                            alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset,
+                            return_dropout_mask=return_dropout_mask)
+    return (out[0], out[2]) if return_dropout_mask else out[0]
 
 
 def _check_like(info, dims, ref_dims, what):
@@ -335,7 +403,8 @@ def _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
 
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                             softmax_scale=None, check_inputs=True):
+                             softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None,
+                             dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
     """Fused attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
@@ -351,10 +420,15 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         softmax_scale: default 1/sqrt(head_dim).
         check_inputs: read cu_seqlens back to the host (one synchronization) and check their values;
             False skips that (wrong values are then undefined behaviour).
+        window, alibi_slopes, softcap, dropout_p, seed, offset: as in `attention_forward`, per sequence
+            (bottom-right aligned to each sequence's lengths); alibi_slopes (heads,) or (batch, heads) with
+            batch = the number of sequences; sequence b draws the dropout stream of batch index b.
+        return_dropout_mask: also return a list of one bool (heads, len_q(b), len_k(b)) keep mask per sequence.
 
     Returns:
-        (o, lse): o (total_q, heads, head_dim) like q; lse float32 (heads, total_q), natural log. A
-        query that sees no key (an empty key sequence, or causal with len_q > len_k) gets o = 0, lse = -inf.
+        (o, lse) (and the masks): o (total_q, heads, head_dim) like q; lse float32 (heads, total_q), natural
+        log. A query that sees no key (an empty key sequence, or causal with len_q > len_k) gets o = 0,
+        lse = -inf.
 
     Example:
         >>> cu = cp.asarray([0, 100, 100, 357], dtype=cp.int32)          # 3 sequences, one empty
@@ -362,39 +436,53 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         >>> o, lse = cuflash.attention_varlen_forward(q, q, q, cu, cu, 257, 257, causal=True)
     """
     causal = _validate.check_flag(causal, "causal")
+    return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     m, (qi, ki, vi) = _varlen_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, check_inputs)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
+    mods = _check_mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device)
     cp = _cupy()
     with _on_device(cp, m.device):
         o = cp.empty((m.total_q, m.heads_q, m.head_dim), dtype=q.dtype)
         lse = cp.empty((m.heads_q, m.total_q), dtype=cp.float32)
+        extra = ()
+        if return_mask:  # sequence b's mask is the top-left corner of batch index b's (the stream ignores lengths)
+            dense = _dropout_mask(mods, m.batch, m.heads_q, m.max_seqlen_q, m.max_seqlen_k, m.device)
+            cq, ck = cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k)
+            extra = ([dense[b, :, :int(cq[b + 1] - cq[b]), :int(ck[b + 1] - ck[b])].copy() for b in range(m.batch)],)
         if o.size == 0:
-            return o, lse
+            return (o, lse, *extra)
         q, qs, qh = _packed_operand(q, qi, "q")
         k, ks, kh = _packed_operand(k, ki, "k")
         v, vs, vh = _packed_operand(v, vi, "v")
         group = m.heads_q // m.heads_kv
         seq = _launch.seq_params(m.max_seqlen_q, m.max_seqlen_k, group, cu_seqlens_q.data.ptr, cu_seqlens_k.data.ptr)
-        cfg, kernel = _forward_kernel(m.device, kernel_head_dim(m.head_dim), m.dtype, causal)
+        cfg, kernel = _forward_kernel(m.device, kernel_head_dim(m.head_dim), m.dtype, mods.causal, mods.bits)
         params = _fwd_params(
             q, k, v, o, lse, seq, _packed_dims(m.total_q, m.heads_q, m.head_dim, qs, qh),
             _packed_dims(m.total_k, m.heads_kv, m.head_dim, ks, kh), _packed_dims(m.total_k, m.heads_kv, m.head_dim, vs, vh),
             (0, m.heads_q * m.head_dim, m.head_dim), (0, m.total_q), m.heads_q, m.head_dim, scale)
+        if mods.bits:
+            params.mods = _mod_params(mods, scale, max(m.max_seqlen_q, m.max_seqlen_k))
         kernel.launch((-(-m.max_seqlen_q // cfg.block_m), m.heads_q, m.batch), params, cp.cuda.get_current_stream().ptr)
-    return o, lse
+    return (o, lse, *extra)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, check_inputs=True):
-    """`attention_varlen_forward` returning only o (total_q, heads, head_dim).
+                     softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                     seed=None, offset=0, return_dropout_mask=False):
+    """`attention_varlen_forward` returning only o (total_q, heads, head_dim) (and the dropout masks with
+    return_dropout_mask).
 
     Example:
         >>> cu = cp.asarray([0, 3, 10], dtype=cp.int32)
         >>> q = cp.random.randn(10, 4, 32).astype(cp.float16)
         >>> o = cuflash.attention_varlen(q, q, q, cu, cu, 7, 7)
     """
-    return attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
-                                    softmax_scale=softmax_scale, check_inputs=check_inputs)[0]
+    out = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                   softmax_scale=softmax_scale, check_inputs=check_inputs, window=window,
+                                   alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
+                                   offset=offset, return_dropout_mask=return_dropout_mask)
+    return (out[0], out[2]) if return_dropout_mask else out[0]
 
 
 def _check_packed_like(info, shape, what):

@@ -20,6 +20,28 @@ import math
 import os
 
 DTYPES = ("fp16", "bf16")
+# Score modifiers (cuda/mods.cuh): bits of the kernels' MODS template argument. The plain path is MODS = 0.
+MOD_WINDOW, MOD_ALIBI, MOD_SOFTCAP, MOD_DROPOUT = 1, 2, 4, 8
+MODS_ALL = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT
+# The modifier sets the compile check builds for every kernel (beside MODS = 0): all of them, and all but
+# the window for causal kernels (a window carries causal itself, as right = 0). Each adds state and
+# instructions to the same spots of a mainloop, so these are the register-heaviest instantiations.
+MODS_CHECKED = {False: (MOD_WINDOW, MODS_ALL), True: (MODS_ALL & ~MOD_WINDOW,)}
+
+
+def heavy_mods(mods: int) -> bool:
+    """Modifiers with per-element state or work beyond a mask (ALiBi, softcap, dropout): their kernels take
+    the *_MODS tile tables, whose smaller key tiles leave registers for it (a window alone masks like
+    causal and takes the causal tiles)."""
+    return bool(mods & ~MOD_WINDOW)
+
+
+def check_mods(mods: int, causal: bool) -> int:
+    if not 0 <= mods <= MODS_ALL:
+        raise ValueError(f"mods={mods} must be a combination of the MOD_* bits (0..{MODS_ALL})")
+    if causal and mods & MOD_WINDOW:
+        raise ValueError("a window kernel carries causal as window right = 0: instantiate it with causal=False")
+    return mods
 KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
 MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
 MMA_M, MMA_N, MMA_K = 16, 8, 16
@@ -66,8 +88,12 @@ class FwdConfig:
     causal: bool
     stages: int = 2  # K/V shared-memory buffers (double buffering)
     decode: bool = False
+    mods: int = 0  # score modifiers (MOD_* bits)
 
     def __post_init__(self):
+        check_mods(self.mods, self.causal)
+        if self.decode and self.mods:
+            raise ValueError("the kv-cache forward takes no score modifiers")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.head_dim % MMA_K or self.head_dim > MAX_HEAD_DIM:
@@ -102,7 +128,7 @@ class FwdConfig:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"cuflash::fwd_kernel<cuflash::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, {self.stages}, {t}>, {b(self.causal)}, {b(self.decode)}>")
+                f"{self.num_warps}, {self.stages}, {t}>, {b(self.causal)}, {b(self.decode)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -123,6 +149,16 @@ FWD_TILES = {
 FWD_TILES_CAUSAL = {
     128: (128, 128, 8),  # (128, 32, 4) spills 56 bytes when causal; 318 TFLOP/s causal N=16k
 }
+# With ALiBi / softcap / dropout (heavy_mods): smaller key tiles, so the per-element work fits in
+# registers (the plain tiles spilled 8-200 bytes with every modifier on; compiled with ptxas -v).
+FWD_TILES_MODS = {
+    32: (128, 32, 8),   # (128, 32, 4): 4-byte stack frame
+    64: (128, 32, 4),   # 245 registers; (128, 32, 8) spilled 16 bytes
+    96: (128, 32, 8),
+    128: (128, 64, 8),  # 180 registers
+    192: (128, 32, 8),
+    256: (64, 16, 4),
+}
 # Before sm_90 ptxas allocates differently: (128, 32, 4) spills 8 bytes at d128 on sm_80.
 FWD_TILES_PRE_SM90 = {
     128: (128, 128, 8),
@@ -130,15 +166,18 @@ FWD_TILES_PRE_SM90 = {
 DEFAULT_ARCH = "sm_90a"  # the H100/H200 this project targets; analyzer and docs use its configs
 
 
-def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH) -> FwdConfig:
-    """The forward config the library launches for a (kernel) head dim, dtype, causal flag and arch."""
+def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH, mods: int = 0) -> FwdConfig:
+    """The forward config the library launches for a (kernel) head dim, dtype, causal flag, arch and score
+    modifiers (a window masks tiles like causal does, so it takes the causal tiles)."""
     tiles = FWD_TILES[head_dim]
-    if causal:
+    if heavy_mods(mods):
+        tiles = FWD_TILES_MODS[head_dim]
+    elif causal or mods:
         tiles = FWD_TILES_CAUSAL.get(head_dim, tiles)
-    if not arch.startswith("sm_9"):
+    if not arch.startswith("sm_9") and not heavy_mods(mods):
         tiles = FWD_TILES_PRE_SM90.get(head_dim, tiles)
     bm, bn, warps = tiles
-    return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, mods=mods)
 
 
 # attention_with_kvcache runs the mma.sync forward with IS_DECODE on every architecture: decoding reads
@@ -186,15 +225,29 @@ class AppendConfig:
         return "cuflash::kvcache_append_kernel"
 
 
+@dataclass(frozen=True)
+class DropoutMaskConfig:
+    """The dropout mask as the kernels draw it, for tests (`return_dropout_mask`): `dropout_mask_kernel`
+    (cuda/mods.cuh), one thread per 2x2 group of (query, key) elements."""
+
+    threads: int = 256
+    smem_bytes: int = 0
+
+    def cpp_name(self) -> str:
+        return "cuflash::dropout_mask_kernel"
+
+
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
     sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
     and, for sm_90a, the wgmma kernels."""
-    out: list = [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    out: list = [fwd_config(hd, dt, c, arch, m) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)
+                 for m in (0, *MODS_CHECKED[c])]
     out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
-    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig()]
+    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(), DropoutMaskConfig()]
     if arch == "sm_90a":
-        out += [fwd_sm90_config(hd, dt, c) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)]
+        out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)
+                for m in (0, *MODS_CHECKED[c])]
     return out
 
 
@@ -230,8 +283,10 @@ class FwdSm90Config:
     dtype: str
     causal: bool
     stages: int = 2
+    mods: int = 0  # score modifiers (MOD_* bits)
 
     def __post_init__(self):
+        check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.block_m % 64 or not 64 <= self.block_m <= 192:
@@ -254,7 +309,7 @@ class FwdSm90Config:
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         return (f"cuflash::fwd_sm90_kernel<cuflash::FwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.ctas_per_sm}, {t}>, {'true' if self.causal else 'false'}>")
+                f"{self.ctas_per_sm}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -271,18 +326,30 @@ FWD_SM90_TILES = {
 }
 
 
-def fwd_sm90_config(head_dim: int, dtype: str, causal: bool) -> FwdSm90Config:
-    bm, bn, ctas = FWD_SM90_TILES[head_dim]
-    return FwdSm90Config(head_dim, bm, bn, ctas, dtype, causal)
+# With ALiBi / softcap / dropout (heavy_mods, see FWD_TILES_MODS): the plain tiles spilled 28 bytes (dropout
+# alone, d128) to 200 bytes (every modifier, d128).
+FWD_SM90_TILES_MODS = {
+    32: (128, 32, 2),
+    64: (128, 32, 2),
+    96: (128, 64, 1),
+    128: (128, 64, 1),  # 237 registers
+    192: (128, 32, 1),
+    256: (128, 32, 1),
+}
+
+
+def fwd_sm90_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> FwdSm90Config:
+    bm, bn, ctas = (FWD_SM90_TILES_MODS if heavy_mods(mods) else FWD_SM90_TILES)[head_dim]
+    return FwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, mods=mods)
 
 
 def forward_kernel_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH,
-                          kernels: str | None = None):
+                          kernels: str | None = None, mods: int = 0):
     """The forward config the library launches on `arch`: wgmma on sm_90a, else (or with kernels="mma")
     the mma.sync kernel of fwd_config."""
     if uses_wgmma(arch, kernels) and head_dim in FWD_SM90_TILES:
-        return fwd_sm90_config(head_dim, dtype, causal)
-    return fwd_config(head_dim, dtype, causal, arch)
+        return fwd_sm90_config(head_dim, dtype, causal, mods)
+    return fwd_config(head_dim, dtype, causal, arch, mods)
 
 
 @dataclass(frozen=True)
