@@ -5,16 +5,21 @@ conflicts of attention tiling strategies, counted from the same configuration co
     c = simulate("cuflash", Problem(batch=1, heads=16, seqlen_q=4096, seqlen_k=4096, head_dim=128))
     c.hbm_read_bytes, c.sram_read_bytes, c.bank_conflicts
 
-Modules: strategies (counts), banks (bank-conflict rule and the walks of fwd_kernel, bwd_kernel,
-bwd_dq_kernel and the wgmma kernels fwd_sm90_kernel, bwd_sm90_kernel), l2 (LRU L2 model), execute (the
-tile schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100). `cuflash` counts what the
-library launches on an H100 (`kernels="auto"`, the wgmma kernels where the head dim has one);
-`simulate(..., kernels="mma")` counts the mma.sync kernels.
+    from cuflash.simulator import visible_pairs        # useful work of a causal / sliding-window mask
+    visible_pairs(4096, 4096, causal=True, window=(1024, 0))
+
+Modules: masks (the band of visible pairs and the kernels' tile tests), strategies (counts), banks
+(bank-conflict rule and the walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels
+fwd_sm90_kernel, bwd_sm90_kernel), l2 (LRU L2 model), execute (the tile schedules run in float64), cli
+(`cuflash-sim`), validate (ncu on the H100). `cuflash` counts what the library launches on an H100
+(`kernels="auto"`, the wgmma kernels where the head dim has one); `simulate(..., kernels="mma")` counts
+the mma.sync kernels.
 """
+from .masks import key_tile_range, query_block_range, tile_needs_mask, visible_pairs
 from .model import COUNT_FIELDS, STRATEGIES, Counts, Problem
 from .strategies import simulate
 from . import banks
 from .execute import execute_backward, execute_forward
 
 __all__ = ["Problem", "Counts", "COUNT_FIELDS", "STRATEGIES", "simulate", "banks", "execute_forward",
-           "execute_backward"]
+           "execute_backward", "visible_pairs", "key_tile_range", "query_block_range", "tile_needs_mask"]

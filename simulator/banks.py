@@ -49,6 +49,8 @@ from numba import njit
 
 from cuflash import config as _config
 
+from .masks import query_block_range
+
 # kind -> (bytes per lane, lanes per phase, phases, is cp.async)
 KINDS = {
     "ld32": (4, 32, 1, False),
@@ -688,41 +690,42 @@ def _check_head_dim(cfg, head_dim):
 
 
 def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, batch, heads, seqlen_q, seqlen_k,
-                  head_dim, causal_skip, prologue_copies, step_copies, fences_per_step: int = 0) -> SharedWalk:
+                  head_dim, causal_skip, window, prologue_copies, step_copies, fences_per_step: int = 0) -> SharedWalk:
     """Shared driver of the Q-outer kernels (fwd_kernel, fwd_sm90_kernel, bwd_dq_kernel): CTA m_block with
-    n_blocks > 0 issues its per-CTA roles once (those that depend on the valid rows from cta_stats(cfg,
-    rows, d)) and n_blocks iterations, iteration it on K/V stage it % 2. The prologue copies (Q, ..., and
-    the first K/V tile), in every iteration but the last the next tile's copies (step_copies), and
-    fences_per_step fence.proxy.async per iteration set the guard LDS count (guard_lds_per_warp,
-    FENCE_GUARD_LDS)."""
+    n_blocks > 0 key tiles (strategies.key_block_ranges: causal and window skipping) issues its per-CTA
+    roles once (those that depend on the valid rows from cta_stats(cfg, rows, d)) and n_blocks iterations,
+    iteration it on K/V stage it % 2. The prologue copies (Q, ..., and the first K/V tile), in every
+    iteration but the last the next tile's copies (step_copies), and fences_per_step fence.proxy.async per
+    iteration set the guard LDS count (guard_lds_per_warp, FENCE_GUARD_LDS)."""
     from .model import Problem
-    from .strategies import block_sizes, n_block_max
+    from .strategies import block_sizes, key_block_ranges
 
-    p = Problem(batch, heads, seqlen_q, seqlen_k, head_dim, cfg.dtype, cfg.causal)
-    n_max = n_block_max(p, cfg.block_m, cfg.block_n, causal_skip)
+    p = Problem(batch, heads, seqlen_q, seqlen_k, head_dim, cfg.dtype, cfg.causal, window)
+    n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n, causal_skip)
+    n_blocks = np.maximum(n_end - n_begin, 0)  # key tiles of each CTA
     rows_q = block_sizes(seqlen_q, cfg.block_m)
     walk = SharedWalk(cfg, {r: InstrStats(role_table[r][0]) for r in role_table}, role_table)
     per_iter = None
-    for rows in np.unique(rows_q[n_max > 0]):  # full blocks, and the tail block when it has keys
-        live = (rows_q == rows) & (n_max > 0)
+    for rows in np.unique(rows_q[n_blocks > 0]):  # full blocks, and the tail block when it has keys
+        live = (rows_q == rows) & (n_blocks > 0)
         per_cta, per_iter = cta_stats(cfg, int(rows), head_dim)
         for r in per_cta_roles:
             walk.roles[r].add(per_cta[r], int(live.sum()) * batch * heads)
     if per_iter is not None:
         for s in range(2):
-            iters = int(((n_max - s + 1) // 2).sum()) * batch * heads  # it % 2 == s
+            iters = int(((n_blocks - s + 1) // 2).sum()) * batch * heads  # it % 2 == s
             for r in per_iter_roles:
                 walk.roles[r].add(per_iter[s][r], iters)
-    live = n_max > 0
+    live = n_blocks > 0
     walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, prologue_copies).sum())
-                      + int((n_max[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, step_copies).sum())
-                      + int(n_max[live].sum()) * fences_per_step * FENCE_GUARD_LDS * (cfg.threads // WARP)
+                      + int((n_blocks[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, step_copies).sum())
+                      + int(n_blocks[live].sum()) * fences_per_step * FENCE_GUARD_LDS * (cfg.threads // WARP)
                       ) * batch * heads
     return walk
 
 
 def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
-                      causal_skip: bool = True) -> SharedWalk:
+                      causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory instruction of fwd_kernel<cfg> over the grid (ceil(Sq/BLOCK_M), heads, batch).
 
     head_dim: the run-time head dim (<= cfg.head_dim, default cfg.head_dim). A CTA with n_blocks > 0
@@ -730,7 +733,7 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     epilogue; a CTA that sees no key writes O = 0 / lse = -inf straight to global memory and issues no
     shared instruction."""
     if isinstance(cfg, _config.FwdSm90Config):
-        return fwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip)
+        return fwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if not isinstance(cfg, _config.FwdConfig):
         raise TypeError(f"cfg must be a cuflash.config.FwdConfig or FwdSm90Config, got {type(cfg).__name__}")
     if getattr(cfg, "decode", False):  # its O leaves from registers, its Q rows are gathered: another walk
@@ -739,7 +742,7 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     head_dim = _check_head_dim(cfg, head_dim)
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, FWD_ROLES, fwd_cta_stats, PER_ITERATION_ROLES, PER_CTA_ROLES, batch, heads,
-                         seqlen_q, seqlen_k, head_dim, causal_skip, [q, kv, kv], [kv, kv])
+                         seqlen_q, seqlen_k, head_dim, causal_skip, window, [q, kv, kv], [kv, kv])
 
 
 # ---- fwd_sm90_kernel (Hopper, wgmma) -----------------------------------------------------------------
@@ -793,7 +796,7 @@ def fwd_sm90_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = No
 
 
 def fwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
-                           causal_skip: bool = True) -> SharedWalk:
+                           causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory access of fwd_sm90_kernel<cfg> over the grid (ceil(Sq/BLOCK_M), heads, batch):
     the thread-issued instructions (cp.async of Q once and K, V per key tile; the O staging st.shared.b32
     and store_tile's 16-byte loads), walked with the bank rule, and the wgmma operand reads (roles
@@ -804,7 +807,7 @@ def fwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
     head_dim = _check_head_dim(cfg, head_dim)
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, FWD_SM90_ROLES, fwd_sm90_cta_stats, FWD_SM90_PER_ITERATION_ROLES,
-                         FWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip,
+                         FWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window,
                          [q, kv, kv], [kv, kv], fences_per_step=1)
 
 
@@ -861,7 +864,7 @@ def dq_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) ->
 
 
 def dq_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
-                     causal_skip: bool = True) -> SharedWalk:
+                     causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory instruction of bwd_dq_kernel<cfg> (deterministic dQ) over its grid: like
     fwd_kernel, a CTA that sees no key zero-fills dQ in global memory and issues nothing shared."""
     if not isinstance(cfg, _config.DqConfig):
@@ -869,7 +872,7 @@ def dq_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, 
     head_dim = _check_head_dim(cfg, head_dim)
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     return _q_outer_walk(cfg, DQ_ROLES, dq_cta_stats, DQ_PER_ITERATION_ROLES, DQ_PER_CTA_ROLES, batch, heads,
-                         seqlen_q, seqlen_k, head_dim, causal_skip, [q, q, kv, kv], [kv, kv])
+                         seqlen_q, seqlen_k, head_dim, causal_skip, window, [q, q, kv, kv], [kv, kv])
 
 
 # ---- bwd_kernel (K/V-outer) ----------------------------------------------------------------------
@@ -1000,20 +1003,22 @@ def bwd_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> 
     return per_cta, per_visit
 
 
-def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True,
+                     window=None) -> tuple[np.ndarray, np.ndarray]:
     """(m_begin, m_end) of every key block n_block of bwd_kernel: query blocks m_begin .. m_end-1 are
-    visited; causal: m_begin = max(0, n0 - diag) / BLOCK_M (bottom-right diagonal, diag = Sk - Sq)."""
+    visited, those whose rows see a key of [n0, min(n0 + BLOCK_N, Sk) - 1] (masks.query_block_range with
+    cfg.causal and the window; causal: m_begin = max(0, n0 - diag) / BLOCK_M, diag = Sk - Sq, m_end = all).
+    causal_skip=False: every key block visits every query block."""
     n0 = np.arange(-(-seqlen_k // cfg.block_n), dtype=np.int64) * cfg.block_n
-    m_end = np.full(n0.shape, -(-seqlen_q // cfg.block_m), dtype=np.int64)
-    if cfg.causal and causal_skip:
-        m_begin = np.maximum(0, n0 - (seqlen_k - seqlen_q)) // cfg.block_m
-    else:
-        m_begin = np.zeros_like(n0)
-    return m_begin, m_end
+    if not causal_skip:
+        return np.zeros_like(n0), np.full(n0.shape, -(-seqlen_q // cfg.block_m), dtype=np.int64)
+    key_last = np.minimum(n0 + cfg.block_n, seqlen_k) - 1
+    m_begin, m_end = query_block_range(n0, key_last, seqlen_q, seqlen_k, cfg.block_m, cfg.causal, window)
+    return m_begin.astype(np.int64), m_end.astype(np.int64)
 
 
 def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
-                      causal_skip: bool = True) -> SharedWalk:
+                      causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory instruction of bwd_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch)
     (bwd_sm90_kernel_shared for a BwdSm90Config).
 
@@ -1021,16 +1026,16 @@ def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     shared; otherwise K and V copies, one visit per query block (visit k on stage k % 2: the Q, dO,
     lse_log2, delta copies and bwd_query_block), then the dK/dV staging and stores of its valid keys."""
     if isinstance(cfg, _config.BwdSm90Config):
-        return bwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip)
+        return bwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if not isinstance(cfg, _config.BwdConfig):
         raise TypeError(f"cfg must be a cuflash.config.BwdConfig or BwdSm90Config, got {type(cfg).__name__}")
     head_dim = _check_head_dim(cfg, head_dim)
     return _kv_outer_walk(cfg, BWD_ROLES, bwd_cta_stats, BWD_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k,
-                          head_dim, causal_skip)
+                          head_dim, causal_skip, window)
 
 
 def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seqlen_q, seqlen_k, head_dim,
-                   causal_skip, fences_per_visit: int = 0) -> SharedWalk:
+                   causal_skip, window, fences_per_visit: int = 0) -> SharedWalk:
     """Shared driver of the K/V-outer kernels (bwd_kernel, bwd_sm90_kernel): per live CTA the per-CTA roles
     of its valid keys (cta_stats(cfg, keys, d)), per visit the per-visit roles of stage visit % 2. Guard
     LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block, run by
@@ -1038,7 +1043,7 @@ def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seql
     visit issues fences_per_visit fence.proxy.async (FENCE_GUARD_LDS each)."""
     from .strategies import block_sizes
 
-    m_begin, m_end = bwd_query_blocks(cfg, seqlen_q, seqlen_k, causal_skip)
+    m_begin, m_end = bwd_query_blocks(cfg, seqlen_q, seqlen_k, causal_skip, window)
     visits = np.maximum(m_end - m_begin, 0)
     keys = block_sizes(seqlen_k, cfg.block_n)
     walk = SharedWalk(cfg, {r: InstrStats(role_table[r][0]) for r in role_table}, role_table)
@@ -1182,7 +1187,7 @@ def bwd_sm90_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None
 
 
 def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
-                           causal_skip: bool = True) -> SharedWalk:
+                           causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory access of bwd_sm90_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch),
     with bwd_kernel's grid, query-block loop and causal skipping: the thread-issued instructions (cp.async
     of K, V once and Q, dO, lse_log2, delta per visit; the float2 lse_log2 / delta loads; unless
@@ -1193,4 +1198,4 @@ def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
         raise TypeError(f"cfg must be a cuflash.config.BwdSm90Config, got {type(cfg).__name__}")
     head_dim = _check_head_dim(cfg, head_dim)
     return _kv_outer_walk(cfg, BWD_SM90_ROLES, bwd_sm90_cta_stats, BWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q,
-                          seqlen_k, head_dim, causal_skip, fences_per_visit=1 if cfg.deterministic else 2)
+                          seqlen_k, head_dim, causal_skip, window, fences_per_visit=1 if cfg.deterministic else 2)

@@ -2,7 +2,9 @@
 
   cuflash-sim sweep --strategy fa2 --strategy cuflash --seqlen 1024 4096 --head-dim 64 --batch 1 --heads 16 --json
   cuflash-sim sweep --strategy cuflash --kernels mma --seqlen 4096 --head-dim 128 --batch 1 --heads 16
+  cuflash-sim sweep --strategy cuflash --seqlen 4096 16384 --head-dim 64 --batch 1 --heads 16 --causal --window 1024 0
   cuflash-sim plot hbm-vs-n --out docs/img/hbm_vs_n.png
+  cuflash-sim plot hbm-vs-n --causal --window 1024 0 --out docs/img/hbm_vs_n_window.png
   cuflash-sim plot block-size --out docs/img/block_size.png
 """
 from __future__ import annotations
@@ -44,6 +46,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _window_side(text: str) -> int:
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < -1:
+        raise argparse.ArgumentTypeError(f"{value}: a window side must be >= 0, or -1 for unbounded")
+    return value
+
+
 def _bytes(text: str) -> int:
     """Integer bytes, with an optional KiB/MiB/GiB (or K/M/G, powers of 1024) suffix: 50MiB, 228K."""
     t = text.strip().upper().replace("_", "")
@@ -72,7 +84,11 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
     p.add_argument("--heads", type=_positive_int, default=heads, required=heads is None, metavar="H")
     p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp16")
     p.add_argument("--causal", action="store_true", help="bottom-right causal mask")
-    p.add_argument("--no-causal-skip", action="store_true", help="visit masked tiles too (no causal block skipping)")
+    p.add_argument("--window", type=_window_side, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
+                   help="sliding window: query i sees key j iff i + diag - LEFT <= j <= i + diag + RIGHT "
+                        "(diag = Sk - Sq; -1 = unbounded; with --causal the intersection)")
+    p.add_argument("--no-causal-skip", action="store_true",
+                   help="visit masked tiles too (no causal / window block skipping)")
     p.add_argument("--backward", action="store_true", help="count the backward pass instead of the forward")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: cuflash's deterministic backward (dQ kernel instead of fp32 atomics)")
@@ -110,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     pl = sub.add_parser("plot", help="figures: hbm-vs-n, block-size")
     psub = pl.add_subparsers(dest="figure", required=True, parser_class=_Parser)
-    hv = psub.add_parser("hbm-vs-n", help="HBM traffic against N, log-log, one line per strategy")
+    hv = psub.add_parser("hbm-vs-n", help="HBM traffic against N, log-log, one line per strategy (with --window: "
+                                          "the windowed lines, and each flash strategy without the window, faint)")
     hv.add_argument("--out", required=True, metavar="FILE.png")
     hv.add_argument("--strategy", choices=STRATEGIES, action="append", default=None,
                     help="default: standard fa1 fa2 cuflash")
@@ -124,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _problem(args, n: int) -> Problem:
-    return Problem(args.batch, args.heads, n, args.seqlen_k or n, args.head_dim, args.dtype, args.causal)
+def _problem(args, n: int, window=True) -> Problem:
+    """The problem of the arguments at length n; window=False leaves --window out."""
+    w = tuple(args.window) if window and args.window is not None else None
+    return Problem(args.batch, args.heads, n, args.seqlen_k or n, args.head_dim, args.dtype, args.causal, w)
 
 
 def _blocks_kw(args, strategy):
@@ -189,6 +208,8 @@ def _print_table(records, with_dram):
 def _config_title(args, n=None) -> str:
     seq = f"N={n}, " if n else ""
     mask = "causal" if args.causal else "no mask"
+    if args.window is not None:
+        mask = f"{'causal, ' if args.causal else ''}window ({args.window[0]}, {args.window[1]})"
     direction = ("backward (deterministic)" if getattr(args, "deterministic", False) else "backward") \
         if args.backward else "forward"
     kernels = "" if getattr(args, "kernels", DEFAULT_KERNELS) == DEFAULT_KERNELS else ", cuflash: mma.sync kernels"
@@ -206,16 +227,25 @@ def plot_hbm_vs_n(args) -> None:
     ns = sorted(args.seqlen)
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
     finals = {}
+
+    def hbm(s, window):
+        return [simulate(s, _problem(args, n, window), backward=args.backward, causal_skip=not args.no_causal_skip,
+                         **_blocks_kw(args, s)) for n in _progress(ns, s)]
+
     for s in strategies:
-        ys = []
-        for n in _progress(ns, s):
-            c = simulate(s, _problem(args, n), backward=args.backward, causal_skip=not args.no_causal_skip,
-                         **_blocks_kw(args, s))
-            ys.append(c.hbm_bytes)
-        blocks = "" if c.block_m is None else f" (B_r={c.block_m}, B_c={c.block_n})"
+        cs = hbm(s, True)
+        ys = [c.hbm_bytes for c in cs]
+        blocks = "" if cs[-1].block_m is None else f" (B_r={cs[-1].block_m}, B_c={cs[-1].block_n})"
         marker, style = _STYLE.get(s, ("o", "-"))
-        ax.loglog(ns, ys, marker=marker, ls=style, ms=4, label=f"{s}{blocks}")
+        line, = ax.loglog(ns, ys, marker=marker, ls=style, ms=4, label=f"{s}{blocks}")
         finals[s] = ys
+        # a fixed window makes flash traffic linear in N: the same strategy without it, for contrast
+        # (standard materializes all of S and P, window or not)
+        if args.window is not None and s != "standard":
+            full = [c.hbm_bytes for c in hbm(s, False)]
+            ax.loglog(ns, full, marker=marker, ls=":", ms=3, color=line.get_color(), alpha=0.4,
+                      label=f"{s}, no window")
+            finals[f"{s} (no window)"] = full
     # theoretical slopes (Theorem 2): standard Theta(N d + N^2), flash Theta(N^2 d^2 / M); both reach
     # slope 2 for large N (flash with a d^2/M-times smaller constant), the N d terms give slope 1
     n0, n1 = ns[0], ns[-1]

@@ -1,9 +1,11 @@
 """Execute mode: run a strategy's tile schedule with real float64 arithmetic on small inputs.
 
-The schedules are the ones the counts describe (same blocks, same causal block skipping, same loop
-order, zero-filled tails, cuflash's padding of head_dim to the kernel head dim), so equality with
-cuflash.reference proves the tiling math (online softmax, -inf hazards, causal skipping, tails and the
-backward recomputation) on a CPU. Inputs are bshd NumPy arrays, (batch, seqlen, heads, head_dim).
+The schedules are the ones the counts describe (same blocks, same causal / sliding-window block
+skipping, same loop order, zero-filled tails, cuflash's padding of head_dim to the kernel head dim), so
+equality with cuflash.reference proves the tiling math (online softmax, -inf hazards, block skipping,
+tails and the backward recomputation) on a CPU. The Q-outer and K/V-outer schedules apply the element
+mask only to the tiles that masks.tile_needs_mask selects, as the kernels do, so a wrong tile test
+shows as a wrong result. Inputs are bshd NumPy arrays, (batch, seqlen, heads, head_dim).
 """
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ import numpy as np
 
 from cuflash import config as _config
 
+from .masks import first_key, key_end, query_block_range, tile_needs_mask
 from .model import STRATEGIES, Problem
-from .strategies import DEFAULT_KERNELS, block_sizes, check_kernels, n_block_max, resolve_blocks
+from .strategies import DEFAULT_KERNELS, block_sizes, check_kernels, key_block_ranges, resolve_blocks
 
 LOG2E = math.log2(math.e)
 
@@ -32,9 +35,9 @@ def _check(strategy, arrays, names):
         raise ValueError(f"shapes do not match: q {q.shape}, k {k.shape}, v {v.shape}")
 
 
-def _problem(q, k, dtype, causal):
+def _problem(q, k, dtype, causal, window):
     b, sq, h, d = q.shape
-    return Problem(b, h, sq, k.shape[1], d, dtype, bool(causal))
+    return Problem(b, h, sq, k.shape[1], d, dtype, bool(causal), window)
 
 
 def _tile(x, start, rows, width):
@@ -45,14 +48,23 @@ def _tile(x, start, rows, width):
     return t
 
 
-def _mask(s, row0, col0, p: Problem, masked: bool):
-    """-inf where the key is past Sk, or (causal) after the query's last visible key j <= i + Sk - Sq."""
+def _mask(s, row0, col0, p: Problem):
+    """-inf where the query does not see the key: the key is past Sk, after the query's last visible key
+    (causal: j <= i + Sk - Sq; window: j <= i + Sk - Sq + right) or before its first (j >= i + Sk - Sq - left)."""
     rows = row0 + np.arange(s.shape[0])[:, None]
     cols = col0 + np.arange(s.shape[1])[None, :]
-    keep = cols < p.seqlen_k
-    if masked:
-        keep = keep & (cols <= rows + p.seqlen_k - p.seqlen_q)
+    keep = (cols >= first_key(rows, p.seqlen_q, p.seqlen_k, p.causal, p.window)) & \
+        (cols < key_end(rows, p.seqlen_q, p.seqlen_k, p.causal, p.window))
     return np.where(keep, s, -np.inf)
+
+
+def _mask_tile(s, row0, col0, p: Problem):
+    """The kernels' step: the element mask only on a tile that holds a hidden pair (masks.tile_needs_mask
+    over its valid rows and all BLOCK_N key slots, the tail included); other tiles are used as computed."""
+    row_last = min(row0 + s.shape[0], p.seqlen_q) - 1
+    if tile_needs_mask(row0, row_last, col0, col0 + s.shape[1] - 1, p.seqlen_q, p.seqlen_k, p.causal, p.window):
+        return _mask(s, row0, col0, p)
+    return s
 
 
 def _check_kernels(strategy, kernels):
@@ -76,7 +88,7 @@ def _standard_fwd(q, k, v, p, scale):
     lse = np.full((p.batch, p.heads, p.seqlen_q), -np.inf)
     for b in range(p.batch):
         for h in range(p.heads):
-            s = _mask(q[b, :, h] @ k[b, :, h].T * scale, 0, 0, p, p.causal)  # S in HBM
+            s = _mask(q[b, :, h] @ k[b, :, h].T * scale, 0, 0, p)  # S in HBM
             m = s.max(axis=1, keepdims=True)
             m_safe = np.where(np.isfinite(m), m, 0.0)  # fully masked row: exp(-inf - 0) = 0
             e = np.exp(s - m_safe)
@@ -93,8 +105,8 @@ def _q_outer_fwd(q, k, v, p, scale, bm, bn, width, causal_skip, is_cuflash):
     log2(e) folded in."""
     o = np.zeros(q.shape)
     lse = np.full((p.batch, p.heads, p.seqlen_q), -np.inf)
-    n_max = n_block_max(p, bm, bn, causal_skip)
-    t_r = len(n_max)
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
+    t_r = len(n_end)
     scale_log2 = scale * LOG2E
     for b in range(p.batch):
         for h in range(p.heads):
@@ -102,18 +114,18 @@ def _q_outer_fwd(q, k, v, p, scale, bm, bn, width, causal_skip, is_cuflash):
                 # fwd_kernel runs causal grids longest rows first: m_block = gridDim.x - 1 - blockIdx.x
                 m_block = t_r - 1 - block_x if (is_cuflash and p.causal) else block_x
                 row0 = m_block * bm
-                if n_max[m_block] <= 0:
+                if n_end[m_block] <= n_begin[m_block]:
                     continue  # no visible key: O = 0, lse = -inf
                 q_smem = _tile(q[b, :, h], row0, bm, width)
                 m_i = np.full(bm, -np.inf)  # running max of S*log2(e)*scale
                 l_i = np.zeros(bm)
                 acc_o = np.zeros((bm, width))
-                n_blocks = range(n_max[m_block])
+                n_blocks = range(n_begin[m_block], n_end[m_block])
                 for n_block in (reversed(n_blocks) if is_cuflash else n_blocks):
                     k_smem = _tile(k[b, :, h], n_block * bn, bn, width)
                     v_smem = _tile(v[b, :, h], n_block * bn, bn, width)
                     # S = Q K^T (scaled by log2(e)/sqrt(d))
-                    s = _mask(q_smem @ k_smem.T * scale_log2, row0, n_block * bn, p, p.causal)
+                    s = _mask_tile(q_smem @ k_smem.T * scale_log2, row0, n_block * bn, p)
                     # m_new = max(m, rowmax(S)); O *= exp2(m - m_new)
                     m_new = np.maximum(m_i, s.max(axis=1))
                     m_safe = np.where(np.isfinite(m_new), m_new, 0.0)  # fully masked so far: use 0
@@ -137,18 +149,18 @@ def _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip, with_stats=False):
     o = np.zeros(q.shape)  # O = 0, l = 0, m = -inf in HBM
     l_hbm = np.zeros((p.batch, p.heads, p.seqlen_q))
     m_hbm = np.full((p.batch, p.heads, p.seqlen_q), -np.inf)
-    n_max = n_block_max(p, bm, bn, causal_skip)
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
     rows_i = block_sizes(p.seqlen_q, bm)
     for b in range(p.batch):
         for h in range(p.heads):
             for j in range(math.ceil(p.seqlen_k / bn)):
                 k_j, v_j = k[b, j * bn:(j + 1) * bn, h], v[b, j * bn:(j + 1) * bn, h]
                 for i in range(len(rows_i)):
-                    if n_max[i] <= j:
-                        continue  # causal block skipping
+                    if not n_begin[i] <= j < n_end[i]:
+                        continue  # block skipping (causal, window)
                     sl = slice(i * bm, i * bm + rows_i[i])
                     q_i, o_i, l_i, m_i = q[b, sl, h], o[b, sl, h], l_hbm[b, h, sl], m_hbm[b, h, sl]
-                    s_ij = _mask(q_i @ k_j.T * scale, i * bm, j * bn, p, p.causal)
+                    s_ij = _mask(q_i @ k_j.T * scale, i * bm, j * bn, p)
                     # m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij)
                     m_t = s_ij.max(axis=1)
                     m_t_safe = np.where(np.isfinite(m_t), m_t, 0.0)
@@ -170,18 +182,19 @@ def _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip, with_stats=False):
     return (o, lse, l_hbm, m_hbm) if with_stats else (o, lse)
 
 
-def execute_forward(strategy: str, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
+def execute_forward(strategy: str, q, k, v, *, causal: bool = False, window=None, softmax_scale: float | None = None,
                     block_m: int | None = None, block_n: int | None = None, sram_bytes: int | None = None,
                     causal_skip: bool = True, dtype: str = "fp16", kernels: str = DEFAULT_KERNELS):
     """Run `strategy`'s forward schedule in float64. Returns (o (B, Sq, H, D), lse (B, H, Sq)).
 
-    dtype only selects the blocks (FA1's M in elements, cuflash's config); arithmetic is float64.
+    window: None or a sliding window (left, right), -1 = unbounded (as Problem.window; with causal, the
+    intersection). dtype only selects the blocks (FA1's M in elements, cuflash's config); arithmetic is float64.
     kernels (cuflash only): the kernel family whose tiles run, as in simulate ("auto": the wgmma kernels'
     tiles where the head dim has them, "mma": the mma.sync kernels')."""
     _check(strategy, (q, k, v), ("q", "k", "v"))
     _check_kernels(strategy, kernels)
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    p = _problem(q, k, dtype, causal)
+    p = _problem(q, k, dtype, causal, window)
     scale = 1.0 / math.sqrt(p.head_dim) if softmax_scale is None else float(softmax_scale)
     if strategy == "standard":
         return _standard_fwd(q, k, v, p, scale)
@@ -199,7 +212,7 @@ def _standard_bwd(do, q, k, v, p, scale):
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
     for b in range(p.batch):
         for h in range(p.heads):
-            s = _mask(q[b, :, h] @ k[b, :, h].T * scale, 0, 0, p, p.causal)
+            s = _mask(q[b, :, h] @ k[b, :, h].T * scale, 0, 0, p)
             m = s.max(axis=1, keepdims=True)
             e = np.exp(s - np.where(np.isfinite(m), m, 0.0))
             l = e.sum(axis=1, keepdims=True)
@@ -220,21 +233,24 @@ def _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
     dq_acc = np.zeros((p.batch, p.seqlen_q, p.heads, width))  # fp32 dQ accumulator, zeroed
     dk, dv = np.zeros(k.shape), np.zeros(v.shape)
     delta = np.einsum("bihd,bihd->bhi", do, o)  # D_i = rowsum(dO_i o O_i), the preprocess kernel
-    n_max = n_block_max(p, bm, bn, causal_skip)
+    t_r = math.ceil(p.seqlen_q / bm)
     for b in range(p.batch):
         for h in range(p.heads):
             for n_block in range(math.ceil(p.seqlen_k / bn)):
                 col0 = n_block * bn
                 k_smem, v_smem = _tile(k[b, :, h], col0, bn, width), _tile(v[b, :, h], col0, bn, width)
                 dk_acc, dv_acc = np.zeros((bn, width)), np.zeros((bn, width))
-                for m_block in np.flatnonzero(n_max > n_block):
+                # query blocks whose rows see a key of this block (bwd_kernel; all without skipping)
+                m_blocks = range(*query_block_range(col0, min(col0 + bn, p.seqlen_k) - 1, p.seqlen_q, p.seqlen_k,
+                                                    bm, p.causal, p.window)) if causal_skip else range(t_r)
+                for m_block in m_blocks:
                     row0 = m_block * bm
                     q_smem, do_smem = _tile(q[b, :, h], row0, bm, width), _tile(do[b, :, h], row0, bm, width)
                     lse_i = np.full(bm, -np.inf)
                     lse_i[: min(bm, p.seqlen_q - row0)] = lse[b, h, row0:row0 + bm]
                     d_i = np.zeros(bm)
                     d_i[: min(bm, p.seqlen_q - row0)] = delta[b, h, row0:row0 + bm]
-                    s = _mask(q_smem @ k_smem.T * scale, row0, col0, p, p.causal)
+                    s = _mask_tile(q_smem @ k_smem.T * scale, row0, col0, p)
                     # P = exp(S - lse); a row that sees nothing (lse = -inf) has P = 0
                     p_ij = np.where(np.isfinite(lse_i)[:, None], np.exp(s - np.where(np.isfinite(lse_i), lse_i, 0.0)[:, None]), 0.0)
                     dv_acc += p_ij.T @ do_smem  # dV_j += P^T dO_i
@@ -255,15 +271,15 @@ def _q_outer_dq(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
     get dQ = 0. lse_log2 / delta of pad rows are +inf / 0 (P = 0 there)."""
     dq = np.zeros(q.shape)
     delta = np.einsum("bihd,bihd->bhi", do, o)
-    n_max = n_block_max(p, bm, bn, causal_skip)
-    t_r = len(n_max)
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
+    t_r = len(n_end)
     for b in range(p.batch):
         for h in range(p.heads):
             for block_x in range(t_r):
                 m_block = t_r - 1 - block_x if p.causal else block_x
                 row0 = m_block * bm
                 rows = min(bm, p.seqlen_q - row0)
-                if n_max[m_block] <= 0:
+                if n_end[m_block] <= n_begin[m_block]:
                     continue
                 q_smem, do_smem = _tile(q[b, :, h], row0, bm, width), _tile(do[b, :, h], row0, bm, width)
                 lse_i = np.full(bm, np.inf)  # lse_log2 of pad rows and rows without keys: +inf
@@ -271,10 +287,10 @@ def _q_outer_dq(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
                 d_i = np.zeros(bm)
                 d_i[:rows] = delta[b, h, row0:row0 + rows]
                 acc = np.zeros((bm, width))
-                for n_block in reversed(range(n_max[m_block])):
+                for n_block in reversed(range(n_begin[m_block], n_end[m_block])):
                     k_smem = _tile(k[b, :, h], n_block * bn, bn, width)
                     v_smem = _tile(v[b, :, h], n_block * bn, bn, width)
-                    s = _mask(q_smem @ k_smem.T * scale, row0, n_block * bn, p, p.causal)
+                    s = _mask_tile(q_smem @ k_smem.T * scale, row0, n_block * bn, p)
                     p_ij = np.exp(s - lse_i[:, None])  # exp(-inf) = exp(x - inf) = 0
                     ds = p_ij * (do_smem @ v_smem.T - d_i[:, None])
                     acc += ds @ k_smem
@@ -286,7 +302,7 @@ def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
     """Algorithm 4: K/V outer, Q inner; P recomputed from l, m; dQ_i read-modify-written in HBM."""
     o, _, l_hbm, m_hbm = _fa1_fwd(q, k, v, p, scale, bm, bn, causal_skip, with_stats=True)
     dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)  # initialised in HBM
-    n_max = n_block_max(p, bm, bn, causal_skip)
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
     rows_i = block_sizes(p.seqlen_q, bm)
     for b in range(p.batch):
         for h in range(p.heads):
@@ -295,12 +311,12 @@ def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
                 k_j, v_j = k[b, cs, h], v[b, cs, h]
                 dk_j, dv_j = np.zeros(k_j.shape), np.zeros(v_j.shape)
                 for i in range(len(rows_i)):
-                    if n_max[i] <= j:
+                    if not n_begin[i] <= j < n_end[i]:
                         continue
                     sl = slice(i * bm, i * bm + rows_i[i])
                     q_i, o_i, do_i = q[b, sl, h], o[b, sl, h], do[b, sl, h]
                     l_i, m_i = l_hbm[b, h, sl], m_hbm[b, h, sl]
-                    s_ij = _mask(q_i @ k_j.T * scale, i * bm, j * bn, p, p.causal)
+                    s_ij = _mask(q_i @ k_j.T * scale, i * bm, j * bn, p)
                     ok = l_i > 0
                     # P_ij = diag(l_i)^-1 exp(S_ij - m_i)
                     p_ij = np.where(ok[:, None], np.exp(s_ij - np.where(ok, m_i, 0.0)[:, None])
@@ -315,14 +331,14 @@ def _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip):
     return dq, dk, dv
 
 
-def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softmax_scale: float | None = None,
-                     block_m: int | None = None, block_n: int | None = None, sram_bytes: int | None = None,
-                     causal_skip: bool = True, dtype: str = "fp16", deterministic: bool = False,
-                     kernels: str = DEFAULT_KERNELS):
+def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, window=None,
+                     softmax_scale: float | None = None, block_m: int | None = None, block_n: int | None = None,
+                     sram_bytes: int | None = None, causal_skip: bool = True, dtype: str = "fp16",
+                     deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
     """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv).
 
     deterministic=True (cuflash only): dQ from the Q-outer schedule of bwd_dq_kernel (dq_config blocks)
-    instead of the K/V-outer accumulation. kernels: as in execute_forward (bwd_sm90_kernel runs
+    instead of the K/V-outer accumulation. window, kernels: as in execute_forward (bwd_sm90_kernel runs
     bwd_kernel's K/V-outer schedule with its own blocks)."""
     _check(strategy, (do, q, k, v), ("do", "q", "k", "v"))
     _check_kernels(strategy, kernels)
@@ -331,7 +347,7 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softma
     if deterministic and strategy != "cuflash":
         raise ValueError(f"deterministic=True is cuflash's deterministic backward (got strategy={strategy!r})")
     do, q, k, v = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v))
-    p = _problem(q, k, dtype, causal)
+    p = _problem(q, k, dtype, causal, window)
     scale = 1.0 / math.sqrt(p.head_dim) if softmax_scale is None else float(softmax_scale)
     if strategy == "standard":
         return _standard_bwd(do, q, k, v, p, scale)
@@ -339,7 +355,7 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, softma
         bm, bn, _ = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True)
         return _fa1_bwd(do, q, k, v, p, scale, bm, bn, causal_skip)
     # the forward runs with the forward blocks, the backward with the backward blocks
-    o, lse = execute_forward(strategy, q, k, v, causal=causal, softmax_scale=scale, block_m=block_m,
+    o, lse = execute_forward(strategy, q, k, v, causal=causal, window=window, softmax_scale=scale, block_m=block_m,
                              block_n=block_n, sram_bytes=sram_bytes, causal_skip=causal_skip, dtype=dtype,
                              kernels=kernels)
     bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True, kernels)

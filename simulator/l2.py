@@ -30,7 +30,7 @@ from cuflash import config as _config
 
 from .banks import bwd_query_blocks
 from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
-from .strategies import DEFAULT_KERNELS, block_sizes, cuflash_config, n_block_max, resolve_blocks, seqlen_q_pad
+from .strategies import DEFAULT_KERNELS, block_sizes, cuflash_config, key_block_ranges, resolve_blocks, seqlen_q_pad
 
 SECTOR = 32
 STANDARD_TILE = 128  # the standard strategy's GEMM / softmax tiles: 128 rows (x 128 columns for S)
@@ -168,16 +168,16 @@ def _ragged(counts):
 
 
 def _q_outer_fwd(tr: _Trace, p, bm, bn, causal_skip, wave, reverse_n, reverse_m, kernel=0):
-    """fwd_kernel / FA2 forward: CTA (m_block, h, b): Q; K_n, V_n per step; O, lse."""
-    n_max = n_block_max(p, bm, bn, causal_skip)
-    t_r = len(n_max)
+    """fwd_kernel / FA2 forward: CTA (m_block, h, b): Q; K_n, V_n per step (n_begin .. n_end - 1); O, lse."""
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
+    t_r = len(n_end)
     c, bh, x = _grid(p, t_r)
     m_block = t_r - 1 - x if reverse_m else x
-    n = n_max[m_block]
+    n = np.maximum(n_end - n_begin, 0)[m_block]
     live = n > 0
     tr.access(kernel, c[live], 0, 0, "q", bh[live], m_block[live], False, wave)
     owner, it = _ragged(n)
-    n_block = n[owner] - 1 - it if reverse_n else it
+    n_block = n_end[m_block][owner] - 1 - it if reverse_n else n_begin[m_block][owner] + it
     for sub, name in enumerate(("k", "v")):
         tr.access(kernel, c[owner], 1 + it, sub, name, bh[owner], n_block, False, wave)
     for sub, name in enumerate(("o", "lse")):
@@ -195,10 +195,10 @@ def _fwd_tensors(tr, p, bm, bn):
 
 def _pairs_kv_outer(p, bm, bn, causal_skip):
     """Visited (i, j) pairs in K/V-outer order: arrays (j, i) sorted by j then i."""
-    n_max = n_block_max(p, bm, bn, causal_skip)
+    n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
     t_c = math.ceil(p.seqlen_k / bn)
-    jj, ii = np.meshgrid(np.arange(t_c), np.arange(len(n_max)), indexing="ij")
-    keep = n_max[ii] > jj
+    jj, ii = np.meshgrid(np.arange(t_c), np.arange(len(n_end)), indexing="ij")
+    keep = (n_begin[ii] <= jj) & (jj < n_end[ii])
     return jj[keep], ii[keep]
 
 
@@ -333,7 +333,7 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
     # 2. bwd_kernel: CTA (n_block, h, b): K_j, V_j; per visited query block Q_i, dO_i, lse_log2_i,
     #    delta_i and the dQ_acc atomics (an L2 read-modify-write: read, then dirty); dK_j, dV_j
     wave = num_sms * config_resident(cfg)
-    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip)
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip, p.window)
     visits = np.maximum(m_end - m_begin, 0)
     c, bh, x = _grid(p, len(visits))
     for sub, name in enumerate(("k", "v")):
@@ -355,17 +355,18 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
     # 3b. bwd_dq_kernel: CTA (m_block, h, b), causal grids reversed; Q, dO, lse_log2, delta; K_n, V_n from
     #     the last key tile to the first; dQ
     wave = num_sms * config_resident(dcfg)
-    n_max = n_block_max(p, dcfg.block_m, dcfg.block_n, causal_skip)
-    t_r = len(n_max)
+    n_begin, n_end = key_block_ranges(p, dcfg.block_m, dcfg.block_n, causal_skip)
+    t_r = len(n_end)
     c, bh, x = _grid(p, t_r)
     m_block = t_r - 1 - x if p.causal else x
-    n = n_max[m_block]
+    n = np.maximum(n_end - n_begin, 0)[m_block]
     live = n > 0
     for sub, name in enumerate(("q", "do", "lse_log2", "delta")):
         _access_tiles(tr, 2, c[live], 0, sub, name, bh[live], m_block[live], dcfg.block_m, False, wave)
     owner, it = _ragged(n)
     for sub, name in enumerate(("k", "v")):
-        _access_tiles(tr, 2, c[owner], 1 + it, sub, name, bh[owner], n[owner] - 1 - it, dcfg.block_n, False, wave)
+        _access_tiles(tr, 2, c[owner], 1 + it, sub, name, bh[owner], n_end[m_block][owner] - 1 - it, dcfg.block_n,
+                      False, wave)
     _access_tiles(tr, 2, c, n + 1, 0, "dq", bh, m_block, dcfg.block_m, True, wave)
 
 

@@ -16,14 +16,16 @@ that a reader can recompute any number by hand:
   them in registers; `standard` stages each HBM byte once.
 * Matmul FLOPs are 2*m*n*k per product over the tiles an algorithm actually computes (the padded
   tiles for `cuflash`, whose kernels compute whole tiles, duplicated and recomputed products
-  included); `flops_useful` counts only the (query, key) pairs that the causal mask keeps, 4*d per
-  pair forward and 10*d backward.
+  included); `flops_useful` counts only the (query, key) pairs that the mask keeps (causal and/or
+  sliding window: masks.visible_pairs), 4*d per pair forward and 10*d backward.
 * Non-matmul FLOPs use the fixed per-element costs in NONMATMUL_FLOPS (an exp counts as one FLOP).
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import asdict, dataclass, fields
+
+from .masks import check_window
 
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32
@@ -60,7 +62,12 @@ NONMATMUL_FLOPS = {
 
 @dataclass(frozen=True)
 class Problem:
-    """One attention call: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads, head_dim)."""
+    """One attention call: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k, heads, head_dim).
+
+    causal: bottom-right causal mask. window: None, or a sliding window (left, right), -1 = unbounded
+    (query i sees key j iff i + diag - left <= j <= i + diag + right, diag = seqlen_k - seqlen_q); with
+    causal the band is the intersection (masks.band_sides). The window selects no tiles: cuflash's
+    kernels run the tiles of the causal flag."""
 
     batch: int
     heads: int
@@ -69,6 +76,7 @@ class Problem:
     head_dim: int
     dtype: str = "fp16"
     causal: bool = False
+    window: tuple[int, int] | None = None
 
     def __post_init__(self):
         for name in ("batch", "heads", "seqlen_q", "seqlen_k", "head_dim"):
@@ -78,6 +86,7 @@ class Problem:
             object.__setattr__(self, name, int(value))  # NumPy integers become Python ints
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r} is not supported; supported: {', '.join(DTYPE_BYTES)}")
+        object.__setattr__(self, "window", check_window(self.window))  # a list or NumPy pair becomes a tuple
 
     @property
     def elem_bytes(self) -> int:

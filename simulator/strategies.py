@@ -21,9 +21,10 @@ Strategies (DESIGN.md section 6):
             SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
             (banks.bwd_kernel_shared) and bwd_dq_kernel.
 
-Causal block skipping: a tile whose keys all lie after the last query of its row block is not visited
-(n_block_max of fwd_kernel); with `causal_skip=False` every tile is visited and masked in registers.
-All counts loop over tiles (never elements), so N = 65536 costs microseconds.
+Block skipping (causal and sliding window): a tile that holds no visible (query, key) pair is not
+visited (masks.key_tile_range, the tile test of cuda/mask.cuh that fwd_kernel runs; the K/V-outer
+backward runs masks.query_block_range); with `causal_skip=False` every tile is visited and masked in
+registers. All counts loop over tiles (never elements), so N = 65536 costs microseconds.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ import numpy as np
 
 from cuflash import config as _config
 
+from .masks import key_tile_range, visible_pairs
 from .model import (
     DEFAULT_FA2_BLOCKS,
     DEFAULT_SRAM_BYTES,
@@ -69,27 +71,25 @@ def block_sizes(seqlen: int, block: int) -> np.ndarray:
     return sizes
 
 
-def n_block_max(p: Problem, block_m: int, block_n: int, causal_skip: bool = True) -> np.ndarray:
-    """Key blocks visited by each query block m_block (blocks 0 .. n_block_max-1), as in fwd_kernel:
-
-    n_block_max = ceil(Sk / BLOCK_N), and when causal, min(that, floor((last_row + Sk - Sq) / BLOCK_N) + 1)
-    with last_row = min(row0 + BLOCK_M, Sq) - 1 (bottom-right alignment). <= 0 means the block sees no
-    key at all: O = 0, lse = -inf are written and nothing is read."""
+def key_block_ranges(p: Problem, block_m: int, block_n: int, causal_skip: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Key blocks [n_begin, n_end) visited by each query block m_block, as in fwd_kernel: those holding a
+    key that some row of the block sees (masks.key_tile_range over rows row0 .. min(row0 + BLOCK_M, Sq) - 1;
+    causal: n_begin = 0, n_end = min(ceil(Sk / BLOCK_N), floor((last_row + Sk - Sq) / BLOCK_N) + 1)).
+    n_end <= n_begin means the block sees no key at all: O = 0, lse = -inf are written and nothing is
+    read. causal_skip=False: every block visits all ceil(Sk / BLOCK_N) key blocks."""
     t_r = math.ceil(p.seqlen_q / block_m)
     t_c = math.ceil(p.seqlen_k / block_n)
-    if not (p.causal and causal_skip):
-        return np.full(t_r, t_c, dtype=np.int64)
-    last_row = np.minimum((np.arange(t_r, dtype=np.int64) + 1) * block_m, p.seqlen_q) - 1
-    n_max = np.floor_divide(last_row + p.seqlen_k - p.seqlen_q, block_n) + 1
-    return np.clip(n_max, 0, t_c)
+    if not causal_skip:
+        return np.zeros(t_r, dtype=np.int64), np.full(t_r, t_c, dtype=np.int64)
+    row0 = np.arange(t_r, dtype=np.int64) * block_m
+    last_row = np.minimum(row0 + block_m, p.seqlen_q) - 1
+    n_begin, n_end = key_tile_range(row0, last_row, p.seqlen_q, p.seqlen_k, block_n, p.causal, p.window)
+    return n_begin.astype(np.int64), n_end.astype(np.int64)
 
 
 def allowed_pairs(p: Problem) -> int:
-    """(query, key) pairs the mask keeps, per (batch, head): Sq*Sk, or sum_i clip(i + Sk - Sq + 1, 0, Sk)."""
-    if not p.causal:
-        return p.seqlen_q * p.seqlen_k
-    i = np.arange(p.seqlen_q, dtype=np.int64)
-    return int(np.clip(i + p.seqlen_k - p.seqlen_q + 1, 0, p.seqlen_k).sum())
+    """(query, key) pairs the mask keeps, per (batch, head) (masks.visible_pairs: causal and window)."""
+    return visible_pairs(p.seqlen_q, p.seqlen_k, p.causal, p.window)
 
 
 class _Tiles:
@@ -98,25 +98,31 @@ class _Tiles:
     def __init__(self, p: Problem, block_m: int, block_n: int, causal_skip: bool):
         self.rows = block_sizes(p.seqlen_q, block_m)  # r_i
         self.cols = block_sizes(p.seqlen_k, block_n)  # c_j
-        self.n_max = n_block_max(p, block_m, block_n, causal_skip)  # tiles visited by row block i
-        # key rows read by row block i: blocks 0..n_max-1, only the last block of K can be a tail
-        self.kv_rows = np.minimum(self.n_max * block_n, p.seqlen_k)
-        self.visits_q = self.n_max > 0
-        # K/V-outer view: row blocks visiting column block j are those with n_max_i > j
-        j = np.arange(len(self.cols))
-        order = np.argsort(self.n_max, kind="stable")
-        n_sorted = self.n_max[order]
-        first = np.searchsorted(n_sorted, j, side="right")  # sorted positions with n_max > j start here
-        rows_cum = np.concatenate([[0], np.cumsum(self.rows[order])])
-        self.row_blocks_per_col = len(n_sorted) - first  # count_j
-        self.rows_per_col = rows_cum[-1] - rows_cum[first]  # R_j
+        self.n_begin, self.n_end = key_block_ranges(p, block_m, block_n, causal_skip)
+        self.n_tiles = np.maximum(self.n_end - self.n_begin, 0)  # tiles visited by row block i
+        # key rows read by row block i: blocks n_begin..n_end-1, only the last block of K can be a tail
+        cols_cum = np.concatenate([[0], np.cumsum(self.cols)])
+        self.kv_rows = np.where(self.n_tiles > 0, cols_cum[self.n_end] - cols_cum[np.minimum(self.n_begin, self.n_end)],
+                                0)
+        self.visits_q = self.n_tiles > 0
+        # K/V-outer view: row blocks visiting column block j are those with n_begin_i <= j < n_end_i
+        # (difference arrays: +1 / +r_i at n_begin_i, -1 / -r_i at n_end_i)
+        t_c, live = len(self.cols), self.visits_q
+        count = np.zeros(t_c + 1, dtype=np.int64)
+        rows = np.zeros(t_c + 1, dtype=np.int64)
+        np.add.at(count, self.n_begin[live], 1)
+        np.add.at(count, self.n_end[live], -1)
+        np.add.at(rows, self.n_begin[live], self.rows[live])
+        np.add.at(rows, self.n_end[live], -self.rows[live])
+        self.row_blocks_per_col = np.cumsum(count)[:t_c]  # count_j
+        self.rows_per_col = np.cumsum(rows)[:t_c]  # R_j
         self.visits_kv = self.row_blocks_per_col > 0
-        self.tiles = int(self.n_max.sum())
+        self.tiles = int(self.n_tiles.sum())
         self.area = int((self.rows * self.kv_rows).sum())  # sum over visited tiles of r_i * c_j
 
     def row_tiles(self) -> int:
         """sum over visited tiles of r_i (rows x tiles, for per-row-per-tile work)."""
-        return int((self.rows * self.n_max).sum())
+        return int((self.rows * self.n_tiles).sum())
 
 
 def _scaled(c: Counts, factor: int) -> Counts:
@@ -277,7 +283,7 @@ def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) 
 
     cfg = cuflash_config(p, kernels=kernels)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
-    walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)
+    walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
     c.sram_read_bytes = walk.read_bytes
     c.sram_write_bytes = walk.write_bytes
     c.bank_conflicts = walk.conflicts
@@ -385,7 +391,7 @@ def _bwd_visits(cfg, p: Problem, causal_skip: bool) -> tuple[np.ndarray, np.ndar
     """(query blocks visited, query rows loaded) per key block of bwd_kernel (banks.bwd_query_blocks)."""
     from .banks import bwd_query_blocks
 
-    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip)
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip, p.window)
     rows_cum = np.concatenate([[0], np.cumsum(block_sizes(p.seqlen_q, cfg.block_m))])
     visits = np.maximum(m_end - m_begin, 0)
     return visits, np.where(visits > 0, rows_cum[m_end] - rows_cum[np.minimum(m_begin, m_end)], 0)
@@ -446,7 +452,8 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
     c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in launches)
     c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in launches)
-    walks = [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip)]
+    walks = [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip,
+                                     p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; a wgmma
     # warpgroup owns its 64 keys whole, so bwd_sm90_kernel computes them once
@@ -457,8 +464,9 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     scores = visits * ds * bm * bn
     if deterministic:
         dcfg = _config.dq_config(hd, p.dtype, p.causal)
-        walks.append(banks.dq_kernel_shared(dcfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip))
-        tiles = int(n_block_max(p, dcfg.block_m, dcfg.block_n, causal_skip).sum())
+        walks.append(banks.dq_kernel_shared(dcfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip,
+                                            p.window))
+        tiles = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip).tiles
         c.flops_matmul += tiles * 3 * 2 * dcfg.block_m * dcfg.block_n * hd  # S, dP and dQ recomputed per tile
         scores += tiles * dcfg.block_m * dcfg.block_n
     c.flops_matmul *= p.batch_heads
@@ -483,6 +491,8 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
              kernels: str = DEFAULT_KERNELS) -> Counts:
     """Count what `strategy` moves and computes for `problem` (forward, or backward with backward=True).
 
+    problem.causal and problem.window (sliding window) skip the tiles outside the band (masks.py);
+    causal_skip=False visits every tile and masks in registers instead.
     block_m/block_n (B_r/B_c) or sram_bytes (M, from which FA1's rule derives the blocks) apply to fa1
     and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
     l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes.

@@ -54,7 +54,7 @@ from cuflash import config as _config
 
 from . import banks
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
-from .strategies import ARCH, block_sizes, cuflash_backward_kernels, n_block_max, simulate
+from .strategies import ARCH, block_sizes, cuflash_backward_kernels, key_block_ranges, simulate
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel")
@@ -397,9 +397,10 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
         return int(((start + row_bytes - 1) // SECTOR - start // SECTOR + 1).sum())
 
     # per (b, h): Q rows once per live CTA, K/V rows once per visited tile, O rows once
-    n_max = n_block_max(p, cfg.block_m, cfg.block_n)
-    q_rows = int((block_sizes(p.seqlen_q, cfg.block_m) * (n_max > 0)).sum())
-    kv_rows = int(np.minimum(n_max * cfg.block_n, p.seqlen_k).sum())
+    n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n)
+    live = n_end > n_begin
+    q_rows = int((block_sizes(p.seqlen_q, cfg.block_m) * live).sum())
+    kv_rows = int(((np.minimum(n_end * cfg.block_n, p.seqlen_k) - n_begin * cfg.block_n) * live).sum())
     per_row = -(-row_bytes // SECTOR) if (row_bytes % SECTOR == 0 and (h * row_bytes) % SECTOR == 0) else None
     if per_row is not None:  # every row starts on a sector boundary
         reads = (q_rows + 2 * kv_rows) * per_row * p.batch_heads * SECTOR
@@ -413,8 +414,8 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
     # instruction writes consecutive rows, so its sectors are last // 32 - first // 32 + 1
     rows_q = block_sizes(p.seqlen_q, cfg.block_m)
     lse_sectors = 0
-    for m_block, (rq, n) in enumerate(zip(rows_q, n_max)):
-        group = 8 if n > 0 else 32
+    for m_block, (rq, is_live) in enumerate(zip(rows_q, live)):
+        group = 8 if is_live else 32
         g0 = np.arange(0, rq, group)
         first_row = m_block * cfg.block_m + g0
         last_row = m_block * cfg.block_m + np.minimum(g0 + group, rq) - 1

@@ -140,8 +140,10 @@ def test_guard_lds_of_the_forward(cfg):
     b, h, s = 1, 2, 640
     walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
     from cuflash.simulator.model import Problem
-    from cuflash.simulator.strategies import n_block_max
-    n = n_block_max(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m, cfg.block_n)
+    from cuflash.simulator.strategies import key_block_ranges
+    n_begin, n_end = key_block_ranges(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m,
+                                      cfg.block_n)
+    n = n_end - n_begin
     n = n[n > 0]
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     w = cfg.num_warps
@@ -814,11 +816,13 @@ def test_guard_lds_of_the_sm90_forward(cfg):
     fence.proxy.async of every key tile (SASS of nvcc 13.0, sm_90a: `DEPBAR.LE SB0, 0x1; @!PT LDS RZ, [RZ]
     x 4; MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S`)."""
     from cuflash.simulator.model import Problem
-    from cuflash.simulator.strategies import n_block_max
+    from cuflash.simulator.strategies import key_block_ranges
 
     b, h, s = 1, 2, 640
     walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
-    n = n_block_max(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m, cfg.block_n)
+    n_begin, n_end = key_block_ranges(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m,
+                                      cfg.block_n)
+    n = n_end - n_begin
     n = n[n > 0]
     q, kv = (cfg.block_m, cfg.head_dim), (cfg.block_n, cfg.head_dim)
     warps = cfg.threads // 32

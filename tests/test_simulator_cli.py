@@ -50,6 +50,10 @@ def test_sweep_table_is_readable(capsys):
      "head_dim=320"),
     (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
       "--kernels", "wgmma"], "invalid choice"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--window", "-2", "0"], "a window side must be >= 0, or -1"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--window", "16"], "--window: expected 2 arguments"),
     (["plot", "hbm-vs-n"], "--out"),
     (["plot", "roofline", "--out", "x.png"], "invalid choice"),
 ])
@@ -122,3 +126,25 @@ def test_sweep_counts_the_kernel_family_asked_for(capsys):
     assert main(["sweep", "--strategy", "cuflash", "--seqlen", "1024", "--head-dim", "64", "--batch", "1",
                  "--heads", "1", "--kernels", "mma"]) == 0
     assert "cuflash: mma.sync kernels" in capsys.readouterr().out
+
+
+def test_sweep_with_a_window_counts_the_windowed_problem(capsys):
+    assert main(["sweep", "--strategy", "fa2", "--strategy", "cuflash", "--seqlen", "4096", "--head-dim", "64",
+                 "--batch", "1", "--heads", "2", "--causal", "--window", "256", "-1", "--backward", "--json"]) == 0
+    for r in (json.loads(line) for line in capsys.readouterr().out.splitlines()):
+        c = simulate(r["strategy"], Problem(1, 2, 4096, 4096, 64, "fp16", True, (256, -1)), backward=True)
+        full = simulate(r["strategy"], Problem(1, 2, 4096, 4096, 64, "fp16", True), backward=True)
+        assert (r["hbm_read_bytes"], r["flops"]) == (c.hbm_read_bytes, c.flops)
+        assert r["hbm_read_bytes"] < full.hbm_read_bytes / 4, "the window skips most tiles"
+    assert main(["sweep", "--strategy", "fa2", "--seqlen", "1024", "--head-dim", "64", "--batch", "1", "--heads", "1",
+                 "--window", "128", "128"]) == 0
+    assert "window (128, 128)" in capsys.readouterr().out
+
+
+def test_plot_hbm_vs_n_draws_windowed_lines(tmp_path):
+    out = tmp_path / "hbm_window.png"
+    t0 = time.perf_counter()
+    assert main(["plot", "hbm-vs-n", "--causal", "--window", "1024", "0", "--out", str(out)]) == 0
+    elapsed = time.perf_counter() - t0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert elapsed < 20, f"plot hbm-vs-n --window took {elapsed:.1f} s"

@@ -644,8 +644,9 @@ def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     assert pred["l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"] == 0
     warps, hd = cfg.threads // 32, cfg.head_dim
     if not target.is_backward:
-        from cuflash.simulator.strategies import n_block_max
-        live = int((n_block_max(p, cfg.block_m, cfg.block_n) > 0).sum()) * p.batch_heads
+        from cuflash.simulator.strategies import key_block_ranges
+        n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n)
+        live = int((n_end > n_begin).sum()) * p.batch_heads
         assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * hd // 8
         assert pred["launch__grid_size"] == -(-p.seqlen_q // cfg.block_m) * p.batch_heads
         return
