@@ -14,6 +14,7 @@
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "softmax.cuh"
 #include "seqs.cuh"
 
@@ -49,8 +50,9 @@ struct BwdParams {
   int dq_accum_cols;  // the kernel's HEAD_DIM
   float scale_log2;   // softmax_scale * log2(e)
   float softmax_scale;
+  ModParams mods;     // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
 };
-static_assert(sizeof(BwdParams) == 376, "BwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 432, "BwdParams is mirrored field by field in cuflash/_launch.py");
 
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
@@ -104,11 +106,13 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
 // ---- 2. main backward: one CTA per BLOCK_N keys ---------------------------------------------
 
 // One query block: S^T, P^T, dV, dP^T, dS^T, dK, and (unless deterministic) dQ_i += dS K_j.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool IS_MASKED>
-__device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k, int diag, unsigned char* smem,
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool IS_MASKED, int MODS>
+__device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                const ScoreMods<MODS>& mods, unsigned char* smem,
                                                 u32 smem_base, int stage, int m_block, int n0, long long vec_off,
                                                 int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
                                                 float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using Mods = ScoreMods<MODS>;
   using T = typename Tr::T;
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = (warp / Tr::D_SPLIT) * 16;            // this warp's keys in the tile
@@ -138,9 +142,11 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k
       Mma<T>::m16n8k16(s_acc[2 * qp + 1], k_regs, q_regs[2], q_regs[3]);
     }
   }
-  // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
+  // softcap, ALiBi (mods.cuh); causal diagonal, window, key tail: masked scores = -inf, so P = 0 there
+  float dcap[Tr::Q_TILES][4];  // the softcap's d score / d raw score, for dS (dead without the softcap)
+  apply_score_mods_transposed(s_acc, dcap, n0 + key_row0, m0, band.diag, mods, lane);
   if (IS_MASKED)
-    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
+    apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW>(s_acc, n0 + key_row0, m0, band, lane);
 
   // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows)
 #pragma unroll
@@ -152,13 +158,19 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k
     s_acc[qt][3] = ex2_approx(fmaf(s_acc[qt][3], p.scale_log2, -lse2.y));
   }
 
-  // dV_j += P^T dO_i: A = P^T from the accumulators, B = dO_i [query][d] read transposed
+  // dropout: the forward's keep bits of these elements (bit qt * 4 + c), regenerated
+  const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+  auto kept = [&](int qt, int c) { return !Mods::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1); };
+  auto p_drop = [&](int qt, int c) { return kept(qt, c) ? s_acc[qt][c] : 0.f; };
+
+  // dV_j += P^T dO_i (dropout: the kept P^T; 1 / (1 - p) applied to dV at the end): A = P^T from the
+  // accumulators, B = dO_i [query][d] read transposed
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
-    const u32 p_regs[4] = {Cvt<T>::pack(s_acc[2 * kk][0], s_acc[2 * kk][1]),
-                           Cvt<T>::pack(s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                           Cvt<T>::pack(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
-                           Cvt<T>::pack(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+    const u32 p_regs[4] = {Cvt<T>::pack(p_drop(2 * kk, 0), p_drop(2 * kk, 1)),
+                           Cvt<T>::pack(p_drop(2 * kk, 2), p_drop(2 * kk, 3)),
+                           Cvt<T>::pack(p_drop(2 * kk + 1, 0), p_drop(2 * kk + 1, 1)),
+                           Cvt<T>::pack(p_drop(2 * kk + 1, 2), p_drop(2 * kk + 1, 3))};
 #pragma unroll
     for (int dp = 0; dp < Tr::DKV_TILES / 2; ++dp) {
       u32 do_regs[4];
@@ -188,14 +200,15 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k
     }
   }
 
-  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i))
+  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)); dropout: dP^T * keep / (1 - p) in
+  // place of dP^T; softcap: times d score / d raw score
 #pragma unroll
   for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
     const float2 delta = *reinterpret_cast<const float2*>(delta_smem + qt * 8 + 2 * t);
-    dp_acc[qt][0] = s_acc[qt][0] * (dp_acc[qt][0] - delta.x);
-    dp_acc[qt][1] = s_acc[qt][1] * (dp_acc[qt][1] - delta.y);
-    dp_acc[qt][2] = s_acc[qt][2] * (dp_acc[qt][2] - delta.x);
-    dp_acc[qt][3] = s_acc[qt][3] * (dp_acc[qt][3] - delta.y);
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      dp_acc[qt][c] = ds_of<MODS>(s_acc[qt][c], dp_acc[qt][c], (c & 1) ? delta.y : delta.x, kept(qt, c),
+                                  p.mods.dropout_rp, Mods::HAS_SOFTCAP ? dcap[qt][c] : 1.f);
   }
 
   // dK_j += dS^T Q_i (softmax_scale applied once, at the end): B = Q_i [query][d] read transposed
@@ -317,8 +330,9 @@ struct QuerySteps {
   __device__ __forceinline__ int m_block(int step) const { return m_begin + step % blocks_per_head; }
 };
 
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -335,9 +349,11 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
   u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
 
-  // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
-  const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
-  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  // the query blocks that see these keys (causal: key n0 is first seen by query n0 - diag; a window also
+  // ends them); the others are skipped
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
+  const int m_begin = band.query_begin(n0) / Tr::BLOCK_M;
+  const int m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
@@ -371,17 +387,22 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
     cp_async_wait_group<1>();
     __syncthreads();
     const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
-    if (is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag))
-      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true>(
-          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+    ScoreMods<MODS> mods;
+    mods.init(p.mods, batch, steps.head(step), p.heads);
+    const int m0 = m_block * Tr::BLOCK_M;
+    if (is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1))
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true, MODS>(
+          p, band, mods, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
     else
-      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false>(
-          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false, MODS>(
+          p, band, mods, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
     __syncthreads();
     stage ^= 1;
   }
 
-  // epilogue: dK = softmax_scale * dK; stage dK in the K tile and dV in the V tile, 16-byte stores
+  // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
+  // tile, 16-byte stores
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
   const int g = lane >> 2, t = lane & 3;
   const int key_row0 = (warp / Tr::D_SPLIT) * 16, d_col0 = (warp % Tr::D_SPLIT) * Tr::DKV_COLS;
 #pragma unroll
@@ -419,8 +440,9 @@ __global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_kernel(const B
 }
 
 // ---- 3b. deterministic dQ, Q-outer ----------------------------------------------------------
-template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
-__device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int seqlen_k, int diag, int n_block, u32 q_smem,
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS>
+__device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                const ScoreMods<MODS>& mods, int n_block, u32 q_smem,
                                                 u32 do_smem, u32 k_smem,
                                                 u32 v_smem, int warp_row0, int row0, int lane,
                                                 const float (&lse_log2)[Tr::M_TILES][2],
@@ -458,19 +480,32 @@ __device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int seqlen_k
       }
     }
   }
+  using Mods = ScoreMods<MODS>;
+  const int col0 = n_block * Tr::BLOCK_N;
+  float dcap[Tr::M_TILES][Tr::N_TILES][4];  // the softcap's d score / d raw score (dead without the softcap)
+  apply_score_mods(s_acc, dcap, row0 + warp_row0, col0, band.diag, mods, lane);
   if (IS_MASKED)
-    apply_mask<IS_CAUSAL>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, seqlen_k, diag, lane);
+    apply_band_mask<IS_CAUSAL, Mods::HAS_WINDOW>(s_acc, row0 + warp_row0, col0, band, lane);
 
-  // P = exp2(S * scale_log2 - lse_log2); dS = P * (dP - delta)
+  // P = exp2(S * scale_log2 - lse_log2); dS = P * (dP - delta) (dropout and softcap: ds_of)
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int mt = 0; mt < Tr::M_TILES; ++mt)
 #pragma unroll
-    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+    for (int nt = 0; nt < Tr::N_TILES; ++nt) {
+      u32 keep = ~0u;
+      if constexpr (Mods::HAS_DROPOUT)
+        keep = mods.template keep_bits<false>(row0 + warp_row0 + mt * 16 + g, col0 + nt * 8 + 2 * t, lane);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const float prob = ex2_approx(fmaf(s_acc[mt][nt][c], p.scale_log2, -lse_log2[mt][c >> 1]));
-        dp_acc[mt][nt][c] = prob * (dp_acc[mt][nt][c] - delta[mt][c >> 1]);
+        if constexpr (MODS == 0)
+          dp_acc[mt][nt][c] = prob * (dp_acc[mt][nt][c] - delta[mt][c >> 1]);
+        else
+          dp_acc[mt][nt][c] = ds_of<MODS>(prob, dp_acc[mt][nt][c], delta[mt][c >> 1], (keep >> c) & 1,
+                                          p.mods.dropout_rp, Mods::HAS_SOFTCAP ? dcap[mt][nt][c] : 1.f);
       }
+    }
 
   // dQ += dS K: A = dS from the accumulators, B = K [key][d] read transposed
 #pragma unroll
@@ -496,8 +531,9 @@ __device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int seqlen_k
   }
 }
 
-template <class Tr, bool IS_CAUSAL>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) {
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -525,15 +561,18 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
     return p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + first_row * p.dq_row_stride;
   };
 
-  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, seq.len_k, diag);
-  if (n_blocks <= 0) {  // rows that see no key have no gradient
+  // key tiles [n_begin, n_end): tiles outside the causal / window band are skipped
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  if (n_end <= n_begin) {  // rows that see no key have no gradient
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(dq_rows(q_row), p.dq_row_stride, rows_q, p.head_dim, tid);
     return;
   }
 
   const u32 q_smem = smem_u32(smem), do_smem = q_smem + Tr::SMEM_Q;
   const u32 k_smem0 = q_smem + 2 * Tr::SMEM_Q, v_smem0 = k_smem0 + 2 * Tr::SMEM_KV;
-  int n_block = n_blocks - 1;
+  int n_block = n_end - 1;
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileQ, Tr::THREADS>(do_smem, do_gmem, p.do_row_stride, rows_q, p.head_dim, tid);
   load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0, k_gmem + n_block * Tr::BLOCK_N * p.k_row_stride,
@@ -560,10 +599,12 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
 #pragma unroll
       for (int c = 0; c < 4; ++c) dq_acc[mt][dt][c] = 0.f;
 
+  ScoreMods<MODS> mods;
+  mods.init(p.mods, batch, head, p.heads);
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
-    if (n_block > 0) {
+    if (n_block > n_begin) {
       const int next = n_block - 1;
       const u32 off = (stage ^ 1) * Tr::SMEM_KV;
       load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + off, k_gmem + next * Tr::BLOCK_N * p.k_row_stride,
@@ -574,15 +615,23 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
     cp_async_commit_group();
     cp_async_wait_group<1>();
     __syncthreads();
-    bwd_dq_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, seq.len_k, diag, n_block, q_smem, do_smem, k_smem0 + stage * Tr::SMEM_KV,
-                                              v_smem0 + stage * Tr::SMEM_KV, warp_row0, row0, lane, lse_log2, delta,
-                                              dq_acc);
+    bwd_dq_key_tile<Tr, IS_CAUSAL, IS_MASKED, MODS>(p, band, mods, n_block, q_smem, do_smem,
+                                                    k_smem0 + stage * Tr::SMEM_KV, v_smem0 + stage * Tr::SMEM_KV,
+                                                    warp_row0, row0, lane, lse_log2, delta, dq_acc);
     __syncthreads();
     stage ^= 1;
   };
-  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, seq.len_k, diag); --n_block)
+  // as in the forward: right-edge masked tiles, unmasked ones, the window's left edge masked again
+  const int row_last = row0 + rows_q - 1;
+  for (; n_block >= n_begin && band.needs_mask_right(row0, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
-  for (; n_block >= 0; --n_block) step(BoolTag<false>());
+  if (HAS_WINDOW) {
+    for (; n_block >= n_begin && !band.needs_mask_left(row_last, n_block * Tr::BLOCK_N); --n_block)
+      step(BoolTag<false>());
+    for (; n_block >= n_begin; --n_block) step(BoolTag<true>());
+  } else {
+    for (; n_block >= n_begin; --n_block) step(BoolTag<false>());
+  }
 
   // epilogue: dQ = softmax_scale * dQ -> shared (Q tile, own rows) -> 16-byte stores
 #pragma unroll

@@ -15,19 +15,25 @@
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
 #include "bwd.cuh"
 
 namespace cuflash {
 
 // One query block for one warpgroup (see the file comment); dQ unless deterministic. is_masked: apply
 // the causal / key-tail mask to S^T.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
-__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked, int seqlen_k, int diag,
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked,
+                                                     const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                     const ScoreMods<MODS>& mods,
                                                      unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
                                                      long long vec_off, int warpgroup, int warp, int lane,
                                                      float (&dk_acc)[Tr::DKV_TILES][4],
                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
+  using Mods = ScoreMods<MODS>;
+  // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs
+  constexpr bool HAS_PS = Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP;
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
   const int m0 = m_block * Tr::BLOCK_M;
@@ -58,32 +64,53 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
         dp_acc, Tr::TileKV::desc_k_major(v_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(do_smem, 0, kk * 16),
         /*scale_d=*/kk > 0);
   wgmma_commit_group();
+  // dropout: the forward's keep bits of these elements (bit qt * 4 + c), drawn while the tensor cores work
+  const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 
-  // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
+  // softcap, ALiBi (mods.cuh); causal diagonal, window, key tail: masked scores = -inf, so P = 0 there
+  float unused_dcap[Tr::Q_TILES][4];  // recovered from the modified score below (softcap_grad): fewer registers
+  apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
   if (is_masked)
-    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
+    apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW>(s_acc, n0 + key_row0, m0, band, lane);
 
   // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows),
   // straight into A registers (m16n8k16 A layout: rows = this warp's keys, k = queries). From here P^T is
   // in the input dtype, as in plain attention, and dS^T below is computed from it: keeping P^T in fp32
   // too would cost 16 more registers per thread, and d128 runs at the 255 limit.
+  // With dropout or softcap, p_regs hold the kept P^T (dV's A operand) and ps_regs P^T * dcap, undropped (dS).
   u32 p_regs[Tr::Q_K_STEPS][4];
+  u32 ps_regs[HAS_PS ? Tr::Q_K_STEPS : 1][4];
+  const int g_key = n0 + key_row0 + g;  // this thread's first key (the second is + 8)
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
-    float prob[2][4];
+    float prob[2][4], pv[2][4], ps[2][4];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        prob[j][c] = ex2_approx(fmaf(s_acc[2 * kk + j][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+      for (int c = 0; c < 4; ++c) {
+        const int qt = 2 * kk + j;
+        prob[j][c] = ex2_approx(fmaf(s_acc[qt][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+        pv[j][c] = (!Mods::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1)) ? prob[j][c] : 0.f;
+        ps[j][c] = prob[j][c];
+        if (Mods::HAS_SOFTCAP)
+          ps[j][c] = prob[j][c] == 0.f ? 0.f
+                                       : prob[j][c] * mods.softcap_grad(s_acc[qt][c], m0 + qt * 8 + 2 * t + (c & 1),
+                                                                        g_key + 8 * (c >> 1), band.diag);
+      }
     }
-    p_regs[kk][0] = Cvt<T>::pack(prob[0][0], prob[0][1]);
-    p_regs[kk][1] = Cvt<T>::pack(prob[0][2], prob[0][3]);
-    p_regs[kk][2] = Cvt<T>::pack(prob[1][0], prob[1][1]);
-    p_regs[kk][3] = Cvt<T>::pack(prob[1][2], prob[1][3]);
+    p_regs[kk][0] = Cvt<T>::pack(pv[0][0], pv[0][1]);
+    p_regs[kk][1] = Cvt<T>::pack(pv[0][2], pv[0][3]);
+    p_regs[kk][2] = Cvt<T>::pack(pv[1][0], pv[1][1]);
+    p_regs[kk][3] = Cvt<T>::pack(pv[1][2], pv[1][3]);
+    if (HAS_PS) {
+      ps_regs[kk][0] = Cvt<T>::pack(ps[0][0], ps[0][1]);
+      ps_regs[kk][1] = Cvt<T>::pack(ps[0][2], ps[0][3]);
+      ps_regs[kk][2] = Cvt<T>::pack(ps[1][0], ps[1][1]);
+      ps_regs[kk][3] = Cvt<T>::pack(ps[1][2], ps[1][3]);
+    }
   }
 
   // dV_j += P^T dO_i, running while dS^T is computed. dO_i is [query][d] in shared memory: the k
@@ -106,9 +133,14 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
     for (int j = 0; j < 2; ++j) {
       const float2 delta = *reinterpret_cast<const float2*>(delta_smem + (2 * kk + j) * 8 + 2 * t);
 #pragma unroll
-      for (int c = 0; c < 4; ++c)
-        ds[j][c] = Cvt<T>::unpack(p_regs[kk][2 * j + (c >> 1)], c & 1) *
-                   (dp_acc[2 * kk + j][c] - ((c & 1) ? delta.y : delta.x));
+      for (int c = 0; c < 4; ++c) {
+        const u32 packed = HAS_PS ? ps_regs[HAS_PS ? kk : 0][2 * j + (c >> 1)] : p_regs[kk][2 * j + (c >> 1)];
+        const int qt = 2 * kk + j;
+        // (the softcap's factor is in ps already: ds_of's dcap = 1)
+        ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(Cvt<T>::unpack(packed, c & 1), dp_acc[qt][c],
+                                              (c & 1) ? delta.y : delta.x, (keep >> (4 * qt + c)) & 1,
+                                              p.mods.dropout_rp, 1.f);
+      }
     }
     ds_regs[kk][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
     ds_regs[kk][1] = Cvt<T>::pack(ds[0][2], ds[0][3]);
@@ -173,9 +205,10 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
     }
 }
 
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // wgmma's swizzle is a function of the address: the tiles must start on the 1024-byte period
   const u32 smem_raw_u32 = smem_u32(smem_raw);
@@ -198,9 +231,11 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
   u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
 
-  // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
-  const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
-  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  // the query blocks that see these keys (causal: key n0 is first seen by query n0 - diag; a window also
+  // ends them); the others are skipped
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
+  const int m_begin = band.query_begin(n0) / Tr::BLOCK_M;
+  const int m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
     zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
@@ -228,7 +263,8 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   int stage = 0;
   for (int step = 0; step < n_steps; ++step) {
     const int m_block = steps.m_block(step);
-    const bool is_masked = is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag);
+    const int m0 = m_block * Tr::BLOCK_M;
+    const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
     if (step + 1 < n_steps)
       bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
                                head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
@@ -237,13 +273,18 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
     fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
     __syncthreads();
     const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
-    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC>(p, is_masked, seq.len_k, diag, smem, smem_base, stage,
-                                                          m_block, n0, vec_off, warpgroup, warp, lane, dk_acc, dv_acc);
+    ScoreMods<MODS> mods;
+    mods.init(p.mods, batch, steps.head(step), p.heads);
+    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, band, mods, smem, smem_base, stage,
+                                                                m_block, n0, vec_off, warpgroup, warp, lane, dk_acc,
+                                                                dv_acc);
     __syncthreads();
     stage ^= 1;
   }
 
-  // epilogue: dK = softmax_scale * dK; stage dK in the K tile and dV in the V tile, 16-byte stores
+  // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
+  // tile, 16-byte stores
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
   const int g = lane >> 2, t = lane & 3;
   const int key_row0 = warpgroup * 64 + (warp % 4) * 16;
 #pragma unroll

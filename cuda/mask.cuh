@@ -111,32 +111,4 @@ __device__ __forceinline__ void apply_band_mask_transposed(float (&s)[Q_TILES][4
   }
 }
 
-// ---- the causal-only forms (no window) --------------------------------------------------------------
-
-// Key tile n_block, seen from query rows >= row_first, contains a masked element.
-template <bool IS_CAUSAL, int BLOCK_N>
-__device__ __forceinline__ bool key_block_needs_mask(int n_block, int row_first, int seqlen_k, int diag) {
-  return Band<IS_CAUSAL, false>{seqlen_k, diag, 0, 0}.needs_mask_right(row_first, (n_block + 1) * BLOCK_N - 1);
-}
-
-// Number of key tiles that query rows <= row_last see: tiles above the causal diagonal are skipped.
-template <bool IS_CAUSAL, int BLOCK_N>
-__device__ __forceinline__ int num_key_blocks(int row_last, int seqlen_k, int diag) {
-  return Band<IS_CAUSAL, false>{seqlen_k, diag, 0, 0}.template key_block_end<BLOCK_N>(row_last);
-}
-
-template <bool IS_CAUSAL, int M_TILES, int N_TILES, bool IS_PACKED = false>
-__device__ __forceinline__ void apply_mask(float (&s)[M_TILES][N_TILES][4], int row0, int col0, int seqlen_k,
-                                           int diag, int lane, int rows_per_pos = 1) {
-  apply_band_mask<IS_CAUSAL, false, M_TILES, N_TILES, IS_PACKED>(s, row0, col0, Band<IS_CAUSAL, false>{seqlen_k, diag, 0, 0},
-                                                                 lane, rows_per_pos);
-}
-
-template <bool IS_CAUSAL, int Q_TILES>
-__device__ __forceinline__ void apply_mask_transposed(float (&s)[Q_TILES][4], int key0, int query0, int seqlen_k,
-                                                      int diag, int lane) {
-  apply_band_mask_transposed<IS_CAUSAL, false, Q_TILES>(s, key0, query0, Band<IS_CAUSAL, false>{seqlen_k, diag, 0, 0},
-                                                        lane);
-}
-
 }  // namespace cuflash

@@ -98,6 +98,14 @@ struct ScoreMods {
     return score(s, query, key, diag, unused);
   }
 
+  // The softcap's d score / d raw score (1 - tanh^2) recovered from a modified score s (ALiBi added back);
+  // meaningless for a masked score (-inf): the caller multiplies it with P = 0 and must select 0 there.
+  __device__ __forceinline__ float softcap_grad(float s, int query, int key, int diag) const {
+    if (HAS_ALIBI) s += slope * static_cast<float>(abs(query + diag - key));
+    const float t = s * cap_pre;  // s = cap_post * tanh and cap_post * cap_pre = 1
+    return 1.f - t * t;
+  }
+
   // Keep bits of one m16n8 accumulator tile: the 2x2 element groups (query pair, key pair) of one
   // Philox call. ROWS_ARE_KEYS: the backward's transposed tiles (rows = keys, columns = queries).
   // row_g: this thread's first row (g), col: its first column (2t); both relative to the sequence.
@@ -200,6 +208,15 @@ __device__ __forceinline__ u32 dropout_keep_transposed(int key0, int query0, con
   return keep;
 }
 
+// dS of one element from P (undropped), dP (= dO . V, undropped), delta = rowsum(dO * O): P * (dP - delta);
+// dropout: dP * keep / (1 - p) in place of dP (a dropped element keeps -P * delta); softcap: times dcap.
+template <int MODS>
+__device__ __forceinline__ float ds_of(float p, float dp, float delta, bool kept, float rp, float dcap) {
+  float ds = ScoreMods<MODS>::HAS_DROPOUT ? p * (kept ? dp * rp - delta : -delta) : p * (dp - delta);
+  if (ScoreMods<MODS>::HAS_SOFTCAP) ds *= dcap;
+  return ds;
+}
+
 // x *= f on an accumulator array (O *= 1 / (1 - p) with dropout)
 template <int A, int B>
 __device__ __forceinline__ void scale_acc(float (&x)[A][B][4], float f) {
@@ -211,6 +228,14 @@ __device__ __forceinline__ void scale_acc(float (&x)[A][B][4], float f) {
       for (int c = 0; c < 4; ++c) x[a][b][c] *= f;
 }
 
+template <int A>
+__device__ __forceinline__ void scale_acc(float (&x)[A][4], float f) {
+#pragma unroll
+  for (int a = 0; a < A; ++a)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) x[a][c] *= f;
+}
+
 // The dropout mask itself, for tests (return_dropout_mask): mask[b, h, i, j] = 1 where kept, one thread per
 // 2x2 group (the same Philox words the attention kernels draw). Grid (ceil(groups / 256), heads, batch).
 struct DropoutMaskParams {
@@ -220,10 +245,12 @@ struct DropoutMaskParams {
 };
 static_assert(sizeof(DropoutMaskParams) == 80, "DropoutMaskParams is mirrored in cuflash/_launch.py");
 
-__global__ void __launch_bounds__(256) dropout_mask_kernel(const DropoutMaskParams p) {
+// (A template, instantiated by name only: a plain __global__ would be compiled into every kernel's cubin.)
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) dropout_mask_kernel(const DropoutMaskParams p) {
   const int head = blockIdx.y, batch = blockIdx.z;
   const int pairs_k = (p.seqlen_k + 1) / 2;
-  const long long group = static_cast<long long>(blockIdx.x) * 256 + threadIdx.x;
+  const long long group = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
   if (group >= static_cast<long long>(pairs_k) * ((p.seqlen_q + 1) / 2)) return;
   const int qp = static_cast<int>(group / pairs_k), kp = static_cast<int>(group % pairs_k);
   const uint4 r = philox4x32_10(make_uint4(kp, qp, static_cast<u32>(batch * p.heads + head), p.mods.dropout_offset),

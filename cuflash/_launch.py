@@ -83,7 +83,7 @@ class BwdParams(ctypes.Structure):
            for s in ("batch", "row", "head")]
         + [("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll), ("lse_row_stride", _c_ll)]
         + [(n, ctypes.c_int) for n in ("seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
-        + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float)]
+        + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float), ("mods", ModParams)]
     )
 
 
@@ -99,7 +99,7 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 320 and ctypes.sizeof(BwdParams) == 376
+assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 320 and ctypes.sizeof(BwdParams) == 432
 assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 80
 
 

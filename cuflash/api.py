@@ -251,10 +251,12 @@ def _check_out(x, name, ref_dims, like_name, dtype, layout, inputs):
     return info, dims
 
 
-def _run_backward(device, dtype, causal, deterministic, scale, head_dim, batch, heads_q, heads_kv, seq, max_seqlen_q,
+def _run_backward(device, dtype, mods, deterministic, scale, head_dim, batch, heads_q, heads_kv, seq, max_seqlen_q,
                   max_seqlen_k, pad_rows, pad_batches, q, k, v, out, dout, dq, dk, dv, lse, lse_strides):
     """Launch the backward kernels. Each of q ... dv is (array, Dims with (batch, row, head) strides);
-    seq: SeqParams; pad_rows: fp32 rows per (batch, head) (dense) or per head (varlen, pad_batches = 1)."""
+    seq: SeqParams; pad_rows: fp32 rows per (batch, head) (dense) or per head (varlen, pad_batches = 1);
+    mods: the validated score modifiers (their causal flag is the kernels')."""
+    causal = mods.causal
     cp = _cupy()
     hd = kernel_head_dim(head_dim)
     lse_log2 = cp.empty((pad_batches, heads_q, pad_rows), dtype=cp.float32)
@@ -266,15 +268,17 @@ def _run_backward(device, dtype, causal, deterministic, scale, head_dim, batch, 
         lse_log2.data.ptr, delta.data.ptr, seq,
         *(s for _, d in (q, k, v, out, dout, dq, dk, dv) for s in (d.batch_stride, d.row_stride, d.head_stride)),
         *lse_strides, pad_rows, heads_q, head_dim, hd, _launch.scale_log2(scale), scale)
+    if mods.bits:
+        params.mods = _mod_params(mods, scale, max(max_seqlen_q, max_seqlen_k))
     stream = cp.cuda.get_current_stream().ptr
     pre = ElementwiseConfig("preprocess", dtype)
     rows_pad = -(-max_seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
     _launch.get_kernel(pre, device).launch((rows_pad // pre.rows_per_cta, heads_q, batch), params, stream)
-    main = backward_kernel_config(hd, dtype, causal, deterministic, _launch.device_arch(device))
+    main = backward_kernel_config(hd, dtype, causal, deterministic, _launch.device_arch(device), mods=mods.bits)
     if max_seqlen_k > 0:
         _launch.get_kernel(main, device).launch(main.grid(batch, heads_kv, max_seqlen_k), params, stream)
     if deterministic:
-        dqc = dq_config(hd, dtype, causal)
+        dqc = dq_config(hd, dtype, causal, mods.bits)
         _launch.get_kernel(dqc, device).launch(dqc.grid(batch, heads_q, max_seqlen_q), params, stream)
     else:
         conv = ElementwiseConfig("convert_dq", dtype)
@@ -283,7 +287,8 @@ def _run_backward(device, dtype, causal, deterministic, scale, head_dim, batch, 
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
-                       deterministic=False, dq=None, dk=None, dv=None):
+                       deterministic=False, dq=None, dk=None, dv=None, window=None, alibi_slopes=None, softcap=None,
+                       dropout_p=0.0, seed=None, offset=0):
     """Gradients of attention with respect to q, k and v, recomputing P tile by tile (no N x N memory).
 
     Args:
@@ -297,6 +302,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             query block, bitwise reproducible, at the cost of recomputing S and dP (about 1.4x the
             backward's FLOPs).
         dq, dk, dv: optional preallocated outputs shaped like q, k, v, in their dtype, not aliasing an input.
+        window, alibi_slopes, softcap, dropout_p, seed, offset: the forward's score modifiers, exactly as given
+            to it (dropout regenerates the forward's mask from seed and offset; the slopes are not
+            differentiated).
 
     Returns:
         (dq, dk, dv) in the inputs' dtype and layout. With grouped-query attention (k, v with fewer heads
@@ -328,6 +336,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         raise ValueError(f"lse has strides {li.strides} (elements) that are not whole elements")
     _validate.check_same_device(qi, ki, vi, doi, oi, li)
     scale = _validate.check_softmax_scale(softmax_scale, dq_.head_dim)
+    mods = _check_mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, dq_.batch, dq_.heads, qi.device)
     cp = _cupy()
     inputs = (qi, ki, vi, doi, oi, li)
 
@@ -364,7 +373,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         ls = tuple(int(s) for s in li.strides)
         b, sq = dq_.batch, dq_.seqlen
         _run_backward(
-            qi.device, dtype, causal, deterministic, scale, dq_.head_dim, b, dq_.heads, dk_.heads,
+            qi.device, dtype, mods, deterministic, scale, dq_.head_dim, b, dq_.heads, dk_.heads,
             _launch.seq_params(sq, dk_.seqlen, dq_.heads // dk_.heads), sq, dk_.seqlen,
             -(-sq // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, b,
             (q, dq_), (k, dk_), (v, dv_), (out, do_), (dout, ddo), (dq, ddq), (dk, ddk), (dv, ddv), lse, ls)
@@ -511,7 +520,8 @@ def _grad_output(x, name, like, like_info, inputs):
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
-                              check_inputs=True):
+                              check_inputs=True, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                              seed=None, offset=0):
     """Gradients of `attention_varlen_forward` with respect to q, k and v.
 
     Args:
@@ -520,6 +530,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, check_inputs:
             as given to the forward; out, lse: its outputs (lse float32 (heads, total_q)).
         deterministic, dq, dk, dv: as in `attention_backward` (preallocated outputs packed like q, k, v).
+        window, alibi_slopes, softcap, dropout_p, seed, offset: the forward's score modifiers, as given to it.
 
     Returns:
         (dq, dk, dv) packed like q, k, v (dk, dv summed over the query heads of a group with GQA). Rows of
@@ -545,6 +556,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         raise ValueError(f"lse has strides {li.strides} (elements) that are not whole elements")
     _validate.check_same_device(qi, doi, oi, li)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
+    mods = _check_mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device)
     cp = _cupy()
     inputs = (qi, ki, vi, doi, oi, li)
 
@@ -579,7 +591,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         seq = _launch.seq_params(m.max_seqlen_q, m.max_seqlen_k, m.heads_q // m.heads_kv, cu_seqlens_q.data.ptr,
                                  cu_seqlens_k.data.ptr)
         ls = tuple(int(s) for s in li.strides)
-        _run_backward(m.device, m.dtype, causal, deterministic, scale, m.head_dim, m.batch, m.heads_q, m.heads_kv, seq,
+        _run_backward(m.device, m.dtype, mods, deterministic, scale, m.head_dim, m.batch, m.heads_q, m.heads_kv, seq,
                       m.max_seqlen_q, m.max_seqlen_k, pad_rows, 1, *packed[:3], packed[3], packed[4], *grads, lse,
                       (0, ls[0], ls[1]))
     return dq, dk, dv

@@ -81,6 +81,7 @@ class Shape:
     head_dim: int
     causal: bool
     seqlen: int
+    window: tuple | None = None  # sliding window (left, right) of the cuflash runs (--window)
     batch: int = field(init=False)
     heads: int = field(init=False)
 
@@ -89,8 +90,13 @@ class Shape:
         self.heads = HIDDEN // self.head_dim
 
     def flops(self, passname: str) -> float:
-        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
-        return f * (0.5 if self.causal else 1.0) * PASS_FLOP_FACTOR[passname]
+        """Useful FLOPs: 4 * B * H * D per visible (query, key) pair (causal: half of N^2, counted as the FA
+        benchmarks do; window: the pairs inside the band, counted exactly)."""
+        if self.window is None:
+            f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+            return f * (0.5 if self.causal else 1.0) * PASS_FLOP_FACTOR[passname]
+        pairs = visible_pairs(self.seqlen, self.seqlen, self.causal, self.window)
+        return 4.0 * self.batch * self.heads * pairs * self.head_dim * PASS_FLOP_FACTOR[passname]
 
     def record(self, method, passname, **kw) -> Record:
         return Record(method, passname, self.dtype, self.head_dim, self.causal, self.seqlen, self.batch,
@@ -98,7 +104,14 @@ class Shape:
 
     def __str__(self):
         return (f"{self.dtype} D={self.head_dim} {'causal' if self.causal else 'full'} N={self.seqlen} "
-                f"(B={self.batch}, H={self.heads})")
+                f"(B={self.batch}, H={self.heads})" + (f" window={self.window}" if self.window else ""))
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window) -> int:
+    """(query, key) pairs inside the band (the analyzer's exact count, cuflash.simulator.masks)."""
+    from .simulator.masks import visible_pairs as count
+
+    return int(count(seqlen_q, seqlen_k, causal, window))
 
 
 # --- timing and memory ------------------------------------------------------------------------------
@@ -247,27 +260,30 @@ def bench_cuflash(shape: Shape, args, out: list):
     backward = args.backward and hasattr(cuflash, "attention_backward")
     sets = cupy_inputs(shape, shape.dtype, "bshd", n_sets, backward, seed=shape.seqlen)
     events, causal = CupyEvents(), shape.causal
+    mods = {"window": shape.window} if shape.window else {}
 
     def fwd(i):
         q, k, v = sets[i][:3]
-        return cuflash.attention(q, k, v, causal=causal)
+        return cuflash.attention(q, k, v, causal=causal, **mods)
 
     ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
     mem = cupy_peak_bytes(lambda: fwd(0))
     out.append(shape.record("cuflash", "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem))
     if not backward:
         return
-    saved = [cuflash.attention_forward(*s[:3], causal=causal) for s in sets]  # (o, lse) per set
+    saved = [cuflash.attention_forward(*s[:3], causal=causal, **mods) for s in sets]  # (o, lse) per set
 
     def bwd(i):
         q, k, v, dout = sets[i]
         o, lse = saved[i]
-        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic)
+        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic,
+                                          **mods)
 
     def fwd_bwd(i):
         q, k, v, dout = sets[i]
-        o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic)
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal, **mods)
+        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic,
+                                          **mods)
 
     ms = median_ms(bwd, n_sets, events, args.reps, args.warmup)
     ms2 = median_ms(fwd_bwd, n_sets, events, args.reps, args.warmup)
@@ -890,6 +906,9 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{' '.join(map(str, VARLEN_SEQLENS))})")
     p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd")
     p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
+    p.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"), default=None,
+                   help="sliding window of the cuflash runs (-1 = unbounded); TFLOP/s count the band's pairs "
+                        "only; the other methods have no window and are skipped")
     p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
                    help=f"methods to run (default: all that are available): {', '.join(METHODS)}")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
@@ -963,6 +982,10 @@ def main(argv=None) -> int:
 
     methods = ["cuflash"] + (["plain"] if args.compare else []) + \
         ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
+    window = tuple(args.window) if args.window else None
+    if window is not None:
+        print(f"note: window={window}: only cuflash runs (the other methods have no sliding window)")
+        methods = ["cuflash"]
     if args.methods is not None:
         missing = [m for m in args.methods if m not in methods]
         if missing:
@@ -982,7 +1005,7 @@ def main(argv=None) -> int:
         for d in args.head_dim:
             for causal in causals:
                 for n in args.seqlen:
-                    shape = Shape(dtype, d, causal, n)
+                    shape = Shape(dtype, d, causal, n, window)
                     times = {}
                     if "cuflash" in methods:
                         times["cuflash"] = run_method("cuflash", lambda s=shape: bench_cuflash(s, args, records),

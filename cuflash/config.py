@@ -234,7 +234,7 @@ class DropoutMaskConfig:
     smem_bytes: int = 0
 
     def cpp_name(self) -> str:
-        return "cuflash::dropout_mask_kernel"
+        return f"cuflash::dropout_mask_kernel<{self.threads}>"
 
 
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
@@ -365,8 +365,10 @@ class BwdConfig:
     dtype: str
     causal: bool
     deterministic: bool
+    mods: int = 0  # score modifiers (MOD_* bits)
 
     def __post_init__(self):
+        check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.block_n != 16 * self.num_warps // self.d_split:
@@ -388,7 +390,7 @@ class BwdConfig:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"cuflash::bwd_kernel<cuflash::BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, {self.d_split}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+                f"{self.num_warps}, {self.d_split}, {t}>, {b(self.causal)}, {b(self.deterministic)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads, batch)
@@ -405,6 +407,10 @@ class DqConfig:
     num_warps: int
     dtype: str
     causal: bool
+    mods: int = 0  # score modifiers (MOD_* bits)
+
+    def __post_init__(self):
+        check_mods(self.mods, self.causal)
 
     @property
     def threads(self) -> int:
@@ -417,7 +423,7 @@ class DqConfig:
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         return (f"cuflash::bwd_dq_kernel<cuflash::DqTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, {t}>, {'true' if self.causal else 'false'}>")
+                f"{self.num_warps}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -452,24 +458,35 @@ BWD_TILES = {
 }
 # Deterministic dQ tiles: (block_m, block_n, num_warps).
 DQ_TILES = {
-    32: (128, 64, 8),
+    32: (128, 32, 8),  # (128, 64, 8) came out at 128 registers with an 8-byte spill once the kernel took MODS
+    # (the plain path's arithmetic is unchanged; ptxas allocated differently)
     64: (128, 64, 8),
     96: (128, 64, 8),
     128: (128, 32, 8),
     192: (64, 32, 4),
-    256: (64, 16, 4),  # block_n 32 spilled 4-28 bytes once varlen and GQA took a few registers (255 in use)
+    256: (32, 16, 2),  # block_n 32 spilled 4-28 bytes once varlen and GQA took a few registers (255 in use);
+    # (64, 16, 4) spilled 8 bytes non-causal once the kernel took MODS
 }
 SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m)
 
 
-def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdConfig:
-    bm, bn, warps, split = BWD_TILES[head_dim]
-    return BwdConfig(head_dim, bm, bn, warps, split, dtype, causal, deterministic)
+# With ALiBi / softcap / dropout (heavy_mods): see FWD_TILES_MODS. The plain tiles spilled 20-164 bytes at
+# head dims 96, 128 and 192 with every modifier on; smaller key groups (d_split) leave the registers.
+BWD_TILES_MODS = {**BWD_TILES,
+                  96: (32, 32, 6, 3),   # 181-185 registers
+                  128: (32, 64, 8, 2),  # 204-207 registers
+                  192: (32, 16, 4, 4)}  # 213-243 registers
+DQ_TILES_MODS = dict(DQ_TILES)
 
 
-def dq_config(head_dim: int, dtype: str, causal: bool) -> DqConfig:
-    bm, bn, warps = DQ_TILES[head_dim]
-    return DqConfig(head_dim, bm, bn, warps, dtype, causal)
+def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdConfig:
+    bm, bn, warps, split = (BWD_TILES_MODS if heavy_mods(mods) else BWD_TILES)[head_dim]
+    return BwdConfig(head_dim, bm, bn, warps, split, dtype, causal, deterministic, mods)
+
+
+def dq_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> DqConfig:
+    bm, bn, warps = (DQ_TILES_MODS if heavy_mods(mods) else DQ_TILES)[head_dim]
+    return DqConfig(head_dim, bm, bn, warps, dtype, causal, mods)
 
 
 def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
@@ -480,9 +497,10 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
-                out += [bwd_config(hd, dt, c, False), bwd_config(hd, dt, c, True), dq_config(hd, dt, c)]
-                if arch == "sm_90a" and hd in BWD_SM90_TILES:
-                    out += [bwd_sm90_config(hd, dt, c, False), bwd_sm90_config(hd, dt, c, True)]
+                for m in (0, *MODS_CHECKED[c]):
+                    out += [bwd_config(hd, dt, c, False, m), bwd_config(hd, dt, c, True, m), dq_config(hd, dt, c, m)]
+                    if arch == "sm_90a" and hd in bwd_sm90_tiles(m):
+                        out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
     return out
 
 
@@ -498,8 +516,10 @@ class BwdSm90Config:
     dtype: str
     causal: bool
     deterministic: bool
+    mods: int = 0  # score modifiers (MOD_* bits)
 
     def __post_init__(self):
+        check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.block_m != 64 or self.block_n not in (64, 128):
@@ -532,7 +552,7 @@ class BwdSm90Config:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.ctas_per_sm}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+                f"{self.ctas_per_sm}, {t}>, {b(self.causal)}, {b(self.deterministic)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads, batch)
@@ -546,14 +566,23 @@ BWD_SM90_TILES = {
 }
 
 
-def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdSm90Config:
-    bm, bn, ctas = BWD_SM90_TILES[head_dim]
-    return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic)
+# With ALiBi / softcap / dropout (heavy_mods): head dim 128 spilled 12-40 bytes (dK + dV of 64 keys hold 128 of
+# the 255 registers), so it runs the mma.sync backward (BWD_TILES_MODS) instead.
+BWD_SM90_TILES_MODS = {64: BWD_SM90_TILES[64]}
+
+
+def bwd_sm90_tiles(mods: int = 0) -> dict:
+    return BWD_SM90_TILES_MODS if heavy_mods(mods) else BWD_SM90_TILES
+
+
+def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90Config:
+    bm, bn, ctas = bwd_sm90_tiles(mods)[head_dim]
+    return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic, mods)
 
 
 def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,
-                           arch: str = DEFAULT_ARCH, kernels: str | None = None):
+                           arch: str = DEFAULT_ARCH, kernels: str | None = None, mods: int = 0):
     """The backward main-kernel config the library launches on `arch` (see forward_kernel_config)."""
-    if uses_wgmma(arch, kernels) and head_dim in BWD_SM90_TILES:
-        return bwd_sm90_config(head_dim, dtype, causal, deterministic)
-    return bwd_config(head_dim, dtype, causal, deterministic)
+    if uses_wgmma(arch, kernels) and head_dim in bwd_sm90_tiles(mods):
+        return bwd_sm90_config(head_dim, dtype, causal, deterministic, mods)
+    return bwd_config(head_dim, dtype, causal, deterministic, mods)
