@@ -43,6 +43,9 @@ class FakeDevice:
         return False
 
 
+_contiguous: dict = {}  # (shape, dtype) -> C-contiguous byte strides
+
+
 class FakeArray:
     """Metadata of a CuPy array (shape, byte strides, dtype, address, device) and no data."""
 
@@ -50,16 +53,18 @@ class FakeArray:
     _next = 1 << 32
 
     def __init__(self, shape, dtype=np.float16, strides=None, ptr=None, device=0):
-        self.shape = tuple(shape)
-        self.dtype = np.dtype(dtype)
+        self.shape = shape = tuple(shape)
+        self.dtype = dtype = np.dtype(dtype)
         if strides is None:  # C-contiguous, in bytes
-            strides, step = [], self.dtype.itemsize
-            for n in reversed(self.shape):
-                strides.append(step)
-                step *= max(n, 1)
-            strides.reverse()
+            strides = _contiguous.get((shape, dtype))
+            if strides is None:
+                strides, step = [], dtype.itemsize
+                for n in reversed(shape):
+                    strides.append(step)
+                    step *= max(n, 1)
+                strides = _contiguous[shape, dtype] = tuple(reversed(strides))
         self.strides = tuple(strides)
-        self.size = math.prod(self.shape)
+        self.size = math.prod(shape)
         if ptr is None:
             FakeArray._next += 1 << 24  # distinct, 256-byte aligned addresses
             ptr = FakeArray._next
@@ -161,10 +166,7 @@ def install(setattr_) -> None:
     setattr_(_launch, "get_kernel", _fake_kernel)
     setattr_(_launch, "device_arch", lambda device_id: "sm_90a")
     setattr_(driver, "launchKernel", _launch_kernel)
-    if hasattr(_launch, "_launch_kernel"):  # the driver entry point, looked up once at import
-        setattr_(_launch, "_launch_kernel", _launch_kernel)
-    api._num_sms[0] = 132
+    setattr_(api, "_num_sms", {0: 132})
+    setattr_(api, "_forward_kernels", {})
     if hasattr(api, "_plans"):
-        api._plans.clear()
-    for attr in ("_forward_kernels",):
-        getattr(api, attr).clear()
+        setattr_(api, "_plans", api._PlanCache())
