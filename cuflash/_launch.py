@@ -126,11 +126,58 @@ class _Kernel:
                                                                           self.smem_bytes))
 
     def launch(self, grid, params: ctypes.Structure, stream_ptr: int) -> None:
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        _driver().launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+                               stream_ptr, ctypes.addressof(args), 0)
+
+    def launch_args(self, grid, args: ctypes.Structure, stream_ptr: int) -> None:
+        """Launch with an argument block from `ArgsTemplate.new` (the kernelParams array and the struct)."""
+        _driver().launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+                               stream_ptr, ctypes.addressof(args), 0)
+
+
+_driver_module = None
+
+
+def _driver():
+    """cupy.cuda.driver, imported once (a `from ... import` on every launch costs about half a microsecond)."""
+    global _driver_module
+    if _driver_module is None:
         from cupy.cuda import driver
 
-        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
-        driver.launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
-                            stream_ptr, ctypes.addressof(args), 0)
+        _driver_module = driver
+    return _driver_module
+
+
+@lru_cache(maxsize=None)
+def _args_type(params_type):
+    """ctypes struct of a launch's whole argument block: `void* kernelParams[1]` followed by the params struct
+    it points at, so that one copy of a template and one pointer write make the block of a call."""
+    return type(f"{params_type.__name__}Args", (ctypes.Structure,),
+                {"_fields_": [("arg", ctypes.c_void_p), ("params", params_type)]})
+
+
+class ArgsTemplate:
+    """The launch arguments of a call signature (a plan), recorded once from a complete params struct.
+
+    `new()` gives each call its own copy, whose params the call completes with what changes per call (the
+    array addresses); the template itself is never written, so calls of one plan may run at the same time in
+    several threads (or be captured into a CUDA graph, which copies the arguments at the launch)."""
+
+    __slots__ = ("type", "bytes", "offset")
+
+    def __init__(self, params: ctypes.Structure):
+        self.type = _args_type(type(params))
+        block = self.type()
+        block.params = params
+        self.bytes = bytes(block)
+        self.offset = self.type.params.offset
+
+    def new(self) -> ctypes.Structure:
+        """A fresh argument block (`.params` to complete) whose kernelParams entry points at its own struct."""
+        block = self.type.from_buffer_copy(self.bytes)
+        block.arg = ctypes.addressof(block) + self.offset
+        return block
 
 
 _kernels: dict = {}

@@ -4,7 +4,9 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import threading
 from functools import lru_cache
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,10 +16,91 @@ from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfi
 from .philox import dropout_threshold
 
 
-def _cupy():
-    import cupy
+_cupy_module = None
 
-    return cupy
+
+def _cupy():
+    global _cupy_module
+    if _cupy_module is None:
+        import cupy
+
+        _cupy_module = cupy
+    return _cupy_module
+
+
+# --- plan cache ------------------------------------------------------------------------------------------
+# A warm call replays a *plan*: what the first call of its signature worked out (validated dims, config,
+# loaded kernel, grid, output shapes, the params struct as an `ArgsTemplate`). The key of a signature holds
+# everything that decides validation and launch except the array addresses: per array (shape, byte strides,
+# dtype, device), and every option with its type (True == 1 but causal=1 is an error). Each public function
+# builds its key in one place (`_forward_key`, ...): a new option goes there, and into the params struct
+# built on the full path, which the plan records. What depends on addresses (16-byte alignment, which decides
+# a copy; overlap of preallocated outputs with inputs) is checked on every call: when a check would not pass,
+# the call takes the full path, which copies or raises exactly as without a plan. Plans are made only for
+# calls that launch kernels on their arguments in place (no copy).
+
+class _PlanCache:
+    """Plans by key, at most `size` of them (the oldest goes first); thread-safe."""
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        """The plan of key, or None (no key: arguments that are not all CuPy arrays; an unhashable option;
+        a plan whose kernels came from an in-memory kernel table that has since been replaced)."""
+        if key is None:
+            return None
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option (a list as softmax_scale, ...): the full path reports it
+            return None
+        if plan is None or plan.kernels is not _launch._kernels:
+            return None
+        return plan
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            if len(self._plans) >= self.size:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+_plans = _PlanCache()
+
+
+def _array_key(x):
+    """What validation reads of a CuPy array except its address: (shape, byte strides, dtype, device)."""
+    return x.shape, x.strides, x.dtype, x.data.device_id
+
+
+def _relative_extent(info):
+    """_extent(info) as byte offsets from info.ptr (they do not depend on the address)."""
+    a0, a1 = _extent(info)
+    return a0 - info.ptr, a1 - info.ptr
+
+
+def _same(arrays, others) -> bool:
+    """Whether each array is the same object as its counterpart (no copy was made)."""
+    return all(a is b for a, b in zip(arrays, others))
+
+
+def _any_overlap(outs, ins) -> bool:
+    """Whether an output's bytes meet an input's or another output's: outs, ins are (address, (lo, hi))."""
+    for i, (p, (lo, hi)) in enumerate(outs):
+        a0, a1 = p + lo, p + hi
+        for q, (qlo, qhi) in ins + outs[i + 1:]:
+            if a0 < q + qhi and q + qlo < a1:
+                return True
+    return False
 
 
 def _as_kernel_operand(x, info, dims, layout):
@@ -125,6 +208,49 @@ def _empty_like_layout(dims, seqlen, dtype, layout):
     return cp.empty(shape, dtype=dtype)
 
 
+class _ForwardPlan(NamedTuple):
+    device: int
+    o_shape: tuple
+    o_dtype: object
+    lse_shape: tuple
+    kernel: object
+    grid: tuple
+    args: _launch.ArgsTemplate
+    kernels: dict  # the kernel table the kernel came from
+
+
+def _plain_mods(window, alibi_slopes, softcap, dropout_p, seed, offset, return_dropout_mask=False) -> bool:
+    """The score-modifier options all at their defaults: only such calls are planned (a modifier's values,
+    the slopes' address, the dropout seed go the full path, which validates them)."""
+    return (window is None and alibi_slopes is None and softcap is None and type(dropout_p) is float
+            and dropout_p == 0.0 and seed is None and type(offset) is int and offset == 0
+            and return_dropout_mask is False)
+
+
+def _forward_key(q, k, v, causal, softmax_scale, layout, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
+                 seed=None, offset=0, return_dropout_mask=False):
+    """Plan key of an attention_forward call (None unless q, k, v are CuPy arrays and no modifier is asked)."""
+    nd = _validate._ndarray
+    if type(q) is not nd or type(k) is not nd or type(v) is not nd:
+        return None
+    if not _plain_mods(window, alibi_slopes, softcap, dropout_p, seed, offset, return_dropout_mask):
+        return None
+    return ("forward", _array_key(q), _array_key(k), _array_key(v), type(causal), causal, type(softmax_scale),
+            softmax_scale, layout, config.KERNELS)
+
+
+def _forward_replay(plan, q_ptr, k_ptr, v_ptr):
+    cp = _cupy()
+    with _on_device(cp, plan.device):
+        o = cp.empty(plan.o_shape, dtype=plan.o_dtype)
+        lse = cp.empty(plan.lse_shape, dtype=cp.float32)
+        args = plan.args.new()
+        p = args.params
+        p.q, p.k, p.v, p.o, p.lse = q_ptr, k_ptr, v_ptr, o.data.ptr, lse.data.ptr
+        plan.kernel.launch_args(plan.grid, args, cp.cuda.get_current_stream().ptr)
+    return o, lse
+
+
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
                       softcap=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
     """Fused attention forward, returning the output and the log-sum-exp of each query row.
@@ -167,6 +293,14 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         >>> o.shape, lse.shape
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
+    key = _forward_key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
+                       return_dropout_mask)
+    plan = _plans.get(key)
+    if plan is not None:
+        q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
+        if not (q_ptr | k_ptr | v_ptr) & 15:  # aligned: read in place (else the full path copies)
+            return _forward_replay(plan, q_ptr, k_ptr, v_ptr)
+
     causal = _validate.check_flag(causal, "causal")
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     qi, ki, vi = _validate.array_info(q, "q"), _validate.array_info(k, "k"), _validate.array_info(v, "v")
@@ -185,6 +319,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             o.fill(0)
             lse.fill(-cp.inf)
             return (o, lse, *extra)
+        given = (q, k, v)
         q, dq = _as_kernel_operand(q, qi, dq, layout)
         k, dk = _as_kernel_operand(k, ki, dk, layout)
         v, dv = _as_kernel_operand(v, vi, dv, layout)
@@ -195,7 +330,11 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
                              dq, dk, dv, o_strides, (dq.heads * dq.seqlen, dq.seqlen), dq.heads, dq.head_dim, scale)
         if mods.bits:
             params.mods = _mod_params(mods, scale, max(dq.seqlen, dk.seqlen))
-        kernel.launch((-(-dq.seqlen // cfg.block_m), dq.heads, dq.batch), params, cp.cuda.get_current_stream().ptr)
+        grid = (-(-dq.seqlen // cfg.block_m), dq.heads, dq.batch)
+        if key is not None and _same(given, (q, k, v)):  # no operand copied: later calls replay this launch
+            _plans.put(key, _ForwardPlan(qi.device, o.shape, o.dtype, lse.shape, kernel, grid,
+                                         _launch.ArgsTemplate(params), _launch._kernels))
+        kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse, *extra)
 
 
@@ -255,35 +394,109 @@ def _run_backward(device, dtype, mods, deterministic, scale, head_dim, batch, he
                   max_seqlen_k, pad_rows, pad_batches, q, k, v, out, dout, dq, dk, dv, lse, lse_strides):
     """Launch the backward kernels. Each of q ... dv is (array, Dims with (batch, row, head) strides);
     seq: SeqParams; pad_rows: fp32 rows per (batch, head) (dense) or per head (varlen, pad_batches = 1);
-    mods: the validated score modifiers (their causal flag is the kernels')."""
+    mods: the validated score modifiers (their causal flag is the kernels').
+    Returns (params, [(kernel, grid) in launch order], workspace floats) for a plan to replay."""
     causal = mods.causal
     cp = _cupy()
     hd = kernel_head_dim(head_dim)
-    lse_log2 = cp.empty((pad_batches, heads_q, pad_rows), dtype=cp.float32)
-    delta = cp.empty((pad_batches, heads_q, pad_rows), dtype=cp.float32)
-    dq_accum = None if deterministic else cp.empty((pad_batches, heads_q, pad_rows, hd), dtype=cp.float32)
+    rows = pad_batches * heads_q * pad_rows
+    work_floats = _backward_workspace(rows, hd, deterministic)
+    work = cp.empty(work_floats, dtype=cp.float32)
+    lse_log2, delta, dq_accum = _backward_workspace_ptrs(work.data.ptr, rows, deterministic)
     params = _launch.BwdParams(
         q[0].data.ptr, k[0].data.ptr, v[0].data.ptr, out[0].data.ptr, dout[0].data.ptr, dq[0].data.ptr,
-        dk[0].data.ptr, dv[0].data.ptr, lse.data.ptr, 0 if dq_accum is None else dq_accum.data.ptr,
-        lse_log2.data.ptr, delta.data.ptr, seq,
+        dk[0].data.ptr, dv[0].data.ptr, lse.data.ptr, dq_accum, lse_log2, delta, seq,
         *(s for _, d in (q, k, v, out, dout, dq, dk, dv) for s in (d.batch_stride, d.row_stride, d.head_stride)),
         *lse_strides, pad_rows, heads_q, head_dim, hd, _launch.scale_log2(scale), scale)
     if mods.bits:
         params.mods = _mod_params(mods, scale, max(max_seqlen_q, max_seqlen_k))
     stream = cp.cuda.get_current_stream().ptr
+    launches = []
     pre = ElementwiseConfig("preprocess", dtype)
     rows_pad = -(-max_seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
-    _launch.get_kernel(pre, device).launch((rows_pad // pre.rows_per_cta, heads_q, batch), params, stream)
+    launches.append((_launch.get_kernel(pre, device), (rows_pad // pre.rows_per_cta, heads_q, batch)))
     main = backward_kernel_config(hd, dtype, causal, deterministic, _launch.device_arch(device), mods=mods.bits)
     if max_seqlen_k > 0:
-        _launch.get_kernel(main, device).launch(main.grid(batch, heads_kv, max_seqlen_k), params, stream)
+        launches.append((_launch.get_kernel(main, device), main.grid(batch, heads_kv, max_seqlen_k)))
     if deterministic:
         dqc = dq_config(hd, dtype, causal, mods.bits)
-        _launch.get_kernel(dqc, device).launch(dqc.grid(batch, heads_q, max_seqlen_q), params, stream)
+        launches.append((_launch.get_kernel(dqc, device), dqc.grid(batch, heads_q, max_seqlen_q)))
     else:
         conv = ElementwiseConfig("convert_dq", dtype)
         chunks = max_seqlen_q * (head_dim // 8)
-        _launch.get_kernel(conv, device).launch((-(-chunks // conv.threads), heads_q, batch), params, stream)
+        launches.append((_launch.get_kernel(conv, device), (-(-chunks // conv.threads), heads_q, batch)))
+    for kernel, grid in launches:
+        kernel.launch(grid, params, stream)
+    return params, launches, work_floats
+
+
+def _backward_workspace(rows: int, kernel_head_dim: int, deterministic: bool) -> int:
+    """float32 elements of the backward's one workspace: lse_log2 and delta (`rows` each), then, unless
+    deterministic, the dq accumulator (rows x kernel_head_dim). rows is a multiple of SEQLEN_Q_PAD, so each
+    part starts 512-byte aligned."""
+    return rows * (2 if deterministic else 2 + kernel_head_dim)
+
+
+def _backward_workspace_ptrs(base: int, rows: int, deterministic: bool) -> tuple:
+    """(lse_log2, delta, dq_accum or 0) addresses inside the workspace at `base`."""
+    return base, base + 4 * rows, 0 if deterministic else base + 8 * rows
+
+
+class _BackwardPlan(NamedTuple):
+    device: int
+    new_grads: tuple  # per dq, dk, dv: (shape, dtype) of the array to allocate, or None (preallocated)
+    in_extents: tuple  # byte ranges of q, k, v, dout, out, lse relative to their addresses
+    grad_extents: tuple  # the same of dq, dk, dv (None where not preallocated)
+    rows: int  # fp32 rows of lse_log2 / delta in the workspace
+    work_floats: int
+    deterministic: bool
+    launches: tuple  # (kernel, grid) in launch order
+    args: _launch.ArgsTemplate
+    kernels: dict
+
+
+def _backward_key(dout, q, k, v, out, lse, causal, softmax_scale, layout, deterministic, dq, dk, dv, window=None,
+                  alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, offset=0):
+    """Plan key of an attention_backward call (None unless every array argument is a CuPy array)."""
+    nd = _validate._ndarray
+    arrays = [dout, q, k, v, out, lse]
+    arrays += [x for x in (dq, dk, dv) if x is not None]
+    for x in arrays:
+        if type(x) is not nd:
+            return None
+    if not _plain_mods(window, alibi_slopes, softcap, dropout_p, seed, offset):
+        return None
+    return ("backward", _array_key(dout), _array_key(q), _array_key(k), _array_key(v), _array_key(out),
+            _array_key(lse), type(causal), causal, type(softmax_scale), softmax_scale, layout, type(deterministic),
+            deterministic, *(None if x is None else _array_key(x) for x in (dq, dk, dv)), config.KERNELS)
+
+
+def _backward_replay(plan, dout, q, k, v, out, lse, grads):
+    """The plan's launches on these arrays, or None when an address check fails (the full path then copies
+    an input, or raises for a preallocated output)."""
+    ins = (q.data.ptr, k.data.ptr, v.data.ptr, dout.data.ptr, out.data.ptr)
+    if (ins[0] | ins[1] | ins[2] | ins[3] | ins[4]) & 15:
+        return None
+    lse_ptr = lse.data.ptr
+    given = [(x.data.ptr, ext) for x, ext in zip(grads, plan.grad_extents) if x is not None]
+    if given:
+        if any(ptr & 15 for ptr, _ in given):
+            return None
+        if _any_overlap(given, list(zip(ins + (lse_ptr,), plan.in_extents))):
+            return None
+    cp = _cupy()
+    with _on_device(cp, plan.device):
+        grads = [x if spec is None else cp.empty(spec[0], dtype=spec[1]) for x, spec in zip(grads, plan.new_grads)]
+        work = cp.empty(plan.work_floats, dtype=cp.float32)
+        args = plan.args.new()
+        p = args.params
+        p.q, p.k, p.v, p.dout, p.o, p.lse = ins[0], ins[1], ins[2], ins[3], ins[4], lse_ptr
+        p.dq, p.dk, p.dv = grads[0].data.ptr, grads[1].data.ptr, grads[2].data.ptr
+        p.lse_log2, p.delta, p.dq_accum = _backward_workspace_ptrs(work.data.ptr, plan.rows, plan.deterministic)
+        stream = cp.cuda.get_current_stream().ptr
+        for kernel, grid in plan.launches:
+            kernel.launch_args(grid, args, stream)
+    return grads[0], grads[1], grads[2]
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
@@ -317,6 +530,14 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         >>> o, lse = cuflash.attention_forward(q, k, v, causal=True)
         >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
     """
+    key = _backward_key(dout, q, k, v, out, lse, causal, softmax_scale, layout, deterministic, dq, dk, dv, window,
+                        alibi_slopes, softcap, dropout_p, seed, offset)
+    plan = _plans.get(key)
+    if plan is not None:
+        grads = _backward_replay(plan, dout, q, k, v, out, lse, (dq, dk, dv))
+        if grads is not None:
+            return grads
+
     causal = _validate.check_flag(causal, "causal")
     deterministic = _validate.check_flag(deterministic, "deterministic")
     qi, ki, vi = (_validate.array_info(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -365,6 +586,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             for x in (dq, dk, dv):
                 x.fill(0)
             return dq, dk, dv
+        given = (q, k, v, dout, out)
         q, dq_ = _as_kernel_operand(q, qi, dq_, layout)
         k, dk_ = _as_kernel_operand(k, ki, dk_, layout)
         v, dv_ = _as_kernel_operand(v, vi, dv_, layout)
@@ -372,11 +594,19 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         out, do_ = _as_kernel_operand(out, oi, do_, layout)
         ls = tuple(int(s) for s in li.strides)
         b, sq = dq_.batch, dq_.seqlen
-        _run_backward(
+        pad_rows = -(-sq // SEQLEN_Q_PAD) * SEQLEN_Q_PAD
+        params, launches, work_floats = _run_backward(
             qi.device, dtype, mods, deterministic, scale, dq_.head_dim, b, dq_.heads, dk_.heads,
-            _launch.seq_params(sq, dk_.seqlen, dq_.heads // dk_.heads), sq, dk_.seqlen,
-            -(-sq // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, b,
+            _launch.seq_params(sq, dk_.seqlen, dq_.heads // dk_.heads), sq, dk_.seqlen, pad_rows, b,
             (q, dq_), (k, dk_), (v, dv_), (out, do_), (dout, ddo), (dq, ddq), (dk, ddk), (dv, ddv), lse, ls)
+        if key is not None and _same(given, (q, k, v, dout, out)):  # no operand copied: later calls replay this
+            args = (dq_arg, dk_arg, dv_arg)
+            new_grads = tuple(None if a is not None else (x.shape, x.dtype) for a, x in zip(args, (dq, dk, dv)))
+            grad_extents = tuple(None if a is None else _relative_extent(_validate.array_info(a, "grad"))
+                                 for a in args)
+            _plans.put(key, _BackwardPlan(qi.device, new_grads, tuple(_relative_extent(i) for i in inputs),
+                                          grad_extents, b * dq_.heads * pad_rows, work_floats, deterministic,
+                                          tuple(launches), _launch.ArgsTemplate(params), _launch._kernels))
     return dq, dk, dv
 
 
@@ -640,6 +870,112 @@ def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: 
     return good[0] if good else max(fills, key=lambda s: (fills[s], -s))
 
 
+class _KvcachePlan(NamedTuple):
+    device: int
+    m: _validate.KvcacheDims
+    check_inputs: bool
+    is_count: bool  # cache_seqlens is None or an int (its value is checked and written per call)
+    o_dtype: object
+    append: tuple | None  # (kernel, grid, ArgsTemplate) of the append launch, None without new keys
+    extents: tuple | None  # with new keys: byte ranges of q, k, v, cache_seqlens, block_table, k_cache, v_cache
+    kernel: object
+    row_blocks: int
+    grid_heads: int
+    block_n: int
+    num_sms: int
+    accum_rows: int  # splits x accum_rows rows of hd floats in o_accum, then as many floats of lse_accum
+    hd: int
+    combine: tuple  # (CombineConfig, grid) of the merge of split results
+    args: _launch.ArgsTemplate
+    kernels: dict
+
+
+def _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
+                 return_lse, check_inputs):
+    """Plan key of an attention_with_kvcache call (None unless every array argument is a CuPy array). An int
+    cache_seqlens enters by its type only: its value is checked and written per call."""
+    nd = _validate._ndarray
+    if type(q) is not nd or type(k_cache) is not nd or type(v_cache) is not nd:
+        return None
+    for x in (k, v, block_table):
+        if x is not None and type(x) is not nd:
+            return None
+    if cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral):
+        lens = type(cache_seqlens)
+    elif type(cache_seqlens) is nd:
+        lens = _array_key(cache_seqlens)
+    else:
+        return None
+    return ("kvcache", _array_key(q), _array_key(k_cache), _array_key(v_cache),
+            *(None if x is None else _array_key(x) for x in (k, v, block_table)), lens, type(causal), causal,
+            type(softmax_scale), softmax_scale, type(num_splits), num_splits, type(return_lse), return_lse,
+            type(check_inputs), check_inputs)
+
+
+def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table):
+    """The plan's launches on these arrays, or None when a per-call check fails (the full path then copies,
+    or raises exactly as without a plan)."""
+    m = plan.m
+    ptrs = (q.data.ptr, k_cache.data.ptr, v_cache.data.ptr)
+    if (ptrs[0] | ptrs[1] | ptrs[2]) & 15:
+        return None
+    cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen  # the keys cached in every sequence, or 0
+    if plan.is_count:
+        lens_ptr = None
+        if cache_seqlens is not None:
+            cache_seqlen = int(cache_seqlens)
+            if cache_seqlen < 0 or cache_seqlen + m.s_new > m.capacity:
+                return None
+    else:
+        lens_ptr = cache_seqlens.data.ptr
+    bt_ptr = None if block_table is None else block_table.data.ptr
+    if m.s_new:
+        new = (k.data.ptr, v.data.ptr)
+        if (new[0] | new[1]) & 15:
+            return None
+        # the caches are written: they must not meet each other or anything the call reads
+        at = (ptrs[0], new[0], new[1], lens_ptr, bt_ptr, ptrs[1], ptrs[2])
+        ranges = [(a, e) for a, e in zip(at, plan.extents) if a is not None]
+        if _any_overlap(ranges[-2:], ranges[:-2]):
+            return None
+    cp = _cupy()
+    with _on_device(cp, plan.device):
+        max_len = m.capacity
+        if plan.check_inputs:  # before anything is written: a rejected call leaves the caches untouched
+            lens_host = cache_seqlens if plan.is_count else cp.asnumpy(cache_seqlens)
+            max_len = _validate.check_kvcache_values(lens_host, None if bt_ptr is None else cp.asnumpy(block_table),
+                                                     m.capacity, m.s_new, m.num_blocks, m.page_size)
+        o = cp.empty((m.batch, m.seqlen_q, m.heads_q, m.head_dim), dtype=plan.o_dtype)
+        lse = cp.empty((m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
+        stream = cp.cuda.get_current_stream().ptr
+        if plan.append is not None:
+            kernel, grid, template = plan.append
+            app = template.new()
+            p = app.params
+            p.k_new, p.v_new, p.k_cache, p.v_cache, p.cache_seqlens, p.block_table = (
+                new[0], new[1], ptrs[1], ptrs[2], lens_ptr, bt_ptr)
+            p.cache_seqlen = cache_seqlen
+            kernel.launch_args(grid, app, stream)
+        kernel = plan.kernel
+        splits = m.num_splits or num_splits_heuristic(plan.row_blocks * plan.grid_heads * m.batch,
+                                                      -(-max_len // plan.block_n), plan.num_sms, kernel.ctas_per_sm)
+        args = plan.args.new()
+        p = args.params
+        p.q, p.k, p.v, p.o, p.lse, p.block_table = ptrs[0], ptrs[1], ptrs[2], o.data.ptr, lse.data.ptr, bt_ptr
+        seq = p.seq
+        seq.seqused_k, seq.seqlen_k = lens_ptr, cache_seqlen
+        p.num_splits = splits
+        if splits > 1:
+            rows = splits * plan.accum_rows
+            work = cp.empty(rows * (plan.hd + 1), dtype=cp.float32)
+            p.o_accum = work.data.ptr
+            p.lse_accum = work.data.ptr + 4 * rows * plan.hd
+        kernel.launch_args((plan.row_blocks, plan.grid_heads, m.batch * splits), args, stream)
+        if splits > 1:
+            _launch.get_kernel(plan.combine[0], plan.device).launch_args(plan.combine[1], args, stream)
+    return o, lse
+
+
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
                            causal=False, softmax_scale=None, num_splits=0, return_lse=False, check_inputs=True):
     """Attention of a few new query tokens over a key/value cache (decoding), appending new keys/values.
@@ -671,6 +1007,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         >>> q, k, v = (cp.random.randn(4, 1, n, 128).astype(cp.float16) for n in (32, 8, 8))
         >>> o = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, causal=True)
     """
+    key = _kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
+                       return_lse, check_inputs)
+    plan = _plans.get(key)
+    if plan is not None:
+        out = _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        if out is not None:
+            return out if return_lse else out[0]
+
     causal = _validate.check_flag(causal, "causal")
     return_lse = _validate.check_flag(return_lse, "return_lse")
     check_inputs = _validate.check_flag(check_inputs, "check_inputs")
@@ -700,6 +1044,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen  # ... the same count for all
         bt_ptr = block_table.data.ptr if m.paged else None
         dkc, dvc = m.k_cache, m.v_cache  # paged: Dims of (num_pages, page_size, heads_kv, head_dim)
+        given = (q, k, v)
+        append = None
         if m.s_new:  # append k, v at positions cache_seqlens[b] .. + S_new - 1: one launch, no host sync
             k, dk = _as_kernel_operand(k, ki, m.k, "bshd")
             v, dv = _as_kernel_operand(v, vi, m.v, "bshd")
@@ -710,7 +1056,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                 m.block_table_stride)
             app = AppendConfig()
             chunks = m.s_new * m.heads_kv * (m.head_dim // 8)
-            _launch.get_kernel(app, m.device).launch((-(-chunks // app.threads), m.batch, 1), params, stream)
+            append = (_launch.get_kernel(app, m.device), (-(-chunks // app.threads), m.batch, 1))
+            append[0].launch(append[1], params, stream)
+            append += (_launch.ArgsTemplate(params),)
         if o.size == 0:
             return (o, lse) if return_lse else o
         q, dq = _as_kernel_operand(q, qi, m.q, "bshd")
@@ -725,10 +1073,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         kernel = _launch.get_kernel(cfg, m.device)
         splits = m.num_splits or num_splits_heuristic(row_blocks * grid_heads * m.batch, key_blocks,
                                                       _sm_count(m.device), kernel.ctas_per_sm)
-        o_accum = lse_accum = None
-        if splits > 1:
-            o_accum = cp.empty((splits, m.batch, m.heads_q, m.seqlen_q, hd), dtype=cp.float32)
-            lse_accum = cp.empty((splits, m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
+        o_accum = lse_accum = 0
+        accum_rows = m.batch * m.heads_q * m.seqlen_q
+        if splits > 1:  # one fp32 workspace: o_accum (splits, batch, heads, seqlen_q, hd), then lse_accum (splits,
+            rows = splits * accum_rows  # batch, heads, seqlen_q), 128-byte aligned (hd is a multiple of 32)
+            work = cp.empty(rows * (hd + 1), dtype=cp.float32)
+            o_accum, lse_accum = work.data.ptr, work.data.ptr + 4 * rows * hd
         page = {}
         if m.paged:  # pages are indexed from the cache base (no batch stride)
             page = dict(block_table=bt_ptr, block_table_stride=m.block_table_stride, page_size=m.page_size,
@@ -741,11 +1091,18 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             q, k_cache, v_cache, o, lse, seq, dq, dkc, dvc,
             (m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim, m.head_dim),
             (m.heads_q * m.seqlen_q, m.seqlen_q), m.heads_q, m.head_dim, scale, num_splits=splits,
-            rows_per_pos=rows_per_pos, o_accum=0 if o_accum is None else o_accum.data.ptr,
-            lse_accum=0 if lse_accum is None else lse_accum.data.ptr, accum_cols=hd, **page)
+            rows_per_pos=rows_per_pos, o_accum=o_accum, lse_accum=lse_accum, accum_cols=hd, **page)
         kernel.launch((row_blocks, grid_heads, m.batch * splits), params, stream)
+        comb = CombineConfig(m.dtype)
+        combine = (comb, (-(-m.heads_q * m.seqlen_q // comb.rows_per_cta), m.batch, 1))
         if splits > 1:
-            comb = CombineConfig(m.dtype)
-            _launch.get_kernel(comb, m.device).launch(
-                (-(-m.heads_q * m.seqlen_q // comb.rows_per_cta), m.batch, 1), params, stream)
+            _launch.get_kernel(comb, m.device).launch(combine[1], params, stream)
+        if key is not None and _same(given, (q, k, v)):  # no operand copied: later calls replay this
+            extents = None
+            if m.s_new:
+                extents = tuple(None if i is None else _relative_extent(i)
+                                for i in (qi, ki, vi, None if is_count else lens_info, bti, kci, vci))
+            _plans.put(key, _KvcachePlan(m.device, m, check_inputs, is_count, o.dtype, append, extents, kernel,
+                                         row_blocks, grid_heads, cfg.block_n, _sm_count(m.device), accum_rows, hd,
+                                         combine, _launch.ArgsTemplate(params), _launch._kernels))
     return (o, lse) if return_lse else o

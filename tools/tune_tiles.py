@@ -67,6 +67,7 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
     for cand in dict.fromkeys([shipped] + candidates):
         table[d] = cand
         api._forward_kernels.clear()
+        api._plans.clear()  # plans hold the kernel of the old tile choice
         try:
             res = resources(make_cfg(), arch)
             ms, out = run()
@@ -79,6 +80,7 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
             print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
     table[d] = shipped
     api._forward_kernels.clear()
+    api._plans.clear()
 
 
 def main() -> int:

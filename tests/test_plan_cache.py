@@ -1,0 +1,368 @@
+"""The plan cache of the public API (api._plans), on CPU: CuPy's allocation, stream and launch are faked
+(tools/fake_cupy.py) and every launch's grid and params bytes are recorded.
+
+The spec: a warm call (a plan replayed) launches exactly what the full path launches for the same arrays; a
+plan is found only for the same shapes, strides, dtypes, devices and options (with their types); what
+depends on addresses is checked on every call, so a misaligned input is still copied and a preallocated
+output that overlaps an input is still rejected with the full path's message.
+"""
+from __future__ import annotations
+
+import inspect
+import sys
+import threading
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _launch, api
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+if not (TOOLS / "fake_cupy.py").exists():  # pragma: no cover - an installed cuflash without tools/
+    pytest.skip("tools/ is not part of this installation", allow_module_level=True)
+sys.path.insert(0, str(TOOLS))
+import fake_cupy as fc  # noqa: E402
+
+F16, BF16, F32, I32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.int32)
+A = fc.FakeArray
+
+
+@pytest.fixture(autouse=True)
+def fake_gpu(monkeypatch):
+    fc.install(monkeypatch.setattr)
+    fc.COUNTS.clear()
+    fc.LAUNCHES.clear()
+    fc.RECORD[0] = True
+    yield
+    fc.RECORD[0] = False
+    fc.LAUNCHES.clear()
+
+
+def launches_of(call, alloc_base):
+    """(kernel, grid, params bytes) of each launch of call(), with allocations from alloc_base on."""
+    fc.FakeArray._next = alloc_base
+    fc.LAUNCHES.clear()
+    result = call()
+    return list(fc.LAUNCHES), result
+
+
+def check_replay_equals_full_path(first, second):
+    """first() makes the plan; second() (same signature, other arrays) replays it: its launches must equal
+    those of second() on the full path (plans cleared), byte for byte."""
+    api._plans.clear()
+    first()
+    assert len(api._plans) == 1, "the first call made no plan"
+    fc.COUNTS.clear()
+    replayed, _ = launches_of(second, 1 << 50)
+    assert fc.COUNTS["getDevice"] == 1 and not fc.COUNTS["device switch"]
+    api._plans.clear()
+    full, _ = launches_of(second, 1 << 50)
+    assert replayed and [(n, g) for n, g, _ in replayed] == [(n, g) for n, g, _ in full]
+    for i, ((name, _, got), (_, _, want)) in enumerate(zip(replayed, full)):
+        assert got == want, f"launch {i} ({name}): the replayed params differ from the full path's"
+
+
+def qkv(b=2, sq=40, sk=72, h=4, hkv=2, d=64, dtype=F16, layout="bshd", **strides):
+    def shape(s, n):
+        return (b, s, n, d) if layout == "bshd" else (b, n, s, d)
+    return (A(shape(sq, h), dtype, strides.get("q")), A(shape(sk, hkv), dtype, strides.get("k")),
+            A(shape(sk, hkv), dtype, strides.get("v")))
+
+
+def wide(shape, dtype=F16, pad=128):
+    """A view of shape inside rows of pad more elements (non-contiguous, aligned strides)."""
+    item = np.dtype(dtype).itemsize
+    last = shape[-1] + pad
+    strides, step = [], item * last
+    strides.append(item)
+    for n in reversed(shape[:-1]):
+        strides.insert(0, step)
+        step *= n
+    return A(shape, dtype, tuple(strides))
+
+
+# --- replay == full path -----------------------------------------------------------------------------------
+
+FORWARD_CASES = {
+    "bshd": dict(),
+    "bhsd-causal-bf16": dict(dtype=BF16, layout="bhsd", opts=dict(causal=True, layout="bhsd")),
+    "mqa-d128-scale": dict(h=8, hkv=1, d=128, opts=dict(softmax_scale=0.3)),
+    "d72": dict(d=72, opts=dict(causal=True)),
+}
+
+
+@pytest.mark.parametrize("case", FORWARD_CASES, ids=list(FORWARD_CASES))
+def test_forward_replay_launches_what_the_full_path_launches(case):
+    kw = dict(FORWARD_CASES[case])
+    opts = kw.pop("opts", {})
+    a, b = qkv(**kw), qkv(**kw)
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, **opts),
+                                  lambda: cuflash.attention_forward(*b, **opts))
+
+
+def backward_args(b=2, sq=40, sk=72, h=4, hkv=2, d=64, dtype=F16):
+    q, k, v = qkv(b, sq, sk, h, hkv, d, dtype)
+    return dict(dout=A(q.shape, dtype), q=q, k=k, v=v, out=A(q.shape, dtype), lse=A((b, h, sq), F32))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+@pytest.mark.parametrize("prealloc", ["none", "dq", "all"])
+def test_backward_replay_launches_what_the_full_path_launches(deterministic, prealloc):
+    def call(a):
+        grads = {}
+        if prealloc != "none":
+            grads["dq"] = A(a["q"].shape, F16)
+        if prealloc == "all":
+            grads["dk"], grads["dv"] = A(a["k"].shape, F16), A(a["v"].shape, F16)
+        return lambda: cuflash.attention_backward(*a.values(), causal=True, deterministic=deterministic, **grads)
+
+    check_replay_equals_full_path(call(backward_args()), call(backward_args()))
+
+
+def kvcache_args(b=2, s_cache=4096, h=8, hkv=2, d=128, s_new=0, paged=False, lens="array"):
+    q = A((b, 1, h, d), F16)
+    if paged:
+        kc, vc = A((64, 256, hkv, d), F16), A((64, 256, hkv, d), F16)
+        table = A((b, 16), I32)
+        table.host = np.arange(b * 16, dtype=np.int32).reshape(b, 16) % 64
+    else:
+        kc, vc, table = A((b, s_cache, hkv, d), F16), A((b, s_cache, hkv, d), F16), None
+    kw = dict(block_table=table)
+    if s_new:
+        kw["k"], kw["v"] = A((b, s_new, hkv, d), F16), A((b, s_new, hkv, d), F16)
+    if lens == "array":
+        kw["cache_seqlens"] = A((b,), I32)
+        kw["cache_seqlens"].host = np.arange(b, dtype=np.int32) * 100 + 7
+    elif lens == "int":
+        kw["cache_seqlens"] = 1000
+    return (q, kc, vc), kw
+
+
+KVCACHE_CASES = {
+    "dense-lens-array": dict(),
+    "dense-int-lens": dict(lens="int"),
+    "dense-full-cache": dict(lens=None),
+    "append": dict(s_new=3, opts=dict(causal=True)),
+    "paged-append": dict(paged=True, s_new=2),
+    "split-forced": dict(opts=dict(num_splits=5, return_lse=True)),
+    "checked-inputs": dict(paged=True, opts=dict(check_inputs=True)),
+    "checked-int": dict(lens="int", opts=dict(check_inputs=True)),
+}
+
+
+@pytest.mark.parametrize("case", KVCACHE_CASES, ids=list(KVCACHE_CASES))
+def test_kvcache_replay_launches_what_the_full_path_launches(case):
+    kw = dict(KVCACHE_CASES[case])
+    opts = dict(check_inputs=False)
+    opts.update(kw.pop("opts", {}))
+    (a, ka), (b, kb) = kvcache_args(**kw), kvcache_args(**kw)
+    check_replay_equals_full_path(lambda: cuflash.attention_with_kvcache(*a, **ka, **opts),
+                                  lambda: cuflash.attention_with_kvcache(*b, **kb, **opts))
+
+
+def test_kvcache_int_lens_enter_the_key_by_type_and_are_written_per_call():
+    """A decode loop passing the position as an int replays one plan; each call launches with its own count."""
+    (a, kw) = kvcache_args(lens="int")
+    for n in (10, 11, 3000):
+        kw["cache_seqlens"] = n
+        fc.LAUNCHES.clear()
+        cuflash.attention_with_kvcache(*a, **kw, check_inputs=False)
+        seq = _launch.FwdParams.from_buffer_copy(fc.LAUNCHES[0][2]).seq
+        assert seq.seqlen_k == n, f"cache_seqlens={n} launched with seqlen_k={seq.seqlen_k}"
+    assert len(api._plans) == 1
+    kw["cache_seqlens"] = 4097  # past the capacity: the full path's message
+    with pytest.raises(ValueError, match="cache_seqlens=4097 with S_new=0 new keys does not fit"):
+        cuflash.attention_with_kvcache(*a, **kw, check_inputs=False)
+
+
+# --- hits and misses ---------------------------------------------------------------------------------------
+
+def test_a_warm_call_skips_validation_and_the_kernel_lookup(monkeypatch):
+    q, k, v = qkv()
+    cuflash.attention(q, k, v)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the full path ran on a warm call")
+
+    monkeypatch.setattr(api._validate, "check_qkv", fail)
+    monkeypatch.setattr(api, "_forward_kernel", fail)
+    q2, k2, v2 = qkv()
+    o = cuflash.attention(q2, k2, v2)
+    assert o.shape == q.shape and o.dtype == q.dtype
+
+
+def _plans_after(*calls):
+    api._plans.clear()
+    for call in calls:
+        call()
+    return len(api._plans)
+
+
+def test_the_key_holds_shapes_strides_dtypes_and_options():
+    base = qkv()
+    fwd = cuflash.attention_forward
+    assert _plans_after(lambda: fwd(*base), lambda: fwd(*qkv())) == 1, "same signature, new arrays: one plan"
+    variants = [
+        lambda: fwd(*qkv(sq=41)),  # shape
+        lambda: fwd(*qkv(dtype=BF16)),  # dtype
+        lambda: fwd(wide(base[0].shape), *base[1:]),  # strides
+        lambda: fwd(*base, causal=True),
+        lambda: fwd(*base, softmax_scale=0.125),
+        lambda: fwd(*base, softmax_scale=np.float32(0.125)),  # an equal value of another type
+        lambda: fwd(*qkv(layout="bhsd"), layout="bhsd"),
+        lambda: fwd(*qkv()[:2], A(base[2].shape, F16, device=1)),  # device (rejected: not cached)
+    ]
+    for i, call in enumerate(variants):
+        try:
+            call()
+        except ValueError:
+            assert i == len(variants) - 1
+    assert len(api._plans) == 1 + len(variants) - 1, "each signature gets its own plan"
+
+
+def test_an_option_of_another_type_is_validated_again():
+    """causal=1 hashes like causal=True, but it is an error: the cached plan of True must not hide it."""
+    q, k, v = qkv()
+    cuflash.attention(q, k, v, causal=True)
+    with pytest.raises(TypeError, match="causal=1 must be True or False"):
+        cuflash.attention(q, k, v, causal=1)
+    cuflash.attention(q, k, v, softmax_scale=1.0)
+    with pytest.raises(TypeError, match="softmax_scale=True must be a real number"):
+        cuflash.attention(q, k, v, softmax_scale=True)
+    with pytest.raises(TypeError, match=r"softmax_scale=\[0.1\] must be a real number"):  # unhashable
+        cuflash.attention(q, k, v, softmax_scale=[0.1])
+
+
+def test_replaced_kernel_table_or_full_cache_drops_plans(monkeypatch):
+    q, k, v = qkv()
+    cuflash.attention(q, k, v)
+    monkeypatch.setattr(_launch, "_kernels", {})  # what a test that counts kernel loads does
+    assert api._plans.get(api._forward_key(q, k, v, False, None, "bshd")) is None
+    small = api._PlanCache(size=3)
+    for i in range(5):
+        small.put(i, types_plan())
+    assert len(small) == 3 and small.get(0) is None and small.get(4) is not None
+
+
+def types_plan():
+    class P:
+        kernels = _launch._kernels
+    return P()
+
+
+# --- per-call checks on a warm call ------------------------------------------------------------------------
+
+def test_a_misaligned_input_is_still_copied_on_a_warm_call():
+    q, k, v = qkv()
+    cuflash.attention(q, k, v)
+    fc.COUNTS.clear()
+    odd = A(q.shape, F16, ptr=q.data.ptr + 2)  # same signature, address 2 bytes off
+    fc.LAUNCHES.clear()
+    cuflash.attention(odd, k, v)
+    assert fc.COUNTS["copy"] == 1, "the misaligned q was not copied"
+    assert _launch.FwdParams.from_buffer_copy(fc.LAUNCHES[0][2]).q != odd.data.ptr
+
+
+def test_preallocated_outputs_are_checked_on_every_call():
+    a = backward_args()
+    dq = A(a["q"].shape, F16)
+    cuflash.attention_backward(*a.values(), dq=dq)
+    assert len(api._plans) == 1
+    alias = A(a["q"].shape, F16, ptr=a["out"].data.ptr)  # same signature as dq, at out's address
+    with pytest.raises(ValueError, match="dq \\(preallocated\\) overlaps the memory of out; outputs must not alias"):
+        cuflash.attention_backward(*a.values(), dq=alias)
+    odd = A(a["q"].shape, F16, ptr=dq.data.ptr + 8)
+    with pytest.raises(ValueError, match="dq \\(preallocated\\) must be 16-byte aligned"):
+        cuflash.attention_backward(*a.values(), dq=odd)
+    grads = dict(dq=A(a["q"].shape, F16), dk=A(a["k"].shape, F16), dv=A(a["v"].shape, F16))
+    cuflash.attention_backward(*a.values(), **grads)
+    grads["dv"] = A(a["v"].shape, F16, ptr=grads["dk"].data.ptr)
+    with pytest.raises(ValueError, match="dv \\(preallocated\\) overlaps the memory of dk"):
+        cuflash.attention_backward(*a.values(), **grads)
+    assert fc.COUNTS["launch"] == 2 * 3, "a rejected call launched"
+
+
+def test_kvcache_aliasing_the_cache_is_rejected_on_a_warm_call():
+    (a, kw) = kvcache_args(s_new=1)
+    cuflash.attention_with_kvcache(*a, **kw, check_inputs=False)
+    q, kc, vc = a
+    inside = A(q.shape, F16, ptr=kc.data.ptr + 4096)  # q inside k_cache, which the call writes
+    with pytest.raises(ValueError, match="q overlaps the memory of k_cache, which the call writes into"):
+        cuflash.attention_with_kvcache(inside, kc, vc, **kw, check_inputs=False)
+    with pytest.raises(ValueError, match="v_cache overlaps the memory of k_cache"):
+        cuflash.attention_with_kvcache(q, kc, A(vc.shape, F16, ptr=kc.data.ptr), **kw, check_inputs=False)
+
+
+def test_checked_kvcache_values_are_read_on_every_warm_call():
+    (a, kw) = kvcache_args()
+    cuflash.attention_with_kvcache(*a, **kw)
+    kw["cache_seqlens"].host = np.array([5, 4097], dtype=np.int32)
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\]=4097 plus S_new=0"):
+        cuflash.attention_with_kvcache(*a, **kw)
+
+
+# --- the argument blocks ----------------------------------------------------------------------------------
+
+def test_each_call_gets_its_own_argument_block():
+    params = _launch.FwdParams(q=1, k=2, heads=7)
+    template = _launch.ArgsTemplate(params)
+    blocks = []
+
+    def work():
+        for _ in range(100):
+            block = template.new()
+            block.params.q = threading.get_ident()
+            blocks.append(block)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    import ctypes
+
+    for block in blocks:
+        assert block.arg == ctypes.addressof(block.params), "kernelParams[0] must point at the block's own struct"
+        assert block.params.heads == 7 and block.params.k == 2
+    assert _launch.FwdParams.from_buffer_copy(template.bytes[template.offset:]).q == 1, "the template was written"
+
+
+# --- a new option must reach the key ----------------------------------------------------------------------
+
+OTHER_VALUES = {  # a valid non-default value of each keyword option of the functions that have plans
+    "causal": True, "softmax_scale": 0.2, "layout": "bhsd", "deterministic": True,
+    "dq": "grad", "dk": "grad", "dv": "grad",
+    "k": "new", "v": "new", "cache_seqlens": 5, "block_table": "table", "num_splits": 3, "return_lse": True,
+    "check_inputs": False,
+    # score modifiers: calls with any of them are not planned (the key is None)
+    "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
+    "return_dropout_mask": True,
+}
+
+
+@pytest.mark.parametrize("fn", ["attention_forward", "attention_backward", "attention_with_kvcache"])
+def test_every_keyword_option_is_part_of_the_plan_key(fn):
+    """A keyword option that the key misses would replay a plan made for another value. When this fails
+    for a new option: add it to the function's key (api._*_key) and a value here."""
+    key_fn = {"attention_forward": api._forward_key, "attention_backward": api._backward_key,
+              "attention_with_kvcache": api._kvcache_key}[fn]
+    sig = inspect.signature(getattr(api, fn))
+    options = [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
+    missing = [p.name for p in options if p.name not in OTHER_VALUES]
+    assert not missing, f"{fn}: no test value for the options {missing}: add them to the plan key and here"
+    key_params = list(inspect.signature(key_fn).parameters)
+    absent = [p.name for p in options if p.name not in key_params]
+    assert not absent, f"{fn}: the options {absent} are not passed to {key_fn.__name__}"
+    positional = {name: A((1, 8, 2, 64), F16) for name in key_params}
+    defaults = {p.name: p.default for p in options}
+    base = key_fn(**{**positional, **defaults})
+    assert base is not None
+    for p in options:
+        value = OTHER_VALUES[p.name]
+        if isinstance(value, str) and p.name not in ("layout",):
+            value = A((1, 8, 2, 64), F16)
+        changed = key_fn(**{**positional, **defaults, p.name: value})
+        assert changed != base, f"{fn}: {p.name}={value!r} gives the key of its default"
