@@ -625,10 +625,13 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
   const int row_last = row0 + rows_q - 1;
   for (; n_block >= n_begin && band.needs_mask_right(row0, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
-  if (HAS_WINDOW) {
-    for (; n_block >= n_begin && !band.needs_mask_left(row_last, n_block * Tr::BLOCK_N); --n_block)
-      step(BoolTag<false>());
-    for (; n_block >= n_begin; --n_block) step(BoolTag<true>());
+  if (HAS_WINDOW) {  // one loop: a third inlined body spilled at HEAD_DIM 256
+    for (; n_block >= n_begin; --n_block) {
+      if (band.needs_mask_left(row_last, n_block * Tr::BLOCK_N))
+        step(BoolTag<true>());
+      else
+        step(BoolTag<false>());
+    }
   } else {
     for (; n_block >= n_begin; --n_block) step(BoolTag<false>());
   }

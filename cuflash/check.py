@@ -82,6 +82,7 @@ class Case:
     kv_heads: int = 0      # K/V heads (GQA); 0: heads
     paged: bool = False    # kvcache: a paged cache of 64-key pages in shuffled order
     splits: int = 0        # kvcache: num_splits (0: the heuristic)
+    mods: int = 0          # dense: score modifiers (config.MOD_* bits), with the values of `mod_options`
 
     @property
     def heads_kv(self) -> int:
@@ -97,10 +98,38 @@ class Case:
         work = self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.kernel_head_dim
         return 5.0 + work / 1e6
 
+    def mod_options(self, rng=None) -> dict:
+        """cuflash keyword arguments of the case's modifiers: window (37, 5), ALiBi slopes (heads,) in [0, 0.3)
+        (random with rng, else None as a placeholder), softcap 20, dropout 0.17 with a seed from the name."""
+        kw = {}
+        if self.mods & config.MOD_WINDOW:
+            kw["window"] = (37, 5)
+        if self.mods & config.MOD_ALIBI:
+            kw["alibi_slopes"] = None if rng is None else rng.random(self.heads) * 0.3
+        if self.mods & config.MOD_SOFTCAP:
+            kw["softcap"] = 20.0
+        if self.mods & config.MOD_DROPOUT:
+            kw.update(dropout_p=0.17, seed=zlib.crc32(self.name.encode()), offset=3)
+        return kw
+
+    @property
+    def kernel_causal(self) -> bool:
+        """The kernels' causal flag: a window carries causal itself (right = 0)."""
+        return self.causal and not self.mods & config.MOD_WINDOW
+
     def configs(self, arch: str = config.DEFAULT_ARCH, kernels: str | None = None) -> list:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
+        if self.mods:
+            c, m = self.kernel_causal, self.mods
+            return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m),
+                    config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m),
+                    config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m),
+                    config.dq_config(hd, self.dtype, c, m),
+                    config.ElementwiseConfig("preprocess", self.dtype),
+                    config.ElementwiseConfig("convert_dq", self.dtype)] + \
+                ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
             return [config.AppendConfig(), config.fwd_decode_config(hd, self.dtype, self.causal),
                     config.CombineConfig(self.dtype)]
@@ -112,11 +141,17 @@ class Case:
                 config.ElementwiseConfig("convert_dq", self.dtype)]
 
 
-def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0) -> Case:
+_MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (config.MOD_SOFTCAP, "softcap"),
+              (config.MOD_DROPOUT, "dropout"))
+
+
+def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0,
+          mods=0) -> Case:
     name = (f"d{d}-{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-b{b}h{h}"
             + (f"kv{kv_heads}" if kv_heads else "") + (f"-{layout}-{strides}" if kind == "dense" else f"-{kind}")
-            + ("-paged" if paged else "") + (f"-split{splits}" if splits else ""))
-    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits)
+            + ("-paged" if paged else "") + (f"-split{splits}" if splits else "")
+            + "".join(f"-{n}" for bit, n in _MOD_NAMES if mods & bit))
+    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits, mods)
 
 
 # Seqlen pairs: odd lengths (1, 17, 113, 1023), Sq != Sk both ways, several tiles in each direction, causal
@@ -145,6 +180,14 @@ def default_cases() -> list[Case]:
               _case(1, 203, 17, 4, 128, "bf16", False, "bhsd", "padded", kv_heads=1),
               _case(4, 113, 203, 2, 128, "bf16", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
               _case(4, 203, 113, 2, 64, "fp16", False, "bshd", "contiguous", kind="varlen")]
+    # score modifiers: every modifier kernel the compile check builds (window alone, all four with causal folded
+    # into the window, all but the window on a causal kernel), for each kernel head dim and dtype
+    for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for mi, (causal, mods) in enumerate(((False, config.MOD_WINDOW), (True, config.MODS_ALL),
+                                                 (True, config.MODS_ALL & ~config.MOD_WINDOW))):
+                sq, sk = _PAIRS[(hi + di) % 2][mi]
+                cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
     # kv-cache decoding: every decode instantiation (kernel head dim x dtype x causal), paged and dense caches,
     # split-KV with its merge kernel, grouped query heads packed as rows; seqlen_k: cache capacity per sequence
     for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):
@@ -283,8 +326,10 @@ def _host_problems(name: str, x, is_lse: bool = False) -> list[str]:
     return [f"{name}: {bad} NaN/inf elements"] if bad else []
 
 
-def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det) -> list[str]:
-    """The pass rule of DESIGN.md section 5 against the float64 reference on the GPU (unsanitized run only)."""
+def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: dict | None = None) -> list[str]:
+    """The pass rule of DESIGN.md section 5 against the float64 reference on the GPU (unsanitized run only);
+    cases with score modifiers against the NumPy reference (cuflash.reference) with the specified dropout
+    mask (cuflash.philox)."""
     import cupy as cp
 
     from . import _xpref
@@ -294,10 +339,26 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det) -> list[
         return x32 if case.layout == "bshd" else x32.transpose(0, 2, 1, 3)
 
     q32, k32, v32, do32 = (bshd32(x) for x in (q, k, v, dout))
-    o64, lse64 = _xpref.attention_forward64(q32, k32, v32, case.causal)
-    o_lowp = _xpref.attention_lowp(q32, k32, v32, case.dtype, case.causal)
-    g64 = _xpref.attention_backward64(do32, q32, k32, v32, case.causal)
-    glowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, case.dtype, case.causal)
+    if case.mods:
+        from . import philox
+        from . import reference as ref
+
+        kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
+        if "alibi_slopes" in mods:
+            kw["alibi_slopes"] = cp.asnumpy(mods["alibi_slopes"])
+        if "dropout_p" in mods:
+            kw.update(dropout_p=mods["dropout_p"], dropout_mask=philox.dropout_mask(
+                case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"], mods["seed"], mods["offset"]))
+        h32 = [cp.asnumpy(x) for x in (q32, k32, v32, do32)]
+        o64, lse64 = (cp.asarray(x) for x in ref.attention_forward64(*h32[:3], case.causal, **kw))
+        o_lowp = cp.asarray(ref.attention_lowp(*h32[:3], case.dtype, case.causal, **kw))
+        g64 = [cp.asarray(x) for x in ref.attention_backward64(h32[3], *h32[:3], case.causal, **kw)]
+        glowp = [cp.asarray(x) for x in ref.attention_backward_lowp(h32[3], *h32[:3], case.dtype, case.causal, **kw)]
+    else:
+        o64, lse64 = _xpref.attention_forward64(q32, k32, v32, case.causal)
+        o_lowp = _xpref.attention_lowp(q32, k32, v32, case.dtype, case.causal)
+        g64 = _xpref.attention_backward64(do32, q32, k32, v32, case.causal)
+        glowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, case.dtype, case.causal)
     problems = []
 
     def rule(name, got, ref, low, factor):
@@ -448,9 +509,15 @@ def run_case(case: Case, verify: bool) -> dict:
     v = _driver_input(rng, case, case.seqlen_k, case.heads_kv)
     dout = _driver_input(rng, case, case.seqlen_q)
     t0 = time.perf_counter()
-    o, lse = attention_forward(q, k, v, causal=case.causal, layout=case.layout)
-    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout)
-    grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, deterministic=True)
+    mods = case.mod_options(rng)
+    if mods.get("alibi_slopes") is not None:
+        mods["alibi_slopes"] = cp.asarray(mods["alibi_slopes"], dtype=cp.float32)
+    want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
+    o, lse, *mask = attention_forward(q, k, v, causal=case.causal, layout=case.layout, return_dropout_mask=want_mask,
+                                      **mods)
+    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods)
+    grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, deterministic=True,
+                                   **mods)
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
     outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2],
@@ -459,7 +526,14 @@ def run_case(case: Case, verify: bool) -> dict:
     for name, x in outputs.items():
         problems += _host_problems(name, x, is_lse=(name == "lse"))
     if verify:
-        problems += _verify(case, q, k, v, dout, o, lse, grads, grads_det)
+        problems += _verify(case, q, k, v, dout, o, lse, grads, grads_det, mods)
+        if mask:
+            from . import philox
+
+            want = philox.dropout_mask(case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"],
+                                       mods["seed"], mods["offset"])
+            if not np.array_equal(cp.asnumpy(mask[0]), want):
+                problems.append("dropout mask differs from cuflash.philox")
     # dq of the default mode is accumulated with fp32 atomics: not bitwise reproducible, so not compared
     digests = {name: _digest(x) for name, x in outputs.items() if name != "dq_atomic"}
     return {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}

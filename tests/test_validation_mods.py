@@ -1,0 +1,101 @@
+"""Score-modifier options (sliding window, ALiBi, softcap, dropout): bad values get a clear error naming the
+argument, its value and what is allowed; good ones normalize as documented (a window with causal keeps
+right <= 0, window (-1, 0) is causal, (-1, -1) no window). Metadata only: no GPU needed."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from cuflash import _validate as V
+from cuflash import config
+from cuflash.philox import dropout_threshold
+from test_validation import info
+
+
+def mods(causal=False, window=None, alibi=None, softcap=None, dropout_p=0.0, seed=None, offset=0, batch=2, heads=4):
+    return V.check_mods(causal, window, alibi, softcap, dropout_p, seed, offset, batch, heads, 0)
+
+
+BAD = [
+    ("window-left", dict(window=(-2, 3)), ValueError, ["window=(-2, 3)", "left=-2", "-1"]),
+    ("window-right", dict(window=(3, -5)), ValueError, ["right=-5"]),
+    ("window-type", dict(window=5), TypeError, ["window=5", "pair"]),
+    ("window-length", dict(window=(1, 2, 3)), TypeError, ["window=(1, 2, 3)"]),
+    ("window-float", dict(window=(1.5, 2)), TypeError, ["left=1.5", "int"]),
+    ("window-bool", dict(window=(True, 2)), TypeError, ["left=True"]),
+    ("softcap-zero", dict(softcap=0.0), ValueError, ["softcap=0.0", "> 0"]),
+    ("softcap-negative", dict(softcap=-3), ValueError, ["softcap=-3"]),
+    ("softcap-inf", dict(softcap=math.inf), ValueError, ["softcap=inf", "finite"]),
+    ("softcap-nan", dict(softcap=math.nan), ValueError, ["softcap=nan"]),
+    ("softcap-type", dict(softcap="50"), TypeError, ["softcap='50'"]),
+    ("dropout-one", dict(dropout_p=1.0, seed=1), ValueError, ["dropout_p=1.0", "0 <= dropout_p < 1"]),
+    ("dropout-negative", dict(dropout_p=-0.1, seed=1), ValueError, ["dropout_p=-0.1"]),
+    ("dropout-nan", dict(dropout_p=math.nan, seed=1), ValueError, ["dropout_p=nan"]),
+    ("dropout-type", dict(dropout_p="0.1", seed=1), TypeError, ["dropout_p='0.1'"]),
+    ("dropout-no-seed", dict(dropout_p=0.1), ValueError, ["dropout_p=0.1", "seed"]),
+    ("seed-negative", dict(dropout_p=0.1, seed=-1), ValueError, ["seed=-1", "2**64"]),
+    ("seed-large", dict(dropout_p=0.1, seed=2**64), ValueError, ["seed=18446744073709551616"]),
+    ("seed-type", dict(dropout_p=0.1, seed=1.0), TypeError, ["seed=1.0"]),
+    ("offset-large", dict(dropout_p=0.1, seed=1, offset=2**32), ValueError, ["offset=4294967296", "2**32"]),
+    ("offset-type", dict(dropout_p=0.1, seed=1, offset="3"), TypeError, ["offset='3'"]),
+    ("alibi-dtype", dict(alibi=info("alibi_slopes", (4,), np.float16)), TypeError, ["alibi_slopes.dtype=float16",
+                                                                                   "float32"]),
+    ("alibi-shape", dict(alibi=info("alibi_slopes", (3,), np.float32)), ValueError, ["alibi_slopes", "(3,)", "(4,)",
+                                                                                    "(2, 4)"]),
+    ("alibi-batch", dict(alibi=info("alibi_slopes", (3, 4), np.float32)), ValueError, ["(3, 4)"]),
+    ("alibi-strided", dict(alibi=info("alibi_slopes", (4,), np.float32, strides=(2,))), ValueError,
+     ["strides (2,)", "contiguous"]),
+    ("alibi-device", dict(alibi=info("alibi_slopes", (4,), np.float32, device=1)), ValueError, ["device 1"]),
+]
+
+
+@pytest.mark.parametrize("name,kw,exc,words", BAD, ids=[b[0] for b in BAD])
+def test_bad_modifier_options(name, kw, exc, words):
+    with pytest.raises(exc) as e:
+        mods(**kw)
+    for w in words:
+        assert w in str(e.value), f"{name}: {w!r} not in {str(e.value)!r}"
+
+
+@pytest.mark.parametrize("causal,window,bits,kernel_causal,norm", [
+    (False, None, 0, False, None),
+    (False, (-1, -1), 0, False, None),
+    (False, (-1, 0), 0, True, None),             # the causal mask itself
+    (True, (-1, -1), 0, True, None),
+    (True, (-1, 7), 0, True, None),              # causal cuts the right side to 0
+    (True, (5, 7), config.MOD_WINDOW, False, (5, 0)),
+    (False, (5, 7), config.MOD_WINDOW, False, (5, 7)),
+    (False, (0, 0), config.MOD_WINDOW, False, (0, 0)),
+    (False, (5, -1), config.MOD_WINDOW, False, (5, -1)),
+    (False, (-1, 3), config.MOD_WINDOW, False, (-1, 3)),
+])
+def test_window_normalization(causal, window, bits, kernel_causal, norm):
+    m = mods(causal=causal, window=window)
+    assert (m.bits, m.causal, m.window) == (bits, kernel_causal, norm)
+
+
+def test_modifier_bits_and_defaults():
+    assert mods().bits == 0 and mods(dropout_p=0.0, seed=3).bits == 0
+    m = mods(alibi=info("alibi_slopes", (2, 4), np.float32), softcap=30, dropout_p=0.25, seed=2**64 - 1, offset=7)
+    assert m.bits == config.MOD_ALIBI | config.MOD_SOFTCAP | config.MOD_DROPOUT
+    assert (m.softcap, m.dropout_p, m.seed, m.offset) == (30.0, 0.25, 2**64 - 1, 7)
+    assert dropout_threshold(0.25) == 2**30
+
+
+def test_every_modifier_config_is_compile_checked():
+    """The compile check builds, per kernel, MODS 0 and the heaviest modifier sets (config.MODS_CHECKED); a
+    launch with any other set uses the tiles of one of them (window alone: the plain/causal tiles, anything
+    with ALiBi / softcap / dropout: the *_MODS tiles)."""
+    names = {c.cpp_name() for c in config.all_fwd_configs() + config.all_bwd_configs()}
+    for hd in config.KERNEL_HEAD_DIMS:
+        for m in range(1, config.MODS_ALL + 1):
+            for causal in (False, True):
+                if causal and m & config.MOD_WINDOW:
+                    continue
+                heavy = config.MODS_CHECKED[causal][-1]
+                cfg = config.forward_kernel_config(hd, "bf16", causal, mods=m)
+                checked = config.forward_kernel_config(hd, "bf16", causal, mods=heavy if config.heavy_mods(m) else m)
+                assert (cfg.block_m, cfg.block_n) == (checked.block_m, checked.block_n)
+                assert checked.cpp_name() in names or not config.heavy_mods(m)
