@@ -11,7 +11,9 @@ Each configuration draws batch 1-3, heads 1-4 (with grouped-query K/V heads for 
 1..4096 (log-uniform and uniform, edge values around powers of two, primes), head dims (multiples of 8 up to
 256), fp16/bf16, causal, layout, deterministic mode, softmax_scale, the entry point (dense forward + backward;
 varlen forward + backward on packed sequences of random lengths, 0 included, for 10%; kv-cache decoding, dense
-or paged cache, split-KV, with or without appended keys, for 10%), and strides (dense): inputs as views inside NaN-poisoned buffers with random padding and axis order
+or paged cache, split-KV, with or without appended keys, for 10%), score modifiers (a quarter of the dense
+configurations of at most 2^20 scores: sliding window, ALiBi, softcap, dropout, alone or combined, checked
+against the NumPy reference with the dropout mask of cuflash.philox), and strides (dense): inputs as views inside NaN-poisoned buffers with random padding and axis order
 (guard bands: the buffers must come back unchanged and a read outside a view would bring NaN into the
 results), or head-dim offsets that are not 16-byte aligned (the library copies those); dq/dk/dv preallocated
 inside poisoned buffers for a third of the configurations. Most configurations are small; about 8% have
@@ -37,7 +39,8 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
-from cuflash import _xpref, config  # noqa: E402
+from cuflash import _xpref, config, philox  # noqa: E402
+from cuflash import reference as ref  # noqa: E402
 from cuflash.check import compile_configs  # noqa: E402
 from gpu_helpers import max_abs, poison_pool, randn, round_up, seed_of, to_bshd32  # noqa: E402
 from reliability_helpers import guarded, lowp_dtype  # noqa: E402
@@ -47,6 +50,7 @@ pytestmark = pytest.mark.gpu_slow
 SEED = int(os.environ.get("CUFLASH_SWEEP_SEED", "20261108"))
 COUNT = int(os.environ.get("CUFLASH_SWEEP_COUNT", "2000"))
 MAX_SCORES = 1 << 26  # batch * heads * seqlen_q * seqlen_k: a float64 (B, H, Sq, Sk) array is 512 MiB at most
+MAX_MOD_SCORES = 1 << 20  # modifier configurations: the NumPy reference runs on the host
 
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 31, 61, 101, 127, 211, 257, 509, 521, 1021, 1031, 2039, 2053, 3067, 4093]
 EDGES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024,
@@ -79,6 +83,10 @@ class SweepConfig:
     paged: bool = False     # kvcache: a paged cache (64-key pages, shuffled)
     splits: int = 0         # kvcache: num_splits
     append: bool = False    # kvcache: new keys/values appended (S_new = seqlen_q)
+    window: tuple | None = None  # dense: sliding window (left, right)
+    alibi: str = ""         # dense: ALiBi slopes "h" (heads,) or "bh" (batch, heads); "" none
+    softcap: float | None = None
+    dropout_p: float = 0.0
 
     @property
     def heads_kv(self) -> int:
@@ -93,6 +101,9 @@ class SweepConfig:
                 + ("-paged" if self.paged else "") + (f"-split{self.splits}" if self.splits else "")
                 + ("-append" if self.append else "")
                 + ("-det" if self.deterministic else "") + ("-prealloc" if self.preallocated else "")
+                + (f"-window{self.window[0]},{self.window[1]}" if self.window else "")
+                + (f"-alibi{self.alibi}" if self.alibi else "") + (f"-softcap{self.softcap:g}" if self.softcap else "")
+                + (f"-dropout{self.dropout_p:g}" if self.dropout_p else "")
                 + (f"-scale{self.softmax_scale:.3f}" if self.softmax_scale is not None else ""))
 
     def features(self) -> dict:
@@ -105,6 +116,9 @@ class SweepConfig:
                "query heads / K/V head": str(self.heads // self.heads_kv),
                "softmax_scale": "default" if self.softmax_scale is None else "custom", "size": self.size}
         if self.mode == "dense":
+            mods = [n for n, on in (("window", self.window), ("alibi", self.alibi), ("softcap", self.softcap),
+                                    ("dropout", self.dropout_p)) if on]
+            out["score modifiers"] = "+".join(mods) if mods else "none"
             out.update({"layout": self.layout, "Sq vs Sk": rel, "strides": self.strides,
                         "preallocated dq/dk/dv": str(self.preallocated)})
         if self.mode != "kvcache":
@@ -161,6 +175,14 @@ def _draw(rng, idx: int) -> SweepConfig:
                      deterministic=False, preallocated=False, strides="contiguous", layout="bshd")
     elif mode == "varlen":
         extra.update(preallocated=False, strides="contiguous", layout="bshd")
+    elif b * h * sq * sk <= MAX_MOD_SCORES:  # score modifiers (own generator: the other draws stay as they were)
+        mr = np.random.default_rng(seed_of("sweep-mods", SEED, idx))
+        if mr.random() < 0.25:
+            sides = [-1, 0, 1, 17, 256, int(mr.integers(0, max(2, sk)))]
+            window = (int(mr.choice(sides)), int(mr.choice(sides))) if mr.random() < 0.5 else None
+            extra.update(window=window, alibi=str(mr.choice(["", "h", "bh"])),
+                         softcap=float(mr.choice([5.0, 30.0, 50.0])) if mr.random() < 0.4 else None,
+                         dropout_p=float(mr.choice([0.17, 0.5])) if mr.random() < 0.4 else 0.0)
     from dataclasses import replace
 
     return replace(cfg, **extra)
@@ -395,8 +417,21 @@ def test_sweep(cfg: SweepConfig, sweep_report):
     dout, dog = _input(cfg, sq, seed + 3, rng)
     in_guards = {n: (g, g.snapshot()) for n, g in (("q", qg), ("k", kg), ("v", vg), ("dout", dog)) if g is not None}
 
+    mods, ref_mods = {}, {}
+    if cfg.window is not None:
+        mods["window"] = ref_mods["window"] = cfg.window
+    if cfg.alibi:
+        slopes = np.random.default_rng(seed + 7).random((h,) if cfg.alibi == "h" else (b, h)) * 0.3
+        mods["alibi_slopes"], ref_mods["alibi_slopes"] = cp.asarray(slopes, dtype=cp.float32), slopes.astype(np.float32)
+    if cfg.softcap:
+        mods["softcap"] = ref_mods["softcap"] = cfg.softcap
+    if cfg.dropout_p:
+        mods.update(dropout_p=cfg.dropout_p, seed=seed, offset=cfg.idx)
+        ref_mods.update(dropout_p=cfg.dropout_p, dropout_mask=philox.dropout_mask(b, h, sq, sk, cfg.dropout_p, seed,
+                                                                                  cfg.idx))
     poison_pool(round_up(b * sq * h * d * 2) + round_up(b * h * sq * 4))
-    o, lse = cuflash.attention_forward(q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, layout=cfg.layout)
+    o, lse = cuflash.attention_forward(q, k, v, causal=cfg.causal, softmax_scale=cfg.softmax_scale, layout=cfg.layout,
+                                       **mods)
     out = o
     if cfg.strides != "contiguous":  # the backward's out, too, as a view inside a poisoned buffer
         og = guarded(o.shape, o.dtype, o, **_placement(cfg, rng))
@@ -413,9 +448,22 @@ def test_sweep(cfg: SweepConfig, sweep_report):
     else:
         poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + round_up(b * h * (sq + 128) * (d + 8) * 4) + (1 << 20))
     grads = cuflash.attention_backward(dout, q, k, v, out, lse, causal=cfg.causal, softmax_scale=cfg.softmax_scale,
-                                       layout=cfg.layout, deterministic=cfg.deterministic, **kwargs)
+                                       layout=cfg.layout, deterministic=cfg.deterministic, **kwargs, **mods)
 
     q32, k32, v32, do32 = (to_bshd32(x, cfg.layout) for x in (q, k, v, dout))
+    if mods:  # the NumPy reference (float64 and low precision) with the same modifiers
+        h32 = [cp.asnumpy(x) for x in (q32, k32, v32, do32)]
+        o64, lse64 = (cp.asarray(x) for x in ref.attention_forward64(*h32[:3], cfg.causal, cfg.softmax_scale,
+                                                                     **ref_mods))
+        o_lowp = cp.asarray(ref.attention_lowp(*h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods))
+        ratios = {"o": _ratio(to_bshd32(o, cfg.layout), o64, o_lowp, 2), "lse": _lse_ratio(lse, lse64)}
+        g64 = ref.attention_backward64(h32[3], *h32[:3], cfg.causal, cfg.softmax_scale, **ref_mods)
+        glowp = ref.attention_backward_lowp(h32[3], *h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods)
+        for name, g, r64, low in zip(("dq", "dk", "dv"), grads, g64, glowp):
+            ratios[name] = _ratio(to_bshd32(g, cfg.layout), cp.asarray(r64), cp.asarray(low), 3)
+        sweep_report.record(cfg, ratios)
+        _check_guards_and_ratios(cfg, in_guards, out_guards, ratios)
+        return
     o64, lse64 = _xpref.attention_forward64(q32, k32, v32, cfg.causal, cfg.softmax_scale)
     o_lowp = _xpref.attention_lowp(q32, k32, v32, cfg.dtype, cfg.causal, cfg.softmax_scale)
     ratios = {"o": _ratio(to_bshd32(o, cfg.layout), o64, o_lowp, 2), "lse": _lse_ratio(lse, lse64)}
@@ -426,7 +474,10 @@ def test_sweep(cfg: SweepConfig, sweep_report):
         ratios[name] = _ratio(to_bshd32(g, cfg.layout), ref, low, 3)
     del g64, glowp
     sweep_report.record(cfg, ratios)
+    _check_guards_and_ratios(cfg, in_guards, out_guards, ratios)
 
+
+def _check_guards_and_ratios(cfg: SweepConfig, in_guards: dict, out_guards: dict, ratios: dict) -> None:
     changed = [n for n, (g, snap) in in_guards.items() if not g.unchanged(snap)]
     written_outside = [n for n, (g, snap) in out_guards.items() if not g.outside_unchanged(snap)]
     assert not changed, f"inputs' buffers changed (view or guard band): {changed} for {cfg.id}"
@@ -449,3 +500,6 @@ def test_sweep_is_reproducible_and_large_enough():
         kv = [c for c in CONFIGS if c.mode == "kvcache"]
         assert {c.paged for c in kv} == {False, True} and {c.append for c in kv} == {False, True}
         assert len({c.splits for c in kv}) > 2
+        modded = [c for c in CONFIGS if c.window or c.alibi or c.softcap or c.dropout_p]
+        assert len(modded) >= 200 and all(any(getattr(c, f) for c in modded)
+                                          for f in ("window", "alibi", "softcap", "dropout_p"))
