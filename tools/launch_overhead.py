@@ -1,10 +1,10 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
-For a problem so small that the kernel takes a few microseconds, back-to-back calls are bound by the host:
-the wall time per call (many calls, one synchronization at the end) is what a Python call adds. The
-second column is the CUDA-event span of one call alone on an idle GPU: it includes the host's launch work
-between the two events, so it bounds the GPU time from above (a kernel profiler gives the kernel time
-itself). Printed for attention (forward),
+Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
+the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
+the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
+one call: 200 calls issued on an idle GPU, few enough that no call waits for the launch queue, per call. The
+last one is what a call adds on the host. Printed for attention (forward),
 attention_backward, and attention_with_kvcache (decode, check_inputs=False); results go to
 docs/PERFORMANCE.md. `--profile` adds a cProfile table (top functions by own time) per call.
 
@@ -40,6 +40,20 @@ def per_call_us(fn, n=2000):
         fn()
     cp.cuda.Device().synchronize()
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def python_us(fn, n=200, reps=5):
+    """Host time of one call alone: n calls issued back to back on an idle GPU (few enough that the launch
+    queue never fills, so no call waits for the GPU), best of reps, per call."""
+    best = float("inf")
+    for _ in range(reps):
+        cp.cuda.Device().synchronize()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, time.perf_counter() - t0)
+    cp.cuda.Device().synchronize()
+    return best / n * 1e6
 
 
 def gpu_us(fn, n=200):
@@ -111,9 +125,9 @@ def main() -> int:
         "attention_with_kvcache (1 query, 1000 cached keys)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
     }
-    print(f"{'call':<52} {'host us/call':>13} {'event span us':>16}")
+    print(f"{'call':<52} {'host us/call':>13} {'event span us':>16} {'python us/call':>15}")
     for name, fn in calls.items():
-        print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f}", flush=True)
+        print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f} {python_us(fn):>15.1f}", flush=True)
     if "--profile" in sys.argv[1:]:
         for name, fn in calls.items():
             prof = cProfile.Profile()
