@@ -54,15 +54,39 @@ struct SmemTile {
   static constexpr bool panel_order_unrolled() {
     return CHUNKS % THREADS == 0 && CHUNKS / THREADS <= 4;
   }
+  template <int THREADS>
+  static constexpr bool chunk_steps_exact() {  // the premise of chunk_rows / chunk_cols below
+    return (THREADS % CHUNKS_PER_PANEL == 0 || CHUNKS_PER_PANEL % THREADS == 0) && THREADS % (8 * PANEL_CHUNKS) == 0;
+  }
 
   // Chunk idx in panel order: panel by panel, rows within a panel, chunks within a row. 8 consecutive
   // chunks are one 128-byte line of one panel, so 8 lanes never collide on a bank group (row-major
   // order would put chunks of two 64-byte panels, ROWS * 64 bytes apart, in the same phase).
+  static constexpr int PANEL_CHUNKS = PANEL_COLS / 8;        // 16-byte chunks per panel row
+  static constexpr int CHUNKS_PER_PANEL = ROWS * PANEL_CHUNKS;
   static __device__ __forceinline__ void panel_order(int idx, int& row, int& col) {
-    constexpr int PANEL_CHUNKS = PANEL_COLS / 8;
-    const int panel = idx / (ROWS * PANEL_CHUNKS), rest = idx % (ROWS * PANEL_CHUNKS);
+    const int panel = idx / CHUNKS_PER_PANEL, rest = idx % CHUNKS_PER_PANEL;
     row = rest / PANEL_CHUNKS;
     col = panel * PANEL_COLS + (rest % PANEL_CHUNKS) * 8;
+  }
+
+  // Chunk tid + i * THREADS of an unrolled panel-order copy is chunk tid moved by chunk_rows<THREADS>(i)
+  // rows and chunk_cols<THREADS>(i) columns, both known at compile time: THREADS and CHUNKS_PER_PANEL
+  // are powers of two, so adding i * THREADS to tid < THREADS carries into neither the chunk digit nor,
+  // when THREADS < CHUNKS_PER_PANEL, the panel digit. The row step is a multiple of 8 (the swizzle
+  // period) and the column step whole panels, so the shared offset moves by chunk_smem<THREADS>(i) too:
+  // a copy computes its thread's first chunk once and each further chunk with an immediate.
+  template <int THREADS>
+  static constexpr int chunk_rows(int i) {
+    return (i * THREADS) % CHUNKS_PER_PANEL / PANEL_CHUNKS;
+  }
+  template <int THREADS>
+  static constexpr int chunk_cols(int i) {
+    return (i * THREADS) / CHUNKS_PER_PANEL * PANEL_COLS;
+  }
+  template <int THREADS>
+  static constexpr u32 chunk_smem(int i) {
+    return chunk_rows<THREADS>(i) * PANEL_BYTES + (chunk_cols<THREADS>(i) / PANEL_COLS) * (ROWS * PANEL_BYTES);
   }
 
   // ---- wgmma operand descriptors (sm_90a; PTX ISA 9.7.15.5.1.2) -----------------------------
@@ -104,12 +128,18 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
                                                 int rows_valid, int cols_valid, int tid) {
   if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: chunks in panel order
     if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+      static_assert(Tile::template chunk_steps_exact<THREADS>(), "chunk_rows / chunk_cols need power-of-two sizes");
+      int row, col;  // this thread's first chunk; the others are compile-time steps from it
+      Tile::panel_order(tid, row, col);
+      const u32 dst = tile_smem + Tile::offset(row, col);
+      const u16* src = tile_gmem + row * row_stride + col;
 #pragma unroll
       for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) {
-        int row, col;
-        Tile::panel_order(tid + i * THREADS, row, col);
-        const bool valid = row < rows_valid && col < cols_valid;
-        cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem,
+        const bool valid = row + Tile::template chunk_rows<THREADS>(i) < rows_valid &&
+                           col + Tile::template chunk_cols<THREADS>(i) < cols_valid;
+        cp_async_cg_16(dst + Tile::template chunk_smem<THREADS>(i),
+                       valid ? src + Tile::template chunk_rows<THREADS>(i) * row_stride + Tile::template chunk_cols<THREADS>(i)
+                             : tile_gmem,
                        valid);
       }
     } else {
@@ -158,18 +188,27 @@ template <class Tile, int THREADS>
 __device__ __forceinline__ void store_tile(u16* tile_gmem, long long row_stride, const unsigned char* tile_smem,
                                            int rows_valid, int cols_valid, int tid) {
   if constexpr (!Tile::template fixed_column<THREADS>()) {  // panel order, as in load_tile_async
-    auto copy = [&](int idx) {
-      int row, col;
-      Tile::panel_order(idx, row, col);
-      if (row < rows_valid && col < cols_valid)
-        *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
-            *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
-    };
     if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+      static_assert(Tile::template chunk_steps_exact<THREADS>(), "chunk_rows / chunk_cols need power-of-two sizes");
+      int row, col;  // this thread's first chunk; the others are compile-time steps from it
+      Tile::panel_order(tid, row, col);
+      const unsigned char* src = tile_smem + Tile::offset(row, col);
+      u16* dst = tile_gmem + row * row_stride + col;
 #pragma unroll
-      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) copy(tid + i * THREADS);
+      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i)
+        if (row + Tile::template chunk_rows<THREADS>(i) < rows_valid &&
+            col + Tile::template chunk_cols<THREADS>(i) < cols_valid)
+          *reinterpret_cast<uint4*>(dst + Tile::template chunk_rows<THREADS>(i) * row_stride +
+                                    Tile::template chunk_cols<THREADS>(i)) =
+              *reinterpret_cast<const uint4*>(src + Tile::template chunk_smem<THREADS>(i));
     } else {
-      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) copy(idx);
+      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+        int row, col;
+        Tile::panel_order(idx, row, col);
+        if (row < rows_valid && col < cols_valid)
+          *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
+              *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
+      }
     }
     return;
   }
