@@ -169,6 +169,57 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
   }
 }
 
+// load_tile_async split in two for a kernel that copies many tiles of one shape and row stride (the
+// backward's Q and dO blocks): the constructor computes, once, where this thread's first chunk is (row,
+// column, shared offset, global offset row * row_stride + col; the others are compile-time steps from it:
+// fixed-column, i * ROWS_PER_ITER rows; panel order, chunk_rows / chunk_cols); load() then costs an add
+// and a select per chunk, with no divisions or row products. Same chunks, same order as load_tile_async.
+// It selects the offset, where load_tile_async selects the pointer: ptxas then keeps one base per copy
+// (the pointer form cost the d128 backward 23 more integer ops per query block), but the offset form in
+// load_tile_async made NVRTC 13.0 spill 44 bytes in fwd_kernel d128, so that one stays as it is.
+template <class Tile, int THREADS>
+struct TileCopy {
+  static constexpr bool FIXED_COLUMN = Tile::template fixed_column<THREADS>();
+  static constexpr int ROWS_PER_ITER = FIXED_COLUMN ? THREADS / Tile::CHUNKS_PER_ROW : 0;
+  static constexpr int CHUNKS = FIXED_COLUMN ? (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER : Tile::CHUNKS / THREADS;
+  static_assert(FIXED_COLUMN || (Tile::template panel_order_unrolled<THREADS>() &&
+                                 Tile::template chunk_steps_exact<THREADS>()),
+                "TileCopy: fixed-column copies, or short panel-order copies of power-of-two sizes");
+  int row, col;        // this thread's first chunk
+  u32 smem_off;        // its byte offset in the shared tile
+  long long gmem_off;  // its element offset from the global tile's row 0: row * row_stride + col
+
+  __device__ __forceinline__ TileCopy(int tid, long long row_stride) {
+    if constexpr (FIXED_COLUMN) {
+      row = tid / Tile::CHUNKS_PER_ROW;
+      col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+    } else {
+      Tile::panel_order(tid, row, col);
+    }
+    smem_off = Tile::offset(row, col);
+    gmem_off = row * row_stride + col;
+  }
+  static constexpr int chunk_rows(int i) { return FIXED_COLUMN ? i * ROWS_PER_ITER : Tile::template chunk_rows<THREADS>(i); }
+  static constexpr int chunk_cols(int i) { return FIXED_COLUMN ? 0 : Tile::template chunk_cols<THREADS>(i); }
+  static constexpr u32 chunk_smem(int i) {
+    return FIXED_COLUMN ? i * ROWS_PER_ITER * Tile::PANEL_BYTES : Tile::template chunk_smem<THREADS>(i);
+  }
+
+  // the tile at tile_gmem (the row stride given to the constructor) into tile_smem; chunks outside
+  // rows_valid x cols_valid are zero-filled without a read (tile_gmem is their placeholder address)
+  __device__ __forceinline__ void load(u32 tile_smem, const u16* tile_gmem, long long row_stride, int rows_valid,
+                                       int cols_valid) const {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      if (!FIXED_COLUMN || Tile::ROWS % ROWS_PER_ITER == 0 || row + chunk_rows(i) < Tile::ROWS) {
+        const bool valid = row + chunk_rows(i) < rows_valid && col + chunk_cols(i) < cols_valid;
+        const long long off = gmem_off + chunk_rows(i) * row_stride + chunk_cols(i);
+        cp_async_cg_16(tile_smem + smem_off + chunk_smem(i), tile_gmem + (valid ? off : 0), valid);
+      }
+    }
+  }
+};
+
 // The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
 // row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs). Chunks in panel
 // order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a placeholder address).
