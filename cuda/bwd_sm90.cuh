@@ -184,7 +184,9 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
 
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warpgroup = warp / 4;
+  // broadcast from lane 0: ptxas then knows warpgroup is warp-uniform and builds the K/V descriptors of
+  // the query loop in uniform registers, instead of recomputing them per step in vector registers
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
   const BwdKeyBlock<Tr, IS_CAUSAL> kb(p);  // keys, query blocks, prologue and epilogue as bwd_kernel's
   if (kb.n0 >= kb.seq.len_k) return;       // varlen: past this sequence's keys
   if (kb.m_begin >= kb.m_end) {            // no query sees these keys: dK = dV = 0

@@ -101,14 +101,20 @@ struct SmemTile {
   static constexpr int SWIZZLE_ATOM = 8 * PANEL_BYTES;
   // rows row0.. (M or N; row0 % 8 == 0) by k columns k0..k0+15 (k0 % 16 == 0)
   static __device__ __forceinline__ u64 desc_k_major(u32 tile_smem, int row0, int k0) {
-    return wgmma_desc<PANEL_BYTES>(tile_smem + (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES +
-                                       (k0 % PANEL_COLS) * 2,
-                                   16, SWIZZLE_ATOM);
+    return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, 16, SWIZZLE_ATOM),
+                     (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES + (k0 % PANEL_COLS) * 2);
   }
   // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % PANEL_COLS == 0), any number of panels
   static __device__ __forceinline__ u64 desc_mn_major(u32 tile_smem, int k0, int n0) {
-    return wgmma_desc<PANEL_BYTES>(tile_smem + (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES,
-                                   ROWS * PANEL_BYTES, SWIZZLE_ATOM);
+    return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, ROWS * PANEL_BYTES, SWIZZLE_ATOM),
+                     (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES);
+  }
+  // The descriptor of tile_smem + bytes from that of tile_smem: the start address field (bits 0-13, the
+  // address / 16) plus bytes / 16, which never carries into the next field (shared addresses stay below
+  // 2^18) nor into the high word. So written, the descriptors of one tile share one base and each costs
+  // one 32-bit add; built from each address, every wgmma of the backward's query loop cost ~5 integer ops.
+  static __device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + (bytes >> 4));
   }
 
   // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose
