@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool IS_MASKED, int MODS>
 __device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                 const ScoreMods<MODS>& mods, unsigned char* smem,
-                                                u32 smem_base, int stage, int m_block, int n0, long long vec_off,
+                                                u32 smem_base, int stage, int m_block, int n0, long long vec_row,
                                                 int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
                                                 float (&dv_acc)[Tr::DKV_TILES][4]) {
   using Mods = ScoreMods<MODS>;
@@ -270,7 +270,7 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<I
     }
   }
   // fp32 atomics into dQ_acc (pad rows exist in the buffer, so no bounds checks)
-  float* acc = p.dq_accum + (vec_off + m0) * p.dq_accum_cols;
+  float* acc = p.dq_accum + vec_row * p.dq_accum_cols;  // vec_row: the block's first fp32 row (QueryBlock)
 #pragma unroll
   for (int mt = 0; mt < Tr::DQ_M_TILES; ++mt)
 #pragma unroll
@@ -283,51 +283,148 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<I
       }
 }
 
-// Where one query head's rows start: Q and dO of the sequence, and its fp32 rows (seqs.cuh).
-struct HeadRows {
-  const u16* q;
-  const u16* dout;
-  long long vec_off;
+// One step of a K/V-outer CTA (bwd_kernel, bwd_sm90_kernel): query block m_block of query head `head`,
+// and where its rows are. The steps are the kv_group query heads of the CTA's K/V head in turn, each over
+// its query blocks [m_begin, m_end), flattened so that the cp.async pipeline runs on across heads. next()
+// moves by pointer increments: BLOCK_M rows on, or from a head's last block to block m_begin of the next
+// head (one head stride on, the walked rows back; the fp32 rows of consecutive heads are seqlen_q_pad
+// apart, dense and varlen: seqs.cuh). No division, no cu_seqlens load, no row products per step.
+template <class Tr>
+struct QueryBlock {
+  const u16* q;       // row 0 of the block in Q
+  const u16* dout;    // row 0 of the block in dO
+  long long vec_row;  // its first fp32 row (lse_log2, delta, dQ_acc): padded_row0(head) + m_block * BLOCK_M
+  int head, m_block;
+
+  static __device__ __forceinline__ QueryBlock first(const BwdParams& p, const Seq& seq, int batch, int head,
+                                                     int m_block) {
+    const long long row = static_cast<long long>(seq.q_row0) + m_block * Tr::BLOCK_M;
+    QueryBlock b;
+    b.q = p.q + batch * p.q_batch_stride + head * p.q_head_stride + row * p.q_row_stride;
+    b.dout = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + row * p.do_row_stride;
+    b.vec_row = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + m_block * Tr::BLOCK_M;
+    b.head = head;
+    b.m_block = m_block;
+    return b;
+  }
+
+  __device__ __forceinline__ QueryBlock next(const BwdParams& p, int m_begin, int m_end) const {
+    QueryBlock b = *this;
+    if (m_block + 1 < m_end) {
+      b.q += Tr::BLOCK_M * p.q_row_stride;
+      b.dout += Tr::BLOCK_M * p.do_row_stride;
+      b.vec_row += Tr::BLOCK_M;
+      b.m_block = m_block + 1;
+    } else {  // the next query head of the group
+      const int back = (m_block - m_begin) * Tr::BLOCK_M;
+      b.q += p.q_head_stride - back * p.q_row_stride;
+      b.dout += p.do_head_stride - back * p.do_row_stride;
+      b.vec_row += p.seqlen_q_pad - back;
+      b.head = head + 1;
+      b.m_block = m_begin;
+    }
+    return b;
+  }
 };
 
-__device__ __forceinline__ HeadRows head_rows(const BwdParams& p, const Seq& seq, int batch, int head) {
-  HeadRows r;
-  r.q = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride + head * p.q_head_stride;
-  r.dout = p.dout + batch * p.do_batch_stride + static_cast<long long>(seq.q_row0) * p.do_row_stride +
-           head * p.do_head_stride;
-  r.vec_off = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad);
-  return r;
-}
-
-// Q_i, dO_i, lse_log2_i and delta_i of query block m_block into the given stage (one cp.async group's worth).
+// This thread's part of every query block's loads (bwd_load_query_block), computed once: the chunks of
+// the Q and dO copies and, for threads < BLOCK_M / 2, which 16 bytes of lse_log2 or delta it copies.
 template <class Tr>
-__device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage, int m_block,
-                                                     const HeadRows& rows_of, int len_q, int tid) {
-  const int m0 = m_block * Tr::BLOCK_M;
-  const int rows = min(Tr::BLOCK_M, len_q - m0);
-  load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q,
-                                                   rows_of.q + m0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim,
-                                                   tid);
-  load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q,
-                                                   rows_of.dout + m0 * p.do_row_stride, p.do_row_stride, rows,
-                                                   p.head_dim, tid);
-  // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
-  constexpr int CHUNKS = Tr::BLOCK_M / 4;
-  if (tid < 2 * CHUNKS) {
-    const bool is_delta = tid >= CHUNKS;
-    const int c = is_delta ? tid - CHUNKS : tid;
-    const float* src = (is_delta ? p.delta : p.lse_log2) + rows_of.vec_off + m0 + c * 4;
-    const u32 dst = smem_base + (is_delta ? Tr::OFF_DELTA : Tr::OFF_LSE) + stage * 2 * Tr::SMEM_ROWVEC + c * 16;
-    cp_async_cg_16(dst, src, true);
+struct QueryBlockCopy {
+  static constexpr int VEC_CHUNKS = Tr::BLOCK_M / 4;  // 16-byte chunks of BLOCK_M floats
+  TileCopy<typename Tr::TileQ, Tr::THREADS> q, dout;
+  const float* vec_gmem;  // lse_log2 or delta + this thread's 4 rows (add the block's first fp32 row)
+  u32 vec_smem;           // their offset from smem_base (add the stage's)
+  bool has_vec;
+
+  __device__ __forceinline__ QueryBlockCopy(const BwdParams& p, int tid)
+      : q(tid, p.q_row_stride), dout(tid, p.do_row_stride) {
+    const bool is_delta = tid >= VEC_CHUNKS;
+    const int c = is_delta ? tid - VEC_CHUNKS : tid;
+    vec_gmem = (is_delta ? p.delta : p.lse_log2) + c * 4;
+    vec_smem = (is_delta ? Tr::OFF_DELTA : Tr::OFF_LSE) + c * 16;
+    has_vec = tid < 2 * VEC_CHUNKS;
   }
+};
+
+// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth).
+template <class Tr>
+__device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage,
+                                                     const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
+                                                     int len_q) {
+  const int rows = min(Tr::BLOCK_M, len_q - qb.m_block * Tr::BLOCK_M);
+  copy.q.load(smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q, qb.q, p.q_row_stride, rows, p.head_dim);
+  copy.dout.load(smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q, qb.dout, p.do_row_stride, rows, p.head_dim);
+  // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
+  if (copy.has_vec)
+    cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
 }
 
-// The steps of one K/V-outer CTA: the kv_group query heads of its K/V head in turn, each over its query
-// blocks [m_begin, m_begin + blocks_per_head), flattened so that the cp.async pipeline runs on across heads.
-struct QuerySteps {
-  int head0, m_begin, blocks_per_head;
-  __device__ __forceinline__ int head(int step) const { return head0 + step / blocks_per_head; }
-  __device__ __forceinline__ int m_block(int step) const { return m_begin + step % blocks_per_head; }
+// The work of a K/V-outer CTA (bwd_kernel, bwd_sm90_kernel; grid (key blocks, K/V heads, batch)): keys
+// n0 .. n0 + keys - 1 of K/V head kv_head of sequence batch and, for every query head of the group, the
+// query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+struct BwdKeyBlock {
+  Seq seq;
+  int batch, kv_head;
+  int n0;              // first key of this CTA
+  int keys;            // valid keys
+  int diag;            // query i sees keys j <= i + diag
+  Band<IS_CAUSAL, HAS_WINDOW> band;  // the visible (query, key) pairs (mask.cuh)
+  int m_begin, m_end;  // query blocks of each query head that see these keys
+
+  __device__ __forceinline__ explicit BwdKeyBlock(const BwdParams& p)
+      : seq(sequence(p.seq, blockIdx.z)), batch(blockIdx.z), kv_head(blockIdx.y), n0(blockIdx.x * Tr::BLOCK_N) {
+    keys = min(Tr::BLOCK_N, seq.len_k - n0);
+    diag = seq.len_k - seq.len_q;
+    band = Band<IS_CAUSAL, HAS_WINDOW>{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
+    // the query blocks that see these keys (causal: key n0 is first seen by query n0 - diag; a window also
+    // ends them); the others are skipped
+    m_begin = band.query_begin(n0) / Tr::BLOCK_M;
+    m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  }
+
+  // (query head, query block) steps of the CTA: every query head of the group over [m_begin, m_end)
+  __device__ __forceinline__ int steps(const BwdParams& p) const { return p.seq.kv_group * (m_end - m_begin); }
+
+  // row n0 of this CTA's K/V head in K, V, dK or dV
+  template <class X>
+  __device__ __forceinline__ X* key_rows(X* base, long long batch_stride, long long head_stride,
+                                         long long row_stride) const {
+    return base + batch * batch_stride + kv_head * head_stride + (static_cast<long long>(seq.k_row0) + n0) * row_stride;
+  }
+
+  // K_j, V_j and the first step's query block (query head kv_head * kv_group, block m_begin) into stage 0,
+  // one cp.async group; returns that step
+  __device__ __forceinline__ QueryBlock<Tr> load_first(const BwdParams& p, u32 smem_base,
+                                                       const QueryBlockCopy<Tr>& copy, int tid) const {
+    load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+        smem_base + Tr::OFF_K, key_rows(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride), p.k_row_stride, keys,
+        p.head_dim, tid);
+    load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+        smem_base + Tr::OFF_V, key_rows(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride), p.v_row_stride, keys,
+        p.head_dim, tid);
+    const QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, seq, batch, kv_head * p.seq.kv_group, m_begin);
+    bwd_load_query_block<Tr>(p, smem_base, 0, qb, copy, seq.len_q);
+    cp_async_commit_group();
+    return qb;
+  }
+
+  // dK_j and dV_j, staged in the K and V tiles, to global memory (valid keys only)
+  __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const unsigned char* smem, int tid) const {
+    store_tile<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride),
+                                                 p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim, tid);
+    store_tile<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride),
+                                                 p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim, tid);
+  }
+
+  // dK_j = dV_j = 0 (no query sees these keys)
+  __device__ __forceinline__ void zero_dk_dv(const BwdParams& p, int tid) const {
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride),
+                                                     p.dk_row_stride, keys, p.head_dim, tid);
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride),
+                                                     p.dv_row_stride, keys, p.head_dim, tid);
+  }
 };
 
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
@@ -336,37 +433,16 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-  const Seq seq = sequence(p.seq, batch);
-  const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
-  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
-  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
-  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
-
-  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
-  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
-  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
-
-  // the query blocks that see these keys (causal: key n0 is first seen by query n0 - diag; a window also
-  // ends them); the others are skipped
-  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
-  const int m_begin = band.query_begin(n0) / Tr::BLOCK_M;
-  const int m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
-  if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
-    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
-    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
+  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
+  if (kb.m_begin >= kb.m_end) {       // no query sees these keys: dK = dV = 0
+    kb.zero_dk_dv(p, tid);
     return;
   }
-  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
-  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
-
   const u32 smem_base = smem_u32(smem);
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
-  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
-  cp_async_commit_group();
+  const QueryBlockCopy<Tr> copy(p, tid);
+  QueryBlock<Tr> qb = kb.load_first(p, smem_base, copy, tid);
+  const int n_steps = kb.steps(p);
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];
 #pragma unroll
@@ -376,28 +452,26 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
 
   // (query head, query block) steps in order; each first issues the next step's loads. A step needs the
   // mask on the causal diagonal, or always when this CTA holds the key tail.
-  const bool is_key_tail = keys < Tr::BLOCK_N;
+  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
   int stage = 0;
   for (int step = 0; step < n_steps; ++step) {
-    const int m_block = steps.m_block(step);
-    if (step + 1 < n_steps)
-      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
-                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
+    const QueryBlock<Tr> qb_next = qb.next(p, kb.m_begin, kb.m_end);
+    if (step + 1 < n_steps) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     __syncthreads();
-    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
     ScoreMods<MODS> mods;
-    mods.init(p.mods, batch, steps.head(step), p.heads);
-    const int m0 = m_block * Tr::BLOCK_M;
-    if (is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1))
+    mods.init(p.mods, kb.batch, qb.head, p.heads);
+    const int m0 = qb.m_block * Tr::BLOCK_M;
+    if (is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
       bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true, MODS>(
-          p, band, mods, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+          p, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, warp, lane, dk_acc, dv_acc);
     else
       bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false, MODS>(
-          p, band, mods, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+          p, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, warp, lane, dk_acc, dv_acc);
     __syncthreads();
     stage ^= 1;
+    qb = qb_next;
   }
 
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
@@ -415,8 +489,7 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
       *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
     }
   __syncthreads();
-  store_tile<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim, tid);
-  store_tile<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim, tid);
+  kb.store_dk_dv(p, smem, tid);
 }
 
 // ---- 3. dQ = softmax_scale * dQ_acc, to the input dtype and layout --------------------------

@@ -27,7 +27,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
                                                      const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                      const ScoreMods<MODS>& mods,
                                                      unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
-                                                     long long vec_off, int warpgroup, int warp, int lane,
+                                                     long long vec_row, int warpgroup, int warp, int lane,
                                                      float (&dk_acc)[Tr::DKV_TILES][4],
                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
@@ -194,7 +194,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
   wgmma_fence_operand(dq_acc);
 
   // fp32 atomics into dQ_acc (pad rows exist in the buffer, so no bounds checks)
-  float* acc = p.dq_accum + (vec_off + m0) * p.dq_accum_cols;
+  float* acc = p.dq_accum + vec_row * p.dq_accum_cols;  // vec_row: the block's first fp32 row (QueryBlock)
 #pragma unroll
   for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
 #pragma unroll
@@ -217,38 +217,18 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
 
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int warpgroup = warp / 4;
-  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
-  const Seq seq = sequence(p.seq, batch);
-  const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
-  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
-  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
-  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
-
-  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
-  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
-  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
-  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
-  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
-
-  // the query blocks that see these keys (causal: key n0 is first seen by query n0 - diag; a window also
-  // ends them); the others are skipped
-  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
-  const int m_begin = band.query_begin(n0) / Tr::BLOCK_M;
-  const int m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
-  if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
-    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
-    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
+  // broadcast from lane 0: ptxas then knows warpgroup is warp-uniform and builds the K/V descriptors of
+  // the query loop in uniform registers, instead of recomputing them per step in vector registers
+  const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);  // keys, query blocks, prologue and epilogue as bwd_kernel's
+  if (kb.n0 >= kb.seq.len_k) return;       // varlen: past this sequence's keys
+  if (kb.m_begin >= kb.m_end) {            // no query sees these keys: dK = dV = 0
+    kb.zero_dk_dv(p, tid);
     return;
   }
-  // GQA: the query heads of this K/V head in turn (bwd.cuh, QuerySteps)
-  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
-  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
-
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
-  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
-  cp_async_commit_group();
+  const QueryBlockCopy<Tr> copy(p, tid);
+  QueryBlock<Tr> qb = kb.load_first(p, smem_base, copy, tid);
+  const int n_steps = kb.steps(p);  // GQA: the query heads of this K/V head in turn (bwd.cuh, QueryBlock)
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
 #pragma unroll
@@ -259,27 +239,25 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   // (query head, query block) steps in order; each first issues the next step's loads. Unlike bwd_kernel,
   // the mask is a run-time flag of one loop body (causal diagonal; every block when this CTA holds the
   // key tail): two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
-  const bool is_key_tail = keys < Tr::BLOCK_N;
+  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
   int stage = 0;
   for (int step = 0; step < n_steps; ++step) {
-    const int m_block = steps.m_block(step);
-    const int m0 = m_block * Tr::BLOCK_M;
-    const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
-    if (step + 1 < n_steps)
-      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
-                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
+    const QueryBlock<Tr> qb_next = qb.next(p, kb.m_begin, kb.m_end);
+    const int m0 = qb.m_block * Tr::BLOCK_M;
+    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
+    if (step + 1 < n_steps) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
     __syncthreads();
-    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
     ScoreMods<MODS> mods;
-    mods.init(p.mods, batch, steps.head(step), p.heads);
-    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, band, mods, smem, smem_base, stage,
-                                                                m_block, n0, vec_off, warpgroup, warp, lane, dk_acc,
-                                                                dv_acc);
+    mods.init(p.mods, kb.batch, qb.head, p.heads);
+    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
+                                                                qb.m_block, kb.n0, qb.vec_row, warpgroup, warp, lane,
+                                                                dk_acc, dv_acc);
     __syncthreads();
     stage ^= 1;
+    qb = qb_next;
   }
 
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
@@ -299,11 +277,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   __syncthreads();
   // tid read anew: the copy offsets are the prologue's K/V ones; kept live across the query loop they
   // cost d128 causal a 4-byte spill under NVRTC 13.0
-  const int tid_epilogue = tid_x_reread();
-  store_tile<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim,
-                                               tid_epilogue);
-  store_tile<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim,
-                                               tid_epilogue);
+  kb.store_dk_dv(p, smem, tid_x_reread());
 #else
   static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_kernel uses wgmma: compile it for sm_90a");
 #endif

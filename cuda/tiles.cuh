@@ -54,15 +54,39 @@ struct SmemTile {
   static constexpr bool panel_order_unrolled() {
     return CHUNKS % THREADS == 0 && CHUNKS / THREADS <= 4;
   }
+  template <int THREADS>
+  static constexpr bool chunk_steps_exact() {  // the premise of chunk_rows / chunk_cols below
+    return (THREADS % CHUNKS_PER_PANEL == 0 || CHUNKS_PER_PANEL % THREADS == 0) && THREADS % (8 * PANEL_CHUNKS) == 0;
+  }
 
   // Chunk idx in panel order: panel by panel, rows within a panel, chunks within a row. 8 consecutive
   // chunks are one 128-byte line of one panel, so 8 lanes never collide on a bank group (row-major
   // order would put chunks of two 64-byte panels, ROWS * 64 bytes apart, in the same phase).
+  static constexpr int PANEL_CHUNKS = PANEL_COLS / 8;        // 16-byte chunks per panel row
+  static constexpr int CHUNKS_PER_PANEL = ROWS * PANEL_CHUNKS;
   static __device__ __forceinline__ void panel_order(int idx, int& row, int& col) {
-    constexpr int PANEL_CHUNKS = PANEL_COLS / 8;
-    const int panel = idx / (ROWS * PANEL_CHUNKS), rest = idx % (ROWS * PANEL_CHUNKS);
+    const int panel = idx / CHUNKS_PER_PANEL, rest = idx % CHUNKS_PER_PANEL;
     row = rest / PANEL_CHUNKS;
     col = panel * PANEL_COLS + (rest % PANEL_CHUNKS) * 8;
+  }
+
+  // Chunk tid + i * THREADS of an unrolled panel-order copy is chunk tid moved by chunk_rows<THREADS>(i)
+  // rows and chunk_cols<THREADS>(i) columns, both known at compile time: THREADS and CHUNKS_PER_PANEL
+  // are powers of two, so adding i * THREADS to tid < THREADS carries into neither the chunk digit nor,
+  // when THREADS < CHUNKS_PER_PANEL, the panel digit. The row step is a multiple of 8 (the swizzle
+  // period) and the column step whole panels, so the shared offset moves by chunk_smem<THREADS>(i) too:
+  // a copy computes its thread's first chunk once and each further chunk with an immediate.
+  template <int THREADS>
+  static constexpr int chunk_rows(int i) {
+    return (i * THREADS) % CHUNKS_PER_PANEL / PANEL_CHUNKS;
+  }
+  template <int THREADS>
+  static constexpr int chunk_cols(int i) {
+    return (i * THREADS) / CHUNKS_PER_PANEL * PANEL_COLS;
+  }
+  template <int THREADS>
+  static constexpr u32 chunk_smem(int i) {
+    return chunk_rows<THREADS>(i) * PANEL_BYTES + (chunk_cols<THREADS>(i) / PANEL_COLS) * (ROWS * PANEL_BYTES);
   }
 
   // ---- wgmma operand descriptors (sm_90a; PTX ISA 9.7.15.5.1.2) -----------------------------
@@ -77,14 +101,20 @@ struct SmemTile {
   static constexpr int SWIZZLE_ATOM = 8 * PANEL_BYTES;
   // rows row0.. (M or N; row0 % 8 == 0) by k columns k0..k0+15 (k0 % 16 == 0)
   static __device__ __forceinline__ u64 desc_k_major(u32 tile_smem, int row0, int k0) {
-    return wgmma_desc<PANEL_BYTES>(tile_smem + (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES +
-                                       (k0 % PANEL_COLS) * 2,
-                                   16, SWIZZLE_ATOM);
+    return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, 16, SWIZZLE_ATOM),
+                     (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES + (k0 % PANEL_COLS) * 2);
   }
   // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % PANEL_COLS == 0), any number of panels
   static __device__ __forceinline__ u64 desc_mn_major(u32 tile_smem, int k0, int n0) {
-    return wgmma_desc<PANEL_BYTES>(tile_smem + (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES,
-                                   ROWS * PANEL_BYTES, SWIZZLE_ATOM);
+    return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, ROWS * PANEL_BYTES, SWIZZLE_ATOM),
+                     (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES);
+  }
+  // The descriptor of tile_smem + bytes from that of tile_smem: the start address field (bits 0-13, the
+  // address / 16) plus bytes / 16, which never carries into the next field (shared addresses stay below
+  // 2^18) nor into the high word. So written, the descriptors of one tile share one base and each costs
+  // one 32-bit add; built from each address, every wgmma of the backward's query loop cost ~5 integer ops.
+  static __device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) {
+    return (desc & 0xFFFFFFFF00000000ull) | static_cast<u32>(static_cast<u32>(desc) + (bytes >> 4));
   }
 
   // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose
@@ -104,12 +134,18 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
                                                 int rows_valid, int cols_valid, int tid) {
   if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: chunks in panel order
     if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+      static_assert(Tile::template chunk_steps_exact<THREADS>(), "chunk_rows / chunk_cols need power-of-two sizes");
+      int row, col;  // this thread's first chunk; the others are compile-time steps from it
+      Tile::panel_order(tid, row, col);
+      const u32 dst = tile_smem + Tile::offset(row, col);
+      const u16* src = tile_gmem + row * row_stride + col;
 #pragma unroll
       for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) {
-        int row, col;
-        Tile::panel_order(tid + i * THREADS, row, col);
-        const bool valid = row < rows_valid && col < cols_valid;
-        cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem,
+        const bool valid = row + Tile::template chunk_rows<THREADS>(i) < rows_valid &&
+                           col + Tile::template chunk_cols<THREADS>(i) < cols_valid;
+        cp_async_cg_16(dst + Tile::template chunk_smem<THREADS>(i),
+                       valid ? src + Tile::template chunk_rows<THREADS>(i) * row_stride + Tile::template chunk_cols<THREADS>(i)
+                             : tile_gmem,
                        valid);
       }
     } else {
@@ -139,6 +175,57 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
   }
 }
 
+// load_tile_async split in two for a kernel that copies many tiles of one shape and row stride (the
+// backward's Q and dO blocks): the constructor computes, once, where this thread's first chunk is (row,
+// column, shared offset, global offset row * row_stride + col; the others are compile-time steps from it:
+// fixed-column, i * ROWS_PER_ITER rows; panel order, chunk_rows / chunk_cols); load() then costs an add
+// and a select per chunk, with no divisions or row products. Same chunks, same order as load_tile_async.
+// It selects the offset, where load_tile_async selects the pointer: ptxas then keeps one base per copy
+// (the pointer form cost the d128 backward 23 more integer ops per query block), but the offset form in
+// load_tile_async made NVRTC 13.0 spill 44 bytes in fwd_kernel d128, so that one stays as it is.
+template <class Tile, int THREADS>
+struct TileCopy {
+  static constexpr bool FIXED_COLUMN = Tile::template fixed_column<THREADS>();
+  static constexpr int ROWS_PER_ITER = FIXED_COLUMN ? THREADS / Tile::CHUNKS_PER_ROW : 0;
+  static constexpr int CHUNKS = FIXED_COLUMN ? (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER : Tile::CHUNKS / THREADS;
+  static_assert(FIXED_COLUMN || (Tile::template panel_order_unrolled<THREADS>() &&
+                                 Tile::template chunk_steps_exact<THREADS>()),
+                "TileCopy: fixed-column copies, or short panel-order copies of power-of-two sizes");
+  int row, col;        // this thread's first chunk
+  u32 smem_off;        // its byte offset in the shared tile
+  long long gmem_off;  // its element offset from the global tile's row 0: row * row_stride + col
+
+  __device__ __forceinline__ TileCopy(int tid, long long row_stride) {
+    if constexpr (FIXED_COLUMN) {
+      row = tid / Tile::CHUNKS_PER_ROW;
+      col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+    } else {
+      Tile::panel_order(tid, row, col);
+    }
+    smem_off = Tile::offset(row, col);
+    gmem_off = row * row_stride + col;
+  }
+  static constexpr int chunk_rows(int i) { return FIXED_COLUMN ? i * ROWS_PER_ITER : Tile::template chunk_rows<THREADS>(i); }
+  static constexpr int chunk_cols(int i) { return FIXED_COLUMN ? 0 : Tile::template chunk_cols<THREADS>(i); }
+  static constexpr u32 chunk_smem(int i) {
+    return FIXED_COLUMN ? i * ROWS_PER_ITER * Tile::PANEL_BYTES : Tile::template chunk_smem<THREADS>(i);
+  }
+
+  // the tile at tile_gmem (the row stride given to the constructor) into tile_smem; chunks outside
+  // rows_valid x cols_valid are zero-filled without a read (tile_gmem is their placeholder address)
+  __device__ __forceinline__ void load(u32 tile_smem, const u16* tile_gmem, long long row_stride, int rows_valid,
+                                       int cols_valid) const {
+#pragma unroll
+    for (int i = 0; i < CHUNKS; ++i) {
+      if (!FIXED_COLUMN || Tile::ROWS % ROWS_PER_ITER == 0 || row + chunk_rows(i) < Tile::ROWS) {
+        const bool valid = row + chunk_rows(i) < rows_valid && col + chunk_cols(i) < cols_valid;
+        const long long off = gmem_off + chunk_rows(i) * row_stride + chunk_cols(i);
+        cp_async_cg_16(tile_smem + smem_off + chunk_smem(i), tile_gmem + (valid ? off : 0), valid);
+      }
+    }
+  }
+};
+
 // The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
 // row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs). Chunks in panel
 // order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a placeholder address).
@@ -158,18 +245,27 @@ template <class Tile, int THREADS>
 __device__ __forceinline__ void store_tile(u16* tile_gmem, long long row_stride, const unsigned char* tile_smem,
                                            int rows_valid, int cols_valid, int tid) {
   if constexpr (!Tile::template fixed_column<THREADS>()) {  // panel order, as in load_tile_async
-    auto copy = [&](int idx) {
-      int row, col;
-      Tile::panel_order(idx, row, col);
-      if (row < rows_valid && col < cols_valid)
-        *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
-            *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
-    };
     if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+      static_assert(Tile::template chunk_steps_exact<THREADS>(), "chunk_rows / chunk_cols need power-of-two sizes");
+      int row, col;  // this thread's first chunk; the others are compile-time steps from it
+      Tile::panel_order(tid, row, col);
+      const unsigned char* src = tile_smem + Tile::offset(row, col);
+      u16* dst = tile_gmem + row * row_stride + col;
 #pragma unroll
-      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) copy(tid + i * THREADS);
+      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i)
+        if (row + Tile::template chunk_rows<THREADS>(i) < rows_valid &&
+            col + Tile::template chunk_cols<THREADS>(i) < cols_valid)
+          *reinterpret_cast<uint4*>(dst + Tile::template chunk_rows<THREADS>(i) * row_stride +
+                                    Tile::template chunk_cols<THREADS>(i)) =
+              *reinterpret_cast<const uint4*>(src + Tile::template chunk_smem<THREADS>(i));
     } else {
-      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) copy(idx);
+      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+        int row, col;
+        Tile::panel_order(idx, row, col);
+        if (row < rows_valid && col < cols_valid)
+          *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
+              *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
+      }
     }
     return;
   }

@@ -473,7 +473,7 @@ SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>=
 # With ALiBi / softcap / dropout (heavy_mods): see FWD_TILES_MODS. The plain tiles spilled 20-164 bytes at
 # head dims 96, 128 and 192 with every modifier on; smaller key groups (d_split) leave the registers.
 BWD_TILES_MODS = {**BWD_TILES,
-                  96: (32, 32, 6, 3),   # 181-185 registers
+                  96: (32, 64, 4, 1),   # 240-245 registers (power-of-two threads: tiles.cuh's copies)
                   128: (32, 64, 8, 2),  # 204-207 registers
                   192: (32, 16, 4, 4)}  # 213-243 registers
 DQ_TILES_MODS = dict(DQ_TILES)
