@@ -1064,7 +1064,8 @@ def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seql
     vec = ("guarded", np.arange(warps) * WARP < 2 * (cfg.block_m // 4))
     live = visits > 0
     # prologue: K, V, then the first query block's Q, dO after its head's address arithmetic (GQA / varlen,
-    # head_rows in bwd.cuh), which ptxas puts in a block of its own (nvcc 13.0 SASS)
+    # QueryBlock::first in bwd.cuh), which ptxas puts in a block of its own (nvcc 13.0 SASS; with NVRTC 13.5
+    # the break can fall a few copies earlier, inside V: the same number of blocks per warp)
     walk.guard_lds = (int(live.sum()) * int(guard_lds_per_warp(cfg.threads, [kv, kv, BLOCK_BREAK, q, q, vec]).sum())
                       + int((visits[live] - 1).sum()) * int(guard_lds_per_warp(cfg.threads, [q, q, vec]).sum())
                       + int(visits.sum()) * fences_per_visit * FENCE_GUARD_LDS * warps
