@@ -186,17 +186,24 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
 template <class Tile, int THREADS>
 struct TileCopy {
   static constexpr bool FIXED_COLUMN = Tile::template fixed_column<THREADS>();
+  // otherwise (e.g. HEAD_DIM 192 over 128 threads: 6 chunks each, not a power of two) load() is
+  // load_tile_async's rolled panel-order loop, from the thread index kept in `row`
+  static constexpr bool STEPPED = FIXED_COLUMN || (Tile::template panel_order_unrolled<THREADS>() &&
+                                                   Tile::template chunk_steps_exact<THREADS>());
   static constexpr int ROWS_PER_ITER = FIXED_COLUMN ? THREADS / Tile::CHUNKS_PER_ROW : 0;
   static constexpr int CHUNKS = FIXED_COLUMN ? (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER : Tile::CHUNKS / THREADS;
-  static_assert(FIXED_COLUMN || (Tile::template panel_order_unrolled<THREADS>() &&
-                                 Tile::template chunk_steps_exact<THREADS>()),
-                "TileCopy: fixed-column copies, or short panel-order copies of power-of-two sizes");
-  int row, col;        // this thread's first chunk
+  int row, col;        // this thread's first chunk (not STEPPED: row = the thread index)
   u32 smem_off;        // its byte offset in the shared tile
   long long gmem_off;  // its element offset from the global tile's row 0: row * row_stride + col
 
   __device__ __forceinline__ TileCopy(int tid, long long row_stride) {
-    if constexpr (FIXED_COLUMN) {
+    if constexpr (!STEPPED) {
+      row = tid;
+      col = 0;
+      smem_off = 0;
+      gmem_off = 0;
+      return;
+    } else if constexpr (FIXED_COLUMN) {
       row = tid / Tile::CHUNKS_PER_ROW;
       col = (tid % Tile::CHUNKS_PER_ROW) * 8;
     } else {
@@ -215,6 +222,10 @@ struct TileCopy {
   // rows_valid x cols_valid are zero-filled without a read (tile_gmem is their placeholder address)
   __device__ __forceinline__ void load(u32 tile_smem, const u16* tile_gmem, long long row_stride, int rows_valid,
                                        int cols_valid) const {
+    if constexpr (!STEPPED) {
+      load_tile_async<Tile, THREADS>(tile_smem, tile_gmem, row_stride, rows_valid, cols_valid, row);
+      return;
+    }
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
       if (!FIXED_COLUMN || Tile::ROWS % ROWS_PER_ITER == 0 || row + chunk_rows(i) < Tile::ROWS) {
