@@ -11,8 +11,8 @@ Each configuration draws batch 1-3, heads 1-4 (with grouped-query K/V heads for 
 1..4096 (log-uniform and uniform, edge values around powers of two, primes), head dims (multiples of 8 up to
 256), fp16/bf16, causal, layout, deterministic mode, softmax_scale, the entry point (dense forward + backward;
 varlen forward + backward on packed sequences of random lengths, 0 included, for 10%; kv-cache decoding, dense
-or paged cache, split-KV, with or without appended keys, for 10%), score modifiers (a quarter of the dense
-configurations of at most 2^20 scores: sliding window, ALiBi, softcap, dropout, alone or combined, checked
+or paged cache, split-KV, with or without appended keys, for 10%), score modifiers (half of the dense
+configurations of at most 2^17 scores: sliding window, ALiBi, softcap, dropout, alone or combined, checked
 against the NumPy reference with the dropout mask of cuflash.philox), and strides (dense): inputs as views inside NaN-poisoned buffers with random padding and axis order
 (guard bands: the buffers must come back unchanged and a read outside a view would bring NaN into the
 results), or head-dim offsets that are not 16-byte aligned (the library copies those); dq/dk/dv preallocated
@@ -40,7 +40,7 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _xpref, config, philox  # noqa: E402
-from cuflash import reference as ref  # noqa: E402
+from cuflash import reference as refmod  # noqa: E402
 from cuflash.check import compile_configs  # noqa: E402
 from gpu_helpers import max_abs, poison_pool, randn, round_up, seed_of, to_bshd32  # noqa: E402
 from reliability_helpers import guarded, lowp_dtype  # noqa: E402
@@ -50,7 +50,7 @@ pytestmark = pytest.mark.gpu_slow
 SEED = int(os.environ.get("CUFLASH_SWEEP_SEED", "20261108"))
 COUNT = int(os.environ.get("CUFLASH_SWEEP_COUNT", "2000"))
 MAX_SCORES = 1 << 26  # batch * heads * seqlen_q * seqlen_k: a float64 (B, H, Sq, Sk) array is 512 MiB at most
-MAX_MOD_SCORES = 1 << 20  # modifier configurations: the NumPy reference runs on the host
+MAX_MOD_SCORES = 1 << 17  # modifier configurations: the NumPy reference runs on the host (einsum, not BLAS)
 
 PRIMES = [2, 3, 5, 7, 11, 13, 17, 31, 61, 101, 127, 211, 257, 509, 521, 1021, 1031, 2039, 2053, 3067, 4093]
 EDGES = [1, 2, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1023, 1024,
@@ -177,7 +177,7 @@ def _draw(rng, idx: int) -> SweepConfig:
         extra.update(preallocated=False, strides="contiguous", layout="bshd")
     elif b * h * sq * sk <= MAX_MOD_SCORES:  # score modifiers (own generator: the other draws stay as they were)
         mr = np.random.default_rng(seed_of("sweep-mods", SEED, idx))
-        if mr.random() < 0.25:
+        if mr.random() < 0.5:
             sides = [-1, 0, 1, 17, 256, int(mr.integers(0, max(2, sk)))]
             window = (int(mr.choice(sides)), int(mr.choice(sides))) if mr.random() < 0.5 else None
             extra.update(window=window, alibi=str(mr.choice(["", "h", "bh"])),
@@ -453,12 +453,12 @@ def test_sweep(cfg: SweepConfig, sweep_report):
     q32, k32, v32, do32 = (to_bshd32(x, cfg.layout) for x in (q, k, v, dout))
     if mods:  # the NumPy reference (float64 and low precision) with the same modifiers
         h32 = [cp.asnumpy(x) for x in (q32, k32, v32, do32)]
-        o64, lse64 = (cp.asarray(x) for x in ref.attention_forward64(*h32[:3], cfg.causal, cfg.softmax_scale,
+        o64, lse64 = (cp.asarray(x) for x in refmod.attention_forward64(*h32[:3], cfg.causal, cfg.softmax_scale,
                                                                      **ref_mods))
-        o_lowp = cp.asarray(ref.attention_lowp(*h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods))
+        o_lowp = cp.asarray(refmod.attention_lowp(*h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods))
         ratios = {"o": _ratio(to_bshd32(o, cfg.layout), o64, o_lowp, 2), "lse": _lse_ratio(lse, lse64)}
-        g64 = ref.attention_backward64(h32[3], *h32[:3], cfg.causal, cfg.softmax_scale, **ref_mods)
-        glowp = ref.attention_backward_lowp(h32[3], *h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods)
+        g64 = refmod.attention_backward64(h32[3], *h32[:3], cfg.causal, cfg.softmax_scale, **ref_mods)
+        glowp = refmod.attention_backward_lowp(h32[3], *h32[:3], cfg.dtype, cfg.causal, cfg.softmax_scale, **ref_mods)
         for name, g, r64, low in zip(("dq", "dk", "dv"), grads, g64, glowp):
             ratios[name] = _ratio(to_bshd32(g, cfg.layout), cp.asarray(r64), cp.asarray(low), 3)
         sweep_report.record(cfg, ratios)

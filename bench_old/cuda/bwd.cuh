@@ -1,0 +1,601 @@
+// bwd.cuh: FlashAttention-2 backward (Dao 2023, Algorithm 2) on mma.sync tensor cores.
+//
+// Nothing of size N^2 is stored: P is recomputed per tile from Q, K and the forward's lse.
+//   1. bwd_preprocess_kernel: delta_i = rowsum(dO_i * O_i), lse_log2_i = lse_i * log2(e), dQ_acc = 0
+//   2. bwd_kernel (K/V-outer): dK_j, dV_j in registers, written once; dQ_i += dS K_j by fp32 atomics
+//      into dQ_acc (or, deterministic, not at all: then 3b)
+//   3. bwd_convert_dq_kernel: dQ = softmax_scale * dQ_acc in the input dtype and layout
+//   3b. bwd_dq_kernel (Q-outer, deterministic): dQ_i = softmax_scale * sum_j dS_ij K_j in registers
+// Dense or packed (varlen) sequences and GQA as in the forward (seqs.cuh). With GQA, a bwd_kernel CTA
+// owns keys of one K/V head and runs the query blocks of every query head of its group in turn, so dK
+// and dV are summed over the group in registers and written once (no atomics, no repeated K/V).
+#pragma once
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "seqs.cuh"
+
+namespace cuflash {
+
+// Arguments of every backward kernel, passed by value. Mirrored by cuflash/_launch.py:BwdParams.
+struct BwdParams {
+  const u16* q;     // [batch, seqlen_q, heads, head_dim] (varlen: [total_q, heads, head_dim]) at the strides below
+  const u16* k;     // [batch, seqlen_k, kv_heads, head_dim]
+  const u16* v;     // [batch, seqlen_k, kv_heads, head_dim]
+  const u16* o;     // like q
+  const u16* dout;  // like q
+  u16* dq;          // like q
+  u16* dk;          // like k
+  u16* dv;          // like k
+  const float* lse; // lse[batch * lse_batch_stride + head * lse_head_stride + (q_row0 + row) * lse_row_stride]
+  float* dq_accum;  // [rows of padded_row0, dq_accum_cols] fp32, contiguous (seqs.cuh)
+  float* lse_log2;  // [rows of padded_row0]: lse * log2(e); +inf where lse = -inf and on pad rows
+  float* delta;     // [rows of padded_row0]: rowsum(dO * O); 0 on pad rows
+  SeqParams seq;
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long do_batch_stride, do_row_stride, do_head_stride;
+  long long dq_batch_stride, dq_row_stride, dq_head_stride;
+  long long dk_batch_stride, dk_row_stride, dk_head_stride;
+  long long dv_batch_stride, dv_row_stride, dv_head_stride;
+  long long lse_batch_stride, lse_head_stride, lse_row_stride;
+  int seqlen_q_pad;   // fp32 rows per (batch, head) (dense) or per head (varlen): seqs.cuh
+  int heads;          // query heads
+  int head_dim;       // run-time head dim <= the kernel's HEAD_DIM
+  int dq_accum_cols;  // the kernel's HEAD_DIM
+  float scale_log2;   // softmax_scale * log2(e)
+  float softmax_scale;
+};
+static_assert(sizeof(BwdParams) == 376, "BwdParams is mirrored field by field in cuflash/_launch.py");
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+// ---- 1. preprocess: one warp per query row --------------------------------------------------
+constexpr int PREPROCESS_ROWS = 8;  // rows (warps) per CTA of 256 threads
+
+template <class T>
+__global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) {
+  const int lane = threadIdx.x & 31;
+  const int row = blockIdx.x * PREPROCESS_ROWS + (threadIdx.x >> 5);
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  // every row of the sequence's padded region, pad rows included, is initialized
+  if (row >= (seq.len_q + PAD_ROWS - 1) / PAD_ROWS * PAD_ROWS) return;
+  const long long vec = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + row;
+  float delta = 0.f, lse_log2 = -neg_inf();  // pad rows: P = exp2(S - inf) = 0, no contribution
+  if (row < seq.len_q) {
+    const long long qrow = seq.q_row0 + row;
+    const u16* o_row = p.o + batch * p.o_batch_stride + head * p.o_head_stride + qrow * p.o_row_stride;
+    const u16* do_row = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + qrow * p.do_row_stride;
+    for (int col = lane * 8; col < p.head_dim; col += 32 * 8) {
+      const uint4 o8 = *reinterpret_cast<const uint4*>(o_row + col);
+      const uint4 do8 = *reinterpret_cast<const uint4*>(do_row + col);
+      const u32 ow[4] = {o8.x, o8.y, o8.z, o8.w}, dw[4] = {do8.x, do8.y, do8.z, do8.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        delta += Cvt<T>::unpack(ow[i], 0) * Cvt<T>::unpack(dw[i], 0);
+        delta += Cvt<T>::unpack(ow[i], 1) * Cvt<T>::unpack(dw[i], 1);
+      }
+    }
+    delta = warp_sum(delta);
+    const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + qrow * p.lse_row_stride];
+    // a row that saw no key (lse = -inf) gets +inf, so its P = exp2(S * scale_log2 - inf) = 0
+    lse_log2 = (lse == neg_inf()) ? -neg_inf() : lse * LOG2E;
+  }
+  if (lane == 0) {
+    p.delta[vec] = delta;
+    p.lse_log2[vec] = lse_log2;
+  }
+  if (p.dq_accum != nullptr) {
+    float* acc = p.dq_accum + vec * p.dq_accum_cols;
+    for (int col = lane * 4; col < p.dq_accum_cols; col += 32 * 4)
+      *reinterpret_cast<float4*>(acc + col) = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+}
+
+// ---- 2. main backward: one CTA per BLOCK_N keys ---------------------------------------------
+
+// One query block: S^T, P^T, dV, dP^T, dS^T, dK, and (unless deterministic) dQ_i += dS K_j.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool IS_MASKED>
+__device__ __forceinline__ void bwd_query_block(const BwdParams& p, int seqlen_k, int diag, unsigned char* smem,
+                                                u32 smem_base, int stage, int m_block, int n0, long long vec_off,
+                                                int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                                float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  const int t = lane & 3, g = lane >> 2;
+  const int key_row0 = (warp / Tr::D_SPLIT) * 16;            // this warp's keys in the tile
+  const int d_col0 = (warp % Tr::D_SPLIT) * Tr::DKV_COLS;    // this warp's dK/dV columns
+  const int m0 = m_block * Tr::BLOCK_M;
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  const u32 k_smem = smem_base + Tr::OFF_K, v_smem = smem_base + Tr::OFF_V;
+  const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
+  const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
+
+  // S^T = K_j Q_i^T: 16 keys x BLOCK_M queries per warp
+  float s_acc[Tr::Q_TILES][4];  // rows key g, g+8; columns query 2t, 2t+1 of each n8 tile
+#pragma unroll
+  for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) s_acc[qt][c] = 0.f;
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+    u32 k_regs[4];
+    ldmatrix_a<typename Tr::TileKV>(k_regs, k_smem, key_row0, kk * 16, lane);
+#pragma unroll
+    for (int qp = 0; qp < Tr::Q_TILES / 2; ++qp) {
+      u32 q_regs[4];
+      ldmatrix_b_nk<typename Tr::TileQ>(q_regs, q_smem, qp * 16, kk * 16, lane);
+      Mma<T>::m16n8k16(s_acc[2 * qp], k_regs, q_regs[0], q_regs[1]);
+      Mma<T>::m16n8k16(s_acc[2 * qp + 1], k_regs, q_regs[2], q_regs[3]);
+    }
+  }
+  // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
+  if (IS_MASKED)
+    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
+
+  // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows)
+#pragma unroll
+  for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
+    const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + qt * 8 + 2 * t);
+    s_acc[qt][0] = ex2_approx(fmaf(s_acc[qt][0], p.scale_log2, -lse2.x));
+    s_acc[qt][1] = ex2_approx(fmaf(s_acc[qt][1], p.scale_log2, -lse2.y));
+    s_acc[qt][2] = ex2_approx(fmaf(s_acc[qt][2], p.scale_log2, -lse2.x));
+    s_acc[qt][3] = ex2_approx(fmaf(s_acc[qt][3], p.scale_log2, -lse2.y));
+  }
+
+  // dV_j += P^T dO_i: A = P^T from the accumulators, B = dO_i [query][d] read transposed
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+    const u32 p_regs[4] = {Cvt<T>::pack(s_acc[2 * kk][0], s_acc[2 * kk][1]),
+                           Cvt<T>::pack(s_acc[2 * kk][2], s_acc[2 * kk][3]),
+                           Cvt<T>::pack(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]),
+                           Cvt<T>::pack(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < Tr::DKV_TILES / 2; ++dp) {
+      u32 do_regs[4];
+      ldmatrix_b_kn_trans<typename Tr::TileQ>(do_regs, do_smem, kk * 16, d_col0 + dp * 16, lane);
+      Mma<T>::m16n8k16(dv_acc[2 * dp], p_regs, do_regs[0], do_regs[1]);
+      Mma<T>::m16n8k16(dv_acc[2 * dp + 1], p_regs, do_regs[2], do_regs[3]);
+    }
+  }
+
+  // dP^T = V_j dO_i^T (at HEAD_DIM 128 the k-loop stays rolled: dK, dV, P^T and dP^T are all live here,
+  // and NVRTC 13.0 spilled 8 bytes with it unrolled; unrolled elsewhere, where it measured 8 % faster)
+  float dp_acc[Tr::Q_TILES][4];
+#pragma unroll
+  for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dp_acc[qt][c] = 0.f;
+#pragma unroll(Tr::DP_UNROLL)
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+    u32 v_regs[4];
+    ldmatrix_a<typename Tr::TileKV>(v_regs, v_smem, key_row0, kk * 16, lane);
+#pragma unroll
+    for (int qp = 0; qp < Tr::Q_TILES / 2; ++qp) {
+      u32 do_regs[4];
+      ldmatrix_b_nk<typename Tr::TileQ>(do_regs, do_smem, qp * 16, kk * 16, lane);
+      Mma<T>::m16n8k16(dp_acc[2 * qp], v_regs, do_regs[0], do_regs[1]);
+      Mma<T>::m16n8k16(dp_acc[2 * qp + 1], v_regs, do_regs[2], do_regs[3]);
+    }
+  }
+
+  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i))
+#pragma unroll
+  for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
+    const float2 delta = *reinterpret_cast<const float2*>(delta_smem + qt * 8 + 2 * t);
+    dp_acc[qt][0] = s_acc[qt][0] * (dp_acc[qt][0] - delta.x);
+    dp_acc[qt][1] = s_acc[qt][1] * (dp_acc[qt][1] - delta.y);
+    dp_acc[qt][2] = s_acc[qt][2] * (dp_acc[qt][2] - delta.x);
+    dp_acc[qt][3] = s_acc[qt][3] * (dp_acc[qt][3] - delta.y);
+  }
+
+  // dK_j += dS^T Q_i (softmax_scale applied once, at the end): B = Q_i [query][d] read transposed
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+    const u32 ds_regs[4] = {Cvt<T>::pack(dp_acc[2 * kk][0], dp_acc[2 * kk][1]),
+                            Cvt<T>::pack(dp_acc[2 * kk][2], dp_acc[2 * kk][3]),
+                            Cvt<T>::pack(dp_acc[2 * kk + 1][0], dp_acc[2 * kk + 1][1]),
+                            Cvt<T>::pack(dp_acc[2 * kk + 1][2], dp_acc[2 * kk + 1][3])};
+#pragma unroll
+    for (int dp = 0; dp < Tr::DKV_TILES / 2; ++dp) {
+      u32 q_regs[4];
+      ldmatrix_b_kn_trans<typename Tr::TileQ>(q_regs, q_smem, kk * 16, d_col0 + dp * 16, lane);
+      Mma<T>::m16n8k16(dk_acc[2 * dp], ds_regs, q_regs[0], q_regs[1]);
+      Mma<T>::m16n8k16(dk_acc[2 * dp + 1], ds_regs, q_regs[2], q_regs[3]);
+    }
+  }
+
+  if (IS_DETERMINISTIC) return;  // dQ comes from bwd_dq_kernel instead
+
+  // dS^T -> shared memory (one warp per key group writes it), read back transposed as dS for dQ
+  if (warp % Tr::D_SPLIT == 0) {
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
+      *reinterpret_cast<u32*>(smem + Tr::OFF_DS + Tr::TileDS::offset(key_row0 + g, qt * 8 + 2 * t)) =
+          Cvt<T>::pack(dp_acc[qt][0], dp_acc[qt][1]);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_DS + Tr::TileDS::offset(key_row0 + g + 8, qt * 8 + 2 * t)) =
+          Cvt<T>::pack(dp_acc[qt][2], dp_acc[qt][3]);
+    }
+  }
+  __syncthreads();
+
+  // dQ_i += dS K_j: warp (warp_m, warp_d) of a DQ_WARPS_M x DQ_WARPS_D grid over [BLOCK_M, HEAD_DIM]
+  const int warp_m = warp / Tr::DQ_WARPS_D, warp_d = warp % Tr::DQ_WARPS_D;
+  float dq_acc[Tr::DQ_M_TILES][Tr::DQ_D_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < Tr::DQ_M_TILES; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DQ_D_TILES; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dq_acc[mt][dt][c] = 0.f;
+  // not unrolled: keeps the address registers of the loop body out of the S^T/dP^T register peak
+#pragma unroll 1
+  for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk) {
+    u32 ds_regs[Tr::DQ_M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::DQ_M_TILES; ++mt)
+      ldmatrix_a_trans<typename Tr::TileDS>(ds_regs[mt], smem_base + Tr::OFF_DS, kk * 16,
+                                            (warp_m * Tr::DQ_M_TILES + mt) * 16, lane);
+#pragma unroll
+    for (int dp = 0; dp < Tr::DQ_D_TILES / 2; ++dp) {
+      u32 k_regs[4];
+      ldmatrix_b_kn_trans<typename Tr::TileKV>(k_regs, k_smem, kk * 16, (warp_d * Tr::DQ_D_TILES + 2 * dp) * 8, lane);
+#pragma unroll
+      for (int mt = 0; mt < Tr::DQ_M_TILES; ++mt) {
+        Mma<T>::m16n8k16(dq_acc[mt][2 * dp], ds_regs[mt], k_regs[0], k_regs[1]);
+        Mma<T>::m16n8k16(dq_acc[mt][2 * dp + 1], ds_regs[mt], k_regs[2], k_regs[3]);
+      }
+    }
+  }
+  // fp32 atomics into dQ_acc (pad rows exist in the buffer, so no bounds checks)
+  float* acc = p.dq_accum + (vec_off + m0) * p.dq_accum_cols;
+#pragma unroll
+  for (int mt = 0; mt < Tr::DQ_M_TILES; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DQ_D_TILES; ++dt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // c0,c1 (row g) and c2,c3 (row g+8): adjacent columns
+        const int row = (warp_m * Tr::DQ_M_TILES + mt) * 16 + g + h * 8;
+        const int col = (warp_d * Tr::DQ_D_TILES + dt) * 8 + 2 * t;
+        red_add_v2_f32(acc + row * p.dq_accum_cols + col, dq_acc[mt][dt][2 * h], dq_acc[mt][dt][2 * h + 1]);
+      }
+}
+
+// Where one query head's rows start: Q and dO of the sequence, and its fp32 rows (seqs.cuh).
+struct HeadRows {
+  const u16* q;
+  const u16* dout;
+  long long vec_off;
+};
+
+__device__ __forceinline__ HeadRows head_rows(const BwdParams& p, const Seq& seq, int batch, int head) {
+  HeadRows r;
+  r.q = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride + head * p.q_head_stride;
+  r.dout = p.dout + batch * p.do_batch_stride + static_cast<long long>(seq.q_row0) * p.do_row_stride +
+           head * p.do_head_stride;
+  r.vec_off = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad);
+  return r;
+}
+
+// Q_i, dO_i, lse_log2_i and delta_i of query block m_block into the given stage (one cp.async group's worth).
+template <class Tr>
+__device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage, int m_block,
+                                                     const HeadRows& rows_of, int len_q, int tid) {
+  const int m0 = m_block * Tr::BLOCK_M;
+  const int rows = min(Tr::BLOCK_M, len_q - m0);
+  load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q,
+                                                   rows_of.q + m0 * p.q_row_stride, p.q_row_stride, rows, p.head_dim,
+                                                   tid);
+  load_tile_async<typename Tr::TileQ, Tr::THREADS>(smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q,
+                                                   rows_of.dout + m0 * p.do_row_stride, p.do_row_stride, rows,
+                                                   p.head_dim, tid);
+  // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
+  constexpr int CHUNKS = Tr::BLOCK_M / 4;
+  if (tid < 2 * CHUNKS) {
+    const bool is_delta = tid >= CHUNKS;
+    const int c = is_delta ? tid - CHUNKS : tid;
+    const float* src = (is_delta ? p.delta : p.lse_log2) + rows_of.vec_off + m0 + c * 4;
+    const u32 dst = smem_base + (is_delta ? Tr::OFF_DELTA : Tr::OFF_LSE) + stage * 2 * Tr::SMEM_ROWVEC + c * 16;
+    cp_async_cg_16(dst, src, true);
+  }
+}
+
+// The steps of one K/V-outer CTA: the kv_group query heads of its K/V head in turn, each over its query
+// blocks [m_begin, m_begin + blocks_per_head), flattened so that the cp.async pipeline runs on across heads.
+struct QuerySteps {
+  int head0, m_begin, blocks_per_head;
+  __device__ __forceinline__ int head(int step) const { return head0 + step / blocks_per_head; }
+  __device__ __forceinline__ int m_block(int step) const { return m_begin + step % blocks_per_head; }
+};
+
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
+__global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  using T = typename Tr::T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
+  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
+  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
+  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
+
+  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
+  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
+
+  // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
+  const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
+  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
+    return;
+  }
+  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
+  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
+
+  const u32 smem_base = smem_u32(smem);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
+  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
+  cp_async_commit_group();
+
+  float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::DKV_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
+
+  // (query head, query block) steps in order; each first issues the next step's loads. A step needs the
+  // mask on the causal diagonal, or always when this CTA holds the key tail.
+  const bool is_key_tail = keys < Tr::BLOCK_N;
+  int stage = 0;
+  for (int step = 0; step < n_steps; ++step) {
+    const int m_block = steps.m_block(step);
+    if (step + 1 < n_steps)
+      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
+                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
+    cp_async_commit_group();
+    cp_async_wait_group<1>();
+    __syncthreads();
+    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
+    if (is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag))
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true>(
+          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+    else
+      bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false>(
+          p, seq.len_k, diag, smem, smem_base, stage, m_block, n0, vec_off, warp, lane, dk_acc, dv_acc);
+    __syncthreads();
+    stage ^= 1;
+  }
+
+  // epilogue: dK = softmax_scale * dK; stage dK in the K tile and dV in the V tile, 16-byte stores
+  const int g = lane >> 2, t = lane & 3;
+  const int key_row0 = (warp / Tr::D_SPLIT) * 16, d_col0 = (warp % Tr::D_SPLIT) * Tr::DKV_COLS;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, d_col0 + dt * 8 + 2 * t);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+    }
+  __syncthreads();
+  store_tile<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim, tid);
+  store_tile<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim, tid);
+}
+
+// ---- 3. dQ = softmax_scale * dQ_acc, to the input dtype and layout --------------------------
+constexpr int CONVERT_THREADS = 256;
+
+template <class T>
+__global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_kernel(const BwdParams p) {
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int chunks_per_row = p.head_dim / 8;
+  const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;
+  const int row = idx / chunks_per_row, col = (idx % chunks_per_row) * 8;
+  if (row >= seq.len_q) return;
+  const float* src = p.dq_accum + (padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + row) * p.dq_accum_cols + col;
+  const float4 a = *reinterpret_cast<const float4*>(src), b = *reinterpret_cast<const float4*>(src + 4);
+  const float s = p.softmax_scale;
+  const uint4 out = make_uint4(Cvt<T>::pack(a.x * s, a.y * s), Cvt<T>::pack(a.z * s, a.w * s),
+                               Cvt<T>::pack(b.x * s, b.y * s), Cvt<T>::pack(b.z * s, b.w * s));
+  *reinterpret_cast<uint4*>(p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride +
+                            static_cast<long long>(seq.q_row0 + row) * p.dq_row_stride + col) = out;
+}
+
+// ---- 3b. deterministic dQ, Q-outer ----------------------------------------------------------
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED>
+__device__ __forceinline__ void bwd_dq_key_tile(const BwdParams& p, int seqlen_k, int diag, int n_block, u32 q_smem,
+                                                u32 do_smem, u32 k_smem,
+                                                u32 v_smem, int warp_row0, int row0, int lane,
+                                                const float (&lse_log2)[Tr::M_TILES][2],
+                                                const float (&delta)[Tr::M_TILES][2],
+                                                float (&dq_acc)[Tr::M_TILES][Tr::D_TILES][4]) {
+  using T = typename Tr::T;
+  float s_acc[Tr::M_TILES][Tr::N_TILES][4], dp_acc[Tr::M_TILES][Tr::N_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = dp_acc[mt][nt][c] = 0.f;
+
+  // S = Q K^T and dP = dO V^T, sharing the k-loop over the head dim
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+    u32 q_regs[Tr::M_TILES][4], do_regs[Tr::M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+      ldmatrix_a<typename Tr::TileQ>(q_regs[mt], q_smem, warp_row0 + mt * 16, kk * 16, lane);
+      ldmatrix_a<typename Tr::TileQ>(do_regs[mt], do_smem, warp_row0 + mt * 16, kk * 16, lane);
+    }
+#pragma unroll
+    for (int np = 0; np < Tr::N_TILES / 2; ++np) {
+      u32 k_regs[4], v_regs[4];
+      ldmatrix_b_nk<typename Tr::TileKV>(k_regs, k_smem, np * 16, kk * 16, lane);
+      ldmatrix_b_nk<typename Tr::TileKV>(v_regs, v_smem, np * 16, kk * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+        Mma<T>::m16n8k16(s_acc[mt][2 * np], q_regs[mt], k_regs[0], k_regs[1]);
+        Mma<T>::m16n8k16(s_acc[mt][2 * np + 1], q_regs[mt], k_regs[2], k_regs[3]);
+        Mma<T>::m16n8k16(dp_acc[mt][2 * np], do_regs[mt], v_regs[0], v_regs[1]);
+        Mma<T>::m16n8k16(dp_acc[mt][2 * np + 1], do_regs[mt], v_regs[2], v_regs[3]);
+      }
+    }
+  }
+  if (IS_MASKED)
+    apply_mask<IS_CAUSAL>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, seqlen_k, diag, lane);
+
+  // P = exp2(S * scale_log2 - lse_log2); dS = P * (dP - delta)
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float prob = ex2_approx(fmaf(s_acc[mt][nt][c], p.scale_log2, -lse_log2[mt][c >> 1]));
+        dp_acc[mt][nt][c] = prob * (dp_acc[mt][nt][c] - delta[mt][c >> 1]);
+      }
+
+  // dQ += dS K: A = dS from the accumulators, B = K [key][d] read transposed
+#pragma unroll
+  for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
+    u32 ds_regs[Tr::M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+      ds_regs[mt][0] = Cvt<T>::pack(dp_acc[mt][2 * kk][0], dp_acc[mt][2 * kk][1]);
+      ds_regs[mt][1] = Cvt<T>::pack(dp_acc[mt][2 * kk][2], dp_acc[mt][2 * kk][3]);
+      ds_regs[mt][2] = Cvt<T>::pack(dp_acc[mt][2 * kk + 1][0], dp_acc[mt][2 * kk + 1][1]);
+      ds_regs[mt][3] = Cvt<T>::pack(dp_acc[mt][2 * kk + 1][2], dp_acc[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Tr::D_TILES / 2; ++dp) {
+      u32 k_regs[4];
+      ldmatrix_b_kn_trans<typename Tr::TileKV>(k_regs, k_smem, kk * 16, dp * 16, lane);
+#pragma unroll
+      for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+        Mma<T>::m16n8k16(dq_acc[mt][2 * dp], ds_regs[mt], k_regs[0], k_regs[1]);
+        Mma<T>::m16n8k16(dq_acc[mt][2 * dp + 1], ds_regs[mt], k_regs[2], k_regs[3]);
+      }
+    }
+  }
+}
+
+template <class Tr, bool IS_CAUSAL>
+__global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  using T = typename Tr::T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int row0 = m_block * Tr::BLOCK_M;
+  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+  const int diag = seq.len_k - seq.len_q;
+  const int warp_row0 = warp * Tr::WARP_ROWS;
+  const int kv_head = head / p.seq.kv_group;
+  const long long vec_off = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad);
+
+  const long long q_row = static_cast<long long>(seq.q_row0) + row0;
+  const u16* q_gmem = p.q + batch * p.q_batch_stride + head * p.q_head_stride + q_row * p.q_row_stride;
+  const u16* do_gmem = p.dout + batch * p.do_batch_stride + head * p.do_head_stride + q_row * p.do_row_stride;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride +
+                      static_cast<long long>(seq.k_row0) * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride +
+                      static_cast<long long>(seq.k_row0) * p.v_row_stride;
+  // dQ of this CTA's rows (a function: computed anew after the key loop, not kept live through it)
+  auto dq_rows = [&](long long first_row) {
+    return p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + first_row * p.dq_row_stride;
+  };
+
+  const int n_blocks = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(row0 + rows_q - 1, seq.len_k, diag);
+  if (n_blocks <= 0) {  // rows that see no key have no gradient
+    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(dq_rows(q_row), p.dq_row_stride, rows_q, p.head_dim, tid);
+    return;
+  }
+
+  const u32 q_smem = smem_u32(smem), do_smem = q_smem + Tr::SMEM_Q;
+  const u32 k_smem0 = q_smem + 2 * Tr::SMEM_Q, v_smem0 = k_smem0 + 2 * Tr::SMEM_KV;
+  int n_block = n_blocks - 1;
+  load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
+  load_tile_async<typename Tr::TileQ, Tr::THREADS>(do_smem, do_gmem, p.do_row_stride, rows_q, p.head_dim, tid);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0, k_gmem + n_block * Tr::BLOCK_N * p.k_row_stride,
+                                                    p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(v_smem0, v_gmem + n_block * Tr::BLOCK_N * p.v_row_stride,
+                                                    p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+  cp_async_commit_group();
+
+  // this thread's rows: lse_log2 and delta from the preprocess (pad rows: +inf and 0)
+  float lse_log2[Tr::M_TILES][2], delta[Tr::M_TILES][2];
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const long long r = vec_off + row0 + warp_row0 + mt * 16 + g + 8 * h;
+      lse_log2[mt][h] = p.lse_log2[r];
+      delta[mt][h] = p.delta[r];
+    }
+  float dq_acc[Tr::M_TILES][Tr::D_TILES][4];
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) dq_acc[mt][dt][c] = 0.f;
+
+  int stage = 0;
+  auto step = [&](auto is_masked_tag) {
+    constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
+    if (n_block > 0) {
+      const int next = n_block - 1;
+      const u32 off = (stage ^ 1) * Tr::SMEM_KV;
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + off, k_gmem + next * Tr::BLOCK_N * p.k_row_stride,
+                                                        p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(v_smem0 + off, v_gmem + next * Tr::BLOCK_N * p.v_row_stride,
+                                                        p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+    }
+    cp_async_commit_group();
+    cp_async_wait_group<1>();
+    __syncthreads();
+    bwd_dq_key_tile<Tr, IS_CAUSAL, IS_MASKED>(p, seq.len_k, diag, n_block, q_smem, do_smem, k_smem0 + stage * Tr::SMEM_KV,
+                                              v_smem0 + stage * Tr::SMEM_KV, warp_row0, row0, lane, lse_log2, delta,
+                                              dq_acc);
+    __syncthreads();
+    stage ^= 1;
+  };
+  for (; n_block >= 0 && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, row0, seq.len_k, diag); --n_block)
+    step(BoolTag<true>());
+  for (; n_block >= 0; --n_block) step(BoolTag<false>());
+
+  // epilogue: dQ = softmax_scale * dQ -> shared (Q tile, own rows) -> 16-byte stores
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int dt = 0; dt < Tr::D_TILES; ++dt)
+        *reinterpret_cast<u32*>(smem + Tr::TileQ::offset(warp_row0 + mt * 16 + g + 8 * h, dt * 8 + 2 * t)) =
+            Cvt<T>::pack(dq_acc[mt][dt][2 * h] * p.softmax_scale, dq_acc[mt][dt][2 * h + 1] * p.softmax_scale);
+  __syncthreads();
+  store_tile<typename Tr::TileQ, Tr::THREADS>(dq_rows(opaque(seq.q_row0) + static_cast<long long>(row0)),
+                                              p.dq_row_stride, smem, rows_q, p.head_dim, tid);
+}
+
+}  // namespace cuflash

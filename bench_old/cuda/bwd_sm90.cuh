@@ -1,0 +1,271 @@
+// bwd_sm90.cuh: FlashAttention-2 backward main kernel (Dao 2023, Algorithm 2) on Hopper warpgroup
+// MMA (sm_90a). The preprocess, dQ conversion and deterministic dQ kernels are bwd.cuh's.
+//
+// One CTA owns BLOCK_N keys and loops over query blocks of BLOCK_M = 64 rows, as bwd_kernel does; each
+// warpgroup owns 64 of the keys, i.e. 64 rows of dK and dV in registers. Per query block:
+//   S^T = K_j Q_i^T, dP^T = V_j dO_i^T      wgmma, A (K or V rows) and B (Q or dO) from shared memory
+//   P^T = exp2(S^T * scale_log2 - lse_log2), dS^T = P^T * (dP^T - delta)     in the accumulators
+//   dV += P^T dO_i, dK += dS^T Q_i          wgmma, A from registers, B (dO, Q) N-major from shared
+//   dQ_i += dS K_j                          dS^T -> shared, read M-major; K N-major; fp32 atomics
+// The K-outer order keeps dK, dV on chip for the whole query loop; the transposed products leave P^T and
+// dS^T in the accumulator layout that the next two products take as their A registers.
+#pragma once
+#include "ptx.cuh"
+#include "ptx_wgmma.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "bwd.cuh"
+
+namespace cuflash {
+
+// One query block for one warpgroup (see the file comment); dQ unless deterministic. is_masked: apply
+// the causal / key-tail mask to S^T.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
+__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked, int seqlen_k, int diag,
+                                                     unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
+                                                     long long vec_off, int warpgroup, int warp, int lane,
+                                                     float (&dk_acc)[Tr::DKV_TILES][4],
+                                                     float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  const int t = lane & 3, g = lane >> 2;
+  const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
+  const int m0 = m_block * Tr::BLOCK_M;
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  const u32 k_smem = smem_base + Tr::OFF_K, v_smem = smem_base + Tr::OFF_V;
+  const u32 ds_smem = smem_base + Tr::OFF_DS;
+  // this warpgroup's 64 key rows of K and V: whole swizzle atoms, the descriptors start there
+  const u32 k_smem_wg = k_smem + Tr::TileKV::offset(warpgroup * 64, 0);
+  const u32 v_smem_wg = v_smem + Tr::TileKV::offset(warpgroup * 64, 0);
+  const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
+  const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
+
+  // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: 64 keys x BLOCK_M queries per warpgroup; this warp holds
+  // keys key_row0 + g (+8), queries 8 * qt + 2t (+1) of each n8 tile qt. Each product is its own commit
+  // group, so every step below starts as soon as its operand is done while the next product runs.
+  float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+        s_acc, Tr::TileKV::desc_k_major(k_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(q_smem, 0, kk * 16),
+        /*scale_d=*/kk > 0);
+  wgmma_commit_group();
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+        dp_acc, Tr::TileKV::desc_k_major(v_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(do_smem, 0, kk * 16),
+        /*scale_d=*/kk > 0);
+  wgmma_commit_group();
+  wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
+  wgmma_fence_operand(s_acc);
+
+  // causal diagonal and the key tail: masked scores = -inf, so P = 0 there
+  if (is_masked)
+    apply_mask_transposed<IS_CAUSAL>(s_acc, n0 + key_row0, m0, seqlen_k, diag, lane);
+
+  // P^T = exp2(S^T * scale_log2 - lse_log2[query])  (lse_log2 = +inf for rows without keys and pad rows),
+  // straight into A registers (m16n8k16 A layout: rows = this warp's keys, k = queries). From here P^T is
+  // in the input dtype, as in plain attention, and dS^T below is computed from it: keeping P^T in fp32
+  // too would cost 16 more registers per thread, and d128 runs at the 255 limit.
+  u32 p_regs[Tr::Q_K_STEPS][4];
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+    float prob[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        prob[j][c] = ex2_approx(fmaf(s_acc[2 * kk + j][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+    }
+    p_regs[kk][0] = Cvt<T>::pack(prob[0][0], prob[0][1]);
+    p_regs[kk][1] = Cvt<T>::pack(prob[0][2], prob[0][3]);
+    p_regs[kk][2] = Cvt<T>::pack(prob[1][0], prob[1][1]);
+    p_regs[kk][3] = Cvt<T>::pack(prob[1][2], prob[1][3]);
+  }
+
+  // dV_j += P^T dO_i, running while dS^T is computed. dO_i is [query][d] in shared memory: the k
+  // dimension (queries) is its rows, so it is read N-major
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+    Wgmma<Tr::HEAD_DIM, T>::template rs</*TRANS_B=*/1>(dv_acc, p_regs[kk], Tr::TileQ::desc_mn_major(do_smem, kk * 16, 0),
+                                                       /*scale_d=*/1);
+  wgmma_commit_group();
+
+  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well
+  wgmma_wait_group<1>();  // dP^T is done (dV may still run)
+  wgmma_fence_operand(dp_acc);
+  u32 ds_regs[Tr::Q_K_STEPS][4];
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+    float ds[2][4];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float2 delta = *reinterpret_cast<const float2*>(delta_smem + (2 * kk + j) * 8 + 2 * t);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        ds[j][c] = Cvt<T>::unpack(p_regs[kk][2 * j + (c >> 1)], c & 1) *
+                   (dp_acc[2 * kk + j][c] - ((c & 1) ? delta.y : delta.x));
+    }
+    ds_regs[kk][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
+    ds_regs[kk][1] = Cvt<T>::pack(ds[0][2], ds[0][3]);
+    ds_regs[kk][2] = Cvt<T>::pack(ds[1][0], ds[1][1]);
+    ds_regs[kk][3] = Cvt<T>::pack(ds[1][2], ds[1][3]);
+  }
+
+  // dK_j += dS^T Q_i (softmax_scale applied to dK once, at the end); Q_i read N-major like dO_i
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+    Wgmma<Tr::HEAD_DIM, T>::template rs</*TRANS_B=*/1>(dk_acc, ds_regs[kk], Tr::TileQ::desc_mn_major(q_smem, kk * 16, 0),
+                                                       /*scale_d=*/1);
+  wgmma_commit_group();
+
+  if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel instead
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(dv_acc);
+    wgmma_fence_operand(dk_acc);
+    return;
+  }
+
+  // dS^T -> shared memory, the 4 packed registers of each k16 step at rows g, g+8, columns 2t, 8+2t
+  // (all 8 rows of a phase land in 8 different 16-byte chunks: no bank conflict)
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      *reinterpret_cast<u32*>(smem + Tr::OFF_DS +
+                              Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
+          ds_regs[kk][r];
+  fence_proxy_async_shared();  // st.shared -> visible to the tensor cores (async proxy) after the barrier
+  __syncthreads();             // dS^T of every warpgroup is in place
+  // dV, dK done (they overlapped the stores and the barrier): P^T and dS^T registers are free for dQ's
+  // accumulators
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(dv_acc);
+  wgmma_fence_operand(dk_acc);
+
+  // dQ_i[:, DQ_COLS columns of this warpgroup] = dS K_j: A = dS^T read M-major (queries are its
+  // contiguous dimension), B = K_j [key][d] read N-major
+  float dq_acc[Tr::DQ_TILES][4];
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+    Wgmma<Tr::DQ_COLS, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+        dq_acc, Tr::TileDS::desc_mn_major(ds_smem, kk * 16, 0),
+        Tr::TileKV::desc_mn_major(k_smem, kk * 16, warpgroup * Tr::DQ_COLS), /*scale_d=*/kk > 0);
+  wgmma_commit_group();
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(dq_acc);
+
+  // fp32 atomics into dQ_acc (pad rows exist in the buffer, so no bounds checks)
+  float* acc = p.dq_accum + (vec_off + m0) * p.dq_accum_cols;
+#pragma unroll
+  for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // c0,c1 (row g) and c2,c3 (row g+8): adjacent columns
+      const int row = (warp % 4) * 16 + g + h * 8;
+      const int col = warpgroup * Tr::DQ_COLS + dt * 8 + 2 * t;
+      red_add_v2_f32(acc + row * p.dq_accum_cols + col, dq_acc[dt][2 * h], dq_acc[dt][2 * h + 1]);
+    }
+}
+
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC>
+__global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(const BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // wgmma's swizzle is a function of the address: the tiles must start on the 1024-byte period
+  const u32 smem_raw_u32 = smem_u32(smem_raw);
+  const u32 smem_base = (smem_raw_u32 + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (smem_base - smem_raw_u32);
+
+  using T = typename Tr::T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int warpgroup = warp / 4;
+  const int n_block = blockIdx.x, kv_head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int n0 = n_block * Tr::BLOCK_N;                     // first key of this CTA
+  if (n0 >= seq.len_k) return;                              // varlen: past this sequence's keys
+  const int keys = min(Tr::BLOCK_N, seq.len_k - n0);       // valid keys
+  const int diag = seq.len_k - seq.len_q;                   // query i sees keys j <= i + diag
+
+  const long long k_row = static_cast<long long>(seq.k_row0) + n0;
+  const u16* k_gmem = p.k + batch * p.k_batch_stride + kv_head * p.k_head_stride + k_row * p.k_row_stride;
+  const u16* v_gmem = p.v + batch * p.v_batch_stride + kv_head * p.v_head_stride + k_row * p.v_row_stride;
+  u16* dk_gmem = p.dk + batch * p.dk_batch_stride + kv_head * p.dk_head_stride + k_row * p.dk_row_stride;
+  u16* dv_gmem = p.dv + batch * p.dv_batch_stride + kv_head * p.dv_head_stride + k_row * p.dv_row_stride;
+
+  // causal: key n0 is first seen by query n0 - diag; query blocks before it are skipped
+  const int m_begin = IS_CAUSAL ? max(0, n0 - diag) / Tr::BLOCK_M : 0;
+  const int m_end = (seq.len_q + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
+  if (m_begin >= m_end) {  // no query sees these keys: dK = dV = 0
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, keys, p.head_dim, tid);
+    zero_tile_gmem<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, keys, p.head_dim, tid);
+    return;
+  }
+  // GQA: the query heads of this K/V head in turn (bwd.cuh, QuerySteps)
+  const QuerySteps steps{kv_head * p.seq.kv_group, m_begin, m_end - m_begin};
+  const int n_steps = p.seq.kv_group * steps.blocks_per_head;
+
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_K, k_gmem, p.k_row_stride, keys, p.head_dim, tid);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(smem_base + Tr::OFF_V, v_gmem, p.v_row_stride, keys, p.head_dim, tid);
+  bwd_load_query_block<Tr>(p, smem_base, 0, m_begin, head_rows(p, seq, batch, steps.head0), seq.len_q, tid);
+  cp_async_commit_group();
+
+  float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
+#pragma unroll
+  for (int dt = 0; dt < Tr::DKV_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
+
+  // (query head, query block) steps in order; each first issues the next step's loads. Unlike bwd_kernel,
+  // the mask is a run-time flag of one loop body (causal diagonal; every block when this CTA holds the
+  // key tail): two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
+  const bool is_key_tail = keys < Tr::BLOCK_N;
+  int stage = 0;
+  for (int step = 0; step < n_steps; ++step) {
+    const int m_block = steps.m_block(step);
+    const bool is_masked = is_key_tail || (IS_CAUSAL && n0 + Tr::BLOCK_N - 1 > m_block * Tr::BLOCK_M + diag);
+    if (step + 1 < n_steps)
+      bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, steps.m_block(step + 1),
+                               head_rows(p, seq, batch, steps.head(step + 1)), seq.len_q, tid);
+    cp_async_commit_group();
+    cp_async_wait_group<1>();
+    fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
+    __syncthreads();
+    const long long vec_off = padded_row0(p.seq, batch, steps.head(step), p.heads, p.seqlen_q_pad);
+    bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC>(p, is_masked, seq.len_k, diag, smem, smem_base, stage,
+                                                          m_block, n0, vec_off, warpgroup, warp, lane, dk_acc, dv_acc);
+    __syncthreads();
+    stage ^= 1;
+  }
+
+  // epilogue: dK = softmax_scale * dK; stage dK in the K tile and dV in the V tile, 16-byte stores
+  const int g = lane >> 2, t = lane & 3;
+  const int key_row0 = warpgroup * 64 + (warp % 4) * 16;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+    }
+  __syncthreads();
+  // tid read anew: the copy offsets are the prologue's K/V ones; kept live across the query loop they
+  // cost d128 causal a 4-byte spill under NVRTC 13.0
+  const int tid_epilogue = tid_x_reread();
+  store_tile<typename Tr::TileKV, Tr::THREADS>(dk_gmem, p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim,
+                                               tid_epilogue);
+  store_tile<typename Tr::TileKV, Tr::THREADS>(dv_gmem, p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim,
+                                               tid_epilogue);
+#else
+  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_kernel uses wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash

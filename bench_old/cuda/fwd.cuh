@@ -1,0 +1,359 @@
+// fwd.cuh: FlashAttention-2 forward (Dao 2023, Algorithm 1) on mma.sync tensor cores.
+//
+// One CTA computes O and lse for BLOCK_M query rows of one (batch, head). Each warp owns WARP_ROWS
+// of those rows and keeps their O accumulator in registers for the whole key loop, so O is written
+// to global memory exactly once. K/V tiles stream through a double-buffered cp.async pipeline.
+// Sequences may be dense or packed (varlen), and K/V may have fewer heads than Q (GQA); seqs.cuh.
+//
+// IS_DECODE (attention_with_kvcache) adds what decoding needs, at run time:
+//   * keys per sequence from seqused_k, read from a paged cache through block_table (a K/V tile never
+//     straddles a page: page_size is a multiple of BLOCK_N);
+//   * split-KV: blockIdx.z = batch * num_splits + split; split s takes an equal share of the key tiles
+//     and writes its own normalized O and lse (fp32) for fwd_combine_kernel to merge;
+//   * packed query heads: grid.y runs over K/V heads and tile row r is query position r / rows_per_pos
+//     of query head kv_head * rows_per_pos + r % rows_per_pos, so one K/V tile read serves every query
+//     head of its group (the rows of one position are the group's heads).
+#pragma once
+#include "ptx.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "seqs.cuh"
+
+namespace cuflash {
+
+// Kernel arguments, passed by value. Mirrored by cuflash/_launch.py:FwdParams (ctypes).
+struct FwdParams {
+  const u16* q;  // [batch, seqlen_q, heads, head_dim] (varlen: [total_q, heads, head_dim]) at the strides below
+  const u16* k;  // [batch, seqlen_k, kv_heads, head_dim] (paged: [num_pages, page_size, kv_heads, head_dim])
+  const u16* v;  // like k
+  u16* o;        // like q
+  float* lse;    // lse[batch * lse_batch_stride + head * lse_head_stride + q_row0 + row], natural log
+  SeqParams seq;
+  const int* block_table;  // decode, paged: [batch, block_table_stride] page of each key tile, or nullptr
+  float* o_accum;          // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q, HEAD_DIM] fp32
+  float* lse_accum;        // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q] fp32
+  long long q_batch_stride, q_row_stride, q_head_stride;
+  long long k_batch_stride, k_row_stride, k_head_stride;
+  long long v_batch_stride, v_row_stride, v_head_stride;
+  long long o_batch_stride, o_row_stride, o_head_stride;
+  long long lse_batch_stride, lse_head_stride;
+  long long k_page_stride, v_page_stride;  // decode, paged: elements from one page to the next
+  int heads;           // query heads
+  int head_dim;        // run-time head dim <= HEAD_DIM; columns beyond it are zero in shared memory
+  int block_table_stride;
+  int page_size;       // decode, paged: keys per page, a multiple of BLOCK_N
+  int num_splits;      // decode: CTAs sharing one row block's keys (1: no split)
+  int rows_per_pos;    // decode: query heads packed per position (the GQA group size), else 1
+  float scale_log2;    // softmax_scale * log2(e)
+  int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
+};
+static_assert(sizeof(FwdParams) == 264, "FwdParams is mirrored field by field in cuflash/_launch.py");
+
+// One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
+// q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, bool IS_PACKED>
+__device__ __forceinline__ void fwd_key_tile(int seqlen_k, int diag, int rows_per_pos, float scale_log2, int n_block,
+                                             u32 q_lane, u32 k_lane, u32 v_lane, int warp_row0, int row0, int lane,
+                                             float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
+                                             OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES>& softmax) {
+  using T = typename Tr::T;
+  // S = Q K^T (unscaled; the scale is folded into the exp2 argument)
+  float s_acc[Tr::M_TILES][Tr::N_TILES][4];  // m16n8 accumulators: c0,c1 row g; c2,c3 row g+8
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_acc[mt][nt][c] = 0.f;
+
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+    u32 q_regs[Tr::M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt)
+      ldmatrix_x4(q_regs[mt], Tr::TileQ::frag(q_lane, mt * 16, kk * 16));
+#pragma unroll
+    for (int np = 0; np < Tr::N_TILES / 2; ++np) {
+      u32 k_regs[4];
+      ldmatrix_x4(k_regs, Tr::TileKV::frag(k_lane, np * 16, kk * 16));
+#pragma unroll
+      for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+        Mma<T>::m16n8k16(s_acc[mt][2 * np], q_regs[mt], k_regs[0], k_regs[1]);
+        Mma<T>::m16n8k16(s_acc[mt][2 * np + 1], q_regs[mt], k_regs[2], k_regs[3]);
+      }
+    }
+  }
+
+  // tail of K and the causal diagonal: masked scores = -inf
+  if (IS_MASKED)
+    apply_mask<IS_CAUSAL, Tr::M_TILES, Tr::N_TILES, IS_PACKED>(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, seqlen_k,
+                                                              diag, lane, rows_per_pos);
+
+  // m_new = max(m, rowmax(S)); O *= exp2(m - m_new); P = exp2(S*scale_log2 - m_new)
+  softmax.update(s_acc, o_acc, scale_log2);
+
+  // O += P V: P goes from the S accumulators straight into A fragments (no shared memory)
+#pragma unroll
+  for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
+    u32 p_regs[Tr::M_TILES][4];
+#pragma unroll
+    for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+      p_regs[mt][0] = Cvt<T>::pack(s_acc[mt][2 * kk][0], s_acc[mt][2 * kk][1]);
+      p_regs[mt][1] = Cvt<T>::pack(s_acc[mt][2 * kk][2], s_acc[mt][2 * kk][3]);
+      p_regs[mt][2] = Cvt<T>::pack(s_acc[mt][2 * kk + 1][0], s_acc[mt][2 * kk + 1][1]);
+      p_regs[mt][3] = Cvt<T>::pack(s_acc[mt][2 * kk + 1][2], s_acc[mt][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < Tr::D_TILES / 2; ++dp) {
+      u32 v_regs[4];
+      ldmatrix_x4_trans(v_regs, Tr::TileKV::frag(v_lane, kk * 16, dp * 16));
+#pragma unroll
+      for (int mt = 0; mt < Tr::M_TILES; ++mt) {
+        Mma<T>::m16n8k16(o_acc[mt][2 * dp], p_regs[mt], v_regs[0], v_regs[1]);
+        Mma<T>::m16n8k16(o_acc[mt][2 * dp + 1], p_regs[mt], v_regs[2], v_regs[3]);
+      }
+    }
+  }
+}
+
+// First element of key tile n_block of one sequence and K/V head: contiguous rows from seq_gmem, or, for a
+// paged decode cache, rows of the page that block_table names (pages hold whole tiles).
+template <class Tr, bool IS_DECODE>
+__device__ __forceinline__ const u16* kv_tile_gmem(const FwdParams& p, const u16* seq_gmem, const u16* cache_gmem,
+                                                   long long row_stride, long long page_stride, int batch, int n_block) {
+  if (IS_DECODE && p.block_table != nullptr) {
+    const int key0 = n_block * Tr::BLOCK_N;
+    const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + key0 / p.page_size];
+    return cache_gmem + page * page_stride + (key0 % p.page_size) * row_stride;
+  }
+  return seq_gmem + static_cast<long long>(n_block) * Tr::BLOCK_N * row_stride;
+}
+
+// Decode epilogue: each thread writes its own rows straight from registers (a decode tile has few valid
+// rows, so no staging through shared memory): the final O and lse when num_splits == 1, else this
+// split's normalized O and its lse in fp32 for fwd_combine_kernel. IS_EMPTY: these rows saw no key
+// (o_acc, lse not read): O = 0, lse = -inf.
+template <class Tr, bool IS_EMPTY>
+__device__ __forceinline__ void fwd_decode_epilogue(const FwdParams& p, const float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
+                                                    const float (&lse)[Tr::M_TILES][2], int batch, int split, int head,
+                                                    const Seq& seq, int row0, int rows_q, int warp_row0, int lane) {
+  using T = typename Tr::T;
+  const int g = lane >> 2, t = lane & 3;
+  const int batches = static_cast<int>(gridDim.z) / p.num_splits;
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = warp_row0 + mt * 16 + g + h * 8;
+      if (r >= rows_q) continue;
+      const int pos = (row0 + r) / p.rows_per_pos;
+      const int head_q = head * p.rows_per_pos + (row0 + r) % p.rows_per_pos;  // head: grid.y
+      const float row_lse = IS_EMPTY ? neg_inf() : lse[mt][h];
+      if (p.num_splits > 1) {
+        const long long vec = ((static_cast<long long>(split) * batches + batch) * p.heads + head_q) * p.seq.seqlen_q + pos;
+        float* o_row = p.o_accum + vec * p.accum_cols;
+#pragma unroll
+        for (int dt = 0; dt < Tr::D_TILES; ++dt)
+          *reinterpret_cast<float2*>(o_row + dt * 8 + 2 * t) =
+              IS_EMPTY ? make_float2(0.f, 0.f) : make_float2(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
+        if (t == 0) p.lse_accum[vec] = row_lse;
+      } else {
+        u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(seq.q_row0 + pos) * p.o_row_stride +
+                     head_q * p.o_head_stride;
+#pragma unroll
+        for (int dt = 0; dt < Tr::D_TILES; ++dt)
+          if (dt * 8 < p.head_dim)
+            *reinterpret_cast<u32*>(o_row + dt * 8 + 2 * t) =
+                IS_EMPTY ? 0u : Cvt<T>::pack(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
+        if (t == 0) p.lse[batch * p.lse_batch_stride + head_q * p.lse_head_stride + seq.q_row0 + pos] = row_lse;
+      }
+    }
+}
+
+template <class Tr, bool IS_CAUSAL, bool IS_DECODE>
+__global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  using T = typename Tr::T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  // causal: launch the longest query blocks (most key tiles) first so the last wave is short
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int head = blockIdx.y;  // packed decode: the K/V head, whose rows_per_pos query heads are packed as rows
+  const int split = IS_DECODE ? static_cast<int>(blockIdx.z) % p.num_splits : 0;
+  const int batch = IS_DECODE ? static_cast<int>(blockIdx.z) / p.num_splits : blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int rows_per_pos = IS_DECODE ? p.rows_per_pos : 1;
+  const int row0 = m_block * Tr::BLOCK_M;                      // first query row of this CTA
+  if (row0 >= seq.len_q * rows_per_pos) return;                // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q * rows_per_pos - row0);  // valid query rows
+  const int diag = seq.len_k - seq.len_q;                      // query i sees keys j <= i + diag
+  const int warp_row0 = warp * Tr::WARP_ROWS;                  // first row of this warp in the tile
+  const int kv_head = head / p.seq.kv_group;  // packed decode passes kv_group = 1
+
+  const u16* q_gmem = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0 + row0) * p.q_row_stride +
+                      head * p.q_head_stride;
+  const u16* k_cache = p.k + kv_head * p.k_head_stride;  // paged decode: pages are indexed from here
+  const u16* v_cache = p.v + kv_head * p.v_head_stride;
+  const u16* k_gmem = k_cache + batch * p.k_batch_stride + static_cast<long long>(seq.k_row0) * p.k_row_stride;
+  const u16* v_gmem = v_cache + batch * p.v_batch_stride + static_cast<long long>(seq.k_row0) * p.v_row_stride;
+  u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(seq.q_row0 + row0) * p.o_row_stride +
+                head * p.o_head_stride;
+  float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_row0 + row0;
+
+  // key tiles of this CTA: [n_begin, n_end); decode splits share them out in equal runs
+  const int last_pos = (row0 + rows_q - 1) / rows_per_pos, first_pos = row0 / rows_per_pos;
+  int n_begin = 0;
+  int n_end = num_key_blocks<IS_CAUSAL, Tr::BLOCK_N>(last_pos, seq.len_k, diag);
+  if (IS_DECODE && p.num_splits > 1) {
+    const int per_split = ((seq.len_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N + p.num_splits - 1) / p.num_splits;
+    n_begin = split * per_split;
+    n_end = min(n_end, n_begin + per_split);
+  }
+  if (n_end <= n_begin) {  // nothing to see: O = 0, lse = -inf (causal rows before every key, empty splits)
+    if (IS_DECODE) {
+      const float unused_o[Tr::M_TILES][Tr::D_TILES][4] = {}, unused_lse[Tr::M_TILES][2] = {};
+      fwd_decode_epilogue<Tr, /*IS_EMPTY=*/true>(p, unused_o, unused_lse, batch, split, head, seq, row0, rows_q,
+                                                 warp_row0, lane);
+      return;
+    }
+    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, rows_q, p.head_dim, tid);
+    for (int r = tid; r < rows_q; r += Tr::THREADS) lse_gmem[r] = neg_inf();
+    return;
+  }
+
+  const u32 q_smem = smem_u32(smem);
+  const u32 k_smem0 = q_smem + Tr::SMEM_Q;                      // K stages, then V stages
+  const u32 v_smem0 = k_smem0 + Tr::STAGES * Tr::SMEM_KV;
+  // ldmatrix lane addresses (tiles.cuh); a stage is a whole number of 1024-byte swizzle periods away
+  const u32 q_lane = q_smem + Tr::TileQ::offset(warp_row0, 0) + lane_offset_a<typename Tr::TileQ>(lane);
+  const u32 k_lane0 = k_smem0 + lane_offset_b_nk<typename Tr::TileKV>(lane);
+  const u32 v_lane0 = v_smem0 + lane_offset_b_kn_trans<typename Tr::TileKV>(lane);
+
+  // prologue: Q and the first (last-indexed) K/V tile in one cp.async group
+  int n_block = n_end - 1;
+  if (IS_DECODE && rows_per_pos > 1) {  // row r: position r / rows_per_pos, query head of the group r % rows_per_pos
+    const u16* q_pos0 = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride +
+                        static_cast<long long>(head) * rows_per_pos * p.q_head_stride;
+    load_tile_rows_async<typename Tr::TileQ, Tr::THREADS>(
+        q_smem,
+        [&](int r) {
+          const int row = row0 + r;
+          return q_pos0 + static_cast<long long>(row / rows_per_pos) * p.q_row_stride + (row % rows_per_pos) * p.q_head_stride;
+        },
+        rows_q, p.head_dim, tid);
+  } else {
+    load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
+  }
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+      k_smem0, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, n_block),
+      p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+  load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+      v_smem0, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, n_block),
+      p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+  cp_async_commit_group();
+
+  float o_acc[Tr::M_TILES][Tr::D_TILES][4];  // O of this warp's rows, fp32, in registers throughout
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o_acc[mt][dt][c] = 0.f;
+  OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES> softmax;
+  softmax.init();
+
+  // Key tiles from the last to the first: the masked ones (K tail, causal diagonal) come first, then
+  // an unmasked loop. Each iteration first issues the next tile's loads into the other stage.
+  int stage = 0;
+  auto step = [&](auto is_masked_tag) {
+    constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
+    if (n_block > n_begin) {
+      const int next = n_block - 1;
+      const u32 off = (stage ^ 1) * Tr::SMEM_KV;
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+          k_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, next),
+          p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+          v_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, next),
+          p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+    }
+    cp_async_commit_group();   // possibly empty: keeps the group count uniform
+    cp_async_wait_group<1>();  // this stage's K/V (and Q) have landed
+    __syncthreads();
+    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE>(seq.len_k, diag, rows_per_pos, p.scale_log2, n_block, q_lane,
+                                                      k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
+                                                      warp_row0, row0, lane, o_acc, softmax);
+    __syncthreads();  // every warp is done with this stage before the next iteration refills it
+    stage ^= 1;
+  };
+  for (; n_block >= n_begin && key_block_needs_mask<IS_CAUSAL, Tr::BLOCK_N>(n_block, first_pos, seq.len_k, diag);
+       --n_block)
+    step(BoolTag<true>());
+  for (; n_block >= n_begin; --n_block) step(BoolTag<false>());
+
+  // epilogue: O /= l, lse
+  float lse[Tr::M_TILES][2];
+  softmax.finalize(o_acc, lse);
+  if (IS_DECODE) {
+    fwd_decode_epilogue<Tr, /*IS_EMPTY=*/false>(p, o_acc, lse, batch, split, head, seq, row0, rows_q, warp_row0, lane);
+    return;
+  }
+  // O -> shared (the Q tile's space, this warp's own rows) -> 16-byte stores
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < Tr::M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = warp_row0 + mt * 16 + g + h * 8;
+#pragma unroll
+      for (int dt = 0; dt < Tr::D_TILES; ++dt)
+        *reinterpret_cast<u32*>(smem + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
+            Cvt<T>::pack(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
+      if (t == 0 && row < rows_q) lse_gmem[row] = lse[mt][h];
+    }
+  __syncthreads();
+  store_tile<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, smem, rows_q, p.head_dim, tid);
+}
+
+// ---- split-KV: merge the splits' partial results ------------------------------------------------------
+// lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own split's sum);
+// splits that saw no key have lse_s = -inf and weight 0; a row that no split saw gets O = 0, lse = -inf.
+// One warp per (head, position), grid (ceil(heads * seqlen_q / COMBINE_ROWS), batch).
+constexpr int COMBINE_ROWS = 8;  // rows (warps) per CTA of 256 threads
+
+template <class T>
+__global__ void __launch_bounds__(256) fwd_combine_kernel(const FwdParams p) {
+  const int lane = threadIdx.x & 31;
+  const int hq = blockIdx.x * COMBINE_ROWS + (threadIdx.x >> 5);  // head * seqlen_q + position
+  const int batch = blockIdx.y, batches = gridDim.y;
+  const int seqlen_q = p.seq.seqlen_q;
+  if (hq >= p.heads * seqlen_q) return;
+  const int head = hq / seqlen_q, pos = hq % seqlen_q;
+  const long long split_stride = static_cast<long long>(batches) * p.heads * seqlen_q;  // rows of one split
+  const long long vec0 = (static_cast<long long>(batch) * p.heads + head) * seqlen_q + pos;
+
+  float m = neg_inf();
+  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.lse_accum[vec0 + s * split_stride]);
+  // no split saw a key: m = -inf; use 0 so exp2(-inf - 0) = 0 and the sum stays 0 (not NaN)
+  const float m_use = (m == neg_inf()) ? 0.f : m;
+  float sum = 0.f;
+  for (int s = 0; s < p.num_splits; ++s) sum += ex2_approx((p.lse_accum[vec0 + s * split_stride] - m_use) * LOG2E);
+  const float lse = (sum == 0.f) ? neg_inf() : m_use + __logf(sum);
+  u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(pos) * p.o_row_stride + head * p.o_head_stride;
+  for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {  // head_dim is a multiple of 8: whole float4s
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = (sum == 0.f) ? 0.f : ex2_approx((p.lse_accum[vec0 + s * split_stride] - lse) * LOG2E);
+      const float4 o_s = *reinterpret_cast<const float4*>(p.o_accum + (vec0 + s * split_stride) * p.accum_cols + col);
+      acc.x += w * o_s.x;
+      acc.y += w * o_s.y;
+      acc.z += w * o_s.z;
+      acc.w += w * o_s.w;
+    }
+    *reinterpret_cast<uint2*>(o_row + col) = make_uint2(Cvt<T>::pack(acc.x, acc.y), Cvt<T>::pack(acc.z, acc.w));
+  }
+  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + pos] = lse;
+}
+
+}  // namespace cuflash

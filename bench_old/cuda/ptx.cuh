@@ -1,0 +1,186 @@
+// ptx.cuh: the only hand-written file with inline assembly (its generated companion, ptx_wgmma.cuh,
+// holds the wgmma.mma_async wrappers). Each wrapper is named after its PTX instruction and cites the
+// section of the PTX ISA (version 8.x) that defines it. No host headers: NVRTC compiles this.
+#pragma once
+
+namespace cuflash {
+
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned long long u64;
+
+// Element-type tags. Storage is 16-bit; the tags select the mma / cvt variants.
+struct f16 {};
+struct bf16 {};
+
+// ---- shared-memory address -------------------------------------------------------------------
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+  return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// ---- cp.async (PTX ISA 9.7.9.25.3.1 "cp.async") ------------------------------------------------
+// 16 bytes global -> shared, bypassing L1 (.cg). src_bytes = 0 writes 16 zero bytes and reads nothing.
+__device__ __forceinline__ void cp_async_cg_16(u32 dst_smem, const void* src_gmem, bool valid) {
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src_gmem), "r"(src_bytes));
+}
+// PTX ISA 9.7.9.25.3.2 "cp.async.commit_group"
+__device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
+// PTX ISA 9.7.9.25.3.3 "cp.async.wait_group": wait until at most N groups are pending.
+template <int N>
+__device__ __forceinline__ void cp_async_wait_group() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// ---- ldmatrix (PTX ISA 9.7.14.5.15 "ldmatrix") -----------------------------------------------
+// .x4: lanes 8m..8m+7 give the 8 row addresses (16 bytes each) of matrix m; r[m] is this lane's
+// 32-bit piece of matrix m (row lane/4, columns 2*(lane%4), +1; transposed with .trans).
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x2_trans(u32 (&r)[2], u32 addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+}
+
+// ---- mma (PTX ISA 9.7.14.5.14 "mma", shape m16n8k16, fp32 accumulate) -------------------------
+// a: 4 regs (rows g, g+8; k 2t..2t+1 and 8+2t..), b: 2 regs (k 2t.., 8+2t..; column g),
+// c: c0,c1 row g cols 2t,2t+1; c2,c3 row g+8. (g = lane/4, t = lane%4)
+template <class T>
+struct Mma;
+template <>
+struct Mma<f16> {
+  static __device__ __forceinline__ void m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+template <>
+struct Mma<bf16> {
+  static __device__ __forceinline__ void m16n8k16(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// ---- cvt (PTX ISA 9.7.9.21 "cvt"): two fp32 -> packed 16-bit pair, round to nearest even -------
+// The first source lands in the upper half: pack(lo, hi) puts `lo` at the lower address.
+template <class T>
+struct Cvt;
+template <>
+struct Cvt<f16> {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ float to_float(u16 x) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;\n" : "=f"(f) : "h"(x));
+    return f;
+  }
+  // element `hi` (0: lower address, 1: upper) of a pair packed by pack()
+  static __device__ __forceinline__ float unpack(u32 pair, int hi) { return to_float(static_cast<u16>(pair >> (16 * hi))); }
+};
+template <>
+struct Cvt<bf16> {
+  static __device__ __forceinline__ u32 pack(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+  }
+  static __device__ __forceinline__ float to_float(u16 x) { return __uint_as_float(static_cast<u32>(x) << 16); }
+  static __device__ __forceinline__ float unpack(u32 pair, int hi) {
+    return __uint_as_float(hi ? (pair & 0xffff0000u) : (pair << 16));
+  }
+};
+
+// ---- ex2.approx (PTX ISA 9.7.4.9 "ex2"): 2^x, ex2(-inf) = +0 -----------------------------------
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// ---- red.global.add.f32 (PTX ISA 9.7.13.7 "red"): fire-and-forget atomic add ----------------
+__device__ __forceinline__ void red_add_f32(float* addr, float v) {
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v));
+}
+
+// Two adjacent floats in one request (PTX ISA 9.7.13.7, .v2.f32 needs sm_90); two scalar reds before.
+__device__ __forceinline__ void red_add_v2_f32(float* addr, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(addr), "f"(a), "f"(b));
+#else
+  red_add_f32(addr, a);
+  red_add_f32(addr + 1, b);
+#endif
+}
+
+// ---- mov (PTX ISA 9.7.9.10 "mov") as a volatile asm: values the compiler must not reuse ------------
+// threadIdx.x read anew: addresses derived from it after a long loop are recomputed there instead of
+// being kept live (or spilled) across the loop from the prologue's identical computation.
+__device__ __forceinline__ int tid_x_reread() {
+  int tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+// x itself, but opaque to the optimizer: what is computed from the result after a long loop is computed
+// there (a few integer ops) instead of being kept in registers through the loop.
+__device__ __forceinline__ int opaque(int x) {
+  int y;
+  asm volatile("mov.b32 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// ---- Hopper (sm_90a) warpgroup MMA: wgmma.* (PTX ISA 9.7.15) -------------------------------------
+// Only the sm_90a kernels (fwd_sm90.cuh, bwd_sm90.cuh) call these; compiling them for another target
+// fails in ptxas, and the Python side never asks for those kernels there.
+
+// PTX ISA 9.7.15 (warpgroup MMA), "wgmma.fence": orders register accesses of the warpgroup before the following
+// wgmma.mma_async (needed before the first one, and whenever its accumulators or A registers were written).
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+// PTX ISA 9.7.15, "wgmma.commit_group": the wgmma.mma_async issued so far form one group.
+__device__ __forceinline__ void wgmma_commit_group() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// PTX ISA 9.7.15, "wgmma.wait_group": wait until at most N groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait_group() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Not an instruction: tells the compiler that the accumulators may have changed (an async wgmma wrote
+// them), so no read of them is moved above the wgmma_wait_group before it.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void wgmma_fence_operand(float (&d)[ROWS][COLS]) {
+#pragma unroll
+  for (int i = 0; i < ROWS; ++i)
+#pragma unroll
+    for (int j = 0; j < COLS; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
+}
+// PTX ISA 9.7.13.4 "membar/fence", fence.proxy.async: makes this thread's generic-proxy writes to shared memory
+// (st.shared, cp.async) visible to the async proxy (wgmma operand reads) after the next barrier.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Matrix descriptor of a shared-memory operand (PTX ISA 9.7.15.5.1.2.2): start address, leading and
+// stride byte offsets (all >> 4), swizzle mode in bits 62-63 (1: 128-byte, 2: 64-byte, 3: 32-byte).
+// The swizzle pattern must start at a multiple of 8 * SWIZZLE_BYTES (base offset field 0).
+template <int SWIZZLE_BYTES>
+__device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_bytes) {
+  static_assert(SWIZZLE_BYTES == 128 || SWIZZLE_BYTES == 64 || SWIZZLE_BYTES == 32, "wgmma swizzle: 128, 64 or 32 bytes");
+  constexpr u64 MODE = SWIZZLE_BYTES == 128 ? 1 : (SWIZZLE_BYTES == 64 ? 2 : 3);
+  return static_cast<u64>((smem_addr & 0x3FFFF) >> 4) | (static_cast<u64>((lbo_bytes & 0x3FFFF) >> 4) << 16) |
+         (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (MODE << 62);
+}
+
+}  // namespace cuflash

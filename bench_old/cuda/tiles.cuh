@@ -1,0 +1,252 @@
+// tiles.cuh: shared-memory tile layout, global -> shared copies, shared -> register fragments.
+//
+// A [ROWS, HEAD_DIM] tile of 16-bit elements is stored as HEAD_DIM / PANEL_COLS column panels
+// (PANEL_COLS = 64 elements = 128 bytes, or 32 = 64 bytes when HEAD_DIM % 64 != 0), panel after
+// panel. Inside a panel the 16-byte chunk index is XOR-ed with the 128-byte line index, so the 8
+// row addresses of an ldmatrix phase (same column, 8 consecutive rows) and the 8 lanes of a
+// cp.async phase (one 128-byte line) each hit 8 distinct 16-byte bank groups: no bank conflicts.
+// cuflash/config.py:swizzled_offset is the Python mirror used by the analyzer.
+#pragma once
+#include "ptx.cuh"
+
+namespace cuflash {
+
+// PANEL_COLS_ = 0: the default panel width (64 columns when HEAD_DIM % 64 == 0, else 32); a kernel that
+// must start an operand at column 32 of a 64-column head dim (the Hopper backward's dQ at HEAD_DIM 64)
+// asks for 32.
+template <int ROWS_, int HEAD_DIM_, int PANEL_COLS_ = 0>
+struct SmemTile {
+  static constexpr int ROWS = ROWS_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int PANEL_COLS = PANEL_COLS_ ? PANEL_COLS_ : ((HEAD_DIM % 64 == 0) ? 64 : 32);
+  static constexpr int PANEL_BYTES = PANEL_COLS * 2;
+  static constexpr int LINE_MASK = (PANEL_BYTES == 128) ? 7 : 3;  // 128-byte lines a swizzle period spans
+  static constexpr int BYTES = ROWS * HEAD_DIM * 2;
+  static constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;  // 16-byte chunks
+  static constexpr int CHUNKS = ROWS * CHUNKS_PER_ROW;
+  static_assert(PANEL_COLS == 64 || PANEL_COLS == 32, "panels are 128 or 64 bytes wide");
+  static_assert(HEAD_DIM % PANEL_COLS == 0, "HEAD_DIM must be a whole number of panels");
+
+  // Byte offset of element (row, col) from the tile base.
+  static __device__ __forceinline__ u32 offset(int row, int col) {
+    const int panel = col / PANEL_COLS;
+    u32 off = row * PANEL_BYTES + (col % PANEL_COLS) * 2;
+    off ^= ((off >> 7) & LINE_MASK) << 4;
+    return panel * (ROWS * PANEL_BYTES) + off;
+  }
+
+  // THREADS threads copy the tile with each thread on one column chunk, stepping rows by a multiple
+  // of 8 (the swizzle period), so its shared and global addresses advance by constants. The 8 lanes of
+  // a copy phase (8 consecutive chunks of one row) must then fall in one 128-byte line of one panel:
+  // with 64-byte panels of a wider row they would span two panels whose lines share the banks (2-way
+  // conflicts, found by the analyzer), so those tiles copy in panel order.
+  template <int THREADS>
+  static constexpr bool fixed_column() {
+    return THREADS % CHUNKS_PER_ROW == 0 && (PANEL_COLS == 64 || CHUNKS_PER_ROW == PANEL_COLS / 8) &&
+           ((THREADS / CHUNKS_PER_ROW) % 8 == 0 || THREADS / CHUNKS_PER_ROW >= ROWS);
+  }
+
+  // Panel-order copies of at most 4 chunks per thread (and the same count for every thread) are fully
+  // unrolled: a rolled `idx += THREADS` loop cost the d64 Hopper backward (64-byte panels, 2 and 4 chunks
+  // per thread) 46 % more instructions and ~20 % of its speed (H100, 2026-11-22). Longer copies (d96,
+  // d192, d256 tiles: 6-16 chunks per thread) stay rolled: unrolled, their addresses spilled.
+  template <int THREADS>
+  static constexpr bool panel_order_unrolled() {
+    return CHUNKS % THREADS == 0 && CHUNKS / THREADS <= 4;
+  }
+
+  // Chunk idx in panel order: panel by panel, rows within a panel, chunks within a row. 8 consecutive
+  // chunks are one 128-byte line of one panel, so 8 lanes never collide on a bank group (row-major
+  // order would put chunks of two 64-byte panels, ROWS * 64 bytes apart, in the same phase).
+  static __device__ __forceinline__ void panel_order(int idx, int& row, int& col) {
+    constexpr int PANEL_CHUNKS = PANEL_COLS / 8;
+    const int panel = idx / (ROWS * PANEL_CHUNKS), rest = idx % (ROWS * PANEL_CHUNKS);
+    row = rest / PANEL_CHUNKS;
+    col = panel * PANEL_COLS + (rest % PANEL_CHUNKS) * 8;
+  }
+
+  // ---- wgmma operand descriptors (sm_90a; PTX ISA 9.7.15.5.1.2) -----------------------------
+  // This layout is wgmma's canonical one with a PANEL_BYTES swizzle (the swizzle pattern repeats every
+  // 8 rows = SWIZZLE_ATOM bytes; the tile base must be a multiple of SWIZZLE_ATOM):
+  //  * K-major, when the tile's columns are the k dimension (Q and K in S = Q K^T): each 8-row group of
+  //    a panel is one swizzle atom, the next 8 rows are SWIZZLE_ATOM bytes on (stride byte offset), and
+  //    k steps of 16 inside a panel move the start address by 32 bytes (the hardware applies the XOR);
+  //  * MN-major, when the tile's rows are the k dimension (V in O += P V): 8 k rows of 128 (or 64)
+  //    contiguous MN elements form an atom, the next 8 k rows are SWIZZLE_ATOM bytes on (stride byte
+  //    offset) and the next panel of MN columns ROWS * PANEL_BYTES bytes on (leading byte offset).
+  static constexpr int SWIZZLE_ATOM = 8 * PANEL_BYTES;
+  // rows row0.. (M or N; row0 % 8 == 0) by k columns k0..k0+15 (k0 % 16 == 0)
+  static __device__ __forceinline__ u64 desc_k_major(u32 tile_smem, int row0, int k0) {
+    return wgmma_desc<PANEL_BYTES>(tile_smem + (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES +
+                                       (k0 % PANEL_COLS) * 2,
+                                   16, SWIZZLE_ATOM);
+  }
+  // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % PANEL_COLS == 0), any number of panels
+  static __device__ __forceinline__ u64 desc_mn_major(u32 tile_smem, int k0, int n0) {
+    return wgmma_desc<PANEL_BYTES>(tile_smem + (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES,
+                                   ROWS * PANEL_BYTES, SWIZZLE_ATOM);
+  }
+
+  // Address of the 16 x 16 block at (row0, col0), row0 % 8 == 0 and col0 % 16 == 0, for a lane whose
+  // address of the block at (0, 0) is lane_addr (tile base 1024-byte aligned). 16-column steps inside
+  // a panel flip swizzled chunk bits (XOR); 8-row steps and panels add whole lines.
+  static __device__ __forceinline__ u32 frag(u32 lane_addr, int row0, int col0) {
+    return (lane_addr ^ (((col0 % PANEL_COLS) / 8) << 4)) + (col0 / PANEL_COLS) * (ROWS * PANEL_BYTES) +
+           row0 * PANEL_BYTES;
+  }
+};
+
+// Tile [ROWS, HEAD_DIM] from global memory (row r at gmem + r * row_stride) into shared memory,
+// 16 bytes per cp.async. Rows >= rows_valid and columns >= cols_valid are zero-filled without a
+// read, so a tail tile holds zeros (never NaN garbage that 0 * x would turn into NaN).
+template <class Tile, int THREADS>
+__device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_gmem, long long row_stride,
+                                                int rows_valid, int cols_valid, int tid) {
+  if constexpr (!Tile::template fixed_column<THREADS>()) {  // e.g. HEAD_DIM 96: chunks in panel order
+    if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+#pragma unroll
+      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) {
+        int row, col;
+        Tile::panel_order(tid + i * THREADS, row, col);
+        const bool valid = row < rows_valid && col < cols_valid;
+        cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem,
+                       valid);
+      }
+    } else {
+      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+        int row, col;
+        Tile::panel_order(idx, row, col);
+        const bool valid = row < rows_valid && col < cols_valid;
+        cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? tile_gmem + row * row_stride + col : tile_gmem,
+                       valid);
+      }
+    }
+    return;
+  }
+  // each thread keeps one column chunk; row steps of ROWS_PER_ITER (a multiple of 8) keep the swizzle
+  constexpr int ROWS_PER_ITER = THREADS / Tile::CHUNKS_PER_ROW;
+  const int row = tid / Tile::CHUNKS_PER_ROW, col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+  const u32 dst = tile_smem + Tile::offset(row, col);
+  const u16* src = tile_gmem + row * row_stride + col;
+  const bool col_ok = col < cols_valid;
+#pragma unroll
+  for (int i = 0; i < (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER; ++i) {
+    if (Tile::ROWS % ROWS_PER_ITER == 0 || row + i * ROWS_PER_ITER < Tile::ROWS) {
+      const bool valid = col_ok && row + i * ROWS_PER_ITER < rows_valid;
+      cp_async_cg_16(dst + i * ROWS_PER_ITER * Tile::PANEL_BYTES, valid ? src + i * ROWS_PER_ITER * row_stride : tile_gmem,
+                     valid);
+    }
+  }
+}
+
+// The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
+// row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs). Chunks in panel
+// order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a placeholder address).
+template <class Tile, int THREADS, class RowPtr>
+__device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, RowPtr row_ptr, int rows_valid, int cols_valid,
+                                                     int tid) {
+  for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+    int row, col;
+    Tile::panel_order(idx, row, col);
+    const bool valid = row < rows_valid && col < cols_valid;
+    cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? row_ptr(row) + col : row_ptr(0), valid);
+  }
+}
+
+// Tile from shared memory to global memory, 16 bytes per thread and instruction, valid part only.
+template <class Tile, int THREADS>
+__device__ __forceinline__ void store_tile(u16* tile_gmem, long long row_stride, const unsigned char* tile_smem,
+                                           int rows_valid, int cols_valid, int tid) {
+  if constexpr (!Tile::template fixed_column<THREADS>()) {  // panel order, as in load_tile_async
+    auto copy = [&](int idx) {
+      int row, col;
+      Tile::panel_order(idx, row, col);
+      if (row < rows_valid && col < cols_valid)
+        *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) =
+            *reinterpret_cast<const uint4*>(tile_smem + Tile::offset(row, col));
+    };
+    if constexpr (Tile::template panel_order_unrolled<THREADS>()) {
+#pragma unroll
+      for (int i = 0; i < Tile::CHUNKS / THREADS; ++i) copy(tid + i * THREADS);
+    } else {
+      for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) copy(idx);
+    }
+    return;
+  }
+  constexpr int ROWS_PER_ITER = THREADS / Tile::CHUNKS_PER_ROW;
+  const int row = tid / Tile::CHUNKS_PER_ROW, col = (tid % Tile::CHUNKS_PER_ROW) * 8;
+  const unsigned char* src = tile_smem + Tile::offset(row, col);
+  u16* dst = tile_gmem + row * row_stride + col;
+  if (col >= cols_valid) return;
+#pragma unroll
+  for (int i = 0; i < (Tile::ROWS + ROWS_PER_ITER - 1) / ROWS_PER_ITER; ++i) {
+    if ((Tile::ROWS % ROWS_PER_ITER == 0 || row + i * ROWS_PER_ITER < Tile::ROWS) && row + i * ROWS_PER_ITER < rows_valid)
+      *reinterpret_cast<uint4*>(dst + i * ROWS_PER_ITER * row_stride) =
+          *reinterpret_cast<const uint4*>(src + i * ROWS_PER_ITER * Tile::PANEL_BYTES);
+  }
+}
+
+// Zeros into the valid part of a global tile (used for query rows that see no key at all).
+template <class Tile, int THREADS>
+__device__ __forceinline__ void zero_tile_gmem(u16* tile_gmem, long long row_stride, int rows_valid,
+                                               int cols_valid, int tid) {
+  for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
+    const int row = idx / Tile::CHUNKS_PER_ROW;
+    const int col = (idx % Tile::CHUNKS_PER_ROW) * 8;
+    if (row < rows_valid && col < cols_valid) {
+      *reinterpret_cast<uint4*>(tile_gmem + row * row_stride + col) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
+// ---- shared -> register fragments of mma.m16n8k16 (lane l, g = l / 4, t = l % 4) --------------
+//
+// Each ldmatrix variant gives every lane one row address inside a 16 x 16 block. A kernel computes
+// a lane's address of the block at (0, 0) once (`lane_addr = tile_smem + lane_offset_*<Tile>(lane)`,
+// plus any run-time row offset that is a multiple of 8); `Tile::frag` moves it to the block at
+// (row0, col0) with one XOR and an immediate, so unrolled loops keep a handful of address registers.
+
+// A (row-major 16 x 16, rows m, columns k). x4 matrices: (m 0-7, k 0-7), (m 8-15, k 0-7),
+// (m 0-7, k 8-15), (m 8-15, k 8-15) -> a0..a3.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_a(int lane) {
+  return Tile::offset(lane & 15, (lane >> 4) * 8);
+}
+// B of two n8 tiles from a tile stored [n][k] (K as the B of Q K^T). x4 matrices: (n 0-7, k 0-7),
+// (n 0-7, k 8-15), (n 8-15, k 0-7), (n 8-15, k 8-15) -> b[0], b[1] of n-tile 0, b[2], b[3] of n-tile 1.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_b_nk(int lane) {
+  return Tile::offset((lane & 7) + ((lane >> 4) << 3), ((lane >> 3) & 1) * 8);
+}
+// B of two n8 tiles from a tile stored [k][n] (V as the B of P V), read with .trans. x4 matrices:
+// (k 0-7, n 0-7), (k 8-15, n 0-7), (k 0-7, n 8-15), (k 8-15, n 8-15).
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_b_kn_trans(int lane) {
+  return Tile::offset((lane & 7) + ((lane >> 3) & 1) * 8, (lane >> 4) * 8);
+}
+// A (16 x 16, rows m, columns k) from a tile stored [k][m] (dS^T read as dS), with .trans. x4
+// matrices: (k 0-7, m 0-7) -> a0, (k 0-7, m 8-15) -> a1, (k 8-15, m 0-7) -> a2, (k 8-15, m 8-15) -> a3.
+template <class Tile>
+__device__ __forceinline__ u32 lane_offset_a_trans(int lane) {
+  return Tile::offset((lane & 7) + (lane >> 4) * 8, ((lane >> 3) & 1) * 8);
+}
+
+// The same loads by (tile, block position); equivalent, for code that does not keep lane addresses.
+template <class Tile>
+__device__ __forceinline__ void ldmatrix_a(u32 (&a)[4], u32 tile_smem, int row0, int col0, int lane) {
+  ldmatrix_x4(a, Tile::frag(tile_smem + lane_offset_a<Tile>(lane), row0, col0));
+}
+template <class Tile>
+__device__ __forceinline__ void ldmatrix_b_nk(u32 (&b)[4], u32 tile_smem, int n0, int k0, int lane) {
+  ldmatrix_x4(b, Tile::frag(tile_smem + lane_offset_b_nk<Tile>(lane), n0, k0));
+}
+template <class Tile>
+__device__ __forceinline__ void ldmatrix_b_kn_trans(u32 (&b)[4], u32 tile_smem, int k0, int n0, int lane) {
+  ldmatrix_x4_trans(b, Tile::frag(tile_smem + lane_offset_b_kn_trans<Tile>(lane), k0, n0));
+}
+template <class Tile>
+__device__ __forceinline__ void ldmatrix_a_trans(u32 (&a)[4], u32 tile_smem, int k0, int m0, int lane) {
+  ldmatrix_x4_trans(a, Tile::frag(tile_smem + lane_offset_a_trans<Tile>(lane), k0, m0));
+}
+
+}  // namespace cuflash

@@ -1,0 +1,158 @@
+"""Kernel loading and launching: compiled cubins become CuPy modules, arguments a ctypes struct.
+
+Launches go through `cupy.cuda.driver.launchKernel` with one by-value struct argument mirroring the
+C++ params struct; a compiled function is cached per (device, instantiation), so a warm call costs a
+dictionary lookup, a struct fill and the driver call.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from functools import cached_property, lru_cache
+
+from . import _compile
+
+_c_ll = ctypes.c_longlong
+_CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+LOG2E = 1.4426950408889634
+
+
+class SeqParams(ctypes.Structure):
+    """Mirror of cuflash::SeqParams (cuda/seqs.cuh): dense or packed (varlen) sequences, GQA group size."""
+
+    _fields_ = [
+        ("cu_seqlens_q", ctypes.c_void_p), ("cu_seqlens_k", ctypes.c_void_p), ("seqused_k", ctypes.c_void_p),
+        ("seqlen_q", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("kv_group", ctypes.c_int),
+        ("seqlen_k_new", ctypes.c_int),
+    ]
+
+
+def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=None, cu_seqlens_k=None,
+               seqused_k=None, seqlen_k_new: int = 0) -> SeqParams:
+    """SeqParams for dense sequences (the cu_seqlens / seqused_k pointers None), packed ones, or a kv cache
+    (seqused_k: keys cached per sequence, or None: seqlen_k each; plus seqlen_k_new appended keys)."""
+    return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, seqlen_k_new)
+
+
+class FwdParams(ctypes.Structure):
+    """Mirror of cuflash::FwdParams (cuda/fwd.cuh); field order and types must match."""
+
+    _fields_ = [
+        ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
+        ("lse", ctypes.c_void_p), ("seq", SeqParams),
+        ("block_table", ctypes.c_void_p), ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p),
+        ("q_batch_stride", _c_ll), ("q_row_stride", _c_ll), ("q_head_stride", _c_ll),
+        ("k_batch_stride", _c_ll), ("k_row_stride", _c_ll), ("k_head_stride", _c_ll),
+        ("v_batch_stride", _c_ll), ("v_row_stride", _c_ll), ("v_head_stride", _c_ll),
+        ("o_batch_stride", _c_ll), ("o_row_stride", _c_ll), ("o_head_stride", _c_ll),
+        ("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll),
+        ("k_page_stride", _c_ll), ("v_page_stride", _c_ll),
+        ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("block_table_stride", ctypes.c_int),
+        ("page_size", ctypes.c_int), ("num_splits", ctypes.c_int), ("rows_per_pos", ctypes.c_int),
+        ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int),
+    ]
+
+
+class BwdParams(ctypes.Structure):
+    """Mirror of cuflash::BwdParams (cuda/bwd.cuh); field order and types must match."""
+
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("q", "k", "v", "o", "dout", "dq", "dk", "dv", "lse", "dq_accum", "lse_log2",
+                                       "delta")]
+        + [("seq", SeqParams)]
+        + [(f"{a}_{s}_stride", _c_ll) for a in ("q", "k", "v", "o", "do", "dq", "dk", "dv")
+           for s in ("batch", "row", "head")]
+        + [("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll), ("lse_row_stride", _c_ll)]
+        + [(n, ctypes.c_int) for n in ("seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
+        + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float)]
+    )
+
+
+class AppendParams(ctypes.Structure):
+    """Mirror of cuflash::AppendParams (cuda/kvcache.cuh)."""
+
+    _fields_ = (
+        [(n, ctypes.c_void_p) for n in ("k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table")]
+        + [(f"{a}_{s}_stride", _c_ll) for a in ("kn", "vn", "kc", "vc") for s in ("batch", "row", "head")]
+        + [(n, ctypes.c_int) for n in ("cache_seqlen", "s_new", "kv_heads", "head_dim", "page_size",
+                                      "block_table_stride")]
+    )
+
+
+# The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
+assert ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 264 and ctypes.sizeof(BwdParams) == 376
+assert ctypes.sizeof(AppendParams) == 168
+
+
+class _Kernel:
+    """A loaded kernel: its module (kept alive), function and launch shape."""
+
+    def __init__(self, compiled: _compile.Compiled, threads: int, smem_bytes: int):
+        from cupy.cuda import driver, function
+
+        self.module = function.Module()
+        self.module.load(compiled.cubin)
+        self.function = self.module.get_function(compiled.lowered_name)
+        self.threads = threads
+        self.smem_bytes = smem_bytes
+        if smem_bytes > 48 * 1024:
+            driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_bytes)
+
+    @cached_property
+    def ctas_per_sm(self) -> int:
+        """How many CTAs of this kernel one SM holds at once (registers, shared memory, threads)."""
+        from cupy.cuda import driver
+
+        return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, self.threads,
+                                                                          self.smem_bytes))
+
+    def launch(self, grid, params: ctypes.Structure, stream_ptr: int) -> None:
+        from cupy.cuda import driver
+
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
+        driver.launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
+                            stream_ptr, ctypes.addressof(args), 0)
+
+
+_kernels: dict = {}
+_lock = threading.Lock()
+
+
+@lru_cache(maxsize=None)
+def device_arch(device_id: int) -> str:
+    """NVRTC target of a device ("sm_90a" on an H100), looked up once per device."""
+    return _compile.device_arch(device_id)
+
+
+@lru_cache(maxsize=None)
+def max_smem_optin(device_id: int) -> int:
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device_id)
+
+
+def get_kernel(cfg, device_id: int) -> _Kernel:
+    """The loaded kernel of a config (FwdConfig, BwdConfig, ...) on a device; compiles on first use."""
+    key = (device_id, cfg)
+    kernel = _kernels.get(key)
+    if kernel is None:
+        with _lock:  # one thread compiles; the others wait for it instead of compiling again
+            kernel = _kernels.get(key)
+            if kernel is None:
+                if cfg.smem_bytes > max_smem_optin(device_id):
+                    raise RuntimeError(
+                        f"{cfg.cpp_name()} needs {cfg.smem_bytes} bytes of shared memory per CTA but device "
+                        f"{device_id} allows {max_smem_optin(device_id)}: cuflash's tiles are chosen for A100/H100-class "
+                        f"GPUs (sm_80, sm_90) with >= 164 KB per CTA")
+                compiled = _compile.compile_kernel(cfg.cpp_name(), device_arch(device_id))
+                kernel = _kernels[key] = _Kernel(compiled, cfg.threads, cfg.smem_bytes)
+    return kernel
+
+
+def scale_log2(softmax_scale: float) -> float:
+    return softmax_scale * LOG2E
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b) if b else math.inf

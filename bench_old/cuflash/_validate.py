@@ -1,0 +1,576 @@
+"""Argument checks, on array metadata only, so CI can test every message without a GPU.
+
+`array_info(x, name)` turns a user argument into an `ArrayInfo` (or raises TypeError naming the
+argument and saying how to convert it); the `check_*` functions work on ArrayInfo alone, except
+`check_cu_seqlens_values` and `check_kvcache_values`, which check the values of index arrays on host
+(NumPy) copies that the caller reads back when check_inputs=True.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import NamedTuple
+
+import numpy as np
+
+from .config import MAX_HEAD_DIM
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    BF16 = None
+
+FP16 = np.dtype(np.float16)
+DTYPE_NAMES = {FP16: "fp16"}
+if BF16 is not None:
+    DTYPE_NAMES[BF16] = "bf16"
+LAYOUTS = ("bshd", "bhsd")
+MAX_SCALE_LOG2 = float(np.finfo(np.float32).max)
+MAX_GRID_YZ = 65535  # heads is gridDim.y and batch gridDim.z of every launch
+
+
+class ArrayInfo(NamedTuple):
+    """What validation needs to know of an array: shape, dtype, strides in elements, address, device.
+    (A NamedTuple: built on every call, it must be cheap; see docs/PERFORMANCE.md, launch overhead.)"""
+
+    name: str
+    shape: tuple
+    dtype: np.dtype
+    strides: tuple  # in elements
+    ptr: int
+    device: int
+
+
+def _type_name(x) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+_ndarray = None  # cupy.ndarray, imported on first use so that validation runs without CuPy
+
+
+def array_info(x, name: str) -> ArrayInfo:
+    """Metadata of a CuPy array; a clear TypeError for anything else."""
+    global _ndarray
+    if _ndarray is None:
+        try:
+            import cupy
+        except ImportError:  # pragma: no cover
+            cupy = None
+        _ndarray = cupy.ndarray if cupy is not None else ()
+    if isinstance(x, _ndarray):  # the common case first: four attribute reads
+        item = x.dtype.itemsize
+        st = x.strides
+        strides = tuple([s // item if s % item == 0 else s / item for s in st])
+        return ArrayInfo(name, x.shape, x.dtype, strides, x.data.ptr, x.device.id)
+    mod = type(x).__module__ or ""
+    if isinstance(x, np.ndarray):
+        raise TypeError(f"{name} is a numpy.ndarray on the host; cuflash needs a CuPy array on the GPU: "
+                        f"use cupy.asarray({name})")
+    if mod.startswith("torch"):
+        raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a CuPy array: convert it without a copy "
+                        f"with cupy.from_dlpack({name}) (the tensor must be on a CUDA device)")
+    if mod.startswith("jax") or mod.startswith("jaxlib"):
+        raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a CuPy array: use cupy.from_dlpack({name})")
+    if _ndarray == ():  # pragma: no cover
+        raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a CuPy array, and CuPy is not installed")
+    raise TypeError(f"{name} is a {_type_name(x)}; cuflash needs a cupy.ndarray "
+                    f"(cupy.asarray for host data, cupy.from_dlpack for other GPU frameworks)")
+
+
+def check_dtype(*infos: ArrayInfo) -> str:
+    """All arrays fp16 or all bf16; returns "fp16" / "bf16"."""
+    first = infos[0]
+    if first.dtype not in DTYPE_NAMES:
+        allowed = "float16 or bfloat16 (ml_dtypes.bfloat16)"
+        raise TypeError(f"{first.name}.dtype={first.dtype} is not supported; allowed: {allowed}")
+    for info in infos[1:]:
+        if info.dtype != first.dtype:
+            raise TypeError(f"{info.name}.dtype={info.dtype} differs from {first.name}.dtype={first.dtype}; "
+                            f"all inputs must have the same dtype")
+    return DTYPE_NAMES[first.dtype]
+
+
+def check_layout(layout) -> str:
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not supported; allowed: 'bshd' (batch, seqlen, heads, head_dim) "
+                         f"or 'bhsd' (batch, heads, seqlen, head_dim)")
+    return layout
+
+
+def check_softmax_scale(softmax_scale, head_dim: int) -> float:
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale={softmax_scale!r} must be a real number or None (default 1/sqrt(head_dim))")
+    s = float(softmax_scale)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"softmax_scale={softmax_scale!r} must be finite and > 0")
+    if s * 1.4426950408889634 >= MAX_SCALE_LOG2:  # the kernels take softmax_scale * log2(e) as float32
+        raise ValueError(f"softmax_scale={softmax_scale!r} is too large: softmax_scale * log2(e) must fit a float32 "
+                         f"(softmax_scale < {MAX_SCALE_LOG2 / 1.4426950408889634:.3g})")
+    return s
+
+
+def check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name}={value!r} must be True or False")
+    return bool(value)
+
+
+class Dims(NamedTuple):
+    """(batch, seqlen, heads, head_dim) of one array and its strides in elements, in bshd order."""
+
+    batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    batch_stride: int
+    row_stride: int
+    head_stride: int
+
+
+def bshd_dims(info: ArrayInfo, layout: str) -> Dims:
+    """Read (B, S, H, D) and strides of a 4-d array in `layout`; checks rank and the last stride."""
+    if len(info.shape) != 4:
+        want = "(batch, seqlen, heads, head_dim)" if layout == "bshd" else "(batch, heads, seqlen, head_dim)"
+        raise ValueError(f"{info.name} has shape {info.shape} (rank {len(info.shape)}); "
+                         f"layout={layout!r} needs rank 4: {want}")
+    if info.shape[-1] > 1 and info.strides[-1] != 1 and 0 not in info.shape:  # CuPy gives size-0 arrays strides 0
+        raise ValueError(f"{info.name} has strides {info.strides} (elements): its last dim (head_dim) must be "
+                         f"contiguous (stride 1); use cupy.ascontiguousarray({info.name})")
+    if layout == "bshd":
+        b, s, h, d = info.shape
+        bs, ss, hs, _ = info.strides
+    else:
+        b, h, s, d = info.shape
+        bs, hs, ss, _ = info.strides
+    return Dims(b, s, h, d, bs, ss, hs)
+
+
+def check_head_dim(d: int, name: str = "q") -> None:
+    if d % 8 or d < 8 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={d} (last dim of {name}) is not supported; allowed: a multiple of 8 from 8 "
+                         f"to {MAX_HEAD_DIM} (kernels for 32, 64, 96, 128, 192, 256; others are zero-padded "
+                         f"inside the kernel)")
+
+
+def check_same_device(*infos: ArrayInfo) -> int:
+    first = infos[0]
+    for info in infos[1:]:
+        if info.device != first.device:
+            raise ValueError(f"{info.name} is on device {info.device} but {first.name} is on device "
+                             f"{first.device}; all arrays must be on one GPU")
+    return first.device
+
+
+def check_gqa_heads(heads_q: int, heads_kv: int, q: ArrayInfo, k: ArrayInfo, layout: str | None = None) -> int:
+    """Grouped-query attention: heads_q a multiple of heads_kv (both 0 allowed). Returns the group size
+    heads_q // heads_kv (query head h reads key/value head h // group), 1 when both are 0."""
+    where = f" ({layout})" if layout else ""
+    if heads_kv == 0 and heads_q == 0:
+        return 1
+    if heads_kv == 0 or heads_q == 0 or heads_q % heads_kv:
+        raise ValueError(f"{k.name} has shape {k.shape}{where} with heads_kv={heads_kv}, {q.name} has shape {q.shape} "
+                         f"with heads_q={heads_q}: heads_q must be a positive multiple of heads_kv (grouped-query "
+                         f"attention: query head h uses key/value head h // (heads_q // heads_kv))")
+    return heads_q // heads_kv
+
+
+def check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, layout: str):
+    """Shapes of q, k, v agree (k and v may have fewer heads than q: heads_q % heads_kv == 0, grouped-query
+    attention); returns (dtype name, dims of q, k, v)."""
+    layout = check_layout(layout)
+    dtype = check_dtype(q, k, v)
+    dq, dk, dv = bshd_dims(q, layout), bshd_dims(k, layout), bshd_dims(v, layout)
+    check_head_dim(dq.head_dim, q.name)
+    for other, d in ((k, dk), (v, dv)):
+        if d.batch != dq.batch or d.head_dim != dq.head_dim:
+            raise ValueError(f"{other.name} has shape {other.shape} but q has {q.shape} ({layout}): batch and "
+                             f"head_dim must match")
+    if dv.heads != dk.heads:
+        raise ValueError(f"{v.name} has shape {v.shape} but {k.name} has {k.shape} ({layout}): k and v need the same "
+                         f"number of heads (heads_kv)")
+    check_gqa_heads(dq.heads, dk.heads, q, k, layout)
+    for name, n in (("batch", dq.batch), ("heads", dq.heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
+                             f"(a CUDA grid dimension); split the call")
+    if dv.seqlen != dk.seqlen:
+        raise ValueError(f"v has shape {v.shape} but k has {k.shape}: k and v need the same seqlen")
+    check_same_device(q, k, v)
+    return dtype, dq, dk, dv
+
+
+def needs_aligned_copy(info: ArrayInfo, dims: Dims) -> bool:
+    """The kernels read 16-byte chunks: the address and the batch/row/head strides must be multiples of
+    8 elements. Arrays that are not (rare: views at odd element offsets) are copied, not rejected."""
+    # a dim of size 1 is never stepped over, so its stride does not matter
+    if info.ptr & 15:
+        return True
+    for stride, n in ((dims.batch_stride, dims.batch), (dims.row_stride, dims.seqlen), (dims.head_stride, dims.heads)):
+        if n > 1 and (type(stride) is not int or stride & 7):
+            return True
+    return False
+
+
+def needs_aligned_copy_rows(info: ArrayInfo) -> bool:
+    """`needs_aligned_copy` for an array of any rank (packed varlen arrays): the address and the stride of
+    every dim but the last (when that dim has more than one element) must be multiples of 8 elements."""
+    if info.ptr & 15:
+        return True
+    for stride, n in zip(info.strides[:-1], info.shape[:-1]):
+        if n > 1 and (type(stride) is not int or stride & 7):
+            return True
+    return False
+
+
+def byte_extent(info: ArrayInfo) -> tuple:
+    """[first, last) byte range that an array's elements occupy (empty arrays: an empty range)."""
+    item = info.dtype.itemsize
+    lo = hi = 0
+    for n, s in zip(info.shape, info.strides):
+        if n == 0:
+            return info.ptr, info.ptr
+        if s >= 0:
+            hi += (n - 1) * s * item
+        else:
+            lo += (n - 1) * s * item
+    return int(info.ptr + lo), int(info.ptr + hi + item)
+
+
+def overlaps(a: ArrayInfo, b: ArrayInfo) -> bool:
+    """True when the byte ranges of a and b intersect (conservative: interleaved views count as overlapping)."""
+    a0, a1 = byte_extent(a)
+    b0, b1 = byte_extent(b)
+    return a0 < b1 and b0 < a1
+
+
+INT32_MAX = 2**31 - 1
+
+
+def check_int(value, name: str, lo: int = 0, hi: int = INT32_MAX) -> int:
+    """A Python or NumPy integer (not a bool) in [lo, hi]."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}={value!r} must be an int")
+    n = int(value)
+    if n < lo or n > hi:
+        raise ValueError(f"{name}={n} is out of range: allowed {lo} <= {name} <= {hi}")
+    return n
+
+
+def check_last_dim_contiguous(info: ArrayInfo, what: str) -> None:
+    if len(info.shape) and info.shape[-1] > 1 and info.strides[-1] != 1 and 0 not in info.shape:
+        raise ValueError(f"{info.name} has strides {info.strides} (elements): its last dim ({what}) must be "
+                         f"contiguous (stride 1); use cupy.ascontiguousarray({info.name})")
+
+
+def _check_int32(info: ArrayInfo, what: str) -> None:
+    if info.dtype != np.int32:
+        raise TypeError(f"{info.name}.dtype={info.dtype} must be int32 ({what}); use "
+                        f"cupy.asarray({info.name}, dtype=cupy.int32)")
+
+
+# --- variable-length (packed) batches ---------------------------------------------------------------------
+
+class VarlenDims(NamedTuple):
+    """What a varlen launch needs, from `check_varlen`. Strides in elements, as (token stride, head stride)."""
+
+    dtype: str  # "fp16" | "bf16"
+    batch: int  # len(cu_seqlens) - 1
+    total_q: int  # q.shape[0]
+    total_k: int  # k.shape[0]
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    q_strides: tuple  # (token, head)
+    k_strides: tuple
+    v_strides: tuple
+    device: int
+
+
+def _packed(info: ArrayInfo, total: str, heads: str) -> None:
+    if len(info.shape) != 3:
+        raise ValueError(f"{info.name} has shape {info.shape} (rank {len(info.shape)}); the varlen functions take "
+                         f"packed rank-3 arrays ({total}, {heads}, head_dim): sequence b is rows "
+                         f"cu_seqlens[b] .. cu_seqlens[b + 1] - 1")
+    check_last_dim_contiguous(info, "head_dim")
+
+
+def check_cu_seqlens(cu_q: ArrayInfo, cu_k: ArrayInfo) -> int:
+    """Metadata of cu_seqlens_q / cu_seqlens_k: int32, 1-D, contiguous, equal length >= 2. Returns batch."""
+    for cu in (cu_q, cu_k):
+        _check_int32(cu, "cumulative sequence lengths")
+        if len(cu.shape) != 1:
+            raise ValueError(f"{cu.name} has shape {cu.shape}; it must be 1-D of length batch + 1")
+        if cu.shape[0] < 2:
+            raise ValueError(f"{cu.name} has shape {cu.shape}: it needs batch + 1 >= 2 entries "
+                             f"(cu_seqlens[0] = 0, then the end row of each sequence)")
+        if cu.strides[0] != 1:
+            raise ValueError(f"{cu.name} has strides {cu.strides} (elements); it must be contiguous (stride 1): "
+                             f"use cupy.ascontiguousarray({cu.name})")
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(f"{cu_k.name} has shape {cu_k.shape} but {cu_q.name} has {cu_q.shape}: both hold batch + 1 "
+                         f"entries")
+    return cu_q.shape[0] - 1
+
+
+def check_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_q: ArrayInfo, cu_k: ArrayInfo,
+                 max_seqlen_q, max_seqlen_k) -> VarlenDims:
+    """Packed q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), cu_seqlens int32 (batch + 1,),
+    max_seqlen ints >= 0: metadata only (the values of cu_seqlens: `check_cu_seqlens_values`)."""
+    dtype = check_dtype(q, k, v)
+    _packed(q, "total_q", "heads_q")
+    _packed(k, "total_k", "heads_kv")
+    _packed(v, "total_k", "heads_kv")
+    check_head_dim(q.shape[2], q.name)
+    if k.shape[2] != q.shape[2]:
+        raise ValueError(f"{k.name} has shape {k.shape} but {q.name} has {q.shape}: head_dim must match")
+    if v.shape != k.shape:
+        raise ValueError(f"{v.name} has shape {v.shape} but {k.name} has {k.shape}: k and v must have the same shape "
+                         f"(total_k, heads_kv, head_dim)")
+    total_q, heads_q, head_dim = q.shape
+    total_k, heads_kv, _ = k.shape
+    check_gqa_heads(heads_q, heads_kv, q, k)
+    batch = check_cu_seqlens(cu_q, cu_k)
+    max_q = check_int(max_seqlen_q, "max_seqlen_q")
+    max_k = check_int(max_seqlen_k, "max_seqlen_k")
+    for name, total, total_name, mx, mx_name in ((cu_q.name, total_q, "total_q", max_q, "max_seqlen_q"),
+                                                 (cu_k.name, total_k, "total_k", max_k, "max_seqlen_k")):
+        if total > batch * mx:  # some sequence is longer than mx: caught here without reading cu_seqlens
+            raise ValueError(f"{mx_name}={mx} is too small: {total_name}={total} rows in batch={batch} sequences "
+                             f"({name} has {batch + 1} entries) means a sequence of at least "
+                             f"{-(-total // batch)} rows; {mx_name} must be >= the longest sequence")
+    for name, n in (("batch", batch), ("heads_q", heads_q)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} is too large: at most {MAX_GRID_YZ} (a CUDA grid dimension); split the call")
+    check_same_device(q, k, v, cu_q, cu_k)
+    return VarlenDims(dtype, batch, total_q, total_k, heads_q, heads_kv, head_dim, max_q, max_k,
+                      tuple(q.strides[:2]), tuple(k.strides[:2]), tuple(v.strides[:2]), q.device)
+
+
+def check_cu_seqlens_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int):
+    """Values of cu_seqlens_q / cu_seqlens_k, host copies (NumPy int arrays): cu[0] == 0, non-decreasing,
+    cu[-1] == total, every length <= max_seqlen. Returns (seqlens_q, seqlens_k), int64 arrays of length batch."""
+    out = []
+    for name, cu, total, total_name, mx, mx_name in (
+            ("cu_seqlens_q", cu_q, total_q, "total_q", max_seqlen_q, "max_seqlen_q"),
+            ("cu_seqlens_k", cu_k, total_k, "total_k", max_seqlen_k, "max_seqlen_k")):
+        cu = np.asarray(cu).astype(np.int64).reshape(-1)
+        if cu[0] != 0:
+            raise ValueError(f"{name}[0]={cu[0]} must be 0 (the first sequence starts at row 0)")
+        lens = np.diff(cu)
+        bad = np.flatnonzero(lens < 0)
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"{name} must be non-decreasing: {name}[{i + 1}]={cu[i + 1]} < {name}[{i}]={cu[i]} "
+                             f"(sequence {i} would have length {lens[i]})")
+        last = len(cu) - 1
+        if cu[last] != total:
+            what = "q.shape[0]" if name.endswith("q") else "k.shape[0]"
+            raise ValueError(f"{name}[{last}]={cu[last]} (the last entry) must equal {total_name}={total} ({what}, "
+                             f"the number of packed rows)")
+        if lens.size and lens.max() > mx:
+            b = int(np.argmax(lens))
+            raise ValueError(f"sequence {b} has length {lens[b]} ({name}[{b + 1}] - {name}[{b}]) but {mx_name}={mx}: "
+                             f"{mx_name} must be >= the longest sequence")
+        out.append(lens)
+    return out[0], out[1]
+
+
+# --- KV-cache decoding --------------------------------------------------------------------------------------
+
+KV_TILE = 64  # the kernel's K/V tile: a paged cache's page size must be a multiple of it
+MAX_SPLITS = 128
+
+
+class KvcacheDims(NamedTuple):
+    """What a KV-cache launch needs, from `check_kvcache`. Dims are in bshd order with strides in elements;
+    for a paged cache, k_cache/v_cache Dims read (num_blocks, page_size, heads_kv, head_dim)."""
+
+    dtype: str  # "fp16" | "bf16"
+    batch: int
+    seqlen_q: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    s_new: int  # new keys per sequence in k, v (0 without them)
+    paged: bool
+    page_size: int  # rows per physical block (paged); S_cache for a dense cache
+    num_blocks: int  # k_cache.shape[0]: physical blocks (paged), batch (dense)
+    max_blocks: int  # block_table.shape[1] (paged); 1 for a dense cache
+    capacity: int  # keys one sequence can hold: S_cache, or max_blocks * page_size
+    cache_seqlen: int | None  # the keys already cached in every sequence when cache_seqlens is None (capacity)
+    #                           or an int; None when it is a per-sequence array
+    num_splits: int  # 0 (heuristic) or 1..MAX_SPLITS
+    q: Dims
+    k_cache: Dims
+    v_cache: Dims
+    k: Dims | None  # the new keys / values, or None
+    v: Dims | None
+    block_table_stride: int  # elements between rows of block_table; 0 for a dense cache
+    device: int
+
+
+def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
+                  cache_seqlens, block_table: ArrayInfo | None, num_splits) -> KvcacheDims:
+    """Metadata of an attention_with_kvcache call. cache_seqlens: None, an int, or the ArrayInfo of an int32
+    (batch,) array (its values: `check_kvcache_values`); block_table: None (dense cache) or ArrayInfo."""
+    if (k is None) != (v is None):
+        raise ValueError(f"k and v (new keys and values) go together: got k={'None' if k is None else 'an array'} "
+                         f"and v={'None' if v is None else 'an array'}; pass both or neither")
+    new = [x for x in (k, v) if x is not None]
+    dtype = check_dtype(q, k_cache, v_cache, *new)
+    dq, dkc, dvc = bshd_dims(q, "bshd"), bshd_dims(k_cache, "bshd"), bshd_dims(v_cache, "bshd")
+    check_head_dim(dq.head_dim, q.name)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"{v_cache.name} has shape {v_cache.shape} but {k_cache.name} has {k_cache.shape}: the key and "
+                         f"value caches must have the same shape")
+    if dkc.head_dim != dq.head_dim:
+        raise ValueError(f"{k_cache.name} has shape {k_cache.shape} but {q.name} has {q.shape}: head_dim must match")
+    check_gqa_heads(dq.heads, dkc.heads, q, k_cache)
+    batch, heads_kv, head_dim = dq.batch, dkc.heads, dq.head_dim
+
+    paged = block_table is not None
+    if paged:
+        _check_int32(block_table, "physical block indices")
+        if len(block_table.shape) != 2 or block_table.shape[0] != batch:
+            raise ValueError(f"{block_table.name} has shape {block_table.shape}; expected (batch, max_blocks_per_seq) "
+                             f"with batch={batch} (q.shape[0])")
+        check_last_dim_contiguous(block_table, "max_blocks_per_seq")
+        page_size, max_blocks = dkc.seqlen, block_table.shape[1]
+        if page_size < KV_TILE or page_size % KV_TILE:
+            raise ValueError(f"page_size={page_size} ({k_cache.name}.shape[1] of the paged cache (num_blocks, "
+                             f"page_size, heads_kv, head_dim)) is not supported: it must be a positive multiple of "
+                             f"{KV_TILE} (the kernel's K/V tile)")
+        capacity, bt_stride = max_blocks * page_size, int(block_table.strides[0]) if max_blocks else 0
+    else:
+        if dkc.batch != batch:
+            raise ValueError(f"{k_cache.name} has shape {k_cache.shape} but q has batch={batch} ({q.shape}): a dense "
+                             f"cache (no block_table) holds one sequence per batch entry, (batch, S_cache, heads_kv, "
+                             f"head_dim)")
+        page_size, max_blocks, capacity, bt_stride = dkc.seqlen, 1, dkc.seqlen, 0
+    for c, d in ((k_cache, dkc), (v_cache, dvc)):
+        if needs_aligned_copy(c, d):
+            raise ValueError(f"{c.name} must be 16-byte aligned with strides that are multiples of 8 elements (the "
+                             f"cache is read in 16-byte chunks and written in place, so it cannot be copied); got "
+                             f"strides {c.strides} at address {c.ptr:#x}")
+
+    dk = dv = None
+    s_new = 0
+    if k is not None:
+        dk, dv = bshd_dims(k, "bshd"), bshd_dims(v, "bshd")
+        s_new = dk.seqlen
+        for x, d in ((k, dk), (v, dv)):
+            if (d.batch, d.heads, d.head_dim) != (batch, heads_kv, head_dim) or d.seqlen != s_new:
+                raise ValueError(f"{x.name} has shape {x.shape}; the new keys/values must be (batch, S_new, heads_kv, "
+                                 f"head_dim) = ({batch}, S_new, {heads_kv}, {head_dim}), k and v alike "
+                                 f"(k has {k.shape})")
+        if s_new > capacity:
+            raise ValueError(f"k has S_new={s_new} new keys per sequence but the cache holds at most capacity="
+                             f"{capacity} keys per sequence")
+
+    cache_seqlen = None
+    if cache_seqlens is None:
+        cache_seqlen = capacity
+        if s_new:
+            raise ValueError(f"cache_seqlens=None means every sequence's cache is full ({capacity} keys): there is no "
+                             f"room for the S_new={s_new} new keys of k and v; pass cache_seqlens (the keys already "
+                             f"cached per sequence)")
+    elif isinstance(cache_seqlens, ArrayInfo):
+        _check_int32(cache_seqlens, "keys already cached per sequence")
+        if cache_seqlens.shape != (batch,):
+            raise ValueError(f"{cache_seqlens.name} has shape {cache_seqlens.shape}; expected (batch,) = ({batch},)")
+        if batch > 1 and cache_seqlens.strides[0] != 1:
+            raise ValueError(f"{cache_seqlens.name} has strides {cache_seqlens.strides} (elements); it must be "
+                             f"contiguous: use cupy.ascontiguousarray({cache_seqlens.name})")
+    elif isinstance(cache_seqlens, (bool, np.bool_)) or not isinstance(cache_seqlens, numbers.Integral):
+        raise TypeError(f"cache_seqlens={cache_seqlens!r} must be None, an int or a CuPy int32 array of shape "
+                        f"(batch,)")
+    else:
+        cache_seqlen = int(cache_seqlens)
+        if cache_seqlen < 0 or cache_seqlen + s_new > capacity:
+            raise ValueError(f"cache_seqlens={cache_seqlen} with S_new={s_new} new keys does not fit the cache of "
+                             f"capacity={capacity} keys per sequence: allowed 0 <= cache_seqlens <= "
+                             f"{capacity - s_new}")
+
+    splits = check_int(num_splits, "num_splits", 0, MAX_SPLITS)
+    for name, n in (("batch", batch), ("heads", dq.heads)):
+        if n > MAX_GRID_YZ:
+            raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
+                             f"(a CUDA grid dimension); split the call")
+    extra = [x for x in (cache_seqlens, block_table) if isinstance(x, ArrayInfo)]
+    check_same_device(q, k_cache, v_cache, *new, *extra)
+    if s_new:  # the call writes into the caches: nothing it reads or writes may share their memory
+        if overlaps(k_cache, v_cache):
+            raise ValueError(f"{v_cache.name} overlaps the memory of {k_cache.name}; the new keys and values are "
+                             f"written into them, so they must be separate arrays")
+        for c in (k_cache, v_cache):
+            for x in (q, k, v, *extra):
+                if overlaps(x, c):
+                    raise ValueError(f"{x.name} overlaps the memory of {c.name}, which the call writes into; "
+                                     f"{x.name} must not alias the cache")
+    return KvcacheDims(dtype, batch, dq.seqlen, dq.heads, heads_kv, head_dim, s_new, paged, page_size, dkc.batch,
+                       max_blocks, capacity, cache_seqlen, splits, dq, dkc, dvc, dk, dv, bt_stride, q.device)
+
+
+def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_new: int, num_blocks: int,
+                         page_size: int) -> int:
+    """Values of cache_seqlens and block_table, host copies, before anything is written.
+
+    cache_seqlens_host: None (every cache full), an int, or a NumPy int array (batch,): 0 <= cache_seqlens[b]
+        and cache_seqlens[b] + s_new <= capacity.
+    block_table_host: None (dense cache) or a NumPy int array (batch, max_blocks): the blocks sequence b uses
+        (the first ceil(L_b / page_size), L_b = cache_seqlens[b] + s_new) must be in [0, num_blocks); the
+        other entries may hold anything (-1, say). The new keys of all sequences must land in distinct slots.
+    Returns max_b L_b (0 for an empty batch)."""
+    table = None if block_table_host is None else np.asarray(block_table_host).astype(np.int64)
+    scalar = cache_seqlens_host is None or isinstance(cache_seqlens_host, numbers.Integral)
+    if scalar:  # the same count for every sequence
+        start = capacity if cache_seqlens_host is None else int(cache_seqlens_host)
+        cached = np.full(1 if table is None else table.shape[0], start, dtype=np.int64)
+    else:
+        cached = np.asarray(cache_seqlens_host).astype(np.int64).reshape(-1)
+
+    def label(b):
+        return "cache_seqlens" if scalar else f"cache_seqlens[{b}]"
+
+    bad = np.flatnonzero(cached < 0)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{label(b)}={cached[b]} must be >= 0 (the keys already in the cache of "
+                         f"{'every sequence' if scalar else f'sequence {b}'})")
+    bad = np.flatnonzero(cached + s_new > capacity)
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"{label(b)}={cached[b]} plus S_new={s_new} new keys = {cached[b] + s_new} exceeds the cache "
+                         f"capacity of {capacity} keys per sequence: allowed 0 <= cache_seqlens <= {capacity - s_new}")
+    lengths = cached + s_new
+    if table is not None:
+        used = -(-lengths // page_size)  # blocks sequence b reads: ceil(L_b / page_size)
+        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        wrong = in_use & ((table < 0) | (table >= num_blocks))
+        if wrong.any():
+            b, j = (int(i) for i in np.argwhere(wrong)[0])
+            raise ValueError(f"block_table[{b}, {j}]={table[b, j]} is out of range: sequence {b} holds "
+                             f"{lengths[b]} keys in blocks block_table[{b}, 0..{used[b] - 1}] (page_size={page_size}), "
+                             f"and each must be in [0, num_blocks={num_blocks})")
+        if s_new:  # physical slots of the new keys: block_table[b, p // page_size] * page_size + p % page_size
+            starts = lengths - s_new
+            pos = starts[:, None] + np.arange(s_new)[None, :]
+            slots = np.take_along_axis(table, pos // page_size, axis=1) * page_size + pos % page_size
+            flat = slots.reshape(-1)
+            order = np.argsort(flat, kind="stable")
+            dup = np.flatnonzero(flat[order][1:] == flat[order][:-1])
+            if dup.size:
+                first, second = (divmod(int(order[dup[0] + i]), s_new) for i in (0, 1))
+                slot = int(flat[order[dup[0]]])
+                raise ValueError(f"block_table sends new keys of sequence {first[0]} (position {pos[first]}) and "
+                                 f"sequence {second[0]} (position {pos[second]}) to the same cache slot (block "
+                                 f"{slot // page_size}, row {slot % page_size}): k and v would overwrite each other "
+                                 f"there; give each sequence its own blocks for the positions it writes")
+    return int(lengths.max()) if lengths.size else 0

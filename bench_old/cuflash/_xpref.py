@@ -1,0 +1,340 @@
+"""cuflash.reference's math for NumPy *or* CuPy arrays, so large checks can run on the GPU.
+
+The functions mirror `cuflash.reference` line by line (same conventions, same rounding points) but use
+batched matmuls of the array module `xp` of their inputs: with CuPy arrays a float64 reference of a
+(2, 1024, 2, 256) problem takes milliseconds instead of seconds. tests/test_reference.py checks that,
+on NumPy arrays, every function here agrees with `cuflash.reference`.
+
+Low-precision rounding is done on float32 bit patterns (round to nearest even, as ml_dtypes does), so
+it does not depend on CuPy's bfloat16 arithmetic; only fp16 uses a dtype cast.
+
+Arrays are in the "bshd" layout: q (B, Sq, H_q, D), k and v (B, Sk, H_kv, D) with H_q a multiple of H_kv
+(grouped-query attention: query head h uses key/value head h // (H_q // H_kv)); lse is (B, H_q, Sq).
+The varlen and KV-cache references work one sequence at a time on top of the dense ones, as in
+`cuflash.reference`.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+def array_module(x):
+    """numpy or cupy, whichever `x` belongs to (without importing CuPy for NumPy arrays)."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    return np
+
+
+def round_to(x, dtype: str):
+    """float32 copy of x rounded to "fp16" or "bf16" (round to nearest even), returned as float32."""
+    xp = array_module(x)
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    if dtype in ("fp16", "float16"):
+        return x.astype(xp.float16).astype(xp.float32)
+    if dtype not in ("bf16", "bfloat16"):
+        raise ValueError(f"dtype={dtype!r}; allowed: 'fp16', 'bf16'")
+    u = x.view(xp.uint32)
+    # bf16 keeps the top 16 bits: add 0x7fff plus the lowest kept bit, then truncate (ties to even)
+    r = (u + (xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1)))) & xp.uint32(0xFFFF0000)
+    return xp.where(xp.isnan(x), x, r.view(xp.float32))
+
+
+def _bf16_dtype():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+def to_lowp(x, dtype: str):
+    """x (any float array) rounded to an fp16 or bf16 array of the same module, contiguous.
+
+    bf16 is produced from the rounded float32 bit pattern (its top 16 bits) and a dtype view, so it
+    needs CuPy to know the bfloat16 dtype but not to convert to it."""
+    xp = array_module(x)
+    r = round_to(x, dtype)
+    if dtype in ("fp16", "float16"):
+        return r.astype(xp.float16)
+    return (r.view(xp.uint32) >> xp.uint32(16)).astype(xp.uint16).view(_bf16_dtype())
+
+
+def to_float32(x):
+    """Contiguous float32 copy of an fp16, bf16 (widened bit-wise) or other float array."""
+    xp = array_module(x)
+    if x.dtype == _bf16_dtype():
+        bits = xp.ascontiguousarray(x.view(xp.uint16)).astype(xp.uint32) << xp.uint32(16)
+        return bits.view(xp.float32)
+    return xp.ascontiguousarray(x, dtype=xp.float32)
+
+
+def causal_mask(xp, seqlen_q: int, seqlen_k: int):
+    """Boolean (Sq, Sk): True where query i may attend key j (bottom-right aligned)."""
+    i = xp.arange(seqlen_q)[:, None]
+    j = xp.arange(seqlen_k)[None, :]
+    return j <= i + (seqlen_k - seqlen_q)
+
+
+def _scale(softmax_scale, head_dim):
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def repeat_kv(x, heads_q: int):
+    """(B, S, H_kv, D) -> (B, S, H_q, D) with query head h reading head h // (H_q // H_kv) of x."""
+    xp = array_module(x)
+    heads_kv = x.shape[2]
+    if heads_kv == heads_q:
+        return x
+    if heads_kv == 0 or heads_q % heads_kv:
+        raise ValueError(f"heads_q={heads_q} is not a multiple of heads_kv={heads_kv}")
+    return xp.repeat(x, heads_q // heads_kv, axis=2)
+
+
+def sum_kv_groups(dx, heads_kv: int):
+    """Gradient of `repeat_kv`: (B, S, H_q, D) -> (B, S, H_kv, D), each head the sum over its query group."""
+    b, s, heads_q, d = dx.shape
+    if heads_q == heads_kv:
+        return dx
+    return dx.reshape(b, s, heads_kv, heads_q // heads_kv, d).sum(axis=3)
+
+
+def _bh(x):
+    """(B, S, H, D) -> (B, H, S, D) view."""
+    return x.transpose(0, 2, 1, 3)
+
+
+def _softmax_rows(xp, s):
+    """Rows of s (-inf where masked) -> (p, m, l) with the fully-masked-row convention (p = 0)."""
+    if s.shape[-1] == 0:  # no keys at all: every row is fully masked (and max() has no identity)
+        m = xp.zeros(s.shape[:-1] + (1,), dtype=s.dtype)
+        return s, m, xp.zeros_like(m)
+    m = s.max(axis=-1, keepdims=True)
+    m = xp.where(xp.isfinite(m), m, xp.zeros((), dtype=s.dtype))  # masked row: exp(-inf - 0) = 0, not NaN
+    p = xp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    return p, m, l
+
+
+def attention_forward64(q, k, v, causal=False, softmax_scale=None):
+    """float64 attention. Returns (o (B, Sq, H_q, D), lse (B, H_q, Sq)), float64 arrays of q's module."""
+    xp = array_module(q)
+    q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    sq, sk = q.shape[1], k.shape[1]
+    s = (_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * _scale(softmax_scale, q.shape[-1])  # (B, H, Sq, Sk)
+    if causal:
+        s = xp.where(causal_mask(xp, sq, sk), s, -xp.inf)
+    p, m, l = _softmax_rows(xp, s)
+    seen = l > 0
+    p = xp.where(seen, p / xp.where(seen, l, 1.0), 0.0)
+    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(xp.where(seen[..., 0], l[..., 0], 1.0)), -xp.inf)
+    o = _bh(p @ _bh(v))
+    return o, lse
+
+
+def attention_backward64(do, q, k, v, causal=False, softmax_scale=None):
+    """float64 gradients of attention_forward64's output for the upstream gradient do: (dq, dk, dv), shaped
+    like q, k, v (dk, dv summed over the query heads of each group)."""
+    xp = array_module(q)
+    do, q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (do, q, k, v))
+    heads_kv = k.shape[2]
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    scale = _scale(softmax_scale, q.shape[-1])
+    o, lse = attention_forward64(q, k, v, causal, scale)
+    s = (_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * scale
+    finite = xp.isfinite(lse)[..., None]
+    p = xp.exp(s - xp.where(finite, lse[..., None], 0.0))
+    if causal:
+        p = xp.where(causal_mask(xp, q.shape[1], k.shape[1]), p, 0.0)
+    p = xp.where(finite, p, 0.0)
+    dv = _bh(p.transpose(0, 1, 3, 2) @ _bh(do))
+    dp = _bh(do) @ _bh(v).transpose(0, 1, 3, 2)
+    delta = (do * o).sum(axis=-1).transpose(0, 2, 1)[..., None]  # D_i = rowsum(dO * O), (B, H, Sq, 1)
+    ds = p * (dp - delta)
+    dq = _bh(ds @ _bh(k)) * scale
+    dk = _bh(ds.transpose(0, 1, 3, 2) @ _bh(q)) * scale
+    return dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+
+
+def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None):
+    """Plain attention in `dtype` ("fp16"/"bf16"): fp32 matmuls, S, P and O rounded to `dtype`."""
+    xp = array_module(q)
+    q, k, v = (round_to(x, dtype) for x in (q, k, v))
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    sq, sk = q.shape[1], k.shape[1]
+    s = round_to((_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * xp.float32(_scale(softmax_scale, q.shape[-1])), dtype)
+    if causal:
+        s = xp.where(causal_mask(xp, sq, sk), s, xp.float32(-xp.inf))
+    p, _, l = _softmax_rows(xp, s)
+    seen = l > 0
+    p = round_to(xp.where(seen, p / xp.where(seen, l, xp.float32(1)), xp.float32(0)), dtype)
+    return _bh(round_to(p @ _bh(v), dtype))
+
+
+def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None):
+    """Plain attention backward in `dtype`: each matmul output and P, dP, dS rounded to `dtype`; with fewer
+    key/value heads, the rounded per-query-head dk, dv are summed over each group and rounded again."""
+    xp = array_module(q)
+    do, q, k, v = (round_to(x, dtype) for x in (do, q, k, v))
+    heads_kv = k.shape[2]
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    scale = xp.float32(_scale(softmax_scale, q.shape[-1]))
+    sq, sk = q.shape[1], k.shape[1]
+    s = round_to((_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * scale, dtype)
+    if causal:
+        s = xp.where(causal_mask(xp, sq, sk), s, xp.float32(-xp.inf))
+    p, _, l = _softmax_rows(xp, s)
+    seen = l > 0
+    p = round_to(xp.where(seen, p / xp.where(seen, l, xp.float32(1)), xp.float32(0)), dtype)
+    o = _bh(round_to(p @ _bh(v), dtype))
+    dv = _bh(round_to(p.transpose(0, 1, 3, 2) @ _bh(do), dtype))
+    dp = round_to(_bh(do) @ _bh(v).transpose(0, 1, 3, 2), dtype)
+    delta = (do * o).sum(axis=-1).transpose(0, 2, 1)[..., None]
+    ds = round_to(p * (dp - delta), dtype)
+    dq = _bh(round_to((ds @ _bh(k)) * scale, dtype))
+    dk = _bh(round_to((ds.transpose(0, 1, 3, 2) @ _bh(q)) * scale, dtype))
+    if heads_kv != q.shape[2]:
+        dk, dv = round_to(sum_kv_groups(dk, heads_kv), dtype), round_to(sum_kv_groups(dv, heads_kv), dtype)
+    return dq, dk, dv
+
+
+# --- variable-length (packed) batches: one sequence at a time ---------------------------------------------
+
+def to_host(x):
+    """NumPy copy of a CuPy array (x itself for NumPy arrays and Python values)."""
+    return x.get() if type(x).__module__.startswith("cupy") else x
+
+
+def sequences(cu_seqlens_q, cu_seqlens_k):
+    """[(rows of q, rows of k)] as slices, one pair per sequence b: cu[b] .. cu[b + 1] - 1."""
+    cu_q, cu_k = (np.asarray(to_host(c)).astype(np.int64) for c in (cu_seqlens_q, cu_seqlens_k))
+    return [(slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1])))
+            for b in range(len(cu_q) - 1)]
+
+
+def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+    """float64 attention of packed sequences q (total_q, H_q, D), k, v (total_k, H_kv, D), per sequence.
+    Returns (o (total_q, H_q, D), lse (H_q, total_q))."""
+    xp = array_module(q)
+    o = xp.zeros(q.shape, dtype=xp.float64)
+    lse = xp.full((q.shape[1], q.shape[0]), -xp.inf, dtype=xp.float64)
+    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
+        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+        o[rq], lse[:, rq] = o_b[0], lse_b[0]
+    return o, lse
+
+
+def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
+    """float64 (dq, dk, dv), packed like q, k, v."""
+    xp = array_module(q)
+    grads = [xp.zeros(x.shape, dtype=xp.float64) for x in (q, k, v)]
+    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
+        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+        grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
+    return tuple(grads)
+
+
+def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
+    """`attention_lowp` per sequence: o (total_q, H_q, D) float32."""
+    xp = array_module(q)
+    o = xp.zeros(q.shape, dtype=xp.float32)
+    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
+        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)[0]
+    return o
+
+
+def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
+    """`attention_backward_lowp` per sequence: (dq, dk, dv) float32, packed like q, k, v."""
+    xp = array_module(q)
+    grads = [xp.zeros(x.shape, dtype=xp.float32) for x in (q, k, v)]
+    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
+        g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)
+        grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
+    return tuple(grads)
+
+
+# --- KV cache: append into a copy, then dense attention over each sequence's valid prefix ---------------------
+
+def kvcache_capacity(cache_shape, block_table=None) -> int:
+    """Keys one sequence can hold: S_cache (dense) or max_blocks_per_seq * page_size (paged)."""
+    return cache_shape[1] if block_table is None else block_table.shape[1] * cache_shape[1]
+
+
+def kvcache_seqlens(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
+    """cache_seqlens as a host int64 (batch,) array: None -> capacity, an int -> that for every sequence."""
+    if cache_seqlens is None:
+        return np.full(batch, capacity, dtype=np.int64)
+    if np.ndim(to_host(cache_seqlens)) == 0:
+        return np.full(batch, int(cache_seqlens), dtype=np.int64)
+    return np.asarray(to_host(cache_seqlens)).astype(np.int64).reshape(batch)
+
+
+def kvcache_slots(xp, b: int, positions, cache_shape, block_table=None):
+    """Index of logical key positions (an xp int array) of sequence b in the cache: (b, positions) for a dense
+    cache (B, S_cache, H_kv, D); (block_table[b, p // page_size], p % page_size) for a paged one."""
+    if block_table is None:
+        return xp.full(positions.shape, b, dtype=positions.dtype), positions
+    page_size = cache_shape[1]
+    table = xp.asarray(block_table)  # a host (NumPy) table works with device positions too
+    return table[b, positions // page_size].astype(positions.dtype), positions % page_size
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
+    """Copies of the caches with k, v (B, S_new, H_kv, D) written at logical positions cache_seqlens[b] ..
+    cache_seqlens[b] + S_new - 1 of each sequence b. Any dtype: pass uint16 views to compare bit patterns."""
+    xp = array_module(k_cache)
+    k_cache, v_cache = k_cache.copy(), v_cache.copy()
+    if k is None:
+        return k_cache, v_cache
+    batch, s_new = k.shape[:2]
+    cached = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table))
+    for b in range(batch):
+        slots = kvcache_slots(xp, b, xp.arange(int(cached[b]), int(cached[b]) + s_new), k_cache.shape, block_table)
+        k_cache[slots] = k[b]
+        v_cache[slots] = v[b]
+    return k_cache, v_cache
+
+
+def kvcache_prefix(cache, b: int, length: int, block_table=None):
+    """The first `length` logical keys (or values) of sequence b: (length, H_kv, D)."""
+    xp = array_module(cache)
+    return cache[kvcache_slots(xp, b, xp.arange(int(length)), cache.shape, block_table)]
+
+
+def kvcache_lengths(cache_seqlens, batch: int, capacity: int, s_new: int) -> np.ndarray:
+    """L_b = cache_seqlens[b] + S_new: the keys sequence b attends (host int64 array)."""
+    return kvcache_seqlens(cache_seqlens, batch, capacity) + s_new
+
+
+def attention_kvcache64(q, k_cache, v_cache, cache_seqlens=None, k=None, v=None, block_table=None, causal=False,
+                        softmax_scale=None):
+    """float64 reference of attention_with_kvcache (see cuflash.reference.attention_kvcache64), float inputs:
+    returns (o (B, Sq, H_q, D), lse (B, H_q, Sq), appended k_cache, appended v_cache)."""
+    xp = array_module(q)
+    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    batch = q.shape[0]
+    lengths = kvcache_lengths(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table),
+                              0 if k is None else k.shape[1])
+    o = xp.zeros(q.shape, dtype=xp.float64)
+    lse = xp.zeros((batch, q.shape[2], q.shape[1]), dtype=xp.float64)
+    for b in range(batch):
+        keys, values = (kvcache_prefix(c, b, lengths[b], block_table)[None] for c in (k_cache, v_cache))
+        o_b, lse_b = attention_forward64(q[b:b + 1], keys, values, causal, softmax_scale)
+        o[b], lse[b] = o_b[0], lse_b[0]
+    return o, lse, k_cache, v_cache
+
+
+def attention_kvcache_lowp(q, k_cache, v_cache, dtype, cache_seqlens=None, k=None, v=None, block_table=None,
+                           causal=False, softmax_scale=None):
+    """`attention_lowp` over each sequence's valid keys after the append: o (B, Sq, H_q, D) float32."""
+    xp = array_module(q)
+    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    lengths = kvcache_lengths(cache_seqlens, q.shape[0], kvcache_capacity(k_cache.shape, block_table),
+                              0 if k is None else k.shape[1])
+    o = xp.zeros(q.shape, dtype=xp.float32)
+    for b in range(q.shape[0]):
+        keys, values = (kvcache_prefix(c, b, lengths[b], block_table)[None] for c in (k_cache, v_cache))
+        o[b] = attention_lowp(q[b:b + 1], keys, values, dtype, causal, softmax_scale)[0]
+    return o

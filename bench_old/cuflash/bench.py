@@ -1,0 +1,1055 @@
+"""Benchmark: cuflash against plain CuPy attention and torch SDPA's backends, in one run, on one GPU.
+
+    python -m cuflash.bench                                  # fwd, bf16 + fp16, D 64/128, causal and not, N 512..16k
+    python -m cuflash.bench --backward --dtype bf16          # + bwd and fwd+bwd
+    python -m cuflash.bench --seqlen 4096 --head-dim 128 --causal yes --json out.json --plot out.png
+
+Shapes are the FlashAttention benchmark's: batch = 16384 // N, heads = 2048 // D (16k tokens, hidden 2048).
+FLOPs: fwd = 4 * B * H * N^2 * D, halved when causal; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
+
+Timing: CUDA events around each call, median of --reps calls after --warmup calls. Calls rotate over
+several independently drawn random input sets, so the inputs of one call are not in the L2 from the one
+before (the plain attention's N^2 intermediates dwarf the L2 anyway: it uses one set).
+Peak memory: device memory above the inputs during one call (for bwd and fwd+bwd: during a forward and a
+backward, so the tensors the forward saves count), from CuPy's memory pool or torch.cuda.max_memory_allocated.
+
+Decoding (--decode): attention_with_kvcache throughput, one query token per sequence (Sq = 1) over a dense
+KV cache of L valid keys (cache_seqlens = L, an int32 array; no new keys appended), bf16, D = 128,
+H_q = 32 over H_kv = 8 key/value heads (grouped-query, Llama-3-8B-like; --decode-heads 32:32 for multi-head),
+batch 1/8/64 x L 1k/8k/32k/128k, skipping shapes whose K/V exceed --decode-max-gb (20 GB). Reported: time,
+the K/V bytes read once (2 * B * L * H_kv * D * 2) per second, and that as a % of the device-copy ceiling
+measured in the same run (a 2 GiB device-to-device copy: bytes read + written per second); the same for
+torch SDPA (the best of its backends that run) on the same cache through DLPack (no copy): q as
+(B, H_q, 1, D), the cache as a (B, H_kv, L, D) view, enable_gqa=True when H_q != H_kv (torch >= 2.5).
+cuflash runs with num_splits=0 (its heuristic) and check_inputs=False (no host synchronization per call).
+A pure read can exceed the copy ceiling by a few %. Each call is timed alone (median_ms), so the smallest
+shapes (a few microseconds of GPU work) measure the host's launch overhead as much as the kernel.
+
+Variable length (--varlen): 16384 tokens in sequences of random lengths (uniform in [1, N] for each --seqlen N),
+attention_varlen forward and backward against the dense call on the same sequences padded to N; both in
+useful-token TFLOP/s: 4 * H * D * sum_b L_b^2 (halved when causal), bwd 2.5 x that (check_inputs=False).
+
+Methods:
+  cuflash        this library
+  plain          "standard attention" of the paper in CuPy: S = QK^T, softmax, O = PV with cuBLAS matmuls,
+                 S and P materialized in HBM; in the input dtype (bf16 runs in fp16 when CuPy cannot
+                 multiply bf16 matrices: the row says so)
+  sdpa-flash, sdpa-cudnn, sdpa-efficient
+                 torch.nn.functional.scaled_dot_product_attention with one backend forced (when torch is
+                 importable); a backend that raises is skipped with a note
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+
+TOKENS = 16384
+HIDDEN = 2048
+DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+SDPA_BACKENDS = (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION"),
+                 ("sdpa-efficient", "EFFICIENT_ATTENTION"))
+METHODS = ("cuflash", "plain") + tuple(name for name, _ in SDPA_BACKENDS)
+PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+@dataclass
+class Record:
+    method: str
+    passname: str  # "fwd" | "bwd" | "fwd+bwd"
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    batch: int
+    heads: int
+    ms: float | None = None
+    tflops: float | None = None
+    peak_mem_bytes: int | None = None
+    compute_dtype: str | None = None  # when a method computes in another dtype than asked (plain bf16)
+    note: str = ""
+
+
+@dataclass
+class Shape:
+    dtype: str
+    head_dim: int
+    causal: bool
+    seqlen: int
+    batch: int = field(init=False)
+    heads: int = field(init=False)
+
+    def __post_init__(self):
+        self.batch = TOKENS // self.seqlen
+        self.heads = HIDDEN // self.head_dim
+
+    def flops(self, passname: str) -> float:
+        f = 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim
+        return f * (0.5 if self.causal else 1.0) * PASS_FLOP_FACTOR[passname]
+
+    def record(self, method, passname, **kw) -> Record:
+        return Record(method, passname, self.dtype, self.head_dim, self.causal, self.seqlen, self.batch,
+                      self.heads, **kw)
+
+    def __str__(self):
+        return (f"{self.dtype} D={self.head_dim} {'causal' if self.causal else 'full'} N={self.seqlen} "
+                f"(B={self.batch}, H={self.heads})")
+
+
+# --- timing and memory ------------------------------------------------------------------------------
+
+class CupyEvents:
+    def __init__(self):
+        import cupy
+
+        self.cp = cupy
+
+    def event(self):
+        return self.cp.cuda.Event()
+
+    def record(self, e):
+        e.record()
+
+    def elapsed_ms(self, a, b):
+        return self.cp.cuda.get_elapsed_time(a, b)
+
+    def synchronize(self, e):
+        e.synchronize()
+
+
+class TorchEvents:
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def record(self, e):
+        e.record()
+
+    def elapsed_ms(self, a, b):
+        return a.elapsed_time(b)
+
+    def synchronize(self, e):
+        e.synchronize()
+
+
+# Timed calls of one measurement stop after about this many seconds (at least MIN_REPS calls): the slow
+# methods (plain attention at N = 16k takes ~0.3 s a call) would otherwise dominate a whole run.
+MEASURE_BUDGET_S = 1.0
+MIN_REPS = 5
+
+
+def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
+    """Median time of call(i) (i selects the input set, rotating), each call between its own two events;
+    `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S."""
+    for i in range(warmup):
+        call(i % n_sets)
+    probe = (events.event(), events.event())
+    events.record(probe[0])
+    call(warmup % n_sets)
+    events.record(probe[1])
+    events.synchronize(probe[1])
+    reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / max(events.elapsed_ms(*probe), 1e-3))))
+    pairs = [(events.event(), events.event()) for _ in range(reps)]
+    for i, (start, stop) in enumerate(pairs):
+        events.record(start)
+        call(i % n_sets)
+        events.record(stop)
+    events.synchronize(pairs[-1][1])
+    times = sorted(events.elapsed_ms(a, b) for a, b in pairs)
+    return times[len(times) // 2]
+
+
+def cupy_peak_bytes(call) -> int:
+    """Device memory the call allocates at its high-water mark: the call runs with a fresh CuPy memory pool
+    as the allocator, which keeps every block it hands out cached after it is freed and reuses a cached
+    block only when no live one fits, so its total afterwards is the call's peak (outputs included)."""
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    pool = cp.cuda.MemoryPool()
+    with cp.cuda.using_allocator(pool.malloc):
+        result = call()
+        cp.cuda.Device().synchronize()
+    peak = pool.total_bytes()
+    del result
+    pool.free_all_blocks()
+    return peak
+
+
+def torch_peak_bytes(call) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    result = call()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak
+
+
+def free_memory(torch=None):
+    import cupy as cp
+
+    cp.cuda.Device().synchronize()
+    cp.get_default_memory_pool().free_all_blocks()
+    if torch is not None:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def is_oom(e: BaseException) -> bool:
+    text = f"{type(e).__name__} {e}".lower()
+    return "outofmemory" in text or "out of memory" in text or "alloc_failed" in text
+
+
+def n_input_sets(set_bytes: int) -> int:
+    """Enough input sets that rotating through them streams more than twice the L2 between reuses."""
+    import cupy as cp
+
+    l2 = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id).get("l2CacheSize", 50 << 20)
+    return int(min(8, max(2, math.ceil(2 * l2 / max(set_bytes, 1)) + 1)))
+
+
+# --- the methods --------------------------------------------------------------------------------------
+
+def cupy_inputs(shape: Shape, dtype: str, layout: str, n_sets: int, with_dout: bool, seed: int):
+    """n_sets tuples (q, k, v[, dout]) of fresh standard-normal values in `dtype`, (B, S, H, D) or (B, H, S, D)."""
+    import cupy as cp
+
+    from . import _xpref
+
+    dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim) if layout == "bshd" else \
+        (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
+    rng = cp.random.RandomState(seed)
+    count = 4 if with_dout else 3
+    return [tuple(_xpref.to_lowp(rng.standard_normal(dims, dtype=cp.float32), dtype) for _ in range(count))
+            for _ in range(n_sets)]
+
+
+def bench_cuflash(shape: Shape, args, out: list):
+    import cupy as cp
+
+    import cuflash
+
+    set_bytes = 3 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2
+    n_sets = n_input_sets(set_bytes)
+    backward = args.backward and hasattr(cuflash, "attention_backward")
+    sets = cupy_inputs(shape, shape.dtype, "bshd", n_sets, backward, seed=shape.seqlen)
+    events, causal = CupyEvents(), shape.causal
+
+    def fwd(i):
+        q, k, v = sets[i][:3]
+        return cuflash.attention(q, k, v, causal=causal)
+
+    ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
+    mem = cupy_peak_bytes(lambda: fwd(0))
+    out.append(shape.record("cuflash", "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem))
+    if not backward:
+        return
+    saved = [cuflash.attention_forward(*s[:3], causal=causal) for s in sets]  # (o, lse) per set
+
+    def bwd(i):
+        q, k, v, dout = sets[i]
+        o, lse = saved[i]
+        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic)
+
+    def fwd_bwd(i):
+        q, k, v, dout = sets[i]
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+        return cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=args.deterministic)
+
+    ms = median_ms(bwd, n_sets, events, args.reps, args.warmup)
+    ms2 = median_ms(fwd_bwd, n_sets, events, args.reps, args.warmup)
+    saved.clear()
+    cp.get_default_memory_pool().free_all_blocks()
+    mem = cupy_peak_bytes(lambda: fwd_bwd(0))
+    label = "deterministic" if args.deterministic else ""
+    out.append(shape.record("cuflash", "bwd", ms=ms, tflops=shape.flops("bwd") / ms / 1e9, peak_mem_bytes=mem,
+                            note=label))
+    out.append(shape.record("cuflash", "fwd+bwd", ms=ms2, tflops=shape.flops("fwd+bwd") / ms2 / 1e9,
+                            peak_mem_bytes=mem, note=label))
+
+
+_PLAIN_DTYPE_CACHE: dict = {}
+
+
+def plain_compute_dtype(dtype: str) -> str:
+    """dtype itself when CuPy runs plain attention in it (matmul, exp, sums), else "fp16"."""
+    if dtype == "fp16":
+        return "fp16"
+    if dtype not in _PLAIN_DTYPE_CACHE:
+        import cupy as cp
+
+        from . import _xpref
+
+        try:
+            q = _xpref.to_lowp(cp.ones((1, 1, 16, 16), dtype=cp.float32), dtype)
+            o, p = plain_forward(q, q, q, True, 0.25, causal_bias(16, q.dtype))
+            plain_backward(q, q, q, q, o, p, 0.25)
+            cp.cuda.Device().synchronize()
+            _PLAIN_DTYPE_CACHE[dtype] = dtype
+        except Exception:  # e.g. no bf16 GEMM or bf16 reduction in this CuPy: compute in fp16
+            _PLAIN_DTYPE_CACHE[dtype] = "fp16"
+    return _PLAIN_DTYPE_CACHE[dtype]
+
+
+def causal_bias(n: int, dtype):
+    """(N, N) additive mask: 0 where query i sees key j <= i, -inf above the diagonal."""
+    import cupy as cp
+
+    import numpy as np
+
+    return cp.where(cp.tri(n, dtype=bool), np.float32(0), np.float32(-np.inf)).astype(dtype)
+
+
+def plain_forward(q, k, v, causal: bool, scale: float, bias):
+    """Standard attention on (B, H, N, D) arrays: S = scale Q K^T, P = softmax(S), O = P V. Returns (O, P)."""
+    import cupy as cp
+
+    s = cp.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, N, N) in HBM
+    s *= s.dtype.type(scale)
+    if causal:
+        s += bias
+    s -= s.max(axis=-1, keepdims=True)
+    cp.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)  # P, kept for the backward
+    return cp.matmul(s, v), s
+
+
+def plain_backward(dout, q, k, v, o, p, scale: float):
+    """Standard attention backward from the saved P: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO*O)),
+    dQ = scale dS K, dK = scale dS^T Q."""
+    import cupy as cp
+
+    dv = cp.matmul(p.transpose(0, 1, 3, 2), dout)
+    dp = cp.matmul(dout, v.transpose(0, 1, 3, 2))
+    dp -= (dout.astype(cp.float32) * o.astype(cp.float32)).sum(axis=-1, keepdims=True).astype(dp.dtype)
+    dp *= p  # dS
+    dq = cp.matmul(dp, k)
+    dq *= dq.dtype.type(scale)
+    dk = cp.matmul(dp.transpose(0, 1, 3, 2), q)
+    dk *= dk.dtype.type(scale)
+    return dq, dk, dv
+
+
+def bench_plain(shape: Shape, args, out: list):
+    compute = plain_compute_dtype(shape.dtype)
+    note = f"computed in {compute}: CuPy cannot run it in {shape.dtype}" if compute != shape.dtype else ""
+    sets = cupy_inputs(shape, compute, "bhsd", 1, args.backward, seed=shape.seqlen + 1)
+    q, k, v = sets[0][:3]
+    bias = causal_bias(shape.seqlen, q.dtype) if shape.causal else None
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    events = CupyEvents()
+    kw = dict(compute_dtype=compute if compute != shape.dtype else None, note=note)
+
+    def fwd(_):
+        return plain_forward(q, k, v, shape.causal, scale, bias)
+
+    ms = median_ms(fwd, 1, events, args.reps, args.warmup)
+    mem = cupy_peak_bytes(lambda: fwd(0))
+    out.append(shape.record("plain", "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem, **kw))
+    if not args.backward:
+        return
+    dout = sets[0][3]
+    saved = [fwd(0)]  # (O, P): standard attention keeps P for the backward
+
+    def bwd(_):
+        o, p = saved[0]
+        return plain_backward(dout, q, k, v, o, p, scale)
+
+    ms = median_ms(bwd, 1, events, args.reps, args.warmup)
+    saved.clear()
+    free_memory()
+
+    def fwd_bwd(_):
+        o_, p_ = plain_forward(q, k, v, shape.causal, scale, bias)
+        return plain_backward(dout, q, k, v, o_, p_, scale)
+
+    ms2 = median_ms(fwd_bwd, 1, events, args.reps, args.warmup)
+    mem = cupy_peak_bytes(lambda: fwd_bwd(0))
+    out.append(shape.record("plain", "bwd", ms=ms, tflops=shape.flops("bwd") / ms / 1e9, peak_mem_bytes=mem, **kw))
+    out.append(shape.record("plain", "fwd+bwd", ms=ms2, tflops=shape.flops("fwd+bwd") / ms2 / 1e9,
+                            peak_mem_bytes=mem, **kw))
+
+
+def bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, torch):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = getattr(SDPBackend, backend_name)
+    tdtype = torch.bfloat16 if shape.dtype == "bf16" else torch.float16
+    dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
+    set_bytes = 3 * math.prod(dims) * 2
+    n_sets = n_input_sets(set_bytes)
+    gen = torch.Generator(device="cuda").manual_seed(shape.seqlen)
+    # (B, S, H, D) tensors like cuflash's inputs; SDPA wants (B, H, S, D): transposed views, no copies
+    leaves = [[torch.randn(dims, dtype=tdtype, device="cuda", generator=gen).requires_grad_(args.backward)
+               for _ in range(3)] for _ in range(n_sets)]
+    douts = [torch.randn(dims, dtype=tdtype, device="cuda", generator=gen).transpose(1, 2) for _ in range(n_sets)]
+    events, causal = TorchEvents(), shape.causal
+
+    def sdpa(i):
+        q, k, v = (x.transpose(1, 2) for x in leaves[i])
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def fwd(i):
+        with torch.no_grad():
+            return sdpa(i)
+
+    ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
+    mem = torch_peak_bytes(lambda: fwd(0))
+    out.append(shape.record(method, "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem))
+    if not args.backward:
+        return
+    outs = [sdpa(i) for i in range(n_sets)]
+
+    def bwd(i):
+        return torch.autograd.grad(outs[i], leaves[i], douts[i], retain_graph=True)
+
+    def fwd_bwd(i):
+        return torch.autograd.grad(sdpa(i), leaves[i], douts[i])
+
+    ms = median_ms(bwd, n_sets, events, args.reps, args.warmup)
+    outs.clear()
+    free_memory(torch)
+    ms2 = median_ms(fwd_bwd, n_sets, events, args.reps, args.warmup)
+    mem = torch_peak_bytes(lambda: fwd_bwd(0))
+    out.append(shape.record(method, "bwd", ms=ms, tflops=shape.flops("bwd") / ms / 1e9, peak_mem_bytes=mem))
+    out.append(shape.record(method, "fwd+bwd", ms=ms2, tflops=shape.flops("fwd+bwd") / ms2 / 1e9,
+                            peak_mem_bytes=mem))
+
+
+def run_method(name, fn, shape, records, backward: bool, torch=None):
+    """Run one method's measurements; an error (out of memory, a backend that cannot run the shape)
+    becomes a skipped row with a note for each pass not measured, instead of ending the benchmark."""
+    t0 = time.perf_counter()
+    before = len(records)
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - reported, never silent
+        why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+        done = {r.passname for r in records[before:]}
+        missing = [p for p in (("fwd", "bwd", "fwd+bwd") if backward else ("fwd",)) if p not in done]
+        print(f"    note: {name} {'/'.join(missing)} skipped for {shape}: {why}")
+        records.extend(shape.record(name, p, note=f"skipped: {why}") for p in missing)
+    finally:
+        free_memory(torch)
+    return time.perf_counter() - t0
+
+
+# --- report -------------------------------------------------------------------------------------------
+
+def _fmt(value, spec):
+    """value in `spec` ("8.2f"), or "-" right-aligned in the same width."""
+    return format(value, spec) if value is not None else format("-", f">{spec.split('.')[0]}")
+
+
+def print_table(records: list[Record], methods: list[str]):
+    passes = [p for p in ("fwd", "bwd", "fwd+bwd") if any(r.passname == p and r.ms for r in records)]
+    index = {(r.method, r.passname, r.dtype, r.head_dim, r.causal, r.seqlen): r for r in records}
+    keys = sorted({(r.dtype, r.head_dim, r.causal, r.seqlen) for r in records},
+                  key=lambda k: (k[0], k[1], k[2], k[3]))
+    short = {"cuflash": "cuflash", "plain": "plain", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
+             "sdpa-efficient": "effic"}
+    for p in passes:
+        print(f"\n{p} TFLOP/s (FLOPs: {PASS_FLOP_FACTOR[p]:g} x 4*B*H*N^2*D, halved when causal); "
+              f"peak extra memory in MiB")
+        cols = [short[m] for m in methods]
+        head = (f"{'dtype':<5} {'D':>3} {'causal':<6} {'N':>6} | " + " ".join(f"{c:>7}" for c in cols)
+                + " | cf/flash | " + " ".join(f"{'MiB ' + c:>12}" for c in cols))
+        print(head)
+        print("-" * len(head))
+        for key in keys:
+            rows = [index.get((m, p) + key) for m in methods]
+            if not any(r is not None and r.ms for r in rows):
+                continue
+            tf = [r.tflops if r is not None else None for r in rows]
+            flash, ours = index.get(("sdpa-flash", p) + key), index.get(("cuflash", p) + key)
+            ratio = (ours.tflops / flash.tflops if ours is not None and ours.tflops and flash is not None
+                     and flash.tflops else None)
+            mem = [r.peak_mem_bytes / 2**20 if r is not None and r.peak_mem_bytes is not None else None for r in rows]
+            plain = index.get(("plain", p) + key)
+            mark = "*" if plain is not None and plain.compute_dtype else " "
+            print(f"{key[0]:<5} {key[1]:>3} {'yes' if key[2] else 'no':<6} {key[3]:>6} | "
+                  + " ".join(f"{_fmt(x, '7.1f')}" for x in tf)
+                  + f" | {_fmt(ratio, '8.2f')} | " + " ".join(f"{_fmt(x, '12.0f')}" for x in mem) + mark)
+    if any(r.compute_dtype for r in records):
+        print("* plain attention for this dtype was computed in "
+              f"{next(r.compute_dtype for r in records if r.compute_dtype)} (CuPy could not run it in the input dtype)")
+    skipped = [r for r in records if r.note.startswith("skipped")]
+    for r in skipped:
+        print(f"skipped: {r.method} {r.dtype} D={r.head_dim} causal={r.causal} N={r.seqlen}: {r.note[9:]}")
+
+
+def plot(records: list[Record], path: str):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r.dtype, r.head_dim, r.causal) for r in records})
+    cols = min(4, len(groups))
+    rows = math.ceil(len(groups) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    styles = {"fwd": "-", "bwd": "--", "fwd+bwd": ":"}
+    for ax, (dtype, d, causal) in zip(axes.flat, groups):
+        for method in METHODS:
+            for p, ls in styles.items():
+                pts = sorted((r.seqlen, r.tflops) for r in records if (r.method, r.passname, r.dtype, r.head_dim,
+                             r.causal) == (method, p, dtype, d, causal) and r.tflops)
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], ls, marker="o", ms=3, label=f"{method} {p}")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{dtype}, D={d}, {'causal' if causal else 'full'}", fontsize=9)
+        ax.set_xlabel("sequence length N")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(5, len(labels)), fontsize=8)
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
+
+
+# --- decoding: attention_with_kvcache against the device-copy ceiling and torch SDPA -----------------------
+
+DECODE_BATCHES = (1, 8, 64)
+DECODE_CACHE_LENS = (1024, 8192, 32768, 131072)
+DECODE_HEADS = ("32:8",)  # H_q:H_kv; the default is grouped-query (Llama-3-8B-like); "32:32" is multi-head
+DECODE_HEAD_DIM = 128
+DECODE_MAX_GB = 20.0
+COPY_BYTES = 2 << 30  # the device-copy ceiling: one 2 GiB copy, bytes read + written
+
+
+@dataclass
+class DecodeRecord:
+    method: str  # "cuflash" | "sdpa" | "copy"
+    dtype: str
+    batch: int
+    cache_len: int
+    heads_q: int
+    heads_kv: int
+    head_dim: int
+    kv_bytes: int  # K and V of the valid prefix, read once
+    ms: float | None = None
+    gbps: float | None = None  # kv_bytes / time
+    pct_of_copy: float | None = None  # gbps / the device-copy ceiling
+    note: str = ""  # the SDPA backend that was fastest, or why a row was skipped
+
+
+def decode_kv_bytes(batch: int, cache_len: int, heads_kv: int, head_dim: int, elem_bytes: int = 2) -> int:
+    return 2 * batch * cache_len * heads_kv * head_dim * elem_bytes
+
+
+def parse_heads(text: str) -> tuple[int, int]:
+    """"32:8" -> (32, 8): H_q:H_kv with H_q a multiple of H_kv."""
+    try:
+        hq, hkv = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: expected H_q:H_kv, e.g. 32:8") from None
+    if hq < 1 or hkv < 1 or hq % hkv:
+        raise argparse.ArgumentTypeError(f"heads {text!r}: H_q must be a positive multiple of H_kv")
+    return hq, hkv
+
+
+def decode_shapes(batches, cache_lens, heads, head_dim, max_gb):
+    """(batch, L, H_q, H_kv, skip reason or "") for every combination; K/V above max_gb are skipped."""
+    out = []
+    for hq, hkv in heads:
+        for b in batches:
+            for n in cache_lens:
+                gb = decode_kv_bytes(b, n, hkv, head_dim) / 1e9
+                out.append((b, n, hq, hkv, f"skipped: K/V {gb:.1f} GB > --decode-max-gb {max_gb:g}"
+                            if gb > max_gb else ""))
+    return out
+
+
+def copy_ceiling_gbps(args) -> float:
+    """Device-to-device copy of COPY_BYTES: (bytes read + bytes written) / median time, in GB/s."""
+    import cupy as cp
+
+    src = cp.ones(COPY_BYTES // 4, dtype=cp.float32)
+    dst = cp.empty_like(src)
+
+    def copy(_):
+        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES, cp.cuda.runtime.memcpyDeviceToDevice,
+                                    cp.cuda.get_current_stream().ptr)
+
+    ms = median_ms(copy, 1, CupyEvents(), args.reps, args.warmup)
+    del src, dst
+    free_memory()
+    return 2 * COPY_BYTES / ms / 1e6
+
+
+def decode_inputs(b, n, hq, hkv, d, dtype, n_sets, seed):
+    """n_sets (q, k_cache, v_cache, cache_seqlens): q (B, 1, H_q, D), full dense caches (B, L, H_kv, D)."""
+    import cupy as cp
+
+    from . import _xpref
+
+    rng = cp.random.RandomState(seed)
+    lens = cp.full((b,), n, dtype=cp.int32)
+    return [(_xpref.to_lowp(rng.standard_normal((b, 1, hq, d), dtype=cp.float32), dtype),
+             _xpref.to_lowp(rng.standard_normal((b, n, hkv, d), dtype=cp.float32), dtype),
+             _xpref.to_lowp(rng.standard_normal((b, n, hkv, d), dtype=cp.float32), dtype), lens)
+            for _ in range(n_sets)]
+
+
+def to_torch(x, torch):
+    """A torch view of a CuPy array through DLPack (no copy); bf16 through an int16 view if needed."""
+    import cupy as cp
+
+    try:
+        t = torch.from_dlpack(x)
+        if x.dtype.itemsize == 2 and t.dtype in (torch.float16, torch.bfloat16):
+            return t
+    except Exception:  # noqa: BLE001 - an older CuPy or torch without bf16 DLPack: go through int16
+        pass
+    t = torch.from_dlpack(x.view(cp.int16))
+    return t.view(torch.bfloat16 if x.dtype != cp.float16 else torch.float16)
+
+
+def bench_decode(rec: DecodeRecord, args, out: list, torch, ceiling: float):
+    import cupy as cp
+
+    import cuflash
+
+    n_sets = n_input_sets(rec.kv_bytes)
+    sets = decode_inputs(rec.batch, rec.cache_len, rec.heads_q, rec.heads_kv, rec.head_dim, rec.dtype, n_sets,
+                         seed=rec.cache_len + rec.batch)
+    cuflash.attention_with_kvcache(*sets[0][:3], cache_seqlens=sets[0][3])  # once with the value checks
+
+    def call(i):
+        q, kc, vc, lens = sets[i]
+        return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=0, check_inputs=False)
+
+    ms = median_ms(call, n_sets, CupyEvents(), args.reps, args.warmup)
+    gbps = rec.kv_bytes / ms / 1e6
+    out.append(DecodeRecord(**{**asdict(rec), "method": "cuflash", "ms": ms, "gbps": gbps,
+                               "pct_of_copy": 100 * gbps / ceiling}))
+    if torch is None:
+        return
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cp.cuda.Device().synchronize()
+    tsets = [tuple(to_torch(x, torch).transpose(1, 2) for x in s[:3]) for s in sets]  # (B, H, S, D) views
+    extra = {"enable_gqa": True} if rec.heads_q != rec.heads_kv else {}
+    best, notes = None, []
+    def sdpa(i):
+        q, k, v = tsets[i]
+        return F.scaled_dot_product_attention(q, k, v, **extra)
+
+    for name, backend_name in SDPA_BACKENDS:
+        try:  # the backend context is entered once, outside the timed calls (its cost is not SDPA's)
+            with torch.no_grad(), sdpa_kernel(getattr(SDPBackend, backend_name)), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "backend X cannot run this shape" warnings: noted below
+                t_ms = median_ms(sdpa, n_sets, TorchEvents(), args.reps, args.warmup)
+        except Exception as e:  # noqa: BLE001 - a backend that cannot run this shape: noted, not fatal
+            notes.append(f"{name[5:]}: {'out of memory' if is_oom(e) else type(e).__name__}")
+            free_memory(torch)
+            continue
+        if best is None or t_ms < best[1]:
+            best = (name, t_ms)
+    if best is None:
+        out.append(DecodeRecord(**{**asdict(rec), "method": "sdpa", "note": "skipped: " + "; ".join(notes)}))
+        return
+    gbps = rec.kv_bytes / best[1] / 1e6
+    out.append(DecodeRecord(**{**asdict(rec), "method": "sdpa", "ms": best[1], "gbps": gbps,
+                               "pct_of_copy": 100 * gbps / ceiling, "note": best[0][5:]}))
+
+
+def print_decode_table(records: list[DecodeRecord], ceiling: float):
+    print(f"\ndecode, Sq = 1: K/V read once = 2*B*L*H_kv*D*2 bytes; device-copy ceiling {ceiling:.0f} GB/s "
+          f"(bytes read + written); cuflash num_splits=0, check_inputs=False; sdpa: its fastest backend")
+    head = (f"{'dtype':<5} {'H_q/H_kv':>8} {'B':>3} {'L':>7} {'K/V MB':>8} | {'cf us':>8} {'GB/s':>6} {'%copy':>5} | "
+            f"{'sdpa us':>8} {'GB/s':>6} {'%copy':>5} {'backend':<9} | {'cf/sdpa':>7}")
+    print(head)
+    print("-" * len(head))
+    index = {(r.method, r.dtype, r.batch, r.cache_len, r.heads_q, r.heads_kv): r for r in records}
+    keys = sorted({(r.dtype, r.heads_q, r.heads_kv, r.batch, r.cache_len) for r in records})
+    for dtype, hq, hkv, b, n in keys:
+        ours, sd = index.get(("cuflash", dtype, b, n, hq, hkv)), index.get(("sdpa", dtype, b, n, hq, hkv))
+        first = ours or sd
+        if ours is not None and ours.note.startswith("skipped"):
+            print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | {ours.note}")
+            continue
+        ratio = ours.gbps / sd.gbps if ours is not None and ours.gbps and sd is not None and sd.gbps else None
+        cols = [(r.ms * 1e3 if r.ms else None, r.gbps, r.pct_of_copy) if r is not None else (None, None, None)
+                for r in (ours, sd)]
+        backend = sd.note if sd is not None and sd.ms else ("-" if sd is None else "skipped")
+        print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | "
+              f"{_fmt(cols[0][0], '8.1f')} {_fmt(cols[0][1], '6.0f')} {_fmt(cols[0][2], '5.0f')} | "
+              f"{_fmt(cols[1][0], '8.1f')} {_fmt(cols[1][1], '6.0f')} {_fmt(cols[1][2], '5.0f')} {backend:<9} | "
+              f"{_fmt(ratio, '7.2f')}")
+    for r in records:
+        if r.method == "sdpa" and r.note.startswith("skipped"):
+            print(f"sdpa skipped for B={r.batch} L={r.cache_len} H={r.heads_q}/{r.heads_kv}: {r.note[9:]}")
+
+
+def run_decode(args, torch) -> tuple[list, float]:
+    ceiling = copy_ceiling_gbps(args)
+    print(f"device-copy ceiling: {ceiling:.0f} GB/s (a {COPY_BYTES >> 30} GiB copy, bytes read + written)")
+    records: list[DecodeRecord] = []
+    for dtype in args.dtype:
+        for b, n, hq, hkv, skip in decode_shapes(args.decode_batch, args.decode_cache, args.decode_heads,
+                                                 args.head_dim[0], args.decode_max_gb):
+            rec = DecodeRecord("cuflash", dtype, b, n, hq, hkv, args.head_dim[0],
+                               decode_kv_bytes(b, n, hkv, args.head_dim[0]))
+            if skip:
+                records.append(DecodeRecord(**{**asdict(rec), "note": skip}))
+                continue
+            before = len(records)
+            try:
+                bench_decode(rec, args, records, torch, ceiling)
+            except Exception as e:  # noqa: BLE001 - reported as a skipped row, never silent
+                why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+                if not any(r.method == "cuflash" for r in records[before:]):
+                    records.append(DecodeRecord(**{**asdict(rec), "note": f"skipped: {why}"}))
+                print(f"    note: B={b} L={n} H={hq}/{hkv}: {why}")
+            finally:
+                free_memory(torch)
+            done = {r.method: r for r in records[before:] if r.gbps}
+            print(f"{dtype} B={b} L={n} H={hq}/{hkv}: " + ", ".join(
+                f"{m} {r.ms * 1e3:.1f} us {r.gbps:.0f} GB/s ({r.pct_of_copy:.0f}% of copy)" for m, r in done.items()),
+                flush=True)
+    print_decode_table(records, ceiling)
+    return records, ceiling
+
+
+# --- variable-length batches: attention_varlen against the padded dense call ---------------------------------
+
+def varlen_lengths(max_len: int, tokens: int = TOKENS, seed: int = 0) -> list[int]:
+    """Sequence lengths uniform in [1, max_len] until they hold `tokens` tokens (the last one trimmed)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths, total = [], 0
+    while total < tokens:
+        n = min(int(rng.integers(1, max_len + 1)), tokens - total)
+        lengths.append(n)
+        total += n
+    return lengths
+
+
+def varlen_useful_flops(lengths, heads: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs of the sequences' own attention: 4 * H * D * sum_b L_b^2, halved when causal."""
+    return 4.0 * heads * head_dim * sum(n * n for n in lengths) * (0.5 if causal else 1.0)
+
+
+def bench_varlen(shape: Shape, args, out: list):
+    import cupy as cp
+
+    import cuflash
+
+    from . import _xpref
+
+    lengths = varlen_lengths(shape.seqlen, seed=shape.seqlen)
+    b, n, h, d = len(lengths), shape.seqlen, shape.heads, shape.head_dim
+    cu = cp.asarray([0] + list(itertools.accumulate(lengths)), dtype=cp.int32)
+    rng = cp.random.RandomState(shape.seqlen)
+    draw = lambda *dims: _xpref.to_lowp(rng.standard_normal(dims, dtype=cp.float32), shape.dtype)  # noqa: E731
+    n_sets = n_input_sets(3 * TOKENS * h * d * 2)
+    packed = [tuple(draw(TOKENS, h, d) for _ in range(4)) for _ in range(n_sets)]
+    padded = [tuple(draw(b, n, h, d) for _ in range(4)) for _ in range(n_sets)]
+    flops = varlen_useful_flops(lengths, h, d, shape.causal)
+    note = f"{b} sequences, {TOKENS} tokens ({b * n} padded)"
+    causal, events = shape.causal, CupyEvents()
+
+    def varlen_fwd(i):
+        q, k, v = packed[i][:3]
+        return cuflash.attention_varlen_forward(q, k, v, cu, cu, n, n, causal=causal, check_inputs=False)
+
+    def padded_fwd(i):
+        q, k, v = padded[i][:3]
+        return cuflash.attention_forward(q, k, v, causal=causal)
+
+    cuflash.attention_varlen_forward(*packed[0][:3], cu, cu, n, n, causal=causal)  # once with the value checks
+    for method, fwd, sets in (("cuflash-varlen", varlen_fwd, packed), ("cuflash-padded", padded_fwd, padded)):
+        ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
+        out.append(Record(method, "fwd", shape.dtype, d, causal, n, b, h, ms=ms, tflops=flops / ms / 1e9, note=note))
+        if not args.backward:
+            continue
+        saved = [fwd(i) for i in range(n_sets)]
+        if method == "cuflash-varlen":
+            def bwd(i):
+                q, k, v, dout = packed[i]
+                return cuflash.attention_varlen_backward(dout, q, k, v, *saved[i], cu, cu, n, n, causal=causal,
+                                                         deterministic=args.deterministic, check_inputs=False)
+        else:
+            def bwd(i):
+                q, k, v, dout = padded[i]
+                return cuflash.attention_backward(dout, q, k, v, *saved[i], causal=causal,
+                                                  deterministic=args.deterministic)
+        ms = median_ms(bwd, n_sets, events, args.reps, args.warmup)
+        out.append(Record(method, "bwd", shape.dtype, d, causal, n, b, h, ms=ms,
+                          tflops=PASS_FLOP_FACTOR["bwd"] * flops / ms / 1e9, note=note))
+        saved.clear()
+
+
+def print_varlen_table(records: list[Record]):
+    print(f"\nvarlen: {TOKENS} tokens in random-length sequences (uniform in [1, N]) vs the same sequences padded to N; "
+          f"useful-token TFLOP/s (4*H*D*sum L_b^2, halved when causal; bwd 2.5x)")
+    passes = [p for p in ("fwd", "bwd") if any(r.passname == p for r in records)]
+    head = f"{'dtype':<5} {'D':>3} {'causal':<6} {'N':>6} {'seqs':>5} | " + " | ".join(
+        f"{p + ' varlen':>10} {'padded':>7} {'ratio':>6}" for p in passes)
+    print(head)
+    print("-" * len(head))
+    index = {(r.method, r.passname, r.dtype, r.head_dim, r.causal, r.seqlen): r for r in records}
+    for key in sorted({(r.dtype, r.head_dim, r.causal, r.seqlen) for r in records}):
+        cells = []
+        for p in passes:
+            var, pad = index.get(("cuflash-varlen", p) + key), index.get(("cuflash-padded", p) + key)
+            tv, tp = (r.tflops if r is not None else None for r in (var, pad))
+            cells.append(f"{_fmt(tv, '10.1f')} {_fmt(tp, '7.1f')} {_fmt(tv / tp if tv and tp else None, '6.2f')}")
+        seqs = next(r.batch for r in records if (r.dtype, r.head_dim, r.causal, r.seqlen) == key)
+        print(f"{key[0]:<5} {key[1]:>3} {'yes' if key[2] else 'no':<6} {key[3]:>6} {seqs:>5} | " + " | ".join(cells))
+    for r in records:
+        if r.note.startswith("skipped"):
+            print(f"skipped: {r.method} {r.passname} {r.dtype} D={r.head_dim} causal={r.causal} N={r.seqlen}: "
+                  f"{r.note[9:]}")
+
+
+def run_varlen(args) -> list:
+    records: list[Record] = []
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    for dtype in args.dtype:
+        for d in args.head_dim:
+            for causal in causals:
+                for n in args.seqlen:
+                    shape = Shape(dtype, d, causal, n)
+                    t = run_method("cuflash-varlen", lambda s=shape: bench_varlen(s, args, records), shape, records,
+                                   args.backward)
+                    tf = {(r.method, r.passname): r.tflops for r in records if r.tflops and
+                          (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
+                    seqs = len(varlen_lengths(n, seed=n))
+                    print(f"{dtype} D={d} {'causal' if causal else 'full'} N<={n} ({seqs} sequences, "
+                          f"H={shape.heads}): " + ", ".join(f"{m[8:]} {p} {x:.0f}" for (m, p), x in tf.items())
+                          + f" useful TFLOP/s ({t:.1f} s)", flush=True)
+    print_varlen_table(records)
+    return records
+
+
+# --- command line -------------------------------------------------------------------------------------
+
+def _seqlen(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"seqlen {text!r} is not an integer") from None
+    if n < 1 or n > TOKENS:
+        raise argparse.ArgumentTypeError(f"seqlen {n} must be between 1 and {TOKENS} (batch = {TOKENS} // N)")
+    return n
+
+
+def _head_dim(text: str) -> int:
+    try:
+        d = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"head dim {text!r} is not an integer") from None
+    if d < 8 or d > 256 or d % 8:
+        raise argparse.ArgumentTypeError(f"head dim {d}: a multiple of 8 from 8 to 256 (heads = {HIDDEN} // D)")
+    return d
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be >= 1")
+    return n
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=None,
+                   help="default: bf16 and fp16 (--decode, --varlen: bf16)")
+    p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
+                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--seqlen", nargs="+", type=_seqlen, default=None,
+                   help=f"default: {' '.join(map(str, DEFAULT_SEQLENS))} (--varlen: the longest sequence, default "
+                        f"{' '.join(map(str, VARLEN_SEQLENS))})")
+    p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd")
+    p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
+                   help=f"methods to run (default: all that are available): {', '.join(METHODS)}")
+    p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
+                   help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
+    p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
+    p.add_argument("--warmup", type=_positive, default=3, help="untimed calls first; default 3")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--decode", action="store_true",
+                      help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
+    mode.add_argument("--varlen", action="store_true",
+                      help="variable-length batches: attention_varlen against the padded dense call")
+    p.add_argument("--decode-batch", nargs="+", type=_positive, default=list(DECODE_BATCHES), metavar="B",
+                   help=f"--decode batch sizes (default {' '.join(map(str, DECODE_BATCHES))})")
+    p.add_argument("--decode-cache", nargs="+", type=_positive, default=list(DECODE_CACHE_LENS), metavar="L",
+                   help=f"--decode cache lengths (default {' '.join(map(str, DECODE_CACHE_LENS))})")
+    p.add_argument("--decode-heads", nargs="+", type=parse_heads, default=[parse_heads(h) for h in DECODE_HEADS],
+                   metavar="HQ:HKV", help=f"--decode query:key/value heads (default {' '.join(DECODE_HEADS)})")
+    p.add_argument("--decode-max-gb", type=float, default=DECODE_MAX_GB,
+                   help=f"--decode skips shapes whose K/V exceed this many GB (default {DECODE_MAX_GB:g})")
+    p.add_argument("--plot", metavar="FILE.png", help="TFLOP/s against N, one panel per dtype/head dim/causal")
+    p.add_argument("--json", metavar="FILE", help="write every record (and the device) as JSON")
+    return p
+
+
+VARLEN_SEQLENS = (1024, 4096, 16384)
+
+
+def resolve_defaults(args):
+    """Defaults that depend on the mode: --decode and --varlen measure bf16 (decode at D=128, varlen up to 16k)."""
+    special = args.decode or args.varlen
+    if args.dtype is None:
+        args.dtype = ["bf16"] if special else ["bf16", "fp16"]
+    if args.head_dim is None:
+        args.head_dim = [DECODE_HEAD_DIM] if args.decode else [64, 128]
+    if args.seqlen is None:
+        args.seqlen = list(VARLEN_SEQLENS if args.varlen else DEFAULT_SEQLENS)
+    return args
+
+
+def main(argv=None) -> int:
+    args = resolve_defaults(build_parser().parse_args(argv))
+    try:
+        import cupy as cp
+
+        available = cp.is_available()
+    except ImportError:
+        available = False
+    if not available:
+        print("cuflash.bench: no CUDA GPU found (cupy.is_available() is False); the benchmark needs one.\n"
+              "Without a GPU the IO analyzer counts the traffic instead: cuflash-sim --help", file=sys.stderr)
+        return 1
+
+    import cuflash
+
+    torch = None
+    if args.compare:
+        try:
+            import torch as _torch
+
+            if _torch.cuda.is_available():
+                torch = _torch
+            else:
+                print("note: torch is importable but sees no CUDA device: SDPA columns skipped")
+        except ImportError:
+            print("note: torch is not importable: SDPA columns skipped")
+    if args.backward and not hasattr(cuflash, "attention_backward"):
+        print("note: this cuflash has no attention_backward: backward columns skipped")
+
+    if args.decode or args.varlen:
+        return main_decode_varlen(args, cuflash, torch)
+
+    methods = ["cuflash"] + (["plain"] if args.compare else []) + \
+        ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
+    if args.methods is not None:
+        missing = [m for m in args.methods if m not in methods]
+        if missing:
+            print(f"note: {', '.join(missing)} not available here (torch missing or --no-compare): skipped")
+        methods = [m for m in methods if m in args.methods]
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"device: {device_name} (sm_{dev.compute_capability}), cupy {cp.__version__}"
+          + (f", torch {torch.__version__}" if torch is not None else "") + f", cuflash {cuflash.__version__}")
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    backward = args.backward and hasattr(cuflash, "attention_backward")
+
+    records: list[Record] = []
+    t_start = time.perf_counter()
+    for dtype in args.dtype:
+        for d in args.head_dim:
+            for causal in causals:
+                for n in args.seqlen:
+                    shape = Shape(dtype, d, causal, n)
+                    times = {}
+                    if "cuflash" in methods:
+                        times["cuflash"] = run_method("cuflash", lambda s=shape: bench_cuflash(s, args, records),
+                                                      shape, records, backward, torch)
+                    if "plain" in methods:
+                        times["plain"] = run_method("plain", lambda s=shape: bench_plain(s, args, records), shape,
+                                                    records, args.backward, torch)
+                    for name, backend in SDPA_BACKENDS:
+                        if name in methods:
+                            times[name] = run_method(
+                                name, lambda s=shape, n=name, b=backend: bench_sdpa(s, args, n, b, records, torch),
+                                shape, records, args.backward, torch)
+                    for p in ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",):
+                        tf = {r.method: r.tflops for r in records if r.passname == p and r.tflops and
+                              (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
+                        print(f"{shape} {p}: " + ", ".join(f"{m} {tf[m]:.0f}" for m in methods if m in tf)
+                              + " TFLOP/s" + (f" ({sum(times.values()):.1f} s)" if p == "fwd" else ""), flush=True)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    print_table(records, methods)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "compute_capability": dev.compute_capability,
+                       "cupy": cp.__version__, "torch": torch.__version__ if torch is not None else None,
+                       "cuflash": cuflash.__version__, "reps": args.reps, "warmup": args.warmup,
+                       "records": [asdict(r) for r in records]}, f, indent=1)
+        print(f"records written to {args.json}")
+    if args.plot:
+        plot(records, args.plot)
+    return 0
+
+
+def device_line(cp, torch, cuflash) -> tuple[str, object]:
+    dev = cp.cuda.Device()
+    props = cp.cuda.runtime.getDeviceProperties(dev.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    print(f"device: {name} (sm_{dev.compute_capability}), cupy {cp.__version__}"
+          + (f", torch {torch.__version__}" if torch is not None else "") + f", cuflash {cuflash.__version__}")
+    return name, dev
+
+
+def main_decode_varlen(args, cuflash, torch) -> int:
+    import cupy as cp
+
+    device_name, dev = device_line(cp, torch, cuflash)
+    t_start = time.perf_counter()
+    extra = {}
+    if args.decode:
+        if torch is not None and "enable_gqa" not in torch.nn.functional.scaled_dot_product_attention.__doc__ and \
+                any(hq != hkv for hq, hkv in args.decode_heads):
+            print(f"note: torch {torch.__version__} has no enable_gqa (needs >= 2.5): SDPA runs multi-head shapes only")
+        records, ceiling = run_decode(args, torch)
+        extra = {"mode": "decode", "copy_ceiling_gbps": ceiling}
+    else:
+        records = run_varlen(args)
+        extra = {"mode": "varlen", "tokens": TOKENS}
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": device_name, "compute_capability": dev.compute_capability, "cupy": cp.__version__,
+                       "torch": torch.__version__ if torch is not None else None, "cuflash": cuflash.__version__,
+                       "reps": args.reps, "warmup": args.warmup, **extra,
+                       "records": [asdict(r) for r in records]}, f, indent=1)
+        print(f"records written to {args.json}")
+    if args.plot:
+        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,492 @@
+"""Kernel configurations: the one place where tile sizes, warps and shared-memory layouts are chosen.
+
+The CUDA traits (cuda/traits.cuh) derive every constant from the template arguments rendered here,
+and the IO analyzer (cuflash.simulator) reads the same dataclasses, so the counts it reports are
+the counts of the kernels we ship.
+
+Shared-memory layout of a [rows, HEAD_DIM] tile (Q, K, V, O staging), see cuda/tiles.cuh:
+  * the head dimension is cut into column panels of PANEL_COLS elements (64 = 128 bytes when
+    HEAD_DIM % 64 == 0, else 32 = 64 bytes); panel p holds columns [p*PANEL_COLS, (p+1)*PANEL_COLS)
+    of every row, panels are stored one after another: offset = p * rows * PANEL_BYTES + row * PANEL_BYTES + ...
+  * inside a panel the 16-byte chunk index is XOR-swizzled with the 128-byte line index
+    (bits 4..6 of the byte offset ^= bits 7..9, masked to the panel width), so 8 rows read at the
+    same column by ldmatrix, and 8 lanes writing one 128-byte line with cp.async, hit 8 distinct
+    16-byte bank groups.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+import math
+import os
+
+DTYPES = ("fp16", "bf16")
+KERNEL_HEAD_DIMS = (32, 64, 96, 128, 192, 256)
+MAX_HEAD_DIM = KERNEL_HEAD_DIMS[-1]
+MMA_M, MMA_N, MMA_K = 16, 8, 16
+ELEM_BYTES = 2
+CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The smallest compiled HEAD_DIM that holds `head_dim` (a multiple of 8, at most 256)."""
+    for hd in KERNEL_HEAD_DIMS:
+        if head_dim <= hd:
+            return hd
+    raise ValueError(f"head_dim={head_dim} is larger than the largest kernel head dim {MAX_HEAD_DIM}")
+
+
+def panel_cols(head_dim: int) -> int:
+    return 64 if head_dim % 64 == 0 else 32
+
+
+def swizzled_offset(row: int, col: int, rows: int, head_dim: int) -> int:
+    """Byte offset of element (row, col) inside a swizzled [rows, head_dim] shared tile.
+
+    Mirrors `smem_offset` in cuda/tiles.cuh; col must be a multiple of 8 for chunk starts but any
+    column works (the swizzle moves whole 16-byte chunks and keeps the byte inside a chunk)."""
+    pc = panel_cols(head_dim)
+    panel_bytes = pc * ELEM_BYTES
+    panel, c = divmod(col, pc)
+    off = row * panel_bytes + c * ELEM_BYTES
+    line_mask = 7 if panel_bytes == 128 else 3
+    off ^= ((off >> 7) & line_mask) << 4
+    return panel * rows * panel_bytes + off
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """One forward-kernel instantiation: `fwd_kernel<FwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, STAGES, T>,
+    IS_CAUSAL, IS_DECODE>` (IS_DECODE: the kv-cache variant, see cuda/fwd.cuh)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dtype: str
+    causal: bool
+    stages: int = 2  # K/V shared-memory buffers (double buffering)
+    decode: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.head_dim % MMA_K or self.head_dim > MAX_HEAD_DIM:
+            raise ValueError(f"head_dim={self.head_dim} must be a multiple of 16 up to {MAX_HEAD_DIM}")
+        if self.block_m % (MMA_M * self.num_warps):
+            raise ValueError(f"block_m={self.block_m} must be a multiple of 16*num_warps={16 * self.num_warps}")
+        if self.block_n % 16:
+            raise ValueError(f"block_n={self.block_n} must be a multiple of 16")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def m_tiles_per_warp(self) -> int:
+        return self.block_m // (MMA_M * self.num_warps)
+
+    @property
+    def smem_q_bytes(self) -> int:
+        return self.block_m * self.head_dim * ELEM_BYTES
+
+    @property
+    def smem_kv_bytes(self) -> int:
+        return self.block_n * self.head_dim * ELEM_BYTES
+
+    @property
+    def smem_bytes(self) -> int:
+        # Q tile (reused to stage O), then `stages` K tiles, then `stages` V tiles.
+        return self.smem_q_bytes + 2 * self.stages * self.smem_kv_bytes
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::fwd_kernel<cuflash::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.stages}, {t}>, {b(self.causal)}, {b(self.decode)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# Forward tiles per kernel head dim: (block_m, block_n, num_warps). First choice, before tuning:
+# one m16 row tile per warp keeps the O and S accumulators at <= 96 + 32 fp32 registers per thread
+# (no spills at any head dim); see docs/PERFORMANCE.md for the measurements behind each row.
+FWD_TILES = {
+    32: (128, 64, 4),
+    64: (128, 64, 4),    # H100 bf16 N=16k: 333 TFLOP/s vs 273 for (128, 128, 8), 294 for (64, 64, 4)
+    96: (128, 64, 8),
+    128: (128, 32, 4),   # 342 vs 318 for (128, 128, 8), 293 for (128, 64, 8); 255 registers, no spill
+    192: (128, 64, 8),
+    256: (64, 32, 4),    # (64, 64, 4) spilled 28-32 bytes: O alone is 128 fp32 registers per thread
+}
+# Causal kernels carry the masked steps too; where that tips the non-causal choice into spilling:
+FWD_TILES_CAUSAL = {
+    128: (128, 128, 8),  # (128, 32, 4) spills 56 bytes when causal; 318 TFLOP/s causal N=16k
+}
+# Before sm_90 ptxas allocates differently: (128, 32, 4) spills 8 bytes at d128 on sm_80.
+FWD_TILES_PRE_SM90 = {
+    128: (128, 128, 8),
+}
+DEFAULT_ARCH = "sm_90a"  # the H100/H200 this project targets; analyzer and docs use its configs
+
+
+def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH) -> FwdConfig:
+    """The forward config the library launches for a (kernel) head dim, dtype, causal flag and arch."""
+    tiles = FWD_TILES[head_dim]
+    if causal:
+        tiles = FWD_TILES_CAUSAL.get(head_dim, tiles)
+    if not arch.startswith("sm_9"):
+        tiles = FWD_TILES_PRE_SM90.get(head_dim, tiles)
+    bm, bn, warps = tiles
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal)
+
+
+# attention_with_kvcache runs the mma.sync forward with IS_DECODE on every architecture: decoding reads
+# K/V once per key tile and does little arithmetic (a few query rows), so the wgmma kernel would not pay.
+# (block_m, block_n, num_warps) per kernel head dim, one m16 row tile per warp. A paged cache's page size
+# must be a multiple of DECODE_PAGE_MULTIPLE, which every block_n divides (a K/V tile never straddles pages).
+DECODE_TILES = {
+    32: (64, 64, 4),
+    64: (64, 64, 4),
+    96: (64, 64, 4),
+    128: (64, 64, 4),
+    192: (64, 32, 4),  # block_n 64: 252-254 registers, at the limit
+    256: (64, 32, 4),  # block_n 64 spilled 104 bytes: O alone is 128 fp32 registers per thread
+}
+DECODE_PAGE_MULTIPLE = 64
+
+
+def fwd_decode_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
+    bm, bn, warps = DECODE_TILES[head_dim]
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, decode=True)
+
+
+@dataclass(frozen=True)
+class CombineConfig:
+    """Split-KV merge of the decode kernel's partial results: `fwd_combine_kernel<T>` (cuda/fwd.cuh)."""
+
+    dtype: str
+    threads: int = 256
+    smem_bytes: int = 0
+    rows_per_cta: int = 8  # COMBINE_ROWS in fwd.cuh: one warp per (head, position)
+
+    def cpp_name(self) -> str:
+        return f"cuflash::fwd_combine_kernel<{'cuflash::f16' if self.dtype == 'fp16' else 'cuflash::bf16'}>"
+
+
+@dataclass(frozen=True)
+class AppendConfig:
+    """The kv cache's append of new keys and values: `kvcache_append_kernel` (cuda/kvcache.cuh), one thread
+    per 16-byte chunk, for every dtype (it copies bits)."""
+
+    threads: int = 128  # APPEND_THREADS
+    smem_bytes: int = 0
+
+    def cpp_name(self) -> str:
+        return "cuflash::kvcache_append_kernel"
+
+
+def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
+    """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
+    sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
+    and, for sm_90a, the wgmma kernels."""
+    out: list = [fwd_config(hd, dt, c, arch) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
+    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig()]
+    if arch == "sm_90a":
+        out += [fwd_sm90_config(hd, dt, c) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)]
+    return out
+
+
+# --- Hopper (sm_90a): warpgroup MMA kernels ------------------------------------------------------------
+#
+# Which kernel family the library launches on an sm_90a GPU: "auto" (default) takes the wgmma kernels
+# where one exists for the head dim and the mma.sync kernels elsewhere; "mma" takes mma.sync kernels
+# only (as on sm_80), e.g. to compare the two or to run the analyzer's ncu validation of them.
+KERNEL_FAMILIES = ("auto", "mma")
+KERNELS = os.environ.get("CUFLASH_KERNELS", "auto")
+if KERNELS not in KERNEL_FAMILIES:
+    raise ValueError(f"CUFLASH_KERNELS={KERNELS!r} is not allowed; allowed: {', '.join(KERNEL_FAMILIES)}")
+
+
+def uses_wgmma(arch: str, kernels: str | None = None) -> bool:
+    """True when the library launches its wgmma kernels on `arch` (sm_90a, unless kernels="mma")."""
+    kernels = KERNELS if kernels is None else kernels
+    if kernels not in KERNEL_FAMILIES:
+        raise ValueError(f"kernels={kernels!r} is not allowed; allowed: {', '.join(KERNEL_FAMILIES)}")
+    return arch == "sm_90a" and kernels == "auto"
+
+
+@dataclass(frozen=True)
+class FwdSm90Config:
+    """One Hopper forward instantiation:
+    `fwd_sm90_kernel<FwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N, CTAS_PER_SM, T>, IS_CAUSAL>`: one warpgroup
+    (4 warps) per 64 query rows, S = Q K^T and O += P V on wgmma.m64nNk16."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    ctas_per_sm: int  # __launch_bounds__ minimum blocks per SM (caps registers at 64K / (threads * this))
+    dtype: str
+    causal: bool
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_m % 64 or not 64 <= self.block_m <= 192:
+            raise ValueError(f"block_m={self.block_m} must be 64, 128 or 192 (64 rows per warpgroup)")
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_m // 16
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.block_m
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        return q + 2 * self.stages * kv + 1024  # + rounding the base up to the 1024-byte swizzle period
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::fwd_sm90_kernel<cuflash::FwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.ctas_per_sm}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# Hopper forward tiles per kernel head dim: (block_m, block_n, ctas_per_sm). See docs/PERFORMANCE.md.
+FWD_SM90_TILES = {
+    32: (128, 64, 2),    # (128, 128, 2) spills at the 128-register cap of 2 CTAs x 256 threads
+    64: (128, 64, 2),    # H100 bf16 N=8k: 399 TFLOP/s vs 340 for (192, 128, 1), 315 for (128, 128, 1)
+    96: (128, 128, 1),
+    128: (128, 128, 1),  # 423 vs 424 for (192, 64, 1), 397 for (128, 64, 1)
+    192: (128, 64, 1),
+    256: (128, 48, 1),   # (128, 64, 1): 473 vs 385 for (128, 32, 1), but it spills 8 bytes causal (255 registers)
+}
+
+
+def fwd_sm90_config(head_dim: int, dtype: str, causal: bool) -> FwdSm90Config:
+    bm, bn, ctas = FWD_SM90_TILES[head_dim]
+    return FwdSm90Config(head_dim, bm, bn, ctas, dtype, causal)
+
+
+def forward_kernel_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH,
+                          kernels: str | None = None):
+    """The forward config the library launches on `arch`: wgmma on sm_90a, else (or with kernels="mma")
+    the mma.sync kernel of fwd_config."""
+    if uses_wgmma(arch, kernels) and head_dim in FWD_SM90_TILES:
+        return fwd_sm90_config(head_dim, dtype, causal)
+    return fwd_config(head_dim, dtype, causal, arch)
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Main backward instantiation: `bwd_kernel<BwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, D_SPLIT, T>,
+    IS_CAUSAL, IS_DETERMINISTIC>`: K/V-outer, one CTA per BLOCK_N keys, query blocks of BLOCK_M rows."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    d_split: int  # warps sharing one 16-key group, each with HEAD_DIM / d_split columns of dK and dV
+    dtype: str
+    causal: bool
+    deterministic: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_n != 16 * self.num_warps // self.d_split:
+            raise ValueError(f"block_n={self.block_n} must be 16 * num_warps / d_split")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        # K, V, 2 stages of (Q, dO), dS^T, 2 stages of (lse_log2, delta) in fp32
+        return 2 * kv + 4 * q + ds + 4 * self.block_m * 4
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_kernel<cuflash::BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.d_split}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+@dataclass(frozen=True)
+class DqConfig:
+    """Deterministic dQ instantiation: `bwd_dq_kernel<DqTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, T>, IS_CAUSAL>`
+    (Q-outer, like the forward: recomputes S, P, dP, dS per key tile, dQ in registers)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dtype: str
+    causal: bool
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        return 2 * self.block_m * self.head_dim * ELEM_BYTES + 4 * self.block_n * self.head_dim * ELEM_BYTES
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::bwd_dq_kernel<cuflash::DqTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+@dataclass(frozen=True)
+class ElementwiseConfig:
+    """The backward's preprocess (delta, lse_log2, dQ_acc = 0) and dQ conversion kernels."""
+
+    kind: str  # "preprocess" | "convert_dq"
+    dtype: str
+    threads: int = 256
+    smem_bytes: int = 0
+    rows_per_cta: int = 8  # preprocess: one warp per query row (PREPROCESS_ROWS in bwd.cuh)
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return f"cuflash::bwd_{self.kind}_kernel<{t}>"
+
+
+# Backward tiles per kernel head dim: (block_m, block_n, num_warps, d_split). One m16 key tile per
+# warp group keeps dK + dV (2 * 16 * HEAD_DIM / d_split fp32 per warp) plus S^T and dP^T in registers.
+# Every entry is the largest spill-free choice found by compiling the candidates (sm_90a, ptxas -v):
+# e.g. HEAD_DIM 128 with (64, 128, 8, 1) spilled 72 bytes; d_split > 1 costs duplicated S^T/dP^T work.
+BWD_TILES = {
+    32: (64, 128, 8, 1),
+    64: (32, 128, 8, 1),
+    96: (64, 64, 8, 2),
+    128: (32, 128, 8, 1),  # H100 bf16 N=16k: 246 TFLOP/s vs 160 for (64, 64, 8, 2) (duplicated S^T, dP^T)
+    192: (32, 32, 8, 4),
+    256: (32, 32, 8, 4),
+}
+# Deterministic dQ tiles: (block_m, block_n, num_warps).
+DQ_TILES = {
+    32: (128, 64, 8),
+    64: (128, 64, 8),
+    96: (128, 64, 8),
+    128: (128, 32, 8),
+    192: (64, 32, 4),
+    256: (64, 16, 4),  # block_n 32 spilled 4-28 bytes once varlen and GQA took a few registers (255 in use)
+}
+SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m)
+
+
+def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdConfig:
+    bm, bn, warps, split = BWD_TILES[head_dim]
+    return BwdConfig(head_dim, bm, bn, warps, split, dtype, causal, deterministic)
+
+
+def dq_config(head_dim: int, dtype: str, causal: bool) -> DqConfig:
+    bm, bn, warps = DQ_TILES[head_dim]
+    return DqConfig(head_dim, bm, bn, warps, dtype, causal)
+
+
+def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
+    """Every backward instantiation the library can launch on `arch` (main, deterministic dQ,
+    elementwise; for sm_90a also the wgmma main kernels)."""
+    out: list = []
+    for dt in DTYPES:
+        out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
+        for hd in KERNEL_HEAD_DIMS:
+            for c in (False, True):
+                out += [bwd_config(hd, dt, c, False), bwd_config(hd, dt, c, True), dq_config(hd, dt, c)]
+                if arch == "sm_90a" and hd in BWD_SM90_TILES:
+                    out += [bwd_sm90_config(hd, dt, c, False), bwd_sm90_config(hd, dt, c, True)]
+    return out
+
+
+@dataclass(frozen=True)
+class BwdSm90Config:
+    """Hopper backward main kernel: `bwd_sm90_kernel<BwdSm90Traits<HEAD_DIM, BLOCK_M, BLOCK_N, CTAS_PER_SM, T>,
+    IS_CAUSAL, IS_DETERMINISTIC>`: K/V-outer, one warpgroup per 64 keys, query blocks of BLOCK_M = 64."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    ctas_per_sm: int
+    dtype: str
+    causal: bool
+    deterministic: bool
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.block_m != 64 or self.block_n not in (64, 128):
+            raise ValueError(f"(block_m, block_n)=({self.block_m}, {self.block_n}); the kernel takes block_m 64, "
+                             f"block_n 64 or 128")
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // 16
+
+    @property
+    def threads(self) -> int:
+        return 2 * self.block_n
+
+    @property
+    def panel_cols(self) -> int:
+        """Panel width of the K, V, Q, dO tiles (BwdSm90Traits::PANEL_COLS): dQ's column split must fall
+        on a panel boundary."""
+        return 64 if (self.head_dim // (self.block_n // 64)) % 64 == 0 else 32
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        # K, V, 2 stages of (Q, dO), dS^T, 2 stages of (lse_log2, delta), + 1024 to align the base
+        return 2 * kv + 4 * q + ds + 4 * self.block_m * 4 + 1024
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.ctas_per_sm}, {t}>, {b(self.causal)}, {b(self.deterministic)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+# Hopper backward tiles per kernel head dim: (block_m, block_n, ctas_per_sm). Other head dims run the
+# mma.sync backward (dK + dV of 64 keys x 192 or 256 columns do not fit a warpgroup's registers).
+BWD_SM90_TILES = {
+    64: (64, 128, 1),
+    128: (64, 128, 1),
+}
+
+
+def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool) -> BwdSm90Config:
+    bm, bn, ctas = BWD_SM90_TILES[head_dim]
+    return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic)
+
+
+def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,
+                           arch: str = DEFAULT_ARCH, kernels: str | None = None):
+    """The backward main-kernel config the library launches on `arch` (see forward_kernel_config)."""
+    if uses_wgmma(arch, kernels) and head_dim in BWD_SM90_TILES:
+        return bwd_sm90_config(head_dim, dtype, causal, deterministic)
+    return bwd_config(head_dim, dtype, causal, deterministic)
