@@ -984,7 +984,8 @@ def main(argv=None) -> int:
         ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
     window = tuple(args.window) if args.window else None
     if window is not None:
-        print(f"note: window={window}: only cuflash runs (the other methods have no sliding window)")
+        print(f"note: window={window}: only cuflash runs (the other methods have no sliding window); TFLOP/s below "
+              f"count only the (query, key) pairs inside the band (the tables' N^2 captions do not apply)")
         methods = ["cuflash"]
     if args.methods is not None:
         missing = [m for m in args.methods if m not in methods]
