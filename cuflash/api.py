@@ -841,6 +841,12 @@ def _sm_count(device: int) -> int:
 
 
 MAX_SPLITS = 128
+# The split-KV launch aims at one CTA per SM, whatever the occupancy would allow: measured on the H100 (bf16,
+# D 128, 32/8 heads), one full wave of single CTAs beat two CTAs per SM at every batch: B=1 32k keys 57.0 us
+# (16 splits, 128 CTAs) vs 62.1 (32 splits, 256 CTAs); 128k keys 184 vs 194 us; B=2 32k 99 vs 117 us; B=8 32k
+# 357 vs 364 us; B=8 128k 1369 vs 1409 us. A decode CTA keeps enough K/V loads in flight to use its SM's share
+# of the bandwidth alone; a second one halves each split's work and doubles the merge's.
+DECODE_CTAS_PER_SM = 1
 
 
 @lru_cache(maxsize=4096)  # on the host path of every decode call: a dict lookup, not 128 trials
@@ -958,7 +964,7 @@ def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
             kernel.launch_args(grid, app, stream)
         kernel = plan.kernel
         splits = m.num_splits or num_splits_heuristic(plan.row_blocks * plan.grid_heads * m.batch,
-                                                      -(-max_len // plan.block_n), plan.num_sms, kernel.ctas_per_sm)
+                                                      -(-max_len // plan.block_n), plan.num_sms, DECODE_CTAS_PER_SM)
         args = plan.args.new()
         p = args.params
         p.q, p.k, p.v, p.o, p.lse, p.block_table = ptrs[0], ptrs[1], ptrs[2], o.data.ptr, lse.data.ptr, bt_ptr
@@ -1072,7 +1078,7 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         key_blocks = -(-max_len // cfg.block_n)
         kernel = _launch.get_kernel(cfg, m.device)
         splits = m.num_splits or num_splits_heuristic(row_blocks * grid_heads * m.batch, key_blocks,
-                                                      _sm_count(m.device), kernel.ctas_per_sm)
+                                                      _sm_count(m.device), DECODE_CTAS_PER_SM)
         o_accum = lse_accum = 0
         accum_rows = m.batch * m.heads_q * m.seqlen_q
         if splits > 1:  # one fp32 workspace: o_accum (splits, batch, heads, seqlen_q, hd), then lse_accum (splits,

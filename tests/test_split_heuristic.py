@@ -42,6 +42,18 @@ def test_the_h100_decode_cases():
     assert num_splits_heuristic(8, 16, 132, 2) == 4
 
 
+def test_the_h100_decode_cases_at_one_cta_per_sm():
+    """What the library asks for (api.DECODE_CTAS_PER_SM = 1, measured best on the H100): one wave of single
+    CTAs, 128 of 132 SMs, at every batch of the decode benchmark."""
+    from cuflash.api import DECODE_CTAS_PER_SM
+
+    assert DECODE_CTAS_PER_SM == 1
+    assert num_splits_heuristic(8, 512, 132, 1) == 16    # B=1, 8 K/V heads
+    assert num_splits_heuristic(16, 512, 132, 1) == 8    # B=2
+    assert num_splits_heuristic(32, 1024, 132, 1) == 4   # B=4
+    assert num_splits_heuristic(64, 512, 132, 1) == 2    # B=8
+
+
 def test_degenerate_launches_are_not_split():
     assert num_splits_heuristic(0, 100, 132, 2) == 1
     assert num_splits_heuristic(10, 0, 132, 2) == 1
