@@ -2,7 +2,8 @@
 // (fwd_kernel, fwd_sm90_kernel, bwd_kernel, bwd_sm90_kernel, bwd_dq_kernel).
 //
 // A kernel carries the modifiers it supports as compile-time bits (MODS), so the plain path (MODS = 0)
-// compiles to exactly the code it had before; the run-time values come in ModParams.
+// compiles without any modifier work (measured as fast as before: docs/PERFORMANCE.md); the run-time values
+// come in ModParams.
 //   MOD_WINDOW   sliding window: query i sees key j iff i + diag - left <= j <= i + diag + right
 //   MOD_ALIBI    score += -slope * |i + diag - j|
 //   MOD_SOFTCAP  score = softcap * tanh(score / softcap)
@@ -92,10 +93,6 @@ struct ScoreMods {
     }
     if (HAS_ALIBI) s -= slope * static_cast<float>(abs(query + diag - key));
     return s;
-  }
-  __device__ __forceinline__ float score(float s, int query, int key, int diag) const {
-    float unused;
-    return score(s, query, key, diag, unused);
   }
 
   // The softcap's d score / d raw score (1 - tanh^2) recovered from a modified score s (ALiBi added back);

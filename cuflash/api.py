@@ -158,8 +158,9 @@ def _dropout_mask(m: _validate.Mods, batch: int, heads: int, seqlen_q: int, seql
     mask = cp.empty((batch, heads, seqlen_q, seqlen_k), dtype=cp.uint8)
     if mask.size == 0:
         return mask.view(cp.bool_)
-    if m.dropout_p == 0:
-        return mask.fill(1) or mask.view(cp.bool_)
+    if m.dropout_p == 0:  # nothing dropped
+        mask.fill(1)
+        return mask.view(cp.bool_)
     params = _launch.DropoutMaskParams(mask.data.ptr, _mod_params(m, 1.0, 1), seqlen_q, seqlen_k, heads)
     cfg = DropoutMaskConfig()
     groups = ((seqlen_q + 1) // 2) * ((seqlen_k + 1) // 2)
