@@ -2,14 +2,16 @@
 //
 // One CTA computes O and lse for BLOCK_M query rows of one (batch, head). Each warp owns WARP_ROWS
 // of those rows and keeps their O accumulator in registers for the whole key loop, so O is written
-// to global memory exactly once. K/V tiles stream through a double-buffered cp.async pipeline.
+// to global memory exactly once. K/V tiles stream through a cp.async pipeline of Tr::STAGES buffers
+// (double buffering; deeper for decode, which must keep more bytes in flight per SM).
 // Sequences may be dense or packed (varlen), and K/V may have fewer heads than Q (GQA); seqs.cuh.
 //
 // IS_DECODE (attention_with_kvcache) adds what decoding needs, at run time:
 //   * keys per sequence from seqused_k, read from a paged cache through block_table (a K/V tile never
 //     straddles a page: page_size is a multiple of BLOCK_N);
 //   * split-KV: blockIdx.z = batch * num_splits + split; split s takes an equal share of the key tiles
-//     and writes its own normalized O and lse (fp32) for fwd_combine_kernel to merge;
+//     and writes its own normalized O and lse (fp32); the last split of a row block to finish merges them
+//     (fwd_decode_merge_if_last), or fwd_combine_kernel does in a second launch;
 //   * packed query heads: grid.y runs over K/V heads and tile row r is query position r / rows_per_pos
 //     of query head kv_head * rows_per_pos + r % rows_per_pos, so one K/V tile read serves every query
 //     head of its group (the rows of one position are the group's heads).
@@ -35,6 +37,8 @@ struct FwdParams {
   const int* block_table;  // decode, paged: [batch, block_table_stride] page of each key tile, or nullptr
   float* o_accum;          // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q, HEAD_DIM] fp32
   float* lse_accum;        // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q] fp32
+  int* split_counters;     // decode, num_splits > 1: splits done per row block, zero between launches (the
+                           // last split merges); nullptr: fwd_combine_kernel merges in a second launch
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;
   long long v_batch_stride, v_row_stride, v_head_stride;
@@ -51,7 +55,7 @@ struct FwdParams {
   int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
   ModParams mods;      // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
 };
-static_assert(sizeof(FwdParams) == 320, "FwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(FwdParams) == 328, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
@@ -178,6 +182,74 @@ __device__ __forceinline__ void fwd_decode_epilogue(const FwdParams& p, const fl
     }
 }
 
+// ---- split-KV: merge the splits' partial results ------------------------------------------------------
+// lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own split's sum);
+// splits that saw no key have lse_s = -inf and weight 0; a row that no split saw gets O = 0, lse = -inf.
+// One warp merges one row: query head head_q at position pos of sequence batch (of `batches`). The
+// partial results come from other CTAs of this or the previous launch: loads bypass L1 (ld.global.cg).
+template <class T>
+__device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, int batches, int head_q, int pos,
+                                                int lane) {
+  const int seqlen_q = p.seq.seqlen_q;
+  const long long split_stride = static_cast<long long>(batches) * p.heads * seqlen_q;  // rows of one split
+  const long long vec0 = (static_cast<long long>(batch) * p.heads + head_q) * seqlen_q + pos;
+  // lse: lane l folds splits l, l + 32, ..., then the warp combines the lanes (the loads of all splits are
+  // in flight at once; a loop over the splits in one thread waits for each load in turn)
+  const float* lse_s = p.lse_accum + vec0;
+  float m = neg_inf();
+  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, __ldcg(lse_s + s * split_stride));
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+  // no split saw a key: m = -inf; use 0 so exp2(-inf - 0) = 0 and the sum stays 0 (not NaN)
+  const float m_use = (m == neg_inf()) ? 0.f : m;
+  float sum = 0.f;
+  for (int s = lane; s < p.num_splits; s += 32) sum += ex2_approx((__ldcg(lse_s + s * split_stride) - m_use) * LOG2E);
+#pragma unroll
+  for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+  const float lse = (sum == 0.f) ? neg_inf() : m_use + __logf(sum);
+  u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(pos) * p.o_row_stride + head_q * p.o_head_stride;
+  for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {  // head_dim is a multiple of 8: whole float4s
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 8  // eight splits' loads in flight
+    for (int s = 0; s < p.num_splits; ++s) {
+      const float w = (sum == 0.f) ? 0.f : ex2_approx((__ldcg(lse_s + s * split_stride) - lse) * LOG2E);
+      const float4 o_s = __ldcg(reinterpret_cast<const float4*>(p.o_accum + (vec0 + s * split_stride) * p.accum_cols + col));
+      acc.x += w * o_s.x;
+      acc.y += w * o_s.y;
+      acc.z += w * o_s.z;
+      acc.w += w * o_s.w;
+    }
+    *reinterpret_cast<uint2*>(o_row + col) = make_uint2(Cvt<T>::pack(acc.x, acc.y), Cvt<T>::pack(acc.z, acc.w));
+  }
+  if (lane == 0) p.lse[batch * p.lse_batch_stride + head_q * p.lse_head_stride + pos] = lse;
+}
+
+// Split-KV in one launch: after writing its partial results, each CTA of a row block counts itself in, and
+// the last of the num_splits to finish merges the block's rows; it also puts the counter back to zero for
+// the next launch (the host keeps one counter buffer per stream, so launches that share one are ordered).
+// flag: a word of shared memory no warp uses any more.
+template <class Tr>
+__device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int* flag, int batch, int head,
+                                                         int row0, int rows_q, int tid) {
+  __threadfence();  // this CTA's partial results are visible device-wide before it is counted
+  __syncthreads();
+  if (tid == 0) {
+    int* counter = p.split_counters + (static_cast<long long>(batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
+    if (last) *counter = 0;
+    *flag = last;
+  }
+  __syncthreads();
+  if (!*flag) return;
+  __threadfence();  // the other splits' results, counted in before this CTA, are read after the count
+  const int batches = static_cast<int>(gridDim.z) / p.num_splits;
+  for (int r = tid >> 5; r < rows_q; r += Tr::WARPS) {
+    const int row = row0 + r;  // packed: position row / rows_per_pos, query head of the group row % rows_per_pos
+    merge_split_row<typename Tr::T>(p, batch, batches, head * p.rows_per_pos + row % p.rows_per_pos,
+                                    row / p.rows_per_pos, tid & 31);
+  }
+}
+
 template <class Tr, bool IS_CAUSAL, bool IS_DECODE, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
   static_assert(!IS_DECODE || MODS == 0, "the kv-cache forward takes no score modifiers");
@@ -225,6 +297,8 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
       const float unused_o[Tr::M_TILES][Tr::D_TILES][4] = {}, unused_lse[Tr::M_TILES][2] = {};
       fwd_decode_epilogue<Tr, /*IS_EMPTY=*/true>(p, unused_o, unused_lse, batch, split, head, seq, row0, rows_q,
                                                  warp_row0, lane);
+      if (p.num_splits > 1 && p.split_counters != nullptr)
+        fwd_decode_merge_if_last<Tr>(p, reinterpret_cast<int*>(smem), batch, head, row0, rows_q, tid);
       return;
     }
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, rows_q, p.head_dim, tid);
@@ -262,6 +336,22 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
       v_smem0, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, n_block),
       p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
   cp_async_commit_group();
+  // deeper pipelines (decode): STAGES - 2 more tiles ahead, one cp.async group each (possibly empty)
+#pragma unroll
+  for (int s = 1; s < Tr::STAGES - 1; ++s) {
+    const int ahead = n_block - s;
+    if (ahead >= n_begin) {
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+          k_smem0 + s * Tr::SMEM_KV,
+          kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, ahead),
+          p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+          v_smem0 + s * Tr::SMEM_KV,
+          kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, ahead),
+          p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
+    }
+    cp_async_commit_group();
+  }
 
   float o_acc[Tr::M_TILES][Tr::D_TILES][4];  // O of this warp's rows, fp32, in registers throughout
 #pragma unroll
@@ -277,28 +367,28 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
 
   // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
   // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first
-  // issues the next tile's loads into the other stage.
+  // issues the loads of the tile STAGES - 1 ahead into the stage the previous iteration used.
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
-    if (n_block > n_begin) {
-      const int next = n_block - 1;
-      const u32 off = (stage ^ 1) * Tr::SMEM_KV;
+    const int ahead = n_block - (Tr::STAGES - 1);
+    if (ahead >= n_begin) {
+      const u32 off = (stage == 0 ? Tr::STAGES - 1 : stage - 1) * Tr::SMEM_KV;
       load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          k_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, next),
+          k_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, ahead),
           p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
       load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          v_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, next),
+          v_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, ahead),
           p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
     }
-    cp_async_commit_group();   // possibly empty: keeps the group count uniform
-    cp_async_wait_group<1>();  // this stage's K/V (and Q) have landed
+    cp_async_commit_group();                  // possibly empty: keeps the group count uniform
+    cp_async_wait_group<Tr::STAGES - 1>();    // this stage's K/V (and Q) have landed
     __syncthreads();
     fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2, n_block, q_lane,
                                                       k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
                                                       warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
-    stage ^= 1;
+    stage = (stage == Tr::STAGES - 1) ? 0 : stage + 1;
   };
   for (; n_block >= n_begin && band.needs_mask_right(first_pos, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
@@ -313,6 +403,8 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(o_acc, p.mods.dropout_rp);
   if (IS_DECODE) {
     fwd_decode_epilogue<Tr, /*IS_EMPTY=*/false>(p, o_acc, lse, batch, split, head, seq, row0, rows_q, warp_row0, lane);
+    if (p.num_splits > 1 && p.split_counters != nullptr)  // the key loop's last barrier freed shared memory
+      fwd_decode_merge_if_last<Tr>(p, reinterpret_cast<int*>(smem), batch, head, row0, rows_q, tid);
     return;
   }
   // O -> shared (the Q tile's space, this warp's own rows) -> 16-byte stores
@@ -332,44 +424,16 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
   store_tile<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, smem, rows_q, p.head_dim, tid);
 }
 
-// ---- split-KV: merge the splits' partial results ------------------------------------------------------
-// lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own split's sum);
-// splits that saw no key have lse_s = -inf and weight 0; a row that no split saw gets O = 0, lse = -inf.
-// One warp per (head, position), grid (ceil(heads * seqlen_q / COMBINE_ROWS), batch).
+// Split-KV merge as a second launch (p.split_counters == nullptr): one warp per (head, position), grid
+// (ceil(heads * seqlen_q / COMBINE_ROWS), batch).
 constexpr int COMBINE_ROWS = 8;  // rows (warps) per CTA of 256 threads
 
 template <class T>
 __global__ void __launch_bounds__(256) fwd_combine_kernel(const FwdParams p) {
-  const int lane = threadIdx.x & 31;
   const int hq = blockIdx.x * COMBINE_ROWS + (threadIdx.x >> 5);  // head * seqlen_q + position
-  const int batch = blockIdx.y, batches = gridDim.y;
   const int seqlen_q = p.seq.seqlen_q;
   if (hq >= p.heads * seqlen_q) return;
-  const int head = hq / seqlen_q, pos = hq % seqlen_q;
-  const long long split_stride = static_cast<long long>(batches) * p.heads * seqlen_q;  // rows of one split
-  const long long vec0 = (static_cast<long long>(batch) * p.heads + head) * seqlen_q + pos;
-
-  float m = neg_inf();
-  for (int s = 0; s < p.num_splits; ++s) m = fmaxf(m, p.lse_accum[vec0 + s * split_stride]);
-  // no split saw a key: m = -inf; use 0 so exp2(-inf - 0) = 0 and the sum stays 0 (not NaN)
-  const float m_use = (m == neg_inf()) ? 0.f : m;
-  float sum = 0.f;
-  for (int s = 0; s < p.num_splits; ++s) sum += ex2_approx((p.lse_accum[vec0 + s * split_stride] - m_use) * LOG2E);
-  const float lse = (sum == 0.f) ? neg_inf() : m_use + __logf(sum);
-  u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(pos) * p.o_row_stride + head * p.o_head_stride;
-  for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {  // head_dim is a multiple of 8: whole float4s
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s = 0; s < p.num_splits; ++s) {
-      const float w = (sum == 0.f) ? 0.f : ex2_approx((p.lse_accum[vec0 + s * split_stride] - lse) * LOG2E);
-      const float4 o_s = *reinterpret_cast<const float4*>(p.o_accum + (vec0 + s * split_stride) * p.accum_cols + col);
-      acc.x += w * o_s.x;
-      acc.y += w * o_s.y;
-      acc.z += w * o_s.z;
-      acc.w += w * o_s.w;
-    }
-    *reinterpret_cast<uint2*>(o_row + col) = make_uint2(Cvt<T>::pack(acc.x, acc.y), Cvt<T>::pack(acc.z, acc.w));
-  }
-  if (lane == 0) p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + pos] = lse;
+  merge_split_row<T>(p, blockIdx.y, gridDim.y, hq / seqlen_q, hq % seqlen_q, threadIdx.x & 31);
 }
 
 }  // namespace cuflash

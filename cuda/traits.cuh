@@ -42,7 +42,7 @@ struct FwdTraits {
   static_assert(HEAD_DIM % 16 == 0 && HEAD_DIM <= 256, "HEAD_DIM must be a multiple of mma K=16, at most 256");
   static_assert(BLOCK_M % (16 * WARPS) == 0, "each warp owns whole m16 row tiles");
   static_assert(BLOCK_N % 16 == 0, "BLOCK_N must be a multiple of 16 (ldmatrix.x4 loads n16 of K)");
-  static_assert(STAGES == 2, "the K/V pipeline is written for double buffering");
+  static_assert(STAGES >= 2 && STAGES <= 8, "the K/V pipeline keeps STAGES - 1 tiles in flight (2: double buffering)");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start 1024-byte aligned for the swizzle");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };

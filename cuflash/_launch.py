@@ -53,6 +53,7 @@ class FwdParams(ctypes.Structure):
         ("q", ctypes.c_void_p), ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("o", ctypes.c_void_p),
         ("lse", ctypes.c_void_p), ("seq", SeqParams),
         ("block_table", ctypes.c_void_p), ("o_accum", ctypes.c_void_p), ("lse_accum", ctypes.c_void_p),
+        ("split_counters", ctypes.c_void_p),
         ("q_batch_stride", _c_ll), ("q_row_stride", _c_ll), ("q_head_stride", _c_ll),
         ("k_batch_stride", _c_ll), ("k_row_stride", _c_ll), ("k_head_stride", _c_ll),
         ("v_batch_stride", _c_ll), ("v_row_stride", _c_ll), ("v_head_stride", _c_ll),
@@ -99,7 +100,7 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 320 and ctypes.sizeof(BwdParams) == 432
+assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 328 and ctypes.sizeof(BwdParams) == 432
 assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 80
 
 

@@ -182,12 +182,13 @@ _NO_SWITCH = contextlib.nullcontext()
 
 def _fwd_params(q, k, v, o, lse, seq, dq, dk, dv, o_strides, lse_strides, heads, head_dim, scale, **decode):
     """FwdParams of a launch: array pointers, (batch, row, head) strides of q, k, v (Dims) and o (a tuple),
-    lse (batch, head) strides; `decode` fills the kv-cache fields (block_table, o_accum, lse_accum,
+    lse (batch, head) strides; `decode` fills the kv-cache fields (block_table, o_accum, lse_accum, split_counters,
     page_strides, block_table_stride, page_size, num_splits, rows_per_pos, accum_cols)."""
     page_strides = decode.get("page_strides", (0, 0))
     return _launch.FwdParams(
         q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, lse.data.ptr, seq,
         decode.get("block_table", 0), decode.get("o_accum", 0), decode.get("lse_accum", 0),
+        decode.get("split_counters", 0),
         dq.batch_stride, dq.row_stride, dq.head_stride,
         dk.batch_stride, dk.row_stride, dk.head_stride,
         dv.batch_stride, dv.row_stride, dv.head_stride,
@@ -848,6 +849,27 @@ MAX_SPLITS = 128
 # 357 vs 364 us; B=8 128k 1369 vs 1409 us. A decode CTA keeps enough K/V loads in flight to use its SM's share
 # of the bandwidth alone; a second one halves each split's work and doubles the merge's.
 DECODE_CTAS_PER_SM = 1
+# Split-KV merge in the decode launch itself (the last split of each row block merges; cuda/fwd.cuh
+# fwd_decode_merge_if_last) rather than in a second launch of fwd_combine_kernel.
+DECODE_FUSED_MERGE = True
+
+# Counters of the one-launch merge: one int32 buffer per (device, stream). Launches on one stream run in
+# order and each leaves its counters at zero, so they can share a buffer; launches on different streams may
+# overlap, so they get their own.
+_split_counters: dict = {}
+_split_counters_lock = threading.Lock()
+
+
+def _split_counter_ptr(cp, device: int, stream: int, n: int) -> int:
+    """Address of at least n zeroed split counters for launches on `stream` of `device` (the current one)."""
+    buf = _split_counters.get((device, stream))
+    if buf is None or buf.size < n:
+        with _split_counters_lock:
+            buf = _split_counters.get((device, stream))
+            if buf is None or buf.size < n:  # zeroed on this stream, before the launch that uses it
+                buf = cp.zeros(max(n, 1024), dtype=cp.int32)
+                _split_counters[(device, stream)] = buf
+    return buf.data.ptr
 
 
 @lru_cache(maxsize=4096)  # on the host path of every decode call: a dict lookup, not 128 trials
@@ -977,8 +999,10 @@ def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
             work = cp.empty(rows * (plan.hd + 1), dtype=cp.float32)
             p.o_accum = work.data.ptr
             p.lse_accum = work.data.ptr + 4 * rows * plan.hd
+            p.split_counters = (_split_counter_ptr(cp, plan.device, stream, plan.row_blocks * plan.grid_heads * m.batch)
+                                if DECODE_FUSED_MERGE else None)
         kernel.launch_args((plan.row_blocks, plan.grid_heads, m.batch * splits), args, stream)
-        if splits > 1:
+        if splits > 1 and not DECODE_FUSED_MERGE:
             _launch.get_kernel(plan.combine[0], plan.device).launch_args(plan.combine[1], args, stream)
     return o, lse
 
@@ -1080,12 +1104,14 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         kernel = _launch.get_kernel(cfg, m.device)
         splits = m.num_splits or num_splits_heuristic(row_blocks * grid_heads * m.batch, key_blocks,
                                                       _sm_count(m.device), DECODE_CTAS_PER_SM)
-        o_accum = lse_accum = 0
+        o_accum = lse_accum = counters = 0
         accum_rows = m.batch * m.heads_q * m.seqlen_q
         if splits > 1:  # one fp32 workspace: o_accum (splits, batch, heads, seqlen_q, hd), then lse_accum (splits,
             rows = splits * accum_rows  # batch, heads, seqlen_q), 128-byte aligned (hd is a multiple of 32)
             work = cp.empty(rows * (hd + 1), dtype=cp.float32)
             o_accum, lse_accum = work.data.ptr, work.data.ptr + 4 * rows * hd
+            if DECODE_FUSED_MERGE:
+                counters = _split_counter_ptr(cp, m.device, stream, row_blocks * grid_heads * m.batch)
         page = {}
         if m.paged:  # pages are indexed from the cache base (no batch stride)
             page = dict(block_table=bt_ptr, block_table_stride=m.block_table_stride, page_size=m.page_size,
@@ -1098,11 +1124,12 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
             q, k_cache, v_cache, o, lse, seq, dq, dkc, dvc,
             (m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim, m.head_dim),
             (m.heads_q * m.seqlen_q, m.seqlen_q), m.heads_q, m.head_dim, scale, num_splits=splits,
-            rows_per_pos=rows_per_pos, o_accum=o_accum, lse_accum=lse_accum, accum_cols=hd, **page)
+            rows_per_pos=rows_per_pos, o_accum=o_accum, lse_accum=lse_accum, split_counters=counters,
+            accum_cols=hd, **page)
         kernel.launch((row_blocks, grid_heads, m.batch * splits), params, stream)
         comb = CombineConfig(m.dtype)
         combine = (comb, (-(-m.heads_q * m.seqlen_q // comb.rows_per_cta), m.batch, 1))
-        if splits > 1:
+        if splits > 1 and not DECODE_FUSED_MERGE:
             _launch.get_kernel(comb, m.device).launch(combine[1], params, stream)
         if key is not None and _same(given, (q, k, v)):  # no operand copied: later calls replay this
             extents = None

@@ -192,12 +192,18 @@ DECODE_TILES = {
     192: (64, 32, 4),  # block_n 64: 252-254 registers, at the limit
     256: (64, 32, 4),  # block_n 64 spilled 104 bytes: O alone is 128 fp32 registers per thread
 }
+# K/V shared-memory stages of the decode kernel: STAGES - 1 tiles are in flight while one is used. Measured on
+# the H100 (tools/tune_decode.py, bf16 D 128, 32/8 heads, one CTA per SM): double buffering is fastest at every
+# batch and cache length; 3, 4 and 6 stages were 1-4% slower (B=1 32k: 59.2 us with 2 stages, 60.1-60.6 with
+# more; B=1 128k: 186.0 vs 191.0-196.2; B=8 128k: 1384 vs 1421-1429), so one 32 KB K/V tile in flight per SM
+# while another is used is not what limits a decode launch.
+DECODE_STAGES = 2
 DECODE_PAGE_MULTIPLE = 64
 
 
 def fwd_decode_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
     bm, bn, warps = DECODE_TILES[head_dim]
-    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, decode=True)
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, stages=DECODE_STAGES, decode=True)
 
 
 @dataclass(frozen=True)

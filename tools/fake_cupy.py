@@ -91,6 +91,11 @@ def _empty(shape, dtype=np.float32):
     return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
 
 
+def _zeros(shape, dtype=np.float32):
+    COUNTS["zeros"] += 1
+    return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
+
+
 def _asnumpy(x):
     COUNTS["asnumpy"] += 1
     return getattr(x, "host", np.zeros(x.shape, x.dtype))
@@ -121,7 +126,7 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 
 cupy = types.SimpleNamespace(
-    empty=_empty, asnumpy=_asnumpy, float32=np.float32, inf=np.inf, ndarray=FakeArray,
+    empty=_empty, zeros=_zeros, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf, ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
                                runtime=types.SimpleNamespace(getDevice=_get_device)))
 _NAMES: dict = {}

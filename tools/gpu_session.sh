@@ -18,6 +18,8 @@
 #   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
 #   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
+#   tune_decode   tools/tune_decode.py $TUNE_DECODE_ARGS (decode pipeline depth and split factor)
+#   (TESTS_PATHS narrows tests/tests_mma to some files, e.g. "tests/test_gpu_kvcache.py")
 set -u
 OUT="${OUT:-/tmp/out}"
 LOGS=/tmp/cuflash-logs
@@ -58,11 +60,11 @@ run_logged() {  # name timeout command...: run, log, note exit code and last lin
 
 stage_layouts() { run_logged layouts 120 $PY tools/check_wgmma_layouts.py; }
 stage_tests() {
-  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfEs --tb=line tests
+  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfEs --tb=line ${TESTS_PATHS:-tests}
 }
 stage_tests_mma() {
   CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider \
-    -rfEs --tb=line tests
+    -rfEs --tb=line ${TESTS_PATHS:-tests}
 }
 stage_sanitize() {
   TAIL=8 run_logged sanitize "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize --out /tmp/sanitize \
@@ -97,6 +99,7 @@ stage_ncu() {
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
 stage_overhead() { TAIL="${OVERHEAD_TAIL:-5}" run_logged overhead 120 $PY tools/launch_overhead.py ${OVERHEAD_ARGS:-}; }
+stage_tune_decode() { TAIL=60 run_logged tune_decode "${TUNE_TIMEOUT:-240}" $PY tools/tune_decode.py ${TUNE_DECODE_ARGS:-}; }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
 
 for stage in "$@"; do
