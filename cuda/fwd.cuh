@@ -32,7 +32,8 @@ struct FwdParams {
   const u16* k;  // [batch, seqlen_k, kv_heads, head_dim] (paged: [num_pages, page_size, kv_heads, head_dim])
   const u16* v;  // like k
   u16* o;        // like q
-  float* lse;    // lse[batch * lse_batch_stride + head * lse_head_stride + q_row0 + row], natural log
+  float* lse;    // lse[batch * lse_batch_stride + head * lse_head_stride + q_row0 + row], natural log; nullptr:
+                 // not written (attention() discards it; the decode kernel always writes it)
   SeqParams seq;
   const int* block_table;  // decode, paged: [batch, block_table_stride] page of each key tile, or nullptr
   float* o_accum;          // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q, HEAD_DIM] fp32
@@ -183,6 +184,9 @@ __device__ __forceinline__ void fwd_decode_epilogue(const FwdParams& p, const fl
 }
 
 // ---- split-KV: merge the splits' partial results ------------------------------------------------------
+constexpr int MAX_SPLITS = 128;  // splits per row block; mirrored by cuflash/api.py MAX_SPLITS (the API's cap)
+static_assert(MAX_SPLITS == 4 * 32, "merge_split_row keeps four splits' lse per lane");
+
 // lse = log sum_s exp(lse_s), O = sum_s exp(lse_s - lse) O_s (each O_s normalized by its own split's sum);
 // splits that saw no key have lse_s = -inf and weight 0; a row that no split saw gets O = 0, lse = -inf.
 // One warp merges one row: query head head_q at position pos of sequence batch (of `batches`). The
@@ -193,24 +197,32 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, i
   const int seqlen_q = p.seq.seqlen_q;
   const long long split_stride = static_cast<long long>(batches) * p.heads * seqlen_q;  // rows of one split
   const long long vec0 = (static_cast<long long>(batch) * p.heads + head_q) * seqlen_q + pos;
-  // lse: lane l folds splits l, l + 32, ..., then the warp combines the lanes (the loads of all splits are
-  // in flight at once; a loop over the splits in one thread waits for each load in turn)
+  // the lse of splits lane, lane + 32, lane + 64, lane + 96 in registers: one round of loads for all splits
+  // (a loop over the splits in one thread waits for each load in turn), max and sum across the warp
   const float* lse_s = p.lse_accum + vec0;
+  float l[MAX_SPLITS / 32];
+#pragma unroll
+  for (int i = 0; i < MAX_SPLITS / 32; ++i) {
+    const int s = lane + 32 * i;
+    l[i] = s < p.num_splits ? __ldcg(lse_s + s * split_stride) : neg_inf();
+  }
   float m = neg_inf();
-  for (int s = lane; s < p.num_splits; s += 32) m = fmaxf(m, __ldcg(lse_s + s * split_stride));
+#pragma unroll
+  for (int i = 0; i < MAX_SPLITS / 32; ++i) m = fmaxf(m, l[i]);
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
   // no split saw a key: m = -inf; use 0 so exp2(-inf - 0) = 0 and the sum stays 0 (not NaN)
   const float m_use = (m == neg_inf()) ? 0.f : m;
   float sum = 0.f;
-  for (int s = lane; s < p.num_splits; s += 32) sum += ex2_approx((__ldcg(lse_s + s * split_stride) - m_use) * LOG2E);
+#pragma unroll
+  for (int i = 0; i < MAX_SPLITS / 32; ++i) sum += ex2_approx((l[i] - m_use) * LOG2E);
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
   const float lse = (sum == 0.f) ? neg_inf() : m_use + __logf(sum);
   u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(pos) * p.o_row_stride + head_q * p.o_head_stride;
   for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {  // head_dim is a multiple of 8: whole float4s
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 8  // eight splits' loads in flight
+#pragma unroll 8  // eight splits' loads (their lse with their O) in flight
     for (int s = 0; s < p.num_splits; ++s) {
       const float w = (sum == 0.f) ? 0.f : ex2_approx((__ldcg(lse_s + s * split_stride) - lse) * LOG2E);
       const float4 o_s = __ldcg(reinterpret_cast<const float4*>(p.o_accum + (vec0 + s * split_stride) * p.accum_cols + col));
@@ -231,17 +243,19 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, i
 template <class Tr>
 __device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int* flag, int batch, int head,
                                                          int row0, int rows_q, int tid) {
-  __threadfence();  // this CTA's partial results are visible device-wide before it is counted
-  __syncthreads();
+  __syncthreads();  // every thread has written its partial results; thread 0's release below covers them
   if (tid == 0) {
     int* counter = p.split_counters + (static_cast<long long>(batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+    __threadfence();  // release: this CTA's partial results are visible device-wide before it is counted
     const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) *counter = 0;
+    if (last) {
+      *counter = 0;
+      __threadfence();  // acquire: the splits counted in before are read after the count (and the barrier)
+    }
     *flag = last;
   }
   __syncthreads();
   if (!*flag) return;
-  __threadfence();  // the other splits' results, counted in before this CTA, are read after the count
   const int batches = static_cast<int>(gridDim.z) / p.num_splits;
   for (int r = tid >> 5; r < rows_q; r += Tr::WARPS) {
     const int row = row0 + r;  // packed: position row / rows_per_pos, query head of the group row % rows_per_pos
@@ -302,7 +316,8 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
       return;
     }
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, rows_q, p.head_dim, tid);
-    for (int r = tid; r < rows_q; r += Tr::THREADS) lse_gmem[r] = neg_inf();
+    if (p.lse != nullptr)
+      for (int r = tid; r < rows_q; r += Tr::THREADS) lse_gmem[r] = neg_inf();
     return;
   }
 
@@ -373,7 +388,7 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
     const int ahead = n_block - (Tr::STAGES - 1);
     if (ahead >= n_begin) {
-      const u32 off = (stage == 0 ? Tr::STAGES - 1 : stage - 1) * Tr::SMEM_KV;
+      const u32 off = (Tr::STAGES == 2 ? stage ^ 1 : stage == 0 ? Tr::STAGES - 1 : stage - 1) * Tr::SMEM_KV;
       load_tile_async<typename Tr::TileKV, Tr::THREADS>(
           k_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, ahead),
           p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
@@ -388,7 +403,7 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
                                                       k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
                                                       warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
-    stage = (stage == Tr::STAGES - 1) ? 0 : stage + 1;
+    stage = Tr::STAGES == 2 ? stage ^ 1 : (stage == Tr::STAGES - 1) ? 0 : stage + 1;
   };
   for (; n_block >= n_begin && band.needs_mask_right(first_pos, (n_block + 1) * Tr::BLOCK_N - 1); --n_block)
     step(BoolTag<true>());
@@ -418,7 +433,7 @@ __global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
       for (int dt = 0; dt < Tr::D_TILES; ++dt)
         *reinterpret_cast<u32*>(smem + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
             Cvt<T>::pack(o_acc[mt][dt][2 * h], o_acc[mt][dt][2 * h + 1]);
-      if (t == 0 && row < rows_q) lse_gmem[row] = lse[mt][h];
+      if (t == 0 && row < rows_q && p.lse != nullptr) lse_gmem[row] = lse[mt][h];
     }
   __syncthreads();
   store_tile<typename Tr::TileQ, Tr::THREADS>(o_gmem, p.o_row_stride, smem, rows_q, p.head_dim, tid);

@@ -111,7 +111,8 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
   if (n_end <= n_begin) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(o_rows(seq.q_row0 + row0), p.o_row_stride, rows_q, p.head_dim, tid);
-    for (int r = tid; r < rows_q; r += Tr::THREADS) lse_rows(seq.q_row0 + row0)[r] = neg_inf();
+    if (p.lse != nullptr)
+      for (int r = tid; r < rows_q; r += Tr::THREADS) lse_rows(seq.q_row0 + row0)[r] = neg_inf();
     return;
   }
 
@@ -188,7 +189,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
     for (int dt = 0; dt < Tr::D_TILES; ++dt)
       *reinterpret_cast<u32*>(smem + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
           Cvt<T>::pack(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
-    if (t == 0 && row < rows_q) lse_gmem[row] = lse[0][h];
+    if (t == 0 && row < rows_q && p.lse != nullptr) lse_gmem[row] = lse[0][h];
   }
   __syncthreads();
   store_tile<typename Tr::TileQ, Tr::THREADS>(o_rows(out_row0), p.o_row_stride, smem, rows_q, p.head_dim, tid);

@@ -241,16 +241,21 @@ def _forward_key(q, k, v, causal, softmax_scale, layout, window=None, alibi_slop
             softmax_scale, layout, config.KERNELS)
 
 
-def _forward_replay(plan, q_ptr, k_ptr, v_ptr):
+def _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse=True):
+    """The plan's launch on these arrays: (o, lse), or o alone without lse (the kernel then writes none)."""
     cp = _cupy()
     with _on_device(cp, plan.device):
         o = cp.empty(plan.o_shape, dtype=plan.o_dtype)
-        lse = cp.empty(plan.lse_shape, dtype=cp.float32)
         args = plan.args.new()
         p = args.params
-        p.q, p.k, p.v, p.o, p.lse = q_ptr, k_ptr, v_ptr, o.data.ptr, lse.data.ptr
+        p.q, p.k, p.v, p.o = q_ptr, k_ptr, v_ptr, o.data.ptr
+        if with_lse:
+            lse = cp.empty(plan.lse_shape, dtype=cp.float32)
+            p.lse = lse.data.ptr
+        else:
+            p.lse = None
         plan.kernel.launch_args(plan.grid, args, cp.cuda.get_current_stream().ptr)
-    return o, lse
+    return (o, lse) if with_lse else o
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
@@ -352,6 +357,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
+    # a planned call (attention_forward's plans) launches without lse: the kernel skips its writes
+    plan = _plans.get(_forward_key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p,
+                                   seed, offset, return_dropout_mask))
+    if plan is not None:
+        q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
+        if not (q_ptr | k_ptr | v_ptr) & 15:
+            return _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse=False)
     out = attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
                             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset,
                             return_dropout_mask=return_dropout_mask)
@@ -842,7 +854,7 @@ def _sm_count(device: int) -> int:
     return _num_sms[device]
 
 
-MAX_SPLITS = 128
+MAX_SPLITS = 128  # the merge keeps the lse of 4 x 32 splits in registers: cuda/fwd.cuh MAX_SPLITS
 # The split-KV launch aims at one CTA per SM, whatever the occupancy would allow: measured on the H100 (bf16,
 # D 128, 32/8 heads), one full wave of single CTAs beat two CTAs per SM at every batch: B=1 32k keys 57.0 us
 # (16 splits, 128 CTAs) vs 62.1 (32 splits, 256 CTAs); 128k keys 184 vs 194 us; B=2 32k 99 vs 117 us; B=8 32k

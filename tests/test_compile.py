@@ -147,3 +147,14 @@ def test_generated_wgmma_wrappers_are_up_to_date():
     spec.loader.exec_module(gen)
     assert (_compile.cuda_dir() / "ptx_wgmma.cuh").read_text() == gen.render(), \
         "cuda/ptx_wgmma.cuh differs from what tools/gen_ptx_wgmma.py writes: run the script"
+
+
+def test_split_cap_matches_the_merge_kernel():
+    """The merge (cuda/fwd.cuh merge_split_row) keeps MAX_SPLITS splits' lse in registers: the API's cap on
+    num_splits must be that number."""
+    import re
+
+    from cuflash import _validate, api
+
+    found = re.search(r"constexpr int MAX_SPLITS = (\d+);", (_compile.cuda_dir() / "fwd.cuh").read_text())
+    assert found and int(found.group(1)) == api.MAX_SPLITS == _validate.MAX_SPLITS

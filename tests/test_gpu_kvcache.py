@@ -243,6 +243,39 @@ def test_every_num_splits_gives_the_reference_result_and_repeats_bitwise(dtype):
     p.check_caches("split sweep")
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_in_a_second_launch_equals_the_merge_in_the_decode_launch(dtype, monkeypatch):
+    """api.DECODE_FUSED_MERGE: the last split of a row block merges (one launch), or fwd_combine_kernel does
+    (a second launch). Both sum the splits in the same order: the same bits, for every split count."""
+    from cuflash import api
+
+    p = split_problem(dtype)
+    for splits in (2, 7, 128):
+        fused = p.call(causal=True, num_splits=splits, return_lse=True)
+        monkeypatch.setattr(api, "DECODE_FUSED_MERGE", False)
+        p.poison(splits)
+        launched = p.call(causal=True, num_splits=splits, return_lse=True)
+        monkeypatch.setattr(api, "DECODE_FUSED_MERGE", True)
+        check_outputs(p, *launched, True, f"merge in a second launch, num_splits={splits} {dtype}")
+        assert same_bits(fused[0], launched[0]) and same_bits(fused[1], launched[1]), f"num_splits={splits}"
+
+
+def test_split_counters_on_several_streams():
+    """Decode launches on different streams may overlap, so each stream has its own merge counters (which every
+    launch leaves at zero): many launches on three streams at once all give the single-stream result."""
+    p = split_problem("bf16")
+    want, want_lse = p.call(causal=True, num_splits=7, return_lse=True)
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(3)]
+    cp.cuda.Device().synchronize()
+    results = []
+    for i in range(12):
+        with streams[i % 3]:
+            results.append(p.call(causal=True, num_splits=7, return_lse=True, check_inputs=False))
+    cp.cuda.Device().synchronize()
+    for i, (o, lse) in enumerate(results):
+        assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} on stream {i % 3} differs"
+
+
 def test_return_lse_false_returns_only_o_and_check_inputs_false_the_same_bits():
     p = split_problem("bf16")
     o, lse = p.call(causal=False, num_splits=3, return_lse=True)

@@ -103,6 +103,24 @@ def test_forward_replay_launches_what_the_full_path_launches(case):
                                   lambda: cuflash.attention_forward(*b, **opts))
 
 
+def test_attention_replays_the_forward_plan_without_lse():
+    """attention() (o only) replays attention_forward's plan with lse = nullptr (the kernels then write no lse)
+    and one allocation; everything else in its launch is the forward's."""
+    a, b = qkv(), qkv()
+    api._plans.clear()
+    cuflash.attention_forward(*a, causal=True)
+    fc.COUNTS.clear()
+    replayed, o = launches_of(lambda: cuflash.attention(*b, causal=True), 1 << 50)
+    assert fc.COUNTS["empty"] == 1 and isinstance(o, fc.FakeArray) and o.shape == b[0].shape
+    api._plans.clear()
+    full, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
+    assert [(n, g) for n, g, _ in replayed] == [(n, g) for n, g, _ in full]
+    got, want = (_launch.FwdParams.from_buffer_copy(x[0][2]) for x in (replayed, full))
+    assert not got.lse and want.lse, "attention() must launch without lse, attention_forward with it"
+    want.lse = None
+    assert bytes(got) == bytes(want)
+
+
 def backward_args(b=2, sq=40, sk=72, h=4, hkv=2, d=64, dtype=F16):
     q, k, v = qkv(b, sq, sk, h, hkv, d, dtype)
     return dict(dout=A(q.shape, dtype), q=q, k=k, v=v, out=A(q.shape, dtype), lse=A((b, h, sq), F32))

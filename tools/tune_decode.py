@@ -1,9 +1,9 @@
 """Time the decode kernel's pipeline depth, split factor and merge side by side on one GPU:
-`python tools/tune_decode.py [--stages 2 3 4 6] [--splits 0 8 16 32] [--merge fused launch] [--batch 1 2 8]
-[--cache 32768 131072]`.
+`python tools/tune_decode.py [--stages 2 3 4 6] [--tiles 64,64,4 64,128,4] [--splits 0 8 16 32]
+[--merge fused launch] [--batch 1 2 8] [--cache 32768 131072]`.
 
 bf16, D 128, 32 query heads over 8 K/V heads, one query token (the shapes of `cuflash.bench --decode`). For each
-candidate of config.DECODE_STAGES and of the split merge (`fused`: the last split of a row block merges, in the
+candidate of config.DECODE_STAGES, of config.DECODE_TILES[128] (block_m, block_n, warps) and of the split merge (`fused`: the last split of a row block merges, in the
 decode launch; `launch`: fwd_combine_kernel in a second launch) the plan cache is cleared and every (batch, cache length, num_splits) is timed
 like the benchmark does it (each call between its own two CUDA events, calls back to back, median), with the
 output compared to the first candidate's (`diff`, so a wrong candidate shows up). SDPA's fastest backend is timed
@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--stages", nargs="+", type=int, default=[config.DECODE_STAGES])
     ap.add_argument("--splits", nargs="+", type=int, default=[0, 8, 16, 32])
+    ap.add_argument("--tiles", nargs="+", type=lambda t: tuple(int(x) for x in t.split(",")),
+                    default=[config.DECODE_TILES[D]], metavar="BM,BN,WARPS")
     ap.add_argument("--merge", nargs="+", choices=("fused", "launch"), default=["fused", "launch"])
     ap.add_argument("--batch", nargs="+", type=int, default=[1, 2, 8])
     ap.add_argument("--cache", nargs="+", type=int, default=[32768, 131072])
@@ -63,13 +65,14 @@ def main(argv=None) -> int:
                 if best:
                     line += f" sdpa {best[0] * 1e3:.1f} us ({best[1].split('_')[0].lower()})"
             print(line, flush=True)
-            for stages, merge in ((s, m) for s in args.stages for m in args.merge):
+            for stages, tiles, merge in ((s, t, m) for s in args.stages for t in args.tiles for m in args.merge):
                 config.DECODE_STAGES = stages
+                config.DECODE_TILES[D] = tiles
                 api.DECODE_FUSED_MERGE = merge == "fused"
                 api._plans.clear()
                 cfg = config.fwd_decode_config(D, "bf16", False)
                 r = _compile.compile_kernel(cfg.cpp_name(), _compile.device_arch()).resources
-                row = [f"  stages {stages}, merge {merge} (regs {r['registers']}, spill {r['spill_stores']}):"]
+                row = [f"  stages {stages}, tiles {tiles}, merge {merge} (regs {r['registers']}, spill {r['spill_stores']}):"]
                 for ns in args.splits:
                     def call(i, ns=ns):
                         q, kc, vc, lens = sets[i]
