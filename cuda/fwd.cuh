@@ -191,21 +191,32 @@ static_assert(MAX_SPLITS == 4 * 32, "merge_split_row keeps four splits' lse per 
 // splits that saw no key have lse_s = -inf and weight 0; a row that no split saw gets O = 0, lse = -inf.
 // One warp merges one row: query head head_q at position pos of sequence batch (of `batches`). The
 // partial results come from other CTAs of this or the previous launch: loads bypass L1 (ld.global.cg).
-template <class T>
+// AHEAD (<= 32): splits whose O is loaded together with the lse (registers: 4 AHEAD per thread).
+template <class T, int AHEAD>
 __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, int batches, int head_q, int pos,
                                                 int lane) {
+  static_assert(AHEAD >= 1 && AHEAD <= 32, "the weights of the splits loaded ahead come from lanes 0..31");
   const int seqlen_q = p.seq.seqlen_q;
   const long long split_stride = static_cast<long long>(batches) * p.heads * seqlen_q;  // rows of one split
   const long long vec0 = (static_cast<long long>(batch) * p.heads + head_q) * seqlen_q + pos;
-  // the lse of splits lane, lane + 32, lane + 64, lane + 96 in registers: one round of loads for all splits
-  // (a loop over the splits in one thread waits for each load in turn), max and sum across the warp
+  // One round of loads for the common case: the lse of splits lane + 32 i (all splits) and this lane's first
+  // four columns of the first AHEAD splits' O, in flight together (a loop over the splits in one thread
+  // would wait for each load in turn); then max and sum across the warp.
   const float* lse_s = p.lse_accum + vec0;
+  const float* o_s0 = p.o_accum + vec0 * p.accum_cols + lane * 4;
+  const bool has_col0 = lane * 4 < p.head_dim;  // head_dim is a multiple of 8: whole float4s
   float l[MAX_SPLITS / 32];
 #pragma unroll
   for (int i = 0; i < MAX_SPLITS / 32; ++i) {
     const int s = lane + 32 * i;
     l[i] = s < p.num_splits ? __ldcg(lse_s + s * split_stride) : neg_inf();
   }
+  float4 o_ahead[AHEAD];
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s)
+    o_ahead[s] = (s < p.num_splits && has_col0)
+                     ? __ldcg(reinterpret_cast<const float4*>(o_s0 + s * split_stride * p.accum_cols))
+                     : make_float4(0.f, 0.f, 0.f, 0.f);
   float m = neg_inf();
 #pragma unroll
   for (int i = 0; i < MAX_SPLITS / 32; ++i) m = fmaxf(m, l[i]);
@@ -219,11 +230,24 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, i
 #pragma unroll
   for (int x = 16; x > 0; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
   const float lse = (sum == 0.f) ? neg_inf() : m_use + __logf(sum);
+  // the first AHEAD splits' weights: split s's lse is lane s's l[0] (every lane runs these shuffles)
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int s = 0; s < AHEAD; ++s) {
+    const float lse_of_s = __shfl_sync(0xffffffffu, l[0], s);
+    const float w = (sum == 0.f || s >= p.num_splits) ? 0.f : ex2_approx((lse_of_s - lse) * LOG2E);
+    acc.x += w * o_ahead[s].x;
+    acc.y += w * o_ahead[s].y;
+    acc.z += w * o_ahead[s].z;
+    acc.w += w * o_ahead[s].w;
+  }
   u16* o_row = p.o + batch * p.o_batch_stride + static_cast<long long>(pos) * p.o_row_stride + head_q * p.o_head_stride;
-  for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {  // head_dim is a multiple of 8: whole float4s
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int col = lane * 4; col < p.head_dim; col += 32 * 4) {
+    int s = 0;  // the first columns continue after the splits loaded ahead
+    if (col != lane * 4) acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    else s = AHEAD;
 #pragma unroll 8  // eight splits' loads (their lse with their O) in flight
-    for (int s = 0; s < p.num_splits; ++s) {
+    for (; s < p.num_splits; ++s) {
       const float w = (sum == 0.f) ? 0.f : ex2_approx((__ldcg(lse_s + s * split_stride) - lse) * LOG2E);
       const float4 o_s = __ldcg(reinterpret_cast<const float4*>(p.o_accum + (vec0 + s * split_stride) * p.accum_cols + col));
       acc.x += w * o_s.x;
@@ -236,6 +260,10 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, i
   if (lane == 0) p.lse[batch * p.lse_batch_stride + head_q * p.lse_head_stride + pos] = lse;
 }
 
+// Splits whose O the decode kernel's merge loads with their lse: 16, the split count of one sequence on an
+// H100 (one CTA per SM), so one round of loads serves the common case.
+constexpr int MERGE_AHEAD = 16;
+
 // Split-KV in one launch: after writing its partial results, each CTA of a row block counts itself in, and
 // the last of the num_splits to finish merges the block's rows; it also puts the counter back to zero for
 // the next launch (the host keeps one counter buffer per stream, so launches that share one are ordered).
@@ -246,11 +274,11 @@ __device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int
   __syncthreads();  // every thread has written its partial results; thread 0's release below covers them
   if (tid == 0) {
     int* counter = p.split_counters + (static_cast<long long>(batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    __threadfence();  // release: this CTA's partial results are visible device-wide before it is counted
+    fence_acq_rel_gpu();  // release: this CTA's partial results are visible device-wide before it is counted
     const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
     if (last) {
       *counter = 0;
-      __threadfence();  // acquire: the splits counted in before are read after the count (and the barrier)
+      fence_acq_rel_gpu();  // acquire: the splits counted in before are read after the count (and the barrier)
     }
     *flag = last;
   }
@@ -259,13 +287,15 @@ __device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int
   const int batches = static_cast<int>(gridDim.z) / p.num_splits;
   for (int r = tid >> 5; r < rows_q; r += Tr::WARPS) {
     const int row = row0 + r;  // packed: position row / rows_per_pos, query head of the group row % rows_per_pos
-    merge_split_row<typename Tr::T>(p, batch, batches, head * p.rows_per_pos + row % p.rows_per_pos,
-                                    row / p.rows_per_pos, tid & 31);
+    merge_split_row<typename Tr::T, MERGE_AHEAD>(p, batch, batches, head * p.rows_per_pos + row % p.rows_per_pos,
+                                                 row / p.rows_per_pos, tid & 31);
   }
 }
 
+// Decode asks for one CTA per SM in its launch bounds (it runs one per SM, api.DECODE_CTAS_PER_SM): without
+// it, ptxas held some decode instantiations to 128 registers and spilled (the merge's loads ahead).
 template <class Tr, bool IS_CAUSAL, bool IS_DECODE, int MODS>
-__global__ void __launch_bounds__(Tr::THREADS) fwd_kernel(const FwdParams p) {
+__global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(const FwdParams p) {
   static_assert(!IS_DECODE || MODS == 0, "the kv-cache forward takes no score modifiers");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
@@ -448,7 +478,7 @@ __global__ void __launch_bounds__(256) fwd_combine_kernel(const FwdParams p) {
   const int hq = blockIdx.x * COMBINE_ROWS + (threadIdx.x >> 5);  // head * seqlen_q + position
   const int seqlen_q = p.seq.seqlen_q;
   if (hq >= p.heads * seqlen_q) return;
-  merge_split_row<T>(p, blockIdx.y, gridDim.y, hq / seqlen_q, hq % seqlen_q, threadIdx.x & 31);
+  merge_split_row<T, MERGE_AHEAD>(p, blockIdx.y, gridDim.y, hq / seqlen_q, hq % seqlen_q, threadIdx.x & 31);
 }
 
 }  // namespace cuflash

@@ -168,6 +168,10 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[ROWS][COLS]) {
 #pragma unroll
     for (int j = 0; j < COLS; ++j) asm volatile("" : "+f"(d[i][j])::"memory");
 }
+// PTX ISA 9.7.13.4 "membar/fence": fence.acq_rel.gpu, the release (before a strong write such as an atomic)
+// or acquire (after a strong read) half of a message passed between CTAs; lighter than fence.sc
+// (__threadfence), which a release/acquire pattern does not need.
+__device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
 // PTX ISA 9.7.13.4 "membar/fence", fence.proxy.async: makes this thread's generic-proxy writes to shared memory
 // (st.shared, cp.async) visible to the async proxy (wgmma operand reads) after the next barrier.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
