@@ -1036,7 +1036,8 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         causal: bottom-right aligned: query i sees key j iff j <= i + L_b - seqlen_q, L_b = cache_seqlens[b] + S_new.
         softmax_scale: default 1/sqrt(head_dim).
         num_splits: split-KV factor, 0 (default: chosen from the launch size, see num_splits_heuristic) or
-            1..128: each split reads part of the keys and a second kernel merges the partial results.
+            1..128: each split reads part of the keys; the last split of each row block to finish merges the
+            partial results, in the same launch and in a fixed order (the result repeats bitwise).
         return_lse: also return lse float32 (batch, heads, seqlen_q).
         check_inputs: read cache_seqlens / block_table back to the host (one synchronization) and check them
             before anything is written; False skips that (wrong values are then undefined behaviour).
