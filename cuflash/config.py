@@ -443,7 +443,7 @@ class ElementwiseConfig:
     dtype: str
     threads: int = 256
     smem_bytes: int = 0
-    rows_per_cta: int = 8  # preprocess: one warp per query row (PREPROCESS_ROWS in bwd.cuh)
+    rows_per_cta: int = 32  # preprocess: eight lanes per query row (PREPROCESS_ROWS in bwd.cuh)
 
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"

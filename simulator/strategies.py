@@ -403,7 +403,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     kernel is bwd_sm90_kernel (cuda/bwd_sm90.cuh) where cuflash_config picks a BwdSm90Config, with the
     same global accesses: each of its warpgroups adds DQ_COLS columns of the dQ tile, the whole tile in all):
 
-    1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 8, heads, batch): reads O and dO rows
+    1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
     2. bwd_kernel (or bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
@@ -418,7 +418,8 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
     acc_bytes = 0 if deterministic else pad * hd * s4  # dq_accum per (batch, head)
-    out = [KernelTraffic("bwd_preprocess_kernel", (pad // 8, p.heads, p.batch), 256,
+    pre = _config.ElementwiseConfig("preprocess", p.dtype)
+    out = [KernelTraffic("bwd_preprocess_kernel", (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
                          bh * (2 * sq * d * e + sq * s4), bh * (2 * pad * s4 + acc_bytes))]
     visits, q_rows = _bwd_visits(cfg, p, causal_skip)
     keys = block_sizes(sk, cfg.block_n)
