@@ -374,27 +374,24 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   } else {
     load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   }
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-      k_smem0, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, n_block),
-      p.k_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
-  load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-      v_smem0, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, n_block),
-      p.v_row_stride, seq.len_k - n_block * Tr::BLOCK_N, p.head_dim, tid);
+  // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
+  auto load_kv = [&](int stage, int n, int rows) {
+    load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+        k_smem0 + stage * Tr::SMEM_KV,
+        kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, n), p.k_row_stride,
+        rows, p.head_dim, tid);
+    load_tile_async<typename Tr::TileKV, Tr::THREADS>(
+        v_smem0 + stage * Tr::SMEM_KV,
+        kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, n), p.v_row_stride,
+        rows, p.head_dim, tid);
+  };
+  load_kv(0, n_block, seq.len_k - n_block * Tr::BLOCK_N);
   cp_async_commit_group();
   // deeper pipelines (decode): STAGES - 2 more tiles ahead, one cp.async group each (possibly empty)
 #pragma unroll
   for (int s = 1; s < Tr::STAGES - 1; ++s) {
     const int ahead = n_block - s;
-    if (ahead >= n_begin) {
-      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          k_smem0 + s * Tr::SMEM_KV,
-          kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, ahead),
-          p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
-      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          v_smem0 + s * Tr::SMEM_KV,
-          kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, ahead),
-          p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
-    }
+    if (ahead >= n_begin) load_kv(s, ahead, Tr::BLOCK_N);
     cp_async_commit_group();
   }
 
@@ -417,15 +414,8 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
     const int ahead = n_block - (Tr::STAGES - 1);
-    if (ahead >= n_begin) {
-      const u32 off = (Tr::STAGES == 2 ? stage ^ 1 : stage == 0 ? Tr::STAGES - 1 : stage - 1) * Tr::SMEM_KV;
-      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          k_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, ahead),
-          p.k_row_stride, Tr::BLOCK_N, p.head_dim, tid);
-      load_tile_async<typename Tr::TileKV, Tr::THREADS>(
-          v_smem0 + off, kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, ahead),
-          p.v_row_stride, Tr::BLOCK_N, p.head_dim, tid);
-    }
+    if (ahead >= n_begin)  // into the stage the previous iteration used
+      load_kv(Tr::STAGES == 2 ? stage ^ 1 : stage == 0 ? Tr::STAGES - 1 : stage - 1, ahead, Tr::BLOCK_N);
     cp_async_commit_group();                  // possibly empty: keeps the group count uniform
     cp_async_wait_group<Tr::STAGES - 1>();    // this stage's K/V (and Q) have landed
     __syncthreads();

@@ -241,6 +241,18 @@ def _forward_key(q, k, v, causal, softmax_scale, layout, window=None, alibi_slop
             softmax_scale, layout, config.KERNELS)
 
 
+def _forward_planned(q, k, v, key, with_lse):
+    """The planned launch of a forward call with this key on q, k, v, or None (no plan, or an input the full
+    path would copy: not 16-byte aligned)."""
+    plan = _plans.get(key)
+    if plan is None:
+        return None
+    q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
+    if (q_ptr | k_ptr | v_ptr) & 15:
+        return None
+    return _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse)
+
+
 def _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse=True):
     """The plan's launch on these arrays: (o, lse), or o alone without lse (the kernel then writes none)."""
     cp = _cupy()
@@ -302,11 +314,9 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
     """
     key = _forward_key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
                        return_dropout_mask)
-    plan = _plans.get(key)
-    if plan is not None:
-        q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
-        if not (q_ptr | k_ptr | v_ptr) & 15:  # aligned: read in place (else the full path copies)
-            return _forward_replay(plan, q_ptr, k_ptr, v_ptr)
+    out = _forward_planned(q, k, v, key, with_lse=True)
+    if out is not None:
+        return out
 
     causal = _validate.check_flag(causal, "causal")
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
@@ -358,12 +368,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
     # a planned call (attention_forward's plans) launches without lse: the kernel skips its writes
-    plan = _plans.get(_forward_key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p,
-                                   seed, offset, return_dropout_mask))
-    if plan is not None:
-        q_ptr, k_ptr, v_ptr = q.data.ptr, k.data.ptr, v.data.ptr
-        if not (q_ptr | k_ptr | v_ptr) & 15:
-            return _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse=False)
+    o = _forward_planned(q, k, v, _forward_key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap,
+                                               dropout_p, seed, offset, return_dropout_mask), with_lse=False)
+    if o is not None:
+        return o
     out = attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale, layout=layout, window=window,
                             alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed, offset=offset,
                             return_dropout_mask=return_dropout_mask)
@@ -872,6 +880,17 @@ _split_counters: dict = {}
 _split_counters_lock = threading.Lock()
 
 
+def _split_workspace(cp, device: int, stream: int, splits: int, accum_rows: int, hd: int, counter_rows: int):
+    """(workspace, o_accum, lse_accum, split_counters) of a split-KV launch: one fp32 workspace holding o_accum
+    (splits, batch, heads, seqlen_q, hd), then lse_accum (splits, batch, heads, seqlen_q), 128-byte aligned (hd is a
+    multiple of 32); the counters of the merge in the decode launch (0 when fwd_combine_kernel merges). The caller
+    keeps the workspace referenced until its launches are queued."""
+    rows = splits * accum_rows
+    work = cp.empty(rows * (hd + 1), dtype=cp.float32)
+    counters = _split_counter_ptr(cp, device, stream, counter_rows) if DECODE_FUSED_MERGE else 0
+    return work, work.data.ptr, work.data.ptr + 4 * rows * hd, counters
+
+
 def _split_counter_ptr(cp, device: int, stream: int, n: int) -> int:
     """Address of at least n zeroed split counters for launches on `stream` of `device` (the current one)."""
     buf = _split_counters.get((device, stream))
@@ -1007,12 +1026,8 @@ def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         seq.seqused_k, seq.seqlen_k = lens_ptr, cache_seqlen
         p.num_splits = splits
         if splits > 1:
-            rows = splits * plan.accum_rows
-            work = cp.empty(rows * (plan.hd + 1), dtype=cp.float32)
-            p.o_accum = work.data.ptr
-            p.lse_accum = work.data.ptr + 4 * rows * plan.hd
-            p.split_counters = (_split_counter_ptr(cp, plan.device, stream, plan.row_blocks * plan.grid_heads * m.batch)
-                                if DECODE_FUSED_MERGE else None)
+            work, p.o_accum, p.lse_accum, p.split_counters = _split_workspace(
+                cp, plan.device, stream, splits, plan.accum_rows, plan.hd, plan.row_blocks * plan.grid_heads * m.batch)
         kernel.launch_args((plan.row_blocks, plan.grid_heads, m.batch * splits), args, stream)
         if splits > 1 and not DECODE_FUSED_MERGE:
             _launch.get_kernel(plan.combine[0], plan.device).launch_args(plan.combine[1], args, stream)
@@ -1119,12 +1134,9 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
                                                       _sm_count(m.device), DECODE_CTAS_PER_SM)
         o_accum = lse_accum = counters = 0
         accum_rows = m.batch * m.heads_q * m.seqlen_q
-        if splits > 1:  # one fp32 workspace: o_accum (splits, batch, heads, seqlen_q, hd), then lse_accum (splits,
-            rows = splits * accum_rows  # batch, heads, seqlen_q), 128-byte aligned (hd is a multiple of 32)
-            work = cp.empty(rows * (hd + 1), dtype=cp.float32)
-            o_accum, lse_accum = work.data.ptr, work.data.ptr + 4 * rows * hd
-            if DECODE_FUSED_MERGE:
-                counters = _split_counter_ptr(cp, m.device, stream, row_blocks * grid_heads * m.batch)
+        if splits > 1:
+            work, o_accum, lse_accum, counters = _split_workspace(cp, m.device, stream, splits, accum_rows, hd,
+                                                                  row_blocks * grid_heads * m.batch)
         page = {}
         if m.paged:  # pages are indexed from the cache base (no batch stride)
             page = dict(block_table=bt_ptr, block_table_stride=m.block_table_stride, page_size=m.page_size,
