@@ -181,6 +181,30 @@ def test_kvcache_replay_launches_what_the_full_path_launches(case):
                                   lambda: cuflash.attention_with_kvcache(*b, **kb, **opts))
 
 
+def test_kvcache_replay_without_splits_after_a_call_with_them():
+    """A plan's calls reuse their thread's argument block; a call that needs no split-KV (short caches) after
+    one that did must launch without the split workspace's pointers, as the full path does."""
+    (a, ka), (b, kb) = kvcache_args(), kvcache_args()
+    ka["cache_seqlens"].host = np.array([4000, 3000], dtype=np.int32)  # 4 CTAs over 63 key tiles: split
+    kb["cache_seqlens"].host = np.array([50, 60], dtype=np.int32)      # one key tile: no split
+
+    def long():
+        return cuflash.attention_with_kvcache(*a, **ka, check_inputs=True)
+
+    def short():
+        return cuflash.attention_with_kvcache(*b, **kb, check_inputs=True)
+
+    api._plans.clear()
+    long(), long()  # the plan, then a replay that fills this thread's block with the split workspace
+    assert len(api._plans) == 1
+    replayed, _ = launches_of(short, 1 << 50)
+    api._plans.clear()
+    full, _ = launches_of(short, 1 << 50)
+    assert len(replayed) == len(full) == 1 and replayed[0][2] == full[0][2]
+    p = _launch.FwdParams.from_buffer_copy(replayed[0][2])
+    assert p.num_splits == 1 and not (p.o_accum or p.lse_accum or p.split_counters)
+
+
 def test_kvcache_int_lens_enter_the_key_by_type_and_are_written_per_call():
     """A decode loop passing the position as an int replays one plan; each call launches with its own count."""
     (a, kw) = kvcache_args(lens="int")
@@ -324,27 +348,34 @@ def test_checked_kvcache_values_are_read_on_every_warm_call():
 
 # --- the argument blocks ----------------------------------------------------------------------------------
 
-def test_each_call_gets_its_own_argument_block():
+def test_each_thread_gets_its_own_argument_block():
+    """Warm calls reuse their thread's block (the driver has read it when the launch returns); two threads
+    never write one block, and the template itself is never written."""
+    import ctypes
+
     params = _launch.FwdParams(q=1, k=2, heads=7)
     template = _launch.ArgsTemplate(params)
-    blocks = []
+    seen: dict = {}
+    barrier = threading.Barrier(4)
 
     def work():
+        barrier.wait()  # all four threads alive at once: their idents differ
         for _ in range(100):
-            block = template.new()
-            block.params.q = threading.get_ident()
-            blocks.append(block)
+            block, p, address = template.mine()
+            assert p.q in (1, threading.get_ident()), "another thread wrote this thread's block"
+            p.q = threading.get_ident()
+            seen.setdefault(threading.get_ident(), set()).add(address)
+            assert block.arg == ctypes.addressof(p) and address == ctypes.addressof(block)
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    import ctypes
-
-    for block in blocks:
-        assert block.arg == ctypes.addressof(block.params), "kernelParams[0] must point at the block's own struct"
-        assert block.params.heads == 7 and block.params.k == 2
+    assert len(seen) == 4 and all(len(a) == 1 for a in seen.values()), "one block per thread, reused"
+    assert len(set().union(*seen.values())) == 4, "threads shared a block"
+    fresh = template.new()
+    assert fresh.arg == ctypes.addressof(fresh.params) and fresh.params.heads == 7 and fresh.params.k == 2
     assert _launch.FwdParams.from_buffer_copy(template.bytes[template.offset:]).q == 1, "the template was written"
 
 
