@@ -38,8 +38,9 @@ struct FwdParams {
   const int* block_table;  // decode, paged: [batch, block_table_stride] page of each key tile, or nullptr
   float* o_accum;          // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q, HEAD_DIM] fp32
   float* lse_accum;        // decode, num_splits > 1: [num_splits, batch, heads, seqlen_q] fp32
-  int* split_counters;     // decode, num_splits > 1: splits done per row block, zero between launches (the
-                           // last split merges); nullptr: fwd_combine_kernel merges in a second launch
+  int* split_counters;     // decode, num_splits > 1: two per row block (splits arrived, published), zero
+                           // between launches (the last to arrive merges); nullptr: fwd_combine_kernel merges
+                           // in a second launch
   long long q_batch_stride, q_row_stride, q_head_stride;
   long long k_batch_stride, k_row_stride, k_head_stride;
   long long v_batch_stride, v_row_stride, v_head_stride;
@@ -265,24 +266,41 @@ __device__ __forceinline__ void merge_split_row(const FwdParams& p, int batch, i
 constexpr int MERGE_AHEAD = 16;
 
 // Split-KV in one launch: after writing its partial results, each CTA of a row block counts itself in, and
-// the last of the num_splits to finish merges the block's rows; it also puts the counter back to zero for
-// the next launch (the host keeps one counter buffer per stream, so launches that share one are ordered).
-// flag: a word of shared memory no warp uses any more.
+// the last of the num_splits to do so merges the block's rows. Each row block has two counters: splits
+// arrived (partial results stored, not yet known to be visible) and splits published (stored and released).
+// A split that is not the last to arrive releases its results and counts itself as published; the last
+// one, the split the launch waits for, does not wait for its own stores to be acknowledged before its
+// count (a release fence would): its atomic and its read of the published count (acquire) are in flight
+// together, and the other splits, which arrived earlier, have normally published by then (else it waits
+// for them: they are running, past their key loops). It also puts both counters back to zero for the next
+// launch (the host keeps one counter buffer per stream, so launches that share one are ordered). flag: a
+// word of shared memory no warp uses any more.
 template <class Tr>
 __device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int* flag, int batch, int head,
                                                          int row0, int rows_q, int tid) {
-  __syncthreads();  // every thread has written its partial results; thread 0's release below covers them
+  __syncthreads();  // every thread has issued its stores of partial results (ordered before thread 0's release)
   if (tid == 0) {
-    int* counter = p.split_counters + (static_cast<long long>(batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    fence_acq_rel_gpu();  // release: this CTA's partial results are visible device-wide before it is counted
-    const bool last = atomicAdd(counter, 1) == p.num_splits - 1;
-    if (last) {
-      *counter = 0;
-      fence_acq_rel_gpu();  // acquire: the splits counted in before are read after the count (and the barrier)
+    int* arrived = p.split_counters + 2 * ((static_cast<long long>(batch) * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x);
+    int* published = arrived + 1;
+    const int others = p.num_splits - 1;
+    const int before = atomicAdd(arrived, 1);
+    const int seen = ld_acquire_gpu(published);  // in flight with the atomic (nothing here waits for its answer)
+    const bool last = before == others;
+    if (!last) {
+      fence_acq_rel_gpu();  // release: this CTA's partial results are visible device-wide before the count
+      atomicAdd(published, 1);
+    } else {
+      if (seen != others)  // a split that arrived before this one is publishing now
+        while (ld_acquire_gpu(published) != others) {
+        }
+      *arrived = 0;
+      *published = 0;
     }
     *flag = last;
   }
-  __syncthreads();
+  __syncthreads();  // thread 0's acquire covers the other splits' results for every thread of the CTA, and the
+                    // barriers order this CTA's own stores before its reads (.cg loads included: the PTX ISA
+                    // makes cache operators performance hints that leave the memory model unchanged)
   if (!*flag) return;
   const int batches = static_cast<int>(gridDim.z) / p.num_splits;
   for (int r = tid >> 5; r < rows_q; r += Tr::WARPS) {

@@ -172,6 +172,13 @@ __device__ __forceinline__ void wgmma_fence_operand(float (&d)[ROWS][COLS]) {
 // or acquire (after a strong read) half of a message passed between CTAs; lighter than fence.sc
 // (__threadfence), which a release/acquire pattern does not need.
 __device__ __forceinline__ void fence_acq_rel_gpu() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+// PTX ISA "ld" with .acquire.gpu: a strong read that later reads of this thread cannot pass (the acquire
+// half of a message passed between CTAs, in one instruction).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 // PTX ISA 9.7.13.4 "membar/fence", fence.proxy.async: makes this thread's generic-proxy writes to shared memory
 // (st.shared, cp.async) visible to the async proxy (wgmma operand reads) after the next barrier.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }

@@ -877,7 +877,7 @@ MAX_SPLITS = 128  # the merge keeps the lse of 4 x 32 splits in registers: cuda/
 # of the bandwidth alone; a second one halves each split's work and doubles the merge's.
 DECODE_CTAS_PER_SM = 1
 # Split-KV merge in the decode launch itself (the last split of each row block merges; cuda/fwd.cuh
-# fwd_decode_merge_if_last) rather than in a second launch of fwd_combine_kernel.
+# fwd_decode_finish) rather than in a second launch of fwd_combine_kernel.
 DECODE_FUSED_MERGE = True
 
 # Counters of the one-launch merge: one int32 buffer per (device, stream). Launches on one stream run in
@@ -894,7 +894,7 @@ def _split_workspace(cp, device: int, stream: int, splits: int, accum_rows: int,
     keeps the workspace referenced until its launches are queued."""
     rows = splits * accum_rows
     work = cp.empty(rows * (hd + 1), dtype=cp.float32)
-    counters = _split_counter_ptr(cp, device, stream, counter_rows) if DECODE_FUSED_MERGE else 0
+    counters = _split_counter_ptr(cp, device, stream, 2 * counter_rows) if DECODE_FUSED_MERGE else 0
     return work, work.data.ptr, work.data.ptr + 4 * rows * hd, counters
 
 

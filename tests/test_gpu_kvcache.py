@@ -274,6 +274,10 @@ def test_split_counters_on_several_streams():
     cp.cuda.Device().synchronize()
     for i, (o, lse) in enumerate(results):
         assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} on stream {i % 3} differs"
+    from cuflash import api
+
+    for (device, stream), counters in api._split_counters.items():  # (arrived, published) per row block
+        assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 
 def test_return_lse_false_returns_only_o_and_check_inputs_false_the_same_bits():
