@@ -8,6 +8,15 @@ last one is what a call adds on the host. Printed for attention (forward),
 attention_backward, and attention_with_kvcache (decode, check_inputs=False); results go to
 docs/PERFORMANCE.md. `--profile` adds a cProfile table (top functions by own time) per call.
 
+Two reference rows measure the same host in the same run (lent machines' hosts differ by 2x, and one host drifts
+from minute to minute, so only same-run comparisons mean anything): CuPy alone (cupy.empty of the output and one
+cuLaunchKernel of an empty kernel: the floor of any CuPy call that allocates its result) and, when torch is
+installed, torch's scaled_dot_product_attention (flash backend) on the same shape. The Python column is the
+median over 15 rounds that interleave all rows. `--against DIR` loads the cuflash package of another checkout
+(DIR/cuflash, with its DIR/cuda kernels) into the same process under another name and interleaves its calls with
+this checkout's: a host-path change measured against an older commit, each round paired (the host's speed
+drifts by tens of percent between processes, so separate runs cannot resolve a 1-2 us change).
+
 `--fake` runs anywhere, no GPU: CuPy's allocation, stream lookup and the driver launch are replaced by
 counting fakes (tools/fake_cupy.py), so the time per call is cuflash's own Python work, plus what each call
 asked of CuPy (allocations, launches, device switches). Use it to compare host-path changes on a CPU box.
@@ -29,6 +38,21 @@ import cuflash  # noqa: E402
 FAKE = "--fake" in sys.argv[1:]
 if not FAKE:
     import cupy as cp  # noqa: E402
+AGAINST = sys.argv[sys.argv.index("--against") + 1] if "--against" in sys.argv[1:-1] else None
+
+
+def load_other_cuflash(checkout: str):
+    """checkout/cuflash as the module `cuflash_against` (its relative imports resolve inside it; its kernels
+    come from checkout/cuda, which cuflash finds next to its package)."""
+    import importlib.util
+
+    pkg = Path(checkout).resolve() / "cuflash"
+    spec = importlib.util.spec_from_file_location("cuflash_against", pkg / "__init__.py",
+                                                  submodule_search_locations=[str(pkg)])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["cuflash_against"] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def per_call_us(fn, n=2000):
@@ -110,6 +134,40 @@ def fake_main() -> int:
     return 0
 
 
+FLOOR = "CuPy alone: cupy.empty + launch of an empty kernel"
+
+
+def reference_calls(q, k, v) -> dict:
+    """The floor of a CuPy call (allocate the output, launch one kernel with a params struct of cuflash's size)
+    and, if torch is installed, torch's SDPA (flash backend) on the same shape: what the host costs others."""
+    import ctypes
+
+    from cupy.cuda import driver
+
+    module = cp.RawModule(code='struct P { char bytes[328]; };\nextern "C" __global__ void empty(const P p) {}')
+    fptr = module.get_function("empty").kernel.ptr
+    block = (ctypes.c_char * 336)()
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(block))
+
+    def floor():
+        o = cp.empty(q.shape, dtype=q.dtype)
+        driver.launchKernel(fptr, 1, 2, 1, 128, 1, 1, 0, cp.cuda.get_current_stream().ptr, ctypes.addressof(params), 0)
+        return o
+
+    calls = {FLOOR: floor}
+    try:
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        return calls
+    tq, tk, tv = (torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    torch.set_grad_enabled(False)
+    sdpa_kernel(SDPBackend.FLASH_ATTENTION).__enter__()  # entered once: its cost is not SDPA's
+    calls["torch SDPA, flash backend (same shape)"] = lambda: F.scaled_dot_product_attention(tq, tk, tv)
+    return calls
+
+
 def main() -> int:
     if FAKE:
         return fake_main()
@@ -119,15 +177,33 @@ def main() -> int:
     kc, vc = (rnd.standard_normal((1, 4096, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     lens = cp.asarray([1000], dtype=cp.int32)
     q1 = q[:, :1]
-    calls = {
-        "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
-        "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
-        "attention_with_kvcache (1 query, 1000 cached keys)":
-            lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
-    }
+    def calls_of(m, tag=""):
+        return {
+            f"attention (B=1, N=128, H=2, D=64){tag}": lambda: m.attention(q, k, v),
+            f"attention_backward (same){tag}": lambda: m.attention_backward(do, q, k, v, o, lse),
+            f"attention_with_kvcache (1 query, 1000 cached keys){tag}":
+                lambda: m.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
+        }
+
+    calls = calls_of(cuflash)
+    other = calls_of(load_other_cuflash(AGAINST), " [--against]") if AGAINST else {}
+    calls.update(other)
+    calls.update(reference_calls(q, k, v))
+    rounds: dict = {name: [] for name in calls}
+    for _ in range(15):  # interleaved: a drift of the host's speed hits every row alike
+        for name, fn in calls.items():
+            rounds[name].append(python_us(fn, reps=3))
+    print(f"cuflash from {Path(cuflash.__file__).parent}")
     print(f"{'call':<52} {'host us/call':>13} {'event span us':>16} {'python us/call':>15}")
     for name, fn in calls.items():
-        print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f} {python_us(fn):>15.1f}", flush=True)
+        print(f"{name:<52} {per_call_us(fn):>13.1f} {gpu_us(fn):>16.1f} {np.median(rounds[name]):>15.1f}", flush=True)
+    floor = np.median(rounds[FLOOR])
+    print(f"cuflash's own Python per attention call, over CuPy's floor: "
+          f"{np.median(rounds['attention (B=1, N=128, H=2, D=64)']) - floor:.1f} us")
+    for name in other:  # paired per round: this checkout minus the other one
+        mine = name.replace(" [--against]", "")
+        diff = np.subtract(rounds[mine], rounds[name])
+        print(f"{mine}: this checkout - {AGAINST}: median {np.median(diff):+.1f} us per call over 15 paired rounds")
     if "--profile" in sys.argv[1:]:
         for name, fn in calls.items():
             prof = cProfile.Profile()
