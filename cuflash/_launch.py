@@ -162,9 +162,10 @@ def _args_type(params_type):
 class ArgsTemplate:
     """The launch arguments of a call signature (a plan), recorded once from a complete params struct.
 
-    `new()` gives each call its own copy, whose params the call completes with what changes per call (the
-    array addresses); the template itself is never written, so calls of one plan may run at the same time in
-    several threads (or be captured into a CUDA graph, which copies the arguments at the launch)."""
+    A warm call takes its thread's block (`mine()`, a copy of the template made on the thread's first call)
+    and completes its params with what changes per call (the array addresses); the template itself is never
+    written and threads never share a block, so calls of one plan may run at the same time in several threads
+    (or be captured into a CUDA graph, which copies the arguments at the launch)."""
 
     __slots__ = ("type", "bytes", "offset", "_mine")
 
