@@ -280,6 +280,28 @@ def test_split_counters_on_several_streams():
         assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 
+def test_merge_under_back_to_back_launches_repeats_bitwise():
+    """The last split to arrive merges as soon as every other split has published; whether it finds them all
+    published or waits for one depends on timing. 200 back-to-back launches of a long sequence (16 splits over
+    the whole machine, loop ends microseconds apart, as in a real decode step) and of the short split problem
+    (most splits see no key and finish at once): every launch gives the bits of the first, checked against the
+    reference, and every counter is back at zero afterwards."""
+    from cuflash import api
+
+    long = Problem(batch=1, sq=1, hq=32, hkv=8, d=128, dtype="bf16", cache="dense", capacity=16384, new_kv=False,
+                   seqlens="array", guard=False, seed_key=("merge-stress",), cached=[16384])
+    short = split_problem("fp16")
+    for p, splits in ((long, 16), (short, 7), (short, 128)):
+        want, want_lse = p.call(num_splits=splits, return_lse=True)
+        check_outputs(p, want, want_lse, False, f"merge stress, num_splits={splits}")
+        results = [p.call(num_splits=splits, return_lse=True, check_inputs=False) for _ in range(200)]
+        cp.cuda.Device().synchronize()
+        for i, (o, lse) in enumerate(results):
+            assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} of 200 differs, num_splits={splits}"
+    for (device, stream), counters in api._split_counters.items():
+        assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
+
+
 def test_return_lse_false_returns_only_o_and_check_inputs_false_the_same_bits():
     p = split_problem("bf16")
     o, lse = p.call(causal=False, num_splits=3, return_lse=True)
