@@ -1,0 +1,35 @@
+"""The measurement tools' own logic that runs without a GPU (tools/launch_overhead.py)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = ROOT / "tools"
+if not (TOOLS / "launch_overhead.py").exists():  # pragma: no cover - an installed cuflash without tools/
+    pytest.skip("tools/ is not part of this installation", allow_module_level=True)
+
+
+def test_against_loads_another_checkout_beside_this_one():
+    """`launch_overhead.py --against DIR` times two cuflash packages in one process: the other one must be a
+    separate module tree (its own plan cache and kernel table) that compiles its own checkout's kernels."""
+    code = f"""
+import sys
+sys.argv = ["launch_overhead.py", "--fake"]
+sys.path.insert(0, {str(TOOLS)!r})
+import cuflash, launch_overhead
+other = launch_overhead.load_other_cuflash({str(ROOT)!r})
+assert other.__name__ == "cuflash_against" and other is not cuflash
+assert other.api is not cuflash.api and other.api._plans is not cuflash.api._plans
+assert other._launch._kernels is not cuflash._launch._kernels
+assert other._compile.cuda_dir() == cuflash._compile.cuda_dir(), other._compile.cuda_dir()
+assert sys.modules["cuflash_against.api"] is other.api
+print("ok")
+"""
+    # a fresh interpreter: the loaded package stays in sys.modules, which this test process should not keep
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
