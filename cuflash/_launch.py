@@ -175,7 +175,7 @@ class ArgsTemplate:
         block.params = params
         self.bytes = bytes(block)
         self.offset = self.type.params.offset
-        self._mine: dict = {}  # thread ident -> (block, its params, its address)
+        self._mine: dict = {}  # thread ident -> (block, its params, its address): the dict keeps the block alive
 
     def new(self) -> ctypes.Structure:
         """A fresh argument block (`.params` to complete) whose kernelParams entry points at its own struct."""
@@ -184,7 +184,7 @@ class ArgsTemplate:
         return block
 
     def mine(self) -> tuple:
-        """(block, block.params, the block's address) of the calling thread, for a warm call's launch.
+        """(params, address of the whole block) of the calling thread's argument block, for a warm call's launch.
 
         Made by `new()` on the thread's first call and reused by its later ones: cuLaunchKernel has read the
         arguments when it returns (a graph capture copies them too), so the block is free again after each
@@ -197,7 +197,7 @@ class ArgsTemplate:
                 self._mine = {}
             block = self.new()
             entry = self._mine[ident] = (block, block.params, ctypes.addressof(block))
-        return entry
+        return entry[1:]
 
 
 _kernels: dict = {}

@@ -234,13 +234,11 @@ def _forward_key(q, k, v, causal, softmax_scale, layout, window=None, alibi_slop
     """Plan key of an attention_forward call (None unless q, k, v are CuPy arrays and no modifier is asked).
 
     Flat, unlike the other keys: every warm forward call builds, hashes and compares it, and a tuple of
-    per-array tuples cost ~1 us more of that (the modifier check is written out for the same reason)."""
+    per-array tuples cost ~1 us more of that."""
     nd = _validate._ndarray
     if type(q) is not nd or type(k) is not nd or type(v) is not nd:
         return None
-    if not (window is None and alibi_slopes is None and softcap is None and type(dropout_p) is float
-            and dropout_p == 0.0 and seed is None and type(offset) is int and offset == 0
-            and return_dropout_mask is False):  # _plain_mods
+    if not _plain_mods(window, alibi_slopes, softcap, dropout_p, seed, offset, return_dropout_mask):
         return None
     qd, kd, vd = q.data, k.data, v.data
     return ("forward", q.shape, q.strides, q.dtype, qd.device_id, k.shape, k.strides, k.dtype, kd.device_id,
@@ -263,18 +261,16 @@ def _forward_planned(q, k, v, key, with_lse):
 def _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse=True):
     """The plan's launch on these arrays: (o, lse), or o alone without lse (the kernel then writes none)."""
     cp = _cupy()
-    if cp.cuda.runtime.getDevice() != plan.device:  # (a `with` on every call would cost ~0.3 us)
-        with cp.cuda.Device(plan.device):
-            return _forward_replay(plan, q_ptr, k_ptr, v_ptr, with_lse)
-    o = cp.empty(plan.o_shape, dtype=plan.o_dtype)
-    _, p, address = plan.args.mine()
-    p.q, p.k, p.v, p.o = q_ptr, k_ptr, v_ptr, o.data.ptr
-    if with_lse:
-        lse = cp.empty(plan.lse_shape, dtype=cp.float32)
-        p.lse = lse.data.ptr
-    else:
-        p.lse = None
-    plan.kernel.launch_at(plan.grid, address, cp.cuda.get_current_stream().ptr)
+    with _on_device(cp, plan.device):
+        o = cp.empty(plan.o_shape, dtype=plan.o_dtype)
+        p, address = plan.args.mine()
+        p.q, p.k, p.v, p.o = q_ptr, k_ptr, v_ptr, o.data.ptr
+        if with_lse:
+            lse = cp.empty(plan.lse_shape, dtype=cp.float32)
+            p.lse = lse.data.ptr
+        else:
+            p.lse = None
+        plan.kernel.launch_at(plan.grid, address, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
 
 
@@ -518,7 +514,7 @@ def _backward_replay(plan, dout, q, k, v, out, lse, grads):
     with _on_device(cp, plan.device):
         grads = [x if spec is None else cp.empty(spec[0], dtype=spec[1]) for x, spec in zip(grads, plan.new_grads)]
         work = cp.empty(plan.work_floats, dtype=cp.float32)
-        _, p, address = plan.args.mine()
+        p, address = plan.args.mine()
         p.q, p.k, p.v, p.dout, p.o, p.lse = ins[0], ins[1], ins[2], ins[3], ins[4], lse_ptr
         p.dq, p.dk, p.dv = grads[0].data.ptr, grads[1].data.ptr, grads[2].data.ptr
         p.lse_log2, p.delta, p.dq_accum = _backward_workspace_ptrs(work.data.ptr, plan.rows, plan.deterministic)
@@ -1017,7 +1013,7 @@ def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         stream = cp.cuda.get_current_stream().ptr
         if plan.append is not None:
             kernel, grid, template = plan.append
-            _, p, address = template.mine()
+            p, address = template.mine()
             p.k_new, p.v_new, p.k_cache, p.v_cache, p.cache_seqlens, p.block_table = (
                 new[0], new[1], ptrs[1], ptrs[2], lens_ptr, bt_ptr)
             p.cache_seqlen = cache_seqlen
@@ -1025,7 +1021,7 @@ def _kvcache_replay(plan, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
         kernel = plan.kernel
         splits = m.num_splits or num_splits_heuristic(plan.row_blocks * plan.grid_heads * m.batch,
                                                       -(-max_len // plan.block_n), plan.num_sms, DECODE_CTAS_PER_SM)
-        _, p, address = plan.args.mine()  # this thread's block: every field a call may change is set below
+        p, address = plan.args.mine()  # this thread's block: every field a call may change is set below
         p.q, p.k, p.v, p.o, p.lse, p.block_table = ptrs[0], ptrs[1], ptrs[2], o.data.ptr, lse.data.ptr, bt_ptr
         seq = p.seq
         seq.seqused_k, seq.seqlen_k = lens_ptr, cache_seqlen

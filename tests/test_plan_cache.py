@@ -361,11 +361,13 @@ def test_each_thread_gets_its_own_argument_block():
     def work():
         barrier.wait()  # all four threads alive at once: their idents differ
         for _ in range(100):
-            block, p, address = template.mine()
+            p, address = template.mine()
             assert p.q in (1, threading.get_ident()), "another thread wrote this thread's block"
             p.q = threading.get_ident()
             seen.setdefault(threading.get_ident(), set()).add(address)
-            assert block.arg == ctypes.addressof(p) and address == ctypes.addressof(block)
+            # the block at address: kernelParams[0] (its first word) points at its own params struct
+            assert ctypes.c_void_p.from_address(address).value == ctypes.addressof(p)
+            assert ctypes.addressof(p) == address + template.offset
 
     threads = [threading.Thread(target=work) for _ in range(4)]
     for t in threads:
