@@ -437,9 +437,10 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
     cp_async_commit_group();                  // possibly empty: keeps the group count uniform
     cp_async_wait_group<Tr::STAGES - 1>();    // this stage's K/V (and Q) have landed
     __syncthreads();
-    fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2, n_block, q_lane,
-                                                      k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
-                                                      warp_row0, row0, lane, o_acc, softmax);
+    if (!IS_DECODE || warp_row0 < rows_q)  // decode: warps whose rows are all padding skip the arithmetic
+      fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2, n_block, q_lane,
+                                                        k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
+                                                        warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it
     stage = Tr::STAGES == 2 ? stage ^ 1 : (stage == Tr::STAGES - 1) ? 0 : stage + 1;
   };
