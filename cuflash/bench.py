@@ -7,23 +7,27 @@
 Shapes are the FlashAttention benchmark's: batch = 16384 // N, heads = 2048 // D (16k tokens, hidden 2048).
 FLOPs: fwd = 4 * B * H * N^2 * D, halved when causal; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
 
-Timing: CUDA events around each call, median of --reps calls after --warmup calls. Calls rotate over
+Timing: CUDA events around each call, median of --reps calls after --warmup calls, queued behind a short
+GPU hold so that the GPU runs them back to back and the events time GPU work, not the host. Calls rotate over
 several independently drawn random input sets, so the inputs of one call are not in the L2 from the one
 before (the plain attention's N^2 intermediates dwarf the L2 anyway: it uses one set).
 Peak memory: device memory above the inputs during one call (for bwd and fwd+bwd: during a forward and a
 backward, so the tensors the forward saves count), from CuPy's memory pool or torch.cuda.max_memory_allocated.
 
 Decoding (--decode): attention_with_kvcache throughput, one query token per sequence (Sq = 1) over a dense
-KV cache of L valid keys (cache_seqlens = L, an int32 array; no new keys appended), bf16, D = 128,
+KV cache of L keys, all valid (no new keys appended), bf16, D = 128,
 H_q = 32 over H_kv = 8 key/value heads (grouped-query, Llama-3-8B-like; --decode-heads 32:32 for multi-head),
 batch 1/8/64 x L 1k/8k/32k/128k, skipping shapes whose K/V exceed --decode-max-gb (20 GB). Reported: time,
 the K/V bytes read once (2 * B * L * H_kv * D * 2) per second, and that as a % of the device-copy ceiling
 measured in the same run (a 2 GiB device-to-device copy: bytes read + written per second); the same for
 torch SDPA (the best of its backends that run) on the same cache through DLPack (no copy): q as
 (B, H_q, 1, D), the cache as a (B, H_kv, L, D) view, enable_gqa=True when H_q != H_kv (torch >= 2.5).
-cuflash runs with num_splits=0 (its heuristic) and check_inputs=False (no host synchronization per call).
-A pure read can exceed the copy ceiling by a few %. Each call is timed alone (median_ms), so the smallest
-shapes (a few microseconds of GPU work) measure the host's launch overhead as much as the kernel.
+cuflash runs with num_splits=0 (its heuristic) and check_inputs=False (no host synchronization per call),
+twice: over the whole cache (cache_seqlens=None, the attention SDPA is asked for) and with cache_seqlens = L
+as an int32 device array (as a decoding loop passes it: the kernel reads each sequence's length first).
+A pure read can exceed the copy ceiling by a few %. Calls are timed on a busy GPU (see median_ms and
+HOLD_BATCH), so the smallest shapes measure the GPU work, not the host's launch path (for that:
+tools/launch_overhead.py).
 
 Variable length (--varlen): 16384 tokens in sequences of random lengths (uniform in [1, N] for each --seqlen N),
 attention_varlen forward and backward against the dense call on the same sequences padded to N; both in
@@ -116,6 +120,41 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window) -> int:
 
 # --- timing and memory ------------------------------------------------------------------------------
 
+# A call whose GPU work is shorter than its host path (a decode step of a few microseconds, SDPA's ~20-35 us of
+# Python and dispatch) would be timed from an idle GPU: its start event runs at once and its kernel only when
+# the host gets to launch it, so the events would time the host. The timed calls are therefore queued in
+# batches behind a hold, one thread spinning on %globaltimer for as long as the host takes to launch the
+# batch (twice its measured launch time): the GPU then runs the batch's calls back to back, as a program that
+# keeps the GPU busy does, and each call's two events time its GPU work (nvbench's blocking kernel does the
+# same). Calls longer than their host path are timed the same with or without the hold.
+HOLD_BATCH = 32          # timed calls queued behind one hold
+HOLD_MAX_S = 0.05        # a hold never spins longer than this
+_HOLD_SOURCE = r"""
+extern "C" __global__ void cuflash_bench_hold(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+"""
+_hold_kernels: dict = {}
+
+
+def hold_stream(stream_ptr: int, seconds: float) -> None:
+    """Keep the GPU stream `stream_ptr` busy for `seconds` (at most HOLD_MAX_S): what is launched on it
+    meanwhile runs after, back to back."""
+    import cupy as cp
+
+    device = cp.cuda.Device().id
+    kernel = _hold_kernels.get(device)
+    if kernel is None:
+        kernel = _hold_kernels[device] = cp.RawKernel(_HOLD_SOURCE, "cuflash_bench_hold")
+    with cp.cuda.ExternalStream(stream_ptr):
+        kernel((1,), (1,), (cp.uint64(int(min(seconds, HOLD_MAX_S) * 1e9)),))
+
+
 class CupyEvents:
     def __init__(self):
         import cupy
@@ -133,6 +172,9 @@ class CupyEvents:
 
     def synchronize(self, e):
         e.synchronize()
+
+    def hold(self, seconds):
+        hold_stream(self.cp.cuda.get_current_stream().ptr, seconds)
 
 
 class TorchEvents:
@@ -153,6 +195,9 @@ class TorchEvents:
     def synchronize(self, e):
         e.synchronize()
 
+    def hold(self, seconds):
+        hold_stream(self.torch.cuda.current_stream().cuda_stream, seconds)
+
 
 # Timed calls of one measurement stop after about this many seconds (at least MIN_REPS calls): the slow
 # methods (plain attention at N = 16k takes ~0.3 s a call) would otherwise dominate a whole run.
@@ -161,21 +206,31 @@ MIN_REPS = 5
 
 
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
-    """Median time of call(i) (i selects the input set, rotating), each call between its own two events;
-    `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S."""
-    for i in range(warmup):
+    """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events;
+    `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in
+    batches of HOLD_BATCH behind a hold (see HOLD_BATCH) sized from the host time of the warm-up calls."""
+    host_s = []
+    for i in range(max(warmup, 1)):
+        t0 = time.perf_counter()
         call(i % n_sets)
+        host_s.append(time.perf_counter() - t0)
     probe = (events.event(), events.event())
+    t0 = time.perf_counter()
     events.record(probe[0])
     call(warmup % n_sets)
     events.record(probe[1])
+    host_s.append(time.perf_counter() - t0)  # with the two event records of a timed call
     events.synchronize(probe[1])
     reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / max(events.elapsed_ms(*probe), 1e-3))))
+    per_call_s = max(sorted(host_s)[len(host_s) // 2], host_s[-1])
     pairs = [(events.event(), events.event()) for _ in range(reps)]
-    for i, (start, stop) in enumerate(pairs):
-        events.record(start)
-        call(i % n_sets)
-        events.record(stop)
+    for first in range(0, reps, HOLD_BATCH):
+        batch = pairs[first:first + HOLD_BATCH]
+        events.hold(2 * per_call_s * len(batch) + 20e-6)
+        for i, (start, stop) in enumerate(batch, first):
+            events.record(start)
+            call(i % n_sets)
+            events.record(stop)
     events.synchronize(pairs[-1][1])
     times = sorted(events.elapsed_ms(a, b) for a, b in pairs)
     return times[len(times) // 2]
@@ -553,7 +608,7 @@ COPY_BYTES = 2 << 30  # the device-copy ceiling: one 2 GiB copy, bytes read + wr
 
 @dataclass
 class DecodeRecord:
-    method: str  # "cuflash" | "sdpa" | "copy"
+    method: str  # "cuflash" (cache_seqlens=None) | "cuflash-lens" (an int32 length array) | "sdpa"
     dtype: str
     batch: int
     cache_len: int
@@ -649,14 +704,19 @@ def bench_decode(rec: DecodeRecord, args, out: list, torch, ceiling: float):
                          seed=rec.cache_len + rec.batch)
     cuflash.attention_with_kvcache(*sets[0][:3], cache_seqlens=sets[0][3])  # once with the value checks
 
-    def call(i):
+    def whole(i):  # attention over the whole cache: what SDPA is asked below
+        q, kc, vc, _ = sets[i]
+        return cuflash.attention_with_kvcache(q, kc, vc, num_splits=0, check_inputs=False)
+
+    def with_lens(i):  # the same keys, named by a per-sequence length array that the kernel reads
         q, kc, vc, lens = sets[i]
         return cuflash.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=0, check_inputs=False)
 
-    ms = median_ms(call, n_sets, CupyEvents(), args.reps, args.warmup)
-    gbps = rec.kv_bytes / ms / 1e6
-    out.append(DecodeRecord(**{**asdict(rec), "method": "cuflash", "ms": ms, "gbps": gbps,
-                               "pct_of_copy": 100 * gbps / ceiling}))
+    for method, call in (("cuflash", whole), ("cuflash-lens", with_lens)):
+        ms = median_ms(call, n_sets, CupyEvents(), args.reps, args.warmup)
+        gbps = rec.kv_bytes / ms / 1e6
+        out.append(DecodeRecord(**{**asdict(rec), "method": method, "ms": ms, "gbps": gbps,
+                                   "pct_of_copy": 100 * gbps / ceiling}))
     if torch is None:
         return
     import torch.nn.functional as F
@@ -691,27 +751,34 @@ def bench_decode(rec: DecodeRecord, args, out: list, torch, ceiling: float):
 
 def print_decode_table(records: list[DecodeRecord], ceiling: float):
     print(f"\ndecode, Sq = 1: K/V read once = 2*B*L*H_kv*D*2 bytes; device-copy ceiling {ceiling:.0f} GB/s "
-          f"(bytes read + written); cuflash num_splits=0, check_inputs=False; sdpa: its fastest backend")
+          f"(bytes read + written); cuflash num_splits=0, check_inputs=False, over the whole cache (cf) and with "
+          f"cache_seqlens as an int32 array (+lens); sdpa: its fastest backend")
     head = (f"{'dtype':<5} {'H_q/H_kv':>8} {'B':>3} {'L':>7} {'K/V MB':>8} | {'cf us':>8} {'GB/s':>6} {'%copy':>5} | "
-            f"{'sdpa us':>8} {'GB/s':>6} {'%copy':>5} {'backend':<9} | {'cf/sdpa':>7}")
+            f"{'+lens us':>8} | {'sdpa us':>8} {'GB/s':>6} {'%copy':>5} {'backend':<9} | {'cf/sdpa':>7} "
+            f"{'+lens/sdpa':>10}")
     print(head)
     print("-" * len(head))
     index = {(r.method, r.dtype, r.batch, r.cache_len, r.heads_q, r.heads_kv): r for r in records}
     keys = sorted({(r.dtype, r.heads_q, r.heads_kv, r.batch, r.cache_len) for r in records})
+
+    def speedup(a, b):
+        return a.gbps / b.gbps if a is not None and a.gbps and b is not None and b.gbps else None
+
     for dtype, hq, hkv, b, n in keys:
-        ours, sd = index.get(("cuflash", dtype, b, n, hq, hkv)), index.get(("sdpa", dtype, b, n, hq, hkv))
-        first = ours or sd
+        ours, lens, sd = (index.get((m, dtype, b, n, hq, hkv)) for m in ("cuflash", "cuflash-lens", "sdpa"))
+        first = ours or lens or sd
         if ours is not None and ours.note.startswith("skipped"):
             print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | {ours.note}")
             continue
-        ratio = ours.gbps / sd.gbps if ours is not None and ours.gbps and sd is not None and sd.gbps else None
         cols = [(r.ms * 1e3 if r.ms else None, r.gbps, r.pct_of_copy) if r is not None else (None, None, None)
                 for r in (ours, sd)]
+        lens_us = lens.ms * 1e3 if lens is not None and lens.ms else None
         backend = sd.note if sd is not None and sd.ms else ("-" if sd is None else "skipped")
         print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | "
               f"{_fmt(cols[0][0], '8.1f')} {_fmt(cols[0][1], '6.0f')} {_fmt(cols[0][2], '5.0f')} | "
+              f"{_fmt(lens_us, '8.1f')} | "
               f"{_fmt(cols[1][0], '8.1f')} {_fmt(cols[1][1], '6.0f')} {_fmt(cols[1][2], '5.0f')} {backend:<9} | "
-              f"{_fmt(ratio, '7.2f')}")
+              f"{_fmt(speedup(ours, sd), '7.2f')} {_fmt(speedup(lens, sd), '10.2f')}")
     for r in records:
         if r.method == "sdpa" and r.note.startswith("skipped"):
             print(f"sdpa skipped for B={r.batch} L={r.cache_len} H={r.heads_q}/{r.heads_kv}: {r.note[9:]}")

@@ -55,7 +55,7 @@ def synthetic_decode():
     rows = []
     for b, n in ((1, 1024), (8, 32768)):
         kv = bench.decode_kv_bytes(b, n, 8, 128)
-        for method, gbps, note in (("cuflash", 2400.0, ""), ("sdpa", 1600.0, "flash")):
+        for method, gbps, note in (("cuflash", 2400.0, ""), ("cuflash-lens", 2000.0, ""), ("sdpa", 1600.0, "flash")):
             ms = kv / gbps / 1e6
             rows.append(bench.DecodeRecord(method, "bf16", b, n, 32, 8, 128, kv, ms, gbps, 100 * gbps / 3000, note))
     rows.append(bench.DecodeRecord("cuflash", "bf16", 64, 131072, 32, 8, 128, bench.decode_kv_bytes(64, 131072, 8, 128),
@@ -68,7 +68,11 @@ def test_decode_table_shows_bandwidth_ceiling_share_and_ratio(capsys):
     out = capsys.readouterr().out
     assert "device-copy ceiling 3000 GB/s" in out
     assert "  2400    80 |" in out and "  1600    53 flash" in out  # GB/s and % of the copy ceiling
-    assert "   1.50" in out  # cuflash / sdpa
+    assert "cf/sdpa +lens/sdpa" in out
+    row = next(line for line in out.splitlines() if line.startswith("bf16") and "   1024 " in line)
+    lens_us = bench.decode_kv_bytes(1, 1024, 8, 128) / 2000.0 / 1e6 * 1e3
+    assert f"| {lens_us:8.1f} |" in row  # the length-array call's time
+    assert row.endswith("   1.50       1.25")  # cuflash / sdpa, cuflash with lengths / sdpa
     assert "skipped: K/V 34.4 GB" in out
 
 

@@ -1,0 +1,69 @@
+"""The benchmark's timing loop (median_ms) with recording fake events: no GPU needed."""
+from __future__ import annotations
+
+import time
+
+from cuflash import bench
+
+
+class LoggingEvents:
+    """Events that log what median_ms does; pair k (in creation order, the probe first) times 1 + (k % 5) ms."""
+
+    def __init__(self):
+        self.log, self.made = [], 0
+
+    def event(self):
+        self.made += 1
+        return self.made - 1
+
+    def record(self, e):
+        self.log.append(("record", e))
+
+    def elapsed_ms(self, a, b):
+        assert b == a + 1
+        return 1.0 + (a // 2) % 5
+
+    def synchronize(self, e):
+        self.log.append(("sync", e))
+
+    def hold(self, seconds):
+        self.log.append(("hold", seconds))
+
+
+def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events():
+    events, calls = LoggingEvents(), []
+    host_s = 200e-6
+
+    def call(i):
+        calls.append(i)
+        events.log.append(("call", i))
+        time.sleep(host_s)
+
+    reps, warmup, n_sets = 70, 3, 4
+    ms = bench.median_ms(call, n_sets, events, reps, warmup)
+    assert calls[:warmup + 1] == [0, 1, 2, 3 % n_sets]  # warm-up, then the probe
+    timed = events.log[events.log.index(("sync", 1)) + 1:]
+    holds = [k for k, entry in enumerate(timed) if entry[0] == "hold"]
+    batches = [bench.HOLD_BATCH] * (reps // bench.HOLD_BATCH) + [reps % bench.HOLD_BATCH]  # 32, 32, 6
+    assert len(holds) == len(batches) == 3 and holds[0] == 0
+    i = 0
+    for h, size in zip(holds, batches):
+        assert timed[h][1] >= 2 * host_s * size  # long enough for the host to queue the whole batch
+        triples = timed[h + 1:h + 1 + 3 * size]
+        for k in range(size):  # record(start), call, record(stop): pair 1 + i (pair 0 is the probe)
+            start = 2 * (1 + i)
+            assert triples[3 * k:3 * k + 3] == [("record", start), ("call", i % n_sets), ("record", start + 1)]
+            i += 1
+    assert i == reps and timed[-1] == ("sync", 2 * reps + 1)
+    expected = sorted(1.0 + k % 5 for k in range(1, reps + 1))[reps // 2]
+    assert ms == expected
+
+
+def test_reps_shrink_to_the_time_budget_but_not_below_the_minimum():
+    class Slow(LoggingEvents):
+        def elapsed_ms(self, a, b):
+            return 400.0  # 0.4 s a call: the 1 s budget allows 2, the minimum is MIN_REPS
+
+    events = Slow()
+    bench.median_ms(lambda i: None, 1, events, 100, 1)
+    assert sum(1 for entry in events.log if entry == ("record", entry[1]) and entry[1] >= 2) == 2 * bench.MIN_REPS
