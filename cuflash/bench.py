@@ -142,6 +142,16 @@ extern "C" __global__ void cuflash_bench_hold(unsigned long long ns) {
 _hold_kernels: dict = {}
 
 
+class _StreamHandle:
+    """A raw cudaStream_t in the CUDA stream protocol (what cupy.cuda.Stream.from_external takes)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 def hold_stream(stream_ptr: int, seconds: float) -> None:
     """Keep the GPU stream `stream_ptr` busy for `seconds` (at most HOLD_MAX_S): what is launched on it
     meanwhile runs after, back to back."""
@@ -151,8 +161,13 @@ def hold_stream(stream_ptr: int, seconds: float) -> None:
     kernel = _hold_kernels.get(device)
     if kernel is None:
         kernel = _hold_kernels[device] = cp.RawKernel(_HOLD_SOURCE, "cuflash_bench_hold")
-    with cp.cuda.ExternalStream(stream_ptr):
-        kernel((1,), (1,), (cp.uint64(int(min(seconds, HOLD_MAX_S) * 1e9)),))
+    args = ((1,), (1,), (cp.uint64(int(min(seconds, HOLD_MAX_S) * 1e9)),))
+    if stream_ptr == cp.cuda.get_current_stream().ptr:  # torch's and CuPy's default: the legacy stream
+        kernel(*args)
+        return
+    from_external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy >= 14; ExternalStream before
+    with from_external(_StreamHandle(stream_ptr)) if from_external else cp.cuda.ExternalStream(stream_ptr):
+        kernel(*args)
 
 
 class CupyEvents:

@@ -1,7 +1,9 @@
-"""The benchmark's timing loop (median_ms) with recording fake events: no GPU needed."""
+"""The benchmark's timing loop (median_ms) with recording fake events (no GPU), and its GPU hold (on a GPU)."""
 from __future__ import annotations
 
 import time
+
+import pytest
 
 from cuflash import bench
 
@@ -67,3 +69,41 @@ def test_reps_shrink_to_the_time_budget_but_not_below_the_minimum():
     events = Slow()
     bench.median_ms(lambda i: None, 1, events, 100, 1)
     assert sum(1 for entry in events.log if entry == ("record", entry[1]) and entry[1] >= 2) == 2 * bench.MIN_REPS
+
+
+def _elapsed_ms_of_hold(stream, stream_ptr, seconds):
+    import cupy as cp
+
+    with stream:
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+    bench.hold_stream(stream_ptr, seconds)
+    with stream:
+        b.record()
+    b.synchronize()
+    return cp.cuda.get_elapsed_time(a, b)
+
+
+@pytest.mark.gpu
+def test_hold_keeps_the_current_stream_and_another_busy_for_its_time_and_no_longer_than_the_cap():
+    import cupy as cp
+
+    current = cp.cuda.get_current_stream()
+    assert 4.9 <= _elapsed_ms_of_hold(current, current.ptr, 0.005) < 30
+    other = cp.cuda.Stream(non_blocking=True)  # launched through Stream.from_external / ExternalStream
+    assert 4.9 <= _elapsed_ms_of_hold(other, other.ptr, 0.005) < 30
+    assert bench.HOLD_MAX_S * 1e3 - 0.1 <= _elapsed_ms_of_hold(current, current.ptr, 10.0) < bench.HOLD_MAX_S * 1e3 + 30
+
+
+@pytest.mark.gpu
+def test_a_short_kernel_is_timed_as_gpu_work_not_as_the_host_path():
+    import cupy as cp
+
+    spin = cp.RawKernel(bench._HOLD_SOURCE, "cuflash_bench_hold")
+
+    def call(i):  # 20 us of GPU work behind ~1 ms of host time per call
+        time.sleep(1e-3)
+        spin((1,), (1,), (cp.uint64(20_000),))
+
+    ms = bench.median_ms(call, 1, bench.CupyEvents(), 40, 2)
+    assert 0.019 <= ms < 0.2  # without the hold, each call's events would span the host's ~1 ms
