@@ -89,10 +89,14 @@ def test_hold_keeps_the_current_stream_and_another_busy_for_its_time_and_no_long
     import cupy as cp
 
     current = cp.cuda.get_current_stream()
-    assert 4.9 <= _elapsed_ms_of_hold(current, current.ptr, 0.005) < 30
     other = cp.cuda.Stream(non_blocking=True)  # launched through Stream.from_external / ExternalStream
-    assert 4.9 <= _elapsed_ms_of_hold(other, other.ptr, 0.005) < 30
-    assert bench.HOLD_MAX_S * 1e3 - 0.1 <= _elapsed_ms_of_hold(current, current.ptr, 10.0) < bench.HOLD_MAX_S * 1e3 + 30
+    for stream in (current, other):  # compile and load the hold kernel, wrap the stream: outside the timing
+        _elapsed_ms_of_hold(stream, stream.ptr, 0.0)
+    for stream in (current, other):
+        ms = _elapsed_ms_of_hold(stream, stream.ptr, 0.005)
+        assert 4.9 <= ms < 30, (stream, ms)
+    ms = _elapsed_ms_of_hold(current, current.ptr, 10.0)
+    assert bench.HOLD_MAX_S * 1e3 - 0.1 <= ms < bench.HOLD_MAX_S * 1e3 + 30, ms
 
 
 @pytest.mark.gpu
