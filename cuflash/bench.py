@@ -139,7 +139,7 @@ extern "C" __global__ void cuflash_bench_hold(unsigned long long ns) {
   } while (t - t0 < ns);
 }
 """
-_hold_kernels: dict = {}
+_hold_kernel = None  # a cupy.RawKernel: CuPy compiles and loads it for each device it first runs on
 
 
 class _StreamHandle:
@@ -155,19 +155,18 @@ class _StreamHandle:
 def hold_stream(stream_ptr: int, seconds: float) -> None:
     """Keep the GPU stream `stream_ptr` busy for `seconds` (at most HOLD_MAX_S): what is launched on it
     meanwhile runs after, back to back."""
+    global _hold_kernel
     import cupy as cp
 
-    device = cp.cuda.Device().id
-    kernel = _hold_kernels.get(device)
-    if kernel is None:
-        kernel = _hold_kernels[device] = cp.RawKernel(_HOLD_SOURCE, "cuflash_bench_hold")
+    if _hold_kernel is None:
+        _hold_kernel = cp.RawKernel(_HOLD_SOURCE, "cuflash_bench_hold")
     args = ((1,), (1,), (cp.uint64(int(min(seconds, HOLD_MAX_S) * 1e9)),))
     if stream_ptr == cp.cuda.get_current_stream().ptr:  # torch's and CuPy's default: the legacy stream
-        kernel(*args)
+        _hold_kernel(*args)
         return
     from_external = getattr(cp.cuda.Stream, "from_external", None)  # CuPy >= 14; ExternalStream before
     with from_external(_StreamHandle(stream_ptr)) if from_external else cp.cuda.ExternalStream(stream_ptr):
-        kernel(*args)
+        _hold_kernel(*args)
 
 
 class CupyEvents:
