@@ -8,12 +8,14 @@ conflicts of attention tiling strategies, counted from the same configuration co
     from cuflash.simulator import visible_pairs        # useful work of a causal / sliding-window mask
     visible_pairs(4096, 4096, causal=True, window=(1024, 0))
 
-Modules: masks (the band of visible pairs and the kernels' tile tests), strategies (counts), banks
-(bank-conflict rule and the walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels
-fwd_sm90_kernel, bwd_sm90_kernel), l2 (LRU L2 model), execute (the tile schedules run in float64), cli
-(`cuflash-sim`), validate (ncu on the H100). `cuflash` counts what the library launches on an H100
-(`kernels="auto"`, the wgmma kernels where the head dim has one); `simulate(..., kernels="mma")` counts
-the mma.sync kernels.
+Modules: masks (the band of visible pairs and the kernels' tile tests), schedules (kernel configs, block
+sizes and the blocks each loop visits, which every model below reads), banks (bank-conflict rule and the
+walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels fwd_sm90_kernel, bwd_sm90_kernel), l2
+(LRU L2 model), strategies (counts; `simulate` adds the walks and the L2 model), execute (the tile
+schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100). Imports run one way:
+strategies imports banks and l2, and all three import schedules. `cuflash` counts what the library
+launches on an H100 (`kernels="auto"`, the wgmma kernels where the head dim has one);
+`simulate(..., kernels="mma")` counts the mma.sync kernels.
 """
 from .masks import key_tile_range, query_block_range, tile_needs_mask, visible_pairs
 from .model import COUNT_FIELDS, STRATEGIES, Counts, Problem

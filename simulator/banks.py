@@ -49,7 +49,8 @@ from numba import njit
 
 from cuflash import config as _config
 
-from .masks import query_block_range
+from .model import Problem
+from .schedules import block_sizes, bwd_query_blocks, key_block_ranges
 
 # kind -> (bytes per lane, lanes per phase, phases, is cp.async)
 KINDS = {
@@ -692,14 +693,11 @@ def _check_head_dim(cfg, head_dim):
 def _q_outer_walk(cfg, role_table, cta_stats, per_iter_roles, per_cta_roles, batch, heads, seqlen_q, seqlen_k,
                   head_dim, causal_skip, window, prologue_copies, step_copies, fences_per_step: int = 0) -> SharedWalk:
     """Shared driver of the Q-outer kernels (fwd_kernel, fwd_sm90_kernel, bwd_dq_kernel): CTA m_block with
-    n_blocks > 0 key tiles (strategies.key_block_ranges: causal and window skipping) issues its per-CTA
+    n_blocks > 0 key tiles (schedules.key_block_ranges: causal and window skipping) issues its per-CTA
     roles once (those that depend on the valid rows from cta_stats(cfg, rows, d)) and n_blocks iterations,
     iteration it on K/V stage it % 2. The prologue copies (Q, ..., and the first K/V tile), in every
     iteration but the last the next tile's copies (step_copies), and fences_per_step fence.proxy.async per
     iteration set the guard LDS count (guard_lds_per_warp, FENCE_GUARD_LDS)."""
-    from .model import Problem
-    from .strategies import block_sizes, key_block_ranges
-
     p = Problem(batch, heads, seqlen_q, seqlen_k, head_dim, cfg.dtype, cfg.causal, window)
     n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n, causal_skip)
     n_blocks = np.maximum(n_end - n_begin, 0)  # key tiles of each CTA
@@ -1003,20 +1001,6 @@ def bwd_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> 
     return per_cta, per_visit
 
 
-def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True,
-                     window=None) -> tuple[np.ndarray, np.ndarray]:
-    """(m_begin, m_end) of every key block n_block of bwd_kernel: query blocks m_begin .. m_end-1 are
-    visited, those whose rows see a key of [n0, min(n0 + BLOCK_N, Sk) - 1] (masks.query_block_range with
-    cfg.causal and the window; causal: m_begin = max(0, n0 - diag) / BLOCK_M, diag = Sk - Sq, m_end = all).
-    causal_skip=False: every key block visits every query block."""
-    n0 = np.arange(-(-seqlen_k // cfg.block_n), dtype=np.int64) * cfg.block_n
-    if not causal_skip:
-        return np.zeros_like(n0), np.full(n0.shape, -(-seqlen_q // cfg.block_m), dtype=np.int64)
-    key_last = np.minimum(n0 + cfg.block_n, seqlen_k) - 1
-    m_begin, m_end = query_block_range(n0, key_last, seqlen_q, seqlen_k, cfg.block_m, cfg.causal, window)
-    return m_begin.astype(np.int64), m_end.astype(np.int64)
-
-
 def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
                       causal_skip: bool = True, window=None) -> SharedWalk:
     """Every shared-memory instruction of bwd_kernel<cfg> over the grid (ceil(Sk/BLOCK_N), heads, batch)
@@ -1041,8 +1025,6 @@ def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seql
     LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block, run by
     the warps holding such threads); every visit but the last prefetches the next Q, dO, lse, delta; each
     visit issues fences_per_visit fence.proxy.async (FENCE_GUARD_LDS each)."""
-    from .strategies import block_sizes
-
     m_begin, m_end = bwd_query_blocks(cfg, seqlen_q, seqlen_k, causal_skip, window)
     visits = np.maximum(m_end - m_begin, 0)
     keys = block_sizes(seqlen_k, cfg.block_n)

@@ -22,7 +22,8 @@ from .model import (
     STRATEGIES,
     Problem,
 )
-from .strategies import DEFAULT_KERNELS, simulate
+from .schedules import DEFAULT_KERNELS
+from .strategies import simulate
 
 SWEEP_FIELDS = ("strategy", "seqlen", "head_dim", "batch", "heads", "block_m", "block_n", "hbm_read_bytes",
                 "hbm_write_bytes", "sram_read_bytes", "sram_write_bytes", "flops", "bank_conflicts")

@@ -17,7 +17,7 @@ from cuflash import config as _config
 
 from .masks import first_key, key_end, query_block_range, tile_needs_mask
 from .model import STRATEGIES, Problem
-from .strategies import DEFAULT_KERNELS, block_sizes, check_kernels, key_block_ranges, resolve_blocks
+from .schedules import DEFAULT_KERNELS, block_sizes, check_kernels, key_block_ranges, resolve_blocks
 
 LOG2E = math.log2(math.e)
 

@@ -28,9 +28,16 @@ from numba import njit
 
 from cuflash import config as _config
 
-from .banks import bwd_query_blocks
 from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
-from .strategies import DEFAULT_KERNELS, block_sizes, cuflash_config, key_block_ranges, resolve_blocks, seqlen_q_pad
+from .schedules import (
+    DEFAULT_KERNELS,
+    block_sizes,
+    bwd_query_blocks,
+    cuflash_config,
+    key_block_ranges,
+    resolve_blocks,
+    seqlen_q_pad,
+)
 
 SECTOR = 32
 STANDARD_TILE = 128  # the standard strategy's GEMM / softmax tiles: 128 rows (x 128 columns for S)

@@ -24,68 +24,36 @@ Strategies (DESIGN.md section 6):
 Block skipping (causal and sliding window): a tile that holds no visible (query, key) pair is not
 visited (masks.key_tile_range, the tile test of cuda/mask.cuh that fwd_kernel runs; the K/V-outer
 backward runs masks.query_block_range); with `causal_skip=False` every tile is visited and masked in
-registers. All counts loop over tiles (never elements), so N = 65536 costs microseconds.
+registers. All counts loop over tiles (never elements), so N = 65536 costs microseconds. The blocks, the
+visited tiles and cuflash's kernel configs come from schedules.py, which the walks (banks) and the L2
+model (l2) read too.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from cuflash import config as _config
 
-from .masks import key_tile_range, visible_pairs
-from .model import (
-    DEFAULT_FA2_BLOCKS,
-    DEFAULT_SRAM_BYTES,
-    NONMATMUL_FLOPS,
-    STAT_BYTES,
-    STRATEGIES,
-    Counts,
-    Problem,
+from . import banks, l2
+from .masks import visible_pairs
+from .model import NONMATMUL_FLOPS, STAT_BYTES, STRATEGIES, Counts, Problem
+from .schedules import (
+    DEFAULT_KERNELS,
+    block_sizes,
+    bwd_query_blocks,
+    check_kernels,
+    cuflash_config,
+    key_block_ranges,
+    resolve_blocks,
+    seqlen_q_pad,
 )
-
-
-# The GPU the analyzer counts for: the H100 (sm_90a), whose kernel family cuflash picks by CUFLASH_KERNELS;
-# the analyzer takes the family as an argument instead, "auto" being the library's default.
-ARCH = _config.DEFAULT_ARCH
-DEFAULT_KERNELS = "auto"
-
-
-def check_kernels(kernels: str) -> str:
-    if kernels not in _config.KERNEL_FAMILIES:
-        raise ValueError(f"kernels={kernels!r} is not a kernel family; allowed: {', '.join(_config.KERNEL_FAMILIES)}")
-    return kernels
 
 
 # ----------------------------------------------------------------------------------------------
 # Block bookkeeping shared by the strategies (all per (batch, head); multiplied by batch*heads).
 # ----------------------------------------------------------------------------------------------
-
-def block_sizes(seqlen: int, block: int) -> np.ndarray:
-    """Rows in each of the ceil(seqlen/block) blocks: full blocks, then the tail."""
-    n = math.ceil(seqlen / block)
-    sizes = np.full(n, block, dtype=np.int64)
-    sizes[-1] = seqlen - (n - 1) * block
-    return sizes
-
-
-def key_block_ranges(p: Problem, block_m: int, block_n: int, causal_skip: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Key blocks [n_begin, n_end) visited by each query block m_block, as in fwd_kernel: those holding a
-    key that some row of the block sees (masks.key_tile_range over rows row0 .. min(row0 + BLOCK_M, Sq) - 1;
-    causal: n_begin = 0, n_end = min(ceil(Sk / BLOCK_N), floor((last_row + Sk - Sq) / BLOCK_N) + 1)).
-    n_end <= n_begin means the block sees no key at all: O = 0, lse = -inf are written and nothing is
-    read. causal_skip=False: every block visits all ceil(Sk / BLOCK_N) key blocks."""
-    t_r = math.ceil(p.seqlen_q / block_m)
-    t_c = math.ceil(p.seqlen_k / block_n)
-    if not causal_skip:
-        return np.zeros(t_r, dtype=np.int64), np.full(t_r, t_c, dtype=np.int64)
-    row0 = np.arange(t_r, dtype=np.int64) * block_m
-    last_row = np.minimum(row0 + block_m, p.seqlen_q) - 1
-    n_begin, n_end = key_tile_range(row0, last_row, p.seqlen_q, p.seqlen_k, block_n, p.causal, p.window)
-    return n_begin.astype(np.int64), n_end.astype(np.int64)
-
 
 def allowed_pairs(p: Problem) -> int:
     """(query, key) pairs the mask keeps, per (batch, head) (masks.visible_pairs: causal and window)."""
@@ -130,61 +98,6 @@ def _scaled(c: Counts, factor: int) -> Counts:
                  "flops_matmul", "flops_nonmatmul", "flops_useful", "peak_extra_bytes"):
         setattr(c, name, int(getattr(c, name)) * factor)
     return c
-
-
-# ----------------------------------------------------------------------------------------------
-# Block sizes
-# ----------------------------------------------------------------------------------------------
-
-def fa1_blocks(head_dim: int, sram_bytes: int, elem_bytes: int) -> tuple[int, int]:
-    """FlashAttention Algorithm 1: B_c = ceil(M / 4d), B_r = min(B_c, d), M = SRAM size in elements."""
-    m_elems = sram_bytes // elem_bytes
-    b_c = math.ceil(m_elems / (4 * head_dim))
-    return min(b_c, head_dim), b_c
-
-
-def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int | None,
-                   sram_bytes: int | None, backward: bool = False,
-                   kernels: str = DEFAULT_KERNELS) -> tuple[int | None, int | None]:
-    """(block_m, block_n) a strategy runs with; validates the user's choice."""
-    if (block_m is None) != (block_n is None):
-        raise ValueError(f"give both block_m and block_n or neither (got block_m={block_m}, block_n={block_n})")
-    if block_m is not None and sram_bytes is not None:
-        raise ValueError("give either block_m/block_n or sram_bytes, not both")
-    for name, value in (("block_m", block_m), ("block_n", block_n), ("sram_bytes", sram_bytes)):
-        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-    if strategy == "standard":
-        return None, None
-    if strategy == "cuflash":
-        cfg = cuflash_config(p, backward, kernels=kernels)
-        return cfg.block_m, cfg.block_n
-    if block_m is not None:
-        return int(block_m), int(block_n)
-    if strategy == "fa1" or sram_bytes is not None:
-        blocks = fa1_blocks(p.head_dim, DEFAULT_SRAM_BYTES if sram_bytes is None else sram_bytes, p.elem_bytes)
-        if blocks[1] < 1 or sram_bytes is not None and sram_bytes < 4 * p.head_dim * p.elem_bytes:
-            raise ValueError(f"sram_bytes={sram_bytes} is too small for head_dim={p.head_dim}: "
-                             f"need at least 4*d*elem_bytes = {4 * p.head_dim * p.elem_bytes}")
-        return blocks
-    return DEFAULT_FA2_BLOCKS
-
-
-def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
-    """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
-    the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
-    dQ atomics). kernels: "auto" (the library's default: a FwdSm90Config / BwdSm90Config where the head dim
-    has a wgmma kernel) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma)."""
-    check_kernels(kernels)
-    if p.dtype not in _config.DTYPES:
-        raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
-    hd = _config.kernel_head_dim(p.head_dim)
-    if p.head_dim % _config.CHUNK_ELEMS:
-        raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
-                         f"(got head_dim={p.head_dim})")
-    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
-        return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
-    return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
 
 
 KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
@@ -279,8 +192,6 @@ def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
 def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) -> Counts:
     """fwd_kernel or fwd_sm90_kernel: FA2's global traffic with the config's blocks (both read Q once and
     K, V once per query block); SRAM from the walk (wgmma operand reads included)."""
-    from . import banks  # local import: banks imports this module's helpers
-
     cfg = cuflash_config(p, kernels=kernels)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
@@ -382,15 +293,8 @@ class KernelTraffic:
     atomic_bytes: int = 0  # red.global.add.v2.f32 payload: the L2 reads, adds and writes these bytes
 
 
-def seqlen_q_pad(seqlen_q: int) -> int:
-    """Rows of the fp32 backward buffers (lse_log2, delta, dq_accum): seqlen_q rounded up to SEQLEN_Q_PAD."""
-    return -(-seqlen_q // _config.SEQLEN_Q_PAD) * _config.SEQLEN_Q_PAD
-
-
 def _bwd_visits(cfg, p: Problem, causal_skip: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(query blocks visited, query rows loaded) per key block of bwd_kernel (banks.bwd_query_blocks)."""
-    from .banks import bwd_query_blocks
-
+    """(query blocks visited, query rows loaded) per key block of bwd_kernel (schedules.bwd_query_blocks)."""
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip, p.window)
     rows_cum = np.concatenate([[0], np.cumsum(block_sizes(p.seqlen_q, cfg.block_m))])
     visits = np.maximum(m_end - m_begin, 0)
@@ -446,8 +350,6 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
     a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
     conflicts from walking every shared access of the main kernel (and bwd_dq_kernel)."""
-    from . import banks  # local import: banks imports this module's helpers
-
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
@@ -523,8 +425,6 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
         counts = (_cuflash_bwd(problem, causal_skip, deterministic, kernels) if backward
                   else _cuflash_fwd(problem, causal_skip, kernels))
     if l2_bytes is not None:
-        from . import l2
-
         dram = l2.simulate_l2(strategy, problem, l2_bytes=l2_bytes, backward=backward, block_m=bm, block_n=bn,
                               causal_skip=causal_skip, num_sms=num_sms, deterministic=deterministic, kernels=kernels)
         counts.dram_read_bytes, counts.dram_write_bytes = dram.read_bytes, dram.write_bytes

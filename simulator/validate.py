@@ -25,8 +25,8 @@ ncu does not know is dropped: by the name in ncu's error when it gives one, else
 one by one (printed, and listed in the document), so one bad name does not lose the run. `--dry-run`
 prints the predictions and the ncu commands without running anything.
 
-Targets (issue 4): L2->SM read bytes within 2% of the predicted global reads; shared wavefronts and
-bank conflicts of ld/st and ldmatrix exactly equal; cp.async wavefronts within 10% of the model's band
+Targets: L2->SM read bytes within 2% of the predicted global reads; shared wavefronts and bank
+conflicts of ld/st and ldmatrix exactly equal; cp.async wavefronts within 10% of the model's band
 [lower, upper] (a point for 128-byte panels); DRAM bytes (L2 model) within 10%. The document ends with
 MISSES_EXPLAINED, the analysis of the misses of the measuring run. For bwd_kernel also the dQ atomics: reduction bytes and L2 reduction sectors within 2%,
 reduction requests exact (they travel SM->L2 as writes, never as L2->SM reads).
@@ -52,9 +52,10 @@ import numpy as np
 
 from cuflash import config as _config
 
-from . import banks
+from . import banks, l2 as _l2
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
-from .strategies import ARCH, block_sizes, cuflash_backward_kernels, key_block_ranges, simulate
+from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges
+from .strategies import cuflash_backward_kernels, simulate
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel")
@@ -505,8 +506,6 @@ def isolated_kernel_dram(p: Problem, kernel_index: int, deterministic: bool, l2_
     """(DRAM read, write) bytes of one launch of the cuflash backward in isolation: the L2 model's trace of
     attention_backward (l2._cuflash_bwd: 0 preprocess, 1 the main kernel, 2 convert or bwd_dq_kernel) cut
     to that launch and started cold, as ncu's --cache-control all flushes the L2 before the kernel."""
-    from . import l2 as _l2
-
     tr = _l2._Trace(p, "tile")
     _l2._cuflash_bwd(tr, p, True, num_sms, deterministic, kernels)
     tr.parts = [part for part in tr.parts if part[0].size and int(part[0][0]) == kernel_index]
@@ -556,7 +555,7 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
     }
     if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not det:
-        m_begin, m_end = banks.bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+        m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
         visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
         if isinstance(cfg, _config.BwdSm90Config):  # each warp: its 16 query rows x DQ_COLS columns
             per_warp = banks.bwd_sm90_layout(cfg).dq_cols // 8 * 2

@@ -4,6 +4,8 @@ import pytest
 
 from cuflash import config
 from cuflash.simulator import banks
+from cuflash.simulator.model import Problem
+from cuflash.simulator.schedules import bwd_query_blocks, key_block_ranges
 
 LANES = np.arange(32)
 
@@ -139,8 +141,6 @@ def test_guard_lds_of_the_forward(cfg):
     step but the last (the next K, V); straight-line copies share a block."""
     b, h, s = 1, 2, 640
     walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
-    from cuflash.simulator.model import Problem
-    from cuflash.simulator.strategies import key_block_ranges
     n_begin, n_end = key_block_ranges(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m,
                                       cfg.block_n)
     n = n_end - n_begin
@@ -768,7 +768,7 @@ def test_bwd_sm90_stores_and_vector_loads_are_conflict_free(cfg):
     128-byte panels), the float2 lse_log2 / delta loads (2 wavefronts: the phases of a 64-bit access, 4
     distinct float2 broadcast per half-warp) and the lse/delta cp.async; no ldmatrix."""
     walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1024)
-    m_begin, m_end = banks.bwd_query_blocks(cfg, 1024, 1024)
+    m_begin, m_end = bwd_query_blocks(cfg, 1024, 1024)
     visits = 2 * int((m_end - m_begin).sum())
     for role in ("ds_store", "dk_store", "dv_store", "lse_load", "delta_load", "vec_load"):
         s = walk.roles[role]
@@ -815,9 +815,6 @@ def test_guard_lds_of_the_sm90_forward(cfg):
     """fwd_sm90_kernel: as fwd_kernel, 3 predicated-off LDS per LDGSTS block per warp, plus 4 before the
     fence.proxy.async of every key tile (SASS of nvcc 13.0, sm_90a: `DEPBAR.LE SB0, 0x1; @!PT LDS RZ, [RZ]
     x 4; MEMBAR.ALL.CTA; FENCE.VIEW.ASYNC.S`)."""
-    from cuflash.simulator.model import Problem
-    from cuflash.simulator.strategies import key_block_ranges
-
     b, h, s = 1, 2, 640
     walk = banks.fwd_kernel_shared(cfg, b, h, s, s)
     n_begin, n_end = key_block_ranges(Problem(b, h, s, s, cfg.head_dim, cfg.dtype, cfg.causal), cfg.block_m,

@@ -1,4 +1,4 @@
-"""cuflash-sim: sweep output (JSON fields of issue 4), plots, and clear errors."""
+"""cuflash-sim: sweep output (the JSON fields of SWEEP_FIELDS), plots, and clear errors."""
 import json
 import time
 
@@ -8,7 +8,7 @@ from cuflash.simulator import Problem, simulate
 from cuflash.simulator.cli import SWEEP_FIELDS, main
 
 
-def test_sweep_json_has_exactly_the_issue_fields(capsys):
+def test_sweep_json_has_exactly_the_sweep_fields(capsys):
     rc = main(["sweep", "--strategy", "fa2", "--strategy", "cuflash", "--seqlen", "512", "1000", "--head-dim", "64",
                "--batch", "2", "--heads", "4", "--causal", "--json"])
     assert rc == 0
@@ -73,7 +73,7 @@ def test_plot_hbm_vs_n_is_fast_and_writes_a_png(tmp_path):
     assert main(["plot", "hbm-vs-n", "--out", str(out)]) == 0
     elapsed = time.perf_counter() - t0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert elapsed < 10, f"plot hbm-vs-n took {elapsed:.1f} s (issue 4: under 10 s warm)"
+    assert elapsed < 10, f"plot hbm-vs-n took {elapsed:.1f} s (limit: 10 s warm)"
 
 
 def test_plot_block_size_writes_a_png(tmp_path):

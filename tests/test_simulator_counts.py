@@ -1,4 +1,4 @@
-"""Claims of the FlashAttention papers as exact counts (issue 4), and the counting conventions."""
+"""Claims of the FlashAttention papers as exact counts, and the counting conventions."""
 import math
 
 import pytest

@@ -13,7 +13,8 @@ import cuflash
 from cuflash import _compile
 from cuflash import config as C
 from cuflash.simulator import simulate, validate
-from cuflash.simulator.strategies import cuflash_backward_kernels, seqlen_q_pad
+from cuflash.simulator.schedules import bwd_query_blocks, key_block_ranges, seqlen_q_pad
+from cuflash.simulator.strategies import cuflash_backward_kernels
 
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size",'
           '"Grid Size","Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
@@ -644,13 +645,12 @@ def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     assert pred["l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum"] == 0
     warps, hd = cfg.threads // 32, cfg.head_dim
     if not target.is_backward:
-        from cuflash.simulator.strategies import key_block_ranges
         n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n)
         live = int((n_end > n_begin).sum()) * p.batch_heads
         assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * hd // 8
         assert pred["launch__grid_size"] == -(-p.seqlen_q // cfg.block_m) * p.batch_heads
         return
-    m_begin, m_end = validate.banks.bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
     visits = int((m_end - m_begin).clip(0).sum()) * p.batch_heads
     live = int((m_end > m_begin).sum()) * p.batch_heads
     ds = 0 if cfg.deterministic else visits * warps * cfg.block_m // 4

@@ -1,4 +1,4 @@
-"""Sliding-window attention in the analyzer (issue 7): the band's tile tests against brute force over
+"""Sliding-window attention in the analyzer: the band's tile tests against brute force over
 elements, the counts of windowed block skipping, the useful work, and the windowed execute mode against
 a float64 reference."""
 import math
@@ -17,7 +17,7 @@ from cuflash.simulator import (
     tile_needs_mask,
     visible_pairs,
 )
-from cuflash.simulator.strategies import key_block_ranges
+from cuflash.simulator.schedules import key_block_ranges
 
 TOL = 1e-10
 

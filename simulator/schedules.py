@@ -1,0 +1,132 @@
+"""The tile schedules every model of the analyzer reads: which kernel configuration cuflash launches, the
+blocks a strategy runs with, and which blocks each loop visits (causal and sliding-window skipping).
+
+The closed-form counts (strategies), the shared-memory walks (banks), the L2 model (l2), the float64
+execution (execute) and the ncu validation (validate) all walk these same schedules, so this module imports
+none of them: only masks, model and cuflash.config. The models import it; strategies.simulate, the top,
+imports the models.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from cuflash import config as _config
+
+from .masks import key_tile_range, query_block_range
+from .model import DEFAULT_FA2_BLOCKS, DEFAULT_SRAM_BYTES, Problem
+
+
+# The GPU the analyzer counts for: the H100 (sm_90a), whose kernel family cuflash picks by CUFLASH_KERNELS;
+# the analyzer takes the family as an argument instead, "auto" being the library's default.
+ARCH = _config.DEFAULT_ARCH
+DEFAULT_KERNELS = "auto"
+
+
+def check_kernels(kernels: str) -> str:
+    if kernels not in _config.KERNEL_FAMILIES:
+        raise ValueError(f"kernels={kernels!r} is not a kernel family; allowed: {', '.join(_config.KERNEL_FAMILIES)}")
+    return kernels
+
+
+# ----------------------------------------------------------------------------------------------
+# Visited blocks (all per (batch, head); the models multiply by batch*heads).
+# ----------------------------------------------------------------------------------------------
+
+def block_sizes(seqlen: int, block: int) -> np.ndarray:
+    """Rows in each of the ceil(seqlen/block) blocks: full blocks, then the tail."""
+    n = math.ceil(seqlen / block)
+    sizes = np.full(n, block, dtype=np.int64)
+    sizes[-1] = seqlen - (n - 1) * block
+    return sizes
+
+
+def key_block_ranges(p: Problem, block_m: int, block_n: int, causal_skip: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Key blocks [n_begin, n_end) visited by each query block m_block, as in fwd_kernel: those holding a
+    key that some row of the block sees (masks.key_tile_range over rows row0 .. min(row0 + BLOCK_M, Sq) - 1;
+    causal: n_begin = 0, n_end = min(ceil(Sk / BLOCK_N), floor((last_row + Sk - Sq) / BLOCK_N) + 1)).
+    n_end <= n_begin means the block sees no key at all: O = 0, lse = -inf are written and nothing is
+    read. causal_skip=False: every block visits all ceil(Sk / BLOCK_N) key blocks."""
+    t_r = math.ceil(p.seqlen_q / block_m)
+    t_c = math.ceil(p.seqlen_k / block_n)
+    if not causal_skip:
+        return np.zeros(t_r, dtype=np.int64), np.full(t_r, t_c, dtype=np.int64)
+    row0 = np.arange(t_r, dtype=np.int64) * block_m
+    last_row = np.minimum(row0 + block_m, p.seqlen_q) - 1
+    n_begin, n_end = key_tile_range(row0, last_row, p.seqlen_q, p.seqlen_k, block_n, p.causal, p.window)
+    return n_begin.astype(np.int64), n_end.astype(np.int64)
+
+
+def bwd_query_blocks(cfg, seqlen_q: int, seqlen_k: int, causal_skip: bool = True,
+                     window=None) -> tuple[np.ndarray, np.ndarray]:
+    """(m_begin, m_end) of every key block n_block of bwd_kernel: query blocks m_begin .. m_end-1 are
+    visited, those whose rows see a key of [n0, min(n0 + BLOCK_N, Sk) - 1] (masks.query_block_range with
+    cfg.causal and the window; causal: m_begin = max(0, n0 - diag) / BLOCK_M, diag = Sk - Sq, m_end = all).
+    causal_skip=False: every key block visits every query block."""
+    n0 = np.arange(-(-seqlen_k // cfg.block_n), dtype=np.int64) * cfg.block_n
+    if not causal_skip:
+        return np.zeros_like(n0), np.full(n0.shape, -(-seqlen_q // cfg.block_m), dtype=np.int64)
+    key_last = np.minimum(n0 + cfg.block_n, seqlen_k) - 1
+    m_begin, m_end = query_block_range(n0, key_last, seqlen_q, seqlen_k, cfg.block_m, cfg.causal, window)
+    return m_begin.astype(np.int64), m_end.astype(np.int64)
+
+
+def seqlen_q_pad(seqlen_q: int) -> int:
+    """Rows of the fp32 backward buffers (lse_log2, delta, dq_accum): seqlen_q rounded up to SEQLEN_Q_PAD."""
+    return -(-seqlen_q // _config.SEQLEN_Q_PAD) * _config.SEQLEN_Q_PAD
+
+
+# ----------------------------------------------------------------------------------------------
+# Block sizes and the kernel configuration
+# ----------------------------------------------------------------------------------------------
+
+def fa1_blocks(head_dim: int, sram_bytes: int, elem_bytes: int) -> tuple[int, int]:
+    """FlashAttention Algorithm 1: B_c = ceil(M / 4d), B_r = min(B_c, d), M = SRAM size in elements."""
+    m_elems = sram_bytes // elem_bytes
+    b_c = math.ceil(m_elems / (4 * head_dim))
+    return min(b_c, head_dim), b_c
+
+
+def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int | None,
+                   sram_bytes: int | None, backward: bool = False,
+                   kernels: str = DEFAULT_KERNELS) -> tuple[int | None, int | None]:
+    """(block_m, block_n) a strategy runs with; validates the user's choice."""
+    if (block_m is None) != (block_n is None):
+        raise ValueError(f"give both block_m and block_n or neither (got block_m={block_m}, block_n={block_n})")
+    if block_m is not None and sram_bytes is not None:
+        raise ValueError("give either block_m/block_n or sram_bytes, not both")
+    for name, value in (("block_m", block_m), ("block_n", block_n), ("sram_bytes", sram_bytes)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    if strategy == "standard":
+        return None, None
+    if strategy == "cuflash":
+        cfg = cuflash_config(p, backward, kernels=kernels)
+        return cfg.block_m, cfg.block_n
+    if block_m is not None:
+        return int(block_m), int(block_n)
+    if strategy == "fa1" or sram_bytes is not None:
+        blocks = fa1_blocks(p.head_dim, DEFAULT_SRAM_BYTES if sram_bytes is None else sram_bytes, p.elem_bytes)
+        if blocks[1] < 1 or sram_bytes is not None and sram_bytes < 4 * p.head_dim * p.elem_bytes:
+            raise ValueError(f"sram_bytes={sram_bytes} is too small for head_dim={p.head_dim}: "
+                             f"need at least 4*d*elem_bytes = {4 * p.head_dim * p.elem_bytes}")
+        return blocks
+    return DEFAULT_FA2_BLOCKS
+
+
+def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
+    """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
+    the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
+    dQ atomics). kernels: "auto" (the library's default: a FwdSm90Config / BwdSm90Config where the head dim
+    has a wgmma kernel) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma)."""
+    check_kernels(kernels)
+    if p.dtype not in _config.DTYPES:
+        raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
+    hd = _config.kernel_head_dim(p.head_dim)
+    if p.head_dim % _config.CHUNK_ELEMS:
+        raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
+                         f"(got head_dim={p.head_dim})")
+    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
+        return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
+    return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
