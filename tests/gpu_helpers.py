@@ -1,5 +1,5 @@
 """Helpers of the GPU tests: random inputs in either layout with awkward strides, best-effort output
-poisoning, and the pass rule of DESIGN.md section 5 with float64 / low-precision references computed on
+poisoning, and the pass rule of docs/RELIABILITY.md with float64 / low-precision references computed on
 the GPU (cuflash._xpref: the math of cuflash.reference in CuPy matmuls; tests/test_reference.py checks
 that they agree with cuflash.reference on NumPy arrays)."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ import cupy as cp
 
 from cuflash import _compile, _xpref
 
-# DESIGN.md section 5: awkward (seqlen_q, seqlen_k) pairs and the head dims with their own kernels
+# Awkward (seqlen_q, seqlen_k) pairs and the head dims with their own kernels
 SEQLEN_PAIRS = [(113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (1, 239),
                 (3, 799), (127, 513)]
 HEAD_DIMS = [32, 64, 96, 128, 256]
@@ -94,7 +94,7 @@ def max_abs(x) -> float:
 
 
 def check_rule(name: str, got, ref64, lowp, factor: float, what: str, extra: float = 1e-5):
-    """DESIGN.md section 5: max|got - ref64| <= factor * max|lowp - ref64| + extra, and no NaN/inf."""
+    """The pass rule (docs/RELIABILITY.md): max|got - ref64| <= factor * max|lowp - ref64| + extra, and no NaN/inf."""
     assert not bool(cp.isnan(got).any()), f"{name} has NaN (unwritten or invalid) for {what}"
     assert bool(cp.isfinite(got).all()), f"{name} has inf for {what}"
     err = max_abs(got - ref64)
@@ -131,7 +131,7 @@ def warm_kernel_cache(configs) -> None:
         list(pool.map(build, configs))
 
 
-# --- issue 6: packed (varlen) inputs, KV caches, bit-for-bit comparisons -----------------------------------
+# --- packed (varlen) inputs, KV caches, bit-for-bit comparisons --------------------------------------------
 
 def bits(x):
     """A copy of x's bit pattern as unsigned integers of its item size (compare fp16/bf16/fp32 exactly)."""

@@ -1,4 +1,4 @@
-"""Helpers of the reliability tests (issue 8): views inside NaN-poisoned buffers (guard bands), and a float64
+"""Helpers of the reliability tests: views inside NaN-poisoned buffers (guard bands), and a float64
 reference with the kernels' IEEE NaN/Inf semantics.
 
 Guard bands: `guarded(...)` places an array inside a larger buffer whose every other element holds the bit

@@ -1,4 +1,4 @@
-"""Bad calls of the public API (issue 8): a table of calls across `attention`, `attention_forward` and
+"""Bad calls of the public API: a table of calls across `attention`, `attention_forward` and
 `attention_backward`, each asserting the exception type, message fragments that name the argument and its
 value, and that no user array changed.
 

@@ -1,4 +1,4 @@
-"""The benchmark's --decode and --varlen modes (issue 6) without a GPU: their defaults, the shapes they measure or
+"""The benchmark's --decode and --varlen modes without a GPU: their defaults, the shapes they measure or
 skip, the byte and FLOP counts, and their report tables from synthetic records. The default mode is unchanged."""
 from __future__ import annotations
 

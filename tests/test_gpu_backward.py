@@ -1,4 +1,4 @@
-"""Backward kernels on the GPU against float64 gradients (DESIGN.md section 5, issue 3):
+"""Backward kernels on the GPU against float64 gradients (pass rule: docs/RELIABILITY.md):
 max|dX - dX_ref64| <= 3 * max|dX_lowp - dX_ref64| + 1e-5 for X in q, k, v, with dX_lowp from plain
 attention in the input dtype; deterministic mode bitwise reproducible; an overflow-prone case stays finite."""
 from __future__ import annotations

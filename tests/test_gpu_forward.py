@@ -1,4 +1,4 @@
-"""Forward kernel on the GPU against float64 attention (DESIGN.md section 5):
+"""Forward kernel on the GPU against float64 attention (pass rule: docs/RELIABILITY.md):
 max|o - o_ref64| <= 2 * max|o_lowp - o_ref64| + 1e-5, with o_lowp plain attention in the input dtype,
 and lse against the float64 lse; over seqlen pairs, head dims, dtypes, causal, layouts and strides."""
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Grouped-query attention and variable-length batches on the GPU (issue 6), against float64 references
-(DESIGN.md section 5): max|out - ref64| <= 2 * max|out_lowp - ref64| + 1e-5 for o, factor 3 for dq, dk, dv,
+"""Grouped-query attention and variable-length batches on the GPU, against float64 references
+(pass rule of docs/RELIABILITY.md): max|out - ref64| <= 2 * max|out_lowp - ref64| + 1e-5 for o, factor 3 for dq, dk, dv,
 lse within 1e-3 where a row sees a key (-inf exactly where it sees none), outputs poisoned before each call.
 
 GQA: k and v have H_kv heads, H_q % H_kv == 0, query head h uses kv head h // (H_q // H_kv); dk, dv sum the
@@ -82,8 +82,8 @@ def check_gqa_backward(b, sq, sk, hq, hkv, d, dtype, causal, layout, kinds=("con
     return grads
 
 
-# (H_q, H_kv, Sq, Sk, D, layout): group sizes 1, 2, 3, 4, 8 and MQA (H_kv = 1, H_q up to 8), awkward seqlen pairs
-# of DESIGN.md section 5, every head dim with its own kernel
+# (H_q, H_kv, Sq, Sk, D, layout): group sizes 1, 2, 3, 4, 8 and MQA (H_kv = 1, H_q up to 8), awkward seqlen pairs,
+# every head dim with its own kernel
 GQA_GRID = [
     (4, 4, 113, 203, 64, "bshd"),
     (4, 2, 128, 217, 128, "bhsd"),

@@ -1,5 +1,5 @@
-"""KV-cache decoding on the GPU (issue 6): attention_with_kvcache against the float64 reference over each
-sequence's valid prefix (DESIGN.md section 5: o within 2x the low-precision error + 1e-5, lse within 1e-3,
+"""KV-cache decoding on the GPU: attention_with_kvcache against the float64 reference over each
+sequence's valid prefix (docs/RELIABILITY.md: o within 2x the low-precision error + 1e-5, lse within 1e-3,
 -inf exactly where a row sees no key), and the cache bit for bit: the new keys and values land in exactly their
 slots (through the block table when paged), every other element, block and guard byte keeps its bits, and a
 rejected call writes nothing.

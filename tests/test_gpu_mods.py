@@ -1,6 +1,6 @@
-"""Score modifiers on the GPU (issue 7): sliding window, ALiBi, soft-capping, dropout, forward and backward,
+"""Score modifiers on the GPU: sliding window, ALiBi, soft-capping, dropout, forward and backward,
 alone and combined with each other, causal, GQA and varlen, against the float64 NumPy reference
-(cuflash.reference, written from the definitions) with the pass rule of DESIGN.md section 5: max|out - ref64|
+(cuflash.reference, written from the definitions) with the pass rule of docs/RELIABILITY.md: max|out - ref64|
 <= 2 * max|out_lowp - ref64| + 1e-5 for o, factor 3 for dq, dk, dv; lse within 1e-3 (-inf exactly where a row
 sees no key). Outputs are poisoned before each call.
 
@@ -31,7 +31,7 @@ def compiled_kernels():
 
 
 def slopes_for(shape, seed):
-    """Random ALiBi slopes * 0.3 (issue 7), float32 on the GPU."""
+    """Random ALiBi slopes in [0, 0.3), float32 on the GPU."""
     return cp.asarray(np.random.default_rng(seed).random(shape) * 0.3, dtype=cp.float32)
 
 

@@ -1,4 +1,4 @@
-"""Reliability on the GPU (issue 8; what is guaranteed: docs/RELIABILITY.md).
+"""Reliability on the GPU (what is guaranteed: docs/RELIABILITY.md).
 
   * guard bands: inputs and outputs live inside NaN-poisoned buffers; nothing outside a view changes, every
     element inside an output view is written, and no kernel reads outside its input views (a read would

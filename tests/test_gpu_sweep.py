@@ -1,5 +1,5 @@
-"""Large random sweep (issue 8): 2000 seeded configurations, forward and backward, each against the float64 and
-the low-precision reference computed on the GPU, with the pass rule of DESIGN.md section 5:
+"""Large random sweep: 2000 seeded configurations, forward and backward, each against the float64 and
+the low-precision reference computed on the GPU, with the pass rule of docs/RELIABILITY.md:
     max|out - ref64| <= 2 * max|out_lowp - ref64| + 1e-5  (o),   factor 3 for dq, dk, dv,   lse within 1e-3.
 
 Marker `gpu_slow`: not part of the default run nor of `-m gpu` (tests/conftest.py skips it unless the marker

@@ -184,7 +184,7 @@ def test_xp_lowp_references_agree_with_reference(shape, dtype):
         assert 0.5 * err_want <= err_got <= 2 * err_want + 1e-6, f"{name}: error {err_got:.2e} vs {err_want:.2e}"
 
 
-# --- grouped-query attention (issue 6): k, v with H_kv heads, query head h uses kv head h // (H_q // H_kv) ----
+# --- grouped-query attention: k, v with H_kv heads, query head h uses kv head h // (H_q // H_kv) -------------
 
 GQA_SHAPES = [(2, 5, 7, 4, 2, 8), (1, 7, 5, 6, 1, 8), (1, 9, 9, 6, 3, 4), (2, 1, 13, 8, 2, 8)]  # b, sq, sk, hq, hkv, d
 

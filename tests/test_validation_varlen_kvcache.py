@@ -1,4 +1,4 @@
-"""Validation of the variable-length and KV-cache calls (issue 6), on array metadata (ArrayInfo) and host copies
+"""Validation of the variable-length and KV-cache calls, on array metadata (ArrayInfo) and host copies
 of the index arrays, so CI checks every message without a GPU: check_varlen, check_cu_seqlens_values,
 check_kvcache, check_kvcache_values. Each bad case names the exception type and message fragments (the
 argument, its value, what is allowed); the accepted cases check what the launcher reads back."""

@@ -1,5 +1,6 @@
-"""Check, on a Hopper GPU, that the wgmma operand descriptors of cuda/tiles.cuh describe the shared-memory
-layout the kernels write: `python tools/check_wgmma_layouts.py`.
+"""Check on a Hopper GPU that the wgmma descriptors of cuda/tiles.cuh match the kernels' shared-memory layouts.
+
+    python tools/check_wgmma_layouts.py
 
 Each case is one warpgroup computing D = A B (m64nNk16 steps over K) with A and B stored in SmemTile layouts
 the way the attention kernels store them (K-major Q/K tiles, N-major V/dO tiles, the M-major dS^T tile,

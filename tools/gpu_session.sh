@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call, several stages: `tools/gpu_session.sh STAGE [STAGE ...]`, run from the repository root
-# on the lent GPU machine (no package index there: cuflash is installed without dependencies, the image
-# has CuPy, NumPy, Numba, ml_dtypes, pytest, pytest-xdist and torch). Each stage logs to $LOGS and appends
-# the end of its log to $OUT/summary.txt; the logs come back as $OUT/logs.tgz (at most 8 files come
-# back from $OUT, and a call stopped at its time limit still returns the summary).
+# Run GPU tests, sanitizers, benchmarks, the ncu validation and the tuners as stages of one call on a GPU machine.
+#
+# `tools/gpu_session.sh STAGE [STAGE ...]`, run from the repository root on a GPU machine. It needs no package
+# index (cuflash is installed without dependencies) but an environment with CuPy, NumPy, Numba, ml_dtypes,
+# pytest, pytest-xdist and torch. Each stage logs to $LOGS and appends the end of its log to
+# $OUT/summary.txt; the logs are packed into $OUT/logs.tgz after every stage, so a call stopped at a time
+# limit keeps the summary and the logs of the stages it finished.
 #
 #   env           GPU, driver, package versions; fills the kernel cache (every shipped sm_90a kernel)
 #   layouts       tools/check_wgmma_layouts.py (wgmma descriptors against the shared-memory layouts)

@@ -8,7 +8,7 @@ last one is what a call adds on the host. Printed for attention (forward),
 attention_backward, and attention_with_kvcache (decode, check_inputs=False); results go to
 docs/PERFORMANCE.md. `--profile` adds a cProfile table (top functions by own time) per call.
 
-Two reference rows measure the same host in the same run (lent machines' hosts differ by 2x, and one host drifts
+Two reference rows measure the same host in the same run (hosts of the same GPU model differ by 2x, and one host drifts
 from minute to minute, so only same-run comparisons mean anything): CuPy alone (cupy.empty of the output and one
 cuLaunchKernel of an empty kernel: the floor of any CuPy call that allocates its result) and, when torch is
 installed, torch's scaled_dot_product_attention (flash backend) on the same shape. The Python column is the

@@ -1,6 +1,7 @@
-"""Time the decode kernel's pipeline depth, split factor and merge side by side on one GPU:
-`python tools/tune_decode.py [--stages 2 3 4 6] [--tiles 64,64,4 64,128,4] [--splits 0 8 16 32]
-[--merge fused launch] [--batch 1 2 8] [--cache 32768 131072]`.
+"""Time the decode kernel's pipeline depth, tiles, split factor and merge side by side on one GPU.
+
+    python tools/tune_decode.py [--stages 2 3 4 6] [--tiles 64,64,4 64,128,4] [--splits 0 8 16 32]
+        [--merge fused launch] [--batch 1 2 8] [--cache 32768 131072]
 
 bf16, D 128, 32 query heads over 8 K/V heads, one query token (the shapes of `cuflash.bench --decode`). For each
 candidate of config.DECODE_STAGES, of config.DECODE_TILES[128] (block_m, block_n, warps) and of the split merge (`fused`: the last split of a row block merges, in the
