@@ -6,6 +6,7 @@ dictionary lookup, a struct fill and the driver call.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import threading
@@ -184,7 +185,8 @@ class ArgsTemplate:
         return block
 
     def mine(self) -> tuple:
-        """(params, address of the whole block) of the calling thread's argument block, for a warm call's launch.
+        """(params, address of the whole block, its 8-byte words) of the calling thread's argument block, for a
+        warm call's launch (`words[field_word(...)] = address` sets a pointer field).
 
         Made by `new()` on the thread's first call and reused by its later ones: cuLaunchKernel has read the
         arguments when it returns (a graph capture copies them too), so the block is free again after each
@@ -196,8 +198,44 @@ class ArgsTemplate:
             if len(self._mine) >= 64:  # idents of finished threads: forget them all (blocks are cheap to make)
                 self._mine = {}
             block = self.new()
-            entry = self._mine[ident] = (block, block.params, ctypes.addressof(block))
+            entry = self._mine[ident] = (block, block.params, ctypes.addressof(block),
+                                         memoryview(block).cast("B").cast("Q"))
         return entry[1:]
+
+
+def field_word(params_type, path: str) -> int:
+    """Index of a pointer field (e.g. "seq.seqused_k") among the 8-byte words of an argument block of
+    params_type (`ArgsTemplate.mine`): the block's kernelParams pointer is word 0, the struct follows it."""
+    offset = _args_type(params_type).params.offset
+    struct = params_type
+    for name in path.split("."):
+        field = getattr(struct, name)
+        offset += field.offset
+        struct = dict(struct._fields_)[name]
+    if offset % 8 or ctypes.sizeof(struct) != 8:
+        raise ValueError(f"{params_type.__name__}.{path} is not an 8-byte aligned 8-byte field")
+    return offset // 8
+
+
+_cupy_module = None
+
+
+def cupy():
+    """The cupy module, imported on first use (import cuflash works without it; tests put a fake here)."""
+    global _cupy_module
+    if _cupy_module is None:
+        import cupy as cp
+
+        _cupy_module = cp
+    return _cupy_module
+
+
+_NO_SWITCH = contextlib.nullcontext()
+
+
+def on_device(cp, device: int):
+    """`with cupy.cuda.Device(device)`, skipped when it is already the current device (saves ~2 us)."""
+    return _NO_SWITCH if cp.cuda.runtime.getDevice() == device else cp.cuda.Device(device)
 
 
 _kernels: dict = {}

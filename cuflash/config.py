@@ -351,11 +351,8 @@ def fwd_sm90_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> F
 
 def forward_kernel_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH,
                           kernels: str | None = None, mods: int = 0):
-    """The forward config the library launches on `arch`: wgmma on sm_90a, else (or with kernels="mma")
-    the mma.sync kernel of fwd_config."""
-    if uses_wgmma(arch, kernels) and head_dim in FWD_SM90_TILES:
-        return fwd_sm90_config(head_dim, dtype, causal, mods)
-    return fwd_config(head_dim, dtype, causal, arch, mods)
+    """The forward config the library launches on `arch` (the registry's choice, `select`)."""
+    return select("forward", head_dim, dtype, causal, arch, mods=mods, kernels=kernels)
 
 
 @dataclass(frozen=True)
@@ -588,7 +585,59 @@ def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool
 
 def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,
                            arch: str = DEFAULT_ARCH, kernels: str | None = None, mods: int = 0):
-    """The backward main-kernel config the library launches on `arch` (see forward_kernel_config)."""
-    if uses_wgmma(arch, kernels) and head_dim in bwd_sm90_tiles(mods):
-        return bwd_sm90_config(head_dim, dtype, causal, deterministic, mods)
-    return bwd_config(head_dim, dtype, causal, deterministic, mods)
+    """The backward main-kernel config the library launches on `arch` (the registry's choice, `select`)."""
+    return select("backward", head_dim, dtype, causal, arch, mods=mods, deterministic=deterministic, kernels=kernels)
+
+
+# --- the registry: which kernel family runs an operation ------------------------------------------------
+#
+# The host path asks `select` for the config of an operation ("forward", "backward": the main kernel of the
+# backward, "decode": attention_with_kvcache); nothing else in the library chooses kernels. A new kernel family
+# (another architecture's, another dtype's) is one Family entry here, ahead of the ones it should win over,
+# and its config dataclass (cpp_name, threads, smem_bytes, grid) beside the others.
+
+@dataclass(frozen=True)
+class Family:
+    """A kernel family: the operation it runs, the targets and dtypes it has kernels for, the kernel head
+    dims it has for a set of score modifiers, and its config for a problem."""
+
+    name: str
+    op: str  # "forward" | "backward" | "decode"
+    archs: tuple | None  # NVRTC targets it runs on; None: every target cuflash supports
+    dtypes: tuple
+    head_dims: object  # mods -> the kernel head dims it has with those modifiers
+    make: object  # (head_dim, dtype, causal, mods, deterministic, arch) -> config
+    wgmma: bool = False  # a Hopper wgmma family: CUFLASH_KERNELS=mma turns it off
+
+    def runs(self, op: str, head_dim: int, dtype: str, arch: str, mods: int, kernels: str) -> bool:
+        if self.op != op or dtype not in self.dtypes or head_dim not in self.head_dims(mods):
+            return False
+        if self.archs is not None and arch not in self.archs:
+            return False
+        return not self.wgmma or uses_wgmma(arch, kernels)
+
+
+FAMILIES = (
+    Family("fwd_sm90", "forward", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_TILES,
+           lambda hd, dt, c, m, det, arch: fwd_sm90_config(hd, dt, c, m), wgmma=True),
+    Family("fwd", "forward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
+           lambda hd, dt, c, m, det, arch: fwd_config(hd, dt, c, arch, m)),
+    Family("bwd_sm90", "backward", ("sm_90a",), DTYPES, bwd_sm90_tiles,
+           lambda hd, dt, c, m, det, arch: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
+    Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
+           lambda hd, dt, c, m, det, arch: bwd_config(hd, dt, c, det, m)),
+    Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if mods == 0 else (),
+           lambda hd, dt, c, m, det, arch: fwd_decode_config(hd, dt, c)),
+)
+
+
+def select(op: str, head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH, *, mods: int = 0,
+           deterministic: bool = False, kernels: str | None = None):
+    """The config of the first family in FAMILIES that runs `op` for this (kernel) head dim, dtype, target and
+    score modifiers."""
+    kernels = KERNELS if kernels is None else kernels
+    for family in FAMILIES:
+        if family.runs(op, head_dim, dtype, arch, mods, kernels):
+            return family.make(head_dim, dtype, causal, mods, deterministic, arch)
+    raise ValueError(f"no kernel family runs op={op!r} for head_dim={head_dim}, dtype={dtype!r}, arch={arch!r}, "
+                     f"mods={mods}; families: {', '.join(f.name for f in FAMILIES)}")

@@ -3,7 +3,7 @@
 value, and that no user array changed.
 
 CPU part (no GPU needed, runs in CI): array metadata comes from `FakeCupyArray` through a patched
-`_validate.array_info`; `api._cupy` and `_launch.get_kernel` are patched to fail, so every error must be
+`_validate.array_info`; `_launch.cupy` and `_launch.get_kernel` are patched to fail, so every error must be
 raised from metadata alone, before the GPU is touched. NumPy arguments are compared before/after.
 GPU part (marker gpu): real CuPy arrays for what needs them (preallocated outputs, aliasing), each array a view
 inside a NaN-poisoned buffer that must come back bit-for-bit unchanged.
@@ -78,7 +78,7 @@ def metadata_only(monkeypatch):
         raise AssertionError("the GPU was used before the bad input was rejected")
 
     monkeypatch.setattr(_validate, "array_info", array_info)
-    monkeypatch.setattr(api, "_cupy", no_gpu)
+    monkeypatch.setattr(_launch, "cupy", no_gpu)
     monkeypatch.setattr(_launch, "get_kernel", no_gpu)
 
 

@@ -154,7 +154,7 @@ def test_split_cap_matches_the_merge_kernel():
     num_splits must be that number."""
     import re
 
-    from cuflash import _validate, api
+    from cuflash import _families, _validate
 
     found = re.search(r"constexpr int MAX_SPLITS = (\d+);", (_compile.cuda_dir() / "fwd.cuh").read_text())
-    assert found and int(found.group(1)) == api.MAX_SPLITS == _validate.MAX_SPLITS
+    assert found and int(found.group(1)) == _families.MAX_SPLITS == _validate.MAX_SPLITS

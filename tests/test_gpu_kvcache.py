@@ -245,17 +245,17 @@ def test_every_num_splits_gives_the_reference_result_and_repeats_bitwise(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_in_a_second_launch_equals_the_merge_in_the_decode_launch(dtype, monkeypatch):
-    """api.DECODE_FUSED_MERGE: the last split of a row block merges (one launch), or fwd_combine_kernel does
+    """_families.DECODE_FUSED_MERGE: the last split of a row block merges (one launch), or fwd_combine_kernel does
     (a second launch). Both sum the splits in the same order: the same bits, for every split count."""
-    from cuflash import api
+    from cuflash import _families
 
     p = split_problem(dtype)
     for splits in (2, 7, 128):
         fused = p.call(causal=True, num_splits=splits, return_lse=True)
-        monkeypatch.setattr(api, "DECODE_FUSED_MERGE", False)
+        monkeypatch.setattr(_families, "DECODE_FUSED_MERGE", False)
         p.poison(splits)
         launched = p.call(causal=True, num_splits=splits, return_lse=True)
-        monkeypatch.setattr(api, "DECODE_FUSED_MERGE", True)
+        monkeypatch.setattr(_families, "DECODE_FUSED_MERGE", True)
         check_outputs(p, *launched, True, f"merge in a second launch, num_splits={splits} {dtype}")
         assert same_bits(fused[0], launched[0]) and same_bits(fused[1], launched[1]), f"num_splits={splits}"
 
@@ -274,9 +274,9 @@ def test_split_counters_on_several_streams():
     cp.cuda.Device().synchronize()
     for i, (o, lse) in enumerate(results):
         assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} on stream {i % 3} differs"
-    from cuflash import api
+    from cuflash import _families
 
-    for (device, stream), counters in api._split_counters.items():  # (arrived, published) per row block
+    for (device, stream), counters in _families._split_counters.items():  # (arrived, published) per row block
         assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 
@@ -286,7 +286,7 @@ def test_merge_under_back_to_back_launches_repeats_bitwise():
     the whole machine, loop ends microseconds apart, as in a real decode step) and of the short split problem
     (most splits see no key and finish at once): every launch gives the bits of the first, checked against the
     reference, and every counter is back at zero afterwards."""
-    from cuflash import api
+    from cuflash import _families
 
     long = Problem(batch=1, sq=1, hq=32, hkv=8, d=128, dtype="bf16", cache="dense", capacity=16384, new_kv=False,
                    seqlens="array", guard=False, seed_key=("merge-stress",), cached=[16384])
@@ -298,7 +298,7 @@ def test_merge_under_back_to_back_launches_repeats_bitwise():
         cp.cuda.Device().synchronize()
         for i, (o, lse) in enumerate(results):
             assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} of 200 differs, num_splits={splits}"
-    for (device, stream), counters in api._split_counters.items():
+    for (device, stream), counters in _families._split_counters.items():
         assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 

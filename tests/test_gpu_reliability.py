@@ -19,7 +19,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
-from cuflash import _launch, _xpref, api, config  # noqa: E402
+from cuflash import _families, _launch, _xpref, config  # noqa: E402
 from cuflash.check import compile_configs  # noqa: E402
 from gpu_helpers import (DTYPES, LAYOUTS, check_lse, check_rule, max_abs, poison_pool, randn, round_up,  # noqa: E402
                          seed_of, to_bshd32)
@@ -505,7 +505,7 @@ def test_first_calls_from_many_threads_load_each_kernel_once(monkeypatch):
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(_launch, "_kernels", {})
-    monkeypatch.setattr(api, "_forward_kernels", {})  # the forward's (config, kernel) lookup in front of it
+    monkeypatch.setattr(_families, "_selected", {})  # the (config, kernel) lookup in front of it
     monkeypatch.setattr(_launch, "_Kernel", CountingKernel)
     n = 8
     barrier = threading.Barrier(n, timeout=120)

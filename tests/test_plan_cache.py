@@ -1,4 +1,4 @@
-"""The plan cache of the public API (api._plans), on CPU: CuPy's allocation, stream and launch are faked
+"""The plan cache of the public API (_plan.plans), on CPU: CuPy's allocation, stream and launch are faked
 (tools/fake_cupy.py) and every launch's grid and params bytes are recorded.
 
 The spec: a warm call (a plan replayed) launches exactly what the full path launches for the same arrays; a
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _launch, api
+from cuflash import _families, _launch, _plan, api
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 if not (TOOLS / "fake_cupy.py").exists():  # pragma: no cover - an installed cuflash without tools/
@@ -52,13 +52,13 @@ def launches_of(call, alloc_base):
 def check_replay_equals_full_path(first, second):
     """first() makes the plan; second() (same signature, other arrays) replays it: its launches must equal
     those of second() on the full path (plans cleared), byte for byte."""
-    api._plans.clear()
+    _plan.plans.clear()
     first()
-    assert len(api._plans) == 1, "the first call made no plan"
+    assert len(_plan.plans) == 1, "the first call made no plan"
     fc.COUNTS.clear()
     replayed, _ = launches_of(second, 1 << 50)
     assert fc.COUNTS["getDevice"] == 1 and not fc.COUNTS["device switch"]
-    api._plans.clear()
+    _plan.plans.clear()
     full, _ = launches_of(second, 1 << 50)
     assert replayed and [(n, g) for n, g, _ in replayed] == [(n, g) for n, g, _ in full]
     for i, ((name, _, got), (_, _, want)) in enumerate(zip(replayed, full)):
@@ -107,12 +107,12 @@ def test_attention_replays_the_forward_plan_without_lse():
     """attention() (o only) replays attention_forward's plan with lse = nullptr (the kernels then write no lse)
     and one allocation; everything else in its launch is the forward's."""
     a, b = qkv(), qkv()
-    api._plans.clear()
+    _plan.plans.clear()
     cuflash.attention_forward(*a, causal=True)
     fc.COUNTS.clear()
     replayed, o = launches_of(lambda: cuflash.attention(*b, causal=True), 1 << 50)
     assert fc.COUNTS["empty"] == 1 and isinstance(o, fc.FakeArray) and o.shape == b[0].shape
-    api._plans.clear()
+    _plan.plans.clear()
     full, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
     assert [(n, g) for n, g, _ in replayed] == [(n, g) for n, g, _ in full]
     got, want = (_launch.FwdParams.from_buffer_copy(x[0][2]) for x in (replayed, full))
@@ -194,11 +194,11 @@ def test_kvcache_replay_without_splits_after_a_call_with_them():
     def short():
         return cuflash.attention_with_kvcache(*b, **kb, check_inputs=True)
 
-    api._plans.clear()
+    _plan.plans.clear()
     long(), long()  # the plan, then a replay that fills this thread's block with the split workspace
-    assert len(api._plans) == 1
+    assert len(_plan.plans) == 1
     replayed, _ = launches_of(short, 1 << 50)
-    api._plans.clear()
+    _plan.plans.clear()
     full, _ = launches_of(short, 1 << 50)
     assert len(replayed) == len(full) == 1 and replayed[0][2] == full[0][2]
     p = _launch.FwdParams.from_buffer_copy(replayed[0][2])
@@ -214,7 +214,7 @@ def test_kvcache_int_lens_enter_the_key_by_type_and_are_written_per_call():
         cuflash.attention_with_kvcache(*a, **kw, check_inputs=False)
         seq = _launch.FwdParams.from_buffer_copy(fc.LAUNCHES[0][2]).seq
         assert seq.seqlen_k == n, f"cache_seqlens={n} launched with seqlen_k={seq.seqlen_k}"
-    assert len(api._plans) == 1
+    assert len(_plan.plans) == 1
     kw["cache_seqlens"] = 4097  # past the capacity: the full path's message
     with pytest.raises(ValueError, match="cache_seqlens=4097 with S_new=0 new keys does not fit"):
         cuflash.attention_with_kvcache(*a, **kw, check_inputs=False)
@@ -229,18 +229,18 @@ def test_a_warm_call_skips_validation_and_the_kernel_lookup(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the full path ran on a warm call")
 
-    monkeypatch.setattr(api._validate, "check_qkv", fail)
-    monkeypatch.setattr(api, "_forward_kernel", fail)
+    monkeypatch.setattr(_families._validate, "check_qkv", fail)
+    monkeypatch.setattr(_families, "_kernel", fail)
     q2, k2, v2 = qkv()
     o = cuflash.attention(q2, k2, v2)
     assert o.shape == q.shape and o.dtype == q.dtype
 
 
 def _plans_after(*calls):
-    api._plans.clear()
+    _plan.plans.clear()
     for call in calls:
         call()
-    return len(api._plans)
+    return len(_plan.plans)
 
 
 def test_the_key_holds_shapes_strides_dtypes_and_options():
@@ -262,7 +262,7 @@ def test_the_key_holds_shapes_strides_dtypes_and_options():
             call()
         except ValueError:
             assert i == len(variants) - 1
-    assert len(api._plans) == 1 + len(variants) - 1, "each signature gets its own plan"
+    assert len(_plan.plans) == 1 + len(variants) - 1, "each signature gets its own plan"
 
 
 def test_an_option_of_another_type_is_validated_again():
@@ -282,8 +282,8 @@ def test_replaced_kernel_table_or_full_cache_drops_plans(monkeypatch):
     q, k, v = qkv()
     cuflash.attention(q, k, v)
     monkeypatch.setattr(_launch, "_kernels", {})  # what a test that counts kernel loads does
-    assert api._plans.get(api._forward_key(q, k, v, False, None, "bshd")) is None
-    small = api._PlanCache(size=3)
+    assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, 0.0, None, 0, False)) is None
+    small = _plan.PlanCache(size=3)
     for i in range(5):
         small.put(i, types_plan())
     assert len(small) == 3 and small.get(0) is None and small.get(4) is not None
@@ -312,7 +312,7 @@ def test_preallocated_outputs_are_checked_on_every_call():
     a = backward_args()
     dq = A(a["q"].shape, F16)
     cuflash.attention_backward(*a.values(), dq=dq)
-    assert len(api._plans) == 1
+    assert len(_plan.plans) == 1
     alias = A(a["q"].shape, F16, ptr=a["out"].data.ptr)  # same signature as dq, at out's address
     with pytest.raises(ValueError, match="dq \\(preallocated\\) overlaps the memory of out; outputs must not alias"):
         cuflash.attention_backward(*a.values(), dq=alias)
@@ -361,7 +361,7 @@ def test_each_thread_gets_its_own_argument_block():
     def work():
         barrier.wait()  # all four threads alive at once: their idents differ
         for _ in range(100):
-            p, address = template.mine()
+            p, address, _ = template.mine()
             assert p.q in (1, threading.get_ident()), "another thread wrote this thread's block"
             p.q = threading.get_ident()
             seen.setdefault(threading.get_ident(), set()).add(address)
@@ -394,12 +394,12 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
 }
 
 
-@pytest.mark.parametrize("fn", ["attention_forward", "attention_backward", "attention_with_kvcache"])
+@pytest.mark.parametrize("fn", ["attention", "attention_forward", "attention_backward", "attention_with_kvcache"])
 def test_every_keyword_option_is_part_of_the_plan_key(fn):
     """A keyword option that the key misses would replay a plan made for another value. When this fails
-    for a new option: add it to the function's key (api._*_key) and a value here."""
-    key_fn = {"attention_forward": api._forward_key, "attention_backward": api._backward_key,
-              "attention_with_kvcache": api._kvcache_key}[fn]
+    for a new option: add it to the function's Signature (api.py) and a value here."""
+    key_fn = {"attention": api._ATTENTION.key, "attention_forward": api._FORWARD.key,
+              "attention_backward": api._BACKWARD.key, "attention_with_kvcache": api._KVCACHE.key}[fn]
     sig = inspect.signature(getattr(api, fn))
     options = [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
     missing = [p.name for p in options if p.name not in OTHER_VALUES]

@@ -1,11 +1,11 @@
-"""The split-KV heuristic of attention_with_kvcache (cuflash.api.num_splits_heuristic), checked against
+"""The split-KV heuristic of attention_with_kvcache (cuflash._families.num_splits_heuristic), checked against
 a brute-force model of the launch: CTAs run in waves of num_sms * ctas_per_sm, so the fraction of the
 slot-time that does work is waves / ceil(waves)."""
 import math
 
 import pytest
 
-from cuflash.api import MAX_SPLITS, num_splits_heuristic
+from cuflash._families import MAX_SPLITS, num_splits_heuristic
 
 
 def fill(ctas, splits, slots):
@@ -43,9 +43,9 @@ def test_the_h100_decode_cases():
 
 
 def test_the_h100_decode_cases_at_one_cta_per_sm():
-    """What the library asks for (api.DECODE_CTAS_PER_SM = 1, measured best on the H100): one wave of single
+    """What the library asks for (_families.DECODE_CTAS_PER_SM = 1, measured best on the H100): one wave of single
     CTAs, 128 of 132 SMs, at every batch of the decode benchmark."""
-    from cuflash.api import DECODE_CTAS_PER_SM
+    from cuflash._families import DECODE_CTAS_PER_SM
 
     assert DECODE_CTAS_PER_SM == 1
     assert num_splits_heuristic(8, 512, 132, 1) == 16    # B=1, 8 K/V heads

@@ -23,7 +23,7 @@ sys.path.insert(0, {str(TOOLS)!r})
 import cuflash, launch_overhead
 other = launch_overhead.load_other_cuflash({str(ROOT)!r})
 assert other.__name__ == "cuflash_against" and other is not cuflash
-assert other.api is not cuflash.api and other.api._plans is not cuflash.api._plans
+assert other.api is not cuflash.api and other._plan.plans is not cuflash._plan.plans
 assert other._launch._kernels is not cuflash._launch._kernels
 assert other._compile.cuda_dir() == cuflash._compile.cuda_dir(), other._compile.cuda_dir()
 assert sys.modules["cuflash_against.api"] is other.api

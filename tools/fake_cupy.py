@@ -14,7 +14,7 @@ import types
 
 import numpy as np
 
-from cuflash import _launch, _validate, api
+from cuflash import _families, _launch, _plan, _validate
 
 COUNTS: collections.Counter = collections.Counter()  # what the fakes were asked to do, by name
 LAUNCHES: list = []  # (kernel name, grid, params bytes) of each launch while RECORD[0] is True
@@ -167,11 +167,10 @@ def install(setattr_) -> None:
     from cupy.cuda import driver
 
     setattr_(_validate, "_ndarray", FakeArray)
-    setattr_(api, "_cupy", lambda: cupy)
+    setattr_(_launch, "cupy", lambda: cupy)
     setattr_(_launch, "get_kernel", _fake_kernel)
     setattr_(_launch, "device_arch", lambda device_id: "sm_90a")
     setattr_(driver, "launchKernel", _launch_kernel)
-    setattr_(api, "_num_sms", {0: 132})
-    setattr_(api, "_forward_kernels", {})
-    if hasattr(api, "_plans"):
-        setattr_(api, "_plans", api._PlanCache())
+    setattr_(_families, "_num_sms", {0: 132})
+    setattr_(_families, "_selected", {})
+    setattr_(_plan, "plans", _plan.PlanCache())

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cupy as cp  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _compile, api, bench, config  # noqa: E402
+from cuflash import _compile, _families, _plan, bench, config  # noqa: E402
 
 HQ, HKV, D = 32, 8, 128
 
@@ -69,8 +69,8 @@ def main(argv=None) -> int:
             for stages, tiles, merge in ((s, t, m) for s in args.stages for t in args.tiles for m in args.merge):
                 config.DECODE_STAGES = stages
                 config.DECODE_TILES[D] = tiles
-                api.DECODE_FUSED_MERGE = merge == "fused"
-                api._plans.clear()
+                _families.DECODE_FUSED_MERGE = merge == "fused"
+                _plan.plans.clear()
                 cfg = config.fwd_decode_config(D, "bf16", False)
                 r = _compile.compile_kernel(cfg.cpp_name(), _compile.device_arch()).resources
                 row = [f"  stages {stages}, tiles {tiles}, merge {merge} (regs {r['registers']}, spill {r['spill_stores']}):"]

@@ -19,7 +19,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _compile, api, config  # noqa: E402
+from cuflash import _compile, _families, _plan, config  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -66,8 +66,8 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
     ref = None
     for cand in dict.fromkeys([shipped] + candidates):
         table[d] = cand
-        api._forward_kernels.clear()
-        api._plans.clear()  # plans hold the kernel of the old tile choice
+        _families._selected.clear()
+        _plan.plans.clear()  # plans hold the kernel of the old tile choice
         try:
             res = resources(make_cfg(), arch)
             ms, out = run()
@@ -79,8 +79,8 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
         except Exception as ex:  # noqa: BLE001 - a candidate that does not compile or run is reported
             print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
     table[d] = shipped
-    api._forward_kernels.clear()
-    api._plans.clear()
+    _families._selected.clear()
+    _plan.plans.clear()
 
 
 def main() -> int:

@@ -1,0 +1,485 @@
+"""The plan of a problem: its kernel family and config (config.select), launch arguments and launches.
+
+One function per operation: `forward`, `backward`, `decode`. Each makes the outputs and the kernels' params
+structs from a validated problem (_problem.py), launches, and, when the call can be replayed (CuPy arrays, no
+copy made, no score modifier), records a `_plan.Plan` under the call's key so later calls skip everything here.
+A new kernel family or dtype is a `config.FAMILIES` entry and its kernel; the params it takes are built here once.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from functools import lru_cache
+
+from . import _launch, _plan, _validate, config
+from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
+                     kernel_head_dim)
+from .philox import dropout_threshold
+
+_selected: dict = {}  # (op, device, kernel head dim, dtype, causal, mods, deterministic, families) -> (config, kernel)
+
+
+def _kernel(op: str, device: int, head_dim: int, dtype: str, causal: bool, mods: int = 0, deterministic: bool = False):
+    """Config and loaded kernel of an operation, chosen by config.select once per signature."""
+    key = (op, device, head_dim, dtype, causal, mods, deterministic, config.KERNELS)
+    entry = _selected.get(key)
+    if entry is None:
+        cfg = config.select(op, head_dim, dtype, causal, _launch.device_arch(device), mods=mods,
+                            deterministic=deterministic)
+        entry = _selected[key] = (cfg, _launch.get_kernel(cfg, device))
+    return entry
+
+
+# --- operands -------------------------------------------------------------------------------------------
+
+def _operand(x, info, dims, layout):
+    """x itself when the kernel can read it in place; else an aligned contiguous copy (rare: views at odd element
+    offsets, see _validate.needs_aligned_copy) and its new Dims."""
+    packed = layout == "packed"
+    if not (_validate.needs_aligned_copy_rows(info) if packed else _validate.needs_aligned_copy(info, dims)):
+        return x, dims
+    # a copy, always: ascontiguousarray returns a misaligned view unchanged when it is already C-contiguous
+    # (every outer dim of size 1), and the kernels would then read 16-byte chunks at an odd address
+    x = x.copy()
+    info = _validate.array_info(x, info.name)
+    if packed:
+        return x, dims._replace(row_stride=int(info.strides[0]), head_stride=int(info.strides[1]))
+    return x, _validate.bshd_dims(info, layout)
+
+
+def _new_like(dims, layout, dtype, cp):
+    """A new contiguous array shaped like dims in layout, and its Dims."""
+    b, s, h, d = dims.batch, dims.seqlen, dims.heads, dims.head_dim
+    if layout == "packed":
+        return cp.empty((s, h, d), dtype=dtype), _validate.Dims(1, s, h, d, 0, h * d, d)
+    if layout == "bshd":
+        return cp.empty((b, s, h, d), dtype=dtype), _validate.Dims(b, s, h, d, s * h * d, h * d, d)
+    return cp.empty((b, h, s, d), dtype=dtype), _validate.Dims(b, s, h, d, h * s * d, d, s * d)
+
+
+def _same(arrays, others) -> bool:
+    """Whether each array is the same object as its counterpart (no copy was made)."""
+    return all(a is b for a, b in zip(arrays, others))
+
+
+def _strides(d):
+    return d.batch_stride, d.row_stride, d.head_stride
+
+
+def mod_params(m: _validate.Mods, scale: float, max_seqlen: int) -> _launch.ModParams:
+    """ModParams of a launch. An unbounded window side becomes a bound no sequence reaches (the kernels
+    never test for -1)."""
+    left, right = m.window if m.window is not None else (-1, -1)
+    far = max(1, max_seqlen)
+    a = m.alibi
+    return _launch.ModParams(
+        0 if a is None else a.ptr, int(a.strides[0]) if a is not None and len(a.shape) == 2 else 0, m.seed,
+        far if left == -1 else left, far if right == -1 else right,
+        scale / m.softcap if m.softcap else 0.0, m.softcap / scale if m.softcap else 0.0, 1.0 / scale,
+        m.offset, dropout_threshold(m.dropout_p), 1.0 / (1.0 - m.dropout_p))
+
+
+def _seq(a, cu_seqlens):
+    """SeqParams of a forward or backward problem; cu_seqlens: (q, k) CuPy arrays of a packed call, or None."""
+    group = a.heads_q // a.heads_kv
+    if cu_seqlens is None:
+        return _launch.seq_params(a.seqlen_q, a.seqlen_k, group)
+    return _launch.seq_params(a.seqlen_q, a.seqlen_k, group, cu_seqlens[0].data.ptr, cu_seqlens[1].data.ptr)
+
+
+MAX_DROPOUT_MASK = 2**30
+
+
+def dropout_mask(m: _validate.Mods, batch: int, heads: int, seqlen_q: int, seqlen_k: int, device: int):
+    """bool (batch, heads, seqlen_q, seqlen_k): True where the kernels keep P (return_dropout_mask)."""
+    cp = _launch.cupy()
+    if batch * heads * seqlen_q * seqlen_k > MAX_DROPOUT_MASK:
+        raise ValueError(f"return_dropout_mask=True would return {batch * heads * seqlen_q * seqlen_k} elements "
+                         f"(batch * heads * seqlen_q * seqlen_k); it is for testing small shapes, at most "
+                         f"{MAX_DROPOUT_MASK}")
+    with _launch.on_device(cp, device):
+        mask = cp.empty((batch, heads, seqlen_q, seqlen_k), dtype=cp.uint8)
+        if mask.size == 0:
+            return mask.view(cp.bool_)
+        if m.dropout_p == 0:  # nothing dropped
+            mask.fill(1)
+            return mask.view(cp.bool_)
+        params = _launch.DropoutMaskParams(mask.data.ptr, mod_params(m, 1.0, 1), seqlen_q, seqlen_k, heads)
+        cfg = DropoutMaskConfig()
+        groups = ((seqlen_q + 1) // 2) * ((seqlen_k + 1) // 2)
+        _launch.get_kernel(cfg, device).launch((-(-groups // cfg.threads), heads, batch), params,
+                                               cp.cuda.get_current_stream().ptr)
+    return mask.view(cp.bool_)
+
+
+def varlen_dropout_masks(a, cu_seqlens_q, cu_seqlens_k) -> list:
+    """One bool (heads, len_q(b), len_k(b)) keep mask per sequence of a packed problem: the top-left corner of
+    batch index b's mask (the dropout stream does not depend on the lengths)."""
+    cp = _launch.cupy()
+    dense = dropout_mask(a.mods, a.batch, a.heads_q, a.seqlen_q, a.seqlen_k, a.device)
+    with _launch.on_device(cp, a.device):
+        cq, ck = cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k)
+        return [dense[b, :, :int(cq[b + 1] - cq[b]), :int(ck[b + 1] - ck[b])].copy() for b in range(a.batch)]
+
+
+# --- forward --------------------------------------------------------------------------------------------
+
+def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
+    """Launch the forward of problem `a` on arrays = (q, k, v); returns (o, lse), or o alone without lse (the
+    kernel then writes none). cu_seqlens: (q, k) offsets of a packed problem. key: the call's plan key, or None."""
+    cp = _launch.cupy()
+    layout = a.layout
+    with _launch.on_device(cp, a.device):
+        o, od = _new_like(a.q, layout, arrays[0].dtype, cp)
+        lse = None
+        if with_lse:
+            lse = cp.empty((a.heads_q, a.total_q) if a.packed else (a.batch, a.heads_q, a.seqlen_q), dtype=cp.float32)
+        if o.size == 0:
+            return (o, lse) if with_lse else o
+        if a.seqlen_k == 0 and not a.packed:  # no keys at all: every row is fully masked
+            o.fill(0)
+            if with_lse:
+                lse.fill(-cp.inf)
+            return (o, lse) if with_lse else o
+        (q, dq), (k, dk), (v, dv) = (_operand(x, i, d, layout) for x, i, d in zip(arrays, a.infos, (a.q, a.k, a.v)))
+        cfg, kernel = _kernel("forward", a.device, kernel_head_dim(a.head_dim), a.dtype, a.mods.causal, a.mods.bits)
+        lse_strides = (0, a.total_q) if a.packed else (a.heads_q * a.seqlen_q, a.seqlen_q)
+        params = _launch.FwdParams(
+            q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr, _seq(a, cu_seqlens),
+            0, 0, 0, 0, *_strides(dq), *_strides(dk), *_strides(dv), *_strides(od), *lse_strides, 0, 0,
+            a.heads_q, a.head_dim, 0, 0, 1, 1, a.scale * _launch.LOG2E, 0)
+        if a.mods.bits:
+            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
+        grid = (-(-a.seqlen_q // cfg.block_m), a.heads_q, a.batch)
+        if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
+            b = _plan.PlanBuilder(a.device)
+            b.bind(0, params, "q")
+            b.bind(1, params, "k")
+            b.bind(2, params, "v")
+            b.alloc(o.shape, o.dtype, (params, "o"))
+            if with_lse:
+                b.alloc(lse.shape, lse.dtype, (params, "lse"))
+            b.launch(kernel, grid, params)
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(3, 4) if with_lse else 3))
+        kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
+    return (o, lse) if with_lse else o
+
+
+# --- backward -------------------------------------------------------------------------------------------
+
+def _backward_workspace(rows: int, kernel_head_dim: int, deterministic: bool) -> int:
+    """float32 elements of the backward's one workspace: lse_log2 and delta (`rows` each), then, unless
+    deterministic, the dq accumulator (rows x kernel_head_dim). rows is a multiple of SEQLEN_Q_PAD, so each
+    part starts 512-byte aligned."""
+    return rows * (2 if deterministic else 2 + kernel_head_dim)
+
+
+def backward(p, arrays, *, cu_seqlens=None, key=None):
+    """Launch the backward of problem p (_problem.Backward) on arrays = (dout, q, k, v, out, lse, dq, dk, dv),
+    the gradients None where the call did not preallocate them; returns (dq, dk, dv)."""
+    a = p.fwd
+    layout = a.layout
+    cp = _launch.cupy()
+    with _launch.on_device(cp, a.device):
+        grads, grad_dims = [], []
+        for x, g, ref in zip(arrays[6:], p.grads, (a.q, a.k, a.v)):
+            if g is None:
+                x, d = _new_like(ref, layout, arrays[1].dtype, cp)
+            else:
+                d = g[1]
+            grads.append(x)
+            grad_dims.append(d)
+        dq, dk, dv = grads
+        if dq.size + dk.size == 0:
+            return dq, dk, dv
+        if (a.total_q == 0 or a.total_k == 0) if a.packed else (a.seqlen_q == 0 or a.seqlen_k == 0):
+            for x in grads:  # no query or no key: no pair contributes
+                x.fill(0)
+            return dq, dk, dv
+        dout, q, k, v, out, lse = arrays[:6]
+        (q, d_q), (k, d_k), (v, d_v) = (_operand(x, i, d, layout) for x, i, d in zip((q, k, v), a.infos, (a.q, a.k, a.v)))
+        doi, oi, li = p.infos
+        dout, d_do = _operand(dout, doi, p.dout, layout)
+        out, d_o = _operand(out, oi, p.out, layout)
+        hd = kernel_head_dim(a.head_dim)
+        if a.packed:  # fp32 rows: every sequence gets a region from a multiple of SEQLEN_Q_PAD (cuda/seqs.cuh)
+            pad_rows, pad_batches = (a.total_q + SEQLEN_Q_PAD * a.batch) // SEQLEN_Q_PAD * SEQLEN_Q_PAD, 1
+        else:
+            pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
+        rows = pad_batches * a.heads_q * pad_rows
+        work_floats = _backward_workspace(rows, hd, p.deterministic)
+        work = cp.empty(work_floats, dtype=cp.float32)
+        dq_accum = 0 if p.deterministic else work.data.ptr + 8 * rows
+        params = _launch.BwdParams(
+            q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
+            lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + 4 * rows, _seq(a, cu_seqlens),
+            *(s for d in (d_q, d_k, d_v, d_o, d_do, *grad_dims) for s in _strides(d)),
+            *p.lse_strides, pad_rows, a.heads_q, a.head_dim, hd, _launch.scale_log2(a.scale), a.scale)
+        if a.mods.bits:
+            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
+        launches = []
+        pre = ElementwiseConfig("preprocess", a.dtype)
+        rows_pad = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
+        launches.append((_launch.get_kernel(pre, a.device), (rows_pad // pre.rows_per_cta, a.heads_q, a.batch)))
+        main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, p.deterministic)
+        if a.seqlen_k > 0:
+            launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k)))
+        if p.deterministic:
+            dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
+            launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q)))
+        else:
+            conv = ElementwiseConfig("convert_dq", a.dtype)
+            chunks = a.seqlen_q * (a.head_dim // 8)
+            launches.append((_launch.get_kernel(conv, a.device), (-(-chunks // conv.threads), a.heads_q, a.batch)))
+        stream = cp.cuda.get_current_stream().ptr
+        for kern, grid in launches:
+            kern.launch(grid, params, stream)
+        if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
+            b = _plan.PlanBuilder(a.device)
+            for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
+                b.bind(i, params, field)
+            for i, (g, field) in enumerate(zip(p.grads, ("dq", "dk", "dv"))):
+                if g is None:
+                    b.alloc(grads[i].shape, grads[i].dtype, (params, field))
+                else:
+                    b.bind(6 + i, params, field)
+            accum = () if p.deterministic else ((params, "dq_accum", 8 * rows),)
+            b.scratch(work_floats, (params, "lse_log2", 0), (params, "delta", 4 * rows), *accum)
+            for kern, grid in launches:
+                b.launch(kern, grid, params)
+            given = [6 + i for i, g in enumerate(p.grads) if g is not None]
+            infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
+            new = iter(range(9, 12))
+            returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
+                                        extents=tuple(None if i is None else _plan.relative_extent(i) for i in infos),
+                                        returns=returns))
+    return dq, dk, dv
+
+
+# --- KV-cache decoding ----------------------------------------------------------------------------------
+
+_num_sms: dict = {}
+
+
+def _sm_count(device: int) -> int:
+    if device not in _num_sms:
+        from cupy.cuda import runtime
+
+        _num_sms[device] = runtime.deviceGetAttribute(runtime.cudaDevAttrMultiProcessorCount, device)
+    return _num_sms[device]
+
+
+MAX_SPLITS = 128  # the merge keeps the lse of 4 x 32 splits in registers: cuda/fwd.cuh MAX_SPLITS
+# The split-KV launch aims at one CTA per SM, whatever the occupancy would allow: measured on the H100 (bf16,
+# D 128, 32/8 heads), one full wave of single CTAs beat two CTAs per SM at every batch: B=1 32k keys 57.0 us
+# (16 splits, 128 CTAs) vs 62.1 (32 splits, 256 CTAs); 128k keys 184 vs 194 us; B=2 32k 99 vs 117 us; B=8 32k
+# 357 vs 364 us; B=8 128k 1369 vs 1409 us. A decode CTA keeps enough K/V loads in flight to use its SM's share
+# of the bandwidth alone; a second one halves each split's work and doubles the merge's.
+DECODE_CTAS_PER_SM = 1
+# Split-KV merge in the decode launch itself (the last split of each row block merges; cuda/fwd.cuh
+# fwd_decode_finish) rather than in a second launch of fwd_combine_kernel.
+DECODE_FUSED_MERGE = True
+
+# Counters of the one-launch merge: one int32 buffer per (device, stream). Launches on one stream run in
+# order and each leaves its counters at zero, so they can share a buffer; launches on different streams may
+# overlap, so they get their own.
+_split_counters: dict = {}
+_split_counters_lock = threading.Lock()
+
+
+def _split_workspace(cp, device: int, stream: int, splits: int, accum_rows: int, hd: int, counter_rows: int):
+    """(workspace, o_accum, lse_accum, split_counters) of a split-KV launch: one fp32 workspace holding o_accum
+    (splits, batch, heads, seqlen_q, hd), then lse_accum (splits, batch, heads, seqlen_q), 128-byte aligned (hd is a
+    multiple of 32); the counters of the merge in the decode launch (0 when fwd_combine_kernel merges). The caller
+    keeps the workspace referenced until its launches are queued."""
+    rows = splits * accum_rows
+    work = cp.empty(rows * (hd + 1), dtype=cp.float32)
+    counters = _split_counter_ptr(cp, device, stream, 2 * counter_rows) if DECODE_FUSED_MERGE else 0
+    return work, work.data.ptr, work.data.ptr + 4 * rows * hd, counters
+
+
+def _split_counter_ptr(cp, device: int, stream: int, n: int) -> int:
+    """Address of at least n zeroed split counters for launches on `stream` of `device` (the current one)."""
+    buf = _split_counters.get((device, stream))
+    if buf is None or buf.size < n:
+        with _split_counters_lock:
+            buf = _split_counters.get((device, stream))
+            if buf is None or buf.size < n:  # zeroed on this stream, before the launch that uses it
+                buf = cp.zeros(max(n, 1024), dtype=cp.int32)
+                _split_counters[(device, stream)] = buf
+    return buf.data.ptr
+
+
+@lru_cache(maxsize=4096)  # on the host path of every decode call: a dict lookup, not 128 trials
+def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: int = 2) -> int:
+    """Split-KV factor for a decode launch of `ctas` CTAs (row blocks x heads x batch) over `key_blocks`
+    key tiles per sequence, on `num_sms` SMs that each hold `ctas_per_sm` of these CTAs at once.
+
+    Decoding reads K/V once and is bound by memory bandwidth, which takes many loads in flight on every
+    SM, so the launch should fill the machine, and fill it evenly: a launch of 1.2 waves leaves most SMs
+    idle for its last 0.2 wave (on an H100, 64 CTAs split 5 ways made 320 CTAs for 264 slots and read the
+    cache at 77-81% of the bandwidth that a 1-wave launch reaches). The factor is the smallest one whose
+    waves are at least 95% full (a wave of `num_sms * ctas_per_sm` CTAs), or else the fullest, among
+    those that leave each split at least 4 key tiles (256 keys), so the merge stays a small fraction of
+    the work. A launch of one wave or more is split only to even out its last wave, and one of 4 waves
+    or more is left whole (the SMs' schedulers already smooth the last of many waves)."""
+    slots = max(1, num_sms * max(1, ctas_per_sm))
+    if ctas <= 0 or key_blocks <= 0 or ctas >= 4 * slots:
+        return 1
+    most = max(1, min(key_blocks // 4, MAX_SPLITS))
+
+    def fill(s: int) -> float:  # work of the launch over the slot-time it occupies
+        waves = ctas * s / slots
+        return waves / math.ceil(waves)
+
+    fills = {s: fill(s) for s in range(1, most + 1)}
+    good = [s for s, f in fills.items() if f >= 0.95]
+    return good[0] if good else max(fills, key=lambda s: (fills[s], -s))
+
+
+def _decode_lengths(cp, p, cache_seqlens, block_table):
+    """(max keys of a sequence, cache_seqlen for the kernels) of a call; with check_inputs, the host check of
+    cache_seqlens / block_table values (one synchronization) first."""
+    m = p.dims
+    max_len = m.capacity
+    if p.check_inputs:  # before anything is written: a rejected call leaves the caches untouched
+        lens_host = cache_seqlens if p.is_count else cp.asnumpy(cache_seqlens)
+        max_len = _validate.check_kvcache_values(lens_host, None if block_table is None else cp.asnumpy(block_table),
+                                                 m.capacity, m.s_new, m.num_blocks, m.page_size)
+    return max_len
+
+
+def _decode_splits(cp, device, stream, m, max_len, block_n, grid_rows, hd):
+    """(splits, workspace or None, o_accum, lse_accum, counters) of a decode launch."""
+    ctas = grid_rows
+    splits = m.num_splits or num_splits_heuristic(ctas, -(-max_len // block_n), _sm_count(device), DECODE_CTAS_PER_SM)
+    if splits == 1:
+        return 1, None, 0, 0, 0
+    work, o_accum, lse_accum, counters = _split_workspace(cp, device, stream, splits, m.batch * m.heads_q * m.seqlen_q,
+                                                          hd, ctas)
+    return splits, work, o_accum, lse_accum, counters
+
+
+class _DecodeStep:
+    """A decode plan's per-call step (`_plan.replay`): the cache lengths (an int cache_seqlens is bound by value;
+    check_inputs reads the values back), and the split factor and workspace they decide."""
+
+    def __init__(self, p, block_n, row_blocks, grid_heads, hd, append_t, main_t, combine):
+        self.p, self.block_n, self.row_blocks, self.grid_heads, self.hd = p, block_n, row_blocks, grid_heads, hd
+        self.append_t, self.main_t, self.combine = append_t, main_t, combine
+
+    def __call__(self, plan, arrays, cache_seqlens, blocks, stream):
+        p, m = self.p, self.p.dims
+        cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen
+        if p.is_count and cache_seqlens is not None:
+            cache_seqlen = int(cache_seqlens)
+            if cache_seqlen < 0 or cache_seqlen + m.s_new > m.capacity:
+                return None
+        cp = _launch.cupy()
+        max_len = _decode_lengths(cp, p, cache_seqlens, arrays[6])
+        launches = list(plan.launches)
+        if self.append_t is not None:
+            blocks[self.append_t][0].cache_seqlen = cache_seqlen
+        main = blocks[self.main_t][0]
+        main.seq.seqlen_k = cache_seqlen
+        rows = self.row_blocks * self.grid_heads * m.batch
+        splits, work, main.o_accum, main.lse_accum, main.split_counters = _decode_splits(
+            cp, plan.device, stream, m, max_len, self.block_n, rows, self.hd)
+        main.num_splits = splits
+        kernel = launches[-1][0]
+        launches[-1] = (kernel, (self.row_blocks, self.grid_heads, m.batch * splits), self.main_t)
+        if splits > 1 and not DECODE_FUSED_MERGE:
+            comb, grid = self.combine
+            launches.append((_launch.get_kernel(comb, plan.device), grid, self.main_t))
+        return launches, work
+
+
+def decode(p, arrays, cache_seqlens, *, key=None):
+    """Launch attention_with_kvcache of problem p (_problem.Kvcache) on arrays = (q, k_cache, v_cache, k, v,
+    cache_seqlens array or None, block_table or None); cache_seqlens: the call's argument (None, an int or the
+    array)."""
+    m = p.dims
+    cp = _launch.cupy()
+    q, k_cache, v_cache, k, v, lens, block_table = arrays
+    qi, kci, vci, ki, vi, lens_info, bti = p.infos
+    with _launch.on_device(cp, m.device):
+        max_len = _decode_lengths(cp, p, cache_seqlens, block_table)
+        o = cp.empty((m.batch, m.seqlen_q, m.heads_q, m.head_dim), dtype=q.dtype)
+        lse = cp.empty((m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
+        if m.batch == 0:
+            return (o, lse) if p.return_lse else o
+        stream = cp.cuda.get_current_stream().ptr
+        lens_ptr = None if p.is_count else lens.data.ptr  # keys cached per sequence (device), or ...
+        cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen  # ... the same count for all
+        bt_ptr = block_table.data.ptr if m.paged else None
+        dkc, dvc = m.k_cache, m.v_cache  # paged: Dims of (num_pages, page_size, heads_kv, head_dim)
+        given = (q, k, v)
+        append = None
+        if m.s_new:  # append k, v at positions cache_seqlens[b] .. + S_new - 1: one launch, no host sync
+            k, dk = _operand(k, ki, m.k, "bshd")
+            v, dv = _operand(v, vi, m.v, "bshd")
+            append = _launch.AppendParams(
+                k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lens_ptr, bt_ptr,
+                *(s for d in (dk, dv, dkc, dvc) for s in _strides(d)),
+                cache_seqlen, m.s_new, m.heads_kv, m.head_dim, m.page_size if m.paged else 0, m.block_table_stride)
+            app = AppendConfig()
+            chunks = m.s_new * m.heads_kv * (m.head_dim // 8)
+            append_launch = (_launch.get_kernel(app, m.device), (-(-chunks // app.threads), m.batch, 1))
+            append_launch[0].launch(append_launch[1], append, stream)
+        if o.size == 0:
+            return (o, lse) if p.return_lse else o
+        q, dq = _operand(q, qi, m.q, "bshd")
+
+        # Grouped query heads are packed as rows (cuda/fwd.cuh): one K/V tile read serves the whole group.
+        group = m.heads_q // m.heads_kv
+        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 else (1, m.heads_q)
+        hd = kernel_head_dim(m.head_dim)
+        cfg, kernel = _kernel("decode", m.device, hd, m.dtype, p.causal)
+        row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
+        splits, work, o_accum, lse_accum, counters = _decode_splits(
+            cp, m.device, stream, m, max_len, cfg.block_n, row_blocks * grid_heads * m.batch, hd)
+        page_strides, bt_stride, page_size = (0, 0), 0, 0
+        if m.paged:  # pages are indexed from the cache base (no batch stride)
+            page_strides, bt_stride, page_size = (dkc.batch_stride, dvc.batch_stride), m.block_table_stride, m.page_size
+            dkc, dvc = dkc._replace(batch_stride=0), dvc._replace(batch_stride=0)
+        # packed rows: grid.y runs over K/V heads, so no further query-head -> K/V-head division
+        seq = _launch.seq_params(m.seqlen_q, cache_seqlen, 1 if rows_per_pos > 1 else group, seqused_k=lens_ptr,
+                                 seqlen_k_new=m.s_new)
+        params = _launch.FwdParams(
+            q.data.ptr, k_cache.data.ptr, v_cache.data.ptr, o.data.ptr, lse.data.ptr, seq, bt_ptr, o_accum,
+            lse_accum, counters, *_strides(dq), *_strides(dkc), *_strides(dvc),
+            m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim, m.head_dim, m.heads_q * m.seqlen_q, m.seqlen_q,
+            *page_strides, m.heads_q, m.head_dim, bt_stride, page_size, splits, rows_per_pos,
+            p.scale * _launch.LOG2E, hd)
+        kernel.launch((row_blocks, grid_heads, m.batch * splits), params, stream)
+        comb = CombineConfig(m.dtype)
+        combine = (comb, (-(-m.heads_q * m.seqlen_q // comb.rows_per_cta), m.batch, 1))
+        if splits > 1 and not DECODE_FUSED_MERGE:
+            _launch.get_kernel(comb, m.device).launch(combine[1], params, stream)
+        if key is not None and _same((q, k, v), given):  # no operand copied: later calls replay this
+            b = _plan.PlanBuilder(m.device)
+            b.bind(0, params, "q")
+            b.bind(1, params, "k")
+            b.bind(2, params, "v")
+            b.bind(5, params, "seq.seqused_k")
+            b.bind(6, params, "block_table")
+            b.alloc(o.shape, o.dtype, (params, "o"))
+            b.alloc(lse.shape, lse.dtype, (params, "lse"))
+            append_t = None
+            if append is not None:
+                for i, field in ((1, "k_cache"), (2, "v_cache"), (3, "k_new"), (4, "v_new"), (5, "cache_seqlens"),
+                                 (6, "block_table")):
+                    b.bind(i, append, field)
+                b.launch(*append_launch, append)
+                append_t = b.template(append)
+            b.launch(kernel, (row_blocks, grid_heads, m.batch), params)
+            step = _DecodeStep(p, cfg.block_n, row_blocks, grid_heads, hd, append_t, b.template(params), combine)
+            aligned = (0, 1, 2, 3, 4) if m.s_new else (0, 1, 2)
+            writes, extents = (), ()
+            if m.s_new:  # the caches are written: they must not meet each other or anything the call reads
+                writes = (1, 2)
+                extents = tuple(None if i is None else _plan.relative_extent(i) for i in p.infos)
+            _plan.plans.put(key, b.plan(aligned=aligned, writes=writes, extents=extents,
+                                        returns=(7, 8) if p.return_lse else 7, step=step))
+    return (o, lse) if p.return_lse else o

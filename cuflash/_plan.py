@@ -1,0 +1,282 @@
+"""Plans: what the first call of a signature worked out, replayed by every later call of that signature.
+
+The host path of a call has four layers (cuflash/):
+
+    api.py        the public functions: arguments and docstrings
+    _problem.py   a call's validated description: shapes, strides, dtype, layout, score modifiers
+    _families.py  the plan: kernel family and config (config.select), launch arguments, launches
+    _launch.py    loading kernels and launching them
+
+A warm call skips the middle two. Its key (`Signature.key`) holds everything that decides validation and launch
+except the array addresses: per array (shape, byte strides, dtype, device), every option with its type (True == 1,
+but causal=1 is an error), and the kernel families in use (CUFLASH_KERNELS). When the key finds a `Plan`, `replay`
+checks what depends on addresses (16-byte alignment, which decides a copy; overlap of arrays a launch writes in
+place with the others), allocates the outputs and the workspace, writes the addresses into the recorded launch
+arguments and launches. When a check fails, the call takes the full path, which copies or raises exactly as
+without a plan. Plans are made only for calls that launch on their arguments in place (no copy) and without
+score modifiers (their values, the ALiBi slopes' address, the dropout seed go the full path, which validates them).
+"""
+from __future__ import annotations
+
+import numbers
+import threading
+from typing import NamedTuple
+
+from . import _launch, _validate, config
+
+
+class PlanCache:
+    """Plans by key, at most `size` of them (the oldest goes first); thread-safe."""
+
+    def __init__(self, size: int = 512):
+        self.size = size
+        self._plans: dict = {}
+        self._lock = threading.Lock()
+
+    def get(self, key):
+        """The plan of key, or None (no key: arguments that are not all CuPy arrays; an unhashable option;
+        a plan whose kernels came from an in-memory kernel table that has since been replaced)."""
+        if key is None:
+            return None
+        try:
+            plan = self._plans.get(key)
+        except TypeError:  # an unhashable option (a list as softmax_scale, ...): the full path reports it
+            return None
+        if plan is None or plan.kernels is not _launch._kernels:
+            return None
+        return plan
+
+    def put(self, key, plan) -> None:
+        with self._lock:
+            if len(self._plans) >= self.size:
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+plans = PlanCache()
+
+
+# --- keys ------------------------------------------------------------------------------------------------
+
+ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, DEFAULT = "array", "optional array", "count", "option", "default"
+
+
+class Signature:
+    """The plan key of one public function's calls.
+
+    `params` lists the function's arguments in order, each (name, kind): ARRAY (a CuPy array: its shape,
+    strides, dtype and device enter the key), OPTIONAL_ARRAY (None or an array), COUNT (None, an int that enters
+    by its type only because its value is bound per call, or an array), OPTION (value and type enter the key),
+    DEFAULT (the call is planned only when it has the value in `defaults`; it does not enter the key).
+
+    `key(*args)` is generated once as one flat tuple expression: a loop over the arguments building the same
+    tuple cost ~0.7 us more per call (tools/launch_overhead.py --fake, 2026-11-24), and a tuple of per-array
+    tuples ~1 us more to build, hash and compare."""
+
+    def __init__(self, name: str, params, defaults: dict | None = None):
+        self.name = name
+        self.params = tuple(params)
+        self.defaults = dict(defaults or {})
+        names = [n for n, _ in self.params]
+        checks, parts, plain = [], [repr(name), "_config.KERNELS"], []
+        arrays = [n for n, kind in self.params if kind == ARRAY]
+        if arrays:
+            checks.append(f"    if {' or '.join(f'type({n}) is not nd' for n in arrays)}:\n        return None")
+        for n, kind in self.params:
+            meta = f"{n}.shape, {n}.strides, {n}.dtype, {n}.data.device_id"
+            if kind == ARRAY:
+                parts.append(meta)
+            elif kind == OPTIONAL_ARRAY:
+                checks.append(f"    if {n} is not None and type({n}) is not nd:\n        return None")
+                parts.append(f"None if {n} is None else ({meta})")
+            elif kind == COUNT:
+                checks.append(f"    if {n} is None or isinstance({n}, Integral):\n        {n}_key = type({n})\n"
+                              f"    elif type({n}) is nd:\n        {n}_key = ({meta})\n    else:\n        return None")
+                parts.append(f"{n}_key")
+            elif kind == OPTION:
+                parts.append(f"type({n}), {n}")
+            elif kind == DEFAULT:
+                d = self.defaults[n]
+                plain.append(f"{n} is {d!r}" if d is None or type(d) is bool else
+                             f"type({n}) is {type(d).__name__} and {n} == {d!r}")
+            else:
+                raise ValueError(f"{name}: parameter {n!r} has kind {kind!r}")
+        if plain:
+            checks.append(f"    if not ({' and '.join(plain)}):\n        return None")
+        src = (f"def key({', '.join(names)}):\n    nd = _validate._ndarray\n" + "\n".join(checks)
+               + f"\n    return ({', '.join(parts)})\n")
+        scope = {"_validate": _validate, "_config": config, "Integral": numbers.Integral}
+        exec(src, scope)  # noqa: S102 - our own text, built from the parameter list above
+        self.key = scope["key"]
+        self.key.__qualname__ = f"Signature({name!r}).key"
+        self.source = src
+
+
+# --- plans and their replay ------------------------------------------------------------------------------
+
+class Plan(NamedTuple):
+    """The launches of one call signature. Arrays are numbered as the public function passes them to `replay`,
+    then the arrays a replay allocates (`allocs`), in order."""
+
+    device: int
+    aligned: tuple  # array numbers whose address must be a multiple of 16 (else the full path copies them)
+    writes: tuple  # array numbers the launches write in place (preallocated outputs, a KV cache)
+    extents: tuple  # per array: its byte range relative to its address (needed only with writes), or None
+    binds: tuple  # (array number, template, word): the array's address goes into that word of that block
+    allocs: tuple  # (shape, dtype, ((template, word), ...)) of each array a call allocates
+    workspace: tuple | None  # (float32 elements, ((template, word, byte offset), ...)): one scratch array
+    launches: tuple  # (kernel, grid, template) in launch order
+    templates: tuple  # _launch.ArgsTemplate of each distinct params struct
+    returns: object  # an array number, or a tuple of them: what the call returns
+    step: object  # None, or a family's per-call step for values outside the key (see `replay`)
+    kernels: dict  # the kernel table the kernels came from
+    run: object = None  # run(arrays, extra): the replay made for this plan (`PlanBuilder.plan` sets it)
+
+
+def replay(plan: Plan, arrays: tuple, extra=None):
+    """The plan's launches on these arrays: what the call returns, or None when a per-call check fails (the full
+    path then copies, or raises exactly as without a plan).
+
+    Per call: the array addresses; their alignment and, with writes, overlap checks; the outputs and the workspace
+    allocated; every address written into this thread's argument blocks; the launches. plan.step, when a family
+    has one, runs after the allocations and before anything is written or launched: step(plan, arrays, extra,
+    blocks, stream) sets the per-call values of the argument blocks (blocks[t] = (params, address, words)) and
+    returns (launches, keep) (keep: what must live until the launches are queued), or None to take the full path.
+
+    The plan runs these steps as straight-line code made once per plan (`_replay_code`): the same steps as loops
+    over the plan's tuples cost ~1 us more per call (tools/launch_overhead.py --fake, 2026-11-24)."""
+    return plan.run(arrays, extra)
+
+
+def _replay_code(plan: Plan) -> str:
+    """The text of `run(arrays, extra)` for a plan: `replay` unrolled over its arrays, allocations and launches."""
+    n = len(plan.extents) if plan.extents else 1 + max([i for i, _, _ in plan.binds] + list(plan.aligned) + [-1])
+    n = max(n, len(plan.aligned and range(max(plan.aligned) + 1)))
+    lines = ["def run(arrays, extra):"]
+    names = [f"a{i}" for i in range(n)]
+    lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
+    bound = {i for i, _, _ in plan.binds} | set(plan.aligned) | set(plan.writes)
+    for i in sorted(bound):
+        required = i in plan.aligned
+        lines.append(f"    p{i} = a{i}.data.ptr" if required else f"    p{i} = 0 if a{i} is None else a{i}.data.ptr")
+    if plan.aligned:
+        lines.append(f"    if ({' | '.join(f'p{i}' for i in plan.aligned)}) & 15:\n        return None")
+    if plan.writes:
+        ptrs = ", ".join(f"p{i}" if i in bound else "0" for i in range(n))
+        lines.append(f"    if _writes_overlap(PLAN, ({ptrs},)):\n        return None")
+    lines.append("    cp = _launch.cupy()")
+    lines.append("    with _launch.on_device(cp, PLAN.device):")
+    for t in range(len(plan.templates)):
+        lines.append(f"        blk{t} = TEMPLATES[{t}].mine()")
+        lines.append(f"        w{t} = blk{t}[2]")
+    for j, (_, _, slots) in enumerate(plan.allocs):
+        x = f"x{n + j}"
+        lines.append(f"        {x} = cp.empty(ALLOCS[{j}][0], dtype=ALLOCS[{j}][1])")
+        for t, word in slots:
+            lines.append(f"        w{t}[{word}] = {x}.data.ptr")
+    lines.append("        stream = cp.cuda.get_current_stream().ptr")
+    if plan.step is not None:
+        blocks = ", ".join(f"blk{t}" for t in range(len(plan.templates)))
+        lines.append(f"        stepped = PLAN.step(PLAN, arrays, extra, [{blocks}], stream)")
+        lines.append("        if stepped is None:\n            return None")
+        lines.append("        launches, keep = stepped")
+    for i, t, word in plan.binds:
+        lines.append(f"        w{t}[{word}] = p{i}")
+    if plan.workspace is not None:
+        lines.append("        work = cp.empty(PLAN.workspace[0], dtype=cp.float32)")
+        for t, word, offset in plan.workspace[1]:
+            lines.append(f"        w{t}[{word}] = work.data.ptr + {offset}")
+    if plan.step is not None:
+        lines.append("        for kernel, grid, t in launches:")
+        blocks = ", ".join(f"blk{t}[1]" for t in range(len(plan.templates)))
+        lines.append(f"            kernel.launch_at(grid, ({blocks},)[t], stream)")
+    else:
+        for j, (_, _, t) in enumerate(plan.launches):
+            lines.append(f"        LAUNCHES[{j}][0].launch_at(LAUNCHES[{j}][1], blk{t}[1], stream)")
+    r = plan.returns
+    value = (lambda i: f"a{i}" if i < n else f"x{i}")
+    lines.append(f"    return {value(r)}" if type(r) is int else f"    return ({', '.join(map(value, r))},)")
+    return "\n".join(lines) + "\n"
+
+
+def _compile_replay(plan: Plan):
+    src = _replay_code(plan)
+    scope = {"_launch": _launch, "_writes_overlap": _writes_overlap, "TEMPLATES": plan.templates,
+             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches}
+    exec(src, scope)  # noqa: S102 - our own text, built from the plan's tuples
+    return scope, src
+
+
+def _writes_overlap(plan: Plan, ptrs: list) -> bool:
+    """Whether an array the launches write meets another array of the call (addresses from ptrs)."""
+    extents = plan.extents
+    for w in plan.writes:
+        lo, hi = extents[w]
+        a0, a1 = ptrs[w] + lo, ptrs[w] + hi
+        for j, ext in enumerate(extents):
+            if j != w and ext is not None and a0 < ptrs[j] + ext[1] and ptrs[j] + ext[0] < a1:
+                return True
+    return False
+
+
+def relative_extent(info: _validate.ArrayInfo) -> tuple:
+    """An array's byte range as offsets from its address (they do not depend on the address)."""
+    a0, a1 = _validate.byte_extent(info)
+    return a0 - info.ptr, a1 - info.ptr
+
+
+class PlanBuilder:
+    """Collects a plan while a family's full path launches: its argument templates, the words their array
+    addresses go to, the allocations and the launches. `plan(...)` returns the Plan."""
+
+    def __init__(self, device: int):
+        self.device = device
+        self.params: list = []  # the params structs, made templates when the plan is complete
+        self._index: dict = {}
+        self.binds: list = []
+        self.allocs: list = []
+        self.workspace = None
+        self.launches: list = []
+
+    def template(self, params) -> int:
+        """The number of this params struct's template (recorded from the struct as it is when `plan` is called)."""
+        n = self._index.get(id(params))
+        if n is None:
+            n = self._index[id(params)] = len(self.params)
+            self.params.append(params)
+        return n
+
+    def bind(self, array_number: int, params, *fields: str) -> None:
+        """The array's address goes into these pointer fields of params."""
+        t = self.template(params)
+        for f in fields:
+            self.binds.append((array_number, t, _launch.field_word(type(params), f)))
+
+    def alloc(self, shape, dtype, *targets) -> None:
+        """An array allocated per call; targets: (params, field) pairs its address goes to."""
+        self.allocs.append((tuple(shape), dtype, tuple((self.template(p), _launch.field_word(type(p), f))
+                                                       for p, f in targets)))
+
+    def scratch(self, floats: int, *targets) -> None:
+        """One float32 workspace per call; targets: (params, field, byte offset) triples."""
+        self.workspace = (floats, tuple((self.template(p), _launch.field_word(type(p), f), off)
+                                        for p, f, off in targets))
+
+    def launch(self, kernel, grid, params) -> None:
+        self.launches.append((kernel, tuple(grid), self.template(params)))
+
+    def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
+        plan = Plan(self.device, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
+                    self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
+                    step, _launch._kernels)
+        scope, _ = _compile_replay(plan)
+        plan = plan._replace(run=scope["run"])
+        scope["PLAN"] = plan
+        return plan
