@@ -365,33 +365,41 @@ class _DecodeStep:
     """A decode plan's per-call step (`_plan.replay`): the cache lengths (an int cache_seqlens is bound by value;
     check_inputs reads the values back), and the split factor and workspace they decide."""
 
-    def __init__(self, p, block_n, row_blocks, grid_heads, hd, append_t, main_t, combine):
+    def __init__(self, p, device, block_n, row_blocks, grid_heads, hd, before, kernel, main_t, combine):
+        m = p.dims
         self.p, self.block_n, self.row_blocks, self.grid_heads, self.hd = p, block_n, row_blocks, grid_heads, hd
-        self.append_t, self.main_t, self.combine = append_t, main_t, combine
+        self.before, self.kernel, self.main_t, self.combine = before, kernel, main_t, combine
+        self.ctas = row_blocks * grid_heads * m.batch
+        self.cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen
+        self.num_sms = _sm_count(device)
 
     def __call__(self, plan, arrays, cache_seqlens, blocks, stream):
-        p, m = self.p, self.p.dims
-        cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen
+        p = self.p
+        m = p.dims
+        cache_seqlen = self.cache_seqlen
         if p.is_count and cache_seqlens is not None:
             cache_seqlen = int(cache_seqlens)
             if cache_seqlen < 0 or cache_seqlen + m.s_new > m.capacity:
                 return None
         cp = _launch.cupy()
-        max_len = _decode_lengths(cp, p, cache_seqlens, arrays[6])
-        launches = list(plan.launches)
-        if self.append_t is not None:
-            blocks[self.append_t][0].cache_seqlen = cache_seqlen
+        max_len = _decode_lengths(cp, p, cache_seqlens, arrays[6]) if p.check_inputs else m.capacity
+        if self.before:
+            blocks[self.before[0][2]][0].cache_seqlen = cache_seqlen
         main = blocks[self.main_t][0]
         main.seq.seqlen_k = cache_seqlen
-        rows = self.row_blocks * self.grid_heads * m.batch
-        splits, work, main.o_accum, main.lse_accum, main.split_counters = _decode_splits(
-            cp, plan.device, stream, m, max_len, self.block_n, rows, self.hd)
+        splits = m.num_splits or num_splits_heuristic(self.ctas, -(-max_len // self.block_n), self.num_sms,
+                                                      DECODE_CTAS_PER_SM)
         main.num_splits = splits
-        kernel = launches[-1][0]
-        launches[-1] = (kernel, (self.row_blocks, self.grid_heads, m.batch * splits), self.main_t)
+        work = None
+        if splits == 1:  # this thread's block may hold an earlier call's workspace
+            main.o_accum = main.lse_accum = main.split_counters = None
+        else:
+            work, main.o_accum, main.lse_accum, main.split_counters = _split_workspace(
+                cp, plan.device, stream, splits, m.batch * m.heads_q * m.seqlen_q, self.hd, self.ctas)
+        launches = self.before + ((self.kernel, (self.row_blocks, self.grid_heads, m.batch * splits), self.main_t),)
         if splits > 1 and not DECODE_FUSED_MERGE:
             comb, grid = self.combine
-            launches.append((_launch.get_kernel(comb, plan.device), grid, self.main_t))
+            launches += ((_launch.get_kernel(comb, plan.device), grid, self.main_t),)
         return launches, work
 
 
@@ -466,15 +474,16 @@ def decode(p, arrays, cache_seqlens, *, key=None):
             b.bind(6, params, "block_table")
             b.alloc(o.shape, o.dtype, (params, "o"))
             b.alloc(lse.shape, lse.dtype, (params, "lse"))
-            append_t = None
+            before = ()
             if append is not None:
                 for i, field in ((1, "k_cache"), (2, "v_cache"), (3, "k_new"), (4, "v_new"), (5, "cache_seqlens"),
                                  (6, "block_table")):
                     b.bind(i, append, field)
                 b.launch(*append_launch, append)
-                append_t = b.template(append)
+                before = ((*append_launch, b.template(append)),)
             b.launch(kernel, (row_blocks, grid_heads, m.batch), params)
-            step = _DecodeStep(p, cfg.block_n, row_blocks, grid_heads, hd, append_t, b.template(params), combine)
+            step = _DecodeStep(p, m.device, cfg.block_n, row_blocks, grid_heads, hd, before, kernel, b.template(params),
+                               combine)
             aligned = (0, 1, 2, 3, 4) if m.s_new else (0, 1, 2)
             writes, extents = (), ()
             if m.s_new:  # the caches are written: they must not meet each other or anything the call reads
