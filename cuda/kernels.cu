@@ -5,5 +5,6 @@
 #include "fwd.cuh"
 #include "bwd.cuh"
 #include "fwd_sm90.cuh"
+#include "fwd_sm90_ws.cuh"
 #include "bwd_sm90.cuh"
 #include "kvcache.cuh"

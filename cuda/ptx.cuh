@@ -194,4 +194,101 @@ __device__ __forceinline__ u64 wgmma_desc(u32 smem_addr, u32 lbo_bytes, u32 sbo_
          (static_cast<u64>((sbo_bytes & 0x3FFFF) >> 4) << 32) | (MODE << 62);
 }
 
+// ---- Hopper (sm_90) asynchronous copies and barriers: mbarrier, TMA, setmaxnreg, named barriers ----------
+// Used by the warp-specialized forward (fwd_sm90_ws.cuh). Barrier and tile addresses are shared::cta
+// addresses (smem_u32), which are valid shared::cluster addresses of the executing CTA.
+
+// PTX ISA 8.0+, "Parallel Synchronization and Communication Instructions: mbarrier.init": the barrier's phase 0 expects `count` arrivals (and no transaction bytes).
+__device__ __forceinline__ void mbarrier_init(u32 bar_smem, u32 count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar_smem), "r"(count) : "memory");
+}
+// PTX ISA 8.0+, "membar/fence", fence.mbarrier_init: makes the preceding mbarrier.init of this thread visible
+// to the other threads and to the async proxy (TMA's complete_tx) of the cluster; a CTA launched without a
+// cluster is a cluster of one. Follow it with a barrier (__syncthreads) before any other thread uses the barriers.
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// PTX ISA 8.0+, "mbarrier.arrive" with .expect_tx: this thread's arrival, plus `tx_bytes` more bytes that
+// asynchronous copies must complete (complete_tx) before the phase can complete. Release semantics (.cta).
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(u32 bar_smem, u32 tx_bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar_smem), "r"(tx_bytes) : "memory");
+}
+// PTX ISA 8.0+, "mbarrier.arrive": one arrival (release semantics, .cta).
+__device__ __forceinline__ void mbarrier_arrive(u32 bar_smem) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar_smem) : "memory");
+}
+// PTX ISA 8.0+, "mbarrier.test_wait/mbarrier.try_wait" with .parity: waits (acquire semantics, .cta) until the phase
+// of parity `parity` has completed: the current phase if its parity is `parity`, else the phase before it, which
+// counts as completed (so a fresh barrier, in phase 0, passes a wait for parity 1 at once). try_wait suspends
+// the thread for a time-limit chosen by the hardware and returns whether the phase completed (_once); the
+// loop retries until it has.
+__device__ __forceinline__ bool mbarrier_try_wait_parity_once(u32 bar_smem, u32 parity) {
+  u32 done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done) : "r"(bar_smem), "r"(parity) : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbarrier_try_wait_parity(u32 bar_smem, u32 parity) {
+  while (!mbarrier_try_wait_parity_once(bar_smem, parity)) {
+  }
+}
+
+// PTX ISA 8.0+, "Data Movement: cp.async.bulk.tensor" (TMA), tile mode, global -> shared: the box of the tensor map at
+// `tensor_map` (a generic address: a __grid_constant__ kernel parameter, const or global memory) whose first
+// element has coordinates {c0, c1, ...} (c0: the innermost dimension, in elements) into dst_smem, laid out
+// as the map says (e.g. 128-byte swizzle); completes `box bytes` transaction bytes on the mbarrier bar_smem.
+// Elements outside the tensor are filled with zeros and still count as transferred bytes.
+__device__ __forceinline__ void cp_async_bulk_tensor_3d_global_to_shared(u32 dst_smem, const void* tensor_map, u32 bar_smem,
+                                                                       int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], [%2];\n"
+      ::"r"(dst_smem), "l"(tensor_map), "r"(bar_smem), "r"(c0), "r"(c1), "r"(c2) : "memory");
+}
+__device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared(u32 dst_smem, const void* tensor_map, u32 bar_smem,
+                                                                       int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
+      ::"r"(dst_smem), "l"(tensor_map), "r"(bar_smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
+}
+// PTX ISA 8.0+, "prefetch, prefetchu" with .tensormap: brings a tensor map (generic address) into the TMA unit's cache.
+__device__ __forceinline__ void prefetch_tensormap(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");
+}
+
+// PTX ISA, "Special Registers: %dynamic_smem_size": the dynamic shared memory this launch was given, in bytes
+// (a kernel checks that the host's size, computed in Python, covers its own layout).
+__device__ __forceinline__ u32 dynamic_smem_size() {
+  u32 bytes;
+  asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(bytes));
+  return bytes;
+}
+
+// PTX ISA 8.0+, "Miscellaneous Instructions: setmaxnreg": every thread of the warpgroup (executed by all its warps, .sync.aligned) now
+// holds at most REGS registers (.dec: returns the rest to the CTA's pool) or at least REGS (.inc: waits for them
+// in the pool). REGS: 24..256, a multiple of 8. ptxas honours it only where each warpgroup's role is one branch
+// of a uniform if/else (else warning C7508).
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24..256, a multiple of 8");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(REGS >= 24 && REGS <= 256 && REGS % 8 == 0, "setmaxnreg: 24..256, a multiple of 8");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(REGS));
+}
+
+// PTX ISA, "Parallel Synchronization and Communication Instructions: bar, barrier": named barrier `id` (0 is __syncthreads') for `threads` threads (a multiple of
+// 32). bar.sync: arrive and wait until `threads` have arrived; bar.arrive: arrive without waiting (the producer
+// side of a producer/consumer hand-off: the waiting side counts the arriving warps in `threads`).
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace cuflash

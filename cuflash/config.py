@@ -332,6 +332,76 @@ FWD_SM90_TILES = {
 }
 
 
+# --- Hopper (sm_90a): the warp-specialized forward (cuda/fwd_sm90_ws.cuh) ------------------------------------
+TMA_BOX_COLS = 64  # one 128-byte swizzle panel of 16-bit elements: the column width of a TMA box
+
+
+@dataclass(frozen=True)
+class FwdSm90WsConfig:
+    """One warp-specialized Hopper forward instantiation:
+    `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T>, IS_CAUSAL>`: a TMA producer
+    warpgroup and two consumer warpgroups of 64 query rows each (BLOCK_M = 128, 384 threads, 1 CTA per SM)."""
+
+    head_dim: int
+    block_n: int
+    stages: int
+    dtype: str
+    causal: bool
+    pingpong: bool = True
+    mods: int = 0  # score modifiers (MOD_* bits)
+
+    def __post_init__(self):
+        check_mods(self.mods, self.causal)
+        if self.mods:
+            raise ValueError(f"mods={self.mods}: fwd_sm90_ws_kernel has no score modifiers yet")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.head_dim % TMA_BOX_COLS or not 64 <= self.head_dim <= 256:
+            raise ValueError(f"head_dim={self.head_dim} is not supported; supported: 64, 128, 256 (whole 64-column "
+                             f"TMA panels, a wgmma N size)")
+        if not 2 <= self.stages <= 4:
+            raise ValueError(f"stages={self.stages} must be 2, 3 or 4")
+
+    block_m = 128
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def smem_bytes(self) -> int:
+        """FwdSm90WsTraits::SMEM_BYTES (the kernel traps if it is given less)."""
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        barriers = 8 * (1 + 4 * self.stages)
+        return q + 2 * self.stages * kv + barriers + 1024  # + rounding the base up to the 1024-byte swizzle period
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        return (f"cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<{self.head_dim}, {self.block_n}, {self.stages}, "
+                f"{'true' if self.pingpong else 'false'}, {t}>, {'true' if self.causal else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# Tiles per head dim: (block_n, stages). FlashAttention-3's choices where wgmma N sizes allow (it takes 176 and
+# 80 for d128 / d256 non-causal; ptx_wgmma.cuh has 128 and 64): first versions, not yet measured here.
+FWD_SM90_WS_TILES = {
+    64: (128, 2),
+    128: (128, 2),
+    256: (64, 2),
+}
+
+
+def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, pingpong: bool = True) -> FwdSm90WsConfig:
+    if head_dim not in FWD_SM90_WS_TILES:
+        raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
+                         f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
+    bn, stages = FWD_SM90_WS_TILES[head_dim]
+    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, pingpong, mods)
+
+
 # With ALiBi / softcap / dropout (heavy_mods, see FWD_TILES_MODS): the plain tiles spilled 28 bytes (dropout
 # alone, d128) to 200 bytes (every modifier, d128).
 FWD_SM90_TILES_MODS = {

@@ -1,0 +1,468 @@
+// fwd_sm90_ws.cuh: the FlashAttention-3 forward (Shah et al. 2024) on sm_90a: TMA loads, a producer warpgroup
+// and two consumer warpgroups (warp specialization), asynchronous wgmma with the softmax of one key tile under
+// the P V GEMM of the previous one (intra-warpgroup overlap), and, optionally, pingpong scheduling of the two
+// consumer warpgroups (one's softmax under the other's GEMMs).
+//
+// One CTA = BLOCK_M = 128 query rows of one (batch, head), 3 warpgroups, 384 threads:
+//   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: Q once, then K_j and V_j of every
+//     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
+//   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
+//     runs S = Q K_j^T, the online softmax, O += P_j V_j (P from registers: wgmma's RS form), then the epilogue.
+// The algorithm's math (OnlineSoftmax, Band masks, the swizzled SmemTile layout and its wgmma descriptors) is
+// fwd_sm90.cuh's; what is new is who moves the data and when. Dense batches only (no varlen, no kv cache, no
+// score modifiers); K/V heads = heads / kv_group (GQA).
+//
+// ---- shared memory --------------------------------------------------------------------------------------
+// [Q: TileQ (128 x HEAD_DIM)] [K stage 0 .. STAGES-1: TileKV] [V stage 0 .. STAGES-1: TileKV] [mbarriers]
+// Each tile is HEAD_DIM / 64 column panels of 64 elements (128 bytes) x ROWS rows, 128-byte swizzled: chunk c
+// (16 bytes) of row r sits at chunk c ^ (r % 8) of its line. That is both TMA's CU_TENSOR_MAP_SWIZZLE_128B
+// layout of a (64, ROWS) box written at a 1024-byte aligned address and wgmma's 128-byte swizzle (tiles.cuh),
+// so one TMA box per panel fills it and the descriptors of fwd_sm90.cuh read it unchanged.
+//
+// ---- the barrier protocol -------------------------------------------------------------------------------
+// mbarriers (8 bytes each, initialized by thread 0 before the role split, then fence + __syncthreads):
+//   q_full                 count 1: the producer's arrive.expect_tx(SMEM_Q); TMA completes SMEM_Q bytes
+//   k_full[s], v_full[s]   count 1: the producer's arrive.expect_tx(SMEM_KV); TMA completes SMEM_KV bytes
+//   k_empty[s], v_empty[s] count CONSUMER_WARPS (8): lane 0 of every consumer warp arrives once per use,
+//                          after its wgmma.wait_group has retired the GEMM that read the stage
+// Key tile i (i = 0 .. n_tiles-1, n_block = n_end - 1 - i) uses stage s = i % STAGES, in round
+// u = i / STAGES of that stage, phase bit ph = u & 1 (kept as counters: stage, phase ^= 1 on wrap):
+//   producer  Q:   arrive.expect_tx(q_full, SMEM_Q), TMA Q (HEAD_DIM/64 boxes of 64 x 128)
+//             K_i: wait(k_empty[s], parity ph ^ 1)  -- round 0: a fresh barrier passes parity 1 at once;
+//                                                     round u >= 1: waits for the 8 releases of tile i - STAGES
+//                  arrive.expect_tx(k_full[s], SMEM_KV), TMA K_i (HEAD_DIM/64 boxes of 64 x BLOCK_N)
+//             V_i: the same with v_empty[s], v_full[s]
+//   consumer  wait(q_full, parity 0) once
+//             S_i: wait(k_full[s], parity ph); S = Q K_i^T; after the wait_group that retires it:
+//                  lane 0 of each warp: arrive(k_empty[s])
+//             O += P_i V_i: wait(v_full[s], parity ph); after the wait_group that retires it:
+//                  lane 0 of each warp: arrive(v_empty[s])
+// Each full barrier completes once per use (1 arrival + SMEM_* bytes; zero-filled out-of-bounds rows of a
+// tail tile count as transferred bytes) and each empty barrier once per use (8 arrivals: both consumers), so
+// phase u of every barrier is use u of its stage and the parities above alternate in step. The producer only
+// waits for releases of tile i - STAGES, which both consumers give before they need tile i - 1 (K) or finish
+// tile i - STAGES + 1 (V): no cycle, for any STAGES >= 2. No barrier is used across CTAs (no cluster), and a
+// CTA whose rows see no key returns before the barriers are initialized (the decision is uniform in the CTA).
+//
+// ---- the consumer's schedule (intra-warpgroup overlap) ----------------------------------------------------
+//   S_0 = Q K_0^T; wait; softmax(S_0) -> P_0
+//   for i = 1 .. n_tiles-1:   issue S_i = Q K_i^T; issue O += P_{i-1} V_{i-1};
+//                             wait_group 1 (S_i done) -> release K_i; mask; m, l, P_i = exp2(..) (under the P V GEMM)
+//                             wait_group 0 (P V done) -> release V_{i-1}; O *= exp2(m_old - m_new)
+//   issue O += P_last V_last; wait_group 0 -> release V_last; epilogue
+// With PINGPONG, each consumer issues the GEMMs of a round (S_0 | S_i with P_{i-1} V_{i-1} | P_last V_last) only
+// while it holds a token passed through two named barriers: consumer w waits bar.sync(PINGPONG_BAR + w, 256)
+// before a round and passes the token with bar.arrive(PINGPONG_BAR + 1 - w, 256) after issuing it. Consumer 1
+// gives consumer 0 the first token; both run n_tiles + 1 rounds; consumer 1 does not pass the token after its
+// last round, so each barrier sees exactly as many arrives as syncs (n_tiles + 1). Between two arrives of one
+// consumer on a barrier, the other consumer synced on it once, so no barrier instance mixes two rounds.
+// Named barrier 0 is __syncthreads (used once, after the mbarrier init); EPILOGUE_BAR + w (128 threads) orders
+// consumer w's O staging writes before its stores.
+#pragma once
+#include "ptx.cuh"
+#include "ptx_wgmma.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "softmax.cuh"
+#include "fwd.cuh"
+
+namespace cuflash {
+
+// A CUtensorMap (cuda.h: 128 bytes, 64-byte aligned), encoded on the host by cuTensorMapEncodeTiled
+// (cuflash/_tma.py); opaque here, read only by the TMA unit through its address.
+struct alignas(64) TmaDesc {
+  unsigned long long v[16];
+};
+
+// Kernel argument of fwd_sm90_ws_kernel, passed as one `const __grid_constant__` struct (so TMA can read the
+// maps in parameter space through their generic address). Mirrored by cuflash/_tma.py:FwdWsParams.
+struct FwdWsParams {
+  TmaDesc tma_q;  // Q as (head_dim, seqlen_q, heads, batch), box (64, BLOCK_M, 1, 1), 128-byte swizzle
+  TmaDesc tma_k;  // K as (head_dim, seqlen_k, kv_heads, batch), box (64, BLOCK_N, 1, 1), 128-byte swizzle
+  TmaDesc tma_v;  // V like K
+  FwdParams fwd;  // the pointers and strides of fwd_sm90_kernel (o, lse, strides, seq lengths, scale)
+};
+static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
+// (no offsetof: NVRTC 13.0 has no __builtin_offsetof) three 128-byte maps, then FwdParams (8-byte aligned) at
+// 384 with no padding in between; the struct rounds up to its 64-byte alignment
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 328 && alignof(FwdWsParams) == 64 &&
+                  sizeof(FwdWsParams) == 768,
+              "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 768 bytes");
+
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_>
+struct FwdSm90WsTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = 128;                 // query rows per CTA: 64 per consumer warpgroup
+  static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
+  static constexpr int STAGES = STAGES_;              // K (and V) shared-memory buffers
+  static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
+  static constexpr int CONSUMERS = BLOCK_M / 64;      // consumer warpgroups
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;  // arrivals that release a K or V stage
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;  // producer warpgroup + consumers
+  // setmaxnreg: the producer gives registers back to the consumers (the pool is 64K per SM at 1 CTA per SM)
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = 240;
+  static constexpr int N_TILES = BLOCK_N / 8;         // n8 column tiles of S (per consumer: 64 x BLOCK_N)
+  static constexpr int D_TILES = HEAD_DIM / 8;        // n8 column tiles of O
+  static constexpr int QK_K_STEPS = HEAD_DIM / 16;    // k16 steps of S = Q K^T
+  static constexpr int PV_K_STEPS = BLOCK_N / 16;     // k16 steps of O += P V
+  static constexpr int BOX_COLS = 64;                 // TMA box width: one 128-byte swizzle panel
+  static constexpr int PANELS = HEAD_DIM / BOX_COLS;  // TMA boxes per tile
+
+  using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;  // also stages O for the stores
+  using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int OFF_Q = 0;
+  static constexpr int OFF_K = SMEM_Q;                          // + stage * SMEM_KV
+  static constexpr int OFF_V = OFF_K + STAGES * SMEM_KV;        // + stage * SMEM_KV
+  static constexpr int OFF_BAR = OFF_V + STAGES * SMEM_KV;      // q_full, k_full[], k_empty[], v_full[], v_empty[]
+  static constexpr int BARRIERS = 1 + 4 * STAGES;
+  // + 1024: the kernel rounds the dynamic shared memory base up to the 1024-byte swizzle period
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;
+
+  // named barriers (0 is __syncthreads)
+  static constexpr int PINGPONG_BAR = 1;  // + consumer: that consumer's turn to issue GEMMs
+  static constexpr int EPILOGUE_BAR = 3;  // + consumer: its O staging in shared memory is complete
+
+  static_assert(HEAD_DIM % 64 == 0 && TileQ::PANEL_COLS == 64 && TileKV::PANEL_COLS == 64,
+                "TMA boxes fill whole 128-byte swizzle panels: HEAD_DIM must be a multiple of 64");
+  static_assert(is_wgmma_n(BLOCK_N) && is_wgmma_n(HEAD_DIM), "BLOCK_N and HEAD_DIM must be wgmma N sizes");
+  static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && BLOCK_M <= 256, "TMA box rows are at most 256");
+  static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
+  static_assert(CONSUMERS == 2, "pingpong and the register split assume two consumer warpgroups");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && (BLOCK_N * 128) % 1024 == 0,
+                "tiles and panels start on the 1024-byte swizzle period");
+  static_assert(SMEM_Q + 2 * STAGES * SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+// mbarrier_try_wait_parity with a watchdog: a wait that outlasts 2^26 hardware try_wait time-outs (far beyond
+// any legitimate wait of this kernel, which is a few tile loads long) traps, so an error in the protocol above
+// (a wrong expect_tx byte count, parity or arrival count) fails the launch instead of hanging the GPU. Used by the
+// producer and by the consumers' first waits (Q, K_0); the waits inside the consumers' key loop stay plain loops:
+// the trap branch there, with S, P and O live, made ptxas spill 248-640 bytes (NVRTC 13.5).
+__device__ __forceinline__ void mbarrier_wait_or_trap(u32 bar_smem, u32 parity) {
+  for (u32 tries = 0; !mbarrier_try_wait_parity_once(bar_smem, parity); ++tries)
+    if (tries == (1u << 26)) __trap();
+}
+
+// The online softmax of one key tile without the O rescale, which must wait for the P V GEMM still reading
+// and writing O (OnlineSoftmax::update does both at once): m_new = max(m, rowmax(S)), l = l * alpha + rowsum(P),
+// S overwritten by P = exp2(S * scale_log2 - m_new); alpha = exp2(m - m_new) for O *= alpha afterwards.
+template <int N_TILES, int D_TILES>
+__device__ __forceinline__ void softmax_probs(OnlineSoftmax<1, N_TILES, D_TILES>& softmax, float (&s)[1][N_TILES][4],
+                                              float scale_log2, float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_max = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+    const float m_new = fmaxf(softmax.row_max[0][h], quad_max(tile_max) * scale_log2);
+    // fully masked row so far: m_new == -inf; use 0 as the max so exp2(-inf - 0) = 0, not NaN
+    const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
+    alpha[h] = ex2_approx(softmax.row_max[0][h] - m_use);  // exp2(-inf) = 0 on the first visible tile
+    softmax.row_max[0][h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 2 * h; c < 2 * h + 2; ++c) {
+        s[0][nt][c] = ex2_approx(fmaf(s[0][nt][c], scale_log2, -m_use));
+        sum += s[0][nt][c];
+      }
+    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + sum;
+  }
+}
+
+// P (fp32 accumulators of S) -> A registers of O += P V (the m16n8k16 A layout, per warp).
+template <class T, int N_TILES, int PV_K_STEPS>
+__device__ __forceinline__ void probs_to_regs(const float (&s)[1][N_TILES][4], u32 (&p_regs)[PV_K_STEPS][4]) {
+#pragma unroll
+  for (int kk = 0; kk < PV_K_STEPS; ++kk) {
+    p_regs[kk][0] = Cvt<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+    p_regs[kk][1] = Cvt<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+    p_regs[kk][2] = Cvt<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    p_regs[kk][3] = Cvt<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// The shared-memory layout's addresses (smem_base: the 1024-byte aligned base).
+template <class Tr>
+struct WsSmem {
+  u32 base;
+  __device__ __forceinline__ u32 q() const { return base + Tr::OFF_Q; }
+  __device__ __forceinline__ u32 k(int stage) const { return base + Tr::OFF_K + stage * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 v(int stage) const { return base + Tr::OFF_V + stage * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 q_full() const { return base + Tr::OFF_BAR; }
+  __device__ __forceinline__ u32 k_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + stage); }
+  __device__ __forceinline__ u32 k_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + Tr::STAGES + stage); }
+  __device__ __forceinline__ u32 v_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + 2 * Tr::STAGES + stage); }
+  __device__ __forceinline__ u32 v_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + 3 * Tr::STAGES + stage); }
+};
+
+// Producer (one thread): Q, then K_i and V_i of key tiles n_end-1 down to n_end-n_tiles, each into the next stage
+// once the consumers have released what it held STAGES tiles ago.
+template <class Tr>
+__device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, int row0, int head,
+                                                     int batch, int n_end, int n_tiles) {
+  prefetch_tensormap(&p.tma_q);
+  prefetch_tensormap(&p.tma_k);
+  prefetch_tensormap(&p.tma_v);
+  const int kv_head = head / p.fwd.seq.kv_group;  // GQA: the K/V head of this query head
+
+  // Q: rows row0 .. row0 + 127 (rows >= seqlen_q are zero-filled by TMA)
+  mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel)
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * 128, &p.tma_q, sm.q_full(),
+                                             panel * Tr::BOX_COLS, row0, head, batch);
+
+  int stage = 0;
+  u32 phase = 0;
+  for (int i = 0; i < n_tiles; ++i) {
+    const int key0 = (n_end - 1 - i) * Tr::BLOCK_N;  // keys >= seqlen_k are zero-filled (and masked)
+    // K_i into stage `stage` once both consumers released K_{i - STAGES}
+    mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.k(stage) + panel * Tr::BLOCK_N * 128, &p.tma_k, sm.k_full(stage),
+                                               panel * Tr::BOX_COLS, key0, kv_head, batch);
+    // V_i likewise
+    mbarrier_wait_or_trap(sm.v_empty(stage), phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.v(stage) + panel * Tr::BLOCK_N * 128, &p.tma_v, sm.v_full(stage),
+                                               panel * Tr::BOX_COLS, key0, kv_head, batch);
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// Consumer warpgroup `wg` (0, 1): query rows row0 + 64 wg .. + 63 of the CTA's tile.
+template <class Tr, bool IS_CAUSAL>
+__device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const WsSmem<Tr>& sm, unsigned char* smem,
+                                                     int row0, int rows_q, int head, int batch, int n_end, int n_tiles) {
+  using T = typename Tr::T;
+  const int ctid = threadIdx.x - 128;                // 0 .. CONSUMER_THREADS-1
+  const int wg = ctid / 128, lane = ctid & 31;
+  const int warp = ctid / 32;                        // 0..7: rows 16 warp .. + 15 of the CTA's tile
+  const int warp_row = row0 + warp * 16;             // this warp's first query row (absolute)
+  const int wg_row = row0 + wg * 64;                 // this warpgroup's first query row
+  const Band<IS_CAUSAL, false> band{p.seq.seqlen_k, p.seq.seqlen_k - p.seq.seqlen_q, 0, 0};
+  // this warpgroup's 64 Q rows: whole 8-row swizzle atoms, so the descriptor just starts there
+  const u32 q_smem_wg = sm.q() + Tr::TileQ::offset(wg * 64, 0);
+  const float scale_log2 = p.scale_log2;
+
+  float o_acc[1][Tr::D_TILES][4];  // O of this warp's 16 rows, fp32, in registers throughout
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o_acc[0][dt][c] = 0.f;
+  OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES> softmax;
+  softmax.init();
+  float s_acc[1][Tr::N_TILES][4];      // S_i, then P_i (fp32)
+  u32 p_regs[Tr::PV_K_STEPS][4];       // P_{i-1} as the A operand of the P V GEMM in flight
+  float alpha[2];
+
+  // pingpong: consumer 0 issues first (consumer 1 gives it the first token)
+  auto round_begin = [&]() {
+    if (Tr::PINGPONG) named_barrier_sync(Tr::PINGPONG_BAR + wg, 256);
+  };
+  auto round_end = [&](bool is_last) {
+    if (Tr::PINGPONG && !(is_last && wg == 1)) named_barrier_arrive(Tr::PINGPONG_BAR + 1 - wg, 256);
+  };
+  if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, 256);
+
+  // S = Q K^T (unscaled; the scale is folded into the exp2 argument): 64 x BLOCK_N per warpgroup
+  auto issue_s = [&](u32 k_smem) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      Wgmma<Tr::BLOCK_N, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+          s_acc[0], Tr::TileQ::desc_k_major(q_smem_wg, 0, kk * 16), Tr::TileKV::desc_k_major(k_smem, 0, kk * 16),
+          /*scale_d=*/kk > 0);
+    wgmma_commit_group();
+  };
+  // O += P V: V read N-major from shared memory (its rows are the k dimension)
+  auto issue_pv = [&](u32 v_smem) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk)
+      Wgmma<Tr::HEAD_DIM, T>::template rs</*TRANS_B=*/1>(o_acc[0], p_regs[kk], Tr::TileKV::desc_mn_major(v_smem, kk * 16, 0),
+                                                         /*scale_d=*/1);
+    wgmma_commit_group();
+  };
+  // a K or V stage is free again: one arrival per warp (the empty barriers count CONSUMER_WARPS)
+  auto release = [&](u32 bar) {
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+  // the tail of K and the causal diagonal: masked scores = -inf (only on tiles that hold an invisible pair
+  // for some row of this warpgroup; the first row sees the fewest keys)
+  auto mask = [&](int n_block) {
+    if (band.needs_mask_right(wg_row, (n_block + 1) * Tr::BLOCK_N - 1))
+      apply_band_mask<IS_CAUSAL, false>(s_acc, warp_row, n_block * Tr::BLOCK_N, band, lane);
+  };
+
+  mbarrier_wait_or_trap(sm.q_full(), 0);
+
+  // key tile 0 (the last-indexed key block): S_0, P_0. O is still 0: nothing to rescale.
+  int stage = 0;  // of key tile i
+  u32 phase = 0;
+  round_begin();
+  mbarrier_wait_or_trap(sm.k_full(0), 0);
+  wgmma_fence();
+  issue_s(sm.k(0));
+  round_end(/*is_last=*/false);
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(s_acc[0]);
+  release(sm.k_empty(0));
+  mask(n_end - 1);
+  softmax_probs(softmax, s_acc, scale_log2, alpha);
+  probs_to_regs<T>(s_acc, p_regs);
+
+  int v_stage = 0;  // of key tile i - 1
+  u32 v_phase = 0;
+  if (++stage == Tr::STAGES) {
+    stage = 0;
+    phase ^= 1;
+  }
+  for (int i = 1; i < n_tiles; ++i) {
+    const int n_block = n_end - 1 - i;
+    // issue S_i = Q K_i^T, then O += P_{i-1} V_{i-1}
+    round_begin();
+    mbarrier_try_wait_parity(sm.k_full(stage), phase);
+    wgmma_fence();  // p_regs and o_acc were written since the last wgmma
+    issue_s(sm.k(stage));
+    mbarrier_try_wait_parity(sm.v_full(v_stage), v_phase);
+    issue_pv(sm.v(v_stage));
+    round_end(/*is_last=*/false);
+
+    // S_i done (the P V GEMM may still run): K_i is free; m_new, l, P_i = exp2(S_i * scale_log2 - m_new)
+    wgmma_wait_group<1>();
+    wgmma_fence_operand(s_acc[0]);
+    release(sm.k_empty(stage));
+    mask(n_block);
+    softmax_probs(softmax, s_acc, scale_log2, alpha);
+
+    // P V done: V_{i-1} is free; O *= exp2(m_old - m_new); P_i -> A registers
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(o_acc[0]);
+    release(sm.v_empty(v_stage));
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt) {
+      o_acc[0][dt][0] *= alpha[0];
+      o_acc[0][dt][1] *= alpha[0];
+      o_acc[0][dt][2] *= alpha[1];
+      o_acc[0][dt][3] *= alpha[1];
+    }
+    probs_to_regs<T>(s_acc, p_regs);
+
+    v_stage = stage;
+    v_phase = phase;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  // the last tile's O += P V
+  round_begin();
+  mbarrier_try_wait_parity(sm.v_full(v_stage), v_phase);
+  wgmma_fence();
+  issue_pv(sm.v(v_stage));
+  round_end(/*is_last=*/true);
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(o_acc[0]);
+  release(sm.v_empty(v_stage));
+
+  // epilogue: O /= l, lse (rows that saw no key: O = 0, lse = -inf); O -> shared (this warpgroup's own Q rows,
+  // which only its own, finished GEMMs read) -> 16-byte stores of the valid rows and columns
+  float lse[1][2];
+  softmax.finalize(o_acc, lse);
+  float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + row0;
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + g + h * 8;  // in the CTA's tile
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+      *reinterpret_cast<u32*>(smem + Tr::OFF_Q + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
+          Cvt<T>::pack(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
+    if (t == 0 && row < rows_q && p.lse != nullptr) lse_gmem[row] = lse[0][h];
+  }
+  named_barrier_sync(Tr::EPILOGUE_BAR + wg, 128);
+  u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(row0) * p.o_row_stride + head * p.o_head_stride;
+  constexpr int CHUNKS_PER_ROW = Tr::HEAD_DIM / 8;
+  for (int idx = ctid - wg * 128; idx < 64 * CHUNKS_PER_ROW; idx += 128) {  // 8 lanes: one 128-byte line
+    const int row = wg * 64 + idx / CHUNKS_PER_ROW, col = (idx % CHUNKS_PER_ROW) * 8;
+    if (row < rows_q && col < p.head_dim)
+      *reinterpret_cast<uint4*>(o_gmem + row * p.o_row_stride + col) =
+          *reinterpret_cast<const uint4*>(smem + Tr::OFF_Q + Tr::TileQ::offset(row, col));
+  }
+}
+
+template <class Tr, bool IS_CAUSAL>
+__global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // the swizzle (TMA's and wgmma's) is a function of the address: the tiles start on the 1024-byte period
+  const u32 smem_raw_u32 = smem_u32(smem_raw);
+  const u32 smem_base = (smem_raw_u32 + 1023u) & ~1023u;
+  unsigned char* smem = smem_raw + (smem_base - smem_raw_u32);
+  const WsSmem<Tr> sm{smem_base};
+  // the host's shared memory size (cuflash/_tma.py:FwdSm90WsConfig.smem_bytes) must cover this layout
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  // causal: launch the longest query blocks (most key tiles) first so the last wave is short
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const int row0 = m_block * Tr::BLOCK_M;                        // first query row of this CTA
+  const int rows_q = min(Tr::BLOCK_M, p.fwd.seq.seqlen_q - row0);  // valid query rows
+  // key tiles [0, n_end): causal tiles past the last row's diagonal are skipped
+  const Band<IS_CAUSAL, false> band{p.fwd.seq.seqlen_k, p.fwd.seq.seqlen_k - p.fwd.seq.seqlen_q, 0, 0};
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  const int n_tiles = n_end;  // key_block_begin is 0 without a window
+
+  if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
+    const FwdParams& f = p.fwd;
+    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(
+        f.o + batch * f.o_batch_stride + static_cast<long long>(row0) * f.o_row_stride + head * f.o_head_stride,
+        f.o_row_stride, rows_q, f.head_dim, threadIdx.x);
+    if (f.lse != nullptr)
+      for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
+        f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + row0 + r] = neg_inf();
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_full(), 1);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.k_full(s), 1);
+      mbarrier_init(sm.v_full(s), 1);
+      mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+      mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
+    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, row0, head, batch, n_end, n_tiles);
+  } else {  // consumer warpgroups
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    fwd_sm90_ws_consumer<Tr, IS_CAUSAL>(p.fwd, sm, smem, row0, rows_q, head, batch, n_end, n_tiles);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_ws_kernel uses TMA and wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash

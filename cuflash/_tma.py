@@ -1,0 +1,164 @@
+"""Host side of the warp-specialized Hopper forward (cuda/fwd_sm90_ws.cuh): TMA tensor maps, the params struct
+with the maps in front of FwdParams (the kernel's config is config.FwdSm90WsConfig).
+
+A tensor map (CUtensorMap, 128 opaque bytes) describes one operand to the TMA unit: its global address, sizes and
+byte strides, the box one copy moves and the shared-memory swizzle. The driver's `cuTensorMapEncodeTiled` makes
+it; CuPy does not expose it, so it is called here through ctypes from libcuda.so.1 (the driver CuPy itself runs
+on): no new dependency, and a call costs about a microsecond, where `cuda.bindings.driver` would add a package
+and its own per-call conversions. The maps hold the array addresses, so they are encoded for every call.
+
+Each operand is a 4-d map over (head_dim, seqlen, heads, batch) with the array's real strides, in either layout
+(bshd or bhsd) and for strided views, as long as TMA accepts them: base address 16-byte aligned, every byte
+stride a multiple of 16 (row, head and batch strides multiples of 8 elements). `tma_unsupported` says why an
+array does not qualify; the caller then launches fwd_sm90_kernel instead. Boxes are 64 columns (one 128-byte
+swizzle panel) by BLOCK_M (Q) or BLOCK_N (K, V) rows; rows past seqlen and columns past head_dim are zero-filled
+by TMA (sequence tails, a head_dim below the kernel's).
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+from . import _launch, config
+
+# cuda.h: CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
+# CUtensorMapFloatOOBfill
+_DATA_TYPE = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_INTERLEAVE_NONE = 0
+_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
+_L2_PROMOTION_256B = 3
+_OOB_FILL_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zeros
+
+TENSOR_MAP_BYTES = 128
+ELEM_BYTES = 2
+BOX_COLS = config.TMA_BOX_COLS
+
+
+class TmaDesc(ctypes.Structure):
+    """Mirror of cuflash::TmaDesc: one CUtensorMap (128 bytes; 64-byte aligned on the C++ side, where the
+    offsets in FwdWsParams below keep it so)."""
+
+    _fields_ = [("v", ctypes.c_uint64 * 16)]
+
+
+class FwdWsParams(ctypes.Structure):
+    """Mirror of cuflash::FwdWsParams (cuda/fwd_sm90_ws.cuh): the Q, K, V tensor maps at byte offsets 0, 128,
+    256, then FwdParams at 384; 768 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
+                ("_pad", ctypes.c_ubyte * (768 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams)))]
+
+
+# The C++ side static_asserts the same layout.
+assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 768
+assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset) == \
+    (0, 128, 256, 384)
+
+
+# --- cuTensorMapEncodeTiled -------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=None)
+def _encode_fn():
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError as e:
+        raise RuntimeError(f"TMA tensor maps need the CUDA driver (libcuda.so.1), which could not be loaded: {e}") from e
+    fn = lib.cuTensorMapEncodeTiled
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle_128b) -> str | None:
+    """Why cuTensorMapEncodeTiled would reject these arguments (its documented rules), or None."""
+    if dtype not in _DATA_TYPE:
+        return f"dtype={dtype!r}; allowed: {tuple(_DATA_TYPE)}"
+    rank = len(dims)
+    if not 1 <= rank <= 5 or len(byte_strides) != rank - 1 or len(box) != rank:
+        return f"rank {rank} with {len(byte_strides)} strides and {len(box)} box sizes (want 1-5, rank-1, rank)"
+    if global_address % 16:
+        return f"address {global_address:#x} is not 16-byte aligned"
+    if any(not 1 <= d <= 2**32 for d in dims):
+        return f"dims {tuple(dims)} must be in 1..2^32"
+    if any(s <= 0 or s % 16 or s >= 2**40 for s in byte_strides):
+        return f"byte strides {tuple(byte_strides)} must be positive multiples of 16 below 2^40"
+    if any(not 1 <= b <= 256 for b in box) or (box[0] * ELEM_BYTES) % 16:
+        return f"box {tuple(box)}: sizes 1..256, the first a multiple of 16 bytes"
+    if swizzle_128b and box[0] * ELEM_BYTES > 128:
+        return f"box {tuple(box)}: a 128-byte swizzle takes at most 128 bytes per box row"
+    return None
+
+
+def encode_tiled(dtype: str, global_address: int, dims, byte_strides, box, swizzle_128b: bool = True) -> bytes:
+    """The 128 bytes of a tiled CUtensorMap of 16-bit `dtype` ("fp16"/"bf16") elements at `global_address`:
+    dims innermost first (elements), byte_strides of dims 1.. (dim 0 is contiguous), box sizes per dim; 128-byte
+    shared-memory swizzle (else none), L2 promotion 256 bytes, out-of-bounds elements read as zeros."""
+    problem = _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle_128b)
+    if problem is not None:
+        raise ValueError(f"cuTensorMapEncodeTiled: {problem}")
+    rank = len(dims)
+    buf = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 64)  # the driver wants the map 64-byte aligned
+    addr = (ctypes.addressof(buf) + 63) & ~63
+    c_dims = (ctypes.c_uint64 * rank)(*dims)
+    c_strides = (ctypes.c_uint64 * max(rank - 1, 1))(*byte_strides)
+    c_box = (ctypes.c_uint32 * rank)(*box)
+    c_elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
+    err = _encode_fn()(addr, _DATA_TYPE[dtype], rank, global_address, c_dims, c_strides, c_box, c_elem_strides,
+                       _INTERLEAVE_NONE, _SWIZZLE_128B if swizzle_128b else _SWIZZLE_NONE, _L2_PROMOTION_256B,
+                       _OOB_FILL_ZERO)
+    if err != 0:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for dtype={dtype}, address="
+                           f"{global_address:#x}, dims={tuple(dims)}, byte_strides={tuple(byte_strides)}, box={tuple(box)}")
+    return ctypes.string_at(addr, TENSOR_MAP_BYTES)
+
+
+# --- the maps of one call ---------------------------------------------------------------------------------------
+
+def _pointer(x) -> int:
+    """An array's device address (a CuPy array, or an int address)."""
+    return x if isinstance(x, int) else x.data.ptr
+
+
+def _operand_map(address: int, dims, dtype: str, box_rows: int):
+    """(head_dim, seqlen, heads, batch) dims, byte strides and box of one operand; `dims` is Dims-like: batch,
+    seqlen, heads, head_dim and batch_stride, row_stride, head_stride in elements."""
+    sizes = (dims.head_dim, dims.seqlen, dims.heads, dims.batch)
+    strides = [dims.row_stride * ELEM_BYTES, dims.head_stride * ELEM_BYTES, dims.batch_stride * ELEM_BYTES]
+    # a dimension of size 1 never steps: any valid stride describes it (CuPy may give such dims stride 0)
+    for i, n in enumerate(sizes[1:]):
+        if n == 1 and (strides[i] <= 0 or strides[i] % 16):
+            strides[i] = 16
+    return address, sizes, tuple(strides), (BOX_COLS, box_rows, 1, 1)
+
+
+def tma_unsupported(x, dims, dtype: str, box_rows: int = 128) -> str | None:
+    """Why one operand (array or address, Dims-like) cannot be read through a TMA map, or None: the host then
+    launches fwd_sm90_kernel instead (e.g. a head stride of head_dim + 4 elements: not a multiple of 16 bytes)."""
+    if dims.seqlen == 0 or dims.batch == 0 or dims.heads == 0:
+        return "an empty array"
+    if dims.head_dim % 8:
+        return f"head_dim={dims.head_dim} is not a multiple of 8 (16-byte rows)"
+    return _encode_args_problem(dtype, *_operand_map(_pointer(x), dims, dtype, box_rows), True)
+
+
+def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dtype: str,
+              cfg: config.FwdSm90WsConfig) -> FwdWsParams:
+    """FwdWsParams of a dense call: Q, K, V maps (q, k, v: CuPy arrays or addresses; dims_*: Dims-like, strides in
+    elements, K/V heads = heads / kv_group) and a copy of `fwd_params`, which holds everything else (o, lse, their
+    strides, seq lengths, kv_group, scale). Raises ValueError naming the operand TMA cannot read
+    (tma_unsupported)."""
+    if fwd_params.seq.cu_seqlens_q or fwd_params.seq.cu_seqlens_k or fwd_params.seq.seqused_k:
+        raise ValueError("fwd_sm90_ws_kernel takes dense batches only (no cu_seqlens / seqused_k)")
+    maps = []
+    for name, x, dims, rows in (("q", q, dims_q, cfg.block_m), ("k", k, dims_k, cfg.block_n), ("v", v, dims_v, cfg.block_n)):
+        problem = tma_unsupported(x, dims, dtype, rows)
+        if problem is not None:
+            raise ValueError(f"{name} cannot be read through a TMA tensor map: {problem}")
+        maps.append(encode_tiled(dtype, *_operand_map(_pointer(x), dims, dtype, rows)))
+    params = FwdWsParams()
+    for field, blob in zip(("tma_q", "tma_k", "tma_v"), maps):
+        ctypes.memmove(ctypes.addressof(params) + getattr(FwdWsParams, field).offset, blob, TENSOR_MAP_BYTES)
+    params.fwd = fwd_params
+    return params
