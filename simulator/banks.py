@@ -1,9 +1,11 @@
 """Shared-memory bank conflicts: the hardware rule for one warp instruction, and walks over every
 shared-memory instruction that fwd_kernel, bwd_kernel and bwd_dq_kernel (cuda/*.cuh) issue, and over the
-thread-issued ones of the Hopper kernels fwd_sm90_kernel and bwd_sm90_kernel (cp.async, st.shared, ld.shared).
-Those kernels' tensor-core operand reads (wgmma from shared-memory descriptors) are no thread instructions:
-the walks report their bytes apart (roles *_wgmma, SharedWalk.wgmma_read_bytes) with no bank model, and ncu
-counts them as neither LDS nor LDSM.
+thread-issued ones of the Hopper kernels fwd_sm90_kernel, fwd_sm90_ws_kernel and bwd_sm90_kernel (cp.async,
+st.shared, ld.shared). Those kernels' tensor-core operand reads (wgmma from shared-memory descriptors) are no
+thread instructions: the walks report their bytes apart (roles *_wgmma, SharedWalk.wgmma_read_bytes) with no
+bank model, and ncu counts them as neither LDS nor LDSM (it has HGMMA counters of their own, `..._op_gmma`).
+Likewise the TMA loads of fwd_sm90_ws_kernel (roles *_tma, SharedWalk.tma_write_bytes): the TMA unit writes
+whole boxes into shared memory, no LSU instruction, no bank model.
 
 The rule (DESIGN.md section 6; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
@@ -526,8 +528,25 @@ BWD_SM90_ROLES = {
     "dv_read": ("ld128", "LDS"),
 }
 
+# fwd_sm90_ws_kernel (cuda/fwd_sm90_ws.cuh), in program order. One producer thread issues the TMA loads
+# (cp.async.bulk.tensor, SASS UTMALDG): each writes one 64-column x ROWS box, the 128-byte swizzled panel of
+# SmemTile, and every box byte lands in shared memory (rows past seqlen and columns past head_dim as zeros; the
+# mbarrier's expect_tx counts them). They are no LSU instructions (kind "tma": bytes and boxes only, no bank
+# model, no wavefront in the l1tex LSU shared counters). The wgmma roles are those of fwd_sm90_kernel with two
+# consumer warpgroups; the O staging goes through the Q tile as in fwd_sm90_kernel, by the 8 consumer warps.
+FWD_SM90_WS_ROLES = {
+    "q_tma": ("tma", "UTMALDG"),  # Q tile once per CTA: HEAD_DIM/64 boxes of 64 x BLOCK_M
+    "k_tma": ("tma", "UTMALDG"),  # K_i, V_i per key tile into stage i % STAGES: HEAD_DIM/64 boxes of 64 x BLOCK_N
+    "v_tma": ("tma", "UTMALDG"),
+    "s_wgmma": ("wgmma", "HGMMA"),  # S = Q K^T: each consumer's 64 Q rows and all of K (K-major)
+    "o_wgmma": ("wgmma", "HGMMA"),  # O += P V: V (MN-major); P from registers
+    "o_store": ("st32", "STS"),  # O (fp32 regs -> T) into the Q tile, consumer warp w rows 16w + g (+8)
+    "o_read": ("ld128", "LDS"),  # 16-byte chunks of each consumer's 64 rows for the global stores
+}
+
 SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")  # the shared-memory instructions threads issue
 TENSOR_CLASS = "HGMMA"  # wgmma operand reads (tensor core, through descriptors)
+TMA_CLASS = "UTMALDG"  # TMA tile loads global -> shared (the TMA unit writes shared memory, no thread does)
 
 
 @dataclass
@@ -566,8 +585,14 @@ class SharedWalk:
         return self.thread_read_bytes + self.wgmma_read_bytes
 
     @property
+    def tma_write_bytes(self) -> int:
+        """Shared-memory bytes the TMA unit writes (whole boxes, zero-filled rows included; 0 without TMA). No
+        thread instruction: no bank rule, and the l1tex LSU shared counters do not see them."""
+        return self.by_sass(TMA_CLASS).bytes
+
+    @property
     def write_bytes(self) -> int:
-        return self.by_sass("LDGSTS").bytes + self.by_sass("STS").bytes
+        return self.by_sass("LDGSTS").bytes + self.by_sass("STS").bytes + self.tma_write_bytes
 
     @property
     def conflicts(self) -> int:
@@ -732,8 +757,11 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     shared instruction."""
     if isinstance(cfg, _config.FwdSm90Config):
         return fwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
+    if isinstance(cfg, _config.FwdSm90WsConfig):
+        return fwd_sm90_ws_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if not isinstance(cfg, _config.FwdConfig):
-        raise TypeError(f"cfg must be a cuflash.config.FwdConfig or FwdSm90Config, got {type(cfg).__name__}")
+        raise TypeError(f"cfg must be a cuflash.config.FwdConfig, FwdSm90Config or FwdSm90WsConfig, got "
+                        f"{type(cfg).__name__}")
     if getattr(cfg, "decode", False):  # its O leaves from registers, its Q rows are gathered: another walk
         raise ValueError("cfg.decode=True: the kv-cache decode variant of fwd_kernel is not walked; "
                          "allowed: the prefill fwd_kernel (decode=False) and fwd_sm90_kernel")
@@ -807,6 +835,107 @@ def fwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
     return _q_outer_walk(cfg, FWD_SM90_ROLES, fwd_sm90_cta_stats, FWD_SM90_PER_ITERATION_ROLES,
                          FWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window,
                          [q, kv, kv], [kv, kv], fences_per_step=1)
+
+
+# ---- fwd_sm90_ws_kernel (Hopper: TMA producer, two wgmma consumer warpgroups) ----------------------------
+
+@dataclass(frozen=True)
+class FwdSm90WsLayout:
+    """The constants of FwdSm90WsTraits (cuda/fwd_sm90_ws.cuh) for one FwdSm90WsConfig: offsets from the
+    1024-byte aligned base ([Q] [K stage 0 .. STAGES-1] [V stage 0 .. STAGES-1] [mbarriers])."""
+
+    consumers: int  # consumer warpgroups, 64 query rows each
+    consumer_warps: int
+    panels: int  # TMA boxes per tile: HEAD_DIM / BOX_COLS
+    smem_q: int  # TileQ::BYTES: also the O staging
+    smem_kv: int  # TileKV::BYTES
+    off_q: int
+    off_k: int  # + stage * smem_kv
+    off_v: int  # + stage * smem_kv
+    off_bar: int
+    smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
+
+
+def fwd_sm90_ws_layout(cfg) -> FwdSm90WsLayout:
+    hd, bm, bn, e = cfg.head_dim, cfg.block_m, cfg.block_n, _config.ELEM_BYTES
+    smem_q, smem_kv = bm * hd * e, bn * hd * e
+    off_k = smem_q
+    off_v = off_k + cfg.stages * smem_kv
+    off_bar = off_v + cfg.stages * smem_kv
+    consumers = bm // 64
+    return FwdSm90WsLayout(consumers=consumers, consumer_warps=4 * consumers, panels=hd // _config.TMA_BOX_COLS,
+                           smem_q=smem_q, smem_kv=smem_kv, off_q=0, off_k=off_k, off_v=off_v, off_bar=off_bar,
+                           smem_bytes=off_bar + 8 * (1 + 4 * cfg.stages) + 1024)
+
+
+def tma_stats(boxes: int, nbytes: int) -> InstrStats:
+    """A TMA role: `boxes` cp.async.bulk.tensor (UTMALDG, one thread each) writing `nbytes` of shared memory;
+    no wavefronts or conflicts (the TMA unit writes shared memory, no LSU instruction)."""
+    return InstrStats("tma", boxes, 0, 0, nbytes, 0)
+
+
+def fwd_sm90_ws_addresses(cfg, rows_q: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
+    """Byte addresses (from the 1024-byte-aligned base) of the thread-issued shared instructions of one CTA of
+    fwd_sm90_ws_kernel, [consumer warp, i, lane] (-1: lane inactive): the O staging stores of consumer warp
+    w (rows 16w + g + 8h, columns dt*8 + 2t of TileQ) and the epilogue's 16-byte reads: consumer wg's thread
+    ltid = ctid - 128 wg reads chunks idx = ltid + 128 i < 64 * HEAD_DIM/8 of its rows, row wg*64 + idx /
+    (HEAD_DIM/8), column (idx % (HEAD_DIM/8)) * 8, for rows < rows_q and columns < head_dim."""
+    L = fwd_sm90_ws_layout(cfg)
+    hd, bm = cfg.head_dim, cfg.block_m
+    rows_q = bm if rows_q is None else rows_q
+    head_dim = hd if head_dim is None else head_dim
+    rows = (np.arange(L.consumer_warps) * 16).reshape(-1, 1, 1) + 8 * _ax(2, 1, 3)
+    out = {"o_store": accumulator_store_addresses(L.off_q, bm, hd, rows, _ax(hd // 8, 2, 3) * 8)}
+    chunks_per_row = hd // _config.CHUNK_ELEMS
+    iters = -(-64 * chunks_per_row // 128)
+    ctid = np.arange(128 * L.consumers).reshape(L.consumer_warps, 1, WARP)
+    wg = ctid // 128
+    idx = ctid - wg * 128 + np.arange(iters).reshape(1, iters, 1) * 128
+    row, col = wg * 64 + idx // chunks_per_row, (idx % chunks_per_row) * _config.CHUNK_ELEMS
+    valid = (idx < 64 * chunks_per_row) & (row < rows_q) & (col < head_dim)
+    out["o_read"] = np.where(valid, L.off_q + swizzled_offset(np.minimum(row, bm - 1), col, bm, hd), -1)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+def fwd_sm90_ws_tma(cfg) -> dict[str, InstrStats]:
+    """TMA loads of one key tile: K_i and V_i, HEAD_DIM/64 boxes of 64 x BLOCK_N each, the whole box written."""
+    L = fwd_sm90_ws_layout(cfg)
+    return {"k_tma": tma_stats(L.panels, L.smem_kv), "v_tma": tma_stats(L.panels, L.smem_kv)}
+
+
+FWD_SM90_WS_PER_ITERATION_ROLES = ("k_tma", "v_tma", "s_wgmma", "o_wgmma")
+FWD_SM90_WS_PER_CTA_ROLES = ("q_tma", "o_store", "o_read")
+
+
+@lru_cache(maxsize=256)
+def fwd_sm90_ws_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-key-tile stats) of fwd_sm90_ws_kernel, shaped as fwd_cta_stats (two identical
+    per-tile entries: nothing a key tile does depends on its stage's bank alignment); cached."""
+    L = fwd_sm90_ws_layout(cfg)
+    per_tile = fwd_sm90_ws_tma(cfg) | fwd_sm90_wgmma(cfg)
+    addrs = fwd_sm90_ws_addresses(cfg, rows_q, head_dim)
+    per_cta = {r: _stats(FWD_SM90_WS_ROLES[r][0], addrs[r]) for r in ("o_store", "o_read")}
+    per_cta["q_tma"] = tma_stats(L.panels, L.smem_q)
+    return per_cta, [per_tile, per_tile]
+
+
+def fwd_sm90_ws_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                              causal_skip: bool = True, window=None) -> SharedWalk:
+    """Every shared-memory access of fwd_sm90_ws_kernel<cfg> over the grid (ceil(Sq/128), heads, batch), with
+    fwd_sm90_kernel's key-tile range (key tiles n_end-1 down to 0; causal tiles past the last row's diagonal
+    skipped; a CTA that sees no key writes O = 0, lse = -inf straight to global memory and touches no shared
+    memory): per live CTA the Q TMA load (SMEM_Q bytes) and the O staging (st.shared.b32 by the 8 consumer
+    warps, ld.shared.v4 of the valid rows and columns), walked with the bank rule; per key tile the K and V
+    TMA loads (SMEM_KV bytes each) and the wgmma operand reads. No cp.async and no fence.proxy.async: no
+    predicated-off LDS are expected (guard_lds = 0; an assumption the ncu LDS instruction row checks). The
+    mbarrier operations (init, arrive.expect_tx, try_wait, arrive) are SYNCS instructions on sm_90, not
+    LDS/STS, and are not counted."""
+    if not isinstance(cfg, _config.FwdSm90WsConfig):
+        raise TypeError(f"cfg must be a cuflash.config.FwdSm90WsConfig, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _q_outer_walk(cfg, FWD_SM90_WS_ROLES, fwd_sm90_ws_cta_stats, FWD_SM90_WS_PER_ITERATION_ROLES,
+                         FWD_SM90_WS_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window,
+                         [], [])
 
 
 # ---- bwd_dq_kernel (deterministic dQ) ------------------------------------------------------------

@@ -175,7 +175,13 @@ def _ragged(counts):
 
 
 def _q_outer_fwd(tr: _Trace, p, bm, bn, causal_skip, wave, reverse_n, reverse_m, kernel=0):
-    """fwd_kernel / FA2 forward: CTA (m_block, h, b): Q; K_n, V_n per step (n_begin .. n_end - 1); O, lse."""
+    """fwd_kernel / FA2 forward: CTA (m_block, h, b): Q; K_n, V_n per step (n_begin .. n_end - 1); O, lse.
+
+    cuflash's kernels (reverse_n: key tiles from n_end - 1 down; reverse_m when causal: m_block = gridDim.x - 1
+    - blockIdx.x, the longest query blocks first) all follow it, fwd_sm90_ws_kernel too: its producer issues
+    the TMA boxes of Q, then K_n and V_n per key tile in the same order, and a box reads only its in-bounds
+    rows (a tail tile's units weigh its valid rows); its STAGES-deep prefetch runs ahead of the consumers,
+    which the lock-step waves do not model (as the cp.async prefetch of the other kernels)."""
     n_begin, n_end = key_block_ranges(p, bm, bn, causal_skip)
     t_r = len(n_end)
     c, bh, x = _grid(p, t_r)
@@ -307,6 +313,10 @@ def config_resident(cfg) -> int:
     n = _resident(cfg.smem_bytes, cfg.threads)
     if isinstance(cfg, (_config.FwdSm90Config, _config.BwdSm90Config)):
         n = min(n, cfg.ctas_per_sm)
+    if isinstance(cfg, _config.FwdSm90WsConfig):
+        # __launch_bounds__(384, 1) and setmaxnreg size the registers for one CTA: 128 producer threads x 24
+        # + 256 consumer threads x 240 = 64,512 of the SM's 65,536 (FwdSm90WsTraits' static_assert)
+        n = 1
     return n
 
 

@@ -8,13 +8,15 @@ imports the models.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
 
 from cuflash import config as _config
 
-from .masks import key_tile_range, query_block_range
+from .masks import band_sides, key_tile_range, query_block_range
 from .model import DEFAULT_FA2_BLOCKS, DEFAULT_SRAM_BYTES, Problem
 
 
@@ -118,8 +120,11 @@ def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int 
 def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
     """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
     the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
-    dQ atomics). kernels: "auto" (the library's default: a FwdSm90Config / BwdSm90Config where the head dim
-    has a wgmma kernel) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma)."""
+    dQ atomics). kernels: "auto" (the library's default: the registry's first Hopper family for the head dim,
+    a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at head dims 64, 128, 256, else a FwdSm90Config, and a
+    BwdSm90Config) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer counts dense
+    contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
+    runs_window_kernel): a windowed forward counts the tiles of the library's window kernel."""
     check_kernels(kernels)
     if p.dtype not in _config.DTYPES:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
@@ -129,4 +134,16 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
                          f"(got head_dim={p.head_dim})")
     if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
         return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
-    return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
+    if not runs_window_kernel(p):
+        return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
+    # the library's kernel of the window (MOD_WINDOW, causal folded in as right = 0) gives the tiles; the counts
+    # take the causal flag and the window from the problem
+    cfg = _config.forward_kernel_config(hd, p.dtype, False, ARCH, kernels, mods=_config.MOD_WINDOW)
+    return dataclasses.replace(cfg, causal=p.causal, mods=0)
+
+
+def runs_window_kernel(p: Problem) -> bool:
+    """Whether the library runs p's window as a score modifier (MOD_WINDOW), as cuflash._validate.check_mods
+    folds it: with causal folded in (masks.band_sides), (-1, -1) is no window and (-1, 0) plain causal."""
+    left, right = band_sides(p.causal, p.window)
+    return left is not None or right not in (None, 0)

@@ -10,11 +10,13 @@ Strategies (DESIGN.md section 6):
             K/V blocks outer in the backward, dQ accumulated in an fp32 buffer by read-modify-write.
   cuflash   what our kernels do on an H100 (sm_90a): the forward and backward main kernels that
             cuflash.config's forward_kernel_config / backward_kernel_config pick, by default
-            (kernels="auto") the wgmma kernels fwd_sm90_kernel / bwd_sm90_kernel where the head dim has
-            one and the mma.sync fwd_kernel / bwd_kernel elsewhere; kernels="mma" counts the mma.sync
-            kernels only (CUFLASH_KERNELS=mma). Tiles, warps, stages and padding come from the config; the
-            shared-memory counts and bank conflicts from walking every shared instruction
-            (banks.fwd_kernel_shared, which adds the wgmma operand reads of the sm90 kernels). The
+            (kernels="auto") the Hopper kernels where the head dim has one (forward: the warp-specialized
+            TMA kernel fwd_sm90_ws_kernel at head dims 64, 128, 256, else fwd_sm90_kernel; backward:
+            bwd_sm90_kernel) and the mma.sync fwd_kernel / bwd_kernel elsewhere; kernels="mma" counts the
+            mma.sync kernels only (CUFLASH_KERNELS=mma). Tiles, warps, stages and padding come from the
+            config; the shared-memory counts and bank conflicts from walking every shared instruction
+            (banks.fwd_kernel_shared, which adds the wgmma operand reads of the sm90 kernels and the TMA
+            box writes of fwd_sm90_ws_kernel). The
             backward counts the launches of cuda/bwd.cuh (cuflash_backward_kernels: preprocess, the
             K/V-outer main kernel with fp32 dQ atomics, convert; or, deterministic, the main kernel
             without atomics and the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded to
@@ -103,6 +105,7 @@ def _scaled(c: Counts, factor: int) -> Counts:
 KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.FwdConfig: "fwd_kernel",
     _config.FwdSm90Config: "fwd_sm90_kernel",
+    _config.FwdSm90WsConfig: "fwd_sm90_ws_kernel",
     _config.BwdConfig: "bwd_kernel",
     _config.BwdSm90Config: "bwd_sm90_kernel",
     _config.DqConfig: "bwd_dq_kernel",
@@ -190,8 +193,10 @@ def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
 
 
 def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) -> Counts:
-    """fwd_kernel or fwd_sm90_kernel: FA2's global traffic with the config's blocks (both read Q once and
-    K, V once per query block); SRAM from the walk (wgmma operand reads included)."""
+    """fwd_kernel, fwd_sm90_kernel or fwd_sm90_ws_kernel: FA2's global traffic with the config's blocks (all
+    three read Q once per CTA that sees a key and K, V once per visited key tile, valid rows only: cp.async
+    zero-fills the tails without reading, TMA fills out-of-bounds box rows with zeros); SRAM from the walk
+    (wgmma operand reads and TMA box writes included)."""
     cfg = cuflash_config(p, kernels=kernels)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)

@@ -95,6 +95,8 @@ def test_useful_flops_are_the_problems(strategy, causal):
 
 def _expected_tiles(hd, causal, kernels, backward=False):
     """The tile table entry the library launches on an H100, looked up by hand."""
+    if kernels == "auto" and not backward and hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel: BLOCK_M 128
+        return (128, (config.FWD_SM90_WS_TILES_CAUSAL if causal else config.FWD_SM90_WS_TILES)[hd][0])
     if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
         return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
     if backward:
@@ -127,10 +129,12 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal, kernels):
 @pytest.mark.parametrize("sq,sk,d", [(1000, 1500, 64), (777, 901, 128), (1024, 300, 96)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, causal):
-    """fwd_sm90_kernel by hand: Q and O once, lse once, K and V once per query block of BLOCK_M rows (the
-    key tiles it visits, tails exact); and its shared reads: the O store_tile loads plus the wgmma
-    operands (per visited key tile and warpgroup 64 Q rows and K for S, V for O)."""
-    cfg = config.fwd_sm90_config(d, "fp16", causal)
+    """The Hopper forward the library launches (fwd_sm90_ws_kernel at d64/d128, fwd_sm90_kernel at d96) by
+    hand: Q and O once, lse once, K and V once per query block of BLOCK_M rows (the key tiles it visits,
+    tails exact); and its shared reads: the O staging loads plus the wgmma operands (per visited key tile
+    and warpgroup 64 Q rows and K for S, V for O)."""
+    cfg = config.forward_kernel_config(d, "fp16", causal, kernels="auto")
+    assert isinstance(cfg, config.FwdSm90WsConfig if d in config.FWD_SM90_WS_TILES else config.FwdSm90Config)
     b, h, e = 2, 3, 2
     reads = writes = wgmma = o_reads = 0
     for m_block in range(-(-sq // cfg.block_m)):

@@ -105,7 +105,7 @@ def test_cuflash_schedule_uses_the_launched_tiles(kernels):
     p = Problem(1, 1, 200, 150, 104, "bf16", True)
     fwd = config.forward_kernel_config(128, "bf16", True, kernels=kernels)
     bwd = config.backward_kernel_config(128, "bf16", True, False, kernels=kernels)
-    assert isinstance(fwd, config.FwdSm90Config) == (kernels == "auto")
+    assert isinstance(fwd, (config.FwdSm90Config, config.FwdSm90WsConfig)) == (kernels == "auto")
     assert _blocks_and_width("cuflash", p, None, None, None, False, kernels) == (fwd.block_m, fwd.block_n, 128)
     assert _blocks_and_width("cuflash", p, None, None, None, True, kernels) == (bwd.block_m, bwd.block_n, 128)
     q, k, v, do = _inputs(200, 150, d=104, b=1, h=1)

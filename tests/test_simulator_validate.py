@@ -133,10 +133,14 @@ def test_default_set_covers_what_the_validation_needs():
 @pytest.mark.parametrize("target", FWD_TARGETS, ids=lambda t: t.name)
 def test_predicted_global_reads_equal_the_strategy_counts(target):
     """Every validated head dim has sector-aligned rows, so the sector count equals the byte count."""
-    case = target.case
-    reads, writes = validate.predicted_global_bytes(case, target.config())
+    case, cfg = target.case, target.config()
+    reads, writes = validate.predicted_global_bytes(case, cfg)
     c = simulate("cuflash", case.problem(), kernels=target.kernels)
-    assert (c.block_m, c.block_n) == (target.config().block_m, target.config().block_n)
+    if (c.block_m, c.block_n) != (cfg.block_m, cfg.block_n):
+        # fwd_sm90_kernel where the library's default is fwd_sm90_ws_kernel (the driver takes that family out):
+        # cuflash's global reads are FA2's with the kernel's blocks
+        assert target.kernel == "fwd_sm90_kernel" and case.head_dim in C.FWD_SM90_WS_TILES, target.name
+        c = simulate("fa2", case.problem(), block_m=cfg.block_m, block_n=cfg.block_n)
     assert reads == c.hbm_read_bytes, f"{case.name}: sector reads {reads} != counted {c.hbm_read_bytes}"
     assert writes >= c.hbm_write_bytes, f"{case.name}: sector writes {writes} < bytes {c.hbm_write_bytes}"
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
@@ -276,14 +280,21 @@ def test_kernel_configs_are_what_the_driver_launches():
     t = validate.Target("bwd_dq_kernel", validate.Case(1, 2, 100, 150, 128))
     assert validate.kernel_configs(t)[-1] == C.dq_config(128, "fp16", False)
     assert C.bwd_config(128, "fp16", False, True) in validate.kernel_configs(t)
-    # the wgmma targets run the library's default family: the forward and main backward kernels are sm90
+    # the wgmma targets run the library's default family: the forward is fwd_sm90_ws_kernel at d64 (TMA), the
+    # main backward bwd_sm90_kernel
     t = validate.Target("bwd_sm90_kernel", validate.Case(1, 2, 100, 150, 64, "bf16", causal=True))
     assert t.kernels == "auto" and t.config() == C.bwd_sm90_config(64, "bf16", True, False)
     assert [c.cpp_name() for c in validate.kernel_configs(t)] == [
-        C.fwd_sm90_config(64, "bf16", True).cpp_name(), C.ElementwiseConfig("preprocess", "bf16").cpp_name(),
+        C.forward_kernel_config(64, "bf16", True, kernels="auto").cpp_name(),
+        C.ElementwiseConfig("preprocess", "bf16").cpp_name(),
         C.bwd_sm90_config(64, "bf16", True, False).cpp_name(), C.ElementwiseConfig("convert_dq", "bf16").cpp_name()]
     assert validate.kernel_configs(validate.Target("fwd_sm90_kernel", validate.Case(1, 2, 100, 150, 96))) == \
         [C.fwd_sm90_config(96, "fp16", False)]
+    # fwd_sm90_kernel where fwd_sm90_ws_kernel is the default: its own config (the driver takes the ws family out)
+    assert validate.kernel_configs(validate.Target("fwd_sm90_kernel", validate.Case(1, 2, 100, 150, 64))) == \
+        [C.fwd_sm90_config(64, "fp16", False)]
+    assert validate.kernel_configs(validate.Target("fwd_sm90_ws_kernel", validate.Case(1, 2, 100, 150, 128))) == \
+        [C.fwd_sm90_ws_config(128, "fp16", False)]
 
 
 # ---- the profiled driver and the prewarm, against stand-ins -----------------------------------------
@@ -326,8 +337,13 @@ def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, c
     monkeypatch.setattr(cuflash, "attention_forward", fwd)
     monkeypatch.setattr(cuflash, "attention_backward", bwd)
     monkeypatch.setattr(C, "KERNELS", target.kernels)  # what CUFLASH_KERNELS (validate._env) sets
+    monkeypatch.setattr(C, "FAMILIES", C.FAMILIES)  # restored after the test: a fwd_sm90_kernel driver edits it
     exec(compile(validate.driver_code(target), "<driver>", "exec"), {"__name__": "__main__"})
     c = target.case
+    if target.kernel in validate.FORWARD_KERNELS and target.kernels == "auto":
+        # the library would launch the profiled kernel: fwd_sm90_kernel with the ws family taken out
+        hd = C.kernel_head_dim(c.head_dim)
+        assert C.select("forward", hd, c.dtype, c.causal, "sm_90a", kernels="auto") == target.config(), target.name
     q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
     want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
     if not target.is_backward:
@@ -371,8 +387,8 @@ with open({log!r}, "a") as f:
 metrics = args[args.index("--metrics") + 1].split(",")
 # the launches of the driver, and which of them the --kernel-name regex selects (one, or it is an error)
 pattern = args[args.index("--kernel-name") + 1].split(":", 1)[1]
-launched = ["fwd_kernel", "fwd_sm90_kernel", "bwd_preprocess_kernel", "bwd_kernel", "bwd_sm90_kernel",
-            "bwd_convert_dq_kernel", "bwd_dq_kernel"]
+launched = ["fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_preprocess_kernel", "bwd_kernel",
+            "bwd_sm90_kernel", "bwd_convert_dq_kernel", "bwd_dq_kernel"]
 selected = [k for k in launched if re.search(pattern, k) and re.search(pattern, "void cuflash::%s<T>(P)" % k)]
 if len(selected) != 1:
     print("==ERROR== --kernel-name %s selects %s" % (pattern, selected), file=sys.stderr)
@@ -635,7 +651,7 @@ def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     deterministic) and 2 * DQ_COLS/8 RED.v2 per warp. No ldmatrix; the l1tex shared-load rows are
     reported, not targeted (wgmma operand reads)."""
     cfg, p = target.config(), target.case.problem()
-    assert type(cfg).__name__ in ("FwdSm90Config", "BwdSm90Config")
+    assert type(cfg).__name__ in ("FwdSm90Config", "FwdSm90WsConfig", "BwdSm90Config")
     pred = {m: v for m, (v, _) in validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS).items()}
     metrics = validate.metrics_for(target)
     assert pred["smsp__inst_executed_op_ldsm.sum"] == 0
@@ -647,7 +663,8 @@ def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     if not target.is_backward:
         n_begin, n_end = key_block_ranges(p, cfg.block_m, cfg.block_n)
         live = int((n_end > n_begin).sum()) * p.batch_heads
-        assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * hd // 8
+        consumer_warps = cfg.block_m // 16  # fwd_sm90_ws_kernel: its producer warpgroup stores nothing
+        assert pred["smsp__inst_executed_op_shared_st.sum"] == live * consumer_warps * 2 * hd // 8
         assert pred["launch__grid_size"] == -(-p.seqlen_q // cfg.block_m) * p.batch_heads
         return
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
