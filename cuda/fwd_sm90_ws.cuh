@@ -8,9 +8,16 @@
 //     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
 //     runs S = Q K_j^T, the online softmax, O += P_j V_j (P from registers: wgmma's RS form), then the epilogue.
-// The algorithm's math (OnlineSoftmax, Band masks, the swizzled SmemTile layout and its wgmma descriptors) is
-// fwd_sm90.cuh's; what is new is who moves the data and when. Dense batches only (no varlen, no kv cache, no
-// score modifiers); K/V heads = heads / kv_group (GQA).
+// The algorithm's math (OnlineSoftmax, Band masks, the score modifiers of mods.cuh in fwd_sm90_key_tile's order:
+// softcap, ALiBi, mask, softmax, dropout; the swizzled SmemTile layout and its wgmma descriptors) is
+// fwd_sm90.cuh's; what is new is who moves the data and when. K/V heads = heads / kv_group (GQA). No kv cache.
+//
+// Dense or packed (varlen) sequences (seqs.cuh): a packed operand's tensor map is (head_dim, total, heads, 1) and
+// sequence b's rows start at cu_seqlens[b], so the producer adds q_row0 / k_row0 to the row coordinate and uses
+// batch coordinate 0. A box then runs past the sequence's end into the next one's rows (TMA zero-fills only past
+// the array): the consumers mask keys >= len_k (the Band's tail test, as for the zero-filled tail of a dense
+// sequence) and store no query row >= len_q. Rows, keys, ALiBi distances and the dropout stream are counted
+// within the sequence (batch index = sequence index), as in fwd_sm90_kernel; O and lse rows at q_row0 + row.
 //
 // ---- shared memory --------------------------------------------------------------------------------------
 // [Q: TileQ (128 x HEAD_DIM)] [K stage 0 .. STAGES-1: TileKV] [V stage 0 .. STAGES-1: TileKV] [mbarriers]
@@ -25,8 +32,12 @@
 //   k_full[s], v_full[s]   count 1: the producer's arrive.expect_tx(SMEM_KV); TMA completes SMEM_KV bytes
 //   k_empty[s], v_empty[s] count CONSUMER_WARPS (8): lane 0 of every consumer warp arrives once per use,
 //                          after its wgmma.wait_group has retired the GEMM that read the stage
-// Key tile i (i = 0 .. n_tiles-1, n_block = n_end - 1 - i) uses stage s = i % STAGES, in round
-// u = i / STAGES of that stage, phase bit ph = u & 1 (kept as counters: stage, phase ^= 1 on wrap):
+// The CTA visits the key blocks [n_begin, n_end) of its rows' band (Band::key_block_begin / _end: the causal
+// diagonal or the window's right edge bound n_end, the window's left edge n_begin; tiles outside are never
+// loaded), from the last: key tile i (i = 0 .. n_tiles-1, n_tiles = n_end - n_begin) is key block
+// n_block = n_end - 1 - i, so the window's first block n_begin is the last tile i = n_tiles - 1. Tile i uses
+// stage s = i % STAGES, in round u = i / STAGES of that stage, phase bit ph = u & 1 (kept as counters: stage,
+// phase ^= 1 on wrap):
 //   producer  Q:   arrive.expect_tx(q_full, SMEM_Q), TMA Q (HEAD_DIM/64 boxes of 64 x 128)
 //             K_i: wait(k_empty[s], parity ph ^ 1)  -- round 0: a fresh barrier passes parity 1 at once;
 //                                                     round u >= 1: waits for the 8 releases of tile i - STAGES
@@ -42,12 +53,14 @@
 // phase u of every barrier is use u of its stage and the parities above alternate in step. The producer only
 // waits for releases of tile i - STAGES, which both consumers give before they need tile i - 1 (K) or finish
 // tile i - STAGES + 1 (V): no cycle, for any STAGES >= 2. No barrier is used across CTAs (no cluster), and a
-// CTA whose rows see no key returns before the barriers are initialized (the decision is uniform in the CTA).
+// CTA whose rows see no key (n_tiles <= 0: it writes O = 0, lse = -inf) or that starts past its sequence's end
+// (varlen: row0 >= len_q) returns before the barriers are initialized (both decisions are uniform in the CTA).
 //
 // ---- the consumer's schedule (intra-warpgroup overlap) ----------------------------------------------------
 //   S_0 = Q K_0^T; wait; softmax(S_0) -> P_0
 //   for i = 1 .. n_tiles-1:   issue S_i = Q K_i^T; issue O += P_{i-1} V_{i-1};
-//                             wait_group 1 (S_i done) -> release K_i; mask; m, l, P_i = exp2(..) (under the P V GEMM)
+//                             wait_group 1 (S_i done) -> release K_i; softcap, ALiBi, mask; m, l,
+//                             P_i = exp2(..); dropout of P_i (all under the P V GEMM)
 //                             wait_group 0 (P V done) -> release V_{i-1}; O *= exp2(m_old - m_new)
 //   issue O += P_last V_last; wait_group 0 -> release V_last; epilogue
 // With PINGPONG, each consumer issues the GEMMs of a round (S_0 | S_i with P_{i-1} V_{i-1} | P_last V_last) only
@@ -64,6 +77,8 @@
 #include "traits.cuh"
 #include "tiles.cuh"
 #include "mask.cuh"
+#include "mods.cuh"
+#include "seqs.cuh"
 #include "softmax.cuh"
 #include "fwd.cuh"
 
@@ -207,39 +222,45 @@ struct WsSmem {
 
 // Producer (one thread): Q, then K_i and V_i of key tiles n_end-1 down to n_end-n_tiles, each into the next stage
 // once the consumers have released what it held STAGES tiles ago.
+// seq: this sequence's first rows in the packed arrays (0 when dense); its maps then have batch size 1, so the
+// batch coordinate is 0 for a packed operand.
 template <class Tr>
-__device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, int row0, int head,
-                                                     int batch, int n_end, int n_tiles) {
+__device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, const Seq& seq,
+                                                     int row0, int head, int batch, int n_end, int n_tiles) {
   prefetch_tensormap(&p.tma_q);
   prefetch_tensormap(&p.tma_k);
   prefetch_tensormap(&p.tma_v);
   const int kv_head = head / p.fwd.seq.kv_group;  // GQA: the K/V head of this query head
+  const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
+  const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
 
-  // Q: rows row0 .. row0 + 127 (rows >= seqlen_q are zero-filled by TMA)
+  // Q: rows row0 .. row0 + 127 of the sequence (rows past the array are zero-filled by TMA; varlen: rows past
+  // the sequence are the next one's, computed but never stored)
   mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel)
     cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * 128, &p.tma_q, sm.q_full(),
-                                             panel * Tr::BOX_COLS, row0, head, batch);
+                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
 
   int stage = 0;
   u32 phase = 0;
   for (int i = 0; i < n_tiles; ++i) {
-    const int key0 = (n_end - 1 - i) * Tr::BLOCK_N;  // keys >= seqlen_k are zero-filled (and masked)
+    // keys >= len_k are masked: zero-filled past the array, the next sequence's rows when packed
+    const int key0 = seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N;
     // K_i into stage `stage` once both consumers released K_{i - STAGES}
     mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
     mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
       cp_async_bulk_tensor_4d_global_to_shared(sm.k(stage) + panel * Tr::BLOCK_N * 128, &p.tma_k, sm.k_full(stage),
-                                               panel * Tr::BOX_COLS, key0, kv_head, batch);
+                                               panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
     // V_i likewise
     mbarrier_wait_or_trap(sm.v_empty(stage), phase ^ 1);
     mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
       cp_async_bulk_tensor_4d_global_to_shared(sm.v(stage) + panel * Tr::BLOCK_N * 128, &p.tma_v, sm.v_full(stage),
-                                               panel * Tr::BOX_COLS, key0, kv_head, batch);
+                                               panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
     if (++stage == Tr::STAGES) {
       stage = 0;
       phase ^= 1;
@@ -247,17 +268,21 @@ __device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const
   }
 }
 
-// Consumer warpgroup `wg` (0, 1): query rows row0 + 64 wg .. + 63 of the CTA's tile.
-template <class Tr, bool IS_CAUSAL>
+// Consumer warpgroup `wg` (0, 1): query rows row0 + 64 wg .. + 63 of the CTA's tile. Rows and keys are counted
+// within the sequence (the band, ALiBi and the dropout stream see them so); out_row0 = the sequence's first row in
+// the packed arrays + row0 places O and lse.
+template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const WsSmem<Tr>& sm, unsigned char* smem,
-                                                     int row0, int rows_q, int head, int batch, int n_end, int n_tiles) {
+                                                     const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                     int row0, int out_row0, int rows_q, int head, int batch, int n_end,
+                                                     int n_tiles) {
   using T = typename Tr::T;
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   const int ctid = threadIdx.x - 128;                // 0 .. CONSUMER_THREADS-1
   const int wg = ctid / 128, lane = ctid & 31;
   const int warp = ctid / 32;                        // 0..7: rows 16 warp .. + 15 of the CTA's tile
-  const int warp_row = row0 + warp * 16;             // this warp's first query row (absolute)
+  const int warp_row = row0 + warp * 16;             // this warp's first query row (in the sequence)
   const int wg_row = row0 + wg * 64;                 // this warpgroup's first query row
-  const Band<IS_CAUSAL, false> band{p.seq.seqlen_k, p.seq.seqlen_k - p.seq.seqlen_q, 0, 0};
   // this warpgroup's 64 Q rows: whole 8-row swizzle atoms, so the descriptor just starts there
   const u32 q_smem_wg = sm.q() + Tr::TileQ::offset(wg * 64, 0);
   const float scale_log2 = p.scale_log2;
@@ -272,6 +297,8 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   float s_acc[1][Tr::N_TILES][4];      // S_i, then P_i (fp32)
   u32 p_regs[Tr::PV_K_STEPS][4];       // P_{i-1} as the A operand of the P V GEMM in flight
   float alpha[2];
+  ScoreMods<MODS> mods;  // softcap, ALiBi, dropout of this (batch, head); nothing when MODS = 0
+  mods.init(p.mods, batch, head, p.heads);
 
   // pingpong: consumer 0 issues first (consumer 1 gives it the first token)
   auto round_begin = [&]() {
@@ -303,11 +330,18 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   auto release = [&](u32 bar) {
     if (lane == 0) mbarrier_arrive(bar);
   };
-  // the tail of K and the causal diagonal: masked scores = -inf (only on tiles that hold an invisible pair
-  // for some row of this warpgroup; the first row sees the fewest keys)
-  auto mask = [&](int n_block) {
-    if (band.needs_mask_right(wg_row, (n_block + 1) * Tr::BLOCK_N - 1))
-      apply_band_mask<IS_CAUSAL, false>(s_acc, warp_row, n_block * Tr::BLOCK_N, band, lane);
+  // S_i -> P_i: softcap, ALiBi (mods.cuh); the tail of K, the causal diagonal, the window: masked scores = -inf
+  // (only on tiles that hold an invisible pair for some row of this warpgroup: on the right its first row sees
+  // the fewest keys, on the left its last row); m_new, l, P = exp2(S * scale_log2 - m_new); then dropout, after
+  // the row sums (lse is of the undropped softmax). The same order as fwd_sm90_key_tile.
+  auto scores_to_probs = [&](int n_block) {
+    const int key0 = n_block * Tr::BLOCK_N;
+    float unused_dcap[1][Tr::N_TILES][4];
+    apply_score_mods(s_acc, unused_dcap, warp_row, key0, band.diag, mods, lane);
+    if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
+      apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
+    softmax_probs(softmax, s_acc, scale_log2, alpha);
+    apply_dropout(s_acc, warp_row, key0, mods, lane);
   };
 
   mbarrier_wait_or_trap(sm.q_full(), 0);
@@ -323,8 +357,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   wgmma_wait_group<0>();
   wgmma_fence_operand(s_acc[0]);
   release(sm.k_empty(0));
-  mask(n_end - 1);
-  softmax_probs(softmax, s_acc, scale_log2, alpha);
+  scores_to_probs(n_end - 1);
   probs_to_regs<T>(s_acc, p_regs);
 
   int v_stage = 0;  // of key tile i - 1
@@ -348,8 +381,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     wgmma_wait_group<1>();
     wgmma_fence_operand(s_acc[0]);
     release(sm.k_empty(stage));
-    mask(n_block);
-    softmax_probs(softmax, s_acc, scale_log2, alpha);
+    scores_to_probs(n_block);
 
     // P V done: V_{i-1} is free; O *= exp2(m_old - m_new); P_i -> A registers
     wgmma_wait_group<0>();
@@ -381,11 +413,13 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   wgmma_fence_operand(o_acc[0]);
   release(sm.v_empty(v_stage));
 
-  // epilogue: O /= l, lse (rows that saw no key: O = 0, lse = -inf); O -> shared (this warpgroup's own Q rows,
-  // which only its own, finished GEMMs read) -> 16-byte stores of the valid rows and columns
+  // epilogue: O /= l (and * 1 / (1 - p) with dropout), lse (rows that saw no key: O = 0, lse = -inf); O -> shared
+  // (this warpgroup's own Q rows, which only its own, finished GEMMs read) -> 16-byte stores of the valid rows
+  // and columns (varlen: rows past the sequence belong to the next one and are not stored)
   float lse[1][2];
   softmax.finalize(o_acc, lse);
-  float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + row0;
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(o_acc, p.mods.dropout_rp);
+  float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + out_row0;
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -397,7 +431,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     if (t == 0 && row < rows_q && p.lse != nullptr) lse_gmem[row] = lse[0][h];
   }
   named_barrier_sync(Tr::EPILOGUE_BAR + wg, 128);
-  u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(row0) * p.o_row_stride + head * p.o_head_stride;
+  u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(out_row0) * p.o_row_stride + head * p.o_head_stride;
   constexpr int CHUNKS_PER_ROW = Tr::HEAD_DIM / 8;
   for (int idx = ctid - wg * 128; idx < 64 * CHUNKS_PER_ROW; idx += 128) {  // 8 lanes: one 128-byte line
     const int row = wg * 64 + idx / CHUNKS_PER_ROW, col = (idx % CHUNKS_PER_ROW) * 8;
@@ -407,9 +441,10 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   }
 }
 
-template <class Tr, bool IS_CAUSAL>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // the swizzle (TMA's and wgmma's) is a function of the address: the tiles start on the 1024-byte period
   const u32 smem_raw_u32 = smem_u32(smem_raw);
@@ -422,21 +457,26 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
   // causal: launch the longest query blocks (most key tiles) first so the last wave is short
   const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
   const int head = blockIdx.y, batch = blockIdx.z;
-  const int row0 = m_block * Tr::BLOCK_M;                        // first query row of this CTA
-  const int rows_q = min(Tr::BLOCK_M, p.fwd.seq.seqlen_q - row0);  // valid query rows
-  // key tiles [0, n_end): causal tiles past the last row's diagonal are skipped
-  const Band<IS_CAUSAL, false> band{p.fwd.seq.seqlen_k, p.fwd.seq.seqlen_k - p.fwd.seq.seqlen_q, 0, 0};
+  const Seq seq = sequence(p.fwd.seq, batch);                   // varlen: lengths and first rows of sequence `batch`
+  const int row0 = m_block * Tr::BLOCK_M;                        // first query row of this CTA (in the sequence)
+  if (row0 >= seq.len_q) return;                                 // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);         // valid query rows
+  const int out_row0 = seq.q_row0 + row0;                        // ... at this row of q, o and lse
+  // key tiles [n_begin, n_end): tiles outside the causal / window band of the CTA's rows are skipped
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                        HAS_WINDOW ? p.fwd.mods.window_right : 0};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  const int n_tiles = n_end;  // key_block_begin is 0 without a window
+  const int n_tiles = n_end - n_begin;
 
   if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
     const FwdParams& f = p.fwd;
     zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(
-        f.o + batch * f.o_batch_stride + static_cast<long long>(row0) * f.o_row_stride + head * f.o_head_stride,
+        f.o + batch * f.o_batch_stride + static_cast<long long>(out_row0) * f.o_row_stride + head * f.o_head_stride,
         f.o_row_stride, rows_q, f.head_dim, threadIdx.x);
     if (f.lse != nullptr)
       for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
-        f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + row0 + r] = neg_inf();
+        f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + out_row0 + r] = neg_inf();
     return;
   }
 
@@ -455,10 +495,11 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
 
   if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, row0, head, batch, n_end, n_tiles);
+    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
   } else {  // consumer warpgroups
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    fwd_sm90_ws_consumer<Tr, IS_CAUSAL>(p.fwd, sm, smem, row0, rows_q, head, batch, n_end, n_tiles);
+    fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, band, row0, out_row0, rows_q, head, batch, n_end,
+                                              n_tiles);
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_ws_kernel uses TMA and wgmma: compile it for sm_90a");

@@ -11,7 +11,7 @@ import math
 import threading
 from functools import lru_cache
 
-from . import _launch, _plan, _validate, config
+from . import _launch, _plan, _problem, _tma, _validate, config
 from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
                      kernel_head_dim)
 from .philox import dropout_threshold
@@ -45,6 +45,13 @@ def _operand(x, info, dims, layout):
     if packed:
         return x, dims._replace(row_stride=int(info.strides[0]), head_stride=int(info.strides[1]))
     return x, _validate.bshd_dims(info, layout)
+
+
+def _contiguous(x, layout):
+    """A contiguous copy of x and its Dims."""
+    x = _launch.cupy().ascontiguousarray(x)
+    info = _validate.array_info(x, "copy")
+    return x, _problem.packed_dims(info) if layout == "packed" else _validate.bshd_dims(info, layout)
 
 
 def _new_like(dims, layout, dtype, cp):
@@ -136,13 +143,20 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             lse = cp.empty((a.heads_q, a.total_q) if a.packed else (a.batch, a.heads_q, a.seqlen_q), dtype=cp.float32)
         if o.size == 0:
             return (o, lse) if with_lse else o
-        if a.seqlen_k == 0 and not a.packed:  # no keys at all: every row is fully masked
+        if (a.total_k if a.packed else a.seqlen_k) == 0:  # no keys at all: every row is fully masked
             o.fill(0)
             if with_lse:
                 lse.fill(-cp.inf)
             return (o, lse) if with_lse else o
         (q, dq), (k, dk), (v, dv) = (_operand(x, i, d, layout) for x, i, d in zip(arrays, a.infos, (a.q, a.k, a.v)))
-        cfg, kernel = _kernel("forward", a.device, kernel_head_dim(a.head_dim), a.dtype, a.mods.causal, a.mods.bits)
+        hd = kernel_head_dim(a.head_dim)
+        cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits)
+        maps = None
+        if isinstance(cfg, config.FwdSm90WsConfig):
+            maps = _TmaMaps(cfg, a.dtype, (dq, dk, dv))
+            if not maps.usable((q, k, v)):  # a view no tensor map describes (negative strides): contiguous copies
+                (q, dq), (k, dk), (v, dv) = (_contiguous(x, layout) for x in (q, k, v))
+                maps = _TmaMaps(cfg, a.dtype, (dq, dk, dv))
         lse_strides = (0, a.total_q) if a.packed else (a.heads_q * a.seqlen_q, a.seqlen_q)
         params = _launch.FwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr, _seq(a, cu_seqlens),
@@ -151,18 +165,60 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
         grid = (-(-a.seqlen_q // cfg.block_m), a.heads_q, a.batch)
+        fields = ""
+        if maps is not None:  # the kernel takes the tensor maps in front of FwdParams
+            params = maps.params(params, (q, k, v))
+            fields = "fwd."
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
             b = _plan.PlanBuilder(a.device)
-            b.bind(0, params, "q")
-            b.bind(1, params, "k")
-            b.bind(2, params, "v")
-            b.alloc(o.shape, o.dtype, (params, "o"))
+            for i, name in enumerate("qkv"):
+                b.bind(i, params, fields + name)
+            b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
-                b.alloc(lse.shape, lse.dtype, (params, "lse"))
+                b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
+            if maps is not None:
+                b.derive((0, 1, 2), params, "tma_q", maps.words)
             b.launch(kernel, grid, params)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(3, 4) if with_lse else 3))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
+
+
+class _TmaMaps:
+    """The Q, K, V tensor maps of a forward through TMA (config.FwdSm90WsConfig): a map holds its array's address,
+    so every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address
+    triples seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
+    lookup and one 384-byte copy instead of three cuTensorMapEncodeTiled calls of ~1 us each)."""
+
+    CACHED = 16  # address triples kept
+    NAMES = ("tma_q", "tma_k", "tma_v")  # adjacent in FwdWsParams: one run of 48 words
+
+    def __init__(self, cfg, dtype: str, dims: tuple):
+        self.dtype, self.dims = dtype, dims
+        self.rows = (cfg.block_m, cfg.block_n, cfg.block_n)
+        self.cache: dict = {}
+
+    def usable(self, arrays) -> bool:
+        return all(_tma.tma_unsupported(x, d, self.dtype, r) is None for x, d, r in zip(arrays, self.dims, self.rows))
+
+    def words(self, ptrs: tuple):
+        """The three maps of these (q, k, v) addresses, as 48 words."""
+        m = self.cache.get(ptrs)
+        if m is None:
+            if len(self.cache) >= self.CACHED:
+                del self.cache[next(iter(self.cache))]
+            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma._operand_map(p, d, self.dtype, r))
+                            for p, d, r in zip(ptrs, self.dims, self.rows))
+            m = self.cache[ptrs] = memoryview(blob).cast("Q")
+        return m
+
+    def params(self, fwd_params, arrays):
+        """FwdWsParams of the full path: these arrays' maps, then fwd_params."""
+        params = _tma.FwdWsParams()
+        first = _tma.FwdWsParams.tma_q.offset // 8
+        memoryview(params).cast("B").cast("Q")[first:first + 48] = self.words(tuple(x.data.ptr for x in arrays))
+        params.fwd = fwd_params
+        return params
 
 
 # --- backward -------------------------------------------------------------------------------------------

@@ -203,8 +203,8 @@ class ArgsTemplate:
         return entry[1:]
 
 
-def field_word(params_type, path: str) -> int:
-    """Index of a pointer field (e.g. "seq.seqused_k") among the 8-byte words of an argument block of
+def field_span(params_type, path: str) -> tuple:
+    """(first word, words) of a field (e.g. "seq.seqused_k") among the 8-byte words of an argument block of
     params_type (`ArgsTemplate.mine`): the block's kernelParams pointer is word 0, the struct follows it."""
     offset = _args_type(params_type).params.offset
     struct = params_type
@@ -212,9 +212,18 @@ def field_word(params_type, path: str) -> int:
         field = getattr(struct, name)
         offset += field.offset
         struct = dict(struct._fields_)[name]
-    if offset % 8 or ctypes.sizeof(struct) != 8:
-        raise ValueError(f"{params_type.__name__}.{path} is not an 8-byte aligned 8-byte field")
-    return offset // 8
+    size = ctypes.sizeof(struct)
+    if offset % 8 or size % 8:
+        raise ValueError(f"{params_type.__name__}.{path} is not a whole number of aligned 8-byte words")
+    return offset // 8, size // 8
+
+
+def field_word(params_type, path: str) -> int:
+    """Index of a pointer field among the 8-byte words of an argument block of params_type (`field_span`)."""
+    word, n = field_span(params_type, path)
+    if n != 1:
+        raise ValueError(f"{params_type.__name__}.{path} is not an 8-byte field")
+    return word
 
 
 _cupy_module = None

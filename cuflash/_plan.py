@@ -137,6 +137,8 @@ class Plan(NamedTuple):
     returns: object  # an array number, or a tuple of them: what the call returns
     step: object  # None, or a family's per-call step for values outside the key (see `replay`)
     kernels: dict  # the kernel table the kernels came from
+    derived: tuple = ()  # (array numbers, template, word, fn): fn(their addresses) gives words written from there
+    #                      on (the TMA forward's tensor maps, which hold the addresses)
     run: object = None  # run(arrays, extra): the replay made for this plan (`PlanBuilder.plan` sets it)
 
 
@@ -145,7 +147,8 @@ def replay(plan: Plan, arrays: tuple, extra=None):
     path then copies, or raises exactly as without a plan).
 
     Per call: the array addresses; their alignment and, with writes, overlap checks; the outputs and the workspace
-    allocated; every address written into this thread's argument blocks; the launches. plan.step, when a family
+    allocated; every address, and what derives from addresses (plan.derived), written into this thread's argument
+    blocks; the launches. plan.step, when a family
     has one, runs after the allocations and before anything is written or launched: step(plan, arrays, extra,
     blocks, stream) sets the per-call values of the argument blocks (blocks[t] = (params, address, words)) and
     returns (launches, keep) (keep: what must live until the launches are queued), or None to take the full path.
@@ -162,7 +165,8 @@ def _replay_code(plan: Plan) -> str:
     lines = ["def run(arrays, extra):"]
     names = [f"a{i}" for i in range(n)]
     lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
-    bound = {i for i, _, _ in plan.binds} | set(plan.aligned) | set(plan.writes)
+    bound = {i for i, _, _ in plan.binds} | set(plan.aligned) | set(plan.writes) | \
+        {i for numbers, _, _, _ in plan.derived for i in numbers}
     for i in sorted(bound):
         required = i in plan.aligned
         lines.append(f"    p{i} = a{i}.data.ptr" if required else f"    p{i} = 0 if a{i} is None else a{i}.data.ptr")
@@ -189,6 +193,9 @@ def _replay_code(plan: Plan) -> str:
         lines.append("        launches, keep = stepped")
     for i, t, word in plan.binds:
         lines.append(f"        w{t}[{word}] = p{i}")
+    for j, (numbers, t, word, _) in enumerate(plan.derived):
+        lines.append(f"        words = DERIVED[{j}][3](({''.join(f'p{i}, ' for i in numbers)}))")
+        lines.append(f"        w{t}[{word}:{word} + len(words)] = words")
     if plan.workspace is not None:
         lines.append("        work = cp.empty(PLAN.workspace[0], dtype=cp.float32)")
         for t, word, offset in plan.workspace[1]:
@@ -209,7 +216,7 @@ def _replay_code(plan: Plan) -> str:
 def _compile_replay(plan: Plan):
     src = _replay_code(plan)
     scope = {"_launch": _launch, "_writes_overlap": _writes_overlap, "TEMPLATES": plan.templates,
-             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches}
+             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches, "DERIVED": plan.derived}
     exec(src, scope)  # noqa: S102 - our own text, built from the plan's tuples
     return scope, src
 
@@ -244,6 +251,7 @@ class PlanBuilder:
         self.allocs: list = []
         self.workspace = None
         self.launches: list = []
+        self.derived: list = []
 
     def template(self, params) -> int:
         """The number of this params struct's template (recorded from the struct as it is when `plan` is called)."""
@@ -269,13 +277,19 @@ class PlanBuilder:
         self.workspace = (floats, tuple((self.template(p), _launch.field_word(type(p), f), off)
                                         for p, f, off in targets))
 
+    def derive(self, array_numbers: tuple, params, field: str, fn) -> None:
+        """Words from `field` of params on are fn((addresses of these arrays)) on every call (a memoryview of 8-byte
+        words, e.g. tensor maps that hold the addresses)."""
+        self.derived.append((tuple(array_numbers), self.template(params), _launch.field_span(type(params), field)[0],
+                             fn))
+
     def launch(self, kernel, grid, params) -> None:
         self.launches.append((kernel, tuple(grid), self.template(params)))
 
     def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
         plan = Plan(self.device, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
                     self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
-                    step, _launch._kernels)
+                    step, _launch._kernels, tuple(self.derived))
         scope, _ = _compile_replay(plan)
         plan = plan._replace(run=scope["run"])
         scope["PLAN"] = plan

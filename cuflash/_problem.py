@@ -74,7 +74,7 @@ def attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, soft
                      (qi, ki, vi), scale, mods, qi.device)
 
 
-def _packed_dims(info: ArrayInfo) -> Dims:
+def packed_dims(info: ArrayInfo) -> Dims:
     """Dims of a packed (total, heads, head_dim) array: one 'batch' of `total` rows."""
     total, heads, head_dim = info.shape
     return Dims(1, total, heads, head_dim, 0, info.strides[0], info.strides[1])
@@ -98,7 +98,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
     mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device)
     return Attention(m.dtype, "packed", m.batch, m.heads_q, m.heads_kv, m.head_dim, m.max_seqlen_q, m.max_seqlen_k,
-                     _packed_dims(qi), _packed_dims(ki), _packed_dims(vi), (qi, ki, vi), scale, mods, m.device,
+                     packed_dims(qi), packed_dims(ki), packed_dims(vi), (qi, ki, vi), scale, mods, m.device,
                      m.total_q, m.total_k)
 
 
@@ -132,7 +132,7 @@ def _check_grad(x, name: str, ref: Dims, like: ArrayInfo, layout: str, inputs) -
         raise TypeError(f"{name}.dtype={info.dtype} must be {like.dtype}, the dtype of {like.name}")
     if layout == "packed":
         _check_packed_like(info, like)
-        dims, misaligned, what = _packed_dims(info), _validate.needs_aligned_copy_rows(info), "token/head"
+        dims, misaligned, what = packed_dims(info), _validate.needs_aligned_copy_rows(info), "token/head"
     else:
         dims = _validate.bshd_dims(info, layout)
         _check_like(info, dims, ref, like.name)
@@ -156,7 +156,7 @@ def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv) -> Backw
     if fwd.packed:
         for info in (doi, oi):
             _check_packed_like(info, qi)
-        ddo, do_ = _packed_dims(doi), _packed_dims(oi)
+        ddo, do_ = packed_dims(doi), packed_dims(oi)
         _check_lse(li, (fwd.heads_q, fwd.total_q), "(heads, total_q)", "attention_varlen_forward")
     else:
         ddo, do_ = _validate.bshd_dims(doi, fwd.layout), _validate.bshd_dims(oi, fwd.layout)

@@ -8,11 +8,14 @@ on): no new dependency, and a call costs about a microsecond, where `cuda.bindin
 and its own per-call conversions. The maps hold the array addresses, so they are encoded for every call.
 
 Each operand is a 4-d map over (head_dim, seqlen, heads, batch) with the array's real strides, in either layout
-(bshd or bhsd) and for strided views, as long as TMA accepts them: base address 16-byte aligned, every byte
+(bshd or bhsd) and for strided views; a packed (varlen) operand (total, heads, head_dim) is the same map with
+seqlen = total and batch = 1, and the kernel adds cu_seqlens[b] to the row coordinate of sequence b. TMA must accept
+the strides: base address 16-byte aligned, every byte
 stride a multiple of 16 (row, head and batch strides multiples of 8 elements). `tma_unsupported` says why an
 array does not qualify; the caller then launches fwd_sm90_kernel instead. Boxes are 64 columns (one 128-byte
-swizzle panel) by BLOCK_M (Q) or BLOCK_N (K, V) rows; rows past seqlen and columns past head_dim are zero-filled
-by TMA (sequence tails, a head_dim below the kernel's).
+swizzle panel) by BLOCK_M (Q) or BLOCK_N (K, V) rows; rows past the array and columns past head_dim are zero-filled
+by TMA (sequence tails, a head_dim below the kernel's). In a packed array the rows past a sequence's end are the
+next sequence's: the kernel masks those keys and does not store those query rows.
 """
 from __future__ import annotations
 
@@ -145,12 +148,21 @@ def tma_unsupported(x, dims, dtype: str, box_rows: int = 128) -> str | None:
 
 def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dtype: str,
               cfg: config.FwdSm90WsConfig) -> FwdWsParams:
-    """FwdWsParams of a dense call: Q, K, V maps (q, k, v: CuPy arrays or addresses; dims_*: Dims-like, strides in
+    """FwdWsParams of a call: Q, K, V maps (q, k, v: CuPy arrays or addresses; dims_*: Dims-like, strides in
     elements, K/V heads = heads / kv_group) and a copy of `fwd_params`, which holds everything else (o, lse, their
-    strides, seq lengths, kv_group, scale). Raises ValueError naming the operand TMA cannot read
-    (tma_unsupported)."""
-    if fwd_params.seq.cu_seqlens_q or fwd_params.seq.cu_seqlens_k or fwd_params.seq.seqused_k:
-        raise ValueError("fwd_sm90_ws_kernel takes dense batches only (no cu_seqlens / seqused_k)")
+    strides, seq lengths and cu_seqlens, kv_group, scale, score modifiers). A packed (varlen) call, fwd_params.seq
+    with cu_seqlens_q and cu_seqlens_k, passes the packed arrays' dims as batch=1, seqlen=total, batch_stride=0
+    (_validate.Dims of layout "packed"). Raises ValueError naming the operand TMA cannot read (tma_unsupported),
+    or for a kv cache (seqused_k), which this kernel does not read."""
+    seq = fwd_params.seq
+    if seq.seqused_k:
+        raise ValueError("fwd_sm90_ws_kernel does not read a kv cache (seqused_k must be null)")
+    if bool(seq.cu_seqlens_q) != bool(seq.cu_seqlens_k):
+        raise ValueError("fwd_sm90_ws_kernel takes cu_seqlens_q and cu_seqlens_k together (a packed call) or neither")
+    for name, dims in (("q", dims_q), ("k", dims_k), ("v", dims_v)):
+        if seq.cu_seqlens_q and dims.batch != 1:
+            raise ValueError(f"{name}: a packed call's arrays are (total, heads, head_dim): pass dims with batch=1, "
+                             f"not batch={dims.batch}")
     maps = []
     for name, x, dims, rows in (("q", q, dims_q, cfg.block_m), ("k", k, dims_k, cfg.block_n), ("v", v, dims_v, cfg.block_n)):
         problem = tma_unsupported(x, dims, dtype, rows)

@@ -246,13 +246,15 @@ class DropoutMaskConfig:
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
     sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
-    and, for sm_90a, the wgmma kernels."""
+    and, for sm_90a, the wgmma kernels (synchronous and warp-specialized)."""
     out: list = [fwd_config(hd, dt, c, arch, m) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)
                  for m in (0, *MODS_CHECKED[c])]
     out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
     out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(), DropoutMaskConfig()]
     if arch == "sm_90a":
-        out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES for dt in DTYPES for c in (False, True)
+        out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES if hd not in FWD_SM90_WS_TILES
+                for dt in DTYPES for c in (False, True) for m in (0, *MODS_CHECKED[c])]
+        out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
     return out
 
@@ -339,7 +341,7 @@ TMA_BOX_COLS = 64  # one 128-byte swizzle panel of 16-bit elements: the column w
 @dataclass(frozen=True)
 class FwdSm90WsConfig:
     """One warp-specialized Hopper forward instantiation:
-    `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T>, IS_CAUSAL>`: a TMA producer
+    `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T>, IS_CAUSAL, MODS>`: a TMA producer
     warpgroup and two consumer warpgroups of 64 query rows each (BLOCK_M = 128, 384 threads, 1 CTA per SM)."""
 
     head_dim: int
@@ -352,8 +354,6 @@ class FwdSm90WsConfig:
 
     def __post_init__(self):
         check_mods(self.mods, self.causal)
-        if self.mods:
-            raise ValueError(f"mods={self.mods}: fwd_sm90_ws_kernel has no score modifiers yet")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.head_dim % TMA_BOX_COLS or not 64 <= self.head_dim <= 256:
@@ -379,27 +379,52 @@ class FwdSm90WsConfig:
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         return (f"cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {t}>, {'true' if self.causal else 'false'}>")
+                f"{'true' if self.pingpong else 'false'}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
 
 
-# Tiles per head dim: (block_n, stages). FlashAttention-3's choices where wgmma N sizes allow (it takes 176 and
-# 80 for d128 / d256 non-causal; ptx_wgmma.cuh has 128 and 64): first versions, not yet measured here.
+# Tiles per head dim: (block_n, stages, pingpong), chosen with tools/tune_tiles.py on an H100 (bf16, N = 8192,
+# B=2, H = 2048 / D, 2026-11-24; TFLOP/s of the chosen tiles first). Non-causal: D 64 (192, 2) 468 against 448 with
+# (128, 2) and pingpong, 440 (128, 3), 407 (64, 2), 402 (128, 2); D 128 (192, 2) 703 against 647 (128, 2), 643
+# (128, 3), 640 with pingpong, 628 (96, 2); D 256 (64, 2) 706 against 662 with pingpong, 624 (48, 3), 534 (32, 4).
 FWD_SM90_WS_TILES = {
-    64: (128, 2),
-    128: (128, 2),
-    256: (64, 2),
+    64: (192, 2, False),
+    128: (192, 2, False),
+    256: (64, 2, False),
+}
+# Causal (and a window, which masks tiles like causal): D 64 (128, 2) with pingpong 421 against 392 (192, 2), 389
+# (128, 2), 373 (128, 3), 371 (64, 2); D 128 (128, 3) 621 against 589 (128, 2), 588 (192, 2), 580 with pingpong,
+# 545 (96, 2); D 256 (64, 2) 631 against 594 with pingpong, 529 (48, 3), 484 (32, 4). FlashAttention-3 takes
+# block_n 176 (d128) and 80 (d256); ptx_wgmma.cuh has N = 16..256 in steps it lists.
+FWD_SM90_WS_TILES_CAUSAL = {
+    64: (128, 2, True),
+    128: (128, 3, False),
+    256: (64, 2, False),
 }
 
 
-def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, pingpong: bool = True) -> FwdSm90WsConfig:
+# With ALiBi / softcap / dropout (heavy_mods): the largest key tile that stays spill-free under the consumers' 240
+# registers with every modifier set (NVRTC 13.5 and 13.0). The plain tiles spilled: d128 block_n 128: 8-32 bytes;
+# d256 block_n 64: 16-40 bytes, 48: 4-12 bytes; d256 with pingpong kept 4-8 bytes on the stack at block_n 32.
+FWD_SM90_WS_TILES_MODS = {
+    64: (128, 2, False),
+    128: (96, 3, False),
+    256: (32, 4, False),
+}
+
+
+def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
+                       pingpong: bool | None = None) -> FwdSm90WsConfig:
+    """The warp-specialized forward's config (pingpong None: the table's choice)."""
     if head_dim not in FWD_SM90_WS_TILES:
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
-    bn, stages = FWD_SM90_WS_TILES[head_dim]
-    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, pingpong, mods)
+    table = FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else FWD_SM90_WS_TILES_CAUSAL if causal or mods else \
+        FWD_SM90_WS_TILES
+    bn, stages, table_pingpong = table[head_dim]
+    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, table_pingpong if pingpong is None else pingpong, mods)
 
 
 # With ALiBi / softcap / dropout (heavy_mods, see FWD_TILES_MODS): the plain tiles spilled 28 bytes (dropout
@@ -688,6 +713,8 @@ class Family:
 
 
 FAMILIES = (
+    Family("fwd_sm90_ws", "forward", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_WS_TILES,
+           lambda hd, dt, c, m, det, arch: fwd_sm90_ws_config(hd, dt, c, m), wgmma=True),
     Family("fwd_sm90", "forward", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_TILES,
            lambda hd, dt, c, m, det, arch: fwd_sm90_config(hd, dt, c, m), wgmma=True),
     Family("fwd", "forward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,

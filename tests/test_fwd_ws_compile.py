@@ -1,8 +1,10 @@
-"""The warp-specialized Hopper forward (cuda/fwd_sm90_ws.cuh) without a GPU: every instantiation compiles through
-NVRTC for sm_90a spill-free, with setmaxnreg honoured (no ptxas warning C7508) and wgmma kept asynchronous (no
-serialization warning); its SASS holds the TMA loads and warpgroup MMAs; the params struct that Python fills
-(cuflash/_tma.py) has the layout the C++ static_asserts; the host-side TMA argument checks accept and reject the
-strides they should."""
+"""The warp-specialized Hopper forward (cuda/fwd_sm90_ws.cuh) without a GPU: every instantiation (plain, and with
+the score-modifier sets of config.MODS_CHECKED on their tiles, tests/ws_helpers.py) compiles through NVRTC for sm_90a
+spill-free, with setmaxnreg honoured (no ptxas warning C7508) and wgmma kept asynchronous (no serialization
+warning); its SASS holds the TMA loads and warpgroup MMAs, and the plain path (MODS = 0) the same key-loop work as
+before the modifiers (HGMMA, MUFU.EX2, FMNMX counts); the params struct that Python fills (cuflash/_tma.py) has
+the layout the C++ static_asserts; the host-side TMA argument checks accept and reject the strides they should,
+and ws_params builds packed (varlen) maps."""
 from __future__ import annotations
 
 import itertools
@@ -16,9 +18,15 @@ from types import SimpleNamespace
 import pytest
 
 from cuflash import _compile, _launch, _tma, config
+from ws_helpers import ws_kernel
 
-CONFIGS = [config.fwd_sm90_ws_config(d, dt, c, pingpong=pp)
+CONFIGS = [ws_kernel(d, dt, c, pingpong=pp)
            for d, dt, c, pp in itertools.product(config.FWD_SM90_WS_TILES, ("fp16", "bf16"), (False, True), (False, True))]
+MOD_CONFIGS = [ws_kernel(d, dt, c, m, pingpong=pp)
+               for d, dt, c, pp in itertools.product(config.FWD_SM90_WS_TILES, ("fp16", "bf16"), (False, True),
+                                                     (False, True))
+               for m in config.MODS_CHECKED[c]]
+MOD_CONFIGS = list(dict.fromkeys(MOD_CONFIGS))  # d256 with heavy mods has no pingpong variant (tests/ws_helpers.py)
 
 
 def _nvrtc_or_skip():
@@ -41,11 +49,26 @@ def _nvdisasm():
     return exe
 
 
-def _name(cfg):
-    return f"d{cfg.head_dim}-{cfg.dtype}-{'causal' if cfg.causal else 'full'}-{'pingpong' if cfg.pingpong else 'plain'}"
+def _name(c: config.FwdSm90WsConfig):
+    return (f"d{c.head_dim}-bn{c.block_n}-{c.dtype}-{'causal' if c.causal else 'full'}-"
+            f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}")
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=_name)
+def _sass(compiled) -> str:
+    exe = _nvdisasm()
+    if exe is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.cubin + b"\0" * 8)  # CuPy's getCUBIN drops the last byte; nvdisasm wants it
+        f.flush()
+        return subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def _opcodes(text: str) -> list:
+    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS + MOD_CONFIGS, ids=_name)
 def test_every_instantiation_compiles_spill_free(cfg):
     _nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
@@ -59,18 +82,11 @@ def test_every_instantiation_compiles_spill_free(cfg):
     assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.dtype == "bf16" and not c.causal], ids=_name)
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS + MOD_CONFIGS if c.dtype == "bf16" and not c.causal], ids=_name)
 def test_sass_has_tma_loads_and_async_wgmma(cfg):
     _nvrtc_or_skip()
-    exe = _nvdisasm()
-    if exe is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.cubin + b"\0" * 8)  # CuPy's getCUBIN drops the last byte; nvdisasm wants it
-        f.flush()
-        text = subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+    text = _sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a"))
+    ops = _opcodes(text)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     panels = cfg.head_dim // 64
     assert count("UTMALDG") == 3 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want Q, K, V x {panels} panels"
@@ -78,6 +94,25 @@ def test_sass_has_tma_loads_and_async_wgmma(cfg):
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     # the P V GEMM stays in flight during the softmax: a wait that leaves one group pending
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
+
+
+# The plain path's per-kernel work as measured before the score modifiers and varlen came in (NVRTC 13.5, key tiles
+# of 128 rows at d64/d128, 64 at d256): the
+# modifiers are compile-time (MODS = 0 compiles none of them) and varlen only adds a few instructions before the key
+# loop, so the GEMMs, exponentials and row maxima must stay exactly these.
+PLAIN_SASS = {64: {"HGMMA": 24, "MUFU.EX2": 132, "FMNMX": 140}, 128: {"HGMMA": 32, "MUFU.EX2": 132, "FMNMX": 140},
+              256: {"HGMMA": 40, "MUFU.EX2": 68, "FMNMX": 76}}
+
+
+@pytest.mark.parametrize("cfg", [config.FwdSm90WsConfig(d, 64 if d == 256 else 128, 2, "bf16", False, pp)
+                                 for d in PLAIN_SASS for pp in (False, True)], ids=_name)
+def test_plain_path_keeps_its_work(cfg):
+    _nvrtc_or_skip()
+    ops = _opcodes(_sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a")))
+    got = {prefix: sum(1 for o in ops if o.startswith(prefix)) for prefix in PLAIN_SASS[cfg.head_dim]}
+    assert got == PLAIN_SASS[cfg.head_dim], f"{cfg}: {got}, before the modifiers {PLAIN_SASS[cfg.head_dim]}"
+    # named barriers: __syncthreads and the epilogue's (+ the pingpong token's)
+    assert sum(1 for o in ops if o.startswith("BAR")) == (9 if cfg.pingpong else 2), f"{cfg}"
 
 
 def test_params_layout_matches_the_kernel():
@@ -92,9 +127,12 @@ def test_params_layout_matches_the_kernel():
 
 
 def test_config_names_and_shared_memory():
-    cfg = config.fwd_sm90_ws_config(128, "bf16", True, pingpong=True)
+    cfg = config.FwdSm90WsConfig(128, 128, 2, "bf16", True, pingpong=True)
+    # the kernel takes MODS as its third template argument (no default)
     assert cfg.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 128, 2, true, cuflash::bf16>, "
-                              "true>")
+                              "true, 0>")
+    assert ws_kernel(128, "bf16", False, config.MODS_ALL).cpp_name() == (
+        "cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 96, 3, true, cuflash::bf16>, false, 15>")
     assert cfg.threads == 384 and cfg.grid(2, 3, 257) == (3, 3, 2)
     # Q 32 KB + 2 stages x (K + V) 32 KB each + 9 mbarriers + 1 KB alignment slack
     assert cfg.smem_bytes == 32768 + 4 * 32768 + 72 + 1024
@@ -119,3 +157,20 @@ def test_tma_argument_rules():
     assert _tma.tma_unsupported(0x10000, _dims(1, s, h, d, 0, h * d, d), "bf16") is None
     with pytest.raises(ValueError, match="128-byte swizzle"):
         _tma.encode_tiled("bf16", 0x10000, (128, 100), (256,), (128, 64))
+
+
+def test_ws_params_packed_rules():
+    """ws_params takes packed calls (cu_seqlens_q and _k, arrays as batch 1) and rejects a kv cache, a half-packed
+    SeqParams and packed dims with batch > 1, before it encodes any map (no driver needed)."""
+    cfg = ws_kernel(128, "bf16", True)
+    packed = _dims(1, 1000, 4, 128, 0, 4 * 128, 128)
+    cases = [(_launch.seq_params(300, 300, 1, 0x1000, 0x2000, seqused_k=0x3000), packed, "kv cache"),
+             (_launch.seq_params(300, 300, 1, 0x1000, None), packed, "together"),
+             (_launch.seq_params(300, 300, 1, 0x1000, 0x2000), _dims(2, 1000, 4, 128, 0, 4 * 128, 128), "batch=1")]
+    for seq, dims, message in cases:
+        fwd = _launch.FwdParams(seq=seq, heads=4, head_dim=128)
+        with pytest.raises(ValueError, match=message):
+            _tma.ws_params(fwd, 0x10000, 0x20000, 0x30000, dims, dims, dims, "bf16", cfg)
+    # a packed operand's map: (head_dim, total, heads, 1), the unit batch dim given a valid stride
+    assert _tma._operand_map(0x10000, packed, "bf16", 128) == (0x10000, (128, 1000, 4, 1), (1024, 256, 16),
+                                                               (64, 128, 1, 1))

@@ -1,22 +1,32 @@
 """The warp-specialized Hopper forward (fwd_sm90_ws_kernel: TMA, producer/consumer warpgroups, async wgmma,
 pingpong) launched directly, before it is wired into cuflash.attention: O and lse against the float64 reference
 under the pass rule of README.md (Tests), over awkward sequence lengths, both dtypes, causal and not, bshd, bhsd and
-strided views, GQA. Needs an sm_90 GPU (skipped elsewhere, like every `gpu` test).
+strided views, GQA; the score modifiers (window with and without causal, ALiBi, softcap, dropout, alone and
+combined) against cuflash.reference with the ModParams the library builds (_families.mod_params); the dropout keep
+mask element for element against cuflash.philox and fwd_sm90_kernel; packed (varlen) batches with empty
+sequences, GQA, causal and modifiers. Needs an sm_90 GPU (skipped elsewhere, like every `gpu` test).
 
     python -m pytest -m gpu tests/test_gpu_fwd_ws.py -q -s     # -s prints the speed reading of the last test
 """
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
-from cuflash import _compile, _launch, _tma, _xpref, config
+from cuflash import _compile, _families, _launch, _tma, _validate, _xpref, config, philox
+from cuflash import reference as ref
 
 pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
-from gpu_helpers import check_lse, check_rule, make_input, seed_of, to_bshd32  # noqa: E402
+from gpu_helpers import (check_lse, check_rule, cu_seqlens, make_input, make_packed, max_abs, seed_of,  # noqa: E402
+                         to_bshd32)
+from test_gpu_gqa_varlen import rows_of, varlen_lengths  # noqa: E402
+from test_gpu_mods import mods_kwargs, ref_kwargs  # noqa: E402
+from ws_helpers import ws_kernel  # noqa: E402
 
 SEQLEN_PAIRS = [(113, 203), (128, 217), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (1, 239), (127, 513)]
 LAYOUTS = [("bshd", "contiguous"), ("bhsd", "contiguous"), ("bshd", "padded"), ("bhsd", "transposed")]
@@ -46,28 +56,66 @@ def dims_of(x, layout) -> _Dims:
     return _Dims(b, s, h, d, st[0], st[2], st[1])
 
 
-def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True):
-    """o (q's layout, contiguous, NaN-poisoned before the launch) and lse (B, H, Sq) float32 (or None)."""
-    dq, dk, dv = dims_of(q, layout), dims_of(k, layout), dims_of(v, layout)
-    b, sq, h, d = dq.batch, dq.seqlen, dq.heads, dq.head_dim
-    o = _xpref.to_lowp(cp.full(q.shape, cp.nan, dtype=cp.float32), cfg.dtype)  # NaN in fp16 / bf16
-    do = dims_of(o, layout)
-    lse = cp.full((b, h, sq), cp.nan, dtype=cp.float32) if with_lse else None
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+def packed_dims(x) -> _Dims:
+    """_Dims of a packed (total, H, D) array: batch 1, seqlen = total, batch stride 0 (as _validate's "packed")."""
+    st = [s // x.itemsize for s in x.strides]
+    return _Dims(1, x.shape[0], x.shape[1], x.shape[2], 0, st[0], st[1])
+
+
+def fwd_params(q, k, v, o, lse, dims, seq, lse_strides, scale, mods=None):
+    """_launch.FwdParams of a forward: dims = (q, k, v, o) _Dims, seq the SeqParams, mods a ModParams or None."""
+    dq, dk, dv, do = dims
     fwd = _launch.FwdParams(
-        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, lse=lse.data.ptr if with_lse else 0,
-        seq=_launch.seq_params(sq, dk.seqlen, h // dk.heads),
+        q=q.data.ptr, k=k.data.ptr, v=v.data.ptr, o=o.data.ptr, lse=0 if lse is None else lse.data.ptr, seq=seq,
         q_batch_stride=dq.batch_stride, q_row_stride=dq.row_stride, q_head_stride=dq.head_stride,
         k_batch_stride=dk.batch_stride, k_row_stride=dk.row_stride, k_head_stride=dk.head_stride,
         v_batch_stride=dv.batch_stride, v_row_stride=dv.row_stride, v_head_stride=dv.head_stride,
         o_batch_stride=do.batch_stride, o_row_stride=do.row_stride, o_head_stride=do.head_stride,
-        lse_batch_stride=h * sq, lse_head_stride=sq, heads=h, head_dim=d, num_splits=1, rows_per_pos=1,
-        scale_log2=_launch.scale_log2(scale))
-    params = _tma.ws_params(fwd, q, k, v, dq, dk, dv, cfg.dtype, cfg)
-    kernel = _launch.get_kernel(cfg, cp.cuda.Device().id)
-    kernel.launch(cfg.grid(b, h, sq), params, cp.cuda.get_current_stream().ptr)
+        lse_batch_stride=lse_strides[0], lse_head_stride=lse_strides[1], heads=dq.heads, head_dim=dq.head_dim,
+        num_splits=1, rows_per_pos=1, scale_log2=_launch.scale_log2(scale))
+    if mods is not None:
+        fwd.mods = mods
+    return fwd
+
+
+def launch_ws(kern, fwd, q, k, v, dims, grid):
+    """Launch fwd_sm90_ws_kernel on FwdParams `fwd` with the TMA maps of q, k, v (dims: their _Dims)."""
+    params = _tma.ws_params(fwd, q, k, v, *dims, kern.dtype, kern)
+    _launch.get_kernel(kern, cp.cuda.Device().id).launch(grid, params, cp.cuda.get_current_stream().ptr)
     cp.cuda.get_current_stream().synchronize()
+
+
+def nan_like(x, dtype):
+    return _xpref.to_lowp(cp.full(x.shape, cp.nan, dtype=cp.float32), dtype)  # NaN in fp16 / bf16
+
+
+def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None):
+    """o (q's layout, contiguous, NaN-poisoned before the launch) and lse (B, H, Sq) float32 (or None).
+    cfg: a FwdSm90WsConfig; mods: the ModParams of its MODS."""
+    kern = cfg
+    dq, dk, dv = dims_of(q, layout), dims_of(k, layout), dims_of(v, layout)
+    b, sq, h, d = dq.batch, dq.seqlen, dq.heads, dq.head_dim
+    o = nan_like(q, kern.dtype)
+    lse = cp.full((b, h, sq), cp.nan, dtype=cp.float32) if with_lse else None
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    dims = (dq, dk, dv, dims_of(o, layout))
+    fwd = fwd_params(q, k, v, o, lse, dims, _launch.seq_params(sq, dk.seqlen, h // dk.heads), (h * sq, sq), scale, mods)
+    launch_ws(kern, fwd, q, k, v, dims[:3], kern.grid(b, h, sq))
     return o, lse
+
+
+def warm(kernels):
+    """Compile the instantiations a test module launches on all CPUs up front (gpu_helpers.warm_kernel_cache)."""
+    arch = _compile.device_arch()
+
+    def build(k):
+        try:
+            _compile.compile_kernel(k.cpp_name(), arch)
+        except Exception:  # noqa: BLE001 - the test that launches it reports the error
+            pass
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(build, kernels))
 
 
 def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal):
@@ -117,6 +165,250 @@ def test_ws_forward_without_lse_and_rejects_misaligned_strides():
     assert _tma.tma_unsupported(bad, dims_of(bad, "bshd"), "bf16") is not None
     with pytest.raises(ValueError, match="TMA"):
         run_ws(cfg, bad, k, v, "bshd", True)
+
+
+# --- score modifiers -------------------------------------------------------------------------------------------
+
+def library_mods(kw: dict, causal: bool, batch: int, heads: int):
+    """The validated modifiers (_validate.Mods: MODS bits, the kernel's causal flag with a window folded in) of
+    cuflash keyword arguments `kw` (test_gpu_mods.mods_kwargs), as the library derives them."""
+    slopes = kw.get("alibi_slopes")
+    return _validate.check_mods(causal, kw.get("window"), None if slopes is None else _validate.array_info(slopes, "alibi_slopes"),
+                                kw.get("softcap"), kw.get("dropout_p", 0.0), kw.get("seed"), kw.get("offset", 0),
+                                batch, heads, cp.cuda.Device().id)
+
+
+def check_mods_case(d, dtype, causal, mods, sq, sk, b=2, hq=4, hkv=2, layout="bshd", pingpong=True, scale_inputs=1.0):
+    """One dense problem with score modifiers (test_gpu_mods' dict form) through fwd_sm90_ws_kernel, against
+    cuflash.reference (float64 and low precision) with the same modifiers; the dropout reference uses the
+    specified Philox mask (cuflash.philox), so passing means the kernel drops the same elements."""
+    seed = seed_of("ws-mods", d, dtype, causal, sorted(mods.items()), sq, sk, b, hq, hkv, layout, pingpong)
+    q = make_input(b, sq, hq, d, dtype, layout, "contiguous", seed, scale_inputs)
+    k = make_input(b, sk, hkv, d, dtype, layout, "padded", seed + 1, scale_inputs)
+    v = make_input(b, sk, hkv, d, dtype, layout, "contiguous", seed + 2)
+    kw = mods_kwargs(mods, b, hq, seed)
+    m = library_mods(kw, causal, b, hq)
+    kern = ws_kernel(d, dtype, m.causal, m.bits, pingpong)
+    scale = 1.0 / math.sqrt(d)
+    o, lse = run_ws(kern, q, k, v, layout, m.causal, scale, mods=_families.mod_params(m, scale, max(sq, sk)))
+    mask = philox.dropout_mask(b, hq, sq, sk, kw["dropout_p"], kw["seed"], kw["offset"]) if "dropout_p" in kw else None
+    q32, k32, v32 = (cp.asnumpy(to_bshd32(x, layout)) for x in (q, k, v))
+    rk = ref_kwargs(kw, mask)
+    o64, lse64 = ref.attention_forward64(q32, k32, v32, causal, **rk)
+    o_lowp = ref.attention_lowp(q32, k32, v32, dtype, causal, **rk)
+    what = f"{kern} B={b} Sq={sq} Sk={sk} H={hq}/{hkv} causal={causal} mods={mods} {layout}"
+    check_rule("o", to_bshd32(o, layout), cp.asarray(o64), cp.asarray(o_lowp), 2, what)
+    check_lse(lse, cp.asarray(lse64), what)
+    return o, lse
+
+
+# (d, dtype, causal, mods, sq, sk): each modifier alone and combined (test_gpu_mods.COMBOS), window with and without
+# causal (causal folds into right = 0), both pingpong settings, every head dim and tile table
+MOD_CASES = [
+    (64, "bf16", False, {"window": (17, 17)}, 113, 203),
+    (128, "fp16", False, {"window": (256, 0)}, 203, 113),
+    (256, "bf16", False, {"window": (-1, 17)}, 256, 256),
+    (64, "fp16", False, {"window": (17, -1)}, 1, 239),
+    (128, "bf16", True, {"window": (37, 5)}, 203, 317),      # causal + window: (37, 0), IS_CAUSAL false
+    (64, "fp16", True, {"window": (0, 0)}, 300, 100),        # rows that see no key
+    (256, "fp16", True, {"window": (5, 40)}, 1023, 1024),
+    (64, "fp16", True, {"alibi": "h"}, 113, 203),
+    (128, "bf16", False, {"alibi": "bh"}, 217, 128),
+    (256, "bf16", False, {"softcap": 50.0}, 203, 113),
+    (128, "bf16", True, {"softcap": 2.0}, 203, 113),         # with scale_inputs 3: |s| >> cap
+    (64, "fp16", True, {"dropout": 0.17}, 113, 203),
+    (128, "bf16", False, {"dropout": 0.5}, 256, 512),
+    (256, "fp16", True, {"dropout": 0.17}, 127, 513),
+    (64, "bf16", False, {"window": (37, 5), "alibi": "bh"}, 203, 256),
+    (128, "fp16", True, {"window": (64, 0), "softcap": 30.0, "dropout": 0.17}, 203, 256),
+    (256, "bf16", True, {"alibi": "h", "softcap": 20.0}, 203, 256),
+    (128, "bf16", False, {"alibi": "h", "dropout": 0.5}, 1024, 1023),
+    (64, "fp16", False, {"window": (20, 20), "alibi": "h", "softcap": 10.0, "dropout": 0.17}, 203, 256),
+    (128, "bf16", True, {"window": (20, 20), "alibi": "h", "softcap": 10.0, "dropout": 0.17}, 512, 256),
+    (256, "fp16", False, {"window": (20, 20), "alibi": "bh", "softcap": 10.0, "dropout": 0.17}, 113, 203),
+    (128, "fp16", True, {"alibi": "bh", "softcap": 5.0, "dropout": 0.17}, 1, 239),
+]
+
+
+def mod_case_kernel(d, dtype, causal, mods, pingpong):
+    """The instantiation a case of MOD_CASES / VARLEN_CASES launches (to compile them all up front): the MODS bits
+    and causal flag of library_mods, without arrays (a window folds causal in as _validate.check_mods does)."""
+    bits = (config.MOD_ALIBI * ("alibi" in mods) | config.MOD_SOFTCAP * ("softcap" in mods)
+            | config.MOD_DROPOUT * ("dropout" in mods))
+    if "window" in mods:
+        left, right = mods["window"]
+        right = (0 if right == -1 else min(right, 0)) if causal else right
+        if (left, right) not in ((-1, -1), (-1, 0)):
+            bits, causal = bits | config.MOD_WINDOW, False
+    return ws_kernel(d, dtype, causal, bits, pingpong)
+
+
+@pytest.fixture(scope="module")
+def mods_compiled():
+    warm({mod_case_kernel(d, dt, c, m, pp) for d, dt, c, m, _, _ in MOD_CASES for pp in (False, True)}
+         | {ws_kernel(128, dt, c, config.MOD_DROPOUT | w) for dt in ("fp16", "bf16") for c, w in ((False, 0), (True, 0),
+                                                                                              (False, config.MOD_WINDOW))})
+
+
+@pytest.mark.parametrize("pingpong", [False, True], ids=["plain", "pingpong"])
+@pytest.mark.parametrize("d,dtype,causal,mods,sq,sk", MOD_CASES,
+                         ids=[f"d{c[0]}-{c[1]}-{'causal' if c[2] else 'full'}-{'+'.join(c[3])}-{c[4]}x{c[5]}"
+                              for c in MOD_CASES])
+def test_ws_mods_match_reference(mods_compiled, d, dtype, causal, mods, sq, sk, pingpong):
+    scale_inputs = 3.0 if mods.get("softcap") == 2.0 else 1.0
+    b = 1 if sq * sk > 300_000 else 2
+    check_mods_case(d, dtype, causal, mods, sq, sk, b=b, pingpong=pingpong, scale_inputs=scale_inputs)
+
+
+def test_ws_window_rows_without_keys_are_zero():
+    """Window (0, 0) with Sq > Sk: the first Sq - Sk rows see no key: o = 0, lse = -inf (whole CTAs and rows
+    inside a CTA that sees keys)."""
+    o, lse = check_mods_case(64, "fp16", False, {"window": (0, 0)}, 300, 100, b=1)
+    assert max_abs(_xpref.to_float32(o[:, :200])) == 0.0 and bool((lse[:, :, :200] == -cp.inf).all())
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (40, 7))],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_ws_dropout_keep_mask_is_the_philox_stream_and_fwd_sm90s(mods_compiled, dtype, causal, window):
+    """V = identity rows (v_j = e_j, Sk <= D) makes O[i, :] = P_i * keep_i / (1 - p): the elements O keeps
+    non-zero are exactly the kept, visible (i, j). They must equal cuflash.philox's mask and fwd_sm90_kernel's
+    (same FwdParams, same launch arguments), and lse must be the undropped softmax's (the reference's without
+    dropout, and fwd_sm90_kernel's)."""
+    b, h, sq, sk, d, p = 2, 3, 203, 121, 128, 0.5
+    seed = seed_of("ws-dropout-mask", dtype, causal, window)
+    q = make_input(b, sq, h, d, dtype, "bshd", "contiguous", seed, 0.5)
+    k = make_input(b, sk, h, d, dtype, "bshd", "contiguous", seed + 1, 0.5)
+    eye = cp.zeros((b, sk, h, d), dtype=cp.float32)
+    eye[:, cp.arange(sk), :, cp.arange(sk)] = 1.0
+    v = _xpref.to_lowp(eye, dtype)
+    kw = {"dropout_p": p, "seed": 1234567 + seed % 1000, "offset": seed % 7}
+    if window is not None:
+        kw["window"] = window
+    m = library_mods(kw, causal, b, h)
+    scale = 1.0 / math.sqrt(d)
+    mp = _families.mod_params(m, scale, max(sq, sk))
+    kern = ws_kernel(d, dtype, m.causal, m.bits)
+    o, lse = run_ws(kern, q, k, v, "bshd", m.causal, scale, mods=mp)
+    what = f"{kern} B={b} H={h} Sq={sq} Sk={sk} p={p} causal={causal} window={window}"
+
+    visible = ref._visible(sq, sk, causal, window)
+    visible = np.ones((sq, sk), dtype=bool) if visible is None else visible
+    want = philox.dropout_mask(b, h, sq, sk, p, kw["seed"], kw["offset"]) & visible[None, None]
+    got = cp.asnumpy(_xpref.to_float32(o)[..., :sk] != 0).transpose(0, 2, 1, 3)  # (B, H, Sq, Sk)
+    assert not bool(cp.isnan(_xpref.to_float32(o)).any()), f"o has NaN for {what}"
+    assert np.array_equal(got, want), f"kept elements differ from cuflash.philox in {int((got != want).sum())} " \
+                                      f"places for {what}"
+
+    # fwd_sm90_kernel on the same FwdParams (its own tiles and launch shape)
+    old = config.fwd_sm90_config(d, dtype, m.causal, m.bits)
+    o_old, lse_old = nan_like(q, dtype), cp.full((b, h, sq), cp.nan, dtype=cp.float32)
+    dims = (dims_of(q, "bshd"), dims_of(k, "bshd"), dims_of(v, "bshd"), dims_of(o_old, "bshd"))
+    fwd = fwd_params(q, k, v, o_old, lse_old, dims, _launch.seq_params(sq, sk, 1), (h * sq, sq), scale, mp)
+    _launch.get_kernel(old, cp.cuda.Device().id).launch(old.grid(b, h, sq), fwd, cp.cuda.get_current_stream().ptr)
+    cp.cuda.get_current_stream().synchronize()
+    got_old = cp.asnumpy(_xpref.to_float32(o_old)[..., :sk] != 0).transpose(0, 2, 1, 3)
+    assert np.array_equal(got, got_old), f"kept elements differ from fwd_sm90_kernel's in " \
+                                         f"{int((got != got_old).sum())} places for {what}"
+    check_lse(lse, lse_old, f"{what} (against fwd_sm90_kernel)", atol=1e-4)
+    q32, k32, v32 = (cp.asnumpy(to_bshd32(x, "bshd")) for x in (q, k, v))
+    _, lse64 = ref.attention_forward64(q32, k32, v32, causal, window=window)  # no dropout: lse is undropped
+    check_lse(lse, cp.asarray(lse64), f"{what} (lse of the undropped softmax)")
+    o64, _ = ref.attention_forward64(q32, k32, v32, causal, window=window, dropout_mask=want, dropout_p=p)
+    o_lowp = ref.attention_lowp(q32, k32, v32, dtype, causal, window=window, dropout_mask=want, dropout_p=p)
+    check_rule("o", to_bshd32(o, "bshd"), cp.asarray(o64), cp.asarray(o_lowp), 2, what)
+
+
+# --- packed (varlen) batches ---------------------------------------------------------------------------------
+
+def run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k, mods=None, with_lse=True):
+    """o (total_q, H, D), NaN-poisoned before the launch, and lse (H, total_q) of a packed batch."""
+    total_q, hq, d = q.shape
+    o = nan_like(q, kern.dtype)
+    lse = cp.full((hq, total_q), cp.nan, dtype=cp.float32) if with_lse else None
+    dims = (packed_dims(q), packed_dims(k), packed_dims(v), packed_dims(o))
+    seq = _launch.seq_params(max_q, max_k, hq // k.shape[1], cu_q.data.ptr, cu_k.data.ptr)
+    scale = 1.0 / math.sqrt(d)
+    fwd = fwd_params(q, k, v, o, lse, dims, seq, (0, total_q), scale, mods)
+    launch_ws(kern, fwd, q, k, v, dims[:3], kern.grid(len(cu_q) - 1, hq, max_q))
+    return o, lse
+
+
+# (H_q, H_kv, D, dtype, causal, stride kind of the packed arrays, modifiers, extra added to max_seqlen)
+VARLEN_CASES = [
+    (4, 4, 64, "bf16", False, "contiguous", {}, 0),
+    (4, 4, 64, "fp16", True, "contiguous", {}, 0),
+    (6, 2, 128, "fp16", True, "padded", {}, 0),
+    (6, 2, 128, "bf16", False, "transposed", {}, 37),  # max_seqlen beyond the longest sequence
+    (4, 1, 256, "bf16", True, "transposed", {}, 0),
+    (4, 2, 256, "fp16", False, "padded", {}, 0),
+    (8, 2, 128, "bf16", False, "contiguous", {"window": (37, 5), "alibi": "bh", "dropout": 0.17}, 0),
+    (4, 2, 64, "fp16", True, "padded", {"softcap": 20.0, "dropout": 0.5}, 0),
+    (6, 3, 128, "fp16", True, "contiguous", {"window": (64, 3)}, 0),
+    (4, 1, 256, "bf16", True, "contiguous", {"alibi": "h", "dropout": 0.17}, 0),
+]
+VARLEN_IDS = [f"hq{c[0]}-hkv{c[1]}-d{c[2]}-{c[3]}-{'causal' if c[4] else 'full'}-{c[5]}"
+              + ("-" + "+".join(c[6]) if c[6] else "") + (f"-max+{c[7]}" if c[7] else "") for c in VARLEN_CASES]
+
+
+@pytest.fixture(scope="module")
+def varlen_compiled():
+    warm({mod_case_kernel(d, dt, c, m, True) for _, _, d, dt, c, _, m, _ in VARLEN_CASES})
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype,causal,kind,mods,extra", VARLEN_CASES, ids=VARLEN_IDS)
+def test_ws_varlen_matches_per_sequence_reference(varlen_compiled, hq, hkv, d, dtype, causal, kind, mods, extra):
+    """8 packed sequences of random lengths up to 300 with the edge cases of test_gpu_gqa_varlen.varlen_lengths
+    (an empty sequence, queries without keys, keys without queries, 1 x 1, 1 query over 255 keys): the rows of a
+    box past a sequence's end are the next sequence's, so a wrong mask or store shows up in a neighbour."""
+    lens_q, lens_k = varlen_lengths(("ws", hq, d, dtype, causal, kind))
+    seed = seed_of("ws-varlen", hq, hkv, d, dtype, causal, kind, sorted(mods.items()))
+    n = len(lens_q)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = make_packed(sum(lens_q), hq, d, dtype, kind, seed)
+    k = make_packed(sum(lens_k), hkv, d, dtype, kind, seed + 1)
+    v = make_packed(sum(lens_k), hkv, d, dtype, "contiguous" if kind == "transposed" else kind, seed + 2)
+    kw = mods_kwargs(mods, n, hq, seed)
+    m = library_mods(kw, causal, n, hq)
+    kern = ws_kernel(d, dtype, m.causal, m.bits)
+    max_q, max_k = max(lens_q) + extra, max(lens_k) + extra
+    o, lse = run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k,
+                           _families.mod_params(m, 1.0 / math.sqrt(d), max(max_q, max_k)))
+    what = f"{kern} varlen lens_q={lens_q} lens_k={lens_k} H={hq}/{hkv} causal={causal} {kind} mods={mods}"
+
+    masks = (philox.dropout_mask_varlen(lens_q, lens_k, hq, kw["dropout_p"], kw["seed"], kw["offset"])
+             if "dropout_p" in kw else None)
+    rk = ref_kwargs(kw, None)
+    if masks is not None:
+        rk["dropout_mask"] = masks
+    q32, k32, v32 = (cp.asnumpy(_xpref.to_float32(x)) for x in (q, k, v))
+    cq, ck = cp.asnumpy(cu_q), cp.asnumpy(cu_k)
+    o64, lse64 = ref.attention_varlen_forward64(q32, k32, v32, cq, ck, causal, **rk)
+    o_lowp = ref.attention_varlen_lowp(q32, k32, v32, cq, ck, dtype, causal, **rk)
+    o32 = _xpref.to_float32(o)
+    check_rule("o", o32, cp.asarray(o64), cp.asarray(o_lowp), 2, what)
+    check_lse(lse, cp.asarray(lse64), what)
+    assert bool((lse[:, rows_of(cq, 2)] == -cp.inf).all()), f"sequence 2 has queries and no keys: lse -inf, {what}"
+    assert max_abs(o32[rows_of(cq, 2)]) == 0.0, f"sequence 2 has queries and no keys: o = 0, {what}"
+
+
+def test_ws_varlen_without_lse_and_packed_map_rules(varlen_compiled):
+    """lse = nullptr in a packed call; ws_params rejects a kv cache (seqused_k) and a half-packed SeqParams."""
+    lens_q, lens_k = [130, 0, 77], [64, 5, 300]
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q, k, v = (make_packed(sum(n), 4, 128, "bf16", "contiguous", seed_of("ws-varlen-nolse", i))
+               for i, n in enumerate((lens_q, lens_k, lens_k)))
+    kern = ws_kernel(128, "bf16", True)
+    o, _ = run_ws_varlen(kern, q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), with_lse=False)
+    q32, k32, v32 = (_xpref.to_float32(x) for x in (q, k, v))
+    check_rule("o", _xpref.to_float32(o), _xpref.attention_varlen_forward64(q32, k32, v32, cu_q, cu_k, True)[0],
+               _xpref.attention_varlen_lowp(q32, k32, v32, cu_q, cu_k, "bf16", True), 2, "varlen lse=nullptr")
+    dims = (packed_dims(q), packed_dims(k), packed_dims(v), packed_dims(o))
+    for seq in (_launch.seq_params(130, 300, 1, cu_q.data.ptr, cu_k.data.ptr, seqused_k=cu_k.data.ptr),
+                _launch.seq_params(130, 300, 1, cu_q.data.ptr, None)):
+        fwd = fwd_params(q, k, v, o, None, dims, seq, (0, 0), 1.0)
+        with pytest.raises(ValueError, match="fwd_sm90_ws_kernel"):
+            _tma.ws_params(fwd, q, k, v, *dims[:3], "bf16", kern)
 
 
 def _median_ms(launch, reps=20, warmup=5):

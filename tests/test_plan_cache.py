@@ -8,6 +8,7 @@ output that overlaps an input is still rejected with the full path's message.
 """
 from __future__ import annotations
 
+import ctypes
 import inspect
 import sys
 import threading
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _families, _launch, _plan, api
+from cuflash import _families, _launch, _plan, _tma, api
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 if not (TOOLS / "fake_cupy.py").exists():  # pragma: no cover - an installed cuflash without tools/
@@ -103,22 +104,48 @@ def test_forward_replay_launches_what_the_full_path_launches(case):
                                   lambda: cuflash.attention_forward(*b, **opts))
 
 
-def test_attention_replays_the_forward_plan_without_lse():
-    """attention() (o only) replays attention_forward's plan with lse = nullptr (the kernels then write no lse)
-    and one allocation; everything else in its launch is the forward's."""
-    a, b = qkv(), qkv()
+def _params(blob):
+    """The params struct a forward launch passed: FwdWsParams (tensor maps, then FwdParams) or FwdParams."""
+    if len(blob) == ctypes.sizeof(_tma.FwdWsParams):
+        return _tma.FwdWsParams.from_buffer_copy(blob)
+    return _launch.FwdParams.from_buffer_copy(blob)
+
+
+@pytest.mark.parametrize("d", [64, 96], ids=["tma-kernel", "fwd_sm90_kernel"])
+def test_attention_launches_the_forward_without_lse(d):
+    """attention() (o only) launches attention_forward's kernel with lse = nullptr (the kernels then write no lse)
+    and one allocation, on its full path and on replays; everything else in its launch is the forward's."""
+    a, b = qkv(d=d), qkv(d=d)
     _plan.plans.clear()
-    cuflash.attention_forward(*a, causal=True)
+    cuflash.attention(*a, causal=True)
     fc.COUNTS.clear()
     replayed, o = launches_of(lambda: cuflash.attention(*b, causal=True), 1 << 50)
     assert fc.COUNTS["empty"] == 1 and isinstance(o, fc.FakeArray) and o.shape == b[0].shape
     _plan.plans.clear()
+    full_o, _ = launches_of(lambda: cuflash.attention(*b, causal=True), 1 << 50)
+    assert replayed == full_o, "attention(): the replayed launch differs from the full path's"
+    _plan.plans.clear()
     full, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
     assert [(n, g) for n, g, _ in replayed] == [(n, g) for n, g, _ in full]
-    got, want = (_launch.FwdParams.from_buffer_copy(x[0][2]) for x in (replayed, full))
-    assert not got.lse and want.lse, "attention() must launch without lse, attention_forward with it"
-    want.lse = None
+    got, want = (_params(x[0][2]) for x in (replayed, full))
+    got_fwd, want_fwd = (getattr(x, "fwd", x) for x in (got, want))
+    assert not got_fwd.lse and want_fwd.lse, "attention() must launch without lse, attention_forward with it"
+    want_fwd.lse = None
+    if hasattr(want, "fwd"):
+        want.fwd = want_fwd
     assert bytes(got) == bytes(want)
+
+
+def test_tma_maps_follow_the_arrays():
+    """A replay of the TMA kernel's plan encodes the tensor maps of the call's own arrays (a map holds its
+    array's address): each launch's maps name the q, k, v it was called with."""
+    _plan.plans.clear()
+    calls = [qkv() for _ in range(3)]
+    for q, k, v in calls:
+        launches, _ = launches_of(lambda: cuflash.attention_forward(q, k, v), 1 << 50)
+        params = _params(launches[0][2])
+        assert [m.v[0] for m in (params.tma_q, params.tma_k, params.tma_v)] == [q.data.ptr, k.data.ptr, v.data.ptr]
+    assert len(_plan.plans) == 1, "the three calls share one plan"
 
 
 def backward_args(b=2, sq=40, sk=72, h=4, hkv=2, d=64, dtype=F16):

@@ -14,7 +14,7 @@ import types
 
 import numpy as np
 
-from cuflash import _families, _launch, _plan, _validate
+from cuflash import _families, _launch, _plan, _tma, _validate
 
 COUNTS: collections.Counter = collections.Counter()  # what the fakes were asked to do, by name
 LAUNCHES: list = []  # (kernel name, grid, params bytes) of each launch while RECORD[0] is True
@@ -154,11 +154,24 @@ def ctypes_size(cfg) -> int:
     import ctypes
 
     name = cfg.cpp_name()
+    if "fwd_sm90_ws" in name:
+        return ctypes.sizeof(_tma.FwdWsParams)
     if "append" in name:
         return ctypes.sizeof(_launch.AppendParams)
     if "bwd" in name or "preprocess" in name or "convert_dq" in name or "dq_kernel" in name:
         return ctypes.sizeof(_launch.BwdParams)
     return ctypes.sizeof(_launch.FwdParams)
+
+
+def _encode_tiled(map_addr, dtype, rank, address, dims, strides, box, elem_strides, interleave, swizzle, l2, oob):
+    """Stands in for the driver's cuTensorMapEncodeTiled: a map of the words it was given (address first), so a
+    launch's bytes show which address and shape each map describes."""
+    import ctypes
+
+    COUNTS["encode"] += 1
+    words = [address, dtype, rank, *dims[:rank], *strides[:rank - 1], *box[:rank], swizzle]
+    ctypes.memmove(map_addr, (ctypes.c_uint64 * 16)(*words[:16]), 128)
+    return 0
 
 
 def install(setattr_) -> None:
@@ -174,3 +187,4 @@ def install(setattr_) -> None:
     setattr_(_families, "_num_sms", {0: 132})
     setattr_(_families, "_selected", {})
     setattr_(_plan, "plans", _plan.PlanCache())
+    setattr_(_tma, "_encode_fn", lambda: _encode_tiled)

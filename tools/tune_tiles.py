@@ -3,8 +3,8 @@
 For each kernel head dim, the shipped config (first) and its candidates replace the config table entry,
 are compiled (registers and spills from ptxas) and timed with CUDA events, bf16, FlashAttention benchmark
 shapes (batch = 16384 / N, heads = 2048 / D). `diff` is the largest difference to the first candidate's
-output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_TILES,
-BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). Results go to docs/PERFORMANCE.md.
+output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_WS_TILES, else
+FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -31,6 +31,10 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             192: [(128, 32, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
+# the warp-specialized forward (sm_90a): (block_n, stages, pingpong)
+FWD_SM90_WS = {64: [(128, 2, True), (128, 3, False), (192, 2, False), (64, 2, False)],
+               128: [(128, 2, True), (128, 3, False), (192, 2, False), (96, 2, False)],
+               256: [(64, 2, True), (48, 3, False), (32, 4, False)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
@@ -110,7 +114,10 @@ def main() -> int:
                     return (ms, 2.5 * flops / ms / 1e9), cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
 
                 if wgmma:
-                    if d in config.FWD_SM90_TILES:
+                    if d in config.FWD_SM90_WS_TILES:
+                        tune(config.FWD_SM90_WS_TILES, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
+                             lambda: config.fwd_sm90_ws_config(d, "bf16", causal))
+                    elif d in config.FWD_SM90_TILES:
                         tune(config.FWD_SM90_TILES, FWD_SM90.get(d, []), d, "fwd", fwd, arch,
                              lambda: config.fwd_sm90_config(d, "bf16", causal))
                     if d in config.BWD_SM90_TILES:

@@ -1,0 +1,16 @@
+"""The fwd_sm90_ws_kernel instantiations the direct-launch tests build (tests/test_fwd_ws_compile.py without a GPU,
+tests/test_gpu_fwd_ws.py on one). No CuPy needed."""
+from __future__ import annotations
+
+from cuflash import config
+
+# d256 with heavy score modifiers has no pingpong variant: with it, block_n 32 kept 4-8 bytes on the stack
+# (config.FWD_SM90_WS_TILES_MODS)
+WS_NO_PINGPONG_MODS = (256,)
+
+
+def ws_kernel(head_dim: int, dtype: str, causal: bool, mods: int = 0, pingpong: bool = True) -> config.FwdSm90WsConfig:
+    """The instantiation of (head dim, dtype, causal, MODS) on the library's tiles, with or without pingpong
+    (never with it where WS_NO_PINGPONG_MODS says so)."""
+    pingpong = pingpong and not (config.heavy_mods(mods) and head_dim in WS_NO_PINGPONG_MODS)
+    return config.fwd_sm90_ws_config(head_dim, dtype, causal, mods, pingpong)
