@@ -19,13 +19,14 @@ from .philox import dropout_threshold
 _selected: dict = {}  # (op, device, kernel head dim, dtype, causal, mods, deterministic, families) -> (config, kernel)
 
 
-def _kernel(op: str, device: int, head_dim: int, dtype: str, causal: bool, mods: int = 0, deterministic: bool = False):
+def _kernel(op: str, device: int, head_dim: int, dtype: str, causal: bool, mods: int = 0, deterministic: bool = False,
+            seqlen_k: int | None = None):
     """Config and loaded kernel of an operation, chosen by config.select once per signature."""
-    key = (op, device, head_dim, dtype, causal, mods, deterministic, config.KERNELS)
+    key = (op, device, head_dim, dtype, causal, mods, deterministic, seqlen_k, config.KERNELS)
     entry = _selected.get(key)
     if entry is None:
         cfg = config.select(op, head_dim, dtype, causal, _launch.device_arch(device), mods=mods,
-                            deterministic=deterministic)
+                            deterministic=deterministic, seqlen_k=seqlen_k)
         entry = _selected[key] = (cfg, _launch.get_kernel(cfg, device))
     return entry
 
@@ -150,7 +151,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             return (o, lse) if with_lse else o
         (q, dq), (k, dk), (v, dv) = (_operand(x, i, d, layout) for x, i, d in zip(arrays, a.infos, (a.q, a.k, a.v)))
         hd = kernel_head_dim(a.head_dim)
-        cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits)
+        cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, seqlen_k=a.seqlen_k)
         maps = None
         if isinstance(cfg, config.FwdSm90WsConfig):
             maps = _TmaMaps(cfg, a.dtype, (dq, dk, dv))

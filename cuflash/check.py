@@ -123,7 +123,7 @@ class Case:
         hd = self.kernel_head_dim
         if self.mods:
             c, m = self.kernel_causal, self.mods
-            return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m),
+            return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
                     config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m),
                     config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m),
                     config.dq_config(hd, self.dtype, c, m),
@@ -133,7 +133,7 @@ class Case:
         if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
             return [config.AppendConfig(), config.fwd_decode_config(hd, self.dtype, self.causal),
                     config.CombineConfig(self.dtype)]
-        return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels),
+        return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels, seqlen_k=self.seqlen_k),
                 config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels),
                 config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
                 config.dq_config(hd, self.dtype, self.causal),
@@ -180,6 +180,9 @@ def default_cases() -> list[Case]:
               _case(1, 203, 17, 4, 128, "bf16", False, "bhsd", "padded", kv_heads=1),
               _case(4, 113, 203, 2, 128, "bf16", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
               _case(4, 203, 113, 2, 64, "fp16", False, "bshd", "contiguous", kind="varlen")]
+    # long key sequences, non-causal: the Hopper forward's long-sequence tiles (config.FWD_SM90_WS_SHORT_KEYS)
+    cases += [_case(1, 130, 2100, 1, hd, dtype, False, "bshd", "contiguous") for hd in config.FWD_SM90_WS_SHORT_KEYS
+              for dtype in ("fp16", "bf16")]
     # score modifiers: every modifier kernel the compile check builds (window alone, all four with causal folded
     # into the window, all but the window on a causal kernel), for each kernel head dim and dtype
     for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):

@@ -135,7 +135,7 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
         return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
     if not runs_window_kernel(p):
-        return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels)
+        return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels, seqlen_k=p.seqlen_k)
     # the library's kernel of the window (MOD_WINDOW, causal folded in as right = 0) gives the tiles; the counts
     # take the causal flag and the window from the problem
     cfg = _config.forward_kernel_config(hd, p.dtype, False, ARCH, kernels, mods=_config.MOD_WINDOW)

@@ -99,7 +99,7 @@ class Case:
     def config(self, kernels: str = "mma"):
         """The forward kernel's config in kernel family `kernels` ("mma": fwd_kernel)."""
         return _config.forward_kernel_config(_config.kernel_head_dim(self.head_dim), self.dtype, self.causal,
-                                             ARCH, kernels)
+                                             ARCH, kernels, seqlen_k=self.seqlen_k)
 
 
 @dataclass(frozen=True)
@@ -157,9 +157,9 @@ class Target:
         if self.kernel == "fwd_sm90_kernel":
             return _config.fwd_sm90_config(hd, c.dtype, c.causal)
         if self.kernel == "fwd_sm90_ws_kernel":
-            return _config.fwd_sm90_ws_config(hd, c.dtype, c.causal)
+            return _config.fwd_sm90_ws_config(hd, c.dtype, c.causal, seqlen_k=c.seqlen_k)
         if self.kernel in FORWARD_KERNELS:
-            return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, self.kernels)
+            return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, self.kernels, seqlen_k=c.seqlen_k)
         if self.kernel == "bwd_dq_kernel":
             return _config.dq_config(hd, c.dtype, c.causal)
         return _config.backward_kernel_config(hd, c.dtype, c.causal, self.deterministic, ARCH, self.kernels)
@@ -693,7 +693,7 @@ def kernel_configs(target: Target) -> list:
     hd = _config.kernel_head_dim(c.head_dim)
     if not target.is_backward:  # the profiled forward itself (fwd_sm90_kernel: also where ws is the default)
         return [target.config()]
-    return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels),
+    return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels, seqlen_k=c.seqlen_k),
             _config.ElementwiseConfig("preprocess", c.dtype),
             _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels),
             _config.dq_config(hd, c.dtype, c.causal) if target.deterministic

@@ -119,7 +119,7 @@ def test_sweep_counts_the_kernel_family_asked_for(capsys):
     p = Problem(1, 16, 1024, 1024, 64)
     for rec, kernels in ((auto, "auto"), (mma, "mma")):
         c = simulate("cuflash", p, kernels=kernels)
-        cfg = config.forward_kernel_config(64, "fp16", False, kernels=kernels)
+        cfg = config.forward_kernel_config(64, "fp16", False, kernels=kernels, seqlen_k=1024)
         assert (rec["block_m"], rec["block_n"]) == (cfg.block_m, cfg.block_n)
         assert (rec["hbm_read_bytes"], rec["sram_read_bytes"]) == (c.hbm_read_bytes, c.sram_read_bytes)
     assert auto["sram_read_bytes"] != mma["sram_read_bytes"], "the two families read shared memory differently"

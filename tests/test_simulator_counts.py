@@ -93,10 +93,13 @@ def test_useful_flops_are_the_problems(strategy, causal):
         "an algorithm computes at least the kept pairs (standard's backward skips the S recompute)"
 
 
-def _expected_tiles(hd, causal, kernels, backward=False):
+def _expected_tiles(hd, causal, kernels, backward=False, seqlen_k=None):
     """The tile table entry the library launches on an H100, looked up by hand."""
     if kernels == "auto" and not backward and hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel: BLOCK_M 128
-        return (128, (config.FWD_SM90_WS_TILES_CAUSAL if causal else config.FWD_SM90_WS_TILES)[hd][0])
+        short = not causal and seqlen_k is not None and seqlen_k <= config.FWD_SM90_WS_SHORT_KEYS.get(hd, 0)
+        table = config.FWD_SM90_WS_TILES_CAUSAL if causal else \
+            config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
+        return (128, table[hd][0])
     if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
         return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
     if backward:
@@ -113,7 +116,7 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal, kernels):
     hd = config.kernel_head_dim(head_dim)
     p = P(777, head_dim, causal=causal, dtype="bf16", nk=901)
     c = simulate("cuflash", p, kernels=kernels)
-    assert (c.block_m, c.block_n) == _expected_tiles(hd, causal, kernels)
+    assert (c.block_m, c.block_n) == _expected_tiles(hd, causal, kernels, seqlen_k=901)
     if kernels == "auto":
         default = simulate("cuflash", p)
         assert (default.block_m, default.block_n) == (c.block_m, c.block_n), "the default family is auto"
@@ -133,7 +136,7 @@ def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, ca
     hand: Q and O once, lse once, K and V once per query block of BLOCK_M rows (the key tiles it visits,
     tails exact); and its shared reads: the O staging loads plus the wgmma operands (per visited key tile
     and warpgroup 64 Q rows and K for S, V for O)."""
-    cfg = config.forward_kernel_config(d, "fp16", causal, kernels="auto")
+    cfg = config.forward_kernel_config(d, "fp16", causal, kernels="auto", seqlen_k=sk)
     assert isinstance(cfg, config.FwdSm90WsConfig if d in config.FWD_SM90_WS_TILES else config.FwdSm90Config)
     b, h, e = 2, 3, 2
     reads = writes = wgmma = o_reads = 0

@@ -294,7 +294,7 @@ def test_kernel_configs_are_what_the_driver_launches():
     assert validate.kernel_configs(validate.Target("fwd_sm90_kernel", validate.Case(1, 2, 100, 150, 64))) == \
         [C.fwd_sm90_config(64, "fp16", False)]
     assert validate.kernel_configs(validate.Target("fwd_sm90_ws_kernel", validate.Case(1, 2, 100, 150, 128))) == \
-        [C.fwd_sm90_ws_config(128, "fp16", False)]
+        [C.fwd_sm90_ws_config(128, "fp16", False, seqlen_k=150)]
 
 
 # ---- the profiled driver and the prewarm, against stand-ins -----------------------------------------
@@ -343,7 +343,8 @@ def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, c
     if target.kernel in validate.FORWARD_KERNELS and target.kernels == "auto":
         # the library would launch the profiled kernel: fwd_sm90_kernel with the ws family taken out
         hd = C.kernel_head_dim(c.head_dim)
-        assert C.select("forward", hd, c.dtype, c.causal, "sm_90a", kernels="auto") == target.config(), target.name
+        assert C.select("forward", hd, c.dtype, c.causal, "sm_90a", kernels="auto", seqlen_k=c.seqlen_k) == \
+            target.config(), target.name
     q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
     want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
     if not target.is_backward:

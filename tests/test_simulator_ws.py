@@ -14,8 +14,9 @@ from cuflash.simulator.schedules import cuflash_config
 E = 2  # fp16 / bf16 bytes
 
 
-def ws(d, causal=False, dtype="fp16"):
-    return C.fwd_sm90_ws_config(d, dtype, causal)
+def ws(d, causal=False, dtype="fp16", seqlen_k=None):
+    """The library's config (seqlen_k: the key length it is chosen for; None: the long-sequence tiles)."""
+    return C.fwd_sm90_ws_config(d, dtype, causal, seqlen_k=seqlen_k)
 
 
 def hand_counts(cfg, b, h, sq, sk, d):
@@ -76,7 +77,7 @@ def test_counts_equal_the_hand_loop(d, causal, sq, sk):
     """Tails (Q boxes and the last K/V box partly out of bounds: read in-bounds rows, write whole boxes),
     causal skipping and CTAs that see no key (causal, Sq > Sk)."""
     b, h = 2, 3
-    cfg = ws(d, causal)
+    cfg = ws(d, causal, seqlen_k=sk)
     p = Problem(b, h, sq, sk, d, causal=causal)
     want = hand_counts(cfg, b, h, sq, sk, d)
     c = simulate("cuflash", p)
