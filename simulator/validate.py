@@ -1246,6 +1246,12 @@ reads in the same data stage (the wgmma reads do not appear as thread instructio
 wavefronts are not in `..._op_ld` either: see the "info" rows). Not confirmed; a microbenchmark (one
 warpgroup storing while another runs wgmma on other shared tiles, with and without overlap) would
 settle it. These rows keep their exact targets and stay missed.
+
+fwd_sm90_ws_kernel (measured 2026-11-24): its only STS are the O staging of the epilogue, one consumer
+warpgroup at a time, and they read 25 to 283 more store wavefronts than instructions in two runs (0.04-0.4%),
+counted as conflicts; the staging addresses give one wavefront each. A consumer stages O while the other
+consumer's last wgmma still reads K, V from shared memory and the producer's TMA writes of the CTA are
+done, so the collision candidates are the async proxy's operand reads again. Kept exact, missed.
 """
 
 
