@@ -9,7 +9,7 @@ What `sanitize` does:
   1. compiles every kernel the cases need through NVRTC, in parallel processes (NVRTC holds the GIL, so
      threads do not help), into the disk cache (~/.cache/cuflash), so no sanitized process compiles;
   2. runs the driver (`python -m cuflash.check _driver`) once without a sanitizer, checking every case
-     against the float64 reference (DESIGN.md section 5) and recording a digest of each output;
+     against the float64 reference (the pass rule of README.md, Tests) and recording a digest of each output;
   3. runs the driver under `compute-sanitizer --tool T --error-exitcode 99` for each tool, the cases split
      over a few shard processes per tool, all tools at once, and parses each tool's summary
      ("ERROR SUMMARY: N errors", racecheck's "RACECHECK SUMMARY: ... (E errors, W warnings)");
@@ -332,7 +332,7 @@ def _host_problems(name: str, x, is_lse: bool = False) -> list[str]:
 
 
 def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: dict | None = None) -> list[str]:
-    """The pass rule of DESIGN.md section 5 against the float64 reference on the GPU (unsanitized run only);
+    """The pass rule (README.md, Tests) against the float64 reference on the GPU (unsanitized run only);
     cases with score modifiers against the NumPy reference (cuflash.reference) with the specified dropout
     mask (cuflash.philox)."""
     import cupy as cp

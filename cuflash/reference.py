@@ -26,7 +26,7 @@ D_i = rowsum(dO * O) (= rowsum(P dP), O the dropped output); through the soft-ca
 `attention_forward64` / `attention_backward64` compute in float64. `attention_lowp` /
 `attention_backward_lowp` compute plain (unfused) attention rounding every intermediate to the input
 dtype, the way a framework's fp16/bf16 attention does; the test pass rule compares the kernel's error
-against theirs (DESIGN.md section 5).
+against theirs (the pass rule of README.md, Tests).
 
 Variable-length batches (`attention_varlen_*`): packed q (total_q, H_q, D), k and v (total_k, H_kv, D),
 sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1, computed one sequence at a time with the dense

@@ -7,7 +7,7 @@ bank model, and ncu counts them as neither LDS nor LDSM (it has HGMMA counters o
 Likewise the TMA loads of fwd_sm90_ws_kernel (roles *_tma, SharedWalk.tma_write_bytes): the TMA unit writes
 whole boxes into shared memory, no LSU instruction, no bank model.
 
-The rule (DESIGN.md section 6; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
+The rule (docs/IO_ANALYSIS.md; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
 
   kind                     bytes/lane  phases            lanes of phase m
@@ -20,7 +20,7 @@ bank = (addr >> 2) & 31. A warp instruction is split into phases served one afte
 Wavefronts of a phase = the largest number of distinct 4-byte words one bank must serve (lanes that
 read the same word are served by one broadcast); conflicts = wavefronts - phases.
 
-cp.async (LDGSTS) writes follow a different rule that is not documented. Measured (H100, DESIGN.md
+cp.async (LDGSTS) writes follow a different rule that is not documented. Measured (H100, docs/IO_ANALYSIS.md
 section 6): 8 lanes copying one 128-byte global line into one 128-byte-aligned shared row cost 1
 wavefront per 8 lanes in any lane order; rows padded to 144 bytes cost about 2.5x; one row per thread
 (16 B at a 128 B stride) costs 8x. Our model: phases of 8 lanes; a phase costs at least

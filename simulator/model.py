@@ -31,7 +31,7 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32
 STRATEGIES = ("standard", "fa1", "fa2", "cuflash")
 
-# H100 SXM (measured, DESIGN.md section 4): used by the runtime model and as L2 / SRAM defaults.
+# H100 SXM (measured, docs/PERFORMANCE.md): used by the runtime model and as L2 / SRAM defaults.
 H100_SMS = 132
 H100_L2_BYTES = 50 * 1024 * 1024
 H100_SMEM_PER_SM = 228 * 1024

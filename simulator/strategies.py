@@ -1,6 +1,6 @@
 """Closed-form, tile-loop counts of HBM/SRAM traffic and FLOPs for each tiling strategy.
 
-Strategies (DESIGN.md section 6):
+Strategies (docs/IO_ANALYSIS.md):
   standard  S = QK^T, P = softmax(S), O = PV as separate passes, S and P in HBM (FlashAttention paper
             Algorithm 0; backward Algorithm 3 with dP and dS in HBM).
   fa1       FlashAttention-1, Algorithm 1 / 4: K/V blocks outer, Q blocks inner; O, l, m (forward) and

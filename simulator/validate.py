@@ -1041,7 +1041,7 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "  so it is compared with the reduction counters (`..._op_red`: requests, bytes at L1, SM -> L2",
         "  bytes, L2 sectors), not with the L2 -> SM reads.",
         "* shared memory: every instruction of the kernel walked by `banks.fwd_kernel_shared`,",
-        "  `banks.bwd_kernel_shared` or `banks.dq_kernel_shared` with the hardware bank rule (DESIGN.md",
+        "  `banks.bwd_kernel_shared` or `banks.dq_kernel_shared` with the hardware bank rule (docs/IO_ANALYSIS.md",
         "  section 6). The shared load *wavefront* and conflict counters (`l1tex__..._op_ld`) count LDS and",
         "  LDSM together; the shared load *instruction* counter (`smsp__inst_executed_op_shared_ld`) counts",
         "  LDS only, including the predicated-off LDS that ptxas puts before cp.async (see section 1 of",

@@ -286,7 +286,7 @@ class SweepReport:
         failed = [cfg.id for cfg, r in self.rows if max(r.values()) > 1.0]
         lines = [f"cuflash sweep: {len(self.rows)} configurations (seed {SEED}), {len(failed)} failed, "
                  f"{time.perf_counter() - self.t0:.0f} s",
-                 "worst ratio per feature: error / bound (pass rule of DESIGN.md section 5; lse: error / 1e-3); "
+                 "worst ratio per feature: error / bound (pass rule of README.md, Tests; lse: error / 1e-3); "
                  "<= 1 passes; [config index of the worst dq/dk/dv]",
                  f"{'feature':<22} {'value':<14} {'configs':>7} " + " ".join(f"{o:>7}" for o in OUTPUTS) + "  worst"]
         def order(item):

@@ -1,4 +1,4 @@
-"""Shared-memory bank rule (DESIGN.md section 6) and the walk over fwd_kernel's shared instructions."""
+"""Shared-memory bank rule (docs/IO_ANALYSIS.md) and the walk over fwd_kernel's shared instructions."""
 import numpy as np
 import pytest
 
@@ -70,8 +70,8 @@ def test_layouts_for_ldmatrix_row_reads():
 
 
 def test_cp_async_model_reproduces_the_measurements():
-    """DESIGN.md: one 128-byte line per 8 lanes costs 1 wavefront per 8 lanes in any order; one row
-    per thread (16 B at a 128 B stride) 8x. 144-byte rows measured ~2.5x; the model gives 1.875x."""
+    """The measured cp.async rule (docs/IO_ANALYSIS.md): one 128-byte line per 8 lanes costs 1 wavefront per 8
+    lanes in any order; one row per thread (16 B at a 128 B stride) 8x. 144-byte rows measured ~2.5x; the model gives 1.875x."""
     line_rows, chunks = LANES // 8, LANES % 8
     assert banks.count(banks.swizzled_offset(line_rows, chunks * 8, 128, 64), "cp.async16") == (4, 0)
     shuffled = np.random.default_rng(0).permutation(8)

@@ -88,7 +88,7 @@ def test_useful_flops_are_the_problems(strategy, causal):
     b = simulate(strategy, P(n, d, causal=causal), backward=True)
     pairs = n * (n + 1) // 2 if causal else n * n
     assert f.flops_useful == 4 * d * pairs
-    assert b.flops_useful == 10 * d * pairs, "backward = 2.5 x forward (DESIGN.md section 4)"
+    assert b.flops_useful == 10 * d * pairs, "backward = 2.5 x forward (docs/PERFORMANCE.md)"
     assert f.flops_matmul >= f.flops_useful and b.flops_matmul >= 0.8 * b.flops_useful, \
         "an algorithm computes at least the kept pairs (standard's backward skips the S recompute)"
 

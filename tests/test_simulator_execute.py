@@ -1,4 +1,4 @@
-"""Execute mode: each strategy's tile schedule in float64 equals cuflash.reference (DESIGN.md section 6)."""
+"""Execute mode: each strategy's tile schedule in float64 equals cuflash.reference (docs/IO_ANALYSIS.md)."""
 import numpy as np
 import pytest
 
