@@ -95,11 +95,12 @@ def test_useful_flops_are_the_problems(strategy, causal):
 
 def _expected_tiles(hd, causal, kernels, backward=False, seqlen_k=None):
     """The tile table entry the library launches on an H100, looked up by hand."""
-    if kernels == "auto" and not backward and hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel: BLOCK_M 128
-        short = not causal and seqlen_k is not None and seqlen_k <= config.FWD_SM90_WS_SHORT_KEYS.get(hd, 0)
+    ws_hd = config.FWD_SM90_WS_PADDED.get(hd, hd)  # 96 and 192 run on the 128 and 256 kernels
+    if kernels == "auto" and not backward and ws_hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel: BLOCK_M 128
+        short = not causal and seqlen_k is not None and seqlen_k <= config.FWD_SM90_WS_SHORT_KEYS.get(ws_hd, 0)
         table = config.FWD_SM90_WS_TILES_CAUSAL if causal else \
             config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
-        return (128, table[hd][0])
+        return (128, table[ws_hd][0])
     if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
         return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
     if backward:
@@ -123,8 +124,9 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal, kernels):
     ref = simulate("fa2", p, block_m=c.block_m, block_n=c.block_n)
     assert (c.hbm_read_bytes, c.hbm_write_bytes) == (ref.hbm_read_bytes, ref.hbm_write_bytes), \
         "fwd_kernel and fwd_sm90_kernel read only valid rows and the real head_dim columns, like FA2"
-    tiles = c.flops_matmul // (4 * c.block_m * c.block_n * hd)
-    assert tiles * 4 * c.block_m * c.block_n * hd == c.flops_matmul, "cuflash computes whole padded tiles"
+    khd = config.forward_kernel_config(hd, "bf16", causal, kernels=kernels, seqlen_k=901).head_dim  # the kernel's
+    tiles = c.flops_matmul // (4 * c.block_m * c.block_n * khd)
+    assert tiles * 4 * c.block_m * c.block_n * khd == c.flops_matmul, "cuflash computes whole padded tiles"
     bwd = simulate("cuflash", p, backward=True, kernels=kernels)
     assert (bwd.block_m, bwd.block_n) == _expected_tiles(hd, causal, kernels, backward=True)
 
@@ -132,12 +134,12 @@ def test_cuflash_takes_its_tiles_from_the_config(head_dim, causal, kernels):
 @pytest.mark.parametrize("sq,sk,d", [(1000, 1500, 64), (777, 901, 128), (1024, 300, 96)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, causal):
-    """The Hopper forward the library launches (fwd_sm90_ws_kernel at d64/d128, fwd_sm90_kernel at d96) by
+    """The Hopper forward the library launches (fwd_sm90_ws_kernel; at d96 its 128 kernel) by
     hand: Q and O once, lse once, K and V once per query block of BLOCK_M rows (the key tiles it visits,
     tails exact); and its shared reads: the O staging loads plus the wgmma operands (per visited key tile
     and warpgroup 64 Q rows and K for S, V for O)."""
     cfg = config.forward_kernel_config(d, "fp16", causal, kernels="auto", seqlen_k=sk)
-    assert isinstance(cfg, config.FwdSm90WsConfig if d in config.FWD_SM90_WS_TILES else config.FwdSm90Config)
+    assert isinstance(cfg, config.FwdSm90WsConfig)  # d 96: the 128 kernel, its extra columns zero-filled by TMA
     b, h, e = 2, 3, 2
     reads = writes = wgmma = o_reads = 0
     for m_block in range(-(-sq // cfg.block_m)):
@@ -150,7 +152,7 @@ def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, ca
         writes += rows * d * e + rows * 4
         if n_blocks > 0:  # (a CTA that sees no key writes zeros to O without shared memory)
             reads += rows * d * e + 2 * min(n_blocks * cfg.block_n, sk) * d * e
-            wgmma += n_blocks * (cfg.block_m // 64) * (64 + 2 * cfg.block_n) * d * e
+            wgmma += n_blocks * (cfg.block_m // 64) * (64 + 2 * cfg.block_n) * cfg.head_dim * e
             o_reads += rows * d * e  # store_tile: the valid rows and columns, 16 bytes per lane
     c = simulate("cuflash", P(sq, d, causal=causal, batch=b, heads=h, nk=sk))
     assert (c.block_m, c.block_n) == (cfg.block_m, cfg.block_n)
