@@ -210,10 +210,9 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // wgmma's swizzle is a function of the address: the tiles must start on the 1024-byte period
-  const u32 smem_raw_u32 = smem_u32(smem_raw);
-  const u32 smem_base = (smem_raw_u32 + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (smem_base - smem_raw_u32);
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const u32 smem_base = aligned.base;
+  unsigned char* smem = aligned.ptr;
 
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;

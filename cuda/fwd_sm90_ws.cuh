@@ -446,10 +446,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  // the swizzle (TMA's and wgmma's) is a function of the address: the tiles start on the 1024-byte period
-  const u32 smem_raw_u32 = smem_u32(smem_raw);
-  const u32 smem_base = (smem_raw_u32 + 1023u) & ~1023u;
-  unsigned char* smem = smem_raw + (smem_base - smem_raw_u32);
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const u32 smem_base = aligned.base;
+  unsigned char* smem = aligned.ptr;
   const WsSmem<Tr> sm{smem_base};
   // the host's shared memory size (cuflash/_tma.py:FwdSm90WsConfig.smem_bytes) must cover this layout
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();

@@ -306,6 +306,19 @@ __device__ __forceinline__ void zero_tile_gmem(u16* tile_gmem, long long row_str
   }
 }
 
+// The first 1024-byte aligned byte of the dynamic shared memory: the 128-byte swizzle of wgmma's descriptors (and
+// of TMA's boxes) is a function of the address, so swizzled tiles start on its 1024-byte period. The kernels ask
+// for 1024 bytes more than their tiles (the configs' smem_bytes) to leave room for the shift.
+struct AlignedSmem {
+  u32 base;            // shared-window address
+  unsigned char* ptr;  // generic pointer to the same byte
+};
+__device__ __forceinline__ AlignedSmem align_smem_1024(unsigned char* smem_raw) {
+  const u32 raw = smem_u32(smem_raw);
+  const u32 base = (raw + 1023u) & ~1023u;
+  return {base, smem_raw + (base - raw)};
+}
+
 // ---- shared -> register fragments of mma.m16n8k16 (lane l, g = l / 4, t = l % 4) --------------
 //
 // Each ldmatrix variant gives every lane one row address inside a 16 x 16 block. A kernel computes

@@ -132,12 +132,9 @@ def shipped_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
 SASS_OPS = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "LDG", "STG", "REDG", "LDL", "STL")
 
 
-def sass_counts(cubin: bytes) -> dict | None:
-    """Static counts of the SASS instructions of SASS_OPS in a cubin, read with nvdisasm (from the CUDA
-    toolkit or `pip install nvidia-cuda-nvdisasm`); None when nvdisasm is not found. Tells, without a GPU,
-    whether a kernel runs on wgmma (HGMMA) or mma.sync (HMMA), copies with cp.async (LDGSTS) and touches
-    local memory (LDL/STL: spills or an array indexed at run time)."""
-    import re
+def sass_text(cubin: bytes) -> str | None:
+    """The SASS listing of a cubin from nvdisasm (from the CUDA toolkit or `pip install nvidia-cuda-nvdisasm`), or
+    None when nvdisasm is not found."""
     import shutil
     import subprocess
     import tempfile
@@ -158,7 +155,18 @@ def sass_counts(cubin: bytes) -> dict | None:
         # not mind, nvdisasm does: pad the ELF back to its size
         f.write(cubin + b"\0" * 8)
         f.flush()
-        text = subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
+        return subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
+
+
+def sass_counts(cubin: bytes) -> dict | None:
+    """Static counts of the SASS instructions of SASS_OPS in a cubin (`sass_text`); None when nvdisasm is not
+    found. Tells, without a GPU, whether a kernel runs on wgmma (HGMMA) or mma.sync (HMMA), copies with cp.async
+    (LDGSTS) and touches local memory (LDL/STL: spills or an array indexed at run time)."""
+    import re
+
+    text = sass_text(cubin)
+    if text is None:
+        return None
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", text, re.M)
     return {op: sum(1 for o in ops if o == op) for op in SASS_OPS}
 

@@ -166,7 +166,7 @@ def _replay_code(plan: Plan) -> str:
     names = [f"a{i}" for i in range(n)]
     lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
     bound = {i for i, _, _ in plan.binds} | set(plan.aligned) | set(plan.writes) | \
-        {i for numbers, _, _, _ in plan.derived for i in numbers}
+        {i for arrays, _, _, _ in plan.derived for i in arrays}
     for i in sorted(bound):
         required = i in plan.aligned
         lines.append(f"    p{i} = a{i}.data.ptr" if required else f"    p{i} = 0 if a{i} is None else a{i}.data.ptr")
@@ -193,8 +193,8 @@ def _replay_code(plan: Plan) -> str:
         lines.append("        launches, keep = stepped")
     for i, t, word in plan.binds:
         lines.append(f"        w{t}[{word}] = p{i}")
-    for j, (numbers, t, word, _) in enumerate(plan.derived):
-        lines.append(f"        words = DERIVED[{j}][3](({''.join(f'p{i}, ' for i in numbers)}))")
+    for j, (arrays, t, word, _) in enumerate(plan.derived):
+        lines.append(f"        words = DERIVED[{j}][3](({''.join(f'p{i}, ' for i in arrays)}))")
         lines.append(f"        w{t}[{word}:{word} + len(words)] = words")
     if plan.workspace is not None:
         lines.append("        work = cp.empty(PLAN.workspace[0], dtype=cp.float32)")

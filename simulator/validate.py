@@ -55,7 +55,7 @@ from cuflash import config as _config
 from . import banks, l2 as _l2
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
 from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges
-from .strategies import cuflash_backward_kernels, simulate
+from .strategies import cuflash_backward_kernels
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel")

@@ -8,16 +8,13 @@ and ws_params builds packed (varlen) maps."""
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import shutil
-import subprocess
-import tempfile
 from types import SimpleNamespace
 
 import pytest
 
 from cuflash import _compile, _launch, _tma, config
+from cuflash.__main__ import sass_text
 from ws_helpers import ws_kernel
 
 CONFIGS = [ws_kernel(d, dt, c, pingpong=pp)
@@ -36,32 +33,16 @@ def _nvrtc_or_skip():
         pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
-def _nvdisasm():
-    exe = shutil.which("nvdisasm")
-    if exe is None:
-        try:
-            import nvidia.cu13
-
-            cand = os.path.join(list(nvidia.cu13.__path__)[0], "bin", "nvdisasm")
-            exe = cand if os.path.isfile(cand) else None
-        except ImportError:
-            exe = None
-    return exe
-
-
 def _name(c: config.FwdSm90WsConfig):
     return (f"d{c.head_dim}-bn{c.block_n}-{c.dtype}-{'causal' if c.causal else 'full'}-"
             f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}")
 
 
 def _sass(compiled) -> str:
-    exe = _nvdisasm()
-    if exe is None:
+    text = sass_text(compiled.cubin)
+    if text is None:
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.cubin + b"\0" * 8)  # CuPy's getCUBIN drops the last byte; nvdisasm wants it
-        f.flush()
-        return subprocess.run([exe, "-c", f.name], capture_output=True, text=True).stdout
+    return text
 
 
 def _opcodes(text: str) -> list:
