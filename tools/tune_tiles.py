@@ -32,9 +32,11 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
 # the warp-specialized forward (sm_90a): (block_n, stages, pingpong)
-FWD_SM90_WS = {64: [(128, 2, True), (128, 3, False), (192, 2, False), (64, 2, False)],
-               128: [(128, 2, True), (128, 3, False), (192, 2, False), (96, 2, False)],
-               256: [(64, 2, True), (48, 3, False), (32, 4, False)]}
+FWD_SM90_WS = {64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
+                    (192, 3, True), (256, 2, False), (256, 2, True)],
+               128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
+                     (192, 2, True)],
+               256: [(64, 2, False), (64, 2, True), (48, 3, False)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
@@ -114,9 +116,12 @@ def main() -> int:
                     return (ms, 2.5 * flops / ms / 1e9), cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
 
                 if wgmma:
-                    if d in config.FWD_SM90_WS_TILES:
-                        tune(config.FWD_SM90_WS_TILES, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
-                             lambda: config.fwd_sm90_ws_config(d, "bf16", causal))
+                    if d in config.FWD_SM90_WS_TILES:  # the table the call's config comes from
+                        short = not causal and n <= config.FWD_SM90_WS_SHORT_KEYS.get(d, 0)
+                        table = config.FWD_SM90_WS_TILES_CAUSAL if causal else \
+                            config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
+                        tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
+                             lambda: config.fwd_sm90_ws_config(d, "bf16", causal, seqlen_k=n))
                     elif d in config.FWD_SM90_TILES:
                         tune(config.FWD_SM90_TILES, FWD_SM90.get(d, []), d, "fwd", fwd, arch,
                              lambda: config.fwd_sm90_config(d, "bf16", causal))
