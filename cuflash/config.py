@@ -427,11 +427,12 @@ FWD_SM90_WS_TILES_MODS = {
 
 
 # Short key sequences (seqlen_k at most the bound below), non-causal: key tiles of 128 rows waste less of the last
-# tile and fill the pipeline sooner. Measured in two runs of `python -m cuflash.bench` on an H100 (bf16, FA shapes,
-# 2026-11-24): D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), N 2k 612 against 595, N 4k 662 and
-# 663; D 64 N 1k 335 against 308, N 2k 374 against 387.
-FWD_SM90_WS_SHORT_KEYS = {64: 1024, 128: 2048}
-FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False), 128: (128, 2, False)}
+# tile and fill the pipeline sooner. Measured on an H100 (bf16, FA shapes, 2026-11-24): D 128 N 1k 531 TFLOP/s with
+# (128, 2) against 475 with (192, 2) (`python -m cuflash.bench`, two runs), N 2k 571-612 against 570-595, N 4k 662
+# and 663; D 64 N 1k 335 against 308, and at N 2k (`tools/tune_tiles.py --n 2048`) 402 with (128, 2) and pingpong
+# against 355 for (192, 2), 366 for (128, 2), 382 for (128, 3).
+FWD_SM90_WS_SHORT_KEYS = {64: 2048, 128: 2048}
+FWD_SM90_WS_TILES_SHORT = {64: (128, 2, True), 128: (128, 2, False)}
 
 
 def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
