@@ -188,16 +188,17 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
 class _TmaMaps:
     """The Q, K, V tensor maps of a forward through TMA (config.FwdSm90WsConfig): a map holds its array's address,
     so every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address
-    triples seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
-    lookup and one 384-byte copy instead of three cuTensorMapEncodeTiled calls of ~1 us each)."""
+    triples seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them:
+    one dict lookup and one 384-byte copy instead of three cuTensorMapEncodeTiled calls of ~1 us each). Threads
+    replaying one plan share the cache: a hit is one dict read, a miss changes it under a lock."""
 
     CACHED = 16  # address triples kept
-    NAMES = ("tma_q", "tma_k", "tma_v")  # adjacent in FwdWsParams: one run of 48 words
 
     def __init__(self, cfg, dtype: str, dims: tuple):
         self.dtype, self.dims = dtype, dims
         self.rows = (cfg.block_m, cfg.block_n, cfg.block_n)
         self.cache: dict = {}
+        self.lock = threading.Lock()
 
     def usable(self, arrays) -> bool:
         return all(_tma.tma_unsupported(x, d, self.dtype, r) is None for x, d, r in zip(arrays, self.dims, self.rows))
@@ -206,11 +207,13 @@ class _TmaMaps:
         """The three maps of these (q, k, v) addresses, as 48 words."""
         m = self.cache.get(ptrs)
         if m is None:
-            if len(self.cache) >= self.CACHED:
-                del self.cache[next(iter(self.cache))]
-            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma._operand_map(p, d, self.dtype, r))
+            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma.operand_map(p, d, self.dtype, r))
                             for p, d, r in zip(ptrs, self.dims, self.rows))
-            m = self.cache[ptrs] = memoryview(blob).cast("Q")
+            m = memoryview(blob).cast("Q")
+            with self.lock:
+                if len(self.cache) >= self.CACHED:
+                    del self.cache[next(iter(self.cache))]
+                self.cache[ptrs] = m
         return m
 
     def params(self, fwd_params, arrays):

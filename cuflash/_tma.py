@@ -124,7 +124,7 @@ def _pointer(x) -> int:
     return x if isinstance(x, int) else x.data.ptr
 
 
-def _operand_map(address: int, dims, dtype: str, box_rows: int):
+def operand_map(address: int, dims, dtype: str, box_rows: int):
     """(head_dim, seqlen, heads, batch) dims, byte strides and box of one operand; `dims` is Dims-like: batch,
     seqlen, heads, head_dim and batch_stride, row_stride, head_stride in elements."""
     sizes = (dims.head_dim, dims.seqlen, dims.heads, dims.batch)
@@ -143,7 +143,7 @@ def tma_unsupported(x, dims, dtype: str, box_rows: int = 128) -> str | None:
         return "an empty array"
     if dims.head_dim % 8:
         return f"head_dim={dims.head_dim} is not a multiple of 8 (16-byte rows)"
-    return _encode_args_problem(dtype, *_operand_map(_pointer(x), dims, dtype, box_rows), True)
+    return _encode_args_problem(dtype, *operand_map(_pointer(x), dims, dtype, box_rows), True)
 
 
 def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dtype: str,
@@ -168,7 +168,7 @@ def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dt
         problem = tma_unsupported(x, dims, dtype, rows)
         if problem is not None:
             raise ValueError(f"{name} cannot be read through a TMA tensor map: {problem}")
-        maps.append(encode_tiled(dtype, *_operand_map(_pointer(x), dims, dtype, rows)))
+        maps.append(encode_tiled(dtype, *operand_map(_pointer(x), dims, dtype, rows)))
     params = FwdWsParams()
     for field, blob in zip(("tma_q", "tma_k", "tma_v"), maps):
         ctypes.memmove(ctypes.addressof(params) + getattr(FwdWsParams, field).offset, blob, TENSOR_MAP_BYTES)

@@ -153,5 +153,5 @@ def test_ws_params_packed_rules():
         with pytest.raises(ValueError, match=message):
             _tma.ws_params(fwd, 0x10000, 0x20000, 0x30000, dims, dims, dims, "bf16", cfg)
     # a packed operand's map: (head_dim, total, heads, 1), the unit batch dim given a valid stride
-    assert _tma._operand_map(0x10000, packed, "bf16", 128) == (0x10000, (128, 1000, 4, 1), (1024, 256, 16),
+    assert _tma.operand_map(0x10000, packed, "bf16", 128) == (0x10000, (128, 1000, 4, 1), (1024, 256, 16),
                                                                (64, 128, 1, 1))
