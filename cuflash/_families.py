@@ -171,7 +171,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             params = maps.params(params, (q, k, v))
             fields = "fwd."
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
-            b = _plan.PlanBuilder(a.device)
+            b = _plan.PlanBuilder(a.device, 3)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
@@ -295,7 +295,7 @@ def backward(p, arrays, *, cu_seqlens=None, key=None):
         for kern, grid in launches:
             kern.launch(grid, params, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
-            b = _plan.PlanBuilder(a.device)
+            b = _plan.PlanBuilder(a.device, 9)
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 b.bind(i, params, field)
             for i, (g, field) in enumerate(zip(p.grads, ("dq", "dk", "dv"))):
@@ -526,7 +526,7 @@ def decode(p, arrays, cache_seqlens, *, key=None):
         if splits > 1 and not DECODE_FUSED_MERGE:
             _launch.get_kernel(comb, m.device).launch(combine[1], params, stream)
         if key is not None and _same((q, k, v), given):  # no operand copied: later calls replay this
-            b = _plan.PlanBuilder(m.device)
+            b = _plan.PlanBuilder(m.device, 7)
             b.bind(0, params, "q")
             b.bind(1, params, "k")
             b.bind(2, params, "v")

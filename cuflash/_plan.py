@@ -126,6 +126,7 @@ class Plan(NamedTuple):
     then the arrays a replay allocates (`allocs`), in order."""
 
     device: int
+    arrays: int  # how many arrays the public function passes (None where an optional one is absent)
     aligned: tuple  # array numbers whose address must be a multiple of 16 (else the full path copies them)
     writes: tuple  # array numbers the launches write in place (preallocated outputs, a KV cache)
     extents: tuple  # per array: its byte range relative to its address (needed only with writes), or None
@@ -148,10 +149,10 @@ def replay(plan: Plan, arrays: tuple, extra=None):
 
     Per call: the array addresses; their alignment and, with writes, overlap checks; the outputs and the workspace
     allocated; every address, and what derives from addresses (plan.derived), written into this thread's argument
-    blocks; the launches. plan.step, when a family
-    has one, runs after the allocations and before anything is written or launched: step(plan, arrays, extra,
-    blocks, stream) sets the per-call values of the argument blocks (blocks[t] = (params, address, words)) and
-    returns (launches, keep) (keep: what must live until the launches are queued), or None to take the full path.
+    blocks; the launches. plan.step, when a family has one, runs after the allocations and before anything is
+    written or launched: step(plan, arrays, extra, blocks, stream) sets the per-call values of the argument blocks
+    (blocks[t] = (params, address, words)) and returns (launches, keep) (keep: what must live until the launches
+    are queued), or None to take the full path.
 
     The plan runs these steps as straight-line code made once per plan (`_replay_code`): the same steps as loops
     over the plan's tuples cost ~1 us more per call (tools/launch_overhead.py --fake, 2026-11-24)."""
@@ -160,8 +161,7 @@ def replay(plan: Plan, arrays: tuple, extra=None):
 
 def _replay_code(plan: Plan) -> str:
     """The text of `run(arrays, extra)` for a plan: `replay` unrolled over its arrays, allocations and launches."""
-    n = len(plan.extents) if plan.extents else 1 + max([i for i, _, _ in plan.binds] + list(plan.aligned) + [-1])
-    n = max(n, len(plan.aligned and range(max(plan.aligned) + 1)))
+    n = plan.arrays
     lines = ["def run(arrays, extra):"]
     names = [f"a{i}" for i in range(n)]
     lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
@@ -243,8 +243,8 @@ class PlanBuilder:
     """Collects a plan while a family's full path launches: its argument templates, the words their array
     addresses go to, the allocations and the launches. `plan(...)` returns the Plan."""
 
-    def __init__(self, device: int):
-        self.device = device
+    def __init__(self, device: int, arrays: int):
+        self.device, self.arrays = device, arrays
         self.params: list = []  # the params structs, made templates when the plan is complete
         self._index: dict = {}
         self.binds: list = []
@@ -287,7 +287,7 @@ class PlanBuilder:
         self.launches.append((kernel, tuple(grid), self.template(params)))
 
     def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
-        plan = Plan(self.device, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
+        plan = Plan(self.device, self.arrays, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
                     self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
                     step, _launch._kernels, tuple(self.derived))
         scope, _ = _compile_replay(plan)
