@@ -12,12 +12,18 @@ Arrays are in the "bshd" layout: q (B, Sq, H_q, D), k and v (B, Sk, H_kv, D) wit
 (grouped-query attention: query head h uses key/value head h // (H_q // H_kv)); lse is (B, H_q, Sq).
 The varlen and KV-cache references work one sequence at a time on top of the dense ones, as in
 `cuflash.reference`.
+
+Of the score modifiers only the additive bias and the boolean masks are mirrored (bias, mask, key_padding_mask,
+with the broadcast rule and dbias of `cuflash.reference`); the others need `cuflash.reference`. The bias may be
+float16, bfloat16 (widened bit-wise), float32 or float64; the masks bool; either module.
 """
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+from .reference import broadcast_shape4, varlen_bias_index
 
 
 def array_module(x):
@@ -105,6 +111,64 @@ def _bh(x):
     return x.transpose(0, 2, 1, 3)
 
 
+def expand_broadcast(x, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, name: str = "x"):
+    """x (a bias or mask, ndim 2..4) as a (B, H, Sq, Sk) view of x's module and dtype, element [b, h, i, j] =
+    x[b // (B // Bb), h // (H // Hb), i if Sqb > 1 else 0, j if Skb > 1 else 0]
+    (`cuflash.reference.expand_broadcast`)."""
+    xp = array_module(x)
+    bb, hb, sqb, skb = broadcast_shape4(x.shape, batch, heads, seqlen_q, seqlen_k, name)
+    x = x.reshape(bb, hb, sqb, skb)
+    if bb != batch:
+        x = xp.repeat(x, batch // bb, axis=0)
+    if hb != heads:
+        x = xp.repeat(x, heads // hb, axis=1)
+    return xp.broadcast_to(x, (batch, heads, seqlen_q, seqlen_k))
+
+
+def reduce_broadcast(full, shape):
+    """The adjoint of `expand_broadcast`: full (B, H, Sq, Sk) summed into `shape`
+    (`cuflash.reference.reduce_broadcast`)."""
+    batch, heads, sq, sk = full.shape
+    bb, hb, sqb, skb = broadcast_shape4(shape, batch, heads, sq, sk, "shape")
+    out = full.reshape(bb, batch // bb if bb else 0, hb, heads // hb if hb else 0, sq, sk).sum(axis=(1, 3))
+    if sqb != sq:
+        out = out.sum(axis=2, keepdims=True)
+    if skb != sk:
+        out = out.sum(axis=3, keepdims=True)
+    return out.reshape(tuple(shape))
+
+
+def _as_float(xp, x, dtype):
+    """x (an fp16, bf16, fp32 or fp64 array of either module) as an array of module xp and float dtype."""
+    if x.dtype == _bf16_dtype():
+        x = to_float32(x)
+    return xp.asarray(x, dtype=dtype)
+
+
+def _bias_mask(xp, shape_bhqk, bias, mask, key_padding_mask, dtype):
+    """(the bias as a (B, H_q, Sq, Sk) array of `dtype` or None, attend: bool (B, H_q, Sq, Sk), True where both
+    mask and key_padding_mask let the key through, or None), arrays of module xp (`cuflash.reference._bias_mask`)."""
+    if bias is not None:
+        bias = expand_broadcast(_as_float(xp, bias, dtype), *shape_bhqk, name="bias")
+    attend = None
+    if mask is not None:
+        mask = xp.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask has dtype {mask.dtype}; expected bool (True = attend)")
+        attend = expand_broadcast(mask, *shape_bhqk, name="mask")
+    if key_padding_mask is not None:
+        key_padding_mask = xp.asarray(key_padding_mask)
+        batch, seqlen_k = shape_bhqk[0], shape_bhqk[3]
+        if key_padding_mask.dtype != np.bool_ or key_padding_mask.shape != (batch, seqlen_k):
+            raise ValueError(f"key_padding_mask is {key_padding_mask.dtype} {key_padding_mask.shape}; expected bool "
+                             f"({batch}, {seqlen_k})")
+        padding = key_padding_mask[:, None, None, :]
+        attend = padding if attend is None else attend & padding
+    if attend is not None:
+        attend = xp.broadcast_to(attend, tuple(shape_bhqk))
+    return bias, attend
+
+
 def _softmax_rows(xp, s):
     """Rows of s (-inf where masked) -> (p, m, l) with the fully-masked-row convention (p = 0)."""
     if s.shape[-1] == 0:  # no keys at all: every row is fully masked (and max() has no identity)
@@ -117,15 +181,21 @@ def _softmax_rows(xp, s):
     return p, m, l
 
 
-def attention_forward64(q, k, v, causal=False, softmax_scale=None):
-    """float64 attention. Returns (o (B, Sq, H_q, D), lse (B, H_q, Sq)), float64 arrays of q's module."""
+def attention_forward64(q, k, v, causal=False, softmax_scale=None, *, bias=None, mask=None, key_padding_mask=None):
+    """float64 attention (bias before the masks). Returns (o (B, Sq, H_q, D), lse (B, H_q, Sq)), float64 arrays of
+    q's module."""
     xp = array_module(q)
     q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     sq, sk = q.shape[1], k.shape[1]
+    bias, attend = _bias_mask(xp, (q.shape[0], q.shape[2], sq, sk), bias, mask, key_padding_mask, xp.float64)
     s = (_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * _scale(softmax_scale, q.shape[-1])  # (B, H, Sq, Sk)
+    if bias is not None:
+        s = s + bias
     if causal:
         s = xp.where(causal_mask(xp, sq, sk), s, -xp.inf)
+    if attend is not None:
+        s = xp.where(attend, s, -xp.inf)
     p, m, l = _softmax_rows(xp, s)
     seen = l > 0
     p = xp.where(seen, p / xp.where(seen, l, 1.0), 0.0)
@@ -134,16 +204,24 @@ def attention_forward64(q, k, v, causal=False, softmax_scale=None):
     return o, lse
 
 
-def attention_backward64(do, q, k, v, causal=False, softmax_scale=None):
+def attention_backward64(do, q, k, v, causal=False, softmax_scale=None, *, bias=None, mask=None,
+                         key_padding_mask=None):
     """float64 gradients of attention_forward64's output for the upstream gradient do: (dq, dk, dv), shaped
-    like q, k, v (dk, dv summed over the query heads of each group)."""
+    like q, k, v (dk, dv summed over the query heads of each group); with a bias (dq, dk, dv, dbias), dbias
+    float64 shaped like bias."""
     xp = array_module(q)
     do, q, k, v = (xp.asarray(x, dtype=xp.float64) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = _scale(softmax_scale, q.shape[-1])
-    o, lse = attention_forward64(q, k, v, causal, scale)
+    o, lse = attention_forward64(q, k, v, causal, scale, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
+    bias_full, attend = _bias_mask(xp, (q.shape[0], q.shape[2], q.shape[1], k.shape[1]), bias, mask, key_padding_mask,
+                                 xp.float64)
     s = (_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * scale
+    if bias_full is not None:
+        s = s + bias_full
+    if attend is not None:
+        s = xp.where(attend, s, -xp.inf)  # masked keys: exp(-inf - lse) = 0
     finite = xp.isfinite(lse)[..., None]
     p = xp.exp(s - xp.where(finite, lse[..., None], 0.0))
     if causal:
@@ -155,36 +233,50 @@ def attention_backward64(do, q, k, v, causal=False, softmax_scale=None):
     ds = p * (dp - delta)
     dq = _bh(ds @ _bh(k)) * scale
     dk = _bh(ds.transpose(0, 1, 3, 2) @ _bh(q)) * scale
-    return dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+    grads = dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+    return grads if bias is None else (*grads, reduce_broadcast(ds, bias.shape))
 
 
-def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None):
-    """Plain attention in `dtype` ("fp16"/"bf16"): fp32 matmuls, S, P and O rounded to `dtype`."""
+def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None, *, bias=None, mask=None, key_padding_mask=None):
+    """Plain attention in `dtype` ("fp16"/"bf16"): fp32 matmuls, S, P and O rounded to `dtype`; the float32 bias
+    is added to the rounded S and the sum rounded."""
     xp = array_module(q)
     q, k, v = (round_to(x, dtype) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     sq, sk = q.shape[1], k.shape[1]
+    bias, attend = _bias_mask(xp, (q.shape[0], q.shape[2], sq, sk), bias, mask, key_padding_mask, xp.float32)
     s = round_to((_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * xp.float32(_scale(softmax_scale, q.shape[-1])), dtype)
+    if bias is not None:
+        s = round_to(s + bias, dtype)
     if causal:
         s = xp.where(causal_mask(xp, sq, sk), s, xp.float32(-xp.inf))
+    if attend is not None:
+        s = xp.where(attend, s, xp.float32(-xp.inf))
     p, _, l = _softmax_rows(xp, s)
     seen = l > 0
     p = round_to(xp.where(seen, p / xp.where(seen, l, xp.float32(1)), xp.float32(0)), dtype)
     return _bh(round_to(p @ _bh(v), dtype))
 
 
-def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None):
+def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None, *, bias=None, mask=None,
+                            key_padding_mask=None):
     """Plain attention backward in `dtype`: each matmul output and P, dP, dS rounded to `dtype`; with fewer
-    key/value heads, the rounded per-query-head dk, dv are summed over each group and rounded again."""
+    key/value heads, the rounded per-query-head dk, dv are summed over each group and rounded again; with a
+    bias also dbias, the rounded dS summed over its broadcast dims in float64, float32 shaped like bias."""
     xp = array_module(q)
     do, q, k, v = (round_to(x, dtype) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = xp.float32(_scale(softmax_scale, q.shape[-1]))
     sq, sk = q.shape[1], k.shape[1]
+    bias_full, attend = _bias_mask(xp, (q.shape[0], q.shape[2], sq, sk), bias, mask, key_padding_mask, xp.float32)
     s = round_to((_bh(q) @ _bh(k).transpose(0, 1, 3, 2)) * scale, dtype)
+    if bias_full is not None:
+        s = round_to(s + bias_full, dtype)
     if causal:
         s = xp.where(causal_mask(xp, sq, sk), s, xp.float32(-xp.inf))
+    if attend is not None:
+        s = xp.where(attend, s, xp.float32(-xp.inf))
     p, _, l = _softmax_rows(xp, s)
     seen = l > 0
     p = round_to(xp.where(seen, p / xp.where(seen, l, xp.float32(1)), xp.float32(0)), dtype)
@@ -197,7 +289,9 @@ def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None
     dk = _bh(round_to((ds.transpose(0, 1, 3, 2) @ _bh(q)) * scale, dtype))
     if heads_kv != q.shape[2]:
         dk, dv = round_to(sum_kv_groups(dk, heads_kv), dtype), round_to(sum_kv_groups(dv, heads_kv), dtype)
-    return dq, dk, dv
+    if bias is None:
+        return dq, dk, dv
+    return dq, dk, dv, reduce_broadcast(ds.astype(xp.float64), bias.shape).astype(xp.float32)
 
 
 # --- variable-length (packed) batches: one sequence at a time ---------------------------------------------
@@ -214,45 +308,92 @@ def sequences(cu_seqlens_q, cu_seqlens_k):
             for b in range(len(cu_q) - 1)]
 
 
-def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
-    """float64 attention of packed sequences q (total_q, H_q, D), k, v (total_k, H_kv, D), per sequence.
-    Returns (o (total_q, H_q, D), lse (H_q, total_q))."""
+def _sequence_bias_mask(b, num_seqs, heads_q, rows_q, rows_k, bias, mask, key_padding_mask):
+    """(bias / mask keyword arguments of the dense call for sequence b, the index of its bias in the bias's 4-D
+    form or None) (`cuflash.reference._sequence_bias_mask`)."""
+    len_q, len_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+    kwargs, index = {}, None
+
+    def part(x, name):  # x[b', :, :len_q, :len_k] as (1, Hb, len_q or 1, len_k or 1), and its index
+        shape4, index = varlen_bias_index(x.shape, b, num_seqs, heads_q, len_q, len_k, name)
+        return x.reshape(shape4)[index][None], index
+
+    if bias is not None:
+        kwargs["bias"], index = part(bias, "bias")
+    if mask is not None:
+        kwargs["mask"] = part(mask, "mask")[0]
+    if key_padding_mask is not None:
+        if key_padding_mask.ndim != 2 or key_padding_mask.shape[0] != num_seqs or key_padding_mask.shape[1] < len_k:
+            raise ValueError(f"key_padding_mask has shape {key_padding_mask.shape}; expected ({num_seqs}, "
+                             f"max_seqlen_k) with max_seqlen_k >= {len_k} (sequence {b})")
+        kwargs["key_padding_mask"] = key_padding_mask[b:b + 1, :len_k]
+    return kwargs, index
+
+
+def _bias4(xp, bias):
+    """A zero float64 accumulator (module xp) of bias's 4-D form (for a varlen dbias), or None."""
+    return None if bias is None else xp.zeros((1,) * (4 - bias.ndim) + tuple(bias.shape), dtype=xp.float64)
+
+
+def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *, bias=None,
+                               mask=None, key_padding_mask=None):
+    """float64 attention of packed sequences q (total_q, H_q, D), k, v (total_k, H_kv, D), per sequence; bias, mask
+    and key_padding_mask as in `cuflash.reference`. Returns (o (total_q, H_q, D), lse (H_q, total_q))."""
     xp = array_module(q)
     o = xp.zeros(q.shape, dtype=xp.float64)
     lse = xp.full((q.shape[1], q.shape[0]), -xp.inf, dtype=xp.float64)
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, _ = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **extra)
         o[rq], lse[:, rq] = o_b[0], lse_b[0]
     return o, lse
 
 
-def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None):
-    """float64 (dq, dk, dv), packed like q, k, v."""
+def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *,
+                                bias=None, mask=None, key_padding_mask=None):
+    """float64 (dq, dk, dv), packed like q, k, v; with a bias (dq, dk, dv, dbias), dbias float64 shaped like bias."""
     xp = array_module(q)
     grads = [xp.zeros(x.shape, dtype=xp.float64) for x in (q, k, v)]
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale)
+    dbias = _bias4(xp, bias)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, index = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **extra)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
-    return tuple(grads)
+        if dbias is not None:
+            dbias[index] += g[3][0]
+    return tuple(grads) if bias is None else (*grads, dbias.reshape(bias.shape))
 
 
-def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
+def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None, *, bias=None,
+                          mask=None, key_padding_mask=None):
     """`attention_lowp` per sequence: o (total_q, H_q, D) float32."""
     xp = array_module(q)
     o = xp.zeros(q.shape, dtype=xp.float32)
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)[0]
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, _ = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale, **extra)[0]
     return o
 
 
-def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None):
-    """`attention_backward_lowp` per sequence: (dq, dk, dv) float32, packed like q, k, v."""
+def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None,
+                                   *, bias=None, mask=None, key_padding_mask=None):
+    """`attention_backward_lowp` per sequence: (dq, dk, dv) float32, packed like q, k, v; with a bias also dbias,
+    float32 shaped like bias (the sequences' float32 dbias summed in float64)."""
     xp = array_module(q)
     grads = [xp.zeros(x.shape, dtype=xp.float32) for x in (q, k, v)]
-    for rq, rk in sequences(cu_seqlens_q, cu_seqlens_k):
-        g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale)
+    dbias = _bias4(xp, bias)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, index = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale,
+                                    **extra)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
-    return tuple(grads)
+        if dbias is not None:
+            dbias[index] += g[3][0]
+    return tuple(grads) if bias is None else (*grads, dbias.reshape(bias.shape).astype(xp.float32))
 
 
 # --- KV cache: append into a copy, then dense attention over each sequence's valid prefix ---------------------

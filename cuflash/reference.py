@@ -8,20 +8,28 @@ follow the library's conventions:
   * causal masks align to the bottom-right: query i sees key j iff j <= i + Sk - Sq;
   * a query row that sees no key outputs 0 and has lse = -inf, and contributes no gradient.
 
-FlashAttention-2's score modifiers, keyword arguments of every attention function (all off by default, and
-then the results are bit-identical to the plain functions). With diag = Sk - Sq, query i and key j (0-based
-within the sequence), in this order:
-  1. S = softmax_scale * q_i . k_j;
+FlashAttention-2's score modifiers and an additive bias with boolean masks, keyword arguments of every attention
+function (all off by default, and then the results are bit-identical to the plain functions). With
+diag = Sk - Sq, query i and key j (0-based within the sequence), in this order:
+  1. S = softmax_scale * q_i . k_j + bias[b, h, i, j] (bias: None = off; see below);
   2. softcap (float > 0; None or 0 = off): S = softcap * tanh(S / softcap);
   3. alibi_slopes (float, (H_q,) or (B, H_q); None = off): S += -slope[b, h] * |i + diag - j| (`alibi_bias`);
   4. masks: causal keeps j <= i + diag; window = (left, right), -1 = that side unbounded, keeps
-     i + diag - left <= j <= i + diag + right (`window_mask`); both given: the intersection; masked S = -inf;
+     i + diag - left <= j <= i + diag + right (`window_mask`); mask keeps mask[b, h, i, j]; key_padding_mask
+     keeps key_padding_mask[b, j]; several given: the intersection; masked S = -inf;
   5. P = softmax_j(S), lse = log sum_j exp S (of the scores before dropout);
   6. dropout: with a keep mask Z (bool (B, H_q, Sq, Sk), e.g. `cuflash.philox.dropout_mask`) and
      dropout_p in [0, 1), O = (P * Z / (1 - dropout_p)) V; lse is unchanged. dropout_p > 0 needs a mask.
 Backward (slopes and masks are constants): dV = (P Z/(1-p))^T dO; dP = (dO V^T) Z/(1-p); dS = P (dP - D) with
 D_i = rowsum(dO * O) (= rowsum(P dP), O the dropped output); through the soft-cap dS *= 1 - tanh^2(S / softcap)
-(S the scaled, uncapped score); dQ = scale dS K, dK = scale dS^T Q.
+(S the scaled, biased, uncapped score); dQ = scale dS K, dK = scale dS^T Q; dbias = dS summed over the
+dimensions the bias is broadcast along (`reduce_broadcast`).
+
+bias (float, ndim 2..4) and mask (bool, True = attend) are broadcast to (B, H_q, Sq, Sk) by `expand_broadcast`:
+left-padded with size-1 dims to (Bb, Hb, Sqb, Skb), batch b reads bias batch b // (B // Bb) and head h reads
+bias head h // (H_q // Hb) (Bb divides B, Hb divides H_q; 1 broadcasts), Sqb is 1 or Sq, Skb is 1 or Sk.
+key_padding_mask is bool (B, Sk), False = key j ignored (mask[:, None, None, :]). A backward with a bias
+returns (dq, dk, dv, dbias), dbias shaped like the bias.
 
 `attention_forward64` / `attention_backward64` compute in float64. `attention_lowp` /
 `attention_backward_lowp` compute plain (unfused) attention rounding every intermediate to the input
@@ -32,7 +40,10 @@ Variable-length batches (`attention_varlen_*`): packed q (total_q, H_q, D), k an
 sequence b is rows cu_seqlens[b] .. cu_seqlens[b + 1] - 1, computed one sequence at a time with the dense
 functions; lse is (H_q, total_q). The modifiers apply per sequence (diag = len_k[b] - len_q[b]); alibi_slopes
 (num_seqs, H_q) gives sequence b row b; the dropout mask is a list with one bool (H_q, len_q[b], len_k[b])
-array per sequence b (`cuflash.philox.dropout_mask_varlen`).
+array per sequence b (`cuflash.philox.dropout_mask_varlen`). bias and mask have the dense shapes with
+B = num_seqs and Sq, Sk = max_seqlen_q, max_seqlen_k (taken from their own dims, which are 1 or the max):
+sequence b reads [b', h', :len_q[b], :len_k[b]] (b', h' as above); key_padding_mask (num_seqs, max_seqlen_k)
+gives sequence b row b's first len_k[b] entries.
 
 KV cache (`attention_kvcache*`, no modifiers): the new keys are written into a copy of the cache, then each
 sequence is dense attention over the first L_b = cache_seqlens[b] + S_new keys of its cache (gathered through
@@ -81,6 +92,52 @@ def alibi_bias(alibi_slopes, batch: int, seqlen_q: int, seqlen_k: int) -> np.nda
     slopes = np.broadcast_to(slopes, (batch, slopes.shape[-1]))
     distance = np.abs(np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, :])
     return -slopes[:, :, None, None] * distance
+
+
+def broadcast_shape4(shape, batch: int, heads: int, seqlen_q: int, seqlen_k: int, name: str = "x") -> tuple:
+    """(Bb, Hb, Sqb, Skb): `shape` (ndim 2..4) left-padded with 1s, checked against the broadcast rule of bias and
+    mask for scores (B, H, Sq, Sk): Bb divides B, Hb divides H, Sqb is 1 or Sq, Skb is 1 or Sk."""
+    shape = tuple(int(n) for n in shape)
+    full = (batch, heads, seqlen_q, seqlen_k)
+    if not 2 <= len(shape) <= 4:
+        raise ValueError(f"{name} has shape {shape}; expected 2 to 4 dims broadcasting to (B, H, Sq, Sk) = {full}")
+    shape4 = (1,) * (4 - len(shape)) + shape
+    for dim, n, size in zip(("batch", "heads"), shape4[:2], full[:2]):
+        if n != size and (n < 1 or size % n):
+            raise ValueError(f"{name} has shape {shape}: its {dim} dim {n} does not divide {size}; expected a "
+                             f"divisor of {size} (1 broadcasts)")
+    for dim, n, size in zip(("seqlen_q", "seqlen_k"), shape4[2:], full[2:]):
+        if n not in (1, size):
+            raise ValueError(f"{name} has shape {shape}: its {dim} dim is {n}; expected 1 or {size}")
+    return shape4
+
+
+def expand_broadcast(x, batch: int, heads: int, seqlen_q: int, seqlen_k: int, *, name: str = "x"):
+    """x (a bias or mask, ndim 2..4) as a read-only (B, H, Sq, Sk) view of x's dtype: x left-padded with size-1 dims
+    to (Bb, Hb, Sqb, Skb) (`broadcast_shape4`), element [b, h, i, j] is x[b // (B // Bb), h // (H // Hb),
+    i if Sqb > 1 else 0, j if Skb > 1 else 0]."""
+    x = np.asarray(x)
+    bb, hb, sqb, skb = broadcast_shape4(x.shape, batch, heads, seqlen_q, seqlen_k, name)
+    x = x.reshape(bb, hb, sqb, skb)
+    if bb != batch:
+        x = np.repeat(x, batch // bb, axis=0)  # [x0, x0, .., x1, x1, ..]: index b holds x b // (B // Bb)
+    if hb != heads:
+        x = np.repeat(x, heads // hb, axis=1)
+    return np.broadcast_to(x, (batch, heads, seqlen_q, seqlen_k))
+
+
+def reduce_broadcast(full, shape):
+    """The adjoint of `expand_broadcast`: full (B, H, Sq, Sk) summed into `shape` (ndim 2..4), each element the
+    sum of the elements of `full` that `expand_broadcast` fills from it (the gradient of a broadcast bias)."""
+    full = np.asarray(full)
+    batch, heads, sq, sk = full.shape
+    bb, hb, sqb, skb = broadcast_shape4(shape, batch, heads, sq, sk, "shape")
+    out = full.reshape(bb, batch // bb if bb else 0, hb, heads // hb if hb else 0, sq, sk).sum(axis=(1, 3))
+    if sqb != sq:
+        out = out.sum(axis=2, keepdims=True)
+    if skb != sk:
+        out = out.sum(axis=3, keepdims=True)
+    return out.reshape(shape)
 
 
 def _check_window(window):
@@ -139,6 +196,35 @@ def _modifiers(shape_bhqk, window, alibi_slopes, softcap, dropout_mask, dropout_
     return window, alibi_slopes, softcap, keep
 
 
+def _bias_mask(shape_bhqk, bias, mask, key_padding_mask):
+    """Validated bias and masks of a dense problem with scores (B, H_q, Sq, Sk): (the bias as a float64
+    (B, H_q, Sq, Sk) array or None, attend: bool (B, H_q, Sq, Sk), True where both mask and key_padding_mask let
+    the key through, or None)."""
+    if bias is not None:
+        bias = np.asarray(bias)
+        if bias.dtype.kind != "f" and bias.dtype not in _LOWP.values():
+            raise TypeError(f"bias has dtype {bias.dtype}; expected a float array (float16, bfloat16 or float32)")
+        bias = expand_broadcast(bias, *shape_bhqk, name="bias").astype(np.float64)
+    attend = None
+    if mask is not None:
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask has dtype {mask.dtype}; expected bool (True = attend)")
+        attend = expand_broadcast(mask, *shape_bhqk, name="mask")
+    if key_padding_mask is not None:
+        key_padding_mask = np.asarray(key_padding_mask)
+        if key_padding_mask.dtype != np.bool_:
+            raise TypeError(f"key_padding_mask has dtype {key_padding_mask.dtype}; expected bool (False = ignored)")
+        batch, seqlen_k = shape_bhqk[0], shape_bhqk[3]
+        if key_padding_mask.shape != (batch, seqlen_k):
+            raise ValueError(f"key_padding_mask has shape {key_padding_mask.shape}; expected ({batch}, {seqlen_k})")
+        padding = key_padding_mask[:, None, None, :]
+        attend = padding if attend is None else attend & padding
+    if attend is not None:
+        attend = np.broadcast_to(attend, tuple(shape_bhqk))
+    return bias, attend
+
+
 def repeat_kv(x, heads_q: int):
     """(B, S, H_kv, D) -> (B, S, H_q, D) with query head h reading head h // (H_q // H_kv) of x."""
     heads_kv = x.shape[2]
@@ -167,10 +253,13 @@ def _scale(softmax_scale, head_dim):
     return 1.0 / np.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
-def _logits64(q, k, scale, causal, window, alibi_slopes, softcap):
+def _logits64(q, k, scale, causal, window, alibi_slopes, softcap, bias=None, attend=None):
     """The scores in float64, modifiers applied: (S (B, H_q, Sq, Sk) with -inf where masked, tanh(S / softcap)
-    of the uncapped S, or None without a soft-cap). k already has H_q heads."""
+    of the biased, uncapped S, or None without a soft-cap). k already has H_q heads; bias and attend are the
+    (B, H_q, Sq, Sk) arrays of `_bias_mask`."""
     s = _scores(q, k, scale)
+    if bias is not None:
+        s = s + bias  # S += bias, before the soft-cap
     t = None
     if softcap:
         t = np.tanh(s / softcap)  # S = softcap * tanh(S / softcap)
@@ -180,19 +269,22 @@ def _logits64(q, k, scale, causal, window, alibi_slopes, softcap):
     visible = _visible(q.shape[1], k.shape[1], causal, window)
     if visible is not None:
         s = np.where(visible, s, -np.inf)
+    if attend is not None:
+        s = np.where(attend, s, -np.inf)
     return s, t
 
 
 def attention_forward64(q, k, v, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
-                        softcap=None, dropout_mask=None, dropout_p=0.0):
-    """float64 attention, with the modifiers of the module docstring. Returns (o (B, Sq, H_q, D) float64,
-    lse (B, H_q, Sq) float64); lse is of the scores before dropout."""
+                        softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
+    """float64 attention, with the modifiers, bias and masks of the module docstring. Returns (o (B, Sq, H_q, D)
+    float64, lse (B, H_q, Sq) float64); lse is of the scores before dropout."""
     q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     sq, sk = q.shape[1], k.shape[1]
     window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], sq, sk), window, alibi_slopes, softcap,
                                                      dropout_mask, dropout_p)
-    s, _ = _logits64(q, k, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap)
+    bias, attend = _bias_mask((q.shape[0], q.shape[2], sq, sk), bias, mask, key_padding_mask)
+    s, _ = _logits64(q, k, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap, bias, attend)
     m = s.max(axis=-1, keepdims=True) if sk else np.full(s.shape[:-1] + (1,), -np.inf)
     m_safe = np.where(np.isfinite(m), m, 0.0)  # fully masked row: exp(-inf - 0) = 0, not NaN
     p = np.exp(s - m_safe)
@@ -207,18 +299,23 @@ def attention_forward64(q, k, v, causal=False, softmax_scale=None, *, window=Non
 
 
 def attention_backward64(do, q, k, v, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
-                         softcap=None, dropout_mask=None, dropout_p=0.0):
-    """float64 gradients of attention_forward64's output (same modifiers; the slopes are not differentiated).
-    Returns (dq, dk, dv), each float64, shaped like q, k, v (dk, dv summed over the query heads of each group)."""
+                         softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
+    """float64 gradients of attention_forward64's output (same modifiers; the slopes and masks are not
+    differentiated). Returns (dq, dk, dv), each float64, shaped like q, k, v (dk, dv summed over the query heads
+    of each group); with a bias (dq, dk, dv, dbias), dbias float64 shaped like bias (dS summed over its
+    broadcast dims)."""
     do, q, k, v = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = _scale(softmax_scale, q.shape[-1])
     mods = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_mask=dropout_mask,
                 dropout_p=dropout_p)
-    o, lse = attention_forward64(q, k, v, causal, scale, **mods)  # o: the dropped output
-    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), **mods)
-    s, t = _logits64(q, k, scale, causal, window, alibi_slopes, softcap)
+    o, lse = attention_forward64(q, k, v, causal, scale, **mods, bias=bias, mask=mask,
+                                 key_padding_mask=key_padding_mask)  # o: the dropped output
+    shape_bhqk = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    window, alibi_slopes, softcap, keep = _modifiers(shape_bhqk, **mods)
+    bias_full, attend = _bias_mask(shape_bhqk, bias, mask, key_padding_mask)
+    s, t = _logits64(q, k, scale, causal, window, alibi_slopes, softcap, bias_full, attend)
     lse_safe = np.where(np.isfinite(lse), lse, 0.0)[..., None]
     p = np.exp(s - lse_safe)  # masked keys: exp(-inf) = 0
     p = np.where(np.isfinite(lse)[..., None], p, 0.0)
@@ -232,18 +329,22 @@ def attention_backward64(do, q, k, v, causal=False, softmax_scale=None, *, windo
         ds = ds * (1.0 - t * t)  # through S = softcap * tanh(S / softcap)
     dq = np.einsum("bhij,bjhd->bihd", ds, k) * scale
     dk = np.einsum("bhij,bihd->bjhd", ds, q) * scale
-    return dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+    grads = dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+    return grads if bias is None else (*grads, reduce_broadcast(ds, np.shape(bias)))  # dbias = dS, reduced
 
 
 def _round(x, dtype):
     return np.asarray(x, dtype=np.float32).astype(_LOWP[dtype]).astype(np.float32)
 
 
-def _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap):
+def _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap, bias=None, attend=None):
     """The scores as a framework computes them in `dtype`: (S float32 holding `dtype` values, -inf where masked;
-    the rounded tanh(S / softcap), or None). The soft-cap is three rounded steps (divide, tanh, multiply); the
+    the rounded tanh(S / softcap), or None). The bias (its float32 values) is added to the rounded scores and
+    the sum rounded, before the soft-cap; the soft-cap is three rounded steps (divide, tanh, multiply); the
     ALiBi bias is made in float32 and added to the rounded scores, the sum rounded."""
     s = _round(np.einsum("bihd,bjhd->bhij", q, k) * np.float32(scale), dtype)
+    if bias is not None:
+        s = _round(s + bias.astype(np.float32), dtype)
     t = None
     if softcap:
         t = _round(np.tanh(_round(s / np.float32(softcap), dtype)), dtype)
@@ -254,18 +355,23 @@ def _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap):
     visible = _visible(q.shape[1], k.shape[1], causal, window)
     if visible is not None:
         s = np.where(visible, s, -np.inf)
+    if attend is not None:
+        s = np.where(attend, s, -np.inf)
     return s, t
 
 
 def attention_lowp(q, k, v, dtype, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
-                   softcap=None, dropout_mask=None, dropout_p=0.0):
+                   softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
     """Plain attention in `dtype` ("fp16"/"bf16"): fp32 accumulation, each intermediate rounded; dropout
     multiplies the rounded P by Z / (1 - p) (the factor in float32) and rounds."""
     q, k, v = (_round(x, dtype) for x in (q, k, v))
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
-    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), window,
-                                                     alibi_slopes, softcap, dropout_mask, dropout_p)
-    s, _ = _logits_lowp(q, k, dtype, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap)
+    shape_bhqk = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    window, alibi_slopes, softcap, keep = _modifiers(shape_bhqk, window, alibi_slopes, softcap, dropout_mask,
+                                                     dropout_p)
+    bias, attend = _bias_mask(shape_bhqk, bias, mask, key_padding_mask)
+    s, _ = _logits_lowp(q, k, dtype, _scale(softmax_scale, q.shape[-1]), causal, window, alibi_slopes, softcap, bias,
+                        attend)
     p = _round(_softmax_lowp(s), dtype)
     if keep is not None:
         p = _round(p * keep.astype(np.float32), dtype)
@@ -282,18 +388,22 @@ def _softmax_lowp(s):
 
 
 def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None, *, window=None,
-                            alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
+                            alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None,
+                            key_padding_mask=None):
     """Plain attention backward in `dtype`: each matmul output and P, dP, dS rounded to `dtype`; dropout scales
     P and dP by Z / (1 - p) (rounded after); the soft-cap's dS * (1 - t^2) (t the rounded tanh) is rounded.
     With fewer key/value heads, the per-query-head dk, dv (rounded) are summed over each group and rounded
-    again, as a framework's backward through a head repeat does."""
+    again, as a framework's backward through a head repeat does. With a bias, also dbias: the rounded dS summed
+    over the bias's broadcast dims in float64, returned as float32 shaped like bias."""
     do, q, k, v = (_round(x, dtype) for x in (do, q, k, v))
     heads_kv = k.shape[2]
     k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
     scale = np.float32(_scale(softmax_scale, q.shape[-1]))
-    window, alibi_slopes, softcap, keep = _modifiers((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), window,
-                                                     alibi_slopes, softcap, dropout_mask, dropout_p)
-    s, t = _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap)
+    shape_bhqk = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    window, alibi_slopes, softcap, keep = _modifiers(shape_bhqk, window, alibi_slopes, softcap, dropout_mask,
+                                                     dropout_p)
+    bias_full, attend = _bias_mask(shape_bhqk, bias, mask, key_padding_mask)
+    s, t = _logits_lowp(q, k, dtype, scale, causal, window, alibi_slopes, softcap, bias_full, attend)
     p = _round(_softmax_lowp(s), dtype)
     keep = None if keep is None else keep.astype(np.float32)
     p_kept = p if keep is None else _round(p * keep, dtype)
@@ -310,7 +420,9 @@ def attention_backward_lowp(do, q, k, v, dtype, causal=False, softmax_scale=None
     dk = _round(np.einsum("bhij,bihd->bjhd", ds, q) * scale, dtype)
     if heads_kv != q.shape[2]:
         dk, dv = _round(sum_kv_groups(dk, heads_kv), dtype), _round(sum_kv_groups(dv, heads_kv), dtype)
-    return dq, dk, dv
+    if bias is None:
+        return dq, dk, dv
+    return dq, dk, dv, reduce_broadcast(ds.astype(np.float64), np.shape(bias)).astype(np.float32)
 
 
 # --- variable-length (packed) batches: one sequence at a time, with the dense functions above ---------------
@@ -339,55 +451,122 @@ def _sequence_modifiers(b, num_seqs, heads_q, window, alibi_slopes, softcap, dro
                 dropout_p=dropout_p)
 
 
+def varlen_bias_index(shape, b: int, num_seqs: int, heads_q: int, len_q: int, len_k: int, name: str = "bias"):
+    """(4-D shape, index) of sequence b's part of a varlen bias or mask of `shape` (ndim 2..4, the dense broadcast
+    rule with B = num_seqs and Sq, Sk = max_seqlen_q, max_seqlen_k, read from its own dims, which are 1 or the
+    max): x.reshape(shape4)[index] is x[b', :, :len_q, :len_k], b' = b // (num_seqs // Bb), a size-1 dim whole."""
+    shape = tuple(shape)
+    dims = shape[-2:] if len(shape) >= 2 else (0, 0)
+    shape4 = broadcast_shape4(shape, num_seqs, heads_q, *dims, name)
+    sqb, skb = shape4[2:]
+    if (sqb != 1 and sqb < len_q) or (skb != 1 and skb < len_k):
+        raise ValueError(f"{name} has shape {shape}: sequence {b} has {len_q} queries and {len_k} keys; expected "
+                         "its seqlen dims 1 or max_seqlen_q, max_seqlen_k")
+    index = (b // (num_seqs // shape4[0]), slice(None), slice(None) if sqb == 1 else slice(0, len_q),
+             slice(None) if skb == 1 else slice(0, len_k))
+    return shape4, index
+
+
+def _sequence_part(x, b, num_seqs, heads_q, len_q, len_k, name):
+    """(x[b', :, :len_q, :len_k] as a (1, Hb, len_q or 1, len_k or 1) array for the dense call, its index in x's
+    4-D form) (`varlen_bias_index`)."""
+    x = np.asarray(x)
+    shape4, index = varlen_bias_index(x.shape, b, num_seqs, heads_q, len_q, len_k, name)
+    return x.reshape(shape4)[index][None], index
+
+
+def _sequence_bias_mask(b, num_seqs, heads_q, rows_q, rows_k, bias, mask, key_padding_mask):
+    """(bias / mask keyword arguments of the dense call for sequence b, the index of its bias in the bias's 4-D
+    form or None); key_padding_mask (num_seqs, max_seqlen_k) gives row b's first len_k entries."""
+    len_q, len_k = rows_q.stop - rows_q.start, rows_k.stop - rows_k.start
+    kwargs, index = {}, None
+    if bias is not None:
+        kwargs["bias"], index = _sequence_part(bias, b, num_seqs, heads_q, len_q, len_k, "bias")
+    if mask is not None:
+        kwargs["mask"] = _sequence_part(mask, b, num_seqs, heads_q, len_q, len_k, "mask")[0]
+    if key_padding_mask is not None:
+        key_padding_mask = np.asarray(key_padding_mask)
+        if key_padding_mask.ndim != 2 or key_padding_mask.shape[0] != num_seqs or key_padding_mask.shape[1] < len_k:
+            raise ValueError(f"key_padding_mask has shape {key_padding_mask.shape}; expected ({num_seqs}, "
+                             f"max_seqlen_k) with max_seqlen_k >= {len_k} (sequence {b})")
+        kwargs["key_padding_mask"] = key_padding_mask[b:b + 1, :len_k]
+    return kwargs, index
+
+
+def _bias4(bias):
+    """A zero float64 accumulator of bias's 4-D form (Bb, Hb, Sqb, Skb) (for a varlen dbias), or None."""
+    return None if bias is None else np.zeros((1,) * (4 - np.ndim(bias)) + np.shape(bias), dtype=np.float64)
+
+
 def attention_varlen_forward64(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *, window=None,
-                               alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
+                               alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None,
+                               key_padding_mask=None):
     """float64 attention of packed sequences: q (total_q, H_q, D), k, v (total_k, H_kv, D). Returns
     (o (total_q, H_q, D), lse (H_q, total_q)); causal, window and ALiBi are bottom-right aligned per sequence;
-    dropout_mask: one bool (H_q, len_q[b], len_k[b]) array per sequence b."""
+    dropout_mask: one bool (H_q, len_q[b], len_k[b]) array per sequence b; bias, mask, key_padding_mask as in the
+    module docstring."""
     o = np.zeros(q.shape, dtype=np.float64)
     lse = np.full((q.shape[1], q.shape[0]), -np.inf)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k)
     for b, (rq, rk) in enumerate(seqs):
         mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
-        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods)
+        extra, _ = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        o_b, lse_b = attention_forward64(q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods,
+                                         **extra)
         o[rq], lse[:, rq] = o_b[0], lse_b[0]
     return o, lse
 
 
 def attention_varlen_backward64(do, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False, softmax_scale=None, *,
-                                window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
-    """float64 gradients of attention_varlen_forward64's output: (dq, dk, dv) packed like q, k, v."""
+                                window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0,
+                                bias=None, mask=None, key_padding_mask=None):
+    """float64 gradients of attention_varlen_forward64's output: (dq, dk, dv) packed like q, k, v; with a bias
+    (dq, dk, dv, dbias), dbias float64 shaped like bias (zero where no sequence reads it)."""
     grads = [np.zeros(x.shape, dtype=np.float64) for x in (q, k, v)]
+    dbias = _bias4(bias)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k)
     for b, (rq, rk) in enumerate(seqs):
         mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
-        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods)
+        extra, index = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        g = attention_backward64(do[None, rq], q[None, rq], k[None, rk], v[None, rk], causal, softmax_scale, **mods,
+                                 **extra)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
-    return tuple(grads)
+        if dbias is not None:
+            dbias[index] += g[3][0]
+    return tuple(grads) if bias is None else (*grads, dbias.reshape(np.shape(bias)))
 
 
 def attention_varlen_lowp(q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None, *,
-                          window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
+                          window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0, bias=None,
+                          mask=None, key_padding_mask=None):
     """`attention_lowp` one sequence at a time: o (total_q, H_q, D) float32 holding `dtype` values."""
     o = np.zeros(q.shape, dtype=np.float32)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k)
     for b, (rq, rk) in enumerate(seqs):
         mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
-        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale, **mods)[0]
+        extra, _ = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
+        o[rq] = attention_lowp(q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale, **mods,
+                               **extra)[0]
     return o
 
 
 def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtype, causal=False, softmax_scale=None,
-                                   *, window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0):
-    """`attention_backward_lowp` one sequence at a time: (dq, dk, dv) packed like q, k, v."""
+                                   *, window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0,
+                                   bias=None, mask=None, key_padding_mask=None):
+    """`attention_backward_lowp` one sequence at a time: (dq, dk, dv) packed like q, k, v; with a bias also dbias,
+    float32 shaped like bias (the sequences' float32 dbias summed in float64)."""
     grads = [np.zeros(x.shape, dtype=np.float32) for x in (q, k, v)]
+    dbias = _bias4(bias)
     seqs = sequences(cu_seqlens_q, cu_seqlens_k)
     for b, (rq, rk) in enumerate(seqs):
         mods = _sequence_modifiers(b, len(seqs), q.shape[1], window, alibi_slopes, softcap, dropout_mask, dropout_p)
+        extra, index = _sequence_bias_mask(b, len(seqs), q.shape[1], rq, rk, bias, mask, key_padding_mask)
         g = attention_backward_lowp(do[None, rq], q[None, rq], k[None, rk], v[None, rk], dtype, causal, softmax_scale,
-                                    **mods)
+                                    **mods, **extra)
         grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
-    return tuple(grads)
+        if dbias is not None:
+            dbias[index] += g[3][0]
+    return tuple(grads) if bias is None else (*grads, dbias.reshape(np.shape(bias)).astype(np.float32))
 
 
 # --- KV cache: append into a copy of the cache, then dense attention over each sequence's valid prefix ------

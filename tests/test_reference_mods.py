@@ -14,16 +14,28 @@ from cuflash import philox, reference
 from test_reference import _central_difference, packed_problem, randn
 
 
-def per_element_attention(q, k, v, scale, causal=False, window=None, slopes=None, softcap=None, keep=None, p=0.0):
+def broadcast_element(x4, batch, heads, b, h, i, j):
+    """The element of a 4-D bias or mask (Bb, Hb, Sqb, Skb) that score (b, h, i, j) reads, from the definition:
+    batch b // (B // Bb), head h // (H // Hb), row i unless Sqb = 1, column j unless Skb = 1."""
+    bb, hb, sqb, skb = x4.shape
+    return x4[b // (batch // bb), h // (heads // hb), i if sqb > 1 else 0, j if skb > 1 else 0]
+
+
+def per_element_attention(q, k, v, scale, causal=False, window=None, slopes=None, softcap=None, keep=None, p=0.0,
+                          bias=None, mask=None, key_padding_mask=None):
     """Attention with the modifiers, one (b, h, i, j) at a time in plain Python, from the definitions:
     key j is visible to query i iff (causal: j <= i + diag) and (left != -1: j >= i + diag - left) and
-    (right != -1: j <= i + diag + right); its score is scale * q_i . k_j, soft-capped, minus slope * |i + diag - j|;
-    the softmax weight of a visible key is multiplied by keep[b, h, i, j] / (1 - p)."""
+    (right != -1: j <= i + diag + right) and mask[b, h, i, j] and key_padding_mask[b, j]; its score is
+    scale * q_i . k_j + bias[b, h, i, j], soft-capped, minus slope * |i + diag - j|; the softmax weight of a
+    visible key is multiplied by keep[b, h, i, j] / (1 - p). bias and mask (ndim 2..4) are read through
+    `broadcast_element`."""
     batch, sq, heads, d = q.shape
     sk = k.shape[1]
     group = heads // k.shape[2]
     diag = sk - sq
     left, right = window if window is not None else (-1, -1)
+    bias4, mask4 = (None if x is None else np.asarray(x).reshape((1,) * (4 - np.ndim(x)) + np.shape(x))
+                    for x in (bias, mask))
     o = np.zeros((batch, sq, heads, d))
     lse = np.full((batch, heads, sq), -np.inf)
     for b, h, i in itertools.product(range(batch), range(heads), range(sq)):
@@ -36,7 +48,13 @@ def per_element_attention(q, k, v, scale, causal=False, window=None, slopes=None
                 continue
             if right != -1 and j > i + diag + right:
                 continue
+            if mask4 is not None and not broadcast_element(mask4, batch, heads, b, h, i, j):
+                continue
+            if key_padding_mask is not None and not key_padding_mask[b, j]:
+                continue
             s = scale * sum(q[b, i, h, c] * k[b, j, kv, c] for c in range(d))
+            if bias4 is not None:
+                s += float(broadcast_element(bias4, batch, heads, b, h, i, j))
             if softcap:
                 s = softcap * math.tanh(s / softcap)
             if slopes is not None:
