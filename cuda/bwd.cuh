@@ -52,7 +52,7 @@ struct BwdParams {
   float softmax_scale;
   ModParams mods;     // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
 };
-static_assert(sizeof(BwdParams) == 432, "BwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 600, "BwdParams is mirrored field by field in cuflash/_launch.py");
 
 // ---- 1. preprocess: eight lanes per query row, four rows per warp -------------------------------
 // Each lane reads 16-byte chunks of O and dO (chunk c of a row goes to lane c % 8 of its eight), so every
@@ -215,6 +215,8 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<I
       dp_acc[qt][c] = ds_of<MODS>(s_acc[qt][c], dp_acc[qt][c], (c & 1) ? delta.y : delta.x, kept(qt, c),
                                   p.mods.dropout_rp, Mods::HAS_SOFTCAP ? dcap[qt][c] : 1.f);
   }
+  // dBias = dS^T (the warps of one key group hold the same elements: the first writes them)
+  if (Mods::HAS_BIAS && warp % Tr::D_SPLIT == 0) put_dbias_transposed(dp_acc, n0 + key_row0, m0, mods, lane);
 
   // dK_j += dS^T Q_i (softmax_scale applied once, at the end): B = Q_i [query][d] read transposed
 #pragma unroll
@@ -368,7 +370,9 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
 // The work of a K/V-outer CTA (bwd_kernel, bwd_sm90_kernel; grid (key blocks, K/V heads, batch)): keys
 // n0 .. n0 + keys - 1 of K/V head kv_head of sequence batch and, for every query head of the group, the
 // query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+// HAS_MAP: the kernel takes a BlockMask's tile map (MOD_MASK; mods.cuh TileMap), transposed so that the query tiles
+// of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false>
 struct BwdKeyBlock {
   Seq seq;
   int batch, kv_head;
@@ -389,8 +393,34 @@ struct BwdKeyBlock {
     m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   }
 
-  // (query head, query block) steps of the CTA: every query head of the group over [m_begin, m_end)
+  // (query head, query block) positions of the CTA: every query head of the group over [m_begin, m_end)
   __device__ __forceinline__ int steps(const BwdParams& p) const { return p.seq.kv_group * (m_end - m_begin); }
+
+  // the block map's state of query block qb (TILE_PARTIAL without a map); read from the params each time, so the
+  // map's address takes no registers across the query loop
+  __device__ __forceinline__ int state(const BwdParams& p, const QueryBlock<Tr>& qb) const {
+    const Broadcast& b = p.mods.block_map;
+    if (!HAS_MAP || b.ptr == nullptr) return TILE_PARTIAL;
+    return __ldg(static_cast<const unsigned char*>(b.ptr) + static_cast<long long>(batch / b.batch_div) * b.stride_b +
+                 static_cast<long long>(blockIdx.x) * b.stride_k + static_cast<long long>(qb.head / b.head_div) * b.stride_h +
+                 static_cast<long long>(qb.m_block) * b.stride_q);
+  }
+  // Moves qb to the next position whose tile is not empty; `left` counts the positions from qb on (steps() at
+  // the first). False when none is left.
+  __device__ __forceinline__ bool advance(const BwdParams& p, QueryBlock<Tr>& qb, int& left) const {
+    while (--left > 0) {
+      qb = qb.next(p, m_begin, m_end);
+      if (state(p, qb) != TILE_EMPTY) return true;
+    }
+    return false;
+  }
+  // the first position with a non-empty tile (left: the positions from it on, 0 if there is none)
+  __device__ __forceinline__ QueryBlock<Tr> first_step(const BwdParams& p, int& left) const {
+    QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, seq, batch, kv_head * p.seq.kv_group, m_begin);
+    left = steps(p);
+    if (left > 0 && state(p, qb) == TILE_EMPTY && !advance(p, qb, left)) left = 0;
+    return qb;
+  }
 
   // row n0 of this CTA's K/V head in K, V, dK or dV
   template <class X>
@@ -399,20 +429,17 @@ struct BwdKeyBlock {
     return base + batch * batch_stride + kv_head * head_stride + (static_cast<long long>(seq.k_row0) + n0) * row_stride;
   }
 
-  // K_j, V_j and the first step's query block (query head kv_head * kv_group, block m_begin) into stage 0,
-  // one cp.async group; returns that step
-  __device__ __forceinline__ QueryBlock<Tr> load_first(const BwdParams& p, u32 smem_base,
-                                                       const QueryBlockCopy<Tr>& copy, int tid) const {
+  // K_j, V_j and the first step's query block (first_step) into stage 0, one cp.async group
+  __device__ __forceinline__ void load_first(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
+                                             int tid, const QueryBlock<Tr>& qb) const {
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         smem_base + Tr::OFF_K, key_rows(p.k, p.k_batch_stride, p.k_head_stride, p.k_row_stride), p.k_row_stride, keys,
         p.head_dim, tid);
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         smem_base + Tr::OFF_V, key_rows(p.v, p.v_batch_stride, p.v_head_stride, p.v_row_stride), p.v_row_stride, keys,
         p.head_dim, tid);
-    const QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, seq, batch, kv_head * p.seq.kv_group, m_begin);
     bwd_load_query_block<Tr>(p, smem_base, 0, qb, copy, seq.len_q);
     cp_async_commit_group();
-    return qb;
   }
 
   // dK_j and dV_j, staged in the K and V tiles, to global memory (valid keys only)
@@ -438,16 +465,17 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
-  if (kb.m_begin >= kb.m_end) {       // no query sees these keys: dK = dV = 0
+  int left;                           // (query head, query block) positions from qb on
+  QueryBlock<Tr> qb = kb.first_step(p, left);
+  if (kb.m_begin >= kb.m_end || left == 0) {  // no query sees these keys: dK = dV = 0
     kb.zero_dk_dv(p, tid);
     return;
   }
   const u32 smem_base = smem_u32(smem);
   const QueryBlockCopy<Tr> copy(p, tid);
-  QueryBlock<Tr> qb = kb.load_first(p, smem_base, copy, tid);
-  const int n_steps = kb.steps(p);
+  kb.load_first(p, smem_base, copy, tid, qb);
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];
 #pragma unroll
@@ -459,14 +487,17 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   // mask on the causal diagonal, or always when this CTA holds the key tail.
   const bool is_key_tail = kb.keys < Tr::BLOCK_N;
   int stage = 0;
-  for (int step = 0; step < n_steps; ++step) {
-    const QueryBlock<Tr> qb_next = qb.next(p, kb.m_begin, kb.m_end);
-    if (step + 1 < n_steps) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
+  for (;;) {
+    QueryBlock<Tr> qb_next = qb;
+    int left_next = left;
+    const bool more = kb.advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
+    if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     __syncthreads();
     ScoreMods<MODS> mods;
-    mods.init(p.mods, kb.batch, qb.head, p.heads);
+    mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
+    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
     const int m0 = qb.m_block * Tr::BLOCK_M;
     if (is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
       bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/true, MODS>(
@@ -475,8 +506,10 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
       bwd_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, /*IS_MASKED=*/false, MODS>(
           p, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, warp, lane, dk_acc, dv_acc);
     __syncthreads();
+    if (!more) break;
     stage ^= 1;
     qb = qb_next;
+    left = left_next;
   }
 
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
@@ -678,7 +711,7 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_dq_kernel(const BwdParams p) 
       for (int c = 0; c < 4; ++c) dq_acc[mt][dt][c] = 0.f;
 
   ScoreMods<MODS> mods;
-  mods.init(p.mods, batch, head, p.heads);
+  mods.init(p.mods, batch, head, p.heads, seq.len_q, seq.len_k);
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;

@@ -32,8 +32,11 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
-  // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs
-  constexpr bool HAS_PS = Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP;
+  // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs. With a
+  // bias, dS is an output (dBias, summed over many rows when the bias is broadcast): it is computed from P^T in
+  // fp32, kept in s_acc (dead otherwise once P^T is packed), instead of the packed copy.
+  constexpr bool FP32_P = Mods::HAS_BIAS;
+  constexpr bool HAS_PS = (Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP) && !FP32_P;
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
   const int m0 = m_block * Tr::BLOCK_M;
@@ -99,6 +102,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
           ps[j][c] = prob[j][c] == 0.f ? 0.f
                                        : prob[j][c] * mods.softcap_grad(s_acc[qt][c], m0 + qt * 8 + 2 * t + (c & 1),
                                                                         g_key + 8 * (c >> 1), band.diag);
+        if (FP32_P) s_acc[qt][c] = ps[j][c];
       }
     }
     p_regs[kk][0] = Cvt<T>::pack(pv[0][0], pv[0][1]);
@@ -137,9 +141,10 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
         const u32 packed = HAS_PS ? ps_regs[HAS_PS ? kk : 0][2 * j + (c >> 1)] : p_regs[kk][2 * j + (c >> 1)];
         const int qt = 2 * kk + j;
         // (the softcap's factor is in ps already: ds_of's dcap = 1)
-        ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(Cvt<T>::unpack(packed, c & 1), dp_acc[qt][c],
+        ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(FP32_P ? s_acc[qt][c] : Cvt<T>::unpack(packed, c & 1), dp_acc[qt][c],
                                               (c & 1) ? delta.y : delta.x, (keep >> (4 * qt + c)) & 1,
                                               p.mods.dropout_rp, 1.f);
+        if (Mods::HAS_BIAS) mods.put_dbias(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1), ds[j][c]);
       }
     }
     ds_regs[kk][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
@@ -219,15 +224,17 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   // broadcast from lane 0: ptxas then knows warpgroup is warp-uniform and builds the K/V descriptors of
   // the query loop in uniform registers, instead of recomputing them per step in vector registers
   const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);  // keys, query blocks, prologue and epilogue as bwd_kernel's
+  // keys, query blocks, prologue and epilogue as bwd_kernel's
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;       // varlen: past this sequence's keys
-  if (kb.m_begin >= kb.m_end) {            // no query sees these keys: dK = dV = 0
+  int left;  // (query head, query block) positions from qb on (GQA: the query heads of this K/V head in turn)
+  QueryBlock<Tr> qb = kb.first_step(p, left);
+  if (kb.m_begin >= kb.m_end || left == 0) {  // no query sees these keys: dK = dV = 0
     kb.zero_dk_dv(p, tid);
     return;
   }
   const QueryBlockCopy<Tr> copy(p, tid);
-  QueryBlock<Tr> qb = kb.load_first(p, smem_base, copy, tid);
-  const int n_steps = kb.steps(p);  // GQA: the query heads of this K/V head in turn (bwd.cuh, QueryBlock)
+  kb.load_first(p, smem_base, copy, tid, qb);
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
 #pragma unroll
@@ -240,23 +247,28 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   // key tail): two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
   const bool is_key_tail = kb.keys < Tr::BLOCK_N;
   int stage = 0;
-  for (int step = 0; step < n_steps; ++step) {
-    const QueryBlock<Tr> qb_next = qb.next(p, kb.m_begin, kb.m_end);
+  for (;;) {
+    QueryBlock<Tr> qb_next = qb;
+    int left_next = left;
+    const bool more = kb.advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
     const int m0 = qb.m_block * Tr::BLOCK_M;
     const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
-    if (step + 1 < n_steps) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
+    if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
     cp_async_commit_group();
     cp_async_wait_group<1>();
     fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
     __syncthreads();
     ScoreMods<MODS> mods;
-    mods.init(p.mods, kb.batch, qb.head, p.heads);
+    mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
+    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
     bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
                                                                 qb.m_block, kb.n0, qb.vec_row, warpgroup, warp, lane,
                                                                 dk_acc, dv_acc);
     __syncthreads();
+    if (!more) break;
     stage ^= 1;
     qb = qb_next;
+    left = left_next;
   }
 
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V

@@ -57,7 +57,7 @@ struct FwdParams {
   int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
   ModParams mods;      // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
 };
-static_assert(sizeof(FwdParams) == 328, "FwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(FwdParams) == 496, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
@@ -423,7 +423,7 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES> softmax;
   softmax.init();
   ScoreMods<MODS> mods;
-  mods.init(p.mods, batch, head, p.heads);
+  mods.init(p.mods, batch, head, p.heads, seq.len_q, seq.len_k);
 
   // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
   // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first

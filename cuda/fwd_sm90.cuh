@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) fwd_sm90_kernel(
   OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES> softmax;
   softmax.init();
   ScoreMods<MODS> mods;
-  mods.init(p.mods, batch, head, p.heads);
+  mods.init(p.mods, batch, head, p.heads, seq.len_q, seq.len_k);
 
   // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
   // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first

@@ -101,9 +101,9 @@ struct FwdWsParams {
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
 // (no offsetof: NVRTC 13.0 has no __builtin_offsetof) three 128-byte maps, then FwdParams (8-byte aligned) at
 // 384 with no padding in between; the struct rounds up to its 64-byte alignment
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 328 && alignof(FwdWsParams) == 64 &&
-                  sizeof(FwdWsParams) == 768,
-              "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 768 bytes");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 496 && alignof(FwdWsParams) == 64 &&
+                  sizeof(FwdWsParams) == 896,
+              "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 896 bytes");
 
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_>
 struct FwdSm90WsTraits {
@@ -220,13 +220,15 @@ struct WsSmem {
   __device__ __forceinline__ u32 v_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + 3 * Tr::STAGES + stage); }
 };
 
-// Producer (one thread): Q, then K_i and V_i of key tiles n_end-1 down to n_end-n_tiles, each into the next stage
-// once the consumers have released what it held STAGES tiles ago.
+// Producer (one thread): Q, then K_i and V_i of the n_tiles visible key tiles from n_end-1 down (every tile of the
+// band, or those a block map does not mark empty), each into the next stage once the consumers have released what
+// it held STAGES tiles ago.
 // seq: this sequence's first rows in the packed arrays (0 when dense); its maps then have batch size 1, so the
 // batch coordinate is 0 for a packed operand.
 template <class Tr>
 __device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, const Seq& seq,
-                                                     int row0, int head, int batch, int n_end, int n_tiles) {
+                                                     int row0, int head, int batch, int n_end, int n_tiles,
+                                                     const TileMap& tiles, int n_begin) {
   prefetch_tensormap(&p.tma_q);
   prefetch_tensormap(&p.tma_k);
   prefetch_tensormap(&p.tma_v);
@@ -244,9 +246,11 @@ __device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const
 
   int stage = 0;
   u32 phase = 0;
+  int n_block = n_end;
   for (int i = 0; i < n_tiles; ++i) {
+    n_block = tiles.next_down(n_block - 1, n_begin);
     // keys >= len_k are masked: zero-filled past the array, the next sequence's rows when packed
-    const int key0 = seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N;
+    const int key0 = seq.k_row0 + n_block * Tr::BLOCK_N;
     // K_i into stage `stage` once both consumers released K_{i - STAGES}
     mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
     mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
@@ -275,7 +279,7 @@ template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const WsSmem<Tr>& sm, unsigned char* smem,
                                                      const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                      int row0, int out_row0, int rows_q, int head, int batch, int n_end,
-                                                     int n_tiles) {
+                                                     int n_tiles, const TileMap& tiles, int n_begin) {
   using T = typename Tr::T;
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   const int ctid = threadIdx.x - 128;                // 0 .. CONSUMER_THREADS-1
@@ -298,7 +302,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   u32 p_regs[Tr::PV_K_STEPS][4];       // P_{i-1} as the A operand of the P V GEMM in flight
   float alpha[2];
   ScoreMods<MODS> mods;  // softcap, ALiBi, dropout of this (batch, head); nothing when MODS = 0
-  mods.init(p.mods, batch, head, p.heads);
+  mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
 
   // pingpong: consumer 0 issues first (consumer 1 gives it the first token)
   auto round_begin = [&]() {
@@ -336,6 +340,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   // the row sums (lse is of the undropped softmax). The same order as fwd_sm90_key_tile.
   auto scores_to_probs = [&](int n_block) {
     const int key0 = n_block * Tr::BLOCK_N;
+    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = tiles.state(n_block) != TILE_FULL;
     float unused_dcap[1][Tr::N_TILES][4];
     apply_score_mods(s_acc, unused_dcap, warp_row, key0, band.diag, mods, lane);
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
@@ -349,15 +354,20 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   // key tile 0 (the last-indexed key block): S_0, P_0. O is still 0: nothing to rescale.
   int stage = 0;  // of key tile i
   u32 phase = 0;
+  // bias and mask rows of a tile into L1 while its scores are computed (not at head dim 256: its consumers have
+  // no registers left for the addresses, it spilled 8 bytes)
+  constexpr bool PREFETCH = (ScoreMods<MODS>::HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && Tr::HEAD_DIM < 256;
+  int n_block = tiles.next_down(n_end - 1, n_begin);  // the visible key tiles, from the last down
   round_begin();
   mbarrier_wait_or_trap(sm.k_full(0), 0);
   wgmma_fence();
   issue_s(sm.k(0));
   round_end(/*is_last=*/false);
+  if (PREFETCH) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
   wgmma_wait_group<0>();
   wgmma_fence_operand(s_acc[0]);
   release(sm.k_empty(0));
-  scores_to_probs(n_end - 1);
+  scores_to_probs(n_block);
   probs_to_regs<T>(s_acc, p_regs);
 
   int v_stage = 0;  // of key tile i - 1
@@ -367,7 +377,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     phase ^= 1;
   }
   for (int i = 1; i < n_tiles; ++i) {
-    const int n_block = n_end - 1 - i;
+    n_block = tiles.next_down(n_block - 1, n_begin);
     // issue S_i = Q K_i^T, then O += P_{i-1} V_{i-1}
     round_begin();
     mbarrier_try_wait_parity(sm.k_full(stage), phase);
@@ -376,6 +386,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     mbarrier_try_wait_parity(sm.v_full(v_stage), v_phase);
     issue_pv(sm.v(v_stage));
     round_end(/*is_last=*/false);
+    if (PREFETCH) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
 
     // S_i done (the P V GEMM may still run): K_i is free; m_new, l, P_i = exp2(S_i * scale_log2 - m_new)
     wgmma_wait_group<1>();
@@ -466,7 +477,10 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
                                         HAS_WINDOW ? p.fwd.mods.window_right : 0};
   const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  const int n_tiles = n_end - n_begin;
+  // a BlockMask's map: the tiles it marks empty are skipped as well (every thread counts the same tiles)
+  TileMap tiles;
+  tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+  const int n_tiles = n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
 
   if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
     const FwdParams& f = p.fwd;
@@ -494,11 +508,11 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
 
   if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
+    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles, tiles, n_begin);
   } else {  // consumer warpgroups
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, band, row0, out_row0, rows_q, head, batch, n_end,
-                                              n_tiles);
+                                              n_tiles, tiles, n_begin);
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_ws_kernel uses TMA and wgmma: compile it for sm_90a");

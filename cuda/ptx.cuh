@@ -253,6 +253,9 @@ __device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared(u32 dst
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(dst_smem), "l"(tensor_map), "r"(bar_smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// PTX ISA 9.7.9.15 "prefetch": the 128-byte line holding a global address into L1 (a hint, no fault on any address).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
+
 // PTX ISA 8.0+, "prefetch, prefetchu" with .tensormap: brings a tensor map (generic address) into the TMA unit's cache.
 __device__ __forceinline__ void prefetch_tensormap(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(tensor_map) : "memory");

@@ -13,8 +13,9 @@ if not (_here / "simulator").is_dir() and (_here.parent / "simulator" / "__init_
 
 __version__ = "0.1.0"
 
+from .blockmask import BlockMask  # noqa: E402
 from .api import (attention, attention_backward, attention_forward, attention_varlen,  # noqa: E402
                   attention_varlen_backward, attention_varlen_forward, attention_with_kvcache)
 
-__all__ = ["attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_forward",
+__all__ = ["BlockMask", "attention", "attention_forward", "attention_backward", "attention_varlen", "attention_varlen_forward",
            "attention_varlen_backward", "attention_with_kvcache", "__version__"]

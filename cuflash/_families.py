@@ -74,17 +74,70 @@ def _strides(d):
     return d.batch_stride, d.row_stride, d.head_stride
 
 
-def mod_params(m: _validate.Mods, scale: float, max_seqlen: int) -> _launch.ModParams:
+def _broadcast(b: _validate.Broadcast, ptr: int | None = None, strides: tuple | None = None) -> _launch.Broadcast:
+    """The kernels' view of an array broadcast to the scores (its own address and strides unless given)."""
+    s = b.strides if strides is None else strides
+    return _launch.Broadcast(b.info.ptr if ptr is None else ptr, s[0], s[1], s[2], s[3], b.batch_div, b.head_div)
+
+
+def _mask(masks: tuple, keep: list) -> _validate.Broadcast:
+    """The one mask the kernels read: mask or key_padding_mask, or, with both, their intersection (a new uint8
+    array of their broadcast shape; `keep` holds it until the launch is queued)."""
+    if len(masks) == 1:
+        return masks[0]
+    cp = _launch.cupy()
+    m, kpm = masks
+    x = m.array.reshape(m.shape)
+    b = m.scores[0]
+    if m.batch_div > 1 and m.shape[0] > 1:  # a batch that divides the problem's: one row per batch entry
+        x = x[cp.arange(b) // m.batch_div]
+    both = cp.logical_and(x, kpm.array.reshape(b, 1, 1, -1))
+    keep.append(both)
+    info = _validate.array_info(both, "mask")
+    return _validate.check_broadcast(info, "mask", *m.scores, info.device)
+
+
+def mod_params(m: _validate.Mods, scale: float, max_seqlen: int, keep: list | None = None,
+               dbias: _validate.ArrayInfo | None = None) -> _launch.ModParams:
     """ModParams of a launch. An unbounded window side becomes a bound no sequence reaches (the kernels
-    never test for -1)."""
+    never test for -1). keep: arrays made here (a combined mask) go there, to live until the launch is queued;
+    dbias: the float32 gradient of the bias that the backward writes."""
     left, right = m.window if m.window is not None else (-1, -1)
     far = max(1, max_seqlen)
     a = m.alibi
-    return _launch.ModParams(
+    params = _launch.ModParams(
         0 if a is None else a.ptr, int(a.strides[0]) if a is not None and len(a.shape) == 2 else 0, m.seed,
         far if left == -1 else left, far if right == -1 else right,
         scale / m.softcap if m.softcap else 0.0, m.softcap / scale if m.softcap else 0.0, 1.0 / scale,
         m.offset, dropout_threshold(m.dropout_p), 1.0 / (1.0 - m.dropout_p))
+    if m.bias is not None:
+        params.bias = _broadcast(m.bias)
+        params.bias_kind = _validate.bias_kind(m.bias.info.dtype)
+        if dbias is not None:
+            pad = (0,) * (4 - len(dbias.shape))
+            strides = tuple(0 if n == 1 else int(s) for n, s in zip(m.bias.shape, pad + tuple(dbias.strides)))
+            params.dbias = _broadcast(m.bias, dbias.ptr, strides)
+            params.dbias_atomic = int(m.bias.reduces)
+    if m.masks:
+        params.mask = _broadcast(_mask(m.masks, [] if keep is None else keep))
+    return params
+
+
+def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list,
+               transposed: bool = False) -> _launch.Broadcast | None:
+    """The tile map of a BlockMask mask for a kernel of block_m x block_n tiles (None without one; with a
+    key_padding_mask too the kernels read their intersection, which has no map). transposed: query tiles
+    contiguous (the backward's walk)."""
+    if len(m.masks) != 1 or m.masks[0].blocks is None:
+        return None
+    b = m.masks[0]
+    tiles = b.blocks.tile_map(block_m, block_n, b.scores[2], b.scores[3], transposed)
+    keep.append(tiles)
+    bm, hm = tiles.shape[:2]
+    nm, nn = tiles.shape[2:][::-1] if transposed else tiles.shape[2:]
+    per_m, per_n = (1, nm) if transposed else (nn, 1)
+    return _launch.Broadcast(tiles.data.ptr, hm * nm * nn if bm > 1 else 0, nm * nn if hm > 1 else 0,
+                             per_m if nm > 1 else 0, per_n if nn > 1 else 0, b.batch_div, b.head_div)
 
 
 def _seq(a, cu_seqlens):
@@ -163,8 +216,13 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr, _seq(a, cu_seqlens),
             0, 0, 0, 0, *_strides(dq), *_strides(dk), *_strides(dv), *_strides(od), *lse_strides, 0, 0,
             a.heads_q, a.head_dim, 0, 0, 1, 1, a.scale * _launch.LOG2E, 0)
+        keep = []  # a combined mask lives until the launch is queued
         if a.mods.bits:
-            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
+            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep)
+            if isinstance(cfg, config.FwdSm90WsConfig):  # the kernel that skips the tiles a BlockMask empties
+                tiles = _block_map(a.mods, cfg.block_m, cfg.block_n, keep)
+                if tiles is not None:
+                    params.mods.block_map = tiles
         grid = (-(-a.seqlen_q // cfg.block_m), a.heads_q, a.batch)
         fields = ""
         if maps is not None:  # the kernel takes the tensor maps in front of FwdParams
@@ -234,12 +292,25 @@ def _backward_workspace(rows: int, kernel_head_dim: int, deterministic: bool) ->
     return rows * (2 if deterministic else 2 + kernel_head_dim)
 
 
-def backward(p, arrays, *, cu_seqlens=None, key=None):
+def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
     """Launch the backward of problem p (_problem.Backward) on arrays = (dout, q, k, v, out, lse, dq, dk, dv),
-    the gradients None where the call did not preallocate them; returns (dq, dk, dv)."""
+    the gradients None where the call did not preallocate them; returns (dq, dk, dv), and dbias after them when
+    the call asks for it (p.dbias; `dbias`: the preallocated array, or None)."""
+    a = p.fwd
+    cp = _launch.cupy()
+    if p.dbias is False:
+        return _backward(p, arrays, cp, cu_seqlens, key, None)
+    with _launch.on_device(cp, a.device):
+        if p.dbias is True:
+            dbias = cp.zeros(a.mods.bias.info.shape, dtype=cp.float32)
+        else:
+            dbias.fill(0)  # summed into (broadcast biases) or stored where some pair is visible
+    return (*_backward(p, arrays, cp, cu_seqlens, key, dbias), dbias)
+
+
+def _backward(p, arrays, cp, cu_seqlens, key, dbias):
     a = p.fwd
     layout = a.layout
-    cp = _launch.cupy()
     with _launch.on_device(cp, a.device):
         grads, grad_dims = [], []
         for x, g, ref in zip(arrays[6:], p.grads, (a.q, a.k, a.v)):
@@ -275,13 +346,19 @@ def backward(p, arrays, *, cu_seqlens=None, key=None):
             lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + 4 * rows, _seq(a, cu_seqlens),
             *(s for d in (d_q, d_k, d_v, d_o, d_do, *grad_dims) for s in _strides(d)),
             *p.lse_strides, pad_rows, a.heads_q, a.head_dim, hd, _launch.scale_log2(a.scale), a.scale)
+        keep = []  # a combined mask lives until the launches are queued
         if a.mods.bits:
-            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
+            params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep,
+                                     None if dbias is None else _validate.array_info(dbias, "dbias"))
         launches = []
         pre = ElementwiseConfig("preprocess", a.dtype)
         rows_pad = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
         launches.append((_launch.get_kernel(pre, a.device), (rows_pad // pre.rows_per_cta, a.heads_q, a.batch)))
         main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, p.deterministic)
+        if a.mods.masks:  # the main kernels (K/V-outer) skip the query tiles a BlockMask empties
+            tiles = _block_map(a.mods, main.block_m, main.block_n, keep, transposed=True)
+            if tiles is not None:
+                params.mods.block_map = tiles
         if a.seqlen_k > 0:
             launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k)))
         if p.deterministic:

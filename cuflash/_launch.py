@@ -36,6 +36,13 @@ def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=Non
     return SeqParams(cu_seqlens_q, cu_seqlens_k, seqused_k, seqlen_q, seqlen_k, kv_group, seqlen_k_new)
 
 
+class Broadcast(ctypes.Structure):
+    """Mirror of cuflash::Broadcast (cuda/mods.cuh): an array broadcast to (batch, heads, seqlen_q, seqlen_k)."""
+
+    _fields_ = [("ptr", ctypes.c_void_p), ("stride_b", _c_ll), ("stride_h", _c_ll), ("stride_q", ctypes.c_int),
+                ("stride_k", ctypes.c_int), ("batch_div", ctypes.c_int), ("head_div", ctypes.c_int)]
+
+
 class ModParams(ctypes.Structure):
     """Mirror of cuflash::ModParams (cuda/mods.cuh): the score modifiers' run-time values."""
 
@@ -44,6 +51,9 @@ class ModParams(ctypes.Structure):
         ("window_left", ctypes.c_int), ("window_right", ctypes.c_int), ("softcap_pre", ctypes.c_float),
         ("softcap_post", ctypes.c_float), ("alibi_scale", ctypes.c_float), ("dropout_offset", ctypes.c_uint32),
         ("dropout_threshold", ctypes.c_uint32), ("dropout_rp", ctypes.c_float),
+        ("bias", Broadcast), ("mask", Broadcast), ("dbias", Broadcast), ("block_map", Broadcast),
+        ("bias_kind", ctypes.c_int),
+        ("dbias_atomic", ctypes.c_int),
     ]
 
 
@@ -101,8 +111,8 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 56 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 328 and ctypes.sizeof(BwdParams) == 432
-assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 80
+assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 496 and ctypes.sizeof(BwdParams) == 600
+assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 248
 
 
 class _Kernel:

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _validate
+from .blockmask import BlockMask
 from ._validate import ArrayInfo, Dims, Mods
 
 
@@ -55,21 +56,35 @@ class Backward(NamedTuple):
     lse_strides: tuple  # (batch, head, row) strides of lse in elements (packed: (0, head, row))
     deterministic: bool
     grads: tuple  # per dq, dk, dv: (ArrayInfo, Dims) of a preallocated output, or None
+    dbias: object = False  # False, True (a new float32 array) or the ArrayInfo of a preallocated one
 
 
-def _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, batch, heads, device) -> Mods:
+def _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, batch, heads, device, dtype="fp16",
+          seqlen_q=0, seqlen_k=0, bias=None, mask=None, key_padding_mask=None) -> Mods:
     alibi = None if alibi_slopes is None else _validate.array_info(alibi_slopes, "alibi_slopes")
-    return _validate.check_mods(causal, window, alibi, softcap, dropout_p, seed, offset, batch, heads, device)
+    b = None if bias is None else _validate.check_bias(_validate.array_info(bias, "bias"), dtype, batch, heads,
+                                                        seqlen_q, seqlen_k, device)
+    blocks = mask if isinstance(mask, BlockMask) else None
+    if blocks is not None:
+        mask = blocks.mask
+    mi = None if mask is None else _validate.array_info(mask, "mask")
+    ki = None if key_padding_mask is None else _validate.array_info(key_padding_mask, "key_padding_mask")
+    masks = tuple(m._replace(array=x, blocks=blocks if x is mask else None) for m, x in zip(
+        _validate.check_masks(mi, ki, batch, heads, seqlen_q, seqlen_k, device),
+        [x for x in (mask, key_padding_mask) if x is not None]))
+    return _validate.check_mods(causal, window, alibi, softcap, dropout_p, seed, offset, batch, heads, device, b,
+                                masks)
 
 
 def attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-              offset) -> Attention:
+              offset, bias=None, mask=None, key_padding_mask=None) -> Attention:
     """The problem of attention / attention_forward (dense batches)."""
     causal = _validate.check_flag(causal, "causal")
     qi, ki, vi = _validate.array_info(q, "q"), _validate.array_info(k, "k"), _validate.array_info(v, "v")
     dtype, dq, dk, dv = _validate.check_qkv(qi, ki, vi, layout)
     scale = _validate.check_softmax_scale(softmax_scale, dq.head_dim)
-    mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, dq.batch, dq.heads, qi.device)
+    mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, dq.batch, dq.heads, qi.device, dtype,
+                 dq.seqlen, dk.seqlen, bias, mask, key_padding_mask)
     return Attention(dtype, layout, dq.batch, dq.heads, dk.heads, dq.head_dim, dq.seqlen, dk.seqlen, dq, dk, dv,
                      (qi, ki, vi), scale, mods, qi.device)
 
@@ -81,7 +96,8 @@ def packed_dims(info: ArrayInfo) -> Dims:
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset) -> Attention:
+                     check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset, bias=None, mask=None,
+                     key_padding_mask=None) -> Attention:
     """The problem of the varlen functions; check_inputs reads cu_seqlens back (one synchronization)."""
     causal = _validate.check_flag(causal, "causal")
     check_inputs = _validate.check_flag(check_inputs, "check_inputs")
@@ -96,7 +112,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             _validate.check_cu_seqlens_values(cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k), m.total_q,
                                               m.total_k, m.max_seqlen_q, m.max_seqlen_k)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
-    mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device)
+    mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device, m.dtype,
+                 m.max_seqlen_q, m.max_seqlen_k, bias, mask, key_padding_mask)
     return Attention(m.dtype, "packed", m.batch, m.heads_q, m.heads_kv, m.head_dim, m.max_seqlen_q, m.max_seqlen_k,
                      packed_dims(qi), packed_dims(ki), packed_dims(vi), (qi, ki, vi), scale, mods, m.device,
                      m.total_q, m.total_k)
@@ -146,7 +163,7 @@ def _check_grad(x, name: str, ref: Dims, like: ArrayInfo, layout: str, inputs) -
     return info, dims
 
 
-def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv) -> Backward:
+def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=False) -> Backward:
     """The problem of attention_backward / attention_varlen_backward, given the forward's problem."""
     deterministic = _validate.check_flag(deterministic, "deterministic")
     qi, ki, vi = fwd.infos
@@ -174,7 +191,9 @@ def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv) -> Backw
             if _validate.overlaps(a, b):
                 raise ValueError(f"{nb} (preallocated) overlaps the memory of {na}; dq, dk and dv must be separate "
                                  f"arrays")
-    return Backward(fwd, do_, ddo, (doi, oi, li), (0, *ls) if fwd.packed else ls, deterministic, grads)
+    extra = tuple(x.info for x in (fwd.mods.bias, *fwd.mods.masks) if x is not None)
+    db = _validate.check_dbias(dbias, fwd.mods.bias, deterministic, inputs + extra + tuple(g[0] for g in given))
+    return Backward(fwd, do_, ddo, (doi, oi, li), (0, *ls) if fwd.packed else ls, deterministic, grads, db)
 
 
 class Kvcache(NamedTuple):

@@ -46,14 +46,14 @@ class TmaDesc(ctypes.Structure):
 
 class FwdWsParams(ctypes.Structure):
     """Mirror of cuflash::FwdWsParams (cuda/fwd_sm90_ws.cuh): the Q, K, V tensor maps at byte offsets 0, 128,
-    256, then FwdParams at 384; 768 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
+    256, then FwdParams at 384; 896 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
-                ("_pad", ctypes.c_ubyte * (768 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams)))]
+                ("_pad", ctypes.c_ubyte * (896 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams)))]
 
 
 # The C++ side static_asserts the same layout.
-assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 768
+assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 896
 assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset) == \
     (0, 128, 256, 384)
 

@@ -578,11 +578,32 @@ def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_
 
 # --- score modifiers: sliding window, ALiBi, softcap, dropout (cuda/mods.cuh) -------------------------------
 
+class Broadcast(NamedTuple):
+    """An array broadcast to the scores (batch, heads, seqlen_q, seqlen_k) (`check_broadcast`): its ArrayInfo,
+    its shape padded to 4-D, its strides in elements (0 on a size-1 dim), and the divisors that map a batch /
+    head index onto its own (b // batch_div)."""
+
+    info: ArrayInfo
+    shape: tuple
+    strides: tuple
+    batch_div: int
+    head_div: int
+    scores: tuple  # (batch, heads, seqlen_q, seqlen_k) of the problem
+    array: object = None  # the array itself (set by the problem builders: the launch may combine two masks)
+    blocks: object = None  # the BlockMask the mask came in, if any (its tile maps let kernels skip tiles)
+
+    @property
+    def reduces(self) -> bool:
+        """Whether several scores share an element (its gradient is a sum over them)."""
+        return any(n < w for n, w in zip(self.shape, self.scores))
+
+
 class Mods(NamedTuple):
     """The score modifiers of a call, validated and normalized (`check_mods`).
 
     bits: the kernels' MODS (config.MOD_*); causal: the kernels' causal flag (False when a window carries it);
-    window: (left, right) with causal folded in (right <= 0), -1 unbounded, or None; the rest as given."""
+    window: (left, right) with causal folded in (right <= 0), -1 unbounded, or None; bias, mask: Broadcast or
+    None (mask: the intersection of `mask` and `key_padding_mask`, see `masks`); the rest as given."""
 
     bits: int
     causal: bool
@@ -592,6 +613,113 @@ class Mods(NamedTuple):
     dropout_p: float
     seed: int
     offset: int
+    bias: Broadcast | None = None
+    masks: tuple = ()  # Broadcast of mask and / or key_padding_mask
+
+
+_BIAS_KIND = {np.dtype(np.float32): 0, FP16: 1}
+if BF16 is not None:
+    _BIAS_KIND[BF16] = 2
+
+
+def bias_kind(dtype) -> int:
+    """The kernels' code of a bias dtype (ModParams.bias_kind)."""
+    return _BIAS_KIND[np.dtype(dtype)]
+
+
+def check_broadcast(x: ArrayInfo, name: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                    device: int) -> Broadcast:
+    """An array of 2 to 4 dims broadcast to (batch, heads, seqlen_q, seqlen_k) from the right: batch and heads
+    sizes that divide the problem's (1 broadcasts; in between, batch b uses index b // (batch // size)), seqlen
+    sizes 1 or the problem's; whole-element strides (the seqlen strides below 2**31); on the inputs' device."""
+    dims = ("batch", "heads", "seqlen_q", "seqlen_k")
+    want = (batch, heads, seqlen_q, seqlen_k)
+    if not 2 <= len(x.shape) <= 4:
+        raise ValueError(f"{name} has shape {tuple(x.shape)}; it must have 2 to 4 dims, broadcastable to "
+                         f"(batch, heads, seqlen_q, seqlen_k) = {want}")
+    pad = 4 - len(x.shape)
+    shape = (1,) * pad + tuple(int(n) for n in x.shape)
+    strides = (0,) * pad + tuple(x.strides)
+    if any(not float(s).is_integer() for s in strides):
+        raise ValueError(f"{name} has strides {x.strides} (elements) that are not whole elements")
+    for i, (n, w) in enumerate(zip(shape, want)):
+        ok = n == 1 or n == w or (i < 2 and w > 0 and w % n == 0)
+        if not ok:
+            allowed = f"1 or a divisor of {w}" if i < 2 else f"1 or {w}"
+            raise ValueError(f"{name} has shape {tuple(x.shape)}: its {dims[i]} dim (size {n}) does not broadcast to "
+                             f"{dims[i]}={w} of the scores {want}; allowed: {allowed}")
+    strides = tuple(0 if n == 1 else int(s) for n, s in zip(shape, strides))
+    if any(abs(s) > INT32_MAX for s in strides[2:]):
+        raise ValueError(f"{name} has seqlen strides {strides[2:]} (elements): at most {INT32_MAX}")
+    if x.device != device:
+        raise ValueError(f"{name} is on device {x.device} but q is on device {device}")
+    return Broadcast(x, shape, strides, max(1, batch // shape[0]), max(1, heads // shape[1]), want)
+
+
+def check_bias(bias: ArrayInfo | None, dtype: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+               device: int) -> Broadcast | None:
+    """None, or the bias: q's dtype or float32, broadcast to the scores (`check_broadcast`)."""
+    if bias is None:
+        return None
+    allowed = {"fp16": FP16, "bf16": BF16}[dtype]
+    if bias.dtype not in (allowed, np.dtype(np.float32)):
+        raise TypeError(f"bias.dtype={bias.dtype} is not allowed; allowed: {allowed} (the dtype of q) or float32")
+    return check_broadcast(bias, "bias", batch, heads, seqlen_q, seqlen_k, device)
+
+
+def check_masks(mask: ArrayInfo | None, key_padding_mask: ArrayInfo | None, batch: int, heads: int, seqlen_q: int,
+                seqlen_k: int, device: int) -> tuple:
+    """Broadcast of mask (bool, broadcast to the scores) and of key_padding_mask (bool (batch, seqlen_k)), the
+    ones given."""
+    out = []
+    if mask is not None:
+        if mask.dtype != np.bool_:
+            raise TypeError(f"mask.dtype={mask.dtype} must be bool (True: attend, False: masked)")
+        out.append(check_broadcast(mask, "mask", batch, heads, seqlen_q, seqlen_k, device))
+    if key_padding_mask is not None:
+        k = key_padding_mask
+        if k.dtype != np.bool_:
+            raise TypeError(f"key_padding_mask.dtype={k.dtype} must be bool (True: a valid key, False: ignored)")
+        if tuple(k.shape) != (batch, seqlen_k):
+            raise ValueError(f"key_padding_mask has shape {tuple(k.shape)}; expected (batch, seqlen_k) = "
+                             f"{(batch, seqlen_k)}")
+        b = check_broadcast(k._replace(shape=(k.shape[0], 1, 1, k.shape[1]), strides=(k.strides[0], 0, 0, k.strides[1])),
+                            "key_padding_mask", batch, heads, seqlen_q, seqlen_k, device)
+        out.append(b._replace(info=k))
+    return tuple(out)
+
+
+def check_dbias(dbias, bias: Broadcast | None, deterministic: bool, inputs) -> ArrayInfo | bool:
+    """False (no dBias), True (a new array) or the ArrayInfo of a preallocated float32 array shaped like bias."""
+    if dbias is None or dbias is False:
+        return False
+    if bias is None:
+        raise ValueError("dbias needs bias=<the forward's bias>: dbias is its gradient")
+    if deterministic and bias.reduces:
+        raise ValueError(f"deterministic=True with dbias of a broadcast bias (shape {tuple(bias.info.shape)} for "
+                         f"scores {bias.scores}) is not supported: its sum over the broadcast dims uses atomics; "
+                         f"pass deterministic=False, or a bias of the full shape")
+    if dbias is True:
+        return True
+    if isinstance(dbias, (bool, np.bool_)):
+        return bool(dbias)
+    info = array_info(dbias, "dbias")
+    if info.dtype != np.float32:
+        raise TypeError(f"dbias.dtype={info.dtype} must be float32 (dBias is accumulated and returned in float32)")
+    if tuple(info.shape) != tuple(bias.info.shape):
+        raise ValueError(f"dbias has shape {tuple(info.shape)} but must have the shape of bias: "
+                         f"{tuple(bias.info.shape)}")
+    if any(not float(s).is_integer() for s in info.strides):
+        raise ValueError(f"dbias has strides {info.strides} (elements) that are not whole elements")
+    if info.device != bias.info.device:
+        raise ValueError(f"dbias is on device {info.device} but q is on device {bias.info.device}")
+    if any(s == 0 and n > 1 for s, n in zip(info.strides, info.shape)):
+        raise ValueError(f"dbias has strides {info.strides}: a broadcast view (stride 0) cannot hold a gradient")
+    for other in inputs:
+        if other is not None and overlaps(info, other):
+            raise ValueError(f"dbias (preallocated) overlaps the memory of {other.name}; outputs must not alias "
+                             f"inputs")
+    return info
 
 
 def check_window(window) -> tuple | None:
@@ -666,10 +794,10 @@ def check_alibi(slopes: ArrayInfo | None, batch: int, heads: int, device: int) -
 
 
 def check_mods(causal: bool, window, alibi: ArrayInfo | None, softcap, dropout_p, seed, offset, batch: int,
-               heads: int, device: int) -> Mods:
+               heads: int, device: int, bias: Broadcast | None = None, masks: tuple = ()) -> Mods:
     """Validate and normalize the score modifiers of a call (see `Mods`). A window with causal=True keeps
-    right <= 0; window (-1, 0) is causal itself, (-1, -1) no window."""
-    from .config import MOD_ALIBI, MOD_DROPOUT, MOD_SOFTCAP, MOD_WINDOW
+    right <= 0; window (-1, 0) is causal itself, (-1, -1) no window. bias, masks: from check_bias, check_masks."""
+    from .config import MOD_ALIBI, MOD_BIAS, MOD_DROPOUT, MOD_MASK, MOD_SOFTCAP, MOD_WINDOW
 
     window = check_window(window)
     softcap = check_softcap(softcap)
@@ -688,4 +816,5 @@ def check_mods(causal: bool, window, alibi: ArrayInfo | None, softcap, dropout_p
             window, causal, bits = (left, right), False, MOD_WINDOW
     bits |= (MOD_ALIBI if alibi is not None else 0) | (MOD_SOFTCAP if softcap is not None else 0)
     bits |= MOD_DROPOUT if p > 0 else 0
-    return Mods(bits, causal, window, alibi, softcap, p, seed, offset)
+    bits |= (MOD_BIAS if bias is not None else 0) | (MOD_MASK if masks else 0)
+    return Mods(bits, causal, window, alibi, softcap, p, seed, offset, bias, tuple(masks))

@@ -9,16 +9,19 @@ from . import _families, _plan, _problem, _validate
 from ._plan import ARRAY, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
 
 # Calls with score modifiers are not planned: their values go the full path, which validates them.
-_PLAIN = dict(window=None, alibi_slopes=None, softcap=None, dropout_p=0.0, seed=None, offset=0,
-              return_dropout_mask=False)
-_MODS = tuple((name, DEFAULT) for name in _PLAIN)
+_PLAIN = dict(window=None, alibi_slopes=None, softcap=None, bias=None, mask=None, key_padding_mask=None,
+              dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False, dbias=False)
+_FWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "mask", "key_padding_mask",
+                                               "dropout_p", "seed", "offset", "return_dropout_mask"))
+_BWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "dbias", "mask",
+                                               "key_padding_mask", "dropout_p", "seed", "offset"))
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
-                                     ("softmax_scale", OPTION), ("layout", OPTION), *_MODS), _PLAIN)
+                                     ("softmax_scale", OPTION), ("layout", OPTION), *_FWD_MODS), _PLAIN)
 _FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN)
 _BACKWARD = Signature("attention_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("causal", OPTION),
     ("softmax_scale", OPTION), ("layout", OPTION), ("deterministic", OPTION), ("dq", OPTIONAL_ARRAY),
-    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_MODS[:-1]), _PLAIN)
+    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN)
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
@@ -26,7 +29,8 @@ _KVCACHE = Signature("attention_with_kvcache", (
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
-                      softcap=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
+                      softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
+                      return_dropout_mask=False):
     """Fused attention forward, returning the output and the log-sum-exp of each query row.
 
     Args:
@@ -45,13 +49,23 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             outside the band are skipped. None (default): no window.
         alibi_slopes: CuPy float32 (heads,) or (batch, heads): score_ij += -slope * |i + Sk - Sq - j|.
         softcap: float > 0: score = softcap * tanh(score / softcap) (applied before ALiBi and the masks).
+        bias: additive score bias, a CuPy array in q's dtype or float32 of 2 to 4 dims that broadcasts to
+            (batch, heads, seqlen_q, seqlen_k) from the right; never materialized. Size-1 dims broadcast; the
+            batch (heads) dim may also divide batch (heads): batch b uses bias[b // (batch // bias.shape[0])],
+            which runs row attention over a folded batch directly (q (B, N, L, H, D) reshaped to
+            (B * N, L, H, D), bias (B, H, L, L) shared by the N rows of each group). Added to
+            softmax_scale * q . k before the softcap.
+        mask: bool CuPy array broadcast to (batch, heads, seqlen_q, seqlen_k) like bias: False = masked.
+        key_padding_mask: bool CuPy array (batch, seqlen_k): False keys are ignored. With mask: both apply.
+            A row whose keys are all masked gets o = 0 and lse = -inf.
         dropout_p: drops each P_ij with probability dropout_p and scales the kept ones by 1 / (1 - dropout_p);
             the mask comes from Philox4x32-10 keyed by `seed` (required when dropout_p > 0) and `offset`, so
             the same seed gives the same result on every run, and the backward regenerates it (nothing of
             size N^2 is stored). lse is that of the undropped softmax.
         return_dropout_mask: also return the keep mask, bool (batch, heads, seqlen_q, seqlen_k) (for tests:
             small shapes only).
-        The score is softmax_scale * q_i . k_j, then softcap, ALiBi, the masks, the softmax, dropout.
+        The score is softmax_scale * q_i . k_j + bias_ij, then softcap, ALiBi, the masks (causal, window, mask,
+        key_padding_mask), the softmax, dropout.
 
     Returns:
         (o, lse), or (o, lse, dropout_mask) with return_dropout_mask: o like q (same dtype, layout and shape,
@@ -67,22 +81,23 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         >>> o.shape, lse.shape
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
-    key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                       return_dropout_mask)
+    key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+                       key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
     if plan is not None:
         out = _plan.replay(plan, (q, k, v))
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                    return_dropout_mask, key, with_lse=True)
+                    return_dropout_mask, key, with_lse=True, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
-              softcap=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
+              softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
+              return_dropout_mask=False):
     """Fused attention: softmax(softmax_scale * q k^T [+ causal mask]) v, exact, O(N) extra memory.
 
-    Same arguments as `attention_forward` (sliding window, ALiBi, softcap and dropout included); returns
+    Same arguments as `attention_forward` (sliding window, ALiBi, softcap, bias, masks and dropout included); returns
     only o (like q: same dtype, layout and shape), or (o, dropout_mask) with return_dropout_mask.
 
     Example:
@@ -90,23 +105,23 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
-    key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-                         offset, return_dropout_mask)
+    key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+                         key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
     if plan is not None:
         o = _plan.replay(plan, (q, k, v))
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                    return_dropout_mask, key, with_lse=False)
+                    return_dropout_mask, key, with_lse=False, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
 
 
 def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-             return_dropout_mask, key, with_lse):
+             return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None):
     """The full path of attention / attention_forward: o without lse (the kernel then writes none)."""
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-                           offset)
+                           offset, bias, mask, key_padding_mask)
     mask = (_families.dropout_mask(a.mods, a.batch, a.heads_q, a.seqlen_q, a.seqlen_k, a.device),) if return_mask else ()
     out = _families.forward(a, (q, k, v), with_lse=with_lse, key=key)
     if with_lse:
@@ -116,7 +131,7 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
                        deterministic=False, dq=None, dk=None, dv=None, window=None, alibi_slopes=None, softcap=None,
-                       dropout_p=0.0, seed=None, offset=0):
+                       bias=None, dbias=False, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients of attention with respect to q, k and v, recomputing P tile by tile (no N x N memory).
 
     Args:
@@ -130,13 +145,18 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
             query block, bitwise reproducible, at the cost of recomputing S and dP (about 1.4x the
             backward's FLOPs).
         dq, dk, dv: optional preallocated outputs shaped like q, k, v, in their dtype, not aliasing an input.
-        window, alibi_slopes, softcap, dropout_p, seed, offset: the forward's score modifiers, exactly as given
-            to it (dropout regenerates the forward's mask from seed and offset; the slopes are not
-            differentiated).
+        window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset: the forward's score
+            modifiers, exactly as given to it (dropout regenerates the forward's mask from seed and offset; the
+            slopes and masks are not differentiated).
+        dbias: with bias, True returns its gradient dL/dbias as well, or a preallocated float32 CuPy array of
+            bias's shape receives it (overwritten). dL/dbias is the gradient of the scores (dS, through the
+            softcap) summed over the dims that bias broadcasts, accumulated in float32: the only N x N output.
+            A broadcast bias sums with float32 atomics, so deterministic=True refuses it.
 
     Returns:
-        (dq, dk, dv) in the inputs' dtype and layout. With grouped-query attention (k, v with fewer heads
-        than q), dk and dv hold each key/value head's gradient summed over the query heads that use it.
+        (dq, dk, dv) in the inputs' dtype and layout, and dbias (float32, shaped like bias) after them when
+        dbias is given. With grouped-query attention (k, v with fewer heads than q), dk and dv hold each
+        key/value head's gradient summed over the query heads that use it.
 
     Extra device memory: lse_log2 and delta (float32, batch*heads*seqlen_q each) and, unless
     deterministic, a float32 dq accumulator of batch*heads*seqlen_q*head_dim: O(N), never O(N^2).
@@ -146,23 +166,29 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
     """
     key = _BACKWARD.key(dout, q, k, v, out, lse, causal, softmax_scale, layout, deterministic, dq, dk, dv, window,
-                        alibi_slopes, softcap, dropout_p, seed, offset)
+                        alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
     plan = _plan.plans.get(key)
     if plan is not None:
         grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-                           offset)
-    p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv)
-    return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), key=key)
+                           offset, bias, mask, key_padding_mask)
+    p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
+    return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), key=key, dbias=_dbias_array(dbias))
+
+
+def _dbias_array(dbias):
+    """The preallocated dbias array of a call, or None (dbias False / True)."""
+    return None if dbias is None or isinstance(dbias, bool) else dbias
 
 
 # --- variable-length (packed) batches ----------------------------------------------------------------
 
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                              softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None,
-                             dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
+                             bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
+                             return_dropout_mask=False):
     """Fused attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
@@ -181,6 +207,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         window, alibi_slopes, softcap, dropout_p, seed, offset: as in `attention_forward`, per sequence
             (bottom-right aligned to each sequence's lengths); alibi_slopes (heads,) or (batch, heads) with
             batch = the number of sequences; sequence b draws the dropout stream of batch index b.
+        bias, mask, key_padding_mask: as in `attention_forward`, for scores of shape (batch, heads,
+            max_seqlen_q, max_seqlen_k) (key_padding_mask (batch, max_seqlen_k)): sequence b reads the top-left
+            (len_q(b), len_k(b)) corner of its (batch, head) slice.
         return_dropout_mask: also return a list of one bool (heads, len_q(b), len_k(b)) keep mask per sequence.
 
     Returns:
@@ -195,7 +224,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     """
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset)
+                                  softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
+                                  bias, mask, key_padding_mask)
     masks = ()
     if return_mask:  # sequence b's mask is the top-left corner of batch index b's (the stream ignores lengths)
         masks = (_families.varlen_dropout_masks(a, cu_seqlens_q, cu_seqlens_k),)
@@ -204,8 +234,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
-                     softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                     seed=None, offset=0, return_dropout_mask=False):
+                     softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None, bias=None,
+                     mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
     """`attention_varlen_forward` returning only o (total_q, heads, head_dim) (and the dropout masks with
     return_dropout_mask).
 
@@ -216,15 +246,16 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     out = attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                    softmax_scale=softmax_scale, check_inputs=check_inputs, window=window,
-                                   alibi_slopes=alibi_slopes, softcap=softcap, dropout_p=dropout_p, seed=seed,
-                                   offset=offset, return_dropout_mask=return_dropout_mask)
+                                   alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask,
+                                   key_padding_mask=key_padding_mask, dropout_p=dropout_p, seed=seed, offset=offset,
+                                   return_dropout_mask=return_dropout_mask)
     return (out[0], out[2]) if return_dropout_mask else out[0]
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
-                              check_inputs=True, window=None, alibi_slopes=None, softcap=None, dropout_p=0.0,
-                              seed=None, offset=0):
+                              check_inputs=True, window=None, alibi_slopes=None, softcap=None, bias=None, dbias=False,
+                              mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0):
     """Gradients of `attention_varlen_forward` with respect to q, k and v.
 
     Args:
@@ -233,20 +264,24 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, check_inputs:
             as given to the forward; out, lse: its outputs (lse float32 (heads, total_q)).
         deterministic, dq, dk, dv: as in `attention_backward` (preallocated outputs packed like q, k, v).
-        window, alibi_slopes, softcap, dropout_p, seed, offset: the forward's score modifiers, as given to it.
+        window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset: the forward's score
+            modifiers, as given to it.
+        dbias: as in `attention_backward` (shaped like bias; the corners no sequence reaches stay 0).
 
     Returns:
-        (dq, dk, dv) packed like q, k, v (dk, dv summed over the query heads of a group with GQA). Rows of
-        zero-length sequences do not exist; a query that sees no key gets dq = 0.
+        (dq, dk, dv) packed like q, k, v (dk, dv summed over the query heads of a group with GQA), and dbias
+        after them when asked for. Rows of zero-length sequences do not exist; a query that sees no key gets dq = 0.
 
     Example:
         >>> o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 257, 257, causal=True)
         >>> dq, dk, dv = cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu, cu, 257, 257, causal=True)
     """
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                  softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset)
-    p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv)
-    return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+                                  softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
+                                  bias, mask, key_padding_mask)
+    p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
+    return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
+                              dbias=_dbias_array(dbias))
 
 
 # --- KV-cache decoding ----------------------------------------------------------------------------------

@@ -100,7 +100,9 @@ class Case:
 
     def mod_options(self, rng=None) -> dict:
         """cuflash keyword arguments of the case's modifiers: window (37, 5), ALiBi slopes (heads,) in [0, 0.3)
-        (random with rng, else None as a placeholder), softcap 20, dropout 0.17 with a seed from the name."""
+        (random with rng, else None as a placeholder), softcap 20, dropout 0.17 with a seed from the name, a bias
+        (1, seqlen_q, seqlen_k) shared by the heads (its gradient sums over them: atomics) and a mask
+        (seqlen_q, seqlen_k) keeping 90 % of the pairs (NumPy arrays with rng, else None)."""
         kw = {}
         if self.mods & config.MOD_WINDOW:
             kw["window"] = (37, 5)
@@ -110,6 +112,10 @@ class Case:
             kw["softcap"] = 20.0
         if self.mods & config.MOD_DROPOUT:
             kw.update(dropout_p=0.17, seed=zlib.crc32(self.name.encode()), offset=3)
+        if self.mods & config.MOD_BIAS:
+            kw["bias"] = None if rng is None else rng.standard_normal((1, self.seqlen_q, self.seqlen_k))
+        if self.mods & config.MOD_MASK:
+            kw["mask"] = None if rng is None else rng.random((self.seqlen_q, self.seqlen_k)) < 0.9
         return kw
 
     @property
@@ -142,7 +148,7 @@ class Case:
 
 
 _MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (config.MOD_SOFTCAP, "softcap"),
-              (config.MOD_DROPOUT, "dropout"))
+              (config.MOD_DROPOUT, "dropout"), (config.MOD_BIAS, "bias"), (config.MOD_MASK, "mask"))
 
 
 def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0,
@@ -345,12 +351,15 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
 
     q32, k32, v32, do32 = (bshd32(x) for x in (q, k, v, dout))
     if case.mods:
+        import numpy as np
+
         from . import philox
         from . import reference as ref
 
         kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
-        if "alibi_slopes" in mods:
-            kw["alibi_slopes"] = cp.asnumpy(mods["alibi_slopes"])
+        for n in ("alibi_slopes", "bias", "mask"):
+            if n in mods:
+                kw[n] = cp.asnumpy(mods[n]).astype(np.float64 if n == "bias" else bool)
         if "dropout_p" in mods:
             kw.update(dropout_p=mods["dropout_p"], dropout_mask=philox.dropout_mask(
                 case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"], mods["seed"], mods["offset"]))
@@ -359,6 +368,8 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
         o_lowp = cp.asarray(ref.attention_lowp(*h32[:3], case.dtype, case.causal, **kw))
         g64 = [cp.asarray(x) for x in ref.attention_backward64(h32[3], *h32[:3], case.causal, **kw)]
         glowp = [cp.asarray(x) for x in ref.attention_backward_lowp(h32[3], *h32[:3], case.dtype, case.causal, **kw)]
+        if "bias" in kw:  # dbias (float32, shaped like the bias) after dq, dk, dv of the atomic mode
+            rule_dbias = (grads_atomic[3], g64[3], glowp[3])
     else:
         o64, lse64 = _xpref.attention_forward64(q32, k32, v32, case.causal)
         o_lowp = _xpref.attention_lowp(q32, k32, v32, case.dtype, case.causal)
@@ -383,6 +394,12 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
     for mode, grads in (("", grads_atomic), ("det ", grads_det)):
         for name, g, ref, low in zip(("dq", "dk", "dv"), grads, g64, glowp):
             rule(mode + name, g, ref, low, 3)
+    if case.mods & config.MOD_BIAS:
+        got, want, low = rule_dbias
+        err = float(cp.abs(got - want).max()) if got.size else 0.0
+        bound = 3 * (float(cp.abs(low - want).max()) if got.size else 0.0) + 1e-5
+        if not err <= bound:
+            problems.append(f"dbias: {err:.3e} > {bound:.3e}")
     return problems
 
 
@@ -517,16 +534,23 @@ def run_case(case: Case, verify: bool) -> dict:
     mods = case.mod_options(rng)
     if mods.get("alibi_slopes") is not None:
         mods["alibi_slopes"] = cp.asarray(mods["alibi_slopes"], dtype=cp.float32)
+    if mods.get("bias") is not None:
+        mods["bias"] = cp.asarray(mods["bias"], dtype=cp.float32)
+    if mods.get("mask") is not None:
+        mods["mask"] = cp.asarray(mods["mask"])
     want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
     o, lse, *mask = attention_forward(q, k, v, causal=case.causal, layout=case.layout, return_dropout_mask=want_mask,
                                       **mods)
-    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods)
+    with_dbias = {"dbias": True} if "bias" in mods else {}  # atomics: the bias is shared by the heads
+    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods, **with_dbias)
     grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, deterministic=True,
                                    **mods)
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
     outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2],
                "dq_det": grads_det[0], "dk_det": grads_det[1], "dv_det": grads_det[2]}
+    if with_dbias:
+        outputs["dbias_atomic"] = grads[3]
     problems = []
     for name, x in outputs.items():
         problems += _host_problems(name, x, is_lse=(name == "lse"))
@@ -539,8 +563,9 @@ def run_case(case: Case, verify: bool) -> dict:
                                        mods["seed"], mods["offset"])
             if not np.array_equal(cp.asnumpy(mask[0]), want):
                 problems.append("dropout mask differs from cuflash.philox")
-    # dq of the default mode is accumulated with fp32 atomics: not bitwise reproducible, so not compared
-    digests = {name: _digest(x) for name, x in outputs.items() if name != "dq_atomic"}
+    # dq (and a shared bias's dbias) of the default mode is accumulated with fp32 atomics: not bitwise
+    # reproducible, so not compared
+    digests = {name: _digest(x) for name, x in outputs.items() if not name.endswith("_atomic")}
     return {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}
 
 

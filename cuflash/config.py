@@ -21,19 +21,23 @@ import os
 
 DTYPES = ("fp16", "bf16")
 # Score modifiers (cuda/mods.cuh): bits of the kernels' MODS template argument. The plain path is MODS = 0.
-MOD_WINDOW, MOD_ALIBI, MOD_SOFTCAP, MOD_DROPOUT = 1, 2, 4, 8
-MODS_ALL = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT
-# The modifier sets the compile check builds for every kernel (beside MODS = 0): all of them, and all but
-# the window for causal kernels (a window carries causal itself, as right = 0). Each adds state and
-# instructions to the same spots of a mainloop, so these are the register-heaviest instantiations.
+MOD_WINDOW, MOD_ALIBI, MOD_SOFTCAP, MOD_DROPOUT, MOD_BIAS, MOD_MASK = 1, 2, 4, 8, 16, 32
+MODS_ALL = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_BIAS | MOD_MASK
+# Modifiers that the plain / causal tiles hold: the window (a band, like causal). A boolean mask reads a byte per
+# score and keeps its address state: on the plain tiles it spilled 4-224 bytes (NVRTC 13.5), so it is heavy.
+MODS_LIGHT = MOD_WINDOW
+# The modifier sets the compile check builds for every kernel (beside MODS = 0): the window alone on the plain /
+# causal tiles, and all of them (all but the window for causal kernels: a window carries causal itself, as
+# right = 0) on the heavy tiles. Each adds state and instructions to the same spots of a mainloop, so these are
+# the register-heaviest instantiations of each tile table.
 MODS_CHECKED = {False: (MOD_WINDOW, MODS_ALL), True: (MODS_ALL & ~MOD_WINDOW,)}
 
 
 def heavy_mods(mods: int) -> bool:
-    """Modifiers with per-element state or work beyond a mask (ALiBi, softcap, dropout): their kernels take
-    the *_MODS tile tables, whose smaller key tiles leave registers for it (a window alone masks like
-    causal and takes the causal tiles)."""
-    return bool(mods & ~MOD_WINDOW)
+    """Modifiers with per-element state or work beyond a band (ALiBi, softcap, dropout, bias, mask): their
+    kernels take the *_MODS tile tables, whose smaller key tiles leave registers for it (a window alone masks
+    like causal and takes the causal tiles)."""
+    return bool(mods & ~MODS_LIGHT)
 
 
 def check_mods(mods: int, causal: bool) -> int:
@@ -593,10 +597,12 @@ SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>=
 # With ALiBi / softcap / dropout (heavy_mods): see FWD_TILES_MODS. The plain tiles spilled 20-164 bytes at
 # head dims 96, 128 and 192 with every modifier on; smaller key groups (d_split) leave the registers.
 BWD_TILES_MODS = {**BWD_TILES,
-                  96: (32, 64, 4, 1),   # 240-245 registers (power-of-two threads: tiles.cuh's copies)
-                  128: (32, 64, 8, 2),  # 204-207 registers
-                  192: (32, 16, 4, 4)}  # 213-243 registers
-DQ_TILES_MODS = dict(DQ_TILES)
+                  96: (32, 32, 4, 2),   # 217-230 registers; (32, 64, 4, 1) spilled 8 bytes causal with bias and mask
+                  128: (32, 64, 8, 2)}  # 204-207 registers
+# (192 keeps its plain tiles: 227-236 registers with every modifier; (32, 16, 4, 4) spilled 8 bytes causal
+# deterministic once bias and mask were modifiers, NVRTC 13.5)
+DQ_TILES_MODS = {**DQ_TILES,
+                 32: (128, 16, 8)}  # 124 registers; (128, 32, 8) spilled 32 bytes at 128 with bias and mask
 
 
 def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdConfig:

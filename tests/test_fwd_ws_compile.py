@@ -97,14 +97,14 @@ def test_plain_path_keeps_its_work(cfg):
 
 
 def test_params_layout_matches_the_kernel():
-    # cuda/fwd_sm90_ws.cuh static_asserts the same numbers (offsets 0, 128, 256, 384; 768 bytes)
+    # cuda/fwd_sm90_ws.cuh static_asserts the same numbers (offsets 0, 128, 256, 384; 896 bytes)
     import ctypes
 
-    assert ctypes.sizeof(_tma.FwdWsParams) == 768
+    assert ctypes.sizeof(_tma.FwdWsParams) == 896
     assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd")] == [0, 128, 256, 384]
-    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 328
+    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 496
     src = (_compile.cuda_dir() / "fwd_sm90_ws.cuh").read_text()
-    assert "sizeof(FwdWsParams) == 768" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 328" in src
+    assert "sizeof(FwdWsParams) == 896" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 496" in src
 
 
 def test_config_names_and_shared_memory():
@@ -113,7 +113,7 @@ def test_config_names_and_shared_memory():
     assert cfg.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 128, 2, true, cuflash::bf16>, "
                               "true, 0>")
     assert ws_kernel(128, "bf16", False, config.MODS_ALL).cpp_name() == (
-        "cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 96, 3, true, cuflash::bf16>, false, 15>")
+        "cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 96, 3, true, cuflash::bf16>, false, 63>")
     assert cfg.threads == 384 and cfg.grid(2, 3, 257) == (3, 3, 2)
     # Q 32 KB + 2 stages x (K + V) 32 KB each + 9 mbarriers + 1 KB alignment slack
     assert cfg.smem_bytes == 32768 + 4 * 32768 + 72 + 1024

@@ -309,7 +309,8 @@ def test_replaced_kernel_table_or_full_cache_drops_plans(monkeypatch):
     q, k, v = qkv()
     cuflash.attention(q, k, v)
     monkeypatch.setattr(_launch, "_kernels", {})  # what a test that counts kernel loads does
-    assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, 0.0, None, 0, False)) is None
+    assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, 0.0, None, 0,
+                                            False)) is None
     small = _plan.PlanCache(size=3)
     for i in range(5):
         small.put(i, types_plan())
@@ -417,7 +418,7 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     "check_inputs": False,
     # score modifiers: calls with any of them are not planned (the key is None)
     "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
-    "return_dropout_mask": True,
+    "return_dropout_mask": True, "bias": "bias", "mask": "mask", "key_padding_mask": "kpm", "dbias": True,
 }
 
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from cuflash import config
 
-# d256 with heavy score modifiers has no pingpong variant: with it, block_n 32 kept 4-8 bytes on the stack
-# (config.FWD_SM90_WS_TILES_MODS)
-WS_NO_PINGPONG_MODS = (256,)
+# d64 and d256 with heavy score modifiers have no pingpong variant: with it, d256 block_n 32 kept 4-8 bytes on the
+# stack, and d64 block_n 128 8 bytes once the bias and the mask were modifiers (NVRTC 13.5); the library runs both
+# without it (config.FWD_SM90_WS_TILES_MODS)
+WS_NO_PINGPONG_MODS = (64, 256)
 
 
 def ws_kernel(head_dim: int, dtype: str, causal: bool, mods: int = 0, pingpong: bool = True) -> config.FwdSm90WsConfig:

@@ -16,7 +16,7 @@
 #   sanitize_mma  the same with CUFLASH_KERNELS=mma
 #   sweep         the 2000-configuration gpu_slow sweep
 #   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
-#   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen
+#   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen; bench_bias: --bias $BIAS_ARGS
 #   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
 #   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
@@ -93,6 +93,9 @@ stage_reliability() {  # the sanitizers (both kernel families, one after the oth
   wait
 }
 stage_bench_decode() { TAIL=30 run_logged bench_decode "${DECODE_TIMEOUT:-240}" $PY -m cuflash.bench --decode ${DECODE_ARGS:-}; }
+stage_bench_bias() {
+  TAIL=40 run_logged bench_bias "${BIAS_TIMEOUT:-400}" $PY -m cuflash.bench --bias ${BIAS_ARGS:-} --json "$OUT/bench_bias.json"
+}
 stage_bench_varlen() { TAIL=12 run_logged bench_varlen 180 $PY -m cuflash.bench --varlen; }
 stage_ncu() {
   TAIL=3 run_logged ncu "${NCU_TIMEOUT:-500}" $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" \

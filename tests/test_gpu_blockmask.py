@@ -1,0 +1,150 @@
+"""BlockMask on the GPU: the tile states it computes (against NumPy), and attention with a BlockMask against the same
+mask passed as a plain bool array, which tests/test_gpu_bias.py checks against the float64 reference. Skipping the
+tiles a mask empties and not reading the mask on tiles it keeps whole changes no arithmetic (a fully masked tile adds
+exp2(-inf) = 0 to every sum and leaves every maximum), so the outputs must be equal, not just close."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+from cuflash import blockmask, config  # noqa: E402
+from gpu_helpers import make_input, poison_pool, round_up, seed_of  # noqa: E402
+from test_gpu_bias import check_dense, padding_mask  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def block_pattern(shape, seed: int, block=(64, 64), keep: float = 0.2, partial: float = 0.3):
+    """Bool CuPy mask of `block` blocks: a fraction `keep` of the blocks kept, a fraction `partial` of those with
+    random holes (partial tiles), the rest dropped whole."""
+    rng = np.random.default_rng(seed)
+    *lead, sq, sk = shape
+    nb = (*lead, -(-sq // block[0]), -(-sk // block[1]))
+    kept = rng.random(nb) < keep
+    holes = rng.random(nb) < partial
+    expand = lambda x: np.repeat(np.repeat(x, block[0], axis=-2), block[1], axis=-1)[..., :sq, :sk]  # noqa: E731
+    m = expand(kept) & ~(expand(holes) & (rng.random(shape) < 0.3))
+    return cp.asarray(m)
+
+
+def numpy_states(mask: np.ndarray, bm: int, bn: int) -> np.ndarray:
+    m = mask.reshape((1,) * (4 - mask.ndim) + mask.shape)
+    b, h, sq, sk = m.shape
+    tm, tn = (1 if sq == 1 else bm), (1 if sk == 1 else bn)
+    out = np.zeros((b, h, -(-sq // tm), -(-sk // tn)), np.uint8)
+    for i in range(out.shape[2]):
+        for j in range(out.shape[3]):
+            t = m[:, :, i * tm:(i + 1) * tm, j * tn:(j + 1) * tn]
+            out[:, :, i, j] = np.where(t.all(axis=(2, 3)), 2, np.where(t.any(axis=(2, 3)), 1, 0))
+    return out
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 300, 517), (1000, 1000), (2, 1, 1, 700), (1, 4, 129, 1)])
+@pytest.mark.parametrize("tile", [(128, 192), (128, 96), (64, 128)])
+def test_tile_states_match_numpy(shape, tile):
+    m = block_pattern(shape, seed_of("states", shape, tile), keep=0.5) if shape[-2] > 1 and shape[-1] > 1 else \
+        cp.asarray(np.random.default_rng(1).random(shape) < 0.5)
+    got = cp.asnumpy(cuflash.BlockMask(m).tile_map(*tile, shape[-2], shape[-1]))
+    assert np.array_equal(got, numpy_states(cp.asnumpy(m), *tile))
+
+
+def test_tile_maps_are_computed_once_per_tile_shape():
+    bm = cuflash.BlockMask(cp.ones((256, 256), dtype=cp.bool_))
+    a = bm.tile_map(128, 128, 256, 256)
+    assert bm.tile_map(128, 128, 256, 256) is a
+    assert bm.tile_map(128, 64, 256, 256) is not a
+    assert int(a.min()) == blockmask.TILE_FULL
+
+
+def test_blockmask_rejects_non_bool():
+    with pytest.raises(TypeError, match="mask.dtype=uint8"):
+        cuflash.BlockMask(cp.ones((4, 4), dtype=cp.uint8))
+
+
+def compare(b, sq, sk, hq, hkv, d, dtype, mask_shape, *, causal=False, window=None, bias=False, padding=False,
+            block=(64, 64), keep=0.2):
+    """The reference check of the plain-mask call (check_dense), then the BlockMask call equal to it."""
+    seed = seed_of("blockmask", b, sq, sk, hq, hkv, d, dtype, mask_shape, causal, window, bias, padding, block, keep)
+    q = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed)
+    k = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 1)
+    v = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 2)
+    dout = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed + 3)
+    m = block_pattern(mask_shape, seed + 4, block, keep)
+    extra = {}
+    if bias:
+        extra["bias"] = cp.asarray(np.random.default_rng(seed + 5).standard_normal((hq, sq, sk)), dtype=cp.float32)
+    if padding:
+        extra["key_padding_mask"] = padding_mask(b, sk, seed + 6)
+    mods = {"window": window} if window is not None else None
+    what = f"B={b} Sq={sq} Sk={sk} H={hq}/{hkv} D={d} {dtype} mask={mask_shape} causal={causal} window={window}"
+    o, lse, _, _ = check_dense(q, k, v, dout, dtype, what, causal=causal, mask=m, mods=mods, seed=seed,
+                               backward=False, **extra)
+    kw = dict(causal=causal, **({"window": window} if window is not None else {}), **extra)
+    poison_pool(round_up(q.nbytes) + round_up(b * hq * sq * 4))
+    o_bm, lse_bm = cuflash.attention_forward(q, k, v, mask=cuflash.BlockMask(m), **kw)
+    assert bool((o_bm == o).all()), f"o with a BlockMask differs from the plain mask's: {what}"
+    assert bool(((lse_bm == lse) | (cp.isinf(lse_bm) & cp.isinf(lse))).all()), f"lse differs: {what}"
+    # the backward reads the same mask through the BlockMask (deterministic: bitwise comparable)
+    g = cuflash.attention_backward(dout, q, k, v, o, lse, mask=m, deterministic=True, **kw)
+    g_bm = cuflash.attention_backward(dout, q, k, v, o, lse, mask=cuflash.BlockMask(m), deterministic=True, **kw)
+    for name, x, y in zip(("dq", "dk", "dv"), g, g_bm):
+        assert bool((x == y).all()), f"{name} with a BlockMask differs: {what}"
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+def test_head_dims(d, dtype):
+    compare(2, 700, 1100, 2, 2, d, dtype, (2, 2, 700, 1100))
+
+
+@pytest.mark.parametrize("mask_shape", [(1, 1, 1000, 1000), (1000, 1000), (2, 1, 1000, 1000), (1, 4, 1000, 1000)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_broadcast_masks(mask_shape):
+    compare(2, 1000, 1000, 4, 2, 128, "bf16", mask_shape)
+
+
+@pytest.mark.parametrize("block,keep", [((128, 128), 0.1), ((64, 64), 0.0), ((64, 64), 1.0), ((32, 256), 0.3)])
+def test_densities_and_block_shapes(block, keep):
+    compare(1, 1024, 2048, 2, 1, 64, "fp16", (1, 2, 1024, 2048), block=block, keep=keep)
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (False, (300, 40)), (True, (500, -1))],
+                         ids=["causal", "window", "causal+window"])
+def test_with_causal_and_window(causal, window):
+    compare(2, 900, 1300, 2, 2, 128, "bf16", (2, 2, 900, 1300), causal=causal, window=window)
+
+
+def test_with_bias_and_padding():
+    compare(2, 640, 640, 2, 1, 64, "bf16", (640, 640), bias=True)
+    compare(2, 640, 640, 2, 1, 64, "bf16", (640, 640), padding=True)  # the intersection: no tile map, still right
+
+
+def test_query_blocks_with_no_visible_tile():
+    """Every tile of some query blocks empty: those rows get o = 0, lse = -inf (the kernel's no-key path)."""
+    m = np.ones((512, 768), bool)
+    m[:256] = False
+    m = cp.asarray(m)
+    q, k, v = (make_input(1, n, 2, 128, "bf16", "bshd", "contiguous", seed_of("dead", n, i))
+               for i, n in enumerate((512, 768, 768)))
+    o, lse = cuflash.attention_forward(q, k, v, mask=cuflash.BlockMask(m))
+    assert bool((o[:, :256] == 0).all()) and bool(cp.isneginf(lse[:, :, :256]).all())
+    o2, lse2 = cuflash.attention_forward(q, k, v, mask=m)
+    assert bool((o == o2).all())
+
+
+def test_varlen_with_a_blockmask():
+    cu = cp.asarray([0, 300, 300, 1000], dtype=cp.int32)
+    q, k, v = (make_input(1, 1000, 2, 64, "fp16", "bshd", "contiguous", seed_of("varlen-bm", i))[0] for i in range(3))
+    m = block_pattern((3, 1, 700, 700), seed_of("varlen-bm-mask"), keep=0.4)
+    o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=m)
+    o_bm, lse_bm = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
+    assert bool((o == o_bm).all())
+
+
+def test_ws_family_reads_the_map():
+    """The warp-specialized forward is the family that takes the tile map (the others read the element mask)."""
+    cfg = config.select("forward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK)
+    assert isinstance(cfg, config.FwdSm90WsConfig) or config.KERNELS == "mma"
