@@ -3,6 +3,7 @@
     python -m cuflash.bench                                  # fwd, bf16 + fp16, D 64/128, causal and not, N 512..16k
     python -m cuflash.bench --backward --dtype bf16          # + bwd and fwd+bwd
     python -m cuflash.bench --seqlen 4096 --head-dim 128 --causal yes --json out.json --plot out.png
+    python -m cuflash.bench --bias                           # additive bias and its gradient (Evoformer, LLM)
 
 Shapes are the FlashAttention benchmark's: batch = 16384 // N, heads = 2048 // D (16k tokens, hidden 2048).
 FLOPs: fwd = 4 * B * H * N^2 * D, halved when causal; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
@@ -33,6 +34,25 @@ Variable length (--varlen): 16384 tokens in sequences of random lengths (uniform
 attention_varlen forward and backward against the dense call on the same sequences padded to N; both in
 useful-token TFLOP/s: 4 * H * D * sum_b L_b^2 (halved when causal), bwd 2.5 x that (check_inputs=False).
 
+Additive bias (--bias): attention with a bias added to the scores (bias=, and dbias=True in the backward),
+forward (fwd) and forward + backward with the bias's gradient (fwd+bwd), not causal, bf16 (--dtype fp16 too),
+against torch SDPA's memory-efficient backend given the same bias as attn_mask (sdpa-mem) and plain CuPy
+attention with the bias added (plain); same timing, FLOPs (4*B*H*S^2*D, fwd+bwd 3.5x; the bias add not counted)
+and input-set rotation as above. Two families (--bias-shapes):
+  evoformer  row attention with a pair bias: q (B0, N, L, H, D) folded to (B0*N, L, H, D), bias (B0, H, L, L)
+             shared by the N rows of each group (cuflash takes it as is: Bb = B0 divides the batch; SDPA gets
+             a stride-0 .expand view when B0 = 1, a copy otherwise). Default, B0 = 1, as N:L:H:D:
+             1024:256:8:32 256:256:4:32 512:512:8:32 512:512:4:32 128:768:8:32 768:768:4:32 512:256:8:64
+             512:512:4:64: MSA row attention (H 8) and triangle attention over an L x L pair representation
+             (N = L rows, H 4); --evoformer-shapes [B0:]N:L:H:D replaces them, --seqlen / --head-dim keep the
+             defaults with that L / D
+  llm        a full (B, H, N, N) bias: B = 16384 // N, H = 16, N = --seqlen (1024 2048 4096), D = --head-dim
+             (64 128); shapes whose bias + float32 dbias exceed --bias-max-gb (16) are skipped
+Reported per pass: ms, TFLOP/s, cuflash's speedup over sdpa-mem (time ratio), and each method's peak extra
+memory: device memory allocated during one call beyond the inputs, the bias and the dbias it returns (outputs
+o, lse, dq, dk, dv included): O(N) for cuflash, against the (B, H, S, S) score-sized buffers of the others.
+--deterministic: with a broadcast bias (evoformer) the API refuses dbias (its reduction uses atomics): skipped.
+
 Methods:
   cuflash        this library
   plain          "standard attention" of the paper in CuPy: S = QK^T, softmax, O = PV with cuBLAS matmuls,
@@ -41,6 +61,7 @@ Methods:
   sdpa-flash, sdpa-cudnn, sdpa-efficient
                  torch.nn.functional.scaled_dot_product_attention with one backend forced (when torch is
                  importable); a backend that raises is skipped with a note
+  sdpa-mem       (--bias) SDPA's memory-efficient backend with attn_mask = the bias (requires_grad for fwd+bwd)
 """
 from __future__ import annotations
 
@@ -399,12 +420,14 @@ def causal_bias(n: int, dtype):
 
 
 def plain_forward(q, k, v, causal: bool, scale: float, bias):
-    """Standard attention on (B, H, N, D) arrays: S = scale Q K^T, P = softmax(S), O = P V. Returns (O, P)."""
+    """Standard attention on (..., N, D) arrays (B, H, N, D): S = scale Q K^T [+ bias], P = softmax(S), O = P V.
+    bias: None, or an additive term broadcast onto S: the causal mask (causal=True) or an attention bias.
+    Returns (O, P)."""
     import cupy as cp
 
-    s = cp.matmul(q, k.transpose(0, 1, 3, 2))  # (B, H, N, N) in HBM
+    s = cp.matmul(q, k.swapaxes(-1, -2))  # (B, H, N, N) in HBM
     s *= s.dtype.type(scale)
-    if causal:
+    if bias is not None:
         s += bias
     s -= s.max(axis=-1, keepdims=True)
     cp.exp(s, out=s)
@@ -412,20 +435,20 @@ def plain_forward(q, k, v, causal: bool, scale: float, bias):
     return cp.matmul(s, v), s
 
 
-def plain_backward(dout, q, k, v, o, p, scale: float):
+def plain_backward(dout, q, k, v, o, p, scale: float, return_ds: bool = False):
     """Standard attention backward from the saved P: dV = P^T dO, dP = dO V^T, dS = P * (dP - rowsum(dO*O)),
-    dQ = scale dS K, dK = scale dS^T Q."""
+    dQ = scale dS K, dK = scale dS^T Q. With return_ds, also dS (the gradient of S, so of an additive bias)."""
     import cupy as cp
 
-    dv = cp.matmul(p.transpose(0, 1, 3, 2), dout)
-    dp = cp.matmul(dout, v.transpose(0, 1, 3, 2))
+    dv = cp.matmul(p.swapaxes(-1, -2), dout)
+    dp = cp.matmul(dout, v.swapaxes(-1, -2))
     dp -= (dout.astype(cp.float32) * o.astype(cp.float32)).sum(axis=-1, keepdims=True).astype(dp.dtype)
     dp *= p  # dS
     dq = cp.matmul(dp, k)
     dq *= dq.dtype.type(scale)
-    dk = cp.matmul(dp.transpose(0, 1, 3, 2), q)
+    dk = cp.matmul(dp.swapaxes(-1, -2), q)
     dk *= dk.dtype.type(scale)
-    return dq, dk, dv
+    return (dq, dk, dv, dp) if return_ds else (dq, dk, dv)
 
 
 def bench_plain(shape: Shape, args, out: list):
@@ -516,17 +539,20 @@ def bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, to
                             peak_mem_bytes=mem))
 
 
-def run_method(name, fn, shape, records, backward: bool, torch=None):
+def run_method(name, fn, shape, records, backward: bool, torch=None, passes=None):
     """Run one method's measurements; an error (out of memory, a backend that cannot run the shape)
-    becomes a skipped row with a note for each pass not measured, instead of ending the benchmark."""
+    becomes a skipped row with a note for each pass not measured, instead of ending the benchmark.
+    passes: the passes fn measures (default: fwd, and bwd and fwd+bwd when backward)."""
     t0 = time.perf_counter()
     before = len(records)
+    if passes is None:
+        passes = ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",)
     try:
         fn()
     except Exception as e:  # noqa: BLE001 - reported, never silent
-        why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
+        why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
         done = {r.passname for r in records[before:]}
-        missing = [p for p in (("fwd", "bwd", "fwd+bwd") if backward else ("fwd",)) if p not in done]
+        missing = [p for p in passes if p not in done]
         print(f"    note: {name} {'/'.join(missing)} skipped for {shape}: {why}")
         records.extend(shape.record(name, p, note=f"skipped: {why}") for p in missing)
     finally:
@@ -668,14 +694,15 @@ def copy_ceiling_gbps(args) -> float:
     import cupy as cp
 
     src = cp.ones(COPY_BYTES // 4, dtype=cp.float32)
-    dst = cp.empty_like(src)
+    bufs = {"src": src, "dst": cp.empty_like(src)}  # cleared below: the closure holds no array after
+    del src
 
     def copy(_):
-        cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES, cp.cuda.runtime.memcpyDeviceToDevice,
-                                    cp.cuda.get_current_stream().ptr)
+        cp.cuda.runtime.memcpyAsync(bufs["dst"].data.ptr, bufs["src"].data.ptr, COPY_BYTES,
+                                    cp.cuda.runtime.memcpyDeviceToDevice, cp.cuda.get_current_stream().ptr)
 
     ms = median_ms(copy, 1, CupyEvents(), args.reps, args.warmup)
-    del src, dst
+    bufs.clear()
     free_memory()
     return 2 * COPY_BYTES / ms / 1e6
 
@@ -941,6 +968,342 @@ def run_varlen(args) -> list:
     return records
 
 
+# --- additive bias: cuflash with bias= and dbias against SDPA's memory-efficient backend and plain attention ------
+
+BIAS_METHODS = ("cuflash", "sdpa-mem", "plain")
+BIAS_PASSES = ("fwd", "fwd+bwd")
+BIAS_FAMILIES = ("evoformer", "llm")
+# (B0, N, L, H, D): q (B0, N, L, H, D) folded to (B0*N, L, H, D), the pair bias (B0, H, L, L) shared by N rows.
+# MSA row attention (N MSA rows, H 8) and triangle attention (the N = L rows of an L x L pair representation, H 4).
+EVOFORMER_SHAPES = ((1, 1024, 256, 8, 32), (1, 256, 256, 4, 32), (1, 512, 512, 8, 32), (1, 512, 512, 4, 32),
+                    (1, 128, 768, 8, 32), (1, 768, 768, 4, 32), (1, 512, 256, 8, 64), (1, 512, 512, 4, 64))
+LLM_BIAS_SEQLENS = (1024, 2048, 4096)
+LLM_BIAS_HEAD_DIMS = (64, 128)
+LLM_BIAS_HEADS = 16
+BIAS_MAX_GB = 16.0
+
+
+@dataclass
+class BiasRecord:
+    method: str  # "cuflash" | "sdpa-mem" | "plain"
+    passname: str  # "fwd" | "fwd+bwd" (with dbias)
+    family: str  # "evoformer" | "llm"
+    dtype: str
+    batch: int  # B: the attention's batch (evoformer: the B0*N folded rows)
+    bias_batch: int  # Bb: the bias's batch (evoformer: B0, each shared by B // Bb rows; llm: B)
+    seqlen: int  # S = Sq = Sk (evoformer: L)
+    heads: int
+    head_dim: int
+    bias_bytes: int  # the bias, (Bb, H, S, S) in 16 bits
+    ms: float | None = None
+    tflops: float | None = None
+    peak_mem_bytes: int | None = None  # allocated during one call (outputs included)
+    extra_mem_bytes: int | None = None  # peak_mem_bytes less the dbias the call returns
+    compute_dtype: str | None = None  # plain bf16 computed in fp16
+    note: str = ""
+
+
+@dataclass
+class BiasShape:
+    family: str
+    dtype: str
+    batch: int
+    bias_batch: int
+    seqlen: int
+    heads: int
+    head_dim: int
+    skip: str = ""  # "skipped: why" for a shape over the memory cap
+
+    @property
+    def rows(self) -> int:
+        """N: the rows (sequences of the batch) that share one bias batch entry."""
+        return self.batch // self.bias_batch
+
+    def bias_dims(self) -> tuple:
+        return (self.bias_batch, self.heads, self.seqlen, self.seqlen)
+
+    def bias_bytes(self, itemsize: int = 2) -> int:
+        return math.prod(self.bias_dims()) * itemsize
+
+    def flops(self, passname: str) -> float:
+        """4 * B * H * S^2 * D (the bias add not counted), times the pass's factor (fwd+bwd: 3.5)."""
+        return 4.0 * self.batch * self.heads * self.seqlen * self.seqlen * self.head_dim * PASS_FLOP_FACTOR[passname]
+
+    def record(self, method, passname, **kw) -> BiasRecord:
+        return BiasRecord(method, passname, self.family, self.dtype, self.batch, self.bias_batch, self.seqlen,
+                          self.heads, self.head_dim, self.bias_bytes(), **kw)
+
+    def __str__(self):
+        bias = f"bias ({self.bias_batch}, {self.heads}, {self.seqlen}, {self.seqlen})"
+        if self.family == "evoformer":
+            return (f"evoformer {self.dtype} B0*N={self.bias_batch}*{self.rows} L={self.seqlen} H={self.heads} "
+                    f"D={self.head_dim}, {bias}")
+        return f"{self.family} {self.dtype} B={self.batch} N={self.seqlen} H={self.heads} D={self.head_dim}, {bias}"
+
+
+def parse_evoformer(text: str) -> tuple:
+    """"N:L:H:D" or "B0:N:L:H:D" -> (B0, N, L, H, D) (B0 = 1 when left out)."""
+    try:
+        dims = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        dims = ()
+    if len(dims) not in (4, 5):
+        raise argparse.ArgumentTypeError(f"evoformer shape {text!r}: expected [B0:]N:L:H:D, e.g. 512:256:8:32")
+    b0, n, l, h, d = dims if len(dims) == 5 else (1, *dims)
+    if min(b0, n, l, h, d) < 1:
+        raise argparse.ArgumentTypeError(f"evoformer shape {text!r}: every size must be >= 1")
+    if d < 8 or d > 256 or d % 8:
+        raise argparse.ArgumentTypeError(f"evoformer shape {text!r}: D must be a multiple of 8 from 8 to 256")
+    return b0, n, l, h, d
+
+
+def bias_shapes(families, dtypes, seqlens=None, head_dims=None, evoformer=None, max_gb: float = BIAS_MAX_GB):
+    """The --bias shapes, per dtype: the evoformer list (`evoformer` as given, else EVOFORMER_SHAPES with L in
+    `seqlens` and D in `head_dims` when those are given), then the llm shapes (N in seqlens, D in head_dims,
+    defaults LLM_BIAS_SEQLENS and LLM_BIAS_HEAD_DIMS), those whose bias + float32 dbias exceed max_gb marked."""
+    out = []
+    for dtype in dtypes:
+        if "evoformer" in families:
+            for b0, n, l, h, d in evoformer if evoformer is not None else EVOFORMER_SHAPES:
+                if evoformer is None and ((seqlens and l not in seqlens) or (head_dims and d not in head_dims)):
+                    continue
+                out.append(BiasShape("evoformer", dtype, b0 * n, b0, l, h, d))
+        if "llm" in families:
+            for d in head_dims or LLM_BIAS_HEAD_DIMS:
+                for n in seqlens or LLM_BIAS_SEQLENS:
+                    shape = BiasShape("llm", dtype, TOKENS // n, TOKENS // n, n, LLM_BIAS_HEADS, d)
+                    gb = shape.bias_bytes(2 + 4) / 1e9
+                    if gb > max_gb:
+                        shape.skip = f"skipped: bias + float32 dbias {gb:.1f} GB > --bias-max-gb {max_gb:g}"
+                    out.append(shape)
+    return out
+
+
+def bias_inputs(shape: BiasShape, dtype: str, layout: str, n_sets: int, seed: int):
+    """n_sets tuples (q, k, v, dout, bias): cupy_inputs' four arrays and a standard-normal (Bb, H, S, S) bias."""
+    import cupy as cp
+
+    from . import _xpref
+
+    rng = cp.random.RandomState(seed + 1)
+    return [s + (_xpref.to_lowp(rng.standard_normal(shape.bias_dims(), dtype=cp.float32), dtype),)
+            for s in cupy_inputs(shape, dtype, layout, n_sets, True, seed)]
+
+
+def bias_n_sets(shape: BiasShape) -> int:
+    return n_input_sets(4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2 + shape.bias_bytes())
+
+
+def bench_cuflash_bias(shape: BiasShape, args, out: list, torch=None):
+    import cuflash
+
+    n_sets = bias_n_sets(shape)
+    sets = bias_inputs(shape, shape.dtype, "bshd", n_sets, seed=shape.seqlen + shape.batch)
+    events, deterministic = CupyEvents(), args.deterministic
+
+    def fwd(i):
+        q, k, v, _, bias = sets[i]
+        return cuflash.attention(q, k, v, bias=bias)
+
+    def fwd_bwd(i):
+        q, k, v, dout, bias = sets[i]
+        o, lse = cuflash.attention_forward(q, k, v, bias=bias)
+        return cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, dbias=True, deterministic=deterministic)
+
+    for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(4))):  # dbias: float32
+        ms = median_ms(call, n_sets, events, args.reps, args.warmup)
+        free_memory()  # the timed calls' cached blocks: not in the way of the measured call
+        mem = cupy_peak_bytes(lambda c=call: c(0))
+        out.append(shape.record("cuflash", p, ms=ms, tflops=shape.flops(p) / ms / 1e9, peak_mem_bytes=mem,
+                                extra_mem_bytes=mem - dbias_bytes,
+                                note="deterministic" if deterministic and p != "fwd" else ""))
+
+
+def expand_bias(bias, batch: int):
+    """The torch bias (Bb, H, S, S) as the (B, H, S, S) attn_mask of a batch of `batch`: batch b uses bias
+    b // (B // Bb). A stride-0 view for Bb = 1 (and Bb = B: the bias itself); a copy for 1 < Bb < B (no strides
+    give b // N)."""
+    bb = bias.shape[0]
+    if bb in (1, batch):
+        return bias.expand(batch, -1, -1, -1)
+    return bias[:, None].expand(bb, batch // bb, *bias.shape[1:]).reshape(batch, *bias.shape[1:])
+
+
+def bench_sdpa_bias(shape: BiasShape, args, out: list, torch):
+    import cupy as cp
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    n_sets = bias_n_sets(shape)
+    sets = bias_inputs(shape, shape.dtype, "bshd", n_sets, seed=shape.seqlen + shape.batch)
+    cp.cuda.Device().synchronize()
+    # torch views of the same memory (DLPack, no copy) as autograd leaves: q, k, v and the bias (its gradient is
+    # computed in fwd+bwd); SDPA wants (B, H, S, D): transposed views
+    leaves = [[to_torch(x, torch).detach().requires_grad_() for x in (q, k, v, bias)] for q, k, v, _, bias in sets]
+    douts = [to_torch(s[3], torch).transpose(1, 2) for s in sets]
+    note = "bias copied to (B, H, S, S) (1 < B0 < B: no broadcast view)" if 1 < shape.bias_batch < shape.batch else ""
+    events, batch = TorchEvents(), shape.batch
+
+    def sdpa(i):
+        q, k, v, bias = leaves[i]
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              attn_mask=expand_bias(bias, batch))
+
+    def fwd(i):
+        with torch.no_grad():
+            return sdpa(i)
+
+    def fwd_bwd(i):
+        return torch.autograd.grad(sdpa(i), leaves[i], douts[i])  # dq, dk, dv, dbias (in the bias's dtype)
+
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # entered once, outside the timed calls
+        for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(2))):
+            ms = median_ms(call, n_sets, events, args.reps, args.warmup)
+            mem = torch_peak_bytes(lambda c=call: c(0))
+            out.append(shape.record("sdpa-mem", p, ms=ms, tflops=shape.flops(p) / ms / 1e9, peak_mem_bytes=mem,
+                                    extra_mem_bytes=mem - dbias_bytes, note=note))
+
+
+def plain_bias_grad(ds):
+    """dbias from dS (Bb, N, H, S, S): summed over the N rows that share each bias entry (N = 1: dS itself)."""
+    return ds[:, 0] if ds.shape[1] == 1 else ds.sum(axis=1)
+
+
+def bench_plain_bias(shape: BiasShape, args, out: list, torch=None):
+    compute = plain_compute_dtype(shape.dtype)
+    note = f"computed in {compute}: CuPy cannot run it in {shape.dtype}" if compute != shape.dtype else ""
+    q, k, v, dout, bias = bias_inputs(shape, compute, "bhsd", 1, seed=shape.seqlen + shape.batch + 1)[0]
+    # (B, H, S, D) as (Bb, N, H, S, D) views, the bias as (Bb, 1, H, S, S): S = (Bb, N, H, S, S) gets its bias added
+    # by broadcasting, and dS summed over N is dbias (in the compute dtype, as autograd would give it)
+    q, k, v, dout = (x.reshape(shape.bias_batch, shape.rows, *x.shape[1:]) for x in (q, k, v, dout))
+    bias = bias[:, None]
+    scale = 1.0 / math.sqrt(shape.head_dim)
+    events = CupyEvents()
+    kw = dict(compute_dtype=compute if compute != shape.dtype else None, note=note)
+
+    def fwd(_):
+        return plain_forward(q, k, v, False, scale, bias)
+
+    def fwd_bwd(_):
+        o, p = plain_forward(q, k, v, False, scale, bias)
+        dq, dk, dv, ds = plain_backward(dout, q, k, v, o, p, scale, return_ds=True)
+        return dq, dk, dv, plain_bias_grad(ds)
+
+    for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(2))):
+        ms = median_ms(call, 1, events, args.reps, args.warmup)
+        free_memory()  # the timed calls' cached blocks: not in the way of the measured call
+        mem = cupy_peak_bytes(lambda c=call: c(0))
+        out.append(shape.record("plain", p, ms=ms, tflops=shape.flops(p) / ms / 1e9, peak_mem_bytes=mem,
+                                extra_mem_bytes=mem - dbias_bytes, **kw))
+
+
+BIAS_BENCH = {"cuflash": bench_cuflash_bias, "sdpa-mem": bench_sdpa_bias, "plain": bench_plain_bias}
+
+
+def bias_key(r: BiasRecord) -> tuple:
+    return (r.family, r.dtype, r.head_dim, r.seqlen, r.heads, r.batch, r.bias_batch)
+
+
+def bias_speedup(ours, sdpa):
+    """cuflash's speedup over sdpa-mem: sdpa-mem's time / cuflash's (None unless both ran)."""
+    return sdpa.ms / ours.ms if ours is not None and ours.ms and sdpa is not None and sdpa.ms else None
+
+
+def print_bias_table(records: list[BiasRecord], methods: list[str]):
+    short = {"cuflash": "cf", "sdpa-mem": "sdpa", "plain": "plain"}
+    passes = [p for p in BIAS_PASSES if any(r.passname == p and r.ms for r in records)]
+    index = {(r.method, r.passname) + bias_key(r): r for r in records}
+    keys = sorted({bias_key(r) for r in records})
+    for p in passes:
+        print(f"\nbias {p}: ms, TFLOP/s ({PASS_FLOP_FACTOR[p]:g} x 4*B*H*S^2*D), cuflash speedup over sdpa-mem "
+              f"(cf/sdpa), peak extra MiB beyond the inputs, bias and dbias; B = batch (evoformer: B0*N rows), "
+              f"Bb = bias batch; BHS^2 MiB: one (B, H, S, S) 16-bit score matrix")
+        head = (f"{'shape':<9} {'dtype':<5} {'B':>5} {'Bb':>5} {'S':>5} {'H':>3} {'D':>3} {'bias MiB':>8} "
+                f"{'BHS^2 MiB':>9} | " + " ".join(f"{'ms ' + short[m]:>10}" for m in methods) + " | "
+                + " ".join(f"{'TF ' + short[m]:>8}" for m in methods) + " | cf/sdpa | "
+                + " ".join(f"{'MiB ' + short[m]:>10}" for m in methods))
+        print(head)
+        print("-" * len(head))
+        for key in keys:
+            rows = [index.get((m, p) + key) for m in methods]
+            if not any(r is not None and r.ms for r in rows):
+                continue
+            family, dtype, d, s, h, b, bb = key
+            ms = [r.ms if r is not None else None for r in rows]
+            tf = [r.tflops if r is not None else None for r in rows]
+            mem = [r.extra_mem_bytes / 2**20 if r is not None and r.extra_mem_bytes is not None else None
+                   for r in rows]
+            ratio = bias_speedup(index.get(("cuflash", p) + key), index.get(("sdpa-mem", p) + key))
+            plain = index.get(("plain", p) + key)
+            mark = "*" if plain is not None and plain.compute_dtype else " "
+            print(f"{family:<9} {dtype:<5} {b:>5} {bb:>5} {s:>5} {h:>3} {d:>3} {bb * h * s * s * 2 / 2**20:>8.1f} "
+                  f"{b * h * s * s * 2 / 2**20:>9.0f} | " + " ".join(_fmt(x, "10.3f") for x in ms) + " | "
+                  + " ".join(_fmt(x, "8.1f") for x in tf) + f" | {_fmt(ratio, '7.2f')} | "
+                  + " ".join(_fmt(x, "10.1f") for x in mem) + mark)
+    if any(r.compute_dtype for r in records):
+        print("* plain attention for this dtype was computed in "
+              f"{next(r.compute_dtype for r in records if r.compute_dtype)} (CuPy could not run it in the input dtype)")
+    notes = {}
+    for r in records:
+        if r.note and not r.note.startswith("skipped") and not r.compute_dtype:
+            notes.setdefault((r.method, r.note), []).append(r)
+    for (method, note), rs in notes.items():
+        print(f"note: {method}: {note} ({len({bias_key(r) for r in rs})} shapes)")
+    skipped = {}
+    for r in records:
+        if r.note.startswith("skipped"):
+            skipped.setdefault((bias_key(r), r.note[9:]), []).append(f"{r.method} {r.passname}")
+    for (key, why), what in skipped.items():
+        family, dtype, d, s, h, b, bb = key
+        print(f"skipped: {family} {dtype} B={b} Bb={bb} S={s} H={h} D={d} ({', '.join(what)}): {why}")
+
+
+def bias_methods(args, torch) -> list[str]:
+    """cuflash, sdpa-mem (torch with CUDA), plain (unless --no-compare), narrowed by --methods."""
+    methods = ["cuflash"] + (["sdpa-mem"] if torch is not None else []) + (["plain"] if args.compare else [])
+    if args.methods is not None:
+        missing = [m for m in args.methods if m not in methods]
+        if missing:
+            print(f"note: {', '.join(missing)} not available here (torch missing or --no-compare): skipped")
+        methods = [m for m in methods if m in args.methods]
+    return methods
+
+
+def run_bias(args, torch, cuflash) -> list:
+    import inspect
+
+    methods = bias_methods(args, torch)
+    if args.window is not None:
+        print("note: --window is not used by --bias (no sliding window: every (query, key) pair counts)")
+    if "bias" not in inspect.signature(cuflash.attention_forward).parameters:
+        print("note: this cuflash's attention_forward has no bias= keyword: its rows are skipped")
+    shapes = bias_shapes(args.bias_shapes, args.dtype, args.seqlen, args.head_dim, args.evoformer_shapes,
+                         args.bias_max_gb)
+    for family in args.bias_shapes:
+        if not any(s.family == family for s in shapes):
+            print(f"note: no {family} shape left (--seqlen / --head-dim keep only the default shapes with that "
+                  f"L / D; --evoformer-shapes names others)")
+    records: list[BiasRecord] = []
+    for shape in shapes:
+        if shape.skip:
+            print(f"{shape}: {shape.skip}", flush=True)
+            records.extend(shape.record(m, p, note=shape.skip) for m in methods for p in BIAS_PASSES)
+            continue
+        before, t = len(records), 0.0
+        for m in methods:
+            t += run_method(m, lambda s=shape, f=BIAS_BENCH[m]: f(s, args, records, torch), shape, records, True,
+                            torch, passes=BIAS_PASSES)
+        done = {(r.method, r.passname): r for r in records[before:] if r.ms}
+        for p in BIAS_PASSES:
+            ratio = bias_speedup(done.get(("cuflash", p)), done.get(("sdpa-mem", p)))
+            print(f"{shape} {p}: " + ", ".join(f"{m} {done[m, p].ms:.3f} ms {done[m, p].tflops:.0f} TFLOP/s"
+                                               for m in methods if (m, p) in done)
+                  + (f", cuflash {ratio:.2f}x sdpa-mem" if ratio else "") + (f" ({t:.1f} s)" if p == "fwd" else ""),
+                  flush=True)
+    print_bias_table(records, methods)
+    return records
+
+
 # --- command line -------------------------------------------------------------------------------------
 
 def _seqlen(text: str) -> int:
@@ -978,20 +1341,24 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=None,
-                   help="default: bf16 and fp16 (--decode, --varlen: bf16)")
+                   help="default: bf16 and fp16 (--decode, --varlen, --bias: bf16)")
     p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
-                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used)")
-    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used; --bias: "
+                        f"the llm shapes' D, default {' '.join(map(str, LLM_BIAS_HEAD_DIMS))}, and the default "
+                        f"evoformer shapes kept)")
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="(--bias: not causal)")
     p.add_argument("--seqlen", nargs="+", type=_seqlen, default=None,
                    help=f"default: {' '.join(map(str, DEFAULT_SEQLENS))} (--varlen: the longest sequence, default "
-                        f"{' '.join(map(str, VARLEN_SEQLENS))})")
-    p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd")
+                        f"{' '.join(map(str, VARLEN_SEQLENS))}; --bias: the llm shapes' N, default "
+                        f"{' '.join(map(str, LLM_BIAS_SEQLENS))}, and the L of the default evoformer shapes kept)")
+    p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd (--bias: fwd+bwd always)")
     p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
     p.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"), default=None,
                    help="sliding window of the cuflash runs (-1 = unbounded); TFLOP/s count the band's pairs "
                         "only; the other methods have no window and are skipped")
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=None, metavar="METHOD",
-                   help=f"methods to run (default: all that are available): {', '.join(METHODS)}")
+    p.add_argument("--methods", nargs="+", choices=METHODS + BIAS_METHODS[1:2], default=None, metavar="METHOD",
+                   help=f"methods to run (default: all that are available): {', '.join(METHODS)} (--bias: "
+                        f"{', '.join(BIAS_METHODS)})")
     p.add_argument("--compare", action=argparse.BooleanOptionalAction, default=True,
                    help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
     p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
@@ -1001,6 +1368,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
     mode.add_argument("--varlen", action="store_true",
                       help="variable-length batches: attention_varlen against the padded dense call")
+    mode.add_argument("--bias", action="store_true",
+                      help="additive bias: cuflash with bias= (fwd, fwd+bwd with dbias) against SDPA's "
+                           "memory-efficient backend with attn_mask and plain CuPy attention")
     p.add_argument("--decode-batch", nargs="+", type=_positive, default=list(DECODE_BATCHES), metavar="B",
                    help=f"--decode batch sizes (default {' '.join(map(str, DECODE_BATCHES))})")
     p.add_argument("--decode-cache", nargs="+", type=_positive, default=list(DECODE_CACHE_LENS), metavar="L",
@@ -1009,6 +1379,15 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="HQ:HKV", help=f"--decode query:key/value heads (default {' '.join(DECODE_HEADS)})")
     p.add_argument("--decode-max-gb", type=float, default=DECODE_MAX_GB,
                    help=f"--decode skips shapes whose K/V exceed this many GB (default {DECODE_MAX_GB:g})")
+    p.add_argument("--bias-shapes", nargs="+", choices=BIAS_FAMILIES, default=list(BIAS_FAMILIES),
+                   metavar="FAMILY", help="--bias shape families: evoformer (pair bias broadcast over the rows), "
+                                          "llm (full (B, H, N, N) bias); default both")
+    p.add_argument("--evoformer-shapes", nargs="+", type=parse_evoformer, default=None, metavar="[B0:]N:L:H:D",
+                   help="--bias evoformer shapes instead of the default ones: q (B0, N, L, H, D) folded to "
+                        "(B0*N, L, H, D), bias (B0, H, L, L); B0 defaults to 1")
+    p.add_argument("--bias-max-gb", type=float, default=BIAS_MAX_GB,
+                   help=f"--bias skips llm shapes whose bias + float32 dbias exceed this many GB "
+                        f"(default {BIAS_MAX_GB:g})")
     p.add_argument("--plot", metavar="FILE.png", help="TFLOP/s against N, one panel per dtype/head dim/causal")
     p.add_argument("--json", metavar="FILE", help="write every record (and the device) as JSON")
     return p
@@ -1018,10 +1397,13 @@ VARLEN_SEQLENS = (1024, 4096, 16384)
 
 
 def resolve_defaults(args):
-    """Defaults that depend on the mode: --decode and --varlen measure bf16 (decode at D=128, varlen up to 16k)."""
-    special = args.decode or args.varlen
+    """Defaults that depend on the mode: --decode, --varlen and --bias measure bf16 (decode at D=128, varlen up to
+    16k). --bias leaves --seqlen and --head-dim None when not given: bias_shapes uses its own defaults then."""
+    special = args.decode or args.varlen or args.bias
     if args.dtype is None:
         args.dtype = ["bf16"] if special else ["bf16", "fp16"]
+    if args.bias:
+        return args
     if args.head_dim is None:
         args.head_dim = [DECODE_HEAD_DIM] if args.decode else [64, 128]
     if args.seqlen is None:
@@ -1030,7 +1412,12 @@ def resolve_defaults(args):
 
 
 def main(argv=None) -> int:
-    args = resolve_defaults(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = resolve_defaults(parser.parse_args(argv))
+    allowed = BIAS_METHODS if args.bias else METHODS
+    if args.methods is not None and any(m not in allowed for m in args.methods):
+        parser.error(f"--methods {' '.join(m for m in args.methods if m not in allowed)}: "
+                     f"{'--bias' if args.bias else 'this mode'} runs {', '.join(allowed)}")
     try:
         import cupy as cp
 
@@ -1058,7 +1445,7 @@ def main(argv=None) -> int:
     if args.backward and not hasattr(cuflash, "attention_backward"):
         print("note: this cuflash has no attention_backward: backward columns skipped")
 
-    if args.decode or args.varlen:
+    if args.decode or args.varlen or args.bias:
         return main_decode_varlen(args, cuflash, torch)
 
     methods = ["cuflash"] + (["plain"] if args.compare else []) + \
@@ -1140,6 +1527,9 @@ def main_decode_varlen(args, cuflash, torch) -> int:
             print(f"note: torch {torch.__version__} has no enable_gqa (needs >= 2.5): SDPA runs multi-head shapes only")
         records, ceiling = run_decode(args, torch)
         extra = {"mode": "decode", "copy_ceiling_gbps": ceiling}
+    elif args.bias:
+        records = run_bias(args, torch, cuflash)
+        extra = {"mode": "bias", "deterministic": args.deterministic}
     else:
         records = run_varlen(args)
         extra = {"mode": "varlen", "tokens": TOKENS}
@@ -1152,7 +1542,7 @@ def main_decode_varlen(args, cuflash, torch) -> int:
                        "records": [asdict(r) for r in records]}, f, indent=1)
         print(f"records written to {args.json}")
     if args.plot:
-        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen")
+        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen / --bias")
     return 0
 
 
