@@ -138,6 +138,16 @@ struct FwdSm90WsTraits {
   static constexpr int BARRIERS = 1 + 4 * STAGES;
   // + 1024: the kernel rounds the dynamic shared memory base up to the 1024-byte swizzle period
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;
+  // a 16-bit bias and a mask: each consumer warp stages its 16 rows of a tile (cp.async, 16-byte chunks), row
+  // pitches padded by 16 bytes so that the fragment reads of 8 rows hit distinct banks
+  static constexpr int BIAS_PITCH = 2 * BLOCK_N + 16, MASK_PITCH = BLOCK_N + 16;
+  static constexpr int OFF_STAGE = (OFF_BAR + 8 * BARRIERS + 15) / 16 * 16;
+  static constexpr int stage_bytes(bool bias, bool mask) {
+    return CONSUMER_WARPS * 16 * ((bias ? BIAS_PITCH : 0) + (mask ? MASK_PITCH : 0));
+  }
+  static constexpr int smem_bytes(bool bias, bool mask) {  // cuflash/config.py FwdSm90WsConfig.smem_bytes
+    return bias || mask ? OFF_STAGE + stage_bytes(bias, mask) + 1024 : SMEM_BYTES;
+  }
 
   // named barriers (0 is __syncthreads)
   static constexpr int PINGPONG_BAR = 1;  // + consumer: that consumer's turn to issue GEMMs
@@ -301,8 +311,86 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   float s_acc[1][Tr::N_TILES][4];      // S_i, then P_i (fp32)
   u32 p_regs[Tr::PV_K_STEPS][4];       // P_{i-1} as the A operand of the P V GEMM in flight
   float alpha[2];
-  ScoreMods<MODS> mods;  // softcap, ALiBi, dropout of this (batch, head); nothing when MODS = 0
+  using Mods = ScoreMods<MODS>;
+  Mods mods;  // softcap, ALiBi, dropout, bias, mask of this (batch, head); nothing when MODS = 0
   mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
+
+  // A 16-bit bias and the mask are staged per warp: its 16 rows of a tile copied to shared memory with 16-byte
+  // cp.async while the tile's scores are computed, then read from there. Read straight from global memory, each
+  // element was a load of its own and a warp's load touched 8 rows' cache lines (the bias forward measured ~1/5
+  // of the plain one's TFLOP/s). A float32 bias, or rows not 16-byte aligned, keep the direct loads (prefetched
+  // into L1).
+  constexpr bool HAS_ARRAYS = Mods::HAS_BIAS || Mods::HAS_MASK;
+  unsigned char* bias_rows = smem + Tr::OFF_STAGE + warp * 16 * ((Mods::HAS_BIAS ? Tr::BIAS_PITCH : 0) +
+                                                                  (Mods::HAS_MASK ? Tr::MASK_PITCH : 0));
+  unsigned char* mask_rows = bias_rows + (Mods::HAS_BIAS ? 16 * Tr::BIAS_PITCH : 0);
+  bool staged_bias = false, staged_mask = false;
+  if (Mods::HAS_BIAS)
+    staged_bias = mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
+                  reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
+  if (Mods::HAS_MASK)
+    staged_mask = mods.mask_k == 1 && mods.mask_q % 16 == 0 && reinterpret_cast<unsigned long long>(mods.mask_base) % 16 == 0;
+  // this warp's rows of key tile n_block: cp.async of whole 16-byte chunks (the row's tail zero-filled), or an L1
+  // prefetch for what is not staged; called right after the tile's S GEMM is issued
+  auto fetch_tile = [&](int n_block) {
+    if (!HAS_ARRAYS) return;
+    const int key0 = n_block * Tr::BLOCK_N;
+    __syncwarp();  // every lane has read the previous tile's rows
+    if (Mods::HAS_BIAS && staged_bias) {
+      constexpr int CHUNKS = Tr::BLOCK_N / 8;  // 8 keys of 2 bytes each
+      for (int i = lane; i < 16 * CHUNKS; i += 32) {
+        const int r = i / CHUNKS, key = key0 + (i % CHUNKS) * 8;
+        const int bytes = max(0, min(16, 2 * (mods.last_k + 1 - key)));
+        const unsigned char* row = mods.bias_base + min(warp_row + r, mods.last_q) * mods.bias_q;
+        cp_async_cg_16_n(smem_u32(bias_rows + r * Tr::BIAS_PITCH + (i % CHUNKS) * 16), bytes > 0 ? row + 2 * key : row,
+                         bytes);
+      }
+    }
+    if (Mods::HAS_MASK && staged_mask && mods.check_mask) {
+      constexpr int CHUNKS = Tr::BLOCK_N / 16;  // 16 keys of 1 byte each
+      for (int i = lane; i < 16 * CHUNKS; i += 32) {
+        const int r = i / CHUNKS, key = key0 + (i % CHUNKS) * 16;
+        const int bytes = max(0, min(16, mods.last_k + 1 - key));
+        const unsigned char* row = mods.mask_base + min(warp_row + r, mods.last_q) * mods.mask_q;
+        cp_async_cg_16_n(smem_u32(mask_rows + r * Tr::MASK_PITCH + (i % CHUNKS) * 16), bytes > 0 ? row + key : row, bytes);
+      }
+    }
+    cp_async_commit_group();
+    if (Tr::HEAD_DIM < 256 && ((Mods::HAS_BIAS && !staged_bias) || (Mods::HAS_MASK && !staged_mask)))
+      mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
+  };
+  // the modifiers on S of key tile n_block (apply_score_mods, with the staged rows read from shared memory)
+  auto apply_mods = [&](int n_block) {
+    float unused_dcap[1][Tr::N_TILES][4];
+    const int key0 = n_block * Tr::BLOCK_N;
+    if (!HAS_ARRAYS) {
+      apply_score_mods(s_acc, unused_dcap, warp_row, key0, band.diag, mods, lane);
+      return;
+    }
+    cp_async_wait_group<0>();
+    __syncwarp();  // the other lanes' chunks have landed too
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int lr = g + 8 * (c >> 1), lc = nt * 8 + 2 * t + (c & 1);  // in this warp's 16 rows of the tile
+        const int query = warp_row + lr, key = key0 + lc;
+        float b = 0.f;
+        if (Mods::HAS_BIAS) {
+          if (staged_bias) {
+            const u16 h = *reinterpret_cast<const u16*>(bias_rows + lr * Tr::BIAS_PITCH + 2 * lc);
+            b = (mods.bias_kind == 1 ? Cvt<f16>::to_float(h) : Cvt<bf16>::to_float(h)) * mods.bias_scale;
+          } else {
+            b = mods.bias_at(query, key);
+          }
+        }
+        bool kept = true;
+        if (Mods::HAS_MASK && mods.check_mask)
+          kept = staged_mask ? mask_rows[lr * Tr::MASK_PITCH + lc] != 0 : mods.kept_by_mask(query, key);
+        s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], query, key, band.diag, unused_dcap[0][nt][c], b, kept);
+      }
+  };
 
   // pingpong: consumer 0 issues first (consumer 1 gives it the first token)
   auto round_begin = [&]() {
@@ -340,9 +428,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   // the row sums (lse is of the undropped softmax). The same order as fwd_sm90_key_tile.
   auto scores_to_probs = [&](int n_block) {
     const int key0 = n_block * Tr::BLOCK_N;
-    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = tiles.state(n_block) != TILE_FULL;
-    float unused_dcap[1][Tr::N_TILES][4];
-    apply_score_mods(s_acc, unused_dcap, warp_row, key0, band.diag, mods, lane);
+    apply_mods(n_block);
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
     softmax_probs(softmax, s_acc, scale_log2, alpha);
@@ -354,16 +440,14 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   // key tile 0 (the last-indexed key block): S_0, P_0. O is still 0: nothing to rescale.
   int stage = 0;  // of key tile i
   u32 phase = 0;
-  // bias and mask rows of a tile into L1 while its scores are computed (not at head dim 256: its consumers have
-  // no registers left for the addresses, it spilled 8 bytes)
-  constexpr bool PREFETCH = (ScoreMods<MODS>::HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && Tr::HEAD_DIM < 256;
   int n_block = tiles.next_down(n_end - 1, n_begin);  // the visible key tiles, from the last down
   round_begin();
   mbarrier_wait_or_trap(sm.k_full(0), 0);
   wgmma_fence();
   issue_s(sm.k(0));
   round_end(/*is_last=*/false);
-  if (PREFETCH) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
+  if (Mods::HAS_MASK) mods.check_mask = tiles.state(n_block) != TILE_FULL;
+  fetch_tile(n_block);  // the tile's bias and mask rows, while S is computed
   wgmma_wait_group<0>();
   wgmma_fence_operand(s_acc[0]);
   release(sm.k_empty(0));
@@ -386,7 +470,8 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     mbarrier_try_wait_parity(sm.v_full(v_stage), v_phase);
     issue_pv(sm.v(v_stage));
     round_end(/*is_last=*/false);
-    if (PREFETCH) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
+    if (Mods::HAS_MASK) mods.check_mask = tiles.state(n_block) != TILE_FULL;
+    fetch_tile(n_block);
 
     // S_i done (the P V GEMM may still run): K_i is free; m_new, l, P_i = exp2(S_i * scale_log2 - m_new)
     wgmma_wait_group<1>();
@@ -462,7 +547,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
   unsigned char* smem = aligned.ptr;
   const WsSmem<Tr> sm{smem_base};
   // the host's shared memory size (cuflash/_tma.py:FwdSm90WsConfig.smem_bytes) must cover this layout
-  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+  static_assert(Tr::smem_bytes(ScoreMods<MODS>::HAS_BIAS, ScoreMods<MODS>::HAS_MASK) <= 227 * 1024,
+                "shared memory per CTA exceeds the sm_90 limit (the bias and mask staging included)");
+  if (dynamic_smem_size() < Tr::smem_bytes(ScoreMods<MODS>::HAS_BIAS, ScoreMods<MODS>::HAS_MASK)) __trap();
 
   // causal: launch the longest query blocks (most key tiles) first so the last wave is short
   const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;

@@ -223,6 +223,20 @@ struct ScoreMods {
     if (HAS_MASK && check_mask && !kept_by_mask(query, key)) s = neg_inf();
     return s;
   }
+  // score() with the bias value (raw units) and the mask bit already read (e.g. from a staged copy)
+  __device__ __forceinline__ float score_of(float s, int query, int key, int diag, float& dcap, float bias,
+                                            bool kept) const {
+    if (HAS_BIAS) s += bias;
+    if (HAS_SOFTCAP) {
+      const float t = tanh_accurate(s * cap_pre);
+      dcap = 1.f - t * t;
+      s = cap_post * t;
+    }
+    if (HAS_ALIBI) s -= slope * static_cast<float>(abs(query + diag - key));
+    if (HAS_MASK && !kept) s = neg_inf();
+    return s;
+  }
+
   // Pulls the bias and mask of queries row0 .. row0 + 15 x keys key0 .. key0 + BLOCK_N - 1 into L1, for a tile whose
   // scores are still being computed (prefetch.global.L1, one 128-byte line per lane and step): the element loads
   // of score() then hit L1 instead of waiting on L2 after the scores are done.

@@ -24,6 +24,10 @@ __device__ __forceinline__ void cp_async_cg_16(u32 dst_smem, const void* src_gme
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src_gmem), "r"(src_bytes));
 }
+// ... src_bytes (0..16) read, the rest of the 16 bytes zero-filled
+__device__ __forceinline__ void cp_async_cg_16_n(u32 dst_smem, const void* src_gmem, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_smem), "l"(src_gmem), "r"(src_bytes));
+}
 // PTX ISA 9.7.9.25.3.2 "cp.async.commit_group"
 __device__ __forceinline__ void cp_async_commit_group() { asm volatile("cp.async.commit_group;\n" ::); }
 // PTX ISA 9.7.9.25.3.3 "cp.async.wait_group": wait until at most N groups are pending.

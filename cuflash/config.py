@@ -376,11 +376,17 @@ class FwdSm90WsConfig:
 
     @property
     def smem_bytes(self) -> int:
-        """FwdSm90WsTraits::SMEM_BYTES (the kernel traps if it is given less)."""
+        """FwdSm90WsTraits::smem_bytes(bias, mask) (the kernel traps if it is given less): Q, the K/V stages, the
+        mbarriers, with a bias or a mask each consumer warp's staged rows of them (16 rows, pitch padded by 16
+        bytes), and 1024 bytes to round the base up to the swizzle period."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
-        barriers = 8 * (1 + 4 * self.stages)
-        return q + 2 * self.stages * kv + barriers + 1024  # + rounding the base up to the 1024-byte swizzle period
+        end = q + 2 * self.stages * kv + 8 * (1 + 4 * self.stages)
+        bias, mask = bool(self.mods & MOD_BIAS), bool(self.mods & MOD_MASK)
+        if not (bias or mask):
+            return end + 1024
+        pitches = (2 * self.block_n + 16 if bias else 0) + (self.block_n + 16 if mask else 0)
+        return -(-end // 16) * 16 + 8 * 16 * pitches + 1024
 
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"

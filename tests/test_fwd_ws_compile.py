@@ -113,10 +113,14 @@ def test_config_names_and_shared_memory():
     assert cfg.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 128, 2, true, cuflash::bf16>, "
                               "true, 0>")
     assert ws_kernel(128, "bf16", False, config.MODS_ALL).cpp_name() == (
-        "cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 96, 3, true, cuflash::bf16>, false, 63>")
+        "cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 96, 3, false, cuflash::bf16>, false, 63>")
     assert cfg.threads == 384 and cfg.grid(2, 3, 257) == (3, 3, 2)
     # Q 32 KB + 2 stages x (K + V) 32 KB each + 9 mbarriers + 1 KB alignment slack
     assert cfg.smem_bytes == 32768 + 4 * 32768 + 72 + 1024
+    # with a bias and a mask: + each consumer warp's 16 staged rows (pitches 2 * 96 + 16 and 96 + 16 bytes), after
+    # the 13 mbarriers rounded up to 16 bytes (FwdSm90WsTraits::smem_bytes)
+    heavy = ws_kernel(128, "bf16", False, config.MODS_ALL)
+    assert heavy.smem_bytes == (32768 + 6 * 96 * 256 + 104 + 8) + 8 * 16 * (208 + 112) + 1024 == 222320
     with pytest.raises(ValueError, match="head_dim=96"):
         config.fwd_sm90_ws_config(96, "bf16", False)
 

@@ -213,8 +213,35 @@ def test_bias_broadcast_patterns(shape, bias_dtype):
     float32 ones get one."""
     dtype = DTYPES[PATTERNS.index(shape) % 2]
     mods = {"softcap": 5.0} if bias_dtype == "fp32" and shape[3] == 1 else None
+    if shape[3] == 1 and mods is None:
+        key_constant_dbias(shape, dtype)
+        return
     run_dense(B, SQ, SK, HQ, HKV, 64, dtype, bias_shape=shape, bias_dtype=bias_dtype, bias_scale=2.0,
               causal=bias_dtype == "fp32" and shape[3] > 1, mods=mods)
+
+
+def key_constant_dbias(shape, dtype):
+    """A bias constant along the keys: o, lse and dq/dk/dv by the pass rule; its dbias is sum_j dS_ij = rowsum(P dP)
+    - delta_i per row, 0 in exact arithmetic, so the kernel's value is rounding alone (mainly delta's, computed from
+    the stored O as every FlashAttention backward does) and the low-precision reference's is rounding of another
+    path: comparing the two is comparing noise. Bound it instead: a row's rounding is at most r_i = sum_d |dO_id| |O_id|
+    u (u the unit roundoff of the dtype); rows round independently, so an entry summing rows gets about the root of
+    the sum of their r_i^2, here with a margin of 8. A dS without its delta term would leave sum_i delta_i, far
+    above that."""
+    seed = seed_of("key-constant", shape, dtype)
+    q = make_input(B, SQ, HQ, 64, dtype, "bshd", "contiguous", seed)
+    k = make_input(B, SK, HKV, 64, dtype, "bshd", "contiguous", seed + 1)
+    v = make_input(B, SK, HKV, 64, dtype, "bshd", "contiguous", seed + 2)
+    dout = make_input(B, SQ, HQ, 64, dtype, "bshd", "contiguous", seed + 3)
+    bias = make_bias(shape, dtype, "q", seed + 4, 2.0)
+    o, lse, _, _ = check_dense(q, k, v, dout, dtype, f"key-constant bias {shape}", bias=bias, seed=seed, dbias=False)
+    dbias = cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, dbias=True)[3]
+    u = 2.0 ** -11 if dtype == "fp16" else 2.0 ** -8
+    rows = cp.abs(_xpref.to_float32(dout) * _xpref.to_float32(o)).sum(axis=-1).transpose(0, 2, 1)[..., None]  # (B,H,Sq,1)
+    bound = 8 * u * cp.sqrt(_xpref.reduce_broadcast(rows.astype(cp.float64) ** 2, shape)) + 1e-5
+    assert bool(cp.isfinite(dbias).all()) and bool((cp.abs(dbias) <= bound).all()), \
+        f"dbias of a key-constant bias {shape}: {float(cp.abs(dbias).max()):.3e} exceeds its rounding bound " \
+        f"{float(bound.min()):.3e}..{float(bound.max()):.3e} ({dtype})"
 
 
 LOW_NDIM = [(SQ, SK), (1, SK), (SQ, 1), (1, 1), (HQ, SQ, SK), (2, 1, SK), (1, SQ, SK), (HQ, SQ, 1)]

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from cuflash import config
 
-# d64 and d256 with heavy score modifiers have no pingpong variant: with it, d256 block_n 32 kept 4-8 bytes on the
-# stack, and d64 block_n 128 8 bytes once the bias and the mask were modifiers (NVRTC 13.5); the library runs both
-# without it (config.FWD_SM90_WS_TILES_MODS)
-WS_NO_PINGPONG_MODS = (64, 256)
+# Heavy score modifiers have no pingpong variant at any head dim: with it, d256 block_n 32 kept 4-8 bytes on the
+# stack, d64 block_n 128 8 bytes once the bias and the mask were modifiers, d128 block_n 96 44 bytes once the
+# consumers staged the bias and mask rows (NVRTC 13.5); the library runs them without it
+# (config.FWD_SM90_WS_TILES_MODS)
+WS_NO_PINGPONG_MODS = (64, 128, 256)
 
 
 def ws_kernel(head_dim: int, dtype: str, causal: bool, mods: int = 0, pingpong: bool = True) -> config.FwdSm90WsConfig:
