@@ -651,9 +651,20 @@ def check_broadcast(x: ArrayInfo, name: str, batch: int, heads: int, seqlen_q: i
     strides = tuple(0 if n == 1 else int(s) for n, s in zip(shape, strides))
     if any(abs(s) > INT32_MAX for s in strides[2:]):
         raise ValueError(f"{name} has seqlen strides {strides[2:]} (elements): at most {INT32_MAX}")
+    check_slice_span(name, shape, strides, x.dtype.itemsize)
     if x.device != device:
         raise ValueError(f"{name} is on device {x.device} but q is on device {device}")
     return Broadcast(x, shape, strides, max(1, batch // shape[0]), max(1, heads // shape[1]), want)
+
+
+def check_slice_span(name: str, shape: tuple, strides: tuple, itemsize: int) -> None:
+    """The kernels address one (batch, head) slice of a bias, mask or dbias with 32-bit byte offsets: its extent
+    over the two seqlen dims must stay below 2**31 bytes."""
+    span = sum((n - 1) * abs(int(s)) for n, s in zip(shape[-2:], strides[-2:])) * itemsize
+    if span > INT32_MAX:
+        raise ValueError(f"{name}: one (batch, head) slice of shape {tuple(shape[-2:])} spans {span} bytes; the "
+                         f"kernels address it with 32-bit offsets (at most {INT32_MAX} bytes): split the call along "
+                         f"the queries, or use a 16-bit bias")
 
 
 def check_bias(bias: ArrayInfo | None, dtype: str, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
@@ -699,7 +710,8 @@ def check_dbias(dbias, bias: Broadcast | None, deterministic: bool, inputs) -> A
         raise ValueError(f"deterministic=True with dbias of a broadcast bias (shape {tuple(bias.info.shape)} for "
                          f"scores {bias.scores}) is not supported: its sum over the broadcast dims uses atomics; "
                          f"pass deterministic=False, or a bias of the full shape")
-    if dbias is True:
+    if dbias is True:  # a new contiguous float32 array of the bias's shape
+        check_slice_span("dbias", bias.shape, (bias.shape[3], 1), 4)
         return True
     if isinstance(dbias, (bool, np.bool_)):
         return bool(dbias)
@@ -715,6 +727,7 @@ def check_dbias(dbias, bias: Broadcast | None, deterministic: bool, inputs) -> A
         raise ValueError(f"dbias is on device {info.device} but q is on device {bias.info.device}")
     if any(s == 0 and n > 1 for s, n in zip(info.strides, info.shape)):
         raise ValueError(f"dbias has strides {info.strides}: a broadcast view (stride 0) cannot hold a gradient")
+    check_slice_span("dbias", tuple(info.shape), tuple(info.strides), 4)
     for other in inputs:
         if other is not None and overlaps(info, other):
             raise ValueError(f"dbias (preallocated) overlaps the memory of {other.name}; outputs must not alias "

@@ -357,9 +357,9 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
         from . import reference as ref
 
         kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
-        for n in ("alibi_slopes", "bias", "mask"):
+        for n, dtype in (("alibi_slopes", None), ("bias", np.float64), ("mask", bool)):
             if n in mods:
-                kw[n] = cp.asnumpy(mods[n]).astype(np.float64 if n == "bias" else bool)
+                kw[n] = cp.asnumpy(mods[n]) if dtype is None else cp.asnumpy(mods[n]).astype(dtype)
         if "dropout_p" in mods:
             kw.update(dropout_p=mods["dropout_p"], dropout_mask=philox.dropout_mask(
                 case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"], mods["seed"], mods["offset"]))

@@ -242,6 +242,11 @@ CPU_CASES = [
     ("backward-dbias-deterministic-broadcast", lambda: bwd(fakes(), bias=F((16, 24), F32), dbias=True,
                                                            deterministic=True), ValueError,
      ["deterministic=True with dbias of a broadcast bias", "(16, 24)", "(2, 2, 16, 24)"]),
+    ("forward-bias-slice-over-2gb", lambda: fwd(fakes(sq=32768, sk=32768, b=1, h=1), bias=F((32768, 32768), F32)),
+     ValueError, ["bias: one (batch, head) slice of shape (32768, 32768)", "32-bit offsets"]),
+    ("backward-dbias-slice-over-2gb", lambda: bwd(fakes(sq=32768, sk=32768, b=1, h=1), bias=F((32768, 32768), FP16),
+                                                  dbias=True), ValueError,
+     ["dbias: one (batch, head) slice of shape (32768, 32768)", "32-bit offsets"]),
     ("backward-dbias-numpy", lambda: bwd(fakes(), bias=F((16, 24), F32), dbias=np.zeros((16, 24), np.float32)),
      TypeError, ["dbias is a numpy.ndarray"]),
 ]
