@@ -297,6 +297,11 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
     the gradients None where the call did not preallocate them; returns (dq, dk, dv), and dbias after them when
     the call asks for it (p.dbias; `dbias`: the preallocated array, or None)."""
     a = p.fwd
+    if p.deterministic and a.mods.bits and not config.dq_supported(kernel_head_dim(a.head_dim), a.mods.bits,
+                                                                   _launch.device_arch(a.device)):
+        raise ValueError(f"deterministic=True with a sliding window and a bias or mask at head_dim={a.head_dim} is "
+                         f"not available on {_launch.device_arch(a.device)} (its deterministic dQ kernel does not fit "
+                         f"the registers there; Hopper has it): pass deterministic=False")
     cp = _launch.cupy()
     if p.dbias is False:
         return _backward(p, arrays, cp, cu_seqlens, key, None)

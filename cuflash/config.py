@@ -611,9 +611,27 @@ DQ_TILES_MODS = {**DQ_TILES,
                  32: (128, 16, 8)}  # 124 registers; (128, 32, 8) spilled 32 bytes at 128 with bias and mask
 
 
-def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdConfig:
-    bm, bn, warps, split = (BWD_TILES_MODS if heavy_mods(mods) else BWD_TILES)[head_dim]
+# sm_80-sm_89 (ptxas allocates differently for them): with every modifier the sm_90a tiles spilled 4-8 bytes at
+# head dims 32 and 256 (NVRTC 13.5); these are spill-free there. The sm_90a builds keep BWD_TILES_MODS.
+BWD_TILES_MODS_PRE_SM90 = {**BWD_TILES_MODS,
+                           32: (64, 64, 8, 2),    # 248-255 registers
+                           256: (32, 16, 4, 4)}   # 240-252 registers
+
+
+def bwd_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0,
+               arch: str = DEFAULT_ARCH) -> BwdConfig:
+    if heavy_mods(mods):
+        table = BWD_TILES_MODS if arch.startswith("sm_9") else BWD_TILES_MODS_PRE_SM90
+    else:
+        table = BWD_TILES
+    bm, bn, warps, split = table[head_dim]
     return BwdConfig(head_dim, bm, bn, warps, split, dtype, causal, deterministic, mods)
+
+
+def dq_supported(head_dim: int, mods: int, arch: str = DEFAULT_ARCH) -> bool:
+    """Whether the deterministic dQ kernel exists for these modifiers on `arch`: not at kernel head dim 256 with a
+    window and a bias or mask on sm_80-sm_89 (16-28 bytes of spill with any tile; the sm_90a build fits)."""
+    return arch.startswith("sm_9") or not (head_dim == 256 and mods & MOD_WINDOW and mods & (MOD_BIAS | MOD_MASK))
 
 
 def dq_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> DqConfig:
@@ -630,7 +648,9 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
                 for m in (0, *MODS_CHECKED[c]):
-                    out += [bwd_config(hd, dt, c, False, m), bwd_config(hd, dt, c, True, m), dq_config(hd, dt, c, m)]
+                    out += [bwd_config(hd, dt, c, False, m, arch), bwd_config(hd, dt, c, True, m, arch)]
+                    if dq_supported(hd, m, arch):
+                        out.append(dq_config(hd, dt, c, m))
                     if arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
     return out
@@ -757,7 +777,7 @@ FAMILIES = (
     Family("bwd_sm90", "backward", ("sm_90a",), DTYPES, bwd_sm90_tiles,
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
-           lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if mods == 0 else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c)),
 )

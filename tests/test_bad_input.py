@@ -433,3 +433,22 @@ def test_the_table_has_at_least_30_bad_calls():
     assert len(expected_to_raise) >= 30, len(expected_to_raise)
     ids = [c[0] for c in CPU_CASES + GPU_CASES]
     assert len(ids) == len(set(ids)), "duplicate ids"
+
+
+@pytest.mark.usefixtures("metadata_only")
+def test_deterministic_window_bias_at_d256_is_refused_before_sm90(monkeypatch):
+    """sm_80-sm_89 have no deterministic dQ kernel for a window with a bias or mask at head dim 256 (it spilled):
+    the call says so before anything is allocated or launched; sm_90a has it, and other combinations pass."""
+    monkeypatch.setattr(_launch, "device_arch", lambda device: "sm_80")
+    a = fakes(d=256)
+    bias = F((2, 2, 16, 24), F32)
+    with pytest.raises(ValueError, match=r"deterministic=True with a sliding window and a bias or mask at "
+                                         r"head_dim=256 is not available on sm_80"):
+        bwd(a, bias=bias, window=(4, 4), deterministic=True)
+    for kw in ({"bias": bias, "window": (4, 4)}, {"bias": bias, "deterministic": True},
+               {"window": (4, 4), "deterministic": True}):
+        with pytest.raises(AssertionError, match="the GPU was used"):
+            bwd(a, **kw)
+    monkeypatch.setattr(_launch, "device_arch", lambda device: "sm_90a")
+    with pytest.raises(AssertionError, match="the GPU was used"):
+        bwd(a, bias=bias, window=(4, 4), deterministic=True)

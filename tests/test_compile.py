@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from cuflash import _compile
+from cuflash import _compile, config
 from cuflash.config import bwd_sm90_config, fwd_config, fwd_sm90_config
 
 
@@ -158,3 +158,16 @@ def test_split_cap_matches_the_merge_kernel():
 
     found = re.search(r"constexpr int MAX_SPLITS = (\d+);", (_compile.cuda_dir() / "fwd.cuh").read_text())
     assert found and int(found.group(1)) == _families.MAX_SPLITS == _validate.MAX_SPLITS
+
+
+def test_pre_sm90_tables_keep_sm90a_tiles_unchanged():
+    """The sm_80-sm_89 backward tiles with heavy modifiers differ only where the sm_90a ones spilled there; the
+    sm_90a choice (what the H100 runs and was measured) is the shared table."""
+    for hd in config.KERNEL_HEAD_DIMS:
+        for m in (config.MOD_BIAS, config.MODS_ALL):
+            assert config.bwd_config(hd, "bf16", False, False, m, "sm_90a") == config.bwd_config(hd, "bf16", False, False, m)
+            pre = config.bwd_config(hd, "bf16", False, False, m, "sm_80")
+            assert (pre.block_m, pre.block_n, pre.num_warps, pre.d_split) == config.BWD_TILES_MODS_PRE_SM90[hd]
+    assert not config.dq_supported(256, config.MOD_WINDOW | config.MOD_BIAS, "sm_80")
+    assert config.dq_supported(256, config.MOD_WINDOW | config.MOD_BIAS, "sm_90a")
+    assert config.dq_supported(256, config.MOD_BIAS, "sm_80") and config.dq_supported(128, config.MODS_ALL, "sm_80")
