@@ -80,6 +80,7 @@ def metadata_only(monkeypatch):
     monkeypatch.setattr(_validate, "array_info", array_info)
     monkeypatch.setattr(_launch, "cupy", no_gpu)
     monkeypatch.setattr(_launch, "get_kernel", no_gpu)
+    monkeypatch.setattr(_launch, "device_arch", no_gpu)  # asks the device
 
 
 def fakes(b=2, sq=16, sk=24, h=2, d=64, dtype=FP16, layout="bshd", **replace):
