@@ -63,8 +63,9 @@ struct Band {
 // set to -inf where masked. Per row the visible columns are one run [first_key, key_end), so each thread
 // compares the compile-time column offset nt*8 + (c&1) with two thresholds per row.
 // IS_PACKED (decode with grouped query heads packed as rows): tile row r is query position r / rows_per_pos.
-template <bool IS_CAUSAL, bool HAS_WINDOW, int M_TILES, int N_TILES, bool IS_PACKED = false>
-__device__ __forceinline__ void apply_band_mask(float (&s)[M_TILES][N_TILES][4], int row0, int col0,
+// (A: the accumulator type, float or, in the float64 kernels, double)
+template <bool IS_CAUSAL, bool HAS_WINDOW, int M_TILES, int N_TILES, bool IS_PACKED = false, class A = float>
+__device__ __forceinline__ void apply_band_mask(A (&s)[M_TILES][N_TILES][4], int row0, int col0,
                                                 const Band<IS_CAUSAL, HAS_WINDOW>& band, int lane, int rows_per_pos = 1) {
   const int g = lane >> 2, t = lane & 3;
   const int col_base = col0 + 2 * t;
@@ -89,8 +90,8 @@ __device__ __forceinline__ void apply_band_mask(float (&s)[M_TILES][N_TILES][4],
 // key0 + g (+8), columns queries query0 + qt*8 + 2t (+1). Masked entries = -inf. A key row is visible to
 // the queries [key - diag - right, key - diag + left] (causal: from key - diag on), none when the key is
 // padding (>= seqlen_k).
-template <bool IS_CAUSAL, bool HAS_WINDOW, int Q_TILES>
-__device__ __forceinline__ void apply_band_mask_transposed(float (&s)[Q_TILES][4], int key0, int query0,
+template <bool IS_CAUSAL, bool HAS_WINDOW, int Q_TILES, class A = float>
+__device__ __forceinline__ void apply_band_mask_transposed(A (&s)[Q_TILES][4], int key0, int query0,
                                                            const Band<IS_CAUSAL, HAS_WINDOW>& band, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const int query_base = query0 + 2 * t;

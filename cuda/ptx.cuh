@@ -111,6 +111,24 @@ struct Cvt<bf16> {
   }
 };
 
+// ---- TF32 and FP64 tensor-core mma (PTX ISA 9.7.14.5.14 "mma"): the float32 / float64 kernels (wide.cuh) ----
+// c += a b, m16n8k8 TF32 inputs (float32 bit patterns; the low 13 mantissa bits are ignored), fp32 accumulators: a (16 x 8) rows g, g+8 x columns t, t+4; b (8 x 8) rows t, t+4
+// x column g; c rows g, g+8 x columns 2t, 2t+1 (g = lane / 4, t = lane % 4)
+__device__ __forceinline__ void mma_m16n8k8_tf32(float (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// c += a b, m8n8k4 float64 (the FP64 tensor cores, sm_80+): a (8 x 4) row g column t; b (4 x 8) row t column g;
+// c row g, columns 2t, 2t+1
+__device__ __forceinline__ void mma_m8n8k4_f64(double& c0, double& c1, double a, double b) {
+  asm volatile("mma.sync.aligned.m8n8k4.row.col.f64.f64.f64.f64 {%0, %1}, {%2}, {%3}, {%0, %1};\n"
+               : "+d"(c0), "+d"(c1)
+               : "d"(a), "d"(b));
+}
+
 // ---- ex2.approx (PTX ISA 9.7.4.9 "ex2"): 2^x, ex2(-inf) = +0 -----------------------------------
 __device__ __forceinline__ float ex2_approx(float x) {
   float y;

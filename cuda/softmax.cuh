@@ -17,11 +17,31 @@ __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
+__device__ __forceinline__ double quad_max(double x) {
+  x = fmax(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmax(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ double quad_sum(double x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
 
-template <int M_TILES, int N_TILES, int D_TILES>
+// The arithmetic of the softmax in its accumulator type: fp32 (the MUFU approximations) or, in the float64
+// kernels (wide.cuh), float64 (libdevice's correctly rounded-to-1-ulp exp2 and log2)
+__device__ __forceinline__ float max_of(float a, float b) { return fmaxf(a, b); }
+__device__ __forceinline__ double max_of(double a, double b) { return fmax(a, b); }
+__device__ __forceinline__ float exp2_of(float x) { return ex2_approx(x); }
+__device__ __forceinline__ double exp2_of(double x) { return exp2(x); }
+__device__ __forceinline__ float log2_of(float x) { return __log2f(x); }
+__device__ __forceinline__ double log2_of(double x) { return log2(x); }
+__device__ __forceinline__ float fma_of(float a, float b, float c) { return fmaf(a, b, c); }
+__device__ __forceinline__ double fma_of(double a, double b, double c) { return fma(a, b, c); }
+
+// A: the accumulator type (float; double in the float64 kernels)
+template <int M_TILES, int N_TILES, int D_TILES, class A = float>
 struct OnlineSoftmax {
-  float row_max[M_TILES][2];  // m: running max of x over the keys seen, log2 units (-inf: none yet)
-  float row_sum[M_TILES][2];  // l: this thread's share of sum exp2(x - m); the quad sum is taken once, at the end
+  A row_max[M_TILES][2];  // m: running max of x over the keys seen, log2 units (-inf: none yet)
+  A row_sum[M_TILES][2];  // l: this thread's share of sum exp2(x - m); the quad sum is taken once, at the end
 
   __device__ __forceinline__ void init() {
 #pragma unroll
@@ -29,32 +49,31 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         row_max[mt][h] = neg_inf();
-        row_sum[mt][h] = 0.f;
+        row_sum[mt][h] = A(0);
       }
   }
 
   // One key tile: m_new = max(m, rowmax(x)); O *= exp2(m - m_new); l = l * exp2(m - m_new) + rowsum(P);
   // S is overwritten by P = exp2(x - m_new).
-  __device__ __forceinline__ void update(float (&s)[M_TILES][N_TILES][4], float (&o)[M_TILES][D_TILES][4],
-                                         float scale_log2) {
+  __device__ __forceinline__ void update(A (&s)[M_TILES][N_TILES][4], A (&o)[M_TILES][D_TILES][4], A scale_log2) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        float tile_max = neg_inf();
+        A tile_max = neg_inf();
 #pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        const float m_new = fmaxf(row_max[mt][h], quad_max(tile_max) * scale_log2);
+        for (int nt = 0; nt < N_TILES; ++nt) tile_max = max_of(tile_max, max_of(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        const A m_new = max_of(row_max[mt][h], quad_max(tile_max) * scale_log2);
         // fully masked row so far: m_new == -inf; use 0 as the max so exp2(-inf - 0) = 0, not NaN
-        const float m_use = (m_new == neg_inf()) ? 0.f : m_new;
-        const float alpha = ex2_approx(row_max[mt][h] - m_use);  // exp2(-inf) = 0 on the first visible tile
+        const A m_use = (m_new == neg_inf()) ? A(0) : m_new;
+        const A alpha = exp2_of(row_max[mt][h] - m_use);  // exp2(-inf) = 0 on the first visible tile
         row_max[mt][h] = m_new;
-        float sum = 0.f;
+        A sum = A(0);
 #pragma unroll
         for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
           for (int c = 2 * h; c < 2 * h + 2; ++c) {
-            s[mt][nt][c] = ex2_approx(fmaf(s[mt][nt][c], scale_log2, -m_use));
+            s[mt][nt][c] = exp2_of(fma_of(s[mt][nt][c], scale_log2, -m_use));
             sum += s[mt][nt][c];
           }
         row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
@@ -67,15 +86,16 @@ struct OnlineSoftmax {
   }
 
   // O /= l; lse = (m + log2 l) * ln 2. A row that saw no key (l == 0) gives O = 0 and lse = -inf.
-  __device__ __forceinline__ void finalize(float (&o)[M_TILES][D_TILES][4], float (&lse)[M_TILES][2]) {
+  // ln2: ln 2 in A's precision.
+  __device__ __forceinline__ void finalize(A (&o)[M_TILES][D_TILES][4], A (&lse)[M_TILES][2], A ln2 = LN2) {
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float l = quad_sum(row_sum[mt][h]);
+        const A l = quad_sum(row_sum[mt][h]);
         // (l == 0, not l > 0: a NaN from the inputs must propagate, not turn into a masked row)
-        const float inv_l = (l == 0.f) ? 0.f : 1.f / l;
-        lse[mt][h] = (l == 0.f) ? neg_inf() : (row_max[mt][h] + __log2f(l)) * LN2;
+        const A inv_l = (l == A(0)) ? A(0) : A(1) / l;
+        lse[mt][h] = (l == A(0)) ? A(neg_inf()) : (row_max[mt][h] + log2_of(l)) * ln2;
 #pragma unroll
         for (int dt = 0; dt < D_TILES; ++dt) {
           o[mt][dt][2 * h] *= inv_l;
