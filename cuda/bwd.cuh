@@ -51,8 +51,9 @@ struct BwdParams {
   float scale_log2;   // softmax_scale * log2(e)
   float softmax_scale;
   ModParams mods;     // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
+  double scale_log2_d, softmax_scale_d;  // the two scales in float64 (the float64 kernels, wide.cuh)
 };
-static_assert(sizeof(BwdParams) == 600, "BwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 616, "BwdParams is mirrored field by field in cuflash/_launch.py");
 
 // ---- 1. preprocess: eight lanes per query row, four rows per warp -------------------------------
 // Each lane reads 16-byte chunks of O and dO (chunk c of a row goes to lane c % 8 of its eight), so every

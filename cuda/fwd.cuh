@@ -56,8 +56,9 @@ struct FwdParams {
   float scale_log2;    // softmax_scale * log2(e)
   int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
   ModParams mods;      // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
+  double scale_log2_d; // softmax_scale * log2(e) in float64 (the float64 kernels, wide.cuh)
 };
-static_assert(sizeof(FwdParams) == 496, "FwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(FwdParams) == 504, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).

@@ -8,3 +8,4 @@
 #include "fwd_sm90_ws.cuh"
 #include "bwd_sm90.cuh"
 #include "kvcache.cuh"
+#include "wide.cuh"

@@ -74,6 +74,7 @@ class FwdParams(ctypes.Structure):
         ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("block_table_stride", ctypes.c_int),
         ("page_size", ctypes.c_int), ("num_splits", ctypes.c_int), ("rows_per_pos", ctypes.c_int),
         ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int), ("mods", ModParams),
+        ("scale_log2_d", ctypes.c_double),
     ]
 
 
@@ -96,6 +97,7 @@ class BwdParams(ctypes.Structure):
         + [("lse_batch_stride", _c_ll), ("lse_head_stride", _c_ll), ("lse_row_stride", _c_ll)]
         + [(n, ctypes.c_int) for n in ("seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
         + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float), ("mods", ModParams)]
+        + [("scale_log2_d", ctypes.c_double), ("softmax_scale_d", ctypes.c_double)]
     )
 
 
@@ -111,7 +113,7 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 496 and ctypes.sizeof(BwdParams) == 600
+assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 504 and ctypes.sizeof(BwdParams) == 616
 assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 248
 
 

@@ -53,12 +53,13 @@ ELEM_BYTES = 2
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The smallest compiled HEAD_DIM that holds `head_dim` (a multiple of 8, at most 256)."""
-    for hd in KERNEL_HEAD_DIMS:
+def kernel_head_dim(head_dim: int, dtype: str = "fp16") -> int:
+    """The smallest compiled HEAD_DIM that holds `head_dim` (a multiple of 8, at most 256) for `dtype`'s kernels."""
+    dims = WIDE_KERNEL_HEAD_DIMS.get(dtype, KERNEL_HEAD_DIMS)
+    for hd in dims:
         if head_dim <= hd:
             return hd
-    raise ValueError(f"head_dim={head_dim} is larger than the largest kernel head dim {MAX_HEAD_DIM}")
+    raise ValueError(f"head_dim={head_dim} is larger than the largest kernel head dim {dims[-1]} for {dtype}")
 
 
 def panel_cols(head_dim: int) -> int:
@@ -262,6 +263,7 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
+    out += [c for c in all_wide_configs() if isinstance(c, FwdWideConfig)]
     return out
 
 
@@ -570,6 +572,9 @@ class ElementwiseConfig:
     rows_per_cta: int = 32  # preprocess: eight lanes per query row (PREPROCESS_ROWS in bwd.cuh)
 
     def cpp_name(self) -> str:
+        if self.dtype in WIDE_DTYPES:
+            t = "double, double" if self.dtype == "fp64" else "float, float"
+            return f"cuflash::bwd_wide_{self.kind}_kernel<{t}>"
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         return f"cuflash::bwd_{self.kind}_kernel<{t}>"
 
@@ -653,6 +658,7 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                         out.append(dq_config(hd, dt, c, m))
                     if arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
+    out += [c for c in all_wide_configs() if not isinstance(c, FwdWideConfig)]
     return out
 
 
@@ -738,6 +744,174 @@ def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministi
     return select("backward", head_dim, dtype, causal, arch, mods=mods, deterministic=deterministic, kernels=kernels)
 
 
+# --- float32 and float64: the wide kernels (cuda/wide.cuh) --------------------------------------------------
+#
+# "fp32": float32 inputs in 3xTF32 split arithmetic (float32 accuracy); "tf32": float32 inputs, one TF32 pass;
+# "fp64": float64 inputs on the FP64 tensor cores. mma.sync kernels for every target (sm_80+). Their shared tiles
+# are row-major with a pitch of HEAD_DIM + 4 elements (conflict-free fragment reads), so the kernel head dims are
+# multiples of 32: 96 runs on the 128 kernel, 192 on the 256 one; float64 stops at 128 (its O accumulator of a
+# 256-column row tile alone would need 256 registers per thread).
+WIDE_DTYPES = ("fp32", "tf32", "fp64")
+WIDE_MATH = {"fp32": "Tf32x3", "tf32": "Tf32", "fp64": "F64"}
+WIDE_ELEM_BYTES = {"fp32": 4, "tf32": 4, "fp64": 8}
+WIDE_KERNEL_HEAD_DIMS = {"fp32": (32, 64, 128, 256), "tf32": (32, 64, 128, 256), "fp64": (32, 64, 128)}
+WIDE_PITCH_PAD = 4  # elements added to each shared row
+# The float64 kernels take the window alone of the score modifiers (their scores are float64; mods.cuh is float32).
+WIDE_FP64_MODS = MOD_WINDOW
+
+
+def wide_mods_supported(dtype: str, mods: int) -> bool:
+    return dtype != "fp64" or not mods & ~WIDE_FP64_MODS
+
+
+@dataclass(frozen=True)
+class FwdWideConfig:
+    """`fwd_wide_kernel<WideFwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, Math>, IS_CAUSAL, MODS>` (cuda/wide.cuh)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    dtype: str
+    causal: bool
+    mods: int = 0
+    v_split: int = 1  # CTAs per query block, each computing head_dim / v_split columns of O
+
+    def __post_init__(self):
+        check_mods(self.mods, self.causal)
+        if self.dtype not in WIDE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {WIDE_DTYPES}")
+        if not wide_mods_supported(self.dtype, self.mods):
+            raise ValueError(f"mods={self.mods}: the float64 kernels take the window alone")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        e = WIDE_ELEM_BYTES[self.dtype]
+        row, v_row = (self.head_dim + WIDE_PITCH_PAD) * e, (self.head_dim // self.v_split + WIDE_PITCH_PAD) * e
+        return self.block_m * row + 2 * self.block_n * (row + v_row)  # Q, then 2 stages of K, then 2 of V
+
+    def cpp_name(self) -> str:
+        return (f"cuflash::fwd_wide_kernel<cuflash::WideFwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, cuflash::{WIDE_MATH[self.dtype]}, {self.v_split}>, "
+                f"{'true' if self.causal else 'false'}, {self.mods}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m) * self.v_split, heads, batch)
+
+
+@dataclass(frozen=True)
+class BwdWideConfig:
+    """`bwd_wide_kernel<WideBwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, D_SPLIT, Math>, IS_CAUSAL, MODS>`:
+    K/V-outer, dQ summed by atomics (no deterministic variant)."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    num_warps: int
+    d_split: int
+    dtype: str
+    causal: bool
+    mods: int = 0
+    deterministic: bool = False
+
+    def __post_init__(self):
+        check_mods(self.mods, self.causal)
+        if self.dtype not in WIDE_DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {WIDE_DTYPES}")
+        if not wide_mods_supported(self.dtype, self.mods):
+            raise ValueError(f"mods={self.mods}: the float64 kernels take the window alone")
+        if self.deterministic:
+            raise ValueError("the float32 / float64 backward has no deterministic variant")
+        if self.block_n != 16 * self.num_warps // self.d_split:
+            raise ValueError(f"block_n={self.block_n} must be 16 * num_warps / d_split")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def smem_bytes(self) -> int:
+        e = WIDE_ELEM_BYTES[self.dtype]
+        acc = 8 if self.dtype == "fp64" else 4
+        row = (self.head_dim + WIDE_PITCH_PAD) * e
+        # K, V, 2 stages of (Q, dO), dS [query][key], 2 stages of (lse_log2, delta)
+        return (2 * self.block_n * row + 4 * self.block_m * row + self.block_m * (self.block_n + WIDE_PITCH_PAD) * acc
+                + 4 * self.block_m * acc)
+
+    def cpp_name(self) -> str:
+        return (f"cuflash::bwd_wide_kernel<cuflash::WideBwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
+                f"{self.num_warps}, {self.d_split}, cuflash::{WIDE_MATH[self.dtype]}>, "
+                f"{'true' if self.causal else 'false'}, {self.mods}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+# Tiles per (dtype, kernel head dim); *_MODS with ALiBi / softcap / dropout / bias / mask (float32 only). Every entry
+# is spill-free under ptxas -v on sm_80 and sm_90a (`python tools/wide_tiles.py`, NVRTC 13), with the window and,
+# for *_MODS, every modifier on; the largest such tile was taken (fewer K/V reads per query row, fewer dQ atomics).
+# 3xTF32 holds both halves of every fragment and a second accumulator for the bounded chains (cuda/wide.cuh), so it
+# takes smaller tiles than one-pass TF32 where registers bind; at head dim 256 its forward splits O's columns over
+# two CTAs (the fourth entry, v_split: 128 fp32 registers of O alone spilled at every tile).
+# Forward: (block_m, block_n, num_warps[, v_split])
+FWD_WIDE_TILES = {
+    "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 32, 4, 2)},
+    "tf32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 64, 8), 256: (64, 16, 4)},
+    "fp64": {32: (128, 32, 8), 64: (128, 32, 8), 128: (64, 32, 4)},
+}
+FWD_WIDE_TILES_MODS = {
+    "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 16, 8), 256: (64, 8, 4, 2)},
+    "tf32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 8, 4)},
+}
+# Backward: (block_m, block_n, num_warps, d_split). d_split 1 wherever it fits: a split key group computes S^T and
+# dP^T twice. At head dim 128 and above the float32 dK and dV (with their chain registers) need d_split 2 and 4.
+BWD_WIDE_TILES = {
+    "fp32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
+    "tf32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
+    "fp64": {32: (32, 128, 8, 1), 64: (16, 128, 8, 1), 128: (16, 64, 8, 2)},
+}
+BWD_WIDE_TILES_MODS = {
+    "fp32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
+    "tf32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
+}
+
+
+def fwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> FwdWideConfig:
+    # 3xTF32 has no register left for a window's state on the plain tiles: any modifier takes the *_MODS tiles
+    table = FWD_WIDE_TILES_MODS if heavy_mods(mods) or (dtype == "fp32" and mods) else FWD_WIDE_TILES
+    bm, bn, warps, *split = table[dtype][head_dim]
+    return FwdWideConfig(head_dim, bm, bn, warps, dtype, causal, mods, *split)
+
+
+def bwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> BwdWideConfig:
+    table = BWD_WIDE_TILES_MODS if heavy_mods(mods) else BWD_WIDE_TILES
+    bm, bn, warps, split = table[dtype][head_dim]
+    return BwdWideConfig(head_dim, bm, bn, warps, split, dtype, causal, mods)
+
+
+def wide_mods_checked(dtype: str, causal: bool) -> tuple:
+    """The modifier sets the compile check builds for a wide dtype (beside 0)."""
+    if dtype == "fp64":
+        return () if causal else (MOD_WINDOW,)
+    return MODS_CHECKED[causal]
+
+
+def all_wide_configs() -> list:
+    """Every float32 / float64 instantiation (the same on every target)."""
+    out: list = []
+    for dt in WIDE_DTYPES:
+        out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
+        for hd in WIDE_KERNEL_HEAD_DIMS[dt]:
+            for c in (False, True):
+                for m in (0, *wide_mods_checked(dt, c)):
+                    out += [fwd_wide_config(hd, dt, c, m), bwd_wide_config(hd, dt, c, m)]
+    return out
+
+
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #
 # The host path asks `select` for the config of an operation ("forward", "backward": the main kernel of the
@@ -778,6 +952,16 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
+    Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
+           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m)),
+    Family("fwd_wide_fp64", "forward", None, ("fp64",),
+           lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
+           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m)),
+    Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
+    Family("bwd_wide_fp64", "backward", None, ("fp64",),
+           lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if mods == 0 else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c)),
 )

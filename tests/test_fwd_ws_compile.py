@@ -102,9 +102,9 @@ def test_params_layout_matches_the_kernel():
 
     assert ctypes.sizeof(_tma.FwdWsParams) == 896
     assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd")] == [0, 128, 256, 384]
-    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 496
+    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 504
     src = (_compile.cuda_dir() / "fwd_sm90_ws.cuh").read_text()
-    assert "sizeof(FwdWsParams) == 896" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 496" in src
+    assert "sizeof(FwdWsParams) == 896" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 504" in src
 
 
 def test_config_names_and_shared_memory():
