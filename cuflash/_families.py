@@ -194,7 +194,8 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         o, od = _new_like(a.q, layout, arrays[0].dtype, cp)
         lse = None
         if with_lse:
-            lse = cp.empty((a.heads_q, a.total_q) if a.packed else (a.batch, a.heads_q, a.seqlen_q), dtype=cp.float32)
+            lse = cp.empty((a.heads_q, a.total_q) if a.packed else (a.batch, a.heads_q, a.seqlen_q),
+                           dtype=cp.float64 if a.dtype == "fp64" else cp.float32)
         if o.size == 0:
             return (o, lse) if with_lse else o
         if (a.total_k if a.packed else a.seqlen_k) == 0:  # no keys at all: every row is fully masked
@@ -203,7 +204,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 lse.fill(-cp.inf)
             return (o, lse) if with_lse else o
         (q, dq), (k, dk), (v, dv) = (_operand(x, i, d, layout) for x, i, d in zip(arrays, a.infos, (a.q, a.k, a.v)))
-        hd = kernel_head_dim(a.head_dim)
+        hd = kernel_head_dim(a.head_dim, a.dtype)
         cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, seqlen_k=a.seqlen_k)
         maps = None
         if isinstance(cfg, config.FwdSm90WsConfig):
@@ -216,6 +217,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr, _seq(a, cu_seqlens),
             0, 0, 0, 0, *_strides(dq), *_strides(dk), *_strides(dv), *_strides(od), *lse_strides, 0, 0,
             a.heads_q, a.head_dim, 0, 0, 1, 1, a.scale * _launch.LOG2E, 0)
+        params.scale_log2_d = a.scale * _launch.LOG2E  # the float64 kernels' (ctypes keeps the double)
         keep = []  # a combined mask lives until the launch is queued
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep)
@@ -223,7 +225,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 tiles = _block_map(a.mods, cfg.block_m, cfg.block_n, keep)
                 if tiles is not None:
                     params.mods.block_map = tiles
-        grid = (-(-a.seqlen_q // cfg.block_m), a.heads_q, a.batch)
+        grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
         fields = ""
         if maps is not None:  # the kernel takes the tensor maps in front of FwdParams
             params = maps.params(params, (q, k, v))
@@ -286,9 +288,9 @@ class _TmaMaps:
 # --- backward -------------------------------------------------------------------------------------------
 
 def _backward_workspace(rows: int, kernel_head_dim: int, deterministic: bool) -> int:
-    """float32 elements of the backward's one workspace: lse_log2 and delta (`rows` each), then, unless
-    deterministic, the dq accumulator (rows x kernel_head_dim). rows is a multiple of SEQLEN_Q_PAD, so each
-    part starts 512-byte aligned."""
+    """Elements of the backward's one workspace: lse_log2 and delta (`rows` each), then, unless deterministic, the
+    dq accumulator (rows x kernel_head_dim); float32 elements (float64 for float64 inputs). rows is a multiple of
+    SEQLEN_Q_PAD, so each part starts 512-byte aligned."""
     return rows * (2 if deterministic else 2 + kernel_head_dim)
 
 
@@ -297,7 +299,7 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
     the gradients None where the call did not preallocate them; returns (dq, dk, dv), and dbias after them when
     the call asks for it (p.dbias; `dbias`: the preallocated array, or None)."""
     a = p.fwd
-    if p.deterministic and a.mods.bits and not config.dq_supported(kernel_head_dim(a.head_dim), a.mods.bits,
+    if p.deterministic and a.mods.bits and not config.dq_supported(kernel_head_dim(a.head_dim, a.dtype), a.mods.bits,
                                                                    _launch.device_arch(a.device)):
         raise ValueError(f"deterministic=True with a sliding window and a bias or mask at head_dim={a.head_dim} is "
                          f"not available on {_launch.device_arch(a.device)} (its deterministic dQ kernel does not fit "
@@ -337,20 +339,23 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         doi, oi, li = p.infos
         dout, d_do = _operand(dout, doi, p.dout, layout)
         out, d_o = _operand(out, oi, p.out, layout)
-        hd = kernel_head_dim(a.head_dim)
+        hd = kernel_head_dim(a.head_dim, a.dtype)
         if a.packed:  # fp32 rows: every sequence gets a region from a multiple of SEQLEN_Q_PAD (cuda/seqs.cuh)
             pad_rows, pad_batches = (a.total_q + SEQLEN_Q_PAD * a.batch) // SEQLEN_Q_PAD * SEQLEN_Q_PAD, 1
         else:
             pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
         rows = pad_batches * a.heads_q * pad_rows
-        work_floats = _backward_workspace(rows, hd, p.deterministic)
+        acc = 8 if a.dtype == "fp64" else 4  # bytes of a workspace element (float64 for float64 inputs)
+        work_floats = _backward_workspace(rows, hd, p.deterministic) * acc // 4
         work = cp.empty(work_floats, dtype=cp.float32)
-        dq_accum = 0 if p.deterministic else work.data.ptr + 8 * rows
+        dq_accum = 0 if p.deterministic else work.data.ptr + 2 * acc * rows
         params = _launch.BwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
-            lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + 4 * rows, _seq(a, cu_seqlens),
+            lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + acc * rows, _seq(a, cu_seqlens),
             *(s for d in (d_q, d_k, d_v, d_o, d_do, *grad_dims) for s in _strides(d)),
             *p.lse_strides, pad_rows, a.heads_q, a.head_dim, hd, _launch.scale_log2(a.scale), a.scale)
+        params.scale_log2_d = a.scale * _launch.LOG2E  # the float64 kernels'
+        params.softmax_scale_d = a.scale
         keep = []  # a combined mask lives until the launches are queued
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep,
@@ -371,7 +376,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q)))
         else:
             conv = ElementwiseConfig("convert_dq", a.dtype)
-            chunks = a.seqlen_q * (a.head_dim // 8)
+            # 16-bit: one 16-byte chunk (8 elements) per thread; float32 / float64: one pair of elements
+            chunks = a.seqlen_q * (a.head_dim // (2 if a.dtype in config.WIDE_DTYPES else 8))
             launches.append((_launch.get_kernel(conv, a.device), (-(-chunks // conv.threads), a.heads_q, a.batch)))
         stream = cp.cuda.get_current_stream().ptr
         for kern, grid in launches:
@@ -385,8 +391,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                     b.alloc(grads[i].shape, grads[i].dtype, (params, field))
                 else:
                     b.bind(6 + i, params, field)
-            accum = () if p.deterministic else ((params, "dq_accum", 8 * rows),)
-            b.scratch(work_floats, (params, "lse_log2", 0), (params, "delta", 4 * rows), *accum)
+            accum = () if p.deterministic else ((params, "dq_accum", 2 * acc * rows),)
+            b.scratch(work_floats, (params, "lse_log2", 0), (params, "delta", acc * rows), *accum)
             for kern, grid in launches:
                 b.launch(kern, grid, params)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]

@@ -23,7 +23,7 @@ class Attention(NamedTuple):
     Packed: layout "packed", each Dims one 'batch' of total rows (batch stride 0: the kernels find sequence b's
     rows through cu_seqlens), seqlen_q / seqlen_k the longest sequences, `batch` the number of sequences."""
 
-    dtype: str  # "fp16" | "bf16"
+    dtype: str  # the kernels': "fp16" | "bf16" | "fp32" | "tf32" (float32 in one TF32 pass) | "fp64"
     layout: str  # "bshd" | "bhsd" | "packed"
     batch: int
     heads_q: int
@@ -61,6 +61,7 @@ class Backward(NamedTuple):
 
 def _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, batch, heads, device, dtype="fp16",
           seqlen_q=0, seqlen_k=0, bias=None, mask=None, key_padding_mask=None) -> Mods:
+    _validate.check_fp64_mods(dtype, alibi_slopes, softcap, dropout_p, bias, mask, key_padding_mask)
     alibi = None if alibi_slopes is None else _validate.array_info(alibi_slopes, "alibi_slopes")
     b = None if bias is None else _validate.check_bias(_validate.array_info(bias, "bias"), dtype, batch, heads,
                                                         seqlen_q, seqlen_k, device)
@@ -77,11 +78,13 @@ def _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, batch,
 
 
 def attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-              offset, bias=None, mask=None, key_padding_mask=None) -> Attention:
+              offset, bias=None, mask=None, key_padding_mask=None, precision=None) -> Attention:
     """The problem of attention / attention_forward (dense batches)."""
     causal = _validate.check_flag(causal, "causal")
     qi, ki, vi = _validate.array_info(q, "q"), _validate.array_info(k, "k"), _validate.array_info(v, "v")
     dtype, dq, dk, dv = _validate.check_qkv(qi, ki, vi, layout)
+    dtype = _validate.check_precision(precision, dtype)
+    _validate.check_wide_head_dim(dtype, dq.head_dim)
     scale = _validate.check_softmax_scale(softmax_scale, dq.head_dim)
     mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, dq.batch, dq.heads, qi.device, dtype,
                  dq.seqlen, dk.seqlen, bias, mask, key_padding_mask)
@@ -97,13 +100,15 @@ def packed_dims(info: ArrayInfo) -> Dims:
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset, bias=None, mask=None,
-                     key_padding_mask=None) -> Attention:
+                     key_padding_mask=None, precision=None) -> Attention:
     """The problem of the varlen functions; check_inputs reads cu_seqlens back (one synchronization)."""
     causal = _validate.check_flag(causal, "causal")
     check_inputs = _validate.check_flag(check_inputs, "check_inputs")
     qi, ki, vi = (_validate.array_info(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v")))
     cqi, cki = _validate.array_info(cu_seqlens_q, "cu_seqlens_q"), _validate.array_info(cu_seqlens_k, "cu_seqlens_k")
     m = _validate.check_varlen(qi, ki, vi, cqi, cki, max_seqlen_q, max_seqlen_k)
+    m = m._replace(dtype=_validate.check_precision(precision, m.dtype))
+    _validate.check_wide_head_dim(m.dtype, m.head_dim)
     if check_inputs:  # one device -> host copy of batch + 1 ints each (a synchronization)
         from ._launch import cupy, on_device
 
@@ -124,9 +129,11 @@ def _check_like(info: ArrayInfo, dims: Dims, ref: Dims, what: str) -> None:
         raise ValueError(f"{info.name} has shape {info.shape} but must have the shape of {what}")
 
 
-def _check_lse(li: ArrayInfo, want: tuple, names: str, fn: str) -> None:
-    if li.dtype != np.float32:
-        raise TypeError(f"lse.dtype={li.dtype} must be float32 (the lse returned by {fn})")
+def _check_lse(li: ArrayInfo, want: tuple, names: str, fn: str, dtype: str) -> None:
+    need = np.float64 if dtype == "fp64" else np.float32
+    if li.dtype != need:
+        raise TypeError(f"lse.dtype={li.dtype} must be {np.dtype(need)} (the lse returned by {fn} for these "
+                        f"inputs)")
     if li.shape != want:
         raise ValueError(f"lse has shape {li.shape}; expected {names} = {want}")
     if any(not float(s).is_integer() for s in li.strides):
@@ -155,8 +162,9 @@ def _check_grad(x, name: str, ref: Dims, like: ArrayInfo, layout: str, inputs) -
         _check_like(info, dims, ref, like.name)
         misaligned, what = _validate.needs_aligned_copy(info, dims), "batch/seqlen/head"
     if misaligned:
-        raise ValueError(f"{name} (preallocated) must be 16-byte aligned with {what} strides that are multiples of 8 "
-                         f"elements; got strides {info.strides} at address {info.ptr:#x}")
+        raise ValueError(f"{name} (preallocated) must be 16-byte aligned with {what} strides that are multiples of "
+                         f"{_validate.chunk_mask(info) + 1} elements (16 bytes); got strides {info.strides} at "
+                         f"address {info.ptr:#x}")
     for other in inputs:
         if _validate.overlaps(info, other):
             raise ValueError(f"{name} (preallocated) overlaps the memory of {other.name}; outputs must not alias inputs")
@@ -166,6 +174,9 @@ def _check_grad(x, name: str, ref: Dims, like: ArrayInfo, layout: str, inputs) -
 def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=False) -> Backward:
     """The problem of attention_backward / attention_varlen_backward, given the forward's problem."""
     deterministic = _validate.check_flag(deterministic, "deterministic")
+    if deterministic and fwd.dtype in ("fp32", "tf32", "fp64"):
+        raise ValueError(f"deterministic=True is not available for {_validate.NUMPY_DTYPES[fwd.dtype]} inputs (their "
+                         f"backward sums dq with atomics only): pass deterministic=False")
     qi, ki, vi = fwd.infos
     doi, oi = _validate.array_info(dout, "dout"), _validate.array_info(out, "out")
     _validate.check_dtype(qi, doi, oi)
@@ -174,12 +185,13 @@ def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=Fa
         for info in (doi, oi):
             _check_packed_like(info, qi)
         ddo, do_ = packed_dims(doi), packed_dims(oi)
-        _check_lse(li, (fwd.heads_q, fwd.total_q), "(heads, total_q)", "attention_varlen_forward")
+        _check_lse(li, (fwd.heads_q, fwd.total_q), "(heads, total_q)", "attention_varlen_forward", fwd.dtype)
     else:
         ddo, do_ = _validate.bshd_dims(doi, fwd.layout), _validate.bshd_dims(oi, fwd.layout)
         _check_like(doi, ddo, fwd.q, "q")
         _check_like(oi, do_, fwd.q, "q")
-        _check_lse(li, (fwd.batch, fwd.heads_q, fwd.seqlen_q), "(batch, heads, seqlen_q)", "attention_forward")
+        _check_lse(li, (fwd.batch, fwd.heads_q, fwd.seqlen_q), "(batch, heads, seqlen_q)", "attention_forward",
+                   fwd.dtype)
     _validate.check_same_device(qi, ki, vi, doi, oi, li)
     ls = tuple(int(s) for s in li.strides)
     inputs = (qi, ki, vi, doi, oi, li)

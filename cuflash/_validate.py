@@ -23,9 +23,18 @@ except ImportError:  # pragma: no cover - ml_dtypes is a dependency
     BF16 = None
 
 FP16 = np.dtype(np.float16)
+FP32 = np.dtype(np.float32)
+FP64 = np.dtype(np.float64)
 DTYPE_NAMES = {FP16: "fp16"}
 if BF16 is not None:
     DTYPE_NAMES[BF16] = "bf16"
+DTYPE_NAMES[FP32] = "fp32"
+DTYPE_NAMES[FP64] = "fp64"
+# the NumPy dtype of each kernel dtype name ("tf32": float32 inputs in one TF32 pass, `check_precision`)
+NUMPY_DTYPES = {name: dt for dt, name in DTYPE_NAMES.items()}
+NUMPY_DTYPES["tf32"] = FP32
+PRECISIONS = ("fp32", "tf32")
+MAX_HEAD_DIM_FP64 = 128
 LAYOUTS = ("bshd", "bhsd")
 MAX_SCALE_LOG2 = float(np.finfo(np.float32).max)
 MAX_GRID_YZ = 65535  # heads is gridDim.y and batch gridDim.z of every launch
@@ -80,17 +89,54 @@ def array_info(x, name: str) -> ArrayInfo:
                     f"(cupy.asarray for host data, cupy.from_dlpack for other GPU frameworks)")
 
 
-def check_dtype(*infos: ArrayInfo) -> str:
-    """All arrays fp16 or all bf16; returns "fp16" / "bf16"."""
+def check_dtype(*infos: ArrayInfo, wide: bool = True) -> str:
+    """All arrays of one dtype: float16, bfloat16 or (wide) float32, float64; returns "fp16" / "bf16" / "fp32" /
+    "fp64"."""
     first = infos[0]
-    if first.dtype not in DTYPE_NAMES:
-        allowed = "float16 or bfloat16 (ml_dtypes.bfloat16)"
+    if first.dtype not in DTYPE_NAMES or (not wide and DTYPE_NAMES[first.dtype] in ("fp32", "fp64")):
+        allowed = "float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64" if wide else \
+            "float16 or bfloat16 (ml_dtypes.bfloat16)"
         raise TypeError(f"{first.name}.dtype={first.dtype} is not supported; allowed: {allowed}")
     for info in infos[1:]:
         if info.dtype != first.dtype:
             raise TypeError(f"{info.name}.dtype={info.dtype} differs from {first.name}.dtype={first.dtype}; "
                             f"all inputs must have the same dtype")
     return DTYPE_NAMES[first.dtype]
+
+
+def check_precision(precision, dtype: str) -> str:
+    """The kernels' dtype name of a call: `dtype` (check_dtype's) with float32's precision applied: "fp32" (None
+    or "fp32": 3xTF32, float32 accuracy) or "tf32" (one TF32 pass). Other dtypes take precision=None."""
+    if precision is None:
+        return dtype
+    if not isinstance(precision, str) or precision not in PRECISIONS:
+        raise ValueError(f"precision={precision!r} is not supported; allowed: None, 'fp32' (float32 inputs: 3xTF32 "
+                         f"split arithmetic, float32 accuracy; the default) or 'tf32' (one TF32 pass)")
+    if dtype != "fp32":
+        raise ValueError(f"precision={precision!r} applies to float32 inputs only; these are "
+                         f"{NUMPY_DTYPES[dtype]}: pass precision=None")
+    return precision
+
+
+def check_wide_head_dim(dtype: str, d: int, name: str = "q") -> None:
+    if dtype == "fp64" and d > MAX_HEAD_DIM_FP64:
+        raise ValueError(f"head_dim={d} (last dim of {name}) is not supported for float64; allowed: a multiple of 8 "
+                         f"from 8 to {MAX_HEAD_DIM_FP64}")
+
+
+def check_fp64_mods(dtype: str, alibi, softcap, dropout_p, bias, mask, key_padding_mask) -> None:
+    """float64 takes causal and window alone of the score modifiers (its kernels compute the scores in float64)."""
+    if dtype != "fp64":
+        return
+    for name, value, given in (("alibi_slopes", alibi, alibi is not None), ("softcap", softcap, bool(softcap)),
+                               ("dropout_p", dropout_p, isinstance(dropout_p, numbers.Real) and dropout_p != 0),
+                               ("bias", bias, bias is not None), ("mask", mask, mask is not None),
+                               ("key_padding_mask", key_padding_mask, key_padding_mask is not None)):
+        if given:
+            shown = value if isinstance(value, numbers.Real) else f"<{type(value).__name__}>"
+            raise ValueError(f"{name}={shown} is not supported with float64 inputs: float64 attention takes causal "
+                             f"and window; alibi_slopes, softcap, bias, mask, key_padding_mask and dropout need "
+                             f"float32, float16 or bfloat16 inputs")
 
 
 def check_layout(layout) -> str:
@@ -204,14 +250,22 @@ def check_qkv(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, layout: str):
     return dtype, dq, dk, dv
 
 
+def chunk_mask(info: ArrayInfo) -> int:
+    """Elements of one 16-byte chunk, minus 1 (a stride in elements is a whole number of chunks iff stride & mask
+    is 0): 7 for 16-bit, 3 for float32, 1 for float64."""
+    return 16 // info.dtype.itemsize - 1
+
+
 def needs_aligned_copy(info: ArrayInfo, dims: Dims) -> bool:
     """The kernels read 16-byte chunks: the address and the batch/row/head strides must be multiples of
-    8 elements. Arrays that are not (rare: views at odd element offsets) are copied, not rejected."""
+    16 bytes (8 elements of 16 bits, 4 of float32, 2 of float64). Arrays that are not (rare: views at odd element
+    offsets) are copied, not rejected."""
     # a dim of size 1 is never stepped over, so its stride does not matter
     if info.ptr & 15:
         return True
+    mask = chunk_mask(info)
     for stride, n in ((dims.batch_stride, dims.batch), (dims.row_stride, dims.seqlen), (dims.head_stride, dims.heads)):
-        if n > 1 and (type(stride) is not int or stride & 7):
+        if n > 1 and (type(stride) is not int or stride & mask):
             return True
     return False
 
@@ -221,8 +275,9 @@ def needs_aligned_copy_rows(info: ArrayInfo) -> bool:
     every dim but the last (when that dim has more than one element) must be multiples of 8 elements."""
     if info.ptr & 15:
         return True
+    mask = chunk_mask(info)
     for stride, n in zip(info.strides[:-1], info.shape[:-1]):
-        if n > 1 and (type(stride) is not int or stride & 7):
+        if n > 1 and (type(stride) is not int or stride & mask):
             return True
     return False
 
@@ -424,7 +479,7 @@ def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: Array
         raise ValueError(f"k and v (new keys and values) go together: got k={'None' if k is None else 'an array'} "
                          f"and v={'None' if v is None else 'an array'}; pass both or neither")
     new = [x for x in (k, v) if x is not None]
-    dtype = check_dtype(q, k_cache, v_cache, *new)
+    dtype = check_dtype(q, k_cache, v_cache, *new, wide=False)
     dq, dkc, dvc = bshd_dims(q, "bshd"), bshd_dims(k_cache, "bshd"), bshd_dims(v_cache, "bshd")
     check_head_dim(dq.head_dim, q.name)
     if v_cache.shape != k_cache.shape:
@@ -672,8 +727,8 @@ def check_bias(bias: ArrayInfo | None, dtype: str, batch: int, heads: int, seqle
     """None, or the bias: q's dtype or float32, broadcast to the scores (`check_broadcast`)."""
     if bias is None:
         return None
-    allowed = {"fp16": FP16, "bf16": BF16}[dtype]
-    if bias.dtype not in (allowed, np.dtype(np.float32)):
+    allowed = NUMPY_DTYPES[dtype]
+    if bias.dtype not in (allowed, FP32):
         raise TypeError(f"bias.dtype={bias.dtype} is not allowed; allowed: {allowed} (the dtype of q) or float32")
     return check_broadcast(bias, "bias", batch, heads, seqlen_q, seqlen_k, device)
 

@@ -16,11 +16,13 @@ _FWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softca
 _BWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "dbias", "mask",
                                                "key_padding_mask", "dropout_p", "seed", "offset"))
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
-                                     ("softmax_scale", OPTION), ("layout", OPTION), *_FWD_MODS), _PLAIN)
+                                     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS),
+                       _PLAIN)
 _FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN)
 _BACKWARD = Signature("attention_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("causal", OPTION),
-    ("softmax_scale", OPTION), ("layout", OPTION), ("deterministic", OPTION), ("dq", OPTIONAL_ARRAY),
+    ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), ("deterministic", OPTION),
+    ("dq", OPTIONAL_ARRAY),
     ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN)
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
@@ -30,13 +32,14 @@ _KVCACHE = Signature("attention_with_kvcache", (
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
                       softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-                      return_dropout_mask=False):
+                      return_dropout_mask=False, precision=None):
     """Fused attention forward, returning the output and the log-sum-exp of each query row.
 
     Args:
         q: CuPy array (batch, seqlen_q, heads, head_dim) for layout "bshd", or (batch, heads,
-            seqlen_q, head_dim) for "bhsd"; float16 or bfloat16 (ml_dtypes.bfloat16). Any strides
-            for batch/seqlen/heads; the last dim must be contiguous. head_dim: a multiple of 8, <= 256.
+            seqlen_q, head_dim) for "bhsd"; float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64. Any
+            strides for batch/seqlen/heads; the last dim must be contiguous. head_dim: a multiple of 8, <= 256
+            (float64: <= 128).
         k, v: same dtype and layout, seqlen_k rows: (batch, seqlen_k, heads_kv, head_dim) for "bshd".
             heads_kv may be smaller than q's heads (grouped-query / multi-query attention): heads must be
             a multiple of heads_kv, and query head h uses key/value head h // (heads // heads_kv).
@@ -64,12 +67,16 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             size N^2 is stored). lse is that of the undropped softmax.
         return_dropout_mask: also return the keep mask, bool (batch, heads, seqlen_q, seqlen_k) (for tests:
             small shapes only).
+        precision: float32 inputs only: None or "fp32" (default: 3xTF32 split arithmetic on the TF32 tensor
+            cores, accurate to float32's level) or "tf32" (one TF32 pass: faster, with TF32's 10-bit mantissa
+            error, like CuPy's CUPY_TF32=1). float64 runs on the FP64 tensor cores with a float64 softmax, and
+            takes causal and window of the score modifiers.
         The score is softmax_scale * q_i . k_j + bias_ij, then softcap, ALiBi, the masks (causal, window, mask,
         key_padding_mask), the softmax, dropout.
 
     Returns:
         (o, lse), or (o, lse, dropout_mask) with return_dropout_mask: o like q (same dtype, layout and shape,
-        a new contiguous array); lse float32 (batch, heads, seqlen_q), natural log: lse_i = log sum_j exp(s_ij)
+        a new contiguous array); lse float32 (float64 for float64 inputs) (batch, heads, seqlen_q), natural log: lse_i = log sum_j exp(s_ij)
         of the (modified) scores s_ij = softmax_scale * q_i . k_j.
 
     Runs on the current CuPy stream, without host synchronization; allocates only o and lse.
@@ -81,7 +88,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         >>> o.shape, lse.shape
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
-    key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+    key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                        key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
     if plan is not None:
@@ -89,15 +96,16 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                    return_dropout_mask, key, with_lse=True, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
+                    return_dropout_mask, key, with_lse=True, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
+                    precision=precision)
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
               softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-              return_dropout_mask=False):
+              return_dropout_mask=False, precision=None):
     """Fused attention: softmax(softmax_scale * q k^T [+ causal mask]) v, exact, O(N) extra memory.
 
-    Same arguments as `attention_forward` (sliding window, ALiBi, softcap, bias, masks and dropout included); returns
+    Same arguments as `attention_forward` (sliding window, ALiBi, softcap, bias, masks, dropout and precision included); returns
     only o (like q: same dtype, layout and shape), or (o, dropout_mask) with return_dropout_mask.
 
     Example:
@@ -105,7 +113,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
-    key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+    key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                          key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
     if plan is not None:
@@ -113,15 +121,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                    return_dropout_mask, key, with_lse=False, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
+                    return_dropout_mask, key, with_lse=False, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
+                    precision=precision)
 
 
 def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-             return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None):
+             return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None, precision=None):
     """The full path of attention / attention_forward: o without lse (the kernel then writes none)."""
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-                           offset, bias, mask, key_padding_mask)
+                           offset, bias, mask, key_padding_mask, precision)
     mask = (_families.dropout_mask(a.mods, a.batch, a.heads_q, a.seqlen_q, a.seqlen_k, a.device),) if return_mask else ()
     out = _families.forward(a, (q, k, v), with_lse=with_lse, key=key)
     if with_lse:
@@ -131,19 +140,20 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
                        deterministic=False, dq=None, dk=None, dv=None, window=None, alibi_slopes=None, softcap=None,
-                       bias=None, dbias=False, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0):
+                       bias=None, dbias=False, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
+                       precision=None):
     """Gradients of attention with respect to q, k and v, recomputing P tile by tile (no N x N memory).
 
     Args:
         dout: gradient of the loss with respect to `out`, shaped like q (any strides, last dim contiguous).
         q, k, v: the forward's inputs (same conventions as `attention_forward`).
         out, lse: the forward's outputs, from `attention_forward(q, k, v, ...)` with the same options.
-            lse: float32 (batch, heads, seqlen_q).
-        causal, softmax_scale, layout: as given to the forward.
+            lse: float32 (float64 for float64 inputs) (batch, heads, seqlen_q).
+        causal, softmax_scale, layout, precision: as given to the forward.
         deterministic: False (default) accumulates dq with fp32 atomics, whose order varies from run to
             run (results differ in the last bits); True computes dq in a second kernel that owns each
             query block, bitwise reproducible, at the cost of recomputing S and dP (about 1.4x the
-            backward's FLOPs).
+            backward's FLOPs). float32 and float64 inputs have no deterministic mode (ValueError).
         dq, dk, dv: optional preallocated outputs shaped like q, k, v, in their dtype, not aliasing an input.
         window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset: the forward's score
             modifiers, exactly as given to it (dropout regenerates the forward's mask from seed and offset; the
@@ -165,15 +175,15 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         >>> o, lse = cuflash.attention_forward(q, k, v, causal=True)
         >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
     """
-    key = _BACKWARD.key(dout, q, k, v, out, lse, causal, softmax_scale, layout, deterministic, dq, dk, dv, window,
-                        alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
+    key = _BACKWARD.key(dout, q, k, v, out, lse, causal, softmax_scale, layout, precision, deterministic, dq, dk, dv,
+                        window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
     plan = _plan.plans.get(key)
     if plan is not None:
         grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
-                           offset, bias, mask, key_padding_mask)
+                           offset, bias, mask, key_padding_mask, precision)
     p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
     return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), key=key, dbias=_dbias_array(dbias))
 
@@ -188,12 +198,12 @@ def _dbias_array(dbias):
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                              softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None,
                              bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-                             return_dropout_mask=False):
+                             return_dropout_mask=False, precision=None):
     """Fused attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
         q: CuPy array (total_q, heads, head_dim): the query rows of all sequences, one after another;
-            fp16 or bf16, last dim contiguous, any token/head strides.
+            float16, bfloat16, float32 or float64, last dim contiguous, any token/head strides.
         k, v: (total_k, heads_kv, head_dim), heads a multiple of heads_kv (grouped-query attention).
         cu_seqlens_q, cu_seqlens_k: CuPy int32 (batch + 1,): sequence b is q rows cu_seqlens_q[b] ..
             cu_seqlens_q[b + 1] - 1 and k/v rows cu_seqlens_k[b] .. cu_seqlens_k[b + 1] - 1; cu[0] = 0,
@@ -211,9 +221,11 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             max_seqlen_q, max_seqlen_k) (key_padding_mask (batch, max_seqlen_k)): sequence b reads the top-left
             (len_q(b), len_k(b)) corner of its (batch, head) slice.
         return_dropout_mask: also return a list of one bool (heads, len_q(b), len_k(b)) keep mask per sequence.
+        precision: float32 inputs: None / "fp32" or "tf32", as in `attention_forward`.
 
     Returns:
-        (o, lse) (and the masks): o (total_q, heads, head_dim) like q; lse float32 (heads, total_q), natural
+        (o, lse) (and the masks): o (total_q, heads, head_dim) like q; lse float32 (float64 for float64 inputs)
+        (heads, total_q), natural
         log. A query that sees no key (an empty key sequence, or causal with len_q > len_k) gets o = 0,
         lse = -inf.
 
@@ -225,7 +237,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                                  bias, mask, key_padding_mask)
+                                  bias, mask, key_padding_mask, precision)
     masks = ()
     if return_mask:  # sequence b's mask is the top-left corner of batch index b's (the stream ignores lengths)
         masks = (_families.varlen_dropout_masks(a, cu_seqlens_q, cu_seqlens_k),)
@@ -235,7 +247,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None, bias=None,
-                     mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False):
+                     mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False,
+                     precision=None):
     """`attention_varlen_forward` returning only o (total_q, heads, head_dim) (and the dropout masks with
     return_dropout_mask).
 
@@ -248,14 +261,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                    softmax_scale=softmax_scale, check_inputs=check_inputs, window=window,
                                    alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask,
                                    key_padding_mask=key_padding_mask, dropout_p=dropout_p, seed=seed, offset=offset,
-                                   return_dropout_mask=return_dropout_mask)
+                                   return_dropout_mask=return_dropout_mask, precision=precision)
     return (out[0], out[2]) if return_dropout_mask else out[0]
 
 
 def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
                               causal=False, softmax_scale=None, deterministic=False, dq=None, dk=None, dv=None,
                               check_inputs=True, window=None, alibi_slopes=None, softcap=None, bias=None, dbias=False,
-                              mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0):
+                              mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0, precision=None):
     """Gradients of `attention_varlen_forward` with respect to q, k and v.
 
     Args:
@@ -264,8 +277,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, check_inputs:
             as given to the forward; out, lse: its outputs (lse float32 (heads, total_q)).
         deterministic, dq, dk, dv: as in `attention_backward` (preallocated outputs packed like q, k, v).
-        window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset: the forward's score
-            modifiers, as given to it.
+        window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset, precision: the
+            forward's score modifiers and precision, as given to it.
         dbias: as in `attention_backward` (shaped like bias; the corners no sequence reaches stay 0).
 
     Returns:
@@ -278,7 +291,7 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     """
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
-                                  bias, mask, key_padding_mask)
+                                  bias, mask, key_padding_mask, precision)
     p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
     return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
                               dbias=_dbias_array(dbias))

@@ -135,7 +135,8 @@ CPU_CASES = [
     ("forward-layout-upper", lambda: fwd(fakes(), layout="BSHD"), ValueError, ["layout='BSHD'", "'bshd'", "'bhsd'"]),
     ("backward-layout-sbhd", lambda: bwd(fakes(), layout="sbhd"), ValueError, ["layout='sbhd'"]),
     # dtypes
-    ("attention-all-float32", lambda: att(fakes(dtype=F32)), TypeError, ["q.dtype=float32", "float16 or bfloat16"]),
+    ("attention-all-complex64", lambda: att(fakes(dtype=np.dtype(np.complex64))), TypeError,
+     ["q.dtype=complex64", "float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64"]),
     ("forward-k-bf16-q-fp16", lambda: fwd(fakes(k=F((2, 24, 2, 64), BF16))), TypeError,
      ["k.dtype=bfloat16", "q.dtype=float16"]),
     ("attention-v-float64", lambda: att(fakes(v=F((2, 24, 2, 64), np.float64))), TypeError,
@@ -354,7 +355,8 @@ def _none(g):
 # (id, gpu_arrays kwargs, build(g): add arrays, call(g), exception type, message fragments[, marks])
 GPU_CASES = [
     ("gpu-attention-q-float32", {}, lambda g: new(g, "q32", (2, 16, 2, 64), F32),
-     lambda g: cuflash.attention(V(g)["q32"], V(g)["k"], V(g)["v"]), TypeError, ["q.dtype=float32", "float16 or bfloat16"]),
+     lambda g: cuflash.attention(V(g)["q32"], V(g)["k"], V(g)["v"]), TypeError,
+     ["k.dtype=float16 differs from q.dtype=float32"]),
     ("gpu-forward-k-bf16", {}, lambda g: new(g, "kb", (2, 24, 2, 64), BF16),
      lambda g: gfwd(g, k="kb"), TypeError, ["k.dtype=bfloat16", "q.dtype=float16"]),
     ("gpu-attention-q-last-dim-strided", {}, lambda g: new(g, "wide", (2, 16, 2, 128), FP16),

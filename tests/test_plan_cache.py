@@ -309,7 +309,7 @@ def test_replaced_kernel_table_or_full_cache_drops_plans(monkeypatch):
     q, k, v = qkv()
     cuflash.attention(q, k, v)
     monkeypatch.setattr(_launch, "_kernels", {})  # what a test that counts kernel loads does
-    assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, 0.0, None, 0,
+    assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, None, 0.0, None, 0,
                                             False)) is None
     small = _plan.PlanCache(size=3)
     for i in range(5):
@@ -412,7 +412,7 @@ def test_each_thread_gets_its_own_argument_block():
 # --- a new option must reach the key ----------------------------------------------------------------------
 
 OTHER_VALUES = {  # a valid non-default value of each keyword option of the functions that have plans
-    "causal": True, "softmax_scale": 0.2, "layout": "bhsd", "deterministic": True,
+    "causal": True, "softmax_scale": 0.2, "layout": "bhsd", "deterministic": True, "precision": "tf32",
     "dq": "grad", "dk": "grad", "dv": "grad",
     "k": "new", "v": "new", "cache_seqlens": 5, "block_table": "table", "num_splits": 3, "return_lse": True,
     "check_inputs": False,
@@ -441,7 +441,7 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
     assert base is not None
     for p in options:
         value = OTHER_VALUES[p.name]
-        if isinstance(value, str) and p.name not in ("layout",):
+        if isinstance(value, str) and p.name not in ("layout", "precision"):
             value = A((1, 8, 2, 64), F16)
         changed = key_fn(**{**positional, **defaults, p.name: value})
         assert changed != base, f"{fn}: {p.name}={value!r} gives the key of its default"

@@ -41,7 +41,10 @@ def varlen(total_q=40, total_k=50, hq=4, hkv=2, d=64, batch=3, max_q=20, max_k=3
 
 
 VARLEN_BAD = [
-    ("q-float32", lambda: varlen(q=info("q", (40, 4, 64), np.float32)), TypeError, ["q.dtype=float32", "bfloat16"]),
+    ("q-complex64", lambda: varlen(q=info("q", (40, 4, 64), np.complex64)), TypeError,
+     ["q.dtype=complex64", "bfloat16", "float32"]),
+    ("q-float32-k-fp16", lambda: varlen(q=info("q", (40, 4, 64), np.float32)), TypeError,
+     ["k.dtype=float16 differs from q.dtype=float32"]),
     ("v-bf16", lambda: varlen(v=info("v", (50, 2, 64), BF16)), TypeError, ["v.dtype=bfloat16", "q.dtype=float16"]),
     ("q-rank4", lambda: varlen(q=info("q", (2, 20, 4, 64))), ValueError,
      ["q has shape (2, 20, 4, 64) (rank 4)", "packed rank-3", "(total_q, heads_q, head_dim)"]),
