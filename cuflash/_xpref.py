@@ -6,7 +6,8 @@ batched matmuls of the array module `xp` of their inputs: with CuPy arrays a flo
 on NumPy arrays, every function here agrees with `cuflash.reference`.
 
 Low-precision rounding is done on float32 bit patterns (round to nearest even, as ml_dtypes does), so
-it does not depend on CuPy's bfloat16 arithmetic; only fp16 uses a dtype cast.
+it does not depend on CuPy's bfloat16 arithmetic; only fp16 uses a dtype cast. TF32 rounding (`round_tf32`) is
+done on the bit patterns too.
 
 Arrays are in the "bshd" layout: q (B, Sq, H_q, D), k and v (B, Sk, H_kv, D) with H_q a multiple of H_kv
 (grouped-query attention: query head h uses key/value head h // (H_q // H_kv)); lse is (B, H_q, Sq).
@@ -16,6 +17,12 @@ The varlen and KV-cache references work one sequence at a time on top of the den
 Of the score modifiers only the additive bias and the boolean masks are mirrored (bias, mask, key_padding_mask,
 with the broadcast rule and dbias of `cuflash.reference`); the others need `cuflash.reference`. The bias may be
 float16, bfloat16 (widened bit-wise), float32 or float64; the masks bool; either module.
+
+float32 and float64 inputs (`attention_plain`, `attention_backward_plain` and their varlen forms) have plain,
+unfused attention in one working precision with every option of `cuflash.reference` (window, ALiBi, softcap,
+dropout with a given keep mask, bias, masks): "fp32" (float32 throughout: with CuPy, cuBLAS float32 matmuls),
+"tf32" (float32, every matmul input rounded to TF32 first), "fp64" (float64 throughout) and "ext" (NumPy's
+np.longdouble throughout: 64 mantissa bits on x86, the yardstick of float64 results).
 """
 from __future__ import annotations
 
@@ -23,7 +30,7 @@ import math
 
 import numpy as np
 
-from .reference import broadcast_shape4, varlen_bias_index
+from .reference import _visible, broadcast_shape4, varlen_bias_index
 
 
 def array_module(x):
@@ -35,14 +42,33 @@ def array_module(x):
     return np
 
 
-def round_to(x, dtype: str):
-    """float32 copy of x rounded to "fp16" or "bf16" (round to nearest even), returned as float32."""
+def round_tf32(x):
+    """float32 copy of x rounded to TF32 (10 explicit mantissa bits; the exponent range of float32) to nearest,
+    ties away from zero (cvt.rna.tf32.f32's rule; the kernels round to nearest with Veltkamp's split, cuda/wide.cuh,
+    which may break an exact tie the other way): the low 13 bits of every result are 0. NaN stays NaN, +-inf
+    stays; a value within half a TF32 step of the float32 maximum rounds to inf."""
     xp = array_module(x)
+    x = xp.ascontiguousarray(x, dtype=xp.float32)
+    u = x.view(xp.uint32)
+    r = (u + xp.uint32(0x1000)) & xp.uint32(0xFFFFE000)  # half a TF32 step added to the magnitude, then truncated
+    return xp.where(xp.isnan(x), x, r.view(xp.float32))
+
+
+def round_to(x, dtype: str):
+    """float32 copy of x rounded to "fp16" or "bf16" (round to nearest even) or "tf32" (`round_tf32`), returned as
+    float32; "fp32": a float32 copy of x; "fp64": a float64 copy of x."""
+    xp = array_module(x)
+    if dtype in ("fp64", "float64"):
+        return xp.array(to_float32(x) if x.dtype == _bf16_dtype() else x, dtype=xp.float64)
+    if dtype in ("fp32", "float32"):
+        return xp.array(to_float32(x) if x.dtype == _bf16_dtype() else x, dtype=xp.float32)
+    if dtype == "tf32":
+        return round_tf32(to_float32(x))
     x = xp.ascontiguousarray(x, dtype=xp.float32)
     if dtype in ("fp16", "float16"):
         return x.astype(xp.float16).astype(xp.float32)
     if dtype not in ("bf16", "bfloat16"):
-        raise ValueError(f"dtype={dtype!r}; allowed: 'fp16', 'bf16'")
+        raise ValueError(f"dtype={dtype!r}; allowed: 'fp16', 'bf16', 'tf32', 'fp32', 'fp64'")
     u = x.view(xp.uint32)
     # bf16 keeps the top 16 bits: add 0x7fff plus the lowest kept bit, then truncate (ties to even)
     r = (u + (xp.uint32(0x7FFF) + ((u >> xp.uint32(16)) & xp.uint32(1)))) & xp.uint32(0xFFFF0000)
@@ -56,12 +82,15 @@ def _bf16_dtype():
 
 
 def to_lowp(x, dtype: str):
-    """x (any float array) rounded to an fp16 or bf16 array of the same module, contiguous.
+    """x (any float array) rounded to an fp16 or bf16 array of the same module, contiguous ("fp32", "tf32": a
+    float32 array holding float32 / TF32 values; "fp64": a float64 array).
 
     bf16 is produced from the rounded float32 bit pattern (its top 16 bits) and a dtype view, so it
     needs CuPy to know the bfloat16 dtype but not to convert to it."""
     xp = array_module(x)
     r = round_to(x, dtype)
+    if dtype in ("fp32", "float32", "tf32", "fp64", "float64"):
+        return r
     if dtype in ("fp16", "float16"):
         return r.astype(xp.float16)
     return (r.view(xp.uint32) >> xp.uint32(16)).astype(xp.uint16).view(_bf16_dtype())
@@ -479,3 +508,216 @@ def attention_kvcache_lowp(q, k_cache, v_cache, dtype, cache_seqlens=None, k=Non
         keys, values = (kvcache_prefix(c, b, lengths[b], block_table)[None] for c in (k_cache, v_cache))
         o[b] = attention_lowp(q[b:b + 1], keys, values, dtype, causal, softmax_scale)[0]
     return o
+
+
+# --- float32 and float64 inputs: plain attention in one working precision, with every score modifier ---------
+
+PRECISIONS = ("fp32", "tf32", "fp64", "ext")
+
+
+def working_dtype(xp, precision: str):
+    """The dtype `attention_plain` computes in: float32 for "fp32" and "tf32", float64 for "fp64", np.longdouble
+    for "ext" (NumPy only: CuPy has no extended type)."""
+    if precision in ("fp32", "tf32"):
+        return xp.float32
+    if precision == "fp64":
+        return xp.float64
+    if precision == "ext":
+        if xp is not np:
+            raise ValueError("precision='ext' (np.longdouble) needs NumPy arrays")
+        return np.longdouble
+    raise ValueError(f"precision={precision!r}; allowed: {', '.join(map(repr, PRECISIONS))}")
+
+
+def _cast(xp, x, dtype):
+    """x (an array of either module, fp16 / bf16 / float, or a scalar) as an array of module xp and `dtype`."""
+    if xp is np:
+        x = to_host(x)
+    if getattr(x, "dtype", None) == _bf16_dtype():
+        x = to_float32(x)
+    return xp.asarray(x, dtype=dtype)
+
+
+def _plain_options(xp, ft, shape_bhqk, causal, window, alibi_slopes, dropout_mask, dropout_p, bias, mask,
+                   key_padding_mask):
+    """(visible (Sq, Sk) bool or None, the ALiBi scores (B, H, Sq, Sk) or None, keep = Z / (1 - dropout_p) or None,
+    the bias (B, H, Sq, Sk) or None, attend (B, H, Sq, Sk) bool or None): arrays of module xp, floats of dtype ft."""
+    batch, heads, sq, sk = shape_bhqk
+    visible = _visible(sq, sk, causal, window)  # NumPy (validates the window)
+    visible = None if visible is None else xp.asarray(visible)
+    alibi = None
+    if alibi_slopes is not None:
+        slopes = _cast(xp, alibi_slopes, ft)
+        if slopes.shape not in ((heads,), (batch, heads)):
+            raise ValueError(f"alibi_slopes has shape {slopes.shape}; expected ({heads},) or ({batch}, {heads})")
+        slopes = xp.broadcast_to(slopes, (batch, heads))
+        distance = xp.abs(xp.arange(sq)[:, None] + (sk - sq) - xp.arange(sk)[None, :]).astype(ft)
+        alibi = -slopes[:, :, None, None] * distance  # S += -slope * |i + Sk - Sq - j|
+    dropout_p = float(dropout_p)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p={dropout_p!r} is not allowed; expected 0 <= dropout_p < 1")
+    keep = None
+    if dropout_mask is not None:
+        z = _cast(xp, dropout_mask, bool)
+        if z.shape != tuple(shape_bhqk):
+            raise ValueError(f"dropout_mask has shape {z.shape}; expected {tuple(shape_bhqk)}")
+        keep = xp.where(z, ft(1.0 / (1.0 - dropout_p)), ft(0))
+    elif dropout_p > 0:
+        raise ValueError(f"dropout_p={dropout_p} needs dropout_mask (bool {tuple(shape_bhqk)})")
+    if bias is not None:
+        bias = _cast(xp, bias, ft)
+    mask = None if mask is None else _cast(xp, mask, bool)
+    key_padding_mask = None if key_padding_mask is None else _cast(xp, key_padding_mask, bool)
+    bias, attend = _bias_mask(xp, shape_bhqk, bias, mask, key_padding_mask, ft)
+    return visible, alibi, keep, bias, attend
+
+
+def _plain_scores(xp, ft, qm, km, scale, visible, alibi, bias, attend, softcap):
+    """(S (B, H, Sq, Sk) in dtype ft with -inf where masked, tanh(S / softcap) of the biased uncapped S or None),
+    in `cuflash.reference`'s order: scale * q . k + bias, softcap, ALiBi, the masks. qm, km: (B, S, H, D) matmul
+    inputs (already rounded for "tf32")."""
+    s = (_bh(qm) @ _bh(km).transpose(0, 1, 3, 2)) * ft(scale)
+    if bias is not None:
+        s = s + bias
+    t = None
+    if softcap:
+        t = xp.tanh(s / ft(softcap))
+        s = ft(softcap) * t
+    if alibi is not None:
+        s = s + alibi
+    if visible is not None:
+        s = xp.where(visible, s, ft(-np.inf))
+    if attend is not None:
+        s = xp.where(attend, s, ft(-np.inf))
+    return s, t
+
+
+def _matmul_input(precision: str):
+    """The rounding of every matmul input: TF32 for "tf32", none otherwise."""
+    return round_tf32 if precision == "tf32" else (lambda x: x)
+
+
+def attention_plain(q, k, v, precision: str, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
+                    softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
+    """Plain (unfused) attention computed in one working precision (`working_dtype`), with the options and
+    conventions of `cuflash.reference.attention_forward64` (window, ALiBi slopes, softcap, dropout with the given
+    keep mask Z (B, H_q, Sq, Sk), bias, mask, key_padding_mask; GQA; causal bottom-right):
+      "fp32"  float32 throughout (with CuPy: cuBLAS float32 matmuls, TF32 only if CuPy was told to use it);
+      "tf32"  as "fp32" with q, k, v and P (after dropout) rounded to TF32 before their matmuls: products of TF32
+              values are exact in float32, so this is a TF32 tensor core's matmul with float32 accumulation;
+      "fp64"  float64 throughout; "ext": np.longdouble throughout (NumPy arrays only).
+    Inputs of any float dtype and module. Returns (o (B, Sq, H_q, D), lse (B, H_q, Sq)) of the working dtype;
+    lse is of the scores before dropout; a row that sees no key gets o = 0, lse = -inf."""
+    xp = array_module(q)
+    ft = working_dtype(xp, precision)
+    mm = _matmul_input(precision)
+    q, k, v = (_cast(xp, x, ft) for x in (q, k, v))
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    shape_bhqk = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    visible, alibi, keep, bias, attend = _plain_options(xp, ft, shape_bhqk, causal, window, alibi_slopes,
+                                                        dropout_mask, dropout_p, bias, mask, key_padding_mask)
+    s, _ = _plain_scores(xp, ft, mm(q), mm(k), _scale(softmax_scale, q.shape[-1]), visible, alibi, bias, attend,
+                         softcap)
+    p, m, l = _softmax_rows(xp, s)
+    seen = l > 0
+    p = xp.where(seen, p / xp.where(seen, l, ft(1)), ft(0))
+    lse = xp.where(seen[..., 0], m[..., 0] + xp.log(xp.where(seen[..., 0], l[..., 0], ft(1))), ft(-np.inf))
+    if keep is not None:
+        p = p * keep  # dropout after lse: P Z / (1 - p)
+    return _bh(mm(p) @ _bh(mm(v))), lse
+
+
+def attention_backward_plain(do, q, k, v, precision: str, causal=False, softmax_scale=None, *, window=None,
+                             alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None,
+                             key_padding_mask=None):
+    """Gradients of `attention_plain` for the upstream gradient do, computed in the same working precision the
+    way `cuflash.reference.attention_backward64` does: P = exp(S - lse), dV = (P Z')^T dO, dP = (dO V^T) Z',
+    dS = P (dP - D) with D = rowsum(dO * O) (O the plain forward's output), through the softcap, dQ = scale dS K,
+    dK = scale dS^T Q (Z' = Z / (1 - dropout_p)). For "tf32" every matmul input (P Z', dO, V, dS, K, Q) is rounded
+    to TF32. Returns (dq, dk, dv) shaped like q, k, v (dk, dv summed over each query group), and dbias shaped like
+    bias (dS summed over its broadcast dims) after them with a bias; all of the working dtype."""
+    xp = array_module(q)
+    ft = working_dtype(xp, precision)
+    mm = _matmul_input(precision)
+    do, q, k, v = (_cast(xp, x, ft) for x in (do, q, k, v))
+    heads_kv = k.shape[2]
+    options = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, dropout_mask=dropout_mask,
+                   dropout_p=dropout_p, bias=bias, mask=mask, key_padding_mask=key_padding_mask)
+    o, lse = attention_plain(q, k, v, precision, causal, softmax_scale, **options)
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    scale = _scale(softmax_scale, q.shape[-1])
+    shape_bhqk = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+    visible, alibi, keep, bias_full, attend = _plain_options(xp, ft, shape_bhqk, causal, window, alibi_slopes,
+                                                             dropout_mask, dropout_p, bias, mask, key_padding_mask)
+    qm, km, vm, dom = (mm(x) for x in (q, k, v, do))
+    s, t = _plain_scores(xp, ft, qm, km, scale, visible, alibi, bias_full, attend, softcap)
+    finite = xp.isfinite(lse)[..., None]
+    p = xp.where(finite, xp.exp(s - xp.where(finite, lse[..., None], ft(0))), ft(0))  # masked keys: exp(-inf) = 0
+    p_kept = p if keep is None else p * keep
+    dv = _bh(mm(p_kept).transpose(0, 1, 3, 2) @ _bh(dom))
+    dp = _bh(dom) @ _bh(vm).transpose(0, 1, 3, 2)
+    if keep is not None:
+        dp = dp * keep
+    delta = (do * o).sum(axis=-1).transpose(0, 2, 1)[..., None]  # D_i = rowsum(dO * O), (B, H, Sq, 1)
+    ds = p * (dp - delta)
+    if t is not None:
+        ds = ds * (ft(1) - t * t)  # through S = softcap * tanh(S / softcap)
+    dsm = mm(ds)
+    dq = _bh(dsm @ _bh(km)) * ft(scale)
+    dk = _bh(dsm.transpose(0, 1, 3, 2) @ _bh(qm)) * ft(scale)
+    grads = dq, sum_kv_groups(dk, heads_kv), sum_kv_groups(dv, heads_kv)
+    return grads if bias is None else (*grads, reduce_broadcast(ds, bias.shape))
+
+
+def _sequence_options(b, num_seqs, heads_q, rows_q, rows_k, alibi_slopes, dropout_mask, bias, mask,
+                      key_padding_mask):
+    """(the dense keyword arguments of sequence b, the index of its bias in the bias's 4-D form or None): its bias,
+    mask and key padding corner (`_sequence_bias_mask`), its ALiBi slopes ((H,) shared, or row b of (B, H)) and its
+    dropout keep mask (dropout_mask[b], (H_q, len_q, len_k), as cuflash.philox.dropout_mask_varlen gives them)."""
+    kwargs, index = _sequence_bias_mask(b, num_seqs, heads_q, rows_q, rows_k, bias, mask, key_padding_mask)
+    if alibi_slopes is not None:
+        kwargs["alibi_slopes"] = alibi_slopes if alibi_slopes.ndim == 1 else alibi_slopes[b:b + 1]
+    if dropout_mask is not None:
+        kwargs["dropout_mask"] = dropout_mask[b][None]
+    return kwargs, index
+
+
+def attention_varlen_plain(q, k, v, cu_seqlens_q, cu_seqlens_k, precision: str, causal=False, softmax_scale=None, *,
+                           window=None, alibi_slopes=None, softcap=None, dropout_mask=None, dropout_p=0.0, bias=None,
+                           mask=None, key_padding_mask=None):
+    """`attention_plain` of packed sequences q (total_q, H_q, D), k, v (total_k, H_kv, D), one sequence at a time
+    (window and causal per sequence; dropout_mask a list of one (H_q, len_q, len_k) mask per sequence; bias, mask
+    and key_padding_mask as in `attention_varlen_forward64`). Returns (o (total_q, H_q, D), lse (H_q, total_q))."""
+    xp = array_module(q)
+    ft = working_dtype(xp, precision)
+    o = xp.zeros(q.shape, dtype=ft)
+    lse = xp.full((q.shape[1], q.shape[0]), -np.inf, dtype=ft)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, _ = _sequence_options(b, len(seqs), q.shape[1], rq, rk, alibi_slopes, dropout_mask, bias, mask,
+                                     key_padding_mask)
+        o_b, lse_b = attention_plain(q[None, rq], k[None, rk], v[None, rk], precision, causal, softmax_scale,
+                                     window=window, softcap=softcap, dropout_p=dropout_p, **extra)
+        o[rq], lse[:, rq] = o_b[0], lse_b[0]
+    return o, lse
+
+
+def attention_varlen_backward_plain(do, q, k, v, cu_seqlens_q, cu_seqlens_k, precision: str, causal=False,
+                                    softmax_scale=None, *, window=None, alibi_slopes=None, softcap=None,
+                                    dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
+    """`attention_backward_plain` per sequence: (dq, dk, dv) packed like q, k, v, and dbias shaped like bias (the
+    sequences' parts summed in the working precision) after them with a bias."""
+    xp = array_module(q)
+    ft = working_dtype(xp, precision)
+    grads = [xp.zeros(x.shape, dtype=ft) for x in (q, k, v)]
+    dbias = None if bias is None else xp.zeros((1,) * (4 - bias.ndim) + tuple(bias.shape), dtype=ft)
+    seqs = sequences(cu_seqlens_q, cu_seqlens_k)
+    for b, (rq, rk) in enumerate(seqs):
+        extra, index = _sequence_options(b, len(seqs), q.shape[1], rq, rk, alibi_slopes, dropout_mask, bias, mask,
+                                         key_padding_mask)
+        g = attention_backward_plain(do[None, rq], q[None, rq], k[None, rk], v[None, rk], precision, causal,
+                                     softmax_scale, window=window, softcap=softcap, dropout_p=dropout_p, **extra)
+        grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
+        if dbias is not None:
+            dbias[index] += g[3][0]
+    return tuple(grads) if bias is None else (*grads, dbias.reshape(bias.shape))

@@ -9,6 +9,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
+import numpy as np
 
 from cuflash import _compile, _xpref
 
@@ -32,9 +33,13 @@ def batch_heads(seqlen_q: int, seqlen_k: int) -> tuple[int, int]:
 
 
 def randn(shape, dtype: str, seed: int, scale: float = 1.0):
-    """Standard normal values (times scale) rounded to dtype ("fp16"/"bf16"): a contiguous CuPy array."""
+    """Standard normal values (times scale) rounded to dtype ("fp16"/"bf16"/"fp32"; "fp64": drawn in float64, all
+    53 bits random): a contiguous CuPy array."""
     if 0 in shape:  # nothing to draw (and cuRAND is not asked for zero numbers)
         return _xpref.to_lowp(cp.empty(shape, dtype=cp.float32), dtype)
+    if dtype == "fp64":
+        x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float64)
+        return x * scale if scale != 1.0 else x
     x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
     if scale != 1.0:
         x *= scale
@@ -46,7 +51,8 @@ def make_input(b, s, h, d, dtype, layout, kind, seed, scale=1.0):
       contiguous  a fresh C-contiguous array
       padded      a view into a larger buffer: every batch/row/head stride padded, start offset (16-byte aligned)
       transposed  the other layout's contiguous array, transposed into this layout
-      misaligned  head stride D + 4 elements: not 16-byte aligned, so the library copies it (still correct)
+      misaligned  head stride D + 4 elements (fp16/bf16; D + 1 for fp32/fp64): not 16-byte aligned, so the library
+                  copies it (still correct)
     """
     logical = (b, s, h, d) if layout == "bshd" else (b, h, s, d)
     if kind == "contiguous":
@@ -59,7 +65,7 @@ def make_input(b, s, h, d, dtype, layout, kind, seed, scale=1.0):
         other = (b, h, s, d) if layout == "bshd" else (b, s, h, d)
         return randn(other, dtype, seed, scale).transpose(0, 2, 1, 3)
     if kind == "misaligned":
-        return randn(logical[:3] + (d + 4,), dtype, seed, scale)[..., :d]
+        return randn(logical[:3] + (d + (1 if dtype in ("fp32", "fp64") else 4),), dtype, seed, scale)[..., :d]
     raise ValueError(f"kind={kind!r}")
 
 
@@ -173,3 +179,67 @@ def random_lengths(seed: int, n: int, high: int, forced: dict):
     for i, length in forced.items():
         lengths[i] = length
     return [int(x) for x in lengths]
+
+
+# --- float32 and float64 inputs (tests/test_gpu_wide.py) ----------------------------------------------------------
+
+def to_bshd(x, layout: str):
+    """x (any dtype) in (B, S, H, D) order: a view, no conversion (to_bshd32 would round float64 to float32)."""
+    return x if layout == "bshd" else x.transpose(0, 2, 1, 3)
+
+
+def float32_matmul_rounds_to_tf32() -> bool:
+    """Whether CuPy's float32 matmul (a batched one, as the references do) rounds its inputs to TF32: CuPy does with
+    CUPY_TF32=1, cuBLAS with NVIDIA_TF32_OVERRIDE=1. (1 + 2^-20) times the identity is exact in float32, 1 in TF32."""
+    a = cp.full((1, 2, 16, 16), 1 + 2.0 ** -20, dtype=cp.float32)
+    eye = cp.broadcast_to(cp.eye(16, dtype=cp.float32), (1, 2, 16, 16))
+    return not bool(cp.array_equal(a @ eye, a))
+
+
+def _on_module_of(ref, x):
+    """x (CuPy or NumPy) as an array of ref's module and dtype: host arrays for a NumPy (e.g. np.longdouble) ref."""
+    if isinstance(ref, np.ndarray):
+        return np.asarray(_xpref.to_host(x)).astype(ref.dtype)
+    return cp.asarray(x, dtype=cp.float64)
+
+
+def _max_abs_any(x) -> float:
+    if not x.size:
+        return 0.0
+    return float(abs(x).max())
+
+
+def check_rule_wide(name: str, got, ref, plain, factor: float, what: str, floor: float):
+    """The pass rule of float32 / float64 inputs: max|got - ref| <= factor * max|plain - ref| + floor * max(1,
+    max|ref|), and no NaN or inf in got. ref: a CuPy float64 array (got and plain then compared in float64 on the
+    GPU) or a NumPy one (np.longdouble: got and plain are copied to the host and compared in its dtype). Returns
+    (error, bound)."""
+    assert not bool(cp.isnan(got).any()), f"{name} has NaN (unwritten or invalid) for {what}"
+    assert bool(cp.isfinite(got).all()), f"{name} has inf for {what}"
+    assert got.shape == ref.shape, f"{name} has shape {got.shape}, the reference {ref.shape}, for {what}"
+    err = _max_abs_any(_on_module_of(ref, got) - ref)
+    plain_err = _max_abs_any(_on_module_of(ref, plain) - ref)
+    bound = factor * plain_err + floor * max(1.0, _max_abs_any(ref))
+    assert err <= bound, (f"{name} mismatch for {what}: {err:.3e} > {bound:.3e} ({factor:g} x the plain error "
+                          f"{plain_err:.3e} + {floor:g} x max(1, max|ref|))")
+    return err, bound
+
+
+def check_lse_wide(lse, ref, plain, what: str, floor: float, dtype):
+    """lse of float32 / float64 inputs: of `dtype` (cp.float32 or cp.float64) and ref's shape, no NaN, -inf exactly
+    where the reference row sees no key, and on the other rows the pass rule with factor 2 against the plain lse."""
+    assert lse.dtype == dtype, f"lse dtype {lse.dtype}, expected {cp.dtype(dtype)}, for {what}"
+    assert lse.shape == ref.shape, f"lse shape {lse.shape} != {ref.shape} for {what}"
+    assert not bool(cp.isnan(lse).any()), f"lse has NaN for {what}"
+    got, plain = _on_module_of(ref, lse), _on_module_of(ref, plain)
+    xp = _xpref.array_module(ref)
+    seen = xp.isfinite(ref)
+    assert bool((xp.isfinite(got) == seen).all()), f"lse is -inf in other rows than the reference's for {what}"
+    assert bool((got[~seen] == -xp.inf).all()), f"rows that see no key must have lse = -inf for {what}"
+    zero = xp.zeros((), dtype=ref.dtype)
+    ref_seen = xp.where(seen, ref, zero)  # -inf rows out of the differences (-inf - -inf is NaN)
+    err = _max_abs_any(xp.where(seen, got, zero) - ref_seen)
+    plain_err = _max_abs_any(xp.where(seen, plain, zero) - ref_seen)
+    bound = 2 * plain_err + floor * max(1.0, _max_abs_any(ref_seen))
+    assert err <= bound, (f"lse mismatch for {what}: {err:.3e} > {bound:.3e} (2 x the plain error {plain_err:.3e} + "
+                          f"{floor:g} x max(1, max|lse_ref|))")
