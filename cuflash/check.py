@@ -3,7 +3,8 @@
     python -m cuflash.check sanitize                      # memcheck, racecheck, initcheck, synccheck; < 6 min on an H100
     python -m cuflash.check sanitize --quick --tools memcheck
     python -m cuflash.check sanitize --out $OUT/sanitize  # logs: one file per tool and shard, plus the reference run
-    python -m cuflash.check cases [--quick]               # list the case set (and its cost estimate)
+    python -m cuflash.check sanitize --only 'fp32|tf32|fp64'  # the float32 / float64 cases alone
+    python -m cuflash.check cases [--quick] [--only REGEX]  # list the case set (and its cost estimate)
 
 What `sanitize` does:
   1. compiles every kernel the cases need through NVRTC, in parallel processes (NVRTC holds the GIL, so
@@ -18,15 +19,18 @@ What `sanitize` does:
      digest mismatch, driver failure or timeout.
 
 The driver is built so that the sanitizers see (almost) only cuflash's kernels, on exactly-sized
-allocations: inputs are generated on the host and copied up (no CuPy random/elementwise kernels), CuPy's
-memory pool is switched off (every array is its own cudaMalloc, so memcheck sees a read one byte past an
+allocations: inputs are generated on the host and copied up as raw bits (no CuPy random/elementwise kernels),
+CuPy's memory pool is switched off (every array is its own cudaMalloc, so memcheck sees a read one byte past an
 array; `--padding` adds a guard after each allocation where the tool supports it), and outputs are checked
 on the host. Strided cases use views into larger, fully initialized buffers (initcheck stays meaningful);
-the "misaligned" case makes the library copy its input with one CuPy kernel.
+the "misaligned" case (strides not a multiple of 16 bytes) makes the library copy its input with one CuPy kernel.
 
-Every case runs the forward, the default backward (atomic dQ) and the deterministic backward, so each
+Every 16-bit case runs the forward, the default backward (atomic dQ) and the deterministic backward, so each
 case covers one (head dim, dtype, causal) instantiation of every kernel; the default set covers every
-shipped instantiation (6 kernel head dims x 2 dtypes x causal/not) plus zero-padded head dims.
+shipped instantiation (6 kernel head dims x 2 dtypes x causal/not) plus zero-padded head dims. The float32
+("fp32": 3xTF32, "tf32": precision="tf32") and float64 ("fp64") cases run the forward and the backward (these
+dtypes have no deterministic backward) and cover every wide instantiation (config.all_wide_configs); they are
+checked against a float64 (float64 inputs: extended-precision) reference by their own rule (`_wide_rules`).
 
 initcheck: the kernels read no uninitialized memory by design (cp.async with src-size 0 zero-fills a
 tail row without reading it), so any initcheck report is a finding, not noise.
@@ -56,6 +60,12 @@ DEFAULT_SHARDS = {"memcheck": 2, "racecheck": 5, "initcheck": 2, "synccheck": 2}
 SANITIZER_EXIT = 99
 LAYOUTS = ("bshd", "bhsd")
 STRIDES = ("contiguous", "padded", "transposed", "misaligned")
+# Sanitizer work per (score x kernel head dim) of a dtype's kernels, relative to the 16-bit ones: an estimate (not
+# measured) from the instructions the sanitizers instrument per multiply-add. The 16-bit kernels read shared memory
+# with ldmatrix (16 bytes a lane) into m16n8k16 MMAs; the wide kernels read fragments with 4- or 8-byte loads
+# (about 4x the shared loads per multiply-add for float32, 8x for float64, whose m8n8k4 MMA also does 1/8 of the
+# work of an m16n8k16) and stage 2x / 4x the bytes through cp.async.
+WORK_WEIGHT = {"fp32": 4.0, "tf32": 4.0, "fp64": 8.0}
 
 
 # --- the case set ------------------------------------------------------------------------------------
@@ -65,8 +75,10 @@ KINDS = ("dense", "varlen", "kvcache")
 
 @dataclass(frozen=True)
 class Case:
-    """One problem. dense and varlen: forward, default backward and deterministic backward are all run on it;
-    kvcache: attention_with_kvcache (forward only), appending seqlen_q new keys into a cache of seqlen_k."""
+    """One problem. dense and varlen: forward, default backward and (16-bit dtypes) deterministic backward are all
+    run on it; kvcache: attention_with_kvcache (forward only, 16-bit), appending seqlen_q new keys into a cache of
+    seqlen_k. dtype is the kernels' dtype name: "fp16", "bf16", or a wide one (config.WIDE_DTYPES): "fp32" (float32
+    inputs, precision None: 3xTF32), "tf32" (float32 inputs, precision="tf32"), "fp64" (float64 inputs)."""
 
     name: str
     batch: int
@@ -74,7 +86,7 @@ class Case:
     seqlen_k: int
     heads: int
     head_dim: int
-    dtype: str     # "fp16" | "bf16"
+    dtype: str     # "fp16" | "bf16" | "fp32" | "tf32" | "fp64"
     causal: bool
     layout: str    # "bshd" | "bhsd" (dense only)
     strides: str   # one of STRIDES, for q, k, v and dout (dense only)
@@ -90,13 +102,28 @@ class Case:
 
     @property
     def kernel_head_dim(self) -> int:
-        return config.kernel_head_dim(self.head_dim)
+        return config.kernel_head_dim(self.head_dim, self.dtype)
+
+    @property
+    def wide(self) -> bool:
+        """float32 / float64 inputs (the wide kernels of cuda/wide.cuh)."""
+        return self.dtype in config.WIDE_DTYPES
+
+    @property
+    def precision(self):
+        """The cuflash calls' precision= argument: "tf32" for the one-pass TF32 kernels, else None (the default)."""
+        return "tf32" if self.dtype == "tf32" else None
 
     @property
     def cost(self) -> float:
-        """Relative cost under a sanitizer: a fixed part per launch plus the work of the tiles."""
-        work = self.batch * self.heads * self.seqlen_q * self.seqlen_k * self.kernel_head_dim
-        return 5.0 + work / 1e6
+        """Relative cost under a sanitizer: a fixed part per launch plus the work of the tiles, weighted by dtype
+        (varlen: of the sequences' lengths)."""
+        if self.kind == "varlen":
+            scores = sum(lq * lk for lq, lk in zip(*_varlen_lengths(self)))
+        else:
+            scores = self.batch * self.seqlen_q * self.seqlen_k
+        work = self.heads * scores * self.kernel_head_dim
+        return 5.0 + WORK_WEIGHT.get(self.dtype, 1.0) * work / 1e6
 
     def mod_options(self, rng=None) -> dict:
         """cuflash keyword arguments of the case's modifiers: window (37, 5), ALiBi slopes (heads,) in [0, 0.3)
@@ -127,6 +154,13 @@ class Case:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
+        if self.wide:  # the registry's wide families (every target); no deterministic backward, so no dQ kernel
+            c, m = self.kernel_causal, self.mods
+            return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
+                    config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m),
+                    config.ElementwiseConfig("preprocess", self.dtype),
+                    config.ElementwiseConfig("convert_dq", self.dtype)] + \
+                ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.mods:
             c, m = self.kernel_causal, self.mods
             return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
@@ -206,6 +240,57 @@ def default_cases() -> list[Case]:
             j = hi * 4 + ci
             cases.append(_case(2, (1, 3, 17)[j % 3], 256 if j % 2 else 320, 4, hd, dtype, causal, "bshd", "contiguous",
                                kind="kvcache", kv_heads=(4, 2, 1)[j % 3], paged=bool(j % 2), splits=(0, 1, 3)[j % 3]))
+    return cases + wide_cases()
+
+
+# The seqlen pairs of _PAIRS in one list; a wide dtype's (kernel head dim, causal) cases take every third one, so
+# each dtype meets long-and-thin pairs, single rows and Sq > Sk / Sq < Sk both causal and not.
+_WIDE_PAIRS = _PAIRS[0] + _PAIRS[1]
+
+
+def wide_cases() -> list[Case]:
+    """float32 (precision "fp32" and "tf32") and float64 cases (at the end of the default set, so the 16-bit cases
+    keep their indices): every shipped wide instantiation (config.all_wide_configs: each kernel head dim and causal
+    flag without modifiers, and the modifier sets of config.wide_mods_checked), over both layouts, every stride kind,
+    the odd seqlen pairs, zero-padded head dims, grouped-query heads and packed sequences. No kv-cache cases (the
+    decode kernels are 16-bit only). A sanitizer spends more per score on the wide kernels (WORK_WEIGHT), so their
+    problems are smaller than the 16-bit ones where that loses no coverage: one head and one sequence on the pairs
+    of many scores from kernel head dim 128 (64 for float64) up, and the modifier cases on 71 x 137 / 137 x 71 (a
+    full and a partial tile of the largest tiles, 128 rows, on the long side, several tiles of every smaller
+    one)."""
+    cases = []
+    for di, dtype in enumerate(config.WIDE_DTYPES):
+        for n, (hd, causal) in enumerate((hd, c) for hd in config.WIDE_KERNEL_HEAD_DIMS[dtype] for c in (False, True)):
+            sq, sk = _WIDE_PAIRS[(3 * n + di) % 8]
+            if hd * WORK_WEIGHT[dtype] >= 512 and sq * sk >= 4096:
+                b, h = 1, 1
+            else:
+                b, h = (2, 1) if (n + di) % 2 else (1, 2)
+            cases.append(_case(b, sq, sk, h, hd, dtype, causal, LAYOUTS[(n + n // 4 + di) % 2],
+                               STRIDES[(n + di) % 4]))
+    # score modifiers: the compile check's sets (float32: window alone, all four with causal folded into the window,
+    # all but the window on a causal kernel; float64: the window alone), per kernel head dim. Two heads with the
+    # heavy modifiers (a slope per head; the bias is shared by the heads, so its gradient sums over them: atomics);
+    # the causal (dropout) cases on Sq < Sk, where every row sees many keys (see the 16-bit modifier cases above)
+    for di, dtype in enumerate(config.WIDE_DTYPES):
+        for hi, hd in enumerate(config.WIDE_KERNEL_HEAD_DIMS[dtype]):
+            for causal in (False, True):
+                for mods in config.wide_mods_checked(dtype, causal):
+                    sq, sk = (71, 137) if causal or (hi + di) % 2 else (137, 71)
+                    cases.append(_case(1, sq, sk, 2 if config.heavy_mods(mods) else 1, hd, dtype, causal, "bshd",
+                                       "contiguous", mods=mods))
+    # head dims without their own wide kernel (zero-padded columns), grouped-query heads, packed sequences (lengths
+    # cycling through seqlen, 1, 0, 17)
+    cases += [_case(1, 113, 203, 1, 96, "fp32", True, "bhsd", "misaligned"),
+              _case(1, 17, 1023, 1, 200, "tf32", False, "bshd", "padded"),
+              _case(1, 203, 113, 1, 72, "fp64", True, "bshd", "transposed"),
+              _case(2, 1023, 17, 1, 8, "fp64", False, "bhsd", "misaligned"),
+              _case(1, 71, 137, 4, 64, "fp32", True, "bshd", "padded", kv_heads=2),
+              _case(1, 203, 17, 4, 128, "tf32", False, "bhsd", "contiguous", kv_heads=1),
+              _case(1, 17, 203, 4, 32, "fp64", True, "bshd", "contiguous", kv_heads=1),
+              _case(4, 113, 203, 2, 96, "fp32", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
+              _case(4, 203, 113, 2, 64, "tf32", False, "bshd", "contiguous", kind="varlen"),
+              _case(4, 113, 203, 2, 40, "fp64", True, "bshd", "contiguous", kind="varlen", kv_heads=1)]
     return cases
 
 
@@ -215,7 +300,10 @@ def quick_cases() -> list[Case]:
             _case(1, 17, 1023, 2, 256, "fp16", True, "bshd", "contiguous"),
             _case(1, 1, 113, 1, 72, "bf16", True, "bshd", "misaligned"),
             _case(2, 1, 1, 1, 32, "bf16", False, "bhsd", "contiguous"),
-            _case(1, 203, 113, 2, 192, "fp16", True, "bhsd", "padded")]
+            _case(1, 203, 113, 2, 192, "fp16", True, "bhsd", "padded"),
+            _case(1, 113, 203, 1, 96, "fp32", True, "bhsd", "misaligned"),
+            _case(2, 17, 1023, 1, 64, "tf32", False, "bshd", "padded"),
+            _case(1, 203, 113, 1, 40, "fp64", True, "bshd", "transposed")]
 
 
 def case_set(name: str) -> list[Case]:
@@ -274,10 +362,23 @@ def compile_configs(configs, arch: str | None = None, jobs: int | None = None) -
 
 # --- the driver (runs inside the sanitizer) ---------------------------------------------------------
 
+# bytes of an element of each kernel dtype name, and the unsigned type of its bits (uploads, digests, NaN checks)
+_ELEM_BYTES = {"fp16": 2, "bf16": 2, **config.WIDE_ELEM_BYTES}
+_UINT = {2: "uint16", 4: "uint32", 8: "uint64"}
+# the exponent field (all ones: inf or NaN) of each input / output dtype, by NumPy dtype name
+_EXP_MASKS = {"float16": 0x7C00, "bfloat16": 0x7F80, "float32": 0x7F800000, "float64": 0x7FF0000000000000}
+
+
 def _lowp_np(rng, shape, dtype: str):
+    """Standard normal host data of a kernel dtype name: float16, bfloat16, float32 ("fp32", "tf32": the kernels
+    round to TF32 themselves) or float64 (drawn in float64, all 53 bits)."""
     import numpy as np
 
+    if dtype == "fp64":
+        return rng.standard_normal(shape, dtype=np.float64)
     x = rng.standard_normal(shape, dtype=np.float32)
+    if dtype in ("fp32", "tf32"):
+        return x
     if dtype == "fp16":
         return x.astype(np.float16)
     import ml_dtypes
@@ -286,36 +387,57 @@ def _lowp_np(rng, shape, dtype: str):
 
 
 def _upload(x_np):
-    """Host fp16/bf16 array -> CuPy array of the same dtype, by a plain copy of its bits (no kernel)."""
+    """Host array (fp16, bf16, float32, float64) -> CuPy array of the same dtype, by a plain copy of its bits: a
+    cudaMemcpy, no kernel. The driver launches nothing but cuflash's kernels before and between the attention calls
+    (no CuPy random, cast or elementwise kernel), so the sanitizers' reports, and initcheck's view of which bytes
+    were written, are the library's; the bits go up as unsigned integers of the element's width (CuPy has no
+    bfloat16 arithmetic, and a typed copy could convert)."""
     import cupy as cp
     import numpy as np
 
-    return cp.asarray(np.ascontiguousarray(x_np).view(np.uint16)).view(x_np.dtype)
+    x = np.ascontiguousarray(x_np)
+    return cp.asarray(x.view(np.dtype(_UINT[x.dtype.itemsize]))).view(x.dtype)
+
+
+def _chunk_elems(dtype: str) -> int:
+    """Elements of one 16-byte chunk (the kernels' read unit): 8 for 16-bit, 4 for float32, 2 for float64."""
+    return 16 // _ELEM_BYTES[dtype]
+
+
+def strided_view(case: Case, seqlen: int, heads: int, make):
+    """The (B, S, H, D) or (B, H, S, D) view of a dense case's stride kind over an array of shape s from make(s), a
+    fully initialized buffer (initcheck stays meaningful). padded: 1 extra batch, 3 extra rows, 1 extra head and
+    one 16-byte chunk of extra columns (8 / 4 / 2 elements), every stride a multiple of 16 bytes; transposed: the
+    other layout's contiguous array, transposed; misaligned: a head stride of D + half a chunk (D + 4 for 16-bit,
+    D + 2 for float32, D + 1 for float64), not a multiple of 16 bytes, so the library copies the view
+    (_validate.needs_aligned_copy)."""
+    b, d = case.batch, case.head_dim
+    logical = (b, seqlen, heads, d) if case.layout == "bshd" else (b, heads, seqlen, d)
+    chunk = _chunk_elems(case.dtype)
+    if case.strides == "contiguous":
+        return make(logical)
+    if case.strides == "padded":
+        pad = (1, 3, 1) if case.layout == "bshd" else (1, 1, 3)
+        big = make(tuple(n + p for n, p in zip(logical[:3], pad)) + (d + chunk,))
+        return big[pad[0]:, pad[1]:, pad[2]:, :d]
+    if case.strides == "transposed":
+        other = (b, heads, seqlen, d) if case.layout == "bshd" else (b, seqlen, heads, d)
+        return make(other).transpose(0, 2, 1, 3)
+    if case.strides == "misaligned":
+        return make(logical[:3] + (d + chunk // 2,))[..., :d]
+    raise ValueError(f"strides={case.strides!r}")
 
 
 def _driver_input(rng, case: Case, seqlen: int, heads: int = 0):
     """A (B, S, H, D) or (B, H, S, D) input with the case's strides (H: heads or, for k and v, heads_kv); its
-    whole buffer is initialized."""
-    b, h, d = case.batch, heads or case.heads, case.head_dim
-    logical = (b, seqlen, h, d) if case.layout == "bshd" else (b, h, seqlen, d)
-    if case.strides == "contiguous":
-        return _upload(_lowp_np(rng, logical, case.dtype))
-    if case.strides == "padded":  # 1 extra batch, 3 extra rows, 1 extra head, 8 extra columns; 16-byte aligned
-        pad = (1, 3, 1) if case.layout == "bshd" else (1, 1, 3)
-        big = _upload(_lowp_np(rng, tuple(n + p for n, p in zip(logical[:3], pad)) + (d + 8,), case.dtype))
-        return big[pad[0]:, pad[1]:, pad[2]:, :d]
-    if case.strides == "transposed":
-        other = (b, h, seqlen, d) if case.layout == "bshd" else (b, seqlen, h, d)
-        return _upload(_lowp_np(rng, other, case.dtype)).transpose(0, 2, 1, 3)
-    if case.strides == "misaligned":  # head stride d + 4: not 16-byte aligned, the library copies it
-        return _upload(_lowp_np(rng, logical[:3] + (d + 4,), case.dtype))[..., :d]
-    raise ValueError(f"strides={case.strides!r}")
+    whole buffer is initialized (`strided_view`)."""
+    return strided_view(case, seqlen, heads or case.heads, lambda shape: _upload(_lowp_np(rng, shape, case.dtype)))
 
 
 def _bits_np(x):
     import cupy as cp
 
-    return cp.asnumpy(x.view(cp.uint16 if x.dtype.itemsize == 2 else cp.uint32))
+    return cp.asnumpy(x.view(cp.dtype(_UINT[x.dtype.itemsize])))
 
 
 def _digest(x) -> str:
@@ -324,15 +446,15 @@ def _digest(x) -> str:
 
 def _host_problems(name: str, x, is_lse: bool = False) -> list[str]:
     """NaN/inf found on the host (no GPU kernel): every output element must be written and finite
-    (lse may be -inf on rows that see no key)."""
+    (lse, float32 or float64, may be -inf on rows that see no key)."""
     import numpy as np
 
     bits = _bits_np(x)
     if is_lse:
-        f = bits.view(np.float32)
+        f = bits.view(np.float64 if x.dtype.itemsize == 8 else np.float32)
         bad = int(np.isnan(f).sum() + (f == np.inf).sum())
     else:
-        exp_mask = 0x7C00 if x.dtype == np.float16 else 0x7F80
+        exp_mask = bits.dtype.type(_EXP_MASKS[np.dtype(x.dtype).name])
         bad = int(((bits & exp_mask) == exp_mask).sum())
     return [f"{name}: {bad} NaN/inf elements"] if bad else []
 
@@ -351,23 +473,14 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
 
     q32, k32, v32, do32 = (bshd32(x) for x in (q, k, v, dout))
     if case.mods:
-        import numpy as np
+        from . import reference as refmod
 
-        from . import philox
-        from . import reference as ref
-
-        kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
-        for n, dtype in (("alibi_slopes", None), ("bias", np.float64), ("mask", bool)):
-            if n in mods:
-                kw[n] = cp.asnumpy(mods[n]) if dtype is None else cp.asnumpy(mods[n]).astype(dtype)
-        if "dropout_p" in mods:
-            kw.update(dropout_p=mods["dropout_p"], dropout_mask=philox.dropout_mask(
-                case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"], mods["seed"], mods["offset"]))
+        kw = _model_options(case, mods, host=True)
         h32 = [cp.asnumpy(x) for x in (q32, k32, v32, do32)]
-        o64, lse64 = (cp.asarray(x) for x in ref.attention_forward64(*h32[:3], case.causal, **kw))
-        o_lowp = cp.asarray(ref.attention_lowp(*h32[:3], case.dtype, case.causal, **kw))
-        g64 = [cp.asarray(x) for x in ref.attention_backward64(h32[3], *h32[:3], case.causal, **kw)]
-        glowp = [cp.asarray(x) for x in ref.attention_backward_lowp(h32[3], *h32[:3], case.dtype, case.causal, **kw)]
+        o64, lse64 = (cp.asarray(x) for x in refmod.attention_forward64(*h32[:3], case.causal, **kw))
+        o_lowp = cp.asarray(refmod.attention_lowp(*h32[:3], case.dtype, case.causal, **kw))
+        g64 = [cp.asarray(x) for x in refmod.attention_backward64(h32[3], *h32[:3], case.causal, **kw)]
+        glowp = [cp.asarray(x) for x in refmod.attention_backward_lowp(h32[3], *h32[:3], case.dtype, case.causal, **kw)]
         if "bias" in kw:  # dbias (float32, shaped like the bias) after dq, dk, dv of the atomic mode
             rule_dbias = (grads_atomic[3], g64[3], glowp[3])
     else:
@@ -401,6 +514,211 @@ def _verify(case: Case, q, k, v, dout, o, lse, grads_atomic, grads_det, mods: di
         if not err <= bound:
             problems.append(f"dbias: {err:.3e} > {bound:.3e}")
     return problems
+
+
+def _model_options(case: Case, mods: dict, host: bool) -> dict:
+    """The case's score modifiers (`mods`: the cuflash keyword arguments) as keyword arguments of the references:
+    window, softcap, ALiBi slopes, bias, mask, and dropout as dropout_p with the keep mask of cuflash.philox.
+    host: NumPy arrays for cuflash.reference (the bias in float64, the slopes as given); else the CuPy arrays the
+    kernels read, for cuflash._xpref.attention_plain on the GPU."""
+    import cupy as cp
+    import numpy as np
+
+    from . import philox
+
+    kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
+    for n, dtype in (("alibi_slopes", None), ("bias", np.float64), ("mask", bool)):
+        if n in mods:
+            if not host:
+                kw[n] = mods[n]
+            else:
+                kw[n] = cp.asnumpy(mods[n]) if dtype is None else cp.asnumpy(mods[n]).astype(dtype)
+    if "dropout_p" in mods:
+        keep = philox.dropout_mask(case.batch, case.heads, case.seqlen_q, case.seqlen_k, mods["dropout_p"],
+                                   mods["seed"], mods["offset"])
+        kw.update(dropout_p=mods["dropout_p"], dropout_mask=keep if host else cp.asarray(keep))
+    return kw
+
+
+# --- the float32 / float64 pass rule --------------------------------------------------------------------------
+#
+# For each output X (o, dq, dk, dv, dbias), a maximum over its elements:
+#     max|X - X_ref| <= F * max|X_plain - X_ref| + floor * max(1, max|X_ref|)
+# F = 2 for o, 3 for the gradients (the 16-bit rule's factors); X_plain is plain, unfused attention in the case's
+# precision on the GPU (cuflash._xpref.attention_plain, and its backward and varlen forms): "fp32" float32
+# throughout (cuBLAS float32 matmuls: `_float32_matmuls_exact`), "tf32" every matmul input rounded to TF32 (the
+# kernels' one TF32 pass: the bound follows TF32's 2^-11 steps rather than float32's), "fp64" float64 throughout.
+# X_ref: float32 inputs: float64 attention (cuflash._xpref on the GPU; with score modifiers cuflash.reference on
+# the host); float64 inputs: extended precision on the host (np.longdouble through _xpref.attention_plain's "ext",
+# 64 mantissa bits on x86), or, where np.longdouble is no wider than float64, float64 attention, whose own error
+# then makes the plain error ~0 and the floor the bound. The floors (WIDE_FLOORS) scale with the largest reference
+# value: 1e-5 for float32 (~80 float32 ulps of it; a row that sees one key has an exact plain result while 3xTF32
+# keeps ~21 bits of each operand's low part), 1e-12 for float64 (~4500 ulps; the kernels and plain float64 are off
+# by 1e-16..1e-15). lse: -inf exactly on the rows the reference has -inf, and elsewhere
+#     max|lse - lse_ref| <= 2 * max|lse_plain - lse_ref| + tol * max(1, max|lse_ref|)
+# tol (WIDE_LSE_TOL) 1e-3 for float32, 1e-9 for float64; lse float32 for float32 inputs, float64 for float64 ones.
+# This is a check that the sanitized kernels compute the right thing; tests/test_gpu_wide.py checks accuracy with
+# tighter floors.
+WIDE_FLOORS = {"fp32": 1e-5, "tf32": 1e-5, "fp64": 1e-12}
+WIDE_LSE_TOL = {"fp32": 1e-3, "tf32": 1e-3, "fp64": 1e-9}
+_FLOAT32_MATMUL: dict = {}
+
+
+def _extended_precision() -> bool:
+    """np.longdouble is wider than float64 (x86: 80-bit extended, eps 1.1e-19) and keeps its bits through matmul."""
+    import numpy as np
+
+    if not float(np.finfo(np.longdouble).eps) < 1e-18:
+        return False
+    a = np.array([[[1.0, 2.0 ** -60]]], dtype=np.longdouble)
+    return bool((a @ np.ones((1, 2, 1), dtype=np.longdouble))[0, 0, 0] != 1)
+
+
+def _float32_matmuls_exact() -> bool:
+    """Whether CuPy's float32 matmul is float32, as the "fp32" plain attention needs: CUPY_TF32=1 makes CuPy round
+    its inputs to TF32 (then this switches CuPy's float32 compute type back to its default), cuBLAS's
+    NVIDIA_TF32_OVERRIDE=1 does too (not switchable: the check fails). (1 + 2^-20) times the identity is exact in
+    float32 and 1 in TF32. Checked once per process (a cuBLAS call: the unsanitized reference run only)."""
+    if "exact" not in _FLOAT32_MATMUL:
+        import cupy as cp
+        import numpy as np
+
+        def exact():
+            a = cp.full((1, 2, 16, 16), 1 + 2.0 ** -20, dtype=cp.float32)
+            eye = cp.broadcast_to(cp.eye(16, dtype=cp.float32), (1, 2, 16, 16))
+            return bool(cp.array_equal(a @ eye, a))
+
+        ok = exact()
+        if not ok:
+            try:
+                from cupy._core import _routines_linalg as linalg
+
+                linalg.set_compute_type(np.dtype(np.float32), linalg.COMPUTE_TYPE_DEFAULT)
+                ok = exact()
+            except (ImportError, AttributeError):
+                pass
+        _FLOAT32_MATMUL["exact"] = ok
+    return _FLOAT32_MATMUL["exact"]
+
+
+def _wide_references(case: Case, inputs, options: dict, varlen=None):
+    """(reference, plain) of a wide case, each (o, lse, grads): see the pass rule above. inputs: (q, k, v, dout), CuPy
+    arrays in the bshd order (dense) or packed (varlen = (cu_seqlens_q, cu_seqlens_k), NumPy int32); options: the
+    score modifiers (`_model_options`, host=False)."""
+    import cupy as cp
+
+    from . import _xpref
+    from . import reference as refmod
+
+    q, k, v, dout = inputs
+    pre = tuple(varlen or ())
+    fwd, bwd = ((_xpref.attention_varlen_plain, _xpref.attention_varlen_backward_plain) if varlen else
+                (_xpref.attention_plain, _xpref.attention_backward_plain))
+    plain = (*fwd(q, k, v, *pre, case.dtype, case.causal, **options),
+             bwd(dout, q, k, v, *pre, case.dtype, case.causal, **options))
+    if case.dtype == "fp64":
+        if _extended_precision():
+            host = [cp.asnumpy(x) for x in inputs]
+            opts = {n: cp.asnumpy(x) if isinstance(x, cp.ndarray) else x for n, x in options.items()}
+            ref = (*fwd(*host[:3], *pre, "ext", case.causal, **opts),
+                   bwd(host[3], *host[:3], *pre, "ext", case.causal, **opts))
+        else:
+            ref = (*fwd(q, k, v, *pre, "fp64", case.causal, **options),
+                   bwd(dout, q, k, v, *pre, "fp64", case.causal, **options))
+    elif options:  # float32 with score modifiers (dense): the NumPy float64 reference
+        host = [cp.asnumpy(x) for x in inputs]
+        opts = {n: cp.asnumpy(x) if isinstance(x, cp.ndarray) else x for n, x in options.items()}
+        if "bias" in opts:
+            opts["bias"] = opts["bias"].astype("float64")
+        o64, lse64 = (cp.asarray(x) for x in refmod.attention_forward64(*host[:3], case.causal, **opts))
+        ref = (o64, lse64, [cp.asarray(x) for x in refmod.attention_backward64(host[3], *host[:3], case.causal,
+                                                                                **opts)])
+    elif varlen:
+        ref = (*_xpref.attention_varlen_forward64(q, k, v, *pre, case.causal),
+               _xpref.attention_varlen_backward64(dout, q, k, v, *pre, case.causal))
+    else:
+        ref = (*_xpref.attention_forward64(q, k, v, case.causal),
+               _xpref.attention_backward64(dout, q, k, v, case.causal))
+    return ref, plain
+
+
+def _on_module_of(ref, x):
+    """x (CuPy or NumPy) as an array of ref's module: the host in ref's dtype (np.longdouble) for a NumPy ref, else a
+    CuPy float64 array."""
+    import cupy as cp
+    import numpy as np
+
+    if isinstance(ref, np.ndarray):
+        return np.asarray(cp.asnumpy(x) if isinstance(x, cp.ndarray) else x).astype(ref.dtype)
+    return cp.asarray(x, dtype=cp.float64)
+
+
+def _wide_rule(problems: list, name: str, got, ref, plain, factor: float, floor: float) -> None:
+    """max|got - ref| <= factor * max|plain - ref| + floor * max(1, max|ref|) (problems gets a line if not)."""
+    if tuple(got.shape) != tuple(ref.shape):
+        problems.append(f"{name}: shape {tuple(got.shape)}, the reference's {tuple(ref.shape)}")
+        return
+    if not got.size:
+        return
+    got, plain = _on_module_of(ref, got), _on_module_of(ref, plain)
+    err, plain_err, top = (float(abs(x).max()) for x in (got - ref, plain - ref, ref))
+    bound = factor * plain_err + floor * max(1.0, top)
+    if not err <= bound:
+        problems.append(f"{name}: {err:.3e} > {bound:.3e} ({factor:g} x the plain error {plain_err:.3e} + {floor:g} "
+                        f"x max(1, {top:.3g}))")
+
+
+def _wide_lse_rule(problems: list, case: Case, lse, ref, plain) -> None:
+    import cupy as cp
+    import numpy as np
+
+    want = np.float64 if case.dtype == "fp64" else np.float32
+    if lse.dtype != want:
+        problems.append(f"lse: dtype {lse.dtype}, expected {np.dtype(want)}")
+    if tuple(lse.shape) != tuple(ref.shape):
+        problems.append(f"lse: shape {tuple(lse.shape)}, the reference's {tuple(ref.shape)}")
+        return
+    xp = np if isinstance(ref, np.ndarray) else cp
+    got, plain = _on_module_of(ref, lse), _on_module_of(ref, plain)
+    seen = xp.isfinite(ref)
+    if not bool((xp.isfinite(got) == seen).all()) or not bool((got[~seen] == -np.inf).all()):
+        problems.append("lse: -inf rows differ from the reference (or NaN)")
+        return
+    if not lse.size:
+        return
+    zero = xp.zeros((), dtype=ref.dtype)
+    ref_seen = xp.where(seen, ref, zero)  # -inf rows out of the differences
+    err, plain_err, top = (float(abs(x).max()) for x in (xp.where(seen, got, zero) - ref_seen,
+                                                        xp.where(seen, plain, zero) - ref_seen, ref_seen))
+    tol = WIDE_LSE_TOL[case.dtype]
+    bound = 2 * plain_err + tol * max(1.0, top)
+    if not err <= bound:
+        problems.append(f"lse: {err:.3e} > {bound:.3e} (2 x the plain error {plain_err:.3e} + {tol:g} x "
+                        f"max(1, {top:.3g}))")
+
+
+def _wide_rules(case: Case, o, lse, grads, ref, plain) -> list[str]:
+    """The float32 / float64 pass rule on o, lse and the gradients (dq, dk, dv and, with a bias, dbias), all in the
+    references' order (bshd or packed)."""
+    problems = []
+    if case.dtype == "fp32" and not _float32_matmuls_exact():
+        problems.append("CuPy's float32 matmul rounds to TF32 here (NVIDIA_TF32_OVERRIDE=1?): the plain float32 "
+                        "attention of the pass rule would be TF32")
+    floor = WIDE_FLOORS[case.dtype]
+    _wide_rule(problems, "o", o, ref[0], plain[0], 2, floor)
+    _wide_lse_rule(problems, case, lse, ref[1], plain[1])
+    for name, g, r, p in zip(("dq", "dk", "dv", "dbias"), grads, ref[2], plain[2]):
+        _wide_rule(problems, name, g, r, p, 3, floor)
+    return problems
+
+
+def _verify_wide(case: Case, q, k, v, dout, o, lse, grads, mods: dict) -> list[str]:
+    """The float32 / float64 pass rule (above) for a dense case (unsanitized run only)."""
+    def bshd(x):
+        return x if case.layout == "bshd" else x.transpose(0, 2, 1, 3)
+
+    ref, plain = _wide_references(case, [bshd(x) for x in (q, k, v, dout)], _model_options(case, mods, host=False))
+    return _wide_rules(case, bshd(o), lse, [bshd(g) for g in grads[:3]] + list(grads[3:]), ref, plain)
 
 
 def _rule(problems: list, name: str, got, ref, low, factor: float, to32=None) -> None:
@@ -449,12 +767,19 @@ def _run_varlen(case: Case, rng, verify: bool):
     k, v = (_upload(_lowp_np(rng, (tk, case.heads_kv, d), case.dtype)) for _ in range(2))
     cuq, cuk = cp.asarray(cu_q), cp.asarray(cu_k)
     mq, mk = max(lens_q), max(lens_k)
-    o, lse = attention_varlen_forward(q, k, v, cuq, cuk, mq, mk, causal=case.causal)
-    grads = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal)
-    grads_det = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal,
-                                          deterministic=True)
+    prec = {"precision": case.precision} if case.precision else {}
+    o, lse = attention_varlen_forward(q, k, v, cuq, cuk, mq, mk, causal=case.causal, **prec)
+    grads = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal, **prec)
+    outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2]}
+    if not case.wide:  # float32 / float64 have no deterministic backward (ValueError)
+        grads_det = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal,
+                                              deterministic=True)
+        outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
     problems = []
-    if verify:
+    if verify and case.wide:
+        ref, plain = _wide_references(case, (q, k, v, dout), {}, varlen=(cu_q, cu_k))
+        problems += _wide_rules(case, o, lse, grads, ref, plain)
+    elif verify:
         q32, k32, v32, do32 = (_xpref.to_float32(x) for x in (q, k, v, dout))
         o64, lse64 = _xpref.attention_varlen_forward64(q32, k32, v32, cu_q, cu_k, case.causal)
         _rule(problems, "o", o, o64, _xpref.attention_varlen_lowp(q32, k32, v32, cu_q, cu_k, case.dtype, case.causal), 2)
@@ -464,8 +789,7 @@ def _run_varlen(case: Case, rng, verify: bool):
         for mode, gs in (("", grads), ("det ", grads_det)):
             for name, g, ref, low in zip(("dq", "dk", "dv"), gs, g64, glowp):
                 _rule(problems, mode + name, g, ref, low, 3)
-    return {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2], "dq_det": grads_det[0],
-            "dk_det": grads_det[1], "dv_det": grads_det[2]}, problems
+    return outputs, problems
 
 
 def _run_kvcache(case: Case, rng, verify: bool):
@@ -539,22 +863,27 @@ def run_case(case: Case, verify: bool) -> dict:
     if mods.get("mask") is not None:
         mods["mask"] = cp.asarray(mods["mask"])
     want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
+    prec = {"precision": case.precision} if case.precision else {}
     o, lse, *mask = attention_forward(q, k, v, causal=case.causal, layout=case.layout, return_dropout_mask=want_mask,
-                                      **mods)
+                                      **mods, **prec)
     with_dbias = {"dbias": True} if "bias" in mods else {}  # atomics: the bias is shared by the heads
-    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods, **with_dbias)
-    grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, deterministic=True,
-                                   **mods)
+    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods, **with_dbias,
+                               **prec)
+    outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2]}
+    if not case.wide:  # float32 / float64 have no deterministic backward (ValueError)
+        grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout,
+                                       deterministic=True, **mods)
+        outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
-    outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2],
-               "dq_det": grads_det[0], "dk_det": grads_det[1], "dv_det": grads_det[2]}
     if with_dbias:
         outputs["dbias_atomic"] = grads[3]
     problems = []
     for name, x in outputs.items():
         problems += _host_problems(name, x, is_lse=(name == "lse"))
-    if verify:
+    if verify and case.wide:
+        problems += _verify_wide(case, q, k, v, dout, o, lse, grads, mods)
+    elif verify:
         problems += _verify(case, q, k, v, dout, o, lse, grads, grads_det, mods)
         if mask:
             from . import philox
@@ -563,8 +892,8 @@ def run_case(case: Case, verify: bool) -> dict:
                                        mods["seed"], mods["offset"])
             if not np.array_equal(cp.asnumpy(mask[0]), want):
                 problems.append("dropout mask differs from cuflash.philox")
-    # dq (and a shared bias's dbias) of the default mode is accumulated with fp32 atomics: not bitwise
-    # reproducible, so not compared
+    # dq (and a shared bias's dbias) of the default mode is accumulated with atomics (float32; float64 for float64
+    # inputs): not bitwise reproducible, so not compared
     digests = {name: _digest(x) for name, x in outputs.items() if not name.endswith("_atomic")}
     return {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}
 
@@ -690,6 +1019,10 @@ def sanitize(args) -> int:
     tools = list(dict.fromkeys(args.tools))
     set_name = "quick" if args.quick else "default"
     cases = case_set(set_name)
+    selected = select_cases(cases, args.only)  # indices into the set (the driver's --cases)
+    if not selected:
+        print(f"cuflash check: no case of the {set_name} set matches --only {args.only!r}", file=sys.stderr)
+        return 2
     out_dir = args.out or tempfile.mkdtemp(prefix="cuflash-sanitize-")
     os.makedirs(out_dir, exist_ok=True)
     exe = find_sanitizer(args.sanitizer)
@@ -710,14 +1043,16 @@ def sanitize(args) -> int:
     help_text = shown.stdout + shown.stderr
     version = subprocess.run([exe, "--version"], capture_output=True, text=True).stdout.strip().splitlines()
     print(f"compute-sanitizer: {exe} ({version[-1] if version else 'unknown version'})")
-    print(f"{len(cases)} cases ({set_name} set), each: forward, backward (atomic dQ), backward (deterministic); "
+    only = f", --only {args.only!r}" if args.only else ""
+    print(f"{len(selected)} cases ({set_name} set{only}), each: forward, backward (atomic dQ), backward "
+          f"(deterministic; 16-bit only); "
           f"kernels: {config.KERNELS} (CUFLASH_KERNELS); logs in {out_dir}")
     t_all = time.perf_counter()
 
     # 1. compile every needed kernel into the disk cache
     t0 = time.perf_counter()
     arch = _compile.device_arch()
-    configs = [cfg for c in cases for cfg in c.configs(arch)]
+    configs = [cfg for i in selected for cfg in cases[i].configs(arch)]
     errors = {n: e for n, e in compile_configs(configs).items() if e}
     print(f"compiled/loaded {len(set(c.cpp_name() for c in configs))} kernels in {time.perf_counter() - t0:.1f} s")
     for name, err in errors.items():
@@ -731,7 +1066,7 @@ def sanitize(args) -> int:
     ref_log = os.path.join(out_dir, "reference-run.log")
     with open(ref_log, "w") as f:
         try:
-            rc = subprocess.run(_driver_cmd(set_name, list(range(len(cases))), verify=True), stdout=f,
+            rc = subprocess.run(_driver_cmd(set_name, selected, verify=True), stdout=f,
                                 stderr=subprocess.STDOUT, env=_child_env(),
                                 timeout=max(1.0, deadline - time.perf_counter())).returncode
         except subprocess.TimeoutExpired:
@@ -739,11 +1074,11 @@ def sanitize(args) -> int:
     ref = parse_log(open(ref_log).read())
     baseline = {r["case"]: r["digests"] for r in ref["results"]}
     ref_problems = [f"{r['case']}: {p}" for r in ref["results"] for p in r["problems"]]
-    print(f"reference run (no sanitizer, checked against float64): {len(baseline)}/{len(cases)} cases, "
+    print(f"reference run (no sanitizer, checked against float64): {len(baseline)}/{len(selected)} cases, "
           f"{len(ref_problems)} problems, exit {rc}, {time.perf_counter() - t0:.1f} s")
     for p in ref_problems[:20]:
         print(f"  PROBLEM {p}")
-    if len(baseline) != len(cases):
+    if len(baseline) != len(selected):
         print(f"  the reference run did not finish (exit {rc}); see {ref_log}")
         return 1
 
@@ -751,7 +1086,7 @@ def sanitize(args) -> int:
     jobs = []  # (tool, shard index, indices, Popen, log path, start time)
     for tool in tools:
         n = args.shards or DEFAULT_SHARDS[tool]
-        for si, indices in enumerate(shard(cases, list(range(len(cases))), n)):
+        for si, indices in enumerate(shard(cases, selected, n)):
             log = os.path.join(out_dir, f"{tool}-{si}.log")
             cmd = [exe, "--tool", tool] + tool_options(tool, help_text) + _driver_cmd(set_name, indices, verify=False)
             with open(log, "w") as f:
@@ -812,10 +1147,10 @@ def sanitize(args) -> int:
             elif not parsed["done"]:
                 statuses.append(f"shard {si}: driver did not finish")
         # any line the sanitizer printed besides its banner and summaries counts as a finding
-        ok = not statuses and errors_total == 0 and not findings and not mismatches and done == len(cases)
+        ok = not statuses and errors_total == 0 and not findings and not mismatches and done == len(selected)
         failed |= not ok
         status = "ok" if ok else "; ".join(statuses) or "FINDINGS"
-        print(f"{tool:<10} {len(rows):>6} {f'{done}/{len(cases)}':>7} {errors_total:>6} {len(findings):>8} "
+        print(f"{tool:<10} {len(rows):>6} {f'{done}/{len(selected)}':>7} {errors_total:>6} {len(findings):>8} "
               f"{len(mismatches):>12} {seconds:>8.1f}  {status}")
         if findings or mismatches:
             details.append((tool, findings, mismatches))
@@ -832,11 +1167,18 @@ def sanitize(args) -> int:
     return 1 if failed else 0
 
 
+def select_cases(cases: list[Case], only: str | None) -> list[int]:
+    """Indices of the cases whose name matches the regular expression `only` (all cases for None)."""
+    return [i for i, c in enumerate(cases) if not only or re.search(only, c.name)]
+
+
 def list_cases(args) -> int:
     cases = case_set("quick" if args.quick else "default")
-    for i, c in enumerate(cases):
+    selected = select_cases(cases, args.only)
+    for i in selected:
+        c = cases[i]
         print(f"{i:>3} cost {c.cost:8.1f}  {c.name}  (kernel head dim {c.kernel_head_dim})")
-    print(f"{len(cases)} cases; total cost {sum(c.cost for c in cases):.0f}")
+    print(f"{len(selected)} cases; total cost {sum(cases[i].cost for i in selected):.0f}")
     return 0
 
 
@@ -845,15 +1187,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("sanitize", help="run compute-sanitizer tools over the case set")
     p.add_argument("--tools", nargs="+", choices=TOOLS, default=list(TOOLS), help="default: all four")
-    p.add_argument("--quick", action="store_true", help="a 6-case set instead of the full one")
+    p.add_argument("--quick", action="store_true", help="a 9-case set instead of the full one")
     p.add_argument("--out", help="directory for the logs (default: a new temporary directory)")
     p.add_argument("--shards", type=int, help=f"processes per tool (default: {DEFAULT_SHARDS})")
     p.add_argument("--deadline", type=float, default=330.0,
                    help="seconds for the whole command; sanitizer processes still running then are stopped and "
                         "reported as TIMEOUT (default 330)")
     p.add_argument("--sanitizer", help="path of compute-sanitizer (default: PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    only_help = ("only the cases whose name matches this regular expression, e.g. 'fp32|tf32|fp64' for the "
+                 "float32 / float64 cases (default: all)")
+    p.add_argument("--only", help=only_help)
     p = sub.add_parser("cases", help="list the case set")
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--only", help=only_help)
     p = sub.add_parser("_driver", help="internal: run cases (this is what the sanitizer runs)")
     p.add_argument("--case-set", default="default", choices=("default", "quick"))
     p.add_argument("--cases", help="comma-separated case indices (default: all)")

@@ -2,6 +2,11 @@
 from __future__ import annotations
 
 import json
+import sys
+import types
+
+import numpy as np
+import pytest
 
 from cuflash import check, config
 
@@ -48,9 +53,11 @@ def test_default_cases_cover_every_shipped_instantiation():
 
 def test_cases_have_the_required_variety():
     cases = check.default_cases()
-    assert {c.kernel_head_dim for c in cases} == set(config.KERNEL_HEAD_DIMS)
-    assert any(c.head_dim not in config.KERNEL_HEAD_DIMS for c in cases)  # a zero-padded head dim
-    assert {c.dtype for c in cases} == {"fp16", "bf16"} and {c.causal for c in cases} == {False, True}
+    narrow = [c for c in cases if c.dtype in config.DTYPES]
+    assert {c.kernel_head_dim for c in narrow} == set(config.KERNEL_HEAD_DIMS)
+    assert any(c.head_dim not in config.KERNEL_HEAD_DIMS for c in narrow)  # a zero-padded head dim
+    assert {c.dtype for c in cases} == {*config.DTYPES, *config.WIDE_DTYPES}
+    assert {c.causal for c in cases} == {False, True}
     assert {c.layout for c in cases} == {"bshd", "bhsd"} and set(check.STRIDES) <= {c.strides for c in cases}
     seqlens = {c.seqlen_q for c in cases} | {c.seqlen_k for c in cases}
     assert {1, 17, 113, 1023} <= seqlens
@@ -66,6 +73,82 @@ def test_cases_have_the_required_variety():
     assert {c.kind for c in cases} == set(check.KINDS)
     kv = [c for c in cases if c.kind == "kvcache"]
     assert {c.paged for c in kv} == {False, True} and {c.splits for c in kv} >= {0, 1, 3}
+    assert {c.dtype for c in kv} == set(config.DTYPES)  # the decode kernels are 16-bit only
+
+
+def test_wide_cases_have_the_required_variety():
+    """Each float32 / float64 kernel dtype: every kernel head dim, a zero-padded one, causal rows that see no key and
+    causal Sq < Sk, single rows, both layouts, every stride kind, grouped-query heads, packed sequences; no case
+    beyond the 16-bit cases' sizes, and the wide cases together cost less under the sanitizers than the 16-bit ones."""
+    cases = check.default_cases()
+    for dtype in config.WIDE_DTYPES:
+        mine = [c for c in cases if c.dtype == dtype]
+        assert {c.kernel_head_dim for c in mine} == set(config.WIDE_KERNEL_HEAD_DIMS[dtype]), dtype
+        assert any(c.head_dim != c.kernel_head_dim for c in mine), dtype
+        assert any(c.seqlen_q > c.seqlen_k and c.causal for c in mine), dtype
+        assert any(c.seqlen_q < c.seqlen_k and c.causal for c in mine), dtype
+        assert any(min(c.seqlen_q, c.seqlen_k) == 1 for c in mine), dtype
+        dense = [c for c in mine if c.kind == "dense"]
+        assert {c.layout for c in dense} == set(check.LAYOUTS) and {c.strides for c in dense} == set(check.STRIDES)
+        assert any(c.heads_kv < c.heads for c in mine) and {c.kind for c in mine} == {"dense", "varlen"}, dtype
+        assert all(c.precision == ("tf32" if dtype == "tf32" else None) for c in mine)
+    wide = [c for c in cases if c.wide]
+    assert max(c.batch * c.heads * max(c.seqlen_q, c.seqlen_k) for c in wide) <= 4 * 1024
+    assert sum(c.cost for c in wide) < sum(c.cost for c in cases if not c.wide)
+
+
+def test_wide_cases_launch_no_deterministic_kernel():
+    """float32 / float64 have no deterministic backward: their cases launch the forward, the atomic backward, its
+    preprocess and dQ conversion (and the dropout mask kernel with dropout), all of their own dtype."""
+    for case in check.default_cases():
+        if not case.wide:
+            continue
+        for kernels in config.KERNEL_FAMILIES:
+            cfgs = case.configs(kernels=kernels)
+            assert not any(isinstance(c, config.DqConfig) or getattr(c, "deterministic", False) for c in cfgs)
+            assert {type(c) for c in cfgs} == {config.FwdWideConfig, config.BwdWideConfig, config.ElementwiseConfig} | (
+                {config.DropoutMaskConfig} if case.mods & config.MOD_DROPOUT else set()), case.name
+            assert all(c.dtype == case.dtype for c in cfgs if hasattr(c, "dtype")), case.name
+
+
+def test_strided_views_are_copied_exactly_when_misaligned():
+    """The driver's strided inputs (built here on NumPy buffers): a "misaligned" case has inputs the library must
+    copy (strides not a multiple of 16 bytes, _validate.needs_aligned_copy), for every element size (an input of
+    one row, head and batch has no stride that matters); the other stride kinds are taken as they are."""
+    import numpy as np
+
+    from cuflash import _validate
+
+    np_dtypes = {"fp16": np.float16, "bf16": np.float16, "fp32": np.float32, "tf32": np.float32, "fp64": np.float64}
+    for case in check.default_cases() + check.quick_cases():
+        if case.kind != "dense":
+            continue
+        copied = []
+        for seqlen, heads in ((case.seqlen_q, case.heads), (case.seqlen_k, case.heads_kv)):
+            bases = []
+
+            def make(shape):
+                bases.append(np.zeros(shape, dtype=np_dtypes[case.dtype]))
+                return bases[-1]
+
+            x = check.strided_view(case, seqlen, heads, make)
+            item = x.dtype.itemsize
+            ptr = 256 + x.__array_interface__["data"][0] - bases[0].__array_interface__["data"][0]  # cudaMalloc: 256
+            info = _validate.ArrayInfo("q", x.shape, x.dtype, tuple(s // item for s in x.strides), ptr, 0)
+            dims = _validate.bshd_dims(info, case.layout)
+            assert (dims.batch, dims.seqlen, dims.heads, dims.head_dim) == (case.batch, seqlen, heads, case.head_dim)
+            copied.append(_validate.needs_aligned_copy(info, dims))
+        assert any(copied) == (case.strides == "misaligned"), case.name
+
+
+def test_nan_checks_use_each_dtypes_exponent_field():
+    import ml_dtypes
+    import numpy as np
+
+    for dtype in (np.float16, ml_dtypes.bfloat16, np.float32, np.float64):
+        dt = np.dtype(dtype)
+        inf_bits = int(np.array(np.inf, dtype=dt).view(np.dtype(check._UINT[dt.itemsize])))
+        assert check._EXP_MASKS[dt.name] == inf_bits, dt
 
 
 def test_shards_balance_cost_and_cover_each_case_once():
@@ -114,4 +197,182 @@ def test_driver_command_and_case_listing(capsys):
     assert check.main(["cases", "--quick"]) == 0
     out = capsys.readouterr().out
     assert f"{len(check.quick_cases())} cases" in out
+    cases = check.default_cases()
+    assert check.select_cases(cases, "fp32|tf32|fp64") == [i for i, c in enumerate(cases) if c.wide]
+    assert check.select_cases(cases, None) == list(range(len(cases)))
+    assert check.main(["cases", "--only", "fp64"]) == 0
+    assert f"{sum(c.dtype == 'fp64' for c in cases)} cases" in capsys.readouterr().out
     json.dumps([c.name for c in check.default_cases()])
+
+
+# --- the driver on the host: CuPy replaced by NumPy, the kernels by plain attention --------------------------------
+
+class _NumpyCupy(types.ModuleType):
+    """A stand-in for CuPy that keeps every array on the host (NumPy), for the driver's plumbing on a CPU."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+
+def _numpy_cupy():
+    cp = _NumpyCupy("cupy")
+    cp.ndarray = np.ndarray
+    cp.asnumpy = lambda x: np.array(x)
+    cp.asarray = lambda x, dtype=None: np.array(x, dtype=dtype)  # a new array, as an upload makes
+    cp.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(synchronize=lambda: None))
+    return cp
+
+
+def _plain_precision(q, precision):
+    if q.dtype == np.float64:
+        return "fp64"
+    return precision or "fp32"
+
+
+class _FakeKernels:
+    """cuflash's dense and varlen attention calls computed by cuflash._xpref's plain attention in the call's
+    precision (16-bit: the float64 reference rounded to the dtype), so the driver's pass rules must hold; `spoil`
+    adds an error of that relative size to o and dk, which they must find."""
+
+    def __init__(self, spoil=0.0):
+        self.spoil = spoil
+        self.calls = []
+
+    def _lowp(self, x, like):
+        return x.astype(like.dtype)
+
+    def _hurt(self, x):
+        if self.spoil and x.size:
+            x = x.copy()
+            x.reshape(-1)[x.size // 2] += self.spoil * max(1.0, float(np.abs(x).max()))
+        return x
+
+    def _options(self, q_bshd, sk, window=None, alibi_slopes=None, softcap=None, bias=None, mask=None, dropout_p=0.0,
+                 seed=None, offset=0, **_):
+        from cuflash import philox
+
+        opts = dict(window=window, alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask)
+        if dropout_p:
+            b, sq, h, _ = q_bshd.shape
+            opts.update(dropout_p=dropout_p, dropout_mask=philox.dropout_mask(b, h, sq, sk, dropout_p, seed, offset))
+        return opts
+
+    def forward(self, q, k, v, *, causal=False, layout="bshd", return_dropout_mask=False, precision=None, **mods):
+        from cuflash import _xpref
+
+        self.calls.append(("forward", q.dtype, precision))
+        t = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 2, 1, 3))
+        qb, kb, vb = t(q), t(k), t(v)
+        opts = self._options(qb, kb.shape[1], **mods)
+        if q.dtype.itemsize == 2:
+            assert not mods
+            o, lse = _xpref.attention_forward64(qb, kb, vb, causal)
+        else:
+            o, lse = _xpref.attention_plain(qb, kb, vb, _plain_precision(q, precision), causal, **opts)
+        o = np.ascontiguousarray(t(self._hurt(o).astype(q.dtype)))
+        out = (o, lse.astype(np.float64 if q.dtype == np.float64 else np.float32))
+        return out + ((opts["dropout_mask"],) if return_dropout_mask else ())
+
+    def backward(self, dout, q, k, v, o, lse, *, causal=False, layout="bshd", deterministic=False, dbias=False,
+                 precision=None, **mods):
+        from cuflash import _xpref
+
+        if deterministic and q.dtype.itemsize > 2:
+            raise ValueError("deterministic=True is not available for float32 / float64 inputs")
+        self.calls.append(("backward", q.dtype, precision))
+        t = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 2, 1, 3))
+        dob, qb, kb, vb = t(dout), t(q), t(k), t(v)
+        opts = self._options(qb, kb.shape[1], **mods)
+        if q.dtype.itemsize == 2:
+            assert not mods
+            g = _xpref.attention_backward64(dob, qb, kb, vb, causal)
+        else:
+            g = _xpref.attention_backward_plain(dob, qb, kb, vb, _plain_precision(q, precision), causal, **opts)
+        grads = [np.ascontiguousarray(t(gi.astype(x.dtype))) for gi, x in zip(g[:3], (q, k, v))]
+        grads[1] = np.ascontiguousarray(t(self._hurt(t(grads[1]))))
+        return tuple(grads) + ((g[3].astype(np.float32),) if dbias else ())
+
+    def varlen_forward(self, q, k, v, cu_q, cu_k, mq, mk, *, causal=False, precision=None):
+        from cuflash import _xpref
+
+        self.calls.append(("varlen_forward", q.dtype, precision))
+        if q.dtype.itemsize == 2:
+            o, lse = _xpref.attention_varlen_forward64(q, k, v, cu_q, cu_k, causal)
+        else:
+            o, lse = _xpref.attention_varlen_plain(q, k, v, cu_q, cu_k, _plain_precision(q, precision), causal)
+        return self._hurt(o).astype(q.dtype), lse.astype(np.float64 if q.dtype == np.float64 else np.float32)
+
+    def varlen_backward(self, dout, q, k, v, o, lse, cu_q, cu_k, mq, mk, *, causal=False, deterministic=False,
+                        precision=None):
+        from cuflash import _xpref
+
+        if deterministic and q.dtype.itemsize > 2:
+            raise ValueError("deterministic=True is not available for float32 / float64 inputs")
+        self.calls.append(("varlen_backward", q.dtype, precision))
+        if q.dtype.itemsize == 2:
+            g = _xpref.attention_varlen_backward64(dout, q, k, v, cu_q, cu_k, causal)
+        else:
+            g = _xpref.attention_varlen_backward_plain(dout, q, k, v, cu_q, cu_k, _plain_precision(q, precision),
+                                                      causal)
+        return g[0].astype(q.dtype), self._hurt(g[1]).astype(k.dtype), g[2].astype(v.dtype)
+
+
+@pytest.fixture
+def host_driver(monkeypatch):
+    """check.run_case on the host: CuPy is NumPy, the attention calls are _FakeKernels'."""
+    import cuflash
+
+    monkeypatch.setitem(sys.modules, "cupy", _numpy_cupy())
+    monkeypatch.setattr(check, "_FLOAT32_MATMUL", {})
+
+    def install(fake):
+        for name, fn in (("attention_forward", fake.forward), ("attention_backward", fake.backward),
+                         ("attention_varlen_forward", fake.varlen_forward),
+                         ("attention_varlen_backward", fake.varlen_backward)):
+            monkeypatch.setattr(cuflash, name, fn)
+        return fake
+
+    return install
+
+
+# one case of each wide kind: plain and modifier cases of every dtype, padded / transposed / misaligned views, bhsd,
+# grouped-query heads, packed sequences, and 16-bit cases (their path must be unchanged)
+HOST_CASES = ("d32-fp32-causal-1x1-b2h1-bhsd-padded", "d64-fp32-full-1x1023-b1h2-bshd-transposed",
+              "d64-tf32-full-17x17-b2h1-bhsd-misaligned", "d8-fp64-full-1023x17-b2h1-bhsd-misaligned",
+              "d32-fp32-full-137x71-b1h2-bshd-contiguous-window-alibi-softcap-dropout-bias-mask",
+              "d32-tf32-causal-71x137-b1h2-bshd-contiguous-alibi-softcap-dropout-bias-mask",
+              "d32-fp64-full-137x71-b1h1-bshd-contiguous-window", "d32-fp64-causal-17x203-b1h4kv1-bshd-contiguous",
+              "d64-tf32-full-203x113-b4h2-varlen", "d40-fp64-causal-113x203-b4h2kv1-varlen",
+              "d8-fp16-full-17x1023-b2h1-bshd-misaligned", "d64-fp16-full-203x113-b4h2-varlen")
+
+
+def test_driver_runs_the_wide_cases_on_the_host(host_driver):
+    """The driver's calls, outputs, digests and pass rules for float32 / float64 cases (and 16-bit ones), with
+    kernels that compute plain attention: no problems, no deterministic backward for the wide dtypes, precision
+    "tf32" passed for the TF32 cases, lse float64 for float64 inputs."""
+    by_name = {c.name: c for c in check.default_cases()}
+    for name in HOST_CASES:
+        case = by_name[name]
+        fake = host_driver(_FakeKernels())
+        result = check.run_case(case, verify=True)
+        assert result["problems"] == [], (name, result["problems"])
+        digests = set(result["digests"])
+        assert {"o", "lse", "dk", "dv"} <= digests and "dq_atomic" not in digests
+        assert any(n.endswith("_det") for n in digests) == (not case.wide), name
+        assert {p for _, _, p in fake.calls} == {case.precision}, name
+        assert len(fake.calls) == (2 if case.wide else 3), name
+        want = {"fp32": np.float32, "tf32": np.float32, "fp64": np.float64}.get(case.dtype)
+        if want is not None:
+            assert {dt for _, dt, _ in fake.calls} == {np.dtype(want)}, name
+
+
+@pytest.mark.parametrize("name, spoil", [("d32-fp32-full-137x71-b1h2-bshd-contiguous-window-alibi-softcap-dropout-"
+                                          "bias-mask", 1e-4),
+                                         ("d64-tf32-full-17x17-b2h1-bhsd-misaligned", 1e-2),
+                                         ("d8-fp64-full-1023x17-b2h1-bhsd-misaligned", 1e-10),
+                                         ("d40-fp64-causal-113x203-b4h2kv1-varlen", 1e-10)])
+def test_driver_pass_rules_find_wrong_wide_outputs(host_driver, name, spoil):
+    case = {c.name: c for c in check.default_cases()}[name]
+    host_driver(_FakeKernels(spoil=spoil))
+    problems = check.run_case(case, verify=True)["problems"]
+    assert any(p.startswith("o: ") for p in problems) and any(p.startswith("dk: ") for p in problems), problems
