@@ -53,14 +53,33 @@ memory: device memory allocated during one call beyond the inputs, the bias and 
 o, lse, dq, dk, dv included): O(N) for cuflash, against the (B, H, S, S) score-sized buffers of the others.
 --deterministic: with a broadcast bias (evoformer) the API refuses dbias (its reduction uses atomics): skipped.
 
+Wide dtypes (--dtype fp32 tf32 fp64, the default mode only): float32 and float64 inputs, same shapes, FLOPs and timing.
+  fp32   float32 inputs, cuflash precision="fp32" (3xTF32 split products: float32 accuracy on the TF32 tensor cores)
+  tf32   float32 inputs, cuflash precision="tf32" (one TF32 product: ~1e-3 relative error)
+  fp64   float64 inputs, cuflash on the FP64 tensor cores (DMMA)
+Their anchors in the same run: plain CuPy attention in float32 / float64 (cuBLAS batched matmuls with the float32
+compute type: no TF32, whatever CUPY_TF32 says; checked at run time against float64), SDPA's memory-efficient
+backend (float32 only: CUTLASS's 3xTF32 on sm_80+, its own choice) and math backend (float32 matmuls at
+float32_matmul_precision "highest", i.e. no TF32; float64); SDPA's flash and cuDNN backends take 16-bit inputs
+only and are reported unsupported (probed once per dtype). The tf32 rows have no TF32 anchor: their plain and
+SDPA columns are the float32 measurements (taken once, shared with the fp32 rows when both run) and say so.
+Ceilings (--ceilings, the default with a wide dtype): cuBLAS GEMMs of --ceiling-size^3 (8192) timed the same way:
+FP32 SGEMM on the CUDA cores (CUBLAS_COMPUTE_32F) and TF32 tensor-core GEMM (CUBLAS_COMPUTE_32F_FAST_TF32) for
+fp32/tf32, FP64 DGEMM (CUBLAS_COMPUTE_64F: the FP64 tensor cores on sm_80+) for fp64, each with its relative
+error against float64 (FP32 ~1e-6, TF32 ~3e-4: which arithmetic ran). The wide table gives cuflash's TFLOP/s as
+% of its dtype's ceiling (fp32: SGEMM, tf32: TF32 GEMM, fp64: DGEMM) and its speedup over the fastest anchor.
+--time-limit S stops starting new shapes after S seconds (the rest are reported skipped).
+
 Methods:
   cuflash        this library
   plain          "standard attention" of the paper in CuPy: S = QK^T, softmax, O = PV with cuBLAS matmuls,
                  S and P materialized in HBM; in the input dtype (bf16 runs in fp16 when CuPy cannot
-                 multiply bf16 matrices: the row says so)
+                 multiply bf16 matrices: the row says so; tf32 rows: float32)
   sdpa-flash, sdpa-cudnn, sdpa-efficient
                  torch.nn.functional.scaled_dot_product_attention with one backend forced (when torch is
                  importable); a backend that raises is skipped with a note
+  sdpa-math      SDPA's math backend (unfused matmuls and softmax); run by default for the wide dtypes only
+                 (--methods sdpa-math adds it to bf16/fp16)
   sdpa-mem       (--bias) SDPA's memory-efficient backend with attn_mask = the bias (requires_grad for fwd+bwd)
 """
 from __future__ import annotations
@@ -69,6 +88,8 @@ import argparse
 import itertools
 import json
 import math
+import os
+import re
 import sys
 import time
 import warnings
@@ -79,8 +100,36 @@ HIDDEN = 2048
 DEFAULT_SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 SDPA_BACKENDS = (("sdpa-flash", "FLASH_ATTENTION"), ("sdpa-cudnn", "CUDNN_ATTENTION"),
                  ("sdpa-efficient", "EFFICIENT_ATTENTION"))
-METHODS = ("cuflash", "plain") + tuple(name for name, _ in SDPA_BACKENDS)
+SDPA_MATH = ("sdpa-math", "MATH")  # not in SDPA_BACKENDS: --decode's best-of-SDPA leaves the math backend out
+SDPA_METHODS = dict(SDPA_BACKENDS + (SDPA_MATH,))  # method -> torch.nn.attention.SDPBackend name
+METHODS = ("cuflash", "plain") + tuple(name for name, _ in SDPA_BACKENDS) + (SDPA_MATH[0],)
 PASS_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+PASSES = tuple(PASS_FLOP_FACTOR)
+
+LOWP_DTYPES = ("bf16", "fp16")
+WIDE_DTYPES = ("fp32", "tf32", "fp64")  # float32 inputs at cuflash precision "fp32" / "tf32", float64 inputs
+DTYPES = LOWP_DTYPES + WIDE_DTYPES
+ITEMSIZE = {"bf16": 2, "fp16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "tf32": "float32", "fp64": "float64"}
+CUFLASH_PRECISION = {"fp32": "fp32", "tf32": "tf32"}  # precision= of the cuflash calls (none for the others)
+
+
+def cuflash_kwargs(dtype: str) -> dict:
+    """The precision keyword of the cuflash calls for a bench dtype: {"precision": "fp32" | "tf32"} or {}."""
+    return {"precision": CUFLASH_PRECISION[dtype]} if dtype in CUFLASH_PRECISION else {}
+
+
+def anchor_dtype(dtype: str) -> str:
+    """The dtype the other methods compute in for a bench dtype: tf32 rows have float32 anchors (no TF32)."""
+    return "fp32" if dtype == "tf32" else dtype
+
+
+def ordered_dtypes(dtypes) -> list:
+    """dtypes in the order given, except that tf32 follows fp32 when both run (its anchors are the fp32 ones)."""
+    out = [d for d in dtypes if d != "tf32"]
+    if "tf32" in dtypes:
+        out.insert(out.index("fp32") + 1 if "fp32" in out else dtypes.index("tf32"), "tf32")
+    return out
 
 
 @dataclass
@@ -326,31 +375,42 @@ def n_input_sets(set_bytes: int) -> int:
 
 # --- the methods --------------------------------------------------------------------------------------
 
-def cupy_inputs(shape: Shape, dtype: str, layout: str, n_sets: int, with_dout: bool, seed: int):
-    """n_sets tuples (q, k, v[, dout]) of fresh standard-normal values in `dtype`, (B, S, H, D) or (B, H, S, D)."""
+def random_array(rng, dims, dtype: str):
+    """Standard-normal values in a bench dtype: drawn in float32 and rounded for bf16/fp16 (so a seed gives the
+    same values as before the wide dtypes), float32 for fp32/tf32, drawn in float64 for fp64."""
     import cupy as cp
 
     from . import _xpref
+
+    if dtype == "fp64":
+        return rng.standard_normal(dims, dtype=cp.float64)
+    x = rng.standard_normal(dims, dtype=cp.float32)
+    return x if dtype in ("fp32", "tf32") else _xpref.to_lowp(x, dtype)
+
+
+def cupy_inputs(shape: Shape, dtype: str, layout: str, n_sets: int, with_dout: bool, seed: int):
+    """n_sets tuples (q, k, v[, dout]) of fresh standard-normal values in `dtype`, (B, S, H, D) or (B, H, S, D)."""
+    import cupy as cp
 
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim) if layout == "bshd" else \
         (shape.batch, shape.heads, shape.seqlen, shape.head_dim)
     rng = cp.random.RandomState(seed)
     count = 4 if with_dout else 3
-    return [tuple(_xpref.to_lowp(rng.standard_normal(dims, dtype=cp.float32), dtype) for _ in range(count))
-            for _ in range(n_sets)]
+    return [tuple(random_array(rng, dims, dtype) for _ in range(count)) for _ in range(n_sets)]
 
 
-def bench_cuflash(shape: Shape, args, out: list):
+def bench_cuflash(shape: Shape, args, out: list, torch=None):
     import cupy as cp
 
     import cuflash
 
-    set_bytes = 3 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2
+    set_bytes = 3 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * ITEMSIZE[shape.dtype]
     n_sets = n_input_sets(set_bytes)
     backward = args.backward and hasattr(cuflash, "attention_backward")
     sets = cupy_inputs(shape, shape.dtype, "bshd", n_sets, backward, seed=shape.seqlen)
     events, causal = CupyEvents(), shape.causal
     mods = {"window": shape.window} if shape.window else {}
+    mods.update(cuflash_kwargs(shape.dtype))  # precision="fp32" / "tf32" for float32 inputs
 
     def fwd(i):
         q, k, v = sets[i][:3]
@@ -391,9 +451,12 @@ _PLAIN_DTYPE_CACHE: dict = {}
 
 
 def plain_compute_dtype(dtype: str) -> str:
-    """dtype itself when CuPy runs plain attention in it (matmul, exp, sums), else "fp16"."""
-    if dtype == "fp16":
-        return "fp16"
+    """dtype itself when CuPy runs plain attention in it (matmul, exp, sums), else "fp16" (bf16 without CuPy bf16
+    GEMMs); "fp32" for tf32 (CuPy's batched float32 matmul has no TF32 mode: the anchor is float32)."""
+    if dtype in ("fp16", "fp32", "fp64"):
+        return dtype
+    if dtype == "tf32":
+        return "fp32"
     if dtype not in _PLAIN_DTYPE_CACHE:
         import cupy as cp
 
@@ -442,7 +505,8 @@ def plain_backward(dout, q, k, v, o, p, scale: float, return_ds: bool = False):
 
     dv = cp.matmul(p.swapaxes(-1, -2), dout)
     dp = cp.matmul(dout, v.swapaxes(-1, -2))
-    dp -= (dout.astype(cp.float32) * o.astype(cp.float32)).sum(axis=-1, keepdims=True).astype(dp.dtype)
+    acc = cp.promote_types(dp.dtype, cp.float32)  # the rowsum in float32 (float64 for float64 inputs)
+    dp -= (dout.astype(acc, copy=False) * o.astype(acc, copy=False)).sum(axis=-1, keepdims=True).astype(dp.dtype)
     dp *= p  # dS
     dq = cp.matmul(dp, k)
     dq *= dq.dtype.type(scale)
@@ -451,9 +515,10 @@ def plain_backward(dout, q, k, v, o, p, scale: float, return_ds: bool = False):
     return (dq, dk, dv, dp) if return_ds else (dq, dk, dv)
 
 
-def bench_plain(shape: Shape, args, out: list):
+def bench_plain(shape: Shape, args, out: list, torch=None):
     compute = plain_compute_dtype(shape.dtype)
-    note = f"computed in {compute}: CuPy cannot run it in {shape.dtype}" if compute != shape.dtype else ""
+    note = "" if compute == shape.dtype else TF32_ANCHOR_NOTE if shape.dtype == "tf32" else \
+        f"computed in {compute}: CuPy cannot run it in {shape.dtype}"
     sets = cupy_inputs(shape, compute, "bhsd", 1, args.backward, seed=shape.seqlen + 1)
     q, k, v = sets[0][:3]
     bias = causal_bias(shape.seqlen, q.dtype) if shape.causal else None
@@ -491,15 +556,43 @@ def bench_plain(shape: Shape, args, out: list):
                             peak_mem_bytes=mem, **kw))
 
 
+class float32_matmul_precision:
+    """Context: torch's float32 matmul precision set to `value` ("highest": no TF32), restored after."""
+
+    def __init__(self, torch, value: str = "highest"):
+        self.torch, self.value, self.before = torch, value, None
+
+    def __enter__(self):
+        with warnings.catch_warnings():  # newer torch may call the setter legacy: the setting is what counts
+            warnings.simplefilter("ignore")
+            self.before = self.torch.get_float32_matmul_precision()
+            self.torch.set_float32_matmul_precision(self.value)
+        return self
+
+    def __exit__(self, *exc):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.torch.set_float32_matmul_precision(self.before)
+        return False
+
+
 def bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, torch):
+    if shape.dtype in WIDE_DTYPES:  # float32 anchors never use TF32 (tf32 rows included: noted)
+        with float32_matmul_precision(torch, "highest"):
+            return _bench_sdpa(shape, args, method, backend_name, out, torch)
+    return _bench_sdpa(shape, args, method, backend_name, out, torch)
+
+
+def _bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, torch):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     backend = getattr(SDPBackend, backend_name)
-    tdtype = torch.bfloat16 if shape.dtype == "bf16" else torch.float16
+    tdtype = getattr(torch, TORCH_DTYPE[shape.dtype])
     dims = (shape.batch, shape.seqlen, shape.heads, shape.head_dim)
-    set_bytes = 3 * math.prod(dims) * 2
+    set_bytes = 3 * math.prod(dims) * ITEMSIZE[shape.dtype]
     n_sets = n_input_sets(set_bytes)
+    kw = dict(compute_dtype="fp32", note=TF32_ANCHOR_NOTE) if shape.dtype == "tf32" else {}
     gen = torch.Generator(device="cuda").manual_seed(shape.seqlen)
     # (B, S, H, D) tensors like cuflash's inputs; SDPA wants (B, H, S, D): transposed views, no copies
     leaves = [[torch.randn(dims, dtype=tdtype, device="cuda", generator=gen).requires_grad_(args.backward)
@@ -518,7 +611,7 @@ def bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, to
 
     ms = median_ms(fwd, n_sets, events, args.reps, args.warmup)
     mem = torch_peak_bytes(lambda: fwd(0))
-    out.append(shape.record(method, "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem))
+    out.append(shape.record(method, "fwd", ms=ms, tflops=shape.flops("fwd") / ms / 1e9, peak_mem_bytes=mem, **kw))
     if not args.backward:
         return
     outs = [sdpa(i) for i in range(n_sets)]
@@ -534,9 +627,9 @@ def bench_sdpa(shape: Shape, args, method: str, backend_name: str, out: list, to
     free_memory(torch)
     ms2 = median_ms(fwd_bwd, n_sets, events, args.reps, args.warmup)
     mem = torch_peak_bytes(lambda: fwd_bwd(0))
-    out.append(shape.record(method, "bwd", ms=ms, tflops=shape.flops("bwd") / ms / 1e9, peak_mem_bytes=mem))
+    out.append(shape.record(method, "bwd", ms=ms, tflops=shape.flops("bwd") / ms / 1e9, peak_mem_bytes=mem, **kw))
     out.append(shape.record(method, "fwd+bwd", ms=ms2, tflops=shape.flops("fwd+bwd") / ms2 / 1e9,
-                            peak_mem_bytes=mem))
+                            peak_mem_bytes=mem, **kw))
 
 
 def run_method(name, fn, shape, records, backward: bool, torch=None, passes=None):
@@ -560,6 +653,320 @@ def run_method(name, fn, shape, records, backward: bool, torch=None, passes=None
     return time.perf_counter() - t0
 
 
+# --- wide dtypes: the SDPA support probe, float32 arithmetic checks, cuBLAS GEMM ceilings ----------------------
+
+TF32_ANCHOR_NOTE = "float32 anchor (no TF32)"
+TF32_SHARED_NOTE = "float32 anchor (no TF32): the fp32 row's measurement"
+_SDPA_SUPPORT: dict = {}
+
+
+def unsupported_reason(run) -> str:
+    """"" when run() returns, else why not, on one line: the warning that names a dtype (torch explains there why a
+    forced backend refuses the inputs), else the first warning, else the error."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            run()
+            return ""
+        except Exception as e:  # noqa: BLE001 - the reason is the result
+            if is_oom(e):
+                return ""  # not a refusal: the measurement itself will say
+            texts = [re.sub(r"\s*\(Triggered internally at [^)]*\)", "", str(w.message).strip().splitlines()[0])
+                     for w in caught if str(w.message).strip()]
+            why = next((t for t in texts if "dtype" in t.lower()), texts[0] if texts else "")
+            return (why or f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}")[:200]
+
+
+def probe_sdpa(torch, method: str, dtype: str, head_dim: int, backward: bool) -> str:
+    """"" when SDPA with `method`'s backend forced runs a small (1, 2, 128, D) problem in dtype (and its backward
+    when asked), else why not (cached per method, dtype, D and pass)."""
+    key = (method, dtype, head_dim, backward)
+    if key not in _SDPA_SUPPORT:
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        tdtype = getattr(torch, TORCH_DTYPE[dtype])
+
+        def run():
+            q, k, v = (torch.randn(1, 2, 128, head_dim, dtype=tdtype, device="cuda", requires_grad=backward)
+                       for _ in range(3))
+            with sdpa_kernel(getattr(SDPBackend, SDPA_METHODS[method])), float32_matmul_precision(torch):
+                o = F.scaled_dot_product_attention(q, k, v)
+                if backward:
+                    o.sum().backward()
+            torch.cuda.synchronize()
+
+        _SDPA_SUPPORT[key] = unsupported_reason(run)
+    return _SDPA_SUPPORT[key]
+
+
+ARITH_CHECK_K = 1024      # the inner dimension of the products whose error tells FP32 from TF32 arithmetic
+FP32_MAX_REL_ERROR = 1e-5  # max|C - C64| / max|C64| at K = 1024: FP32 ~1.5e-6, TF32 ~3e-4 (H100, cuBLAS 13)
+FP64_MAX_REL_ERROR = 1e-12
+
+
+def rel_error(c, ref) -> float:
+    """max|c - ref| / max|ref| (NumPy or CuPy arrays)."""
+    return float(abs(c - ref).max() / abs(ref).max())
+
+
+def arithmetic_label(err, dtype: str = "float32") -> str:
+    """Which arithmetic a product's relative error against float64 shows: "FP32" / "TF32-like", "FP64" / "not FP64"."""
+    if err is None:
+        return "?"
+    if dtype == "float64":
+        return "FP64" if err < FP64_MAX_REL_ERROR else "not FP64"
+    return "FP32" if err < FP32_MAX_REL_ERROR else "TF32-like"
+
+
+def cupy_float32_without_tf32() -> str:
+    """Set CuPy's float32 matmul compute type to its default (no TF32), whatever CUPY_TF32 asked at import (it
+    applies to CuPy's 2-D products; the batched ones of plain attention never use TF32 in CuPy 13-14). Returns a
+    note for the run's log, or ""."""
+    notes = []
+    try:
+        asked = int(os.environ.get("CUPY_TF32", "0") or 0) > 0
+    except ValueError:
+        asked = False
+    try:
+        import numpy as np
+        from cupy._core import _routines_linalg as linalg
+
+        linalg.set_compute_type(np.float32, linalg.COMPUTE_TYPE_DEFAULT)
+        if asked:
+            notes.append("CUPY_TF32 is set: CuPy's float32 matmul compute type reset to its default (no TF32) "
+                         "for this run")
+    except Exception as e:  # noqa: BLE001 - a CuPy without this (private) switch: the check below still runs
+        if asked:
+            notes.append(f"CUPY_TF32 is set and CuPy's compute type could not be reset ({type(e).__name__}): "
+                         f"see the float32 matmul check")
+    if os.environ.get("NVIDIA_TF32_OVERRIDE") == "0":
+        notes.append("NVIDIA_TF32_OVERRIDE=0 disables TF32 in cuBLAS: the TF32 ceiling runs in FP32 (its error "
+                     "says so)")
+    return "; ".join(notes)
+
+
+def float32_matmul_checks(torch=None) -> dict:
+    """Relative error against float64 of a batched float32 product (2, 256, K) @ (2, K, 256), K = ARITH_CHECK_K,
+    made as the float32 anchors make theirs: CuPy's matmul (plain) and, given torch, torch.matmul at float32 matmul
+    precision "highest" (sdpa-math). FP32 arithmetic gives ~1e-6, TF32 ~3e-4."""
+    import cupy as cp
+
+    rng = cp.random.RandomState(11)
+    a = rng.standard_normal((2, 256, ARITH_CHECK_K), dtype=cp.float32)
+    b = rng.standard_normal((2, ARITH_CHECK_K, 256), dtype=cp.float32)
+    out = {"plain": rel_error(cp.matmul(a, b), cp.matmul(a.astype(cp.float64), b.astype(cp.float64)))}
+    if torch is not None:
+        cp.cuda.Device().synchronize()
+        with float32_matmul_precision(torch, "highest"):
+            ta, tb = torch.from_dlpack(a), torch.from_dlpack(b)
+            c = torch.matmul(ta, tb).double()
+            ref = torch.matmul(ta.double(), tb.double())
+            out["sdpa-math"] = float(((c - ref).abs().max() / ref.abs().max()).item())
+    return out
+
+
+def print_matmul_checks(checks: dict):
+    if not checks:
+        return
+    how = {"plain": "plain (cupy.matmul, batched)", "sdpa-math": "sdpa-math (torch.matmul at precision 'highest')"}
+    print(f"float32 matmul check (max|C - C_float64| / max|C_float64|, K = {ARITH_CHECK_K}; FP32 ~1e-6, TF32 ~3e-4): "
+          + ", ".join(f"{how.get(m, m)} {e:.1e} {arithmetic_label(e)}" for m, e in checks.items()))
+    bad = [m for m, e in checks.items() if arithmetic_label(e) != "FP32"]
+    if bad:
+        print(f"warning: {', '.join(bad)} multiplied float32 matrices with TF32-level error: those float32 anchors are "
+              f"not FP32 (unset CUPY_TF32 / TF32 overrides and rerun)")
+
+
+@dataclass
+class Ceiling:
+    name: str          # "sgemm" | "tf32-gemm" | "dgemm"
+    label: str
+    compute_type: str  # the cublasComputeType_t of the cublasGemmEx calls
+    size: int          # M = N = K
+    ms: float | None = None
+    tflops: float | None = None
+    rel_error: float | None = None  # an ARITH_CHECK_K^3 product of the same call against NumPy's float64 one
+    arithmetic: str = ""            # what rel_error shows: FP32 / TF32-like / FP64
+    note: str = ""
+
+
+# name: (label, dtype, cublasComputeType_t, cublasGemmAlgo_t)
+CEILINGS = {
+    "sgemm": ("FP32 SGEMM, CUDA cores", "float32", "CUBLAS_COMPUTE_32F", "CUBLAS_GEMM_DEFAULT"),
+    "tf32-gemm": ("TF32 tensor-core GEMM", "float32", "CUBLAS_COMPUTE_32F_FAST_TF32", "CUBLAS_GEMM_DEFAULT_TENSOR_OP"),
+    "dgemm": ("FP64 DGEMM, FP64 tensor cores on sm_80+", "float64", "CUBLAS_COMPUTE_64F", "CUBLAS_GEMM_DEFAULT"),
+}
+CEILING_OF = {"fp32": "sgemm", "tf32": "tf32-gemm", "fp64": "dgemm"}  # the wide table's %gemm reference
+CEILING_SIZE = 8192
+
+
+def ceilings_for(dtypes) -> list[str]:
+    """The ceilings of the wide dtypes asked for: SGEMM and TF32 GEMM for fp32 / tf32, DGEMM for fp64."""
+    names = set()
+    for d in dtypes:
+        if d in ("fp32", "tf32"):
+            names |= {"sgemm", "tf32-gemm"}
+        elif d == "fp64":
+            names.add("dgemm")
+    return [n for n in CEILINGS if n in names]
+
+
+def measure_ceiling(name: str, size: int, args) -> Ceiling:
+    """One cuBLAS GEMM ceiling: cublasGemmEx with the compute type named in CEILINGS on size x size matrices, timed
+    like the attention calls (median_ms); its arithmetic checked on an ARITH_CHECK_K^3 product against float64."""
+    label, dtype_name, compute_name, algo_name = CEILINGS[name]
+    ceiling = Ceiling(name, label, compute_name, size)
+    try:
+        import cupy as cp
+        import numpy as np
+        from cupy.cuda import device
+        from cupy_backends.cuda.libs import cublas
+
+        dtype = np.dtype(dtype_name)
+        cuda_dtype = cp.cuda.runtime.CUDA_R_64F if dtype == np.float64 else cp.cuda.runtime.CUDA_R_32F
+        compute, algo = getattr(cublas, compute_name), getattr(cublas, algo_name)
+        one, zero = np.ones(1, dtype), np.zeros(1, dtype)  # alpha, beta: host scalars of the compute type
+
+        def gemm(a, b, c):  # column-major C = A B, i.e. c = b @ a read row-major (square matrices)
+            n = a.shape[0]
+            cublas.gemmEx(device.get_cublas_handle(), cublas.CUBLAS_OP_N, cublas.CUBLAS_OP_N, n, n, n,
+                          one.ctypes.data, a.data.ptr, cuda_dtype, n, b.data.ptr, cuda_dtype, n,
+                          zero.ctypes.data, c.data.ptr, cuda_dtype, n, compute, algo)
+            return c
+
+        rng = cp.random.RandomState(size)
+        a, b = (rng.standard_normal((ARITH_CHECK_K, ARITH_CHECK_K), dtype=dtype) for _ in range(2))
+        ref = b.get().astype(np.float64) @ a.get().astype(np.float64)  # on the host: not the cuBLAS under test
+        ceiling.rel_error = rel_error(gemm(a, b, cp.empty_like(a)).get(), ref)
+        ceiling.arithmetic = arithmetic_label(ceiling.rel_error, dtype_name)
+        del a, b
+        mats = [rng.standard_normal((size, size), dtype=dtype) for _ in range(3)]
+        ceiling.ms = median_ms(lambda i: gemm(*mats), 1, CupyEvents(), args.reps, args.warmup)
+        ceiling.tflops = 2.0 * size ** 3 / ceiling.ms / 1e9
+        mats.clear()
+    except Exception as e:  # noqa: BLE001 - reported, never silent
+        ceiling.note = "skipped: " + ("out of memory" if is_oom(e) else
+                                      f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}")
+    finally:
+        free_memory()
+    return ceiling
+
+
+def print_ceilings(ceilings):
+    if not ceilings:
+        return
+    print(f"\ncuBLAS GEMM ceilings, M = N = K = {ceilings[0].size} (cublasGemmEx, median time, measured in this run; "
+          f"rel. error: a {ARITH_CHECK_K}^3 product of the same call against NumPy's float64 one, FP32 ~1e-6, TF32 "
+          f"~3e-4, FP64 ~1e-15):")
+    for c in ceilings:
+        what = f"{c.label} ({c.compute_type})"
+        if c.tflops is None:
+            print(f"  {c.name:<9} {what}: {c.note}")
+            continue
+        print(f"  {c.name:<9} {what:<62} {c.tflops:7.1f} TFLOP/s {c.ms:8.2f} ms   rel. error {c.rel_error:.1e} "
+              f"({c.arithmetic})")
+        if c.name == "tf32-gemm":
+            print(f"  {'':<9} {'TF32 GEMM / 3: the tensor-core ceiling of 3xTF32 (three products per useful one)':<62} "
+                  f"{c.tflops / 3:7.1f} TFLOP/s")
+
+
+# --- the default mode's sweep ------------------------------------------------------------------------------
+
+def _sdpa_bench(method):
+    return lambda shape, args, out, torch: bench_sdpa(shape, args, method, SDPA_METHODS[method], out, torch)
+
+
+SWEEP_BENCH = {"cuflash": bench_cuflash, "plain": bench_plain, **{m: _sdpa_bench(m) for m in SDPA_METHODS}}
+
+
+def sweep_methods(args, torch) -> list[str]:
+    """cuflash, plain (unless --no-compare), SDPA's flash, cuDNN and memory-efficient backends (torch with CUDA) and
+    its math backend (with a wide dtype, or named in --methods); --window keeps cuflash only; --methods narrows."""
+    methods = ["cuflash"] + (["plain"] if args.compare else [])
+    if torch is not None:
+        methods += [name for name, _ in SDPA_BACKENDS]
+        if any(d in WIDE_DTYPES for d in args.dtype) or (args.methods and SDPA_MATH[0] in args.methods):
+            methods.append(SDPA_MATH[0])
+    if args.window is not None:
+        print(f"note: window={tuple(args.window)}: only cuflash runs (the other methods have no sliding window); "
+              f"TFLOP/s below count only the (query, key) pairs inside the band (the tables' N^2 captions do not "
+              f"apply)")
+        methods = ["cuflash"]
+    if args.methods is not None:
+        missing = [m for m in args.methods if m not in methods]
+        if missing:
+            print(f"note: {', '.join(missing)} not available here (torch missing or --no-compare): skipped")
+        methods = [m for m in methods if m in args.methods]
+    return methods
+
+
+def methods_for(dtype: str, methods, args) -> list[str]:
+    """The methods of one dtype's rows: sdpa-math joins bf16/fp16 only when --methods names it."""
+    if dtype in WIDE_DTYPES or (args.methods and SDPA_MATH[0] in args.methods):
+        return list(methods)
+    return [m for m in methods if m != SDPA_MATH[0]]
+
+
+def tf32_rows_from_fp32(records, shape: Shape, method: str) -> list[Record]:
+    """The tf32 rows of an anchor (plain, SDPA): copies of its fp32 rows of the same shape (float32 arithmetic, the
+    same measurement), relabelled."""
+    out = []
+    for r in records:
+        if (r.method, r.dtype, r.head_dim, r.causal, r.seqlen) == (method, "fp32", shape.head_dim, shape.causal,
+                                                                    shape.seqlen):
+            note = r.note if r.note.startswith("skipped") else TF32_SHARED_NOTE
+            out.append(Record(**{**asdict(r), "dtype": "tf32", "compute_dtype": "fp32", "note": note}))
+    return out
+
+
+def run_sweep(args, methods, torch, backward: bool, t_start: float | None = None) -> list[Record]:
+    """Every (dtype, D, causal, N) of the arguments, each method in turn (run_method), one progress line per pass."""
+    t_start = time.perf_counter() if t_start is None else t_start
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    window = tuple(args.window) if args.window else None
+    records: list[Record] = []
+    refused, out_of_time = set(), 0
+    for dtype in ordered_dtypes(args.dtype):
+        dtype_methods = methods_for(dtype, methods, args)
+        for d in args.head_dim:
+            for causal in causals:
+                for n in args.seqlen:
+                    shape = Shape(dtype, d, causal, n, window)
+                    if args.time_limit is not None and time.perf_counter() - t_start > args.time_limit:
+                        out_of_time += 1
+                        why = f"skipped: --time-limit {args.time_limit:g} s reached"
+                        records.extend(shape.record(m, p, note=why) for m in dtype_methods
+                                       for p in (PASSES if (backward if m == "cuflash" else args.backward) else
+                                                 ("fwd",)))
+                        continue
+                    times = {}
+                    for m in dtype_methods:
+                        m_backward = backward if m == "cuflash" else args.backward
+                        if dtype == "tf32" and m != "cuflash" and "fp32" in args.dtype:
+                            records.extend(tf32_rows_from_fp32(records, shape, m))
+                            continue
+                        if m in SDPA_METHODS and dtype in WIDE_DTYPES:
+                            why = probe_sdpa(torch, m, dtype, d, m_backward)
+                            if why:
+                                if (m, dtype) not in refused:
+                                    refused.add((m, dtype))
+                                    print(f"    note: {m} does not run {TORCH_DTYPE[dtype]} ({dtype} rows): {why}")
+                                records.extend(shape.record(m, p, note=f"skipped: unsupported: {why}")
+                                               for p in (PASSES if m_backward else ("fwd",)))
+                                continue
+                        times[m] = run_method(m, lambda s=shape, f=SWEEP_BENCH[m]: f(s, args, records, torch), shape,
+                                              records, m_backward, torch)
+                    for p in PASSES if backward else ("fwd",):
+                        tf = {r.method: r.tflops for r in records if r.passname == p and r.tflops and
+                              (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
+                        print(f"{shape} {p}: " + ", ".join(f"{m} {tf[m]:.0f}" for m in dtype_methods if m in tf)
+                              + " TFLOP/s" + (f" ({sum(times.values()):.1f} s)" if p == "fwd" else ""), flush=True)
+    if out_of_time:
+        print(f"note: --time-limit {args.time_limit:g} s reached: {out_of_time} shapes not run (their rows say so)")
+    return records
+
+
 # --- report -------------------------------------------------------------------------------------------
 
 def _fmt(value, spec):
@@ -573,7 +980,7 @@ def print_table(records: list[Record], methods: list[str]):
     keys = sorted({(r.dtype, r.head_dim, r.causal, r.seqlen) for r in records},
                   key=lambda k: (k[0], k[1], k[2], k[3]))
     short = {"cuflash": "cuflash", "plain": "plain", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
-             "sdpa-efficient": "effic"}
+             "sdpa-efficient": "effic", "sdpa-math": "math"}
     for p in passes:
         print(f"\n{p} TFLOP/s (FLOPs: {PASS_FLOP_FACTOR[p]:g} x 4*B*H*N^2*D, halved when causal); "
               f"peak extra memory in MiB")
@@ -602,6 +1009,87 @@ def print_table(records: list[Record], methods: list[str]):
     skipped = [r for r in records if r.note.startswith("skipped")]
     for r in skipped:
         print(f"skipped: {r.method} {r.dtype} D={r.head_dim} causal={r.causal} N={r.seqlen}: {r.note[9:]}")
+
+
+WIDE_LEGEND = (
+    "arithmetic: cuflash fp32 = precision 'fp32' (3xTF32 split products, float32 accuracy), tf32 = precision 'tf32' "
+    "(one TF32 product), fp64 = float64 on the FP64 tensor cores;",
+    "  plain = CuPy attention, cuBLAS batched matmuls in float32 (no TF32) / float64, S and P in HBM; math = SDPA's "
+    "math backend, torch matmuls at float32 precision 'highest' (no TF32) / float64;",
+    "  effic = SDPA's memory-efficient backend (CUTLASS), float32 only: 3xTF32 on sm_80+ (the kernel's own choice, "
+    "no setting changes it);",
+    "  tf32 rows: no anchor is a one-pass TF32 computation (only the TF32 GEMM ceiling is); their plain and SDPA "
+    "columns are the float32 measurements.",
+)
+
+
+def skipped_summary(records) -> list[str]:
+    """One line per (method, dtype, reason, passes) of the skipped rows, naming the shapes it covers."""
+    passes_of: dict = {}  # (method, dtype, reason, shape) -> the passes skipped there
+    for r in records:
+        if r.note.startswith("skipped"):
+            passes_of.setdefault((r.method, r.dtype, r.note[9:], (r.head_dim, r.causal, r.seqlen)), set()).add(
+                r.passname)
+    groups: dict = {}
+    for (method, dtype, why, shape), skipped in passes_of.items():
+        passes = "/".join(p for p in PASSES if p in skipped)
+        groups.setdefault((method, dtype, why, passes), []).append(shape)
+    lines = []
+    for (method, dtype, why, passes), shapes in groups.items():
+        shapes = sorted(shapes)
+        every = len(shapes) > 1 and set(shapes) == {(r.head_dim, r.causal, r.seqlen) for r in records
+                                                     if r.dtype == dtype}
+        where = "every shape" if every else ", ".join(
+            f"D={d} {'causal' if c else 'full'} N={n}" for d, c, n in shapes[:6]) + (
+            f" and {len(shapes) - 6} more" if len(shapes) > 6 else "")
+        lines.append(f"skipped: {method} {dtype} {passes}, {len(shapes)} shape{'s' if len(shapes) > 1 else ''} "
+                     f"({where}): {why}")
+    return lines
+
+
+def print_wide_table(records: list[Record], methods: list[str], ceilings=()):
+    """The fp32 / tf32 / fp64 rows: TFLOP/s and ms of each method that ran, cuflash's speedup over the fastest other
+    method (cf/best, a time ratio) and its TFLOP/s as % of its dtype's cuBLAS GEMM ceiling (%gemm), peak memory."""
+    if not records:
+        return
+    short = {"cuflash": "cuflash", "plain": "plain", "sdpa-flash": "flash", "sdpa-cudnn": "cudnn",
+             "sdpa-efficient": "effic", "sdpa-math": "math"}
+    ceiling = {c.name: c.tflops for c in ceilings if c.tflops}
+    passes = [p for p in PASSES if any(r.passname == p and r.ms for r in records)]
+    cols = [m for m in methods if m == "cuflash" or any(r.method == m and r.ms for r in records)]
+    index = {(r.method, r.passname, r.dtype, r.head_dim, r.causal, r.seqlen): r for r in records}
+    keys = sorted({(r.dtype, r.head_dim, r.causal, r.seqlen) for r in records},
+                  key=lambda k: (DTYPES.index(k[0]), k[1], k[2], k[3]))
+    for p in passes:
+        print(f"\n{p}, float32 / float64 inputs: TFLOP/s (FLOPs: {PASS_FLOP_FACTOR[p]:g} x 4*B*H*N^2*D, halved when "
+              f"causal) and ms per call; cf/best: the fastest other method's time / cuflash's; %gemm: cuflash's "
+              f"TFLOP/s as % of its dtype's cuBLAS GEMM ceiling (fp32: SGEMM, tf32: TF32 GEMM, fp64: DGEMM); peak "
+              f"extra memory in MiB")
+        head = (f"{'dtype':<5} {'D':>3} {'causal':<6} {'N':>6} | " + " ".join(f"{short[m]:>7}" for m in cols)
+                + " | " + " ".join(f"{'ms ' + short[m]:>10}" for m in cols) + " | cf/best  %gemm | "
+                + " ".join(f"{'MiB ' + short[m]:>12}" for m in cols))
+        print(head)
+        print("-" * len(head))
+        for key in keys:
+            rows = [index.get((m, p) + key) for m in cols]
+            if not any(r is not None and r.ms for r in rows):
+                continue
+            ours = index.get(("cuflash", p) + key)
+            others = [r for m, r in zip(cols, rows) if m != "cuflash" and r is not None and r.ms]
+            best = min(others, key=lambda r: r.ms) if others else None
+            ratio = best.ms / ours.ms if best is not None and ours is not None and ours.ms else None
+            gemm = ceiling.get(CEILING_OF[key[0]])
+            pct = 100 * ours.tflops / gemm if gemm and ours is not None and ours.tflops else None
+            tf = [r.tflops if r is not None else None for r in rows]
+            ms = [r.ms if r is not None else None for r in rows]
+            mem = [r.peak_mem_bytes / 2**20 if r is not None and r.peak_mem_bytes is not None else None for r in rows]
+            print(f"{key[0]:<5} {key[1]:>3} {'yes' if key[2] else 'no':<6} {key[3]:>6} | "
+                  + " ".join(_fmt(x, "7.1f") for x in tf) + " | " + " ".join(_fmt(x, "10.3f") for x in ms)
+                  + f" | {_fmt(ratio, '7.2f')} {_fmt(pct, '6.0f')} | " + " ".join(_fmt(x, "12.0f") for x in mem))
+    if passes:
+        print("\n".join(WIDE_LEGEND))
+    for line in skipped_summary(records):
+        print(line)
 
 
 def plot(records: list[Record], path: str):
@@ -1336,12 +1824,23 @@ def _positive(text: str) -> int:
     return n
 
 
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"{s:g} must be > 0")
+    return s
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuflash.bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--dtype", nargs="+", choices=("bf16", "fp16"), default=None,
-                   help="default: bf16 and fp16 (--decode, --varlen, --bias: bf16)")
+    p.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
+                   help="default: bf16 and fp16 (--decode, --varlen, --bias: bf16); fp32 (float32, cuflash precision "
+                        "'fp32': 3xTF32), tf32 (float32, precision 'tf32'), fp64 (float64): the default mode only")
     p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
                    help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used; --bias: "
                         f"the llm shapes' D, default {' '.join(map(str, LLM_BIAS_HEAD_DIMS))}, and the default "
@@ -1363,6 +1862,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
     p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
     p.add_argument("--warmup", type=_positive, default=3, help="untimed calls first; default 3")
+    p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
+                   help="with fp32 / tf32 / fp64: measure the cuBLAS GEMM ceilings of those dtypes first (SGEMM, "
+                        "TF32 GEMM, DGEMM; default; --no-ceilings: not)")
+    p.add_argument("--ceiling-size", type=_positive, default=CEILING_SIZE, metavar="N",
+                   help=f"the ceilings' M = N = K (default {CEILING_SIZE})")
+    p.add_argument("--time-limit", type=_seconds, default=None, metavar="S",
+                   help="start no new shape after S seconds (default mode; the rest are reported skipped)")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--decode", action="store_true",
                       help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
@@ -1418,6 +1924,9 @@ def main(argv=None) -> int:
     if args.methods is not None and any(m not in allowed for m in args.methods):
         parser.error(f"--methods {' '.join(m for m in args.methods if m not in allowed)}: "
                      f"{'--bias' if args.bias else 'this mode'} runs {', '.join(allowed)}")
+    wide = [d for d in args.dtype if d in WIDE_DTYPES]
+    if wide and (args.decode or args.varlen or args.bias):
+        parser.error(f"--dtype {' '.join(wide)}: the default mode only (--decode, --varlen and --bias take bf16 / fp16)")
     try:
         import cupy as cp
 
@@ -1447,58 +1956,47 @@ def main(argv=None) -> int:
 
     if args.decode or args.varlen or args.bias:
         return main_decode_varlen(args, cuflash, torch)
+    return main_sweep(args, cuflash, torch)
 
-    methods = ["cuflash"] + (["plain"] if args.compare else []) + \
-        ([name for name, _ in SDPA_BACKENDS] if torch is not None else [])
-    window = tuple(args.window) if args.window else None
-    if window is not None:
-        print(f"note: window={window}: only cuflash runs (the other methods have no sliding window); TFLOP/s below "
-              f"count only the (query, key) pairs inside the band (the tables' N^2 captions do not apply)")
-        methods = ["cuflash"]
-    if args.methods is not None:
-        missing = [m for m in args.methods if m not in methods]
-        if missing:
-            print(f"note: {', '.join(missing)} not available here (torch missing or --no-compare): skipped")
-        methods = [m for m in methods if m in args.methods]
-    dev = cp.cuda.Device()
-    props = cp.cuda.runtime.getDeviceProperties(dev.id)
-    device_name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-    print(f"device: {device_name} (sm_{dev.compute_capability}), cupy {cp.__version__}"
-          + (f", torch {torch.__version__}" if torch is not None else "") + f", cuflash {cuflash.__version__}")
-    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+
+def main_sweep(args, cuflash, torch) -> int:
+    """The default mode: the sweep of run_sweep, after the wide dtypes' float32 checks and GEMM ceilings; the tables,
+    then the JSON and the plot when asked."""
+    import cupy as cp
+
+    methods = sweep_methods(args, torch)
+    device_name, dev = device_line(cp, torch, cuflash)
     backward = args.backward and hasattr(cuflash, "attention_backward")
-
-    records: list[Record] = []
+    wide = [d for d in args.dtype if d in WIDE_DTYPES]
     t_start = time.perf_counter()
-    for dtype in args.dtype:
-        for d in args.head_dim:
-            for causal in causals:
-                for n in args.seqlen:
-                    shape = Shape(dtype, d, causal, n, window)
-                    times = {}
-                    if "cuflash" in methods:
-                        times["cuflash"] = run_method("cuflash", lambda s=shape: bench_cuflash(s, args, records),
-                                                      shape, records, backward, torch)
-                    if "plain" in methods:
-                        times["plain"] = run_method("plain", lambda s=shape: bench_plain(s, args, records), shape,
-                                                    records, args.backward, torch)
-                    for name, backend in SDPA_BACKENDS:
-                        if name in methods:
-                            times[name] = run_method(
-                                name, lambda s=shape, n=name, b=backend: bench_sdpa(s, args, n, b, records, torch),
-                                shape, records, args.backward, torch)
-                    for p in ("fwd", "bwd", "fwd+bwd") if backward else ("fwd",):
-                        tf = {r.method: r.tflops for r in records if r.passname == p and r.tflops and
-                              (r.dtype, r.head_dim, r.causal, r.seqlen) == (dtype, d, causal, n)}
-                        print(f"{shape} {p}: " + ", ".join(f"{m} {tf[m]:.0f}" for m in methods if m in tf)
-                              + " TFLOP/s" + (f" ({sum(times.values()):.1f} s)" if p == "fwd" else ""), flush=True)
+    ceilings, checks = [], {}
+    if wide:
+        note = cupy_float32_without_tf32()
+        if note:
+            print(f"note: {note}")
+        if any(d in ("fp32", "tf32") for d in wide) and ("plain" in methods or SDPA_MATH[0] in methods):
+            try:
+                checks = float32_matmul_checks(torch if SDPA_MATH[0] in methods else None)
+            except Exception as e:  # noqa: BLE001 - the check is informative, the run goes on
+                print(f"note: float32 matmul check failed: {type(e).__name__}: {e}")
+            print_matmul_checks(checks)
+        if args.ceilings:
+            ceilings = [measure_ceiling(name, args.ceiling_size, args) for name in ceilings_for(wide)]
+            print_ceilings(ceilings)
+    records = run_sweep(args, methods, torch, backward, t_start)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
-    print_table(records, methods)
+    print_table([r for r in records if r.dtype in LOWP_DTYPES], methods_for("bf16", methods, args))
+    if wide:
+        print_ceilings(ceilings)
+        print_wide_table([r for r in records if r.dtype in WIDE_DTYPES], methods, ceilings)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "compute_capability": dev.compute_capability,
                        "cupy": cp.__version__, "torch": torch.__version__ if torch is not None else None,
                        "cuflash": cuflash.__version__, "reps": args.reps, "warmup": args.warmup,
+                       **({"ceilings": [asdict(c) for c in ceilings], "float32_matmul_checks": checks}
+                          if wide else {}),
+                       **({"time_limit_s": args.time_limit} if args.time_limit is not None else {}),
                        "records": [asdict(r) for r in records]}, f, indent=1)
         print(f"records written to {args.json}")
     if args.plot:
