@@ -764,6 +764,14 @@ def wide_mods_supported(dtype: str, mods: int) -> bool:
     return dtype != "fp64" or not mods & ~WIDE_FP64_MODS
 
 
+def _check_wide(dtype: str, mods: int, causal: bool) -> None:
+    check_mods(mods, causal)
+    if dtype not in WIDE_DTYPES:
+        raise ValueError(f"dtype={dtype!r}; allowed: {WIDE_DTYPES}")
+    if not wide_mods_supported(dtype, mods):
+        raise ValueError(f"mods={mods}: the float64 kernels take the window alone")
+
+
 @dataclass(frozen=True)
 class FwdWideConfig:
     """`fwd_wide_kernel<WideFwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, Math>, IS_CAUSAL, MODS>` (cuda/wide.cuh)."""
@@ -778,15 +786,9 @@ class FwdWideConfig:
     v_split: int = 1  # CTAs per query block, each computing head_dim / v_split columns of O
 
     def __post_init__(self):
-        check_mods(self.mods, self.causal)
-        if self.dtype not in WIDE_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: {WIDE_DTYPES}")
-        if not wide_mods_supported(self.dtype, self.mods):
-            raise ValueError(f"mods={self.mods}: the float64 kernels take the window alone")
+        _check_wide(self.dtype, self.mods, self.causal)
 
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
+    threads = property(lambda self: 32 * self.num_warps)
 
     @property
     def smem_bytes(self) -> int:
@@ -819,19 +821,13 @@ class BwdWideConfig:
     deterministic: bool = False
 
     def __post_init__(self):
-        check_mods(self.mods, self.causal)
-        if self.dtype not in WIDE_DTYPES:
-            raise ValueError(f"dtype={self.dtype!r}; allowed: {WIDE_DTYPES}")
-        if not wide_mods_supported(self.dtype, self.mods):
-            raise ValueError(f"mods={self.mods}: the float64 kernels take the window alone")
+        _check_wide(self.dtype, self.mods, self.causal)
         if self.deterministic:
             raise ValueError("the float32 / float64 backward has no deterministic variant")
         if self.block_n != 16 * self.num_warps // self.d_split:
             raise ValueError(f"block_n={self.block_n} must be 16 * num_warps / d_split")
 
-    @property
-    def threads(self) -> int:
-        return 32 * self.num_warps
+    threads = property(lambda self: 32 * self.num_warps)
 
     @property
     def smem_bytes(self) -> int:
