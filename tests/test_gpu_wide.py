@@ -1,7 +1,7 @@
-"""float32 and float64 inputs on the GPU, forward and backward, against references (the pass rules of the float32 /
-float64 issue). Outputs are poisoned (NaN) before each call, inputs are fresh per case (seed_of), over the awkward
-seqlen pairs, head dims, causal, both layouts, strides, GQA, windows, varlen, and for float32 the bias (with dbias),
-masks, ALiBi, softcap and dropout.
+"""float32 and float64 inputs on the GPU, forward and backward, against references (the pass rules of
+docs/RELIABILITY.md, "float32 and float64"). Outputs are poisoned (NaN) before each call, inputs are fresh per
+case (seed_of), over the awkward seqlen pairs, head dims, causal, both layouts, strides, GQA, windows, varlen, and
+for float32 the bias (with dbias), masks, ALiBi, softcap and dropout.
 
 Pass rules (each a maximum over all elements; every output also free of NaN and inf, of the documented shape and
 dtype; X is o, lse, dq, dk, dv or dbias; F = 2 for o and lse, 3 for dq, dk, dv and dbias):
