@@ -5,6 +5,7 @@
   cuflash-sim sweep --strategy cuflash --seqlen 4096 16384 --head-dim 64 --batch 1 --heads 16 --causal --window 1024 0
   cuflash-sim plot hbm-vs-n --out docs/img/hbm_vs_n.png
   cuflash-sim plot hbm-vs-n --causal --window 1024 0 --out docs/img/hbm_vs_n_window.png
+  cuflash-sim plot hbm-vs-n --dtype fp16 fp32 --strategy fa2 --strategy cuflash --out hbm_vs_n_fp32.png
   cuflash-sim plot block-size --out docs/img/block_size.png
 """
 from __future__ import annotations
@@ -76,14 +77,19 @@ def _bytes(text: str) -> int:
     return value
 
 
-def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_dim=64, batch=None, heads=None):
+def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_dim=64, batch=None, heads=None,
+                      several_dtypes=False):
     p.add_argument("--seqlen", type=_positive_int, nargs="+", default=seqlen_default, required=seqlen_default is None,
                    metavar="N", help="sequence lengths (seqlen_q; seqlen_k too unless --seqlen-k)")
     p.add_argument("--seqlen-k", type=_positive_int, default=None, metavar="NK", help="key length (default: = N)")
     p.add_argument("--head-dim", type=_positive_int, default=head_dim, required=head_dim is None, metavar="D")
     p.add_argument("--batch", type=_positive_int, default=batch, required=batch is None, metavar="B")
     p.add_argument("--heads", type=_positive_int, default=heads, required=heads is None, metavar="H")
-    p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp16")
+    if several_dtypes:  # a list: one line per (strategy, dtype)
+        p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), nargs="+", default=["fp16"], metavar="DTYPE",
+                       help=f"element types, one line per strategy and dtype ({', '.join(DTYPE_BYTES)}; default fp16)")
+    else:
+        p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp16")
     p.add_argument("--causal", action="store_true", help="bottom-right causal mask")
     p.add_argument("--window", type=_window_side, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="sliding window: query i sees key j iff i + diag - LEFT <= j <= i + diag + RIGHT "
@@ -132,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     hv.add_argument("--out", required=True, metavar="FILE.png")
     hv.add_argument("--strategy", choices=STRATEGIES, action="append", default=None,
                     help="default: standard fa1 fa2 cuflash")
-    _add_problem_args(hv, seqlen_default=DEFAULT_PLOT_SEQLENS, head_dim=64, batch=1, heads=1)
+    _add_problem_args(hv, seqlen_default=DEFAULT_PLOT_SEQLENS, head_dim=64, batch=1, heads=1, several_dtypes=True)
     _add_block_args(hv)
     _add_kernels_arg(hv)
     bs = psub.add_parser("block-size", help="traffic and a runtime model against the block size (paper Fig. 2 middle)")
@@ -142,10 +148,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _problem(args, n: int, window=True) -> Problem:
-    """The problem of the arguments at length n; window=False leaves --window out."""
+def _problem(args, n: int, window=True, dtype: str | None = None) -> Problem:
+    """The problem of the arguments at length n; window=False leaves --window out; dtype: one of a --dtype list."""
     w = tuple(args.window) if window and args.window is not None else None
-    return Problem(args.batch, args.heads, n, args.seqlen_k or n, args.head_dim, args.dtype, args.causal, w)
+    dtype = args.dtype if dtype is None else dtype
+    return Problem(args.batch, args.heads, n, args.seqlen_k or n, args.head_dim, dtype, args.causal, w)
 
 
 def _blocks_kw(args, strategy):
@@ -214,8 +221,9 @@ def _config_title(args, n=None) -> str:
     direction = ("backward (deterministic)" if getattr(args, "deterministic", False) else "backward") \
         if args.backward else "forward"
     kernels = "" if getattr(args, "kernels", DEFAULT_KERNELS) == DEFAULT_KERNELS else ", cuflash: mma.sync kernels"
+    dtype = args.dtype if isinstance(args.dtype, str) else "/".join(args.dtype)
     return (f"{direction}, {seq}d={args.head_dim}, batch={args.batch}, "
-            f"heads={args.heads}, {args.dtype}, {mask}{kernels}")
+            f"heads={args.heads}, {dtype}, {mask}{kernels}")
 
 
 def plot_hbm_vs_n(args) -> None:
@@ -225,28 +233,33 @@ def plot_hbm_vs_n(args) -> None:
     import matplotlib.pyplot as plt
 
     strategies = args.strategy or ["standard", "fa1", "fa2", "cuflash"]
+    dtypes = list(dict.fromkeys([args.dtype] if isinstance(args.dtype, str) else args.dtype))  # once each, in order
     ns = sorted(args.seqlen)
     fig, ax = plt.subplots(figsize=(7.5, 5.2))
     finals = {}
 
-    def hbm(s, window):
-        return [simulate(s, _problem(args, n, window), backward=args.backward, causal_skip=not args.no_causal_skip,
-                         **_blocks_kw(args, s)) for n in _progress(ns, s)]
+    def hbm(s, window, dtype):
+        return [simulate(s, _problem(args, n, window, dtype), backward=args.backward,
+                         causal_skip=not args.no_causal_skip, **_blocks_kw(args, s))
+                for n in _progress(ns, f"{s} {dtype}")]
 
-    for s in strategies:
-        cs = hbm(s, True)
-        ys = [c.hbm_bytes for c in cs]
-        blocks = "" if cs[-1].block_m is None else f" (B_r={cs[-1].block_m}, B_c={cs[-1].block_n})"
-        marker, style = _STYLE.get(s, ("o", "-"))
-        line, = ax.loglog(ns, ys, marker=marker, ls=style, ms=4, label=f"{s}{blocks}")
-        finals[s] = ys
-        # a fixed window makes flash traffic linear in N: the same strategy without it, for contrast
-        # (standard materializes all of S and P, window or not)
-        if args.window is not None and s != "standard":
-            full = [c.hbm_bytes for c in hbm(s, False)]
-            ax.loglog(ns, full, marker=marker, ls=":", ms=3, color=line.get_color(), alpha=0.4,
-                      label=f"{s}, no window")
-            finals[f"{s} (no window)"] = full
+    for k, dtype in enumerate(dtypes):
+        # one dtype: the labels of before; several: the dtype in every label, the later dtypes' lines dash-dotted
+        tag = f" {dtype}" if len(dtypes) > 1 else ""
+        for s in strategies:
+            cs = hbm(s, True, dtype)
+            ys = [c.hbm_bytes for c in cs]
+            blocks = "" if cs[-1].block_m is None else f" (B_r={cs[-1].block_m}, B_c={cs[-1].block_n})"
+            marker, style = _STYLE.get(s, ("o", "-"))
+            line, = ax.loglog(ns, ys, marker=marker, ls=style if k == 0 else "-.", ms=4, label=f"{s}{tag}{blocks}")
+            finals[f"{s}{tag}"] = ys
+            # a fixed window makes flash traffic linear in N: the same strategy without it, for contrast
+            # (standard materializes all of S and P, window or not)
+            if args.window is not None and s != "standard":
+                full = [c.hbm_bytes for c in hbm(s, False, dtype)]
+                ax.loglog(ns, full, marker=marker, ls=":", ms=3, color=line.get_color(), alpha=0.4,
+                          label=f"{s}{tag}, no window")
+                finals[f"{s}{tag} (no window)"] = full
     # theoretical slopes (Theorem 2): standard Theta(N d + N^2), flash Theta(N^2 d^2 / M); both reach
     # slope 2 for large N (flash with a d^2/M-times smaller constant), the N d terms give slope 1
     n0, n1 = ns[0], ns[-1]

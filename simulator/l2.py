@@ -28,7 +28,7 @@ from numba import njit
 
 from cuflash import config as _config
 
-from .model import H100_SMEM_PER_SM, H100_SMS, STAT_BYTES, Problem
+from .model import H100_SMEM_PER_SM, H100_SMS, Problem
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
@@ -203,7 +203,7 @@ def _fwd_tensors(tr, p, bm, bn):
     tr.tensor("o", p.seqlen_q, bm, d_bytes)
     tr.tensor("k", p.seqlen_k, bn, d_bytes)
     tr.tensor("v", p.seqlen_k, bn, d_bytes)
-    tr.tensor("lse", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+    tr.tensor("lse", p.seqlen_q, bm, p.stat_bytes, contiguous_rows=True)
 
 
 def _pairs_kv_outer(p, bm, bn, causal_skip):
@@ -226,7 +226,7 @@ def _stream(tr, kernel, p, names_read, names_write, rows, block, wave):
 
 def _fa1_fwd(tr, p, bm, bn, causal_skip, wave):
     _fwd_tensors(tr, p, bm, bn)
-    tr.tensor("m", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+    tr.tensor("m", p.seqlen_q, bm, p.stat_bytes, contiguous_rows=True)
     _stream(tr, 0, p, (), ("o", "lse", "m"), p.seqlen_q, bm, wave)  # O = 0, l = 0, m = -inf ("lse" holds l)
     jj, ii = _pairs_kv_outer(p, bm, bn, causal_skip)
     # one CTA per (b, h) runs the whole double loop: step = index of the (j, i) pair
@@ -251,14 +251,14 @@ def _bwd_tensors(tr, p, bm, bn, dq_acc_bytes):
     for name in ("dk", "dv"):
         tr.tensor(name, p.seqlen_k, bn, d_bytes)
     tr.tensor("dq_acc", p.seqlen_q, bm, p.head_dim * dq_acc_bytes)
-    tr.tensor("d", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+    tr.tensor("d", p.seqlen_q, bm, p.stat_bytes, contiguous_rows=True)
 
 
 def _kv_outer_bwd(tr, p, bm, bn, causal_skip, wave, fa1: bool):
     """FA2 backward (preprocess, main, convert) or FA1 Algorithm 4 (memset, main)."""
-    _bwd_tensors(tr, p, bm, bn, p.elem_bytes if fa1 else STAT_BYTES)
+    _bwd_tensors(tr, p, bm, bn, p.elem_bytes if fa1 else p.stat_bytes)
     if fa1:
-        tr.tensor("m", p.seqlen_q, bm, STAT_BYTES, contiguous_rows=True)
+        tr.tensor("m", p.seqlen_q, bm, p.stat_bytes, contiguous_rows=True)
         _stream(tr, 0, p, (), ("dq",), p.seqlen_q, bm, wave)
         _stream(tr, 0, p, (), ("dk", "dv"), p.seqlen_k, bn, wave)
     else:
@@ -334,11 +334,11 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
         tr.tensor(name, p.seqlen_q, uq, d_bytes)
     for name in ("k", "v", "dk", "dv"):
         tr.tensor(name, p.seqlen_k, uk, d_bytes)
-    tr.tensor("lse", p.seqlen_q, uq, STAT_BYTES, contiguous_rows=True)
+    tr.tensor("lse", p.seqlen_q, uq, p.stat_bytes, contiguous_rows=True)
     for name in ("lse_log2", "delta"):
-        tr.tensor(name, pad, uq, STAT_BYTES, contiguous_rows=True)
+        tr.tensor(name, pad, uq, p.stat_bytes, contiguous_rows=True)
     if not deterministic:
-        tr.tensor("dq_acc", pad, uq, cfg.head_dim * STAT_BYTES, contiguous_rows=True)
+        tr.tensor("dq_acc", pad, uq, cfg.head_dim * p.stat_bytes, contiguous_rows=True)
     small = num_sms * _resident(0, 256)  # preprocess and convert: 256 threads, no shared memory
     # 1. preprocess, a unit of rows per CTA: O, dO, lse of real rows; delta, lse_log2 (, dq_acc = 0) of all
     c, bh, x = _grid(p, pad // uq)
@@ -462,6 +462,9 @@ def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = Fa
     num_sms = H100_SMS if num_sms is None else num_sms
     if not isinstance(num_sms, (int, np.integer)) or num_sms < 1:
         raise ValueError(f"num_sms={num_sms!r} must be a positive integer")
+    if strategy == "cuflash" and p.dtype in _config.WIDE_DTYPES:
+        raise ValueError(f"the L2 model covers cuflash's fp16/bf16 kernels only, not the float32 / float64 kernels "
+                         f"(dtype={p.dtype!r}): leave l2_bytes out")
     wave = num_sms * (ctas_per_sm(strategy, p, kernels) if ctas_per_sm_ is None else ctas_per_sm_)
     tr = _Trace(p, granularity)
     if strategy == "cuflash" and backward:

@@ -5,9 +5,12 @@ that a reader can recompute any number by hand:
 
 * Global (HBM) traffic counts the bytes an algorithm moves between HBM and the chip, each access as
   written in the algorithm (an element read twice is counted twice). Tensors Q, K, V, O, dO, dQ, dK,
-  dV and the materialised S, P, dP, dS are `elem_bytes` wide; softmax statistics (l, m, lse, D) and
-  the FA2/cuflash dQ accumulator are fp32. cuflash's fp32 dQ atomics (red.global.add) count as a read
-  and a write of their bytes (the accumulator's read-modify-write in the L2, like FA2's dQ update).
+  dV and the materialised S, P, dP, dS are `elem_bytes` wide (DTYPE_BYTES: 2 for fp16/bf16, 4 for
+  fp32/tf32, 8 for fp64); softmax statistics (l, m, lse, D) and the FA2/cuflash dQ accumulator are
+  `stat_bytes` wide: fp32 (4 bytes) for the 2- and 4-byte dtypes, fp64 (8 bytes) for fp64, as cuflash's
+  float64 kernels keep lse, lse_log2, delta and dQ_acc in float64 (every strategy counts them so).
+  cuflash's dQ atomics (red.global.add) count as a read and a write of their bytes (the accumulator's
+  read-modify-write in the L2, like FA2's dQ update).
 * Shared memory (SRAM) traffic is exact for `cuflash`, forward and backward (every shared instruction
   of the kernels, see banks.fwd_kernel_shared, bwd_kernel_shared, dq_kernel_shared; for the wgmma
   kernels also the tensor core's operand reads, counted once per warpgroup instruction). For the paper
@@ -27,8 +30,10 @@ from dataclasses import asdict, dataclass, fields
 
 from .masks import check_window
 
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32
+# "tf32": float32 elements (cuflash's one-pass TF32 arithmetic); "fp32": float32 (3xTF32 in cuflash's kernels)
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
+STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32 ...
+WIDE_STAT_BYTES = {"fp64": 8}  # ... except for fp64, whose statistics and accumulator are fp64 (Problem.stat_bytes)
 STRATEGIES = ("standard", "fa1", "fa2", "cuflash")
 
 # H100 SXM (measured, docs/PERFORMANCE.md): used by the runtime model and as L2 / SRAM defaults.
@@ -93,6 +98,11 @@ class Problem:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def stat_bytes(self) -> int:
+        """Bytes of a softmax statistic (l, m, lse, D) and of a dQ-accumulator element."""
+        return WIDE_STAT_BYTES.get(self.dtype, STAT_BYTES)
+
+    @property
     def batch_heads(self) -> int:
         return self.batch * self.heads
 
@@ -107,14 +117,14 @@ class Counts:
     block_n: int | None
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
-    sram_read_bytes: int = 0
-    sram_write_bytes: int = 0
+    sram_read_bytes: int | None = 0  # None: not modelled (cuflash's float32 / float64 kernels)
+    sram_write_bytes: int | None = 0
     flops_matmul: int = 0
     flops_nonmatmul: int = 0
     flops_useful: int = 0
     launches: int = 0
     peak_extra_bytes: int = 0  # device memory beyond inputs and outputs, alive at one time
-    bank_conflicts: int | None = None  # shared-memory bank conflicts (cuflash only, forward and backward)
+    bank_conflicts: int | None = None  # shared-memory bank conflicts (cuflash's fp16/bf16 kernels only)
     dram_read_bytes: int | None = None  # with an L2 model
     dram_write_bytes: int | None = None
 

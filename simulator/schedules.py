@@ -124,11 +124,17 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at head dims 64, 128, 256, else a FwdSm90Config, and a
     BwdSm90Config) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer counts dense
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
-    runs_window_kernel): a windowed forward counts the tiles of the library's window kernel."""
+    runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and
+    fp64 the registry picks the wide kernels (FwdWideConfig / BwdWideConfig, cuda/wide.cuh), whose tiles are the same
+    on every target and for both families; they have no deterministic backward."""
     check_kernels(kernels)
-    if p.dtype not in _config.DTYPES:
-        raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(_config.DTYPES)} only (got dtype={p.dtype!r})")
-    hd = _config.kernel_head_dim(p.head_dim)
+    dtypes = _config.DTYPES + _config.WIDE_DTYPES
+    if p.dtype not in dtypes:
+        raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(dtypes)} only (got dtype={p.dtype!r})")
+    if deterministic and p.dtype in _config.WIDE_DTYPES:
+        raise ValueError(f"deterministic=True: cuflash's {p.dtype} backward sums dQ with atomics only (no deterministic "
+                         f"variant, as the library)")
+    hd = _config.kernel_head_dim(p.head_dim, p.dtype)
     if p.head_dim % _config.CHUNK_ELEMS:
         raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
                          f"(got head_dim={p.head_dim})")

@@ -22,6 +22,9 @@ Strategies (docs/IO_ANALYSIS.md):
             without atomics and the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded to
             SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
             (banks.bwd_kernel_shared) and bwd_dq_kernel.
+            fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
+            preprocess / convert launches, with config.select's tiles, the same on every target): global
+            traffic and FLOPs only; their shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
 
 Block skipping (causal and sliding window): a tile that holds no visible (query, key) pair is not
 visited (masks.key_tile_range, the tile test of cuda/mask.cuh that fwd_kernel runs; the K/V-outer
@@ -40,7 +43,7 @@ from cuflash import config as _config
 
 from . import banks, l2
 from .masks import visible_pairs
-from .model import NONMATMUL_FLOPS, STAT_BYTES, STRATEGIES, Counts, Problem
+from .model import NONMATMUL_FLOPS, STRATEGIES, Counts, Problem
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
@@ -109,6 +112,8 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.BwdConfig: "bwd_kernel",
     _config.BwdSm90Config: "bwd_sm90_kernel",
     _config.DqConfig: "bwd_dq_kernel",
+    _config.FwdWideConfig: "fwd_wide_kernel",
+    _config.BwdWideConfig: "bwd_wide_kernel",
 }
 
 
@@ -140,7 +145,7 @@ def _standard_fwd(p: Problem) -> Counts:
 
 def _fa1_fwd(p: Problem, bm: int, bn: int, causal_skip: bool) -> Counts:
     t = _Tiles(p, bm, bn, causal_skip)
-    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, STAT_BYTES
+    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, p.stat_bytes
     c = Counts("fa1", False, bm, bn)
     # K/V outer (j), Q inner (i): per visited (i, j) read Q_i, O_i, l_i, m_i; write O_i, l_i, m_i
     pair_rows = int(t.rows_per_col.sum())  # sum over visited (i, j) of r_i
@@ -170,7 +175,7 @@ def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
     tile_dims = (BLOCK_M, BLOCK_N, HEAD_DIM) counts FLOPs on whole padded tiles (cuflash); None counts
     the real tail sizes (the paper's algorithm)."""
     t = _Tiles(p, bm, bn, causal_skip)
-    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, STAT_BYTES
+    sq, d, e, s4 = p.seqlen_q, p.head_dim, p.elem_bytes, p.stat_bytes
     c = Counts(strategy, False, bm, bn)
     q_rows = int((t.rows * t.visits_q).sum())
     kv_rows = int(t.kv_rows.sum())
@@ -198,11 +203,42 @@ def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) 
     zero-fills the tails without reading, TMA fills out-of-bounds box rows with zeros); SRAM from the walk
     (wgmma operand reads and TMA box writes included)."""
     cfg = cuflash_config(p, kernels=kernels)
+    if isinstance(cfg, _config.FwdWideConfig):
+        return _cuflash_wide_fwd(p, cfg, causal_skip)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
     c.sram_read_bytes = walk.read_bytes
     c.sram_write_bytes = walk.write_bytes
     c.bank_conflicts = walk.conflicts
+    return c
+
+
+def _cuflash_wide_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
+    """fwd_wide_kernel (cuda/wide.cuh; fp32, tf32, fp64): Q-outer, one CTA per (query block, v_split column part)
+    that holds a column of O (parts = ceil(head_dim / (HEAD_DIM / v_split)); a part past the real head dim returns
+    at once). A CTA that sees a key reads its Q rows (whole head dim) once and, per visited key tile, K (whole head
+    dim) and its columns of V, valid rows and columns only (load_wide_tile zero-fills the rest without a read); it
+    writes its columns of O once and part 0 writes lse (stat_bytes: float32, float64 for fp64). So Q and K are read
+    `parts` times, V once. FLOPs on whole tiles: each part computes S = Q K^T over HEAD_DIM and P V over its
+    HEAD_DIM / v_split columns (3xTF32's three passes count as one product). Shared memory and bank conflicts are
+    not modelled: sram_*_bytes and bank_conflicts are None."""
+    t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
+    sq, d, e, s = p.seqlen_q, p.head_dim, p.elem_bytes, p.stat_bytes
+    v_cols = cfg.head_dim // cfg.v_split
+    parts = -(-d // v_cols)
+    c = Counts("cuflash", False, cfg.block_m, cfg.block_n)
+    q_rows = int((t.rows * t.visits_q).sum())
+    kv_rows = int(t.kv_rows.sum())
+    c.hbm_read_bytes = (parts * (q_rows + kv_rows) + kv_rows) * d * e
+    c.hbm_write_bytes = sq * (d * e + s)
+    area, row_tiles = t.tiles * cfg.block_m * cfg.block_n, t.tiles * cfg.block_m
+    c.flops_matmul = 2 * area * parts * (cfg.head_dim + v_cols)
+    c.flops_nonmatmul = (parts * (NONMATMUL_FLOPS["flash_fwd_per_score"] * area
+                                  + row_tiles * (NONMATMUL_FLOPS["flash_fwd_per_row_tile"] + v_cols)) + sq * (d + 2))
+    c.flops_useful = 4 * d * allowed_pairs(p)
+    c.launches = 1
+    c = _scaled(c, p.batch_heads)
+    c.sram_read_bytes = c.sram_write_bytes = None
     return c
 
 
@@ -228,7 +264,7 @@ def _standard_bwd(p: Problem) -> Counts:
 
 def _fa1_bwd(p: Problem, bm: int, bn: int, causal_skip: bool) -> Counts:
     t = _Tiles(p, bm, bn, causal_skip)
-    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     c = Counts("fa1", True, bm, bn)
     pair_rows = int(t.rows_per_col.sum())
     kv_loaded = int((t.cols * t.visits_kv).sum())
@@ -254,7 +290,7 @@ def _fa1_bwd(p: Problem, bm: int, bn: int, causal_skip: bool) -> Counts:
 def _fa2_bwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "fa2",
              tile_dims: tuple[int, int, int] | None = None) -> Counts:
     t = _Tiles(p, bm, bn, causal_skip)
-    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    sq, sk, d, e, s4 = p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     c = Counts(strategy, True, bm, bn)
     pair_rows = int(t.rows_per_col.sum())
     kv_loaded = int((t.cols * t.visits_kv).sum())
@@ -322,13 +358,20 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
        the block).
     3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ.
     3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
-       sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i."""
+       sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i.
+
+    fp32, tf32 and fp64 (cuda/wide.cuh, a BwdWideConfig) run the same three launches with the same accesses:
+    bwd_wide_preprocess_kernel, bwd_wide_kernel (K/V-outer; dQ tile atomics, float64 atomicAdd for fp64) and
+    bwd_wide_convert_dq_kernel (one thread per pair of elements); lse, lse_log2, delta and dq_accum are
+    stat_bytes wide (float32, float64 for fp64). They have no deterministic variant."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
-    bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, STAT_BYTES
+    wide = isinstance(cfg, _config.BwdWideConfig)
+    bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
     acc_bytes = 0 if deterministic else pad * hd * s4  # dq_accum per (batch, head)
     pre = _config.ElementwiseConfig("preprocess", p.dtype)
-    out = [KernelTraffic("bwd_preprocess_kernel", (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
+    out = [KernelTraffic("bwd_wide_preprocess_kernel" if wide else "bwd_preprocess_kernel",
+                         (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
                          bh * (2 * sq * d * e + sq * s4), bh * (2 * pad * s4 + acc_bytes))]
     visits, q_rows = _bwd_visits(cfg, p, causal_skip)
     keys = block_sizes(sk, cfg.block_n)
@@ -344,8 +387,10 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
                  + 2 * int(t.kv_rows.sum()) * d * e)
         out.append(KernelTraffic("bwd_dq_kernel", dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
-    else:
-        out.append(KernelTraffic("bwd_convert_dq_kernel", (-(-sq * (d // 8) // 256), p.heads, p.batch), 256,
+    else:  # one thread per 8 elements (a 16-byte chunk), per pair of elements in the wide kernel
+        per_thread = 2 if wide else 8
+        out.append(KernelTraffic("bwd_wide_convert_dq_kernel" if wide else "bwd_convert_dq_kernel",
+                                 (-(-sq * (d // per_thread) // 256), p.heads, p.batch), 256,
                                  bh * sq * d * s4, bh * sq * d * e))
     return out
 
@@ -354,18 +399,21 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
                  kernels: str = DEFAULT_KERNELS) -> Counts:
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
     a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
-    conflicts from walking every shared access of the main kernel (and bwd_dq_kernel)."""
+    conflicts from walking every shared access of the main kernel (and bwd_dq_kernel). The wide kernels
+    (fp32, tf32, fp64): global traffic and FLOPs (3xTF32 counted as one product) only, their shared memory is
+    not modelled (sram_*_bytes and bank_conflicts None)."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
     c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in launches)
     c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in launches)
-    walks = [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip,
-                                     p.window)]
+    wide = isinstance(cfg, _config.BwdWideConfig)
+    walks = [] if wide else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim,
+                                                     causal_skip, p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
-    # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; a wgmma
-    # warpgroup owns its 64 keys whole, so bwd_sm90_kernel computes them once
-    ds = cfg.d_split if isinstance(cfg, _config.BwdConfig) else 1
+    # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel (and bwd_wide_kernel);
+    # a wgmma warpgroup owns its 64 keys whole, so bwd_sm90_kernel computes them once
+    ds = cfg.d_split if isinstance(cfg, (_config.BwdConfig, _config.BwdWideConfig)) else 1
     visits = int(_bwd_visits(cfg, p, causal_skip)[0].sum())
     # per visit: S^T and dP^T (D_SPLIT times), dV and dK, dQ (atomic mode)
     c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds + 2 + (0 if deterministic else 1))
@@ -380,12 +428,16 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.flops_matmul *= p.batch_heads
     c.flops_nonmatmul = (NONMATMUL_FLOPS["flash_bwd_per_score"] * scores + 2 * p.seqlen_q * p.head_dim) * p.batch_heads
     c.flops_useful = 10 * p.head_dim * allowed_pairs(p) * p.batch_heads
-    c.sram_read_bytes = sum(w.read_bytes for w in walks)
-    c.sram_write_bytes = sum(w.write_bytes for w in walks)
-    c.bank_conflicts = sum(w.conflicts for w in walks)
+    if wide:  # the wide kernels' shared memory is not modelled
+        c.sram_read_bytes = c.sram_write_bytes = c.bank_conflicts = None
+    else:
+        c.sram_read_bytes = sum(w.read_bytes for w in walks)
+        c.sram_write_bytes = sum(w.write_bytes for w in walks)
+        c.bank_conflicts = sum(w.conflicts for w in walks)
     c.launches = len(launches)
     pad = seqlen_q_pad(p.seqlen_q)
-    c.peak_extra_bytes = p.batch_heads * (2 * pad * STAT_BYTES + (0 if deterministic else pad * hd * STAT_BYTES))
+    s = p.stat_bytes
+    c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if deterministic else pad * hd * s))
     return c
 
 

@@ -269,13 +269,15 @@ def test_figure_2_configuration():
     (dict(strategy="fa1", block_m=64, block_n=64, sram_bytes=1 << 16), ValueError, "either"),
     (dict(strategy="fa1", sram_bytes=100), ValueError, "too small"),
     (dict(strategy="fa2", block_m=0, block_n=64), ValueError, "block_m=0"),
-    (dict(strategy="cuflash", dtype="fp32"), ValueError, "fp16/bf16"),
+    (dict(strategy="cuflash", dtype="fp64", d=256), ValueError, "largest kernel head dim 128 for fp64"),
+    (dict(strategy="cuflash", dtype="fp32", backward=True, deterministic=True), ValueError, "no deterministic"),
 ])
 def test_bad_arguments_are_explained(kwargs, err, match):
     dtype = kwargs.pop("dtype", "fp16")
+    d = kwargs.pop("d", 64)
     strategy = kwargs.pop("strategy")
     with pytest.raises(err, match=match):
-        simulate(strategy, P(256, 64, dtype=dtype), **kwargs)
+        simulate(strategy, P(256, d, dtype=dtype), **kwargs)
 
 
 @pytest.mark.parametrize("field,value", [("seqlen_q", 0), ("head_dim", -1), ("batch", 1.5), ("dtype", "int8")])

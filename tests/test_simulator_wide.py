@@ -1,0 +1,149 @@
+"""4- and 8-byte elements (fp32, tf32, fp64): the paper strategies scale with the element size, the cuflash strategy
+counts the wide kernels of cuda/wide.cuh from their configs, and the HBM-vs-N plot draws several dtypes."""
+import math
+
+import pytest
+
+from cuflash import config
+from cuflash.simulator import Problem, simulate
+from cuflash.simulator.cli import main
+from cuflash.simulator.model import DTYPE_BYTES
+
+SCALE = {"fp32": 2, "tf32": 2, "fp64": 4}  # element bytes relative to fp16
+
+
+def P(n, d=64, causal=False, batch=2, heads=3, nk=None, dtype="fp16"):
+    return Problem(batch, heads, n, n if nk is None else nk, d, dtype, causal)
+
+
+def test_element_and_statistic_sizes():
+    assert {k: DTYPE_BYTES[k] for k in ("fp16", "bf16", "fp32", "tf32", "fp64")} == \
+        {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
+    assert [P(64, dtype=dt).stat_bytes for dt in ("fp16", "bf16", "fp32", "tf32", "fp64")] == [4, 4, 4, 4, 8], \
+        "statistics and the dQ accumulator: fp32, fp64 for fp64 (as the float64 kernels keep them)"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32", "fp64"])
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("n,d,causal", [(1024, 64, False), (1000, 96, True)])
+def test_standard_traffic_scales_with_the_element_size(dtype, backward, n, d, causal):
+    half, wide = (simulate("standard", P(n, d, causal, dtype=dt), backward=backward) for dt in ("fp16", dtype))
+    assert wide.hbm_read_bytes == SCALE[dtype] * half.hbm_read_bytes
+    assert wide.hbm_write_bytes == SCALE[dtype] * half.hbm_write_bytes
+    assert wide.peak_extra_bytes == SCALE[dtype] * half.peak_extra_bytes
+    assert wide.flops == half.flops
+
+
+def _fa2_stat_bytes(p: Problem, backward: bool) -> int:
+    """fa2's statistics traffic by hand (128 x 128 blocks, no mask): lse written once forward; backward: D written
+    and dQ_acc zeroed (preprocess), lse, D and dQ_acc read-modify-written per visited (i, j), dQ_acc read (convert)."""
+    sq, sk, d, s = p.seqlen_q, p.seqlen_k, p.head_dim, p.stat_bytes
+    if not backward:
+        return p.batch_heads * sq * s
+    pair_rows = math.ceil(sk / 128) * sq  # every key block visits every query row
+    return p.batch_heads * s * ((sq + sq * d) + pair_rows * (2 + d) + pair_rows * d + sq * d)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32", "fp64"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_fa2_element_traffic_scales_with_the_element_size(dtype, backward):
+    ph, pw = P(1000, 64), P(1000, 64, dtype=dtype)
+    half, wide = simulate("fa2", ph, backward=backward), simulate("fa2", pw, backward=backward)
+    elems_half = half.hbm_bytes - _fa2_stat_bytes(ph, backward)
+    elems_wide = wide.hbm_bytes - _fa2_stat_bytes(pw, backward)
+    assert elems_wide == SCALE[dtype] * elems_half, "Q, K, V, O, dO, dQ, dK, dV bytes double (fp32) / quadruple (fp64)"
+    if dtype == "fp64":  # elements and statistics both twice fp32's
+        assert wide.hbm_bytes == 2 * simulate("fa2", P(1000, 64, dtype="fp32"), backward=backward).hbm_bytes
+
+
+def test_cuflash_wide_forward_is_a_hand_count_of_its_tiles():
+    """fwd_wide_kernel, no mask: each query block reads Q once, K and V once per key tile; O and lse written once."""
+    b, h, n, d = 2, 3, 300, 64
+    for dtype, e, s in (("fp32", 4, 4), ("tf32", 4, 4), ("fp64", 8, 8)):
+        cfg = config.select("forward", 64, dtype, False, "sm_90a")
+        assert isinstance(cfg, config.FwdWideConfig) and cfg.v_split == 1
+        bm, bn = cfg.block_m, cfg.block_n
+        q_blocks, k_blocks = math.ceil(n / bm), math.ceil(n / bn)
+        c = simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype))
+        assert (c.block_m, c.block_n) == (bm, bn)
+        assert c.hbm_read_bytes == b * h * (n * d + 2 * q_blocks * n * d) * e
+        assert c.hbm_write_bytes == b * h * (n * d * e + n * s)
+        assert c.flops_matmul == b * h * q_blocks * k_blocks * 4 * bm * bn * 64, "whole tiles"
+        assert c.sram_read_bytes is None and c.sram_write_bytes is None and c.bank_conflicts is None, "not modelled"
+        assert c.launches == 1 and c.peak_extra_bytes == 0
+        assert simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype), kernels="mma").hbm_bytes == c.hbm_bytes
+
+
+def test_cuflash_wide_forward_with_split_o_columns():
+    """fp32 at head dim 256 splits O's columns over v_split CTAs: each reads Q and K whole, V its columns. With
+    d = 200 on the 256 kernel both 128-column parts hold a real column (part 1: 72)."""
+    n, d, e = 300, 200, 4
+    cfg = config.select("forward", 256, "fp32", False, "sm_90a")
+    assert cfg.v_split == 2
+    q_blocks, k_blocks, parts = math.ceil(n / cfg.block_m), math.ceil(n / cfg.block_n), 2
+    c = simulate("cuflash", P(n, d, batch=1, heads=1, dtype="fp32"))
+    assert c.hbm_read_bytes == (parts * (n + q_blocks * n) + q_blocks * n) * d * e
+    assert c.hbm_write_bytes == n * (d * e + 4)
+    # each part: S over the 256-column head dim, P V over its 128 columns
+    assert c.flops_matmul == q_blocks * k_blocks * parts * 2 * cfg.block_m * cfg.block_n * (256 + 128)
+
+
+def test_cuflash_wide_backward_is_a_hand_count_of_its_tiles():
+    """preprocess + bwd_wide_kernel (K/V-outer, dQ atomics) + convert, float64 (statistics and dQ_acc float64)."""
+    b, h, n, d, e, s = 2, 3, 300, 64, 8, 8
+    cfg = config.select("backward", 64, "fp64", False, "sm_90a")
+    assert isinstance(cfg, config.BwdWideConfig)
+    bm, bn, hd = cfg.block_m, cfg.block_n, cfg.head_dim
+    q_blocks, k_blocks = math.ceil(n / bm), math.ceil(n / bn)
+    pad = math.ceil(n / config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
+    visits = k_blocks * q_blocks
+    atomics = visits * bm * hd * s  # the whole [block_m, HEAD_DIM] tile per visit, read and written in the L2
+    pre_r, pre_w = 2 * n * d * e + n * s, 2 * pad * s + pad * hd * s
+    main_r = 2 * n * d * e + k_blocks * 2 * n * d * e + visits * 2 * bm * s + atomics
+    main_w = 2 * n * d * e + atomics
+    conv_r, conv_w = n * d * s, n * d * e
+    c = simulate("cuflash", P(n, d, batch=b, heads=h, dtype="fp64"), backward=True)
+    assert (c.block_m, c.block_n) == (bm, bn)
+    assert c.hbm_read_bytes == b * h * (pre_r + main_r + conv_r)
+    assert c.hbm_write_bytes == b * h * (pre_w + main_w + conv_w)
+    assert c.launches == 3
+    assert c.peak_extra_bytes == b * h * (2 * pad + pad * hd) * s
+    assert c.flops_matmul == b * h * visits * 2 * bm * bn * hd * (2 * cfg.d_split + 3)
+    assert c.sram_read_bytes is None and c.bank_conflicts is None
+
+
+def test_cuflash_wide_backward_launch_names():
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    ks = cuflash_backward_kernels(P(300, 64, dtype="fp32"))
+    assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
+    assert ks[2].grid == (math.ceil(300 * 32 / 256), 3, 2), "one thread per pair of elements"
+
+
+def test_cuflash_wide_causal_skips_tiles_and_l2_is_refused():
+    full, causal = (simulate("cuflash", P(4096, 128, c, dtype="fp32")) for c in (False, True))
+    assert causal.hbm_read_bytes < 0.6 * full.hbm_read_bytes
+    with pytest.raises(ValueError, match="L2 model covers cuflash's fp16/bf16 kernels only"):
+        simulate("cuflash", P(256, 64, dtype="fp32"), l2_bytes=50 << 20)
+
+
+def test_plot_hbm_vs_n_draws_each_strategy_once_per_dtype(tmp_path, monkeypatch):
+    from matplotlib.figure import Figure
+
+    labels = []
+    save = Figure.savefig
+
+    def savefig(fig, *args, **kw):
+        labels.extend(t.get_text() for t in fig.axes[0].get_legend().get_texts())
+        return save(fig, *args, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    out = tmp_path / "hbm_dtypes.png"
+    assert main(["plot", "hbm-vs-n", "--dtype", "fp16", "fp32", "--strategy", "fa2", "--strategy", "cuflash",
+                 "--seqlen", "256", "1024", "4096", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = [x for x in labels if not x.startswith("slope")]
+    assert [x.split(" (")[0] for x in lines] == ["fa2 fp16", "cuflash fp16", "fa2 fp32", "cuflash fp32"]
+    labels.clear()
+    assert main(["plot", "hbm-vs-n", "--strategy", "fa2", "--seqlen", "256", "1024", "--out", str(out)]) == 0
+    assert labels[0] == "fa2 (B_r=128, B_c=128)", "one dtype: the labels of before"
