@@ -37,7 +37,8 @@ constexpr double LN2_D = 0.69314718055994530942;
 
 // x rounded to the nearest TF32 value (11 significant bits), as float32 bits whose low 13 mantissa bits are zero:
 // Veltkamp's split, c = x * (2^13 + 1), x_hi = c - (c - x), three float32 operations on the FMA pipe, where
-// cvt.rna.tf32.f32 compiles to five integer-pipe instructions on sm_80 and sm_90 (no hardware conversion). The
+// cvt.rna.tf32.f32 is emulated on sm_80 and sm_90 (no hardware conversion: a compare, an add, a select and a mask,
+// about three instructions per value in the 3xTF32 forward, mostly on the half-rate integer pipe). The
 // _rn intrinsics keep the compiler from contracting x * 8193 - x into one (exact) FMA. NaN stays NaN; |x| above
 // 4e34 (x * 8193 overflows) gives NaN instead of x: such float32 inputs overflow q . k themselves.
 __device__ __forceinline__ u32 round_tf32(float x) {
