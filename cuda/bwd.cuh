@@ -443,12 +443,13 @@ struct BwdKeyBlock {
     cp_async_commit_group();
   }
 
-  // dK_j and dV_j, staged in the K and V tiles, to global memory (valid keys only)
+  // dK_j and dV_j, staged in the K and V tiles, to global memory (valid keys only), by THREADS threads (tid < THREADS)
+  template <int THREADS = Tr::THREADS>
   __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const unsigned char* smem, int tid) const {
-    store_tile<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride),
-                                                 p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim, tid);
-    store_tile<typename Tr::TileKV, Tr::THREADS>(key_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride),
-                                                 p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim, tid);
+    store_tile<typename Tr::TileKV, THREADS>(key_rows(p.dk, p.dk_batch_stride, p.dk_head_stride, p.dk_row_stride),
+                                             p.dk_row_stride, smem + Tr::OFF_K, keys, p.head_dim, tid);
+    store_tile<typename Tr::TileKV, THREADS>(key_rows(p.dv, p.dv_batch_stride, p.dv_head_stride, p.dv_row_stride),
+                                             p.dv_row_stride, smem + Tr::OFF_V, keys, p.head_dim, tid);
   }
 
   // dK_j = dV_j = 0 (no query sees these keys)

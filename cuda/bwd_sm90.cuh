@@ -20,16 +20,18 @@
 
 namespace cuflash {
 
-// One query block for one warpgroup (see the file comment); dQ unless deterministic. is_masked: apply
-// the causal / key-tail mask to S^T.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
-__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked,
-                                                     const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
-                                                     const ScoreMods<MODS>& mods,
-                                                     unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
-                                                     long long vec_row, int warpgroup, int warp, int lane,
-                                                     float (&dk_acc)[Tr::DKV_TILES][4],
-                                                     float (&dv_acc)[Tr::DKV_TILES][4]) {
+// The dK / dV part of one query block for one warpgroup (see the file comment), shared by bwd_sm90_kernel and
+// the warp-specialized bwd_sm90_ws_kernel (bwd_sm90_ws.cuh): S^T, dP^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q.
+// Returns with dV and dK issued as the last two wgmma groups (not waited for) and dS^T in ds_regs (the A layout
+// of the k16 steps over the block's queries). is_masked: apply the causal / key-tail mask to S^T. Reads from
+// shared memory: K, V (Tr::OFF_K, OFF_V), Q, dO, lse_log2, delta of `stage` (Tr's offsets + stage strides).
+template <class Tr, bool IS_CAUSAL, int MODS>
+__device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_masked,
+                                                   const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                   const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
+                                                   int stage, int m_block, int n0, int warpgroup, int warp, int lane,
+                                                   float (&dk_acc)[Tr::DKV_TILES][4], float (&dv_acc)[Tr::DKV_TILES][4],
+                                                   u32 (&ds_regs)[Tr::Q_K_STEPS][4]) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
   // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs. With a
@@ -43,7 +45,6 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
   const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
   const u32 k_smem = smem_base + Tr::OFF_K, v_smem = smem_base + Tr::OFF_V;
-  const u32 ds_smem = smem_base + Tr::OFF_DS;
   // this warpgroup's 64 key rows of K and V: whole swizzle atoms, the descriptors start there
   const u32 k_smem_wg = k_smem + Tr::TileKV::offset(warpgroup * 64, 0);
   const u32 v_smem_wg = v_smem + Tr::TileKV::offset(warpgroup * 64, 0);
@@ -129,7 +130,6 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
   // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well
   wgmma_wait_group<1>();  // dP^T is done (dV may still run)
   wgmma_fence_operand(dp_acc);
-  u32 ds_regs[Tr::Q_K_STEPS][4];
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
     float ds[2][4];
@@ -160,6 +160,26 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
     Wgmma<Tr::HEAD_DIM, T>::template rs</*TRANS_B=*/1>(dk_acc, ds_regs[kk], Tr::TileQ::desc_mn_major(q_smem, kk * 16, 0),
                                                        /*scale_d=*/1);
   wgmma_commit_group();
+}
+
+// One query block for one warpgroup of bwd_sm90_kernel: bwd_sm90_dkdv_step, then (unless deterministic) dS^T to
+// shared memory, a CTA barrier, dQ_i += dS K_j by wgmma and fp32 atomics.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+__device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is_masked,
+                                                     const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                     const ScoreMods<MODS>& mods,
+                                                     unsigned char* smem, u32 smem_base, int stage, int m_block, int n0,
+                                                     long long vec_row, int warpgroup, int warp, int lane,
+                                                     float (&dk_acc)[Tr::DKV_TILES][4],
+                                                     float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  const int t = lane & 3, g = lane >> 2;
+  const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
+  const u32 k_smem = smem_base + Tr::OFF_K;
+  const u32 ds_smem = smem_base + Tr::OFF_DS;
+  u32 ds_regs[Tr::Q_K_STEPS][4];
+  bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, band, mods, smem, smem_base, stage, m_block, n0, warpgroup,
+                                          warp, lane, dk_acc, dv_acc, ds_regs);
 
   if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel instead
     wgmma_wait_group<0>();

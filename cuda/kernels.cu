@@ -7,5 +7,6 @@
 #include "fwd_sm90.cuh"
 #include "fwd_sm90_ws.cuh"
 #include "bwd_sm90.cuh"
+#include "bwd_sm90_ws.cuh"
 #include "kvcache.cuh"
 #include "wide.cuh"

@@ -275,6 +275,31 @@ __device__ __forceinline__ void cp_async_bulk_tensor_4d_global_to_shared(u32 dst
       "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], [%2];\n"
       ::"r"(dst_smem), "l"(tensor_map), "r"(bar_smem), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
 }
+// PTX ISA 8.0+, "Data Movement: cp.async.bulk" (non-tensor), global -> shared: `bytes` contiguous bytes (a multiple
+// of 16; both addresses 16-byte aligned), completing that many transaction bytes on the mbarrier bar_smem.
+__device__ __forceinline__ void cp_async_bulk_global_to_shared(u32 dst_smem, const void* src, u32 bytes, u32 bar_smem) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst_smem), "l"(src), "r"(bytes), "r"(bar_smem) : "memory");
+}
+// PTX ISA 8.0+, "Data Movement: cp.reduce.async.bulk" (non-tensor), shared -> global, .add.f32: dst[i] += src[i] for
+// `bytes` / 4 floats (each element's add is atomic), tracked by this thread's bulk async-groups. The shared source
+// must have been written through the generic proxy before a fence.proxy.async (fence_proxy_async_shared).
+__device__ __forceinline__ void cp_reduce_async_bulk_add_f32(float* dst, u32 src_smem, u32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(src_smem), "r"(bytes) : "memory");
+}
+// PTX ISA 8.0+, "cp.async.bulk.commit_group": the bulk operations this thread issued since the last commit form a group.
+__device__ __forceinline__ void cp_async_bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// PTX ISA 8.0+, "cp.async.bulk.wait_group": waits until at most N of this thread's bulk groups are pending; .read:
+// only until their sources have been read (the shared buffer may be rewritten), not until their writes are done.
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
 // PTX ISA 9.7.9.15 "prefetch": the 128-byte line holding a global address into L1 (a hint, no fault on any address).
 __device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];\n" ::"l"(p)); }
 

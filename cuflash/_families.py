@@ -208,10 +208,11 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, seqlen_k=a.seqlen_k)
         maps = None
         if isinstance(cfg, config.FwdSm90WsConfig):
-            maps = _TmaMaps(cfg, a.dtype, (dq, dk, dv))
+            boxes = ((cfg.block_m, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS))
+            maps = _TmaMaps(a.dtype, (dq, dk, dv), boxes, _tma.FwdWsParams, "fwd")
             if not maps.usable((q, k, v)):  # a view no tensor map describes (negative strides): contiguous copies
                 (q, dq), (k, dk), (v, dv) = (_contiguous(x, layout) for x in (q, k, v))
-                maps = _TmaMaps(cfg, a.dtype, (dq, dk, dv))
+                maps = _TmaMaps(a.dtype, (dq, dk, dv), boxes, _tma.FwdWsParams, "fwd")
         lse_strides = (0, a.total_q) if a.packed else (a.heads_q * a.seqlen_q, a.seqlen_q)
         params = _launch.FwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, o.data.ptr, 0 if lse is None else lse.data.ptr, _seq(a, cu_seqlens),
@@ -246,29 +247,32 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
 
 
 class _TmaMaps:
-    """The Q, K, V tensor maps of a forward through TMA (config.FwdSm90WsConfig): a map holds its array's address,
-    so every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address
-    triples seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them:
-    one dict lookup and one 384-byte copy instead of three cuTensorMapEncodeTiled calls of ~1 us each). Threads
-    replaying one plan share the cache: a hit is one dict read, a miss changes it under a lock."""
+    """The tensor maps of a launch through TMA (the forward's Q, K, V: config.FwdSm90WsConfig; the backward's Q, dO,
+    K, V: config.BwdSm90WsConfig), one per operand with its box (rows, columns): a map holds its array's address, so
+    every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address tuples
+    seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
+    lookup and one copy instead of a cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
+    share the cache: a hit is one dict read, a miss changes it under a lock. params_type: the kernel's argument
+    struct (_tma.FwdWsParams, _tma.BwdWsParams), maps first, then the plain params in its field `inner`."""
 
-    CACHED = 16  # address triples kept
+    CACHED = 16  # address tuples kept
 
-    def __init__(self, cfg, dtype: str, dims: tuple):
-        self.dtype, self.dims = dtype, dims
-        self.rows = (cfg.block_m, cfg.block_n, cfg.block_n)
+    def __init__(self, dtype: str, dims: tuple, boxes: tuple, params_type, inner: str):
+        self.dtype, self.dims, self.boxes = dtype, dims, boxes
+        self.params_type, self.inner = params_type, inner
         self.cache: dict = {}
         self.lock = threading.Lock()
 
     def usable(self, arrays) -> bool:
-        return all(_tma.tma_unsupported(x, d, self.dtype, r) is None for x, d, r in zip(arrays, self.dims, self.rows))
+        return all(_tma.tma_unsupported(x, d, self.dtype, r, c) is None
+                   for x, d, (r, c) in zip(arrays, self.dims, self.boxes))
 
     def words(self, ptrs: tuple):
-        """The three maps of these (q, k, v) addresses, as 48 words."""
+        """The maps of these addresses (one per operand, in order), as 16 words each."""
         m = self.cache.get(ptrs)
         if m is None:
-            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma.operand_map(p, d, self.dtype, r))
-                            for p, d, r in zip(ptrs, self.dims, self.rows))
+            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma.operand_map(p, d, self.dtype, r, c), _tma.panel_swizzle(c))
+                            for p, d, (r, c) in zip(ptrs, self.dims, self.boxes))
             m = memoryview(blob).cast("Q")
             with self.lock:
                 if len(self.cache) >= self.CACHED:
@@ -276,12 +280,13 @@ class _TmaMaps:
                 self.cache[ptrs] = m
         return m
 
-    def params(self, fwd_params, arrays):
-        """FwdWsParams of the full path: these arrays' maps, then fwd_params."""
-        params = _tma.FwdWsParams()
-        first = _tma.FwdWsParams.tma_q.offset // 8
-        memoryview(params).cast("B").cast("Q")[first:first + 48] = self.words(tuple(x.data.ptr for x in arrays))
-        params.fwd = fwd_params
+    def params(self, inner_params, arrays):
+        """The argument struct of the full path: these arrays' maps, then inner_params."""
+        params = self.params_type()
+        first = self.params_type.tma_q.offset // 8
+        memoryview(params).cast("B").cast("Q")[first:first + 16 * len(self.boxes)] = \
+            self.words(tuple(x.data.ptr for x in arrays))
+        setattr(params, self.inner, inner_params)
         return params
 
 
@@ -340,6 +345,15 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         dout, d_do = _operand(dout, doi, p.dout, layout)
         out, d_o = _operand(out, oi, p.out, layout)
         hd = kernel_head_dim(a.head_dim, a.dtype)
+        main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, p.deterministic)
+        maps = None
+        if isinstance(main, config.BwdSm90WsConfig):  # Q, dO, K, V through TMA
+            pc = main.panel_cols
+            boxes = ((main.block_m, pc), (main.block_m, pc), (main.block_n, pc), (main.block_n, pc))
+            maps = _TmaMaps(a.dtype, (d_q, d_do, d_k, d_v), boxes, _tma.BwdWsParams, "bwd")
+            if not maps.usable((q, dout, k, v)):  # a view no tensor map describes (negative strides): copies
+                (q, d_q), (dout, d_do), (k, d_k), (v, d_v) = (_contiguous(x, layout) for x in (q, dout, k, v))
+                maps = _TmaMaps(a.dtype, (d_q, d_do, d_k, d_v), boxes, _tma.BwdWsParams, "bwd")
         if a.packed:  # fp32 rows: every sequence gets a region from a multiple of SEQLEN_Q_PAD (cuda/seqs.cuh)
             pad_rows, pad_batches = (a.total_q + SEQLEN_Q_PAD * a.batch) // SEQLEN_Q_PAD * SEQLEN_Q_PAD, 1
         else:
@@ -363,38 +377,51 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         launches = []
         pre = ElementwiseConfig("preprocess", a.dtype)
         rows_pad = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
-        launches.append((_launch.get_kernel(pre, a.device), (rows_pad // pre.rows_per_cta, a.heads_q, a.batch)))
-        main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, p.deterministic)
+        launches.append((_launch.get_kernel(pre, a.device), (rows_pad // pre.rows_per_cta, a.heads_q, a.batch), params))
         if a.mods.masks:  # the main kernels (K/V-outer) skip the query tiles a BlockMask empties
             tiles = _block_map(a.mods, main.block_m, main.block_n, keep, transposed=True)
             if tiles is not None:
                 params.mods.block_map = tiles
+        # the warp-specialized kernel takes the tensor maps in front of (a copy of) the completed params
+        main_params = params if maps is None else maps.params(params, (q, dout, k, v))
         if a.seqlen_k > 0:
-            launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k)))
+            launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k), main_params))
         if p.deterministic:
             dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
-            launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q)))
+            launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
+        elif maps is not None:  # dQ_acc in the ws kernel's order: one thread per 4 floats of its 64-row blocks
+            conv = config.convert_dq_config(main, a.dtype)
+            vecs = -(-a.seqlen_q // main.block_m) * main.block_m * hd // 4
+            launches.append((_launch.get_kernel(conv, a.device), (-(-vecs // conv.threads), a.heads_q, a.batch), params))
         else:
             conv = ElementwiseConfig("convert_dq", a.dtype)
             # 16-bit: one 16-byte chunk (8 elements) per thread; float32 / float64: one pair of elements
             chunks = a.seqlen_q * (a.head_dim // (2 if a.dtype in config.WIDE_DTYPES else 8))
-            launches.append((_launch.get_kernel(conv, a.device), (-(-chunks // conv.threads), a.heads_q, a.batch)))
+            launches.append((_launch.get_kernel(conv, a.device), (-(-chunks // conv.threads), a.heads_q, a.batch),
+                             params))
         stream = cp.cuda.get_current_stream().ptr
-        for kern, grid in launches:
-            kern.launch(grid, params, stream)
+        for kern, grid, prm in launches:
+            kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
             b = _plan.PlanBuilder(a.device, 9)
+            # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
+            targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
-                b.bind(i, params, field)
+                for prm, pre_ in targets:
+                    b.bind(i, prm, pre_ + field)
             for i, (g, field) in enumerate(zip(p.grads, ("dq", "dk", "dv"))):
                 if g is None:
-                    b.alloc(grads[i].shape, grads[i].dtype, (params, field))
+                    b.alloc(grads[i].shape, grads[i].dtype, *((prm, pre_ + field) for prm, pre_ in targets))
                 else:
-                    b.bind(6 + i, params, field)
-            accum = () if p.deterministic else ((params, "dq_accum", 2 * acc * rows),)
-            b.scratch(work_floats, (params, "lse_log2", 0), (params, "delta", acc * rows), *accum)
-            for kern, grid in launches:
-                b.launch(kern, grid, params)
+                    for prm, pre_ in targets:
+                        b.bind(6 + i, prm, pre_ + field)
+            work_fields = (("lse_log2", 0), ("delta", acc * rows)) + \
+                (() if p.deterministic else (("dq_accum", 2 * acc * rows),))
+            b.scratch(work_floats, *((prm, pre_ + f, off) for prm, pre_ in targets for f, off in work_fields))
+            if maps is not None:  # the maps hold the addresses of q, dout, k, v (arrays 1, 0, 2, 3)
+                b.derive((1, 0, 2, 3), main_params, "tma_q", maps.words)
+            for kern, grid, prm in launches:
+                b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
             infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
             new = iter(range(9, 12))

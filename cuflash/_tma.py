@@ -1,5 +1,6 @@
-"""Host side of the warp-specialized Hopper forward (cuda/fwd_sm90_ws.cuh): TMA tensor maps, the params struct
-with the maps in front of FwdParams (the kernel's config is config.FwdSm90WsConfig).
+"""Host side of the warp-specialized Hopper kernels (cuda/fwd_sm90_ws.cuh, cuda/bwd_sm90_ws.cuh): TMA tensor maps,
+the params structs with the maps in front of FwdParams / BwdParams (their configs are config.FwdSm90WsConfig and
+config.BwdSm90WsConfig).
 
 A tensor map (CUtensorMap, 128 opaque bytes) describes one operand to the TMA unit: its global address, sizes and
 byte strides, the box one copy moves and the shared-memory swizzle. The driver's `cuTensorMapEncodeTiled` makes
@@ -12,9 +13,10 @@ Each operand is a 4-d map over (head_dim, seqlen, heads, batch) with the array's
 seqlen = total and batch = 1, and the kernel adds cu_seqlens[b] to the row coordinate of sequence b. TMA must accept
 the strides: base address 16-byte aligned, every byte
 stride a multiple of 16 (row, head and batch strides multiples of 8 elements). `tma_unsupported` says why an
-array does not qualify; the caller then launches fwd_sm90_kernel instead. Boxes are 64 columns (one 128-byte
-swizzle panel) by BLOCK_M (Q) or BLOCK_N (K, V) rows; rows past the array and columns past head_dim are zero-filled
-by TMA (sequence tails, a head_dim below the kernel's). In a packed array the rows past a sequence's end are the
+array does not qualify; the caller then copies it to a contiguous array. Boxes are one swizzle panel wide (64
+columns with a 128-byte swizzle; the backward at head dim 64 takes 32-column panels with a 64-byte swizzle) by
+BLOCK_M (Q, dO) or BLOCK_N (K, V) rows; rows past the array and columns past head_dim are zero-filled by TMA
+(sequence tails, a head_dim below the kernel's). In a packed array the rows past a sequence's end are the
 next sequence's: the kernel masks those keys and does not store those query rows.
 """
 from __future__ import annotations
@@ -28,7 +30,7 @@ from . import _launch, config
 # CUtensorMapFloatOOBfill
 _DATA_TYPE = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
 _INTERLEAVE_NONE = 0
-_SWIZZLE_NONE, _SWIZZLE_128B = 0, 3
+_SWIZZLE = {0: 0, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_NONE, _64B, _128B
 _L2_PROMOTION_256B = 3
 _OOB_FILL_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements read as zeros
 
@@ -52,10 +54,21 @@ class FwdWsParams(ctypes.Structure):
                 ("_pad", ctypes.c_ubyte * (896 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams)))]
 
 
-# The C++ side static_asserts the same layout.
-assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 896
+class BwdWsParams(ctypes.Structure):
+    """Mirror of cuflash::BwdWsParams (cuda/bwd_sm90_ws.cuh): the Q, dO, K, V tensor maps at byte offsets 0, 128,
+    256, 384, then BwdParams at 512; 1152 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_do", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc),
+                ("bwd", _launch.BwdParams),
+                ("_pad", ctypes.c_ubyte * (1152 - 4 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.BwdParams)))]
+
+
+# The C++ side static_asserts the same layouts.
+assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 896 and ctypes.sizeof(BwdWsParams) == 1152
 assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset) == \
     (0, 128, 256, 384)
+assert (BwdWsParams.tma_q.offset, BwdWsParams.tma_do.offset, BwdWsParams.tma_k.offset, BwdWsParams.tma_v.offset,
+        BwdWsParams.bwd.offset) == (0, 128, 256, 384, 512)
 
 
 # --- cuTensorMapEncodeTiled -------------------------------------------------------------------------------------
@@ -74,7 +87,7 @@ def _encode_fn():
     return fn
 
 
-def _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle_128b) -> str | None:
+def _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle) -> str | None:
     """Why cuTensorMapEncodeTiled would reject these arguments (its documented rules), or None."""
     if dtype not in _DATA_TYPE:
         return f"dtype={dtype!r}; allowed: {tuple(_DATA_TYPE)}"
@@ -89,16 +102,18 @@ def _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle
         return f"byte strides {tuple(byte_strides)} must be positive multiples of 16 below 2^40"
     if any(not 1 <= b <= 256 for b in box) or (box[0] * ELEM_BYTES) % 16:
         return f"box {tuple(box)}: sizes 1..256, the first a multiple of 16 bytes"
-    if swizzle_128b and box[0] * ELEM_BYTES > 128:
-        return f"box {tuple(box)}: a 128-byte swizzle takes at most 128 bytes per box row"
+    if swizzle not in _SWIZZLE:
+        return f"swizzle={swizzle!r}; allowed: {tuple(_SWIZZLE)} (bytes)"
+    if swizzle and box[0] * ELEM_BYTES > swizzle:
+        return f"box {tuple(box)}: a {swizzle}-byte swizzle takes at most {swizzle} bytes per box row"
     return None
 
 
-def encode_tiled(dtype: str, global_address: int, dims, byte_strides, box, swizzle_128b: bool = True) -> bytes:
+def encode_tiled(dtype: str, global_address: int, dims, byte_strides, box, swizzle: int = 128) -> bytes:
     """The 128 bytes of a tiled CUtensorMap of 16-bit `dtype` ("fp16"/"bf16") elements at `global_address`:
-    dims innermost first (elements), byte_strides of dims 1.. (dim 0 is contiguous), box sizes per dim; 128-byte
-    shared-memory swizzle (else none), L2 promotion 256 bytes, out-of-bounds elements read as zeros."""
-    problem = _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle_128b)
+    dims innermost first (elements), byte_strides of dims 1.. (dim 0 is contiguous), box sizes per dim; a `swizzle`
+    of 128 or 64 bytes in shared memory (0: none), L2 promotion 256 bytes, out-of-bounds elements read as zeros."""
+    problem = _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle)
     if problem is not None:
         raise ValueError(f"cuTensorMapEncodeTiled: {problem}")
     rank = len(dims)
@@ -109,7 +124,7 @@ def encode_tiled(dtype: str, global_address: int, dims, byte_strides, box, swizz
     c_box = (ctypes.c_uint32 * rank)(*box)
     c_elem_strides = (ctypes.c_uint32 * rank)(*([1] * rank))
     err = _encode_fn()(addr, _DATA_TYPE[dtype], rank, global_address, c_dims, c_strides, c_box, c_elem_strides,
-                       _INTERLEAVE_NONE, _SWIZZLE_128B if swizzle_128b else _SWIZZLE_NONE, _L2_PROMOTION_256B,
+                       _INTERLEAVE_NONE, _SWIZZLE[swizzle], _L2_PROMOTION_256B,
                        _OOB_FILL_ZERO)
     if err != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed with CUresult {err} for dtype={dtype}, address="
@@ -124,26 +139,34 @@ def _pointer(x) -> int:
     return x if isinstance(x, int) else x.data.ptr
 
 
-def operand_map(address: int, dims, dtype: str, box_rows: int):
+def operand_map(address: int, dims, dtype: str, box_rows: int, box_cols: int = BOX_COLS):
     """(head_dim, seqlen, heads, batch) dims, byte strides and box of one operand; `dims` is Dims-like: batch,
-    seqlen, heads, head_dim and batch_stride, row_stride, head_stride in elements."""
+    seqlen, heads, head_dim and batch_stride, row_stride, head_stride in elements. Its swizzle is the box row's
+    bytes (`panel_swizzle`)."""
     sizes = (dims.head_dim, dims.seqlen, dims.heads, dims.batch)
     strides = [dims.row_stride * ELEM_BYTES, dims.head_stride * ELEM_BYTES, dims.batch_stride * ELEM_BYTES]
     # a dimension of size 1 never steps: any valid stride describes it (CuPy may give such dims stride 0)
     for i, n in enumerate(sizes[1:]):
         if n == 1 and (strides[i] <= 0 or strides[i] % 16):
             strides[i] = 16
-    return address, sizes, tuple(strides), (BOX_COLS, box_rows, 1, 1)
+    return address, sizes, tuple(strides), (box_cols, box_rows, 1, 1)
 
 
-def tma_unsupported(x, dims, dtype: str, box_rows: int = 128) -> str | None:
+def panel_swizzle(box_cols: int) -> int:
+    """The shared-memory swizzle (bytes) of a box one panel of `box_cols` 16-bit elements wide: 64 -> 128, 32 -> 64
+    (the kernels' SmemTile panels, cuda/tiles.cuh)."""
+    return box_cols * ELEM_BYTES
+
+
+def tma_unsupported(x, dims, dtype: str, box_rows: int = 128, box_cols: int = BOX_COLS) -> str | None:
     """Why one operand (array or address, Dims-like) cannot be read through a TMA map, or None: the host then
-    launches fwd_sm90_kernel instead (e.g. a head stride of head_dim + 4 elements: not a multiple of 16 bytes)."""
+    copies it to a contiguous array (e.g. a head stride of head_dim + 4 elements: not a multiple of 16 bytes)."""
     if dims.seqlen == 0 or dims.batch == 0 or dims.heads == 0:
         return "an empty array"
     if dims.head_dim % 8:
         return f"head_dim={dims.head_dim} is not a multiple of 8 (16-byte rows)"
-    return _encode_args_problem(dtype, *operand_map(_pointer(x), dims, dtype, box_rows), True)
+    return _encode_args_problem(dtype, *operand_map(_pointer(x), dims, dtype, box_rows, box_cols),
+                                panel_swizzle(box_cols))
 
 
 def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dtype: str,

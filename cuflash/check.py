@@ -163,22 +163,22 @@ class Case:
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.mods:
             c, m = self.kernel_causal, self.mods
+            bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
             return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
-                    config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m),
-                    config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m),
+                    bwd, config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m),
                     config.dq_config(hd, self.dtype, c, m),
                     config.ElementwiseConfig("preprocess", self.dtype),
-                    config.ElementwiseConfig("convert_dq", self.dtype)] + \
+                    config.convert_dq_config(bwd, self.dtype)] + \
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
             return [config.AppendConfig(), config.fwd_decode_config(hd, self.dtype, self.causal),
                     config.CombineConfig(self.dtype)]
+        bwd = config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels)
         return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels, seqlen_k=self.seqlen_k),
-                config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels),
-                config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
+                bwd, config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
                 config.dq_config(hd, self.dtype, self.causal),
                 config.ElementwiseConfig("preprocess", self.dtype),
-                config.ElementwiseConfig("convert_dq", self.dtype)]
+                config.convert_dq_config(bwd, self.dtype)]
 
 
 _MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (config.MOD_SOFTCAP, "softcap"),

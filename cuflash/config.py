@@ -565,13 +565,17 @@ class DqConfig:
 class ElementwiseConfig:
     """The backward's preprocess (delta, lse_log2, dQ_acc = 0) and dQ conversion kernels."""
 
-    kind: str  # "preprocess" | "convert_dq"
+    kind: str  # "preprocess" | "convert_dq" | "convert_dq_ws" (dQ_acc of bwd_sm90_ws_kernel, per head_dim)
     dtype: str
     threads: int = 256
     smem_bytes: int = 0
     rows_per_cta: int = 32  # preprocess: eight lanes per query row (PREPROCESS_ROWS in bwd.cuh)
+    head_dim: int = 0  # convert_dq_ws: the main kernel's head dim (its dQ_acc order)
 
     def cpp_name(self) -> str:
+        if self.kind == "convert_dq_ws":
+            t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+            return f"cuflash::bwd_convert_dq_ws_kernel<{t}, {self.head_dim}>"
         if self.dtype in WIDE_DTYPES:
             t = "double, double" if self.dtype == "fp64" else "float, float"
             return f"cuflash::bwd_wide_{self.kind}_kernel<{t}>"
@@ -650,13 +654,17 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
     out: list = []
     for dt in DTYPES:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
+        if arch == "sm_90a":
+            out += [ElementwiseConfig("convert_dq_ws", dt, head_dim=hd) for hd in BWD_SM90_WS_HEAD_DIMS]
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
                 for m in (0, *MODS_CHECKED[c]):
                     out += [bwd_config(hd, dt, c, False, m, arch), bwd_config(hd, dt, c, True, m, arch)]
                     if dq_supported(hd, m, arch):
                         out.append(dq_config(hd, dt, c, m))
-                    if arch == "sm_90a" and hd in bwd_sm90_tiles(m):
+                    if arch == "sm_90a" and hd in bwd_sm90_ws_head_dims(m):
+                        out += [bwd_sm90_ws_config(hd, dt, c, False, m), bwd_sm90_ws_config(hd, dt, c, True, m)]
+                    elif arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
     out += [c for c in all_wide_configs() if not isinstance(c, FwdWideConfig)]
     return out
@@ -736,6 +744,67 @@ def bwd_sm90_tiles(mods: int = 0) -> dict:
 def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90Config:
     bm, bn, ctas = bwd_sm90_tiles(mods)[head_dim]
     return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic, mods)
+
+
+# --- Hopper (sm_90a): the warp-specialized backward (cuda/bwd_sm90_ws.cuh) ----------------------------------
+
+@dataclass(frozen=True)
+class BwdSm90WsConfig(BwdSm90Config):
+    """One warp-specialized Hopper backward instantiation:
+    `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's tiles
+    (block_m 64, block_n 128: two consumer warpgroups of 64 keys, the fields it inherits) and math, plus a TMA
+    producer warpgroup (384 threads, 1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator
+    order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer counts it as bwd_sm90_kernel:
+    the same tiles, operand reads and HBM bytes (its loads are TMA copies, its dQ adds bulk reductions)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_m, self.block_n, self.ctas_per_sm) != (64, 128, 1):
+            raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 64 or 128 with (block_m, block_n, ctas_per_sm) = "
+                             f"(64, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
+                             f"{self.ctas_per_sm})")
+
+    stages = 2  # of (Q, dO, lse_log2, delta)
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def smem_bytes(self) -> int:
+        """BwdSm90WsTraits::SMEM_BYTES (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
+        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers, 1024 to align the base."""
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        return 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5 + 1024
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
+                f"{b(self.deterministic)}, {self.mods}>")
+
+
+def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
+    """The dQ conversion kernel that reads the dQ_acc of backward main kernel `main` (a config): the ws kernel writes
+    it in its accumulator order (bwd_convert_dq_ws_kernel), the others row-major."""
+    if isinstance(main, BwdSm90WsConfig):
+        return ElementwiseConfig("convert_dq_ws", dtype, head_dim=main.head_dim)
+    return ElementwiseConfig("convert_dq", dtype)
+
+
+# Kernel head dims and score modifiers of the warp-specialized backward: its consumers have 240 registers where
+# bwd_sm90_kernel's threads have 255, so the combinations bwd_sm90_kernel runs that spill here stay on it.
+BWD_SM90_WS_HEAD_DIMS = (64, 128)
+
+
+def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
+    return tuple(hd for hd in BWD_SM90_WS_HEAD_DIMS if hd in bwd_sm90_tiles(mods))
+
+
+def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:
+    return BwdSm90WsConfig(head_dim, 64, 128, 1, dtype, causal, deterministic, mods)
 
 
 def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,
@@ -944,6 +1013,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: fwd_sm90_config(hd, dt, c, m), wgmma=True),
     Family("fwd", "forward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: fwd_config(hd, dt, c, arch, m)),
+    Family("bwd_sm90_ws", "backward", ("sm_90a",), DTYPES, bwd_sm90_ws_head_dims,
+           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_ws_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd_sm90", "backward", ("sm_90a",), DTYPES, bwd_sm90_tiles,
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,

@@ -156,6 +156,8 @@ def ctypes_size(cfg) -> int:
     name = cfg.cpp_name()
     if "fwd_sm90_ws" in name:
         return ctypes.sizeof(_tma.FwdWsParams)
+    if "bwd_sm90_ws_kernel" in name:
+        return ctypes.sizeof(_tma.BwdWsParams)
     if "append" in name:
         return ctypes.sizeof(_launch.AppendParams)
     if "bwd" in name or "preprocess" in name or "convert_dq" in name or "dq_kernel" in name:

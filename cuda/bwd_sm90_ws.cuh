@@ -1,0 +1,367 @@
+// bwd_sm90_ws.cuh: the FlashAttention-2 backward (Dao 2023, Algorithm 2) on sm_90a with FlashAttention-3's data
+// movement (Shah et al. 2024): TMA loads by a producer warp, two consumer warpgroups, mbarrier pipelines instead of
+// __syncthreads, and dQ accumulated in global memory by bulk reductions (cp.reduce.async.bulk) that run under the
+// next query block's GEMMs instead of per-thread atomics.
+//
+// One CTA = BLOCK_N = 128 keys of one K/V head (K/V-outer, as bwd_sm90_kernel), 3 warpgroups, 384 threads:
+//   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: K and V once, then Q_i, dO_i (tensor
+//     maps) and lse_log2_i, delta_i (1-D bulk copies) of every (query head, query block) step into a 2-stage
+//     circular buffer;
+//   warpgroups 1, 2 (consumers, 240 registers): consumer w owns keys 64w .. 64w + 63 and their dK, dV rows in
+//     registers; per step it runs bwd_sm90_dkdv_step (bwd_sm90.cuh: S^T, dP^T, P^T, dV += P^T dO, dS^T,
+//     dK += dS^T Q on asynchronous wgmma), stores dS^T, and computes dQ_i[:, w * DQ_COLS ..] = dS K_j.
+// The math, the score modifiers, masks, dropout, block maps and GQA walk are bwd_sm90_kernel's (BwdKeyBlock,
+// QueryBlock: producer and consumers walk the same steps); what is new is who moves the data and when.
+//
+// Dense or packed (varlen) sequences as in fwd_sm90_ws.cuh: a packed operand's map is (head_dim, total, heads, 1)
+// and the producer adds q_row0 / k_row0 to the row coordinate. Rows of a box past the sequence are zero-filled
+// (dense) or the next sequence's (packed): their lse_log2 is +inf (pad rows, seqs.cuh), so P = dS = 0 there, and
+// keys past len_k are masked (the key tail), as in bwd_sm90_kernel.
+//
+// ---- shared memory (BwdSm90WsTraits) -----------------------------------------------------------------------
+// [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T buffer 0, 1] [dQ: BLOCK_M x HEAD_DIM fp32]
+// [stage 0: lse_log2, delta] [stage 1: lse_log2, delta] [mbarriers]
+// The 16-bit tiles are bwd_sm90_kernel's swizzled panels (tiles.cuh): 64-column panels with a 128-byte swizzle at
+// HEAD_DIM 128, 32-column panels with a 64-byte swizzle at HEAD_DIM 64 (dQ's B operand starts at column 32 there).
+// Each is TMA's CU_TENSOR_MAP_SWIZZLE_128B / _64B layout of a (PANEL_COLS, ROWS) box at a swizzle-period aligned
+// address, so one box per panel fills it.
+//
+// ---- the barrier protocol ------------------------------------------------------------------------------------
+// mbarriers (initialized by thread 0, then fence + __syncthreads):
+//   kv_full        count 1: the producer's arrive.expect_tx(2 SMEM_KV); K and V once
+//   q_full[s]      count 1: arrive.expect_tx(2 SMEM_Q + 2 SMEM_ROWVEC); Q_i, dO_i, lse_log2_i, delta_i
+//   q_empty[s]     count CONSUMER_WARPS: lane 0 of every consumer warp, once the step's wgmma that read Q_i and
+//                  dO_i have retired (wait_group 0) and its lanes have read lse_log2_i and delta_i
+// Step i uses stage s = i % 2 in round u = i / 2, parity u & 1; the producer waits q_empty[s] with parity
+// (u & 1) ^ 1 (round 0 passes at once on a fresh barrier), as fwd_sm90_ws.cuh's K/V stages.
+// Named barriers of the 256 consumer threads (0 is __syncthreads, used once after the mbarrier init):
+//   DS_BAR      bar.sync by all: both consumers' dS^T of step i are in dS buffer i % 2 (so dQ_i may read all
+//               128 keys), and the dQ buffer is free (the writer thread waited for the previous reduction's reads)
+//   DQ_BAR      consumer warp 0 (the writer) bar.sync, the other 7 warps bar.arrive: dQ_i is in the dQ buffer;
+//               then the writer's lane 0 issues cp.reduce.async.bulk .add.f32 of the whole block into dQ_acc
+//   EPILOGUE_BAR  bar.sync by all, around staging dK, dV in the K, V tiles (the other consumer's last dQ GEMM
+//               reads all of K)
+// dS^T is double-buffered: consumer A may store dS^T of step i + 1 while consumer B's dQ GEMM of step i still
+// reads buffer i % 2; buffer i % 2 is written again at step i + 2, after DS_BAR of step i + 1, which B reaches
+// only after its dQ GEMM of step i retired. A non-writer warp arrives on DQ_BAR of step i + 1 only after DS_BAR of
+// step i + 1, which the writer reaches after its sync on DQ_BAR of step i: no barrier instance mixes two steps.
+//
+// ---- dQ_acc layout ---------------------------------------------------------------------------------------------
+// A block's 64 x HEAD_DIM fp32 values (its rows of dQ_acc, contiguous since dq_accum_cols = HEAD_DIM) are stored
+// in the consumers' accumulator order, so that each thread writes whole 16-byte chunks to shared memory without
+// bank conflicts and one bulk reduction adds the block: float4 number (w * DQ_TILES + dt) * 128 + c (consumer w,
+// its thread c = 32 wq + 4 g + t) holds rows 16 wq + g and 16 wq + g + 8, columns w * DQ_COLS + 8 dt + 2t, + 1
+// (elements 0, 1 and 2, 3). bwd_convert_dq_ws_kernel reads this order. The preprocess zeroes dQ_acc as before.
+#pragma once
+#include "ptx.cuh"
+#include "ptx_wgmma.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "mods.cuh"
+#include "seqs.cuh"
+#include "bwd.cuh"
+#include "bwd_sm90.cuh"
+#include "fwd_sm90_ws.cuh"  // TmaDesc, mbarrier_wait_or_trap
+
+namespace cuflash {
+
+// Kernel argument of bwd_sm90_ws_kernel (`const __grid_constant__`, so TMA reads the maps in parameter space).
+// Mirrored by cuflash/_tma.py:BwdWsParams.
+struct BwdWsParams {
+  TmaDesc tma_q;   // Q as (head_dim, seqlen_q, heads, batch), box (PANEL_COLS, BLOCK_M, 1, 1), swizzled
+  TmaDesc tma_do;  // dO like Q
+  TmaDesc tma_k;   // K as (head_dim, seqlen_k, kv_heads, batch), box (PANEL_COLS, BLOCK_N, 1, 1)
+  TmaDesc tma_v;   // V like K
+  BwdParams bwd;   // everything else (bwd_sm90_kernel's argument)
+};
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 616 && alignof(BwdWsParams) == 64 &&
+                  sizeof(BwdWsParams) == 1152,
+              "BwdWsParams is mirrored in cuflash/_tma.py: maps at 0, 128, 256, 384, BwdParams at 512, 1152 bytes");
+
+// bwd_sm90_kernel's (64, 128) tiles and layout names (which bwd_sm90_dkdv_step reads), with a producer warpgroup,
+// a second dS^T buffer, the dQ buffer and the mbarriers.
+template <int HEAD_DIM_, class T_>
+struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
+  using Base = BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_>;
+  static constexpr int CONSUMERS = Base::WARPGROUPS;  // 2: 64 keys each
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;  // arrivals that release a stage
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;
+  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int CONSUMER_REGS = 240;
+  static constexpr int STAGES = 2;  // of (Q, dO, lse_log2, delta); the offsets below are Base's for 2 stages
+  static constexpr int PANEL_BYTES = Base::TileQ::PANEL_BYTES;
+  static constexpr int PANELS = Base::HEAD_DIM / Base::PANEL_COLS;  // TMA boxes per 16-bit tile
+  static constexpr int SMEM_DQ = Base::BLOCK_M * Base::HEAD_DIM * 4;  // one block of dQ, fp32
+  static constexpr int OFF_DQ = Base::OFF_DS + 2 * Base::SMEM_DS;
+  static constexpr int OFF_LSE = OFF_DQ + SMEM_DQ;                    // + stage * 2 * SMEM_ROWVEC
+  static constexpr int OFF_DELTA = OFF_LSE + Base::SMEM_ROWVEC;      // + stage * 2 * SMEM_ROWVEC
+  static constexpr int OFF_BAR = OFF_LSE + 2 * STAGES * Base::SMEM_ROWVEC;  // kv_full, q_full[2], q_empty[2]
+  static constexpr int BARRIERS = 1 + 2 * STAGES;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;   // + rounding the base up to 1024
+  static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
+  // named barriers (0 is __syncthreads)
+  static constexpr int DS_BAR = 1, DQ_BAR = 2, EPILOGUE_BAR = 3;
+
+  static_assert(CONSUMERS == 2 && Base::BLOCK_M == 64, "two consumers of 64 keys; dQ blocks of 64 rows");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  static_assert(Base::DQ_TILES * 128 * 4 * CONSUMERS == Base::BLOCK_M * Base::HEAD_DIM, "dQ_acc order covers the block");
+  static_assert(OFF_DQ % 1024 == 0 && SMEM_DQ % 16 == 0 && OFF_LSE % 16 == 0, "bulk copy alignment");
+  static_assert(Q_TX < (1 << 20) && 2 * Base::SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+template <class Tr>
+struct BwdWsSmem {
+  u32 base;
+  __device__ __forceinline__ u32 kv_full() const { return base + Tr::OFF_BAR; }
+  __device__ __forceinline__ u32 q_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + stage); }
+  __device__ __forceinline__ u32 q_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + Tr::STAGES + stage); }
+  __device__ __forceinline__ u32 q(int stage) const { return base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q; }
+  __device__ __forceinline__ u32 dout(int stage) const { return base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q; }
+  __device__ __forceinline__ u32 lse(int stage) const { return base + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC; }
+  __device__ __forceinline__ u32 delta(int stage) const { return base + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC; }
+};
+
+// Producer (one thread): K and V of the CTA's keys, then the steps from qb on (left of them), each into the next
+// stage once the consumers released what it held two steps ago.
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_sm90_ws_producer(const BwdWsParams& P, const BwdWsSmem<Tr>& sm, const KeyBlock& kb,
+                                                     QueryBlock<Tr> qb, int left) {
+  const BwdParams& p = P.bwd;
+  prefetch_tensormap(&P.tma_q);
+  prefetch_tensormap(&P.tma_do);
+  prefetch_tensormap(&P.tma_k);
+  prefetch_tensormap(&P.tma_v);
+  const int q_batch = p.seq.cu_seqlens_q != nullptr ? 0 : kb.batch;
+  const int kv_batch = p.seq.cu_seqlens_k != nullptr ? 0 : kb.batch;
+  constexpr u32 PANEL_KV = Tr::BLOCK_N * Tr::PANEL_BYTES, PANEL_Q = Tr::BLOCK_M * Tr::PANEL_BYTES;
+
+  const int key0 = kb.seq.k_row0 + kb.n0;
+  mbarrier_arrive_expect_tx(sm.kv_full(), 2 * Tr::SMEM_KV);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel) {
+    cp_async_bulk_tensor_4d_global_to_shared(sm.base + Tr::OFF_K + panel * PANEL_KV, &P.tma_k, sm.kv_full(),
+                                             panel * Tr::PANEL_COLS, key0, kb.kv_head, kv_batch);
+    cp_async_bulk_tensor_4d_global_to_shared(sm.base + Tr::OFF_V + panel * PANEL_KV, &P.tma_v, sm.kv_full(),
+                                             panel * Tr::PANEL_COLS, key0, kb.kv_head, kv_batch);
+  }
+
+  int stage = 0;
+  u32 phase = 0;
+  for (;;) {
+    mbarrier_wait_or_trap(sm.q_empty(stage), phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.q_full(stage), Tr::Q_TX);
+    const int row = kb.seq.q_row0 + qb.m_block * Tr::BLOCK_M;
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel) {
+      cp_async_bulk_tensor_4d_global_to_shared(sm.q(stage) + panel * PANEL_Q, &P.tma_q, sm.q_full(stage),
+                                               panel * Tr::PANEL_COLS, row, qb.head, q_batch);
+      cp_async_bulk_tensor_4d_global_to_shared(sm.dout(stage) + panel * PANEL_Q, &P.tma_do, sm.q_full(stage),
+                                               panel * Tr::PANEL_COLS, row, qb.head, q_batch);
+    }
+    // BLOCK_M fp32 rows each, pad rows included (the buffers are padded per head: seqs.cuh)
+    cp_async_bulk_global_to_shared(sm.lse(stage), p.lse_log2 + qb.vec_row, Tr::SMEM_ROWVEC, sm.q_full(stage));
+    cp_async_bulk_global_to_shared(sm.delta(stage), p.delta + qb.vec_row, Tr::SMEM_ROWVEC, sm.q_full(stage));
+    if (!kb.advance(p, qb, left)) break;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// Consumer warpgroup cwg (0, 1): keys n0 + 64 cwg .. + 63; every step of the CTA; then dK, dV.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, class KeyBlock>
+__device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const BwdWsSmem<Tr>& sm, unsigned char* smem,
+                                                     const KeyBlock& kb, QueryBlock<Tr> qb, int left) {
+  using T = typename Tr::T;
+  const int ctid = threadIdx.x - 128;  // 0 .. CONSUMER_THREADS-1
+  const int lane = ctid & 31, warp = ctid >> 5, t = lane & 3, g = lane >> 2;
+  // from lane 0, so ptxas knows it is warp-uniform (the K/V descriptors in uniform registers, as bwd_sm90_kernel)
+  const int cwg = __shfl_sync(0xffffffffu, warp / 4, 0);
+  const int key_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
+  const bool is_writer = warp == 0;                 // issues the dQ reductions
+  const u32 k_smem = sm.base + Tr::OFF_K;
+
+  float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
+#pragma unroll
+  for (int dt = 0; dt < Tr::DKV_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
+
+  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
+  mbarrier_wait_or_trap(sm.kv_full(), 0);
+  int stage = 0, buf = 0;
+  u32 phase = 0;
+  for (;;) {
+    QueryBlock<Tr> qb_next = qb;
+    int left_next = left;
+    const bool more = kb.advance(p, qb_next, left_next);
+    const int m0 = qb.m_block * Tr::BLOCK_M;
+    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
+    ScoreMods<MODS> mods;
+    mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
+    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
+    mbarrier_try_wait_parity(sm.q_full(stage), phase);
+
+    u32 ds_regs[Tr::Q_K_STEPS][4];
+    bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.n0, cwg,
+                                            warp, lane, dk_acc, dv_acc, ds_regs);
+    if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(dv_acc);
+      wgmma_fence_operand(dk_acc);
+      if (lane == 0) mbarrier_arrive(sm.q_empty(stage));
+    } else {
+      // dS^T -> buffer `buf` (bwd_sm90_kernel's conflict-free stores), visible to the tensor cores after DS_BAR
+      const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
+#pragma unroll
+      for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+          *reinterpret_cast<u32*>(smem + ds_off +
+                                  Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
+              ds_regs[kk][r];
+      fence_proxy_async_shared();
+      if (is_writer) {  // the previous block's reduction has read the dQ buffer
+        if (lane == 0) cp_async_bulk_wait_group_read<0>();
+        __syncwarp();
+      }
+      named_barrier_sync(Tr::DS_BAR, Tr::CONSUMER_THREADS);
+      // dV, dK done (they ran under the stores and the barrier): Q_i, dO_i, lse_log2_i, delta_i are read
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(dv_acc);
+      wgmma_fence_operand(dk_acc);
+      if (lane == 0) mbarrier_arrive(sm.q_empty(stage));
+
+      // dQ_i[:, DQ_COLS columns of this consumer] = dS K_j: A = dS^T read M-major, B = K_j read N-major
+      float dq_acc[Tr::DQ_TILES][4];
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+        Wgmma<Tr::DQ_COLS, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+            dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, 0),
+            Tr::TileKV::desc_mn_major(k_smem, kk * 16, cwg * Tr::DQ_COLS), /*scale_d=*/kk > 0);
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(dq_acc);
+      // -> the dQ buffer in dQ_acc order (the file comment): 16-byte stores, consecutive threads consecutive chunks
+#pragma unroll
+      for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
+        *reinterpret_cast<float4*>(smem + Tr::OFF_DQ + ((cwg * Tr::DQ_TILES + dt) * 128 + (ctid & 127)) * 16) =
+            make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
+      fence_proxy_async_shared();
+      if (is_writer) {
+        named_barrier_sync(Tr::DQ_BAR, Tr::CONSUMER_THREADS);
+        if (lane == 0) {
+          cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
+          cp_async_bulk_commit_group();
+        }
+      } else {
+        named_barrier_arrive(Tr::DQ_BAR, Tr::CONSUMER_THREADS);
+      }
+      buf ^= 1;
+    }
+    if (!more) break;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+    qb = qb_next;
+    left = left_next;
+  }
+  // the last reduction has read the dQ buffer and written dQ_acc before the CTA (and its shared memory) ends
+  if (!IS_DETERMINISTIC && is_writer && lane == 0) cp_async_bulk_wait_group<0>();
+
+  // epilogue, as bwd_sm90_kernel's: dK = softmax_scale * dK (dV / (1 - p) with dropout) staged in the K and V tiles
+  // once neither consumer's dQ GEMM reads K, then 16-byte stores by the 256 consumer threads
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
+  named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+    }
+  named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
+  kb.template store_dk_dv<Tr::CONSUMER_THREADS>(p, smem, tid_x_reread() - 128);
+}
+
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __grid_constant__ BwdWsParams P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const BwdParams& p = P.bwd;
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const BwdWsSmem<Tr> sm{aligned.base};
+  unsigned char* smem = aligned.ptr;
+  // the host's shared memory size (cuflash/config.py BwdSm90WsConfig.smem_bytes) must cover this layout
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
+  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
+  int left;
+  const QueryBlock<Tr> qb = kb.first_step(p, left);
+  if (kb.m_begin >= kb.m_end || left == 0) {  // no query sees these keys: dK = dV = 0
+    kb.zero_dk_dv(p, threadIdx.x);
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.kv_full(), 1);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.q_full(s), 1);
+      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
+    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0) bwd_sm90_ws_producer<Tr>(P, sm, kb, qb, left);
+  } else {
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    bwd_sm90_ws_consumer<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, sm, smem, kb, qb, left);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_ws_kernel uses TMA and wgmma: compile it for sm_90a");
+#endif
+}
+
+// ---- dQ = softmax_scale * dQ_acc from bwd_sm90_ws_kernel's dQ_acc order (the file comment) -----------------
+// One thread per float4 of dQ_acc: a coalesced 16-byte load, two 4-byte stores (rows r and r + 8).
+template <class T, int HEAD_DIM>
+__global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_ws_kernel(const BwdParams p) {
+  constexpr int BLOCK_M = 64, DQ_COLS = HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
+  constexpr int VECS = BLOCK_M * HEAD_DIM / 4;  // float4 per block of rows
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int idx = blockIdx.x * CONVERT_THREADS + threadIdx.x;
+  const int block = idx / VECS, v = idx % VECS;
+  if (block * BLOCK_M >= seq.len_q) return;
+  const int c = v % 128, tile = v / 128;  // consumer thread, (consumer, n8 tile)
+  const int lane = c & 31;
+  const int row = block * BLOCK_M + (c >> 5) * 16 + (lane >> 2);
+  const int col = (tile / DQ_TILES) * DQ_COLS + (tile % DQ_TILES) * 8 + 2 * (lane & 3);
+  if (col >= p.head_dim) return;
+  const float4 a = *reinterpret_cast<const float4*>(
+      p.dq_accum + (padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + block * BLOCK_M) * HEAD_DIM + 4 * v);
+  const float s = p.softmax_scale;
+  u16* out = p.dq + batch * p.dq_batch_stride + head * p.dq_head_stride + col;
+  if (row < seq.len_q)
+    *reinterpret_cast<u32*>(out + static_cast<long long>(seq.q_row0 + row) * p.dq_row_stride) = Cvt<T>::pack(a.x * s, a.y * s);
+  if (row + 8 < seq.len_q)
+    *reinterpret_cast<u32*>(out + static_cast<long long>(seq.q_row0 + row + 8) * p.dq_row_stride) =
+        Cvt<T>::pack(a.z * s, a.w * s);
+}
+
+}  // namespace cuflash

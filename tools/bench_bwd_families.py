@@ -1,0 +1,96 @@
+"""Time the backward main-kernel families side by side on one GPU:
+`python tools/bench_bwd_families.py [--families bwd_sm90_ws bwd_sm90 bwd] [--head-dims 64 128] [--n 1024 4096 16384]`.
+
+Each family is put first in the registry (cuflash.config.FAMILIES; the other backward families that would win
+over it are left out), the selection and plan caches are cleared, and `attention_backward` is timed with CUDA
+events (median of --reps calls after 2 warm-up calls), bf16, FlashAttention benchmark shapes (batch = 16384 / N,
+heads = 2048 / D). TFLOP/s count the backward as 2.5x the forward's FLOPs (half when causal). `diff` is the
+largest difference of dQ, dK, dV to the first family's, so a wrong kernel shows up. This times what one call
+costs (preprocess, main kernel, dQ conversion), as the benchmark does; use it to measure a kernel family
+against the one it replaces.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cupy as cp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+
+import cuflash  # noqa: E402
+from cuflash import _families, _plan, config  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def use_family(name: str, original: tuple) -> None:
+    """Registry with family `name` first among the backward families (the others after it, in their order)."""
+    fam = next((f for f in original if f.name == name), None)
+    if fam is None or fam.op != "backward":
+        raise SystemExit(f"--families: {name!r} is not a backward family; backward families: "
+                         f"{', '.join(f.name for f in original if f.op == 'backward')}")
+    config.FAMILIES = (fam,) + tuple(f for f in original if f is not fam)
+    _families._selected.clear()
+    _plan.plans.clear()
+
+
+def median_ms(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cp.cuda.get_elapsed_time(start, end))
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--families", nargs="+", default=["bwd_sm90_ws", "bwd_sm90"])
+    ap.add_argument("--head-dims", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--n", nargs="+", type=int, default=[1024, 4096, 16384])
+    ap.add_argument("--causal", nargs="+", choices=("no", "yes"), default=["no", "yes"])
+    ap.add_argument("--reps", type=int, default=10)
+    args = ap.parse_args(argv)
+    original = config.FAMILIES
+    print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, TFLOP/s (ms)")
+    print(f"{'D':>4} {'causal':>6} {'N':>6}  " + "  ".join(f"{f:>22}" for f in args.families) + "  diff")
+    for d in args.head_dims:
+        for causal in (c == "yes" for c in args.causal):
+            for n in args.n:
+                b, h = 16384 // n, 2048 // d
+                rng = cp.random.default_rng(0)
+                q, k, v, do = (rng.standard_normal((b, n, h, d), dtype=cp.float32).astype(BF16) for _ in range(4))
+                o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+                flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+                cells, first, diff = [], None, 0.0
+                for name in args.families:
+                    use_family(name, original)
+                    cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a")
+                    call = lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+                    grads = [x.astype(cp.float32) for x in call()]
+                    if first is None:
+                        first = grads
+                    else:
+                        diff = max(diff, *(float(cp.abs(a - b_).max()) for a, b_ in zip(grads, first)))
+                    ms = median_ms(call, args.reps)
+                    cells.append(f"{flops / ms / 1e9:7.1f} ({ms:7.3f}) {type(cfg).__name__[:6]}")
+                print(f"{d:>4} {str(causal):>6} {n:>6}  " + "  ".join(f"{c:>22}" for c in cells) + f"  {diff:.2e}",
+                      flush=True)
+                del q, k, v, do, o, lse
+                cp.get_default_memory_pool().free_all_blocks()
+    config.FAMILIES = original
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
