@@ -766,6 +766,11 @@ class BwdSm90WsConfig(BwdSm90Config):
 
     stages = 2  # of (Q, dO, lse_log2, delta)
 
+    def sync_equivalent(self) -> BwdSm90Config:
+        """bwd_sm90_kernel's config with the same tiles: what the analyzer counts for this kernel."""
+        return BwdSm90Config(self.head_dim, self.block_m, self.block_n, self.ctas_per_sm, self.dtype, self.causal,
+                             self.deterministic, self.mods)
+
     @property
     def threads(self) -> int:
         return 384

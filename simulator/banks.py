@@ -1208,7 +1208,16 @@ class BwdSm90Layout:
     smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
 
 
+def as_sync(cfg):
+    """The config the analyzer counts for `cfg`: bwd_sm90_ws_kernel (config.BwdSm90WsConfig) as bwd_sm90_kernel with
+    the same tiles (the same wgmma operand reads, tiles and HBM bytes; what it does not model: its loads are TMA
+    copies, not thread cp.async, its dQ goes through a shared buffer and bulk reductions, not red.add), any other
+    config itself."""
+    return cfg.sync_equivalent() if isinstance(cfg, _config.BwdSm90WsConfig) else cfg
+
+
 def bwd_sm90_layout(cfg) -> BwdSm90Layout:
+    cfg = as_sync(cfg)
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     smem_q, smem_kv, smem_ds = (r * c * _config.ELEM_BYTES for r, c in ((bm, hd), (bn, hd), (bn, bm)))
     off_ds = 2 * smem_kv + 4 * smem_q
@@ -1226,6 +1235,7 @@ def bwd_sm90_addresses(cfg, stage: int, keys: int | None = None, head_dim: int |
     (key_row0 = warpgroup * 64 + (w % 4) * 16) and all HEAD_DIM columns of dK, dV. Copies and stores of
     the K, V, Q, dO tiles use the tiles' panel width (BwdSm90Config.panel_cols); dS^T is
     SmemTile<BLOCK_N, BLOCK_M> with the default width."""
+    cfg = as_sync(cfg)
     L = bwd_sm90_layout(cfg)
     hd, bm, bn, nw, pc = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, L.panel_cols
     q_base = L.off_q + stage * 2 * L.smem_q
@@ -1265,6 +1275,7 @@ def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
     (HEAD_DIM/16 wgmma each): the warpgroup's 64 rows of K (V) and all BLOCK_M rows of Q (dO); dV += P^T dO
     and dK += dS^T Q (BLOCK_M/16 each): all of dO (Q), read N-major; unless deterministic dQ = dS K
     (BLOCK_N/16): all of dS^T and the warpgroup's DQ_COLS columns of K."""
+    cfg = as_sync(cfg)
     L = bwd_sm90_layout(cfg)
     wg, hd, bm, bn, e = L.warpgroups, cfg.head_dim, cfg.block_m, cfg.block_n, _config.ELEM_BYTES
     out = {"st_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
@@ -1282,6 +1293,7 @@ BWD_SM90_PER_CTA_ROLES = ("k_load", "v_load", "dk_store", "dv_store", "dk_read",
 @lru_cache(maxsize=256)
 def bwd_sm90_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
     """(per-CTA stats, per-visit stats per stage) of bwd_sm90_kernel; cached, do not modify."""
+    cfg = as_sync(cfg)
     pc = cfg.panel_cols
     q, kv = (cfg.block_m, cfg.head_dim, pc), (cfg.block_n, cfg.head_dim, pc)
     src = _tile_sources(cfg.threads, {"q_load": q, "do_load": q, "k_load": kv, "v_load": kv})
@@ -1308,6 +1320,7 @@ def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
     fence.proxy.async after the cp.async wait and, unless deterministic, one after the dS^T stores."""
     if not isinstance(cfg, _config.BwdSm90Config):
         raise TypeError(f"cfg must be a cuflash.config.BwdSm90Config, got {type(cfg).__name__}")
+    cfg = as_sync(cfg)
     head_dim = _check_head_dim(cfg, head_dim)
     return _kv_outer_walk(cfg, BWD_SM90_ROLES, bwd_sm90_cta_stats, BWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q,
                           seqlen_k, head_dim, causal_skip, window, fences_per_visit=1 if cfg.deterministic else 2)

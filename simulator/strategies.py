@@ -111,6 +111,7 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.FwdSm90WsConfig: "fwd_sm90_ws_kernel",
     _config.BwdConfig: "bwd_kernel",
     _config.BwdSm90Config: "bwd_sm90_kernel",
+    _config.BwdSm90WsConfig: "bwd_sm90_ws_kernel",
     _config.DqConfig: "bwd_dq_kernel",
     _config.FwdWideConfig: "fwd_wide_kernel",
     _config.BwdWideConfig: "bwd_wide_kernel",
@@ -351,12 +352,14 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
-    2. bwd_kernel (or bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
+    2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
        query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats, pad rows included)
        and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ tile into
        dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
        the block).
-    3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ.
+    3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ;
+       bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel (whose dQ adds are bulk reductions of the same bytes):
+       the same, for every row of the 64-row blocks that hold a row < Sq.
     3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
        sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i.
 
@@ -387,6 +390,11 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
                  + 2 * int(t.kv_rows.sum()) * d * e)
         out.append(KernelTraffic("bwd_dq_kernel", dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
+    elif isinstance(cfg, _config.BwdSm90WsConfig):  # one thread per 4 floats of dQ_acc's 64-row blocks (in the
+        # main kernel's accumulator order): head_dim columns of every row of the blocks that hold a row < Sq
+        rows = -(-sq // cfg.block_m) * cfg.block_m
+        out.append(KernelTraffic("bwd_convert_dq_ws_kernel", (-(-rows * hd // 4 // 256), p.heads, p.batch), 256,
+                                 bh * rows * d * s4, bh * sq * d * e))
     else:  # one thread per 8 elements (a 16-byte chunk), per pair of elements in the wide kernel
         per_thread = 2 if wide else 8
         out.append(KernelTraffic("bwd_wide_convert_dq_kernel" if wide else "bwd_convert_dq_kernel",

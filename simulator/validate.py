@@ -156,6 +156,8 @@ class Target:
         hd = _config.kernel_head_dim(c.head_dim)
         if self.kernel == "fwd_sm90_kernel":
             return _config.fwd_sm90_config(hd, c.dtype, c.causal)
+        if self.kernel == "bwd_sm90_kernel":  # the driver takes bwd_sm90_ws out (FWD_SM90_DRIVER_NOTE)
+            return _config.bwd_sm90_config(hd, c.dtype, c.causal, self.deterministic)
         if self.kernel == "fwd_sm90_ws_kernel":
             return _config.fwd_sm90_ws_config(hd, c.dtype, c.causal, seqlen_k=c.seqlen_k)
         if self.kernel in FORWARD_KERNELS:
@@ -612,7 +614,9 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     case, det = target.case, target.deterministic
     p = case.problem()
     cfg = target.config()
-    kt = {k.name: k for k in cuflash_backward_kernels(p, True, det, target.kernels)}[target.kernel]
+    # the main kernel's traffic: bwd_sm90_kernel moves what bwd_sm90_ws_kernel (the default) moves
+    kt = {k.name.replace("bwd_sm90_ws_kernel", "bwd_sm90_kernel"): k
+          for k in cuflash_backward_kernels(p, True, det, target.kernels)}[target.kernel]
     if target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
         is_wgmma = target.kernel in WGMMA_KERNELS
         walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
@@ -693,11 +697,12 @@ def kernel_configs(target: Target) -> list:
     hd = _config.kernel_head_dim(c.head_dim)
     if not target.is_backward:  # the profiled forward itself (fwd_sm90_kernel: also where ws is the default)
         return [target.config()]
+    main = target.config() if target.kernel == "bwd_sm90_kernel" else \
+        _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels)
     return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels, seqlen_k=c.seqlen_k),
-            _config.ElementwiseConfig("preprocess", c.dtype),
-            _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels),
+            _config.ElementwiseConfig("preprocess", c.dtype), main,
             _config.dq_config(hd, c.dtype, c.causal) if target.deterministic
-            else _config.ElementwiseConfig("convert_dq", c.dtype)]
+            else _config.convert_dq_config(main, c.dtype)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -712,7 +717,8 @@ def kernel_configs(target: Target) -> list:
 # ml_dtypes.bfloat16).
 # FWD_SM90_DRIVER_NOTE: for dense inputs at head dims 64, 128, 256 the library launches fwd_sm90_ws_kernel, the
 # first forward family of config.FAMILIES; a fwd_sm90_kernel target takes that family out of the registry in its
-# own process, so config.select returns the next one (what varlen batches and the other head dims run).
+# own process, so config.select returns the next one (what varlen batches and the other head dims run). Likewise
+# a bwd_sm90_kernel target takes out bwd_sm90_ws, the backward the library launches at head dims 64 and 128.
 DRIVER = r"""
 import sys
 import cupy as cp, cuflash
@@ -720,8 +726,8 @@ from cuflash import _xpref, config
 kernel, b, h, sq, sk, d, causal, dtype, deterministic, kernels = {args!r}
 if config.KERNELS != kernels:
     sys.exit(f"cuflash-validate-driver: CUFLASH_KERNELS={{config.KERNELS}}, but {{kernel}} needs {{kernels}}")
-if kernel == "fwd_sm90_kernel":  # (FWD_SM90_DRIVER_NOTE)
-    config.FAMILIES = tuple(f for f in config.FAMILIES if f.name != "fwd_sm90_ws")
+if kernel in ("fwd_sm90_kernel", "bwd_sm90_kernel"):  # (FWD_SM90_DRIVER_NOTE)
+    config.FAMILIES = tuple(f for f in config.FAMILIES if f.name not in ("fwd_sm90_ws", "bwd_sm90_ws"))
 rs = cp.random.RandomState(0)
 q, k, v = (_xpref.to_lowp(rs.standard_normal((b, s, h, d), dtype=cp.float32), dtype) for s in (sq, sk, sk))
 if kernel in ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel"):

@@ -200,8 +200,10 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
             if n_blocks > 0:
                 reads += 2 * rows * d * e + 2 * dcfg.block_m * 4
                 reads += 2 * sum(min(dcfg.block_n, sk - n * dcfg.block_n) for n in range(n_blocks)) * d * e
-    else:  # convert
-        reads += sq * d * 4
+    else:  # convert (after bwd_sm90_ws_kernel: every row of the 64-row blocks, in its accumulator order)
+        main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
+        rows = -(-sq // 64) * 64 if isinstance(main, config.BwdSm90WsConfig) else sq
+        reads += rows * d * 4
         writes += sq * d * e
     peak = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)
     return b * h * reads, b * h * writes, b * h * atomics, b * h * peak
@@ -225,13 +227,14 @@ def test_cuflash_backward_counts_what_the_kernels_move(sq, sk, d, causal, determ
     assert c.bank_conflicts == 0, f"{cfg.cpp_name()}: {c.bank_conflicts} bank conflicts"
 
 
-@pytest.mark.parametrize("kernels,main", [("auto", "bwd_sm90_kernel"), ("mma", "bwd_kernel")])
-def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main):
+@pytest.mark.parametrize("kernels,main,convert", [("auto", "bwd_sm90_ws_kernel", "bwd_convert_dq_ws_kernel"),
+                                                  ("mma", "bwd_kernel", "bwd_convert_dq_kernel")])
+def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main, convert):
     from cuflash.simulator.strategies import cuflash_backward_kernels
 
     p = P(4096, 64, batch=1, heads=16)
     names = [k.name for k in cuflash_backward_kernels(p, kernels=kernels)]
-    assert names == ["bwd_preprocess_kernel", main, "bwd_convert_dq_kernel"]
+    assert names == ["bwd_preprocess_kernel", main, convert]
     det = cuflash_backward_kernels(p, deterministic=True, kernels=kernels)
     assert [k.name for k in det] == ["bwd_preprocess_kernel", main, "bwd_dq_kernel"]
     assert all(k.atomic_bytes == 0 for k in det)
