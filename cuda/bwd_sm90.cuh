@@ -20,16 +20,46 @@
 
 namespace cuflash {
 
+// S^T = K_j Q_i^T and dP^T = V_j dO_i^T of one query block for one warpgroup (its 64 keys x BLOCK_M queries), each
+// its own wgmma commit group (S^T first), not waited for: bwd_sm90_dkdv_step takes them from here. This warp holds
+// keys key_row0 + g (+8), queries 8 * qt + 2t (+1) of each n8 tile qt. Reads K, V and Q, dO of `stage`.
+template <class Tr>
+__device__ __forceinline__ void bwd_sm90_issue_sdp(u32 smem_base, int stage, int warpgroup,
+                                                   float (&s_acc)[Tr::Q_TILES][4], float (&dp_acc)[Tr::Q_TILES][4]) {
+  using T = typename Tr::T;
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  // this warpgroup's 64 key rows of K and V: whole swizzle atoms, the descriptors start there
+  const u32 k_smem_wg = smem_base + Tr::OFF_K + Tr::TileKV::offset(warpgroup * 64, 0);
+  const u32 v_smem_wg = smem_base + Tr::OFF_V + Tr::TileKV::offset(warpgroup * 64, 0);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+        s_acc, Tr::TileKV::desc_k_major(k_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(q_smem, 0, kk * 16),
+        /*scale_d=*/kk > 0);
+  wgmma_commit_group();
+#pragma unroll
+  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+        dp_acc, Tr::TileKV::desc_k_major(v_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(do_smem, 0, kk * 16),
+        /*scale_d=*/kk > 0);
+  wgmma_commit_group();
+}
+
 // The dK / dV part of one query block for one warpgroup (see the file comment), shared by bwd_sm90_kernel and
-// the warp-specialized bwd_sm90_ws_kernel (bwd_sm90_ws.cuh): S^T, dP^T, P^T, dV += P^T dO, dS^T, dK += dS^T Q.
-// Returns with dV and dK issued as the last two wgmma groups (not waited for) and dS^T in ds_regs (the A layout
-// of the k16 steps over the block's queries). is_masked: apply the causal / key-tail mask to S^T. Reads from
-// shared memory: K, V (Tr::OFF_K, OFF_V), Q, dO, lse_log2, delta of `stage` (Tr's offsets + stage strides).
+// the warp-specialized bwd_sm90_ws_kernel (bwd_sm90_ws.cuh), after bwd_sm90_issue_sdp issued S^T and dP^T into
+// s_acc, dp_acc as the last two wgmma groups: P^T, dV += P^T dO, dS^T, dK += dS^T Q. Each step starts as soon as
+// its operand is done while the next product runs. Returns with dV and dK issued as the last two wgmma groups (not
+// waited for) and dS^T in ds_regs (the A layout of the k16 steps over the block's queries). is_masked: apply the
+// causal / key-tail mask to S^T. Reads from shared memory: Q, dO, lse_log2, delta of `stage` (Tr's offsets +
+// stage strides).
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_masked,
                                                    const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                    const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
                                                    int stage, int m_block, int n0, int warpgroup, int warp, int lane,
+                                                   float (&s_acc)[Tr::Q_TILES][4], float (&dp_acc)[Tr::Q_TILES][4],
                                                    float (&dk_acc)[Tr::DKV_TILES][4], float (&dv_acc)[Tr::DKV_TILES][4],
                                                    u32 (&ds_regs)[Tr::Q_K_STEPS][4]) {
   using T = typename Tr::T;
@@ -44,30 +74,9 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const int m0 = m_block * Tr::BLOCK_M;
   const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
-  const u32 k_smem = smem_base + Tr::OFF_K, v_smem = smem_base + Tr::OFF_V;
-  // this warpgroup's 64 key rows of K and V: whole swizzle atoms, the descriptors start there
-  const u32 k_smem_wg = k_smem + Tr::TileKV::offset(warpgroup * 64, 0);
-  const u32 v_smem_wg = v_smem + Tr::TileKV::offset(warpgroup * 64, 0);
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
-  // S^T = K_j Q_i^T and dP^T = V_j dO_i^T: 64 keys x BLOCK_M queries per warpgroup; this warp holds
-  // keys key_row0 + g (+8), queries 8 * qt + 2t (+1) of each n8 tile qt. Each product is its own commit
-  // group, so every step below starts as soon as its operand is done while the next product runs.
-  float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
-        s_acc, Tr::TileKV::desc_k_major(k_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(q_smem, 0, kk * 16),
-        /*scale_d=*/kk > 0);
-  wgmma_commit_group();
-#pragma unroll
-  for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-    Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
-        dp_acc, Tr::TileKV::desc_k_major(v_smem_wg, 0, kk * 16), Tr::TileQ::desc_k_major(do_smem, 0, kk * 16),
-        /*scale_d=*/kk > 0);
-  wgmma_commit_group();
   // dropout: the forward's keep bits of these elements (bit qt * 4 + c), drawn while the tensor cores work
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
@@ -178,8 +187,10 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
   const u32 k_smem = smem_base + Tr::OFF_K;
   const u32 ds_smem = smem_base + Tr::OFF_DS;
   u32 ds_regs[Tr::Q_K_STEPS][4];
+  float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
+  bwd_sm90_issue_sdp<Tr>(smem_base, stage, warpgroup, s_acc, dp_acc);
   bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, band, mods, smem, smem_base, stage, m_block, n0, warpgroup,
-                                          warp, lane, dk_acc, dv_acc, ds_regs);
+                                          warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs);
 
   if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel instead
     wgmma_wait_group<0>();

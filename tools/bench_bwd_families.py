@@ -76,7 +76,8 @@ def main(argv=None) -> int:
                 for name in args.families:
                     use_family(name, original)
                     cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a")
-                    call = lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)  # noqa: E731
+                    def call(args=(do, q, k, v, o, lse), causal=causal):
+                        return cuflash.attention_backward(*args, causal=causal)
                     grads = [x.astype(cp.float32) for x in call()]
                     if first is None:
                         first = grads

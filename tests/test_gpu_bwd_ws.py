@@ -1,0 +1,113 @@
+"""The warp-specialized Hopper backward (bwd_sm90_ws_kernel: TMA producer, two consumer warpgroups, dQ by bulk
+reductions in its accumulator order, bwd_convert_dq_ws_kernel): that the library launches it on an H100, and what
+the general backward tests (test_gpu_backward.py and the GQA / varlen / modifier / bias files, which run on it
+there) do not reach: many query blocks per CTA (the 2-stage ring wraps many times, GQA steps across heads), a view
+no tensor map describes (negative strides: copied first), the synchronous bwd_sm90_kernel beside it on the same
+inputs, and deterministic mode. Pass rule as everywhere (docs/RELIABILITY.md): max|dX - dX_ref64| <= 3 *
+max|dX_lowp - dX_ref64| + 1e-5. Needs an sm_90 GPU (skipped elsewhere, like every `gpu` test).
+"""
+from __future__ import annotations
+
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+from cuflash import _compile, _families, _plan, _xpref, config  # noqa: E402
+from gpu_helpers import check_rule, make_input, max_abs, poison_pool, round_up, seed_of, to_bshd32  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper_only():
+    if _compile.device_arch() != "sm_90a":
+        pytest.skip("bwd_sm90_ws_kernel needs an sm_90 GPU (TMA, wgmma, setmaxnreg)")
+
+
+@pytest.fixture
+def sync_family(monkeypatch):
+    """A registry without bwd_sm90_ws (so bwd_sm90_kernel serves head dims 64 and 128), caches cleared."""
+    monkeypatch.setattr(config, "FAMILIES", tuple(f for f in config.FAMILIES if f.name != "bwd_sm90_ws"))
+    monkeypatch.setattr(_families, "_selected", {})
+    monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
+
+
+def problem(b, sq, sk, hq, hkv, d, dtype, causal, kinds=("contiguous",) * 4, key=()):
+    seed = seed_of("bwd-ws", b, sq, sk, hq, hkv, d, dtype, causal, kinds, *key)
+    q = make_input(b, sq, hq, d, dtype, "bshd", kinds[0], seed)
+    k = make_input(b, sk, hkv, d, dtype, "bshd", kinds[1], seed + 1)
+    v = make_input(b, sk, hkv, d, dtype, "bshd", kinds[2], seed + 2)
+    dout = make_input(b, sq, hq, d, dtype, "bshd", kinds[3], seed + 3)
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    return q, k, v, dout, o, lse
+
+
+def check_against_reference(grads, q, k, v, dout, dtype, causal, what):
+    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
+    refs64 = _xpref.attention_backward64(do32, q32, k32, v32, causal)  # (GQA: dK, dV summed over each group)
+    lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, dtype, causal)
+    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, lowp):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
+        check_rule(name, to_bshd32(g, "bshd"), g64, glowp, 3.0, what)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_the_library_launches_the_ws_backward_on_hopper(d, dtype):
+    for causal, mods, det in ((False, 0, False), (True, 0, False), (False, config.MOD_WINDOW, True)):
+        cfg = config.backward_kernel_config(d, dtype, causal, det, _compile.device_arch(), mods=mods)
+        assert isinstance(cfg, config.BwdSm90WsConfig), cfg
+        assert config.convert_dq_config(cfg, dtype).kind == "convert_dq_ws"
+    assert cfg.overlap == (d == 64)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
+    """1000 queries = 16 query blocks per query head, 4 query heads per K/V head: 64 steps per CTA through the
+    2-stage ring; 700 keys = a key tail; poisoned pool (dQ_acc, dQ's pad rows)."""
+    q, k, v, dout, o, lse = problem(2, 1000, 700, 8, 2, d, dtype, causal)
+    poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    check_against_reference(grads, q, k, v, dout, dtype, causal, f"ws D={d} {dtype} causal={causal} GQA 8/2")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_negative_stride_view_is_copied_and_correct(d):
+    """q and dout reversed along the sequence (negative row stride): no tensor map describes them, so the library
+    copies them to contiguous arrays first."""
+    q, k, v, dout, _, _ = problem(2, 300, 400, 4, 4, d, "bf16", False, key=("neg",))
+    q, dout = q[:, ::-1], dout[:, ::-1]
+    o, lse = cuflash.attention_forward(q, k, v)
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse)
+    check_against_reference(grads, q, k, v, dout, "bf16", False, f"negative strides D={d}")
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ws_and_sync_kernels_agree(d, causal, request):
+    """The same inputs through bwd_sm90_ws_kernel and bwd_sm90_kernel: both within the rule, and close to each other
+    (dK, dV: the same per-block math in the same order; dQ: fp32 adds in another order)."""
+    q, k, v, dout, o, lse = problem(2, 517, 1030, 4, 4, d, "bf16", causal, key=("sync",))
+    ws = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    request.getfixturevalue("sync_family")
+    assert not isinstance(config.backward_kernel_config(d, "bf16", causal, False, "sm_90a"), config.BwdSm90WsConfig)
+    sync = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    check_against_reference(ws, q, k, v, dout, "bf16", causal, f"ws D={d} causal={causal}")
+    check_against_reference(sync, q, k, v, dout, "bf16", causal, f"sync D={d} causal={causal}")
+    for name, a, b in zip(("dq", "dk", "dv"), ws, sync):
+        a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
+        assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: ws and sync kernels differ"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_deterministic_mode_on_the_ws_kernel(d):
+    q, k, v, dout, o, lse = problem(1, 1023, 1024, 2, 2, d, "fp16", True, key=("det",))
+    first = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
+    for _ in range(4):
+        again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
+    check_against_reference(first, q, k, v, dout, "fp16", True, f"deterministic ws D={d}")
