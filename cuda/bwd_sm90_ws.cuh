@@ -81,12 +81,9 @@ static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 616 && alignof(Bwd
 
 // bwd_sm90_kernel's (64, 128) tiles and layout names (which bwd_sm90_dkdv_step reads), with a producer warpgroup,
 // a second dS^T buffer, the dQ buffer and the mbarriers.
-template <int HEAD_DIM_, class T_, bool OVERLAP_ = false>
+template <int HEAD_DIM_, class T_>
 struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   using Base = BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_>;
-  // issue the next step's S^T and dP^T right behind dQ_i (before writing dQ_i out), not at the start of the next
-  // step: their accumulators then live across the dQ epilogue (spill-free at HEAD_DIM 64 without heavy modifiers)
-  static constexpr bool OVERLAP = OVERLAP_;
   static constexpr int CONSUMERS = Base::WARPGROUPS;  // 2: 64 keys each
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;  // arrivals that release a stage
@@ -198,26 +195,18 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
   mbarrier_wait_or_trap(sm.kv_full(), 0);
   int stage = 0, buf = 0;
   u32 phase = 0;
-  float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];  // S^T, dP^T of the current step
-  if (Tr::OVERLAP) {  // each step issues the next one's S^T, dP^T; the first here
-    mbarrier_wait_or_trap(sm.q_full(0), 0);
-    bwd_sm90_issue_sdp<Tr>(sm.base, 0, cwg, s_acc, dp_acc);
-  }
   for (;;) {
     QueryBlock<Tr> qb_next = qb;
     int left_next = left;
     const bool more = kb.advance(p, qb_next, left_next);
-    const int next_stage = stage == Tr::STAGES - 1 ? 0 : stage + 1;
-    const u32 next_phase = next_stage == 0 ? phase ^ 1 : phase;
     const int m0 = qb.m_block * Tr::BLOCK_M;
     const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
     if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
-    if (!Tr::OVERLAP) {
-      mbarrier_try_wait_parity(sm.q_full(stage), phase);
-      bwd_sm90_issue_sdp<Tr>(sm.base, stage, cwg, s_acc, dp_acc);
-    }
+    mbarrier_try_wait_parity(sm.q_full(stage), phase);
+    float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
+    bwd_sm90_issue_sdp<Tr>(sm.base, stage, cwg, s_acc, dp_acc);
 
     u32 ds_regs[Tr::Q_K_STEPS][4];
     bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.n0, cwg,
@@ -227,10 +216,6 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       wgmma_fence_operand(dv_acc);
       wgmma_fence_operand(dk_acc);
       if (lane == 0) mbarrier_arrive(sm.q_empty(stage));
-      if (Tr::OVERLAP && more) {
-        mbarrier_try_wait_parity(sm.q_full(next_stage), next_phase);
-        bwd_sm90_issue_sdp<Tr>(sm.base, next_stage, cwg, s_acc, dp_acc);
-      }
     } else {
       // dS^T -> buffer `buf` (bwd_sm90_kernel's conflict-free stores), visible to the tensor cores after DS_BAR
       const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
@@ -248,9 +233,8 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       }
       named_barrier_sync(Tr::DS_BAR, Tr::CONSUMER_THREADS);
 
-      // dQ_i[:, DQ_COLS columns of this consumer] = dS K_j: A = dS^T read M-major, B = K_j read N-major; queued
-      // behind dV and dK, and (OVERLAP) the next step's S^T and dP^T behind it, so the tensor cores run those while
-      // this warpgroup writes dQ out
+      // dQ_i[:, DQ_COLS columns of this consumer] = dS K_j: A = dS^T read M-major, B = K_j read N-major, queued
+      // behind dV and dK
       float dq_acc[Tr::DQ_TILES][4];
       wgmma_fence();
 #pragma unroll
@@ -259,13 +243,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
             dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, 0),
             Tr::TileKV::desc_mn_major(k_smem, kk * 16, cwg * Tr::DQ_COLS), /*scale_d=*/kk > 0);
       wgmma_commit_group();
-      if (Tr::OVERLAP && more) {
-        mbarrier_try_wait_parity(sm.q_full(next_stage), next_phase);
-        bwd_sm90_issue_sdp<Tr>(sm.base, next_stage, cwg, s_acc, dp_acc);
-        wgmma_wait_group<2>();  // dV, dK, dQ done; S^T, dP^T of the next step may run
-      } else {
-        wgmma_wait_group<0>();
-      }
+      wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
       wgmma_fence_operand(dk_acc);
       wgmma_fence_operand(dq_acc);
@@ -289,8 +267,10 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       buf ^= 1;
     }
     if (!more) break;
-    stage = next_stage;
-    phase = next_phase;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
     qb = qb_next;
     left = left_next;
   }

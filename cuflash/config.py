@@ -784,18 +784,11 @@ class BwdSm90WsConfig(BwdSm90Config):
         ds = self.block_n * self.block_m * ELEM_BYTES
         return 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5 + 1024
 
-    @property
-    def overlap(self) -> bool:
-        """BwdSm90WsTraits::OVERLAP: each query block issues the next one's S^T and dP^T behind its dQ GEMM. Those
-        accumulators then stay live across the dQ epilogue: spill-free only at head dim 64 without heavy modifiers
-        (head dim 128 spilled 576-620 bytes, head dim 64 with every modifier 8-12; NVRTC 13.5)."""
-        return self.head_dim == 64 and not heavy_mods(self.mods)
-
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         b = lambda x: "true" if x else "false"  # noqa: E731
-        return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}, {b(self.overlap)}>, "
-                f"{b(self.causal)}, {b(self.deterministic)}, {self.mods}>")
+        return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
+                f"{b(self.deterministic)}, {self.mods}>")
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
