@@ -30,8 +30,10 @@
 // mbarriers (initialized by thread 0, then fence + __syncthreads):
 //   kv_full        count 1: the producer's arrive.expect_tx(2 SMEM_KV); K and V once
 //   q_full[s]      count 1: arrive.expect_tx(2 SMEM_Q + 2 SMEM_ROWVEC); Q_i, dO_i, lse_log2_i, delta_i
-//   q_empty[s]     count CONSUMER_WARPS: lane 0 of every consumer warp, once the step's wgmma that read Q_i and
-//                  dO_i have retired (wait_group 0) and its lanes have read lse_log2_i and delta_i
+//   q_empty[s]     count CONSUMER_THREADS: every consumer thread, once the step's wgmma that read Q_i and dO_i have
+//                  retired (wait_group 0); each arrive releases that thread's own reads of lse_log2_i and delta_i
+//                  (one arrive per warp would not order the other lanes' reads before the producer's next copy
+//                  into the stage: racecheck reported those as WAR hazards)
 // Step i uses stage s = i % 2 in round u = i / 2, parity u & 1; the producer waits q_empty[s] with parity
 // (u & 1) ^ 1 (round 0 passes at once on a fresh barrier), as fwd_sm90_ws.cuh's K/V stages.
 // Named barriers of the 256 consumer threads (0 is __syncthreads, used once after the mbarrier init):
@@ -86,7 +88,6 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   using Base = BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_>;
   static constexpr int CONSUMERS = Base::WARPGROUPS;  // 2: 64 keys each
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
-  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;  // arrivals that release a stage
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 24;
   static constexpr int CONSUMER_REGS = 240;
@@ -215,7 +216,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
       wgmma_fence_operand(dk_acc);
-      if (lane == 0) mbarrier_arrive(sm.q_empty(stage));
+      mbarrier_arrive(sm.q_empty(stage));
     } else {
       // dS^T -> buffer `buf` (bwd_sm90_kernel's conflict-free stores), visible to the tensor cores after DS_BAR
       const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
@@ -248,7 +249,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       wgmma_fence_operand(dk_acc);
       wgmma_fence_operand(dq_acc);
       // Q_i, dO_i, lse_log2_i, delta_i are read
-      if (lane == 0) mbarrier_arrive(sm.q_empty(stage));
+      mbarrier_arrive(sm.q_empty(stage));
       // -> the dQ buffer in dQ_acc order (the file comment): 16-byte stores, consecutive threads consecutive chunks
 #pragma unroll
       for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
@@ -321,7 +322,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
 #pragma unroll
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.q_full(s), 1);
-      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_WARPS);
+      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
     fence_mbarrier_init();
   }
