@@ -167,6 +167,28 @@ def test_backward_replay_launches_what_the_full_path_launches(deterministic, pre
     check_replay_equals_full_path(call(backward_args()), call(backward_args()))
 
 
+def test_backward_tma_maps_follow_the_arrays():
+    """The warp-specialized backward (head dim 64 on the faked sm_90a): each call's main launch, replayed or not,
+    carries maps of its own q, dout, k, v and the same addresses in its BwdParams copy; the preprocess and dQ
+    conversion launches take plain BwdParams with the same pointers (dq, the workspace)."""
+    _plan.plans.clear()
+    for _ in range(3):
+        a = backward_args()
+        launches, (dq, dk, dv) = launches_of(lambda: cuflash.attention_backward(*a.values(), causal=True), 1 << 50)
+        names = [n for n, _, _ in launches]
+        assert "bwd_sm90_ws_kernel" in names[1] and "bwd_convert_dq_ws_kernel" in names[2], names
+        ws = _tma.BwdWsParams.from_buffer_copy(launches[1][2])
+        assert [m.v[0] for m in (ws.tma_q, ws.tma_do, ws.tma_k, ws.tma_v)] == \
+            [a["q"].data.ptr, a["dout"].data.ptr, a["k"].data.ptr, a["v"].data.ptr]
+        assert (ws.bwd.q, ws.bwd.dout, ws.bwd.k, ws.bwd.v) == \
+            (a["q"].data.ptr, a["dout"].data.ptr, a["k"].data.ptr, a["v"].data.ptr)
+        plain = _launch.BwdParams.from_buffer_copy(launches[2][2])
+        assert (ws.bwd.dq, ws.bwd.dk, ws.bwd.dv) == (plain.dq, plain.dk, plain.dv) == \
+            (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+        assert ws.bwd.dq_accum == plain.dq_accum and ws.bwd.lse_log2 == plain.lse_log2 and ws.bwd.dq_accum
+    assert len(_plan.plans) == 1, "the three calls share one plan"
+
+
 def kvcache_args(b=2, s_cache=4096, h=8, hkv=2, d=128, s_new=0, paged=False, lens="array"):
     q = A((b, 1, h, d), F16)
     if paged:

@@ -1,0 +1,101 @@
+"""The warp-specialized Hopper backward (cuda/bwd_sm90_ws.cuh) without a GPU: its configs, where the registry
+chooses it, the params struct Python fills (cuflash/_tma.py) against the C++ static_asserts, the 64-byte swizzle
+maps of head dim 64, and every shipped instantiation compiled for sm_90a: spill-free, setmaxnreg honoured, its
+SASS holding the TMA loads, the 1-D bulk copies of lse_log2 / delta and (unless deterministic) one bulk reduction
+per query block; the shared-memory size the host asks for equal to the kernel's layout (it traps when given less)."""
+from __future__ import annotations
+
+import ctypes
+import re
+from types import SimpleNamespace
+
+import pytest
+
+from cuflash import _compile, _launch, _tma, config
+from cuflash.__main__ import sass_text
+
+WS = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90WsConfig)]
+
+
+def _nvrtc_or_skip():
+    try:
+        _compile._nvrtc().getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+
+
+def test_registry_chooses_the_ws_backward_where_it_has_kernels():
+    for d in (64, 128):
+        for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
+            cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a", mods=mods)
+            assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
+            assert config.convert_dq_config(cfg, "bf16") == config.ElementwiseConfig("convert_dq_ws", "bf16",
+                                                                                      head_dim=d)
+    # every modifier at head dim 64; head dim 128 with a heavy modifier stays on mma.sync (it spilled)
+    assert isinstance(config.backward_kernel_config(64, "fp16", False, True, "sm_90a", mods=config.MODS_ALL),
+                      config.BwdSm90WsConfig)
+    heavy = config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=config.MOD_DROPOUT)
+    assert type(heavy) is config.BwdConfig
+    assert config.convert_dq_config(heavy, "fp16").kind == "convert_dq"
+    # off Hopper, and with CUFLASH_KERNELS=mma, the mma.sync backward
+    assert type(config.backward_kernel_config(128, "bf16", False, False, "sm_80")) is config.BwdConfig
+    assert type(config.backward_kernel_config(128, "bf16", False, False, "sm_90a", kernels="mma")) is config.BwdConfig
+    assert not [c for c in config.all_bwd_configs("sm_80")
+                if isinstance(c, config.BwdSm90Config) or getattr(c, "kind", "") == "convert_dq_ws"]
+
+
+def test_ws_config_geometry_and_errors():
+    c = config.bwd_sm90_ws_config(128, "bf16", True, False)
+    assert (c.block_m, c.block_n, c.threads, c.panel_cols, c.stages) == (64, 128, 384, 64, 2)
+    assert config.bwd_sm90_ws_config(64, "fp16", False, True).panel_cols == 32  # dQ's split at column 32
+    # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 5 mbarriers
+    assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 40 + 1024
+    assert c.sync_equivalent() == config.bwd_sm90_config(128, "bf16", True, False)
+    assert c.cpp_name() == "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<128, cuflash::bf16>, true, false, 0>"
+    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+        config.BwdSm90WsConfig(96, 64, 128, 1, "bf16", False, False)
+    with pytest.raises(ValueError, match="block_n"):
+        config.BwdSm90WsConfig(128, 64, 64, 1, "bf16", False, False)
+
+
+def test_bwd_ws_params_layout_mirrors_the_cpp_struct():
+    assert ctypes.sizeof(_tma.BwdWsParams) == 1152
+    assert [getattr(_tma.BwdWsParams, f).offset for f in ("tma_q", "tma_do", "tma_k", "tma_v", "bwd")] == \
+        [0, 128, 256, 384, 512]
+    assert ctypes.sizeof(_launch.BwdParams) == 616
+
+
+def test_64_byte_swizzle_maps():
+    assert (_tma.panel_swizzle(64), _tma.panel_swizzle(32)) == (128, 64)
+    b, s, h, d = 2, 100, 3, 64
+    dims = SimpleNamespace(batch=b, seqlen=s, heads=h, head_dim=d, batch_stride=s * h * d, row_stride=h * d,
+                           head_stride=d)
+    assert _tma.tma_unsupported(0x10000, dims, "bf16", 64, 32) is None
+    assert _tma.operand_map(0x10000, dims, "bf16", 64, 32)[3] == (32, 64, 1, 1)
+    with pytest.raises(ValueError, match="64-byte swizzle"):  # a 64-column box does not fit a 64-byte swizzle row
+        _tma.encode_tiled("bf16", 0x10000, (64, 100), (128,), (64, 64), 64)
+    with pytest.raises(ValueError, match="swizzle=32"):
+        _tma.encode_tiled("bf16", 0x10000, (64, 100), (128,), (16, 64), 32)
+
+
+def _name(c):
+    return f"d{c.head_dim}-{c.dtype}-{'causal' if c.causal else 'full'}-det{int(c.deterministic)}-mods{c.mods}"
+
+
+@pytest.mark.parametrize("cfg", WS, ids=_name)
+def test_every_instantiation_compiles_spill_free_with_its_data_movement(cfg):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    r = compiled.resources
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, f"{cfg.cpp_name()}: {r}"
+    assert "C7508" not in compiled.log, "setmaxnreg ignored (the roles are not one uniform branch)"
+    sass = sass_text(compiled.cubin)
+    if sass is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    ops = re.findall(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    count = lambda op: sum(o.split(".")[0] == op for o in ops)  # noqa: E731
+    panels = cfg.head_dim // cfg.panel_cols
+    assert count("UTMALDG") == 4 * panels, "K, V once and Q, dO per step: one box per panel each"
+    assert count("UBLKCP") == 2, "lse_log2 and delta: one 1-D bulk copy each"
+    assert count("UBLKRED") == (0 if cfg.deterministic else 1), "dQ: one bulk reduction per query block"
+    assert count("USETMAXREG") == 2
