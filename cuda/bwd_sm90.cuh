@@ -171,6 +171,42 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   wgmma_commit_group();
 }
 
+// dS^T (ds_regs, the A layout of bwd_sm90_dkdv_step) of this warp's 16 keys into the dS^T tile at ds_smem_off: the
+// 4 packed registers of each k16 step at rows g, g+8, columns 2t, 8+2t (all 8 rows of a phase land in 8 different
+// 16-byte chunks: no bank conflict). The caller fences (fence.proxy.async) and synchronizes before wgmma reads it.
+template <class Tr>
+__device__ __forceinline__ void bwd_sm90_store_ds(unsigned char* smem, u32 ds_smem_off, int key_row0, int lane,
+                                                  const u32 (&ds_regs)[Tr::Q_K_STEPS][4]) {
+  const int t = lane & 3, g = lane >> 2;
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      *reinterpret_cast<u32*>(smem + ds_smem_off +
+                              Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
+          ds_regs[kk][r];
+}
+
+// The epilogue's staging: dK * softmax_scale into the K tile and dV (scaled by the caller for dropout) into the V
+// tile, this warp's 16 keys, in the input dtype; the caller synchronizes before the K tile is overwritten (no
+// dQ GEMM may still read it) and before store_dk_dv reads the tiles.
+template <class Tr>
+__device__ __forceinline__ void bwd_sm90_stage_dk_dv(const BwdParams& p, unsigned char* smem, int key_row0, int lane,
+                                                     const float (&dk_acc)[Tr::DKV_TILES][4],
+                                                     const float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  const int t = lane & 3, g = lane >> 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+    }
+}
+
 // One query block for one warpgroup of bwd_sm90_kernel: bwd_sm90_dkdv_step, then (unless deterministic) dS^T to
 // shared memory, a CTA barrier, dQ_i += dS K_j by wgmma and fp32 atomics.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
@@ -199,15 +235,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
     return;
   }
 
-  // dS^T -> shared memory, the 4 packed registers of each k16 step at rows g, g+8, columns 2t, 8+2t
-  // (all 8 rows of a phase land in 8 different 16-byte chunks: no bank conflict)
-#pragma unroll
-  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      *reinterpret_cast<u32*>(smem + Tr::OFF_DS +
-                              Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
-          ds_regs[kk][r];
+  bwd_sm90_store_ds<Tr>(smem, Tr::OFF_DS, key_row0, lane, ds_regs);
   fence_proxy_async_shared();  // st.shared -> visible to the tensor cores (async proxy) after the barrier
   __syncthreads();             // dS^T of every warpgroup is in place
   // dV, dK done (they overlapped the stores and the barrier): P^T and dS^T registers are free for dQ's
@@ -305,17 +333,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
   // tile, 16-byte stores
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
-  const int g = lane >> 2, t = lane & 3;
-  const int key_row0 = warpgroup * 64 + (warp % 4) * 16;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
-      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
-          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
-    }
+  bwd_sm90_stage_dk_dv<Tr>(p, smem, warpgroup * 64 + (warp % 4) * 16, lane, dk_acc, dv_acc);
   __syncthreads();
   // tid read anew: the copy offsets are the prologue's K/V ones; kept live across the query loop they
   // cost d128 causal a 4-byte spill under NVRTC 13.0

@@ -218,7 +218,8 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       wgmma_fence_operand(dk_acc);
       mbarrier_arrive(sm.q_empty(stage));
     } else {
-      // dS^T -> buffer `buf` (bwd_sm90_kernel's conflict-free stores), visible to the tensor cores after DS_BAR
+      // dS^T -> buffer `buf`, visible to the tensor cores after DS_BAR: bwd_sm90_store_ds's conflict-free stores,
+      // written out here (called, ptxas scheduled the head-dim-128 window instantiations differently)
       const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
 #pragma unroll
       for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
@@ -282,15 +283,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
   // once neither consumer's dQ GEMM reads K, then 16-byte stores by the 256 consumer threads
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
   named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
-      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
-          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
-    }
+  bwd_sm90_stage_dk_dv<Tr>(p, smem, key_row0, lane, dk_acc, dv_acc);
   named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
   kb.template store_dk_dv<Tr::CONSUMER_THREADS>(p, smem, tid_x_reread() - 128);
 }
