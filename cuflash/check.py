@@ -976,6 +976,34 @@ def parse_log(text: str) -> dict:
     return out
 
 
+_HAZARD = re.compile(r"Potential (\w+) hazard detected")
+_HAZARD_ACCESS = re.compile(r"(Read|Write) Thread \([^)]*\) at (?:void )?(.+)\+(0x[0-9a-fA-F]+)")
+_PARAM_LIST = re.compile(r"\([^()]*\)$")  # the kernel's parameter list at the end of its name
+
+
+def hazard_sites(findings: list[str]) -> list[tuple[int, str]]:
+    """The distinct racecheck hazards among finding lines, most frequent first: (count, "WAR kernel: Read +0x1740,
+    Write +0x5150"), one per (hazard type, kernel, the two accesses' program counters). A hazard is reported per
+    shared byte and block, so thousands of findings are usually a handful of instruction pairs; their PCs locate
+    the instructions in the kernel's SASS (`python -m cuflash compile --sass`)."""
+    sites: dict[str, int] = {}
+    kind, accesses = None, []
+    for line in findings:
+        m = _HAZARD.search(line)
+        if m:
+            kind, accesses = m.group(1), []
+            continue
+        m = _HAZARD_ACCESS.search(line)
+        if m and kind is not None:
+            accesses.append((_PARAM_LIST.sub("", m.group(2).strip()), f"{m.group(1)} +{m.group(3)}"))
+            if len(accesses) == 2:
+                kernel = accesses[0][0] if accesses[0][0] == accesses[1][0] else " / ".join(a[0] for a in accesses)
+                key = f"{kind} {kernel}: {accesses[0][1]}, {accesses[1][1]}"
+                sites[key] = sites.get(key, 0) + 1
+                kind = None
+    return sorted(((n, k) for k, n in sites.items()), key=lambda x: -x[0])
+
+
 def shard(cases: list[Case], indices: list[int], n: int) -> list[list[int]]:
     """Split case indices into n shards of similar cost (longest first, onto the cheapest shard)."""
     shards: list[list[int]] = [[] for _ in range(max(1, min(n, len(indices))))]
@@ -1162,6 +1190,11 @@ def sanitize(args) -> int:
         print(f"\n{tool}: first findings (full logs: {out_dir}/{tool}-*.log)")
         for line in findings[:40]:
             print(f"  {line}")
+        sites = hazard_sites(findings)
+        if sites:
+            print(f"{tool}: {len(sites)} distinct hazard sites (hazard, kernel: the two accesses' program counters)")
+            for n, site in sites[:20]:
+                print(f"  {n:>7} x {site}")
         for line in mismatches[:20]:
             print(f"  MISMATCH {line}")
     return 1 if failed else 0

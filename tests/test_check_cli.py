@@ -179,6 +179,31 @@ def test_parse_racecheck_summary_counts_errors_and_warnings():
     assert any("Race reported" in line for line in parsed["findings"])
 
 
+HAZARD_LOG = """\
+========= Error: Potential RAW hazard detected at __shared__ 0xa40 in block (12,0,0) :
+=========     Write Thread (144,0,0) at void cuflash::k<cuflash::T<(int)128, cuflash::f16>, (bool)0>(cuflash::P)+0x4920
+=========     Read Thread (320,0,0) at void cuflash::k<cuflash::T<(int)128, cuflash::f16>, (bool)0>(cuflash::P)+0x5030
+=========     Current Value : 114
+========= Error: Potential RAW hazard detected at __shared__ 0xa41 in block (12,0,0) :
+=========     Write Thread (145,0,0) at void cuflash::k<cuflash::T<(int)128, cuflash::f16>, (bool)0>(cuflash::P)+0x4920
+=========     Read Thread (321,0,0) at void cuflash::k<cuflash::T<(int)128, cuflash::f16>, (bool)0>(cuflash::P)+0x5030
+=========     Current Value : 24
+========= Error: Potential WAR hazard detected at __shared__ 0x1c400 in block (0,1,0) :
+=========     Read Thread (156,0,0) at void cuflash::k<cuflash::T<(int)64, cuflash::f16>, (bool)1>(cuflash::P)+0x1740
+=========     Write Thread (0,0,0) at void cuflash::k<cuflash::T<(int)64, cuflash::f16>, (bool)1>(cuflash::P)+0x5150
+DRIVER DONE 1 cases, 0 with problems
+========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)
+"""
+
+
+def test_hazard_sites_group_findings_by_instruction_pair():
+    sites = check.hazard_sites(check.parse_log(HAZARD_LOG)["findings"])
+    assert sites == [
+        (2, "RAW cuflash::k<cuflash::T<(int)128, cuflash::f16>, (bool)0>: Write +0x4920, Read +0x5030"),
+        (1, "WAR cuflash::k<cuflash::T<(int)64, cuflash::f16>, (bool)1>: Read +0x1740, Write +0x5150")]
+    assert check.hazard_sites(check.parse_log(RACECHECK_LOG)["findings"]) == []  # no per-access lines to group
+
+
 def test_tool_options_only_use_flags_the_sanitizer_lists():
     help_text = "--error-exitcode <number>\n--print-limit <number>\n--racecheck-report <mode>\n"
     assert check.tool_options("racecheck", help_text) == ["--error-exitcode", "99", "--print-limit", "200",
