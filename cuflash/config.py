@@ -754,8 +754,8 @@ class BwdSm90WsConfig(BwdSm90Config):
     `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's tiles
     (block_m 64, block_n 128: two consumer warpgroups of 64 keys, the fields it inherits) and math, plus a TMA
     producer warpgroup (384 threads, 1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator
-    order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer counts it as bwd_sm90_kernel:
-    the same tiles, operand reads and HBM bytes (its loads are TMA copies, its dQ adds bulk reductions)."""
+    order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer walks it on its own
+    (simulator/banks.py bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -767,7 +767,7 @@ class BwdSm90WsConfig(BwdSm90Config):
     stages = 2  # of (Q, dO, lse_log2, delta)
 
     def sync_equivalent(self) -> BwdSm90Config:
-        """bwd_sm90_kernel's config with the same tiles: what the analyzer counts for this kernel."""
+        """bwd_sm90_kernel's config with the same tiles (the synchronous kernel this one is measured against)."""
         return BwdSm90Config(self.head_dim, self.block_m, self.block_n, self.ctas_per_sm, self.dtype, self.causal,
                              self.deterministic, self.mods)
 

@@ -1,11 +1,12 @@
 """Shared-memory bank conflicts: the hardware rule for one warp instruction, and walks over every
 shared-memory instruction that fwd_kernel, bwd_kernel and bwd_dq_kernel (cuda/*.cuh) issue, and over the
-thread-issued ones of the Hopper kernels fwd_sm90_kernel, fwd_sm90_ws_kernel and bwd_sm90_kernel (cp.async,
-st.shared, ld.shared). Those kernels' tensor-core operand reads (wgmma from shared-memory descriptors) are no
+thread-issued ones of the Hopper kernels fwd_sm90_kernel, fwd_sm90_ws_kernel, bwd_sm90_kernel and
+bwd_sm90_ws_kernel (cp.async, st.shared, ld.shared). Those kernels' tensor-core operand reads (wgmma from shared-memory descriptors) are no
 thread instructions: the walks report their bytes apart (roles *_wgmma, SharedWalk.wgmma_read_bytes) with no
 bank model, and ncu counts them as neither LDS nor LDSM (it has HGMMA counters of their own, `..._op_gmma`).
-Likewise the TMA loads of fwd_sm90_ws_kernel (roles *_tma, SharedWalk.tma_write_bytes): the TMA unit writes
-whole boxes into shared memory, no LSU instruction, no bank model.
+Likewise the TMA loads of the warp-specialized kernels (roles *_tma, and the backward's 1-D bulk copies:
+SharedWalk.tma_write_bytes): the TMA unit writes whole boxes into shared memory, no LSU instruction, no bank
+model; and the backward's bulk reductions, which read its dQ buffer (SharedWalk.bulk_read_bytes).
 
 The rule (docs/IO_ANALYSIS.md; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
@@ -528,6 +529,34 @@ BWD_SM90_ROLES = {
     "dv_read": ("ld128", "LDS"),
 }
 
+# bwd_sm90_ws_kernel (cuda/bwd_sm90_ws.cuh), in program order: bwd_sm90_kernel's math on two consumer warpgroups
+# (8 warps), its loads by one producer thread through TMA (K, V once; Q, dO per visited query block: one box per
+# swizzle panel, the whole box written) and 1-D bulk copies (lse_log2, delta: BLOCK_M floats each), dS^T in two
+# buffers (visit k uses buffer k % 2, as its stage), and dQ through a shared fp32 buffer (16-byte stores in the
+# consumers' accumulator order) that one bulk reduction per visit adds into dQ_acc (the bulk engine reads the whole
+# buffer: no LSU instruction, no bank model). No cp.async.
+BWD_SM90_WS_ROLES = {
+    "k_tma": ("tma", "UTMALDG"),  # K_j, V_j once per CTA
+    "v_tma": ("tma", "UTMALDG"),
+    "q_tma": ("tma", "UTMALDG"),  # Q_i, dO_i per visited query block
+    "do_tma": ("tma", "UTMALDG"),
+    "vec_bulk": ("tma", "UBLKCP"),  # lse_log2_i and delta_i: two 1-D bulk copies
+    "st_wgmma": ("wgmma", "HGMMA"),
+    "dpt_wgmma": ("wgmma", "HGMMA"),
+    "lse_load": ("ld64", "LDS"),
+    "delta_load": ("ld64", "LDS"),
+    "dv_wgmma": ("wgmma", "HGMMA"),
+    "dk_wgmma": ("wgmma", "HGMMA"),
+    "ds_store": ("st32", "STS"),  # dS^T into buffer k % 2, unless deterministic
+    "dq_wgmma": ("wgmma", "HGMMA"),
+    "dq_store": ("st128", "STS"),  # dQ_i into the dQ buffer, unless deterministic
+    "dq_bulk": ("tma", "UBLKRED"),  # the dQ buffer read by the bulk reduction into dQ_acc, unless deterministic
+    "dk_store": ("st32", "STS"),  # epilogue: dK into the K tile, dV into the V tile (the 8 consumer warps)
+    "dv_store": ("st32", "STS"),
+    "dk_read": ("ld128", "LDS"),  # store_tile of dK, dV by the 256 consumer threads
+    "dv_read": ("ld128", "LDS"),
+}
+
 # fwd_sm90_ws_kernel (cuda/fwd_sm90_ws.cuh), in program order. One producer thread issues the TMA loads
 # (cp.async.bulk.tensor, SASS UTMALDG): each writes one 64-column x ROWS box, the 128-byte swizzled panel of
 # SmemTile, and every box byte lands in shared memory (rows past seqlen and columns past head_dim as zeros; the
@@ -547,6 +576,8 @@ FWD_SM90_WS_ROLES = {
 SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")  # the shared-memory instructions threads issue
 TENSOR_CLASS = "HGMMA"  # wgmma operand reads (tensor core, through descriptors)
 TMA_CLASS = "UTMALDG"  # TMA tile loads global -> shared (the TMA unit writes shared memory, no thread does)
+BULK_COPY_CLASS = "UBLKCP"  # 1-D bulk copies global -> shared (cp.async.bulk)
+BULK_READ_CLASS = "UBLKRED"  # bulk reductions shared -> global (cp.reduce.async.bulk): read shared memory
 
 
 @dataclass
@@ -580,15 +611,21 @@ class SharedWalk:
         return self.by_sass(TENSOR_CLASS).bytes
 
     @property
+    def bulk_read_bytes(self) -> int:
+        """Shared-memory bytes the bulk-copy engine reads (cp.reduce.async.bulk, SASS UBLKRED: the ws backward's dQ
+        buffer; 0 elsewhere). No thread instruction: no bank rule."""
+        return self.by_sass(BULK_READ_CLASS).bytes
+
+    @property
     def read_bytes(self) -> int:
-        """Every byte read from shared memory: thread instructions plus wgmma operands."""
-        return self.thread_read_bytes + self.wgmma_read_bytes
+        """Every byte read from shared memory: thread instructions, wgmma operands and bulk reductions."""
+        return self.thread_read_bytes + self.wgmma_read_bytes + self.bulk_read_bytes
 
     @property
     def tma_write_bytes(self) -> int:
-        """Shared-memory bytes the TMA unit writes (whole boxes, zero-filled rows included; 0 without TMA). No
-        thread instruction: no bank rule, and the l1tex LSU shared counters do not see them."""
-        return self.by_sass(TMA_CLASS).bytes
+        """Shared-memory bytes the TMA unit writes (whole boxes, zero-filled rows included, and 1-D bulk copies; 0
+        without TMA). No thread instruction: no bank rule, and the l1tex LSU shared counters do not see them."""
+        return self.by_sass(TMA_CLASS).bytes + self.by_sass(BULK_COPY_CLASS).bytes
 
     @property
     def write_bytes(self) -> int:
@@ -1138,6 +1175,8 @@ def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
     A CTA that no query sees (m_begin >= m_end) zero-fills dK, dV in global memory and issues nothing
     shared; otherwise K and V copies, one visit per query block (visit k on stage k % 2: the Q, dO,
     lse_log2, delta copies and bwd_query_block), then the dK/dV staging and stores of its valid keys."""
+    if isinstance(cfg, _config.BwdSm90WsConfig):
+        return bwd_sm90_ws_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if isinstance(cfg, _config.BwdSm90Config):
         return bwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if not isinstance(cfg, _config.BwdConfig):
@@ -1148,7 +1187,7 @@ def bwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
 
 
 def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seqlen_q, seqlen_k, head_dim,
-                   causal_skip, window, fences_per_visit: int = 0) -> SharedWalk:
+                   causal_skip, window, fences_per_visit: int = 0, thread_copies: bool = True) -> SharedWalk:
     """Shared driver of the K/V-outer kernels (bwd_kernel, bwd_sm90_kernel): per live CTA the per-CTA roles
     of its valid keys (cta_stats(cfg, keys, d)), per visit the per-visit roles of stage visit % 2. Guard
     LDS: prologue K, V, Q, dO (+ the lse/delta copy, `if (tid < 2 * BLOCK_M / 4)`: its own block, run by
@@ -1169,6 +1208,8 @@ def _kv_outer_walk(cfg, role_table, cta_stats, per_cta_roles, batch, heads, seql
             n = int(((visits - s + 1) // 2).sum()) * batch * heads  # visit % 2 == s
             for r, st in per_visit[s].items():
                 walk.roles[r].add(st, n)
+    if not thread_copies:  # TMA loads: no cp.async blocks, and ptxas puts no guard LDS before these fences
+        return walk
     pc = getattr(cfg, "panel_cols", None)  # BwdSm90Config: 64-byte panels at HEAD_DIM 64
     q, kv = (cfg.block_m, cfg.head_dim, pc), (cfg.block_n, cfg.head_dim, pc)
     warps = cfg.threads // WARP
@@ -1209,10 +1250,8 @@ class BwdSm90Layout:
 
 
 def as_sync(cfg):
-    """The config the analyzer counts for `cfg`: bwd_sm90_ws_kernel (config.BwdSm90WsConfig) as bwd_sm90_kernel with
-    the same tiles (the same wgmma operand reads, tiles and HBM bytes; what it does not model: its loads are TMA
-    copies, not thread cp.async, its dQ goes through a shared buffer and bulk reductions, not red.add), any other
-    config itself."""
+    """bwd_sm90_kernel's config with the tiles of `cfg` (a BwdSm90WsConfig: the synchronous kernel with the same
+    tiles, whose layout, addresses and wgmma reads the ws walk builds on), any other config itself."""
     return cfg.sync_equivalent() if isinstance(cfg, _config.BwdSm90WsConfig) else cfg
 
 
@@ -1324,3 +1363,102 @@ def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
     head_dim = _check_head_dim(cfg, head_dim)
     return _kv_outer_walk(cfg, BWD_SM90_ROLES, bwd_sm90_cta_stats, BWD_SM90_PER_CTA_ROLES, batch, heads, seqlen_q,
                           seqlen_k, head_dim, causal_skip, window, fences_per_visit=1 if cfg.deterministic else 2)
+
+
+# ---- bwd_sm90_ws_kernel (Hopper: TMA producer, two consumer warpgroups, dQ by bulk reductions) -------------
+
+@dataclass(frozen=True)
+class BwdSm90WsLayout:
+    """The constants of BwdSm90WsTraits (cuda/bwd_sm90_ws.cuh) for one BwdSm90WsConfig: bwd_sm90_kernel's K, V,
+    2 stages of (Q, dO) and dS^T (`base`), then a second dS^T buffer, the fp32 dQ buffer, 2 stages of (lse_log2,
+    delta) and 5 mbarriers."""
+
+    base: BwdSm90Layout
+    panels: int  # TMA boxes per 16-bit tile: HEAD_DIM / PANEL_COLS
+    dq_tiles: int  # n8 tiles of dQ per consumer (DQ_COLS / 8)
+    smem_dq: int
+    off_dq: int
+    off_lse: int  # + stage * 2 * rowvec
+    off_delta: int
+    off_bar: int
+    smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
+
+
+def bwd_sm90_ws_layout(cfg) -> BwdSm90WsLayout:
+    B = bwd_sm90_layout(cfg)
+    smem_dq = cfg.block_m * cfg.head_dim * 4
+    off_dq = B.off_ds + 2 * B.smem_ds
+    off_lse = off_dq + smem_dq
+    off_bar = off_lse + 4 * B.rowvec
+    return BwdSm90WsLayout(base=B, panels=cfg.head_dim // B.panel_cols, dq_tiles=B.dq_cols // 8, smem_dq=smem_dq,
+                           off_dq=off_dq, off_lse=off_lse, off_delta=off_lse + B.rowvec, off_bar=off_bar,
+                           smem_bytes=off_bar + 8 * 5 + 1024)
+
+
+def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict:
+    """Byte addresses of the thread-issued shared instructions of one CTA of bwd_sm90_ws_kernel (the 8 consumer
+    warps; consumer warp w owns keys 16w .. 16w + 15), per role: the float2 lse_log2 / delta loads of `stage`, unless
+    deterministic the dS^T stores into buffer `stage` (visit k uses stage and buffer k % 2) and the dQ buffer's
+    16-byte stores (consumer cwg's thread c writes n8 tile dt at float4 (cwg * DQ_TILES + dt) * 128 + c), and the
+    epilogue (dK, dV staging; store_tile by the 256 consumer threads)."""
+    L = bwd_sm90_ws_layout(cfg)
+    B = L.base
+    hd, bm, bn, pc, nw = cfg.head_dim, cfg.block_m, cfg.block_n, B.panel_cols, 8
+    qt = np.arange(bm // 8).reshape(-1, 1)
+    out = {"lse_load": _per_warp(L.off_lse + stage * 2 * B.rowvec + (qt * 8 + 2 * (_L & 3)) * 4, nw),
+           "delta_load": _per_warp(L.off_delta + stage * 2 * B.rowvec + (qt * 8 + 2 * (_L & 3)) * 4, nw)}
+    key_row0 = (np.arange(nw) * 16).reshape(-1, 1, 1, 1)
+    if not cfg.deterministic:
+        r = _ax(4, 2, 4)
+        out["ds_store"] = accumulator_store_addresses(B.off_ds + stage * B.smem_ds, bn, bm, key_row0 + (r & 1) * 8,
+                                                      _ax(bm // 16, 1, 4) * 16 + (r >> 1) * 8)
+        ctid = (np.arange(nw) * WARP).reshape(-1, 1, 1) + _L.reshape(1, 1, -1)
+        dt = np.arange(L.dq_tiles).reshape(1, -1, 1)
+        out["dq_store"] = L.off_dq + ((ctid // 128 * L.dq_tiles + dt) * 128 + ctid % 128) * 16
+    rows, cols = key_row0[..., 0] + 8 * _ax(2, 1, 3), _ax(hd // 8, 2, 3) * 8
+    out["dk_store"] = accumulator_store_addresses(B.off_k, bn, hd, rows, cols, pc)
+    out["dv_store"] = accumulator_store_addresses(B.off_v, bn, hd, rows, cols, pc)
+    out["dk_read"] = copy_addresses(256, bn, hd, B.off_k, keys, head_dim, panel_cols=pc)
+    out["dv_read"] = copy_addresses(256, bn, hd, B.off_v, keys, head_dim, panel_cols=pc)
+    return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
+
+
+BWD_SM90_WS_PER_CTA_ROLES = ("k_tma", "v_tma", "dk_store", "dv_store", "dk_read", "dv_read")
+
+
+@lru_cache(maxsize=256)
+def bwd_sm90_ws_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-visit stats per stage) of bwd_sm90_ws_kernel; cached, do not modify. Per visit: Q_i and
+    dO_i (PANELS boxes of SMEM_Q bytes each), lse_log2_i and delta_i (two bulk copies of BLOCK_M floats), the
+    thread instructions of bwd_sm90_ws_addresses, the wgmma operand reads of bwd_sm90_kernel, and unless
+    deterministic the bulk reduction's read of the dQ buffer."""
+    L = bwd_sm90_ws_layout(cfg)
+    B = L.base
+    bulk = {"q_tma": tma_stats(L.panels, B.smem_q), "do_tma": tma_stats(L.panels, B.smem_q),
+            "vec_bulk": tma_stats(2, 2 * B.rowvec)}
+    if not cfg.deterministic:
+        bulk["dq_bulk"] = tma_stats(1, L.smem_dq)
+    per_visit = []
+    for stage in range(2):
+        addrs = bwd_sm90_ws_addresses(cfg, stage)
+        stats = {r: _stats(BWD_SM90_WS_ROLES[r][0], a) for r, a in addrs.items() if r not in BWD_SM90_WS_PER_CTA_ROLES}
+        per_visit.append(stats | bulk | bwd_sm90_wgmma(cfg))
+    addrs = bwd_sm90_ws_addresses(cfg, 0, keys, head_dim)
+    per_cta = {r: _stats(BWD_SM90_WS_ROLES[r][0], addrs[r]) for r in ("dk_store", "dv_store", "dk_read", "dv_read")}
+    per_cta["k_tma"] = tma_stats(L.panels, B.smem_kv)
+    per_cta["v_tma"] = tma_stats(L.panels, B.smem_kv)
+    return per_cta, per_visit
+
+
+def bwd_sm90_ws_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int | None = None,
+                              causal_skip: bool = True, window=None) -> SharedWalk:
+    """Every shared-memory access of bwd_sm90_ws_kernel<cfg> over bwd_sm90_kernel's grid and query-block walk: per
+    live CTA the K, V TMA loads and the epilogue, per visit the TMA / bulk loads, the thread instructions (walked
+    with the bank rule), the wgmma operand reads and the dQ bulk reduction (bwd_sm90_ws_cta_stats). No cp.async:
+    no guard LDS (the NVRTC 13.0 SASS has none before its fence.proxy.async either). The mbarrier operations are
+    SYNCS instructions, not counted."""
+    if not isinstance(cfg, _config.BwdSm90WsConfig):
+        raise TypeError(f"cfg must be a cuflash.config.BwdSm90WsConfig, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    return _kv_outer_walk(cfg, BWD_SM90_WS_ROLES, bwd_sm90_ws_cta_stats, BWD_SM90_WS_PER_CTA_ROLES, batch, heads,
+                          seqlen_q, seqlen_k, head_dim, causal_skip, window, thread_copies=False)

@@ -620,11 +620,15 @@ def test_bwd_instruction_counts_and_conflicts(hd, det):
 # ---- the wgmma kernels: fwd_sm90_kernel and bwd_sm90_kernel ------------------------------------------
 
 SM90_FWD = [c for c in config.all_fwd_configs() if isinstance(c, config.FwdSm90Config)]
-SM90_BWD = [c for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90Config)]
+# the synchronous wgmma backward with the shipped tiles (the library launches the warp-specialized kernel, which
+# has the same tiles, at those head dims: SM90_BWD_WS)
+SM90_BWD = list(dict.fromkeys(c.sync_equivalent() if isinstance(c, config.BwdSm90WsConfig) else c
+                              for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90Config)))
+SM90_BWD_WS = [c for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90WsConfig)]
 
 
 def test_the_h100_config_lists_hold_wgmma_kernels():
-    assert SM90_FWD and SM90_BWD, "all_fwd_configs / all_bwd_configs list the sm_90a wgmma kernels"
+    assert SM90_FWD and SM90_BWD and SM90_BWD_WS, "all_fwd_configs / all_bwd_configs list the sm_90a wgmma kernels"
     assert not any(isinstance(c, config.FwdSm90Config) for c in config.all_fwd_configs("sm_80"))
 
 
@@ -781,6 +785,37 @@ def test_bwd_sm90_stores_and_vector_loads_are_conflict_free(cfg):
     ds_stores = 0 if cfg.deterministic else visits * cfg.num_warps * cfg.block_m // 4
     assert walk.roles["ds_store"].instructions == ds_stores
     assert walk.by_sass("LDSM").instructions == 0
+
+
+@pytest.mark.parametrize("cfg", SM90_BWD_WS, ids=_cfg_id)
+def test_bwd_sm90_ws_walk(cfg):
+    """bwd_sm90_ws_kernel: its layout is the config's shared-memory size; every thread instruction conflict-free
+    (the float2 lse / delta loads 2 wavefronts, the dQ buffer's 16-byte stores and store_tile's loads 4); per visit
+    Q, dO through TMA (whole boxes) and lse_log2, delta by bulk copy, per live CTA K, V; the bulk reduction reads
+    the dQ buffer once per visit; the wgmma operand reads and the dS^T / epilogue stores are bwd_sm90_kernel's
+    (same tiles), and no cp.async, no ldmatrix, no guard LDS."""
+    L = banks.bwd_sm90_ws_layout(cfg)
+    assert L.smem_bytes == cfg.smem_bytes
+    walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1000)
+    sync = banks.bwd_kernel_shared(cfg.sync_equivalent(), 1, 2, 1024, 1000)
+    m_begin, m_end = bwd_query_blocks(cfg, 1024, 1000)
+    n_visits = np.maximum(m_end - m_begin, 0)
+    visits, ctas = 2 * int(n_visits.sum()), 2 * int((n_visits > 0).sum())
+    assert walk.conflicts == 0 and walk.guard_lds == 0
+    assert walk.by_sass("LDSM").instructions == walk.by_sass("LDGSTS").instructions == 0
+    for role in ("lse_load", "delta_load"):
+        s = walk.roles[role]
+        assert s.instructions == visits * 8 * cfg.block_m // 8 and s.wavefronts == 2 * s.instructions
+    for role in ("dk_read", "dv_read") + (() if cfg.deterministic else ("dq_store",)):
+        s = walk.roles[role]
+        assert s.instructions > 0 and s.wavefronts == 4 * s.instructions, f"{role}: {s}"
+    dq = 0 if cfg.deterministic else visits * L.smem_dq
+    assert walk.roles["dq_store"].instructions == (0 if cfg.deterministic else visits * 8 * L.dq_tiles)
+    assert walk.roles["dq_store"].bytes == walk.bulk_read_bytes == dq
+    assert walk.tma_write_bytes == visits * 2 * (L.base.smem_q + L.base.rowvec) + ctas * 2 * L.base.smem_kv
+    for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
+        assert walk.roles[role] == sync.roles[role], role
+    assert walk.read_bytes == sync.read_bytes + dq
 
 
 @pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)
