@@ -21,6 +21,9 @@
 #   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
 #   tune_decode   tools/tune_decode.py $TUNE_DECODE_ARGS (decode pipeline depth and split factor)
+#   families      tools/bench_bwd_families.py $FAMILIES_ARGS (backward kernel families side by side)
+#   racecheck_ws  racecheck alone over the head-dim-64/128 16-bit cases (the Hopper ws backward), with its
+#                 distinct hazard sites
 #   (TESTS_PATHS narrows tests/tests_mma to some files, e.g. "tests/test_gpu_kvcache.py")
 set -u
 OUT="${OUT:-/tmp/out}"
@@ -106,6 +109,11 @@ stage_ncu() {
 stage_overhead() { TAIL="${OVERHEAD_TAIL:-5}" run_logged overhead 120 $PY tools/launch_overhead.py ${OVERHEAD_ARGS:-}; }
 stage_tune_decode() { TAIL=60 run_logged tune_decode "${TUNE_TIMEOUT:-240}" $PY tools/tune_decode.py ${TUNE_DECODE_ARGS:-}; }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
+stage_families() { TAIL=16 run_logged families 180 $PY tools/bench_bwd_families.py ${FAMILIES_ARGS:-}; }
+stage_racecheck_ws() {
+  TAIL=30 run_logged racecheck_ws 240 $PY -m cuflash.check sanitize --tools racecheck --only 'd(64|128)-(fp16|bf16)' \
+    --out /tmp/racecheck_ws --deadline 200
+}
 
 for stage in "$@"; do
   t0=$(date +%s)
