@@ -4,6 +4,10 @@
     python -m cuflash.bench --backward --dtype bf16          # + bwd and fwd+bwd
     python -m cuflash.bench --seqlen 4096 --head-dim 128 --causal yes --json out.json --plot out.png
     python -m cuflash.bench --bias                           # additive bias and its gradient (Evoformer, LLM)
+    python -m cuflash.bench --ring                           # ring attention over this node's GPUs vs one GPU
+
+--ring hands its other options to cuflash.distributed.bench (python -m cuflash.distributed.bench --help): one
+process per GPU, context-parallel forward + backward at N 128k .. 1M against the same attention on one GPU.
 
 Shapes are the FlashAttention benchmark's: batch = 16384 // N, heads = 2048 // D (16k tokens, hidden 2048).
 FLOPs: fwd = 4 * B * H * N^2 * D, halved when causal; bwd = 2.5 x fwd; fwd+bwd = 3.5 x fwd.
@@ -1870,6 +1874,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_seconds, default=None, metavar="S",
                    help="start no new shape after S seconds (default mode; the rest are reported skipped)")
     mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--ring", action="store_true",
+                      help="ring attention over this node's GPUs against one GPU (options: python -m "
+                           "cuflash.distributed.bench --help)")
     mode.add_argument("--decode", action="store_true",
                       help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
     mode.add_argument("--varlen", action="store_true",
@@ -1918,6 +1925,11 @@ def resolve_defaults(args):
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--ring" in argv:  # its own options and processes: cuflash.distributed.bench
+        from .distributed import bench as ring_bench
+
+        return ring_bench.launch([a for a in argv if a != "--ring"])
     parser = build_parser()
     args = resolve_defaults(parser.parse_args(argv))
     allowed = BIAS_METHODS if args.bias else METHODS

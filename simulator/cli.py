@@ -7,6 +7,8 @@
   cuflash-sim plot hbm-vs-n --causal --window 1024 0 --out docs/img/hbm_vs_n_window.png
   cuflash-sim plot hbm-vs-n --dtype fp16 fp32 --strategy fa2 --strategy cuflash --out hbm_vs_n_fp32.png
   cuflash-sim plot block-size --out docs/img/block_size.png
+  cuflash-sim ring --world-size 2 --seqlen 131072 1048576 --heads 16 --head-dim 128 --causal
+  cuflash-sim plot ring --world-size 2 --out docs/img/ring_bandwidth.png
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from .model import (
     STRATEGIES,
     Problem,
 )
+from .ring import LINKS, plot_ring, ring_counts, ring_time, step_time_ratio
 from .schedules import DEFAULT_KERNELS
 from .strategies import simulate
 
@@ -141,6 +144,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_problem_args(hv, seqlen_default=DEFAULT_PLOT_SEQLENS, head_dim=64, batch=1, heads=1, several_dtypes=True)
     _add_block_args(hv)
     _add_kernels_arg(hv)
+    rp = psub.add_parser("ring", help="ring attention: per-step transfer time / compute time against N, per link")
+    rp.add_argument("--out", required=True, metavar="FILE.png")
+    _add_ring_args(rp, [2 ** i for i in range(12, 21)])
+    rg = sub.add_parser("ring", help="ring attention (cuflash.distributed): bytes sent and FLOPs per rank per step")
+    _add_ring_args(rg, [131072, 262144, 524288, 1048576])
+    rg.add_argument("--backward", action="store_true", help="the backward's exchanges and FLOPs")
+    rg.add_argument("--link-gbps", type=float, default=None, metavar="GB/S",
+                    help="link bandwidth per direction for the time model (default: each of PCIe 4, PCIe 5, NVLink 4)")
     bs = psub.add_parser("block-size", help="traffic and a runtime model against the block size (paper Fig. 2 middle)")
     bs.add_argument("--out", required=True, metavar="FILE.png")
     bs.add_argument("--blocks", type=_positive_int, nargs="+", default=[16, 32, 64, 128, 256, 512], metavar="BC")
@@ -224,6 +235,37 @@ def _config_title(args, n=None) -> str:
     dtype = args.dtype if isinstance(args.dtype, str) else "/".join(args.dtype)
     return (f"{direction}, {seq}d={args.head_dim}, batch={args.batch}, "
             f"heads={args.heads}, {dtype}, {mask}{kernels}")
+
+
+def _add_ring_args(p: argparse.ArgumentParser, seqlens):
+    p.add_argument("--world-size", type=_positive_int, default=2, metavar="P", help="GPUs in the ring (default 2)")
+    p.add_argument("--seqlen", type=_positive_int, nargs="+", default=seqlens, metavar="N", help="global lengths")
+    p.add_argument("--batch", type=_positive_int, default=1)
+    p.add_argument("--heads", type=_positive_int, default=16, help="query heads (default 16)")
+    p.add_argument("--heads-kv", type=_positive_int, default=None, help="key/value heads (default: --heads)")
+    p.add_argument("--head-dim", type=_positive_int, default=128)
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True, help="(default: causal, zigzag)")
+    p.add_argument("--tflops", type=float, default=450.0,
+                   help="kernel rate for the time model, TFLOP/s (default 450: cuflash's bf16 D 128 causal fwd+bwd "
+                        "on an H100 is of that order)")
+
+
+def run_ring(args) -> None:
+    links = {f"{args.link_gbps:g} GB/s": args.link_gbps * 1e9} if args.link_gbps else LINKS
+    heads_kv = args.heads_kv or args.heads
+    print(f"ring of {args.world_size}: B={args.batch} H_q={args.heads} H_kv={heads_kv} D={args.head_dim} "
+          f"{'causal zigzag' if args.causal else 'not causal'}, bf16 K/V, float32 dK/dV sums, "
+          f"{'backward' if args.backward else 'forward'}; kernels at {args.tflops:g} TFLOP/s")
+    print(f"{'N':>9} {'exch':>4} {'bytes/exch':>10} {'GFLOP/rank':>10} " +
+          " ".join(f"{'xfer/compute ' + name.split(' (')[0]:>24}" for name in links))
+    for n in args.seqlen:
+        c = ring_counts(n, args.world_size, batch=args.batch, heads_q=args.heads, heads_kv=heads_kv,
+                        head_dim=args.head_dim, causal=args.causal, backward=args.backward)
+        ratios = " ".join(f"{step_time_ratio(c, args.tflops * 1e12, bw):>12.3f} "
+                          f"({ring_time(c, args.tflops * 1e12, bw) * 1e3:>8.1f} ms)" for bw in links.values())
+        sent = c.sent_bytes
+        print(f"{n:>9} {len(sent):>4} {_human(max(sent) if sent else 0):>10} "
+              f"{max(c.flops_per_rank) / 1e9:>10.0f} {ratios}")
 
 
 def plot_hbm_vs_n(args) -> None:
@@ -335,6 +377,13 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(_config_title(args))
                 _print_table(records, args.l2_bytes is not None)
+        elif args.command == "ring":
+            run_ring(args)
+        elif args.figure == "ring":
+            plot_ring(args.out, sorted(args.seqlen), args.world_size, batch=args.batch, heads_q=args.heads,
+                      heads_kv=args.heads_kv or args.heads, head_dim=args.head_dim, causal=args.causal,
+                      flops_per_s=args.tflops * 1e12)
+            print(f"wrote {args.out}")
         elif args.figure == "hbm-vs-n":
             plot_hbm_vs_n(args)
             print(f"wrote {args.out}")

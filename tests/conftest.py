@@ -21,7 +21,29 @@ def gpu_status() -> tuple[bool, str]:
     return False, "no CUDA GPU: cupy.is_available() is False (run `python -m pytest -m gpu` on a GPU machine)"
 
 
+@functools.lru_cache(maxsize=None)
+def multigpu_status() -> tuple[bool, str]:
+    """(usable, why not): two or more GPUs and NCCL loadable by CuPy."""
+    usable, reason = gpu_status()
+    if not usable:
+        return False, reason
+    import cupy
+    from cupy.cuda import nccl
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if count < 2:
+        return False, f"needs two or more GPUs; this machine has {count}"
+    if not nccl.available:
+        return False, "CuPy cannot load NCCL: pip install 'cuflash[distributed]'"
+    return True, ""
+
+
 def pytest_collection_modifyitems(config, items):
+    multi = [item for item in items if "multigpu" in item.keywords]
+    if multi:
+        usable, reason = multigpu_status()
+        for item in multi if not usable else ():
+            item.add_marker(pytest.mark.skip(reason=reason))
     gpu_items = [item for item in items if "gpu" in item.keywords or "gpu_slow" in item.keywords]
     if not gpu_items:
         return

@@ -24,6 +24,9 @@
 #   families      tools/bench_bwd_families.py $FAMILIES_ARGS (backward kernel families side by side)
 #   racecheck_ws  racecheck alone over the head-dim-64/128 16-bit cases (the Hopper ws backward), with its
 #                 distinct hazard sites
+#   ring_env      a light env for the ring stages: install, versions, NCCL, the GPUs' topology (no kernel cache fill)
+#   ring          the one-GPU ring tests (tests/test_gpu_ring.py) and the multi-GPU ones (-m multigpu)
+#   bench_ring    python -m cuflash.bench --ring $RING_ARGS (context-parallel scaling against one GPU; JSON kept)
 #   (TESTS_PATHS narrows tests/tests_mma to some files, e.g. "tests/test_gpu_kvcache.py")
 set -u
 OUT="${OUT:-/tmp/out}"
@@ -100,6 +103,28 @@ stage_bench_bias() {
   TAIL=40 run_logged bench_bias "${BIAS_TIMEOUT:-400}" $PY -m cuflash.bench --bias ${BIAS_ARGS:-} --json "$OUT/bench_bias.json"
 }
 stage_bench_varlen() { TAIL=12 run_logged bench_varlen 180 $PY -m cuflash.bench --varlen; }
+stage_ring_env() {
+  {
+    date -u
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    nvidia-smi topo -m
+    env | grep -E '^NCCL_|MULTICAST|NVLS' | sort
+    $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    $PY -c "import cupy, cuflash; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.available, \
+nccl.get_version() if nccl.available else '-', 'gpus', cupy.cuda.runtime.getDeviceCount())"
+  } > "$LOGS/ring_env.txt" 2>&1
+  tail -3 "$LOGS/ring_env.txt" >> "$summary"
+}
+stage_ring() {
+  TAIL=4 run_logged ring_gpu "${RING_TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 4 -p no:cacheprovider -rfEs \
+    --tb=short tests/test_gpu_ring.py
+  TAIL=4 run_logged ring_multigpu "${RING_TESTS_TIMEOUT:-300}" $PY -m pytest -q -m multigpu -p no:cacheprovider -rfEs \
+    --tb=short tests/test_multigpu_ring.py
+}
+stage_bench_ring() {
+  TAIL=12 run_logged bench_ring "${RING_BENCH_TIMEOUT:-420}" $PY -m cuflash.bench --ring ${RING_ARGS:-} \
+    --json "$OUT/bench_ring.json"
+}
 stage_ncu() {
   TAIL=3 run_logged ncu "${NCU_TIMEOUT:-500}" $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" \
     --raw-dir /tmp/ncu_raw --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 120 \

@@ -1,0 +1,87 @@
+"""One rank of tests/test_multigpu_ring.py, started by `python -m cuflash.distributed.launch`: ring attention over
+the GPUs of the job against (a) the unsharded problem in float64 by the pass rule and (b) the one-process
+simulation of the same ring on this GPU, bit for bit (forward, and the backward with deterministic=True). Writes
+rank<R>.json with one record per case into the directory given as the first argument."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import cupy as cp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import cuflash.distributed as cfd  # noqa: E402
+from cuflash import _xpref  # noqa: E402
+from gpu_helpers import max_abs, randn, same_bits, seed_of  # noqa: E402
+
+CASES = [  # causal, sharding, layout, dtype, head dim, (H_q, H_kv), chunk length
+    (True, "zigzag", "bshd", "bf16", 128, (4, 4), 256),
+    (False, "zigzag", "bhsd", "fp16", 64, (4, 2), 200),
+    (True, "contiguous", "bshd", "bf16", 64, (4, 4), 128),
+]
+
+
+def rule(got, ref64, lowp, factor):
+    err, bound = max_abs(got - ref64), factor * max_abs(lowp - ref64) + 1e-5
+    return {"err": err, "bound": bound, "finite": bool(cp.isfinite(got).all())}
+
+
+def run_case(group, causal, sharding, layout, dtype, d, heads, chunk):
+    p, r = group.world_size, group.rank
+    b, (h, h_kv) = 2, heads
+    n = 2 * p * chunk
+    seed = seed_of("multigpu", causal, sharding, layout, dtype, d, heads, chunk)
+    full = [randn(s, dtype, seed + i) for i, s in enumerate(((b, n, h, d), (b, n, h_kv, d), (b, n, h_kv, d),
+                                                              (b, n, h, d)))]  # same values on every rank
+    f32 = [_xpref.to_float32(x) for x in full]
+    bits = cp.uint16
+    laid = [x if layout == "bshd" else cp.ascontiguousarray(x.view(bits).transpose(0, 2, 1, 3)).view(x.dtype)
+            for x in full]
+    ax = 1 if layout == "bshd" else 2
+    q, k, v, do = (cfd.shard_sequence(x, r, p, axis=ax, sharding=sharding) for x in laid)
+    kw = dict(causal=causal, sharding=sharding, layout=layout)
+    o, lse = cfd.ring_attention_forward(q, k, v, group, **kw)
+    grads_det = cfd.ring_attention_backward(do, q, k, v, o, lse, group, deterministic=True, **kw)
+    grads = cfd.ring_attention_backward(do, q, k, v, o, lse, group, **kw)
+    # the same ring simulated in this process, this rank's rows
+    o_sim, lse_sim = cfd.simulate_ring_attention_forward(*laid[:3], p, **kw)
+    g_sim = cfd.simulate_ring_attention_backward(laid[3], *laid[:3], o_sim, lse_sim, p, deterministic=True, **kw)
+    mine = lambda x, axis=ax: cfd.shard_sequence(x, r, p, axis=axis, sharding=sharding)  # noqa: E731
+    bshd = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 2, 1, 3))
+    # float64 and low-precision references of the unsharded problem, this rank's rows (bshd order)
+    o64, lse64 = _xpref.attention_forward64(*f32[:3], causal)
+    o_lowp = _xpref.attention_lowp(*f32[:3], dtype, causal)
+    g64 = _xpref.attention_backward64(f32[3], *f32[:3], causal)
+    g_lowp = _xpref.attention_backward_lowp(f32[3], *f32[:3], dtype, causal)
+    rec = {"case": f"P={p} causal={causal} {sharding} {layout} {dtype} D={d} H={h}/{h_kv} N={n}", "rank": r,
+           "o": rule(bshd(_xpref.to_float32(o)), mine(o64, 1), mine(o_lowp, 1), 2.0),
+           "lse_err": max_abs(lse - mine(lse64, 2)),
+           "o_bitwise_sim": same_bits(o, mine(o_sim)), "lse_bitwise_sim": same_bits(lse, mine(lse_sim, 2))}
+    for name, g, gd, gs, ref, lowp in zip(("dq", "dk", "dv"), grads, grads_det, g_sim, g64, g_lowp):
+        rec[name] = rule(bshd(_xpref.to_float32(g)), mine(ref, 1), mine(lowp, 1), 3.0)
+        rec[name + "_det"] = rule(bshd(_xpref.to_float32(gd)), mine(ref, 1), mine(lowp, 1), 3.0)
+        rec[name + "_det_bitwise_sim"] = same_bits(gd, mine(gs))
+    return rec
+
+
+def main(out_dir: str) -> int:
+    group = cfd.init_process_group()
+    records = []
+    for case in CASES:
+        try:
+            records.append(run_case(group, *case))
+        except Exception:  # noqa: BLE001 - recorded for the test to report; the other rank may hang otherwise
+            records.append({"case": repr(case), "rank": group.rank, "error": traceback.format_exc()})
+            break
+    with open(os.path.join(out_dir, f"rank{group.rank}.json"), "w") as f:
+        json.dump(records, f, indent=1)
+    group.barrier()
+    group.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
