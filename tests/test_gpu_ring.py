@@ -75,9 +75,9 @@ def test_simulated_ring_float32(precision, softcap):
     kw = dict(causal=causal, softcap=softcap, precision=precision)
     o, lse = cfd.simulate_ring_attention_forward(q, k, v, world_size, **kw)
     o64, lse64 = _xpref.attention_plain(q, k, v, "fp64", causal, softcap=softcap)
-    o_plain, _ = _xpref.attention_plain(q, k, v, precision, causal, softcap=softcap)
+    o_plain, lse_plain = _xpref.attention_plain(q, k, v, precision, causal, softcap=softcap)
     check_rule_wide("o", o, o64, o_plain, 2, what, 1e-6)
-    assert float(cp.abs(lse - lse64).max()) < 1e-4, f"lse mismatch for {what}"
+    check_rule_wide("lse", lse, lse64, lse_plain, 2, what, 1e-6)  # TF32 scores: lse off by ~1e-3, as plain TF32
     grads = cfd.simulate_ring_attention_backward(do, q, k, v, o, lse, world_size, **kw)
     refs64 = _xpref.attention_backward_plain(do, q, k, v, "fp64", causal, softcap=softcap)
     refs_plain = _xpref.attention_backward_plain(do, q, k, v, precision, causal, softcap=softcap)

@@ -26,7 +26,8 @@
 #                 distinct hazard sites
 #   ring_env      a light env for the ring stages: install, versions, NCCL, the GPUs' topology (no kernel cache fill)
 #   ring          the one-GPU ring tests (tests/test_gpu_ring.py) and the multi-GPU ones (-m multigpu)
-#   bench_ring    python -m cuflash.bench --ring $RING_ARGS (context-parallel scaling against one GPU; JSON kept)
+#   bench_ring    python -m cuflash.bench --ring $RING_ARGS (context-parallel scaling against one GPU; JSON kept);
+#                 bench_ring2: a second one with $RING2_ARGS
 #   (TESTS_PATHS narrows tests/tests_mma to some files, e.g. "tests/test_gpu_kvcache.py")
 set -u
 OUT="${OUT:-/tmp/out}"
@@ -122,8 +123,11 @@ stage_ring() {
     --tb=short tests/test_multigpu_ring.py
 }
 stage_bench_ring() {
-  TAIL=12 run_logged bench_ring "${RING_BENCH_TIMEOUT:-420}" $PY -m cuflash.bench --ring ${RING_ARGS:-} \
-    --json "$OUT/bench_ring.json"
+  TAIL=12 run_logged "bench_ring${RING_NAME:-}" "${RING_BENCH_TIMEOUT:-420}" $PY -m cuflash.bench --ring ${RING_ARGS:-} \
+    --json "$OUT/bench_ring${RING_NAME:-}.json"
+}
+stage_bench_ring2() {  # a second ring benchmark in the same call (e.g. not causal)
+  RING_NAME=2 RING_ARGS="${RING2_ARGS:-}" RING_BENCH_TIMEOUT="${RING2_BENCH_TIMEOUT:-200}" stage_bench_ring
 }
 stage_ncu() {
   TAIL=3 run_logged ncu "${NCU_TIMEOUT:-500}" $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" \
