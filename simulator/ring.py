@@ -9,13 +9,14 @@ Per rank of P, with n = N / P local rows, B batch, H_q / H_kv heads, D head dim,
 float32 (float64) sum:
   forward   exchanges 0 .. P-2: K and V shards, 2 B n H_kv D e bytes
   backward  exchange s (0 .. P-1): K and V while s < P-1, plus the dK/dV sums of the block held at s-1 when s > 0
-            (2 B n H_kv D a); a last exchange sends the sums home: P exchanges + 1
+            (2 B n H_kv D a); a last exchange sends the sums home: P + 1 exchanges in all
   FLOPs     per Block of a step: 4 B H_q D x (visible (query, key) pairs), backward 2.5 x that (as the benchmark
             counts); a causal diagonal block of n rows has n (n + 1) / 2 visible pairs
 A step overlaps its transfer with its kernels, so it takes max(compute, transfer): the ring is bandwidth-bound
 where bytes / link bandwidth > FLOPs / kernel rate. Zigzag causal steps after the first carry half a block of work
 (2 B H_q n^2 D forward) against the full K/V shard, so the crossover is n = 2 (H_kv / H_q) (e / 2) rate / bandwidth
-for the forward (1.2 x that for the backward: 3x the bytes with 16-bit inputs and float32 sums, 2.5x the FLOPs).
+for the forward. The backward's middle steps (P >= 3) carry K/V and the sums: 3x the bytes (16-bit inputs, float32
+sums) for 2.5x the FLOPs, a 1.2x higher ratio; with P = 2 each exchange carries one or the other (0.8x).
 """
 from __future__ import annotations
 
