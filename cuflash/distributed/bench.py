@@ -34,6 +34,10 @@ def build_parser(prog="python -m cuflash.distributed.bench") -> argparse.Argumen
     p.add_argument("--rep-seconds", type=float, default=20.0,
                    help="fewer reps (>= 2) where one run takes longer than this; default 20")
     p.add_argument("--no-single", action="store_true", help="skip the one-GPU baseline")
+    p.add_argument("--simulate", type=int, default=None, metavar="P",
+                   help="one GPU, no launcher: time the one-process simulation of a ring of P ranks (the same "
+                        "kernels, merges and sums, run one rank after another, no NCCL) against one call: "
+                        "t(1 call) / t(simulation) is the ring's efficiency without communication")
     p.add_argument("--json", metavar="FILE", help="write the records as JSON (rank 0)")
     return p
 
@@ -44,7 +48,9 @@ def launch(argv) -> int:
 
     import cupy as cp
 
-    build_parser("python -m cuflash.bench --ring").parse_args(argv)  # errors here, not in P processes
+    args = build_parser("python -m cuflash.bench --ring").parse_args(argv)  # errors here, not in P processes
+    if args.simulate is not None:
+        return main(argv)
     gpus = cp.cuda.runtime.getDeviceCount()
     if gpus < 2:
         print(f"note: this node has {gpus} GPU; the ring runs with one rank (no communication)")
@@ -79,17 +85,17 @@ def _time(fn, reps, warmup, rep_seconds, group=None):
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import cupy as cp
-    import ml_dtypes
     from cupy.cuda import nccl
 
     import cuflash
     import cuflash.distributed as cfd
 
+    if args.simulate is not None:
+        return main_simulate(args)
     group = cfd.init_process_group()
     p, rank = group.world_size, group.rank
     causal = args.causal == "yes"
     h, d = args.heads, args.head_dim
-    bf16 = ml_dtypes.bfloat16
     props = cp.cuda.runtime.getDeviceProperties(group.device.id)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     if rank == 0:
@@ -99,34 +105,30 @@ def main(argv=None) -> int:
               f"{'efficiency':>10} {'reps':>5}")
     records = []
 
-    def randn(shape, seed):
-        x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
-        return (x.view(cp.uint32) >> 16).astype(cp.uint16).view(bf16)  # truncated to bf16: random either way
-
     for n in args.seqlen:
         flops = 3.5 * 4 * h * n * n * d / (2 if causal else 1)
         t1 = reps1 = None
         if not args.no_single:
             if rank == 0:
-                q, k, v, do = (randn((1, n, h, d), 10 * n + i) for i in range(4))
+                q, k, v, do = (_randn((1, n, h, d), 10 * n + i) for i in range(4))
 
                 def single():
                     o, lse = cuflash.attention_forward(q, k, v, causal=causal)
                     cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
 
                 t1, reps1 = _time(single, args.reps, args.warmup, args.rep_seconds)
-                del q, k, v, do
+                q = k = v = do = None  # free them before the next size
                 cp.get_default_memory_pool().free_all_blocks()
             group.barrier()
         local = n // p
-        q, k, v, do = (randn((1, local, h, d), 10 * n + 4 + 4 * rank + i) for i in range(4))
+        q, k, v, do = (_randn((1, local, h, d), 10 * n + 4 + 4 * rank + i) for i in range(4))
 
         def ring():
             o, lse = cfd.ring_attention_forward(q, k, v, group, causal=causal)
             cfd.ring_attention_backward(do, q, k, v, o, lse, group, causal=causal)
 
         tp, reps_p = _time(ring, args.reps, args.warmup, args.rep_seconds, group)
-        del q, k, v, do
+        q = k = v = do = None  # free them before the next size
         cp.get_default_memory_pool().free_all_blocks()
         if rank == 0:
             rec = {"seqlen": n, "world_size": p, "heads": h, "head_dim": d, "causal": causal,
@@ -145,6 +147,52 @@ def main(argv=None) -> int:
                       indent=1)
     group.barrier()
     group.destroy()
+    return 0
+
+
+def _randn(shape, seed):
+    """Normal values truncated to bf16 (random either way), a fresh CuPy array."""
+    import cupy as cp
+    import ml_dtypes
+
+    x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
+    return (x.view(cp.uint32) >> 16).astype(cp.uint16).view(ml_dtypes.bfloat16)
+
+
+def main_simulate(args) -> int:
+    """--simulate P: the ring's compute alone, on this GPU (see --help)."""
+    import cupy as cp
+
+    import cuflash
+    import cuflash.distributed as cfd
+
+    p, causal, h, d = args.simulate, args.causal == "yes", args.heads, args.head_dim
+    if p < 1:
+        raise SystemExit(f"--simulate {p}: must be >= 1")
+    print(f"one-process simulation of a ring of {p}, fwd+bwd, B=1 H={h} D={d} bf16, "
+          f"{'causal (zigzag)' if causal else 'not causal'}, cuflash {cuflash.__version__}")
+    print(f"{'N':>8} {'1 call ms':>10} {'ring sim ms':>12} {'compute efficiency':>19}")
+    records = []
+    for n in args.seqlen:
+        q, k, v, do = (_randn((1, n, h, d), 10 * n + i) for i in range(4))
+
+        def single():
+            o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+            cuflash.attention_backward(do, q, k, v, o, lse, causal=causal)
+
+        def simulated():
+            o, lse = cfd.simulate_ring_attention_forward(q, k, v, p, causal=causal)
+            cfd.simulate_ring_attention_backward(do, q, k, v, o, lse, p, causal=causal)
+
+        t1, _ = _time(single, args.reps, args.warmup, args.rep_seconds)
+        ts, reps = _time(simulated, args.reps, args.warmup, args.rep_seconds)
+        q = k = v = do = None  # free them before the next size
+        cp.get_default_memory_pool().free_all_blocks()
+        records.append({"seqlen": n, "world_size": p, "ms_1call": t1, "ms_simulated": ts, "reps": reps})
+        print(f"{n:>8} {t1:>10.1f} {ts:>12.1f} {t1 / ts:>19.1%}", flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"mode": "simulate", "date": time.strftime("%Y-%m-%d"), "records": records}, fh, indent=1)
     return 0
 
 
