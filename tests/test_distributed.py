@@ -221,3 +221,57 @@ def test_launcher_sets_each_rank_and_stops_on_failure(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "cuflash.distributed.launch", "--nproc-per-node", "2", str(script), "3"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 3 and "rank 1 exited with 3" in bad.stderr, (bad.returncode, bad.stderr)
+
+
+# --- packed (varlen) batches --------------------------------------------------------------------------------------
+
+def random_cu(world_size: int, count: int, seed: int, zero_length: bool = True) -> np.ndarray:
+    """Cumulative lengths of `count` sequences, each a multiple of 2 * world_size (one of length 0 when asked)."""
+    lengths = np.random.default_rng(seed).integers(1, 5, count) * 2 * world_size
+    if zero_length:
+        lengths[count // 2] = 0
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("sharding", cfd.SHARDINGS)
+def test_packed_shards_round_trip(world_size, sharding):
+    cu = random_cu(world_size, 4, world_size)
+    x = np.random.default_rng(3).standard_normal((int(cu[-1]), 2, 3))
+    parts, local_cus = zip(*(cfd.shard_packed(x, cu, r, world_size, sharding=sharding) for r in range(world_size)))
+    assert len(set(local_cus)) == 1 and list(np.diff(local_cus[0])) == [int(n) // world_size for n in np.diff(cu)]
+    assert np.array_equal(cfd.unshard_packed(list(parts), cu, sharding=sharding), x)
+    lse = np.random.default_rng(4).standard_normal((2, int(cu[-1])))  # (heads, total): rows on axis 1
+    lse_parts = [cfd.shard_packed(lse, cu, r, world_size, sharding=sharding, axis=1)[0] for r in range(world_size)]
+    assert np.array_equal(cfd.unshard_packed(lse_parts, cu, sharding=sharding, axis=1), lse)
+
+
+@pytest.mark.parametrize("world_size,causal,sharding", CASES)
+def test_simulated_varlen_ring_equals_unsharded_attention(world_size, causal, sharding):
+    rng = np.random.default_rng(hash((world_size, causal, sharding)) % 2**32)
+    cu = random_cu(world_size, 4, world_size + 10 * causal)
+    total, h, h_kv, d = int(cu[-1]), 4, 2, 8
+    q, do = rng.standard_normal((total, h, d)), rng.standard_normal((total, h, d))
+    k, v = rng.standard_normal((total, h_kv, d)), rng.standard_normal((total, h_kv, d))
+    softcap = 3.0 if causal else None
+    o_ref, lse_ref = reference.attention_varlen_forward64(q, k, v, cu, cu, causal, softcap=softcap)
+    grads_ref = reference.attention_varlen_backward64(do, q, k, v, cu, cu, causal, softcap=softcap)
+    kw = dict(causal=causal, sharding=sharding, softcap=softcap)
+    o, lse = cfd.simulate_ring_attention_varlen_forward(q, k, v, cu, world_size, **kw)
+    what = f"varlen P={world_size} causal={causal} {sharding} lengths {np.diff(cu).tolist()}"
+    assert np.abs(o - o_ref).max() < 1e-12, f"o mismatch for {what}"
+    assert np.array_equal(np.isneginf(lse), np.isneginf(lse_ref)), f"lse -inf rows differ for {what}"
+    assert np.abs(np.where(np.isfinite(lse_ref), lse - lse_ref, 0)).max() < 1e-12, f"lse mismatch for {what}"
+    grads = cfd.simulate_ring_attention_varlen_backward(do, q, k, v, o, lse, cu, world_size, **kw)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, grads_ref):
+        assert np.abs(g - g_ref).max() < 1e-11, f"{name} mismatch for {what}"
+
+
+def test_varlen_simulation_input_errors():
+    x = np.zeros((12, 2, 8))
+    with pytest.raises(ValueError, match=r"the length of sequence 1=6 must be a multiple of 4"):
+        cfd.simulate_ring_attention_varlen_forward(x, x, x, np.array([0, 4, 10, 12]), 2)
+    with pytest.raises(ValueError, match=r"cu_seqlens ends at 8 but q has 12 rows"):
+        cfd.simulate_ring_attention_varlen_forward(x, x, x, np.array([0, 4, 8]), 2)
+    with pytest.raises(ValueError, match=r"must start at 0 and never decrease"):
+        cfd.simulate_ring_attention_varlen_forward(x, x, x, np.array([0, 8, 4, 12]), 2)

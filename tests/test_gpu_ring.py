@@ -117,3 +117,39 @@ def test_ring_refuses_bad_shards_before_any_launch():
     x = randn((1, 64, 2, 72), "fp16", 2)
     with pytest.raises(ValueError, match="head_dim"):
         cfd.simulate_ring_attention_forward(x[..., :60], x[..., :60], x[..., :60], 2)
+
+
+VARLEN_CASES = [  # world size, causal, sharding, dtype, head dim, (H_q, H_kv), sequence lengths / (2 world size)
+    (2, True, "zigzag", "bf16", 128, (4, 2), (50, 3, 0, 128, 17)),
+    (3, False, "zigzag", "fp16", 64, (2, 2), (40, 1, 77)),
+    (2, True, "contiguous", "bf16", 64, (4, 4), (64, 9, 33)),
+]
+
+
+@pytest.mark.parametrize("world_size,causal,sharding,dtype,d,heads,chunks", VARLEN_CASES)
+def test_simulated_varlen_ring_matches_float64_attention(world_size, causal, sharding, dtype, d, heads, chunks):
+    (h, h_kv) = heads
+    lengths = [2 * world_size * c for c in chunks]
+    cu_host = [0]
+    for n in lengths:
+        cu_host.append(cu_host[-1] + n)
+    total = cu_host[-1]
+    cu = cp.asarray(cu_host, dtype=cp.int32)
+    what = f"varlen P={world_size} causal={causal} {sharding} {dtype} D={d} H={h}/{h_kv} lengths={lengths}"
+    seed = seed_of("ring-varlen", what)
+    q, k, v, do = (randn((total, hh, d), dtype, seed + i) for i, hh in enumerate((h, h_kv, h_kv, h)))
+    q32, k32, v32, do32 = (_xpref.to_float32(x) for x in (q, k, v, do))
+    poison_pool(8 * q.nbytes + 16 * k.nbytes)
+    kw = dict(causal=causal, sharding=sharding)
+    o, lse = cfd.simulate_ring_attention_varlen_forward(q, k, v, cu, world_size, **kw)
+    assert o.shape == q.shape and o.dtype == q.dtype and lse.shape == (h, total), f"shapes for {what}"
+    o64, lse64 = _xpref.attention_varlen_forward64(q32, k32, v32, cu, cu, causal)
+    check_rule("o", _xpref.to_float32(o), o64, _xpref.attention_varlen_lowp(q32, k32, v32, cu, cu, dtype, causal),
+               2.0, what)
+    check_lse(lse, lse64, what)
+    grads = cfd.simulate_ring_attention_varlen_backward(do, q, k, v, o, lse, cu, world_size, **kw)
+    refs64 = _xpref.attention_varlen_backward64(do32, q32, k32, v32, cu, cu, causal)
+    refs_lowp = _xpref.attention_varlen_backward_lowp(do32, q32, k32, v32, cu, cu, dtype, causal)
+    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, refs_lowp):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
+        check_rule(name, _xpref.to_float32(g), g64, glowp, 3.0, what)

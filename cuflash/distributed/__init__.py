@@ -11,8 +11,9 @@ Each rank keeps its queries; the K/V blocks travel around the ring (rank r -> r 
 while the kernels run, and the partial outputs merge through their lse. In the backward the blocks travel again
 with their dK/dV sums, which end at the block's home rank. The default `sharding="zigzag"` gives every rank two
 chunks of the sequence (chunk r and chunk 2P-1-r of 2P), so that causal attention costs every rank the same.
-`simulate_ring_attention_forward/backward` run the same algorithm for P ranks in one process (on one GPU with
-CuPy arrays, or with float64 reference math on NumPy arrays) for tests and for counting the traffic.
+Packed variable-length batches (`ring_attention_varlen_*`) shard every sequence that way.
+`simulate_ring_attention_*` run the same algorithm for P ranks in one process (on one GPU with CuPy arrays, or
+with float64 reference math on NumPy arrays) for tests and for counting the traffic.
 """
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ import numpy as np
 
 from . import _ring, _sharding
 from ._group import LaunchEnv, NcclTransport, ProcessGroup, init_process_group, launch_env
-from ._sharding import SHARDINGS, rank_positions, shard_sequence, unshard_sequence
+from ._sharding import SHARDINGS, rank_positions, shard_packed, shard_sequence, unshard_packed, unshard_sequence
 
 __all__ = ["ProcessGroup", "init_process_group", "launch_env", "LaunchEnv", "ring_attention",
-           "ring_attention_forward", "ring_attention_backward", "simulate_ring_attention_forward",
-           "simulate_ring_attention_backward", "shard_sequence", "unshard_sequence", "rank_positions", "SHARDINGS"]
+           "ring_attention_forward", "ring_attention_backward", "ring_attention_varlen_forward",
+           "ring_attention_varlen_backward", "simulate_ring_attention_forward", "simulate_ring_attention_backward",
+           "simulate_ring_attention_varlen_forward", "simulate_ring_attention_varlen_backward", "shard_sequence",
+           "unshard_sequence", "shard_packed", "unshard_packed", "rank_positions", "SHARDINGS"]
 
 LAYOUTS = ("bshd", "bhsd")
 
@@ -46,13 +49,12 @@ def ring_attention_forward(q, k, v, group: ProcessGroup, *, causal=False, softma
         (o, lse): o shaped like q in its dtype; lse (batch, heads, seqlen_local) float32 (float64 for float64),
         both this rank's rows of the unsharded call's outputs.
 
-    Window, ALiBi, dropout, bias and masks are not supported across shards (they depend on global positions);
-    varlen batches neither. Communication per step: this rank's K and V shards, sent on while the kernels run.
+    Window, ALiBi, dropout, bias and masks are not supported across shards (they depend on global positions).
+    Communication per step: this rank's K and V shards, sent on while the kernels run.
     """
     opt, ops = _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, False, group.world_size)
     _check_same_shapes(group, q, k, v)
-    gen = _ring.forward_rank(group.rank, group.world_size, q, k, v, ops, opt)
-    return _ring.run(gen, NcclTransport(group))
+    return _ring.run(_ring.forward_rank(group.rank, group.world_size, q, k, v, ops, opt), NcclTransport(group))
 
 
 def ring_attention(q, k, v, group: ProcessGroup, **kwargs):
@@ -75,6 +77,32 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: ProcessGroup, *, cau
     return _ring.run(gen, NcclTransport(group))
 
 
+def ring_attention_varlen_forward(q, k, v, cu_seqlens, group: ProcessGroup, *, causal=False, softmax_scale=None,
+                                  sharding="zigzag", softcap=None, precision=None):
+    """Ring attention of a packed batch of sequences, every sequence sharded over the ranks.
+
+    q: (total_local, heads, head_dim), k, v: (total_local, heads_kv, head_dim): this rank's part of every sequence,
+    packed in the same order on every rank (`shard_packed` of the global batch); cu_seqlens: the local cumulative
+    lengths (int32 CuPy array or a host sequence; the same on every rank: sequence i's global length / P, each a
+    multiple of 2 for zigzag). Returns (o, lse (heads, total_local)), this rank's rows of
+    `cuflash.attention_varlen_forward` on the global batch. Other arguments as `ring_attention_forward`."""
+    opt, ops = _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap, precision, False, group.world_size,
+                      cu_seqlens=cu_seqlens)
+    _check_same_shapes(group, q, k, v, opt.local_lengths)
+    return _ring.run(_ring.forward_rank(group.rank, group.world_size, q, k, v, ops, opt), NcclTransport(group))
+
+
+def ring_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, group: ProcessGroup, *, causal=False,
+                                   softmax_scale=None, sharding="zigzag", softcap=None, precision=None,
+                                   deterministic=False):
+    """Gradients of `ring_attention_varlen_forward` for this rank's rows: (dq, dk, dv) packed like q, k, v."""
+    opt, ops = _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap, precision, deterministic,
+                      group.world_size, backward=(dout, out, lse), cu_seqlens=cu_seqlens)
+    _check_same_shapes(group, q, k, v, opt.local_lengths)
+    gen = _ring.backward_rank(group.rank, group.world_size, dout, q, k, v, out, lse, ops, opt)
+    return _ring.run(gen, NcclTransport(group))
+
+
 def simulate_ring_attention_forward(q, k, v, world_size: int, *, causal=False, softmax_scale=None, layout="bshd",
                                     sharding="zigzag", softcap=None, precision=None, trace=None):
     """The ring forward of `world_size` ranks run in one process on the global (unsharded) q, k, v; returns the
@@ -82,12 +110,11 @@ def simulate_ring_attention_forward(q, k, v, world_size: int, *, causal=False, s
 
     CuPy inputs run the kernels on the current GPU; NumPy inputs run float64 reference math (cuflash.reference).
     trace: a list that receives the bytes each rank sends at each exchange."""
-    opt, ops, shards = _simulation(q, k, v, world_size, causal, softmax_scale, layout, sharding, softcap, precision,
-                                   False)
-    gens = [_ring.forward_rank(r, world_size, *shards[r][:3], ops, opt) for r in range(world_size)]
-    results = _ring.run_local(gens, _copier(q), trace)
-    return (unshard_sequence([o for o, _ in results], axis=opt.seq_axis, sharding=sharding),
-            unshard_sequence([lse for _, lse in results], axis=2, sharding=sharding))
+    opt, ops, shards = _simulation((q, k, v), world_size, causal, softmax_scale, layout, sharding, softcap,
+                                   precision, False)
+    results = _ring.run_local([_ring.forward_rank(r, world_size, *shards[r], ops, opt) for r in range(world_size)],
+                              _copier(q), trace)
+    return _unshard(results, 0, opt, sharding, None), _unshard(results, 1, opt, sharding, None, lse=True)
 
 
 def simulate_ring_attention_backward(dout, q, k, v, out, lse, world_size: int, *, causal=False, softmax_scale=None,
@@ -95,12 +122,35 @@ def simulate_ring_attention_backward(dout, q, k, v, out, lse, world_size: int, *
                                      deterministic=False, trace=None):
     """The ring backward of `world_size` ranks in one process on global arrays (out, lse: the global forward's);
     returns the global (dq, dk, dv). Inputs and trace as `simulate_ring_attention_forward`."""
-    opt, ops, shards = _simulation(q, k, v, world_size, causal, softmax_scale, layout, sharding, softcap, precision,
-                                   deterministic, backward=(dout, out, lse))
-    gens = [_ring.backward_rank(r, world_size, s[3], s[0], s[1], s[2], s[4], s[5], ops, opt)
-            for r, s in enumerate(shards)]
-    results = _ring.run_local(gens, _copier(q), trace)
-    return tuple(unshard_sequence([g[i] for g in results], axis=opt.seq_axis, sharding=sharding) for i in range(3))
+    opt, ops, shards = _simulation((dout, q, k, v, out, lse), world_size, causal, softmax_scale, layout, sharding,
+                                   softcap, precision, deterministic)
+    results = _ring.run_local([_ring.backward_rank(r, world_size, *shards[r], ops, opt) for r in range(world_size)],
+                              _copier(q), trace)
+    return tuple(_unshard(results, i, opt, sharding, None) for i in range(3))
+
+
+def simulate_ring_attention_varlen_forward(q, k, v, cu_seqlens, world_size: int, *, causal=False, softmax_scale=None,
+                                           sharding="zigzag", softcap=None, precision=None, trace=None):
+    """`simulate_ring_attention_forward` for a global packed batch (q (total, heads, head_dim), cu_seqlens the global
+    cumulative lengths, each sequence a multiple of 2 * world_size long for zigzag); returns the global (o, lse)."""
+    opt, ops, shards = _simulation((q, k, v), world_size, causal, softmax_scale, "packed", sharding, softcap,
+                                   precision, False, cu_seqlens)
+    results = _ring.run_local([_ring.forward_rank(r, world_size, *shards[r], ops, opt) for r in range(world_size)],
+                              _copier(q), trace)
+    cu = _host_cu(cu_seqlens)
+    return _unshard(results, 0, opt, sharding, cu), _unshard(results, 1, opt, sharding, cu, lse=True)
+
+
+def simulate_ring_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, world_size: int, *, causal=False,
+                                            softmax_scale=None, sharding="zigzag", softcap=None, precision=None,
+                                            deterministic=False, trace=None):
+    """`simulate_ring_attention_backward` for a global packed batch; returns the global (dq, dk, dv)."""
+    opt, ops, shards = _simulation((dout, q, k, v, out, lse), world_size, causal, softmax_scale, "packed", sharding,
+                                   softcap, precision, deterministic, cu_seqlens)
+    results = _ring.run_local([_ring.backward_rank(r, world_size, *shards[r], ops, opt) for r in range(world_size)],
+                              _copier(q), trace)
+    cu = _host_cu(cu_seqlens)
+    return tuple(_unshard(results, i, opt, sharding, cu) for i in range(3))
 
 
 # --- validation, before any launch or transfer -------------------------------------------------------------------
@@ -113,71 +163,133 @@ def _is_cupy(x) -> bool:
     return isinstance(x, cupy.ndarray)
 
 
+def _host_cu(cu_seqlens) -> tuple:
+    """Cumulative lengths as a tuple of ints (a CuPy array is read back: one synchronization)."""
+    if _is_cupy(cu_seqlens):
+        import cupy
+        cu_seqlens = cupy.asnumpy(cu_seqlens)
+    cu = np.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.size < 1 or not np.issubdtype(cu.dtype, np.integer):
+        raise ValueError(f"cu_seqlens must be a 1-D integer array of cumulative lengths starting at 0; got shape "
+                         f"{cu.shape} and dtype {cu.dtype}")
+    if cu[0] != 0 or (np.diff(cu) < 0).any():
+        raise ValueError(f"cu_seqlens={cu.tolist()[:8]}{' ...' if cu.size > 8 else ''} must start at 0 and never "
+                         f"decrease")
+    return tuple(int(c) for c in cu)
+
+
+def _check_world(world_size, sharding):
+    _sharding.check_sharding(sharding)
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+
+
 def _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, deterministic, world_size,
-           backward=None):
-    """(RingOptions, CupyOps) of a rank's call, after checking what the kernels' validation does not see."""
+           backward=None, cu_seqlens=None, local_lengths=None):
+    """(RingOptions, CupyOps) of a rank's call (or of a simulation, on the global arrays with local_lengths given),
+    after the kernels' own checks (through _problem) and what they do not see."""
     from .. import _problem
 
-    if layout not in LAYOUTS:
+    if layout not in LAYOUTS + ("packed",):
         raise ValueError(f"layout={layout!r} is not supported; supported: 'bshd', 'bhsd'")
-    _sharding.check_sharding(sharding)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    a = _problem.attention(q, k, v, causal, softmax_scale, layout, None, None, softcap, 0.0, None, 0, None, None,
-                           None, precision)
-    if a.seqlen_q != a.seqlen_k:
-        raise ValueError(f"q has {a.seqlen_q} local positions and k {a.seqlen_k}: the shards of one sequence must "
-                         f"have the same length")
-    if sharding == "zigzag" and a.seqlen_q % 2:
-        raise ValueError(f"seqlen_local={a.seqlen_q} must be even for sharding='zigzag' (two chunks per rank)")
+    _check_world(world_size, sharding)
+    if layout == "packed":
+        import cupy as cp
+
+        cu = _host_cu(cu_seqlens)
+        lengths = np.diff(cu)
+        longest = int(lengths.max()) if lengths.size else 0
+        cu_dev = cp.asarray(np.array(cu, dtype=np.int32))
+        a = _problem.attention_varlen(q, k, v, cu_dev, cu_dev, longest, longest, causal, softmax_scale, True, None,
+                                      None, softcap, 0.0, None, 0, None, None, None, precision)
+        if local_lengths is None:  # a rank's own call: its local lengths split in two halves each (zigzag)
+            local_lengths = tuple(int(n) for n in lengths)
+            odd = [i for i, n in enumerate(local_lengths) if n % 2]
+            if sharding == "zigzag" and odd:
+                raise ValueError(f"local sequence {odd[0]} has {local_lengths[odd[0]]} rows: sharding='zigzag' needs "
+                                 f"an even local length for every sequence (two chunks per rank)")
+    else:
+        a = _problem.attention(q, k, v, causal, softmax_scale, layout, None, None, softcap, 0.0, None, 0, None, None,
+                               None, precision)
+        if a.seqlen_q != a.seqlen_k:
+            raise ValueError(f"q has {a.seqlen_q} positions and k {a.seqlen_k}: ring attention shards one sequence "
+                             f"(self-attention), so they must be equal")
+        if sharding == "zigzag" and local_lengths is None and a.seqlen_q % 2:
+            raise ValueError(f"seqlen_local={a.seqlen_q} must be even for sharding='zigzag' (two chunks per rank)")
     if backward is not None:
         _problem.backward(a, backward[0], backward[1], backward[2], deterministic, None, None, None)
-    opt = _ring.RingOptions(bool(causal), sharding, layout)
-    return opt, _ring.CupyOps(layout, a.scale, softcap, precision, bool(deterministic), a.dtype, q.dtype)
+    opt = _ring.RingOptions(bool(causal), sharding, layout, tuple(local_lengths or ()))
+    return opt, _ring.CupyOps(opt, a.scale, softcap, precision, bool(deterministic), a.dtype, q.dtype)
 
 
-def _check_same_shapes(group: ProcessGroup, q, k, v) -> None:
-    """Every rank must pass shards of the same shapes (NCCL sizes its transfers by them): one small all-gather."""
+def _check_same_shapes(group: ProcessGroup, q, k, v, local_lengths=()) -> None:
+    """Every rank must pass shards of the same shapes and sequence lengths (NCCL sizes its transfers by them, and
+    every rank walks the same plans): one small all-gather."""
     import cupy as cp
 
-    mine = np.array([*q.shape, *k.shape, *v.shape], dtype=np.int64)
+    mine = np.array([*q.shape, *k.shape, *v.shape, len(local_lengths), hash(tuple(local_lengths)) % (1 << 62)],
+                    dtype=np.int64)
     every = cp.asnumpy(group.all_gather(cp.asarray(mine)))
     if (every != mine).any():
-        rows = "; ".join(f"rank {r}: q {tuple(s[:4])} k {tuple(s[4:8])} v {tuple(s[8:])}" for r, s in enumerate(every))
-        raise ValueError(f"the ranks' shards differ in shape ({rows}): every rank needs the same local shapes")
+        rows = "; ".join(f"rank {r}: q {tuple(s[:q.ndim])} k {tuple(s[q.ndim:q.ndim + k.ndim])}"
+                         f"{' (other sequence lengths)' if s[-1] != mine[-1] else ''}" for r, s in enumerate(every))
+        raise ValueError(f"the ranks' shards differ ({rows}): every rank needs the same local shapes and lengths")
 
 
-def _simulation(q, k, v, world_size, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,
-                backward=None):
-    """(RingOptions, ops, per-rank shards (q, k, v[, dout, out, lse])) of a simulated ring on global arrays."""
-    if layout not in LAYOUTS:
+def _simulation(arrays, world_size, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,
+                cu_seqlens=None):
+    """(RingOptions, ops, per-rank shards of `arrays`) of a simulated ring on global arrays: (q, k, v) or (dout, q,
+    k, v, out, lse)."""
+    if layout not in LAYOUTS + ("packed",):
         raise ValueError(f"layout={layout!r} is not supported; supported: 'bshd', 'bhsd'")
-    _sharding.check_sharding(sharding)
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be a positive integer")
-    ax = 1 if layout == "bshd" else 2
-    arrays = (q, k, v) + (tuple(backward) if backward is not None else ())
+    _check_world(world_size, sharding)
+    backward = len(arrays) == 6
+    q, k, v = arrays[1:4] if backward else arrays
     if not all(_is_cupy(x) for x in arrays) and not all(isinstance(x, np.ndarray) for x in arrays):
         raise TypeError("pass CuPy arrays (the kernels) or NumPy arrays (float64 reference math), not a mix")
+    ndim = 3 if layout == "packed" else 4
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if getattr(x, "ndim", None) != 4:
-            raise ValueError(f"{name} has shape {getattr(x, 'shape', None)}; expected 4 dims ({layout})")
+        if getattr(x, "ndim", None) != ndim:
+            raise ValueError(f"{name} has shape {getattr(x, 'shape', None)}; expected {ndim} dims ({layout})")
+    ax = {"bshd": 1, "bhsd": 2, "packed": 0}[layout]
     if q.shape[ax] != k.shape[ax]:
         raise ValueError(f"q has {q.shape[ax]} positions and k {k.shape[ax]}: ring attention shards one sequence "
                          f"(self-attention), so they must be equal")
-    _sharding.local_length(q.shape[ax], world_size, sharding)
-    if _is_cupy(q):  # the kernels' checks on the global arrays: every shard has the same dtype, heads, head dim
-        _, ops = _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,
-                        world_size, backward)
+    if layout == "packed":
+        cu = _host_cu(cu_seqlens)
+        if cu[-1] != q.shape[0]:
+            raise ValueError(f"cu_seqlens ends at {cu[-1]} but q has {q.shape[0]} rows")
+        local = _sharding.packed_local_lengths(np.diff(cu), world_size, sharding)
     else:
+        _sharding.local_length(q.shape[ax], world_size, sharding)
+        cu, local = None, None
+    lse_ax = 1 if layout == "packed" else 2
+    if _is_cupy(q):  # the kernels' checks on the global arrays: every shard has the same dtype, heads, head dim
+        opt, ops = _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,
+                          world_size, (arrays[0], arrays[4], arrays[5]) if backward else None, cu, local)
+    else:
+        opt = _ring.RingOptions(bool(causal), sharding, layout, tuple(local or ()))
         scale = 1.0 / np.sqrt(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        ops = _ring.NumpyOps(layout, scale, softcap)
-    seq = [ax] * len(arrays)
-    if backward is not None:
-        seq[-1] = 2  # lse: (batch, heads, seqlen)
-    shards = [tuple(shard_sequence(x, r, world_size, axis=a, sharding=sharding) for x, a in zip(arrays, seq))
-              for r in range(world_size)]
-    return _ring.RingOptions(bool(causal), sharding, layout), ops, shards
+        ops = _ring.NumpyOps(opt, scale, softcap)
+    axes = [ax] * len(arrays)
+    if backward:
+        axes[-1] = lse_ax
+    if layout == "packed":
+        shards = [tuple(shard_packed(x, cu, r, world_size, sharding=sharding, axis=a)[0] for x, a in zip(arrays, axes))
+                  for r in range(world_size)]
+    else:
+        shards = [tuple(shard_sequence(x, r, world_size, axis=a, sharding=sharding) for x, a in zip(arrays, axes))
+                  for r in range(world_size)]
+    return opt, ops, shards
+
+
+def _unshard(results, i, opt, sharding, cu, lse=False):
+    """The global array of output i of every rank's results."""
+    axis = opt.lse_axis if lse else opt.seq_axis
+    parts = [r[i] for r in results]
+    if opt.layout == "packed":
+        return unshard_packed(parts, cu, sharding=sharding, axis=axis)
+    return unshard_sequence(parts, axis=axis, sharding=sharding)
 
 
 def _copier(x):

@@ -49,32 +49,38 @@ class Wait:
 class RingOptions:
     causal: bool
     sharding: str
-    layout: str  # "bshd" | "bhsd"
+    layout: str  # "bshd" | "bhsd" | "packed"
+    local_lengths: tuple = ()  # packed: every sequence's local length
 
     @property
-    def seq_axis(self) -> int:
-        return 1 if self.layout == "bshd" else 2
+    def seq_axis(self) -> int:  # the row axis of q, k, v, o and the gradients
+        return {"bshd": 1, "bhsd": 2, "packed": 0}[self.layout]
+
+    @property
+    def lse_axis(self) -> int:  # lse: (batch, heads, seqlen), packed (heads, total)
+        return 1 if self.layout == "packed" else 2
+
+    def blocks(self, rank: int, src: int, world_size: int, n: int):
+        if self.layout == "packed":
+            return _sharding.packed_step_blocks(rank, src, world_size, self.causal, self.sharding, self.local_lengths)
+        return _sharding.step_blocks(rank, src, world_size, self.causal, self.sharding, n)
 
 
-def _rows(x, rows: slice, axis: int):
-    index = [slice(None)] * x.ndim
-    index[axis] = rows
-    return x[tuple(index)]
+_rows = _sharding.take_rows
 
 
 def forward_rank(rank: int, world_size: int, q, k, v, ops, opt: RingOptions):
     """Generator: rank's ring forward; returns (o, lse) of its local queries (module docstring)."""
     ax = opt.seq_axis
-    n = q.shape[ax]
     o_acc, lse_acc = ops.new_output(q)
     block_kv = (k, v)
     for step in range(world_size):
         src = _sharding.step_source(rank, step, world_size)
         pending = (yield Start(block_kv)) if step + 1 < world_size else None
-        for b in _sharding.step_blocks(rank, src, world_size, opt.causal, opt.sharding, n):
+        for b in opt.blocks(rank, src, world_size, q.shape[ax]):
             o_b, lse_b = ops.forward(_rows(q, b.q_rows, ax), _rows(block_kv[0], b.k_rows, ax),
-                                     _rows(block_kv[1], b.k_rows, ax), b.causal)
-            ops.merge(_rows(o_acc, b.q_rows, ax), lse_acc[:, :, b.q_rows], o_b, lse_b)
+                                     _rows(block_kv[1], b.k_rows, ax), b)
+            ops.merge(o_acc, lse_acc, b.q_rows, o_b, lse_b)
         if pending is not None:
             block_kv = yield Wait(pending)
     return ops.finish(o_acc), ops.finish_lse(lse_acc)
@@ -82,8 +88,7 @@ def forward_rank(rank: int, world_size: int, q, k, v, ops, opt: RingOptions):
 
 def backward_rank(rank: int, world_size: int, dout, q, k, v, out, lse, ops, opt: RingOptions):
     """Generator: rank's ring backward; returns (dq, dk, dv) of its local rows (module docstring)."""
-    ax = opt.seq_axis
-    n = q.shape[ax]
+    ax, lax = opt.seq_axis, opt.lse_axis
     dq_acc = ops.zeros(q.shape)
     block_kv = (k, v)
     held_sums = None  # dK, dV sums of the block held at the previous step, complete with this rank's part
@@ -92,19 +97,19 @@ def backward_rank(rank: int, world_size: int, dout, q, k, v, out, lse, ops, opt:
         sends = (block_kv if step + 1 < world_size else ()) + (held_sums if step > 0 else ())
         pending = (yield Start(sends)) if sends else None
         parts = []
-        for b in _sharding.step_blocks(rank, src, world_size, opt.causal, opt.sharding, n):
+        for b in opt.blocks(rank, src, world_size, q.shape[ax]):
             r = b.q_rows
             dq_b, dk_b, dv_b = ops.backward(_rows(dout, r, ax), _rows(q, r, ax), _rows(block_kv[0], b.k_rows, ax),
-                                            _rows(block_kv[1], b.k_rows, ax), _rows(out, r, ax), lse[:, :, r],
-                                            b.causal)
-            ops.accumulate(_rows(dq_acc, r, ax), dq_b)
+                                            _rows(block_kv[1], b.k_rows, ax), _rows(out, r, ax), _rows(lse, r, lax),
+                                            b)
+            ops.accumulate(dq_acc, r, dq_b)
             parts.append((b.k_rows, dk_b, dv_b))
         received = (yield Wait(pending)) if pending is not None else ()
         next_kv = tuple(received[:2]) if step + 1 < world_size else None
         sums = tuple(received[-2:]) if step > 0 else (ops.zeros(k.shape), ops.zeros(v.shape))
         for k_rows, dk_b, dv_b in parts:
-            ops.accumulate(_rows(sums[0], k_rows, ax), dk_b)
-            ops.accumulate(_rows(sums[1], k_rows, ax), dv_b)
+            ops.accumulate(sums[0], k_rows, dk_b)
+            ops.accumulate(sums[1], k_rows, dv_b)
         held_sums = sums
         block_kv = next_kv
     if world_size > 1:  # the sums of the block held last belong to the next rank: every block goes home
@@ -161,29 +166,96 @@ def run(generator, transport):
 
 # --- the arithmetic of a rank: kernels on CuPy arrays, float64 reference math on NumPy arrays ---------------------
 
-class NumpyOps:
+def _put_rows(x, rows, axis: int, value) -> None:
+    index = [slice(None)] * x.ndim
+    index[axis] = rows
+    x[tuple(index)] = value
+
+
+class _Ops:
+    """What both kinds of ops share: the accumulator shapes, and merges / sums into a block's rows, which are a
+    view for a slice of rows and a gather, update and scatter for the index arrays of packed halves."""
+
+    def __init__(self, opt: RingOptions, scale: float, softcap):
+        self.opt, self.layout, self.scale, self.softcap = opt, opt.layout, scale, softcap
+
+    def new_output(self, q):
+        """(O = 0, lse = -inf) accumulators of q's rows."""
+        if self.layout == "packed":
+            shape = (q.shape[1], q.shape[0])  # (heads, total)
+        else:
+            b, h = q.shape[0], q.shape[2 if self.layout == "bshd" else 1]
+            shape = (b, h, q.shape[self.opt.seq_axis])
+        return self._zeros(q.shape), self._full(shape, -np.inf)
+
+    def zeros(self, shape):
+        return self._zeros(shape)
+
+    def _lse_as_rows(self, x):  # lse (.., rows) -> broadcastable against the rows of O (.., D)
+        if self.layout == "bshd":
+            return x.transpose(0, 2, 1)[..., None]
+        return x.T[..., None] if self.layout == "packed" else x[..., None]
+
+    def merge(self, o_acc, lse_acc, rows, o_b, lse_b):
+        """lse' = logaddexp(lse, lse_b); O = O e^(lse - lse') + O_b e^(lse_b - lse') on the block's rows."""
+        ax, lax = self.opt.seq_axis, self.opt.lse_axis
+        o_sub, lse_sub = _rows(o_acc, rows, ax), _rows(lse_acc, rows, lax)
+        self._merge(o_sub, lse_sub, o_b, lse_b)
+        if not isinstance(rows, slice):  # gathered copies: back into place
+            _put_rows(o_acc, rows, ax, o_sub)
+            _put_rows(lse_acc, rows, lax, lse_sub)
+
+    def accumulate(self, acc, rows, part):
+        sub = _rows(acc, rows, self.opt.seq_axis)
+        self._accumulate(sub, part)
+        if not isinstance(rows, slice):
+            _put_rows(acc, rows, self.opt.seq_axis, sub)
+
+    def finish_lse(self, lse):
+        return lse
+
+
+class NumpyOps(_Ops):
     """float64 reference math (cuflash.reference) for the ring's algebra on the CPU."""
 
-    def __init__(self, layout: str, scale: float, softcap):
-        self.layout, self.scale, self.softcap = layout, scale, softcap
+    def _zeros(self, shape):
+        return np.zeros(shape)
 
-    def _bshd(self, x):
-        return np.asarray(x, dtype=np.float64) if self.layout == "bshd" else np.asarray(x, np.float64).transpose(
-            0, 2, 1, 3)
+    def _full(self, shape, value):
+        return np.full(shape, value)
+
+    def _bshd(self, x):  # (B, S, H, D) float64
+        x = np.asarray(x, dtype=np.float64)
+        return x.transpose(0, 2, 1, 3) if self.layout == "bhsd" else x
 
     def _out(self, x):
-        return x if self.layout == "bshd" else x.transpose(0, 2, 1, 3)
+        return x.transpose(0, 2, 1, 3) if self.layout == "bhsd" else x
 
-    def forward(self, q, k, v, causal):
+    def forward(self, q, k, v, block):
         from .. import reference
-        o, lse = reference.attention_forward64(self._bshd(q), self._bshd(k), self._bshd(v), causal, self.scale,
+        if self.layout == "packed":
+            return reference.attention_varlen_forward64(q, k, v, np.array(block.cu_q), np.array(block.cu_k),
+                                                        block.causal, self.scale, softcap=self.softcap)
+        o, lse = reference.attention_forward64(self._bshd(q), self._bshd(k), self._bshd(v), block.causal, self.scale,
                                                softcap=self.softcap)
         return self._out(o), lse
 
-    def backward(self, do, q, k, v, o, lse, causal):
-        """Gradients of one block with the global lse and O (not the block's own softmax)."""
+    def backward(self, do, q, k, v, o, lse, block):
+        if self.layout != "packed":
+            grads = self._backward_bshd(*(self._bshd(x) for x in (do, q, k, v, o)), np.asarray(lse), block.causal)
+            return tuple(self._out(g) for g in grads)
+        grads = [np.zeros(x.shape) for x in (q, k, v)]
+        for i in range(len(block.cu_q) - 1):  # sequence by sequence, each a batch of one
+            rq, rk = slice(block.cu_q[i], block.cu_q[i + 1]), slice(block.cu_k[i], block.cu_k[i + 1])
+            g = self._backward_bshd(do[None, rq], q[None, rq], k[None, rk], v[None, rk], o[None, rq],
+                                    np.asarray(lse)[None, :, rq], block.causal)
+            grads[0][rq], grads[1][rk], grads[2][rk] = g[0][0], g[1][0], g[2][0]
+        return tuple(grads)
+
+    def _backward_bshd(self, do, q, k, v, o, lse, causal):
+        """Gradients of one block with the global lse and O (not the block's own softmax), (B, S, H, D) arrays."""
         from .. import reference
-        do, q, k, v, o = (self._bshd(x) for x in (do, q, k, v, o))
+        do, q, k, v, o = (np.asarray(x, dtype=np.float64) for x in (do, q, k, v, o))
         heads_kv = k.shape[2]
         k, v = reference.repeat_kv(k, q.shape[2]), reference.repeat_kv(v, q.shape[2])
         s = np.einsum("bihd,bjhd->bhij", q, k) * self.scale
@@ -193,7 +265,7 @@ class NumpyOps:
             s = self.softcap * t
         if causal:
             s = np.where(reference.causal_mask(q.shape[1], k.shape[1]), s, -np.inf)
-        p = np.exp(s - np.asarray(lse, np.float64)[..., None])  # P = exp(S - lse), the global lse
+        p = np.exp(s - lse[..., None])  # P = exp(S - lse), the global lse
         dv = np.einsum("bhij,bihd->bjhd", p, do)
         delta = np.einsum("bihd,bihd->bhi", do, o)[..., None]  # D_i = rowsum(dO_i O_i), the global O
         ds = p * (np.einsum("bihd,bjhd->bhij", do, v) - delta)
@@ -201,37 +273,21 @@ class NumpyOps:
             ds = ds * (1.0 - t * t)
         dq = np.einsum("bhij,bjhd->bihd", ds, k) * self.scale
         dk = np.einsum("bhij,bihd->bjhd", ds, q) * self.scale
-        return (self._out(dq), self._out(reference.sum_kv_groups(dk, heads_kv)),
-                self._out(reference.sum_kv_groups(dv, heads_kv)))
+        return dq, reference.sum_kv_groups(dk, heads_kv), reference.sum_kv_groups(dv, heads_kv)
 
-    def new_output(self, q):
-        b, h = q.shape[0], q.shape[2 if self.layout == "bshd" else 1]
-        n = q.shape[1 if self.layout == "bshd" else 2]
-        return np.zeros(q.shape), np.full((b, h, n), -np.inf)
-
-    def merge(self, o_acc, lse_acc, o_b, lse_b):
+    def _merge(self, o_acc, lse_acc, o_b, lse_b):
         new = np.logaddexp(lse_acc, lse_b)
         with np.errstate(invalid="ignore"):  # rows no key reached yet: -inf - -inf; their weights are 0
             a = np.where(np.isneginf(new), 0.0, np.exp(lse_acc - new))
             b = np.where(np.isneginf(new), 0.0, np.exp(lse_b - new))
-        a, b = self._lse_as_rows(a), self._lse_as_rows(b)
-        o_acc[...] = o_acc * a + np.asarray(o_b, np.float64) * b
+        o_acc[...] = o_acc * self._lse_as_rows(a) + np.asarray(o_b, np.float64) * self._lse_as_rows(b)
         lse_acc[...] = new
 
-    def _lse_as_rows(self, x):  # (B, H, n) -> broadcastable against the layout's (.., D) arrays
-        return x.transpose(0, 2, 1)[..., None] if self.layout == "bshd" else x[..., None]
-
-    def zeros(self, shape):
-        return np.zeros(shape)
-
-    def accumulate(self, acc, part):
+    def _accumulate(self, acc, part):
         acc += part
 
     def finish(self, acc):
         return acc
-
-    def finish_lse(self, lse):
-        return lse
 
 
 _KERNELS: dict = {}
@@ -274,48 +330,61 @@ def _kernels(dtype: str):
     return _KERNELS[dtype]
 
 
-class CupyOps:
-    """The kernels (cuflash.attention_forward / attention_backward) and element-wise merges on the current stream."""
+class CupyOps(_Ops):
+    """The kernels (cuflash.attention_forward / attention_backward and their varlen forms) and element-wise merges and
+    sums, on the current stream."""
 
-    def __init__(self, layout: str, scale: float, softcap, precision, deterministic: bool, dtype: str, np_dtype):
-        self.layout, self.scale, self.softcap = layout, scale, softcap
+    def __init__(self, opt: RingOptions, scale: float, softcap, precision, deterministic: bool, dtype: str,
+                 np_dtype):
+        super().__init__(opt, scale, softcap)
         self.precision, self.deterministic = precision, deterministic
         self.dtype, self.np_dtype = dtype, np_dtype
         self.acc = np.float64 if dtype == "fp64" else np.float32
+        self._cu = {}  # cumulative lengths (host tuple) -> int32 device array
 
-    def forward(self, q, k, v, causal):
-        from .. import api
-        return api.attention_forward(q, k, v, causal=causal, softmax_scale=self.scale, layout=self.layout,
-                                     softcap=self.softcap, precision=self.precision)
+    def _zeros(self, shape):
+        import cupy as cp
+        return cp.zeros(shape, self.acc)
 
-    def backward(self, do, q, k, v, o, lse, causal):
+    def _full(self, shape, value):
+        import cupy as cp
+        return cp.full(shape, value, self.acc)
+
+    def _varlen(self, block):
+        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of a packed block, the arrays made once."""
+        import cupy as cp
+        for cu in (block.cu_q, block.cu_k):
+            if cu not in self._cu:
+                self._cu[cu] = cp.asarray(np.array(cu, dtype=np.int32))
+        longest = (lambda cu: int(np.diff(cu).max()) if len(cu) > 1 else 0)
+        return self._cu[block.cu_q], self._cu[block.cu_k], longest(block.cu_q), longest(block.cu_k)
+
+    def forward(self, q, k, v, block):
         from .. import api
-        return api.attention_backward(do, q, k, v, o, lse, causal=causal, softmax_scale=self.scale,
-                                      layout=self.layout, softcap=self.softcap, precision=self.precision,
-                                      deterministic=self.deterministic)
+        kw = dict(causal=block.causal, softmax_scale=self.scale, softcap=self.softcap, precision=self.precision)
+        if self.layout == "packed":  # the ring built cu_seqlens itself: no host check of them per call
+            return api.attention_varlen_forward(q, k, v, *self._varlen(block), check_inputs=False, **kw)
+        return api.attention_forward(q, k, v, layout=self.layout, **kw)
+
+    def backward(self, do, q, k, v, o, lse, block):
+        from .. import api
+        kw = dict(causal=block.causal, softmax_scale=self.scale, softcap=self.softcap, precision=self.precision,
+                  deterministic=self.deterministic)
+        if self.layout == "packed":
+            return api.attention_varlen_backward(do, q, k, v, o, lse, *self._varlen(block), check_inputs=False, **kw)
+        return api.attention_backward(do, q, k, v, o, lse, layout=self.layout, **kw)
 
     def _view(self, x):  # bf16 arrays enter the element-wise kernels as their bits
         import cupy as cp
         return x.view(cp.uint16) if self.dtype == "bf16" else x
 
-    def new_output(self, q):
+    def _merge(self, o_acc, lse_acc, o_b, lse_b):
         import cupy as cp
-        b, h = q.shape[0], q.shape[2 if self.layout == "bshd" else 1]
-        n = q.shape[1 if self.layout == "bshd" else 2]
-        return cp.zeros(q.shape, self.acc), cp.full((b, h, n), -np.inf, self.acc)
+        lse_b = lse_b.astype(self.acc, copy=False)
+        _kernels(self.dtype)[0](self._view(o_b), self._lse_as_rows(lse_b), self._lse_as_rows(lse_acc), o_acc)
+        cp.logaddexp(lse_acc, lse_b, out=lse_acc)
 
-    def merge(self, o_acc, lse_acc, o_b, lse_b):
-        import cupy as cp
-        merge, _, _ = _kernels(self.dtype)
-        rows = (lambda x: x.transpose(0, 2, 1)[..., None]) if self.layout == "bshd" else (lambda x: x[..., None])
-        merge(self._view(o_b), rows(lse_b.astype(self.acc, copy=False)), rows(lse_acc), o_acc)
-        cp.logaddexp(lse_acc, lse_b.astype(self.acc, copy=False), out=lse_acc)
-
-    def zeros(self, shape):
-        import cupy as cp
-        return cp.zeros(shape, self.acc)
-
-    def accumulate(self, acc, part):
+    def _accumulate(self, acc, part):
         _kernels(self.dtype)[1](self._view(part), acc)
 
     def finish(self, acc):
@@ -325,6 +394,3 @@ class CupyOps:
         if self.dtype == "fp16":
             return acc.astype(cp.float16)
         return acc  # float32 / float64 sums are the outputs
-
-    def finish_lse(self, lse):
-        return lse

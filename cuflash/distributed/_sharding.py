@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 SHARDINGS = ("zigzag", "contiguous")
 
 
@@ -103,6 +105,95 @@ def step_blocks(rank: int, src: int, world_size: int, causal: bool, sharding: st
     if src < rank:
         return (Block(full, slice(0, c), False),)
     return (Block(slice(c, n), full, False),)
+
+
+# --- packed (varlen) batches: every sequence is sharded on its own -------------------------------------------------
+#
+# A packed batch holds sequences of lengths L_0, L_1, ... back to back (cu_seqlens). Each sequence is sharded over the
+# ranks as a dense one would be, and a rank's local batch packs its part of every sequence in the same order, so
+# every rank's local cu_seqlens are the same: L_i / P each. The step plans are the dense ones applied to every
+# sequence at once: "all local rows", "the early half of every sequence's local rows", "the late half", each a
+# packed sub-batch of its own (cu_seqlens of the halves: L_i / 2P each).
+
+@dataclass(frozen=True)
+class PackedBlock:
+    """One varlen attention call of a ring step: rows of the local packed batch (a slice for all of them, else an
+    index array) and the cumulative lengths of the two sub-batches."""
+    q_rows: object
+    k_rows: object
+    causal: bool
+    cu_q: tuple
+    cu_k: tuple
+
+
+def packed_local_lengths(lengths, world_size: int, sharding: str) -> tuple:
+    """Local lengths of every sequence (L_i / P); a clear error when one does not split evenly."""
+    return tuple(local_length(int(n), world_size, sharding, name=f"the length of sequence {i}")
+                 for i, n in enumerate(lengths))
+
+
+def _cumulative(lengths) -> tuple:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + int(n))
+    return tuple(out)
+
+
+def packed_rank_rows(rank: int, world_size: int, cu_seqlens, sharding: str) -> np.ndarray:
+    """Global packed rows of rank's local packed batch, in local order."""
+    cu = [int(c) for c in cu_seqlens]
+    rows = [np.arange(cu[i] + r.start, cu[i] + r.stop) for i in range(len(cu) - 1)
+            for r in rank_positions(rank, world_size, cu[i + 1] - cu[i], sharding)]
+    return np.concatenate(rows) if rows else np.zeros(0, np.int64)
+
+
+def shard_packed(x, cu_seqlens, rank: int, world_size: int, *, sharding: str = "zigzag", axis: int = 0):
+    """rank's local packed batch of a global packed array x (sequences at cu_seqlens along axis), and its local
+    cu_seqlens (a tuple; L_i / P per sequence)."""
+    check_sharding(sharding)
+    _check_rank(rank, world_size)
+    cu = [int(c) for c in cu_seqlens]
+    local = packed_local_lengths(np.diff(cu), world_size, sharding)
+    return take_rows(x, packed_rank_rows(rank, world_size, cu, sharding), axis), _cumulative(local)
+
+
+def unshard_packed(parts, cu_seqlens, *, sharding: str = "zigzag", axis: int = 0):
+    """The global packed array from the local packed batches of ranks 0..P-1 (inverse of shard_packed)."""
+    check_sharding(sharding)
+    world_size = len(parts)
+    if world_size == 0:
+        raise ValueError("parts is empty: pass the local parts of ranks 0 .. world_size - 1")
+    cu = [int(c) for c in cu_seqlens]
+    rows = np.concatenate([packed_rank_rows(r, world_size, cu, sharding) for r in range(world_size)])
+    order = np.argsort(rows, kind="stable")  # position j of the concatenated parts holds global row rows[j]
+    return take_rows(_concatenate(list(parts), axis), order, axis)
+
+
+def packed_step_blocks(rank: int, src: int, world_size: int, causal: bool, sharding: str,
+                       local_lengths: tuple) -> tuple[PackedBlock, ...]:
+    """The varlen calls of rank's step holding src's block: the dense plan in halves of every sequence."""
+    cu = _cumulative(local_lengths)
+    halves = tuple(n // 2 for n in local_lengths)
+    cu_half = _cumulative(halves)
+    early = np.concatenate([np.arange(cu[i], cu[i] + halves[i]) for i in range(len(halves))] or [np.zeros(0, int)])
+    late = np.concatenate([np.arange(cu[i] + halves[i], cu[i + 1]) for i in range(len(halves))] or [np.zeros(0, int)])
+    pick = {(0, 2): (slice(0, cu[-1]), cu), (0, 1): (early, cu_half), (1, 2): (late, cu_half)}
+    out = []
+    for b in step_blocks(rank, src, world_size, causal, sharding, 2):  # rows in units of halves: 0..2
+        (q_rows, cu_q), (k_rows, cu_k) = pick[(b.q_rows.start, b.q_rows.stop)], pick[(b.k_rows.start, b.k_rows.stop)]
+        out.append(PackedBlock(q_rows, k_rows, b.causal, cu_q, cu_k))
+    return tuple(out)
+
+
+def take_rows(x, rows, axis: int):
+    """x's entries at `rows` (a slice: a view; an index array: a copy) along axis; CuPy arrays by their bits."""
+    if isinstance(rows, slice):
+        return _take(x, axis, rows.start, rows.stop)
+    xp = _module(x)
+    if xp.__name__ == "numpy":
+        return np.take(x, rows, axis=axis)
+    bits = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[x.dtype.itemsize]
+    return xp.take(x.view(bits), xp.asarray(rows), axis=axis).view(x.dtype)
 
 
 def _check_rank(rank, world_size):
