@@ -106,6 +106,24 @@ def run_varlen_case(group, causal, dtype, d, heads, chunks):
 VARLEN_CASES = [(True, "bf16", 128, (4, 2), (37, 2, 0, 96))]
 
 
+def run_bad_input_cases(group):
+    """Rank 1 passes a k of another dtype, then shards of another length (valid on their own): every rank must
+    raise before any transfer, and the group must still work afterwards (checked by the barrier after)."""
+    r = group.rank
+    q = randn((1, 256, 2, 64), "bf16", 1 + r)
+    rec = {"case": "bad input", "rank": r}
+    k_bad = randn((1, 256, 2, 64), "fp16" if r == 1 else "bf16", 2)
+    short = q[:, :128] if r == 1 else q
+    for name, (qq, kk) in (("dtype", (q, k_bad)), ("length", (short, short))):
+        try:
+            cfd.ring_attention_forward(qq, kk, kk, group, causal=True)
+            rec[name] = "no error"
+        except (TypeError, ValueError) as e:
+            rec[name] = f"{type(e).__name__}: {e}"
+    group.barrier()
+    return rec
+
+
 def main(out_dir: str) -> int:
     group = cfd.init_process_group()
     records = []
@@ -115,6 +133,8 @@ def main(out_dir: str) -> int:
         except Exception:  # noqa: BLE001 - recorded for the test to report; the other rank may hang otherwise
             records.append({"case": repr(case), "rank": group.rank, "error": traceback.format_exc()})
             break
+    if not any("error" in rec for rec in records):
+        records.append(run_bad_input_cases(group))
     with open(os.path.join(out_dir, f"rank{group.rank}.json"), "w") as f:
         json.dump(records, f, indent=1)
     group.barrier()

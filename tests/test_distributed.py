@@ -208,10 +208,11 @@ def test_rendezvous_hands_rank0s_id_to_every_rank():
 
 def test_launcher_sets_each_rank_and_stops_on_failure(tmp_path):
     script = tmp_path / "worker.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(textwrap.dedent(r"""
         import os, sys
-        print("rank", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"],
-              os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) > 0, flush=True)
+        line = " ".join(["rank", os.environ["RANK"], os.environ["LOCAL_RANK"], os.environ["WORLD_SIZE"],
+                         os.environ["MASTER_ADDR"], str(int(os.environ["MASTER_PORT"]) > 0)])
+        os.write(1, (line + "\n").encode())  # one write: the ranks share the pipe, print() would interleave
         sys.exit(int(sys.argv[1]) if os.environ["RANK"] == "1" else 0)
     """))
     ok = subprocess.run([sys.executable, "-m", "cuflash.distributed.launch", "--nproc-per-node", "3", str(script), "0"],
@@ -275,3 +276,65 @@ def test_varlen_simulation_input_errors():
         cfd.simulate_ring_attention_varlen_forward(x, x, x, np.array([0, 4, 8]), 2)
     with pytest.raises(ValueError, match=r"must start at 0 and never decrease"):
         cfd.simulate_ring_attention_varlen_forward(x, x, x, np.array([0, 8, 4, 12]), 2)
+
+
+# --- every rank agrees on the inputs before any transfer -----------------------------------------------------------
+
+class FakeGroup:
+    """A group whose all-gather returns this rank's values beside the given other ranks' rows."""
+
+    def __init__(self, rank, others):
+        self.rank, self.world_size, self.others, self.gathered = rank, len(others) + 1, others, []
+
+    def all_gather_host(self, values):
+        self.gathered.append(list(values))
+        rows = list(self.others)
+        rows.insert(self.rank, list(values))
+        return np.array(rows, dtype=np.int64)
+
+
+def _arrays(n=8):
+    return tuple(np.zeros(s) for s in ((1, n, 2, 8), (1, n, 1, 8), (1, n, 1, 8)))
+
+
+def test_agreed_setup_passes_when_every_rank_agrees():
+    from cuflash.distributed import _agreed_setup, _signature
+    arrays = _arrays()
+    opt = cfd._ring.RingOptions(True, "zigzag", "bshd")
+    group = FakeGroup(0, [_signature(False, arrays, ())])
+    assert _agreed_setup(group, arrays, lambda: (opt, "ops")) == (opt, "ops")
+    assert len(group.gathered) == 1
+
+
+def test_a_rank_with_bad_input_raises_its_own_error_after_telling_the_others():
+    from cuflash.distributed import _agreed_setup, _signature
+    arrays = _arrays()
+    group = FakeGroup(1, [_signature(False, arrays, ())])
+
+    def bad():
+        raise TypeError("k.dtype=float16 does not match q.dtype=bfloat16")
+
+    with pytest.raises(TypeError, match="k.dtype=float16"):
+        _agreed_setup(group, arrays, bad)
+    assert group.gathered and group.gathered[0][0] == 1, "the rank must report its failure to the others first"
+
+
+def test_the_other_ranks_raise_when_one_rejected_its_inputs():
+    from cuflash.distributed import _agreed_setup, _signature
+    arrays = _arrays()
+    opt = cfd._ring.RingOptions(True, "zigzag", "bshd")
+    group = FakeGroup(0, [_signature(True, arrays, ()), _signature(False, arrays, ())])
+    with pytest.raises(ValueError, match=r"rank 1 of 3 rejected its inputs \(see its error\); this rank's were valid"):
+        _agreed_setup(group, arrays, lambda: (opt, "ops"))
+
+
+def test_ranks_with_different_shards_all_raise():
+    from cuflash.distributed import _agreed_setup, _signature
+    opt = cfd._ring.RingOptions(True, "zigzag", "bshd")
+    group = FakeGroup(0, [_signature(False, _arrays(16), ())])
+    with pytest.raises(ValueError, match=r"rank 0: q \(1, 8, 2, 8\) .*; rank 1: q \(1, 16, 2, 8\)"):
+        _agreed_setup(group, _arrays(8), lambda: (opt, "ops"))
+    packed = cfd._ring.RingOptions(True, "zigzag", "packed", (4, 6))
+    group = FakeGroup(0, [_signature(False, _arrays(), (6, 4))])
+    with pytest.raises(ValueError, match="other sequence lengths"):
+        _agreed_setup(group, _arrays(), lambda: (packed, "ops"))

@@ -31,8 +31,16 @@ def test_ring_attention_across_gpus(tmp_path):
             records += json.load(f)
     errors = [rec["error"] for rec in records if "error" in rec]
     assert not errors, errors[0]
-    assert len(records) == 4 * world  # three dense cases and a packed (varlen) one
-    for rec in records:
+    assert len(records) == 5 * world  # three dense cases, a packed (varlen) one, the bad inputs
+    for rec in [rec for rec in records if rec["case"] == "bad input"]:
+        rank = rec["rank"]
+        if rank == 1:  # its own validation errors
+            assert rec["dtype"].startswith("TypeError") and "dtype" in rec["dtype"], rec
+        else:
+            assert rec["dtype"].startswith("ValueError") and "rank 1 of" in rec["dtype"] and "rejected" in \
+                rec["dtype"], rec
+        assert rec["length"].startswith("ValueError") and "shards differ" in rec["length"], rec
+    for rec in [rec for rec in records if rec["case"] != "bad input"]:
         what = f"{rec['case']} rank {rec['rank']}"
         for name in ("o", "dq", "dk", "dv", "dq_det", "dk_det", "dv_det"):
             res = rec[name]

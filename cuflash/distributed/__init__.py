@@ -52,8 +52,8 @@ def ring_attention_forward(q, k, v, group: ProcessGroup, *, causal=False, softma
     Window, ALiBi, dropout, bias and masks are not supported across shards (they depend on global positions).
     Communication per step: this rank's K and V shards, sent on while the kernels run.
     """
-    opt, ops = _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, False, group.world_size)
-    _check_same_shapes(group, q, k, v)
+    opt, ops = _agreed_setup(group, (q, k, v), lambda: _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap,
+                                                             precision, False, group.world_size))
     return _ring.run(_ring.forward_rank(group.rank, group.world_size, q, k, v, ops, opt), NcclTransport(group))
 
 
@@ -70,9 +70,9 @@ def ring_attention_backward(dout, q, k, v, out, lse, group: ProcessGroup, *, cau
     given to the forward. deterministic=True makes every kernel bitwise reproducible and the ring adds in a fixed
     order, so the gradients are too. Communication per step: K and V, and the float32 dK/dV sums of the block
     (float64 for float64 inputs)."""
-    opt, ops = _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,
-                      group.world_size, backward=(dout, out, lse))
-    _check_same_shapes(group, q, k, v)
+    opt, ops = _agreed_setup(group, (q, k, v), lambda: _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap,
+                                                             precision, deterministic, group.world_size,
+                                                             backward=(dout, out, lse)))
     gen = _ring.backward_rank(group.rank, group.world_size, dout, q, k, v, out, lse, ops, opt)
     return _ring.run(gen, NcclTransport(group))
 
@@ -86,9 +86,8 @@ def ring_attention_varlen_forward(q, k, v, cu_seqlens, group: ProcessGroup, *, c
     lengths (int32 CuPy array or a host sequence; the same on every rank: sequence i's global length / P, each a
     multiple of 2 for zigzag). Returns (o, lse (heads, total_local)), this rank's rows of
     `cuflash.attention_varlen_forward` on the global batch. Other arguments as `ring_attention_forward`."""
-    opt, ops = _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap, precision, False, group.world_size,
-                      cu_seqlens=cu_seqlens)
-    _check_same_shapes(group, q, k, v, opt.local_lengths)
+    opt, ops = _agreed_setup(group, (q, k, v), lambda: _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap,
+                                                             precision, False, group.world_size, cu_seqlens=cu_seqlens))
     return _ring.run(_ring.forward_rank(group.rank, group.world_size, q, k, v, ops, opt), NcclTransport(group))
 
 
@@ -96,9 +95,9 @@ def ring_attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens, group: P
                                    softmax_scale=None, sharding="zigzag", softcap=None, precision=None,
                                    deterministic=False):
     """Gradients of `ring_attention_varlen_forward` for this rank's rows: (dq, dk, dv) packed like q, k, v."""
-    opt, ops = _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap, precision, deterministic,
-                      group.world_size, backward=(dout, out, lse), cu_seqlens=cu_seqlens)
-    _check_same_shapes(group, q, k, v, opt.local_lengths)
+    opt, ops = _agreed_setup(group, (q, k, v), lambda: _setup(q, k, v, causal, softmax_scale, "packed", sharding, softcap,
+                                                             precision, deterministic, group.world_size,
+                                                             backward=(dout, out, lse), cu_seqlens=cu_seqlens))
     gen = _ring.backward_rank(group.rank, group.world_size, dout, q, k, v, out, lse, ops, opt)
     return _ring.run(gen, NcclTransport(group))
 
@@ -222,18 +221,44 @@ def _setup(q, k, v, causal, softmax_scale, layout, sharding, softcap, precision,
     return opt, _ring.CupyOps(opt, a.scale, softcap, precision, bool(deterministic), a.dtype, q.dtype)
 
 
-def _check_same_shapes(group: ProcessGroup, q, k, v, local_lengths=()) -> None:
-    """Every rank must pass shards of the same shapes and sequence lengths (NCCL sizes its transfers by them, and
-    every rank walks the same plans): one small all-gather."""
-    import cupy as cp
+_SIGNATURE_LEN = 16  # rejected flag, q, k, v shapes (4 dims each, -1 padded), sequence count, lengths hash
 
-    mine = np.array([*q.shape, *k.shape, *v.shape, len(local_lengths), hash(tuple(local_lengths)) % (1 << 62)],
-                    dtype=np.int64)
-    every = cp.asnumpy(group.all_gather(cp.asarray(mine)))
+
+def _signature(failed: bool, arrays, local_lengths) -> list[int]:
+    dims = []
+    for x in arrays:
+        shape = tuple(getattr(x, "shape", ()))[:4]
+        dims += list(shape) + [-1] * (4 - len(shape))
+    return [int(failed)] + dims + [len(local_lengths), hash(tuple(local_lengths)) % (1 << 62)]
+
+
+def _agreed_setup(group, arrays, setup):
+    """Every rank validates its own inputs (setup()), then the ranks compare notes in one small all-gather: the
+    verdict and their shard shapes and sequence lengths (NCCL sizes its transfers by them, and every rank walks the
+    same plans). Any rank's bad input makes every rank raise, before any attention kernel or transfer: a rank that
+    raised alone would leave the others waiting for it in NCCL."""
+    try:
+        result, error = setup(), None
+    except (TypeError, ValueError) as e:
+        result, error = None, e
+    lengths = result[0].local_lengths if result is not None else ()
+    every = group.all_gather_host(_signature(error is not None, arrays, lengths))
+    if error is not None:
+        raise error
+    rejected = [r for r, sig in enumerate(every) if sig[0]]
+    if rejected:
+        raise ValueError(f"rank{'s' if len(rejected) > 1 else ''} {', '.join(map(str, rejected))} of "
+                         f"{group.world_size} rejected {'their' if len(rejected) > 1 else 'its'} inputs (see "
+                         f"{'their' if len(rejected) > 1 else 'its'} error); this rank's were valid")
+    mine = every[group.rank]
     if (every != mine).any():
-        rows = "; ".join(f"rank {r}: q {tuple(s[:q.ndim])} k {tuple(s[q.ndim:q.ndim + k.ndim])}"
-                         f"{' (other sequence lengths)' if s[-1] != mine[-1] else ''}" for r, s in enumerate(every))
+        def shapes(sig):
+            return " ".join(f"{n} {tuple(int(d) for d in sig[1 + 4 * i:5 + 4 * i] if d >= 0)}"
+                            for i, n in enumerate("qkv"))
+        rows = "; ".join(f"rank {r}: {shapes(sig)}{' (other sequence lengths)' if sig[-1] != mine[-1] else ''}"
+                         for r, sig in enumerate(every))
         raise ValueError(f"the ranks' shards differ ({rows}): every rank needs the same local shapes and lengths")
+    return result
 
 
 def _simulation(arrays, world_size, causal, softmax_scale, layout, sharding, softcap, precision, deterministic,

@@ -142,6 +142,14 @@ class ProcessGroup:
         self.comm.allGather(x.data.ptr, out.data.ptr, x.nbytes, nccl.NCCL_UINT8, cp.cuda.get_current_stream().ptr)
         return out
 
+    def all_gather_host(self, values):
+        """(world_size, len(values)) int64 NumPy array: every rank's values (host in, host out; all ranks pass the
+        same number of values)."""
+        import cupy as cp
+        import numpy as np
+
+        return cp.asnumpy(self.all_gather(cp.asarray(np.asarray(values, dtype=np.int64))))
+
     def all_reduce_max(self, values):
         """Element-wise maximum over the ranks of a float64 array (host in, host out)."""
         import cupy as cp
