@@ -13,7 +13,8 @@ the GPUs run, and on NumPy arrays (float64 reference math, `NumpyOps`) the CPU c
 Forward, rank r (Q_r stays; K/V blocks travel r -> r + 1):
   for step s = 0 .. P-1, holding the block of src = (r - s) mod P:
       start passing the block on (not at the last step)
-      for each Block of the step plan (_sharding.step_blocks):
+      for each block of the step plan (RingOptions.blocks: _sharding.step_blocks; packed_step_blocks for packed
+      batches, whose rows may be index arrays: gathered, merged, scattered back):
           O_b, lse_b = attention(Q_r[rows], K_src[krows], V_src[krows])       the kernels' forward
           lse' = logaddexp(lse, lse_b); O = O e^(lse - lse') + O_b e^(lse_b - lse')   (rows of the block)
       wait for the next block
