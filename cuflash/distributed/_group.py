@@ -188,8 +188,9 @@ def copy_bits(x):
     """A C-contiguous copy of x made by its bits (no element-wise kernel of x's dtype, e.g. bfloat16, needed)."""
     import cupy as cp
 
-    bits = {1: cp.uint8, 2: cp.uint16, 4: cp.uint32, 8: cp.uint64}[x.dtype.itemsize]
-    return cp.array(x.view(bits), order="C", copy=True).view(x.dtype)
+    from ._sharding import bits_dtype
+
+    return cp.array(x.view(bits_dtype(cp, x.dtype)), order="C", copy=True).view(x.dtype)
 
 
 class _Pending:

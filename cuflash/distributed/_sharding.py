@@ -192,8 +192,7 @@ def take_rows(x, rows, axis: int):
     xp = _module(x)
     if xp.__name__ == "numpy":
         return np.take(x, rows, axis=axis)
-    bits = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[x.dtype.itemsize]
-    return xp.take(x.view(bits), xp.asarray(rows), axis=axis).view(x.dtype)
+    return xp.take(x.view(bits_dtype(xp, x.dtype)), xp.asarray(rows), axis=axis).view(x.dtype)
 
 
 def _check_rank(rank, world_size):
@@ -215,8 +214,14 @@ def _concatenate(pieces, axis):
     if xp.__name__ == "numpy":
         return xp.concatenate(pieces, axis=axis)
     dtype = pieces[0].dtype
-    bits = {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[dtype.itemsize]
+    bits = bits_dtype(xp, dtype)
     return xp.concatenate([p.view(bits) for p in pieces], axis=axis).view(dtype)
+
+
+def bits_dtype(xp, dtype):
+    """The unsigned integer dtype of dtype's size: CuPy moves arrays of any dtype (e.g. bfloat16, which it cannot
+    copy element-wise) as these bits."""
+    return {1: xp.uint8, 2: xp.uint16, 4: xp.uint32, 8: xp.uint64}[dtype.itemsize]
 
 
 def _module(x):

@@ -151,12 +151,12 @@ def main(argv=None) -> int:
 
 
 def _randn(shape, seed):
-    """Normal values truncated to bf16 (random either way), a fresh CuPy array."""
+    """Normal values rounded to bf16, a fresh CuPy array."""
     import cupy as cp
-    import ml_dtypes
 
-    x = cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32)
-    return (x.view(cp.uint32) >> 16).astype(cp.uint16).view(ml_dtypes.bfloat16)
+    from .._xpref import to_lowp
+
+    return to_lowp(cp.random.RandomState(seed).standard_normal(shape, dtype=cp.float32), "bf16")
 
 
 def main_simulate(args) -> int:
