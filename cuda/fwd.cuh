@@ -7,8 +7,9 @@
 // Sequences may be dense or packed (varlen), and K/V may have fewer heads than Q (GQA); seqs.cuh.
 //
 // IS_DECODE (attention_with_kvcache) adds what decoding needs, at run time:
-//   * keys per sequence from seqused_k, read from a paged cache through block_table (a K/V tile never
-//     straddles a page: page_size is a multiple of BLOCK_N);
+//   * keys per sequence from seqused_k, from the cache entry cache_batch_idx[b] (dense caches) and from cache
+//     row leftpad_k[b] on, read from a paged cache through block_table: whole tiles from one page when
+//     page_size and the first row are multiples of BLOCK_N, else row by row (page sizes multiple of 16);
 //   * split-KV: blockIdx.z = batch * num_splits + split; split s takes an equal share of the key tiles
 //     and writes its own normalized O and lse (fp32); the last split of a row block to finish merges them
 //     (fwd_decode_merge_if_last), or fwd_combine_kernel does in a second launch;
@@ -57,14 +58,17 @@ struct FwdParams {
   int accum_cols;      // decode, num_splits > 1: row length of o_accum (the kernel's HEAD_DIM)
   ModParams mods;      // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
   double scale_log2_d; // softmax_scale * log2(e) in float64 (the float64 kernels, wide.cuh)
+  const int* cache_batch_idx;  // decode, dense cache: [batch] cache entry of each batch entry, or nullptr
+  const int* leftpad_k;        // decode: [batch] first cache row of each sequence's keys, or nullptr: 0
 };
-static_assert(sizeof(FwdParams) == 504, "FwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(FwdParams) == 520, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
+// key0: the tile's first key.
 template <class Tr, bool IS_CAUSAL, bool IS_MASKED, bool IS_PACKED, int MODS>
 __device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
-                                             const ScoreMods<MODS>& mods, int rows_per_pos, float scale_log2, int n_block,
+                                             const ScoreMods<MODS>& mods, int rows_per_pos, float scale_log2, int key0,
                                              u32 q_lane, u32 k_lane, u32 v_lane, int warp_row0, int row0, int lane,
                                              float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
                                              OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES>& softmax) {
@@ -98,14 +102,14 @@ __device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MOD
 
   // softcap, ALiBi (mods.cuh); then the tail of K, the causal diagonal, the window: masked scores = -inf
   float unused_dcap[Tr::M_TILES][Tr::N_TILES][4];
-  apply_score_mods(s_acc, unused_dcap, row0 + warp_row0, n_block * Tr::BLOCK_N, band.diag, mods, lane);
+  apply_score_mods(s_acc, unused_dcap, row0 + warp_row0, key0, band.diag, mods, lane);
   if (IS_MASKED)
     apply_band_mask<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW, Tr::M_TILES, Tr::N_TILES, IS_PACKED>(
-        s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, band, lane, rows_per_pos);
+        s_acc, row0 + warp_row0, key0, band, lane, rows_per_pos);
 
   // m_new = max(m, rowmax(S)); O *= exp2(m - m_new); P = exp2(S*scale_log2 - m_new)
   softmax.update(s_acc, o_acc, scale_log2);
-  apply_dropout(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, mods, lane);  // after the row sums: lse is undropped
+  apply_dropout(s_acc, row0 + warp_row0, key0, mods, lane);  // after the row sums: lse is undropped
 
   // O += P V: P goes from the S accumulators straight into A fragments (no shared memory)
 #pragma unroll
@@ -131,17 +135,25 @@ __device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MOD
   }
 }
 
-// First element of key tile n_block of one sequence and K/V head: contiguous rows from seq_gmem, or, for a
-// paged decode cache, rows of the page that block_table names (pages hold whole tiles).
+// First element of key tile n_block of one sequence and K/V head, when the tile's rows are contiguous:
+// rows from seq_gmem, or, for a paged decode cache, rows of the page that block_table names (is_gather false).
 template <class Tr, bool IS_DECODE>
 __device__ __forceinline__ const u16* kv_tile_gmem(const FwdParams& p, const u16* seq_gmem, const u16* cache_gmem,
-                                                   long long row_stride, long long page_stride, int batch, int n_block) {
+                                                   long long row_stride, long long page_stride, int batch, int key_row0,
+                                                   int n_block) {
   if (IS_DECODE && p.block_table != nullptr) {
-    const int key0 = n_block * Tr::BLOCK_N;
+    const int key0 = key_row0 + n_block * Tr::BLOCK_N;  // the tile's first cache row
     const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + key0 / p.page_size];
     return cache_gmem + page * page_stride + (key0 % p.page_size) * row_stride;
   }
   return seq_gmem + static_cast<long long>(n_block) * Tr::BLOCK_N * row_stride;
+}
+
+// Row `key` (a cache row) of a paged decode cache, for tiles that straddle pages.
+__device__ __forceinline__ const u16* paged_row_gmem(const FwdParams& p, const u16* cache_gmem, long long row_stride,
+                                                     long long page_stride, int batch, int key) {
+  const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + key / p.page_size];
+  return cache_gmem + page * page_stride + (key % p.page_size) * row_stride;
 }
 
 // Decode epilogue: each thread writes its own rows straight from registers (a decode tile has few valid
@@ -315,7 +327,8 @@ __device__ __forceinline__ void fwd_decode_merge_if_last(const FwdParams& p, int
 // it, ptxas held some decode instantiations to 128 registers and spilled (the merge's loads ahead).
 template <class Tr, bool IS_CAUSAL, bool IS_DECODE, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(const FwdParams p) {
-  static_assert(!IS_DECODE || MODS == 0, "the kv-cache forward takes no score modifiers");
+  static_assert(!IS_DECODE || (MODS & ~(MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP)) == 0,
+                "the kv-cache forward takes the window, ALiBi and the softcap");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
   using T = typename Tr::T;
@@ -325,7 +338,15 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   const int head = blockIdx.y;  // packed decode: the K/V head, whose rows_per_pos query heads are packed as rows
   const int split = IS_DECODE ? static_cast<int>(blockIdx.z) % p.num_splits : 0;
   const int batch = IS_DECODE ? static_cast<int>(blockIdx.z) / p.num_splits : blockIdx.z;
-  const Seq seq = sequence(p.seq, batch);
+  Seq seq = sequence(p.seq, batch);
+  long long cache_entry = batch;  // decode, dense cache: the cache entry of this batch entry
+  if (IS_DECODE) {
+    if (p.leftpad_k != nullptr) {  // keys from cache row leftpad on: positions (masks, ALiBi) count from there
+      seq.k_row0 = p.leftpad_k[batch];
+      seq.len_k -= seq.k_row0;
+    }
+    if (p.cache_batch_idx != nullptr) cache_entry = p.cache_batch_idx[batch];
+  }
   const int rows_per_pos = IS_DECODE ? p.rows_per_pos : 1;
   const int row0 = m_block * Tr::BLOCK_M;                      // first query row of this CTA
   if (row0 >= seq.len_q * rows_per_pos) return;                // varlen: past this sequence's end
@@ -338,8 +359,8 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
                       head * p.q_head_stride;
   const u16* k_cache = p.k + kv_head * p.k_head_stride;  // paged decode: pages are indexed from here
   const u16* v_cache = p.v + kv_head * p.v_head_stride;
-  const u16* k_gmem = k_cache + batch * p.k_batch_stride + static_cast<long long>(seq.k_row0) * p.k_row_stride;
-  const u16* v_gmem = v_cache + batch * p.v_batch_stride + static_cast<long long>(seq.k_row0) * p.v_row_stride;
+  const u16* k_gmem = k_cache + cache_entry * p.k_batch_stride + static_cast<long long>(seq.k_row0) * p.k_row_stride;
+  const u16* v_gmem = v_cache + cache_entry * p.v_batch_stride + static_cast<long long>(seq.k_row0) * p.v_row_stride;
   u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(seq.q_row0 + row0) * p.o_row_stride +
                 head * p.o_head_stride;
   float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + seq.q_row0 + row0;
@@ -350,9 +371,9 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   const int last_pos = (row0 + rows_q - 1) / rows_per_pos, first_pos = row0 / rows_per_pos;
   int n_begin = band.template key_block_begin<Tr::BLOCK_N>(first_pos);
   int n_end = band.template key_block_end<Tr::BLOCK_N>(last_pos);
-  if (IS_DECODE && p.num_splits > 1) {
-    const int per_split = ((seq.len_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N + p.num_splits - 1) / p.num_splits;
-    n_begin = split * per_split;
+  if (IS_DECODE && p.num_splits > 1) {  // equal runs of the band's tiles
+    const int per_split = (max(n_end - n_begin, 0) + p.num_splits - 1) / p.num_splits;
+    n_begin += split * per_split;
     n_end = min(n_end, n_begin + per_split);
   }
   if (n_end <= n_begin) {  // nothing to see: O = 0, lse = -inf (causal rows before every key, empty splits)
@@ -393,16 +414,31 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   } else {
     load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   }
+  // paged decode: a tile lies in one page unless the page size or the first row (leftpad) cuts it
+  const bool is_gather = IS_DECODE && p.block_table != nullptr &&
+                         (p.page_size % Tr::BLOCK_N != 0 || seq.k_row0 % Tr::BLOCK_N != 0);
   // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
   auto load_kv = [&](int stage, int n, int rows) {
+    if (IS_DECODE && is_gather) {
+      const int key0 = seq.k_row0 + n * Tr::BLOCK_N;
+      load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
+          k_smem0 + stage * Tr::SMEM_KV,
+          [&](int r) { return paged_row_gmem(p, k_cache, p.k_row_stride, p.k_page_stride, batch, key0 + r); }, rows,
+          p.head_dim, tid);
+      load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
+          v_smem0 + stage * Tr::SMEM_KV,
+          [&](int r) { return paged_row_gmem(p, v_cache, p.v_row_stride, p.v_page_stride, batch, key0 + r); }, rows,
+          p.head_dim, tid);
+      return;
+    }
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         k_smem0 + stage * Tr::SMEM_KV,
-        kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, n), p.k_row_stride,
-        rows, p.head_dim, tid);
+        kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, seq.k_row0, n),
+        p.k_row_stride, rows, p.head_dim, tid);
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         v_smem0 + stage * Tr::SMEM_KV,
-        kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, n), p.v_row_stride,
-        rows, p.head_dim, tid);
+        kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, seq.k_row0, n),
+        p.v_row_stride, rows, p.head_dim, tid);
   };
   load_kv(0, n_block, seq.len_k - n_block * Tr::BLOCK_N);
   cp_async_commit_group();
@@ -439,7 +475,8 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
     cp_async_wait_group<Tr::STAGES - 1>();    // this stage's K/V (and Q) have landed
     __syncthreads();
     if (!IS_DECODE || warp_row0 < rows_q)  // decode: warps whose rows are all padding skip the arithmetic
-      fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2, n_block, q_lane,
+      fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2,
+                                                        n_block * Tr::BLOCK_N, q_lane,
                                                         k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
                                                         warp_row0, row0, lane, o_acc, softmax);
     __syncthreads();  // every warp is done with this stage before the next iteration refills it

@@ -101,9 +101,9 @@ struct FwdWsParams {
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
 // (no offsetof: NVRTC 13.0 has no __builtin_offsetof) three 128-byte maps, then FwdParams (8-byte aligned) at
 // 384 with no padding in between; the struct rounds up to its 64-byte alignment
-static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 504 && alignof(FwdWsParams) == 64 &&
-                  sizeof(FwdWsParams) == 896,
-              "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 896 bytes");
+static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 520 && alignof(FwdWsParams) == 64 &&
+                  sizeof(FwdWsParams) == 960,
+              "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 960 bytes");
 
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_>
 struct FwdSm90WsTraits {

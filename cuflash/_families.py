@@ -12,7 +12,7 @@ import threading
 from functools import lru_cache
 
 from . import _launch, _plan, _problem, _tma, _validate, config
-from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
+from .config import (MOD_ALIBI, SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
                      kernel_head_dim)
 from .philox import dropout_threshold
 
@@ -513,16 +513,27 @@ def num_splits_heuristic(ctas: int, key_blocks: int, num_sms: int, ctas_per_sm: 
     return good[0] if good else max(fills, key=lambda s: (fills[s], -s))
 
 
-def _decode_lengths(cp, p, cache_seqlens, block_table):
-    """(max keys of a sequence, cache_seqlen for the kernels) of a call; with check_inputs, the host check of
-    cache_seqlens / block_table values (one synchronization) first."""
+def _decode_lengths(cp, p, cache_seqlens, block_table, index_arrays=(None, None)):
+    """The most keys a sequence attends (the capacity without check_inputs); with check_inputs, the host check of
+    the values of cache_seqlens, block_table, cache_batch_idx and cache_leftpad (one synchronization) first."""
     m = p.dims
     max_len = m.capacity
     if p.check_inputs:  # before anything is written: a rejected call leaves the caches untouched
         lens_host = cache_seqlens if p.is_count else cp.asnumpy(cache_seqlens)
+        batch_idx, leftpad = (None if x is None else cp.asnumpy(x) for x in index_arrays)
         max_len = _validate.check_kvcache_values(lens_host, None if block_table is None else cp.asnumpy(block_table),
-                                                 m.capacity, m.s_new, m.num_blocks, m.page_size)
+                                                 m.capacity, m.s_new, m.num_blocks, m.page_size, leftpad, batch_idx)
     return max_len
+
+
+def _band_keys(mods, max_len: int, seqlen_q: int) -> int:
+    """Keys one query row block of a decode launch visits at most: a window bounds them."""
+    if mods is None or mods.window is None:
+        return max_len
+    left, right = mods.window
+    if left < 0 or right < 0:
+        return max_len
+    return min(max_len, left + right + seqlen_q)
 
 
 def _decode_splits(cp, device, stream, m, max_len, block_n, grid_rows, hd):
@@ -557,13 +568,13 @@ class _DecodeStep:
             if cache_seqlen < 0 or cache_seqlen + m.s_new > m.capacity:
                 return None
         cp = _launch.cupy()
-        max_len = _decode_lengths(cp, p, cache_seqlens, arrays[6]) if p.check_inputs else m.capacity
+        max_len = _decode_lengths(cp, p, cache_seqlens, arrays[6], arrays[7:9]) if p.check_inputs else m.capacity
         if self.before:
             blocks[self.before[0][2]][0].cache_seqlen = cache_seqlen
         main = blocks[self.main_t][0]
         main.seq.seqlen_k = cache_seqlen
-        splits = m.num_splits or num_splits_heuristic(self.ctas, -(-max_len // self.block_n), self.num_sms,
-                                                      DECODE_CTAS_PER_SM)
+        splits = m.num_splits or num_splits_heuristic(self.ctas, -(-_band_keys(p.mods, max_len, m.seqlen_q) //
+                                                                   self.block_n), self.num_sms, DECODE_CTAS_PER_SM)
         main.num_splits = splits
         work = None
         if splits == 1:  # this thread's block may hold an earlier call's workspace
@@ -578,16 +589,19 @@ class _DecodeStep:
         return launches, work
 
 
+KVCACHE_ARRAYS = 12  # the arrays an attention_with_kvcache plan is replayed on (`decode`)
+
+
 def decode(p, arrays, cache_seqlens, *, key=None):
     """Launch attention_with_kvcache of problem p (_problem.Kvcache) on arrays = (q, k_cache, v_cache, k, v,
-    cache_seqlens array or None, block_table or None); cache_seqlens: the call's argument (None, an int or the
-    array)."""
+    cache_seqlens array or None, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, alibi_slopes,
+    each None when absent); cache_seqlens: the call's argument (None, an int or the array)."""
     m = p.dims
     cp = _launch.cupy()
-    q, k_cache, v_cache, k, v, lens, block_table = arrays
+    q, k_cache, v_cache, k, v, lens, block_table, batch_idx, leftpad, cos, sin, _ = arrays
     qi, kci, vci, ki, vi, lens_info, bti = p.infos
     with _launch.on_device(cp, m.device):
-        max_len = _decode_lengths(cp, p, cache_seqlens, block_table)
+        max_len = _decode_lengths(cp, p, cache_seqlens, block_table, (batch_idx, leftpad))
         o = cp.empty((m.batch, m.seqlen_q, m.heads_q, m.head_dim), dtype=q.dtype)
         lse = cp.empty((m.batch, m.heads_q, m.seqlen_q), dtype=cp.float32)
         if m.batch == 0:
@@ -598,30 +612,52 @@ def decode(p, arrays, cache_seqlens, *, key=None):
         bt_ptr = block_table.data.ptr if m.paged else None
         dkc, dvc = m.k_cache, m.v_cache  # paged: Dims of (num_pages, page_size, heads_kv, head_dim)
         given = (q, k, v)
-        append = None
+        batch_idx_ptr = 0 if batch_idx is None else batch_idx.data.ptr
+        append = q_rot = None
+        q, dq = _operand(q, qi, m.q, "bshd")
+        operands = [q]  # as given, or copies (then the call is not planned)
         if m.s_new:  # append k, v at positions cache_seqlens[b] .. + S_new - 1: one launch, no host sync
             k, dk = _operand(k, ki, m.k, "bshd")
             v, dv = _operand(v, vi, m.v, "bshd")
+            operands += [k, v]
             append = _launch.AppendParams(
                 k.data.ptr, v.data.ptr, k_cache.data.ptr, v_cache.data.ptr, lens_ptr, bt_ptr,
                 *(s for d in (dk, dv, dkc, dvc) for s in _strides(d)),
-                cache_seqlen, m.s_new, m.heads_kv, m.head_dim, m.page_size if m.paged else 0, m.block_table_stride)
-            app = AppendConfig()
+                cache_seqlen, m.s_new, m.heads_kv, m.head_dim, m.page_size if m.paged else 0, m.block_table_stride,
+                batch_idx_ptr)
             chunks = m.s_new * m.heads_kv * (m.head_dim // 8)
+            r = m.rotary
+            if r is not None:  # rotate the new keys on their way into the cache, and q into a copy that the decode reads
+                q_rot = cp.empty((m.batch, m.seqlen_q, m.heads_q, m.head_dim), dtype=q.dtype)
+                append.rotary_cos, append.rotary_sin = cos.data.ptr, sin.data.ptr
+                append.q, append.q_rot = q.data.ptr, q_rot.data.ptr
+                append.q_batch_stride, append.q_row_stride, append.q_head_stride = _strides(dq)
+                append.rotary_row_stride, append.rotary_dim = r.row_stride, r.dim
+                append.rotary_interleaved, append.rotary_kind = int(r.interleaved), r.kind
+                append.seqlen_q, append.heads_q = m.seqlen_q, m.heads_q
+                append.q_pos_step = int(p.causal or (p.mods is not None and p.mods.window is not None))
+                chunks += m.seqlen_q * m.heads_q * (m.head_dim // 8)
+                q = q_rot
+                dq = dq._replace(batch_stride=m.seqlen_q * m.heads_q * m.head_dim, row_stride=m.heads_q * m.head_dim,
+                                 head_stride=m.head_dim)
+            app = AppendConfig(m.dtype)
             append_launch = (_launch.get_kernel(app, m.device), (-(-chunks // app.threads), m.batch, 1))
             append_launch[0].launch(append_launch[1], append, stream)
         if o.size == 0:
             return (o, lse) if p.return_lse else o
-        q, dq = _operand(q, qi, m.q, "bshd")
 
         # Grouped query heads are packed as rows (cuda/fwd.cuh): one K/V tile read serves the whole group.
+        # ALiBi's slope is per query head, so its rows are not packed.
         group = m.heads_q // m.heads_kv
-        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 else (1, m.heads_q)
+        mods = p.mods
+        bits = 0 if mods is None else mods.bits
+        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 and not bits & MOD_ALIBI else (1, m.heads_q)
         hd = kernel_head_dim(m.head_dim)
-        cfg, kernel = _kernel("decode", m.device, hd, m.dtype, p.causal)
+        cfg, kernel = _kernel("decode", m.device, hd, m.dtype, p.causal, bits)
         row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
         splits, work, o_accum, lse_accum, counters = _decode_splits(
-            cp, m.device, stream, m, max_len, cfg.block_n, row_blocks * grid_heads * m.batch, hd)
+            cp, m.device, stream, m, _band_keys(mods, max_len, m.seqlen_q), cfg.block_n,
+            row_blocks * grid_heads * m.batch, hd)
         page_strides, bt_stride, page_size = (0, 0), 0, 0
         if m.paged:  # pages are indexed from the cache base (no batch stride)
             page_strides, bt_stride, page_size = (dkc.batch_stride, dvc.batch_stride), m.block_table_stride, m.page_size
@@ -635,25 +671,33 @@ def decode(p, arrays, cache_seqlens, *, key=None):
             m.seqlen_q * m.heads_q * m.head_dim, m.heads_q * m.head_dim, m.head_dim, m.heads_q * m.seqlen_q, m.seqlen_q,
             *page_strides, m.heads_q, m.head_dim, bt_stride, page_size, splits, rows_per_pos,
             p.scale * _launch.LOG2E, hd)
+        if mods is not None:
+            params.mods = mod_params(mods, p.scale, m.capacity + m.seqlen_q)
+        params.cache_batch_idx = batch_idx_ptr
+        params.leftpad_k = 0 if leftpad is None else leftpad.data.ptr
         kernel.launch((row_blocks, grid_heads, m.batch * splits), params, stream)
         comb = CombineConfig(m.dtype)
         combine = (comb, (-(-m.heads_q * m.seqlen_q // comb.rows_per_cta), m.batch, 1))
         if splits > 1 and not DECODE_FUSED_MERGE:
             _launch.get_kernel(comb, m.device).launch(combine[1], params, stream)
-        if key is not None and _same((q, k, v), given):  # no operand copied: later calls replay this
-            b = _plan.PlanBuilder(m.device, 7)
-            b.bind(0, params, "q")
-            b.bind(1, params, "k")
-            b.bind(2, params, "v")
-            b.bind(5, params, "seq.seqused_k")
-            b.bind(6, params, "block_table")
+        if key is not None and _same(tuple(operands), given[:len(operands)]):  # no operand copied: replay this
+            n = KVCACHE_ARRAYS
+            b = _plan.PlanBuilder(m.device, n)
+            if q_rot is None:
+                b.bind(0, params, "q")
+            for i, field in ((1, "k"), (2, "v"), (5, "seq.seqused_k"), (6, "block_table"), (7, "cache_batch_idx"),
+                             (8, "leftpad_k"), (11, "mods.alibi_slopes")):
+                b.bind(i, params, field)
             b.alloc(o.shape, o.dtype, (params, "o"))
             b.alloc(lse.shape, lse.dtype, (params, "lse"))
             before = ()
             if append is not None:
                 for i, field in ((1, "k_cache"), (2, "v_cache"), (3, "k_new"), (4, "v_new"), (5, "cache_seqlens"),
-                                 (6, "block_table")):
+                                 (6, "block_table"), (7, "cache_batch_idx"), (9, "rotary_cos"), (10, "rotary_sin")):
                     b.bind(i, append, field)
+                if q_rot is not None:  # the decode reads the rotated copy of q, a new array per call
+                    b.bind(0, append, "q")
+                    b.alloc(q_rot.shape, q_rot.dtype, (append, "q_rot"), (params, "q"))
                 b.launch(*append_launch, append)
                 before = ((*append_launch, b.template(append)),)
             b.launch(kernel, (row_blocks, grid_heads, m.batch), params)
@@ -663,7 +707,10 @@ def decode(p, arrays, cache_seqlens, *, key=None):
             writes, extents = (), ()
             if m.s_new:  # the caches are written: they must not meet each other or anything the call reads
                 writes = (1, 2)
-                extents = tuple(None if i is None else _plan.relative_extent(i) for i in p.infos)
+                r = m.rotary
+                infos = p.infos + p.index_infos + ((None, None) if r is None else (r.cos, r.sin)) + (
+                    None if p.mods is None else p.mods.alibi,)
+                extents = tuple(None if i is None else _plan.relative_extent(i) for i in infos)
             _plan.plans.put(key, b.plan(aligned=aligned, writes=writes, extents=extents,
-                                        returns=(7, 8) if p.return_lse else 7, step=step))
+                                        returns=(n, n + 1) if p.return_lse else n, step=step))
     return (o, lse) if p.return_lse else o

@@ -74,7 +74,7 @@ class FwdParams(ctypes.Structure):
         ("heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("block_table_stride", ctypes.c_int),
         ("page_size", ctypes.c_int), ("num_splits", ctypes.c_int), ("rows_per_pos", ctypes.c_int),
         ("scale_log2", ctypes.c_float), ("accum_cols", ctypes.c_int), ("mods", ModParams),
-        ("scale_log2_d", ctypes.c_double),
+        ("scale_log2_d", ctypes.c_double), ("cache_batch_idx", ctypes.c_void_p), ("leftpad_k", ctypes.c_void_p),
     ]
 
 
@@ -109,12 +109,16 @@ class AppendParams(ctypes.Structure):
         + [(f"{a}_{s}_stride", _c_ll) for a in ("kn", "vn", "kc", "vc") for s in ("batch", "row", "head")]
         + [(n, ctypes.c_int) for n in ("cache_seqlen", "s_new", "kv_heads", "head_dim", "page_size",
                                       "block_table_stride")]
+        + [(n, ctypes.c_void_p) for n in ("cache_batch_idx", "rotary_cos", "rotary_sin", "q", "q_rot")]
+        + [(f"q_{s}_stride", _c_ll) for s in ("batch", "row", "head")] + [("rotary_row_stride", _c_ll)]
+        + [(n, ctypes.c_int) for n in ("rotary_dim", "rotary_interleaved", "rotary_kind", "seqlen_q", "heads_q",
+                                      "q_pos_step")]
     )
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 504 and ctypes.sizeof(BwdParams) == 616
-assert ctypes.sizeof(AppendParams) == 168 and ctypes.sizeof(DropoutMaskParams) == 248
+assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 520 and ctypes.sizeof(BwdParams) == 616
+assert ctypes.sizeof(AppendParams) == 264 and ctypes.sizeof(DropoutMaskParams) == 248
 
 
 class _Kernel:

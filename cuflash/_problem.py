@@ -215,17 +215,24 @@ class Kvcache(NamedTuple):
     infos: tuple  # ArrayInfo of q, k_cache, v_cache, k, v (None when absent), cache_seqlens (array) or None,
     #               block_table or None
     is_count: bool  # cache_seqlens is None or an int (its value is checked per call)
-    causal: bool
+    causal: bool  # the kernels' causal flag (False when a window carries it)
     return_lse: bool
     check_inputs: bool
     scale: float
+    mods: Mods | None = None  # window, ALiBi, softcap (None: none of them)
+    index_infos: tuple = (None, None)  # ArrayInfo of cache_batch_idx and cache_leftpad, or None
 
 
 def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits, return_lse,
-            check_inputs) -> Kvcache:
+            check_inputs, rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None,
+            cache_leftpad=None, window=None, alibi_slopes=None, softcap=None) -> Kvcache:
     causal = _validate.check_flag(causal, "causal")
     return_lse = _validate.check_flag(return_lse, "return_lse")
     check_inputs = _validate.check_flag(check_inputs, "check_inputs")
+    bii = None if cache_batch_idx is None else _validate.array_info(cache_batch_idx, "cache_batch_idx")
+    lpi = None if cache_leftpad is None else _validate.array_info(cache_leftpad, "cache_leftpad")
+    cosi = None if rotary_cos is None else _validate.array_info(rotary_cos, "rotary_cos")
+    sini = None if rotary_sin is None else _validate.array_info(rotary_sin, "rotary_sin")
     qi = _validate.array_info(q, "q")
     kci, vci = _validate.array_info(k_cache, "k_cache"), _validate.array_info(v_cache, "v_cache")
     ki = None if k is None else _validate.array_info(k, "k")
@@ -233,7 +240,13 @@ def kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softm
     is_count = cache_seqlens is None or isinstance(cache_seqlens, numbers.Integral)
     lens_info = cache_seqlens if is_count else _validate.array_info(cache_seqlens, "cache_seqlens")
     bti = None if block_table is None else _validate.array_info(block_table, "block_table")
-    m = _validate.check_kvcache(qi, kci, vci, ki, vi, lens_info, bti, num_splits)
+    w = _validate.check_window(window)  # rotary: queries move along with causal or a window (FlashAttention-2's rule)
+    m = _validate.check_kvcache(qi, kci, vci, ki, vi, lens_info, bti, num_splits, bii, lpi, cosi, sini,
+                                rotary_interleaved, moves_q=causal or (w is not None and w != (-1, -1)))
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
+    mods = None
+    if window is not None or alibi_slopes is not None or softcap is not None:
+        mods = _mods(causal, window, alibi_slopes, softcap, 0.0, None, 0, m.batch, m.heads_q, m.device, m.dtype)
+        causal = mods.causal
     return Kvcache(m, (qi, kci, vci, ki, vi, None if is_count else lens_info, bti), is_count, causal, return_lse,
-                   check_inputs, scale)
+                   check_inputs, scale, mods, (bii, lpi))

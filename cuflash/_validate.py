@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .config import MAX_HEAD_DIM
+from .config import DECODE_PAGE_MULTIPLE, MAX_HEAD_DIM
 
 try:
     import ml_dtypes
@@ -439,7 +439,6 @@ def check_cu_seqlens_values(cu_q, cu_k, total_q: int, total_k: int, max_seqlen_q
 
 # --- KV-cache decoding --------------------------------------------------------------------------------------
 
-KV_TILE = 64  # the kernel's K/V tile: a paged cache's page size must be a multiple of it
 MAX_SPLITS = 128
 
 
@@ -469,12 +468,77 @@ class KvcacheDims(NamedTuple):
     v: Dims | None
     block_table_stride: int  # elements between rows of block_table; 0 for a dense cache
     device: int
+    rotary: Rotary | None = None  # the rotary embedding's tables, or None
+
+
+class Rotary(NamedTuple):
+    """The rotary embedding of an attention_with_kvcache call (`check_rotary`)."""
+
+    cos: ArrayInfo
+    sin: ArrayInfo
+    dim: int  # rotary_dim: the leading dims of q and k that rotate (2 * cos.shape[1])
+    interleaved: bool
+    kind: int  # the tables' dtype: 0 float32, 1 float16, 2 bfloat16 (cuda/kvcache.cuh rotary_kind)
+    row_stride: int  # elements between rows of the tables
+
+
+def _check_index_array(info: ArrayInfo, batch: int, what: str) -> None:
+    """An int32 (batch,) contiguous array of per-sequence values."""
+    _check_int32(info, what)
+    if info.shape != (batch,):
+        raise ValueError(f"{info.name} has shape {info.shape}; expected (batch,) = ({batch},) ({what})")
+    if batch > 1 and info.strides[0] != 1:
+        raise ValueError(f"{info.name} has strides {info.strides} (elements); it must be contiguous: use "
+                         f"cupy.ascontiguousarray({info.name})")
+
+
+def check_rotary(cos: ArrayInfo | None, sin: ArrayInfo | None, interleaved, dtype: str, head_dim: int, has_new: bool,
+                 capacity: int, seqlen_q: int, s_new: int, moves_q: bool) -> Rotary | None:
+    """rotary_cos / rotary_sin: (seqlen_ro, rotary_dim / 2) in q's dtype or float32, rotary_dim a multiple of 16 and
+    <= head_dim, rows for every position the call rotates (moves_q: query i at cache_seqlens + i)."""
+    interleaved = check_flag(interleaved, "rotary_interleaved")
+    if cos is None and sin is None:
+        return None
+    if (cos is None) != (sin is None):
+        raise ValueError(f"rotary_cos and rotary_sin go together: got rotary_cos={'None' if cos is None else 'an array'}"
+                         f" and rotary_sin={'None' if sin is None else 'an array'}; pass both or neither")
+    if not has_new:
+        raise ValueError("rotary_cos / rotary_sin rotate q and the new keys k at their cache positions: pass the new "
+                         "keys and values k and v with them")
+    for x in (cos, sin):
+        if x.dtype != FP32 and DTYPE_NAMES.get(x.dtype) != dtype:
+            raise TypeError(f"{x.name}.dtype={x.dtype} is not supported: the rotary tables are float32 or q's dtype "
+                            f"({dtype})")
+        if len(x.shape) != 2:
+            raise ValueError(f"{x.name} has shape {x.shape}; expected (seqlen_ro, rotary_dim // 2)")
+        check_last_dim_contiguous(x, "rotary_dim // 2")
+    if sin.shape != cos.shape or sin.dtype != cos.dtype:
+        raise ValueError(f"rotary_sin is {sin.shape} {sin.dtype} but rotary_cos is {cos.shape} {cos.dtype}: the two "
+                         f"tables must have one shape and dtype")
+    if cos.strides != sin.strides:
+        raise ValueError(f"rotary_sin has strides {sin.strides} but rotary_cos {cos.strides} (elements): give the two "
+                         f"tables the same strides (e.g. cupy.ascontiguousarray)")
+    dim = 2 * cos.shape[1]
+    if dim == 0 or dim % 16 or dim > head_dim:
+        raise ValueError(f"rotary_dim={dim} (2 * rotary_cos.shape[1], rotary_cos.shape={cos.shape}) is not supported: "
+                         f"it must be a positive multiple of 16 and at most head_dim={head_dim}")
+    need = capacity + (max(0, seqlen_q - s_new) if moves_q else 0)
+    if cos.shape[0] < need:
+        raise ValueError(f"rotary_cos has seqlen_ro={cos.shape[0]} rows (shape {cos.shape}); the call rotates up to "
+                         f"position {need - 1} (cache capacity={capacity}"
+                         + (f", {seqlen_q} queries after {s_new} new keys" if need > capacity else "")
+                         + f"), so it needs at least {need} rows")
+    return Rotary(cos, sin, dim, interleaved, bias_kind(cos.dtype), int(cos.strides[0]) if cos.shape[0] > 1 else 0)
 
 
 def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: ArrayInfo | None, v: ArrayInfo | None,
-                  cache_seqlens, block_table: ArrayInfo | None, num_splits) -> KvcacheDims:
+                  cache_seqlens, block_table: ArrayInfo | None, num_splits, cache_batch_idx: ArrayInfo | None = None,
+                  cache_leftpad: ArrayInfo | None = None, rotary_cos: ArrayInfo | None = None,
+                  rotary_sin: ArrayInfo | None = None, rotary_interleaved=True, moves_q: bool = False) -> KvcacheDims:
     """Metadata of an attention_with_kvcache call. cache_seqlens: None, an int, or the ArrayInfo of an int32
-    (batch,) array (its values: `check_kvcache_values`); block_table: None (dense cache) or ArrayInfo."""
+    (batch,) array (its values, and those of the index arrays: `check_kvcache_values`); block_table: None (dense
+    cache) or ArrayInfo; cache_batch_idx, cache_leftpad: None or int32 (batch,) ArrayInfo; rotary_cos / rotary_sin:
+    `check_rotary` (moves_q: causal or a window, so query i is rotated at cache_seqlens + i)."""
     if (k is None) != (v is None):
         raise ValueError(f"k and v (new keys and values) go together: got k={'None' if k is None else 'an array'} "
                          f"and v={'None' if v is None else 'an array'}; pass both or neither")
@@ -498,11 +562,18 @@ def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: Array
                              f"with batch={batch} (q.shape[0])")
         check_last_dim_contiguous(block_table, "max_blocks_per_seq")
         page_size, max_blocks = dkc.seqlen, block_table.shape[1]
-        if page_size < KV_TILE or page_size % KV_TILE:
+        if page_size < DECODE_PAGE_MULTIPLE or page_size % DECODE_PAGE_MULTIPLE:
             raise ValueError(f"page_size={page_size} ({k_cache.name}.shape[1] of the paged cache (num_blocks, "
                              f"page_size, heads_kv, head_dim)) is not supported: it must be a positive multiple of "
-                             f"{KV_TILE} (the kernel's K/V tile)")
+                             f"{DECODE_PAGE_MULTIPLE}")
+        if cache_batch_idx is not None:
+            raise ValueError(f"{cache_batch_idx.name} (an array) and block_table (an array) do not go together: with a "
+                             f"paged cache the block table already says which pages each sequence uses; pass "
+                             f"cache_batch_idx=None")
         capacity, bt_stride = max_blocks * page_size, int(block_table.strides[0]) if max_blocks else 0
+    elif cache_batch_idx is not None:
+        _check_index_array(cache_batch_idx, batch, "the dense cache entry of each batch entry")
+        page_size, max_blocks, capacity, bt_stride = dkc.seqlen, 1, dkc.seqlen, 0
     else:
         if dkc.batch != batch:
             raise ValueError(f"{k_cache.name} has shape {k_cache.shape} but q has batch={batch} ({q.shape}): a dense "
@@ -553,12 +624,17 @@ def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: Array
                              f"capacity={capacity} keys per sequence: allowed 0 <= cache_seqlens <= "
                              f"{capacity - s_new}")
 
+    if cache_leftpad is not None:
+        _check_index_array(cache_leftpad, batch, "the first cache row of each sequence's keys")
+    rotary = check_rotary(rotary_cos, rotary_sin, rotary_interleaved, dtype, head_dim, k is not None, capacity,
+                          dq.seqlen, s_new, moves_q)
     splits = check_int(num_splits, "num_splits", 0, MAX_SPLITS)
     for name, n in (("batch", batch), ("heads", dq.heads)):
         if n > MAX_GRID_YZ:
             raise ValueError(f"{name}={n} (from q.shape={q.shape}) is too large: at most {MAX_GRID_YZ} "
                              f"(a CUDA grid dimension); split the call")
-    extra = [x for x in (cache_seqlens, block_table) if isinstance(x, ArrayInfo)]
+    extra = [x for x in (cache_seqlens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin)
+             if isinstance(x, ArrayInfo)]
     check_same_device(q, k_cache, v_cache, *new, *extra)
     if s_new:  # the call writes into the caches: nothing it reads or writes may share their memory
         if overlaps(k_cache, v_cache):
@@ -570,19 +646,22 @@ def check_kvcache(q: ArrayInfo, k_cache: ArrayInfo, v_cache: ArrayInfo, k: Array
                     raise ValueError(f"{x.name} overlaps the memory of {c.name}, which the call writes into; "
                                      f"{x.name} must not alias the cache")
     return KvcacheDims(dtype, batch, dq.seqlen, dq.heads, heads_kv, head_dim, s_new, paged, page_size, dkc.batch,
-                       max_blocks, capacity, cache_seqlen, splits, dq, dkc, dvc, dk, dv, bt_stride, q.device)
+                       max_blocks, capacity, cache_seqlen, splits, dq, dkc, dvc, dk, dv, bt_stride, q.device, rotary)
 
 
 def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_new: int, num_blocks: int,
-                         page_size: int) -> int:
-    """Values of cache_seqlens and block_table, host copies, before anything is written.
+                         page_size: int, leftpad_host=None, batch_idx_host=None) -> int:
+    """Values of cache_seqlens, block_table and the index arrays, host copies, before anything is written.
 
     cache_seqlens_host: None (every cache full), an int, or a NumPy int array (batch,): 0 <= cache_seqlens[b]
         and cache_seqlens[b] + s_new <= capacity.
-    block_table_host: None (dense cache) or a NumPy int array (batch, max_blocks): the blocks sequence b uses
-        (the first ceil(L_b / page_size), L_b = cache_seqlens[b] + s_new) must be in [0, num_blocks); the
-        other entries may hold anything (-1, say). The new keys of all sequences must land in distinct slots.
-    Returns max_b L_b (0 for an empty batch)."""
+    block_table_host: None (dense cache) or a NumPy int array (batch, max_blocks): the blocks holding sequence b's
+        rows [leftpad[b], cache_seqlens[b] + s_new) must be in [0, num_blocks); the other entries may hold anything
+        (-1, say). The new keys of all sequences must land in distinct slots.
+    leftpad_host: None or a NumPy int array (batch,): 0 <= cache_leftpad[b] <= cache_seqlens[b].
+    batch_idx_host: None or a NumPy int array (batch,) of dense cache entries: in [0, num_blocks) (the cache's
+        batch), distinct when new keys are written.
+    Returns max_b of the keys a sequence attends, cache_seqlens[b] + s_new - leftpad[b] (0 for an empty batch)."""
     table = None if block_table_host is None else np.asarray(block_table_host).astype(np.int64)
     scalar = cache_seqlens_host is None or isinstance(cache_seqlens_host, numbers.Integral)
     if scalar:  # the same count for every sequence
@@ -605,9 +684,33 @@ def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_
         raise ValueError(f"{label(b)}={cached[b]} plus S_new={s_new} new keys = {cached[b] + s_new} exceeds the cache "
                          f"capacity of {capacity} keys per sequence: allowed 0 <= cache_seqlens <= {capacity - s_new}")
     lengths = cached + s_new
+    first = np.zeros_like(lengths)
+    if leftpad_host is not None:
+        first = np.asarray(leftpad_host).astype(np.int64).reshape(-1)
+        bad = np.flatnonzero((first < 0) | (first > cached))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_leftpad[{b}]={first[b]} is out of range: sequence {b}'s keys start at cache row "
+                             f"cache_leftpad[{b}], which must be in [0, {label(b)}={cached[b]}]")
+    if batch_idx_host is not None:
+        entries = np.asarray(batch_idx_host).astype(np.int64).reshape(-1)
+        bad = np.flatnonzero((entries < 0) | (entries >= num_blocks))
+        if bad.size:
+            b = int(bad[0])
+            raise ValueError(f"cache_batch_idx[{b}]={entries[b]} is out of range: it names the dense cache entry of "
+                             f"batch entry {b} and must be in [0, {num_blocks}) (k_cache.shape[0])")
+        if s_new:
+            order = np.argsort(entries, kind="stable")
+            dup = np.flatnonzero(entries[order][1:] == entries[order][:-1])
+            if dup.size:
+                b0, b1 = int(order[dup[0]]), int(order[dup[0] + 1])
+                raise ValueError(f"cache_batch_idx[{b0}]={entries[b0]} and cache_batch_idx[{b1}]={entries[b1]} name "
+                                 f"the same cache entry, and the call writes new keys into it for both; give each "
+                                 f"batch entry its own cache entry")
     if table is not None:
-        used = -(-lengths // page_size)  # blocks sequence b reads: ceil(L_b / page_size)
-        in_use = np.arange(table.shape[1])[None, :] < used[:, None]
+        used = -(-lengths // page_size)  # blocks sequence b reads: from its first row's to ceil(L_b / page_size)
+        blocks = np.arange(table.shape[1])[None, :]
+        in_use = (blocks < used[:, None]) & (blocks >= (first // page_size)[:, None])
         wrong = in_use & ((table < 0) | (table >= num_blocks))
         if wrong.any():
             b, j = (int(i) for i in np.argwhere(wrong)[0])
@@ -628,7 +731,7 @@ def check_kvcache_values(cache_seqlens_host, block_table_host, capacity: int, s_
                                  f"sequence {second[0]} (position {pos[second]}) to the same cache slot (block "
                                  f"{slot // page_size}, row {slot % page_size}): k and v would overwrite each other "
                                  f"there; give each sequence its own blocks for the positions it writes")
-    return int(lengths.max()) if lengths.size else 0
+    return int((lengths - first).max()) if lengths.size else 0
 
 
 # --- score modifiers: sliding window, ALiBi, softcap, dropout (cuda/mods.cuh) -------------------------------

@@ -14,9 +14,17 @@ Arrays are in the "bshd" layout: q (B, Sq, H_q, D), k and v (B, Sk, H_kv, D) wit
 The varlen and KV-cache references work one sequence at a time on top of the dense ones, as in
 `cuflash.reference`.
 
-Of the score modifiers only the additive bias and the boolean masks are mirrored (bias, mask, key_padding_mask,
-with the broadcast rule and dbias of `cuflash.reference`); the others need `cuflash.reference`. The bias may be
-float16, bfloat16 (widened bit-wise), float32 or float64; the masks bool; either module.
+KV cache (`attention_kvcache*`, `kvcache_append`): every argument of `cuflash.reference`'s (cache_batch_idx,
+cache_leftpad, rotary_cos / rotary_sin / rotary_interleaved, window, alibi_slopes, softcap), with its semantics and
+validation (the checks run on host copies of the index arrays). q and the new keys are rotated on their module by
+`apply_rotary` (float32 products, rounded once to the dtype, in the low-precision reference); a window, ALiBi or
+soft-cap goes through `attention_plain` in "fp64" (float64 reference) or `cuflash.reference.attention_lowp` on
+host copies of each sequence (low precision, small decode shapes), the results on q's module.
+
+Of the score modifiers the fp16/bf16 and float64 dense, varlen and backward functions mirror only the additive bias
+and the boolean masks (bias, mask, key_padding_mask, with the broadcast rule and dbias of `cuflash.reference`); the
+others need `cuflash.reference` or `attention_plain` (below). The bias may be float16, bfloat16 (widened bit-wise),
+float32 or float64; the masks bool; either module.
 
 float32 and float64 inputs (`attention_plain`, `attention_backward_plain` and their varlen forms) have plain,
 unfused attention in one working precision with every option of `cuflash.reference` (window, ALiBi, softcap,
@@ -30,7 +38,10 @@ import math
 
 import numpy as np
 
-from .reference import _visible, broadcast_shape4, varlen_bias_index
+from . import reference
+from .reference import (_check_softcap, _visible, broadcast_shape4, check_rotary, check_rotary_positions,
+                        kvcache_leftpad, kvcache_rotary_positions, kvcache_rows, kvcache_slopes, rotary_pairs,
+                        rotary_window_given, varlen_bias_index)
 
 
 def array_module(x):
@@ -425,7 +436,7 @@ def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtyp
     return tuple(grads) if bias is None else (*grads, dbias.reshape(bias.shape).astype(xp.float32))
 
 
-# --- KV cache: append into a copy, then dense attention over each sequence's valid prefix ---------------------
+# --- KV cache: rotate, append into a copy, then dense attention over each sequence's keys ------------------------
 
 def kvcache_capacity(cache_shape, block_table=None) -> int:
     """Keys one sequence can hold: S_cache (dense) or max_blocks_per_seq * page_size (paged)."""
@@ -441,72 +452,160 @@ def kvcache_seqlens(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
     return np.asarray(to_host(cache_seqlens)).astype(np.int64).reshape(batch)
 
 
-def kvcache_slots(xp, b: int, positions, cache_shape, block_table=None):
-    """Index of logical key positions (an xp int array) of sequence b in the cache: (b, positions) for a dense
-    cache (B, S_cache, H_kv, D); (block_table[b, p // page_size], p % page_size) for a paged one."""
+def kvcache_slots(xp, b: int, positions, cache_shape, block_table=None, *, cache_batch_idx=None):
+    """Index of cache rows (an xp int array of logical key positions) of sequence b in the cache:
+    (cache_batch_idx[b] (b when None), positions) for a dense cache (B_cache, S_cache, H_kv, D);
+    (block_table[b, p // page_size], p % page_size) for a paged one."""
     if block_table is None:
-        return xp.full(positions.shape, b, dtype=positions.dtype), positions
+        row = b if cache_batch_idx is None else int(to_host(cache_batch_idx)[b])
+        return xp.full(positions.shape, row, dtype=positions.dtype), positions
     page_size = cache_shape[1]
     table = xp.asarray(block_table)  # a host (NumPy) table works with device positions too
     return table[b, positions // page_size].astype(positions.dtype), positions % page_size
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
-    """Copies of the caches with k, v (B, S_new, H_kv, D) written at logical positions cache_seqlens[b] ..
-    cache_seqlens[b] + S_new - 1 of each sequence b. Any dtype: pass uint16 views to compare bit patterns."""
+def _host_or_none(x):
+    return None if x is None else np.asarray(to_host(x))
+
+
+def apply_rotary(x, cos, sin, positions, interleaved, dtype=None):
+    """`cuflash.reference.apply_rotary` on arrays of x's module: x (..., S, H, D) rotated at positions (..., S)
+    (host or device ints) by cos, sin (seqlen_ro, rotary_dim / 2) (fp16, bf16 or float, either module). dtype None:
+    float64; "fp16" / "bf16": float32 products and sums (each a separate array operation, so no fused
+    multiply-add), rounded once to dtype (float32 holding dtype values)."""
+    xp = array_module(x)
+    ft = xp.float64 if dtype is None else xp.float32
+    x = _cast(xp, x, ft).copy()
+    rotary_dim = check_rotary(cos, sin, x.shape[-1])
+    positions = xp.asarray(check_rotary_positions(to_host(positions), cos.shape[0]))
+    c, s = (_cast(xp, t, ft)[positions][..., None, :] for t in (cos, sin))  # (..., S, 1, rotary_dim / 2)
+    first, second = rotary_pairs(rotary_dim, interleaved)
+    x1, x2 = x[..., first].copy(), x[..., second].copy()
+    x[..., first] = x1 * c - x2 * s
+    x[..., second] = x1 * s + x2 * c
+    return x if dtype is None else round_to(x, dtype)
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, cache_batch_idx=None, rotary_cos=None,
+                   rotary_sin=None, rotary_interleaved=True, dtype=None):
+    """Copies of the caches with k, v (B, S_new, H_kv, D) written at cache rows cache_seqlens[b] ..
+    cache_seqlens[b] + S_new - 1 of each sequence b (of cache row cache_batch_idx[b] when given). Any dtype: pass
+    uint16 views to compare bit patterns. With rotary_cos, rotary_sin (float k and caches) the keys are rotated
+    first (`apply_rotary`, new key s at position cache_seqlens[b] + s), as in `cuflash.reference.kvcache_append`."""
     xp = array_module(k_cache)
     k_cache, v_cache = k_cache.copy(), v_cache.copy()
     if k is None:
         return k_cache, v_cache
     batch, s_new = k.shape[:2]
+    rows = kvcache_rows(_host_or_none(cache_batch_idx), batch, k_cache.shape, block_table, new_keys=True)
     cached = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table))
+    if rotary_cos is not None or rotary_sin is not None:
+        if k.dtype.kind in "iub":
+            raise TypeError(f"k has dtype {k.dtype}: rotary needs float keys (rotate them with apply_rotary first to "
+                            "append bit patterns)")
+        k = apply_rotary(k, rotary_cos, rotary_sin, cached[:, None] + np.arange(s_new), rotary_interleaved, dtype)
     for b in range(batch):
-        slots = kvcache_slots(xp, b, xp.arange(int(cached[b]), int(cached[b]) + s_new), k_cache.shape, block_table)
+        slots = kvcache_slots(xp, b, xp.arange(int(cached[b]), int(cached[b]) + s_new), k_cache.shape, block_table,
+                              cache_batch_idx=rows)
         k_cache[slots] = k[b]
         v_cache[slots] = v[b]
     return k_cache, v_cache
 
 
-def kvcache_prefix(cache, b: int, length: int, block_table=None):
-    """The first `length` logical keys (or values) of sequence b: (length, H_kv, D)."""
+def kvcache_keys(cache, b: int, start: int, stop: int, block_table=None, *, cache_batch_idx=None):
+    """Cache rows start .. stop - 1 of sequence b (keys or values): (stop - start, H_kv, D)."""
     xp = array_module(cache)
-    return cache[kvcache_slots(xp, b, xp.arange(int(length)), cache.shape, block_table)]
+    positions = xp.arange(int(start), int(stop))
+    return cache[kvcache_slots(xp, b, positions, cache.shape, block_table, cache_batch_idx=cache_batch_idx)]
 
 
-def kvcache_lengths(cache_seqlens, batch: int, capacity: int, s_new: int) -> np.ndarray:
-    """L_b = cache_seqlens[b] + S_new: the keys sequence b attends (host int64 array)."""
-    return kvcache_seqlens(cache_seqlens, batch, capacity) + s_new
+def _kvcache_modified(window, alibi_slopes, softcap) -> bool:
+    """Whether a window, ALiBi or a soft-cap is on (validating the window and the soft-cap)."""
+    return rotary_window_given(window) or alibi_slopes is not None or _check_softcap(softcap) is not None
+
+
+def _kvcache_attention(attend, q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, dtype, *,
+                       cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, window,
+                       alibi_slopes):
+    """`cuflash.reference._kvcache_attention` on arrays of q's module: rotate, append, then attend(q_b, keys_b,
+    values_b, slopes_b) per sequence. Returns (per-sequence results, appended k_cache, appended v_cache)."""
+    xp = array_module(q)
+    batch, seqlen_q, heads_q = q.shape[:3]
+    s_new = 0 if k is None else k.shape[1]
+    rows = kvcache_rows(_host_or_none(cache_batch_idx), batch, k_cache.shape, block_table, new_keys=k is not None)
+    cached = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table))
+    leftpad = kvcache_leftpad(_host_or_none(cache_leftpad), cached)
+    slopes = kvcache_slopes(alibi_slopes, batch, heads_q)
+    rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin rotate q and the new keys: they need k and v (got k=None)")
+        q_positions, _ = kvcache_rotary_positions(cached, seqlen_q, s_new, causal, window)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved, dtype)
+        if dtype is None:  # the float64 reference keeps the rotated keys unrounded: float64 caches
+            k_cache, v_cache = (_cast(xp, c, xp.float64) for c in (k_cache, v_cache))
+    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                      cache_batch_idx=cache_batch_idx, dtype=dtype, **rotary)
+    results = []
+    for b in range(batch):
+        keys, values = (kvcache_keys(c, b, leftpad[b], cached[b] + s_new, block_table, cache_batch_idx=rows)[None]
+                        for c in (k_cache, v_cache))
+        results.append(attend(q[b:b + 1], keys, values, None if slopes is None else slopes[b]))
+    return results, k_cache, v_cache
 
 
 def attention_kvcache64(q, k_cache, v_cache, cache_seqlens=None, k=None, v=None, block_table=None, causal=False,
-                        softmax_scale=None):
+                        softmax_scale=None, *, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                        rotary_sin=None, rotary_interleaved=True, window=None, alibi_slopes=None, softcap=None,
+                        rotary_dtype=None):
     """float64 reference of attention_with_kvcache (see cuflash.reference.attention_kvcache64), float inputs:
-    returns (o (B, Sq, H_q, D), lse (B, H_q, Sq), appended k_cache, appended v_cache)."""
+    returns (o (B, Sq, H_q, D), lse (B, H_q, Sq), appended k_cache, appended v_cache). rotary_dtype: None rotates in
+    float64; "fp16" / "bf16" rounds the rotated q and new keys as the kernel does. A window, ALiBi or soft-cap is
+    computed by `attention_plain` in "fp64" (on q's module)."""
     xp = array_module(q)
-    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    batch = q.shape[0]
-    lengths = kvcache_lengths(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table),
-                              0 if k is None else k.shape[1])
+    modified = _kvcache_modified(window, alibi_slopes, softcap)
+
+    def attend(qb, kb, vb, slopes):
+        if not modified:
+            return attention_forward64(qb, kb, vb, causal, softmax_scale)
+        return attention_plain(qb, kb, vb, "fp64", causal, softmax_scale, window=window, alibi_slopes=slopes,
+                               softcap=softcap)
+
+    per_seq, k_cache, v_cache = _kvcache_attention(
+        attend, q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, rotary_dtype,
+        cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, window=window, alibi_slopes=alibi_slopes)
     o = xp.zeros(q.shape, dtype=xp.float64)
-    lse = xp.zeros((batch, q.shape[2], q.shape[1]), dtype=xp.float64)
-    for b in range(batch):
-        keys, values = (kvcache_prefix(c, b, lengths[b], block_table)[None] for c in (k_cache, v_cache))
-        o_b, lse_b = attention_forward64(q[b:b + 1], keys, values, causal, softmax_scale)
+    lse = xp.zeros((q.shape[0], q.shape[2], q.shape[1]), dtype=xp.float64)
+    for b, (o_b, lse_b) in enumerate(per_seq):
         o[b], lse[b] = o_b[0], lse_b[0]
     return o, lse, k_cache, v_cache
 
 
 def attention_kvcache_lowp(q, k_cache, v_cache, dtype, cache_seqlens=None, k=None, v=None, block_table=None,
-                           causal=False, softmax_scale=None):
-    """`attention_lowp` over each sequence's valid keys after the append: o (B, Sq, H_q, D) float32."""
+                           causal=False, softmax_scale=None, *, cache_batch_idx=None, cache_leftpad=None,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, window=None, alibi_slopes=None,
+                           softcap=None):
+    """`attention_lowp` over each sequence's keys after the append, q and the new keys rotated and rounded to
+    `dtype` as the kernel does: o (B, Sq, H_q, D) float32. A window, ALiBi or soft-cap is computed by
+    `cuflash.reference.attention_lowp` on host copies of the sequence (the result back on q's module)."""
     xp = array_module(q)
-    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    lengths = kvcache_lengths(cache_seqlens, q.shape[0], kvcache_capacity(k_cache.shape, block_table),
-                              0 if k is None else k.shape[1])
+    modified = _kvcache_modified(window, alibi_slopes, softcap)
+
+    def attend(qb, kb, vb, slopes):
+        if not modified:
+            return attention_lowp(qb, kb, vb, dtype, causal, softmax_scale)
+        return xp.asarray(reference.attention_lowp(
+            to_host(qb), to_host(kb), to_host(vb), dtype, causal, softmax_scale, window=window,
+            alibi_slopes=_host_or_none(slopes), softcap=softcap))
+
+    per_seq, _, _ = _kvcache_attention(
+        attend, q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, dtype, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, window=window, alibi_slopes=alibi_slopes)
     o = xp.zeros(q.shape, dtype=xp.float32)
-    for b in range(q.shape[0]):
-        keys, values = (kvcache_prefix(c, b, lengths[b], block_table)[None] for c in (k_cache, v_cache))
-        o[b] = attention_lowp(q[b:b + 1], keys, values, dtype, causal, softmax_scale)[0]
+    for b, o_b in enumerate(per_seq):
+        o[b] = o_b[0]
     return o
 
 

@@ -27,7 +27,10 @@ _BACKWARD = Signature("attention_backward", (
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
-    ("num_splits", OPTION), ("return_lse", OPTION), ("check_inputs", OPTION)))
+    ("num_splits", OPTION), ("return_lse", OPTION), ("check_inputs", OPTION), ("rotary_cos", OPTIONAL_ARRAY),
+    ("rotary_sin", OPTIONAL_ARRAY), ("rotary_interleaved", OPTION), ("cache_batch_idx", OPTIONAL_ARRAY),
+    ("cache_leftpad", OPTIONAL_ARRAY), ("window", DEFAULT), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION)),
+    dict(window=None))  # a window (a tuple or a list) is not planned
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
@@ -300,20 +303,37 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
 # --- KV-cache decoding ----------------------------------------------------------------------------------
 
 def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens=None, block_table=None,
-                           causal=False, softmax_scale=None, num_splits=0, return_lse=False, check_inputs=True):
+                           causal=False, softmax_scale=None, num_splits=0, return_lse=False, check_inputs=True,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, cache_batch_idx=None,
+                           cache_leftpad=None, window=None, alibi_slopes=None, softcap=None):
     """Attention of a few new query tokens over a key/value cache (decoding), appending new keys/values.
 
     Args:
         q: CuPy array (batch, seqlen_q, heads, head_dim) ("bshd"; any strides, last dim contiguous).
-        k_cache, v_cache: (batch, S_cache, heads_kv, head_dim), heads a multiple of heads_kv; or, with
-            block_table, a paged cache (num_blocks, page_size, heads_kv, head_dim), page_size a multiple of 64.
+        k_cache, v_cache: (batch, S_cache, heads_kv, head_dim), heads a multiple of heads_kv (with cache_batch_idx
+            any number of entries); or, with block_table, a paged cache (num_blocks, page_size, heads_kv,
+            head_dim), page_size a multiple of 16.
         k, v: optional new keys/values (batch, S_new, heads_kv, head_dim), written into the cache in place at
-            positions cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 before the attention.
-        cache_seqlens: keys already in each sequence's cache: None (the whole cache), an int, or a CuPy
-            int32 (batch,) array. It is not modified.
-        block_table: CuPy int32 (batch, max_blocks_per_seq): key j of sequence b lives in physical block
+            cache rows cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 before the attention.
+        cache_seqlens: keys already in each sequence's cache, i.e. the cache row where its new keys go: None (the
+            whole cache), an int, or a CuPy int32 (batch,) array. It is not modified.
+        block_table: CuPy int32 (batch, max_blocks_per_seq): cache row j of sequence b lives in physical block
             block_table[b, j // page_size], row j % page_size (None: a dense cache).
-        causal: bottom-right aligned: query i sees key j iff j <= i + L_b - seqlen_q, L_b = cache_seqlens[b] + S_new.
+        causal: bottom-right aligned: query i sees key j iff j <= i + L_b - seqlen_q, L_b = cache_seqlens[b] + S_new
+            - cache_leftpad[b] (key j: cache row cache_leftpad[b] + j).
+        rotary_cos, rotary_sin: rotary embedding tables (seqlen_ro, rotary_dim // 2) in q's dtype or float32
+            (rotary_dim a multiple of 16, at most head_dim; seqlen_ro >= the cache capacity); need k and v. The
+            first rotary_dim dims of q and of the new keys are rotated (in fp32, rounded once) before the attention
+            and before k is written into the cache: new key s at position cache_seqlens[b] + s; query i at
+            cache_seqlens[b] + i with causal or a window, else every query at cache_seqlens[b]. q is not modified.
+        rotary_interleaved: True (GPT-J): dims (2f, 2f + 1) rotate together by angle f; False (GPT-NeoX): dims
+            (f, f + rotary_dim // 2). Pair (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos).
+        cache_batch_idx: CuPy int32 (batch,), dense caches only: batch entry b reads and writes cache entry
+            cache_batch_idx[b] (distinct entries when k, v are appended). None: entry b.
+        cache_leftpad: CuPy int32 (batch,): sequence b's keys start at cache row cache_leftpad[b] (0 <= leftpad
+            <= cache_seqlens[b]); positions for causal, the window and ALiBi count from there. None: 0.
+        window, alibi_slopes, softcap: the score modifiers of `attention`, per sequence over its L_b keys
+            (window (left, right), -1 unbounded; alibi_slopes float32 (heads,) or (batch, heads); softcap > 0).
         softmax_scale: default 1/sqrt(head_dim).
         num_splits: split-KV factor, 0 (default: chosen from the launch size, see num_splits_heuristic) or
             1..128: each split reads part of the keys; the last split of each row block to finish merges the
@@ -332,14 +352,17 @@ def attention_with_kvcache(q, k_cache, v_cache, *, k=None, v=None, cache_seqlens
         >>> o = cuflash.attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=lens, causal=True)
     """
     key = _KVCACHE.key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
-                       return_lse, check_inputs)
+                       return_lse, check_inputs, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
+                       cache_leftpad, window, alibi_slopes, softcap)
     plan = _plan.plans.get(key)
+    lens = None if cache_seqlens is None or isinstance(cache_seqlens, Integral) else cache_seqlens
+    arrays = (q, k_cache, v_cache, k, v, lens, block_table, cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin,
+              alibi_slopes)
     if plan is not None:
-        lens = None if cache_seqlens is None or isinstance(cache_seqlens, Integral) else cache_seqlens
-        out = _plan.replay(plan, (q, k_cache, v_cache, k, v, lens, block_table), cache_seqlens)
+        out = _plan.replay(plan, arrays, cache_seqlens)
         if out is not None:
             return out
     p = _problem.kvcache(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, num_splits,
-                         return_lse, check_inputs)
-    return _families.decode(p, (q, k_cache, v_cache, k, v, None if p.is_count else cache_seqlens, block_table),
-                            cache_seqlens, key=key)
+                         return_lse, check_inputs, rotary_cos, rotary_sin, rotary_interleaved, cache_batch_idx,
+                         cache_leftpad, window, alibi_slopes, softcap)
+    return _families.decode(p, arrays, cache_seqlens, key=key)

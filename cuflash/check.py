@@ -161,6 +161,10 @@ class Case:
                     config.ElementwiseConfig("preprocess", self.dtype),
                     config.ElementwiseConfig("convert_dq", self.dtype)] + \
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
+        if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
+            return [config.AppendConfig(self.dtype),
+                    config.fwd_decode_config(hd, self.dtype, self.kernel_causal, self.mods),
+                    config.CombineConfig(self.dtype)]
         if self.mods:
             c, m = self.kernel_causal, self.mods
             bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
@@ -170,9 +174,6 @@ class Case:
                     config.ElementwiseConfig("preprocess", self.dtype),
                     config.convert_dq_config(bwd, self.dtype)] + \
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
-        if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
-            return [config.AppendConfig(), config.fwd_decode_config(hd, self.dtype, self.causal),
-                    config.CombineConfig(self.dtype)]
         bwd = config.backward_kernel_config(hd, self.dtype, self.causal, False, arch, kernels)
         return [config.forward_kernel_config(hd, self.dtype, self.causal, arch, kernels, seqlen_k=self.seqlen_k),
                 bwd, config.backward_kernel_config(hd, self.dtype, self.causal, True, arch, kernels),
@@ -240,6 +241,16 @@ def default_cases() -> list[Case]:
             j = hi * 4 + ci
             cases.append(_case(2, (1, 3, 17)[j % 3], 256 if j % 2 else 320, 4, hd, dtype, causal, "bshd", "contiguous",
                                kind="kvcache", kv_heads=(4, 2, 1)[j % 3], paged=bool(j % 2), splits=(0, 1, 3)[j % 3]))
+    # decoding with the window, ALiBi and the softcap (all but the window when causal), every decode modifier
+    # kernel, with the kv cache's other options: cache_leftpad, the rotary embedding, 48-row pages (rows gathered
+    # across pages) or a dense cache indexed by cache_batch_idx
+    for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):
+        for ci, (dtype, causal) in enumerate((("fp16", False), ("fp16", True), ("bf16", False), ("bf16", True))):
+            j = hi * 4 + ci
+            mods = config.MODS_DECODE & ~(config.MOD_WINDOW if causal else 0)
+            cases.append(_case(2, (3, 1, 17)[j % 3], 288 if j % 2 else 336, 4, hd, dtype, causal, "bshd", "contiguous",
+                               kind="kvcache", kv_heads=(2, 4, 1)[j % 3], paged=bool(j % 2), splits=(1, 0, 3)[j % 3],
+                               mods=mods))
     return cases + wide_cases()
 
 
@@ -801,32 +812,61 @@ def _run_kvcache(case: Case, rng, verify: bool):
     b, sq, d, capacity = case.batch, case.seqlen_q, case.head_dim, case.seqlen_k
     q = _upload(_lowp_np(rng, (b, sq, case.heads, d), case.dtype))
     k, v = (_upload(_lowp_np(rng, (b, sq, case.heads_kv, d), case.dtype)) for _ in range(2))
-    block_table = None
-    if case.paged:  # 64-key pages, each sequence's in shuffled order, two spare pages
-        pages = capacity // 64
+    # the modifier cases also take the cache's other options: 48-row pages (tiles gathered across pages) or a dense
+    # cache with a spare entry read through cache_batch_idx, cache_leftpad, and a float32 rotary table
+    page = 48 if case.mods else 64
+    block_table = batch_idx = leftpad = None
+    kw = {}
+    if case.paged:  # pages of each sequence in shuffled order, two spare pages
+        pages = capacity // page
         table = rng.permutation(b * pages + 2)[:b * pages].reshape(b, pages).astype(np.int32)
-        cache_shape = (b * pages + 2, 64, case.heads_kv, d)
+        cache_shape = (b * pages + 2, page, case.heads_kv, d)
         block_table = cp.asarray(table)
     else:
-        cache_shape = (b, capacity, case.heads_kv, d)
+        cache_shape = (b + bool(case.mods), capacity, case.heads_kv, d)
+        if case.mods:
+            batch_idx = np.arange(b, 0, -1, dtype=np.int32)  # entries b .. 1; entry 0 is never touched
+            kw["cache_batch_idx"] = cp.asarray(batch_idx)
     k_cache, v_cache = (_upload(_lowp_np(rng, cache_shape, case.dtype)) for _ in range(2))
     lens = rng.integers(0, capacity - sq + 1, size=b).astype(np.int32)
     lens[0] = capacity - sq  # one sequence fills its cache
+    if case.mods:
+        leftpad = (rng.random(b) * lens).astype(np.int32)
+        kw["cache_leftpad"] = cp.asarray(leftpad)
+        angles = np.arange(capacity + sq)[:, None] * 0.5 ** np.arange(d // 4)[None, :]  # rotary_dim = d // 2
+        kw.update(rotary_cos=cp.asarray(np.cos(angles), dtype=cp.float32),
+                  rotary_sin=cp.asarray(np.sin(angles), dtype=cp.float32), rotary_interleaved=not case.causal)
+        for name, value in case.mod_options(rng).items():
+            kw[name] = cp.asarray(value, dtype=cp.float32) if name == "alibi_slopes" else value
     before = (k_cache.copy(), v_cache.copy()) if verify else None
     o, lse = attention_with_kvcache(q, k_cache, v_cache, k=k, v=v, cache_seqlens=cp.asarray(lens),
                                     block_table=block_table, causal=case.causal, num_splits=case.splits,
-                                    return_lse=True)
+                                    return_lse=True, **kw)
     problems = []
     if verify:
         table = None if block_table is None else cp.asnumpy(block_table)
+        ref_kw = {n: cp.asnumpy(x) if n in ("cache_batch_idx", "cache_leftpad") else x for n, x in kw.items()}
         q32, k32, v32, kc32, vc32 = (_xpref.to_float32(x) for x in (q, k, v) + before)
-        o64, lse64, _, _ = _xpref.attention_kvcache64(q32, kc32, vc32, lens, k32, v32, table, case.causal)
-        low = _xpref.attention_kvcache_lowp(q32, kc32, vc32, case.dtype, lens, k32, v32, table, case.causal)
+        rounding = {"rotary_dtype": case.dtype} if "rotary_cos" in kw else {}  # the kernel attends rounded rotations
+        o64, lse64, _, _ = _xpref.attention_kvcache64(q32, kc32, vc32, lens, k32, v32, table, case.causal, **ref_kw,
+                                                      **rounding)
+        low = _xpref.attention_kvcache_lowp(q32, kc32, vc32, case.dtype, lens, k32, v32, table, case.causal, **ref_kw)
         _rule(problems, "o", o, o64, low, 2)
         _lse_rule(problems, lse, lse64)
         u16 = cp.uint16
+        if "rotary_cos" in kw:  # the rotated keys by value (one unit in the last place), all else bit for bit
+            rot = {n: kw[n] for n in ("rotary_cos", "rotary_sin", "rotary_interleaved")}
+            want_k, _ = _xpref.kvcache_append(kc32, vc32, k32, v32, lens, table, cache_batch_idx=batch_idx,
+                                              dtype=case.dtype, **rot)
+            ulp = 2.0 ** (-7 if case.dtype == "bf16" else -10)
+            if not bool((cp.abs(_xpref.to_float32(k_cache) - want_k) <= ulp * cp.abs(want_k)).all()):
+                problems.append("k_cache: the rotated new keys are more than one unit in the last place off, or other "
+                                "entries changed")
         for name, got, old, new in (("k_cache", k_cache, before[0], k), ("v_cache", v_cache, before[1], v)):
-            want, _ = _xpref.kvcache_append(old.view(u16), old.view(u16), new.view(u16), new.view(u16), lens, table)
+            if name == "k_cache" and "rotary_cos" in kw:
+                continue
+            want, _ = _xpref.kvcache_append(old.view(u16), old.view(u16), new.view(u16), new.view(u16), lens, table,
+                                            cache_batch_idx=batch_idx)
             if not bool((got.view(u16) == want).all()):
                 problems.append(f"{name}: the appended keys/values are not exactly where they belong, or other "
                                 f"entries changed")

@@ -97,8 +97,8 @@ class FwdConfig:
 
     def __post_init__(self):
         check_mods(self.mods, self.causal)
-        if self.decode and self.mods:
-            raise ValueError("the kv-cache forward takes no score modifiers")
+        if self.decode and self.mods & ~MODS_DECODE:
+            raise ValueError(f"mods={self.mods}: the kv-cache forward takes the window, ALiBi and the softcap only")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
         if self.head_dim % MMA_K or self.head_dim > MAX_HEAD_DIM:
@@ -188,7 +188,8 @@ def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH
 # attention_with_kvcache runs the mma.sync forward with IS_DECODE on every architecture: decoding reads
 # K/V once per key tile and does little arithmetic (a few query rows), so the wgmma kernel would not pay.
 # (block_m, block_n, num_warps) per kernel head dim, one m16 row tile per warp. A paged cache's page size
-# must be a multiple of DECODE_PAGE_MULTIPLE, which every block_n divides (a K/V tile never straddles pages).
+# must be a multiple of DECODE_PAGE_MULTIPLE (one 16-row step of the K/V tile): tiles read whole from one page
+# when the page size and the sequence's first row are multiples of block_n, else row by row.
 DECODE_TILES = {
     32: (64, 64, 4),
     64: (64, 64, 4),
@@ -203,12 +204,16 @@ DECODE_TILES = {
 # more; B=1 128k: 186.0 vs 191.0-196.2; B=8 128k: 1384 vs 1421-1429), so one 32 KB K/V tile in flight per SM
 # while another is used is not what limits a decode launch.
 DECODE_STAGES = 2
-DECODE_PAGE_MULTIPLE = 64
+DECODE_PAGE_MULTIPLE = 16
+# The score modifiers of decoding (attention_with_kvcache): the window, ALiBi and the softcap. The compile check
+# builds all of them together (a window carries causal itself, so causal kernels take ALiBi and the softcap).
+MODS_DECODE = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP
+MODS_DECODE_CHECKED = {False: (MODS_DECODE,), True: (MODS_DECODE & ~MOD_WINDOW,)}
 
 
-def fwd_decode_config(head_dim: int, dtype: str, causal: bool) -> FwdConfig:
+def fwd_decode_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> FwdConfig:
     bm, bn, warps = DECODE_TILES[head_dim]
-    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, stages=DECODE_STAGES, decode=True)
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, stages=DECODE_STAGES, decode=True, mods=mods)
 
 
 @dataclass(frozen=True)
@@ -226,14 +231,15 @@ class CombineConfig:
 
 @dataclass(frozen=True)
 class AppendConfig:
-    """The kv cache's append of new keys and values: `kvcache_append_kernel` (cuda/kvcache.cuh), one thread
-    per 16-byte chunk, for every dtype (it copies bits)."""
+    """The kv cache's append of new keys and values (rotated by the rotary embedding when asked, with a rotated
+    copy of q): `kvcache_append_kernel<T>` (cuda/kvcache.cuh), one thread per 16-byte chunk."""
 
+    dtype: str = "fp16"
     threads: int = 128  # APPEND_THREADS
     smem_bytes: int = 0
 
     def cpp_name(self) -> str:
-        return "cuflash::kvcache_append_kernel"
+        return f"cuflash::kvcache_append_kernel<{'cuflash::f16' if self.dtype == 'fp16' else 'cuflash::bf16'}>"
 
 
 @dataclass(frozen=True)
@@ -254,8 +260,9 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     and, for sm_90a, the wgmma kernels (synchronous and warp-specialized)."""
     out: list = [fwd_config(hd, dt, c, arch, m) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)
                  for m in (0, *MODS_CHECKED[c])]
-    out += [fwd_decode_config(hd, dt, c) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)]
-    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(), DropoutMaskConfig()]
+    out += [fwd_decode_config(hd, dt, c, m) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)
+            for m in (0, *MODS_DECODE_CHECKED[c])]
+    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(dt) for dt in DTYPES] + [DropoutMaskConfig()]
     if arch == "sm_90a":
         out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES
                 if hd not in FWD_SM90_WS_TILES and hd not in FWD_SM90_WS_PADDED
@@ -1034,8 +1041,8 @@ FAMILIES = (
     Family("bwd_wide_fp64", "backward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
-    Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if mods == 0 else (),
-           lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c)),
+    Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),
+           lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c, m)),
 )
 
 

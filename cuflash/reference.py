@@ -45,9 +45,25 @@ B = num_seqs and Sq, Sk = max_seqlen_q, max_seqlen_k (taken from their own dims,
 sequence b reads [b', h', :len_q[b], :len_k[b]] (b', h' as above); key_padding_mask (num_seqs, max_seqlen_k)
 gives sequence b row b's first len_k[b] entries.
 
-KV cache (`attention_kvcache*`, no modifiers): the new keys are written into a copy of the cache, then each
-sequence is dense attention over the first L_b = cache_seqlens[b] + S_new keys of its cache (gathered through
-the block table when the cache is paged).
+KV cache (`attention_kvcache*`, `kvcache_append`: FlashAttention-2's flash_attn_with_kvcache): q (B, Sq, H_q, D),
+caches dense (B_cache, S_cache, H_kv, D) or paged (num_blocks, page_size, H_kv, D) with block_table
+(B, max_blocks), capacity S_cache or max_blocks * page_size; new keys and values k, v (B, S_new, H_kv, D) or none.
+  * cache_seqlens[b] (None = capacity, an int, or (B,)) is the absolute cache row where sequence b's new keys go:
+    new key s at row cache_seqlens[b] + s (row p of a paged cache: block block_table[b, p // page_size], row
+    p % page_size);
+  * cache_batch_idx (int (B,), dense caches only): batch entry b reads and writes cache batch row
+    cache_batch_idx[b] (distinct values with new keys); everything else stays indexed by b;
+  * cache_leftpad (int (B,), 0 <= cache_leftpad[b] <= cache_seqlens[b]): sequence b's keys are cache rows
+    [cache_leftpad[b], cache_seqlens[b] + S_new), L_b of them, key j at row cache_leftpad[b] + j; causal, window
+    and ALiBi use j (diag = L_b - Sq);
+  * rotary_cos, rotary_sin ((seqlen_ro, rotary_dim / 2), need k and v; `apply_rotary`): the first rotary_dim dims
+    of q and of the new keys (never v, never keys already cached) are rotated, new key s of sequence b at position
+    cache_seqlens[b] + s, query i at cache_seqlens[b] + i when causal or a window is given, else at
+    cache_seqlens[b] (`kvcache_rotary_positions`); rotary_interleaved pairs dims (2f, 2f + 1), else (f, f +
+    rotary_dim / 2). The low-precision references rotate in float32 and round once to the dtype, as the kernel does;
+  * window, alibi_slopes ((H_q,) or (B, H_q)) and softcap as above, per sequence with its own L_b.
+In order: rotate q and the new keys, write the keys and values into a copy of the caches, then each sequence is
+dense attention of its (rotated) queries over its keys, gathered from its cache row or through the block table.
 """
 from __future__ import annotations
 
@@ -157,6 +173,13 @@ def _check_window(window):
     return int(left), int(right)
 
 
+def _check_softcap(softcap):
+    """softcap as a float > 0, or None for no soft-cap (None and 0 are the same)."""
+    if softcap is not None and not softcap >= 0:
+        raise ValueError(f"softcap={softcap!r} is not allowed; expected a float > 0 (0 or None: off)")
+    return float(softcap) if softcap else None
+
+
 def _visible(seqlen_q, seqlen_k, causal, window):
     """Boolean (Sq, Sk) mask of the visible keys, or None when every key is visible."""
     window = _check_window(window)
@@ -176,9 +199,7 @@ def _modifiers(shape_bhqk, window, alibi_slopes, softcap, dropout_mask, dropout_
             raise ValueError(f"alibi_slopes has shape {alibi_slopes.shape}; expected ({heads},) or ({batch}, {heads})")
         if not np.issubdtype(alibi_slopes.dtype, np.floating):
             raise TypeError(f"alibi_slopes has dtype {alibi_slopes.dtype}; expected a float array")
-    if softcap is not None and not softcap >= 0:
-        raise ValueError(f"softcap={softcap!r} is not allowed; expected a float > 0 (0 or None: off)")
-    softcap = float(softcap) if softcap else None
+    softcap = _check_softcap(softcap)
     dropout_p = float(dropout_p)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p={dropout_p!r} is not allowed; expected 0 <= dropout_p < 1")
@@ -569,7 +590,7 @@ def attention_varlen_backward_lowp(do, q, k, v, cu_seqlens_q, cu_seqlens_k, dtyp
     return tuple(grads) if bias is None else (*grads, dbias.reshape(np.shape(bias)).astype(np.float32))
 
 
-# --- KV cache: append into a copy of the cache, then dense attention over each sequence's valid prefix ------
+# --- KV cache: rotate, append into a copy of the cache, then dense attention over each sequence's keys --------
 
 def kvcache_seqlens(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
     """cache_seqlens as an int64 (batch,) array: None -> capacity (full caches), an int -> that for all."""
@@ -580,73 +601,253 @@ def kvcache_seqlens(cache_seqlens, batch: int, capacity: int) -> np.ndarray:
     return np.asarray(cache_seqlens).astype(np.int64).reshape(batch)
 
 
-def kvcache_slots(b: int, positions, cache_shape, block_table=None):
-    """Index of logical key positions of sequence b in the cache array: (b, positions) for a dense cache
-    (B, S_cache, H_kv, D); (block_table[b, p // page_size], p % page_size) for a paged cache
-    (num_blocks, page_size, H_kv, D)."""
-    positions = np.asarray(positions, dtype=np.int64)
-    if block_table is None:
-        return np.full(positions.shape, b), positions
-    page_size = cache_shape[1]
-    return np.asarray(block_table)[b, positions // page_size].astype(np.int64), positions % page_size
-
-
 def kvcache_capacity(cache_shape, block_table=None) -> int:
     """Keys one sequence can hold: S_cache (dense) or max_blocks_per_seq * page_size (paged)."""
     return cache_shape[1] if block_table is None else np.asarray(block_table).shape[1] * cache_shape[1]
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None):
-    """Copies of the caches with the new keys/values k, v (B, S_new, H_kv, D) written at logical positions
-    cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 of each sequence b; everything else unchanged. Works on
-    any dtype (compare bit patterns by passing integer views)."""
+def _index_array(x, name: str, batch: int) -> np.ndarray:
+    """An int (batch,) argument (cache_batch_idx, cache_leftpad) as an int64 NumPy array."""
+    x = np.asarray(x)
+    if x.dtype.kind not in "iu":
+        raise TypeError(f"{name} has dtype {x.dtype}; expected an int array (batch,)")
+    if x.shape != (batch,):
+        raise ValueError(f"{name} has shape {x.shape}; expected (batch,) = ({batch},)")
+    return x.astype(np.int64)
+
+
+def kvcache_rows(cache_batch_idx, batch: int, cache_shape, block_table=None, new_keys: bool = False) -> np.ndarray:
+    """The cache row (batch index of a dense cache) of each batch entry b as int64 (batch,): b itself, or
+    cache_batch_idx[b]. cache_batch_idx needs a dense cache, values in [0, cache_shape[0]), and distinct values when
+    new keys are written (two sequences would write one cache row)."""
+    if cache_batch_idx is None:
+        return np.arange(batch, dtype=np.int64)
+    if block_table is not None:
+        raise ValueError("cache_batch_idx picks rows of a dense cache (B_cache, S_cache, H_kv, D); with block_table "
+                         "the table picks each sequence's blocks: pass cache_batch_idx or block_table, not both")
+    rows = _index_array(cache_batch_idx, "cache_batch_idx", batch)
+    bad = np.flatnonzero((rows < 0) | (rows >= cache_shape[0]))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"cache_batch_idx[{b}]={rows[b]} is out of range: allowed 0 <= cache_batch_idx < "
+                         f"{cache_shape[0]} (k_cache.shape[0])")
+    if new_keys:
+        first = {}
+        for b, row in enumerate(rows.tolist()):
+            if row in first:
+                raise ValueError(f"cache_batch_idx[{b}]={row} repeats cache_batch_idx[{first[row]}]={row}: with new "
+                                 "keys k, v the values must be distinct (two sequences would write one cache row)")
+            first[row] = b
+    return rows
+
+
+def kvcache_leftpad(cache_leftpad, cached) -> np.ndarray:
+    """cache_leftpad as int64 (batch,) (None: zeros), checked against the cached counts (`kvcache_seqlens`):
+    0 <= cache_leftpad[b] <= cache_seqlens[b]."""
+    cached = np.asarray(cached, dtype=np.int64)
+    if cache_leftpad is None:
+        return np.zeros_like(cached)
+    pad = _index_array(cache_leftpad, "cache_leftpad", cached.shape[0])
+    bad = np.flatnonzero((pad < 0) | (pad > cached))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(f"cache_leftpad[{b}]={pad[b]} is out of range: allowed 0 <= cache_leftpad[{b}] <= "
+                         f"cache_seqlens[{b}]={cached[b]}")
+    return pad
+
+
+def kvcache_slots(b: int, positions, cache_shape, block_table=None, *, cache_batch_idx=None):
+    """Index of cache rows (logical key positions) of sequence b in the cache array: (cache_batch_idx[b] (b when
+    None), positions) for a dense cache (B_cache, S_cache, H_kv, D); (block_table[b, p // page_size],
+    p % page_size) for a paged cache (num_blocks, page_size, H_kv, D)."""
+    positions = np.asarray(positions, dtype=np.int64)
+    if block_table is None:
+        row = b if cache_batch_idx is None else int(np.asarray(cache_batch_idx)[b])
+        return np.full(positions.shape, row), positions
+    page_size = cache_shape[1]
+    return np.asarray(block_table)[b, positions // page_size].astype(np.int64), positions % page_size
+
+
+def kvcache_keys(cache, b: int, start: int, stop: int, block_table=None, *, cache_batch_idx=None):
+    """Cache rows start .. stop - 1 of sequence b (keys or values): (stop - start, H_kv, D)."""
+    positions = np.arange(int(start), int(stop))
+    return cache[kvcache_slots(b, positions, cache.shape, block_table, cache_batch_idx=cache_batch_idx)]
+
+
+def check_rotary(cos, sin, head_dim: int) -> int:
+    """rotary_dim = 2 * rotary_cos.shape[1] of rotary_cos, rotary_sin: float arrays (any objects with shape and
+    dtype) of one shape (seqlen_ro, rotary_dim / 2), 2 <= rotary_dim <= head_dim."""
+    if (cos is None) != (sin is None):
+        given = {name: "None" if x is None else "an array" for name, x in (("cos", cos), ("sin", sin))}
+        raise ValueError(f"rotary_cos and rotary_sin go together: got rotary_cos={given['cos']} and "
+                         f"rotary_sin={given['sin']}; pass both or neither")
+    for name, x in (("rotary_cos", cos), ("rotary_sin", sin)):
+        dtype = np.dtype(x.dtype)
+        if dtype.kind != "f" and dtype not in _LOWP.values():
+            raise TypeError(f"{name} has dtype {dtype}; expected a float array")
+    shape = tuple(cos.shape)
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"rotary_cos has shape {shape}; expected (seqlen_ro, rotary_dim // 2) with rotary_dim >= 2")
+    if tuple(sin.shape) != shape:
+        raise ValueError(f"rotary_sin has shape {tuple(sin.shape)} but rotary_cos has {shape}: they must have the "
+                         "same shape")
+    if 2 * shape[1] > head_dim:
+        raise ValueError(f"rotary_dim={2 * shape[1]} (2 * rotary_cos.shape[1]) exceeds head_dim={head_dim}; expected "
+                         "rotary_dim <= head_dim")
+    return 2 * shape[1]
+
+
+def check_rotary_positions(positions, seqlen_ro: int) -> np.ndarray:
+    """positions (a host int array) as int64, each in [0, seqlen_ro) (the rows of rotary_cos and rotary_sin)."""
+    positions = np.asarray(positions).astype(np.int64)
+    if positions.size and (positions.min() < 0 or positions.max() >= seqlen_ro):
+        p = int(positions.min()) if positions.min() < 0 else int(positions.max())
+        raise ValueError(f"rotary position {p} is out of range of rotary_cos and rotary_sin with seqlen_ro={seqlen_ro} "
+                         f"rows: allowed 0 <= position < {seqlen_ro}")
+    return positions
+
+
+def rotary_pairs(rotary_dim: int, interleaved: bool) -> tuple:
+    """(first, second): the dims of the rotated pairs, pair f = (first[f], second[f]), f < rotary_dim / 2, as slices:
+    (2f, 2f + 1) interleaved (GPT-J), (f, f + rotary_dim / 2) not (GPT-NeoX)."""
+    half = rotary_dim // 2
+    if interleaved:
+        return slice(0, rotary_dim, 2), slice(1, rotary_dim, 2)
+    return slice(0, half), slice(half, rotary_dim)
+
+
+def apply_rotary(x, cos, sin, positions, interleaved, dtype=None):
+    """Rotary embedding of x (..., S, H, D) at per-row positions (an int array (..., S), broadcast against x's
+    leading dims): the first rotary_dim = 2 * cos.shape[1] dims, in the pairs of `rotary_pairs`; pair f of the row
+    at position p, (x1, x2) -> (x1 cos[p, f] - x2 sin[p, f], x1 sin[p, f] + x2 cos[p, f]); the other dims as
+    given. cos, sin: (seqlen_ro, rotary_dim / 2) (`check_rotary`). dtype None: in float64, a float64 result.
+    dtype "fp16" / "bf16": as the kernel does, in float32 from the inputs' values (each product and the sum
+    rounded to float32, no fused multiply-add), the result rounded once to dtype (float32 holding dtype values)."""
+    ft = np.float64 if dtype is None else np.float32
+    x = np.array(x, dtype=ft)  # a copy
+    rotary_dim = check_rotary(cos, sin, x.shape[-1])
+    positions = check_rotary_positions(positions, cos.shape[0])
+    c, s = (np.asarray(t, dtype=ft)[positions][..., None, :] for t in (cos, sin))  # (..., S, 1, rotary_dim / 2)
+    first, second = rotary_pairs(rotary_dim, interleaved)
+    x1, x2 = x[..., first].copy(), x[..., second].copy()
+    x[..., first] = x1 * c - x2 * s
+    x[..., second] = x1 * s + x2 * c
+    return x if dtype is None else _round(x, dtype)
+
+
+def rotary_window_given(window) -> bool:
+    """Whether `window` bounds a side (not None, not (-1, -1)): then queries rotate at successive positions."""
+    return _check_window(window) not in (None, (-1, -1))
+
+
+def kvcache_rotary_positions(cached, seqlen_q: int, s_new: int, causal: bool, window) -> tuple:
+    """(positions of q (B, Sq), positions of the new keys (B, S_new)), int64, for cached = cache_seqlens (B,): new
+    key s of sequence b at cached[b] + s; query i at cached[b] + i when causal or a window is given, else every
+    query at cached[b] (FlashAttention-2's flash_attn_with_kvcache)."""
+    cached = np.asarray(cached, dtype=np.int64)[:, None]
+    moving = causal or rotary_window_given(window)
+    return cached + (np.arange(seqlen_q) if moving else np.zeros(seqlen_q, dtype=np.int64)), cached + np.arange(s_new)
+
+
+def kvcache_slopes(alibi_slopes, batch: int, heads_q: int):
+    """The ALiBi slopes of each sequence: None, or a list of batch (H_q,) arrays from slopes (H_q,) (shared) or
+    (B, H_q) (row b)."""
+    if alibi_slopes is None:
+        return None
+    slopes = alibi_slopes if hasattr(alibi_slopes, "shape") else np.asarray(alibi_slopes)  # NumPy or CuPy arrays stay
+    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise ValueError(f"alibi_slopes has shape {tuple(slopes.shape)}; expected ({heads_q},) or ({batch}, {heads_q})")
+    return [slopes if slopes.ndim == 1 else slopes[b] for b in range(batch)]
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table=None, *, cache_batch_idx=None, rotary_cos=None,
+                   rotary_sin=None, rotary_interleaved=True, dtype=None):
+    """Copies of the caches with the new keys/values k, v (B, S_new, H_kv, D) written at cache rows
+    cache_seqlens[b] .. cache_seqlens[b] + S_new - 1 of each sequence b (of cache row cache_batch_idx[b] when given;
+    through the block table when paged); everything else unchanged. Works on any dtype (compare bit patterns by
+    passing integer views). With rotary_cos, rotary_sin (float k) the keys are rotated first (`apply_rotary`, new
+    key s at position cache_seqlens[b] + s; dtype: rounded as the kernel does), the values never."""
     k_cache, v_cache = np.array(k_cache), np.array(v_cache)
     if k is None:
         return k_cache, v_cache
     batch, s_new = k.shape[:2]
+    rows = kvcache_rows(cache_batch_idx, batch, k_cache.shape, block_table, new_keys=True)
     cached = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table))
+    if rotary_cos is not None or rotary_sin is not None:
+        if np.asarray(k).dtype.kind in "iub":
+            raise TypeError(f"k has dtype {np.asarray(k).dtype}: rotary needs float keys (rotate them with "
+                            "apply_rotary first to append bit patterns)")
+        k = apply_rotary(k, rotary_cos, rotary_sin, cached[:, None] + np.arange(s_new), rotary_interleaved, dtype)
     for b in range(batch):
-        slots = kvcache_slots(b, cached[b] + np.arange(s_new), k_cache.shape, block_table)
+        slots = kvcache_slots(b, cached[b] + np.arange(s_new), k_cache.shape, block_table, cache_batch_idx=rows)
         k_cache[slots], v_cache[slots] = k[b], v[b]
     return k_cache, v_cache
 
 
-def kvcache_prefix(cache, b: int, length: int, block_table=None):
-    """The first `length` logical keys (or values) of sequence b: (length, H_kv, D)."""
-    return cache[kvcache_slots(b, np.arange(length), cache.shape, block_table)]
-
-
-def _kvcache_attention(attend, q, k_cache, v_cache, cache_seqlens, k, v, block_table):
-    """Append, then attend(q_b (1, Sq, H_q, D), keys (1, L_b, H_kv, D), values) for each sequence b.
-    Returns (per-sequence results, appended k_cache, appended v_cache)."""
-    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table)
-    batch = q.shape[0]
-    lengths = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(k_cache.shape, block_table))
-    lengths = lengths + (0 if k is None else k.shape[1])
-    results = [attend(q[b:b + 1], kvcache_prefix(k_cache, b, lengths[b], block_table)[None],
-                      kvcache_prefix(v_cache, b, lengths[b], block_table)[None]) for b in range(batch)]
+def _kvcache_attention(attend, q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, dtype, *,
+                       cache_batch_idx, cache_leftpad, rotary_cos, rotary_sin, rotary_interleaved, window,
+                       alibi_slopes):
+    """Rotate q and the new keys (rounded to dtype unless None), append, then attend(q_b (1, Sq, H_q, D),
+    keys (1, L_b, H_kv, D), values, slopes_b) for each sequence b over its cache rows [cache_leftpad[b],
+    cache_seqlens[b] + S_new). Returns (per-sequence results, appended k_cache, appended v_cache)."""
+    batch, seqlen_q, heads_q = q.shape[:3]
+    s_new = 0 if k is None else k.shape[1]
+    rows = kvcache_rows(cache_batch_idx, batch, np.shape(k_cache), block_table, new_keys=k is not None)
+    cached = kvcache_seqlens(cache_seqlens, batch, kvcache_capacity(np.shape(k_cache), block_table))
+    leftpad = kvcache_leftpad(cache_leftpad, cached)
+    _check_window(window)
+    slopes = kvcache_slopes(alibi_slopes, batch, heads_q)
+    rotary = dict(rotary_cos=rotary_cos, rotary_sin=rotary_sin, rotary_interleaved=rotary_interleaved)
+    if rotary_cos is not None or rotary_sin is not None:
+        if k is None:
+            raise ValueError("rotary_cos and rotary_sin rotate q and the new keys: they need k and v (got k=None)")
+        q_positions, _ = kvcache_rotary_positions(cached, seqlen_q, s_new, causal, window)
+        q = apply_rotary(q, rotary_cos, rotary_sin, q_positions, rotary_interleaved, dtype)
+        if dtype is None:  # the float64 reference keeps the rotated keys unrounded: float64 caches
+            k_cache, v_cache = (np.asarray(c, dtype=np.float64) for c in (k_cache, v_cache))
+    k_cache, v_cache = kvcache_append(k_cache, v_cache, k, v, cache_seqlens, block_table,
+                                      cache_batch_idx=cache_batch_idx, dtype=dtype, **rotary)
+    results = []
+    for b in range(batch):
+        keys, values = (kvcache_keys(c, b, leftpad[b], cached[b] + s_new, block_table, cache_batch_idx=rows)
+                        for c in (k_cache, v_cache))
+        results.append(attend(q[b:b + 1], keys[None], values[None], None if slopes is None else slopes[b]))
     return results, k_cache, v_cache
 
 
 def attention_kvcache64(q, k_cache, v_cache, cache_seqlens=None, k=None, v=None, block_table=None, causal=False,
-                        softmax_scale=None):
-    """float64 reference of attention_with_kvcache: q (B, Sq, H_q, D); caches dense (B, S_cache, H_kv, D) or
+                        softmax_scale=None, *, cache_batch_idx=None, cache_leftpad=None, rotary_cos=None,
+                        rotary_sin=None, rotary_interleaved=True, window=None, alibi_slopes=None, softcap=None,
+                        rotary_dtype=None):
+    """float64 reference of attention_with_kvcache: q (B, Sq, H_q, D); caches dense (B_cache, S_cache, H_kv, D) or
     paged (num_blocks, page_size, H_kv, D) with block_table (B, max_blocks); cache_seqlens None / int /
-    (B,) array; optional new k, v (B, S_new, H_kv, D). Query i of sequence b attends keys [0, L_b),
-    L_b = cache_seqlens[b] + S_new (causal: j <= i + L_b - Sq). Returns (o (B, Sq, H_q, D), lse (B, H_q, Sq),
-    k_cache after the append, v_cache after the append); the arguments are not modified."""
+    (B,) array; optional new k, v (B, S_new, H_kv, D); the other options as in the module docstring. Query i of
+    sequence b attends its keys j in [0, L_b), cache rows cache_leftpad[b] + j, L_b = cache_seqlens[b] + S_new -
+    cache_leftpad[b] (causal: j <= i + L_b - Sq). rotary_dtype: None rotates q and the new keys in float64, not
+    rounded (the returned caches are then float64); "fp16" / "bf16" rounds them as the kernel does (`apply_rotary`),
+    the kernel's actual inputs, for a reference of a low-precision call. Returns (o (B, Sq, H_q, D), lse (B, H_q,
+    Sq), k_cache after the append, v_cache after the append); the arguments are not modified."""
     per_seq, k_cache, v_cache = _kvcache_attention(
-        lambda qb, kb, vb: attention_forward64(qb, kb, vb, causal, softmax_scale), q, k_cache, v_cache,
-        cache_seqlens, k, v, block_table)
+        lambda qb, kb, vb, slopes: attention_forward64(qb, kb, vb, causal, softmax_scale, window=window,
+                                                       alibi_slopes=slopes, softcap=softcap),
+        q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, rotary_dtype, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, window=window, alibi_slopes=alibi_slopes)
     o = np.concatenate([r[0] for r in per_seq]) if per_seq else np.zeros(q.shape)
     lse = np.concatenate([r[1] for r in per_seq]) if per_seq else np.zeros((0, q.shape[2], q.shape[1]))
     return o, lse, k_cache, v_cache
 
 
 def attention_kvcache_lowp(q, k_cache, v_cache, dtype, cache_seqlens=None, k=None, v=None, block_table=None,
-                           causal=False, softmax_scale=None):
-    """`attention_lowp` over each sequence's valid keys (after the append): o (B, Sq, H_q, D) float32."""
+                           causal=False, softmax_scale=None, *, cache_batch_idx=None, cache_leftpad=None,
+                           rotary_cos=None, rotary_sin=None, rotary_interleaved=True, window=None, alibi_slopes=None,
+                           softcap=None):
+    """`attention_lowp` over each sequence's keys (after the append), q and the new keys rotated and rounded to
+    `dtype` as the kernel does (`apply_rotary`): o (B, Sq, H_q, D) float32."""
     per_seq, _, _ = _kvcache_attention(
-        lambda qb, kb, vb: attention_lowp(qb, kb, vb, dtype, causal, softmax_scale), q, k_cache, v_cache,
-        cache_seqlens, k, v, block_table)
+        lambda qb, kb, vb, slopes: attention_lowp(qb, kb, vb, dtype, causal, softmax_scale, window=window,
+                                                  alibi_slopes=slopes, softcap=softcap),
+        q, k_cache, v_cache, cache_seqlens, k, v, block_table, causal, dtype, cache_batch_idx=cache_batch_idx,
+        cache_leftpad=cache_leftpad, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+        rotary_interleaved=rotary_interleaved, window=window, alibi_slopes=alibi_slopes)
     return np.concatenate(per_seq) if per_seq else np.zeros(q.shape, dtype=np.float32)

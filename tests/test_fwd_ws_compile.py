@@ -97,14 +97,14 @@ def test_plain_path_keeps_its_work(cfg):
 
 
 def test_params_layout_matches_the_kernel():
-    # cuda/fwd_sm90_ws.cuh static_asserts the same numbers (offsets 0, 128, 256, 384; 896 bytes)
+    # cuda/fwd_sm90_ws.cuh static_asserts the same numbers (offsets 0, 128, 256, 384; 960 bytes)
     import ctypes
 
-    assert ctypes.sizeof(_tma.FwdWsParams) == 896
+    assert ctypes.sizeof(_tma.FwdWsParams) == 960
     assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd")] == [0, 128, 256, 384]
-    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 504
+    assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 520
     src = (_compile.cuda_dir() / "fwd_sm90_ws.cuh").read_text()
-    assert "sizeof(FwdWsParams) == 896" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 504" in src
+    assert "sizeof(FwdWsParams) == 960" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 520" in src
 
 
 def test_config_names_and_shared_memory():

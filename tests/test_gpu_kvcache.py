@@ -395,9 +395,9 @@ def _k_without_v(p):
     return {}
 
 
-def _page_size_48(p):
-    """A paged cache of 48-row pages (its content random, guarded): rejected whatever the table says."""
-    shape = (12, 48, 2, 64)
+def _page_size_40(p):
+    """A paged cache of 40-row pages (its content random, guarded): rejected whatever the table says."""
+    shape = (12, 40, 2, 64)
     p.guarded = []
     caches = []
     for i in range(2):
@@ -422,7 +422,7 @@ REJECTED = [  # (id, change the problem (returns extra keyword arguments), messa
     ("int-cache-seqlens-over-capacity", _int_seqlens_over_capacity, ["cache_seqlens=255", "capacity"]),
     ("cache-seqlens-none-with-new-keys", _none_seqlens_with_new_keys, ["cache_seqlens=None"]),
     ("k-without-v", _k_without_v, ["k", "v", "both or neither"]),
-    ("page-size-48", _page_size_48, ["page_size=48", "multiple of 64"]),
+    ("page-size-40", _page_size_40, ["page_size=40", "multiple of 16"]),
     ("num-splits-129", _num_splits_129, ["num_splits=129"]),
 ]
 

@@ -217,14 +217,28 @@ KVCACHE_CASES = {
     "split-forced": dict(opts=dict(num_splits=5, return_lse=True)),
     "checked-inputs": dict(paged=True, opts=dict(check_inputs=True)),
     "checked-int": dict(lens="int", opts=dict(check_inputs=True)),
+    # the rotary embedding (the append launch writes q's rotated copy, a new array per call, for the decode),
+    # the index arrays and the modifiers a plan takes (a window goes the full path)
+    "rotary": dict(s_new=1, opts=dict(causal=True, rotary_cos=(4096, 32), rotary_sin=(4096, 32))),
+    "rotary-paged-neox": dict(paged=True, s_new=2, opts=dict(rotary_cos=(4096, 64), rotary_sin=(4096, 64),
+                                                            rotary_interleaved=False)),
+    "indices": dict(s_new=1, opts=dict(cache_batch_idx=(2,), cache_leftpad=(2,))),
+    "alibi-softcap": dict(opts=dict(alibi_slopes=(8,), softcap=30.0)),
 }
+
+
+def _option_arrays(opts):
+    """Fake arrays for the options given as shapes: float32 tables and slopes, int32 index arrays."""
+    ints = ("cache_batch_idx", "cache_leftpad")
+    return {n: A(v, I32 if n in ints else F32) if isinstance(v, tuple) and n != "window" else v
+            for n, v in opts.items()}
 
 
 @pytest.mark.parametrize("case", KVCACHE_CASES, ids=list(KVCACHE_CASES))
 def test_kvcache_replay_launches_what_the_full_path_launches(case):
     kw = dict(KVCACHE_CASES[case])
     opts = dict(check_inputs=False)
-    opts.update(kw.pop("opts", {}))
+    opts.update(_option_arrays(kw.pop("opts", {})))
     (a, ka), (b, kb) = kvcache_args(**kw), kvcache_args(**kw)
     check_replay_equals_full_path(lambda: cuflash.attention_with_kvcache(*a, **ka, **opts),
                                   lambda: cuflash.attention_with_kvcache(*b, **kb, **opts))
@@ -441,6 +455,9 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     # score modifiers: calls with any of them are not planned (the key is None)
     "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
     "return_dropout_mask": True, "bias": "bias", "mask": "mask", "key_padding_mask": "kpm", "dbias": True,
+    # the kv cache's rotary embedding and index arrays: not planned either
+    "rotary_cos": "cos", "rotary_sin": "sin", "rotary_interleaved": False, "cache_batch_idx": "idx",
+    "cache_leftpad": "leftpad",
 }
 
 

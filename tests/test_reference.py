@@ -422,13 +422,15 @@ def kv_problem(rng, batch, sq, hq, hkv, d, capacity, page_size=None, s_new=0):
     return q, caches[0], caches[1], table, k_new, v_new
 
 
-def keys_by_loop(cache, b, length, table):
-    """Logical keys 0..length-1 of sequence b, one at a time: dense cache[b, j]; paged
+def keys_by_loop(cache, b, length, table, start=0, row=None):
+    """Logical keys start..length-1 of sequence b, one at a time: dense cache[row, j] (row = b unless given); paged
     cache[table[b, j // page_size], j % page_size]."""
+    positions = range(start, length)
     if table is None:
-        return np.stack([cache[b, j] for j in range(length)]) if length else cache[b, :0]
+        row = b if row is None else row
+        return np.stack([cache[row, j] for j in positions]) if length > start else cache[0, :0]
     p = cache.shape[1]
-    return np.stack([cache[table[b, j // p], j % p] for j in range(length)]) if length else cache[0, :0]
+    return np.stack([cache[table[b, j // p], j % p] for j in positions]) if length > start else cache[0, :0]
 
 
 KV_CASES = [  # (batch, sq, hq, hkv, capacity, page_size, s_new, cache_seqlens)
@@ -528,3 +530,331 @@ def test_xp_kvcache_references_equal_reference(case):
     lowp = reference.attention_kvcache_lowp(qr, kr, vr, "fp16", cs, knr, vnr, table, True)
     got = _xpref.attention_kvcache_lowp(qr, kr, vr, "fp16", cs, knr, vnr, table, True)
     assert got.shape == lowp.shape and np.abs(got - lowp).max() <= _ulp("fp16", np.abs(lowp).max())
+
+
+# --- KV cache, FlashAttention-2's arguments: rotary, cache_leftpad, cache_batch_idx, window / ALiBi / softcap ------
+
+def rotary_tables(rng, seqlen_ro, rotary_dim):
+    """cos, sin (seqlen_ro, rotary_dim / 2) of random angles, float64."""
+    angles = rng.uniform(-np.pi, np.pi, (seqlen_ro, rotary_dim // 2))
+    return np.cos(angles), np.sin(angles)
+
+
+def rotary_by_loop(x, cos, sin, positions, interleaved, ft=np.float64):
+    """The rotary embedding one pair of one row at a time, computed in the scalar type ft: x (B, S, H, D), row (b, s)
+    at position positions[b, s]; pair f = dims (2f, 2f + 1) interleaved, (f, f + rotary_dim / 2) not;
+    (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos)."""
+    out = np.array(x, dtype=ft)
+    half = cos.shape[1]
+    for b, s, h, f in itertools.product(*(range(n) for n in x.shape[:3]), range(half)):
+        i1, i2 = (2 * f, 2 * f + 1) if interleaved else (f, f + half)
+        p = positions[b, s]
+        x1, x2, c, sn = ft(out[b, s, h, i1]), ft(out[b, s, h, i2]), ft(cos[p, f]), ft(sin[p, f])
+        out[b, s, h, i1] = x1 * c - x2 * sn
+        out[b, s, h, i2] = x1 * sn + x2 * c
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+def test_apply_rotary_matches_a_per_element_loop(interleaved, rotary_dim):
+    """float64 and, with a dtype, float32 products rounded once to the dtype; dims past rotary_dim untouched (D = 16:
+    rotary_dim 8 rotates half of them). cuflash._xpref gives the same bits."""
+    rng = np.random.default_rng(rotary_dim + interleaved)
+    x = randn(rng, 2, 3, 2, 16)
+    cos, sin = rotary_tables(rng, 10, rotary_dim)
+    positions = rng.integers(0, 10, (2, 3))
+    got = reference.apply_rotary(x, cos, sin, positions, interleaved)
+    np.testing.assert_array_equal(got, rotary_by_loop(x, cos, sin, positions, interleaved))
+    np.testing.assert_array_equal(got[..., rotary_dim:], x[..., rotary_dim:])
+    assert not np.allclose(got[..., :rotary_dim], x[..., :rotary_dim]), "nothing was rotated"
+    np.testing.assert_array_equal(_xpref.apply_rotary(x, cos, sin, positions, interleaved), got)
+    for dtype in ("fp16", "bf16"):
+        xr = reference._round(x, dtype)
+        cos32, sin32 = cos.astype(np.float32), sin.astype(np.float32)
+        want = reference._round(rotary_by_loop(xr, cos32, sin32, positions, interleaved, np.float32), dtype)
+        got = reference.apply_rotary(xr, cos32, sin32, positions, interleaved, dtype)
+        assert got.dtype == np.float32
+        np.testing.assert_array_equal(got, want, err_msg=dtype)
+        np.testing.assert_array_equal(_xpref.apply_rotary(xr, cos32, sin32, positions, interleaved, dtype), want)
+
+
+def test_apply_rotary_pairs_dims_as_gptj_and_neox():
+    """A quarter turn at position 1 (cos 0, sin 1) maps each pair (x1, x2) to (-x2, x1)."""
+    x = np.arange(1.0, 9.0).reshape(1, 1, 1, 8)
+    cos, sin = np.array([[1.0, 1.0], [0.0, 0.0]]), np.array([[0.0, 0.0], [1.0, 1.0]])  # rotary_dim 4
+    assert reference.apply_rotary(x, cos, sin, [[0]], True).ravel().tolist() == x.ravel().tolist()
+    assert reference.apply_rotary(x, cos, sin, [[1]], True).ravel().tolist() == [-2, 1, -4, 3, 5, 6, 7, 8]
+    assert reference.apply_rotary(x, cos, sin, [[1]], False).ravel().tolist() == [-3, -4, 1, 2, 5, 6, 7, 8]
+
+
+def rotary_problem(rng, batch, sq, hq, hkv, d, capacity, page_size, rotary_dim, seqlen_ro=None):
+    q, k_cache, v_cache, table, k_new, v_new = kv_problem(rng, batch, sq, hq, hkv, d, capacity, page_size, sq)
+    cos, sin = rotary_tables(rng, capacity if seqlen_ro is None else seqlen_ro, rotary_dim)
+    return q, k_cache, v_cache, table, k_new, v_new, cos, sin
+
+
+@pytest.mark.parametrize("causal,window,moving", [(False, None, False), (True, None, True), (False, (-1, -1), False),
+                                                  (False, (4, 0), True), (True, (-1, 2), True)])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+def test_kvcache_rotary_rotates_q_at_cache_seqlens_plus_i_only_when_causal_or_windowed(causal, window, moving,
+                                                                                       interleaved):
+    """New key s of sequence b is rotated at cache_seqlens[b] + s, query i at cache_seqlens[b] + i with causal or a
+    window, else at cache_seqlens[b]: equal to attention over q and new keys rotated by hand. The cache holds the
+    rotated keys and the values as given."""
+    rng = np.random.default_rng(zlib.crc32(repr(("rotary-q", causal, window, interleaved)).encode()))
+    q, k_cache, v_cache, _, k_new, v_new, cos, sin = rotary_problem(rng, 2, 3, 4, 2, 8, 12, None, 6)
+    cached = np.array([2, 9], dtype=np.int32)
+    q_pos = cached[:, None] + (np.arange(3) if moving else np.zeros(3, dtype=np.int64))
+    q_rot = rotary_by_loop(q, cos, sin, q_pos, interleaved)
+    k_rot = rotary_by_loop(k_new, cos, sin, cached[:, None] + np.arange(3), interleaved)
+    rotary = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=interleaved)
+    o, lse, k_after, v_after = reference.attention_kvcache64(q, k_cache, v_cache, cached, k_new, v_new, None, causal,
+                                                             window=window, **rotary)
+    o_hand, lse_hand, k_hand, v_hand = reference.attention_kvcache64(q_rot, k_cache, v_cache, cached, k_rot, v_new,
+                                                                     None, causal, window=window)
+    np.testing.assert_array_equal(o, o_hand)
+    np.testing.assert_array_equal(lse, lse_hand)
+    np.testing.assert_array_equal(k_after, k_hand)
+    np.testing.assert_array_equal(v_after, v_hand)
+    np.testing.assert_array_equal(v_after, reference.kvcache_append(k_cache, v_cache, k_new, v_new, cached)[1])
+    other_pos = cached[:, None] + (np.zeros(3, dtype=np.int64) if moving else np.arange(3))
+    o_other = reference.attention_kvcache64(rotary_by_loop(q, cos, sin, other_pos, interleaved), k_cache, v_cache,
+                                            cached, k_rot, v_new, None, causal, window=window)[0]
+    assert not np.allclose(o[:, 1:], o_other[:, 1:]), "the query positions make no difference"
+    # the low-precision reference rotates the same way, rounding q and the new keys once
+    lowp = reference.attention_kvcache_lowp(q, k_cache, v_cache, "bf16", cached, k_new, v_new, None, causal,
+                                            window=window, **rotary)
+    q_low = reference.apply_rotary(q, cos, sin, q_pos, interleaved, "bf16")
+    k_low = reference.apply_rotary(k_new, cos, sin, cached[:, None] + np.arange(3), interleaved, "bf16")
+    np.testing.assert_array_equal(lowp, reference.attention_kvcache_lowp(q_low, k_cache, v_cache, "bf16", cached,
+                                                                         k_low, v_new, None, causal, window=window))
+    # rotary_dtype: the float64 reference of the rounded rotations (the kernel's inputs)
+    for got, want in zip(reference.attention_kvcache64(q, k_cache, v_cache, cached, k_new, v_new, None, causal,
+                                                       window=window, rotary_dtype="bf16", **rotary),
+                         reference.attention_kvcache64(q_low, k_cache, v_cache, cached, k_low, v_new, None, causal,
+                                                       window=window)):
+        np.testing.assert_array_equal(got, want)
+
+
+LEFTPAD_CASES = [  # (batch, sq, hq, hkv, capacity, page_size, s_new, cache_seqlens, cache_leftpad)
+    (3, 1, 4, 1, 10, None, 0, [0, 7, 10], [0, 3, 10]),
+    (3, 3, 2, 2, 12, None, 3, [2, 5, 9], [2, 0, 4]),
+    (2, 4, 4, 2, 12, 4, 2, [3, 10], [1, 9]),
+    (3, 5, 2, 1, 16, 4, 5, [0, 4, 11], [0, 4, 6]),
+]
+
+
+@pytest.mark.parametrize("case", LEFTPAD_CASES, ids=lambda c: f"page{c[5]}-new{c[6]}-pad{'-'.join(map(str, c[8]))}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_leftpad_is_attention_over_the_rows_from_the_padding_on(case, causal):
+    """Sequence b attends cache rows [cache_leftpad[b], cache_seqlens[b] + S_new) (the per-row formula on keys
+    gathered one at a time), causal aligned to those L_b keys; a dense cache with each sequence's rows moved to the
+    front (cache_seqlens reduced by the padding) gives the same bits."""
+    batch, sq, hq, hkv, capacity, page, s_new, seqlens, leftpad = case
+    rng = np.random.default_rng(zlib.crc32(repr(("leftpad", case, causal)).encode()))
+    q, k_cache, v_cache, table, k_new, v_new = kv_problem(rng, batch, sq, hq, hkv, 8, capacity, page, s_new)
+    cs, pad = np.asarray(seqlens, dtype=np.int32), np.asarray(leftpad, dtype=np.int32)
+    o, lse, k_after, v_after = reference.attention_kvcache64(q, k_cache, v_cache, cs, k_new, v_new, table, causal,
+                                                             cache_leftpad=pad)
+    np.testing.assert_array_equal(k_after, reference.kvcache_append(k_cache, v_cache, k_new, v_new, cs, table)[0])
+    for b in range(batch):
+        stop = seqlens[b] + s_new
+        keys, values = (keys_by_loop(c, b, stop, table, start=leftpad[b]) for c in (k_after, v_after))
+        o_b, lse_b = per_row_attention(q[b:b + 1], keys[None], values[None], causal, 1 / math.sqrt(8))
+        np.testing.assert_allclose(o[b], o_b[0], rtol=1e-12, atol=1e-12, err_msg=f"sequence {b}, L={stop - leftpad[b]}")
+        np.testing.assert_allclose(lse[b], lse_b[0], rtol=1e-12, atol=1e-12)
+    if table is None:
+        moved_k, moved_v = np.zeros_like(k_cache), np.zeros_like(v_cache)
+        for b in range(batch):
+            n = seqlens[b] - leftpad[b]
+            moved_k[b, :n], moved_v[b, :n] = k_cache[b, leftpad[b]:seqlens[b]], v_cache[b, leftpad[b]:seqlens[b]]
+        o_moved, lse_moved, _, _ = reference.attention_kvcache64(q, moved_k, moved_v, cs - pad, k_new, v_new, None,
+                                                                 causal)
+        np.testing.assert_array_equal(o, o_moved)
+        np.testing.assert_array_equal(lse, lse_moved)
+
+
+@pytest.mark.parametrize("rows,s_new", [([4, 0, 2], 2), ([1, 1, 3], 0)], ids=["distinct-new", "shared-read"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_kvcache_batch_idx_equals_the_permuted_cache(rows, s_new, causal):
+    """cache_batch_idx[b] = r: batch entry b reads (and writes) cache row r; equal to the call on k_cache[rows], the
+    new keys landing in rows r, every other row unchanged. Without new keys rows may repeat."""
+    rng = np.random.default_rng(zlib.crc32(repr(("batch-idx", rows, causal)).encode()))
+    q, k_cache, v_cache, _, k_new, v_new = kv_problem(rng, 5, 2, 4, 2, 8, 9, None, s_new)
+    q = q[:3]
+    k_new, v_new = (None, None) if k_new is None else (k_new[:3], v_new[:3])
+    cs, idx = np.array([3, 0, 7], dtype=np.int32), np.asarray(rows, dtype=np.int32)
+    o, lse, k_after, v_after = reference.attention_kvcache64(q, k_cache, v_cache, cs, k_new, v_new, None, causal,
+                                                             cache_batch_idx=idx)
+    o_p, lse_p, k_p, v_p = reference.attention_kvcache64(q, k_cache[idx], v_cache[idx], cs, k_new, v_new, None, causal)
+    np.testing.assert_array_equal(o, o_p)
+    np.testing.assert_array_equal(lse, lse_p)
+    np.testing.assert_array_equal(k_after[idx], k_p)
+    np.testing.assert_array_equal(v_after[idx], v_p)
+    untouched = np.setdiff1d(np.arange(5), idx)
+    np.testing.assert_array_equal(k_after[untouched], k_cache[untouched])
+    np.testing.assert_array_equal(v_after[untouched], v_cache[untouched])
+
+
+MODS = [  # (window, alibi slopes shape "h" / "bh" / None, softcap)
+    ((2, 1), None, None), ((0, 0), None, None), ((-1, 3), None, None), (None, "h", None), (None, "bh", None),
+    (None, None, 1.5), ((3, -1), "bh", 2.0),
+]
+
+
+@pytest.mark.parametrize("mods", MODS, ids=lambda m: f"w{m[0]}-alibi{m[1]}-cap{m[2]}")
+@pytest.mark.parametrize("page,causal", [(None, False), (4, True)])
+def test_kvcache_modifiers_are_dense_attention_on_the_gathered_keys(mods, page, causal):
+    """window, ALiBi and softcap per sequence over its own keys (rows cache_leftpad[b] .. cache_seqlens[b] + S_new,
+    diag = L_b - Sq), slopes (H_q,) shared or row b of (B, H_q): attention_forward64 / attention_lowp on the keys
+    gathered one at a time."""
+    window, alibi, softcap = mods
+    rng = np.random.default_rng(zlib.crc32(repr(("kv-mods", mods, page, causal)).encode()))
+    batch, sq, hq, hkv = 3, 3, 4, 2
+    q, k_cache, v_cache, table, k_new, v_new = kv_problem(rng, batch, sq, hq, hkv, 8, 16, page, 2)
+    cs, pad = np.array([1, 9, 14], dtype=np.int32), np.array([0, 4, 14], dtype=np.int32)  # L_b = 3, 7, 2 < Sq
+    slopes = None if alibi is None else rng.random((hq,) if alibi == "h" else (batch, hq)) * 0.5
+    kw = dict(cache_leftpad=pad, window=window, alibi_slopes=slopes, softcap=softcap)
+    o, lse, k_after, v_after = reference.attention_kvcache64(q, k_cache, v_cache, cs, k_new, v_new, table, causal, **kw)
+    qr, kr, vr, knr, vnr = (reference._round(x, "fp16") for x in (q, k_cache, v_cache, k_new, v_new))
+    lowp = reference.attention_kvcache_lowp(qr, kr, vr, "fp16", cs, knr, vnr, table, causal, **kw)
+    k_low, v_low = reference.kvcache_append(kr, vr, knr, vnr, cs, table)
+    for b in range(batch):
+        stop = cs[b] + 2
+        keys, values = (keys_by_loop(c, b, stop, table, start=pad[b])[None] for c in (k_after, v_after))
+        slopes_b = None if slopes is None else slopes if slopes.ndim == 1 else slopes[b]
+        mods_b = dict(window=window, alibi_slopes=slopes_b, softcap=softcap)
+        o_b, lse_b = reference.attention_forward64(q[b:b + 1], keys, values, causal, **mods_b)
+        np.testing.assert_array_equal(o[b], o_b[0], err_msg=f"sequence {b}")
+        np.testing.assert_array_equal(lse[b], lse_b[0], err_msg=f"sequence {b}")
+        keys, values = (keys_by_loop(c, b, stop, table, start=pad[b])[None] for c in (k_low, v_low))
+        np.testing.assert_array_equal(lowp[b], reference.attention_lowp(qr[b:b + 1], keys, values, "fp16", causal,
+                                                                        **mods_b)[0])
+    if window == (0, 0) and not causal:  # one query row sees exactly its diagonal key: row i -> key i + L_b - Sq
+        seen_empty = False
+        for b in range(batch):
+            length = cs[b] + 2 - pad[b]
+            for i in range(sq):
+                j = i + length - sq
+                if j >= 0:
+                    np.testing.assert_allclose(o[b, i], np.repeat(keys_by_loop(v_after, b, pad[b] + j + 1, table,
+                                                                               start=pad[b] + j)[0], hq // hkv, 0),
+                                               rtol=1e-12, atol=1e-12)
+                else:
+                    assert np.all(o[b, i] == 0) and np.all(lse[b, :, i] == -np.inf), f"sequence {b} row {i}"
+                    seen_empty = True
+        assert seen_empty, "no row without a visible key"
+
+
+XP_KV_NEW = [  # (page_size, options): every new argument on NumPy arrays, the mirror against the reference
+    (None, dict(cache_batch_idx=[3, 0, 1], cache_leftpad=[0, 2, 5], rotary="gptj", causal=True)),
+    (4, dict(cache_leftpad=[1, 0, 6], rotary="neox", window=(3, 0))),
+    (None, dict(alibi="bh", softcap=1.5, rotary="neox")),
+    (4, dict(cache_leftpad=[0, 2, 2], rotary="gptj", window=(2, 2), alibi="h", softcap=3.0, causal=True)),
+]
+
+
+@pytest.mark.parametrize("page,opts", XP_KV_NEW, ids=[f"page{c[0]}-" + "-".join(sorted(c[1])) for c in XP_KV_NEW])
+def test_xp_kvcache_new_arguments_equal_reference(page, opts):
+    rng = np.random.default_rng(zlib.crc32(repr(("xp-kv-new", page, sorted(opts))).encode()))
+    batch, sq, hq, hkv, d = 3, 2, 4, 2, 16
+    q, k_cache, v_cache, table, k_new, v_new = kv_problem(rng, 4 if page is None else batch, sq, hq, hkv, d, 12, page,
+                                                          sq)
+    q, k_new, v_new = q[:batch], k_new[:batch], v_new[:batch]
+    causal = opts.get("causal", False)
+    cos, sin = rotary_tables(rng, 12, 8)
+    kw = dict(rotary_cos=cos, rotary_sin=sin, rotary_interleaved=opts["rotary"] == "gptj", window=opts.get("window"),
+              softcap=opts.get("softcap"))
+    for name in ("cache_batch_idx", "cache_leftpad"):
+        if name in opts:
+            kw[name] = np.asarray(opts[name], dtype=np.int32)
+    if "alibi" in opts:
+        kw["alibi_slopes"] = rng.random((hq,) if opts["alibi"] == "h" else (batch, hq)).astype(np.float32)
+    cs = np.array([5, 2, 9], dtype=np.int32)
+    for rotary_dtype in (None, "fp16"):
+        want = reference.attention_kvcache64(q, k_cache, v_cache, cs, k_new, v_new, table, causal, **kw,
+                                             rotary_dtype=rotary_dtype)
+        got = _xpref.attention_kvcache64(q, k_cache, v_cache, cs, k_new, v_new, table, causal, **kw,
+                                         rotary_dtype=rotary_dtype)
+        for name, g, w in zip(("o", "lse", "k_cache", "v_cache"), got, want):
+            np.testing.assert_array_equal(np.isfinite(g), np.isfinite(w), err_msg=f"{name}, {rotary_dtype}")
+            np.testing.assert_allclose(g, w, rtol=1e-12, atol=1e-12, err_msg=f"{name}, {rotary_dtype}")
+    for dtype in ("fp16", "bf16"):
+        qr, kr, vr, knr, vnr = (reference._round(x, dtype) for x in (q, k_cache, v_cache, k_new, v_new))
+        lowp = reference.attention_kvcache_lowp(qr, kr, vr, dtype, cs, knr, vnr, table, causal, **kw)
+        got = _xpref.attention_kvcache_lowp(qr, kr, vr, dtype, cs, knr, vnr, table, causal, **kw)
+        assert got.shape == lowp.shape and np.abs(got - lowp).max() <= _ulp(dtype, np.abs(lowp).max()), dtype
+        k_want = reference.kvcache_append(kr, vr, knr, vnr, cs, table, cache_batch_idx=kw.get("cache_batch_idx"),
+                                          rotary_cos=cos, rotary_sin=sin, rotary_interleaved=kw["rotary_interleaved"],
+                                          dtype=dtype)
+        k_got = _xpref.kvcache_append(kr, vr, knr, vnr, cs, table, cache_batch_idx=kw.get("cache_batch_idx"),
+                                      rotary_cos=cos, rotary_sin=sin, rotary_interleaved=kw["rotary_interleaved"],
+                                      dtype=dtype)
+        for g, w in zip(k_got, k_want):
+            np.testing.assert_array_equal(g, w, err_msg=f"appended caches, {dtype}")
+
+
+def _bad_kvcache_call(change):
+    """A small valid dense call (batch 3, cache rows 4, capacity 12, 2 new keys, rotary_dim 8 of D 16) with one
+    argument broken by `change`, which returns the call's keyword arguments."""
+    rng = np.random.default_rng(31)
+    q, k_cache, v_cache, _, k_new, v_new = kv_problem(rng, 4, 2, 4, 2, 16, 12, None, 2)
+    cos, sin = rotary_tables(rng, 12, 8)
+    kw = dict(q=q[:3], k_cache=k_cache, v_cache=v_cache, cache_seqlens=np.array([3, 0, 10], dtype=np.int32),
+              k=k_new[:3], v=v_new[:3], rotary_cos=cos, rotary_sin=sin)
+    return change(kw)
+
+
+def _paged(kw):
+    kw["block_table"] = np.arange(12, dtype=np.int32).reshape(3, 4)
+    kw["k_cache"], kw["v_cache"] = kw["k_cache"].reshape(12, 4, 2, 16), kw["v_cache"].reshape(12, 4, 2, 16)
+    return kw
+
+
+KV_REF_BAD = [  # (id, change, exception, message fragments)
+    ("batch-idx-out-of-range", lambda kw: {**kw, "cache_batch_idx": np.array([0, 5, 1], np.int32)}, ValueError,
+     ["cache_batch_idx[1]=5", "out of range", "< 4"]),
+    ("batch-idx-negative", lambda kw: {**kw, "cache_batch_idx": np.array([0, 1, -1], np.int32)}, ValueError,
+     ["cache_batch_idx[2]=-1"]),
+    ("batch-idx-repeated-with-new-keys", lambda kw: {**kw, "cache_batch_idx": np.array([2, 0, 2], np.int32)},
+     ValueError, ["cache_batch_idx[2]=2 repeats cache_batch_idx[0]=2", "distinct"]),
+    ("batch-idx-float", lambda kw: {**kw, "cache_batch_idx": np.array([0, 1, 2], np.float32)}, TypeError,
+     ["cache_batch_idx has dtype float32"]),
+    ("batch-idx-with-block-table", lambda kw: {**_paged(kw), "cache_batch_idx": np.array([0, 1, 2], np.int32)},
+     ValueError, ["cache_batch_idx", "block_table"]),
+    ("leftpad-over-seqlens", lambda kw: {**kw, "cache_leftpad": np.array([0, 1, 0], np.int32)}, ValueError,
+     ["cache_leftpad[1]=1", "cache_seqlens[1]=0"]),
+    ("leftpad-negative", lambda kw: {**kw, "cache_leftpad": np.array([-1, 0, 0], np.int32)}, ValueError,
+     ["cache_leftpad[0]=-1"]),
+    ("leftpad-shape", lambda kw: {**kw, "cache_leftpad": np.array([0, 0], np.int32)}, ValueError,
+     ["cache_leftpad has shape (2,)", "(3,)"]),
+    ("rotary-without-new-keys", lambda kw: {**kw, "k": None, "v": None}, ValueError, ["rotary_cos", "k=None"]),
+    ("rotary-cos-without-sin", lambda kw: {**kw, "rotary_sin": None}, ValueError, ["rotary_sin=None"]),
+    ("rotary-sin-shape-differs", lambda kw: {**kw, "rotary_sin": kw["rotary_sin"][:, :2]}, ValueError,
+     ["rotary_sin has shape (12, 2)", "rotary_cos has (12, 4)"]),
+    ("rotary-dim-over-head-dim", lambda kw: {**kw, "rotary_cos": np.ones((12, 9)), "rotary_sin": np.ones((12, 9))},
+     ValueError, ["rotary_dim=18", "head_dim=16"]),
+    ("rotary-int-tables", lambda kw: {**kw, "rotary_cos": np.ones((12, 4), np.int32)}, TypeError,
+     ["rotary_cos has dtype int32"]),
+    ("seqlen-ro-under-positions", lambda kw: {**kw, "rotary_cos": kw["rotary_cos"][:11],
+                                              "rotary_sin": kw["rotary_sin"][:11]}, ValueError,
+     ["rotary position 11", "seqlen_ro=11"]),
+    ("alibi-shape", lambda kw: {**kw, "alibi_slopes": np.ones(3, np.float32)}, ValueError,
+     ["alibi_slopes has shape (3,)", "(4,) or (3, 4)"]),
+    ("window-left-minus-2", lambda kw: {**kw, "window": (-2, 0)}, ValueError, ["window left=-2"]),
+    ("softcap-negative", lambda kw: {**kw, "softcap": -1.0}, ValueError, ["softcap=-1.0"]),
+]
+
+
+@pytest.mark.parametrize("change,exc,parts", [c[1:] for c in KV_REF_BAD], ids=[c[0] for c in KV_REF_BAD])
+@pytest.mark.parametrize("mod", [reference, _xpref], ids=["reference", "xpref"])
+def test_kvcache_references_reject_bad_new_arguments(mod, change, exc, parts):
+    kw = _bad_kvcache_call(change)
+    q, k_cache, v_cache = kw.pop("q"), kw.pop("k_cache"), kw.pop("v_cache")
+    for call in (lambda: mod.attention_kvcache64(q, k_cache, v_cache, **kw),
+                 lambda: mod.attention_kvcache_lowp(q, k_cache, v_cache, "fp16", **kw)):
+        with pytest.raises(exc) as e:
+            call()
+        missing = [p for p in parts if p not in str(e.value)]
+        assert not missing, f"{mod.__name__}: message lacks {missing}: {str(e.value)!r}"

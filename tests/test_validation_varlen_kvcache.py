@@ -212,11 +212,11 @@ KV_BAD = [
      ["block_table has shape (3, 4)", "batch=2"]),
     ("block-table-last-dim-strided", lambda: kv(paged=64, block_table=info("block_table", (2, 4), I32, strides=(8, 2))),
      ValueError, ["block_table has strides (8, 2)", "contiguous"]),
-    ("page-size-48", lambda: kv(paged=48), ValueError,
-     ["page_size=48", "k_cache.shape[1]", "must be a positive multiple of 64", "K/V tile"]),
-    ("page-size-32", lambda: kv(paged=32), ValueError, ["page_size=32", "multiple of 64"]),
-    ("page-size-96", lambda: kv(paged=96), ValueError, ["page_size=96", "multiple of 64"]),
-    ("page-size-0", lambda: kv(paged=0), ValueError, ["page_size=0", "positive multiple of 64"]),
+    ("page-size-40", lambda: kv(paged=40), ValueError,
+     ["page_size=40", "k_cache.shape[1]", "must be a positive multiple of 16"]),
+    ("page-size-8", lambda: kv(paged=8), ValueError, ["page_size=8", "multiple of 16"]),
+    ("page-size-72", lambda: kv(paged=72), ValueError, ["page_size=72", "multiple of 16"]),
+    ("page-size-0", lambda: kv(paged=0), ValueError, ["page_size=0", "positive multiple of 16"]),
     # new keys and values
     ("new-k-heads-differ", lambda: kv(s_new=2, k=info("k", (2, 2, 4, 128))), ValueError,
      ["k has shape (2, 2, 4, 128)", "(batch, S_new, heads_kv, head_dim) = (2, S_new, 2, 128)"]),
@@ -377,3 +377,78 @@ def test_kvcache_values_allow_anything_in_unused_blocks_and_return_the_longest_s
     assert V.check_kvcache_values(7, None, 300, 5, 2, 300) == 12
     # prefix sharing: two sequences may read one block, as long as their new keys land in different slots
     assert V.check_kvcache_values(np.array([64, 64], np.int32), table([0, 1], [0, 2]), 128, 1, 3, 64) == 65
+
+
+# --- kvcache: FlashAttention-2's further arguments (rotary tables, cache_batch_idx, cache_leftpad) ------------------
+
+def kv_extra(sq=1, s_new=1, paged=None, cos=(1000, 32), sin="same", cos_dtype=np.float32, batch_idx=None,
+             leftpad=None, moves_q=False):
+    """check_kvcache of kv()'s dense problem (batch 2, capacity 1000, head_dim 128; paged: 64-row pages, capacity
+    256) with rotary tables of shape cos (None: none), cache_batch_idx / cache_leftpad ArrayInfo or None."""
+    b, hkv, d = 2, 2, 128
+    cache_shape = (b, 1000, hkv, d) if paged is None else (b * 4 + 1, paged, hkv, d)
+    tables = [None if shape is None else info(name, shape, cos_dtype)
+              for name, shape in (("rotary_cos", cos), ("rotary_sin", cos if sin == "same" else sin))]
+    return V.check_kvcache(info("q", (b, sq, 4, d)), info("k_cache", cache_shape), info("v_cache", cache_shape),
+                           info("k", (b, s_new, hkv, d)) if s_new else None,
+                           info("v", (b, s_new, hkv, d)) if s_new else None, info("cache_seqlens", (b,), I32),
+                           None if paged is None else info("block_table", (b, 4), I32), 0, cache_batch_idx=batch_idx,
+                           cache_leftpad=leftpad, rotary_cos=tables[0], rotary_sin=tables[1], moves_q=moves_q)
+
+
+KV_EXTRA_BAD = [
+    ("rotary-dim-24", lambda: kv_extra(cos=(1000, 12)), ValueError, ["rotary_dim=24", "multiple of 16"]),
+    ("rotary-dim-over-head-dim", lambda: kv_extra(cos=(1000, 72)), ValueError, ["rotary_dim=144", "head_dim=128"]),
+    ("rotary-seqlen-ro-under-capacity", lambda: kv_extra(cos=(999, 32)), ValueError, ["seqlen_ro=999", "1000"]),
+    ("rotary-seqlen-ro-under-moving-queries", lambda: kv_extra(sq=3, moves_q=True), ValueError,
+     ["seqlen_ro=1000", "1002"]),
+    ("rotary-float64", lambda: kv_extra(cos_dtype=np.float64), TypeError, ["rotary_cos.dtype=float64"]),
+    ("rotary-sin-shape-differs", lambda: kv_extra(sin=(1000, 16)), ValueError, ["rotary_sin", "(1000, 16)"]),
+    ("rotary-cos-without-sin", lambda: kv_extra(sin=None), ValueError, ["rotary_sin=None"]),
+    ("rotary-without-new-keys", lambda: kv_extra(s_new=0), ValueError, ["rotary_cos", "k and v"]),
+    ("batch-idx-with-block-table", lambda: kv_extra(paged=64, cos=None, batch_idx=info("cache_batch_idx", (2,), I32)),
+     ValueError, ["cache_batch_idx", "block_table"]),
+    ("batch-idx-int64", lambda: kv_extra(cos=None, batch_idx=info("cache_batch_idx", (2,), np.int64)), TypeError,
+     ["cache_batch_idx.dtype=int64"]),
+    ("leftpad-shape", lambda: kv_extra(cos=None, leftpad=info("cache_leftpad", (3,), I32)), ValueError,
+     ["cache_leftpad has shape (3,)", "(2,)"]),
+]
+
+KV_EXTRA_VALUES_BAD = [  # check_kvcache_values(..., leftpad_host, batch_idx_host)
+    ("leftpad-over-seqlens", (np.array([5, 7], np.int32), None, 100, 1, 2, 100, np.array([0, 8], np.int32), None),
+     ["cache_leftpad[1]=8"]),
+    ("leftpad-negative", (np.array([5, 7], np.int32), None, 100, 1, 2, 100, np.array([-1, 0], np.int32), None),
+     ["cache_leftpad[0]=-1"]),
+    ("batch-idx-out-of-range", (np.array([5, 7], np.int32), None, 100, 1, 4, 100, None, np.array([1, 4], np.int32)),
+     ["cache_batch_idx[1]=4"]),
+    ("batch-idx-repeated-with-new-keys",
+     (np.array([5, 7], np.int32), None, 100, 1, 4, 100, None, np.array([3, 3], np.int32)),
+     ["cache_batch_idx[0]=3", "cache_batch_idx[1]=3"]),
+]
+
+
+@pytest.mark.parametrize("call,exc,parts", [c[1:] for c in KV_EXTRA_BAD], ids=[c[0] for c in KV_EXTRA_BAD])
+def test_bad_kvcache_rotary_and_index_metadata_is_rejected(call, exc, parts):
+    with pytest.raises(exc) as e:
+        call()
+    missing = [p for p in parts if p not in str(e.value)]
+    assert not missing, f"message lacks {missing}: {str(e.value)!r}"
+
+
+@pytest.mark.parametrize("args,parts", [c[1:] for c in KV_EXTRA_VALUES_BAD], ids=[c[0] for c in KV_EXTRA_VALUES_BAD])
+def test_bad_kvcache_leftpad_and_batch_idx_values_are_rejected(args, parts):
+    with pytest.raises(ValueError) as e:
+        V.check_kvcache_values(*args)
+    missing = [p for p in parts if p not in str(e.value)]
+    assert not missing, f"message lacks {missing}: {str(e.value)!r}"
+
+
+def test_kvcache_rotary_and_index_arrays_that_pass():
+    dims = kv_extra(cos=(1000, 32))  # float32 tables, rotary_dim 64 of head_dim 128
+    assert (dims.rotary.dim, dims.rotary.interleaved) == (64, True)
+    # cache_batch_idx: a dense cache with more entries than the batch; repeated entries when nothing is written
+    lens = np.array([5, 7], np.int32)
+    assert V.check_kvcache_values(lens, None, 100, 0, 4, 100, None, np.array([3, 3], np.int32)) == 7
+    # cache_leftpad: the keys a sequence attends start there; blocks wholly before it may hold anything (-1)
+    assert V.check_kvcache_values(np.array([130, 10], np.int32), table([-1, -1, 2], [0, -1, -1]), 192, 2, 3, 64,
+                                  np.array([128, 4], np.int32), None) == 8

@@ -71,6 +71,7 @@ def main(argv=None) -> int:
                 config.DECODE_TILES[D] = tiles
                 _families.DECODE_FUSED_MERGE = merge == "fused"
                 _plan.plans.clear()
+                _families._selected.clear()  # the kernel chosen per signature: reload it with these stages / tiles
                 cfg = config.fwd_decode_config(D, "bf16", False)
                 r = _compile.compile_kernel(cfg.cpp_name(), _compile.device_arch()).resources
                 row = [f"  stages {stages}, tiles {tiles}, merge {merge} (regs {r['registers']}, spill {r['spill_stores']}):"]
