@@ -1,6 +1,7 @@
 """The split-KV heuristic of attention_with_kvcache (cuflash._families.num_splits_heuristic), checked against
 a brute-force model of the launch: CTAs run in waves of num_sms * ctas_per_sm, so the fraction of the
-slot-time that does work is waves / ceil(waves)."""
+slot-time that does work is waves / ceil(waves); splits keep 4 key tiles each unless the cache is so short that
+the launch stays under one wave, where they may go down to one tile, up to one wave."""
 import math
 
 import pytest
@@ -20,6 +21,8 @@ def test_the_split_fills_the_waves(num_sms, per_sm, ctas, key_blocks):
     s = num_splits_heuristic(ctas, key_blocks, num_sms, per_sm)
     slots = num_sms * per_sm
     most = max(1, min(key_blocks // 4, MAX_SPLITS))
+    if ctas * most < slots:  # a short cache: finer splits, up to one wave
+        most = max(most, min(key_blocks, MAX_SPLITS, slots // ctas))
     assert 1 <= s <= most
     if ctas >= 4 * slots:
         assert s == 1
@@ -38,8 +41,10 @@ def test_the_h100_decode_cases():
     assert num_splits_heuristic(64, 512, 132, 2) == 4
     # B=1: 8 CTAs -> 32 splits, 256 of 264 slots
     assert num_splits_heuristic(8, 512, 132, 2) == 32
-    # a short cache caps the factor at 4 key tiles per split
-    assert num_splits_heuristic(8, 16, 132, 2) == 4
+    # a short cache that leaves the machine idle even at 4 key tiles per split: one tile per split
+    assert num_splits_heuristic(8, 16, 132, 2) == 16
+    # ... but not past one wave
+    assert num_splits_heuristic(64, 16, 132, 2) == 4
 
 
 def test_the_h100_decode_cases_at_one_cta_per_sm():
@@ -52,10 +57,14 @@ def test_the_h100_decode_cases_at_one_cta_per_sm():
     assert num_splits_heuristic(16, 512, 132, 1) == 8    # B=2
     assert num_splits_heuristic(32, 1024, 132, 1) == 4   # B=4
     assert num_splits_heuristic(64, 512, 132, 1) == 2    # B=8
+    assert num_splits_heuristic(8, 16, 132, 1) == 16     # B=1, 1024 keys: 16 splits of one 64-key tile
+    assert num_splits_heuristic(64, 16, 132, 1) == 2     # B=8, 1024 keys
+    assert num_splits_heuristic(512, 16, 132, 1) == 1    # B=64, 1024 keys: four waves of whole sequences
 
 
 def test_degenerate_launches_are_not_split():
     assert num_splits_heuristic(0, 100, 132, 2) == 1
     assert num_splits_heuristic(10, 0, 132, 2) == 1
-    assert num_splits_heuristic(10, 3, 132, 2) == 1
+    assert num_splits_heuristic(10, 3, 132, 2) == 3  # short: one tile per split
+    assert num_splits_heuristic(10, 1, 132, 2) == 1
     assert num_splits_heuristic(10_000, 4096, 132, 2) == 1
