@@ -63,12 +63,35 @@ struct FwdParams {
 };
 static_assert(sizeof(FwdParams) == 520, "FwdParams is mirrored field by field in cuflash/_launch.py");
 
+// ALiBi of packed decode rows: tile row r is query position r / rows_per_pos of query head r % rows_per_pos of
+// the group, whose slope is group_slopes[r % rows_per_pos] (times alibi_scale: raw score units).
+template <int M_TILES, int N_TILES>
+__device__ __forceinline__ void apply_alibi_packed(float (&s)[M_TILES][N_TILES][4], int row0, int col0, int diag,
+                                                   const float* group_slopes, float alibi_scale, int rows_per_pos,
+                                                   int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mt * 16 + g + 8 * h;
+      const int pos = row / rows_per_pos;
+      const float slope = __ldg(group_slopes + row % rows_per_pos) * alibi_scale;
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+        for (int c = 2 * h; c < 2 * h + 2; ++c)
+          s[mt][nt][c] -= slope * static_cast<float>(abs(pos + diag - (col0 + nt * 8 + 2 * t + (c & 1))));
+    }
+}
+
 // One key tile: S = Q K_j^T, online softmax, O += P V_j. The next tile's loads are already in flight.
 // q_lane, k_lane, v_lane: this lane's ldmatrix addresses of the (0, 0) blocks (tiles.cuh).
-// key0: the tile's first key.
+// key0: the tile's first key. group_slopes: packed decode with ALiBi (else unused), see apply_alibi_packed.
 template <class Tr, bool IS_CAUSAL, bool IS_MASKED, bool IS_PACKED, int MODS>
 __device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
-                                             const ScoreMods<MODS>& mods, int rows_per_pos, float scale_log2, int key0,
+                                             const ScoreMods<MODS>& mods, const float* group_slopes, float alibi_scale,
+                                             int rows_per_pos, float scale_log2, int key0,
                                              u32 q_lane, u32 k_lane, u32 v_lane, int warp_row0, int row0, int lane,
                                              float (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
                                              OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES>& softmax) {
@@ -103,6 +126,8 @@ __device__ __forceinline__ void fwd_key_tile(const Band<IS_CAUSAL, ScoreMods<MOD
   // softcap, ALiBi (mods.cuh); then the tail of K, the causal diagonal, the window: masked scores = -inf
   float unused_dcap[Tr::M_TILES][Tr::N_TILES][4];
   apply_score_mods(s_acc, unused_dcap, row0 + warp_row0, key0, band.diag, mods, lane);
+  if constexpr (IS_PACKED && ScoreMods<MODS>::HAS_ALIBI)  // after the softcap, before the masks, as score() orders them
+    apply_alibi_packed(s_acc, row0 + warp_row0, key0, band.diag, group_slopes, alibi_scale, rows_per_pos, lane);
   if (IS_MASKED)
     apply_band_mask<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW, Tr::M_TILES, Tr::N_TILES, IS_PACKED>(
         s_acc, row0 + warp_row0, key0, band, lane, rows_per_pos);
@@ -461,6 +486,13 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   softmax.init();
   ScoreMods<MODS> mods;
   mods.init(p.mods, batch, head, p.heads, seq.len_q, seq.len_k);
+  // decode with ALiBi: grid.y is the K/V head and each packed row takes its own query head's slope
+  // (apply_alibi_packed); the one-head ALiBi of score() is switched off
+  const float* group_slopes = nullptr;
+  if constexpr (IS_DECODE && ScoreMods<MODS>::HAS_ALIBI) {
+    group_slopes = p.mods.alibi_slopes + batch * p.mods.alibi_batch_stride + static_cast<long long>(head) * rows_per_pos;
+    mods.slope = 0.f;
+  }
 
   // Key tiles from the last to the first: the masked ones (K tail, causal diagonal, window's right edge)
   // come first, then an unmasked loop, then the window's left edge masked again. Each iteration first
@@ -475,7 +507,8 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
     cp_async_wait_group<Tr::STAGES - 1>();    // this stage's K/V (and Q) have landed
     __syncthreads();
     if (!IS_DECODE || warp_row0 < rows_q)  // decode: warps whose rows are all padding skip the arithmetic
-      fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, rows_per_pos, p.scale_log2,
+      fwd_key_tile<Tr, IS_CAUSAL, IS_MASKED, IS_DECODE, MODS>(band, mods, group_slopes, p.mods.alibi_scale, rows_per_pos,
+                                                        p.scale_log2,
                                                         n_block * Tr::BLOCK_N, q_lane,
                                                         k_lane0 + stage * Tr::SMEM_KV, v_lane0 + stage * Tr::SMEM_KV,
                                                         warp_row0, row0, lane, o_acc, softmax);

@@ -12,7 +12,7 @@ import threading
 from functools import lru_cache
 
 from . import _launch, _plan, _problem, _tma, _validate, config
-from .config import (MOD_ALIBI, SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
+from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
                      kernel_head_dim)
 from .philox import dropout_threshold
 
@@ -651,12 +651,12 @@ def decode(p, arrays, cache_seqlens, *, key=None):
         if o.size == 0:
             return (o, lse) if p.return_lse else o
 
-        # Grouped query heads are packed as rows (cuda/fwd.cuh): one K/V tile read serves the whole group.
-        # ALiBi's slope is per query head, so its rows are not packed.
+        # Grouped query heads are packed as rows (cuda/fwd.cuh): one K/V tile read serves the whole group (with
+        # ALiBi each row takes its own query head's slope).
         group = m.heads_q // m.heads_kv
         mods = p.mods
         bits = 0 if mods is None else mods.bits
-        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 and not bits & MOD_ALIBI else (1, m.heads_q)
+        rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 else (1, m.heads_q)
         hd = kernel_head_dim(m.head_dim)
         cfg, kernel = _kernel("decode", m.device, hd, m.dtype, p.causal, bits)
         row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
