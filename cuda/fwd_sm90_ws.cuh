@@ -3,7 +3,9 @@
 // the P V GEMM of the previous one (intra-warpgroup overlap), and, optionally, pingpong scheduling of the two
 // consumer warpgroups (one's softmax under the other's GEMMs).
 //
-// One CTA = BLOCK_M = 128 query rows of one (batch, head), 3 warpgroups, 384 threads:
+// One work item = BLOCK_M = 128 query rows of one (batch, head); a CTA (3 warpgroups, 384 threads) runs one item
+// (grid (m_blocks, heads, batch)) or, PERSISTENT, walks items blockIdx.x, + gridDim.x, ... on a grid of at most
+// one CTA per SM (WsItem; see "persistent" below):
 //   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: Q once, then K_j and V_j of every
 //     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
@@ -56,6 +58,19 @@
 // CTA whose rows see no key (n_tiles <= 0: it writes O = 0, lse = -inf) or that starts past its sequence's end
 // (varlen: row0 >= len_q) returns before the barriers are initialized (both decisions are uniform in the CTA).
 //
+// ---- persistent: the protocol across work items ----------------------------------------------------------
+// Both roles walk the same items (WsItem::init from the same index) and skip the same ones (the producer every
+// item without a visible key tile; the consumers write O = 0, lse = -inf for those with none). The K/V rings are
+// not drained between items: the producer's and each consumer's (stage, phase) (WsPipe) carry on, so the tile
+// sequence the barriers see is that of one long key loop. Q gets an empty barrier (count CONSUMER_WARPS): item u
+// (counting items with key tiles) waits q_full with parity u & 1; the producer waits q_empty with parity
+// (u & 1) ^ 1 before loading Q of item u (item 0 passes at once). Each consumer warp arrives on q_empty once per
+// item: with O_SEPARATE (O staged in a buffer of its own) as soon as its last S GEMM of the item has retired, so
+// the next Q loads under the item's last P V GEMM and epilogue; otherwise after its epilogue has read O out of
+// Q's rows (fence.proxy.async first: the next Q is an async-proxy write over generic-proxy ones). With O_SEPARATE a
+// warpgroup syncs its epilogue barrier before writing O, so no thread overwrites rows another is still storing.
+// The pingpong tokens balance within each item (below), so they carry across items as well.
+//
 // ---- the consumer's schedule (intra-warpgroup overlap) ----------------------------------------------------
 //   S_0 = Q K_0^T; wait; softmax(S_0) -> P_0
 //   for i = 1 .. n_tiles-1:   issue S_i = Q K_i^T; issue O += P_{i-1} V_{i-1};
@@ -97,15 +112,17 @@ struct FwdWsParams {
   TmaDesc tma_k;  // K as (head_dim, seqlen_k, kv_heads, batch), box (64, BLOCK_N, 1, 1), 128-byte swizzle
   TmaDesc tma_v;  // V like K
   FwdParams fwd;  // the pointers and strides of fwd_sm90_kernel (o, lse, strides, seq lengths, scale)
+  int m_blocks;   // query blocks of BLOCK_M rows per (batch, head): ceil(seqlen_q / BLOCK_M) (max_seqlen_q if packed)
+  int items;      // m_blocks * heads * batch: the work items a persistent grid walks (read only when PERSISTENT)
 };
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
 // (no offsetof: NVRTC 13.0 has no __builtin_offsetof) three 128-byte maps, then FwdParams (8-byte aligned) at
-// 384 with no padding in between; the struct rounds up to its 64-byte alignment
+// 384 with no padding in between, m_blocks and items at 904 and 908; the struct rounds up to its 64-byte alignment
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 520 && alignof(FwdWsParams) == 64 &&
                   sizeof(FwdWsParams) == 960,
               "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 960 bytes");
 
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_, bool PERSISTENT_ = false>
 struct FwdSm90WsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -113,6 +130,7 @@ struct FwdSm90WsTraits {
   static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
   static constexpr int STAGES = STAGES_;              // K (and V) shared-memory buffers
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
+  static constexpr bool PERSISTENT = PERSISTENT_;     // one CTA per SM walks the work items (see the header)
   static constexpr int CONSUMERS = BLOCK_M / 64;      // consumer warpgroups
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;  // arrivals that release a K or V stage
@@ -127,15 +145,23 @@ struct FwdSm90WsTraits {
   static constexpr int BOX_COLS = 64;                 // TMA box width: one 128-byte swizzle panel
   static constexpr int PANELS = HEAD_DIM / BOX_COLS;  // TMA boxes per tile
 
-  using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;  // also stages O for the stores
+  using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;  // also the O staging's layout
   using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
+  // q_full, q_empty (persistent only), k_full[], k_empty[], v_full[], v_empty[]
+  static constexpr int Q_BARRIERS = PERSISTENT ? 2 : 1;
+  static constexpr int BARRIERS = Q_BARRIERS + 4 * STAGES;
+  // A persistent CTA stages O in a buffer of its own where shared memory allows, so that the next item's Q can
+  // load while this item's last tile and epilogue run; otherwise (and always when not persistent) O is staged
+  // in Q's rows, and the next Q waits for the epilogue's reads.
+  static constexpr bool O_SEPARATE =
+      PERSISTENT && 2 * SMEM_Q + 2 * STAGES * SMEM_KV + 8 * BARRIERS + 1024 <= 227 * 1024;
   static constexpr int OFF_Q = 0;
   static constexpr int OFF_K = SMEM_Q;                          // + stage * SMEM_KV
   static constexpr int OFF_V = OFF_K + STAGES * SMEM_KV;        // + stage * SMEM_KV
-  static constexpr int OFF_BAR = OFF_V + STAGES * SMEM_KV;      // q_full, k_full[], k_empty[], v_full[], v_empty[]
-  static constexpr int BARRIERS = 1 + 4 * STAGES;
+  static constexpr int OFF_O = O_SEPARATE ? OFF_V + STAGES * SMEM_KV : OFF_Q;
+  static constexpr int OFF_BAR = OFF_V + STAGES * SMEM_KV + (O_SEPARATE ? SMEM_Q : 0);
   // + 1024: the kernel rounds the dynamic shared memory base up to the 1024-byte swizzle period
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;
   // a 16-bit bias and a mask: each consumer warp stages its 16 rows of a tile (cp.async, 16-byte chunks), row
@@ -224,72 +250,124 @@ struct WsSmem {
   __device__ __forceinline__ u32 k(int stage) const { return base + Tr::OFF_K + stage * Tr::SMEM_KV; }
   __device__ __forceinline__ u32 v(int stage) const { return base + Tr::OFF_V + stage * Tr::SMEM_KV; }
   __device__ __forceinline__ u32 q_full() const { return base + Tr::OFF_BAR; }
-  __device__ __forceinline__ u32 k_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + stage); }
-  __device__ __forceinline__ u32 k_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + Tr::STAGES + stage); }
-  __device__ __forceinline__ u32 v_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + 2 * Tr::STAGES + stage); }
-  __device__ __forceinline__ u32 v_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + 3 * Tr::STAGES + stage); }
+  __device__ __forceinline__ u32 q_empty() const { return base + Tr::OFF_BAR + 8; }
+  __device__ __forceinline__ u32 k_full(int stage) const { return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + stage); }
+  __device__ __forceinline__ u32 k_empty(int stage) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + Tr::STAGES + stage);
+  }
+  __device__ __forceinline__ u32 v_full(int stage) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 2 * Tr::STAGES + stage);
+  }
+  __device__ __forceinline__ u32 v_empty(int stage) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 3 * Tr::STAGES + stage);
+  }
 };
 
-// Producer (one thread): Q, then K_i and V_i of the n_tiles visible key tiles from n_end-1 down (every tile of the
-// band, or those a block map does not mark empty), each into the next stage once the consumers have released what
-// it held STAGES tiles ago.
-// seq: this sequence's first rows in the packed arrays (0 when dense); its maps then have batch size 1, so the
-// batch coordinate is 0 for a packed operand.
-template <class Tr>
-__device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, const Seq& seq,
-                                                     int row0, int head, int batch, int n_end, int n_tiles,
-                                                     const TileMap& tiles, int n_begin) {
-  prefetch_tensormap(&p.tma_q);
-  prefetch_tensormap(&p.tma_k);
-  prefetch_tensormap(&p.tma_v);
-  const int kv_head = head / p.fwd.seq.kv_group;  // GQA: the K/V head of this query head
-  const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
-  const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
-
-  // Q: rows row0 .. row0 + 127 of the sequence (rows past the array are zero-filled by TMA; varlen: rows past
-  // the sequence are the next one's, computed but never stored)
-  mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
-#pragma unroll
-  for (int panel = 0; panel < Tr::PANELS; ++panel)
-    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * 128, &p.tma_q, sm.q_full(),
-                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
-
+// Where a role is in the K/V circular buffers: the stage of its next key tile and that stage's phase bit. A
+// persistent CTA's roles carry it from one work item to the next (the rings are not drained between items).
+struct WsPipe {
   int stage = 0;
   u32 phase = 0;
-  int n_block = n_end;
-  for (int i = 0; i < n_tiles; ++i) {
-    n_block = tiles.next_down(n_block - 1, n_begin);
-    // keys >= len_k are masked: zero-filled past the array, the next sequence's rows when packed
-    const int key0 = seq.k_row0 + n_block * Tr::BLOCK_N;
-    // K_i into stage `stage` once both consumers released K_{i - STAGES}
-    mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
-    mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
-#pragma unroll
-    for (int panel = 0; panel < Tr::PANELS; ++panel)
-      cp_async_bulk_tensor_4d_global_to_shared(sm.k(stage) + panel * Tr::BLOCK_N * 128, &p.tma_k, sm.k_full(stage),
-                                               panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
-    // V_i likewise
-    mbarrier_wait_or_trap(sm.v_empty(stage), phase ^ 1);
-    mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
-#pragma unroll
-    for (int panel = 0; panel < Tr::PANELS; ++panel)
-      cp_async_bulk_tensor_4d_global_to_shared(sm.v(stage) + panel * Tr::BLOCK_N * 128, &p.tma_v, sm.v_full(stage),
-                                               panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
-    if (++stage == Tr::STAGES) {
+  template <int STAGES>
+  __device__ __forceinline__ void advance() {
+    if (++stage == STAGES) {
       stage = 0;
       phase ^= 1;
     }
   }
+};
+
+// One work item: query rows row0 .. row0 + BLOCK_M - 1 (query block m_block) of one (batch, head), its
+// sequence (varlen), and the key tiles its rows see. Every thread of the CTA derives the same item from the same
+// index, so the producer and the consumers walk the same items and the same tiles.
+template <class Tr, bool IS_CAUSAL, int MODS>
+struct WsItem {
+  static constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  Seq seq;                              // varlen: lengths and first rows of sequence `batch`
+  Band<IS_CAUSAL, HAS_WINDOW> band;
+  TileMap tiles;                        // a BlockMask's map: the tiles it marks empty are skipped as well
+  int m_block, head, batch;
+  int row0;                             // first query row (in the sequence)
+  int rows_q;                           // valid query rows
+  int out_row0;                         // ... at this row of q, o and lse
+  int n_begin, n_end, n_tiles;          // key tiles [n_begin, n_end) of the band, n_tiles of them visible
+  bool live;                            // false: past this sequence's end (varlen), nothing to do
+
+  // Item `index` of a persistent grid, in [0, m_blocks * heads * batch): query blocks fastest; causal: the longest
+  // query blocks (most key tiles) first, so that the last ones to run are short.
+  __device__ __forceinline__ void init(const FwdParams& f, int index, int m_blocks) {
+    const int m_index = index % m_blocks, bh = index / m_blocks;
+    head = bh % f.heads;
+    batch = bh / f.heads;
+    m_block = IS_CAUSAL ? m_blocks - 1 - m_index : m_index;
+    seq = sequence(f.seq, batch);
+    row0 = m_block * Tr::BLOCK_M;
+    live = row0 < seq.len_q;
+    rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+    out_row0 = seq.q_row0 + row0;
+    band = Band<IS_CAUSAL, HAS_WINDOW>{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? f.mods.window_left : 0,
+                                       HAS_WINDOW ? f.mods.window_right : 0};
+    n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+    n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+    tiles.init(f.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+    n_tiles = live && n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
+  }
+};
+
+// Producer (one thread), one work item: Q once the consumers have released the previous item's Q buffer, then K_i
+// and V_i of the item's n_tiles visible key tiles from n_end-1 down (every tile of the band, or those a block
+// map does not mark empty), each into the next stage once the consumers have released what it held STAGES tiles
+// ago. q_phase: the item's parity on q_full / q_empty (items with key tiles counted from 0).
+// A packed operand's maps have batch size 1, so the batch coordinate is 0 for it (seq: the sequence's first rows).
+template <class Tr, class Item>
+__device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const WsSmem<Tr>& sm, const Item& it,
+                                                     WsPipe& pipe, u32 q_phase) {
+  const int kv_head = it.head / p.fwd.seq.kv_group;  // GQA: the K/V head of this query head
+  const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : it.batch;
+  const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : it.batch;
+
+  // Q: rows row0 .. row0 + 127 of the sequence (rows past the array are zero-filled by TMA; varlen: rows past
+  // the sequence are the next one's, computed but never stored). The first item passes q_empty at once.
+  if (Tr::PERSISTENT) mbarrier_wait_or_trap(sm.q_empty(), q_phase ^ 1);
+  mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel)
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * 128, &p.tma_q, sm.q_full(),
+                                             panel * Tr::BOX_COLS, it.seq.q_row0 + it.row0, it.head, q_batch);
+
+  int n_block = it.n_end;
+  for (int i = 0; i < it.n_tiles; ++i) {
+    n_block = it.tiles.next_down(n_block - 1, it.n_begin);
+    // keys >= len_k are masked: zero-filled past the array, the next sequence's rows when packed
+    const int key0 = it.seq.k_row0 + n_block * Tr::BLOCK_N;
+    // K_i into stage `stage` once both consumers released K_{i - STAGES}
+    mbarrier_wait_or_trap(sm.k_empty(pipe.stage), pipe.phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.k_full(pipe.stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.k(pipe.stage) + panel * Tr::BLOCK_N * 128, &p.tma_k,
+                                               sm.k_full(pipe.stage), panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
+    // V_i likewise
+    mbarrier_wait_or_trap(sm.v_empty(pipe.stage), pipe.phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.v_full(pipe.stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.v(pipe.stage) + panel * Tr::BLOCK_N * 128, &p.tma_v,
+                                               sm.v_full(pipe.stage), panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
+    pipe.advance<Tr::STAGES>();
+  }
 }
 
-// Consumer warpgroup `wg` (0, 1): query rows row0 + 64 wg .. + 63 of the CTA's tile. Rows and keys are counted
-// within the sequence (the band, ALiBi and the dropout stream see them so); out_row0 = the sequence's first row in
-// the packed arrays + row0 places O and lse.
+// Consumer warpgroup `wg` (0, 1), one work item: query rows row0 + 64 wg .. + 63 of the item's tile. Rows and keys
+// are counted within the sequence (the band, ALiBi and the dropout stream see them so); out_row0 = the sequence's
+// first row in the packed arrays + row0 places O and lse. pipe: the ring position of the item's first key tile
+// (left at the next item's); q_phase: the item's parity on q_full / q_empty.
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const WsSmem<Tr>& sm, unsigned char* smem,
                                                      const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                      int row0, int out_row0, int rows_q, int head, int batch, int n_end,
-                                                     int n_tiles, const TileMap& tiles, int n_begin) {
+                                                     int n_tiles, const TileMap& tiles, int n_begin, WsPipe& pipe,
+                                                     u32 q_phase) {
   using T = typename Tr::T;
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   const int ctid = threadIdx.x - 128;                // 0 .. CONSUMER_THREADS-1
@@ -435,27 +513,33 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     apply_dropout(s_acc, warp_row, key0, mods, lane);
   };
 
-  mbarrier_wait_or_trap(sm.q_full(), 0);
+  mbarrier_wait_or_trap(sm.q_full(), Tr::PERSISTENT ? q_phase : 0);
+  // Q's buffer is free for the next item once this warp's last S GEMM has retired (O staged elsewhere), or
+  // else once its O staging has been read (after the stores, below)
+  auto release_q = [&]() {
+    if (Tr::O_SEPARATE) release(sm.q_empty());
+  };
 
   // key tile 0 (the last-indexed key block): S_0, P_0. O is still 0: nothing to rescale.
-  int stage = 0;  // of key tile i
-  u32 phase = 0;
+  int stage = Tr::PERSISTENT ? pipe.stage : 0;  // of key tile i
+  u32 phase = Tr::PERSISTENT ? pipe.phase : 0;
   int n_block = tiles.next_down(n_end - 1, n_begin);  // the visible key tiles, from the last down
   round_begin();
-  mbarrier_wait_or_trap(sm.k_full(0), 0);
+  mbarrier_wait_or_trap(sm.k_full(stage), phase);
   wgmma_fence();
-  issue_s(sm.k(0));
+  issue_s(sm.k(stage));
   round_end(/*is_last=*/false);
   if (Mods::HAS_MASK) mods.check_mask = tiles.state(n_block) != TILE_FULL;
   fetch_tile(n_block);  // the tile's bias and mask rows, while S is computed
   wgmma_wait_group<0>();
   wgmma_fence_operand(s_acc[0]);
-  release(sm.k_empty(0));
+  release(sm.k_empty(stage));
+  if (n_tiles == 1) release_q();
   scores_to_probs(n_block);
   probs_to_regs<T>(s_acc, p_regs);
 
-  int v_stage = 0;  // of key tile i - 1
-  u32 v_phase = 0;
+  int v_stage = stage;  // of key tile i - 1
+  u32 v_phase = phase;
   if (++stage == Tr::STAGES) {
     stage = 0;
     phase ^= 1;
@@ -477,6 +561,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     wgmma_wait_group<1>();
     wgmma_fence_operand(s_acc[0]);
     release(sm.k_empty(stage));
+    if (i == n_tiles - 1) release_q();
     scores_to_probs(n_block);
 
     // P V done: V_{i-1} is free; O *= exp2(m_old - m_new); P_i -> A registers
@@ -508,21 +593,28 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   wgmma_wait_group<0>();
   wgmma_fence_operand(o_acc[0]);
   release(sm.v_empty(v_stage));
+  if (Tr::PERSISTENT) {  // the next item's first key tile
+    pipe.stage = stage;
+    pipe.phase = phase;
+  }
 
   // epilogue: O /= l (and * 1 / (1 - p) with dropout), lse (rows that saw no key: O = 0, lse = -inf); O -> shared
-  // (this warpgroup's own Q rows, which only its own, finished GEMMs read) -> 16-byte stores of the valid rows
-  // and columns (varlen: rows past the sequence belong to the next one and are not stored)
+  // (this warpgroup's own rows of the O buffer: Q's rows, which only its own, finished GEMMs read, unless O has a
+  // buffer of its own) -> 16-byte stores of the valid rows and columns (varlen: rows past the sequence belong to
+  // the next one and are not stored)
   float lse[1][2];
   softmax.finalize(o_acc, lse);
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(o_acc, p.mods.dropout_rp);
   float* lse_gmem = p.lse + batch * p.lse_batch_stride + head * p.lse_head_stride + out_row0;
   const int g = lane >> 2, t = lane & 3;
+  // a persistent warpgroup's own O buffer: every thread has read the previous item's O from it
+  if (Tr::O_SEPARATE) named_barrier_sync(Tr::EPILOGUE_BAR + wg, 128);
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = warp * 16 + g + h * 8;  // in the CTA's tile
 #pragma unroll
     for (int dt = 0; dt < Tr::D_TILES; ++dt)
-      *reinterpret_cast<u32*>(smem + Tr::OFF_Q + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
+      *reinterpret_cast<u32*>(smem + Tr::OFF_O + Tr::TileQ::offset(row, dt * 8 + 2 * t)) =
           Cvt<T>::pack(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
     if (t == 0 && row < rows_q && p.lse != nullptr) lse_gmem[row] = lse[0][h];
   }
@@ -533,7 +625,14 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     const int row = wg * 64 + idx / CHUNKS_PER_ROW, col = (idx % CHUNKS_PER_ROW) * 8;
     if (row < rows_q && col < p.head_dim)
       *reinterpret_cast<uint4*>(o_gmem + row * p.o_row_stride + col) =
-          *reinterpret_cast<const uint4*>(smem + Tr::OFF_Q + Tr::TileQ::offset(row, col));
+          *reinterpret_cast<const uint4*>(smem + Tr::OFF_O + Tr::TileQ::offset(row, col));
+  }
+  if (Tr::PERSISTENT && !Tr::O_SEPARATE) {
+    // O was staged in Q's rows: the next item's Q (a TMA write: the async proxy) may overwrite them once every
+    // lane of the warp has read them and its generic-proxy writes are ordered before the async proxy's
+    fence_proxy_async_shared();
+    __syncwarp();
+    release(sm.q_empty());
   }
 }
 
@@ -551,55 +650,121 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
                 "shared memory per CTA exceeds the sm_90 limit (the bias and mask staging included)");
   if (dynamic_smem_size() < Tr::smem_bytes(ScoreMods<MODS>::HAS_BIAS, ScoreMods<MODS>::HAS_MASK)) __trap();
 
-  // causal: launch the longest query blocks (most key tiles) first so the last wave is short
-  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const Seq seq = sequence(p.fwd.seq, batch);                   // varlen: lengths and first rows of sequence `batch`
-  const int row0 = m_block * Tr::BLOCK_M;                        // first query row of this CTA (in the sequence)
-  if (row0 >= seq.len_q) return;                                 // varlen: past this sequence's end
-  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);         // valid query rows
-  const int out_row0 = seq.q_row0 + row0;                        // ... at this row of q, o and lse
-  // key tiles [n_begin, n_end): tiles outside the causal / window band of the CTA's rows are skipped
-  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
-                                        HAS_WINDOW ? p.fwd.mods.window_right : 0};
-  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
-  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  // a BlockMask's map: the tiles it marks empty are skipped as well (every thread counts the same tiles)
-  TileMap tiles;
-  tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
-  const int n_tiles = n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
+  using Item = WsItem<Tr, IS_CAUSAL, MODS>;
+  if (!Tr::PERSISTENT) {  // one work item per CTA: the grid is (m_blocks, heads, batch)
+    // causal: launch the longest query blocks (most key tiles) first so the last wave is short
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const Seq seq = sequence(p.fwd.seq, batch);                   // varlen: lengths and first rows of sequence `batch`
+    const int row0 = m_block * Tr::BLOCK_M;                        // first query row of this CTA (in the sequence)
+    if (row0 >= seq.len_q) return;                                 // varlen: past this sequence's end
+    const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);         // valid query rows
+    const int out_row0 = seq.q_row0 + row0;                        // ... at this row of q, o and lse
+    // key tiles [n_begin, n_end): tiles outside the causal / window band of the CTA's rows are skipped
+    const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                          HAS_WINDOW ? p.fwd.mods.window_right : 0};
+    const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+    const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+    // a BlockMask's map: the tiles it marks empty are skipped as well (every thread counts the same tiles)
+    TileMap tiles;
+    tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+    const int n_tiles = n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
 
-  if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
-    const FwdParams& f = p.fwd;
-    zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(
-        f.o + batch * f.o_batch_stride + static_cast<long long>(out_row0) * f.o_row_stride + head * f.o_head_stride,
-        f.o_row_stride, rows_q, f.head_dim, threadIdx.x);
-    if (f.lse != nullptr)
-      for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
-        f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + out_row0 + r] = neg_inf();
-    return;
-  }
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(sm.q_full(), 1);
-#pragma unroll
-    for (int s = 0; s < Tr::STAGES; ++s) {
-      mbarrier_init(sm.k_full(s), 1);
-      mbarrier_init(sm.v_full(s), 1);
-      mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
-      mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
+    if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
+      const FwdParams& f = p.fwd;
+      zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(
+          f.o + batch * f.o_batch_stride + static_cast<long long>(out_row0) * f.o_row_stride + head * f.o_head_stride,
+          f.o_row_stride, rows_q, f.head_dim, threadIdx.x);
+      if (f.lse != nullptr)
+        for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
+          f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + out_row0 + r] = neg_inf();
+      return;
     }
-    fence_mbarrier_init();
-  }
-  __syncthreads();
 
-  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
-    setmaxnreg_dec<Tr::PRODUCER_REGS>();
-    if (threadIdx.x == 0) fwd_sm90_ws_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles, tiles, n_begin);
-  } else {  // consumer warpgroups
-    setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, band, row0, out_row0, rows_q, head, batch, n_end,
-                                              n_tiles, tiles, n_begin);
+    if (threadIdx.x == 0) {
+      mbarrier_init(sm.q_full(), 1);
+  #pragma unroll
+      for (int s = 0; s < Tr::STAGES; ++s) {
+        mbarrier_init(sm.k_full(s), 1);
+        mbarrier_init(sm.v_full(s), 1);
+        mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+        mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
+      }
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+    WsPipe pipe;
+
+    if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
+      setmaxnreg_dec<Tr::PRODUCER_REGS>();
+      if (threadIdx.x == 0) {
+        prefetch_tensormap(&p.tma_q);
+        prefetch_tensormap(&p.tma_k);
+        prefetch_tensormap(&p.tma_v);
+        fwd_sm90_ws_producer<Tr>(p, sm, Item{seq, band, tiles, m_block, head, batch, row0, rows_q, out_row0, n_begin,
+                                              n_end, n_tiles, true}, pipe, 0);
+      }
+    } else {  // consumer warpgroups
+      setmaxnreg_inc<Tr::CONSUMER_REGS>();
+      fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, band, row0, out_row0, rows_q, head, batch, n_end,
+                                                n_tiles, tiles, n_begin, pipe, 0);
+    }
+  } else {
+    // Persistent: CTA c of a grid of at most one CTA per SM takes work items c, c + gridDim.x, ... of the
+    // m_blocks * heads * batch (WsItem), so each role runs into the next item's loads (producer) and GEMMs
+    // (consumers) without a new CTA's start, and the next item's Q, K and V load under this item's last key tile
+    // and epilogue. Both roles derive the same items and skip the same ones.
+    if (threadIdx.x == 0) {
+      mbarrier_init(sm.q_full(), 1);
+      mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+  #pragma unroll
+      for (int s = 0; s < Tr::STAGES; ++s) {
+        mbarrier_init(sm.k_full(s), 1);
+        mbarrier_init(sm.v_full(s), 1);
+        mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+        mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
+      }
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    WsPipe pipe;
+    u32 q_phase = 0;  // items with key tiles so far, mod 2
+    if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
+      setmaxnreg_dec<Tr::PRODUCER_REGS>();
+      if (threadIdx.x != 0) return;
+      prefetch_tensormap(&p.tma_q);
+      prefetch_tensormap(&p.tma_k);
+      prefetch_tensormap(&p.tma_v);
+      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
+        Item it;
+        it.init(p.fwd, index, p.m_blocks);
+        if (it.n_tiles <= 0) continue;  // nothing to load (past the sequence's end, or no visible key)
+        fwd_sm90_ws_producer<Tr>(p, sm, it, pipe, q_phase);
+        q_phase ^= 1;
+      }
+    } else {  // consumer warpgroups
+      setmaxnreg_inc<Tr::CONSUMER_REGS>();
+      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
+        Item it;
+        it.init(p.fwd, index, p.m_blocks);
+        if (!it.live) continue;  // varlen: past this sequence's end
+        if (it.n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
+          const FwdParams& f = p.fwd;
+          zero_tile_gmem<typename Tr::TileQ, Tr::CONSUMER_THREADS>(
+              f.o + it.batch * f.o_batch_stride + static_cast<long long>(it.out_row0) * f.o_row_stride +
+                  it.head * f.o_head_stride,
+              f.o_row_stride, it.rows_q, f.head_dim, threadIdx.x - 128);
+          if (f.lse != nullptr)
+            for (int r = threadIdx.x - 128; r < it.rows_q; r += Tr::CONSUMER_THREADS)
+              f.lse[it.batch * f.lse_batch_stride + it.head * f.lse_head_stride + it.out_row0 + r] = neg_inf();
+          continue;
+        }
+        fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, it.band, it.row0, it.out_row0, it.rows_q, it.head,
+                                                  it.batch, it.n_end, it.n_tiles, it.tiles, it.n_begin, pipe, q_phase);
+        q_phase ^= 1;
+      }
+    }
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_ws_kernel uses TMA and wgmma: compile it for sm_90a");

@@ -228,9 +228,10 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                     params.mods.block_map = tiles
         grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
         fields = ""
-        if maps is not None:  # the kernel takes the tensor maps in front of FwdParams
+        if maps is not None:  # the kernel takes the tensor maps in front of FwdParams, then its work items
             params = maps.params(params, (q, k, v))
             fields = "fwd."
+            grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q, _sm_count(a.device))
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
             b = _plan.PlanBuilder(a.device, 3)
             for i, name in enumerate("qkv"):

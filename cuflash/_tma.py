@@ -48,10 +48,12 @@ class TmaDesc(ctypes.Structure):
 
 class FwdWsParams(ctypes.Structure):
     """Mirror of cuflash::FwdWsParams (cuda/fwd_sm90_ws.cuh): the Q, K, V tensor maps at byte offsets 0, 128,
-    256, then FwdParams at 384; 960 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
+    256, then FwdParams at 384, m_blocks and items (the work items, config.FwdSm90WsConfig.schedule) at 904 and
+    908; 960 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
-                ("_pad", ctypes.c_ubyte * (960 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams)))]
+                ("m_blocks", ctypes.c_int32), ("items", ctypes.c_int32),
+                ("_pad", ctypes.c_ubyte * (960 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 8))]
 
 
 class BwdWsParams(ctypes.Structure):
@@ -65,8 +67,8 @@ class BwdWsParams(ctypes.Structure):
 
 # The C++ side static_asserts the same layouts.
 assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 960 and ctypes.sizeof(BwdWsParams) == 1152
-assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset) == \
-    (0, 128, 256, 384)
+assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset,
+        FwdWsParams.m_blocks.offset, FwdWsParams.items.offset) == (0, 128, 256, 384, 904, 908)
 assert (BwdWsParams.tma_q.offset, BwdWsParams.tma_do.offset, BwdWsParams.tma_k.offset, BwdWsParams.tma_v.offset,
         BwdWsParams.bwd.offset) == (0, 128, 256, 384, 512)
 

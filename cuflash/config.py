@@ -351,6 +351,7 @@ FWD_SM90_TILES = {
 
 # --- Hopper (sm_90a): the warp-specialized forward (cuda/fwd_sm90_ws.cuh) ------------------------------------
 TMA_BOX_COLS = 64  # one 128-byte swizzle panel of 16-bit elements: the column width of a TMA box
+SMEM_LIMIT_SM90 = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
 
 
 @dataclass(frozen=True)
@@ -366,6 +367,7 @@ class FwdSm90WsConfig:
     causal: bool
     pingpong: bool = True
     mods: int = 0  # score modifiers (MOD_* bits)
+    persistent: bool = False  # one CTA per SM walking the work items (FwdSm90WsTraits::PERSISTENT)
 
     def __post_init__(self):
         check_mods(self.mods, self.causal)
@@ -390,20 +392,42 @@ class FwdSm90WsConfig:
         bytes), and 1024 bytes to round the base up to the swizzle period."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
-        end = q + 2 * self.stages * kv + 8 * (1 + 4 * self.stages)
+        end = q + 2 * self.stages * kv + (q if self.o_separate else 0) + 8 * self.barriers
         bias, mask = bool(self.mods & MOD_BIAS), bool(self.mods & MOD_MASK)
         if not (bias or mask):
             return end + 1024
         pitches = (2 * self.block_n + 16 if bias else 0) + (self.block_n + 16 if mask else 0)
         return -(-end // 16) * 16 + 8 * 16 * pitches + 1024
 
+    @property
+    def barriers(self) -> int:
+        """FwdSm90WsTraits::BARRIERS: q_full (and q_empty when persistent), then full / empty of K and V per stage."""
+        return (2 if self.persistent else 1) + 4 * self.stages
+
+    @property
+    def o_separate(self) -> bool:
+        """FwdSm90WsTraits::O_SEPARATE: a persistent kernel stages O in a buffer of its own where it fits."""
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        return self.persistent and 2 * q + 2 * self.stages * kv + 8 * self.barriers + 1024 <= SMEM_LIMIT_SM90
+
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         return (f"cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
+                f"{'true' if self.pingpong else 'false'}, {t}{', true' if self.persistent else ''}>, "
+                f"{'true' if self.causal else 'false'}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        """The work items as a grid (query blocks, heads, batch): the launch grid unless persistent."""
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+    def schedule(self, batch: int, heads: int, seqlen_q: int, num_sms: int) -> tuple[tuple[int, int, int], int, int]:
+        """(launch grid, m_blocks, items) of a launch: FwdWsParams.m_blocks and .items, and the grid, which a
+        persistent kernel sizes at one CTA per SM (at most one per item)."""
+        m_blocks = math.ceil(seqlen_q / self.block_m)
+        items = m_blocks * heads * batch
+        grid = (max(1, min(items, num_sms)), 1, 1) if self.persistent else (m_blocks, heads, batch)
+        return grid, m_blocks, items
 
 
 # Tiles per head dim: (block_n, stages, pingpong), chosen with tools/tune_tiles.py on an H100 (bf16, N = 8192,
@@ -446,26 +470,33 @@ FWD_SM90_WS_TILES_MODS = {
 
 
 # Short key sequences (seqlen_k at most the bound below), non-causal: key tiles of 128 rows waste less of the last
-# tile and fill the pipeline sooner. Measured on an H100 (bf16, FA shapes, 2026-11-24): D 128 N 1k 531 TFLOP/s with
-# (128, 2) against 475 with (192, 2) (`python -m cuflash.bench`, two runs), N 2k 571-612 against 570-595, N 4k 662
-# and 663; D 64 N 1k 335 against 308, and at N 2k (`tools/tune_tiles.py --n 2048`) 402 with (128, 2) and pingpong
-# against 355 for (192, 2), 366 for (128, 2), 382 for (128, 3).
-FWD_SM90_WS_SHORT_KEYS = {64: 2048, 128: 2048}
-FWD_SM90_WS_TILES_SHORT = {64: (128, 2, True), 128: (128, 2, False)}
+# tile and fill the pipeline sooner, and a persistent grid (one CTA per SM walking the work items, the next item's
+# loads under this one's last tile and epilogue) hides the per-CTA start and drain that weigh most when a CTA has
+# few key tiles. Measured on an H100 (bf16, FA shapes, `tools/tune_tiles.py`, 2026-11-25, TFLOP/s), persistent
+# (128, 2) against the tiles shipped before: D 128 N 1k 597 against 521 (128, 2), 2k 654 against 611, 4k 688
+# against 669 (192, 2), 8k 646 against 721 (so 4k is the bound); D 64 N 1k 397 against 351 (128, 2, pingpong), 2k
+# 427 against 415, 4k 449 against 428 (192, 2), 8k 448 (457 with pingpong) against 432, 16k 435 against 473. Causal
+# rows stay on the one-CTA-per-item grid: the persistent kernel's static round robin ran them 5-40 % slower (D 128 N
+# 1k 334 against 353, 16k 436 against 696), as it did D 256 (N 8k 723 against 760).
+# (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.)
+FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
+FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
 
 
 def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
-                       pingpong: bool | None = None, seqlen_k: int | None = None) -> FwdSm90WsConfig:
-    """The warp-specialized forward's config (pingpong None: the table's choice; seqlen_k, when given, selects the
-    short-sequence tiles)."""
+                       pingpong: bool | None = None, seqlen_k: int | None = None,
+                       persistent: bool | None = None) -> FwdSm90WsConfig:
+    """The warp-specialized forward's config (pingpong, persistent None: the table's choice; seqlen_k, when given,
+    selects the short-sequence tiles)."""
     if head_dim not in FWD_SM90_WS_TILES:
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
     short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
     table = FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else FWD_SM90_WS_TILES_CAUSAL if causal or mods else \
         FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
-    bn, stages, table_pingpong = table[head_dim]
-    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, table_pingpong if pingpong is None else pingpong, mods)
+    bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])
+    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, table_pingpong if pingpong is None else pingpong, mods,
+                           persistent=bool(rest and rest[0]) if persistent is None else persistent)
 
 
 # With ALiBi / softcap / dropout (heavy_mods, see FWD_TILES_MODS): the plain tiles spilled 28 bytes (dropout

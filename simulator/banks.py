@@ -879,16 +879,18 @@ def fwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
 @dataclass(frozen=True)
 class FwdSm90WsLayout:
     """The constants of FwdSm90WsTraits (cuda/fwd_sm90_ws.cuh) for one FwdSm90WsConfig: offsets from the
-    1024-byte aligned base ([Q] [K stage 0 .. STAGES-1] [V stage 0 .. STAGES-1] [mbarriers])."""
+    1024-byte aligned base ([Q] [K stage 0 .. STAGES-1] [V stage 0 .. STAGES-1] [O, a persistent kernel's where it
+    fits] [mbarriers])."""
 
     consumers: int  # consumer warpgroups, 64 query rows each
     consumer_warps: int
     panels: int  # TMA boxes per tile: HEAD_DIM / BOX_COLS
-    smem_q: int  # TileQ::BYTES: also the O staging
+    smem_q: int  # TileQ::BYTES: also the O staging's size
     smem_kv: int  # TileKV::BYTES
     off_q: int
     off_k: int  # + stage * smem_kv
     off_v: int  # + stage * smem_kv
+    off_o: int  # the O staging: off_q unless the config's o_separate
     off_bar: int
     smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
 
@@ -898,11 +900,12 @@ def fwd_sm90_ws_layout(cfg) -> FwdSm90WsLayout:
     smem_q, smem_kv = bm * hd * e, bn * hd * e
     off_k = smem_q
     off_v = off_k + cfg.stages * smem_kv
-    off_bar = off_v + cfg.stages * smem_kv
+    off_o = off_v + cfg.stages * smem_kv if cfg.o_separate else 0
+    off_bar = off_v + cfg.stages * smem_kv + (smem_q if cfg.o_separate else 0)
     consumers = bm // 64
     return FwdSm90WsLayout(consumers=consumers, consumer_warps=4 * consumers, panels=hd // _config.TMA_BOX_COLS,
-                           smem_q=smem_q, smem_kv=smem_kv, off_q=0, off_k=off_k, off_v=off_v, off_bar=off_bar,
-                           smem_bytes=off_bar + 8 * (1 + 4 * cfg.stages) + 1024)
+                           smem_q=smem_q, smem_kv=smem_kv, off_q=0, off_k=off_k, off_v=off_v, off_o=off_o,
+                           off_bar=off_bar, smem_bytes=off_bar + 8 * cfg.barriers + 1024)
 
 
 def tma_stats(boxes: int, nbytes: int) -> InstrStats:
@@ -922,7 +925,7 @@ def fwd_sm90_ws_addresses(cfg, rows_q: int | None = None, head_dim: int | None =
     rows_q = bm if rows_q is None else rows_q
     head_dim = hd if head_dim is None else head_dim
     rows = (np.arange(L.consumer_warps) * 16).reshape(-1, 1, 1) + 8 * _ax(2, 1, 3)
-    out = {"o_store": accumulator_store_addresses(L.off_q, bm, hd, rows, _ax(hd // 8, 2, 3) * 8)}
+    out = {"o_store": accumulator_store_addresses(L.off_o, bm, hd, rows, _ax(hd // 8, 2, 3) * 8)}
     chunks_per_row = hd // _config.CHUNK_ELEMS
     iters = -(-64 * chunks_per_row // 128)
     ctid = np.arange(128 * L.consumers).reshape(L.consumer_warps, 1, WARP)
@@ -930,7 +933,7 @@ def fwd_sm90_ws_addresses(cfg, rows_q: int | None = None, head_dim: int | None =
     idx = ctid - wg * 128 + np.arange(iters).reshape(1, iters, 1) * 128
     row, col = wg * 64 + idx // chunks_per_row, (idx % chunks_per_row) * _config.CHUNK_ELEMS
     valid = (idx < 64 * chunks_per_row) & (row < rows_q) & (col < head_dim)
-    out["o_read"] = np.where(valid, L.off_q + swizzled_offset(np.minimum(row, bm - 1), col, bm, hd), -1)
+    out["o_read"] = np.where(valid, L.off_o + swizzled_offset(np.minimum(row, bm - 1), col, bm, hd), -1)
     return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
 
 

@@ -24,6 +24,12 @@ MOD_CONFIGS = [ws_kernel(d, dt, c, m, pingpong=pp)
                                                      (False, True))
                for m in config.MODS_CHECKED[c]]
 MOD_CONFIGS = list(dict.fromkeys(MOD_CONFIGS))  # d256 with heavy mods has no pingpong variant (tests/ws_helpers.py)
+# the persistent kernels (tests/test_gpu_fwd_ws.py PERSISTENT) that stay spill-free: d128 with 192-key tiles (24-28
+# bytes) and d256 causal (12 bytes) spill under the persistent loop and are not among the tables' choices
+PERSISTENT_CONFIGS = [config.FwdSm90WsConfig(d, bn, st, dt, c, pp, persistent=True)
+                      for d, bn, st, pp in ((64, 192, 2, False), (64, 128, 2, True), (128, 128, 2, False),
+                                            (128, 128, 2, True), (128, 128, 3, False), (256, 64, 2, False))
+                      for dt in ("fp16", "bf16") for c in (False, True) if not (d == 256 and c)]
 
 
 def _nvrtc_or_skip():
@@ -34,8 +40,8 @@ def _nvrtc_or_skip():
 
 
 def _name(c: config.FwdSm90WsConfig):
-    return (f"d{c.head_dim}-bn{c.block_n}-{c.dtype}-{'causal' if c.causal else 'full'}-"
-            f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}")
+    return (f"d{c.head_dim}-bn{c.block_n}-s{c.stages}-{c.dtype}-{'causal' if c.causal else 'full'}-"
+            f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}{'-persistent' if c.persistent else ''}")
 
 
 def _sass(compiled) -> str:
@@ -49,7 +55,7 @@ def _opcodes(text: str) -> list:
     return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS + MOD_CONFIGS, ids=_name)
+@pytest.mark.parametrize("cfg", CONFIGS + MOD_CONFIGS + PERSISTENT_CONFIGS, ids=_name)
 def test_every_instantiation_compiles_spill_free(cfg):
     _nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
@@ -63,7 +69,8 @@ def test_every_instantiation_compiles_spill_free(cfg):
     assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
 
 
-@pytest.mark.parametrize("cfg", [c for c in CONFIGS + MOD_CONFIGS if c.dtype == "bf16" and not c.causal], ids=_name)
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS + MOD_CONFIGS + PERSISTENT_CONFIGS if c.dtype == "bf16" and not c.causal],
+                         ids=_name)
 def test_sass_has_tma_loads_and_async_wgmma(cfg):
     _nvrtc_or_skip()
     text = _sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a"))
@@ -85,15 +92,16 @@ PLAIN_SASS = {64: {"HGMMA": 24, "MUFU.EX2": 132, "FMNMX": 140}, 128: {"HGMMA": 3
               256: {"HGMMA": 40, "MUFU.EX2": 68, "FMNMX": 76}}
 
 
-@pytest.mark.parametrize("cfg", [config.FwdSm90WsConfig(d, 64 if d == 256 else 128, 2, "bf16", False, pp)
-                                 for d in PLAIN_SASS for pp in (False, True)], ids=_name)
+@pytest.mark.parametrize("cfg", [config.FwdSm90WsConfig(d, 64 if d == 256 else 128, 2, "bf16", False, pp, persistent=pers)
+                                 for d in PLAIN_SASS for pp in (False, True) for pers in (False, True)], ids=_name)
 def test_plain_path_keeps_its_work(cfg):
     _nvrtc_or_skip()
     ops = _opcodes(_sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a")))
     got = {prefix: sum(1 for o in ops if o.startswith(prefix)) for prefix in PLAIN_SASS[cfg.head_dim]}
     assert got == PLAIN_SASS[cfg.head_dim], f"{cfg}: {got}, before the modifiers {PLAIN_SASS[cfg.head_dim]}"
-    # named barriers: __syncthreads and the epilogue's (+ the pingpong token's)
-    assert sum(1 for o in ops if o.startswith("BAR")) == (9 if cfg.pingpong else 2), f"{cfg}"
+    # named barriers: __syncthreads and the epilogue's (+ the pingpong token's; + the persistent O buffer's reuse)
+    want = (9 if cfg.pingpong else 2) + (1 if cfg.o_separate else 0)
+    assert sum(1 for o in ops if o.startswith("BAR")) == want, f"{cfg}"
 
 
 def test_params_layout_matches_the_kernel():
@@ -101,7 +109,8 @@ def test_params_layout_matches_the_kernel():
     import ctypes
 
     assert ctypes.sizeof(_tma.FwdWsParams) == 960
-    assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd")] == [0, 128, 256, 384]
+    assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd", "m_blocks", "items")] == \
+        [0, 128, 256, 384, 904, 908]
     assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 520
     src = (_compile.cuda_dir() / "fwd_sm90_ws.cuh").read_text()
     assert "sizeof(FwdWsParams) == 960" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 520" in src
@@ -121,6 +130,16 @@ def test_config_names_and_shared_memory():
     # the 13 mbarriers rounded up to 16 bytes (FwdSm90WsTraits::smem_bytes)
     heavy = ws_kernel(128, "bf16", False, config.MODS_ALL)
     assert heavy.smem_bytes == (32768 + 6 * 96 * 256 + 104 + 8) + 8 * 16 * (208 + 112) + 1024 == 222320
+    # persistent: O gets a buffer of its own where it fits (a work grid of items, a launch grid of at most the SMs)
+    pers = config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, persistent=True)
+    assert pers.o_separate and pers.smem_bytes == 32768 + 4 * 32768 + 32768 + 80 + 1024
+    assert pers.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 128, 2, false, cuflash::bf16, "
+                               "true>, false, 0>")
+    assert pers.schedule(2, 3, 257, 132) == ((18, 1, 1), 3, 18)
+    assert pers.schedule(16, 16, 1024, 132) == ((132, 1, 1), 8, 2048)
+    assert cfg.schedule(16, 16, 1024, 132) == ((8, 16, 16), 8, 2048) and cfg.grid(16, 16, 1024) == (8, 16, 16)
+    big = config.FwdSm90WsConfig(128, 192, 2, "bf16", False, False, persistent=True)  # 256 KB with its own O
+    assert not big.o_separate and big.smem_bytes == 32768 + 4 * 49152 + 80 + 1024
     with pytest.raises(ValueError, match="head_dim=96"):
         config.fwd_sm90_ws_config(96, "bf16", False)
 

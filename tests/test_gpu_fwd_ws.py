@@ -78,10 +78,14 @@ def fwd_params(q, k, v, o, lse, dims, seq, lse_strides, scale, mods=None):
     return fwd
 
 
-def launch_ws(kern, fwd, q, k, v, dims, grid):
-    """Launch fwd_sm90_ws_kernel on FwdParams `fwd` with the TMA maps of q, k, v (dims: their _Dims)."""
+def launch_ws(kern, fwd, q, k, v, dims, batch, heads, seqlen_q, num_sms=None):
+    """Launch fwd_sm90_ws_kernel on FwdParams `fwd` with the TMA maps of q, k, v (dims: their _Dims) over the work
+    items of (batch, heads, seqlen_q); a persistent kernel on num_sms CTAs at most (None: the GPU's SMs)."""
     params = _tma.ws_params(fwd, q, k, v, *dims, kern.dtype, kern)
-    _launch.get_kernel(kern, cp.cuda.Device().id).launch(grid, params, cp.cuda.get_current_stream().ptr)
+    dev = cp.cuda.Device()
+    sms = num_sms or dev.attributes["MultiProcessorCount"]
+    grid, params.m_blocks, params.items = kern.schedule(batch, heads, seqlen_q, sms)
+    _launch.get_kernel(kern, dev.id).launch(grid, params, cp.cuda.get_current_stream().ptr)
     cp.cuda.get_current_stream().synchronize()
 
 
@@ -89,9 +93,9 @@ def nan_like(x, dtype):
     return _xpref.to_lowp(cp.full(x.shape, cp.nan, dtype=cp.float32), dtype)  # NaN in fp16 / bf16
 
 
-def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None):
+def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None, num_sms=None):
     """o (q's layout, contiguous, NaN-poisoned before the launch) and lse (B, H, Sq) float32 (or None).
-    cfg: a FwdSm90WsConfig; mods: the ModParams of its MODS."""
+    cfg: a FwdSm90WsConfig; mods: the ModParams of its MODS; num_sms: launch_ws's."""
     kern = cfg
     dq, dk, dv = dims_of(q, layout), dims_of(k, layout), dims_of(v, layout)
     b, sq, h, d = dq.batch, dq.seqlen, dq.heads, dq.head_dim
@@ -100,7 +104,7 @@ def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None):
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dims = (dq, dk, dv, dims_of(o, layout))
     fwd = fwd_params(q, k, v, o, lse, dims, _launch.seq_params(sq, dk.seqlen, h // dk.heads), (h * sq, sq), scale, mods)
-    launch_ws(kern, fwd, q, k, v, dims[:3], kern.grid(b, h, sq))
+    launch_ws(kern, fwd, q, k, v, dims[:3], b, h, sq, num_sms)
     return o, lse
 
 
@@ -118,13 +122,13 @@ def warm(kernels):
         list(pool.map(build, kernels))
 
 
-def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal):
+def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal, num_sms=None):
     d, dtype = cfg.head_dim, cfg.dtype
     seed = seed_of("ws", d, dtype, sq, sk, h, h_kv, layout, kind, causal)
     q = make_input(b, sq, h, d, dtype, layout, kind, seed)
     k = make_input(b, sk, h_kv, d, dtype, layout, kind, seed + 1)
     v = make_input(b, sk, h_kv, d, dtype, layout, kind, seed + 2)
-    o, lse = run_ws(cfg, q, k, v, layout, causal)
+    o, lse = run_ws(cfg, q, k, v, layout, causal, num_sms=num_sms)
     q32, k32, v32 = (to_bshd32(x, layout) for x in (q, k, v))
     o64, lse64 = _xpref.attention_forward64(q32, k32, v32, causal)
     lowp = _xpref.attention_lowp(q32, k32, v32, dtype, causal)
@@ -152,6 +156,22 @@ def test_ws_forward_matches_reference(d, dtype, causal, pingpong, sq, sk, layout
 def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
     cfg = config.fwd_sm90_ws_config(d, dtype, causal, pingpong=pingpong)
     check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal)
+
+
+# The persistent kernels (one CTA per SM walking the work items; FwdSm90WsTraits::PERSISTENT): the instantiations the
+# tables may choose, each on grids of 1 and 3 CTAs (every CTA walks many items, so the rings, the Q buffer's phases
+# and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole GPU.
+PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 2, True), (128, 128, 3, False),
+              (128, 192, 2, False), (256, 64, 2, False)]
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, None], ids=lambda x: f"ctas{x or 'all'}")
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 257), (257, 1000), (1, 239), (384, 384)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,bn,stages,pingpong", PERSISTENT, ids=str)
+def test_ws_forward_persistent(d, bn, stages, pingpong, causal, sq, sk, num_sms):
+    cfg = config.FwdSm90WsConfig(d, bn, stages, "bf16", causal, pingpong, persistent=True)
+    check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms)
 
 
 def test_ws_forward_without_lse_and_rejects_misaligned_strides():
@@ -321,7 +341,7 @@ def test_ws_dropout_keep_mask_is_the_philox_stream_and_fwd_sm90s(mods_compiled, 
 
 # --- packed (varlen) batches ---------------------------------------------------------------------------------
 
-def run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k, mods=None, with_lse=True):
+def run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k, mods=None, with_lse=True, num_sms=None):
     """o (total_q, H, D), NaN-poisoned before the launch, and lse (H, total_q) of a packed batch."""
     total_q, hq, d = q.shape
     o = nan_like(q, kern.dtype)
@@ -330,7 +350,7 @@ def run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k, mods=None, with_lse=T
     seq = _launch.seq_params(max_q, max_k, hq // k.shape[1], cu_q.data.ptr, cu_k.data.ptr)
     scale = 1.0 / math.sqrt(d)
     fwd = fwd_params(q, k, v, o, lse, dims, seq, (0, total_q), scale, mods)
-    launch_ws(kern, fwd, q, k, v, dims[:3], kern.grid(len(cu_q) - 1, hq, max_q))
+    launch_ws(kern, fwd, q, k, v, dims[:3], len(cu_q) - 1, hq, max_q, num_sms)
     return o, lse
 
 
@@ -409,6 +429,40 @@ def test_ws_varlen_without_lse_and_packed_map_rules(varlen_compiled):
         fwd = fwd_params(q, k, v, o, None, dims, seq, (0, 0), 1.0)
         with pytest.raises(ValueError, match="fwd_sm90_ws_kernel"):
             _tma.ws_params(fwd, q, k, v, *dims[:3], "bf16", kern)
+
+
+@pytest.mark.parametrize("hq,hkv,d,dtype,causal,kind,mods,extra", VARLEN_CASES[:6] + VARLEN_CASES[8:9],
+                         ids=VARLEN_IDS[:6] + VARLEN_IDS[8:9])
+@pytest.mark.parametrize("num_sms", [2, None], ids=lambda x: f"ctas{x or 'all'}")
+def test_ws_varlen_persistent(hq, hkv, d, dtype, causal, kind, mods, extra, num_sms):
+    """Packed sequences on the persistent kernel: items past a sequence's end are skipped by every role, the
+    empty sequence's items write O = 0 and lse = -inf between items with keys."""
+    lens_q, lens_k = varlen_lengths(("ws-persistent", hq, d, dtype, causal, kind))
+    seed = seed_of("ws-varlen-persistent", hq, hkv, d, dtype, causal, kind, sorted(mods.items()))
+    n = len(lens_q)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    q = make_packed(sum(lens_q), hq, d, dtype, kind, seed)
+    k = make_packed(sum(lens_k), hkv, d, dtype, kind, seed + 1)
+    v = make_packed(sum(lens_k), hkv, d, dtype, "contiguous" if kind == "transposed" else kind, seed + 2)
+    kw = mods_kwargs(mods, n, hq, seed)
+    m = library_mods(kw, causal, n, hq)
+    base = ws_kernel(d, dtype, m.causal, m.bits)
+    kern = config.FwdSm90WsConfig(base.head_dim, base.block_n, base.stages, dtype, base.causal, base.pingpong, base.mods,
+                                  persistent=True)
+    max_q, max_k = max(lens_q) + extra, max(lens_k) + extra
+    o, lse = run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k,
+                           _families.mod_params(m, 1.0 / math.sqrt(d), max(max_q, max_k)), num_sms=num_sms)
+    what = f"{kern} varlen lens_q={lens_q} lens_k={lens_k} H={hq}/{hkv} causal={causal} {kind} mods={mods}"
+    rk = ref_kwargs(kw, None)
+    q32, k32, v32 = (cp.asnumpy(_xpref.to_float32(x)) for x in (q, k, v))
+    cq, ck = cp.asnumpy(cu_q), cp.asnumpy(cu_k)
+    o64, lse64 = ref.attention_varlen_forward64(q32, k32, v32, cq, ck, causal, **rk)
+    o_lowp = ref.attention_varlen_lowp(q32, k32, v32, cq, ck, dtype, causal, **rk)
+    o32 = _xpref.to_float32(o)
+    check_rule("o", o32, cp.asarray(o64), cp.asarray(o_lowp), 2, what)
+    check_lse(lse, cp.asarray(lse64), what)
+    assert bool((lse[:, rows_of(cq, 2)] == -cp.inf).all()), f"sequence 2 has queries and no keys: lse -inf, {what}"
+    assert max_abs(o32[rows_of(cq, 2)]) == 0.0, f"sequence 2 has queries and no keys: o = 0, {what}"
 
 
 def _median_ms(launch, reps=20, warmup=5):

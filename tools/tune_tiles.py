@@ -9,6 +9,7 @@ FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TIL
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _compile, _families, _plan, config  # noqa: E402
+from cuflash import _compile, _families, _plan, bench, config  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -31,12 +32,14 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             192: [(128, 32, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
-# the warp-specialized forward (sm_90a): (block_n, stages, pingpong)
+# the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent])
 FWD_SM90_WS = {64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
-                    (192, 3, True), (256, 2, False), (256, 2, True)],
+                    (192, 3, True), (256, 2, False), (256, 2, True), (128, 2, True, True), (128, 2, False, True),
+                    (192, 2, False, True)],
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
-                     (192, 2, True)],
-               256: [(64, 2, False), (64, 2, True), (48, 3, False)]}
+                     (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
+                     (192, 2, False, True)],
+               256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
@@ -48,17 +51,9 @@ def rand(shape):
 
 
 def bench_ms(fn, reps=15):
-    for _ in range(2):
-        fn()
-    s, e = cp.cuda.Event(), cp.cuda.Event()
-    ts = []
-    for _ in range(reps):
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(s, e))
-    return float(np.median(ts))
+    """Median GPU time of fn() between CUDA events, the calls queued behind a hold kernel (cuflash.bench.median_ms),
+    so the host's launch cost does not fall between the events."""
+    return bench.median_ms(lambda i: fn(), 1, bench.CupyEvents(), reps, 2)
 
 
 def resources(cfg, arch):
@@ -66,9 +61,14 @@ def resources(cfg, arch):
     return f"regs={r['registers']} spill={r['spill_stores']}/{r['spill_loads']}"
 
 
+ONLY = None  # --only: a compiled regex on str(candidate)
+
+
 def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_cfg):
     """Time table[d] = each candidate (shipped first), restore the table, print one row each."""
     shipped = table[d]
+    if ONLY is not None:
+        candidates = [c for c in candidates if ONLY.search(str(c))]
     ref = None
     for cand in dict.fromkeys([shipped] + candidates):
         table[d] = cand
@@ -93,12 +93,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8192])
     ap.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 192, 256])
+    ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
+    ap.add_argument("--only", default=None, help="regex on the candidate tuple: time only the shipped tiles and these")
+    ap.add_argument("--no-backward", action="store_true", help="tune the forward only")
     args = ap.parse_args()
+    global ONLY
+    ONLY = re.compile(args.only) if args.only else None
     arch = _compile.device_arch()
     wgmma = config.uses_wgmma(arch)
     print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
     for d in args.head_dims:
-        for causal in (False, True):
+        for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
             for n in args.n:
                 b, h = 16384 // n, 2048 // d
                 q, k, v, do = (rand((b, n, h, d)) for _ in range(4))
@@ -125,7 +130,7 @@ def main() -> int:
                     elif d in config.FWD_SM90_TILES:
                         tune(config.FWD_SM90_TILES, FWD_SM90.get(d, []), d, "fwd", fwd, arch,
                              lambda: config.fwd_sm90_config(d, "bf16", causal))
-                    if d in config.BWD_SM90_TILES:
+                    if d in config.BWD_SM90_TILES and not args.no_backward:
                         tune(config.BWD_SM90_TILES, BWD_SM90.get(d, []), d, "bwd", bwd, arch,
                              lambda: config.bwd_sm90_config(d, "bf16", causal, False))
                 else:
