@@ -636,6 +636,35 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   }
 }
 
+// Thread 0 initializes the mbarriers (q_empty only when persistent); the caller syncs the CTA after it.
+template <class Tr>
+__device__ __forceinline__ void ws_init_barriers(const WsSmem<Tr>& sm) {
+  if (threadIdx.x != 0) return;
+  mbarrier_init(sm.q_full(), 1);
+  if (Tr::PERSISTENT) mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+#pragma unroll
+  for (int s = 0; s < Tr::STAGES; ++s) {
+    mbarrier_init(sm.k_full(s), 1);
+    mbarrier_init(sm.v_full(s), 1);
+    mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+    mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
+  }
+  fence_mbarrier_init();
+}
+
+// An item whose rows see no key (e.g. causal with seqlen_q > seqlen_k): O = 0, lse = -inf, written by THREADS
+// threads (tid: this thread's index among them).
+template <class Tr, int THREADS>
+__device__ __forceinline__ void ws_write_empty_rows(const FwdParams& f, int batch, int head, int out_row0, int rows_q,
+                                                    int tid) {
+  zero_tile_gmem<typename Tr::TileQ, THREADS>(
+      f.o + batch * f.o_batch_stride + static_cast<long long>(out_row0) * f.o_row_stride + head * f.o_head_stride,
+      f.o_row_stride, rows_q, f.head_dim, tid);
+  if (f.lse != nullptr)
+    for (int r = tid; r < rows_q; r += THREADS)
+      f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + out_row0 + r] = neg_inf();
+}
+
 template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __grid_constant__ FwdWsParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -670,28 +699,12 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
     tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
     const int n_tiles = n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
 
-    if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
-      const FwdParams& f = p.fwd;
-      zero_tile_gmem<typename Tr::TileQ, Tr::THREADS>(
-          f.o + batch * f.o_batch_stride + static_cast<long long>(out_row0) * f.o_row_stride + head * f.o_head_stride,
-          f.o_row_stride, rows_q, f.head_dim, threadIdx.x);
-      if (f.lse != nullptr)
-        for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
-          f.lse[batch * f.lse_batch_stride + head * f.lse_head_stride + out_row0 + r] = neg_inf();
+    if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key
+      ws_write_empty_rows<Tr, Tr::THREADS>(p.fwd, batch, head, out_row0, rows_q, threadIdx.x);
       return;
     }
 
-    if (threadIdx.x == 0) {
-      mbarrier_init(sm.q_full(), 1);
-  #pragma unroll
-      for (int s = 0; s < Tr::STAGES; ++s) {
-        mbarrier_init(sm.k_full(s), 1);
-        mbarrier_init(sm.v_full(s), 1);
-        mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
-        mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
-      }
-      fence_mbarrier_init();
-    }
+    ws_init_barriers<Tr>(sm);
     __syncthreads();
     WsPipe pipe;
 
@@ -714,18 +727,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
     // m_blocks * heads * batch (WsItem), so each role runs into the next item's loads (producer) and GEMMs
     // (consumers) without a new CTA's start, and the next item's Q, K and V load under this item's last key tile
     // and epilogue. Both roles derive the same items and skip the same ones.
-    if (threadIdx.x == 0) {
-      mbarrier_init(sm.q_full(), 1);
-      mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
-  #pragma unroll
-      for (int s = 0; s < Tr::STAGES; ++s) {
-        mbarrier_init(sm.k_full(s), 1);
-        mbarrier_init(sm.v_full(s), 1);
-        mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
-        mbarrier_init(sm.v_empty(s), Tr::CONSUMER_WARPS);
-      }
-      fence_mbarrier_init();
-    }
+    ws_init_barriers<Tr>(sm);
     __syncthreads();
 
     WsPipe pipe;
@@ -749,15 +751,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
         Item it;
         it.init(p.fwd, index, p.m_blocks);
         if (!it.live) continue;  // varlen: past this sequence's end
-        if (it.n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key: O = 0, lse = -inf
-          const FwdParams& f = p.fwd;
-          zero_tile_gmem<typename Tr::TileQ, Tr::CONSUMER_THREADS>(
-              f.o + it.batch * f.o_batch_stride + static_cast<long long>(it.out_row0) * f.o_row_stride +
-                  it.head * f.o_head_stride,
-              f.o_row_stride, it.rows_q, f.head_dim, threadIdx.x - 128);
-          if (f.lse != nullptr)
-            for (int r = threadIdx.x - 128; r < it.rows_q; r += Tr::CONSUMER_THREADS)
-              f.lse[it.batch * f.lse_batch_stride + it.head * f.lse_head_stride + it.out_row0 + r] = neg_inf();
+        if (it.n_tiles <= 0) {  // these rows see no key
+          ws_write_empty_rows<Tr, Tr::CONSUMER_THREADS>(p.fwd, it.batch, it.head, it.out_row0, it.rows_q,
+                                                        threadIdx.x - 128);
           continue;
         }
         fwd_sm90_ws_consumer<Tr, IS_CAUSAL, MODS>(p.fwd, sm, smem, it.band, it.row0, it.out_row0, it.rows_q, it.head,

@@ -10,6 +10,7 @@ sequences, GQA, causal and modifiers. Needs an sm_90 GPU (skipped elsewhere, lik
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from concurrent.futures import ThreadPoolExecutor
 
@@ -376,11 +377,16 @@ def varlen_compiled():
     warm({mod_case_kernel(d, dt, c, m, True) for _, _, d, dt, c, _, m, _ in VARLEN_CASES})
 
 
+@pytest.mark.parametrize("persistent,num_sms", [(False, None), (True, 2), (True, None)],
+                         ids=["one-item", "persistent-ctas2", "persistent-ctasall"])
 @pytest.mark.parametrize("hq,hkv,d,dtype,causal,kind,mods,extra", VARLEN_CASES, ids=VARLEN_IDS)
-def test_ws_varlen_matches_per_sequence_reference(varlen_compiled, hq, hkv, d, dtype, causal, kind, mods, extra):
+def test_ws_varlen_matches_per_sequence_reference(varlen_compiled, hq, hkv, d, dtype, causal, kind, mods, extra,
+                                                  persistent, num_sms):
     """8 packed sequences of random lengths up to 300 with the edge cases of test_gpu_gqa_varlen.varlen_lengths
     (an empty sequence, queries without keys, keys without queries, 1 x 1, 1 query over 255 keys): the rows of a
-    box past a sequence's end are the next sequence's, so a wrong mask or store shows up in a neighbour."""
+    box past a sequence's end are the next sequence's, so a wrong mask or store shows up in a neighbour. Also on
+    the persistent kernel (grids of 2 and of all SMs): items past a sequence's end are skipped by every role, the
+    empty sequence's items write O = 0 and lse = -inf between items with keys."""
     lens_q, lens_k = varlen_lengths(("ws", hq, d, dtype, causal, kind))
     seed = seed_of("ws-varlen", hq, hkv, d, dtype, causal, kind, sorted(mods.items()))
     n = len(lens_q)
@@ -390,10 +396,10 @@ def test_ws_varlen_matches_per_sequence_reference(varlen_compiled, hq, hkv, d, d
     v = make_packed(sum(lens_k), hkv, d, dtype, "contiguous" if kind == "transposed" else kind, seed + 2)
     kw = mods_kwargs(mods, n, hq, seed)
     m = library_mods(kw, causal, n, hq)
-    kern = ws_kernel(d, dtype, m.causal, m.bits)
+    kern = dataclasses.replace(ws_kernel(d, dtype, m.causal, m.bits), persistent=persistent)
     max_q, max_k = max(lens_q) + extra, max(lens_k) + extra
     o, lse = run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k,
-                           _families.mod_params(m, 1.0 / math.sqrt(d), max(max_q, max_k)))
+                           _families.mod_params(m, 1.0 / math.sqrt(d), max(max_q, max_k)), num_sms=num_sms)
     what = f"{kern} varlen lens_q={lens_q} lens_k={lens_k} H={hq}/{hkv} causal={causal} {kind} mods={mods}"
 
     masks = (philox.dropout_mask_varlen(lens_q, lens_k, hq, kw["dropout_p"], kw["seed"], kw["offset"])
@@ -429,40 +435,6 @@ def test_ws_varlen_without_lse_and_packed_map_rules(varlen_compiled):
         fwd = fwd_params(q, k, v, o, None, dims, seq, (0, 0), 1.0)
         with pytest.raises(ValueError, match="fwd_sm90_ws_kernel"):
             _tma.ws_params(fwd, q, k, v, *dims[:3], "bf16", kern)
-
-
-@pytest.mark.parametrize("hq,hkv,d,dtype,causal,kind,mods,extra", VARLEN_CASES[:6] + VARLEN_CASES[8:9],
-                         ids=VARLEN_IDS[:6] + VARLEN_IDS[8:9])
-@pytest.mark.parametrize("num_sms", [2, None], ids=lambda x: f"ctas{x or 'all'}")
-def test_ws_varlen_persistent(hq, hkv, d, dtype, causal, kind, mods, extra, num_sms):
-    """Packed sequences on the persistent kernel: items past a sequence's end are skipped by every role, the
-    empty sequence's items write O = 0 and lse = -inf between items with keys."""
-    lens_q, lens_k = varlen_lengths(("ws-persistent", hq, d, dtype, causal, kind))
-    seed = seed_of("ws-varlen-persistent", hq, hkv, d, dtype, causal, kind, sorted(mods.items()))
-    n = len(lens_q)
-    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
-    q = make_packed(sum(lens_q), hq, d, dtype, kind, seed)
-    k = make_packed(sum(lens_k), hkv, d, dtype, kind, seed + 1)
-    v = make_packed(sum(lens_k), hkv, d, dtype, "contiguous" if kind == "transposed" else kind, seed + 2)
-    kw = mods_kwargs(mods, n, hq, seed)
-    m = library_mods(kw, causal, n, hq)
-    base = ws_kernel(d, dtype, m.causal, m.bits)
-    kern = config.FwdSm90WsConfig(base.head_dim, base.block_n, base.stages, dtype, base.causal, base.pingpong, base.mods,
-                                  persistent=True)
-    max_q, max_k = max(lens_q) + extra, max(lens_k) + extra
-    o, lse = run_ws_varlen(kern, q, k, v, cu_q, cu_k, max_q, max_k,
-                           _families.mod_params(m, 1.0 / math.sqrt(d), max(max_q, max_k)), num_sms=num_sms)
-    what = f"{kern} varlen lens_q={lens_q} lens_k={lens_k} H={hq}/{hkv} causal={causal} {kind} mods={mods}"
-    rk = ref_kwargs(kw, None)
-    q32, k32, v32 = (cp.asnumpy(_xpref.to_float32(x)) for x in (q, k, v))
-    cq, ck = cp.asnumpy(cu_q), cp.asnumpy(cu_k)
-    o64, lse64 = ref.attention_varlen_forward64(q32, k32, v32, cq, ck, causal, **rk)
-    o_lowp = ref.attention_varlen_lowp(q32, k32, v32, cq, ck, dtype, causal, **rk)
-    o32 = _xpref.to_float32(o)
-    check_rule("o", o32, cp.asarray(o64), cp.asarray(o_lowp), 2, what)
-    check_lse(lse, cp.asarray(lse64), what)
-    assert bool((lse[:, rows_of(cq, 2)] == -cp.inf).all()), f"sequence 2 has queries and no keys: lse -inf, {what}"
-    assert max_abs(o32[rows_of(cq, 2)]) == 0.0, f"sequence 2 has queries and no keys: o = 0, {what}"
 
 
 def _median_ms(launch, reps=20, warmup=5):
