@@ -8,5 +8,6 @@
 #include "fwd_sm90_ws.cuh"
 #include "bwd_sm90.cuh"
 #include "bwd_sm90_ws.cuh"
+#include "fwd_sm90_fp8.cuh"
 #include "kvcache.cuh"
 #include "wide.cuh"

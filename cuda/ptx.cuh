@@ -9,9 +9,10 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-// Element-type tags. Storage is 16-bit; the tags select the mma / cvt variants.
+// Element-type tags. Storage is 16-bit (e4m3: 8-bit, the FP8 forward); the tags select the mma / cvt variants.
 struct f16 {};
 struct bf16 {};
+struct e4m3 {};
 
 // ---- shared-memory address -------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_u32(const void* p) {
@@ -44,6 +45,17 @@ __device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
 __device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
+}
+// ---- stmatrix (PTX ISA 9.7.14.5.16 "stmatrix", sm_90): the store counterpart of ldmatrix .x4: lanes 8m..8m+7
+// give the row addresses of matrix m, and each lane's r[m] lands at row lane/4, columns 2*(lane%4), +1 of it.
+// (compiled only for sm_90 and later: the same translation unit is also built for sm_80, where it traps)
+__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+#else
+  __trap();
+#endif
 }
 __device__ __forceinline__ void ldmatrix_x2(u32 (&r)[2], u32 addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0, %1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
@@ -110,6 +122,31 @@ struct Cvt<bf16> {
     return __uint_as_float(hi ? (pair & 0xffff0000u) : (pair << 16));
   }
 };
+
+// ---- cvt to e4m3 (PTX ISA 9.7.9.21 "cvt", sm_89+): four fp32 -> four e4m3 in one 32-bit word, round to nearest
+// even, saturated to +-448 (satfinite); x0 at the lowest byte. cvt.e4m3x2 puts its first source in the upper byte.
+// (compiled only for sm_89 and later: the same translation unit is also built for sm_80, where it traps)
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+  u32 r = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 lo, hi;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 lo, %2, %1;\n"
+      "cvt.rn.satfinite.e4m3x2.f32 hi, %4, %3;\n"
+      "mov.b32 %0, {lo, hi};\n}\n"
+      : "=r"(r)
+      : "f"(x0), "f"(x1), "f"(x2), "f"(x3));
+#else
+  __trap();
+#endif
+  return r;
+}
+
+// ---- prmt (PTX ISA 9.7.8.7 "prmt"): byte i of the result = byte (sel >> 4i) & 7 of the pair {b, a} (a: bytes 0-3)
+__device__ __forceinline__ u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
 
 // ---- TF32 and FP64 tensor-core mma (PTX ISA 9.7.14.5.14 "mma"): the float32 / float64 kernels (wide.cuh) ----
 // c += a b, m16n8k8 TF32 inputs (float32 bit patterns; the low 13 mantissa bits are ignored), fp32 accumulators: a (16 x 8) rows g, g+8 x columns t, t+4; b (8 x 8) rows t, t+4

@@ -1,0 +1,502 @@
+// fwd_sm90_fp8.cuh: the FP8 (e4m3) forward on sm_90a, FlashAttention-3's low-precision path (Shah et al. 2024,
+// section 3.3): S = Q K^T and O = P V on FP8 wgmma (m64nNk32), fp32 accumulators and softmax, O written in bf16
+// or fp16. The pipeline is fwd_sm90_ws.cuh's (TMA producer, two consumer warpgroups of 64 query rows, the softmax
+// of key tile i under the P V GEMM of tile i - 1), with what FP8 changes:
+//
+// * FP8 wgmma reads both operands K-major. Q and K are (rows, head_dim) with head_dim contiguous: K-major for
+//   S = Q K^T as they are. V is (keys, head_dim): for O = P V its k dimension (keys) is strided, so three producer
+//   warps transpose every V tile in shared memory into V^T (head_dim rows of BLOCK_N key bytes) before the consumers'
+//   P V GEMM reads it. No pass over V in global memory.
+// * P goes from the S accumulators to the A registers of the P V GEMM without a shuffle: thread (g, t) of a warp holds
+//   S columns 8j + 2t, 8j + 2t + 1 of n8 tile j, and an e4m3 A fragment wants k = 4t .. 4t + 3 in each 16-column
+//   half of a k32 step. Packing the thread's own columns {2t, 2t + 1, 8 + 2t, 9 + 2t} of a 16-key group as its
+//   k = 4t .. 4t + 3 permutes the keys of the group (fp8_key_of below); the transposer writes V^T in the same key
+//   order, so P V sums the same products.
+// * P = exp2(S * scale - m + 8) lies in [0, 256] instead of [0, 1], using e4m3's range (largest finite 448) so that
+//   probabilities down to 2^-17 of the row's largest stay representable (the e4m3 subnormals end at 2^-9); the row
+//   sum carries the same factor, so O / l is unchanged, and lse takes 8 ln 2 off.
+// * Descale factors: the real value of an element is e4m3 * descale, one float per (batch, head) or per block of 128
+//   rows of one (batch, head) (Descale). Q's and K's fold into the exp2 argument's scale per key tile; V's per tile
+//   is folded into O's per-tile rescale: O is kept in units of the current tile's V descale (O *= alpha *
+//   vd_{i-1} / vd_i before the P_i V_i GEMM) and multiplied by the last tile's at the end.
+//
+// One CTA = BLOCK_M = 128 query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest first);
+// causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head / kv_group), dense
+// and packed (varlen) sequences as in fwd_sm90_ws.cuh. No other score modifier.
+//
+// ---- shared memory (1-byte elements; each tile is 128-byte (64 at head_dim 64) swizzle panels, the layout of a
+// 16-bit SmemTile of half the width, so TMA's swizzled boxes and the wgmma descriptors of tiles.cuh apply) -----
+// [Q: 128 x HEAD_DIM] [K stages] [V stages] [V^T stages: HEAD_DIM x BLOCK_N] [mbarriers]
+//
+// ---- the barrier protocol ----------------------------------------------------------------------------------
+//   q_full                count 1 + tx: the producer's Q load
+//   k_full[s], v_full[s]  count 1 + tx: the producer's K / V loads of the tile in stage s
+//   k_empty[s]            count CONSUMER_WARPS: the consumers' S GEMM of stage s retired
+//   v_empty[s]            count TRANSPOSE_THREADS: the transposers have read V of stage s
+//   vt_full[s]            count TRANSPOSE_THREADS: V^T of stage s written (each thread fences its writes to the
+//                         async proxy, fence.proxy.async, before it arrives: wgmma reads V^T through that proxy)
+//   vt_empty[s]           count CONSUMER_WARPS: the consumers' P V GEMM of stage s retired
+// Key tile i uses stage i % STAGES with phase bit (i / STAGES) & 1 on every barrier of its stage. The producer
+// loads K_i after k_empty of tile i - STAGES and V_i after v_empty of tile i - STAGES; the transposers wait v_full of
+// tile i and vt_empty of tile i - STAGES; the consumers wait k_full for S_i and vt_full for P_{i-1} V_{i-1}. Every
+// wait is for a tile at least STAGES - 1 behind its waiter's, so no cycle forms for STAGES >= 2.
+#pragma once
+#include "fwd_sm90_ws.cuh"
+
+namespace cuflash {
+
+// One tensor's descale factors: the factor of (batch, head, block) (block: rows 128 block .. 128 block + 127 of
+// the sequence) is ptr[batch * batch_stride + head * head_stride + block * block_stride]; a stride of 0 broadcasts
+// (per-tensor: all three 0; per head: block_stride 0). Mirrored by cuflash/_tma.py:Descale.
+struct Descale {
+  const float* ptr;
+  int batch_stride, head_stride, block_stride, unused;
+  __device__ __forceinline__ float at(int batch, int head, int block) const {
+    return ptr[batch * batch_stride + head * head_stride + block * block_stride];
+  }
+};
+
+// Kernel argument of fwd_sm90_fp8_kernel (one `const __grid_constant__` struct, as FwdWsParams). The maps are of
+// uint8 (the e4m3 bits) over (head_dim, seqlen, heads, batch), boxes one swizzle panel wide. FwdParams gives o (bf16 or
+// fp16), lse, their strides, the sequences, heads, head_dim, scale_log2 and the window; its q, k, v are unused.
+struct FwdFp8Params {
+  TmaDesc tma_q;
+  TmaDesc tma_k;
+  TmaDesc tma_v;
+  FwdParams fwd;
+  Descale q_descale;  // per query head
+  Descale k_descale;  // per K/V head
+  Descale v_descale;  // per K/V head
+};
+static_assert(sizeof(Descale) == 24 && alignof(FwdFp8Params) == 64 && sizeof(FwdFp8Params) == 1024,
+              "FwdFp8Params is mirrored in cuflash/_tma.py (FwdFp8Params): maps at 0, 128, 256, FwdParams at 384, "
+              "descales at 904, 928, 952, 1024 bytes");
+
+// Rows of a quantization block: a descale's block index is row / QUANT_BLOCK_ROWS (cuflash.fp8.quantize's blocks).
+constexpr int QUANT_BLOCK_ROWS = 128;
+
+// The key (0..15) of a 16-key group whose P column a thread packs at A-fragment position k = 4t + i (p = k):
+// its own S columns 2t, 2t + 1, 8 + 2t, 9 + 2t. V^T holds key fp8_key_of(p) of each group at column p.
+__host__ __device__ constexpr int fp8_key_of(int p) {
+  return (p & 3) < 2 ? 2 * (p >> 2) + (p & 3) : 6 + 2 * (p >> 2) + (p & 3);
+}
+
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, class OutT_, bool PINGPONG_ = false, bool Q_IN_REGS_ = false>
+struct FwdFp8Traits {
+  using OutT = OutT_;                                 // f16 or bf16: O's type
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = 128;                 // query rows per CTA: 64 per consumer warpgroup
+  static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
+  static constexpr int STAGES = STAGES_;
+  static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
+  static constexpr bool Q_IN_REGS = Q_IN_REGS_;      // Q as the A registers of S = Q K^T (read from shared memory once)
+  static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
+  static constexpr int CONSUMERS = 2;
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
+  static constexpr int TRANSPOSE_THREADS = 96;        // producer warps 1-3; warp 0's lane 0 issues the TMA loads
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;
+  static constexpr int PRODUCER_REGS = 56;            // the TMA thread and the transposers (ldmatrix, prmt, stmatrix)
+  static constexpr int CONSUMER_REGS = 224;
+  static constexpr int N_TILES = BLOCK_N / 8;
+  static constexpr int D_TILES = HEAD_DIM / 8;
+  static constexpr int QK_K_STEPS = HEAD_DIM / 32;    // k32 steps of S = Q K^T
+  static constexpr int PV_K_STEPS = BLOCK_N / 32;     // k32 steps of O += P V
+
+  // byte tiles as 16-bit SmemTiles of half the columns: the same bytes, swizzle and descriptors
+  using TileQ = SmemTile<BLOCK_M, HEAD_DIM / 2>;
+  using TileKV = SmemTile<BLOCK_N, HEAD_DIM / 2>;
+  using TileVt = SmemTile<HEAD_DIM, BLOCK_N / 2>;
+  static constexpr int BOX_BYTES = TileQ::PANEL_BYTES;  // TMA box width: one swizzle panel
+  static constexpr int PANELS = HEAD_DIM / BOX_BYTES;
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int BARRIERS = 1 + 6 * STAGES;
+  static constexpr int OFF_Q = 0;
+  static constexpr int OFF_K = SMEM_Q;
+  static constexpr int OFF_V = OFF_K + STAGES * SMEM_KV;
+  static constexpr int OFF_VT = OFF_V + STAGES * SMEM_KV;
+  static constexpr int OFF_BAR = OFF_VT + STAGES * SMEM_KV;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py FwdSm90Fp8Config.smem_bytes
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "FP8 head dims: 64, 128, 256");
+  static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of 64 or 128 rows (the quantization block's divisors)");
+  static_assert(QUANT_BLOCK_ROWS % BLOCK_N == 0 && QUANT_BLOCK_ROWS == BLOCK_M, "a tile lies in one quantization block");
+  static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == BOX_BYTES, "V^T is V's bytes; K boxes as Q's");
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
+  static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+template <class Tr>
+struct Fp8Smem {
+  u32 base;
+  __device__ __forceinline__ u32 q() const { return base + Tr::OFF_Q; }
+  __device__ __forceinline__ u32 k(int s) const { return base + Tr::OFF_K + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 v(int s) const { return base + Tr::OFF_V + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 vt(int s) const { return base + Tr::OFF_VT + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
+  __device__ __forceinline__ u32 q_full() const { return bar(0); }
+  __device__ __forceinline__ u32 k_full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ u32 k_empty(int s) const { return bar(1 + Tr::STAGES + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return bar(1 + 2 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 v_empty(int s) const { return bar(1 + 3 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 vt_full(int s) const { return bar(1 + 4 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 vt_empty(int s) const { return bar(1 + 5 * Tr::STAGES + s); }
+};
+
+// V (BLOCK_N x HEAD_DIM bytes) -> V^T (HEAD_DIM x BLOCK_N bytes, keys permuted within 16-key groups by
+// fp8_key_of), by the three transposer warps (warp 0..2, lane). A unit is one 16-key group h and two 16-byte column
+// chunks c0, c0 + 1 of V, seen as 16-bit pairs of bytes: one ldmatrix.x4.trans (8 x 8 pair matrices: keys 0-7 and
+// 8-15 of chunk c0, then of c0 + 1) gives lane (j = lane / 4, t = lane % 4) the pairs of column j at keys 2t, 2t + 1
+// and 8 + 2t, 9 + 2t: two prmt make the 4 bytes of V^T rows 16 c + 2 j (even bytes) and 16 c + 2 j + 1 (odd) at
+// positions 4t .. 4t + 3 of the group, exactly fp8_key_of's order; one stmatrix.x4 writes the 16-byte rows. Each
+// stored matrix mixes 4 even and 4 odd rows (lanes with j < 4 give the even row of the first matrix, j >= 4 the
+// odd one) so its 8 rows fall in 8 distinct swizzled chunks: no bank conflict on either side.
+template <class Tr>
+__device__ __forceinline__ void fp8_transpose_v(u32 v_smem, u32 vt_smem, int warp, int lane) {
+  constexpr int PAIRS = Tr::HEAD_DIM / 32;  // pairs of 16-byte chunks in a V row
+  constexpr int UNITS = (Tr::BLOCK_N / 16) * PAIRS;
+  const int i = lane & 7, m = lane >> 3;
+  const bool odd_first = (lane >> 2) >= 4;  // this lane's row in stored matrices 0 and 2 is odd
+  for (int u = warp; u < UNITS; u += Tr::TRANSPOSE_THREADS / 32) {
+    const int h = u / PAIRS, c0 = 2 * (u % PAIRS);
+    u32 r[4];
+    ldmatrix_x4_trans(r, v_smem + Tr::TileKV::offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4))));
+    const u32 e0 = prmt(r[0], r[1], 0x6420), o0 = prmt(r[0], r[1], 0x7531);
+    const u32 e1 = prmt(r[2], r[3], 0x6420), o1 = prmt(r[2], r[3], 0x7531);
+    const int d = 16 * (c0 + (m >> 1)) + 2 * i + (((i >= 4) != ((m & 1) != 0)) ? 1 : 0);
+    stmatrix_x4(vt_smem + Tr::TileVt::offset(d, 8 * h), odd_first ? o0 : e0, odd_first ? e0 : o0, odd_first ? o1 : e1,
+                odd_first ? e1 : o1);
+  }
+}
+
+// The online softmax of one key tile for FP8 P (softmax_probs with the +8 offset): m_new = max(m, rowmax(S) *
+// scale_log2), l = l * alpha + rowsum(P), S overwritten by P = exp2(S * scale_log2 - m_new + 8); alpha = exp2(m -
+// m_new) for O's rescale.
+template <int N_TILES, int D_TILES>
+__device__ __forceinline__ void fp8_softmax_probs(OnlineSoftmax<1, N_TILES, D_TILES>& softmax,
+                                                  float (&s)[1][N_TILES][4], float scale_log2, float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_max = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+    const float m_new = fmaxf(softmax.row_max[0][h], quad_max(tile_max) * scale_log2);
+    const float m_use = (m_new == neg_inf()) ? 0.f : m_new;  // a row masked so far: exp2(-inf) = 0, not NaN
+    alpha[h] = ex2_approx(softmax.row_max[0][h] - m_use);
+    softmax.row_max[0][h] = m_new;
+    const float shift = 8.f - m_use;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 2 * h; c < 2 * h + 2; ++c) {
+        s[0][nt][c] = ex2_approx(fmaf(s[0][nt][c], scale_log2, shift));
+        sum += s[0][nt][c];
+      }
+    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + sum;
+  }
+}
+
+// P (fp32 S accumulators) -> e4m3 A registers of O += P V: k32 step kk covers n8 tiles 4kk .. 4kk + 3; a thread's
+// columns of tiles 4kk, 4kk + 1 are its k = 4t .. 4t + 3, those of 4kk + 2, 4kk + 3 its k = 16 + 4t .. (fp8_key_of).
+template <int N_TILES, int PV_K_STEPS>
+__device__ __forceinline__ void fp8_probs_to_regs(const float (&s)[1][N_TILES][4], u32 (&p_regs)[PV_K_STEPS][4]) {
+#pragma unroll
+  for (int kk = 0; kk < PV_K_STEPS; ++kk) {
+    p_regs[kk][0] = pack_e4m3x4(s[0][4 * kk][0], s[0][4 * kk][1], s[0][4 * kk + 1][0], s[0][4 * kk + 1][1]);
+    p_regs[kk][1] = pack_e4m3x4(s[0][4 * kk][2], s[0][4 * kk][3], s[0][4 * kk + 1][2], s[0][4 * kk + 1][3]);
+    p_regs[kk][2] = pack_e4m3x4(s[0][4 * kk + 2][0], s[0][4 * kk + 2][1], s[0][4 * kk + 3][0], s[0][4 * kk + 3][1]);
+    p_regs[kk][3] = pack_e4m3x4(s[0][4 * kk + 2][2], s[0][4 * kk + 2][3], s[0][4 * kk + 3][2], s[0][4 * kk + 3][3]);
+  }
+}
+
+// The TMA thread: Q, then K_i and V_i of the n_tiles key tiles from n_end - 1 down.
+template <class Tr>
+__device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp8Smem<Tr>& sm, const Seq& seq,
+                                                 int row0, int head, int batch, int n_end, int n_tiles) {
+  const int kv_head = head / p.fwd.seq.kv_group;
+  const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
+  const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
+  mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel)
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * Tr::BOX_BYTES, &p.tma_q, sm.q_full(),
+                                             panel * Tr::BOX_BYTES, seq.q_row0 + row0, head, q_batch);
+  int stage = 0;
+  u32 phase = 0;
+  for (int i = 0; i < n_tiles; ++i) {
+    const int key0 = seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N;
+    mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.k(stage) + panel * Tr::BLOCK_N * Tr::BOX_BYTES, &p.tma_k,
+                                               sm.k_full(stage), panel * Tr::BOX_BYTES, key0, kv_head, kv_batch);
+    mbarrier_wait_or_trap(sm.v_empty(stage), phase ^ 1);
+    mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(sm.v(stage) + panel * Tr::BLOCK_N * Tr::BOX_BYTES, &p.tma_v,
+                                               sm.v_full(stage), panel * Tr::BOX_BYTES, key0, kv_head, kv_batch);
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// The transposers (producer warps 1-3): V_i -> V^T_i for every key tile.
+template <class Tr>
+__device__ __forceinline__ void fwd_fp8_transposer(const Fp8Smem<Tr>& sm, int n_tiles, int warp, int lane) {
+  int stage = 0;
+  u32 phase = 0;
+  for (int i = 0; i < n_tiles; ++i) {
+    mbarrier_wait_or_trap(sm.v_full(stage), phase);
+    mbarrier_wait_or_trap(sm.vt_empty(stage), phase ^ 1);
+    fp8_transpose_v<Tr>(sm.v(stage), sm.vt(stage), warp, lane);
+    fence_proxy_async_shared();  // V^T's generic writes before the consumers' wgmma (async proxy) reads
+    mbarrier_arrive(sm.v_empty(stage));
+    mbarrier_arrive(sm.vt_full(stage));
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+}
+
+// Consumer warpgroup wg (0, 1): query rows row0 + 64 wg .. + 63.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp8Smem<Tr>& sm,
+                                                 const Band<IS_CAUSAL, HAS_WINDOW>& band, int m_block, int row0,
+                                                 int out_row0, int rows_q, int head, int batch, int n_end,
+                                                 int n_tiles) {
+  const int ctid = threadIdx.x - 128;
+  const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32;
+  const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
+  const u32 q_smem_wg = sm.q() + Tr::TileQ::offset(wg * 64, 0);
+  const int kv_head = head / p.fwd.seq.kv_group;
+  // the descales: Q's of this query block, K's and V's per key tile (read a tile ahead of their use)
+  const float scale_q = p.fwd.scale_log2 * p.q_descale.at(batch, head, m_block);
+  auto k_descale = [&](int n_block) { return p.k_descale.at(batch, kv_head, n_block * Tr::BLOCK_N / QUANT_BLOCK_ROWS); };
+  auto v_descale = [&](int n_block) { return p.v_descale.at(batch, kv_head, n_block * Tr::BLOCK_N / QUANT_BLOCK_ROWS); };
+
+  float o_acc[1][Tr::D_TILES][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o_acc[0][dt][c] = 0.f;
+  OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES> softmax;
+  softmax.init();
+  float s_acc[1][Tr::N_TILES][4];
+  u32 p_regs[Tr::PV_K_STEPS][4];
+  float alpha[2];
+
+  u32 q_regs[Tr::Q_IN_REGS ? Tr::QK_K_STEPS : 1][4];
+  auto issue_s = [&](u32 k_smem) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+      if (Tr::Q_IN_REGS)
+        Wgmma<Tr::BLOCK_N, e4m3>::rs(s_acc[0], q_regs[Tr::Q_IN_REGS ? kk : 0],
+                                     Tr::TileKV::desc_k_major(k_smem, 0, kk * 16), /*scale_d=*/kk > 0);
+      else
+        Wgmma<Tr::BLOCK_N, e4m3>::ss(s_acc[0], Tr::TileQ::desc_k_major(q_smem_wg, 0, kk * 16),
+                                     Tr::TileKV::desc_k_major(k_smem, 0, kk * 16), /*scale_d=*/kk > 0);
+    }
+    wgmma_commit_group();
+  };
+  auto issue_pv = [&](u32 vt_smem) {
+#pragma unroll
+    for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk)
+      Wgmma<Tr::HEAD_DIM, e4m3>::rs(o_acc[0], p_regs[kk], Tr::TileVt::desc_k_major(vt_smem, 0, kk * 16), /*scale_d=*/1);
+    wgmma_commit_group();
+  };
+  auto release = [&](u32 bar) {
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+  auto scores_to_probs = [&](int n_block, float scale_log2) {
+    const int key0 = n_block * Tr::BLOCK_N;
+    if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
+      apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
+    fp8_softmax_probs(softmax, s_acc, scale_log2, alpha);
+  };
+
+  // pingpong: consumer 0 issues first (consumer 1 gives it the first token); each consumer runs n_tiles + 1 rounds
+  // of GEMMs (S_0 | S_i with P_{i-1} V_{i-1} | P_last V_last) and passes the token after each but its last
+  // (consumer 1's last passes nothing), so every named barrier sees as many arrives as syncs (fwd_sm90_ws.cuh)
+  auto round_begin = [&]() {
+    if (Tr::PINGPONG) named_barrier_sync(Tr::PINGPONG_BAR + wg, 256);
+  };
+  auto round_end = [&](bool is_last) {
+    if (Tr::PINGPONG && !(is_last && wg == 1)) named_barrier_arrive(Tr::PINGPONG_BAR + 1 - wg, 256);
+  };
+  if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, 256);
+
+  mbarrier_wait_or_trap(sm.q_full(), 0);
+  if (Tr::Q_IN_REGS) {  // this warp's 16 rows of Q, k32 step by step: ldmatrix.x4 gives the e4m3 A fragment
+#pragma unroll
+    for (int kk = 0; kk < (Tr::Q_IN_REGS ? Tr::QK_K_STEPS : 0); ++kk)
+      ldmatrix_x4(q_regs[kk], sm.q() + Tr::TileQ::offset(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
+                                                         16 * kk + 8 * (lane >> 4)));
+  }
+  int stage = 0, n_block = n_end - 1;
+  u32 phase = 0;
+  float vd_prev = v_descale(n_block);  // O's units after the P V GEMM of the previous tile
+  {
+    const float kd = k_descale(n_block);
+    round_begin();
+    mbarrier_wait_or_trap(sm.k_full(stage), phase);
+    wgmma_fence();
+    issue_s(sm.k(stage));
+    round_end(/*is_last=*/false);
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(s_acc[0]);
+    release(sm.k_empty(stage));
+    scores_to_probs(n_block, scale_q * kd);
+    fp8_probs_to_regs(s_acc, p_regs);
+  }
+  int v_stage = stage;
+  u32 v_phase = phase;
+  if (++stage == Tr::STAGES) {
+    stage = 0;
+    phase ^= 1;
+  }
+  for (int i = 1; i < n_tiles; ++i) {
+    --n_block;
+    const float kd = k_descale(n_block), vd = v_descale(n_block);
+    round_begin();
+    mbarrier_try_wait_parity(sm.k_full(stage), phase);
+    wgmma_fence();
+    issue_s(sm.k(stage));
+    mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
+    issue_pv(sm.vt(v_stage));
+    round_end(/*is_last=*/false);
+
+    wgmma_wait_group<1>();  // S_i
+    wgmma_fence_operand(s_acc[0]);
+    release(sm.k_empty(stage));
+    scores_to_probs(n_block, scale_q * kd);
+
+    wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
+    wgmma_fence_operand(o_acc[0]);
+    release(sm.vt_empty(v_stage));
+    const float units = vd_prev / vd;  // O from tile i-1's V descale to tile i's
+    vd_prev = vd;
+    const float a0 = alpha[0] * units, a1 = alpha[1] * units;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt) {
+      o_acc[0][dt][0] *= a0;
+      o_acc[0][dt][1] *= a0;
+      o_acc[0][dt][2] *= a1;
+      o_acc[0][dt][3] *= a1;
+    }
+    fp8_probs_to_regs(s_acc, p_regs);
+    v_stage = stage;
+    v_phase = phase;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  round_begin();
+  mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
+  wgmma_fence();
+  issue_pv(sm.vt(v_stage));
+  round_end(/*is_last=*/true);
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(o_acc[0]);
+  release(sm.vt_empty(v_stage));
+
+  // epilogue: O = O' * vd / l (the last tile's V descale), lse without the +8 of P; straight from registers to
+  // global memory (4-byte stores of column pairs; rows past rows_q, e.g. the next packed sequence's, not stored)
+  float lse[1][2];
+  softmax.finalize(o_acc, lse);
+  scale_acc(o_acc, vd_prev);
+  const int g = lane >> 2, t = lane & 3;
+  using OutT = typename Tr::OutT;
+  u16* o_gmem = p.fwd.o + batch * p.fwd.o_batch_stride + static_cast<long long>(out_row0) * p.fwd.o_row_stride +
+                head * p.fwd.o_head_stride;
+  float* lse_gmem = p.fwd.lse + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + g + 8 * h;
+    if (row >= rows_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+      *reinterpret_cast<u32*>(o_gmem + row * p.fwd.o_row_stride + dt * 8 + 2 * t) =
+          Cvt<OutT>::pack(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
+    if (t == 0 && p.fwd.lse != nullptr) lse_gmem[row] = lse[0][h] - 8.f * LN2;  // -inf stays -inf
+  }
+}
+
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __grid_constant__ FwdFp8Params p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  unsigned char* smem = aligned.ptr;
+  const Fp8Smem<Tr> sm{aligned.base};
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.fwd.seq, batch);
+  const int row0 = m_block * Tr::BLOCK_M;
+  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+  const int out_row0 = seq.q_row0 + row0;
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                        HAS_WINDOW ? p.fwd.mods.window_right : 0};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  const int n_tiles = n_end - n_begin;
+  if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf
+    u16* o = p.fwd.o + batch * p.fwd.o_batch_stride + static_cast<long long>(out_row0) * p.fwd.o_row_stride +
+             head * p.fwd.o_head_stride;
+    for (int idx = threadIdx.x; idx < rows_q * (Tr::HEAD_DIM / 8); idx += Tr::THREADS)
+      *reinterpret_cast<uint4*>(o + (idx / (Tr::HEAD_DIM / 8)) * p.fwd.o_row_stride + (idx % (Tr::HEAD_DIM / 8)) * 8) =
+          make_uint4(0, 0, 0, 0);
+    if (p.fwd.lse != nullptr)
+      for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
+        p.fwd.lse[batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0 + r] = neg_inf();
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_full(), 1);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.k_full(s), 1);
+      mbarrier_init(sm.v_full(s), 1);
+      mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+      mbarrier_init(sm.v_empty(s), Tr::TRANSPOSE_THREADS);
+      mbarrier_init(sm.vt_full(s), Tr::TRANSPOSE_THREADS);
+      mbarrier_init(sm.vt_empty(s), Tr::CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      prefetch_tensormap(&p.tma_q);
+      prefetch_tensormap(&p.tma_k);
+      prefetch_tensormap(&p.tma_v);
+      fwd_fp8_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
+    } else if (threadIdx.x >= 32) {
+      fwd_fp8_transposer<Tr>(sm, n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31);
+    }
+  } else {
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    fwd_fp8_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, m_block, row0, out_row0, rows_q, head, batch, n_end,
+                                                n_tiles);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_fp8_kernel uses TMA and FP8 wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash
