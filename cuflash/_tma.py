@@ -28,7 +28,7 @@ from . import _launch, config
 
 # cuda.h: CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
 # CUtensorMapFloatOOBfill
-_DATA_TYPE = {"fp16": 6, "bf16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16
+_DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _UINT8 (e4m3 bits)
 _INTERLEAVE_NONE = 0
 _SWIZZLE = {0: 0, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_NONE, _64B, _128B
 _L2_PROMOTION_256B = 3
@@ -36,6 +36,7 @@ _OOB_FILL_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements 
 
 TENSOR_MAP_BYTES = 128
 ELEM_BYTES = 2
+_ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}  # bytes per element of each map dtype
 BOX_COLS = config.TMA_BOX_COLS
 
 
@@ -65,8 +66,29 @@ class BwdWsParams(ctypes.Structure):
                 ("_pad", ctypes.c_ubyte * (1152 - 4 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.BwdParams)))]
 
 
+class Descale(ctypes.Structure):
+    """Mirror of cuflash::Descale (cuda/fwd_sm90_fp8.cuh): one tensor's float32 descale factors, element (batch,
+    head, 128-row block) at ptr + batch * batch_stride + head * head_stride + block * block_stride (elements; 0
+    broadcasts)."""
+
+    _fields_ = [("ptr", ctypes.c_uint64), ("batch_stride", ctypes.c_int32), ("head_stride", ctypes.c_int32),
+                ("block_stride", ctypes.c_int32), ("unused", ctypes.c_int32)]
+
+
+class FwdFp8Params(ctypes.Structure):
+    """Mirror of cuflash::FwdFp8Params (cuda/fwd_sm90_fp8.cuh): the Q, K, V tensor maps (uint8) at 0, 128, 256,
+    FwdParams at 384, the q, k, v descales at 904, 928, 952; 1024 bytes in all."""
+
+    _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
+                ("q_descale", Descale), ("k_descale", Descale), ("v_descale", Descale),
+                ("_pad", ctypes.c_ubyte * (1024 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 3 * 24))]
+
+
 # The C++ side static_asserts the same layouts.
 assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 960 and ctypes.sizeof(BwdWsParams) == 1152
+assert ctypes.sizeof(Descale) == 24 and ctypes.sizeof(FwdFp8Params) == 1024
+assert (FwdFp8Params.fwd.offset, FwdFp8Params.q_descale.offset, FwdFp8Params.k_descale.offset,
+        FwdFp8Params.v_descale.offset) == (384, 904, 928, 952)
 assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset,
         FwdWsParams.m_blocks.offset, FwdWsParams.items.offset) == (0, 128, 256, 384, 904, 908)
 assert (BwdWsParams.tma_q.offset, BwdWsParams.tma_do.offset, BwdWsParams.tma_k.offset, BwdWsParams.tma_v.offset,
@@ -102,17 +124,18 @@ def _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle
         return f"dims {tuple(dims)} must be in 1..2^32"
     if any(s <= 0 or s % 16 or s >= 2**40 for s in byte_strides):
         return f"byte strides {tuple(byte_strides)} must be positive multiples of 16 below 2^40"
-    if any(not 1 <= b <= 256 for b in box) or (box[0] * ELEM_BYTES) % 16:
+    elem = _ELEM_BYTES[dtype]
+    if any(not 1 <= b <= 256 for b in box) or (box[0] * elem) % 16:
         return f"box {tuple(box)}: sizes 1..256, the first a multiple of 16 bytes"
     if swizzle not in _SWIZZLE:
         return f"swizzle={swizzle!r}; allowed: {tuple(_SWIZZLE)} (bytes)"
-    if swizzle and box[0] * ELEM_BYTES > swizzle:
+    if swizzle and box[0] * elem > swizzle:
         return f"box {tuple(box)}: a {swizzle}-byte swizzle takes at most {swizzle} bytes per box row"
     return None
 
 
 def encode_tiled(dtype: str, global_address: int, dims, byte_strides, box, swizzle: int = 128) -> bytes:
-    """The 128 bytes of a tiled CUtensorMap of 16-bit `dtype` ("fp16"/"bf16") elements at `global_address`:
+    """The 128 bytes of a tiled CUtensorMap of `dtype` ("fp16"/"bf16"; "fp8": bytes) elements at `global_address`:
     dims innermost first (elements), byte_strides of dims 1.. (dim 0 is contiguous), box sizes per dim; a `swizzle`
     of 128 or 64 bytes in shared memory (0: none), L2 promotion 256 bytes, out-of-bounds elements read as zeros."""
     problem = _encode_args_problem(dtype, global_address, dims, byte_strides, box, swizzle)
@@ -146,7 +169,8 @@ def operand_map(address: int, dims, dtype: str, box_rows: int, box_cols: int = B
     seqlen, heads, head_dim and batch_stride, row_stride, head_stride in elements. Its swizzle is the box row's
     bytes (`panel_swizzle`)."""
     sizes = (dims.head_dim, dims.seqlen, dims.heads, dims.batch)
-    strides = [dims.row_stride * ELEM_BYTES, dims.head_stride * ELEM_BYTES, dims.batch_stride * ELEM_BYTES]
+    elem = _ELEM_BYTES[dtype]
+    strides = [dims.row_stride * elem, dims.head_stride * elem, dims.batch_stride * elem]
     # a dimension of size 1 never steps: any valid stride describes it (CuPy may give such dims stride 0)
     for i, n in enumerate(sizes[1:]):
         if n == 1 and (strides[i] <= 0 or strides[i] % 16):
@@ -154,10 +178,10 @@ def operand_map(address: int, dims, dtype: str, box_rows: int, box_cols: int = B
     return address, sizes, tuple(strides), (box_cols, box_rows, 1, 1)
 
 
-def panel_swizzle(box_cols: int) -> int:
-    """The shared-memory swizzle (bytes) of a box one panel of `box_cols` 16-bit elements wide: 64 -> 128, 32 -> 64
-    (the kernels' SmemTile panels, cuda/tiles.cuh)."""
-    return box_cols * ELEM_BYTES
+def panel_swizzle(box_cols: int, dtype: str = "bf16") -> int:
+    """The shared-memory swizzle (bytes) of a box one panel of `box_cols` elements wide: 16-bit 64 -> 128, 32 -> 64
+    (the kernels' SmemTile panels, cuda/tiles.cuh); fp8 128 -> 128, 64 -> 64."""
+    return box_cols * _ELEM_BYTES[dtype]
 
 
 def tma_unsupported(x, dims, dtype: str, box_rows: int = 128, box_cols: int = BOX_COLS) -> str | None:
@@ -168,7 +192,7 @@ def tma_unsupported(x, dims, dtype: str, box_rows: int = 128, box_cols: int = BO
     if dims.head_dim % 8:
         return f"head_dim={dims.head_dim} is not a multiple of 8 (16-byte rows)"
     return _encode_args_problem(dtype, *operand_map(_pointer(x), dims, dtype, box_rows, box_cols),
-                                panel_swizzle(box_cols))
+                                panel_swizzle(box_cols, dtype))
 
 
 def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dtype: str,

@@ -375,14 +375,16 @@ def check_cu_seqlens(cu_q: ArrayInfo, cu_k: ArrayInfo) -> int:
 
 
 def check_varlen(q: ArrayInfo, k: ArrayInfo, v: ArrayInfo, cu_q: ArrayInfo, cu_k: ArrayInfo,
-                 max_seqlen_q, max_seqlen_k) -> VarlenDims:
+                 max_seqlen_q, max_seqlen_k, fp8: bool = False) -> VarlenDims:
     """Packed q (total_q, heads_q, head_dim), k and v (total_k, heads_kv, head_dim), cu_seqlens int32 (batch + 1,),
-    max_seqlen ints >= 0: metadata only (the values of cu_seqlens: `check_cu_seqlens_values`)."""
-    dtype = check_dtype(q, k, v)
+    max_seqlen ints >= 0: metadata only (the values of cu_seqlens: `check_cu_seqlens_values`). fp8: the arrays are
+    uint8 e4m3 bits (the caller checked their dtype; head dims are the FP8 kernel's to check)."""
+    dtype = "fp8" if fp8 else check_dtype(q, k, v)
     _packed(q, "total_q", "heads_q")
     _packed(k, "total_k", "heads_kv")
     _packed(v, "total_k", "heads_kv")
-    check_head_dim(q.shape[2], q.name)
+    if not fp8:
+        check_head_dim(q.shape[2], q.name)
     if k.shape[2] != q.shape[2]:
         raise ValueError(f"{k.name} has shape {k.shape} but {q.name} has {q.shape}: head_dim must match")
     if v.shape != k.shape:

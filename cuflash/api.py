@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from numbers import Integral
 
-from . import _families, _plan, _problem, _validate
+from . import _families, _fp8, _plan, _problem, _validate
 from ._plan import ARRAY, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
 
 # Calls with score modifiers are not planned: their values go the full path, which validates them.
@@ -35,7 +35,8 @@ _KVCACHE = Signature("attention_with_kvcache", (
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
                       softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-                      return_dropout_mask=False, precision=None):
+                      return_dropout_mask=False, precision=None, q_descale=None, k_descale=None, v_descale=None,
+                      out_dtype=None):
     """Fused attention forward, returning the output and the log-sum-exp of each query row.
 
     Args:
@@ -76,6 +77,13 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             takes causal and window of the score modifiers.
         The score is softmax_scale * q_i . k_j + bias_ij, then softcap, ALiBi, the masks (causal, window, mask,
         key_padding_mask), the softmax, dropout.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs only. FP8 (e4m3) attention takes q, k, v as CuPy
+            uint8 arrays of e4m3 bits (CuPy cannot hold float8 arrays; `cuflash.fp8.quantize` makes them) with
+            head_dim 64, 128 or 256, on an sm_90 GPU; element values are e4m3 * descale. Each descale is None (1.0),
+            a number > 0 or a CuPy float32 array of shape (), (batch, heads) or (batch, heads,
+            ceil(seqlen / 128)) (one factor per block of 128 rows), heads being the K/V heads for k_descale and
+            v_descale. out_dtype: o's dtype, bfloat16 (default) or float16; lse is float32. FP8 takes causal,
+            window and GQA; the other score modifiers, dropout and precision are refused.
 
     Returns:
         (o, lse), or (o, lse, dropout_mask) with return_dropout_mask: o like q (same dtype, layout and shape,
@@ -91,6 +99,10 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         >>> o.shape, lse.shape
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+                            key_padding_mask, dropout_p, return_dropout_mask, precision, q_descale, k_descale,
+                            v_descale, out_dtype, with_lse=True)
     key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                        key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
@@ -105,7 +117,8 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
               softcap=None, bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-              return_dropout_mask=False, precision=None):
+              return_dropout_mask=False, precision=None, q_descale=None, k_descale=None, v_descale=None,
+              out_dtype=None):
     """Fused attention: softmax(softmax_scale * q k^T [+ causal mask]) v, exact, O(N) extra memory.
 
     Same arguments as `attention_forward` (sliding window, ALiBi, softcap, bias, masks, dropout and precision included); returns
@@ -116,6 +129,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
+        return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+                            key_padding_mask, dropout_p, return_dropout_mask, precision, q_descale, k_descale,
+                            v_descale, out_dtype, with_lse=False)
     key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                          key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
     plan = _plan.plans.get(key)
@@ -131,6 +148,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
 def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
              return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None, precision=None):
     """The full path of attention / attention_forward: o without lse (the kernel then writes none)."""
+    if _fp8.is_fp8(q):  # FP8 calls are not planned: they always come here
+        return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
+                            key_padding_mask, dropout_p, return_dropout_mask, precision, None, None, None, None,
+                            with_lse=with_lse)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
                            offset, bias, mask, key_padding_mask, precision)
@@ -139,6 +160,17 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
     if with_lse:
         return (*out, *mask)
     return (out, *mask) if return_mask else out
+
+
+def _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask, key_padding_mask,
+                 dropout_p, return_dropout_mask, precision, q_descale, k_descale, v_descale, out_dtype, with_lse):
+    """attention / attention_forward on FP8 inputs (descales given, or q a uint8 array)."""
+    if not _fp8.is_fp8(q):
+        _fp8.refuse_descales(q_descale, k_descale, v_descale, out_dtype)
+    refused = dict(alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
+                   dropout_p=dropout_p, return_dropout_mask=return_dropout_mask, precision=precision)
+    return _fp8.attention(q, k, v, causal, softmax_scale, layout, window, q_descale, k_descale, v_descale, out_dtype,
+                          refused, with_lse)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
@@ -201,7 +233,8 @@ def _dbias_array(dbias):
 def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                              softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None,
                              bias=None, mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0,
-                             return_dropout_mask=False, precision=None):
+                             return_dropout_mask=False, precision=None, q_descale=None, k_descale=None,
+                             v_descale=None, out_dtype=None):
     """Fused attention over a batch of sequences of different lengths, packed without padding.
 
     Args:
@@ -225,6 +258,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
             (len_q(b), len_k(b)) corner of its (batch, head) slice.
         return_dropout_mask: also return a list of one bool (heads, len_q(b), len_k(b)) keep mask per sequence.
         precision: float32 inputs: None / "fp32" or "tf32", as in `attention_forward`.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs (uint8 e4m3 bits), as in `attention_forward`;
+            per-block descales are (batch, heads, ceil(max_seqlen / 128)), blocks counted within each sequence.
 
     Returns:
         (o, lse) (and the masks): o (total_q, heads, head_dim) like q; lse float32 (float64 for float64 inputs)
@@ -237,6 +272,16 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         >>> q = cp.random.randn(357, 8, 64).astype(cp.float16)
         >>> o, lse = cuflash.attention_varlen_forward(q, q, q, cu, cu, 257, 257, causal=True)
     """
+    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None or \
+            _fp8.is_fp8(q):
+        if not _fp8.is_fp8(q):
+            _fp8.refuse_descales(q_descale, k_descale, v_descale, out_dtype)
+        refused = dict(alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask,
+                       key_padding_mask=key_padding_mask, dropout_p=dropout_p, return_dropout_mask=return_dropout_mask,
+                       precision=precision)
+        return _fp8.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale, check_inputs, window, q_descale, k_descale, v_descale, out_dtype,
+                                     refused, with_lse=True)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -251,7 +296,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, check_inputs=True, window=None, alibi_slopes=None, softcap=None, bias=None,
                      mask=None, key_padding_mask=None, dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False,
-                     precision=None):
+                     precision=None, q_descale=None, k_descale=None, v_descale=None, out_dtype=None):
     """`attention_varlen_forward` returning only o (total_q, heads, head_dim) (and the dropout masks with
     return_dropout_mask).
 
@@ -264,7 +309,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                    softmax_scale=softmax_scale, check_inputs=check_inputs, window=window,
                                    alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask,
                                    key_padding_mask=key_padding_mask, dropout_p=dropout_p, seed=seed, offset=offset,
-                                   return_dropout_mask=return_dropout_mask, precision=precision)
+                                   return_dropout_mask=return_dropout_mask, precision=precision, q_descale=q_descale,
+                                   k_descale=k_descale, v_descale=v_descale, out_dtype=out_dtype)
     return (out[0], out[2]) if return_dropout_mask else out[0]
 
 

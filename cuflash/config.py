@@ -270,6 +270,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
+        out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
+                for c, w in ((False, False), (True, False), (False, True))]
     out += [c for c in all_wide_configs() if isinstance(c, FwdWideConfig)]
     return out
 
@@ -449,6 +451,81 @@ FWD_SM90_WS_TILES_CAUSAL = {
     256: (64, 2, False),
 }
 
+
+
+@dataclass(frozen=True)
+class FwdSm90Fp8Config:
+    """One FP8 (e4m3) Hopper forward instantiation:
+    `fwd_sm90_fp8_kernel<FwdFp8Traits<HEAD_DIM, BLOCK_N, STAGES, OutT>, IS_CAUSAL, HAS_WINDOW>` (cuda/fwd_sm90_fp8.cuh):
+    a producer warpgroup (one TMA thread, three warps transposing V) and two consumer warpgroups of 64 query rows
+    (BLOCK_M = 128, 384 threads, 1 CTA per SM). dtype: the output's ("bf16" or "fp16"); window: a sliding window."""
+
+    head_dim: int
+    block_n: int
+    stages: int
+    dtype: str
+    causal: bool
+    window: bool = False
+    pingpong: bool = False  # order the two consumers' GEMMs through named barriers
+    q_in_regs: bool = False  # Q as the A registers of S = Q K^T (read from shared memory once)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} (the output's); allowed: {DTYPES}")
+        if self.head_dim not in FWD_SM90_FP8_TILES:
+            raise ValueError(f"head_dim={self.head_dim} is not supported by the FP8 forward; supported: "
+                             f"{', '.join(map(str, FWD_SM90_FP8_TILES))}")
+        if self.block_n not in (64, 128) or not 2 <= self.stages <= 4:
+            raise ValueError(f"block_n={self.block_n}, stages={self.stages}: block_n 64 or 128, 2-4 stages")
+        if self.causal and self.window:
+            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+
+    block_m = 128
+
+    @property
+    def threads(self) -> int:
+        return 384
+
+    @property
+    def box_bytes(self) -> int:
+        """TMA box width in bytes (one swizzle panel): 128, or 64 at head dim 64."""
+        return 128 if self.head_dim >= 128 else 64
+
+    @property
+    def smem_bytes(self) -> int:
+        """FwdFp8Traits::SMEM_BYTES: Q, the K, V and V^T stages (1-byte elements), 1 + 6 * stages mbarriers, and 1024
+        bytes to round the base up to the swizzle period."""
+        kv = self.block_n * self.head_dim
+        return self.block_m * self.head_dim + 3 * self.stages * kv + 8 * (1 + 6 * self.stages) + 1024
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = "true" if self.pingpong else "false"
+        extra = f", {b}, true" if self.q_in_regs else f", {b}" if self.pingpong else ""
+        return (f"cuflash::fwd_sm90_fp8_kernel<cuflash::FwdFp8Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
+                f"{t}{extra}>, {'true' if self.causal else 'false'}, {'true' if self.window else 'false'}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs). Key tiles divide the 128-row quantization
+# blocks of cuflash.fp8.quantize; D 256 takes 64-key tiles (with 128 the consumers spilled 144 bytes, NVRTC 13.5).
+# Measured on an H100 (FA shapes, N 1k / 4k / 16k, non-causal, TFLOP/s, 2026-11-26): D 128 (128, 2) with pingpong
+# 558 / 693 / 731 against 542 / 686 / 706 without, 536 / 711 / 732 with 3 stages; D 256 (64, 4) with pingpong 541 /
+# 690 / 751 against 540 / 689 / 743 with 3 stages, 539 / 702 / 748 with 2; D 64 (128, 2) with pingpong 361 / 441 /
+# 473 against 359 / 429 / 471 without, and with Q in registers 368 / 440 / 489 against 362 / 438 / 477 (causal 16k
+# 491 against 463); Q in registers spills 16 bytes at D 128 and 128 at D 256.
+FWD_SM90_FP8_TILES = {
+    64: (128, 2, True, True),
+    128: (128, 2, True, False),
+    256: (64, 4, True, False),
+}
+
+
+def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> FwdSm90Fp8Config:
+    bn, stages, pingpong, q_in_regs = FWD_SM90_FP8_TILES[head_dim]
+    return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs)
 
 # Head dims whose 32-column panels the TMA kernel does not take (a 64-byte swizzle) run on the next TMA kernel, the
 # extra columns zero-filled by TMA: measured on an H100 against fwd_sm90_kernel at the head dim itself (bf16, FA
@@ -1072,6 +1149,8 @@ FAMILIES = (
     Family("bwd_wide_fp64", "backward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
+    Family("fwd_sm90_fp8", "forward_fp8", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_FP8_TILES if not mods & ~MOD_WINDOW
+           else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c, m)),
 )

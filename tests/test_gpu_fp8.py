@@ -1,0 +1,230 @@
+"""FP8 (e4m3) attention forward (fwd_sm90_fp8_kernel, through cuflash.attention and attention_forward) against the
+float64 reference on the dequantized inputs (e4m3 value * descale).
+
+The pass rule of the other dtypes, with the low-precision computation being FP8's: beyond its inputs, the kernel
+rounds P to e4m3 before the P V product (and O to the output dtype). `emulate` does that one rounding in float64
+(P = exp(S - m) * 256 rounded to e4m3, O = P_e4m3 V / l); the kernel must stay within twice its error plus the output
+rounding. Inputs are random e4m3 bit patterns drawn here (through ml_dtypes), with random descale factors of every
+accepted shape, so these tests do not depend on cuflash.fp8's quantizer. Needs an sm_90 GPU.
+
+    python -m pytest -m gpu tests/test_gpu_fp8.py -q
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cuflash
+from cuflash import _compile
+from cuflash import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+from gpu_helpers import check_lse, max_abs, poison_pool, seed_of  # noqa: E402
+
+E4M3 = ml_dtypes.float8_e4m3fn
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper_only():
+    if _compile.device_arch() != "sm_90a":
+        pytest.skip("fwd_sm90_fp8_kernel needs an sm_90 GPU (TMA, FP8 wgmma)")
+
+
+def e4m3_bits(shape, seed: int, scale: float = 1.0):
+    """(uint8 e4m3 bits, their float64 values) of standard-normal * scale draws."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32) * np.float32(scale)
+    bits = x.astype(E4M3).view(np.uint8)
+    return bits, bits.view(E4M3).astype(np.float64)
+
+
+def descale_arg(kind: str, b: int, h: int, s: int, seed: int):
+    """A descale argument of `kind` and its float64 factors per (b, h, block)."""
+    rng = np.random.default_rng(seed)
+    blocks = math.ceil(s / 128)
+    if kind == "none":
+        return None, np.ones((1, 1, 1))
+    if kind == "number":
+        return 0.375, np.full((1, 1, 1), 0.375)
+    if kind == "tensor":
+        a = np.float32(rng.uniform(0.25, 2.0))
+        return cp.asarray(a), np.full((1, 1, 1), float(a))
+    if kind == "head":
+        a = rng.uniform(0.25, 2.0, (b, h)).astype(np.float32)
+        return cp.asarray(a), a[:, :, None].astype(np.float64)
+    a = rng.uniform(0.25, 2.0, (b, h, blocks)).astype(np.float32)  # "block"
+    return cp.asarray(a), a.astype(np.float64)
+
+
+def dequantize(values, factors, s: int):
+    """(B, S, H, D) float64 values times their (B, H, block) factors."""
+    blocks = np.arange(s) // 128
+    f = np.broadcast_to(factors, (values.shape[0], values.shape[2], factors.shape[2]))
+    f = f[:, :, np.minimum(blocks, f.shape[2] - 1)] if f.shape[2] > 1 else np.broadcast_to(f, f.shape[:2] + (s,))
+    return values * np.transpose(f, (0, 2, 1))[..., None]
+
+
+def emulate(q, k, v, causal, window, scale):
+    """The kernel's one FP8 rounding in float64: P = exp(S - m) * 256 rounded to e4m3, O = P V / sum(P)."""
+    k, v = ref.repeat_kv(k, q.shape[2]), ref.repeat_kv(v, q.shape[2])
+    s, _ = ref._logits64(q, k, scale, causal, window, None, None)
+    m = s.max(axis=-1, keepdims=True)
+    m = np.where(np.isfinite(m), m, 0.0)
+    p = np.exp(s - m) * 256.0
+    l = p.sum(axis=-1, keepdims=True)
+    p8 = p.astype(np.float32).astype(E4M3).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        o = np.einsum("bhij,bjhd->bihd", p8, v) / np.transpose(np.where(l > 0, l, 1.0), (0, 2, 1, 3))
+    return o
+
+
+def to_layout(x, layout):
+    return x if layout == "bshd" else np.ascontiguousarray(np.transpose(x, (0, 2, 1, 3)))
+
+
+def from_layout(x, layout):
+    return x if layout == "bshd" else np.transpose(x, (0, 2, 1, 3))
+
+
+CASES = [
+    # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling)
+    (128, 113, 203, 4, 4, False, None, "bshd", "none"),
+    (128, 256, 512, 4, 2, True, None, "bshd", "head"),
+    (128, 512, 256, 2, 2, True, None, "bhsd", "block"),
+    (128, 1023, 1024, 2, 1, False, None, "bshd", "block"),
+    (128, 1, 239, 4, 4, False, None, "bshd", "tensor"),
+    (128, 300, 300, 2, 2, False, (64, 32), "bshd", "block"),
+    (128, 384, 700, 2, 2, True, (200, -1), "bhsd", "number"),
+    (64, 128, 217, 4, 4, False, None, "bshd", "head"),
+    (64, 1024, 1023, 2, 2, True, None, "bshd", "block"),
+    (64, 257, 515, 4, 2, False, (100, 100), "bhsd", "block"),
+    (256, 113, 203, 2, 2, False, None, "bshd", "block"),
+    (256, 512, 1024, 2, 1, True, None, "bshd", "head"),
+    (256, 1000, 1000, 2, 2, False, None, "bhsd", "tensor"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+@pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
+def test_fp8_forward_matches_reference(case, out_dtype):
+    d, sq, sk, h, hkv, causal, window, layout, scaling = case
+    b = 2
+    seed = seed_of("fp8", case, out_dtype)
+    (qb, qv), (kb, kv), (vb, vv) = (e4m3_bits((b, s, n, d), seed + i) for i, (s, n) in
+                                    enumerate(((sq, h), (sk, hkv), (sk, hkv))))
+    (qd, qf), (kd, kf), (vd, vf) = (descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in
+                                    enumerate(((sq, h), (sk, hkv), (sk, hkv))))
+    q64, k64, v64 = dequantize(qv, qf, sq), dequantize(kv, kf, sk), dequantize(vv, vf, sk)
+    scale = 1.0 / math.sqrt(d)
+    o64, lse64 = ref.attention_forward64(q64, k64, v64, causal, scale, window=window)
+    emul = emulate(q64, k64, v64, causal, window, scale)
+    q, k, v = (cp.asarray(to_layout(x, layout)) for x in (qb, kb, vb))
+    before = [x.copy() for x in (q, k, v)]
+    poison_pool(2 * b * sq * h * d * 2 + 4 * b * h * sq + (1 << 16))
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal, window=window, layout=layout, q_descale=qd,
+                                       k_descale=kd, v_descale=vd, out_dtype=out_dtype)
+    want_dtype = np.float16 if out_dtype == "fp16" else np.dtype(ml_dtypes.bfloat16)
+    assert o.dtype == want_dtype and o.shape == q.shape and lse.shape == (b, h, sq)
+    got = from_layout(cp.asnumpy(o).astype(np.float64), layout)
+    assert not np.isnan(got).any(), f"o has NaN (unwritten?) for {case}"
+    err = float(np.abs(got - o64).max())
+    emul_err = float(np.abs(emul - o64).max())
+    out_round = (2.0 ** -8 if out_dtype == "bf16" else 2.0 ** -11) * float(np.abs(o64).max())
+    bound = 2.0 * emul_err + out_round + 1e-5
+    assert err <= bound, f"o mismatch for {case}: {err:.3e} > {bound:.3e} (emulated FP8 error {emul_err:.3e})"
+    check_lse(lse, cp.asarray(lse64), str(case), atol=1e-2)
+    # o alone from attention(); the inputs are untouched
+    o2 = cuflash.attention(q, k, v, causal=causal, window=window, layout=layout, q_descale=qd, k_descale=kd,
+                           v_descale=vd, out_dtype=out_dtype)
+    assert bool((o2.view(cp.uint16) == o.view(cp.uint16)).all()), "attention and attention_forward differ"
+    for x, y in zip((q, k, v), before):
+        assert bool((x == y).all()), "an input was modified"
+
+
+def test_fp8_strided_views_and_copies():
+    """Inputs that are views: a head slice (TMA reads it in place) and an odd row stride (copied first)."""
+    b, s, h, d = 2, 300, 4, 128
+    bits, vals = e4m3_bits((b, s, 2 * h, d + 16), 7)
+    full = cp.asarray(bits)
+    q = full[:, :, :h, :d]  # strides (s * 2h * (d+16), 2h * (d+16), d+16) bytes: multiples of 16: in place
+    k = full[:, :, h:, :d]
+    odd, odd_vals = e4m3_bits((b, s, h, d + 3), 8)
+    v = cp.asarray(odd)[..., :d]  # row stride d + 3 bytes: not TMA-readable, copied
+    o64, lse64 = ref.attention_forward64(vals[:, :, :h, :d], vals[:, :, h:, :d], odd_vals[..., :d], False)
+    o, lse = cuflash.attention_forward(q, k, v)
+    err = max_abs(o.astype(cp.float32) - cp.asarray(o64))
+    emul = emulate(vals[:, :, :h, :d], vals[:, :, h:, :d], odd_vals[..., :d], False, None, 1 / math.sqrt(d))
+    bound = 2 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max())
+    assert err <= bound, f"strided FP8 inputs: {err:.3e} > {bound:.3e}"
+    check_lse(lse, cp.asarray(lse64), "strided", atol=1e-2)
+
+
+def test_fp8_bad_inputs_raise_before_launch():
+    b, s, h, d = 1, 64, 2, 128
+    q = cp.zeros((b, s, h, d), dtype=cp.uint8)
+    bf = cp.zeros((b, s, h, d), dtype=ml_dtypes.bfloat16)
+    with pytest.raises(TypeError, match=r"k.dtype=bfloat16: FP8 attention takes q, k and v as CuPy uint8"):
+        cuflash.attention(q, bf, q)
+    with pytest.raises(ValueError, match=r"q_descale applies to FP8 inputs only"):
+        cuflash.attention(bf, bf, bf, q_descale=1.0)
+    with pytest.raises(ValueError, match=r"softcap=30.0 is not supported with FP8 inputs"):
+        cuflash.attention(q, q, q, softcap=30.0)
+    with pytest.raises(ValueError, match=r"dropout_p=0.1 is not supported with FP8 inputs"):
+        cuflash.attention(q, q, q, dropout_p=0.1, seed=1)
+    with pytest.raises(ValueError, match=r"head_dim=96 \(last dim of q\) is not supported for FP8"):
+        x = cp.zeros((b, s, h, 96), dtype=cp.uint8)
+        cuflash.attention(x, x, x)
+    with pytest.raises(ValueError, match=r"k_descale has shape \(1, 3\); allowed"):
+        cuflash.attention(q, q, q, k_descale=cp.ones((1, 3), dtype=cp.float32))
+    with pytest.raises(ValueError, match=r"q_descale has shape \(1, 2, 2\); allowed"):  # blocks: ceil(64 / 128) = 1
+        cuflash.attention(q, q, q, q_descale=cp.ones((1, 2, 2), dtype=cp.float32))
+    with pytest.raises(TypeError, match=r"v_descale.dtype=float64 is not supported"):
+        cuflash.attention(q, q, q, v_descale=cp.ones((1, 2), dtype=cp.float64))
+    with pytest.raises(ValueError, match=r"q_descale=-1.0 must be finite and > 0"):
+        cuflash.attention(q, q, q, q_descale=-1.0)
+    with pytest.raises(ValueError, match=r"out_dtype='float32' is not supported for FP8"):
+        cuflash.attention(q, q, q, out_dtype="float32")
+    with pytest.raises(ValueError, match=r"precision='tf32' is not supported with FP8"):
+        cuflash.attention(q, q, q, precision="tf32")
+    assert int(q.sum()) == 0 and float(bf.astype(cp.float32).sum()) == 0.0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_fp8_varlen_matches_per_sequence_reference(d, causal):
+    """Packed sequences (one empty, lengths off the 128-row blocks, q shorter and longer than k), GQA, per-block
+    descales counted within each sequence: each sequence against the dense float64 reference of its own rows."""
+    lens_q, lens_k = [130, 0, 257, 1, 300], [200, 5, 129, 64, 300]
+    h, hkv = 4, 2
+    cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    mq, mk, b = max(lens_q), max(lens_k), len(lens_q)
+    seed = seed_of("fp8 varlen", d, causal)
+    (qb, qv), (kb, kv), (vb, vv) = (e4m3_bits((int(c[-1]), n, d), seed + i) for i, (c, n) in
+                                    enumerate(((cq, h), (ck, hkv), (ck, hkv))))
+    (qd, qf), (kd, kf), (vd, vf) = (descale_arg("block", b, n, s, seed + 10 + i) for i, (s, n) in
+                                    enumerate(((mq, h), (mk, hkv), (mk, hkv))))
+    cu_q, cu_k = cp.asarray(cq, dtype=cp.int32), cp.asarray(ck, dtype=cp.int32)
+    poison_pool(2 * int(cq[-1]) * h * d * 2 + 4 * h * int(cq[-1]) + (1 << 16))
+    o, lse = cuflash.attention_varlen_forward(cp.asarray(qb), cp.asarray(kb), cp.asarray(vb), cu_q, cu_k, mq, mk,
+                                              causal=causal, q_descale=qd, k_descale=kd, v_descale=vd)
+    assert o.shape == (int(cq[-1]), h, d) and lse.shape == (h, int(cq[-1]))
+    o_host, lse_host = cp.asnumpy(o).astype(np.float64), cp.asnumpy(lse)
+    for s in range(b):
+        if lens_q[s] == 0:
+            continue
+        rq, rk = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        q64 = dequantize(qv[None, rq], qf[s:s + 1], lens_q[s])
+        k64 = dequantize(kv[None, rk], kf[s:s + 1], lens_k[s])
+        v64 = dequantize(vv[None, rk], vf[s:s + 1], lens_k[s])
+        o64, lse64 = ref.attention_forward64(q64, k64, v64, causal)
+        emul = emulate(q64, k64, v64, causal, None, 1 / math.sqrt(d))
+        got = o_host[None, rq]
+        assert not np.isnan(got).any(), f"o has NaN in sequence {s}"
+        err = float(np.abs(got - o64).max())
+        bound = 2.0 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max()) + 1e-5
+        assert err <= bound, f"sequence {s} (d={d}, causal={causal}): {err:.3e} > {bound:.3e}"
+        check_lse(cp.asarray(lse_host[:, rq][None]), cp.asarray(lse64), f"sequence {s}", atol=1e-2)
