@@ -1798,6 +1798,65 @@ def run_bias(args, torch, cuflash) -> list:
 
 # --- command line -------------------------------------------------------------------------------------
 
+# --- --fp8: the FP8 forward against the bf16 one -------------------------------------------------------------
+
+@dataclass
+class Fp8Record:
+    head_dim: int
+    seqlen: int
+    causal: bool
+    batch: int
+    heads: int
+    method: str  # "bf16" (cuflash's bf16 forward) | "fp8" (cuflash's FP8 forward, 128-row block descales)
+    ms: float
+    tflops: float
+
+
+def run_fp8(args, cuflash) -> list:
+    """Each FA shape (batch = 16384 // N, heads = 2048 // D), causal as --causal: cuflash.attention on bf16 inputs,
+    then on the same values quantized to e4m3 with 128-row block scaling (cuflash.fp8.quantize), in the same run;
+    fresh input sets rotate as in the default mode. TFLOP/s count 4 * B * H * D * (visible pairs)."""
+    import cupy as cp
+
+    from . import fp8
+
+    causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    events, records = CupyEvents(), []
+    for d, causal, n in itertools.product(args.head_dim, causals, args.seqlen):
+        b, h = max(1, TOKENS // n), 2048 // d
+        n_sets = n_input_sets(3 * b * n * h * d * 2)
+        rng = cp.random.RandomState(n + d)
+        bf = [tuple(random_array(rng, (b, n, h, d), "bf16") for _ in range(3)) for _ in range(n_sets)]
+        f8 = [tuple(y for x in s for y in fp8.quantize(x, scaling="block")) for s in bf]  # (q8, qd, k8, kd, v8, vd)
+        flops = 4.0 * b * h * d * visible_pairs(n, n, causal, None)
+        calls = {"bf16": lambda i: cuflash.attention(*bf[i], causal=causal),
+                 "fp8": lambda i: cuflash.attention(f8[i][0], f8[i][2], f8[i][4], causal=causal, q_descale=f8[i][1],
+                                                    k_descale=f8[i][3], v_descale=f8[i][5])}
+        line = []
+        for method, call in calls.items():
+            ms = median_ms(call, n_sets, events, args.reps, args.warmup)
+            records.append(Fp8Record(d, n, causal, b, h, method, ms, flops / ms / 1e9))
+            line.append(f"{method} {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s")
+        print(f"D {d} N {n} causal {causal}: " + ", ".join(line), flush=True)
+        bf.clear()
+        f8.clear()
+        cp.get_default_memory_pool().free_all_blocks()
+    print_fp8_table(records)
+    return records
+
+
+def print_fp8_table(records: list) -> None:
+    print("\n| D | N | causal | bf16 ms | bf16 TFLOP/s | FP8 ms | FP8 TFLOP/s | FP8 / bf16 |")
+    print("|---:|---:|:---:|---:|---:|---:|---:|---:|")
+    by = {(r.head_dim, r.seqlen, r.causal, r.method): r for r in records}
+    for d, n, c in dict.fromkeys((r.head_dim, r.seqlen, r.causal) for r in records):
+        a, f = by.get((d, n, c, "bf16")), by.get((d, n, c, "fp8"))
+        if a is None or f is None:
+            continue
+        print(f"| {d} | {n} | {'yes' if c else 'no'} | {a.ms:.3f} | {a.tflops:.0f} | {f.ms:.3f} | {f.tflops:.0f} | "
+              f"{a.ms / f.ms:.2f}x |")
+
+
 def _seqlen(text: str) -> int:
     try:
         n = int(text)
@@ -1881,6 +1940,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="KV-cache decoding: attention_with_kvcache GB/s against the device-copy ceiling and SDPA")
     mode.add_argument("--varlen", action="store_true",
                       help="variable-length batches: attention_varlen against the padded dense call")
+    mode.add_argument("--fp8", action="store_true",
+                      help="FP8 (e4m3, 128-row block scaling) forward against cuflash's bf16 forward, FA shapes, "
+                           "--head-dim (default 128 256), --seqlen, --causal")
     mode.add_argument("--bias", action="store_true",
                       help="additive bias: cuflash with bias= (fwd, fwd+bwd with dbias) against SDPA's "
                            "memory-efficient backend with attn_mask and plain CuPy attention")
@@ -1912,10 +1974,14 @@ VARLEN_SEQLENS = (1024, 4096, 16384)
 def resolve_defaults(args):
     """Defaults that depend on the mode: --decode, --varlen and --bias measure bf16 (decode at D=128, varlen up to
     16k). --bias leaves --seqlen and --head-dim None when not given: bias_shapes uses its own defaults then."""
-    special = args.decode or args.varlen or args.bias
+    special = args.decode or args.varlen or args.bias or args.fp8
     if args.dtype is None:
         args.dtype = ["bf16"] if special else ["bf16", "fp16"]
     if args.bias:
+        return args
+    if args.fp8:
+        args.head_dim = args.head_dim or [128, 256]
+        args.seqlen = args.seqlen or [n for n in DEFAULT_SEQLENS if n >= 1024]
         return args
     if args.head_dim is None:
         args.head_dim = [DECODE_HEAD_DIM] if args.decode else [64, 128]
@@ -1937,8 +2003,11 @@ def main(argv=None) -> int:
         parser.error(f"--methods {' '.join(m for m in args.methods if m not in allowed)}: "
                      f"{'--bias' if args.bias else 'this mode'} runs {', '.join(allowed)}")
     wide = [d for d in args.dtype if d in WIDE_DTYPES]
-    if wide and (args.decode or args.varlen or args.bias):
-        parser.error(f"--dtype {' '.join(wide)}: the default mode only (--decode, --varlen and --bias take bf16 / fp16)")
+    if wide and (args.decode or args.varlen or args.bias or args.fp8):
+        parser.error(f"--dtype {' '.join(wide)}: the default mode only (--decode, --varlen, --bias and --fp8 take "
+                     f"bf16 / fp16)")
+    if args.fp8 and any(d not in (64, 128, 256) for d in args.head_dim):
+        parser.error(f"--fp8 --head-dim {' '.join(map(str, args.head_dim))}: the FP8 forward has head dims 64, 128, 256")
     try:
         import cupy as cp
 
@@ -1966,7 +2035,7 @@ def main(argv=None) -> int:
     if args.backward and not hasattr(cuflash, "attention_backward"):
         print("note: this cuflash has no attention_backward: backward columns skipped")
 
-    if args.decode or args.varlen or args.bias:
+    if args.decode or args.varlen or args.bias or args.fp8:
         return main_decode_varlen(args, cuflash, torch)
     return main_sweep(args, cuflash, torch)
 
@@ -2040,6 +2109,9 @@ def main_decode_varlen(args, cuflash, torch) -> int:
     elif args.bias:
         records = run_bias(args, torch, cuflash)
         extra = {"mode": "bias", "deterministic": args.deterministic}
+    elif args.fp8:
+        records = run_fp8(args, cuflash)
+        extra = {"mode": "fp8"}
     else:
         records = run_varlen(args)
         extra = {"mode": "varlen", "tokens": TOKENS}
@@ -2052,7 +2124,8 @@ def main_decode_varlen(args, cuflash, torch) -> int:
                        "records": [asdict(r) for r in records]}, f, indent=1)
         print(f"records written to {args.json}")
     if args.plot:
-        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen / --bias")
+        print("note: --plot draws the TFLOP/s sweep of the default mode; not drawn for --decode / --varlen / --bias / "
+              "--fp8")
     return 0
 
 
