@@ -15,7 +15,8 @@ walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels fwd_sm90_ke
 schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100). Imports run one way:
 strategies imports banks and l2, and all three import schedules. `cuflash` counts what the library
 launches on an H100 (`kernels="auto"`, the wgmma kernels where the head dim has one);
-`simulate(..., kernels="mma")` counts the mma.sync kernels.
+`simulate(..., kernels="mma")` counts the mma.sync kernels; `Problem(..., dtype="fp8")` the FP8 (e4m3) forward
+fwd_sm90_fp8_kernel (cuflash only, no backward).
 """
 from .masks import key_tile_range, query_block_range, tile_needs_mask, visible_pairs
 from .model import COUNT_FIELDS, STRATEGIES, Counts, Problem

@@ -7,6 +7,9 @@ bank model, and ncu counts them as neither LDS nor LDSM (it has HGMMA counters o
 Likewise the TMA loads of the warp-specialized kernels (roles *_tma, and the backward's 1-D bulk copies:
 SharedWalk.tma_write_bytes): the TMA unit writes whole boxes into shared memory, no LSU instruction, no bank
 model; and the backward's bulk reductions, which read its dQ buffer (SharedWalk.bulk_read_bytes).
+The FP8 forward fwd_sm90_fp8_kernel runs fwd_sm90_ws_kernel's schedule with 1-byte operands; its producer
+warps transpose every V tile in shared memory (ldmatrix.x4.trans / stmatrix.x4, roles v_read and vt_store), and
+with Q_IN_REGS its consumers load Q once per CTA with ldmatrix.x4 (role q_frag): walked with the rule.
 
 The rule (docs/IO_ANALYSIS.md; matches ncu exactly for ld/st/ldmatrix): 32 banks of 4 bytes,
 bank = (addr >> 2) & 31. A warp instruction is split into phases served one after another:
@@ -16,10 +19,13 @@ bank = (addr >> 2) & 31. A warp instruction is split into phases served one afte
   ld64  / st64             8           2                 16m..16m+15
   ld128 / st128            16          4                 8m..8m+7
   ldmatrix.x1 / .x2 / .x4  16 (a row)  1 / 2 / 4         8m..8m+7 (the row addresses of matrix m)
+  stmatrix.x4              16 (a row)  4                 8m..8m+7 (the row addresses of matrix m; model)
   cp.async16               16          4                 8m..8m+7  (model, see below)
 
 Wavefronts of a phase = the largest number of distinct 4-byte words one bank must serve (lanes that
-read the same word are served by one broadcast); conflicts = wavefronts - phases.
+read the same word are served by one broadcast); conflicts = wavefronts - phases. stmatrix (SASS STSM, sm_90)
+writes the 8 rows of 16 bytes of one matrix per phase as ldmatrix reads them; no ncu run has checked it (no
+validated kernel issues it).
 
 cp.async (LDGSTS) writes follow a different rule that is not documented. Measured (H100, docs/IO_ANALYSIS.md
 section 6): 8 lanes copying one 128-byte global line into one 128-byte-aligned shared row cost 1
@@ -66,6 +72,7 @@ KINDS = {
     "ldmatrix.x1": (16, 8, 1, False),
     "ldmatrix.x2": (16, 8, 2, False),
     "ldmatrix.x4": (16, 8, 4, False),
+    "stmatrix.x4": (16, 8, 4, False),
     "cp.async16": (16, 8, 4, True),
 }
 WARP = 32
@@ -573,7 +580,7 @@ FWD_SM90_WS_ROLES = {
     "o_read": ("ld128", "LDS"),  # 16-byte chunks of each consumer's 64 rows for the global stores
 }
 
-SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS")  # the shared-memory instructions threads issue
+SASS_CLASSES = ("LDGSTS", "LDSM", "LDS", "STS", "STSM")  # the shared-memory instructions threads issue
 TENSOR_CLASS = "HGMMA"  # wgmma operand reads (tensor core, through descriptors)
 TMA_CLASS = "UTMALDG"  # TMA tile loads global -> shared (the TMA unit writes shared memory, no thread does)
 BULK_COPY_CLASS = "UBLKCP"  # 1-D bulk copies global -> shared (cp.async.bulk)
@@ -629,12 +636,13 @@ class SharedWalk:
 
     @property
     def write_bytes(self) -> int:
-        return self.by_sass("LDGSTS").bytes + self.by_sass("STS").bytes + self.tma_write_bytes
+        return (self.by_sass("LDGSTS").bytes + self.by_sass("STS").bytes + self.by_sass("STSM").bytes
+                + self.tma_write_bytes)
 
     @property
     def conflicts(self) -> int:
-        """Bank conflicts of ld/st/ldmatrix (the exact rule; cp.async is modelled separately)."""
-        return sum(self.by_sass(s).conflicts for s in ("LDSM", "LDS", "STS"))
+        """Bank conflicts of ld/st/ldmatrix/stmatrix (the exact rule; cp.async is modelled separately)."""
+        return sum(self.by_sass(s).conflicts for s in ("LDSM", "LDS", "STS", "STSM"))
 
 
 def _stats(kind: str, addrs: np.ndarray, gaddrs: np.ndarray | None = None) -> InstrStats:
@@ -796,9 +804,11 @@ def fwd_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
         return fwd_sm90_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if isinstance(cfg, _config.FwdSm90WsConfig):
         return fwd_sm90_ws_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
+    if isinstance(cfg, _config.FwdSm90Fp8Config):
+        return fwd_sm90_fp8_kernel_shared(cfg, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window)
     if not isinstance(cfg, _config.FwdConfig):
-        raise TypeError(f"cfg must be a cuflash.config.FwdConfig, FwdSm90Config or FwdSm90WsConfig, got "
-                        f"{type(cfg).__name__}")
+        raise TypeError(f"cfg must be a cuflash.config.FwdConfig, FwdSm90Config, FwdSm90WsConfig or FwdSm90Fp8Config, "
+                        f"got {type(cfg).__name__}")
     if getattr(cfg, "decode", False):  # its O leaves from registers, its Q rows are gathered: another walk
         raise ValueError("cfg.decode=True: the kv-cache decode variant of fwd_kernel is not walked; "
                          "allowed: the prefill fwd_kernel (decode=False) and fwd_sm90_kernel")
@@ -976,6 +986,130 @@ def fwd_sm90_ws_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen
     return _q_outer_walk(cfg, FWD_SM90_WS_ROLES, fwd_sm90_ws_cta_stats, FWD_SM90_WS_PER_ITERATION_ROLES,
                          FWD_SM90_WS_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window,
                          [], [])
+
+
+# ---- fwd_sm90_fp8_kernel (Hopper, e4m3: fwd_sm90_ws_kernel's schedule, V transposed in shared memory) --------
+
+# fwd_sm90_fp8_kernel (cuda/fwd_sm90_fp8.cuh), in program order. One producer thread issues the TMA loads (Q once,
+# K_i and V_i per key tile: HEAD_DIM / BOX_BYTES boxes each, whole boxes written); FP8 wgmma takes both operands
+# K-major, so producer warps 1-3 transpose every V tile (keys x HEAD_DIM bytes) into V^T (HEAD_DIM x BLOCK_N bytes,
+# keys permuted within 16-key groups) with ldmatrix.x4.trans and stmatrix.x4. With Q_IN_REGS each consumer warp loads
+# its 16 Q rows once per CTA (ldmatrix.x4 per k32 step) as the A registers of S = Q K^T, whose wgmma then reads only K
+# through a descriptor; without it S = Q K^T reads Q and K. O += P V reads V^T (P from registers). Byte tiles are
+# 16-bit SmemTiles of half the columns (FwdFp8Traits: TileQ, TileKV, TileVt). O and lse leave from registers: no
+# epilogue in shared memory. PINGPONG orders the two consumers' GEMMs (named barriers): no shared-memory byte.
+FWD_SM90_FP8_ROLES = {
+    "q_tma": ("tma", "UTMALDG"),  # Q tile once per CTA
+    "k_tma": ("tma", "UTMALDG"),  # K_i, V_i per key tile into stage i % STAGES
+    "v_tma": ("tma", "UTMALDG"),
+    "v_read": ("ldmatrix.x4", "LDSM"),  # Fp8Transposer: one ldmatrix.x4.trans per unit (16 keys x 32 bytes of V_i)
+    "vt_store": ("stmatrix.x4", "STSM"),  # ... and one stmatrix.x4 per unit (32 rows x 16 bytes of V_i^T)
+    "q_frag": ("ldmatrix.x4", "LDSM"),  # Q_IN_REGS: per consumer warp and k32 step, its 16 rows x 32 bytes; per CTA
+    "s_wgmma": ("wgmma", "HGMMA"),  # S = Q K^T: all of K (K-major), and each consumer's 64 Q rows unless Q_IN_REGS
+    "o_wgmma": ("wgmma", "HGMMA"),  # O += P V: all of V^T (K-major); P (e4m3) from registers
+}
+FWD_SM90_FP8_PER_ITERATION_ROLES = ("k_tma", "v_tma", "v_read", "vt_store", "s_wgmma", "o_wgmma")
+FWD_SM90_FP8_PER_CTA_ROLES = ("q_tma", "q_frag")
+FP8_CONSUMERS = 2  # FwdFp8Traits::CONSUMERS: warpgroups of 64 query rows
+FP8_CONSUMER_WARPS = 4 * FP8_CONSUMERS  # FwdFp8Traits::CONSUMER_WARPS: 16 query rows each
+FP8_TRANSPOSE_THREADS = 96  # FwdFp8Traits::TRANSPOSE_THREADS: producer warps 1-3
+FP8_WGMMA_K = 32  # m64nNk32: an e4m3 wgmma reduces over 32 bytes
+
+
+def fp8_key_of(p):
+    """fp8_key_of (cuda/fwd_sm90_fp8.cuh): the key (0..15) of a 16-key group at V^T column p of the group."""
+    return np.where((p & 3) < 2, 2 * (p >> 2) + (p & 3), 6 + 2 * (p >> 2) + (p & 3))
+
+
+def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
+    """Byte addresses of Fp8Transposer over one key tile, from the V and V^T tile bases (every stage starts on the
+    1024-byte swizzle period: the banks of stage 0's), [transposer warp, k, lane] (-1: the warp has left the loop).
+    Warp w (0..2) takes units u = w + 3k < UNITS = (BLOCK_N / 16) PAIRS (PAIRS = HEAD_DIM / 32): h = u / PAIRS (the
+    16-key group), c0 = 2 (u % PAIRS) (the first of two 16-byte column chunks). Per unit, lane L (i = L % 8, m =
+    L / 8) gives the address of row i of matrix m of
+      one ldmatrix.x4.trans  TileKV::offset(16 h + L % 16, 8 (c0 + L / 16)): keys 0-7 and 8-15 of chunk c0, then
+                             of c0 + 1;
+      one stmatrix.x4        TileVt::offset(d, 8 h), d = 16 (c0 + m / 2) + 2 i + ((i >= 4) != (m odd)): the V^T rows
+                             of chunk c0 + m / 2, each matrix 4 even and 4 odd rows (bytes 16 h .. 16 h + 15).
+    Offsets are those of the 16-bit SmemTiles of half the columns (TileKV = SmemTile<BLOCK_N, HEAD_DIM / 2>, TileVt =
+    SmemTile<HEAD_DIM, BLOCK_N / 2>). Instruction k of a warp is its k-th unit: program order."""
+    hd, bn = cfg.head_dim, cfg.block_n
+    pairs = hd // 32
+    units = (bn // 16) * pairs
+    warps = FP8_TRANSPOSE_THREADS // WARP
+    steps = -(-units // warps)
+    u = np.arange(warps).reshape(warps, 1, 1) + warps * np.arange(steps).reshape(1, steps, 1)  # [warp, k, 1]
+    live = u < units
+    u = np.minimum(u, units - 1)
+    h, c0 = u // pairs, 2 * (u % pairs)
+    lane = np.arange(WARP)
+    i, m = lane & 7, lane >> 3
+    loads = swizzled_offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4)), bn, hd // 2)
+    d = 16 * (c0 + (m >> 1)) + 2 * i + ((i >= 4) != ((m & 1) == 1)).astype(np.int64)
+    stores = swizzled_offset(d, 8 * h, hd, bn // 2)
+    return {"v_read": np.where(live, loads, -1).astype(np.int64),
+            "vt_store": np.where(live, stores, -1).astype(np.int64)}
+
+
+def fwd_sm90_fp8_q_addresses(cfg) -> np.ndarray:
+    """Byte addresses (from TileQ's base, OFF_Q = 0) of the Q_IN_REGS loads of one CTA, [consumer warp, kk, lane]:
+    consumer warp w (0..7) loads its rows 16 w .. 16 w + 15 for each k32 step kk < HEAD_DIM / 32 with one
+    ldmatrix.x4, lane L giving TileQ::offset(16 w + L % 8 + 8 ((L / 8) % 2), 16 kk + 8 (L / 16)) (matrices: rows 0-7
+    and 8-15 of the 16-byte chunk 2 kk, then of 2 kk + 1: the e4m3 A fragment of m64nNk32). TileQ = SmemTile<128,
+    HEAD_DIM / 2>."""
+    hd, bm = cfg.head_dim, cfg.block_m
+    w = np.arange(FP8_CONSUMER_WARPS).reshape(-1, 1, 1)
+    kk = np.arange(hd // FP8_WGMMA_K).reshape(1, -1, 1)
+    lane = np.arange(WARP)
+    return np.asarray(swizzled_offset(16 * w + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * kk + 8 * (lane >> 4), bm,
+                                      hd // 2), dtype=np.int64)
+
+
+def fwd_sm90_fp8_wgmma(cfg) -> dict[str, InstrStats]:
+    """wgmma operand reads of one key tile, both consumers: S = Q K^T is HEAD_DIM/32 wgmma per consumer, each reading
+    BLOCK_N x 32 bytes of K and, unless Q_IN_REGS (A from registers), 64 x 32 of its Q rows; O += P V is BLOCK_N/32
+    wgmma reading HEAD_DIM x 32 of V^T."""
+    hd, bn, wg = cfg.head_dim, cfg.block_n, FP8_CONSUMERS
+    q_rows = 0 if cfg.q_in_regs else 64
+    return {"s_wgmma": wgmma_stats(wg * hd // FP8_WGMMA_K, wg * (q_rows + bn) * hd),
+            "o_wgmma": wgmma_stats(wg * bn // FP8_WGMMA_K, wg * hd * bn)}
+
+
+@lru_cache(maxsize=64)
+def fwd_sm90_fp8_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
+    """(per-CTA stats, per-key-tile stats) of fwd_sm90_fp8_kernel, shaped as fwd_cta_stats (two identical per-tile
+    entries: every stage starts on the 1024-byte swizzle period, so each has the same banks); cached. Nothing
+    depends on the CTA's valid rows: TMA writes whole boxes, the Q_IN_REGS loads read all 128 rows, and no thread
+    touches an O row in shared memory. Without Q_IN_REGS q_frag is empty."""
+    panels, tile = cfg.head_dim // cfg.box_bytes, cfg.block_n * cfg.head_dim
+    addrs = fwd_sm90_fp8_transpose_addresses(cfg)
+    per_tile = {"k_tma": tma_stats(panels, tile), "v_tma": tma_stats(panels, tile),
+                "v_read": _stats("ldmatrix.x4", addrs["v_read"]), "vt_store": _stats("stmatrix.x4", addrs["vt_store"])}
+    per_tile |= fwd_sm90_fp8_wgmma(cfg)
+    q_frag = _stats("ldmatrix.x4", fwd_sm90_fp8_q_addresses(cfg)) if cfg.q_in_regs else InstrStats("ldmatrix.x4")
+    return {"q_tma": tma_stats(panels, cfg.block_m * cfg.head_dim), "q_frag": q_frag}, [per_tile, per_tile]
+
+
+def fwd_sm90_fp8_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
+                               head_dim: int | None = None, causal_skip: bool = True, window=None) -> SharedWalk:
+    """Every shared-memory access of fwd_sm90_fp8_kernel<cfg> over the grid (ceil(Sq/128), heads, batch), with
+    fwd_sm90_ws_kernel's key-tile range (key tiles n_end-1 down to n_begin, causal and window skipping; a CTA that
+    sees no key writes O = 0, lse = -inf straight to global memory and touches no shared memory): per live CTA the Q
+    TMA load and, with Q_IN_REGS, the consumers' ldmatrix.x4 of Q (walked with the bank rule); per key tile the K and
+    V TMA loads, the V transpose (ldmatrix.x4.trans and stmatrix.x4, walked with the bank rule) and the wgmma operand
+    reads. Each transposer warp issues one fence.proxy.async per key tile (FENCE_GUARD_LDS guard LDS each, the
+    pattern of the other wgmma kernels' fences, not yet checked on this kernel's SASS). The descale factors are read
+    from global memory into registers, and the mbarrier operations are SYNCS and the pingpong named barriers BAR
+    instructions: none is counted."""
+    if not isinstance(cfg, _config.FwdSm90Fp8Config):
+        raise TypeError(f"cfg must be a cuflash.config.FwdSm90Fp8Config, got {type(cfg).__name__}")
+    head_dim = _check_head_dim(cfg, head_dim)
+    walk = _q_outer_walk(cfg, FWD_SM90_FP8_ROLES, fwd_sm90_fp8_cta_stats, FWD_SM90_FP8_PER_ITERATION_ROLES,
+                         FWD_SM90_FP8_PER_CTA_ROLES, batch, heads, seqlen_q, seqlen_k, head_dim, causal_skip, window,
+                         [], [])
+    tiles = walk.roles["k_tma"].instructions // (cfg.head_dim // cfg.box_bytes)
+    walk.guard_lds = tiles * (FP8_TRANSPOSE_THREADS // WARP) * FENCE_GUARD_LDS
+    return walk
 
 
 # ---- bwd_dq_kernel (deterministic dQ) ------------------------------------------------------------

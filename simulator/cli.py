@@ -3,9 +3,11 @@
   cuflash-sim sweep --strategy fa2 --strategy cuflash --seqlen 1024 4096 --head-dim 64 --batch 1 --heads 16 --json
   cuflash-sim sweep --strategy cuflash --kernels mma --seqlen 4096 --head-dim 128 --batch 1 --heads 16
   cuflash-sim sweep --strategy cuflash --seqlen 4096 16384 --head-dim 64 --batch 1 --heads 16 --causal --window 1024 0
+  cuflash-sim sweep --strategy cuflash --dtype fp8 --seqlen 4096 16384 --head-dim 128 --batch 1 --heads 16 --causal
   cuflash-sim plot hbm-vs-n --out docs/img/hbm_vs_n.png
   cuflash-sim plot hbm-vs-n --causal --window 1024 0 --out docs/img/hbm_vs_n_window.png
   cuflash-sim plot hbm-vs-n --dtype fp16 fp32 --strategy fa2 --strategy cuflash --out hbm_vs_n_fp32.png
+  cuflash-sim plot hbm-vs-n --dtype bf16 fp8 --head-dim 128 --strategy fa2 --strategy cuflash --out hbm_vs_n_fp8.png
   cuflash-sim plot block-size --out docs/img/block_size.png
   cuflash-sim ring --world-size 2 --seqlen 131072 1048576 --heads 16 --head-dim 128 --causal
   cuflash-sim plot ring --world-size 2 --out docs/img/ring_bandwidth.png
@@ -20,6 +22,8 @@ from cuflash.config import KERNEL_FAMILIES
 
 from .model import (
     DTYPE_BYTES,
+    FP8_DTYPES,
+    FP8_STRATEGIES,
     H100_HBM_BYTES_PER_S,
     H100_TENSOR_FLOPS,
     STRATEGIES,
@@ -90,9 +94,11 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
     p.add_argument("--heads", type=_positive_int, default=heads, required=heads is None, metavar="H")
     if several_dtypes:  # a list: one line per (strategy, dtype)
         p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), nargs="+", default=["fp16"], metavar="DTYPE",
-                       help=f"element types, one line per strategy and dtype ({', '.join(DTYPE_BYTES)}; default fp16)")
+                       help=f"element types, one line per strategy and dtype ({', '.join(DTYPE_BYTES)}; default fp16; "
+                            f"fp8: cuflash's FP8 forward only)")
     else:
-        p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp16")
+        p.add_argument("--dtype", choices=tuple(DTYPE_BYTES), default="fp16",
+                       help="element type (default fp16; fp8: e4m3 Q, K, V and a bf16 O, cuflash's FP8 forward only)")
     p.add_argument("--causal", action="store_true", help="bottom-right causal mask")
     p.add_argument("--window", type=_window_side, nargs=2, default=None, metavar=("LEFT", "RIGHT"),
                    help="sliding window: query i sees key j iff i + diag - LEFT <= j <= i + diag + RIGHT "
@@ -288,7 +294,12 @@ def plot_hbm_vs_n(args) -> None:
     for k, dtype in enumerate(dtypes):
         # one dtype: the labels of before; several: the dtype in every label, the later dtypes' lines dash-dotted
         tag = f" {dtype}" if len(dtypes) > 1 else ""
-        for s in strategies:
+        # fp8 is cuflash's FP8 forward: the paper strategies get no fp8 line
+        drawn = [s for s in strategies if dtype not in FP8_DTYPES or s in FP8_STRATEGIES]
+        if not drawn:
+            raise ValueError(f"--dtype {dtype} is counted for strategy {', '.join(FP8_STRATEGIES)} only (cuflash's "
+                             f"FP8 forward): add --strategy cuflash")
+        for s in drawn:
             cs = hbm(s, True, dtype)
             ys = [c.hbm_bytes for c in cs]
             blocks = "" if cs[-1].block_m is None else f" (B_r={cs[-1].block_m}, B_c={cs[-1].block_n})"
@@ -368,6 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give either --block-m/--block-n or --sram-bytes, not both")
     if getattr(args, "deterministic", False) and not args.backward:
         parser.error("--deterministic selects cuflash's deterministic backward: add --backward")
+    dtype = getattr(args, "dtype", ())  # one, a list (plot hbm-vs-n), or none (ring)
+    fp8 = [dt for dt in ([dtype] if isinstance(dtype, str) else dtype) if dt in FP8_DTYPES]
+    if fp8 and getattr(args, "backward", False):
+        parser.error(f"--backward: cuflash has no FP8 backward; --dtype {fp8[0]} counts the FP8 forward "
+                     f"(fwd_sm90_fp8_kernel) only")
     try:
         if args.command == "sweep":
             records = _run_sweep(args)

@@ -15,6 +15,9 @@ eviction decision, i.e. a relative error of about tile_bytes / l2_bytes (16 KB /
 use to check the tile model. A tile's weight is rows * ceil(row_bytes / 32) sectors: exact when
 d * elem_bytes is a multiple of 32 bytes (every head dim the kernels support).
 
+The FP8 forward (fwd_sm90_fp8_kernel) runs fwd_sm90_ws_kernel's accesses with 1-byte Q, K, V and a bf16 O; its
+float32 descale factors (a few bytes per CTA) are left out.
+
 Not modelled: the two L2 partitions of an H100 (each SM sees its near half first; data can be
 duplicated), hashing of addresses to sets (the model is fully associative) and prefetching.
 """
@@ -28,7 +31,7 @@ from numba import njit
 
 from cuflash import config as _config
 
-from .model import H100_SMEM_PER_SM, H100_SMS, Problem
+from .model import FP8_DTYPES, FP8_STRATEGIES, H100_SMEM_PER_SM, H100_SMS, Problem
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
@@ -200,7 +203,7 @@ def _q_outer_fwd(tr: _Trace, p, bm, bn, causal_skip, wave, reverse_n, reverse_m,
 def _fwd_tensors(tr, p, bm, bn):
     d_bytes = p.head_dim * p.elem_bytes
     tr.tensor("q", p.seqlen_q, bm, d_bytes)
-    tr.tensor("o", p.seqlen_q, bm, d_bytes)
+    tr.tensor("o", p.seqlen_q, bm, p.head_dim * p.out_bytes)  # bf16 for the FP8 forward
     tr.tensor("k", p.seqlen_k, bn, d_bytes)
     tr.tensor("v", p.seqlen_k, bn, d_bytes)
     tr.tensor("lse", p.seqlen_q, bm, p.stat_bytes, contiguous_rows=True)
@@ -313,9 +316,10 @@ def config_resident(cfg) -> int:
     n = _resident(cfg.smem_bytes, cfg.threads)
     if isinstance(cfg, (_config.FwdSm90Config, _config.BwdSm90Config)):
         n = min(n, cfg.ctas_per_sm)
-    if isinstance(cfg, _config.FwdSm90WsConfig):
+    if isinstance(cfg, (_config.FwdSm90WsConfig, _config.FwdSm90Fp8Config)):
         # __launch_bounds__(384, 1) and setmaxnreg size the registers for one CTA: 128 producer threads x 24
-        # + 256 consumer threads x 240 = 64,512 of the SM's 65,536 (FwdSm90WsTraits' static_assert)
+        # + 256 consumer threads x 240 = 64,512 of the SM's 65,536 (FwdSm90WsTraits' static_assert; FwdFp8Traits:
+        # 128 x 56 + 256 x 224 = 64,512)
         n = 1
     return n
 
@@ -465,6 +469,9 @@ def simulate_l2(strategy: str, p: Problem, *, l2_bytes: int, backward: bool = Fa
     if strategy == "cuflash" and p.dtype in _config.WIDE_DTYPES:
         raise ValueError(f"the L2 model covers cuflash's fp16/bf16 kernels only, not the float32 / float64 kernels "
                          f"(dtype={p.dtype!r}): leave l2_bytes out")
+    if p.dtype in FP8_DTYPES and (strategy not in FP8_STRATEGIES or backward):
+        raise ValueError(f"dtype={p.dtype!r} is cuflash's FP8 forward only (got strategy={strategy!r}, "
+                         f"backward={backward})")
     wave = num_sms * (ctas_per_sm(strategy, p, kernels) if ctas_per_sm_ is None else ctas_per_sm_)
     tr = _Trace(p, granularity)
     if strategy == "cuflash" and backward:

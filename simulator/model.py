@@ -6,14 +6,17 @@ that a reader can recompute any number by hand:
 * Global (HBM) traffic counts the bytes an algorithm moves between HBM and the chip, each access as
   written in the algorithm (an element read twice is counted twice). Tensors Q, K, V, O, dO, dQ, dK,
   dV and the materialised S, P, dP, dS are `elem_bytes` wide (DTYPE_BYTES: 2 for fp16/bf16, 4 for
-  fp32/tf32, 8 for fp64); softmax statistics (l, m, lse, D) and the FA2/cuflash dQ accumulator are
-  `stat_bytes` wide: fp32 (4 bytes) for the 2- and 4-byte dtypes, fp64 (8 bytes) for fp64, as cuflash's
-  float64 kernels keep lse, lse_log2, delta and dQ_acc in float64 (every strategy counts them so).
+  fp32/tf32, 8 for fp64, 1 for fp8), except O, which is `out_bytes` wide (OUT_BYTES: 2 for fp8, whose
+  forward writes bf16; elem_bytes otherwise); softmax statistics (l, m, lse, D) and the FA2/cuflash dQ
+  accumulator are `stat_bytes` wide: fp32 (4 bytes) for the 1-, 2- and 4-byte dtypes, fp64 (8 bytes) for
+  fp64, as cuflash's float64 kernels keep lse, lse_log2, delta and dQ_acc in float64 (every strategy counts
+  them so).
   cuflash's dQ atomics (red.global.add) count as a read and a write of their bytes (the accumulator's
   read-modify-write in the L2, like FA2's dQ update).
 * Shared memory (SRAM) traffic is exact for `cuflash`, forward and backward (every shared instruction
   of the kernels, see banks.fwd_kernel_shared, bwd_kernel_shared, dq_kernel_shared; for the wgmma
-  kernels also the tensor core's operand reads, counted once per warpgroup instruction). For the paper
+  kernels also the tensor core's operand reads, counted once per warpgroup instruction, and for the FP8
+  forward its V transpose, banks.fwd_sm90_fp8_kernel_shared). For the paper
   strategies it follows the paper's model: each tile loaded from HBM is written to SRAM once, each
   on-chip matmul reads both operand tiles from SRAM once, FA1 keeps S and P in SRAM while FA2 keeps
   them in registers; `standard` stages each HBM byte once.
@@ -22,6 +25,9 @@ that a reader can recompute any number by hand:
   included); `flops_useful` counts only the (query, key) pairs that the mask keeps (causal and/or
   sliding window: masks.visible_pairs), 4*d per pair forward and 10*d backward.
 * Non-matmul FLOPs use the fixed per-element costs in NONMATMUL_FLOPS (an exp counts as one FLOP).
+* fp8 (cuflash's FP8 forward only): Q, K, V 1 byte, O 2 (bf16), lse 4; the float32 descale factors of q, k
+  and v (DESCALE_BYTES each) count as global reads: q's once per CTA, k's and v's once per visited key tile
+  (strategies._cuflash_fp8_fwd).
 """
 from __future__ import annotations
 
@@ -30,8 +36,13 @@ from dataclasses import asdict, dataclass, fields
 
 from .masks import check_window
 
-# "tf32": float32 elements (cuflash's one-pass TF32 arithmetic); "fp32": float32 (3xTF32 in cuflash's kernels)
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp64": 8}
+# "tf32": float32 elements (cuflash's one-pass TF32 arithmetic); "fp32": float32 (3xTF32 in cuflash's kernels);
+# "fp8": e4m3 Q, K, V (cuflash's FP8 forward, fwd_sm90_fp8_kernel; no backward)
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "tf32": 4, "fp64": 8, "fp8": 1}
+OUT_BYTES = {"fp8": 2}  # O where it is wider than the inputs: the FP8 forward writes bf16 (Problem.out_bytes)
+FP8_DTYPES = ("fp8",)
+FP8_STRATEGIES = ("cuflash",)  # the paper's algorithms are 16/32/64-bit: fp8 is counted for cuflash's kernel only
+DESCALE_BYTES = 4  # one float32 descale factor of q, k or v (the FP8 forward)
 STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32 ...
 WIDE_STAT_BYTES = {"fp64": 8}  # ... except for fp64, whose statistics and accumulator are fp64 (Problem.stat_bytes)
 STRATEGIES = ("standard", "fa1", "fa2", "cuflash")
@@ -96,6 +107,11 @@ class Problem:
     @property
     def elem_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def out_bytes(self) -> int:
+        """Bytes of an O element: bf16 (2) for fp8, elem_bytes otherwise."""
+        return OUT_BYTES.get(self.dtype, self.elem_bytes)
 
     @property
     def stat_bytes(self) -> int:

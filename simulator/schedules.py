@@ -17,7 +17,7 @@ import numpy as np
 from cuflash import config as _config
 
 from .masks import band_sides, key_tile_range, query_block_range
-from .model import DEFAULT_FA2_BLOCKS, DEFAULT_SRAM_BYTES, Problem
+from .model import DEFAULT_FA2_BLOCKS, DEFAULT_SRAM_BYTES, FP8_DTYPES, Problem
 
 
 # The GPU the analyzer counts for: the H100 (sm_90a), whose kernel family cuflash picks by CUFLASH_KERNELS;
@@ -117,6 +117,34 @@ def resolve_blocks(strategy: str, p: Problem, block_m: int | None, block_n: int 
     return DEFAULT_FA2_BLOCKS
 
 
+# ----------------------------------------------------------------------------------------------
+# The FP8 forward (cuda/fwd_sm90_fp8.cuh, fwd_sm90_fp8_kernel)
+# ----------------------------------------------------------------------------------------------
+
+FP8_OUT_DTYPE = "bf16"  # O of the FP8 forward the analyzer counts: the library's default out_dtype (fp16: same bytes)
+
+
+def fp8_config(p: Problem, backward: bool = False, kernels: str = DEFAULT_KERNELS):
+    """The FP8 (e4m3) forward's config for p (dtype fp8), as the library selects it (config.select of op
+    "forward_fp8": a config.FwdSm90Fp8Config, fwd_sm90_fp8_kernel, O in FP8_OUT_DTYPE): forward only, on the Hopper
+    family only. A sliding window selects the window instantiation (causal folded in, as the library does); the
+    counts take the causal flag and the window from the problem, as cuflash_config's window kernels."""
+    if backward:
+        raise ValueError(f"backward=True: cuflash has no FP8 backward (dtype={p.dtype!r} counts the FP8 forward "
+                         f"fwd_sm90_fp8_kernel only)")
+    if kernels != DEFAULT_KERNELS:
+        raise ValueError(f"kernels={kernels!r}: the FP8 forward is a wgmma kernel (fwd_sm90_fp8_kernel), with no "
+                         f"mma.sync variant; dtype={p.dtype!r} needs kernels={DEFAULT_KERNELS!r}")
+    if p.head_dim not in _config.FWD_SM90_FP8_TILES:
+        raise ValueError(f"head_dim={p.head_dim} is not supported by the FP8 forward (fwd_sm90_fp8_kernel); "
+                         f"supported: {', '.join(map(str, _config.FWD_SM90_FP8_TILES))}")
+    if not runs_window_kernel(p):
+        return _config.select("forward_fp8", p.head_dim, FP8_OUT_DTYPE, p.causal, ARCH, kernels=kernels)
+    cfg = _config.select("forward_fp8", p.head_dim, FP8_OUT_DTYPE, False, ARCH, mods=_config.MOD_WINDOW,
+                         kernels=kernels)
+    return dataclasses.replace(cfg, causal=p.causal, window=False)
+
+
 def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
     """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
     the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
@@ -126,8 +154,11 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
     runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and
     fp64 the registry picks the wide kernels (FwdWideConfig / BwdWideConfig, cuda/wide.cuh), whose tiles are the same
-    on every target and for both families; they have no deterministic backward."""
+    on every target and for both families; they have no deterministic backward. For fp8 the FP8 forward
+    (config.FwdSm90Fp8Config, fp8_config): forward only."""
     check_kernels(kernels)
+    if p.dtype in FP8_DTYPES:
+        return fp8_config(p, backward, kernels)
     dtypes = _config.DTYPES + _config.WIDE_DTYPES
     if p.dtype not in dtypes:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(dtypes)} only (got dtype={p.dtype!r})")

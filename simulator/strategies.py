@@ -25,6 +25,9 @@ Strategies (docs/IO_ANALYSIS.md):
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
             preprocess / convert launches, with config.select's tiles, the same on every target): global
             traffic and FLOPs only; their shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
+            fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
+            V, bf16 O, fwd_sm90_ws_kernel's schedule with the config's key tiles, V transposed in shared memory,
+            float32 descale factors); forward only, and the only strategy that counts fp8.
 
 Block skipping (causal and sliding window): a tile that holds no visible (query, key) pair is not
 visited (masks.key_tile_range, the tile test of cuda/mask.cuh that fwd_kernel runs; the K/V-outer
@@ -43,7 +46,7 @@ from cuflash import config as _config
 
 from . import banks, l2
 from .masks import visible_pairs
-from .model import NONMATMUL_FLOPS, STRATEGIES, Counts, Problem
+from .model import DESCALE_BYTES, FP8_DTYPES, FP8_STRATEGIES, NONMATMUL_FLOPS, STRATEGIES, Counts, Problem
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
@@ -115,6 +118,7 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.DqConfig: "bwd_dq_kernel",
     _config.FwdWideConfig: "fwd_wide_kernel",
     _config.BwdWideConfig: "bwd_wide_kernel",
+    _config.FwdSm90Fp8Config: "fwd_sm90_fp8_kernel",
 }
 
 
@@ -181,7 +185,7 @@ def _fa2_fwd(p: Problem, bm: int, bn: int, causal_skip: bool, strategy: str = "f
     q_rows = int((t.rows * t.visits_q).sum())
     kv_rows = int(t.kv_rows.sum())
     c.hbm_read_bytes = (q_rows + 2 * kv_rows) * d * e  # Q once, K and V once per Q block
-    c.hbm_write_bytes = sq * (d * e + s4)  # O and lse once
+    c.hbm_write_bytes = sq * (d * p.out_bytes + s4)  # O and lse once
     c.sram_write_bytes = (q_rows + 2 * kv_rows + sq) * d * e  # Q, K, V loads; O staged for the store
     c.sram_read_bytes = (t.row_tiles() + 2 * kv_rows + sq) * d * e  # Q per tile, K, V once, O
     if tile_dims is None:
@@ -202,11 +206,30 @@ def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) 
     """fwd_kernel, fwd_sm90_kernel or fwd_sm90_ws_kernel: FA2's global traffic with the config's blocks (all
     three read Q once per CTA that sees a key and K, V once per visited key tile, valid rows only: cp.async
     zero-fills the tails without reading, TMA fills out-of-bounds box rows with zeros); SRAM from the walk
-    (wgmma operand reads and TMA box writes included)."""
+    (wgmma operand reads and TMA box writes included). fp8: _cuflash_fp8_fwd."""
     cfg = cuflash_config(p, kernels=kernels)
+    if isinstance(cfg, _config.FwdSm90Fp8Config):
+        return _cuflash_fp8_fwd(p, cfg, causal_skip)
     if isinstance(cfg, _config.FwdWideConfig):
         return _cuflash_wide_fwd(p, cfg, causal_skip)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+    walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
+    c.sram_read_bytes = walk.read_bytes
+    c.sram_write_bytes = walk.write_bytes
+    c.bank_conflicts = walk.conflicts
+    return c
+
+
+def _cuflash_fp8_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
+    """fwd_sm90_fp8_kernel: fwd_sm90_ws_kernel's global traffic with the config's tiles and 1-byte Q, K, V (TMA reads
+    Q once per CTA that sees a key and K, V once per visited key tile, in-bounds rows only), O in bf16 and lse in
+    float32 once, plus the float32 descale factors: q's of the query block once per CTA that sees a key, k's and v's
+    of each visited key tile (1 + 2 n_tiles floats; per (batch, head) factors are the same float each time, per
+    128-row block factors one per block: the same reads). FLOPs on whole tiles as the 16-bit kernels. SRAM from the
+    walk (banks.fwd_sm90_fp8_kernel_shared: TMA box writes, the V transpose, wgmma operand reads)."""
+    c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+    t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
+    c.hbm_read_bytes += (int(t.visits_q.sum()) + 2 * t.tiles) * DESCALE_BYTES * p.batch_heads
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
     c.sram_read_bytes = walk.read_bytes
     c.sram_write_bytes = walk.write_bytes
@@ -467,7 +490,8 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
     deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True):
     bwd_kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel. kernels (cuflash
     only): "auto", what the library launches on an H100 by default (the wgmma kernels where the head dim
-    has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma)."""
+    has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma). problem.dtype "fp8" counts cuflash's FP8
+    forward (fwd_sm90_fp8_kernel; no backward, no other strategy)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not known; known: {', '.join(STRATEGIES)}")
     check_kernels(kernels)
@@ -476,6 +500,13 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
                          f"(got strategy={strategy!r})")
     if not isinstance(problem, Problem):
         raise TypeError(f"problem must be a cuflash.simulator.Problem, got {type(problem).__name__}")
+    if problem.dtype in FP8_DTYPES:
+        if strategy not in FP8_STRATEGIES:
+            raise ValueError(f"dtype={problem.dtype!r} is counted for strategy {', '.join(map(repr, FP8_STRATEGIES))} "
+                             f"only (cuflash's FP8 forward, fwd_sm90_fp8_kernel); got strategy={strategy!r}")
+        if backward:
+            raise ValueError(f"backward=True: cuflash has no FP8 backward; dtype={problem.dtype!r} counts the "
+                             f"forward only")
     if deterministic and not (strategy == "cuflash" and backward):
         raise ValueError("deterministic=True selects cuflash's deterministic backward: it needs strategy='cuflash' "
                          f"and backward=True (got strategy={strategy!r}, backward={backward})")

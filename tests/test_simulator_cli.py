@@ -46,7 +46,17 @@ def test_sweep_table_is_readable(capsys):
       "--sram-bytes", "lots"], "byte size"),
     (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "256", "--batch", "1", "--heads", "1",
       "--dtype", "fp64"], "head dim 128 for fp64"),
-    (["plot", "hbm-vs-n", "--dtype", "fp8", "--out", "x.png"], "invalid choice"),
+    (["plot", "hbm-vs-n", "--dtype", "fp4", "--out", "x.png"], "invalid choice"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--dtype", "e5m2"], "invalid choice"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--dtype", "fp8", "--backward"], "--backward: cuflash has no FP8 backward"),
+    (["plot", "hbm-vs-n", "--dtype", "bf16", "fp8", "--backward", "--out", "x.png"], "no FP8 backward"),
+    (["sweep", "--strategy", "fa2", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
+      "--dtype", "fp8"], "strategy 'cuflash' only"),
+    (["plot", "hbm-vs-n", "--dtype", "fp8", "--strategy", "fa2", "--out", "x.png"], "add --strategy cuflash"),
+    (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "96", "--batch", "1", "--heads", "1",
+      "--dtype", "fp8"], "head_dim=96 is not supported by the FP8 forward"),
     (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "320", "--batch", "1", "--heads", "1"],
      "head_dim=320"),
     (["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",
@@ -149,3 +159,40 @@ def test_plot_hbm_vs_n_draws_windowed_lines(tmp_path):
     elapsed = time.perf_counter() - t0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert elapsed < 20, f"plot hbm-vs-n --window took {elapsed:.1f} s"
+
+
+def test_sweep_counts_the_fp8_forward(capsys):
+    """--dtype fp8: cuflash's FP8 forward (fwd_sm90_fp8_kernel), what simulate counts, for one dtype or beside
+    another strategy's refusal."""
+    argv = ["sweep", "--strategy", "cuflash", "--seqlen", "1000", "4096", "--head-dim", "128", "--batch", "2",
+            "--heads", "4", "--dtype", "fp8", "--causal"]
+    assert main(argv + ["--json"]) == 0
+    for rec in (json.loads(line) for line in capsys.readouterr().out.splitlines()):
+        c = simulate("cuflash", Problem(2, 4, rec["seqlen"], rec["seqlen"], 128, "fp8", True))
+        assert (rec["block_m"], rec["block_n"]) == (c.block_m, c.block_n)
+        assert (rec["hbm_read_bytes"], rec["hbm_write_bytes"], rec["sram_read_bytes"], rec["flops"],
+                rec["bank_conflicts"]) == (c.hbm_read_bytes, c.hbm_write_bytes, c.sram_read_bytes, c.flops,
+                                           c.bank_conflicts), rec
+    assert main(argv) == 0
+    assert "forward, d=128, batch=2, heads=4, fp8, causal" in capsys.readouterr().out
+
+
+def test_plot_hbm_vs_n_draws_fp8_beside_bf16(tmp_path, monkeypatch):
+    """--dtype bf16 fp8: every strategy in bf16 and cuflash's FP8 forward (the paper strategies have no fp8
+    line), each point what simulate counts."""
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    out = tmp_path / "hbm_fp8.png"
+    ns = [256, 1024, 4096]
+    assert main(["plot", "hbm-vs-n", "--dtype", "bf16", "fp8", "--head-dim", "128", "--seqlen", *map(str, ns),
+                 "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    lines = {ln.get_label(): list(ln.get_ydata()) for ln in figures[0].axes[0].get_lines()}
+    assert [k.split(" (")[0] for k in lines if "slope" not in k] == \
+        ["standard bf16", "fa1 bf16", "fa2 bf16", "cuflash bf16", "cuflash fp8"], f"lines: {list(lines)}"
+    fp8 = lines["cuflash fp8 (B_r=128, B_c=128)"]
+    assert fp8 == [simulate("cuflash", Problem(1, 1, n, n, 128, "fp8")).hbm_bytes for n in ns]
+    bf16 = next(y for k, y in lines.items() if k.startswith("cuflash bf16"))
+    assert all(y8 < y16 for y8, y16 in zip(fp8, bf16)), "FP8 moves fewer bytes"
