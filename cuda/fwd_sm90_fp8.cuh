@@ -38,8 +38,9 @@
 //   vt_empty[s]           count CONSUMER_WARPS: the consumers' P V GEMM of stage s retired
 // Key tile i uses stage i % STAGES with phase bit (i / STAGES) & 1 on every barrier of its stage. The producer
 // loads K_i after k_empty of tile i - STAGES and V_i after v_empty of tile i - STAGES; the transposers wait v_full of
-// tile i and vt_empty of tile i - STAGES; the consumers wait k_full for S_i and vt_full for P_{i-1} V_{i-1}. Every
-// wait is for a tile at least STAGES - 1 behind its waiter's, so no cycle forms for STAGES >= 2.
+// tile i and vt_empty of tile i - STAGES; the consumers wait k_full for S_i and vt_full for P_{i-1} V_{i-1}. The
+// producer issues K_{i+1} before V_i. Every wait is for a tile at least STAGES - 1 behind its waiter's, so no cycle
+// forms for STAGES >= 2.
 #pragma once
 #include "fwd_sm90_ws.cuh"
 
@@ -155,48 +156,93 @@ struct Fp8Smem {
 // stored matrix mixes 4 even and 4 odd rows (lanes with j < 4 give the even row of the first matrix, j >= 4 the
 // odd one) so its 8 rows fall in 8 distinct swizzled chunks: no bank conflict on either side.
 template <class Tr>
-__device__ __forceinline__ void fp8_transpose_v(u32 v_smem, u32 vt_smem, int warp, int lane) {
-  constexpr int PAIRS = Tr::HEAD_DIM / 32;  // pairs of 16-byte chunks in a V row
-  constexpr int UNITS = (Tr::BLOCK_N / 16) * PAIRS;
-  const int i = lane & 7, m = lane >> 3;
-  const bool odd_first = (lane >> 2) >= 4;  // this lane's row in stored matrices 0 and 2 is odd
-  for (int u = warp; u < UNITS; u += Tr::TRANSPOSE_THREADS / 32) {
-    const int h = u / PAIRS, c0 = 2 * (u % PAIRS);
-    u32 r[4];
-    ldmatrix_x4_trans(r, v_smem + Tr::TileKV::offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4))));
-    const u32 e0 = prmt(r[0], r[1], 0x6420), o0 = prmt(r[0], r[1], 0x7531);
-    const u32 e1 = prmt(r[2], r[3], 0x6420), o1 = prmt(r[2], r[3], 0x7531);
-    const int d = 16 * (c0 + (m >> 1)) + 2 * i + (((i >= 4) != ((m & 1) != 0)) ? 1 : 0);
-    stmatrix_x4(vt_smem + Tr::TileVt::offset(d, 8 * h), odd_first ? o0 : e0, odd_first ? e0 : o0, odd_first ? o1 : e1,
-                odd_first ? e1 : o1);
+struct Fp8Transposer {
+  static constexpr int PAIRS = Tr::HEAD_DIM / 32;  // pairs of 16-byte chunks in a V row
+  static constexpr int UNITS = (Tr::BLOCK_N / 16) * PAIRS;
+  static constexpr int WARPS = Tr::TRANSPOSE_THREADS / 32;
+  static constexpr int STEPS = (UNITS + WARPS - 1) / WARPS;  // units per warp (the last warps may take one fewer)
+  u32 load[STEPS], store[STEPS];  // this lane's ldmatrix / stmatrix addresses of its units, from the tile bases
+  u32 sel_lo, sel_hi;             // prmt selectors: stored matrices 0, 2 take the even (odd) bytes, 1, 3 the others
+  int steps;                      // units of this warp: warp + WARPS k < UNITS
+
+  // The addresses depend on the lane and the unit only, not on the key tile or the stage (every stage starts on
+  // the 1024-byte swizzle period): computed once, so a unit costs one ldmatrix, four prmt and one stmatrix.
+  __device__ __forceinline__ Fp8Transposer(int warp, int lane) {
+    const int i = lane & 7, m = lane >> 3;
+    const bool odd_first = (lane >> 2) >= 4;  // this lane's row in stored matrices 0 and 2 is odd
+    sel_lo = odd_first ? 0x7531u : 0x6420u;
+    sel_hi = odd_first ? 0x6420u : 0x7531u;
+    steps = (UNITS - warp + WARPS - 1) / WARPS;
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+      const int u = min(warp + WARPS * k, UNITS - 1);
+      const int h = u / PAIRS, c0 = 2 * (u % PAIRS);
+      load[k] = Tr::TileKV::offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4)));
+      const int d = 16 * (c0 + (m >> 1)) + 2 * i + (((i >= 4) != ((m & 1) != 0)) ? 1 : 0);
+      store[k] = Tr::TileVt::offset(d, 8 * h);
+    }
   }
-}
+
+  // V (BLOCK_N x HEAD_DIM bytes) -> V^T (HEAD_DIM x BLOCK_N bytes, keys permuted within 16-key groups by
+  // fp8_key_of). A unit is one 16-key group h and two 16-byte column chunks c0, c0 + 1 of V, seen as 16-bit pairs of
+  // bytes: one ldmatrix.x4.trans (8 x 8 pair matrices: keys 0-7 and 8-15 of chunk c0, then of c0 + 1) gives lane
+  // (j = lane / 4, t = lane % 4) the pairs of column j at keys 2t, 2t + 1 and 8 + 2t, 9 + 2t: two prmt make the 4
+  // bytes of V^T rows 16 c + 2 j (even bytes) and 16 c + 2 j + 1 (odd) at positions 4t .. 4t + 3 of the group,
+  // exactly fp8_key_of's order; one stmatrix.x4 writes the 16-byte rows. Each stored matrix mixes 4 even and 4 odd
+  // rows (lanes with j < 4 give the even row of the first matrix, j >= 4 the odd one) so its 8 rows fall in 8
+  // distinct swizzled chunks: no bank conflict on either side.
+  __device__ __forceinline__ void operator()(u32 v_smem, u32 vt_smem) const {
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+      if (k < steps) {
+        u32 r[4];
+        ldmatrix_x4_trans(r, v_smem + load[k]);
+        stmatrix_x4(vt_smem + store[k], prmt(r[0], r[1], sel_lo), prmt(r[0], r[1], sel_hi), prmt(r[2], r[3], sel_lo),
+                    prmt(r[2], r[3], sel_hi));
+      }
+    }
+  }
+};
 
 // The online softmax of one key tile for FP8 P (softmax_probs with the +8 offset): m_new = max(m, rowmax(S) *
 // scale_log2), l = l * alpha + rowsum(P), S overwritten by P = exp2(S * scale_log2 - m_new + 8); alpha = exp2(m -
 // m_new) for O's rescale.
+// part[0] = part[0] op ... op part[N - 1] as a tree (N a power of two; the halving loop unrolls completely)
+template <int N, class Op>
+__device__ __forceinline__ float tree_reduce(float (&part)[N], Op op) {
+  static_assert((N & (N - 1)) == 0, "a power of two");
+  if constexpr (N > 1) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) part[i] = op(part[i], part[i + N / 2]);
+    return tree_reduce(reinterpret_cast<float(&)[N / 2]>(part), op);
+  } else {
+    return part[0];
+  }
+}
+
 template <int N_TILES, int D_TILES>
 __device__ __forceinline__ void fp8_softmax_probs(OnlineSoftmax<1, N_TILES, D_TILES>& softmax,
                                                   float (&s)[1][N_TILES][4], float scale_log2, float (&alpha)[2]) {
+  // the row max and row sum as trees (depth log2(2 N_TILES), not a chain of 2 N_TILES): with FP8's GEMMs twice as
+  // fast as 16-bit ones, the softmax's latency is what the other consumer's GEMMs must hide
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float tile_max = neg_inf();
+    float part[N_TILES];
 #pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+    for (int nt = 0; nt < N_TILES; ++nt) part[nt] = fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]);
+    const float tile_max = tree_reduce(part, [](float a, float b) { return fmaxf(a, b); });
     const float m_new = fmaxf(softmax.row_max[0][h], quad_max(tile_max) * scale_log2);
     const float m_use = (m_new == neg_inf()) ? 0.f : m_new;  // a row masked so far: exp2(-inf) = 0, not NaN
     alpha[h] = ex2_approx(softmax.row_max[0][h] - m_use);
     softmax.row_max[0][h] = m_new;
     const float shift = 8.f - m_use;
-    float sum = 0.f;
 #pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-      for (int c = 2 * h; c < 2 * h + 2; ++c) {
-        s[0][nt][c] = ex2_approx(fmaf(s[0][nt][c], scale_log2, shift));
-        sum += s[0][nt][c];
-      }
-    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + sum;
+    for (int nt = 0; nt < N_TILES; ++nt) {
+      s[0][nt][2 * h] = ex2_approx(fmaf(s[0][nt][2 * h], scale_log2, shift));
+      s[0][nt][2 * h + 1] = ex2_approx(fmaf(s[0][nt][2 * h + 1], scale_log2, shift));
+      part[nt] = s[0][nt][2 * h] + s[0][nt][2 * h + 1];
+    }
+    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + tree_reduce(part, [](float a, float b) { return a + b; });
   }
 }
 
@@ -213,7 +259,7 @@ __device__ __forceinline__ void fp8_probs_to_regs(const float (&s)[1][N_TILES][4
   }
 }
 
-// The TMA thread: Q, then K_i and V_i of the n_tiles key tiles from n_end - 1 down.
+// The TMA thread: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1} before V_i).
 template <class Tr>
 __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp8Smem<Tr>& sm, const Seq& seq,
                                                  int row0, int head, int batch, int n_end, int n_tiles) {
@@ -225,38 +271,42 @@ __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp
   for (int panel = 0; panel < Tr::PANELS; ++panel)
     cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * Tr::BOX_BYTES, &p.tma_q, sm.q_full(),
                                              panel * Tr::BOX_BYTES, seq.q_row0 + row0, head, q_batch);
-  int stage = 0;
-  u32 phase = 0;
-  for (int i = 0; i < n_tiles; ++i) {
-    const int key0 = seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N;
-    mbarrier_wait_or_trap(sm.k_empty(stage), phase ^ 1);
+  // K runs one tile ahead of V: K_{i+1} is issued before V_i, as the consumers need them together (S_{i+1} beside
+  // P_i V_i), so a V stage still being transposed never holds back the next S GEMM's K
+  auto load_k = [&](int i) {
+    const int stage = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.k_empty(stage), ((i / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
       cp_async_bulk_tensor_4d_global_to_shared(sm.k(stage) + panel * Tr::BLOCK_N * Tr::BOX_BYTES, &p.tma_k,
-                                               sm.k_full(stage), panel * Tr::BOX_BYTES, key0, kv_head, kv_batch);
-    mbarrier_wait_or_trap(sm.v_empty(stage), phase ^ 1);
+                                               sm.k_full(stage), panel * Tr::BOX_BYTES,
+                                               seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N, kv_head, kv_batch);
+  };
+  load_k(0);
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) load_k(i + 1);
+    const int stage = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.v_empty(stage), ((i / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
       cp_async_bulk_tensor_4d_global_to_shared(sm.v(stage) + panel * Tr::BLOCK_N * Tr::BOX_BYTES, &p.tma_v,
-                                               sm.v_full(stage), panel * Tr::BOX_BYTES, key0, kv_head, kv_batch);
-    if (++stage == Tr::STAGES) {
-      stage = 0;
-      phase ^= 1;
-    }
+                                               sm.v_full(stage), panel * Tr::BOX_BYTES,
+                                               seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N, kv_head, kv_batch);
   }
 }
 
 // The transposers (producer warps 1-3): V_i -> V^T_i for every key tile.
 template <class Tr>
 __device__ __forceinline__ void fwd_fp8_transposer(const Fp8Smem<Tr>& sm, int n_tiles, int warp, int lane) {
+  const Fp8Transposer<Tr> transpose(warp, lane);
   int stage = 0;
   u32 phase = 0;
   for (int i = 0; i < n_tiles; ++i) {
     mbarrier_wait_or_trap(sm.v_full(stage), phase);
     mbarrier_wait_or_trap(sm.vt_empty(stage), phase ^ 1);
-    fp8_transpose_v<Tr>(sm.v(stage), sm.vt(stage), warp, lane);
+    transpose(sm.v(stage), sm.vt(stage));
     fence_proxy_async_shared();  // V^T's generic writes before the consumers' wgmma (async proxy) reads
     mbarrier_arrive(sm.v_empty(stage));
     mbarrier_arrive(sm.vt_full(stage));
