@@ -31,6 +31,9 @@ shipped instantiation (6 kernel head dims x 2 dtypes x causal/not) plus zero-pad
 ("fp32": 3xTF32, "tf32": precision="tf32") and float64 ("fp64") cases run the forward and the backward (these
 dtypes have no deterministic backward) and cover every wide instantiation (config.all_wide_configs); they are
 checked against a float64 (float64 inputs: extended-precision) reference by their own rule (`_wide_rules`).
+The FP8 cases ("fp8", "fp8_varlen": e4m3 inputs with random descales) run the FP8 forward only (Hopper; elsewhere,
+and with CUFLASH_KERNELS=mma, they launch nothing and their result says so) and cover every FP8 instantiation;
+they are checked by the FP8 tests' rule (`_run_fp8`).
 
 initcheck: the kernels read no uninitialized memory by design (cp.async with src-size 0 zero-fills a
 tail row without reading it), so any initcheck report is a finding, not noise.
@@ -70,15 +73,17 @@ WORK_WEIGHT = {"fp32": 4.0, "tf32": 4.0, "fp64": 8.0}
 
 # --- the case set ------------------------------------------------------------------------------------
 
-KINDS = ("dense", "varlen", "kvcache")
+KINDS = ("dense", "varlen", "kvcache", "fp8", "fp8_varlen")
+FP8_KINDS = ("fp8", "fp8_varlen")
 
 
 @dataclass(frozen=True)
 class Case:
     """One problem. dense and varlen: forward, default backward and (16-bit dtypes) deterministic backward are all
     run on it; kvcache: attention_with_kvcache (forward only, 16-bit), appending seqlen_q new keys into a cache of
-    seqlen_k. dtype is the kernels' dtype name: "fp16", "bf16", or a wide one (config.WIDE_DTYPES): "fp32" (float32
-    inputs, precision None: 3xTF32), "tf32" (float32 inputs, precision="tf32"), "fp64" (float64 inputs)."""
+    seqlen_k; fp8 and fp8_varlen: the FP8 forward (e4m3 inputs with descales, forward only; dtype is O's), dense or
+    packed as varlen. dtype is the kernels' dtype name: "fp16", "bf16", or a wide one (config.WIDE_DTYPES): "fp32"
+    (float32 inputs, precision None: 3xTF32), "tf32" (float32 inputs, precision="tf32"), "fp64" (float64 inputs)."""
 
     name: str
     batch: int
@@ -154,6 +159,12 @@ class Case:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
         hd = self.kernel_head_dim
+        if self.kind in FP8_KINDS:  # Hopper's wgmma kernels only: nothing to launch on other targets or with mma
+            try:
+                return [config.select("forward_fp8", hd, self.dtype, self.kernel_causal, arch, mods=self.mods,
+                                      kernels=kernels)]
+            except ValueError:
+                return []
         if self.wide:  # the registry's wide families (every target); no deterministic backward, so no dQ kernel
             c, m = self.kernel_causal, self.mods
             return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
@@ -189,7 +200,8 @@ _MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (confi
 def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0,
           mods=0) -> Case:
     name = (f"d{d}-{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-b{b}h{h}"
-            + (f"kv{kv_heads}" if kv_heads else "") + (f"-{layout}-{strides}" if kind == "dense" else f"-{kind}")
+            + (f"kv{kv_heads}" if kv_heads else "") + (f"-{layout}-{strides}" if kind in ("dense", "fp8") else "")
+            + ("" if kind == "dense" else f"-{kind}")
             + ("-paged" if paged else "") + (f"-split{splits}" if splits else "")
             + "".join(f"-{n}" for bit, n in _MOD_NAMES if mods & bit))
     return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits, mods)
@@ -252,7 +264,26 @@ def default_cases() -> list[Case]:
             cases.append(_case(2, (3, 1, 17)[j % 3], 288 if j % 2 else 336, 4, hd, dtype, causal, "bshd", "contiguous",
                                kind="kvcache", kv_heads=(2, 4, 1)[j % 3], paged=bool(j % 2), splits=(1, 0, 3)[j % 3],
                                mods=mods))
-    return cases + wide_cases()
+    return cases + fp8_cases() + wide_cases()
+
+
+def fp8_cases() -> list[Case]:
+    """The FP8 forward: every instantiation (head dim x output dtype x full, causal, window), each on a seqlen pair
+    of _PAIRS, both layouts, every stride kind (padded, misaligned and transposed views are copied before the TMA
+    loads), grouped-query heads; and packed sequences (with an empty one and causal rows that see no key)."""
+    cases = []
+    pairs = _PAIRS[0] + _PAIRS[1]
+    for hi, hd in enumerate(config.FWD_SM90_FP8_TILES):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for mi, (causal, mods) in enumerate(((False, 0), (True, 0), (False, config.MOD_WINDOW))):
+                j = 6 * hi + 3 * di + mi
+                sq, sk = pairs[(j + hi) % len(pairs)]
+                cases.append(_case(1 + j % 2, sq, sk, 2, hd, dtype, causal, LAYOUTS[j % 2], STRIDES[j % 4],
+                                   kind="fp8", kv_heads=1 if j % 3 == 0 else 0, mods=mods))
+    cases += [_case(4, 203, 113, 2, 128, "bf16", True, "bshd", "contiguous", kind="fp8_varlen", kv_heads=1),
+              _case(4, 113, 203, 2, 64, "fp16", False, "bshd", "contiguous", kind="fp8_varlen"),
+              _case(4, 130, 130, 2, 256, "bf16", False, "bshd", "contiguous", kind="fp8_varlen", mods=config.MOD_WINDOW)]
+    return cases
 
 
 # The seqlen pairs of _PAIRS in one list; a wide dtype's (kernel head dim, causal) cases take every third one, so
@@ -804,6 +835,138 @@ def _run_varlen(case: Case, rng, verify: bool):
     return outputs, problems
 
 
+FP8_SCALINGS = ("tensor", "head", "block")
+
+
+def _fp8_scaling(case: Case) -> str:
+    """The descale granularity of an FP8 case (from its name, so each kind meets all three): a float for the
+    tensor, one per (batch, head), or one per (batch, head, 128-row block)."""
+    return FP8_SCALINGS[zlib.crc32(case.name.encode()) % 3]
+
+
+def _fp8_descale(rng, scaling: str, batch: int, heads: int, seqlen: int):
+    """Descale factors in [1/16, 1/4) of a scaling: a Python float or a float32 CuPy array ((batch, heads) or (batch,
+    heads, ceil(seqlen / 128))), and the same as float64 NumPy (batch, seqlen, heads, 1) row factors."""
+    import cupy as cp
+    import numpy as np
+
+    if scaling == "tensor":
+        f = float(np.float32(rng.uniform(1 / 16, 1 / 4)))
+        return f, np.full((batch, seqlen, heads, 1), f)
+    blocks = 1 if scaling == "head" else max(1, -(-seqlen // 128))
+    f = rng.uniform(1 / 16, 1 / 4, (batch, heads, blocks)).astype(np.float32)
+    rows = np.transpose(f[:, :, np.minimum(np.arange(seqlen) // 128, blocks - 1)], (0, 2, 1))[..., None]
+    return cp.asarray(f if blocks > 1 else f[:, :, 0]), rows.astype(np.float64)
+
+
+def _fp8_bits(rng, shape):
+    """e4m3 bits (uint8 NumPy) of standard normal values: every byte a finite e4m3 number."""
+    import ml_dtypes
+    import numpy as np
+
+    return rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def _fp8_values(x, layout: str):
+    """float64 NumPy (B, S, H, D) values of e4m3 bits (a CuPy array, any strides, in `layout`)."""
+    import cupy as cp
+    import ml_dtypes
+    import numpy as np
+
+    vals = cp.asnumpy(x).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    return vals if layout == "bshd" else vals.transpose(0, 2, 1, 3)
+
+
+def _run_fp8(case: Case, rng, verify: bool):
+    """The FP8 forward of a case (attention_forward, or attention_varlen_forward for fp8_varlen) on e4m3 bits with
+    random descales; the pass rule of the FP8 tests (README.md, Tests): O within 2x the emulated FP8 error (P rounded
+    to e4m3, reference.attention_fp8_emulated64) plus O's own rounding of the float64 reference of the dequantized
+    inputs, lse within 1e-2. Where no FP8 kernel runs (not Hopper, or CUFLASH_KERNELS=mma) nothing is launched and
+    no output returned: run_case notes it in the result (the FP8 API refuses those targets with a clear error)."""
+    import cupy as cp
+    import numpy as np
+
+    from . import _compile, attention_forward, attention_varlen_forward
+    from . import reference as refmod
+
+    if not case.configs(_compile.device_arch()):
+        return {}, []
+    scaling = _fp8_scaling(case)
+    window = case.mod_options().get("window")
+    kw = {"causal": case.causal, "window": window, "out_dtype": case.dtype}
+    if case.kind == "fp8":
+        q, k, v = (strided_view(case, s, h, lambda shape: cp.asarray(_fp8_bits(rng, shape)))
+                   for s, h in ((case.seqlen_q, case.heads), (case.seqlen_k, case.heads_kv),
+                                (case.seqlen_k, case.heads_kv)))
+        (qd, qr), (kd, kr), (vd, vr) = (_fp8_descale(rng, scaling, case.batch, h, s)
+                                        for s, h in ((case.seqlen_q, case.heads), (case.seqlen_k, case.heads_kv),
+                                                     (case.seqlen_k, case.heads_kv)))
+        o, lse = attention_forward(q, k, v, layout=case.layout, q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+        if not verify:
+            return {"o": o, "lse": lse}, []
+        q64, k64, v64 = (_fp8_values(x, case.layout) * r for x, r in ((q, qr), (k, kr), (v, vr)))
+        o64, lse64 = refmod.attention_forward64(q64, k64, v64, case.causal, window=window)
+        emul = refmod.attention_fp8_emulated64(q64, k64, v64, case.causal, window=window)
+        got = _fp8_out64(o)
+        got = got if case.layout == "bshd" else got.transpose(0, 2, 1, 3)
+        lse64_cmp, lse_cmp = lse64, lse
+    else:  # packed: a descale per sequence (its batch index), head and 128-row block of the sequence's rows
+        lens_q, lens_k = _varlen_lengths(case)
+        cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+        tq, tk = int(cu_q[-1]), int(cu_k[-1])
+        q, k, v = (cp.asarray(_fp8_bits(rng, (t, h, case.head_dim)))
+                   for t, h in ((tq, case.heads), (tk, case.heads_kv), (tk, case.heads_kv)))
+
+        def packed(lens, heads):  # (descale argument, float64 (1, total, heads, 1) row factors)
+            arg, per_seq = _fp8_descale(rng, scaling, case.batch, heads, max(lens))  # per_seq (B, S_max, H, 1)
+            seq = np.repeat(np.arange(case.batch), lens)
+            local = np.concatenate([np.arange(n) for n in lens]) if sum(lens) else np.zeros(0, dtype=np.int64)
+            return arg, per_seq[seq, local][None]
+
+        (qd, qr), (kd, kr), (vd, vr) = packed(lens_q, case.heads), packed(lens_k, case.heads_kv), \
+            packed(lens_k, case.heads_kv)
+        o, lse = attention_varlen_forward(q, k, v, cp.asarray(cu_q), cp.asarray(cu_k), max(lens_q), max(lens_k),
+                                          q_descale=qd, k_descale=kd, v_descale=vd, **kw)
+        if not verify:
+            return {"o": o, "lse": lse}, []
+        q64, k64, v64 = (_fp8_values(x[None], "bshd") * r for x, r in ((q, qr), (k, kr), (v, vr)))
+        o64 = np.zeros((1, tq, case.heads, case.head_dim))
+        emul = np.zeros_like(o64)
+        lse64 = np.full((1, case.heads, tq), -np.inf)
+        for b in range(case.batch):
+            sq_, sk_ = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            if cu_q[b + 1] > cu_q[b]:
+                o64[:, sq_], lse64[:, :, sq_] = refmod.attention_forward64(q64[:, sq_], k64[:, sk_], v64[:, sk_],
+                                                                           case.causal, window=window)
+                emul[:, sq_] = refmod.attention_fp8_emulated64(q64[:, sq_], k64[:, sk_], v64[:, sk_], case.causal,
+                                                               window=window)
+        got = _fp8_out64(o)[None]
+        lse64_cmp, lse_cmp = lse64[0], lse  # lse (heads, total_q)
+    problems = []
+    out_round = (2.0 ** -8 if case.dtype == "bf16" else 2.0 ** -11) * float(np.abs(o64).max(initial=0.0))
+    err = float(np.abs(np.nan_to_num(got, nan=np.inf) - o64).max(initial=0.0))
+    bound = 2.0 * float(np.abs(emul - o64).max(initial=0.0)) + out_round + 1e-5
+    if not err <= bound:
+        problems.append(f"o: {err:.3e} > {bound:.3e} (FP8: 2x the emulated P rounding + O's rounding)")
+    lse_h = cp.asnumpy(lse_cmp).astype(np.float64)
+    finite = np.isfinite(lse64_cmp)
+    if not (np.isfinite(lse_h) == finite).all():
+        problems.append("lse: -inf rows differ from the reference")
+    elif lse_h.size:
+        lse_err = float(np.abs(np.where(finite, lse_h, 0.0) - np.where(finite, lse64_cmp, 0.0)).max())
+        if lse_err > 1e-2:
+            problems.append(f"lse: {lse_err:.3e} > 1e-2")
+    return {"o": o, "lse": lse}, problems
+
+
+def _fp8_out64(o):
+    """float64 NumPy of an FP8 forward's O (float16 or bfloat16: converted on the host, no kernel)."""
+    import cupy as cp
+    import numpy as np
+
+    return cp.asnumpy(o).astype(np.float64)
+
+
 def _run_kvcache(case: Case, rng, verify: bool):
     import cupy as cp
     import numpy as np
@@ -884,13 +1047,17 @@ def run_case(case: Case, verify: bool) -> dict:
     rng = np.random.default_rng(zlib.crc32(case.name.encode()))
     if case.kind != "dense":
         t0 = time.perf_counter()
-        outputs, problems = (_run_varlen if case.kind == "varlen" else _run_kvcache)(case, rng, verify)
+        run = {"varlen": _run_varlen, "kvcache": _run_kvcache, "fp8": _run_fp8, "fp8_varlen": _run_fp8}[case.kind]
+        outputs, problems = run(case, rng, verify)
         cp.cuda.Device().synchronize()
         seconds = time.perf_counter() - t0
         for name, x in outputs.items():
             problems = _host_problems(name, x, is_lse=(name == "lse")) + problems
         digests = {name: _digest(x) for name, x in outputs.items() if name != "dq_atomic"}
-        return {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}
+        result = {"case": case.name, "seconds": round(seconds, 3), "digests": digests, "problems": problems}
+        if not outputs:
+            result["note"] = "no FP8 kernel on this target (Hopper's wgmma kernels only): nothing launched"
+        return result
     q = _driver_input(rng, case, case.seqlen_q)
     k = _driver_input(rng, case, case.seqlen_k, case.heads_kv)
     v = _driver_input(rng, case, case.seqlen_k, case.heads_kv)
@@ -1114,7 +1281,7 @@ def sanitize(args) -> int:
     print(f"compute-sanitizer: {exe} ({version[-1] if version else 'unknown version'})")
     only = f", --only {args.only!r}" if args.only else ""
     print(f"{len(selected)} cases ({set_name} set{only}), each: forward, backward (atomic dQ), backward "
-          f"(deterministic; 16-bit only); "
+          f"(deterministic; 16-bit only); FP8: forward only; "
           f"kernels: {config.KERNELS} (CUFLASH_KERNELS); logs in {out_dir}")
     t_all = time.perf_counter()
 

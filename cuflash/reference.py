@@ -319,6 +319,24 @@ def attention_forward64(q, k, v, causal=False, softmax_scale=None, *, window=Non
     return o, lse
 
 
+def attention_fp8_emulated64(q, k, v, causal=False, softmax_scale=None, *, window=None):
+    """The FP8 forward's own rounding, emulated in float64 on real-valued (dequantized) q, k, v of shape (B, S, H,
+    D): P = exp(S - m) * 256 rounded to e4m3 (the kernel scales P by 2^8 to use e4m3's range), O = P V / sum(P) with
+    the row sum of the unrounded P. m is the row's maximum here; the kernel uses its running maximum, so the two
+    differ by where P's rounding falls, not by how large it is. Returns O (B, Sq, H_q, D) float64."""
+    import ml_dtypes
+
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    k, v = repeat_kv(k, q.shape[2]), repeat_kv(v, q.shape[2])
+    s, _ = _logits64(q, k, _scale(softmax_scale, q.shape[-1]), causal, window, None, None)
+    m = s.max(axis=-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0.0)) * 256.0
+    l = p.sum(axis=-1, keepdims=True)
+    p8 = p.astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.einsum("bhij,bjhd->bihd", p8, v) / np.transpose(np.where(l > 0, l, 1.0), (0, 2, 1, 3))
+
+
 def attention_backward64(do, q, k, v, causal=False, softmax_scale=None, *, window=None, alibi_slopes=None,
                          softcap=None, dropout_mask=None, dropout_p=0.0, bias=None, mask=None, key_padding_mask=None):
     """float64 gradients of attention_forward64's output (same modifiers; the slopes and masks are not

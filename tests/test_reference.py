@@ -858,3 +858,16 @@ def test_kvcache_references_reject_bad_new_arguments(mod, change, exc, parts):
             call()
         missing = [p for p in parts if p not in str(e.value)]
         assert not missing, f"{mod.__name__}: message lacks {missing}: {str(e.value)!r}"
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (7, 3))])
+def test_fp8_emulation_is_attention_with_p_rounded_to_e4m3(causal, window):
+    """attention_fp8_emulated64 (the FP8 forward's yardstick): P = exp(S - m) 2^8 rounded to e4m3 moves each
+    probability by at most 2^-4 of itself (e4m3 keeps 3 mantissa bits; the scaled P stays in e4m3's normal range
+    down to 2^-14 of the row maximum), so O moves by at most 2^-4 max|v|, and by something: the rounding is real."""
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.standard_normal((2, n, 3, 16)) for n in (37, 53, 53))
+    o64, _ = reference.attention_forward64(q, k, v, causal, window=window)
+    emul = reference.attention_fp8_emulated64(q, k, v, causal, window=window)
+    err = np.abs(emul - o64).max()
+    assert 1e-4 < err <= 2.0 ** -4 * np.abs(v).max() + 2.0 ** -14 * 53 * np.abs(v).max(), err

@@ -17,8 +17,7 @@
 #   sweep         the 2000-configuration gpu_slow sweep
 #   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
 #   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen; bench_bias: --bias $BIAS_ARGS
-#   bench_fp8     python -m cuflash.bench --fp8 $FP8_ARGS (JSON kept); fp8_accuracy: tools/fp8_accuracy.py (JSON kept);
-#                 sanitize_fp8: compute-sanitizer's four tools over tools/fp8_sanitize_cases.py
+#   bench_fp8     python -m cuflash.bench --fp8 $FP8_ARGS (JSON kept); fp8_accuracy: tools/fp8_accuracy.py (JSON kept)
 #   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
 #   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
@@ -109,15 +108,7 @@ stage_bench_varlen() { TAIL=12 run_logged bench_varlen 180 $PY -m cuflash.bench 
 stage_bench_fp8() {
   TAIL=40 run_logged bench_fp8 "${FP8_TIMEOUT:-400}" $PY -m cuflash.bench --fp8 ${FP8_ARGS:-} --json "$OUT/bench_fp8.json"
 }
-stage_fp8_accuracy() { TAIL=14 run_logged fp8_accuracy 200 $PY tools/fp8_accuracy.py --json "$OUT/fp8_accuracy.json"; }
-stage_sanitize_fp8() {
-  # compute-sanitizer over the FP8 forward (dense, causal, window, GQA, varlen; every head dim): the FP8 kernels are
-  # not among cuflash.check's cases
-  for tool in memcheck racecheck synccheck initcheck; do
-    TAIL=6 run_logged "sanitize_fp8_$tool" 300 compute-sanitizer --tool "$tool" --error-exitcode 1 \
-      $PY tools/fp8_sanitize_cases.py
-  done
-}
+stage_fp8_accuracy() { TAIL=24 run_logged fp8_accuracy 200 $PY tools/fp8_accuracy.py --json "$OUT/fp8_accuracy.json"; }
 stage_ring_env() {
   {
     date -u
