@@ -34,7 +34,8 @@ def is_fp8(x) -> bool:
 
 class Descaled(NamedTuple):
     """One operand's descale factors as the kernel reads them: address and (batch, head, block) strides in elements
-    (0 broadcasts); `array` keeps a converted scalar alive until the launch is queued."""
+    (0 broadcasts). A number (or None) is validated here but put on the GPU only at the launch (`_descale_ptr`), so
+    that no argument's error comes after a GPU allocation: then ptr is 0 and `array` holds the float."""
 
     ptr: int
     strides: tuple
@@ -109,10 +110,7 @@ def _descale(x, name: str, batch: int, heads: int, seqlen: int, device: int, hea
         value = 1.0 if x is None else float(x)
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"{name}={x!r} must be finite and > 0")
-        cp = _launch.cupy()
-        with _launch.on_device(cp, device):
-            a = _scalar_array(cp, device, value)
-        return Descaled(a.data.ptr, (0, 0, 0), a)
+        return Descaled(0, (0, 0, 0), value)
     info = _validate.array_info(x, name)
     if info.dtype != np.float32:
         raise TypeError(f"{name}.dtype={info.dtype} is not supported; {name} must be {allowed}")
@@ -254,7 +252,8 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None):
             fwd.mods = _families.mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
         params.fwd = fwd
         for field, d in zip(("q_descale", "k_descale", "v_descale"), a.descales):
-            setattr(params, field, _tma.Descale(d.ptr, *d.strides, 0))
+            ptr = _scalar_array(cp, a.device, d.array).data.ptr if isinstance(d.array, float) else d.ptr
+            setattr(params, field, _tma.Descale(ptr, *d.strides, 0))
         kernel.launch(cfg.grid(a.batch, a.heads_q, a.seqlen_q), params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
 

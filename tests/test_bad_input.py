@@ -455,3 +455,59 @@ def test_deterministic_window_bias_at_d256_is_refused_before_sm90(monkeypatch):
     monkeypatch.setattr(_launch, "device_arch", lambda device: "sm_90a")
     with pytest.raises(AssertionError, match="the GPU was used"):
         bwd(a, bias=bias, window=(4, 4), deterministic=True)
+
+
+# --- FP8 inputs: metadata only ---------------------------------------------------------------------------------
+
+U8 = np.dtype(np.uint8)
+
+
+@pytest.fixture
+def fp8_metadata_only(metadata_only, monkeypatch):
+    """metadata_only, with FakeCupyArray uint8 arrays taken as FP8 (e4m3 bits) like CuPy uint8 arrays."""
+    from cuflash import _fp8
+
+    real = _fp8.is_fp8
+    monkeypatch.setattr(_fp8, "is_fp8", lambda x: (isinstance(x, FakeCupyArray) and x.dtype == U8) or real(x))
+
+
+def fp8_fakes(**replace):
+    return fakes(d=128, dtype=U8, **replace)
+
+
+# (id, call, exception type, message fragments): each rejected before any GPU use, even where an earlier descale
+# is a number (put on the GPU only at the launch)
+FP8_CPU_CASES = [
+    ("fp8-q-descale-nan", lambda: att(fp8_fakes(), q_descale=float("nan")), ValueError,
+     ["q_descale=nan", "finite and > 0"]),
+    ("fp8-k-descale-inf", lambda: att(fp8_fakes(), q_descale=0.5, k_descale=math.inf), ValueError,
+     ["k_descale=inf", "finite and > 0"]),
+    ("fp8-v-descale-zero", lambda: fwd(fp8_fakes(), v_descale=0.0), ValueError, ["v_descale=0.0", "finite and > 0"]),
+    ("fp8-k-bf16", lambda: att(fp8_fakes(k=F((2, 24, 2, 128), BF16))), TypeError,
+     ["k.dtype=bfloat16", "FP8 attention takes q, k and v as CuPy uint8"]),
+    ("fp8-k-descale-shape", lambda: att(fp8_fakes(), k_descale=F((2, 3), F32)), ValueError,
+     ["k_descale has shape (2, 3)", "(batch, heads_kv) = (2, 2)"]),
+    ("fp8-q-descale-blocks", lambda: att(fp8_fakes(), q_descale=F((2, 2, 2), F32)), ValueError,
+     ["q_descale has shape (2, 2, 2)", "ceil(seqlen / 128)) = (2, 2, 1)"]),
+    ("fp8-v-descale-float64", lambda: att(fp8_fakes(), v_descale=F((2, 2), np.float64)), TypeError,
+     ["v_descale.dtype=float64"]),
+    ("fp8-descale-other-device", lambda: att(fp8_fakes(), q_descale=F((2, 2), F32, device=1)), ValueError,
+     ["q_descale is on device 1", "q is on device 0"]),
+    ("fp8-alibi", lambda: att(fp8_fakes(), alibi_slopes=F((2,), F32)), ValueError,
+     ["alibi_slopes", "not supported with FP8 inputs"]),
+    ("fp8-head-dim-96", lambda: att(fakes(d=96, dtype=U8)), ValueError, ["head_dim=96", "not supported for FP8"]),
+    ("fp8-out-dtype", lambda: att(fp8_fakes(), out_dtype="float32"), ValueError,
+     ["out_dtype='float32'", "'bf16'", "'fp16'"]),
+    ("bf16-with-descale", lambda: att(fakes(dtype=BF16), k_descale=0.5), ValueError,
+     ["k_descale applies to FP8 inputs only"]),
+]
+
+
+@pytest.mark.usefixtures("fp8_metadata_only")
+@pytest.mark.parametrize("call,exc,parts", _params(FP8_CPU_CASES))
+def test_bad_fp8_call_is_rejected_before_the_gpu(call, exc, parts):
+    with pytest.raises(exc) as e:
+        call()
+    msg = str(e.value)
+    missing = [p for p in parts if p not in msg]
+    assert not missing, f"message lacks {missing}: {msg!r}"
