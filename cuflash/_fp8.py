@@ -129,6 +129,15 @@ def _descale(x, name: str, batch: int, heads: int, seqlen: int, device: int, hea
     return Descaled(info.ptr, tuple(strides), None)
 
 
+def _descales(args: tuple, batch: int, heads_q: int, heads_kv: int, seqlen_q: int, seqlen_k: int,
+              device: int) -> tuple:
+    """Descaled of q_descale, k_descale, v_descale (`args`): q's per query head, k's and v's per K/V head."""
+    return tuple(_descale(x, name, batch, heads, seqlen, device, what)
+                 for x, name, heads, seqlen, what in zip(args, ("q_descale", "k_descale", "v_descale"),
+                                                         (heads_q, heads_kv, heads_kv), (seqlen_q, seqlen_k, seqlen_k),
+                                                         ("heads", "heads_kv", "heads_kv")))
+
+
 def _check_inputs(q, k, v, refused: dict):
     """ArrayInfo of q, k, v after the checks every FP8 call makes: uint8 arrays, no refused argument given."""
     qi, ki, vi = _validate.array_info(q, "q"), _validate.array_info(k, "k"), _validate.array_info(v, "v")
@@ -172,9 +181,8 @@ def problem_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     out = _out_dtype(out_dtype)
     mods = _problem._mods(causal, window, None, None, 0.0, None, 0, m.batch, m.heads_q, m.device, "bf16",
                           m.max_seqlen_q, m.max_seqlen_k)
-    descales = (_descale(q_descale, "q_descale", m.batch, m.heads_q, m.max_seqlen_q, m.device, "heads"),
-                _descale(k_descale, "k_descale", m.batch, m.heads_kv, m.max_seqlen_k, m.device, "heads_kv"),
-                _descale(v_descale, "v_descale", m.batch, m.heads_kv, m.max_seqlen_k, m.device, "heads_kv"))
+    descales = _descales((q_descale, k_descale, v_descale), m.batch, m.heads_q, m.heads_kv, m.max_seqlen_q,
+                         m.max_seqlen_k, m.device)
     return Fp8Attention("packed", m.batch, m.heads_q, m.heads_kv, m.head_dim, m.max_seqlen_q, m.max_seqlen_k,
                         _problem.packed_dims(qi), _problem.packed_dims(ki), _problem.packed_dims(vi), (qi, ki, vi),
                         scale, mods, m.device, out, descales, m.total_q, m.total_k)
@@ -203,9 +211,8 @@ def problem(q, k, v, causal, softmax_scale, layout, window, q_descale, k_descale
     out = _out_dtype(out_dtype)
     mods = _problem._mods(causal, window, None, None, 0.0, None, 0, dq.batch, dq.heads, qi.device, "bf16",
                           dq.seqlen, dk.seqlen)
-    descales = (_descale(q_descale, "q_descale", dq.batch, dq.heads, dq.seqlen, qi.device, "heads"),
-                _descale(k_descale, "k_descale", dk.batch, dk.heads, dk.seqlen, qi.device, "heads_kv"),
-                _descale(v_descale, "v_descale", dv.batch, dv.heads, dv.seqlen, qi.device, "heads_kv"))
+    descales = _descales((q_descale, k_descale, v_descale), dq.batch, dq.heads, dk.heads, dq.seqlen, dk.seqlen,
+                         qi.device)
     return Fp8Attention(layout, dq.batch, dq.heads, dk.heads, dq.head_dim, dq.seqlen, dk.seqlen, dq, dk, dv,
                         (qi, ki, vi), scale, mods, qi.device, out, descales)
 

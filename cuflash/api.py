@@ -10,14 +10,16 @@ from ._plan import ARRAY, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
 
 # Calls with score modifiers are not planned: their values go the full path, which validates them.
 _PLAIN = dict(window=None, alibi_slopes=None, softcap=None, bias=None, mask=None, key_padding_mask=None,
-              dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False, dbias=False)
+              dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False, dbias=False,
+              q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
+_FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
 _FWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "mask", "key_padding_mask",
                                                "dropout_p", "seed", "offset", "return_dropout_mask"))
 _BWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "dbias", "mask",
                                                "key_padding_mask", "dropout_p", "seed", "offset"))
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
-                                     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS),
-                       _PLAIN)
+                                     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS,
+                                     *_FP8_ARGS), _PLAIN)
 _FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN)
 _BACKWARD = Signature("attention_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("causal", OPTION),
@@ -99,12 +101,9 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
         >>> o.shape, lse.shape
         ((2, 1024, 8, 64), (2, 8, 1024))
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
-        return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
-                            key_padding_mask, dropout_p, return_dropout_mask, precision, q_descale, k_descale,
-                            v_descale, out_dtype, with_lse=True)
     key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
-                       key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
+                       key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale,
+                       out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
         out = _plan.replay(plan, (q, k, v))
@@ -112,7 +111,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
                     return_dropout_mask, key, with_lse=True, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
-                    precision=precision)
+                    precision=precision, fp8=(q_descale, k_descale, v_descale, out_dtype))
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
@@ -129,12 +128,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
         >>> q = cp.random.randn(1, 4096, 16, 128).astype(ml_dtypes.bfloat16)
         >>> o = cuflash.attention(q, q, q, causal=True)
     """
-    if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None:
-        return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
-                            key_padding_mask, dropout_p, return_dropout_mask, precision, q_descale, k_descale,
-                            v_descale, out_dtype, with_lse=False)
     key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
-                         key_padding_mask, dropout_p, seed, offset, return_dropout_mask)
+                         key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale,
+                         v_descale, out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
         o = _plan.replay(plan, (q, k, v))
@@ -142,16 +138,20 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
                     return_dropout_mask, key, with_lse=False, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
-                    precision=precision)
+                    precision=precision, fp8=(q_descale, k_descale, v_descale, out_dtype))
+
+
+_NO_FP8 = (None, None, None, None)
 
 
 def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
-             return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None, precision=None):
-    """The full path of attention / attention_forward: o without lse (the kernel then writes none)."""
-    if _fp8.is_fp8(q):  # FP8 calls are not planned: they always come here
+             return_dropout_mask, key, with_lse, bias=None, mask=None, key_padding_mask=None, precision=None,
+             fp8=_NO_FP8):
+    """The full path of attention / attention_forward: o without lse (the kernel then writes none). fp8: q_descale,
+    k_descale, v_descale, out_dtype."""
+    if fp8 != _NO_FP8 or _fp8.is_fp8(q):  # FP8 calls are not planned (their key is None): they always come here
         return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
-                            key_padding_mask, dropout_p, return_dropout_mask, precision, None, None, None, None,
-                            with_lse=with_lse)
+                            key_padding_mask, dropout_p, return_dropout_mask, precision, *fp8, with_lse=with_lse)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
                            offset, bias, mask, key_padding_mask, precision)

@@ -346,7 +346,7 @@ def test_replaced_kernel_table_or_full_cache_drops_plans(monkeypatch):
     cuflash.attention(q, k, v)
     monkeypatch.setattr(_launch, "_kernels", {})  # what a test that counts kernel loads does
     assert _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, None, 0.0, None, 0,
-                                            False)) is None
+                                            False, None, None, None, None)) is None
     small = _plan.PlanCache(size=3)
     for i in range(5):
         small.put(i, types_plan())
@@ -458,6 +458,8 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     # the kv cache's rotary embedding and index arrays: not planned either
     "rotary_cos": "cos", "rotary_sin": "sin", "rotary_interleaved": False, "cache_batch_idx": "idx",
     "cache_leftpad": "leftpad",
+    # FP8 (e4m3) inputs' descales and output dtype: not planned
+    "q_descale": "qd", "k_descale": 0.5, "v_descale": "vd", "out_dtype": "fp16",
 }
 
 
@@ -480,7 +482,7 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
     assert base is not None
     for p in options:
         value = OTHER_VALUES[p.name]
-        if isinstance(value, str) and p.name not in ("layout", "precision"):
+        if isinstance(value, str) and p.name not in ("layout", "precision", "out_dtype"):
             value = A((1, 8, 2, 64), F16)
         changed = key_fn(**{**positional, **defaults, p.name: value})
         assert changed != base, f"{fn}: {p.name}={value!r} gives the key of its default"
