@@ -149,7 +149,7 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
              fp8=_NO_FP8):
     """The full path of attention / attention_forward: o without lse (the kernel then writes none). fp8: q_descale,
     k_descale, v_descale, out_dtype."""
-    if fp8 != _NO_FP8 or _fp8.is_fp8(q):  # FP8 calls are not planned (their key is None): they always come here
+    if any(x is not None for x in fp8) or _fp8.is_fp8(q):  # FP8 calls are not planned (key None): always here
         return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
                             key_padding_mask, dropout_p, return_dropout_mask, precision, *fp8, with_lse=with_lse)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")

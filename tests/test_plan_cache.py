@@ -486,3 +486,19 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
             value = A((1, 8, 2, 64), F16)
         changed = key_fn(**{**positional, **defaults, p.name: value})
         assert changed != base, f"{fn}: {p.name}={value!r} gives the key of its default"
+
+
+def test_fp8_arguments_reach_the_fp8_path(monkeypatch):
+    """A descale given as an array (or a number) or an out_dtype sends attention / attention_forward to the FP8
+    forward, whatever q is: the full path routes on them (their plan key is None)."""
+    from cuflash import _fp8
+
+    seen = []
+    monkeypatch.setattr(api, "_fp8_forward", lambda *args, **kw: seen.append(args[15:19]) or "fp8")
+    q = A((1, 8, 2, 64), F16)
+    arr = np.ones((1, 2), np.float32)  # an array argument: its truth value is ambiguous, never asked
+    for fn in (cuflash.attention, cuflash.attention_forward):
+        for kw in ({"q_descale": arr}, {"k_descale": 0.5}, {"v_descale": arr}, {"out_dtype": "fp16"}):
+            assert fn(q, q, q, **kw) == "fp8", (fn.__name__, kw)
+    assert len(seen) == 8 and all(any(x is not None for x in args) for args in seen)
+    assert not _fp8.is_fp8(q)
