@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _launch, _validate, api
+from cuflash import _launch, _validate
 from cuflash._validate import ArrayInfo
 
 FP16 = np.dtype(np.float16)
