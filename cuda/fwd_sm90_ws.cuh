@@ -59,6 +59,11 @@
 // (varlen: row0 >= len_q) returns before the barriers are initialized (both decisions are uniform in the CTA).
 //
 // ---- persistent: the protocol across work items ----------------------------------------------------------
+// The producer thread picks the CTA's items (blockIdx.x first, then a fixed stride of gridDim.x, or the next
+// untaken item of a queue in global memory: FwdWsParams.queue) and passes each index to the consumers through a
+// two-slot ring in shared memory: item u goes to slot u % 2 once item_empty[slot] has completed for item u - 2
+// (256 arrivals, each consumer thread's after its read of the slot), then the producer arrives on item_full[slot];
+// consumers wait item_full[slot] with parity (u / 2) & 1. An index >= items ends both roles (it is passed on too).
 // Both roles walk the same items (WsItem::init from the same index) and skip the same ones (the producer every
 // item without a visible key tile; the consumers write O = 0, lse = -inf for those with none). The K/V rings are
 // not drained between items: the producer's and each consumer's (stage, phase) (WsPipe) carry on, so the tile
@@ -114,10 +119,13 @@ struct FwdWsParams {
   FwdParams fwd;  // the pointers and strides of fwd_sm90_kernel (o, lse, strides, seq lengths, scale)
   int m_blocks;   // query blocks of BLOCK_M rows per (batch, head): ceil(seqlen_q / BLOCK_M) (max_seqlen_q if packed)
   int items;      // m_blocks * heads * batch: the work items a persistent grid walks (read only when PERSISTENT)
+  int* queue;     // persistent: null, each CTA takes items blockIdx.x + k gridDim.x; else two int32 counters, zero
+                  // at launch and left at zero (next item - gridDim.x, CTAs done), from which CTAs take items
 };
 static_assert(sizeof(TmaDesc) == 128 && alignof(TmaDesc) == 64, "a CUtensorMap is 128 bytes, 64-byte aligned");
 // (no offsetof: NVRTC 13.0 has no __builtin_offsetof) three 128-byte maps, then FwdParams (8-byte aligned) at
-// 384 with no padding in between, m_blocks and items at 904 and 908; the struct rounds up to its 64-byte alignment
+// 384 with no padding in between, m_blocks and items at 904 and 908, queue at 912; the struct rounds up to its
+// 64-byte alignment
 static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 520 && alignof(FwdWsParams) == 64 &&
                   sizeof(FwdWsParams) == 960,
               "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 960 bytes");
@@ -149,9 +157,11 @@ struct FwdSm90WsTraits {
   using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
-  // q_full, q_empty (persistent only), k_full[], k_empty[], v_full[], v_empty[]
+  // q_full, q_empty (persistent only), k_full[], k_empty[], v_full[], v_empty[], then, persistent only, the work
+  // item ring: item_full[2], item_empty[2] and one 8-byte word holding the two slots' item indices
   static constexpr int Q_BARRIERS = PERSISTENT ? 2 : 1;
-  static constexpr int BARRIERS = Q_BARRIERS + 4 * STAGES;
+  static constexpr int ITEM_WORDS = PERSISTENT ? 5 : 0;
+  static constexpr int BARRIERS = Q_BARRIERS + 4 * STAGES + ITEM_WORDS;
   // A persistent CTA stages O in a buffer of its own where shared memory allows, so that the next item's Q can
   // load while this item's last tile and epilogue run; otherwise (and always when not persistent) O is staged
   // in Q's rows, and the next Q waits for the epilogue's reads.
@@ -260,6 +270,16 @@ struct WsSmem {
   }
   __device__ __forceinline__ u32 v_empty(int stage) const {
     return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 3 * Tr::STAGES + stage);
+  }
+  // persistent: the work item ring (two slots)
+  __device__ __forceinline__ u32 item_full(int slot) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 4 * Tr::STAGES + slot);
+  }
+  __device__ __forceinline__ u32 item_empty(int slot) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 4 * Tr::STAGES + 2 + slot);
+  }
+  __device__ __forceinline__ u32 item_slot(int slot) const {
+    return base + Tr::OFF_BAR + 8 * (Tr::Q_BARRIERS + 4 * Tr::STAGES + 4) + 4 * slot;
   }
 };
 
@@ -636,12 +656,19 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   }
 }
 
-// Thread 0 initializes the mbarriers (q_empty only when persistent); the caller syncs the CTA after it.
+// Thread 0 initializes the mbarriers (q_empty and the item ring only when persistent); the caller syncs the CTA
+// after it.
 template <class Tr>
 __device__ __forceinline__ void ws_init_barriers(const WsSmem<Tr>& sm) {
   if (threadIdx.x != 0) return;
   mbarrier_init(sm.q_full(), 1);
-  if (Tr::PERSISTENT) mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+  if (Tr::PERSISTENT) {
+    mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+    for (int slot = 0; slot < 2; ++slot) {
+      mbarrier_init(sm.item_full(slot), 1);
+      mbarrier_init(sm.item_empty(slot), Tr::CONSUMER_THREADS);
+    }
+  }
 #pragma unroll
   for (int s = 0; s < Tr::STAGES; ++s) {
     mbarrier_init(sm.k_full(s), 1);
@@ -723,10 +750,14 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
                                                 n_tiles, tiles, n_begin, pipe, 0);
     }
   } else {
-    // Persistent: CTA c of a grid of at most one CTA per SM takes work items c, c + gridDim.x, ... of the
-    // m_blocks * heads * batch (WsItem), so each role runs into the next item's loads (producer) and GEMMs
-    // (consumers) without a new CTA's start, and the next item's Q, K and V load under this item's last key tile
-    // and epilogue. Both roles derive the same items and skip the same ones.
+    // Persistent: a grid of at most one CTA per SM walks the m_blocks * heads * batch work items (WsItem), so each
+    // role runs into the next item's loads (producer) and GEMMs (consumers) without a new CTA's start, and the
+    // next item's Q, K and V load under this item's last key tile and epilogue. The producer thread decides which
+    // items its CTA takes and passes each index to the consumers through a two-slot ring in shared memory
+    // (item_full: its arrival after the slot's store; item_empty: one arrival per consumer thread after its read);
+    // an index >= items ends both roles. CTA c takes item c first, then, without a queue, c + gridDim.x, ...
+    // (items of equal cost), or, with one (p.queue), the next untaken item: an atomicAdd on the queue's counter,
+    // issued when this item's loads start, so its round trip is hidden. Both roles skip the same items.
     ws_init_barriers<Tr>(sm);
     __syncthreads();
 
@@ -738,16 +769,43 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
       prefetch_tensormap(&p.tma_q);
       prefetch_tensormap(&p.tma_k);
       prefetch_tensormap(&p.tma_v);
-      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
+      int index = blockIdx.x;
+      for (u32 u = 0;; ++u) {
+        // pass the index on: the slot is free once the consumers have read what it held two items ago
+        const int slot = u & 1;
+        mbarrier_wait_or_trap(sm.item_empty(slot), ((u >> 1) & 1) ^ 1);
+        st_shared_s32(sm.item_slot(slot), index);
+        mbarrier_arrive(sm.item_full(slot));
+        if (index >= p.items) break;
+        // the next item's index: its atomic's round trip runs under this item's loads
+        const int next = p.queue != nullptr ? gridDim.x + atomicAdd(p.queue, 1) : index + gridDim.x;
         Item it;
         it.init(p.fwd, index, p.m_blocks);
-        if (it.n_tiles <= 0) continue;  // nothing to load (past the sequence's end, or no visible key)
-        fwd_sm90_ws_producer<Tr>(p, sm, it, pipe, q_phase);
-        q_phase ^= 1;
+        if (it.n_tiles > 0) {  // else nothing to load (past the sequence's end, or no visible key)
+          fwd_sm90_ws_producer<Tr>(p, sm, it, pipe, q_phase);
+          q_phase ^= 1;
+        }
+        index = next;
+      }
+      if (p.queue != nullptr) {
+        // leave the queue at zero for the next launch: the last CTA to finish (every CTA's last atomicAdd on
+        // queue[0] is ordered before its count on queue[1]) resets both counters
+        fence_acq_rel_gpu();
+        if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+          fence_acq_rel_gpu();
+          atomicExch(p.queue, 0);
+          atomicExch(p.queue + 1, 0);
+        }
       }
     } else {  // consumer warpgroups
       setmaxnreg_inc<Tr::CONSUMER_REGS>();
-      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
+      for (u32 u = 0;; ++u) {
+        const int slot = u & 1;
+        // a plain wait: the watchdog's trap branch here made ptxas spill 280-300 bytes at D 128 (NVRTC 13.5)
+        mbarrier_try_wait_parity(sm.item_full(slot), (u >> 1) & 1);
+        const int index = ld_shared_s32(sm.item_slot(slot));
+        mbarrier_arrive(sm.item_empty(slot));  // this thread has read the slot
+        if (index >= p.items) break;
         Item it;
         it.init(p.fwd, index, p.m_blocks);
         if (!it.live) continue;  // varlen: past this sequence's end

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
-from functools import lru_cache
+from functools import lru_cache, partial
 
 from . import _launch, _plan, _problem, _tma, _validate, config
 from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
@@ -232,6 +232,9 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             params = maps.params(params, (q, k, v))
             fields = "fwd."
             grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q, _sm_count(a.device))
+            queue = cfg.uses_queue(a.packed)
+            if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
+                params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
             b = _plan.PlanBuilder(a.device, 3)
             for i, name in enumerate("qkv"):
@@ -241,6 +244,8 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
             if maps is not None:
                 b.derive((0, 1, 2), params, "tma_q", maps.words)
+                if queue:
+                    b.per_stream(params, "queue", partial(_queue_ptr, a.device))
             b.launch(kernel, grid, params)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(3, 4) if with_lse else 3))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
@@ -485,6 +490,14 @@ def _split_counter_ptr(cp, device: int, stream: int, n: int) -> int:
                 buf = cp.zeros(max(n, 1024), dtype=cp.int32)
                 _split_counters[(device, stream)] = buf
     return buf.data.ptr
+
+
+def _queue_ptr(device: int, stream: int) -> int:
+    """Address of a persistent forward's work queue (two int32 counters, zero between launches) for launches on
+    `stream` of `device`: the first two split counters of that stream (launches on one stream run in order, and
+    each leaves the counters it used at zero)."""
+    buf = _split_counters.get((device, stream))
+    return buf.data.ptr if buf is not None else _split_counter_ptr(_launch.cupy(), device, stream, 2)
 
 
 @lru_cache(maxsize=4096)  # on the host path of every decode call: a dict lookup, not 128 trials

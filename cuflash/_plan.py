@@ -140,6 +140,7 @@ class Plan(NamedTuple):
     kernels: dict  # the kernel table the kernels came from
     derived: tuple = ()  # (array numbers, template, word, fn): fn(their addresses) gives words written from there
     #                      on (the TMA forward's tensor maps, which hold the addresses)
+    streamed: tuple = ()  # (template, word, fn): fn(the call's stream) gives that word (a per-stream buffer's address)
     run: object = None  # run(arrays, extra): the replay made for this plan (`PlanBuilder.plan` sets it)
 
 
@@ -186,6 +187,8 @@ def _replay_code(plan: Plan) -> str:
         for t, word in slots:
             lines.append(f"        w{t}[{word}] = {x}.data.ptr")
     lines.append("        stream = cp.cuda.get_current_stream().ptr")
+    for j, (t, word, _) in enumerate(plan.streamed):
+        lines.append(f"        w{t}[{word}] = STREAMED[{j}][2](stream)")
     if plan.step is not None:
         blocks = ", ".join(f"blk{t}" for t in range(len(plan.templates)))
         lines.append(f"        stepped = PLAN.step(PLAN, arrays, extra, [{blocks}], stream)")
@@ -216,7 +219,7 @@ def _replay_code(plan: Plan) -> str:
 def _compile_replay(plan: Plan):
     src = _replay_code(plan)
     scope = {"_launch": _launch, "_writes_overlap": _writes_overlap, "TEMPLATES": plan.templates,
-             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches, "DERIVED": plan.derived}
+             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches, "DERIVED": plan.derived, "STREAMED": plan.streamed}
     exec(src, scope)  # noqa: S102 - our own text, built from the plan's tuples
     return scope, src
 
@@ -252,6 +255,7 @@ class PlanBuilder:
         self.workspace = None
         self.launches: list = []
         self.derived: list = []
+        self.streamed: list = []
 
     def template(self, params) -> int:
         """The number of this params struct's template (recorded from the struct as it is when `plan` is called)."""
@@ -283,13 +287,17 @@ class PlanBuilder:
         self.derived.append((tuple(array_numbers), self.template(params), _launch.field_span(type(params), field)[0],
                              fn))
 
+    def per_stream(self, params, field: str, fn) -> None:
+        """The pointer field of params is fn(the call's stream) on every call (a buffer kept per stream)."""
+        self.streamed.append((self.template(params), _launch.field_word(type(params), field), fn))
+
     def launch(self, kernel, grid, params) -> None:
         self.launches.append((kernel, tuple(grid), self.template(params)))
 
     def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
         plan = Plan(self.device, self.arrays, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
                     self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
-                    step, _launch._kernels, tuple(self.derived))
+                    step, _launch._kernels, tuple(self.derived), tuple(self.streamed))
         scope, _ = _compile_replay(plan)
         plan = plan._replace(run=scope["run"])
         scope["PLAN"] = plan

@@ -50,11 +50,12 @@ class TmaDesc(ctypes.Structure):
 class FwdWsParams(ctypes.Structure):
     """Mirror of cuflash::FwdWsParams (cuda/fwd_sm90_ws.cuh): the Q, K, V tensor maps at byte offsets 0, 128,
     256, then FwdParams at 384, m_blocks and items (the work items, config.FwdSm90WsConfig.schedule) at 904 and
-    908; 960 bytes in all (the C++ struct is padded to its 64-byte alignment)."""
+    908, the work queue's two int32 counters (or null) at 912; 960 bytes in all (the C++ struct is padded to its
+    64-byte alignment)."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
-                ("m_blocks", ctypes.c_int32), ("items", ctypes.c_int32),
-                ("_pad", ctypes.c_ubyte * (960 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 8))]
+                ("m_blocks", ctypes.c_int32), ("items", ctypes.c_int32), ("queue", ctypes.c_void_p),
+                ("_pad", ctypes.c_ubyte * (960 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 16))]
 
 
 class BwdWsParams(ctypes.Structure):

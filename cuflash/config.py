@@ -403,8 +403,15 @@ class FwdSm90WsConfig:
 
     @property
     def barriers(self) -> int:
-        """FwdSm90WsTraits::BARRIERS: q_full (and q_empty when persistent), then full / empty of K and V per stage."""
-        return (2 if self.persistent else 1) + 4 * self.stages
+        """FwdSm90WsTraits::BARRIERS (8-byte words): q_full (and q_empty when persistent), full / empty of K and V per
+        stage, and when persistent the work item ring (item_full[2], item_empty[2], one word of two slots)."""
+        return (2 + 5 if self.persistent else 1) + 4 * self.stages
+
+    def uses_queue(self, packed: bool) -> bool:
+        """Whether a launch takes its work items from a queue (FwdWsParams.queue: a persistent CTA takes the next
+        untaken item when it is done with one) rather than in a fixed stride: items of unequal cost (causal or
+        windowed query blocks, sequences of different lengths)."""
+        return self.persistent and (self.causal or bool(self.mods & MOD_WINDOW) or packed)
 
     @property
     def o_separate(self) -> bool:

@@ -109,8 +109,8 @@ def test_params_layout_matches_the_kernel():
     import ctypes
 
     assert ctypes.sizeof(_tma.FwdWsParams) == 960
-    assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd", "m_blocks", "items")] == \
-        [0, 128, 256, 384, 904, 908]
+    assert [getattr(_tma.FwdWsParams, f).offset for f in ("tma_q", "tma_k", "tma_v", "fwd", "m_blocks", "items",
+                                                          "queue")] == [0, 128, 256, 384, 904, 908, 912]
     assert _tma.FwdWsParams.fwd.size == ctypes.sizeof(_launch.FwdParams) == 520
     src = (_compile.cuda_dir() / "fwd_sm90_ws.cuh").read_text()
     assert "sizeof(FwdWsParams) == 960" in src and "alignof(FwdParams) == 8 && sizeof(FwdParams) == 520" in src
@@ -132,14 +132,19 @@ def test_config_names_and_shared_memory():
     assert heavy.smem_bytes == (32768 + 6 * 96 * 256 + 104 + 8) + 8 * 16 * (208 + 112) + 1024 == 222320
     # persistent: O gets a buffer of its own where it fits (a work grid of items, a launch grid of at most the SMs)
     pers = config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, persistent=True)
-    assert pers.o_separate and pers.smem_bytes == 32768 + 4 * 32768 + 32768 + 80 + 1024
+    # (15 8-byte words: q_full, q_empty, 4 x 2 stages of K/V barriers, the work item ring's 4 barriers and slots)
+    assert pers.o_separate and pers.barriers == 15 and pers.smem_bytes == 32768 + 4 * 32768 + 32768 + 120 + 1024
     assert pers.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<128, 128, 2, false, cuflash::bf16, "
                                "true>, false, 0>")
     assert pers.schedule(2, 3, 257, 132) == ((18, 1, 1), 3, 18)
     assert pers.schedule(16, 16, 1024, 132) == ((132, 1, 1), 8, 2048)
     assert cfg.schedule(16, 16, 1024, 132) == ((8, 16, 16), 8, 2048) and cfg.grid(16, 16, 1024) == (8, 16, 16)
     big = config.FwdSm90WsConfig(128, 192, 2, "bf16", False, False, persistent=True)  # 256 KB with its own O
-    assert not big.o_separate and big.smem_bytes == 32768 + 4 * 49152 + 80 + 1024
+    assert not big.o_separate and big.smem_bytes == 32768 + 4 * 49152 + 120 + 1024
+    # the work queue for items of unequal cost: causal or windowed rows, packed sequences (persistent kernels only)
+    assert not pers.uses_queue(False) and pers.uses_queue(True) and not cfg.uses_queue(True)
+    assert config.FwdSm90WsConfig(128, 128, 2, "bf16", True, False, persistent=True).uses_queue(False)
+    assert config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, config.MOD_WINDOW, True).uses_queue(False)
     with pytest.raises(ValueError, match="head_dim=96"):
         config.fwd_sm90_ws_config(96, "bf16", False)
 

@@ -79,24 +79,36 @@ def fwd_params(q, k, v, o, lse, dims, seq, lse_strides, scale, mods=None):
     return fwd
 
 
-def launch_ws(kern, fwd, q, k, v, dims, batch, heads, seqlen_q, num_sms=None):
+def launch_ws(kern, fwd, q, k, v, dims, batch, heads, seqlen_q, num_sms=None, queue=None):
     """Launch fwd_sm90_ws_kernel on FwdParams `fwd` with the TMA maps of q, k, v (dims: their _Dims) over the work
-    items of (batch, heads, seqlen_q); a persistent kernel on num_sms CTAs at most (None: the GPU's SMs)."""
+    items of (batch, heads, seqlen_q); a persistent kernel on num_sms CTAs at most (None: the GPU's SMs), taking its
+    items from a work queue (queue True; None: where the library would, FwdSm90WsConfig.uses_queue) or in a fixed
+    stride. A queue's counters are poisoned around the two words the launch may use and must be back at zero after
+    it (the next launch on the stream starts from them)."""
     params = _tma.ws_params(fwd, q, k, v, *dims, kern.dtype, kern)
     dev = cp.cuda.Device()
     sms = num_sms or dev.attributes["MultiProcessorCount"]
     grid, params.m_blocks, params.items = kern.schedule(batch, heads, seqlen_q, sms)
+    if queue is None:
+        queue = kern.uses_queue(bool(fwd.seq.cu_seqlens_q))
+    counters = None
+    if queue:
+        counters = cp.full(6, 77, dtype=cp.int32)
+        counters[2:4] = 0
+        params.queue = counters.data.ptr + 8
     _launch.get_kernel(kern, dev.id).launch(grid, params, cp.cuda.get_current_stream().ptr)
     cp.cuda.get_current_stream().synchronize()
+    if counters is not None:
+        assert counters.tolist() == [77, 77, 0, 0, 77, 77], f"{kern}: the work queue after the launch {counters}"
 
 
 def nan_like(x, dtype):
     return _xpref.to_lowp(cp.full(x.shape, cp.nan, dtype=cp.float32), dtype)  # NaN in fp16 / bf16
 
 
-def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None, num_sms=None):
+def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None, num_sms=None, queue=None):
     """o (q's layout, contiguous, NaN-poisoned before the launch) and lse (B, H, Sq) float32 (or None).
-    cfg: a FwdSm90WsConfig; mods: the ModParams of its MODS; num_sms: launch_ws's."""
+    cfg: a FwdSm90WsConfig; mods: the ModParams of its MODS; num_sms, queue: launch_ws's."""
     kern = cfg
     dq, dk, dv = dims_of(q, layout), dims_of(k, layout), dims_of(v, layout)
     b, sq, h, d = dq.batch, dq.seqlen, dq.heads, dq.head_dim
@@ -105,7 +117,7 @@ def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None, n
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     dims = (dq, dk, dv, dims_of(o, layout))
     fwd = fwd_params(q, k, v, o, lse, dims, _launch.seq_params(sq, dk.seqlen, h // dk.heads), (h * sq, sq), scale, mods)
-    launch_ws(kern, fwd, q, k, v, dims[:3], b, h, sq, num_sms)
+    launch_ws(kern, fwd, q, k, v, dims[:3], b, h, sq, num_sms, queue)
     return o, lse
 
 
@@ -123,13 +135,13 @@ def warm(kernels):
         list(pool.map(build, kernels))
 
 
-def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal, num_sms=None):
+def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal, num_sms=None, queue=None):
     d, dtype = cfg.head_dim, cfg.dtype
     seed = seed_of("ws", d, dtype, sq, sk, h, h_kv, layout, kind, causal)
     q = make_input(b, sq, h, d, dtype, layout, kind, seed)
     k = make_input(b, sk, h_kv, d, dtype, layout, kind, seed + 1)
     v = make_input(b, sk, h_kv, d, dtype, layout, kind, seed + 2)
-    o, lse = run_ws(cfg, q, k, v, layout, causal, num_sms=num_sms)
+    o, lse = run_ws(cfg, q, k, v, layout, causal, num_sms=num_sms, queue=queue)
     q32, k32, v32 = (to_bshd32(x, layout) for x in (q, k, v))
     o64, lse64 = _xpref.attention_forward64(q32, k32, v32, causal)
     lowp = _xpref.attention_lowp(q32, k32, v32, dtype, causal)
@@ -161,18 +173,53 @@ def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
 
 # The persistent kernels (one CTA per SM walking the work items; FwdSm90WsTraits::PERSISTENT): the instantiations the
 # tables may choose, each on grids of 1 and 3 CTAs (every CTA walks many items, so the rings, the Q buffer's phases
-# and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole GPU.
+# and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole
+# GPU, the items taken in a fixed stride or from the work queue.
 PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 2, True), (128, 128, 3, False),
               (128, 192, 2, False), (256, 64, 2, False)]
 
 
+@pytest.mark.parametrize("queue", [False, True], ids=["stride", "queue"])
 @pytest.mark.parametrize("num_sms", [1, 3, None], ids=lambda x: f"ctas{x or 'all'}")
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 257), (257, 1000), (1, 239), (384, 384)], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,bn,stages,pingpong", PERSISTENT, ids=str)
-def test_ws_forward_persistent(d, bn, stages, pingpong, causal, sq, sk, num_sms):
+def test_ws_forward_persistent(d, bn, stages, pingpong, causal, sq, sk, num_sms, queue):
     cfg = config.FwdSm90WsConfig(d, bn, stages, "bf16", causal, pingpong, persistent=True)
-    check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms)
+    check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms, queue=queue)
+
+
+def test_queued_forward_through_the_library_on_two_streams(monkeypatch):
+    """Causal calls of the persistent kernel through the library (full path, then plan replays), queued back to back
+    on two streams: each launch takes its work items from its own stream's queue and leaves it at zero for the next,
+    so every output is bitwise the first one, which passes the accuracy rule."""
+    import cuflash
+    from cuflash import _plan
+
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL, 128, (128, 2, False, True))
+    _families._selected.clear()
+    _plan.plans.clear()
+    try:
+        q, k, v = (make_input(2, 1000, 6, 128, "bf16", "bshd", "contiguous", seed_of("queue-streams", i))
+                   for i in range(3))
+        cp.cuda.Device().synchronize()
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+        outs = []
+        for i in range(12):
+            with streams[i % 2]:
+                outs.append(cuflash.attention(q, k, v, causal=True))
+        for st in streams:
+            st.synchronize()
+        cfg = config.forward_kernel_config(128, "bf16", True, seqlen_k=1000)
+        assert cfg.persistent and cfg.uses_queue(False), cfg
+        for i, o in enumerate(outs[1:], 1):
+            assert bool((o == outs[0]).all()), f"call {i} (stream {i % 2}) differs from the first"
+        q32, k32, v32 = (to_bshd32(x, "bshd") for x in (q, k, v))
+        check_rule("o", to_bshd32(outs[0], "bshd"), _xpref.attention_forward64(q32, k32, v32, True)[0],
+                   _xpref.attention_lowp(q32, k32, v32, "bf16", True), 2.0, "queued, two streams")
+    finally:
+        _families._selected.clear()
+        _plan.plans.clear()
 
 
 def test_ws_forward_without_lse_and_rejects_misaligned_strides():

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _families, _launch, _plan, _tma, api
+from cuflash import _families, _launch, _plan, _tma, api, config
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 if not (TOOLS / "fake_cupy.py").exists():  # pragma: no cover - an installed cuflash without tools/
@@ -134,6 +134,39 @@ def test_attention_launches_the_forward_without_lse(d):
     if hasattr(want, "fwd"):
         want.fwd = want_fwd
     assert bytes(got) == bytes(want)
+
+
+def test_a_queued_forward_takes_the_queue_of_the_calls_stream(monkeypatch):
+    """A persistent forward over work items of unequal cost (causal rows) takes its items from a work queue: two
+    counters kept per (device, stream), which each launch leaves at zero. Launches on different streams may overlap,
+    so the full path and every replay pass the queue of the call's own stream."""
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL, 128, (128, 2, False, True))
+    monkeypatch.setattr(_families, "_split_counters", {})
+    _families._selected.clear()
+    try:
+        a, b = qkv(d=128, dtype=BF16), qkv(d=128, dtype=BF16)
+        check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, causal=True),
+                                      lambda: cuflash.attention_forward(*b, causal=True))
+        queues = []
+        for stream in (0, 7, 0, 7):  # the first two replay the plan, the last two as well
+            monkeypatch.setattr(fc._Stream, "ptr", stream)
+            got, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
+            p = _params(got[0][2])
+            assert "true>, true, 0>" in got[0][0], got[0][0]  # the persistent causal kernel
+            assert p.queue and p.queue == _families._split_counters[(0, stream)].data.ptr
+            queues.append(p.queue)
+        assert queues[0] == queues[2] != queues[1] == queues[3]
+        # a causal call of the one-item-per-CTA kernel, and a persistent non-causal one (items of equal cost): no queue
+        monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL, 128, (128, 2, False))
+        _families._selected.clear()
+        _plan.plans.clear()
+        got, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
+        assert not _params(got[0][2]).queue
+        got, _ = launches_of(lambda: cuflash.attention_forward(*b), 1 << 50)  # 72 keys: the short-key kernel
+        assert "true>, false, 0>" in got[0][0] and not _params(got[0][2]).queue
+    finally:
+        _families._selected.clear()
+        _plan.plans.clear()
 
 
 def test_tma_maps_follow_the_arrays():
