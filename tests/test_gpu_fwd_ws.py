@@ -175,8 +175,8 @@ def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
 # tables may choose, each on grids of 1 and 3 CTAs (every CTA walks many items, so the rings, the Q buffer's phases
 # and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole
 # GPU, the items taken in a fixed stride or from the work queue.
-PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (128, 128, 2, False), (128, 128, 2, True), (128, 128, 3, False),
-              (128, 192, 2, False), (256, 64, 2, False)]
+PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (64, 128, 2, False), (128, 128, 2, False), (128, 128, 2, True),
+              (128, 128, 3, False), (128, 192, 2, False), (256, 64, 2, False)]
 
 
 @pytest.mark.parametrize("queue", [False, True], ids=["stride", "queue"])
@@ -196,7 +196,7 @@ def test_queued_forward_through_the_library_on_two_streams(monkeypatch):
     import cuflash
     from cuflash import _plan
 
-    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL, 128, (128, 2, False, True))
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_SHORT, 128, (128, 2, False, True))  # 1000 keys: short
     _families._selected.clear()
     _plan.plans.clear()
     try:

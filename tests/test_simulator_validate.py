@@ -287,7 +287,7 @@ def test_kernel_configs_are_what_the_driver_launches():
     t = validate.Target("bwd_sm90_kernel", validate.Case(1, 2, 100, 150, 64, "bf16", causal=True))
     assert t.kernels == "auto" and t.config() == C.bwd_sm90_config(64, "bf16", True, False)
     assert [c.cpp_name() for c in validate.kernel_configs(t)] == [
-        C.forward_kernel_config(64, "bf16", True, kernels="auto").cpp_name(),
+        C.forward_kernel_config(64, "bf16", True, kernels="auto", seqlen_k=150).cpp_name(),
         C.ElementwiseConfig("preprocess", "bf16").cpp_name(),
         C.bwd_sm90_config(64, "bf16", True, False).cpp_name(), C.ElementwiseConfig("convert_dq", "bf16").cpp_name()]
     assert validate.kernel_configs(validate.Target("fwd_sm90_kernel", validate.Case(1, 2, 100, 150, 96))) == \

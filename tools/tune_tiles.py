@@ -122,9 +122,10 @@ def main() -> int:
 
                 if wgmma:
                     if d in config.FWD_SM90_WS_TILES:  # the table the call's config comes from
-                        short = not causal and n <= config.FWD_SM90_WS_SHORT_KEYS.get(d, 0)
-                        table = config.FWD_SM90_WS_TILES_CAUSAL if causal else \
-                            config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
+                        short = n <= (config.FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal else
+                                      config.FWD_SM90_WS_SHORT_KEYS).get(d, 0)
+                        table = (config.FWD_SM90_WS_TILES_CAUSAL_SHORT if short else config.FWD_SM90_WS_TILES_CAUSAL) \
+                            if causal else config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
                         tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
                              lambda: config.fwd_sm90_ws_config(d, "bf16", causal, seqlen_k=n))
                     elif d in config.FWD_SM90_TILES:
