@@ -270,7 +270,6 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
-        out += [fwd_sm90_ws_config(hd, dt, True, seqlen_k=1) for hd in FWD_SM90_WS_TILES_CAUSAL_SHORT for dt in DTYPES]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
     out += [c for c in all_wide_configs() if isinstance(c, FwdWideConfig)]
@@ -567,16 +566,17 @@ FWD_SM90_WS_TILES_MODS = {
 FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
 FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
 
-# Causal, short key sequences (seqlen_k at most the bound below, no other modifier): the persistent grid taking its
-# items from a work queue (longest query blocks first; a CTA takes the next item when it is done with one, so the
-# CTAs' sums of key tiles even out). Measured on an H100 (bf16, FA shapes, `tools/tune_tiles.py --causal yes`,
-# 2026-11-27, TFLOP/s) against the one-item-per-CTA tiles: D 128 (128, 2, pingpong) N 1k 421 against 352 for
-# (128, 3), 2k 514 against 468, 4k 585 against 575, 8k 617 against 633, 16k 599 against 649 (so 4k is the bound);
-# D 64 (128, 2) N 1k 306 against 275 for (128, 2, pingpong), 2k 373 against 354, 4k 418 against 413, 8k 437 against
-# 450, 16k 452 against 470. (With a fixed stride instead of the queue the persistent kernel ran causal rows 5-40 %
-# slower than the one-item grid.)
-FWD_SM90_WS_CAUSAL_SHORT_KEYS = {64: 4096, 128: 4096}
-FWD_SM90_WS_TILES_CAUSAL_SHORT = {64: (128, 2, False, True), 128: (128, 2, True, True)}
+# Causal without other modifiers: the persistent grid taking its items from a work queue (longest query blocks
+# first; a CTA takes the next item once it has issued the loads of its current one, so the CTAs' sums of key
+# tiles even out). Measured on an H100 (bf16, FA shapes, `tools/tune_tiles.py --causal yes`, 2026-11-27, TFLOP/s)
+# against the one-item-per-CTA kernels: D 128 (128, 2, pingpong) N 1k / 2k / 4k / 8k / 16k 429 / 531 / 598 / 635 /
+# 679 against 352 / 473 / 562 / 627 / 677 for (128, 3) and 388 / 498 / 576 / 611 / 653 for (128, 2, pingpong);
+# D 64 (128, 2) 308 / 376 / 422 / 457 / 474 against 274 / 350 / 414 / 452 / 477 for (128, 2, pingpong). With a
+# fixed stride instead of the queue the persistent kernel ran causal rows 5-40 % slower than the one-item grid, and
+# with the next item taken when the current one started, 2-8 % slower from 8k keys (a long item held the next back).
+# D 256 keeps the one-item grid (its persistent causal kernel spills 12 bytes); windows and other modifiers keep
+# the tables above (not measured persistent).
+FWD_SM90_WS_TILES_CAUSAL_PLAIN = {64: (128, 2, False, True), 128: (128, 2, True, True)}
 
 
 def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
@@ -587,10 +587,9 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
     if head_dim not in FWD_SM90_WS_TILES:
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
-    short = seqlen_k is not None and seqlen_k <= (FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal else
-                                                  FWD_SM90_WS_SHORT_KEYS).get(head_dim, 0)
+    short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
     table = FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
-        FWD_SM90_WS_TILES_CAUSAL_SHORT if causal and short and not mods else \
+        FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
     bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])
     return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, table_pingpong if pingpong is None else pingpong, mods,

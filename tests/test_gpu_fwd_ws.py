@@ -196,7 +196,7 @@ def test_queued_forward_through_the_library_on_two_streams(monkeypatch):
     import cuflash
     from cuflash import _plan
 
-    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_SHORT, 128, (128, 2, False, True))  # 1000 keys: short
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False, True))
     _families._selected.clear()
     _plan.plans.clear()
     try:

@@ -140,7 +140,7 @@ def test_a_queued_forward_takes_the_queue_of_the_calls_stream(monkeypatch):
     """A persistent forward over work items of unequal cost (causal rows) takes its items from a work queue: two
     counters kept per (device, stream), which each launch leaves at zero. Launches on different streams may overlap,
     so the full path and every replay pass the queue of the call's own stream."""
-    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_SHORT, 128, (128, 2, False, True))  # 72 keys: short
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False, True))
     monkeypatch.setattr(_families, "_split_counters", {})
     _families._selected.clear()
     try:
@@ -157,7 +157,7 @@ def test_a_queued_forward_takes_the_queue_of_the_calls_stream(monkeypatch):
             queues.append(p.queue)
         assert queues[0] == queues[2] != queues[1] == queues[3]
         # a causal call of the one-item-per-CTA kernel, and a persistent non-causal one (items of equal cost): no queue
-        monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_SHORT, 128, (128, 2, False))
+        monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False))
         _families._selected.clear()
         _plan.plans.clear()
         got, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)

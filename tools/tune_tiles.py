@@ -122,10 +122,11 @@ def main() -> int:
 
                 if wgmma:
                     if d in config.FWD_SM90_WS_TILES:  # the table the call's config comes from
-                        short = n <= (config.FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal else
-                                      config.FWD_SM90_WS_SHORT_KEYS).get(d, 0)
-                        table = (config.FWD_SM90_WS_TILES_CAUSAL_SHORT if short else config.FWD_SM90_WS_TILES_CAUSAL) \
-                            if causal else config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
+                        short = not causal and n <= config.FWD_SM90_WS_SHORT_KEYS.get(d, 0)
+                        causal_table = config.FWD_SM90_WS_TILES_CAUSAL_PLAIN if d in \
+                            config.FWD_SM90_WS_TILES_CAUSAL_PLAIN else config.FWD_SM90_WS_TILES_CAUSAL
+                        table = causal_table if causal else \
+                            config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
                         tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
                              lambda: config.fwd_sm90_ws_config(d, "bf16", causal, seqlen_k=n))
                     elif d in config.FWD_SM90_TILES:
