@@ -247,6 +247,13 @@ def default_cases() -> list[Case]:
                 # whose rounding (delta from the stored O) the pass rule's plain reference does not have
                 sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
                 cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
+    # a mask alone (with a window, or causal): the Hopper forward's mask tiles (config.FWD_SM90_WS_TILES_MASK)
+    for hi, hd in enumerate(config.FWD_SM90_WS_TILES_MASK):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for mi, causal in enumerate((False, True)):
+                sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
+                cases.append(_case(1, sq, sk, 1, hd, dtype, causal, "bshd", "contiguous",
+                                   mods=config.MODS_MASK_CHECKED[causal][0]))
     # kv-cache decoding: every decode instantiation (kernel head dim x dtype x causal), paged and dense caches,
     # split-KV with its merge kernel, grouped query heads packed as rows; seqlen_k: cache capacity per sequence
     for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):

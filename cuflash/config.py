@@ -270,6 +270,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
+        out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_MASK for dt in DTYPES for c in (False, True)
+                for m in MODS_MASK_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
     out += [c for c in all_wide_configs() if isinstance(c, FwdWideConfig)]
@@ -552,6 +554,24 @@ FWD_SM90_WS_TILES_MODS = {
     256: (32, 4, False),
 }
 
+# A boolean mask (or a BlockMask) without other per-element modifiers (a window or causal may come with it): key
+# tiles of 128 rows at D 64 and 128 and of 64 at D 256, spill-free with the mask staged (NVRTC 13.5 and 13.0), so
+# that a BlockMask of 128 x 128 blocks maps each block onto whole tiles. On the heavy tiles (96 keys at D 128) a
+# 128-key block straddled two tiles, about twice the blocks' tiles were visited and most of them were partial
+# (their element mask read), where aligned tiles are full and read no mask.
+FWD_SM90_WS_TILES_MASK = {
+    64: (128, 2, False),
+    128: (128, 2, False),
+    256: (64, 2, False),
+}
+# The heaviest modifier sets of the mask table (the compile check builds them, as MODS_CHECKED for the others)
+MODS_MASK_CHECKED = {False: (MOD_MASK | MOD_WINDOW,), True: (MOD_MASK,)}
+
+
+def mask_only(mods: int) -> bool:
+    """A mask, with at most a window beside it: the kernels of config.FWD_SM90_WS_TILES_MASK."""
+    return bool(mods & MOD_MASK) and not mods & ~(MOD_MASK | MOD_WINDOW)
+
 
 # Short key sequences (seqlen_k at most the bound below), non-causal: key tiles of 128 rows waste less of the last
 # tile and fill the pipeline sooner, and a persistent grid (one CTA per SM walking the work items, the next item's
@@ -559,9 +579,8 @@ FWD_SM90_WS_TILES_MODS = {
 # few key tiles. Measured on an H100 (bf16, FA shapes, `tools/tune_tiles.py`, 2026-11-25, TFLOP/s), persistent
 # (128, 2) against the tiles shipped before: D 128 N 1k 597 against 521 (128, 2), 2k 654 against 611, 4k 688
 # against 669 (192, 2), 8k 646 against 721 (so 4k is the bound); D 64 N 1k 397 against 351 (128, 2, pingpong), 2k
-# 427 against 415, 4k 449 against 428 (192, 2), 8k 448 (457 with pingpong) against 432, 16k 435 against 473. Causal
-# rows stay on the one-CTA-per-item grid: the persistent kernel's static round robin ran them 5-40 % slower (D 128 N
-# 1k 334 against 353, 16k 436 against 696), as it did D 256 (N 8k 723 against 760).
+# 427 against 415, 4k 449 against 428 (192, 2), 8k 448 (457 with pingpong) against 432, 16k 435 against 473. D 256
+# stays on the one-CTA-per-item grid (persistent N 8k 723 against 760); causal rows: FWD_SM90_WS_TILES_CAUSAL_PLAIN.
 # (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.)
 FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
 FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
@@ -588,7 +607,7 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
     short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
-    table = FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
+    table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
         FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
     bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])

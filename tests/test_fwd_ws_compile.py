@@ -23,6 +23,8 @@ MOD_CONFIGS = [ws_kernel(d, dt, c, m, pingpong=pp)
                for d, dt, c, pp in itertools.product(config.FWD_SM90_WS_TILES, ("fp16", "bf16"), (False, True),
                                                      (False, True))
                for m in config.MODS_CHECKED[c]]
+MOD_CONFIGS += [ws_kernel(d, dt, c, m, pingpong=False) for d in config.FWD_SM90_WS_TILES_MASK for dt in ("fp16", "bf16")
+                for c in (False, True) for m in config.MODS_MASK_CHECKED[c]]
 MOD_CONFIGS = list(dict.fromkeys(MOD_CONFIGS))  # d256 with heavy mods has no pingpong variant (tests/ws_helpers.py)
 # the persistent kernels (tests/test_gpu_fwd_ws.py PERSISTENT) that stay spill-free: d128 with 192-key tiles (24-28
 # bytes) and d256 causal (12 bytes) spill under the persistent loop and are not among the tables' choices (d256

@@ -87,15 +87,17 @@ def test_modifier_bits_and_defaults():
 def test_every_modifier_config_is_compile_checked():
     """The compile check builds, per kernel, MODS 0 and the heaviest modifier sets (config.MODS_CHECKED); a
     launch with any other set uses the tiles of one of them (window alone: the plain/causal tiles, anything
-    with ALiBi / softcap / dropout: the *_MODS tiles)."""
+    with ALiBi / softcap / dropout: the *_MODS tiles; on the Hopper warp-specialized forward a mask with at most a
+    window: the mask tiles, checked with config.MODS_MASK_CHECKED)."""
     names = {c.cpp_name() for c in config.all_fwd_configs() + config.all_bwd_configs()}
     for hd in config.KERNEL_HEAD_DIMS:
         for m in range(1, config.MODS_ALL + 1):
             for causal in (False, True):
                 if causal and m & config.MOD_WINDOW:
                     continue
-                heavy = config.MODS_CHECKED[causal][-1]
                 cfg = config.forward_kernel_config(hd, "bf16", causal, mods=m)
+                mask_table = config.mask_only(m) and isinstance(cfg, config.FwdSm90WsConfig)
+                heavy = (config.MODS_MASK_CHECKED if mask_table else config.MODS_CHECKED)[causal][-1]
                 checked = config.forward_kernel_config(hd, "bf16", causal, mods=heavy if config.heavy_mods(m) else m)
                 assert (cfg.block_m, cfg.block_n) == (checked.block_m, checked.block_n)
                 assert checked.cpp_name() in names or not config.heavy_mods(m)
