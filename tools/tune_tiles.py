@@ -39,7 +39,8 @@ FWD_SM90_WS = {64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, F
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True)],
-               256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True)]}
+               256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True),
+                     (48, 2, False, True), (48, 3, False, True), (48, 2, True, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
