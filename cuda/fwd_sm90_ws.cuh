@@ -4,8 +4,8 @@
 // consumer warpgroups (one's softmax under the other's GEMMs).
 //
 // One work item = BLOCK_M = 128 query rows of one (batch, head); a CTA (3 warpgroups, 384 threads) runs one item
-// (grid (m_blocks, heads, batch)) or, PERSISTENT, walks items blockIdx.x, + gridDim.x, ... on a grid of at most
-// one CTA per SM (WsItem; see "persistent" below):
+// (grid (m_blocks, heads, batch)) or, PERSISTENT, walks items on a grid of at most one CTA per SM: blockIdx.x,
+// + gridDim.x, ..., or the next untaken item of a work queue (WsItem; see "persistent" below):
 //   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: Q once, then K_j and V_j of every
 //     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
@@ -60,7 +60,8 @@
 //
 // ---- persistent: the protocol across work items ----------------------------------------------------------
 // The producer thread picks the CTA's items (blockIdx.x first, then a fixed stride of gridDim.x, or the next
-// untaken item of a queue in global memory: FwdWsParams.queue) and passes each index to the consumers through a
+// untaken item of a queue in global memory, FwdWsParams.queue, taken once it has issued the current item's last
+// loads; the last CTA to finish resets the queue) and passes each index to the consumers through a
 // two-slot ring in shared memory: item u goes to slot u % 2 once item_empty[slot] has completed for item u - 2
 // (256 arrivals, each consumer thread's after its read of the slot), then the producer arrives on item_full[slot];
 // consumers wait item_full[slot] with parity (u / 2) & 1. An index >= items ends both roles (it is passed on too).
