@@ -462,11 +462,17 @@ DECODE_CTAS_PER_SM = 1
 # fwd_decode_finish) rather than in a second launch of fwd_combine_kernel.
 DECODE_FUSED_MERGE = True
 
-# Counters of the one-launch merge: one int32 buffer per (device, stream). Launches on one stream run in
-# order and each leaves its counters at zero, so they can share a buffer; launches on different streams may
-# overlap, so they get their own.
+# Counters of the one-launch merge and of the persistent forward's work queue: one int32 buffer per (device,
+# stream). Launches on one stream run in order and each leaves its counters at zero, so they can share a buffer;
+# launches on different streams may overlap, so they get their own. The per-thread default stream is one handle
+# (cudaStreamPerThread) for a different stream in every host thread: its buffers are kept per thread as well.
 _split_counters: dict = {}
 _split_counters_lock = threading.Lock()
+PER_THREAD_STREAM = 2  # cudaStreamPerThread (CuPy: cupy.cuda.Stream.ptds)
+
+
+def _counters_key(device: int, stream: int) -> tuple:
+    return (device, stream, threading.get_ident()) if stream == PER_THREAD_STREAM else (device, stream)
 
 
 def _split_workspace(cp, device: int, stream: int, splits: int, accum_rows: int, hd: int, counter_rows: int):
@@ -482,13 +488,14 @@ def _split_workspace(cp, device: int, stream: int, splits: int, accum_rows: int,
 
 def _split_counter_ptr(cp, device: int, stream: int, n: int) -> int:
     """Address of at least n zeroed split counters for launches on `stream` of `device` (the current one)."""
-    buf = _split_counters.get((device, stream))
+    key = _counters_key(device, stream)
+    buf = _split_counters.get(key)
     if buf is None or buf.size < n:
         with _split_counters_lock:
-            buf = _split_counters.get((device, stream))
+            buf = _split_counters.get(key)
             if buf is None or buf.size < n:  # zeroed on this stream, before the launch that uses it
                 buf = cp.zeros(max(n, 1024), dtype=cp.int32)
-                _split_counters[(device, stream)] = buf
+                _split_counters[key] = buf
     return buf.data.ptr
 
 
@@ -496,7 +503,7 @@ def _queue_ptr(device: int, stream: int) -> int:
     """Address of a persistent forward's work queue (two int32 counters, zero between launches) for launches on
     `stream` of `device`: the first two split counters of that stream (launches on one stream run in order, and
     each leaves the counters it used at zero)."""
-    buf = _split_counters.get((device, stream))
+    buf = _split_counters.get(_counters_key(device, stream))
     return buf.data.ptr if buf is not None else _split_counter_ptr(_launch.cupy(), device, stream, 2)
 
 

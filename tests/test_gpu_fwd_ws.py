@@ -222,6 +222,46 @@ def test_queued_forward_through_the_library_on_two_streams(monkeypatch):
         _plan.plans.clear()
 
 
+def test_queued_forward_on_per_thread_default_streams(monkeypatch):
+    """Four host threads on the per-thread default stream (one handle, a stream per thread) run causal calls of the
+    persistent kernel at once: each thread's launches take their own work queue, so every output is bitwise the one
+    computed alone."""
+    import threading
+
+    import cuflash
+    from cuflash import _plan
+
+    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False, True))
+    _families._selected.clear()
+    _plan.plans.clear()
+    try:
+        q, k, v = (make_input(2, 1000, 6, 128, "bf16", "bshd", "contiguous", seed_of("queue-ptds", i))
+                   for i in range(3))
+        want = cuflash.attention(q, k, v, causal=True)
+        cp.cuda.Device().synchronize()
+        errors, start = [], threading.Barrier(4)
+
+        def work():
+            try:
+                with cp.cuda.Stream.ptds:
+                    start.wait()
+                    outs = [cuflash.attention(q, k, v, causal=True) for _ in range(6)]
+                    cp.cuda.Stream.ptds.synchronize()
+                    errors.extend(i for i, o in enumerate(outs) if not bool((o == want).all()))
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, f"calls differing from the one computed alone (or failing): {errors}"
+    finally:
+        _families._selected.clear()
+        _plan.plans.clear()
+
+
 def test_ws_forward_without_lse_and_rejects_misaligned_strides():
     cfg = config.fwd_sm90_ws_config(128, "bf16", True)
     q, k, v = (make_input(2, 200, 3, 128, "bf16", "bshd", "contiguous", seed_of("nolse", i)) for i in range(3))

@@ -156,6 +156,25 @@ def test_a_queued_forward_takes_the_queue_of_the_calls_stream(monkeypatch):
             assert p.queue and p.queue == _families._split_counters[(0, stream)].data.ptr
             queues.append(p.queue)
         assert queues[0] == queues[2] != queues[1] == queues[3]
+        # the per-thread default stream: one handle, a stream per host thread, so a queue per (live) thread
+        pts = _families.PER_THREAD_STREAM
+        monkeypatch.setattr(fc._Stream, "ptr", pts)
+        both = threading.Barrier(2)
+
+        def queue_of_this_thread():
+            _families._queue_ptr(0, pts)
+            both.wait()  # both threads alive while they take theirs
+
+        threads = [threading.Thread(target=queue_of_this_thread) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        per_thread = {k: buf for k, buf in _families._split_counters.items() if k[1] == pts}
+        assert len(per_thread) == 2 and len({id(buf) for buf in per_thread.values()}) == 2, per_thread
+        replayed, _ = launches_of(lambda: cuflash.attention_forward(*b, causal=True), 1 << 50)
+        mine = _families._split_counters[(0, pts, threading.get_ident())]
+        assert _params(replayed[0][2]).queue == mine.data.ptr and len(_families._split_counters) == 5
         # a causal call of the one-item-per-CTA kernel, and a persistent non-causal one (items of equal cost): no queue
         monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False))
         _families._selected.clear()
