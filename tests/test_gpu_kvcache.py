@@ -276,7 +276,8 @@ def test_split_counters_on_several_streams():
         assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} on stream {i % 3} differs"
     from cuflash import _families
 
-    for (device, stream), counters in _families._split_counters.items():  # (arrived, published) per row block
+    # (arrived, published) per row block; keys (device, stream[, host thread on the per-thread default stream])
+    for (device, stream, *thread), counters in _families._split_counters.items():
         assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 
@@ -298,7 +299,7 @@ def test_merge_under_back_to_back_launches_repeats_bitwise():
         cp.cuda.Device().synchronize()
         for i, (o, lse) in enumerate(results):
             assert same_bits(o, want) and same_bits(lse, want_lse), f"launch {i} of 200 differs, num_splits={splits}"
-    for (device, stream), counters in _families._split_counters.items():
+    for (device, stream, *thread), counters in _families._split_counters.items():
         assert not counters.any(), f"the merge counters of stream {stream:#x} are not back at zero"
 
 
