@@ -411,9 +411,9 @@ class FwdSm90WsConfig:
 
     def uses_queue(self, packed: bool) -> bool:
         """Whether a launch takes its work items from a queue (FwdWsParams.queue: a persistent CTA takes the next
-        untaken item when it is done with one) rather than in a fixed stride: items of unequal cost (causal or
-        windowed query blocks, sequences of different lengths; packed non-causal batches measured +16-26 % over
-        the stride at N <= 4k on an H100, docs/PERFORMANCE.md "Variable-length batches")."""
+        untaken item once it has issued the loads of its current one) rather than in a fixed stride: items of
+        unequal cost (causal or windowed query blocks, sequences of different lengths; packed non-causal batches
+        measured +16-26 % over the stride at N <= 4k on an H100, docs/PERFORMANCE.md "Variable-length batches")."""
         return self.persistent and (self.causal or bool(self.mods & MOD_WINDOW) or packed)
 
     @property
