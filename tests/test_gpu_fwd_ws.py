@@ -189,77 +189,75 @@ def test_ws_forward_persistent(d, bn, stages, pingpong, causal, sq, sk, num_sms,
     check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms, queue=queue)
 
 
-def test_queued_forward_through_the_library_on_two_streams(monkeypatch):
-    """Causal calls of the persistent kernel through the library (full path, then plan replays), queued back to back
-    on two streams: each launch takes its work items from its own stream's queue and leaves it at zero for the next,
-    so every output is bitwise the first one, which passes the accuracy rule."""
-    import cuflash
+@pytest.fixture
+def queued_causal(monkeypatch):
+    """q, k, v (2 x 1000 x 6 x 128, bf16) whose causal calls through the library run the persistent D 128 kernel
+    with its work queue (the table entry set here, kernel choices and plans cleared before and after)."""
     from cuflash import _plan
 
     monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False, True))
     _families._selected.clear()
     _plan.plans.clear()
+    cfg = config.forward_kernel_config(128, "bf16", True, seqlen_k=1000)
+    assert cfg.persistent and cfg.uses_queue(False), cfg
     try:
-        q, k, v = (make_input(2, 1000, 6, 128, "bf16", "bshd", "contiguous", seed_of("queue-streams", i))
-                   for i in range(3))
-        cp.cuda.Device().synchronize()
-        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
-        outs = []
-        for i in range(12):
-            with streams[i % 2]:
-                outs.append(cuflash.attention(q, k, v, causal=True))
-        for st in streams:
-            st.synchronize()
-        cfg = config.forward_kernel_config(128, "bf16", True, seqlen_k=1000)
-        assert cfg.persistent and cfg.uses_queue(False), cfg
-        for i, o in enumerate(outs[1:], 1):
-            assert bool((o == outs[0]).all()), f"call {i} (stream {i % 2}) differs from the first"
-        q32, k32, v32 = (to_bshd32(x, "bshd") for x in (q, k, v))
-        check_rule("o", to_bshd32(outs[0], "bshd"), _xpref.attention_forward64(q32, k32, v32, True)[0],
-                   _xpref.attention_lowp(q32, k32, v32, "bf16", True), 2.0, "queued, two streams")
+        yield tuple(make_input(2, 1000, 6, 128, "bf16", "bshd", "contiguous", seed_of("queue", i)) for i in range(3))
     finally:
         _families._selected.clear()
         _plan.plans.clear()
 
 
-def test_queued_forward_on_per_thread_default_streams(monkeypatch):
+def test_queued_forward_through_the_library_on_two_streams(queued_causal):
+    """Causal calls of the persistent kernel through the library (full path, then plan replays), queued back to back
+    on two streams: each launch takes its work items from its own stream's queue and leaves it at zero for the next,
+    so every output is bitwise the first one, which passes the accuracy rule."""
+    import cuflash
+
+    q, k, v = queued_causal
+    cp.cuda.Device().synchronize()
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    outs = []
+    for i in range(12):
+        with streams[i % 2]:
+            outs.append(cuflash.attention(q, k, v, causal=True))
+    for st in streams:
+        st.synchronize()
+    for i, o in enumerate(outs[1:], 1):
+        assert bool((o == outs[0]).all()), f"call {i} (stream {i % 2}) differs from the first"
+    q32, k32, v32 = (to_bshd32(x, "bshd") for x in (q, k, v))
+    check_rule("o", to_bshd32(outs[0], "bshd"), _xpref.attention_forward64(q32, k32, v32, True)[0],
+               _xpref.attention_lowp(q32, k32, v32, "bf16", True), 2.0, "queued, two streams")
+
+
+def test_queued_forward_on_per_thread_default_streams(queued_causal):
     """Four host threads on the per-thread default stream (one handle, a stream per thread) run causal calls of the
     persistent kernel at once: each thread's launches take their own work queue, so every output is bitwise the one
     computed alone."""
     import threading
 
     import cuflash
-    from cuflash import _plan
 
-    monkeypatch.setitem(config.FWD_SM90_WS_TILES_CAUSAL_PLAIN, 128, (128, 2, False, True))
-    _families._selected.clear()
-    _plan.plans.clear()
-    try:
-        q, k, v = (make_input(2, 1000, 6, 128, "bf16", "bshd", "contiguous", seed_of("queue-ptds", i))
-                   for i in range(3))
-        want = cuflash.attention(q, k, v, causal=True)
-        cp.cuda.Device().synchronize()
-        errors, start = [], threading.Barrier(4)
+    q, k, v = queued_causal
+    want = cuflash.attention(q, k, v, causal=True)
+    cp.cuda.Device().synchronize()
+    errors, start = [], threading.Barrier(4)
 
-        def work():
-            try:
-                with cp.cuda.Stream.ptds:
-                    start.wait()
-                    outs = [cuflash.attention(q, k, v, causal=True) for _ in range(6)]
-                    cp.cuda.Stream.ptds.synchronize()
-                    errors.extend(i for i, o in enumerate(outs) if not bool((o == want).all()))
-            except Exception as e:  # noqa: BLE001 - reported below
-                errors.append(e)
+    def work():
+        try:
+            with cp.cuda.Stream.ptds:
+                start.wait()
+                outs = [cuflash.attention(q, k, v, causal=True) for _ in range(6)]
+                cp.cuda.Stream.ptds.synchronize()
+                errors.extend(i for i, o in enumerate(outs) if not bool((o == want).all()))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
 
-        threads = [threading.Thread(target=work) for _ in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert not errors, f"calls differing from the one computed alone (or failing): {errors}"
-    finally:
-        _families._selected.clear()
-        _plan.plans.clear()
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, f"calls differing from the one computed alone (or failing): {errors}"
 
 
 def test_ws_forward_without_lse_and_rejects_misaligned_strides():
