@@ -165,6 +165,28 @@ __device__ __forceinline__ void mma_m8n8k4_f64(double& c0, double& c1, double a,
                : "+d"(c0), "+d"(c1)
                : "d"(a), "d"(b));
 }
+// c += a b, m16n8kK float64, K = 4, 8 or 16 (sm_90+: one DMMA.16x8xK): a (16 x K) element i at row g + 8 (i & 1),
+// column t + 4 (i >> 1); b (K x 8) element i at row t + 4 i, column g; c rows g, g+8 x columns 2t, 2t+1
+template <int K>
+__device__ __forceinline__ void mma_m16n8k_f64(double (&c)[4], const double (&a)[K / 2], const double (&b)[K / 4]) {
+  static_assert(K == 4 || K == 8 || K == 16, "m16n8k4, m16n8k8, m16n8k16");
+  if constexpr (K == 4)
+    asm volatile("mma.sync.aligned.m16n8k4.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};\n"
+                 : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+                 : "d"(a[0]), "d"(a[1]), "d"(b[0]));
+  else if constexpr (K == 8)
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(b[0]), "d"(b[1]));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f64.f64.f64.f64 {%0, %1, %2, %3}, {%4, %5, %6, %7, %8, %9, %10, %11}, "
+        "{%12, %13, %14, %15}, {%0, %1, %2, %3};\n"
+        : "+d"(c[0]), "+d"(c[1]), "+d"(c[2]), "+d"(c[3])
+        : "d"(a[0]), "d"(a[1]), "d"(a[2]), "d"(a[3]), "d"(a[4]), "d"(a[5]), "d"(a[6]), "d"(a[7]), "d"(b[0]), "d"(b[1]),
+          "d"(b[2]), "d"(b[3]));
+}
 
 // ---- ex2.approx (PTX ISA 9.7.4.9 "ex2"): 2^x, ex2(-inf) = +0 -----------------------------------
 __device__ __forceinline__ float ex2_approx(float x) {

@@ -6,7 +6,8 @@
 //   Tf32x3  float32 inputs, each operand split into x = big + small (both TF32) and the three products
 //           small*big + big*small + big*big summed in fp32 (the fourth, small*small, is below fp32's rounding):
 //           float32-level accuracy on the TF32 tensor cores, at three times the mma work;
-//   F64     float64 inputs on the FP64 tensor cores (m8n8k4, two per m16 row tile), float64 softmax.
+//   F64     float64 inputs on the FP64 tensor cores, float64 softmax: one m16n8k16 DMMA per step on sm_90+, pairs
+//           of m8n8k4 (the only FP64 shape there) on sm_80 - sm_89.
 // All three keep the m16n8 accumulator layout of the 16-bit kernels (rows g, g + 8, columns 2t, 2t + 1), so the
 // masks and, for float32, the score modifiers (mods.cuh) and the online softmax are the same code.
 //
@@ -17,7 +18,8 @@
 //
 // A GEMM whose A operand is an accumulator (P V, P^T dO, dS^T Q) takes A straight from registers: in an n8 tile
 // a thread holds columns 2t and 2t + 1, and the reduction order inside an mma is free, so the mma's k index is
-// mapped onto those columns (Math::a_of_acc) and B's rows are read in the same order (Math::load_b_acc).
+// mapped onto those columns (Math::a_of_acc; an m16n8k16 A spans two n8 tiles, an m8n8k4 one half of a tile) and
+// B's rows are read in the same order (Math::load_b_acc).
 #pragma once
 #include "ptx.cuh"
 #include "traits.cuh"
@@ -46,13 +48,15 @@ __device__ __forceinline__ u32 round_tf32(float x) {
   return __float_as_uint(__fsub_rn(c, __fsub_rn(c, x)));
 }
 // A fragment (16 x K, row-major): load_a(at) with at(row, k); B fragment (K x 8): load_b(at) with at(k, n);
-// a_of_acc(c, s): k-step s of an n8 accumulator tile as A; load_b_acc(at, s): the B rows that go with it.
+// a_of_acc(c, s): k-step s of the ACC_TILES n8 accumulator tiles c[0..ACC_TILES) as A (ACC_STEPS steps per tile);
+// load_b_acc(at, s): the B rows that go with it, at(k, n) with k counted from the first tile's first column.
 
 struct Tf32 {
   using E = float;
   using Acc = float;
   static constexpr int K = 8;          // k of one mma
-  static constexpr int ACC_STEPS = 1;  // k-steps per n8 accumulator tile used as A
+  static constexpr int ACC_TILES = 1;  // n8 accumulator tiles per A operand
+  static constexpr int ACC_STEPS = 1;  // A operands per n8 accumulator tile
   static constexpr int CHAIN_K = 64;   // k summed in one chain of mmas (0: any), see "Bounded chains" below
   struct A { u32 x[4]; };
   struct B { u32 x[2]; };
@@ -65,7 +69,7 @@ struct Tf32 {
   template <class F>
   static __device__ __forceinline__ B load_b(F at, int g, int t) { return make_b(at(t, g), at(t + 4, g)); }
   // k = t <-> column 2t, k = t + 4 <-> column 2t + 1
-  static __device__ __forceinline__ A a_of_acc(const float (&c)[4], int) { return make_a(c[0], c[2], c[1], c[3]); }
+  static __device__ __forceinline__ A a_of_acc(const float (*c)[4], int) { return make_a(c[0][0], c[0][2], c[0][1], c[0][3]); }
   template <class F>
   static __device__ __forceinline__ B load_b_acc(F at, int, int g, int t) { return make_b(at(2 * t, g), at(2 * t + 1, g)); }
   static __device__ __forceinline__ void mma(float (&c)[4], const A& a, const B& b) { mma_m16n8k8_tf32(c, a.x, b.x[0], b.x[1]); }
@@ -75,6 +79,7 @@ struct Tf32x3 {
   using E = float;
   using Acc = float;
   static constexpr int K = 8;
+  static constexpr int ACC_TILES = 1;
   static constexpr int ACC_STEPS = 1;
   static constexpr int CHAIN_K = 64;
   struct A { u32 big[4], small[4]; };
@@ -103,7 +108,7 @@ struct Tf32x3 {
   static __device__ __forceinline__ A load_a(F at, int g, int t) { return make_a(at(g, t), at(g + 8, t), at(g, t + 4), at(g + 8, t + 4)); }
   template <class F>
   static __device__ __forceinline__ B load_b(F at, int g, int t) { return make_b(at(t, g), at(t + 4, g)); }
-  static __device__ __forceinline__ A a_of_acc(const float (&c)[4], int) { return make_a(c[0], c[2], c[1], c[3]); }
+  static __device__ __forceinline__ A a_of_acc(const float (*c)[4], int) { return make_a(c[0][0], c[0][2], c[0][1], c[0][3]); }
   template <class F>
   static __device__ __forceinline__ B load_b_acc(F at, int, int g, int t) { return make_b(at(2 * t, g), at(2 * t + 1, g)); }
   // the small terms first, so they are not lost against the big product's rounding
@@ -114,27 +119,79 @@ struct Tf32x3 {
   }
 };
 
-struct F64 {
+// K = 4, 8 or 16: the k of one step. A element i sits at row g + 8 (i & 1), column t + 4 (i >> 1); B element i at row
+// t + 4 i, column g. As A, an accumulator's columns 2t, 2t + 1 of tile j / 2 give k = t + 4 j (K >= 8; K = 4: k = t is
+// column 2t + s in step s of a tile).
+template <int K_>
+struct F64T {
   using E = double;
   using Acc = double;
-  static constexpr int K = 4;
-  static constexpr int ACC_STEPS = 2;
+  static constexpr int K = K_;
+  static constexpr int ACC_TILES = K >= 8 ? K / 8 : 1;
+  static constexpr int ACC_STEPS = K >= 8 ? 1 : 8 / K;
   static constexpr int CHAIN_K = 0;  // DMMA's fused multiply-adds round to nearest
-  struct A { double x[2]; };  // rows g and g + 8 (two m8 mmas)
-  struct B { double x; };
+  static_assert(K == 4 || K == 8 || K == 16, "the m16n8k4, m16n8k8 and m16n8k16 layouts");
+  struct A { double x[K / 2]; };
+  struct B { double x[K / 4]; };
   template <class F>
-  static __device__ __forceinline__ A load_a(F at, int g, int t) { return A{{at(g, t), at(g + 8, t)}}; }
+  static __device__ __forceinline__ A load_a(F at, int g, int t) {
+    A a;
+#pragma unroll
+    for (int i = 0; i < K / 2; ++i) a.x[i] = at(g + 8 * (i & 1), t + 4 * (i >> 1));
+    return a;
+  }
   template <class F>
-  static __device__ __forceinline__ B load_b(F at, int g, int t) { return B{at(t, g)}; }
-  // k-step s of an n8 tile: k = t <-> column 2t + s
-  static __device__ __forceinline__ A a_of_acc(const double (&c)[4], int s) { return A{{c[s], c[2 + s]}}; }
+  static __device__ __forceinline__ B load_b(F at, int g, int t) {
+    B b;
+#pragma unroll
+    for (int i = 0; i < K / 4; ++i) b.x[i] = at(t + 4 * i, g);
+    return b;
+  }
+  static __device__ __forceinline__ A a_of_acc(const double (*c)[4], int s) {
+    A a;
+    if constexpr (K == 4) {
+      a.x[0] = c[0][s];
+      a.x[1] = c[0][2 + s];
+    } else {
+#pragma unroll
+      for (int j = 0; j < K / 4; ++j) {
+        a.x[2 * j] = c[j >> 1][j & 1];
+        a.x[2 * j + 1] = c[j >> 1][2 + (j & 1)];
+      }
+    }
+    return a;
+  }
   template <class F>
-  static __device__ __forceinline__ B load_b_acc(F at, int s, int g, int t) { return B{at(2 * t + s, g)}; }
+  static __device__ __forceinline__ B load_b_acc(F at, int s, int g, int t) {
+    B b;
+    if constexpr (K == 4) {
+      b.x[0] = at(2 * t + s, g);
+    } else {
+#pragma unroll
+      for (int j = 0; j < K / 4; ++j) b.x[j] = at(8 * (j >> 1) + 2 * t + (j & 1), g);
+    }
+    return b;
+  }
   static __device__ __forceinline__ void mma(double (&c)[4], const A& a, const B& b) {
-    mma_m8n8k4_f64(c[0], c[1], a.x[0], b.x);
-    mma_m8n8k4_f64(c[2], c[3], a.x[1], b.x);
+#if __CUDA_ARCH__ >= 900
+    mma_m16n8k_f64<K>(c, a.x, b.x);
+#else
+#pragma unroll
+    for (int j = 0; j < K / 4; ++j) {
+      mma_m8n8k4_f64(c[0], c[1], a.x[2 * j], b.x[j]);
+      mma_m8n8k4_f64(c[2], c[3], a.x[2 * j + 1], b.x[j]);
+    }
+#endif
   }
 };
+// On an H100 (tools/mma_rates.py) m8n8k4 runs at half the FP64 tensor-core rate (33 TFLOP/s), m16n8k4, k8 and k16 at
+// the full 66; in these kernels m16n8k8 measured fastest (m16n8k16's 16-register A made the backward spill and the
+// head-dim-128 forward slower). See docs/PERFORMANCE.md.
+#if __CUDA_ARCH__ >= 900
+using F64 = F64T<8>;
+#else
+using F64 = F64T<4>;
+#endif
 
 // Bounded chains. The TF32 tensor cores add each mma's products to its fp32 accumulator with truncation, not
 // rounding to nearest (measured: a 3xTF32 forward accumulating O in one chain over the whole key loop was 3-11x
@@ -252,6 +309,7 @@ struct WideFwdTraits {
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32 (the pitch rule), at most 256");
   static_assert(V_SPLIT >= 1 && V_COLS % 32 == 0, "V_SPLIT parts of whole 32-column blocks");
   static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 8 == 0, "whole m16 row tiles per warp, n8 key tiles");
+  static_assert((BLOCK_N / 8) % M::ACC_TILES == 0 && HEAD_DIM % M::K == 0, "whole mma k-steps over keys and head dim");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
@@ -305,10 +363,10 @@ __device__ __forceinline__ void fwd_wide_key_tile(const Band<IS_CAUSAL, ScoreMod
       else return part[dt];
     };
 #pragma unroll
-    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+    for (int nt = 0; nt < Tr::N_TILES; nt += M::ACC_TILES)
 #pragma unroll
       for (int s = 0; s < M::ACC_STEPS; ++s) {
-        const typename M::A a = M::a_of_acc(s_acc[0][nt], s);
+        const typename M::A a = M::a_of_acc(&s_acc[0][nt], s);
 #pragma unroll
         for (int dt = 0; dt < PV_TILES; ++dt)
           M::mma(target(dt), a,
@@ -534,6 +592,7 @@ struct WideBwdTraits {
 
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32 (the pitch rule), at most 256");
   static_assert(WARPS % D_SPLIT == 0 && BLOCK_N == 16 * KEY_WARPS, "each key group owns 16 keys");
+  static_assert(Q_TILES % M::ACC_TILES == 0 && BLOCK_N % M::K == 0, "whole mma k-steps over queries and keys");
   static_assert(BLOCK_M % 16 == 0 && (DS_PITCH * sizeof(Acc)) % 16 == 0, "m16 dQ tiles; 16-byte rows of dS");
   static_assert(WARPS % DQ_WARPS_M == 0 && (HEAD_DIM / 8) % DQ_WARPS_D == 0, "the dQ warp grid tiles the result");
   static_assert(SMEM_ROWVEC % 16 == 0 && OFF_LSE % 16 == 0, "16-byte chunks of lse_log2 and delta");
@@ -592,10 +651,10 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
         else return part[dt];
       };
 #pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+      for (int qt = 0; qt < Tr::Q_TILES; qt += M::ACC_TILES)
 #pragma unroll
         for (int s = 0; s < M::ACC_STEPS; ++s) {
-          const typename M::A a = M::a_of_acc(x[qt], s);
+          const typename M::A a = M::a_of_acc(&x[qt], s);
 #pragma unroll
           for (int dt = 0; dt < ACC_TILES; ++dt)
             M::mma(target(dt), a, M::load_b_acc([&](int k, int n) {
