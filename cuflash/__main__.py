@@ -172,7 +172,7 @@ def sass_counts(cubin: bytes) -> dict | None:
 
 
 def compile_check(args) -> int:
-    from . import _compile
+    from . import _compile, config
 
     archs = ALL_ARCHS if args.all else (args.arch,)
     try:
@@ -219,6 +219,8 @@ def compile_check(args) -> int:
             flags.append("STACK")
         if res["registers"] is None:
             flags.append("NO-PTXAS-INFO")
+        if smem > config.smem_limit(arch):
+            flags.append("SMEM")
         sass = ""
         if args.sass:
             counts = sass_counts(compiled.cubin)
@@ -233,7 +235,8 @@ def compile_check(args) -> int:
               f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}{sass}")
         if flags:
             problems.append(f"{arch} {name}: {' '.join(flags)} (spill stores {res['spill_stores']} B, "
-                            f"spill loads {res['spill_loads']} B, stack {res['stack']} B, registers {regs})")
+                            f"spill loads {res['spill_loads']} B, stack {res['stack']} B, registers {regs}, "
+                            f"shared memory {smem} B of {config.smem_limit(arch)})")
     print(f"{len(results)} kernels in {time.perf_counter() - t_start:.1f} s; {len(problems)} with problems")
     for p in problems:
         print(f"  PROBLEM: {p}", file=sys.stderr)
@@ -273,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="{demo,compile}")
     p_demo = sub.add_parser("demo", help="run attention on a realistic shape, check it against float64, time it")
     _demo_options(p_demo, defaults=False)
-    p_compile = sub.add_parser("compile", help="compile every shipped kernel (no GPU needed); fail on any spill")
+    p_compile = sub.add_parser("compile", help="compile every shipped kernel (no GPU needed); fail on any spill or tile over the target's shared memory")
     p_compile.add_argument("--arch", choices=ARCHS, default="sm_90a", help="target architecture (default sm_90a)")
     p_compile.add_argument("--all", action="store_true", help=f"every architecture we ship for: {', '.join(ALL_ARCHS)}")
     p_compile.add_argument("--sass", action="store_true",

@@ -274,7 +274,7 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_MASK_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
-    out += [c for c in all_wide_configs() if isinstance(c, FwdWideConfig)]
+    out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
     return out
 
 
@@ -356,6 +356,12 @@ FWD_SM90_TILES = {
 # --- Hopper (sm_90a): the warp-specialized forward (cuda/fwd_sm90_ws.cuh) ------------------------------------
 TMA_BOX_COLS = 64  # one 128-byte swizzle panel of 16-bit elements: the column width of a TMA box
 SMEM_LIMIT_SM90 = 227 * 1024  # dynamic shared memory one CTA may have on sm_90
+SMEM_LIMIT_SM80 = 163 * 1024  # on sm_80 (A100); sm_86 and sm_89 allow 99 KiB, less than many of cuflash's tiles
+
+
+def smem_limit(arch: str) -> int:
+    """Dynamic shared memory one CTA may have on an NVRTC target: what every shipped tile of that target fits."""
+    return SMEM_LIMIT_SM90 if arch.startswith("sm_90") else SMEM_LIMIT_SM80
 
 
 @dataclass(frozen=True)
@@ -821,7 +827,7 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                         out += [bwd_sm90_ws_config(hd, dt, c, False, m), bwd_sm90_ws_config(hd, dt, c, True, m)]
                     elif arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
-    out += [c for c in all_wide_configs() if not isinstance(c, FwdWideConfig)]
+    out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
 
 
@@ -1082,11 +1088,13 @@ class BwdWideConfig:
 # 3xTF32 holds both halves of every fragment and a second accumulator for the bounded chains (cuda/wide.cuh), so it
 # takes smaller tiles than one-pass TF32 where registers bind; at head dim 256 its forward splits O's columns over
 # two CTAs (the fourth entry, v_split: 128 fp32 registers of O alone spilled at every tile).
+# The float64 tiles are the sm_90a ones measured on an H100 (docs/PERFORMANCE.md): the m16n8k8 DMMA of sm_90 runs
+# at twice m8n8k4's rate, and 8 warps per CTA (head dim 128: 16 keys per tile for 128 query rows) beat 4 warps there.
 # Forward: (block_m, block_n, num_warps[, v_split])
 FWD_WIDE_TILES = {
     "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 32, 4, 2)},
     "tf32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 64, 8), 256: (64, 16, 4)},
-    "fp64": {32: (128, 32, 8), 64: (128, 32, 8), 128: (64, 32, 4)},
+    "fp64": {32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 16, 8)},
 }
 FWD_WIDE_TILES_MODS = {
     "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 16, 8), 256: (64, 8, 4, 2)},
@@ -1103,19 +1111,29 @@ BWD_WIDE_TILES_MODS = {
     "fp32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
     "tf32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
 }
+# The targets before sm_90 take these where a tile above needs more shared memory than an A100 CTA may have
+# (SMEM_LIMIT_SM80): spill-free there, not measured on an A100.
+FWD_WIDE_TILES_SM80 = {"tf32": {128: (128, 32, 8)}, "fp64": {64: (128, 32, 8), 128: (64, 16, 4)}}
+BWD_WIDE_TILES_SM80 = {"fp64": {64: (32, 64, 8, 2), 128: (16, 32, 4, 2)}}
 
 
-def fwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> FwdWideConfig:
+def fwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch: str = DEFAULT_ARCH) -> FwdWideConfig:
     # 3xTF32 has no register left for a window's state on the plain tiles: any modifier takes the *_MODS tiles
     table = FWD_WIDE_TILES_MODS if heavy_mods(mods) or (dtype == "fp32" and mods) else FWD_WIDE_TILES
     bm, bn, warps, *split = table[dtype][head_dim]
-    return FwdWideConfig(head_dim, bm, bn, warps, dtype, causal, mods, *split)
+    cfg = FwdWideConfig(head_dim, bm, bn, warps, dtype, causal, mods, *split)
+    if cfg.smem_bytes > smem_limit(arch):
+        bm, bn, warps, *split = FWD_WIDE_TILES_SM80[dtype][head_dim]
+        cfg = FwdWideConfig(head_dim, bm, bn, warps, dtype, causal, mods, *split)
+    return cfg
 
 
-def bwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> BwdWideConfig:
+def bwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch: str = DEFAULT_ARCH) -> BwdWideConfig:
     table = BWD_WIDE_TILES_MODS if heavy_mods(mods) else BWD_WIDE_TILES
-    bm, bn, warps, split = table[dtype][head_dim]
-    return BwdWideConfig(head_dim, bm, bn, warps, split, dtype, causal, mods)
+    cfg = BwdWideConfig(head_dim, *table[dtype][head_dim], dtype, causal, mods)
+    if cfg.smem_bytes > smem_limit(arch):
+        cfg = BwdWideConfig(head_dim, *BWD_WIDE_TILES_SM80[dtype][head_dim], dtype, causal, mods)
+    return cfg
 
 
 def wide_mods_checked(dtype: str, causal: bool) -> tuple:
@@ -1125,15 +1143,15 @@ def wide_mods_checked(dtype: str, causal: bool) -> tuple:
     return MODS_CHECKED[causal]
 
 
-def all_wide_configs() -> list:
-    """Every float32 / float64 instantiation (the same on every target)."""
+def all_wide_configs(arch: str = DEFAULT_ARCH) -> list:
+    """Every float32 / float64 instantiation of a target."""
     out: list = []
     for dt in WIDE_DTYPES:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
         for hd in WIDE_KERNEL_HEAD_DIMS[dt]:
             for c in (False, True):
                 for m in (0, *wide_mods_checked(dt, c)):
-                    out += [fwd_wide_config(hd, dt, c, m), bwd_wide_config(hd, dt, c, m)]
+                    out += [fwd_wide_config(hd, dt, c, m, arch), bwd_wide_config(hd, dt, c, m, arch)]
     return out
 
 
@@ -1180,15 +1198,15 @@ FAMILIES = (
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
     Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
-           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m)),
+           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("fwd_wide_fp64", "forward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
-           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m)),
+           lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
-           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch)),
     Family("bwd_wide_fp64", "backward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
-           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch)),
     Family("fwd_sm90_fp8", "forward_fp8", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_FP8_TILES if not mods & ~MOD_WINDOW
            else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),

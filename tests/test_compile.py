@@ -171,3 +171,19 @@ def test_pre_sm90_tables_keep_sm90a_tiles_unchanged():
     assert not config.dq_supported(256, config.MOD_WINDOW | config.MOD_BIAS, "sm_80")
     assert config.dq_supported(256, config.MOD_WINDOW | config.MOD_BIAS, "sm_90a")
     assert config.dq_supported(256, config.MOD_BIAS, "sm_80") and config.dq_supported(128, config.MODS_ALL, "sm_80")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_every_shipped_tile_fits_the_targets_shared_memory(arch):
+    """A CTA may have 227 KiB of shared memory on sm_90 but 163 KiB on an A100: every kernel the library launches
+    on a target fits that target (the sm_90a float64 and TF32 tiles that do not fit an A100 have sm_80 ones)."""
+    configs = config.all_fwd_configs(arch) + config.all_bwd_configs(arch)
+    over = [c for c in configs if getattr(c, "smem_bytes", 0) > config.smem_limit(arch)]
+    assert not over, over
+    wide_sm80 = {c for c in config.all_wide_configs("sm_80")}
+    wide_sm90 = {c for c in config.all_wide_configs("sm_90a")}
+    assert wide_sm80 != wide_sm90  # the A100 ones differ where the H100 tiles are too large for it
+    for c in wide_sm90 - wide_sm80:
+        assert config.SMEM_LIMIT_SM80 < c.smem_bytes <= config.SMEM_LIMIT_SM90, c
+    assert config.select("forward", 128, "fp64", False, "sm_80").smem_bytes <= config.SMEM_LIMIT_SM80
+    assert config.select("backward", 64, "fp64", True, "sm_80").smem_bytes <= config.SMEM_LIMIT_SM80
