@@ -6,7 +6,7 @@
 //   Tf32x3  float32 inputs, each operand split into x = big + small (both TF32) and the three products
 //           small*big + big*small + big*big summed in fp32 (the fourth, small*small, is below fp32's rounding):
 //           float32-level accuracy on the TF32 tensor cores, at three times the mma work;
-//   F64     float64 inputs on the FP64 tensor cores, float64 softmax: one m16n8k16 DMMA per step on sm_90+, pairs
+//   F64     float64 inputs on the FP64 tensor cores, float64 softmax: one m16n8k8 DMMA per step on sm_90+, pairs
 //           of m8n8k4 (the only FP64 shape there) on sm_80 - sm_89.
 // All three keep the m16n8 accumulator layout of the 16-bit kernels (rows g, g + 8, columns 2t, 2t + 1), so the
 // masks and, for float32, the score modifiers (mods.cuh) and the online softmax are the same code.

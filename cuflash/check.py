@@ -66,8 +66,8 @@ STRIDES = ("contiguous", "padded", "transposed", "misaligned")
 # Sanitizer work per (score x kernel head dim) of a dtype's kernels, relative to the 16-bit ones: an estimate (not
 # measured) from the instructions the sanitizers instrument per multiply-add. The 16-bit kernels read shared memory
 # with ldmatrix (16 bytes a lane) into m16n8k16 MMAs; the wide kernels read fragments with 4- or 8-byte loads
-# (about 4x the shared loads per multiply-add for float32, 8x for float64, whose m8n8k4 MMA also does 1/8 of the
-# work of an m16n8k16) and stage 2x / 4x the bytes through cp.async.
+# (about 4x the shared loads per multiply-add for float32, 8x for float64, whose m8n8k4 MMA on sm_80-sm_89 also
+# does 1/8 of the work of an m16n8k16, its m16n8k8 on sm_90 1/2) and stage 2x / 4x the bytes through cp.async.
 WORK_WEIGHT = {"fp32": 4.0, "tf32": 4.0, "fp64": 8.0}
 
 
