@@ -588,10 +588,15 @@ struct WideBwdTraits {
   static constexpr int OFF_DS = 2 * SMEM_KV + 4 * SMEM_Q;
   static constexpr int OFF_LSE = OFF_DS + BLOCK_M * DS_PITCH * sizeof(Acc);  // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;
-  static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC;
+  // D_SPLIT > 1: each warp's partial S^T / dP^T (its head-dim slice), [warp][Q_TILES * 4][lane], read by the other
+  // warps of its key group
+  static constexpr int OFF_XCHG = OFF_LSE + 4 * SMEM_ROWVEC;
+  static constexpr int SMEM_XCHG = D_SPLIT > 1 ? WARPS * Q_TILES * 4 * 32 * static_cast<int>(sizeof(Acc)) : 0;
+  static constexpr int SMEM_BYTES = OFF_XCHG + SMEM_XCHG;
 
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32 (the pitch rule), at most 256");
   static_assert(WARPS % D_SPLIT == 0 && BLOCK_N == 16 * KEY_WARPS, "each key group owns 16 keys");
+  static_assert(KEY_WARPS <= 15, "one named barrier (1..15) per key group");
   static_assert(Q_TILES % M::ACC_TILES == 0 && BLOCK_N % M::K == 0, "whole mma k-steps over queries and keys");
   static_assert(BLOCK_M % 16 == 0 && (DS_PITCH * sizeof(Acc)) % 16 == 0, "m16 dQ tiles; 16-byte rows of dS");
   static_assert(WARPS % DQ_WARPS_M == 0 && (HEAD_DIM / 8) % DQ_WARPS_D == 0, "the dQ warp grid tiles the result");
@@ -623,18 +628,47 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
   const Acc* delta_s = reinterpret_cast<const Acc*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
   const Acc scale_log2 = AccOps<Acc>::scale_log2(p.scale_log2, p.scale_log2_d);
 
-  // S^T = K Q^T (16 keys x BLOCK_M queries per warp); dP^T = V dO^T the same way (bounded chains over the head dim)
+  // S^T = K Q^T (16 keys x BLOCK_M queries per warp); dP^T = V dO^T the same way (bounded chains over the head dim).
+  // With D_SPLIT > 1 the warps of a key group each sum their own head-dim slice [d_col0, + DKV_COLS) and add the
+  // group's partial sums through shared memory, every warp in the same order (slice 0 first), so all of them hold
+  // the same S^T: each product is computed once instead of D_SPLIT times. The slices are whole bounded chains
+  // (DKV_COLS is a multiple of CHAIN_K or the whole head dim), so the sums are those of the unsplit chains.
+  static_assert(Tr::D_SPLIT == 1 || M::CHAIN_K == 0 || Tr::DKV_COLS % M::CHAIN_K == 0, "slices of whole chains");
+  Acc* xchg = reinterpret_cast<Acc*>(smem + Tr::OFF_XCHG);
   auto gemm_nt = [&](Acc (&acc)[Tr::Q_TILES][4], const E* a_s, const E* b_s) {
+    constexpr int COLS = Tr::HEAD_DIM / Tr::D_SPLIT;
+    const int col0 = Tr::D_SPLIT > 1 ? d_col0 : 0;
     zero_acc(acc);
-    bounded_chains<M, Tr::HEAD_DIM>(acc, [&](Acc (&part)[Tr::Q_TILES][4], int k_begin, int k_end) {
+    bounded_chains<M, COLS>(acc, [&](Acc (&part)[Tr::Q_TILES][4], int k_begin, int k_end) {
 #pragma unroll 4
-      for (int k0 = k_begin; k0 < k_end; k0 += M::K) {
+      for (int k0 = col0 + k_begin; k0 < col0 + k_end; k0 += M::K) {
         const typename M::A a = M::load_a([&](int r, int k) { return a_s[(key_row0 + r) * Tr::PITCH + k0 + k]; }, g, t);
 #pragma unroll
         for (int qt = 0; qt < Tr::Q_TILES; ++qt)
           M::mma(part[qt], a, M::load_b([&](int k, int n) { return b_s[(qt * 8 + n) * Tr::PITCH + k0 + k]; }, g, t));
       }
     });
+  };
+  // the partial sums of a key group's warps, added in slice order (bar.sync of the group's D_SPLIT warps, ids 1..)
+  auto sum_slices = [&](Acc (&acc)[Tr::Q_TILES][4]) {
+    if constexpr (Tr::D_SPLIT > 1) {
+      const int group = warp / Tr::D_SPLIT, slice = warp % Tr::D_SPLIT;
+#pragma unroll
+      for (int i = 0; i < Tr::Q_TILES * 4; ++i) xchg[(warp * Tr::Q_TILES * 4 + i) * 32 + lane] = acc[i / 4][i % 4];
+      named_barrier_sync(1 + group, 32 * Tr::D_SPLIT);
+#pragma unroll
+      for (int i = 0; i < Tr::Q_TILES * 4; ++i) {
+        Acc sum = slice == 0 ? acc[i / 4][i % 4] : xchg[((group * Tr::D_SPLIT) * Tr::Q_TILES * 4 + i) * 32 + lane];
+#pragma unroll
+        for (int s = 1; s < Tr::D_SPLIT; ++s)
+          sum += s == slice ? acc[i / 4][i % 4] : xchg[((group * Tr::D_SPLIT + s) * Tr::Q_TILES * 4 + i) * 32 + lane];
+        acc[i / 4][i % 4] = sum;
+      }
+    }
+  };
+  // before a warp overwrites its exchange slot: the other warps of its group have read the previous sums
+  auto slots_free = [&]() {
+    if constexpr (Tr::D_SPLIT > 1) named_barrier_sync(1 + warp / Tr::D_SPLIT, 32 * Tr::D_SPLIT);
   };
   // acc (dK or dV columns d_col0..) += X^T Y: X^T from the accumulators x[Q_TILES][4], Y [query][d] in shared memory.
   // One chain per query block (BLOCK_M <= 64), summed in zeroed registers ACC_TILES column tiles at a time and added
@@ -671,6 +705,7 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
 
   Acc s_acc[Tr::Q_TILES][4];
   gemm_nt(s_acc, k_s, q_s);
+  sum_slices(s_acc);
   float dcap[Tr::Q_TILES][4];  // the softcap's derivative (float32 kernels with MOD_SOFTCAP)
   if constexpr (Mods::CHANGES_SCORES) apply_score_mods_transposed(s_acc, dcap, n0 + key_row0, m0, band.diag, mods, lane);
   if (IS_MASKED)
@@ -698,6 +733,8 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
 
   Acc dp_acc[Tr::Q_TILES][4];
   gemm_nt(dp_acc, v_s, do_s);
+  slots_free();
+  sum_slices(dp_acc);
   // dS^T = P^T (dP^T - delta[query]) (dropout, softcap: ds_of)
 #pragma unroll
   for (int qt = 0; qt < Tr::Q_TILES; ++qt)

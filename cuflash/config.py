@@ -1069,9 +1069,11 @@ class BwdWideConfig:
         e = WIDE_ELEM_BYTES[self.dtype]
         acc = 8 if self.dtype == "fp64" else 4
         row = (self.head_dim + WIDE_PITCH_PAD) * e
-        # K, V, 2 stages of (Q, dO), dS [query][key], 2 stages of (lse_log2, delta)
+        # K, V, 2 stages of (Q, dO), dS [query][key], 2 stages of (lse_log2, delta), with d_split > 1 every warp's
+        # partial S^T / dP^T (its head-dim slice; the warps of a key group add them)
+        xchg = self.num_warps * (self.block_m // 8) * 4 * 32 * acc if self.d_split > 1 else 0
         return (2 * self.block_n * row + 4 * self.block_m * row + self.block_m * (self.block_n + WIDE_PITCH_PAD) * acc
-                + 4 * self.block_m * acc)
+                + 4 * self.block_m * acc + xchg)
 
     def cpp_name(self) -> str:
         return (f"cuflash::bwd_wide_kernel<cuflash::WideBwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
@@ -1114,7 +1116,7 @@ BWD_WIDE_TILES_MODS = {
 # The targets before sm_90 take these where a tile above needs more shared memory than an A100 CTA may have
 # (SMEM_LIMIT_SM80): spill-free there, not measured on an A100.
 FWD_WIDE_TILES_SM80 = {"tf32": {128: (128, 32, 8)}, "fp64": {64: (128, 32, 8), 128: (64, 16, 4)}}
-BWD_WIDE_TILES_SM80 = {"fp64": {64: (32, 64, 8, 2), 128: (16, 32, 4, 2)}}
+BWD_WIDE_TILES_SM80 = {"fp64": {64: (16, 64, 4, 1), 128: (16, 32, 4, 2)}}
 
 
 def fwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch: str = DEFAULT_ARCH) -> FwdWideConfig:

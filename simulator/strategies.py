@@ -442,12 +442,14 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     walks = [] if wide else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim,
                                                      causal_skip, p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
-    # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel (and bwd_wide_kernel);
-    # a wgmma warpgroup owns its 64 keys whole, so bwd_sm90_kernel computes them once
+    # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; bwd_wide_kernel's warps
+    # each sum their head-dim slice and add the slices (the softmax work stays per warp); a wgmma warpgroup owns its
+    # 64 keys whole, so bwd_sm90_kernel computes them once
     ds = cfg.d_split if isinstance(cfg, (_config.BwdConfig, _config.BwdWideConfig)) else 1
+    ds_mm = 1 if wide else ds
     visits = int(_bwd_visits(cfg, p, causal_skip)[0].sum())
-    # per visit: S^T and dP^T (D_SPLIT times), dV and dK, dQ (atomic mode)
-    c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds + 2 + (0 if deterministic else 1))
+    # per visit: S^T and dP^T (D_SPLIT times but in the wide kernels), dV and dK, dQ (atomic mode)
+    c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds_mm + 2 + (0 if deterministic else 1))
     scores = visits * ds * bm * bn
     if deterministic:
         dcfg = _config.dq_config(hd, p.dtype, p.causal)
