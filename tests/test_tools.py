@@ -33,3 +33,34 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
+
+
+@pytest.mark.parametrize("shape", ["f64 m8n8k4", "f64 m16n8k4", "f64 m16n8k8", "f64 m16n8k16", "tf32 m16n8k8"])
+def test_mma_rates_kernels_compile(shape):
+    """tools/mma_rates.py's two kernels (the rate loop and the layout check) compile for each shape on sm_90a, and
+    the shapes that sm_80 lacks are marked so (NVRTC refuses them there): the tool cannot rot unnoticed."""
+    from cuflash import _compile
+
+    try:
+        nvrtc = _compile._nvrtc()
+        nvrtc.getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import mma_rates
+    finally:
+        sys.path.remove(str(TOOLS))
+
+    def compiles(arch: str) -> bool:
+        prog = nvrtc.createProgram(mma_rates.kernel_source(shape), "mma_rates.cu", [], [])
+        try:
+            nvrtc.compileProgram(prog, [f"-arch={arch}"])
+            return True
+        except nvrtc.NVRTCError:
+            return False
+        finally:
+            nvrtc.destroyProgram(prog)
+
+    assert compiles("sm_90a")
+    assert compiles("sm_80") == (mma_rates.SHAPES[shape][-1] <= 80)
