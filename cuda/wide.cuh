@@ -631,8 +631,9 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
   // S^T = K Q^T (16 keys x BLOCK_M queries per warp); dP^T = V dO^T the same way (bounded chains over the head dim).
   // With D_SPLIT > 1 the warps of a key group each sum their own head-dim slice [d_col0, + DKV_COLS) and add the
   // group's partial sums through shared memory, every warp in the same order (slice 0 first), so all of them hold
-  // the same S^T: each product is computed once instead of D_SPLIT times. The slices are whole bounded chains
-  // (DKV_COLS is a multiple of CHAIN_K or the whole head dim), so the sums are those of the unsplit chains.
+  // the same S^T: each product is computed once instead of D_SPLIT times. For float32 the slices are whole bounded
+  // chains (DKV_COLS is a multiple of CHAIN_K), so the sums are those of the unsplit chains; float64's one DMMA chain
+  // over the head dim becomes D_SPLIT chains added in order (rounded to nearest either way).
   static_assert(Tr::D_SPLIT == 1 || M::CHAIN_K == 0 || Tr::DKV_COLS % M::CHAIN_K == 0, "slices of whole chains");
   Acc* xchg = reinterpret_cast<Acc*>(smem + Tr::OFF_XCHG);
   auto gemm_nt = [&](Acc (&acc)[Tr::Q_TILES][4], const E* a_s, const E* b_s) {
