@@ -1,4 +1,4 @@
-"""The measurement tools' own logic that runs without a GPU (tools/launch_overhead.py)."""
+"""The measurement tools' own logic that runs without a GPU (tools/launch_overhead.py, tools/mma_rates.py)."""
 from __future__ import annotations
 
 import subprocess
@@ -32,7 +32,6 @@ print("ok")
     # a fresh interpreter: the loaded package stays in sys.modules, which this test process should not keep
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
-
 
 
 @pytest.mark.parametrize("shape", ["f64 m8n8k4", "f64 m16n8k4", "f64 m16n8k8", "f64 m16n8k16", "tf32 m16n8k8"])
