@@ -371,8 +371,8 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
 // The work of a K/V-outer CTA (bwd_kernel, bwd_sm90_kernel; grid (key blocks, K/V heads, batch)): keys
 // n0 .. n0 + keys - 1 of K/V head kv_head of sequence batch and, for every query head of the group, the
 // query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
-// HAS_MAP: the kernel takes a BlockMask's tile map (MOD_MASK; mods.cuh TileMap), transposed so that the query tiles
-// of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
+// HAS_MAP: the kernel takes a BlockMask's tile map (MOD_MASK or MOD_BLOCKS; mods.cuh TileMap), transposed so that
+// the query tiles of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false>
 struct BwdKeyBlock {
   Seq seq;

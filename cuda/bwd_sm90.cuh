@@ -284,7 +284,7 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   // the query loop in uniform registers, instead of recomputing them per step in vector registers
   const int warpgroup = __shfl_sync(0xffffffffu, warp / 4, 0);
   // keys, query blocks, prologue and epilogue as bwd_kernel's
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;       // varlen: past this sequence's keys
   int left;  // (query head, query block) positions from qb on (GQA: the query heads of this K/V head in turn)
   QueryBlock<Tr> qb = kb.first_step(p, left);

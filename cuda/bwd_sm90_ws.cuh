@@ -299,7 +299,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
   // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
   int left;
   const QueryBlock<Tr> qb = kb.first_step(p, left);

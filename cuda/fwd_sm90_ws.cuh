@@ -330,7 +330,7 @@ struct WsItem {
                                        HAS_WINDOW ? f.mods.window_right : 0};
     n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
     n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-    tiles.init(f.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+    tiles.init(f.mods, ScoreMods<MODS>::HAS_TILE_MAP, batch, head, m_block);
     n_tiles = live && n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
   }
 };
@@ -724,7 +724,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
     const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
     // a BlockMask's map: the tiles it marks empty are skipped as well (every thread counts the same tiles)
     TileMap tiles;
-    tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+    tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_TILE_MAP, batch, head, m_block);
     const int n_tiles = n_end > n_begin ? tiles.count(n_begin, n_end) : 0;
 
     if (n_tiles <= 0) {  // e.g. causal with seqlen_q > seqlen_k: these rows see no key

@@ -11,6 +11,8 @@
 //   MOD_BIAS     score += bias[b, h, i, j] (inside the softcap), an array broadcast through its strides; the
 //                backward writes dBias = dS (fp32, plain stores or atomics when several (b, h, i) share it)
 //   MOD_MASK     score = -inf where mask[b, h, i, j] == 0 (a uint8 array broadcast the same way)
+//   MOD_BLOCKS   a BlockMask whose tiles at the kernel's tile shape are all empty or full: the empty ones are
+//                skipped and nothing else is done (no element mask: the plain mainloop, tile skipping alone)
 // with diag = seqlen_k - seqlen_q (bottom-right alignment, as the causal mask; mask.cuh).
 //
 // Scores stay in the kernels' raw units (s = q . k, softmax_scale folded into the exp2 argument), so a
@@ -23,7 +25,8 @@
 
 namespace cuflash {
 
-constexpr int MOD_WINDOW = 1, MOD_ALIBI = 2, MOD_SOFTCAP = 4, MOD_DROPOUT = 8, MOD_BIAS = 16, MOD_MASK = 32;
+constexpr int MOD_WINDOW = 1, MOD_ALIBI = 2, MOD_SOFTCAP = 4, MOD_DROPOUT = 8, MOD_BIAS = 16, MOD_MASK = 32,
+              MOD_BLOCKS = 64;
 
 // An array broadcast to (batch, heads, seqlen_q, seqlen_k): element (b, h, i, j) at ptr + (b / batch_div) *
 // stride_b + (h / head_div) * stride_h + i * stride_q + j * stride_k, in elements (stride 0 on a size-1 dim;
@@ -51,7 +54,8 @@ struct ModParams {
   Broadcast bias;                 // MOD_BIAS: the bias (fp32, fp16 or bf16 by bias_kind)
   Broadcast mask;                 // MOD_MASK: uint8, 0 = masked
   Broadcast dbias;                // MOD_BIAS backward: fp32 dBias shaped like the bias, or ptr = nullptr: none
-  Broadcast block_map;            // MOD_MASK: the mask's tile states (TileMap) at the kernel's tiles, or nullptr
+  Broadcast block_map;            // MOD_MASK, MOD_BLOCKS: the mask's tile states (TileMap) at the kernel's tiles,
+                                  // or nullptr (MOD_MASK only)
   int bias_kind;                  // 0: float32, 1: float16, 2: bfloat16
   int dbias_atomic;               // several (batch, head, query) rows share a dBias element: red.add, else stores
 };
@@ -122,6 +126,9 @@ struct ScoreMods {
   static constexpr bool HAS_DROPOUT = (MODS & MOD_DROPOUT) != 0;
   static constexpr bool HAS_BIAS = (MODS & MOD_BIAS) != 0;
   static constexpr bool HAS_MASK = (MODS & MOD_MASK) != 0;
+  static constexpr bool HAS_BLOCKS = (MODS & MOD_BLOCKS) != 0;
+  static constexpr bool HAS_TILE_MAP = HAS_MASK || HAS_BLOCKS;  // the kernel reads a block map (TileMap)
+  static_assert(!(HAS_MASK && HAS_BLOCKS), "MOD_BLOCKS is a BlockMask without its element mask");
   static constexpr bool CHANGES_SCORES = HAS_ALIBI || HAS_SOFTCAP || HAS_BIAS || HAS_MASK;
 
   float slope;           // ALiBi slope / softmax_scale of this (batch, head)

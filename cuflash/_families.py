@@ -140,6 +140,25 @@ def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list,
                              per_m if nm > 1 else 0, per_n if nn > 1 else 0, b.batch_div, b.head_div)
 
 
+def blocks_only(op: str, a, head_dim: int, deterministic: bool = False) -> int:
+    """The modifier bits a launch of `op` on problem `a` runs with: a.mods.bits, or, where the one mask is a
+    BlockMask whose map at the tiles of the kernel that would run is all empty or full tiles, MOD_BLOCKS instead
+    of MOD_MASK (the plain mainloop with tile skipping; config.MOD_BLOCKS). The deterministic backward keeps the
+    mask: its separate dQ kernel reads no map."""
+    m = a.mods
+    bits = m.bits
+    if deterministic or not config.mask_only(bits) or len(m.masks) != 1 or m.masks[0].blocks is None:
+        return bits
+    blocks = (bits & ~config.MOD_MASK) | config.MOD_BLOCKS
+    try:
+        cfg = config.select(op, head_dim, a.dtype, m.causal, _launch.device_arch(a.device), mods=blocks,
+                            deterministic=deterministic, seqlen_k=a.seqlen_k)
+    except ValueError:  # no family with a tile map runs this problem
+        return bits
+    b = m.masks[0]
+    return blocks if b.blocks.aligned(cfg.block_m, cfg.block_n, b.scores[2], b.scores[3]) else bits
+
+
 def _seq(a, cu_seqlens):
     """SeqParams of a forward or backward problem; cu_seqlens: (q, k) CuPy arrays of a packed call, or None."""
     group = a.heads_q // a.heads_kv
@@ -205,7 +224,8 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             return (o, lse) if with_lse else o
         (q, dq), (k, dk), (v, dv) = (_operand(x, i, d, layout) for x, i, d in zip(arrays, a.infos, (a.q, a.k, a.v)))
         hd = kernel_head_dim(a.head_dim, a.dtype)
-        cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, seqlen_k=a.seqlen_k)
+        bits = blocks_only("forward", a, hd)
+        cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, bits, seqlen_k=a.seqlen_k)
         maps = None
         if isinstance(cfg, config.FwdSm90WsConfig):
             boxes = ((cfg.block_m, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS))
@@ -351,7 +371,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         dout, d_do = _operand(dout, doi, p.dout, layout)
         out, d_o = _operand(out, oi, p.out, layout)
         hd = kernel_head_dim(a.head_dim, a.dtype)
-        main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, a.mods.bits, p.deterministic)
+        bits = blocks_only("backward", a, hd, p.deterministic)
+        main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, bits, p.deterministic)
         maps = None
         if isinstance(main, config.BwdSm90WsConfig):  # Q, dO, K, V through TMA
             pc = main.panel_cols

@@ -6,6 +6,9 @@ pair: every pair masked (the tile is skipped: no loads, no GEMMs), some masked (
 none masked (the mask is not read). So a block-sparse mask costs in proportion to the tiles it keeps. The maps are
 computed on the GPU the first time a kernel with that tile shape runs on the mask, and kept for later calls:
 build the BlockMask once and pass it to every call that uses the mask (its values must not change meanwhile).
+Where every tile of a map is empty or full (a block pattern aligned to the kernel's tiles, e.g. 128 x 128 blocks
+on an H100), the call runs the plain kernels with tile skipping alone (config.MOD_BLOCKS), at their speed per
+kept tile.
 """
 from __future__ import annotations
 
@@ -55,6 +58,17 @@ class BlockMask:
             with self._lock:
                 self._maps[key] = m
         return m
+
+    def aligned(self, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> bool:
+        """True when no tile of the block_m x block_n map is partial (every tile empty or full), so a kernel that only
+        skips the empty tiles computes this mask exactly. Found once per tile shape (one device-to-host copy)."""
+        key = ("aligned", block_m, block_n, seqlen_q, seqlen_k)
+        a = self._maps.get(key)
+        if a is None:
+            a = not bool((self.tile_map(block_m, block_n, seqlen_q, seqlen_k) == TILE_PARTIAL).any())
+            with self._lock:
+                self._maps[key] = a
+        return a
 
 
 def tile_states(mask, block_m: int, block_n: int):

@@ -23,9 +23,15 @@ DTYPES = ("fp16", "bf16")
 # Score modifiers (cuda/mods.cuh): bits of the kernels' MODS template argument. The plain path is MODS = 0.
 MOD_WINDOW, MOD_ALIBI, MOD_SOFTCAP, MOD_DROPOUT, MOD_BIAS, MOD_MASK = 1, 2, 4, 8, 16, 32
 MODS_ALL = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_BIAS | MOD_MASK
-# Modifiers that the plain / causal tiles hold: the window (a band, like causal). A boolean mask reads a byte per
-# score and keeps its address state: on the plain tiles it spilled 4-224 bytes (NVRTC 13.5), so it is heavy.
-MODS_LIGHT = MOD_WINDOW
+# A BlockMask whose tiles, at a kernel's tile shape, are all empty or full (a block-sparse pattern aligned to the
+# tiles) needs no element mask: MOD_BLOCKS instead of MOD_MASK gives the plain mainloop that skips the empty tiles
+# (the host decides per call, _families.blocks_only; the warp-specialized sm_90a kernels take it). On an H100 the
+# mask kernels' full-tile path ran 1.76x slower than the plain kernel (bf16, D 128, N 16k, every tile full).
+MOD_BLOCKS = 64
+# Modifiers that the plain / causal tiles hold: the window (a band, like causal) and a block map alone. A boolean
+# mask reads a byte per score and keeps its address state: on the plain tiles it spilled 4-224 bytes (NVRTC 13.5),
+# so it is heavy.
+MODS_LIGHT = MOD_WINDOW | MOD_BLOCKS
 # The modifier sets the compile check builds for every kernel (beside MODS = 0): the window alone on the plain /
 # causal tiles, and all of them (all but the window for causal kernels: a window carries causal itself, as
 # right = 0) on the heavy tiles. Each adds state and instructions to the same spots of a mainloop, so these are
@@ -41,8 +47,10 @@ def heavy_mods(mods: int) -> bool:
 
 
 def check_mods(mods: int, causal: bool) -> int:
-    if not 0 <= mods <= MODS_ALL:
-        raise ValueError(f"mods={mods} must be a combination of the MOD_* bits (0..{MODS_ALL})")
+    if not 0 <= mods <= MODS_ALL | MOD_BLOCKS:
+        raise ValueError(f"mods={mods} must be a combination of the MOD_* bits (0..{MODS_ALL | MOD_BLOCKS})")
+    if mods & MOD_BLOCKS and mods & ~(MOD_BLOCKS | MOD_WINDOW):
+        raise ValueError(f"mods={mods}: MOD_BLOCKS (a BlockMask's tile map alone) takes at most a window beside it")
     if causal and mods & MOD_WINDOW:
         raise ValueError("a window kernel carries causal as window right = 0: instantiate it with causal=False")
     return mods
@@ -272,6 +280,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_MASK for dt in DTYPES for c in (False, True)
                 for m in MODS_MASK_CHECKED[c]]
+        out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
+                for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
     out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
@@ -420,7 +430,7 @@ class FwdSm90WsConfig:
         untaken item once it has issued the loads of its current one) rather than in a fixed stride: items of
         unequal cost (causal or windowed query blocks, sequences of different lengths; packed non-causal batches
         measured +16-26 % over the stride at N <= 4k on an H100, docs/PERFORMANCE.md "Variable-length batches")."""
-        return self.persistent and (self.causal or bool(self.mods & MOD_WINDOW) or packed)
+        return self.persistent and (self.causal or bool(self.mods & (MOD_WINDOW | MOD_BLOCKS)) or packed)
 
     @property
     def o_separate(self) -> bool:
@@ -573,6 +583,8 @@ FWD_SM90_WS_TILES_MASK = {
 }
 # The heaviest modifier sets of the mask table (the compile check builds them, as MODS_CHECKED for the others)
 MODS_MASK_CHECKED = {False: (MOD_MASK | MOD_WINDOW,), True: (MOD_MASK,)}
+# ... and of the block map alone (MOD_BLOCKS: the plain / causal tiles of the warp-specialized kernels)
+MODS_BLOCKS_CHECKED = {False: (MOD_BLOCKS | MOD_WINDOW,), True: (MOD_BLOCKS,)}
 
 
 def mask_only(mods: int) -> bool:
@@ -605,6 +617,12 @@ FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)
 FWD_SM90_WS_TILES_CAUSAL_PLAIN = {64: (128, 2, False, True), 128: (128, 2, True, True)}
 
 
+# A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
+# rows at D 64 and 128 and of 64 at D 256 take 128 x 128 blocks whole. (The persistent causal kernels spill 64-76
+# bytes with a tile map, NVRTC 13.5.)
+FWD_SM90_WS_TILES_BLOCKS = dict(FWD_SM90_WS_TILES_CAUSAL)
+
+
 def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
                        pingpong: bool | None = None, seqlen_k: int | None = None,
                        persistent: bool | None = None) -> FwdSm90WsConfig:
@@ -615,6 +633,7 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
     short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
     table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
+        FWD_SM90_WS_TILES_BLOCKS if mods & MOD_BLOCKS else \
         FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
     bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])
@@ -827,6 +846,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                         out += [bwd_sm90_ws_config(hd, dt, c, False, m), bwd_sm90_ws_config(hd, dt, c, True, m)]
                     elif arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
+                if arch == "sm_90a" and hd in BWD_SM90_WS_HEAD_DIMS:
+                    out += [bwd_sm90_ws_config(hd, dt, c, False, m) for m in MODS_BLOCKS_CHECKED[c]]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
 
@@ -1176,9 +1197,12 @@ class Family:
     head_dims: object  # mods -> the kernel head dims it has with those modifiers
     make: object  # (head_dim, dtype, causal, mods, deterministic, arch, seqlen_k) -> config
     wgmma: bool = False  # a Hopper wgmma family: CUFLASH_KERNELS=mma turns it off
+    tile_map: bool = False  # its kernels skip the tiles a block map empties, so MOD_BLOCKS may be given to them
 
     def runs(self, op: str, head_dim: int, dtype: str, arch: str, mods: int, kernels: str) -> bool:
         if self.op != op or dtype not in self.dtypes or head_dim not in self.head_dims(mods):
+            return False
+        if mods & MOD_BLOCKS and not self.tile_map:
             return False
         if self.archs is not None and arch not in self.archs:
             return False
@@ -1188,13 +1212,13 @@ class Family:
 FAMILIES = (
     Family("fwd_sm90_ws", "forward", ("sm_90a",), DTYPES, lambda mods: (*FWD_SM90_WS_TILES, *FWD_SM90_WS_PADDED),
            lambda hd, dt, c, m, det, arch, sk: fwd_sm90_ws_config(FWD_SM90_WS_PADDED.get(hd, hd), dt, c, m,
-                                                                  seqlen_k=sk), wgmma=True),
+                                                                  seqlen_k=sk), wgmma=True, tile_map=True),
     Family("fwd_sm90", "forward", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_TILES,
            lambda hd, dt, c, m, det, arch, sk: fwd_sm90_config(hd, dt, c, m), wgmma=True),
     Family("fwd", "forward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: fwd_config(hd, dt, c, arch, m)),
     Family("bwd_sm90_ws", "backward", ("sm_90a",), DTYPES, bwd_sm90_ws_head_dims,
-           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_ws_config(hd, dt, c, det, m), wgmma=True),
+           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_ws_config(hd, dt, c, det, m), wgmma=True, tile_map=True),
     Family("bwd_sm90", "backward", ("sm_90a",), DTYPES, bwd_sm90_tiles,
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,

@@ -104,19 +104,21 @@ def bias_kwargs(bias, mask, key_padding_mask) -> dict:
 
 
 def check_dense(q, k, v, dout, dtype, what, *, causal=False, layout="bshd", bias=None, mask=None, key_padding_mask=None,
-                mods=None, seed=0, backward=True, dbias=True, deterministic=False):
+                mods=None, seed=0, backward=True, dbias=True, deterministic=False, call_mask=None):
     """Forward (and backward) of one problem on poisoned memory against the references with the pass rule.
-    Returns (o, lse, grads, lse64): grads (dq, dk, dv) or (dq, dk, dv, dbias) as the call returned them."""
+    Returns (o, lse, grads, lse64): grads (dq, dk, dv) or (dq, dk, dv, dbias) as the call returned them.
+    call_mask: what cuflash gets as `mask=` (e.g. a BlockMask of `mask`; default `mask` itself)."""
     b, hq = q.shape[0], q.shape[2 if layout == "bshd" else 1]
     sq, sk = q.shape[1 if layout == "bshd" else 2], k.shape[1 if layout == "bshd" else 2]
     what = f"{what} bias={None if bias is None else (bias.shape, str(bias.dtype))} " \
            f"mask={None if mask is None else mask.shape} padding={key_padding_mask is not None} mods={mods}"
     kw = mods_kwargs(mods or {}, b, hq, seed)
     extra = bias_kwargs(bias, mask, key_padding_mask)
+    call = dict(extra, **({"mask": call_mask} if call_mask is not None else {}))
     with_dropout = "dropout_p" in kw
     poison_pool(round_up(q.nbytes) + round_up(b * hq * sq * 4))
     out = cuflash.attention_forward(q, k, v, causal=causal, layout=layout, return_dropout_mask=with_dropout, **kw,
-                                    **extra)
+                                    **call)
     o, lse = out[:2]
     keep = None
     if with_dropout:
@@ -136,7 +138,7 @@ def check_dense(q, k, v, dout, dtype, what, *, causal=False, layout="bshd", bias
     want_dbias = bias is not None and dbias is not False
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (round_up(4 * bias.size) if want_dbias else 0) + (1 << 20))
     grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, layout=layout, deterministic=deterministic,
-                                       **({"dbias": dbias} if bias is not None else {}), **kw, **extra)
+                                       **({"dbias": dbias} if bias is not None else {}), **kw, **call)
     assert len(grads) == (4 if want_dbias else 3), f"{len(grads)} gradients for {what}"
     for name, g, x, r64, low in zip(("dq", "dk", "dv"), grads, (q, k, v), g64, glowp):
         assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"

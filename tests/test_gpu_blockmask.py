@@ -10,7 +10,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
-from cuflash import blockmask, config  # noqa: E402
+from cuflash import _launch, blockmask, config  # noqa: E402
 from gpu_helpers import make_input, poison_pool, round_up, seed_of  # noqa: E402
 from test_gpu_bias import check_dense, padding_mask  # noqa: E402
 
@@ -142,6 +142,82 @@ def test_varlen_with_a_blockmask():
     o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=m)
     o_bm, lse_bm = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
     assert bool((o == o_bm).all())
+
+
+def aligned_problem(b, sq, sk, hq, hkv, d, dtype, mask_shape, causal, window, keep, block=(128, 128)):
+    """Inputs and a block pattern without partial blocks (every block kept whole or dropped whole)."""
+    seed = seed_of("aligned", b, sq, sk, hq, hkv, d, dtype, mask_shape, causal, window, keep, block)
+    q = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed)
+    k = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 1)
+    v = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 2)
+    dout = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed + 3)
+    return q, k, v, dout, block_pattern(mask_shape, seed + 4, block, keep, partial=0.0), seed
+
+
+def launched_bits(op, q, k, v, mask, causal=False, window=None) -> int:
+    """The modifier bits the library launches `op` with for this call (_families.blocks_only)."""
+    from cuflash import _families, _problem
+
+    a = _problem.attention(q, k, v, causal, None, "bshd", window, None, None, 0.0, None, 0, mask=mask)
+    return _families.blocks_only(op, a, config.kernel_head_dim(q.shape[-1], a.dtype))
+
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (300, 40))],
+                         ids=["full", "causal", "window"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_aligned_blocks_skip_tiles_without_the_element_mask(d, dtype, causal, window):
+    """A pattern of whole 128 x 128 blocks: on an H100 the call runs the plain kernels that skip the empty tiles
+    (MOD_BLOCKS, no element mask); forward and atomic-dQ backward against the float64 reference, and the forward
+    equal to the plain mask's (the same tiles in the same order, only the element mask left out)."""
+    q, k, v, dout, m, seed = aligned_problem(2, 700, 1100, 4, 2, d, dtype, (2, 1, 700, 1100), causal, window, 0.4)
+    bm = cuflash.BlockMask(m)
+    fwd_bits = launched_bits("forward", q, k, v, bm, causal, window)
+    bwd_bits = launched_bits("backward", q, k, v, bm, causal, window)
+    if config.uses_wgmma(_launch.device_arch(q.device.id)):
+        assert fwd_bits & config.MOD_BLOCKS and not fwd_bits & config.MOD_MASK
+        assert bool(bwd_bits & config.MOD_BLOCKS) == (d in config.BWD_SM90_WS_HEAD_DIMS)
+    what = f"aligned blocks D={d} {dtype} causal={causal} window={window}"
+    mods = {"window": window} if window is not None else None
+    o, lse, _, _ = check_dense(q, k, v, dout, dtype, what, causal=causal, mask=m, mods=mods, seed=seed,
+                               call_mask=bm)
+    kw = dict(causal=causal, **({"window": window} if window is not None else {}))
+    o_plain, lse_plain = cuflash.attention_forward(q, k, v, mask=m, **kw)
+    assert bool((o == o_plain).all()), f"o differs from the plain mask's: {what}"
+    assert bool(((lse == lse_plain) | (cp.isinf(lse) & cp.isinf(lse_plain))).all()), f"lse differs: {what}"
+
+
+def test_partial_tiles_keep_the_element_mask():
+    """One hole in one kept block makes its tile partial: the call keeps MOD_MASK (the element mask is read)."""
+    q, k, v, dout, m, seed = aligned_problem(1, 512, 512, 2, 2, 128, "bf16", (512, 512), False, None, 0.5)
+    m[0] = True  # query row 0 keeps every key: its blocks are full or, where the pattern dropped them, partial
+    bits = launched_bits("forward", q, k, v, cuflash.BlockMask(m))
+    assert bits & config.MOD_MASK and not bits & config.MOD_BLOCKS
+    check_dense(q, k, v, dout, "bf16", "partial tiles", mask=m, seed=seed, call_mask=cuflash.BlockMask(m))
+
+
+def test_aligned_blocks_with_rows_that_see_nothing_and_gqa():
+    """Query blocks whose every block is dropped (o = 0, lse = -inf), MQA, and 64 x 128 blocks (whole query tiles
+    of the backward, halves of the forward's)."""
+    q, k, v, dout, m, seed = aligned_problem(1, 640, 896, 4, 1, 128, "fp16", (1, 4, 640, 896), False, None, 0.3,
+                                             block=(64, 128))
+    m[:, :, 128:256] = False
+    bm = cuflash.BlockMask(m)
+    o, lse, _, _ = check_dense(q, k, v, dout, "fp16", "aligned, dead rows, MQA", mask=m, seed=seed, call_mask=bm)
+    assert bool((o[:, 128:256] == 0).all()) and bool(cp.isneginf(lse[:, :, 128:256]).all())
+
+
+def test_blocks_only_keeps_the_mask_where_no_family_takes_the_map():
+    """The deterministic backward (its dQ kernel reads no map) and a mask with a key_padding_mask keep MOD_MASK."""
+    from cuflash import _families, _problem
+
+    q, k, v, dout, m, _ = aligned_problem(1, 256, 256, 2, 2, 64, "bf16", (256, 256), False, None, 0.5)
+    a = _problem.attention(q, k, v, False, None, "bshd", None, None, None, 0.0, None, 0, mask=cuflash.BlockMask(m))
+    assert _families.blocks_only("backward", a, 64, deterministic=True) == a.mods.bits
+    kpm = cp.ones((1, 256), dtype=cp.bool_)
+    a = _problem.attention(q, k, v, False, None, "bshd", None, None, None, 0.0, None, 0,
+                           mask=cuflash.BlockMask(m), key_padding_mask=kpm)
+    assert _families.blocks_only("forward", a, 64) == a.mods.bits
 
 
 def test_ws_family_reads_the_map():
