@@ -148,6 +148,12 @@ class Case:
             kw["bias"] = None if rng is None else rng.standard_normal((1, self.seqlen_q, self.seqlen_k))
         if self.mods & config.MOD_MASK:
             kw["mask"] = None if rng is None else rng.random((self.seqlen_q, self.seqlen_k)) < 0.9
+        if self.mods & config.MOD_BLOCKS:  # whole 128 x 128 blocks, half of them kept (run_case makes a BlockMask)
+            import numpy as np
+
+            kw["mask"] = None if rng is None else np.repeat(np.repeat(
+                rng.random((-(-self.seqlen_q // 128), -(-self.seqlen_k // 128))) < 0.5, 128, 0), 128, 1)[
+                    :self.seqlen_q, :self.seqlen_k]
         return kw
 
     @property
@@ -178,10 +184,21 @@ class Case:
                     config.CombineConfig(self.dtype)]
         if self.mods:
             c, m = self.kernel_causal, self.mods
-            bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
-            return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
-                    bwd, config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m),
-                    config.dq_config(hd, self.dtype, c, m),
+            # a block-aligned BlockMask: MOD_BLOCKS where a family takes the map (not the deterministic backward),
+            # else the mask (cuflash._families.blocks_only)
+            masked = (m & ~config.MOD_BLOCKS) | config.MOD_MASK if m & config.MOD_BLOCKS else m
+
+            def pick(select):
+                try:
+                    return select(m)
+                except ValueError:
+                    return select(masked)
+
+            bwd = pick(lambda x: config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=x))
+            return [pick(lambda x: config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=x,
+                                                               seqlen_k=self.seqlen_k)),
+                    bwd, config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=masked),
+                    config.dq_config(hd, self.dtype, c, masked),
                     config.ElementwiseConfig("preprocess", self.dtype),
                     config.convert_dq_config(bwd, self.dtype)] + \
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
@@ -194,7 +211,8 @@ class Case:
 
 
 _MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (config.MOD_SOFTCAP, "softcap"),
-              (config.MOD_DROPOUT, "dropout"), (config.MOD_BIAS, "bias"), (config.MOD_MASK, "mask"))
+              (config.MOD_DROPOUT, "dropout"), (config.MOD_BIAS, "bias"), (config.MOD_MASK, "mask"),
+              (config.MOD_BLOCKS, "blocks"))
 
 
 def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0,
@@ -254,6 +272,14 @@ def default_cases() -> list[Case]:
                 sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
                 cases.append(_case(1, sq, sk, 1, hd, dtype, causal, "bshd", "contiguous",
                                    mods=config.MODS_MASK_CHECKED[causal][0]))
+    # a BlockMask of whole 128 x 128 blocks (with a window, or causal): the Hopper kernels that skip its empty tiles
+    # without an element mask (config.MOD_BLOCKS, config.FWD_SM90_WS_TILES_BLOCKS)
+    for hi, hd in enumerate(config.FWD_SM90_WS_TILES_BLOCKS):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for mi, causal in enumerate((False, True)):
+                sq, sk = ((300, 517), (517, 300), (256, 420))[(mi + hi + di) % 3]
+                cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous",
+                                   mods=config.MODS_BLOCKS_CHECKED[causal][0]))
     # kv-cache decoding: every decode instantiation (kernel head dim x dtype x causal), paged and dense caches,
     # split-KV with its merge kernel, grouped query heads packed as rows; seqlen_k: cache capacity per sequence
     for hi, hd in enumerate(config.KERNEL_HEAD_DIMS):
@@ -1079,15 +1105,20 @@ def run_case(case: Case, verify: bool) -> dict:
         mods["mask"] = cp.asarray(mods["mask"])
     want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
     prec = {"precision": case.precision} if case.precision else {}
+    call = dict(mods)  # what the calls get: the references read `mods`
+    if case.mods & config.MOD_BLOCKS:
+        from . import BlockMask
+
+        call["mask"] = BlockMask(mods["mask"])
     o, lse, *mask = attention_forward(q, k, v, causal=case.causal, layout=case.layout, return_dropout_mask=want_mask,
-                                      **mods, **prec)
+                                      **call, **prec)
     with_dbias = {"dbias": True} if "bias" in mods else {}  # atomics: the bias is shared by the heads
-    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **mods, **with_dbias,
+    grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **call, **with_dbias,
                                **prec)
     outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2]}
     if not case.wide:  # float32 / float64 have no deterministic backward (ValueError)
         grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout,
-                                       deterministic=True, **mods)
+                                       deterministic=True, **call)
         outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
