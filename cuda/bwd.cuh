@@ -130,6 +130,10 @@ __device__ __forceinline__ void bwd_query_block(const BwdParams& p, const Band<I
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
+  // the bias and mask of this warp's S^T tile into L1 while it is computed (not at head dim 32: with every
+  // modifier but the window its causal kernel spilled 4 bytes for it on sm_80, NVRTC 13.5)
+  if ((Mods::HAS_BIAS || Mods::HAS_MASK) && Tr::HEAD_DIM >= 64)
+    mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
   // S^T = K_j Q_i^T: 16 keys x BLOCK_M queries per warp
   float s_acc[Tr::Q_TILES][4];  // rows key g, g+8; columns query 2t, 2t+1 of each n8 tile
 #pragma unroll

@@ -77,8 +77,10 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
-  // dropout: the forward's keep bits of these elements (bit qt * 4 + c), drawn while the tensor cores work
+  // the bias and mask of this warp's S^T tile into L1, and dropout's keep bits of these elements (bit qt * 4 + c),
+  // while the tensor cores work
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+  if (Mods::HAS_BIAS || Mods::HAS_MASK) mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 

@@ -267,6 +267,21 @@ struct ScoreMods {
     }
   }
 
+  // Pulls the bias and mask of keys key0 .. key0 + 15 for queries query0 .. query0 + ROWS - 1 into L1 (a warp's
+  // part of the backward's transposed S^T tile: its 16 keys of every query row of the block; one line per row, as
+  // 16 keys of a float32 or 16-bit bias or of the mask lie in one 128-byte line at an aligned row), issued before
+  // the tile's S^T GEMM: score()'s element loads after it then hit L1 instead of waiting on L2 or HBM.
+  template <int ROWS>
+  __device__ __forceinline__ void prefetch_cols(int key0, int query0, int lane) const {
+    const int key = min(key0, last_k);
+#pragma unroll
+    for (int r = lane; r < ROWS; r += 32) {
+      const int row = min(query0 + r, last_q);
+      if (HAS_MASK) prefetch_l1(mask_base + row * mask_q + key * mask_k);
+      if (HAS_BIAS) prefetch_l1(bias_base + row * bias_q + key * bias_k);
+    }
+  }
+
   // The softcap's d score / d raw score (1 - tanh^2) recovered from a modified score s (ALiBi added back);
   // meaningless for a masked score (-inf): the caller multiplies it with P = 0 and must select 0 there.
   __device__ __forceinline__ float softcap_grad(float s, int query, int key, int diag) const {
