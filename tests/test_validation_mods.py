@@ -3,6 +3,7 @@ argument, its value and what is allowed; good ones normalize as documented (a wi
 right <= 0, window (-1, 0) is causal, (-1, -1) no window). Metadata only: no GPU needed."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -101,3 +102,28 @@ def test_every_modifier_config_is_compile_checked():
                 checked = config.forward_kernel_config(hd, "bf16", causal, mods=heavy if config.heavy_mods(m) else m)
                 assert (cfg.block_m, cfg.block_n) == (checked.block_m, checked.block_n)
                 assert checked.cpp_name() in names or not config.heavy_mods(m)
+
+
+def test_block_map_bits_select_the_families_that_read_a_map():
+    """MOD_BLOCKS (a BlockMask's tile map without its element mask) runs only on the families that read a map (the
+    warp-specialized Hopper forward and backward), on tiles that take 128 x 128 blocks whole; elsewhere the library
+    keeps MOD_MASK (select raises, _families.blocks_only catches it)."""
+    blocks = config.MOD_BLOCKS
+    for hd in config.FWD_SM90_WS_TILES_BLOCKS:
+        for causal, m in ((False, blocks), (False, blocks | config.MOD_WINDOW), (True, blocks)):
+            cfg = config.select("forward", hd, "bf16", causal, "sm_90a", mods=m, kernels="auto")
+            assert isinstance(cfg, config.FwdSm90WsConfig) and cfg.mods == m, (hd, causal, m)
+            assert 128 % cfg.block_n == 0 and 128 % cfg.block_m == 0, cfg
+            assert cfg.smem_bytes == dataclasses.replace(cfg, mods=0).smem_bytes, "no mask staging"
+    for hd in config.BWD_SM90_WS_HEAD_DIMS:
+        cfg = config.select("backward", hd, "fp16", False, "sm_90a", mods=blocks, kernels="auto")
+        assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == blocks
+    for op, hd, arch, kernels in (("forward", 128, "sm_80", "auto"), ("forward", 128, "sm_90a", "mma"),
+                                  ("backward", 256, "sm_90a", "auto"), ("backward", 128, "sm_86", "auto")):
+        with pytest.raises(ValueError, match="no kernel family"):
+            config.select(op, hd, "bf16", False, arch, mods=blocks, kernels=kernels)
+    with pytest.raises(ValueError, match="MOD_BLOCKS"):
+        config.check_mods(blocks | config.MOD_MASK, False)
+    with pytest.raises(ValueError, match="MOD_BLOCKS"):
+        config.check_mods(blocks | config.MOD_BIAS, False)
+    assert not config.heavy_mods(blocks | config.MOD_WINDOW) and config.heavy_mods(config.MOD_MASK)
