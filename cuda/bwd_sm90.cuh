@@ -138,9 +138,15 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
                                                        /*scale_d=*/1);
   wgmma_commit_group();
 
-  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well
-  wgmma_wait_group<1>();  // dP^T is done (dV may still run)
+  // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well. dP^T is done;
+  // dV runs on under this work, its A registers (p_regs) held, except at head dim 128 with a modifier that keeps
+  // values beyond P^T (the fp32 P^T, the undropped copy, the mask): there dK and dV hold 128 of the 240 registers a
+  // warp-specialized consumer has, and waiting for dV here frees p_regs (no spill; the other warpgroup's GEMMs
+  // keep the tensor cores busy meanwhile)
+  constexpr bool DV_FIRST = Tr::HEAD_DIM >= 128 && (FP32_P || HAS_PS || Mods::HAS_MASK);
+  wgmma_wait_group<DV_FIRST ? 0 : 1>();
   wgmma_fence_operand(dp_acc);
+  if (DV_FIRST) wgmma_fence_operand(dv_acc);
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
     float ds[2][4];

@@ -265,6 +265,13 @@ def default_cases() -> list[Case]:
                 # whose rounding (delta from the stored O) the pass rule's plain reference does not have
                 sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
                 cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
+    # head dim 128's warp-specialized backward with each heavy modifier set it takes (config.BWD_SM90_WS_MODS_128):
+    # every instantiation (they sit at the register limit, each is built and launched), 3 query blocks, a key tail
+    for mi, heavy in enumerate(config.BWD_SM90_WS_MODS_128):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for ci, (causal, window) in enumerate(((False, config.MOD_WINDOW), (False, 0), (True, 0))):
+                sq, sk = ((130, 260), (260, 130))[(mi + di + ci) % 2]
+                cases.append(_case(1, sq, sk, 2, 128, dtype, causal, "bshd", "contiguous", mods=heavy | window))
     # a mask alone (with a window, or causal): the Hopper forward's mask tiles (config.FWD_SM90_WS_TILES_MASK)
     for hi, hd in enumerate(config.FWD_SM90_WS_TILES_MASK):
         for di, dtype in enumerate(("fp16", "bf16")):

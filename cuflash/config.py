@@ -848,6 +848,9 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
                 if arch == "sm_90a" and hd in BWD_SM90_WS_HEAD_DIMS:
                     out += [bwd_sm90_ws_config(hd, dt, c, False, m) for m in MODS_BLOCKS_CHECKED[c]]
+                if arch == "sm_90a" and hd == 128:  # the heavy sets head dim 128 takes, each with the window
+                    out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_MODS_128
+                            for w in ((0,) if c else (0, MOD_WINDOW)) for det in (False, True)]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
 
@@ -981,13 +984,19 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
     return ElementwiseConfig("convert_dq", dtype)
 
 
-# Kernel head dims and score modifiers of the warp-specialized backward: its consumers have 240 registers where
-# bwd_sm90_kernel's threads have 255, so the combinations bwd_sm90_kernel runs that spill here stay on it.
+# Kernel head dims and score modifiers of the warp-specialized backward. Head dim 64 takes every modifier. At head
+# dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
+# without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
+# NVRTC 13.0 and 13.5 (bwd_sm90_dkdv_step waits for dV before dS^T with them). The others run the mma.sync
+# backward: soft-capping alone spilled 20 bytes (NVRTC 13.0, with a window), a mask alone 12-24 (NVRTC 13.0), any
+# two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (64, 128)
+BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
 
 
 def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
-    return tuple(hd for hd in BWD_SM90_WS_HEAD_DIMS if hd in bwd_sm90_tiles(mods))
+    heavy = mods & ~MODS_LIGHT
+    return BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (64,)
 
 
 def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:

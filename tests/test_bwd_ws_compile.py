@@ -31,12 +31,18 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
             assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
             assert config.convert_dq_config(cfg, "bf16") == config.ElementwiseConfig("convert_dq_ws", "bf16",
                                                                                       head_dim=d)
-    # every modifier at head dim 64; head dim 128 with a heavy modifier stays on mma.sync (it spilled)
+    # every modifier at head dim 64; head dim 128 with the heavy sets that fit its registers, the others on mma.sync
     assert isinstance(config.backward_kernel_config(64, "fp16", False, True, "sm_90a", mods=config.MODS_ALL),
                       config.BwdSm90WsConfig)
-    heavy = config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=config.MOD_DROPOUT)
-    assert type(heavy) is config.BwdConfig
-    assert config.convert_dq_config(heavy, "fp16").kind == "convert_dq"
+    for mods in (config.MOD_ALIBI, config.MOD_DROPOUT | config.MOD_WINDOW, config.MOD_BIAS,
+                 config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW):
+        assert isinstance(config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=mods),
+                          config.BwdSm90WsConfig), mods
+    for mods in (config.MOD_SOFTCAP, config.MOD_MASK, config.MOD_ALIBI | config.MOD_DROPOUT,
+                 config.MOD_BIAS | config.MOD_DROPOUT, config.MODS_ALL):
+        heavy = config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=mods)
+        assert type(heavy) is config.BwdConfig, mods
+        assert config.convert_dq_config(heavy, "fp16").kind == "convert_dq"
     # off Hopper, and with CUFLASH_KERNELS=mma, the mma.sync backward
     assert type(config.backward_kernel_config(128, "bf16", False, False, "sm_80")) is config.BwdConfig
     assert type(config.backward_kernel_config(128, "bf16", False, False, "sm_90a", kernels="mma")) is config.BwdConfig

@@ -110,3 +110,27 @@ def test_deterministic_mode_on_the_ws_kernel(d):
         for a, b in zip(first, again):
             assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
     check_against_reference(first, q, k, v, dout, "fp16", True, f"deterministic ws D={d}")
+
+
+# Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
+# window beside some; the mask on a (B, H, Sq, Sk) bias and a random mask. GQA 4/2, a key tail, 9 query blocks.
+WS_128_MODS = [({"alibi": "bh"}, False), ({"dropout": 0.17, "window": (64, 64)}, False), ({}, True),
+               ({"window": (37, 5)}, "mask")]
+
+
+@pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=["alibi", "dropout+window", "bias", "bias+mask+window"])
+def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
+    from test_gpu_bias import mask_random, run_dense as run_bias
+
+    bits = sum(bit for name, bit in (("window", config.MOD_WINDOW), ("alibi", config.MOD_ALIBI),
+                                     ("dropout", config.MOD_DROPOUT)) if name in mods)
+    bits |= (config.MOD_BIAS if bias else 0) | (config.MOD_MASK if bias == "mask" else 0)
+    kernel_causal = causal and not bits & config.MOD_WINDOW
+    dtype = "bf16" if causal else "fp16"
+    cfg = config.backward_kernel_config(128, dtype, kernel_causal, det, _compile.device_arch(), mods=bits)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == bits, cfg
+    b, sq, sk, hq, hkv = 2, 517, 300, 4, 2
+    run_bias(b, sq, sk, hq, hkv, 128, dtype, causal=causal, mods=mods, deterministic=det,
+             bias_shape=(b, hq, sq, sk) if bias else None, mask=mask_random if bias == "mask" else None)

@@ -104,6 +104,29 @@ def test_every_modifier_config_is_compile_checked():
                 assert checked.cpp_name() in names or not config.heavy_mods(m)
 
 
+def test_head_dim_128_ws_backward_modifier_sets_are_each_compile_checked():
+    """Head dim 128's warp-specialized backward runs only the modifier sets listed in config.BWD_SM90_WS_MODS_128
+    (spill-free there), and the compile check builds each of them exactly (they sit at the register limit, so no
+    other set stands in for one); every other heavy set runs the mma.sync backward."""
+    names = {c.cpp_name() for c in config.all_bwd_configs("sm_90a")}
+    taken = set()
+    for m in range(config.MODS_ALL + 1):
+        for causal in (False, True):
+            if causal and m & config.MOD_WINDOW:
+                continue
+            for det in (False, True):
+                cfg = config.backward_kernel_config(128, "bf16", causal, det, "sm_90a", mods=m)
+                heavy = m & ~config.MODS_LIGHT
+                if isinstance(cfg, config.BwdSm90WsConfig):
+                    assert not heavy or heavy in config.BWD_SM90_WS_MODS_128, m
+                    if heavy:
+                        assert cfg.cpp_name() in names, cfg.cpp_name()
+                        taken.add(heavy)
+                else:
+                    assert heavy not in (0, *config.BWD_SM90_WS_MODS_128) and type(cfg) is config.BwdConfig, (m, cfg)
+    assert taken == set(config.BWD_SM90_WS_MODS_128)
+
+
 def test_block_map_bits_select_the_families_that_read_a_map():
     """MOD_BLOCKS (a BlockMask's tile map without its element mask) runs only on the families that read a map (the
     warp-specialized Hopper forward and backward), on tiles that take 128 x 128 blocks whole; elsewhere the library
