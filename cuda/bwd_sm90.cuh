@@ -77,16 +77,65 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
-  // the bias and mask of this warp's S^T tile into L1, and dropout's keep bits of these elements (bit qt * 4 + c),
-  // while the tensor cores work
+  // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): with Tr::STAGE_BIAS a 16-bit bias
+  // with contiguous, 16-byte aligned rows is copied to shared memory (cp.async, two 16-byte chunks per row; a key
+  // tail zero-filled) under the S^T GEMM and read from there; otherwise the bias (and the mask) are pulled into L1
+  // for the element loads after it. Element loads straight from the bias touched 4 rows' lines per warp load
+  // and cost the backward ~3x its plain time. Dropout's keep bits of these elements (bit qt * 4 + c) meanwhile.
+  constexpr bool STAGE = Tr::stage_bias(MODS);
+  unsigned char* bias_rows = smem + Tr::OFF_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
+  const bool staged = STAGE && mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
+                      reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
+  if (staged) {
+    __syncwarp();  // every lane has read the previous step's rows
+#pragma unroll
+    for (int i = lane; i < 2 * Tr::BLOCK_M; i += 32) {
+      const int r = i >> 1, key = n0 + key_row0 + 8 * (i & 1);
+      const int bytes = max(0, min(16, 2 * (mods.last_k + 1 - key)));
+      const unsigned char* row = mods.bias_base + min(m0 + r, mods.last_q) * mods.bias_q;
+      cp_async_cg_16_n(smem_u32(bias_rows + r * Tr::BIAS_PITCH + 16 * (i & 1)), bytes > 0 ? row + 2 * key : row, bytes);
+    }
+    cp_async_commit_group();
+  }
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
-  if (Mods::HAS_BIAS || Mods::HAS_MASK) mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
+  if ((Mods::HAS_BIAS && !staged) || Mods::HAS_MASK)
+    mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 
   // softcap, ALiBi (mods.cuh); causal diagonal, window, key tail: masked scores = -inf, so P = 0 there
   float unused_dcap[Tr::Q_TILES][4];  // recovered from the modified score below (softcap_grad): fewer registers
-  apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
+  if (STAGE) {
+    // ldmatrix .trans of the staged rows hands each thread its elements in the S^T layout, two per register: of
+    // 8 x 8 block (queries qt * 8.., keys 8 h..), queries 2t, 2t + 1 of key g. One x4 load per two query tiles
+    // (lanes 8m .. 8m + 7 address block m's rows: query tile 2j + m / 2, key half m % 2).
+    u32 pairs[Tr::Q_TILES / 2][4];
+    if (staged) {
+      cp_async_wait_group<0>();
+      __syncwarp();  // the other lanes' chunks have landed too
+#pragma unroll
+      for (int j = 0; j < Tr::Q_TILES / 2; ++j)
+        ldmatrix_x4_trans(pairs[j], smem_u32(bias_rows + ((2 * j + (lane >> 4)) * 8 + (lane & 7)) * Tr::BIAS_PITCH +
+                                             16 * ((lane >> 3) & 1)));
+    }
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
+        float b;
+        if (staged) {
+          const u32 pair = pairs[qt >> 1][2 * (qt & 1) + (c >> 1)];
+          b = (mods.bias_kind == 1 ? Cvt<f16>::unpack(pair, c & 1) : Cvt<bf16>::unpack(pair, c & 1)) * mods.bias_scale;
+        } else {
+          b = mods.bias_at(query, key);
+        }
+        const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
+        s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
+      }
+  } else {
+    apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
+  }
   if (is_masked)
     apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW>(s_acc, n0 + key_row0, m0, band, lane);
 

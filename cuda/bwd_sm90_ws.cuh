@@ -103,6 +103,20 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   static constexpr int OFF_BAR = OFF_LSE + 2 * STAGES * Base::SMEM_ROWVEC;  // kv_full, q_full[2], q_empty[2]
   static constexpr int BARRIERS = 1 + 2 * STAGES;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;   // + rounding the base up to 1024
+  // A bias (16-bit, contiguous 16-byte aligned rows: bwd_sm90_dkdv_step decides per call) is staged at head dim 64
+  // when no ALiBi, soft-capping or dropout is beside it (with them, or at head dim 128, the staging's registers
+  // made ptxas spill 4-180 bytes): each consumer warp copies its 16 keys of the step's BLOCK_M query rows (two
+  // 16-byte cp.async chunks per row) to OFF_BIAS + warp * BLOCK_M * BIAS_PITCH; rows padded to 48 bytes, so the
+  // ldmatrix reads (8 rows of 16 bytes) hit distinct banks. cuflash/config.py bwd_stages_bias mirrors this.
+  static constexpr bool stage_bias(int mods) {
+    return HEAD_DIM_ <= 64 && (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT));
+  }
+  static constexpr int BIAS_PITCH = 48;
+  static constexpr int OFF_BIAS = (OFF_BAR + 8 * BARRIERS + 15) / 16 * 16;
+  static constexpr int SMEM_BIAS = 4 * CONSUMERS * Base::BLOCK_M * BIAS_PITCH;
+  static constexpr int smem_bytes(bool bias) {  // cuflash/config.py BwdSm90WsConfig.smem_bytes
+    return bias ? OFF_BIAS + SMEM_BIAS + 1024 : SMEM_BYTES;
+  }
   static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
   // named barriers (0 is __syncthreads)
   static constexpr int DS_BAR = 1, DQ_BAR = 2, EPILOGUE_BAR = 3;
@@ -112,7 +126,7 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   static_assert(Base::DQ_TILES * 128 * 4 * CONSUMERS == Base::BLOCK_M * Base::HEAD_DIM, "dQ_acc order covers the block");
   static_assert(OFF_DQ % 1024 == 0 && SMEM_DQ % 16 == 0 && OFF_LSE % 16 == 0, "bulk copy alignment");
   static_assert(Q_TX < (1 << 20) && 2 * Base::SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
-  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+  static_assert(smem_bytes(true) <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
 template <class Tr>
@@ -296,7 +310,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
   const BwdWsSmem<Tr> sm{aligned.base};
   unsigned char* smem = aligned.ptr;
   // the host's shared memory size (cuflash/config.py BwdSm90WsConfig.smem_bytes) must cover this layout
-  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+  if (dynamic_smem_size() < Tr::smem_bytes(Tr::stage_bias(MODS))) __trap();
 
   // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
   const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP> kb(p);

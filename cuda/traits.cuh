@@ -191,6 +191,9 @@ struct BwdSm90Traits {
   static constexpr int OFF_LSE = OFF_DS + SMEM_DS;         // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC + 1024;  // + rounding up to 1024
+  // no staged bias (the warp-specialized traits stage one: bwd_sm90_dkdv_step)
+  static constexpr bool stage_bias(int) { return false; }
+  static constexpr int OFF_BIAS = 0, BIAS_PITCH = 0;
 
   static_assert(BLOCK_M == 64, "one m64 wgmma of dQ rows per step");
   static_assert(BLOCK_N % 64 == 0 && WARPGROUPS >= 1 && WARPGROUPS <= 2, "64 keys per warpgroup, 1-2 warpgroups");

@@ -133,7 +133,8 @@ class Case:
     def mod_options(self, rng=None) -> dict:
         """cuflash keyword arguments of the case's modifiers: window (37, 5), ALiBi slopes (heads,) in [0, 0.3)
         (random with rng, else None as a placeholder), softcap 20, dropout 0.17 with a seed from the name, a bias
-        (1, seqlen_q, seqlen_k) shared by the heads (its gradient sums over them: atomics) and a mask
+        (1, seqlen_q, seqlen_k) shared by the heads (its gradient sums over them: atomics; run_case passes it in
+        float32, or in the case's 16-bit dtype when seqlen_k is a multiple of 8) and a mask
         (seqlen_q, seqlen_k) keeping 90 % of the pairs (NumPy arrays with rng, else None)."""
         kw = {}
         if self.mods & config.MOD_WINDOW:
@@ -265,13 +266,15 @@ def default_cases() -> list[Case]:
                 # whose rounding (delta from the stored O) the pass rule's plain reference does not have
                 sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
                 cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
-    # head dim 128's warp-specialized backward with each heavy modifier set it takes (config.BWD_SM90_WS_MODS_128):
-    # every instantiation (they sit at the register limit, each is built and launched), 3 query blocks, a key tail
-    for mi, heavy in enumerate(config.BWD_SM90_WS_MODS_128):
-        for di, dtype in enumerate(("fp16", "bf16")):
-            for ci, (causal, window) in enumerate(((False, config.MOD_WINDOW), (False, 0), (True, 0))):
-                sq, sk = ((130, 260), (260, 130))[(mi + di + ci) % 2]
-                cases.append(_case(1, sq, sk, 2, 128, dtype, causal, "bshd", "contiguous", mods=heavy | window))
+    # the warp-specialized backward kernels built one by one (config.BWD_SM90_WS_EXACT_MODS: head dim 128's heavy
+    # sets, head dim 64's staged bias), each launched: 3 query blocks, a key tail in a tile; seqlen_k a multiple of
+    # 8, so run_case passes the bias in the case's 16-bit dtype (the staged path)
+    for hd, sets in config.BWD_SM90_WS_EXACT_MODS.items():
+        for mi, heavy in enumerate(sets):
+            for di, dtype in enumerate(("fp16", "bf16")):
+                for ci, (causal, window) in enumerate(((False, config.MOD_WINDOW), (False, 0), (True, 0))):
+                    sq, sk = ((136, 264), (264, 136))[(mi + di + ci) % 2]
+                    cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=heavy | window))
     # a mask alone (with a window, or causal): the Hopper forward's mask tiles (config.FWD_SM90_WS_TILES_MASK)
     for hi, hd in enumerate(config.FWD_SM90_WS_TILES_MASK):
         for di, dtype in enumerate(("fp16", "bf16")):
@@ -1106,13 +1109,24 @@ def run_case(case: Case, verify: bool) -> dict:
     mods = case.mod_options(rng)
     if mods.get("alibi_slopes") is not None:
         mods["alibi_slopes"] = cp.asarray(mods["alibi_slopes"], dtype=cp.float32)
+    bias16 = None
     if mods.get("bias") is not None:
-        mods["bias"] = cp.asarray(mods["bias"], dtype=cp.float32)
+        bias = np.asarray(mods["bias"], dtype=np.float32)
+        if case.dtype in ("fp16", "bf16") and case.seqlen_k % 8 == 0:
+            # rows of whole 16-byte chunks: the bias in the case's 16-bit dtype (the Hopper backward stages such a bias
+            # in shared memory at head dim 64); the references read its values
+            import ml_dtypes
+
+            bias16 = bias.astype(np.float16 if case.dtype == "fp16" else ml_dtypes.bfloat16)
+            bias = bias16.astype(np.float32)
+        mods["bias"] = _upload(bias)
     if mods.get("mask") is not None:
         mods["mask"] = cp.asarray(mods["mask"])
     want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
     prec = {"precision": case.precision} if case.precision else {}
     call = dict(mods)  # what the calls get: the references read `mods`
+    if bias16 is not None:
+        call["bias"] = _upload(bias16)
     if case.mods & config.MOD_BLOCKS:
         from . import BlockMask
 

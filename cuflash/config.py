@@ -848,8 +848,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
                 if arch == "sm_90a" and hd in BWD_SM90_WS_HEAD_DIMS:
                     out += [bwd_sm90_ws_config(hd, dt, c, False, m) for m in MODS_BLOCKS_CHECKED[c]]
-                if arch == "sm_90a" and hd == 128:  # the heavy sets head dim 128 takes, each with the window
-                    out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_MODS_128
+                if arch == "sm_90a":  # BWD_SM90_WS_EXACT_MODS, each with and without the window
+                    out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_EXACT_MODS.get(hd, ())
                             for w in ((0,) if c else (0, MOD_WINDOW)) for det in (False, True)]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
@@ -962,18 +962,26 @@ class BwdSm90WsConfig(BwdSm90Config):
 
     @property
     def smem_bytes(self) -> int:
-        """BwdSm90WsTraits::SMEM_BYTES (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
-        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers, 1024 to align the base."""
+        """BwdSm90WsTraits::smem_bytes (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
+        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (padded to 16 bytes when a bias is
+        staged, then 8 warps x 64 rows x 48 bytes of it), 1024 to align the base."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
-        return 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5 + 1024
+        bias = 8 + 8 * self.block_m * 48 if bwd_stages_bias(self.head_dim, self.mods) else 0
+        return 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5 + bias + 1024
 
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
         b = lambda x: "true" if x else "false"  # noqa: E731
         return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
                 f"{b(self.deterministic)}, {self.mods}>")
+
+
+def bwd_stages_bias(head_dim: int, mods: int) -> bool:
+    """Whether the warp-specialized backward kernel of these modifiers stages a 16-bit bias in shared memory
+    (BwdSm90WsTraits::stage_bias): at head dim 64, without ALiBi, soft-capping or dropout beside the bias."""
+    return head_dim <= 64 and bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
@@ -992,6 +1000,10 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
 # two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (64, 128)
 BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
+# Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
+# launch) each as they are, with and without the window, beside the heaviest set: head dim 128's (at the register
+# limit) and head dim 64's staged-bias kernels (bwd_stages_bias: a code path the heaviest set does not take).
+BWD_SM90_WS_EXACT_MODS = {64: (MOD_BIAS, MOD_BIAS | MOD_MASK), 128: BWD_SM90_WS_MODS_128}
 
 
 def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:

@@ -134,3 +134,30 @@ def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
     b, sq, sk, hq, hkv = 2, 517, 300, 4, 2
     run_bias(b, sq, sk, hq, hkv, 128, dtype, causal=causal, mods=mods, deterministic=det,
              bias_shape=(b, hq, sq, sk) if bias else None, mask=mask_random if bias == "mask" else None)
+
+
+@pytest.mark.parametrize("case", ["bf16", "fp16+mask", "broadcast", "key-slice", "fp32", "unaligned-view"])
+def test_head_dim_64_staged_bias(case):
+    """Head dim 64 copies a 16-bit bias with contiguous, 16-byte aligned rows to shared memory per step (200 keys: a
+    key tail inside a tile, 130 queries: a query tail; key-slice: 197 keys of 208-key rows, the last chunk of a row
+    partly zero-filled); a float32 bias and a view whose rows are not 16-byte aligned take the element loads in the
+    same kernel. All against the float64 reference, dbias included."""
+    from test_gpu_bias import check_dense, make_bias, mask_random
+
+    b, sq, sk, hq, hkv, d = 2, 130, 197 if case == "key-slice" else 200, 4, 2, 64
+    dtype = "fp16" if case.startswith("fp16") else "bf16"
+    seed = seed_of("bwd-ws-staged-bias", case)
+    q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i)
+                     for i, (s, h) in enumerate(((sq, hq), (sk, hkv), (sk, hkv), (sq, hq))))
+    shape = (1, hq, sq, sk) if case == "broadcast" else (b, hq, sq, sk)
+    if case == "unaligned-view":  # keys 1 .. sk of a wider bias: rows start 2 bytes past a 16-byte boundary
+        bias = make_bias((b, hq, sq, sk + 8), dtype, "q", seed + 4)[..., 1:sk + 1]
+    elif case == "key-slice":  # keys 0 .. sk - 1 of 208-key rows: 16-byte aligned, a partial last chunk
+        bias = make_bias((b, hq, sq, 208), dtype, "q", seed + 4)[..., :sk]
+    else:
+        bias = make_bias(shape, dtype, "fp32" if case == "fp32" else "q", seed + 4)
+    mask = mask_random(b, hq, sq, sk, seed + 5) if case.endswith("mask") else None
+    mods = config.MOD_BIAS | (config.MOD_MASK if mask is not None else 0)
+    cfg = config.backward_kernel_config(d, dtype, False, False, _compile.device_arch(), mods=mods)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and config.bwd_stages_bias(d, mods), cfg
+    check_dense(q, k, v, dout, dtype, f"staged bias {case}", bias=bias, mask=mask, seed=seed)
