@@ -79,7 +79,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
 
   // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): with Tr::STAGE_BIAS a 16-bit bias
   // with contiguous, 16-byte aligned rows is copied to shared memory (cp.async, two 16-byte chunks per row; a key
-  // tail zero-filled) under the S^T GEMM and read from there; otherwise the bias (and the mask) are pulled into L1
+  // tail zero-filled; Tr::bias_offset's layout) under the S^T GEMM and read from there; otherwise the bias (and the mask) are pulled into L1
   // for the element loads after it. Element loads straight from the bias touched 4 rows' lines per warp load
   // and cost the backward ~3x its plain time. Dropout's keep bits of these elements (bit qt * 4 + c) meanwhile.
   constexpr bool STAGE = Tr::stage_bias(MODS);
@@ -93,7 +93,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
       const int r = i >> 1, key = n0 + key_row0 + 8 * (i & 1);
       const int bytes = max(0, min(16, 2 * (mods.last_k + 1 - key)));
       const unsigned char* row = mods.bias_base + min(m0 + r, mods.last_q) * mods.bias_q;
-      cp_async_cg_16_n(smem_u32(bias_rows + r * Tr::BIAS_PITCH + 16 * (i & 1)), bytes > 0 ? row + 2 * key : row, bytes);
+      cp_async_cg_16_n(smem_u32(bias_rows + Tr::bias_offset(r, i & 1)), bytes > 0 ? row + 2 * key : row, bytes);
     }
     cp_async_commit_group();
   }
@@ -115,8 +115,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
       __syncwarp();  // the other lanes' chunks have landed too
 #pragma unroll
       for (int j = 0; j < Tr::Q_TILES / 2; ++j)
-        ldmatrix_x4_trans(pairs[j], smem_u32(bias_rows + ((2 * j + (lane >> 4)) * 8 + (lane & 7)) * Tr::BIAS_PITCH +
-                                             16 * ((lane >> 3) & 1)));
+        ldmatrix_x4_trans(pairs[j], smem_u32(bias_rows + Tr::bias_offset((2 * j + (lane >> 4)) * 8 + (lane & 7),
+                                                                         (lane >> 3) & 1)));
     }
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)

@@ -106,13 +106,18 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   // A bias (16-bit, contiguous 16-byte aligned rows: bwd_sm90_dkdv_step decides per call) is staged at head dim 64
   // when no ALiBi, soft-capping or dropout is beside it (with them, or at head dim 128, the staging's registers
   // made ptxas spill 4-180 bytes): each consumer warp copies its 16 keys of the step's BLOCK_M query rows (two
-  // 16-byte cp.async chunks per row) to OFF_BIAS + warp * BLOCK_M * BIAS_PITCH; rows padded to 48 bytes, so the
-  // ldmatrix reads (8 rows of 16 bytes) hit distinct banks. cuflash/config.py bwd_stages_bias mirrors this.
+  // 16-byte cp.async chunks per row, 32-byte rows) to OFF_BIAS + warp * BLOCK_M * BIAS_PITCH, chunk h of row r at
+  // bias_offset(r, h): the halves swap in rows 4-7 of every 8, so that both the copies (8 lanes: 4 rows x 2
+  // halves) and the ldmatrix reads (8 rows of one half) hit 8 distinct 16-byte bank groups.
+  // cuflash/config.py bwd_stages_bias mirrors this.
   static constexpr bool stage_bias(int mods) {
     return HEAD_DIM_ <= 64 && (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT));
   }
-  static constexpr int BIAS_PITCH = 48;
-  static constexpr int OFF_BIAS = (OFF_BAR + 8 * BARRIERS + 15) / 16 * 16;
+  static constexpr int BIAS_PITCH = 32;
+  static __device__ __forceinline__ int bias_offset(int row, int half) {
+    return row * BIAS_PITCH + 16 * (half ^ ((row >> 2) & 1));
+  }
+  static constexpr int OFF_BIAS = (OFF_BAR + 8 * BARRIERS + 127) / 128 * 128;  // 4 rows: one 128-byte line
   static constexpr int SMEM_BIAS = 4 * CONSUMERS * Base::BLOCK_M * BIAS_PITCH;
   static constexpr int smem_bytes(bool bias) {  // cuflash/config.py BwdSm90WsConfig.smem_bytes
     return bias ? OFF_BIAS + SMEM_BIAS + 1024 : SMEM_BYTES;

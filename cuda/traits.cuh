@@ -194,6 +194,7 @@ struct BwdSm90Traits {
   // no staged bias (the warp-specialized traits stage one: bwd_sm90_dkdv_step)
   static constexpr bool stage_bias(int) { return false; }
   static constexpr int OFF_BIAS = 0, BIAS_PITCH = 0;
+  static __device__ __forceinline__ int bias_offset(int, int) { return 0; }
 
   static_assert(BLOCK_M == 64, "one m64 wgmma of dQ rows per step");
   static_assert(BLOCK_N % 64 == 0 && WARPGROUPS >= 1 && WARPGROUPS <= 2, "64 keys per warpgroup, 1-2 warpgroups");

@@ -963,13 +963,15 @@ class BwdSm90WsConfig(BwdSm90Config):
     @property
     def smem_bytes(self) -> int:
         """BwdSm90WsTraits::smem_bytes (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
-        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (padded to 16 bytes when a bias is
-        staged, then 8 warps x 64 rows x 48 bytes of it), 1024 to align the base."""
+        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (then, when a bias is staged, 8
+        warps x 64 rows x 32 bytes of it from the next 128-byte boundary), 1024 to align the base."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
-        bias = 8 + 8 * self.block_m * 48 if bwd_stages_bias(self.head_dim, self.mods) else 0
-        return 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5 + bias + 1024
+        end = 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5
+        if bwd_stages_bias(self.head_dim, self.mods):
+            end = -(-end // 128) * 128 + 8 * self.block_m * 32
+        return end + 1024
 
     def cpp_name(self) -> str:
         t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"

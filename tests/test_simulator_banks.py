@@ -793,16 +793,24 @@ def test_bwd_sm90_ws_walk(cfg):
     (the float2 lse / delta loads 2 wavefronts, the dQ buffer's 16-byte stores and store_tile's loads 4); per visit
     Q, dO through TMA (whole boxes) and lse_log2, delta by bulk copy, per live CTA K, V; the bulk reduction reads
     the dQ buffer once per visit; the wgmma operand reads and the dS^T / epilogue stores are bwd_sm90_kernel's
-    (same tiles), and no cp.async, no ldmatrix, no guard LDS."""
+    (same tiles), and no guard LDS; cp.async and ldmatrix only for a staged bias (4 of each per consumer warp and
+    visit, conflict-free: 32-byte rows whose halves swap in rows 4-7 of every 8)."""
     L = banks.bwd_sm90_ws_layout(cfg)
     assert L.smem_bytes == cfg.smem_bytes
+    staged = config.bwd_stages_bias(cfg.head_dim, cfg.mods)
+    assert (L.off_bias >= 0) == staged and (not staged or L.off_bias % 128 == 0)
     walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1000)
     sync = banks.bwd_kernel_shared(cfg.sync_equivalent(), 1, 2, 1024, 1000)
     m_begin, m_end = bwd_query_blocks(cfg, 1024, 1000)
     n_visits = np.maximum(m_end - m_begin, 0)
     visits, ctas = 2 * int(n_visits.sum()), 2 * int((n_visits > 0).sum())
     assert walk.conflicts == 0 and walk.guard_lds == 0
-    assert walk.by_sass("LDSM").instructions == walk.by_sass("LDGSTS").instructions == 0
+    bias_instr = visits * 8 * cfg.block_m // 16 if staged else 0
+    assert walk.by_sass("LDSM").instructions == walk.by_sass("LDGSTS").instructions == bias_instr
+    if staged:
+        for role in ("bias_stage", "bias_frag"):
+            s = walk.roles[role]
+            assert s.wavefronts == 4 * s.instructions and s.conflicts == 0, f"{role}: {s}"
     for role in ("lse_load", "delta_load"):
         s = walk.roles[role]
         assert s.instructions == visits * 8 * cfg.block_m // 8 and s.wavefronts == 2 * s.instructions
@@ -815,7 +823,7 @@ def test_bwd_sm90_ws_walk(cfg):
     assert walk.tma_write_bytes == visits * 2 * (L.base.smem_q + L.base.rowvec) + ctas * 2 * L.base.smem_kv
     for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
         assert walk.roles[role] == sync.roles[role], role
-    assert walk.read_bytes == sync.read_bytes + dq
+    assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
 
 
 @pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)
