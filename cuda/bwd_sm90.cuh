@@ -77,11 +77,12 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
-  // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): with Tr::STAGE_BIAS a 16-bit bias
-  // with contiguous, 16-byte aligned rows is copied to shared memory (cp.async, two 16-byte chunks per row; a key
-  // tail zero-filled; Tr::bias_offset's layout) under the S^T GEMM and read from there; otherwise the bias (and the mask) are pulled into L1
-  // for the element loads after it. Element loads straight from the bias touched 4 rows' lines per warp load
-  // and cost the backward ~3x its plain time. Dropout's keep bits of these elements (bit qt * 4 + c) meanwhile.
+  // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): where Tr::stage_bias(MODS), a
+  // 16-bit bias with contiguous, 16-byte aligned rows is copied to shared memory (cp.async, two 16-byte chunks per
+  // row in Tr::bias_offset's layout; a key tail zero-filled) under the S^T GEMM and read from there; otherwise the
+  // bias (and the mask) are pulled into L1 for the element loads after it. Element loads straight from the bias
+  // touched 4 rows' lines per warp load and cost the backward ~3x its plain time. Dropout's keep bits of these
+  // elements (bit qt * 4 + c) meanwhile.
   constexpr bool STAGE = Tr::stage_bias(MODS);
   unsigned char* bias_rows = smem + Tr::OFF_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
   const bool staged = STAGE && mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
@@ -189,10 +190,10 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
 
   // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well. dP^T is done;
   // dV runs on under this work, its A registers (p_regs) held, except at head dim 128 with a modifier that keeps
-  // values beyond P^T (the fp32 P^T, the undropped copy, the mask): there dK and dV hold 128 of the 240 registers a
-  // warp-specialized consumer has, and waiting for dV here frees p_regs (no spill; the other warpgroup's GEMMs
-  // keep the tensor cores busy meanwhile)
-  constexpr bool DV_FIRST = Tr::HEAD_DIM >= 128 && (FP32_P || HAS_PS || Mods::HAS_MASK);
+  // values beyond P^T (a bias's fp32 P^T, dropout's or the softcap's second copy): there dK and dV hold 128 of the
+  // 240 registers a warp-specialized consumer has, and waiting for dV here frees p_regs (no spill; the other
+  // warpgroup's GEMMs keep the tensor cores busy meanwhile)
+  constexpr bool DV_FIRST = Tr::HEAD_DIM >= 128 && (FP32_P || HAS_PS);
   wgmma_wait_group<DV_FIRST ? 0 : 1>();
   wgmma_fence_operand(dp_acc);
   if (DV_FIRST) wgmma_fence_operand(dv_acc);

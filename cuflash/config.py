@@ -997,9 +997,9 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
 # Kernel head dims and score modifiers of the warp-specialized backward. Head dim 64 takes every modifier. At head
 # dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
 # without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
-# NVRTC 13.0 and 13.5 (bwd_sm90_dkdv_step waits for dV before dS^T with them). The others run the mma.sync
-# backward: soft-capping alone spilled 20 bytes (NVRTC 13.0, with a window), a mask alone 12-24 (NVRTC 13.0), any
-# two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
+# NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T). The others run
+# the mma.sync backward: soft-capping alone spilled 20 bytes (NVRTC 13.0, with a window), a mask alone 12-24
+# (NVRTC 13.0), any two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (64, 128)
 BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
 # Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
