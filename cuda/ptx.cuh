@@ -9,10 +9,12 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned long long u64;
 
-// Element-type tags. Storage is 16-bit (e4m3: 8-bit, the FP8 forward); the tags select the mma / cvt variants.
+// Element-type tags. Storage is 16-bit (e4m3: 8-bit, the FP8 forward; tf32: float32, the float32 forward on
+// Hopper); the tags select the mma / cvt variants.
 struct f16 {};
 struct bf16 {};
 struct e4m3 {};
+struct tf32 {};  // float32 values read as TF32 by the tensor cores (wgmma .tf32)
 
 // ---- shared-memory address -------------------------------------------------------------------
 __device__ __forceinline__ u32 smem_u32(const void* p) {
