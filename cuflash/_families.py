@@ -227,8 +227,10 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         bits = blocks_only("forward", a, hd)
         cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, bits, seqlen_k=a.seqlen_k)
         maps = None
-        if isinstance(cfg, config.FwdSm90WsConfig):
-            boxes = ((cfg.block_m, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS), (cfg.block_n, _tma.BOX_COLS))
+        ws = isinstance(cfg, config.FwdSm90WsConfig)
+        if ws or isinstance(cfg, config.FwdSm90Tf32Config):  # Q, K, V through TMA
+            cols = _tma.BOX_COLS if ws else cfg.box_cols
+            boxes = ((cfg.block_m, cols), (cfg.block_n, cols), (cfg.block_n, cols))
             maps = _TmaMaps(a.dtype, (dq, dk, dv), boxes, _tma.FwdWsParams, "fwd")
             if not maps.usable((q, k, v)):  # a view no tensor map describes (negative strides): contiguous copies
                 (q, dq), (k, dk), (v, dv) = (_contiguous(x, layout) for x in (q, k, v))
@@ -242,17 +244,18 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         keep = []  # a combined mask lives until the launch is queued
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep)
-            if isinstance(cfg, config.FwdSm90WsConfig):  # the kernel that skips the tiles a BlockMask empties
+            if ws:  # the kernel that skips the tiles a BlockMask empties
                 tiles = _block_map(a.mods, cfg.block_m, cfg.block_n, keep)
                 if tiles is not None:
                     params.mods.block_map = tiles
         grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
-        fields = ""
+        fields, queue = "", False
         if maps is not None:  # the kernel takes the tensor maps in front of FwdParams, then its work items
             params = maps.params(params, (q, k, v))
             fields = "fwd."
-            grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q, _sm_count(a.device))
-            queue = cfg.uses_queue(a.packed)
+            if ws:
+                grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q, _sm_count(a.device))
+                queue = cfg.uses_queue(a.packed)
             if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
@@ -273,8 +276,9 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
 
 
 class _TmaMaps:
-    """The tensor maps of a launch through TMA (the forward's Q, K, V: config.FwdSm90WsConfig; the backward's Q, dO,
-    K, V: config.BwdSm90WsConfig), one per operand with its box (rows, columns): a map holds its array's address, so
+    """The tensor maps of a launch through TMA (the forward's Q, K, V: config.FwdSm90WsConfig, and in float32
+    config.FwdSm90Tf32Config; the backward's Q, dO, K, V: config.BwdSm90WsConfig), one per operand with its box
+    (rows, columns): a map holds its array's address, so
     every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address tuples
     seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
     lookup and one copy instead of a cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
@@ -297,7 +301,8 @@ class _TmaMaps:
         """The maps of these addresses (one per operand, in order), as 16 words each."""
         m = self.cache.get(ptrs)
         if m is None:
-            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma.operand_map(p, d, self.dtype, r, c), _tma.panel_swizzle(c))
+            blob = b"".join(_tma.encode_tiled(self.dtype, *_tma.operand_map(p, d, self.dtype, r, c),
+                                              _tma.panel_swizzle(c, self.dtype))
                             for p, d, (r, c) in zip(ptrs, self.dims, self.boxes))
             m = memoryview(blob).cast("Q")
             with self.lock:

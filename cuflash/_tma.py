@@ -1,6 +1,7 @@
-"""Host side of the warp-specialized Hopper kernels (cuda/fwd_sm90_ws.cuh, cuda/bwd_sm90_ws.cuh): TMA tensor maps,
-the params structs with the maps in front of FwdParams / BwdParams (their configs are config.FwdSm90WsConfig and
-config.BwdSm90WsConfig).
+"""Host side of the warp-specialized Hopper kernels (cuda/fwd_sm90_ws.cuh, cuda/bwd_sm90_ws.cuh, and the FP8 and
+float32 forwards, cuda/fwd_sm90_fp8.cuh, cuda/fwd_sm90_tf32.cuh): TMA tensor maps, the params structs with the maps in
+front of FwdParams / BwdParams (their configs are config.FwdSm90WsConfig, config.BwdSm90WsConfig,
+config.FwdSm90Fp8Config and config.FwdSm90Tf32Config; the float32 forward takes FwdWsParams).
 
 A tensor map (CUtensorMap, 128 opaque bytes) describes one operand to the TMA unit: its global address, sizes and
 byte strides, the box one copy moves and the shared-memory swizzle. The driver's `cuTensorMapEncodeTiled` makes
@@ -28,7 +29,9 @@ from . import _launch, config
 
 # cuda.h: CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion,
 # CUtensorMapFloatOOBfill
-_DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8": 0}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _UINT8 (e4m3 bits)
+# CU_TENSOR_MAP_DATA_TYPE_FLOAT16, _BFLOAT16, _UINT8 (e4m3 bits), _FLOAT32 (the float32 forward's operands, "tf32"
+# precision included)
+_DATA_TYPE = {"fp16": 6, "bf16": 9, "fp8": 0, "fp32": 7, "tf32": 7}
 _INTERLEAVE_NONE = 0
 _SWIZZLE = {0: 0, 64: 2, 128: 3}  # bytes -> CU_TENSOR_MAP_SWIZZLE_NONE, _64B, _128B
 _L2_PROMOTION_256B = 3
@@ -36,7 +39,7 @@ _OOB_FILL_ZERO = 0  # CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE: out-of-bounds elements 
 
 TENSOR_MAP_BYTES = 128
 ELEM_BYTES = 2
-_ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1}  # bytes per element of each map dtype
+_ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp8": 1, "fp32": 4, "tf32": 4}  # bytes per element of each map dtype
 BOX_COLS = config.TMA_BOX_COLS
 
 
@@ -181,7 +184,7 @@ def operand_map(address: int, dims, dtype: str, box_rows: int, box_cols: int = B
 
 def panel_swizzle(box_cols: int, dtype: str = "bf16") -> int:
     """The shared-memory swizzle (bytes) of a box one panel of `box_cols` elements wide: 16-bit 64 -> 128, 32 -> 64
-    (the kernels' SmemTile panels, cuda/tiles.cuh); fp8 128 -> 128, 64 -> 64."""
+    (the kernels' SmemTile panels, cuda/tiles.cuh); fp8 128 -> 128, 64 -> 64; float32 32 -> 128."""
     return box_cols * _ELEM_BYTES[dtype]
 
 

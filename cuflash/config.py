@@ -284,6 +284,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
+        out += [fwd_sm90_tf32_config(hd, dt, c, w) for dt in FWD_SM90_TF32_TILES for hd in FWD_SM90_TF32_TILES[dt]
+                for c, w in ((False, False), (True, False), (False, True))]
     out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
     return out
 
@@ -1201,6 +1203,84 @@ def all_wide_configs(arch: str = DEFAULT_ARCH) -> list:
     return out
 
 
+@dataclass(frozen=True)
+class FwdSm90Tf32Config:
+    """One float32 Hopper forward instantiation:
+    `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, HAS_WINDOW>`
+    (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting Q and K and
+    transposing V in shared memory) and one or two consumer warpgroups of 64 query rows. dtype "fp32": 3xTF32 (X3),
+    "tf32": one TF32 pass; window: a sliding window."""
+
+    head_dim: int
+    block_n: int
+    stages: int
+    consumers: int
+    dtype: str
+    causal: bool
+    window: bool = False
+    pingpong: bool = False  # order the two consumers' GEMMs through named barriers
+
+    def __post_init__(self):
+        if self.dtype not in ("fp32", "tf32"):
+            raise ValueError(f"dtype={self.dtype!r}; allowed: 'fp32', 'tf32'")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"head_dim={self.head_dim} is not a head dim of the TF32 forward; allowed: 64, 128")
+        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
+            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
+                             f"or 64, 2-4 stages, 1 or 2 consumers")
+        if self.pingpong and self.consumers != 2:
+            raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
+        if self.causal and self.window:
+            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+
+    box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 + 128 * self.consumers
+
+    @property
+    def smem_bytes(self) -> int:
+        """FwdTf32Traits::SMEM_BYTES: Q, the K stages (each 3xTF32 with its big part beside), the V stages, the V^T
+        stages (big and small), 2 + 7 * stages mbarriers, and 1024 bytes to round the base up to the swizzle period."""
+        parts = 2 if self.dtype == "fp32" else 1
+        q, kv = 4 * self.block_m * self.head_dim, 4 * self.block_n * self.head_dim
+        return parts * q + (2 * parts + 1) * self.stages * kv + 8 * (2 + 7 * self.stages) + 1024
+
+    def cpp_name(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::fwd_sm90_tf32_kernel<cuflash::FwdTf32Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
+                f"{self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}>, {b(self.causal)}, {b(self.window)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# TF32 forward tiles per (dtype, head dim): (block_n, stages, consumers, pingpong), spill-free under NVRTC 13.0 and
+# 13.5. 3xTF32 at head dim 128 keeps its Q and Q's big part (128 KB for 128 rows) and two stages of 16-key K, V, V^T
+# (40 KB each) in 208 KB; with one consumer warpgroup (64 rows) and 32-key tiles it ran 10 % slower (H100, FA shapes,
+# N 4k / 16k, 2026-11-27: 48.0 / 49.1 against 53.0 / 54.1 TFLOP/s; with pingpong 51.8 / 52.8). Measured the same day
+# and about even: 3xTF32 at head dim 64 without pingpong (64.8 / 67.0 against 64.5 / 66.2) or with (32, 3) tiles;
+# one-pass TF32 with 2 stages instead of 3 (head dim 64: 97.1 / 100.9 against 97.2 / 100.3; head dim 128 with 32-key
+# tiles 105.9 / 110.4 against 106.8 / 111.4) or head dim 64 with (32, 4) tiles (95.1 / 98.8). One-pass TF32 at head
+# dim 128 on one consumer with 64-key tiles ran 60 % as fast.
+FWD_SM90_TF32_TILES = {
+    "fp32": {64: (64, 2, 2, True), 128: (16, 2, 2, False)},
+    "tf32": {64: (64, 3, 2, True), 128: (32, 3, 2, True)},
+}
+# The score modifiers it takes: a window (causal is not a modifier); the others run on fwd_wide_kernel
+FWD_SM90_TF32_MODS = MOD_WINDOW
+
+
+def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> FwdSm90Tf32Config:
+    bn, stages, consumers, pingpong = FWD_SM90_TF32_TILES[dtype][head_dim]
+    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong)
+
+
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #
 # The host path asks `select` for the config of an operation ("forward", "backward": the main kernel of the
@@ -1246,6 +1326,9 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
+    Family("fwd_sm90_tf32", "forward", ("sm_90a",), ("fp32", "tf32"),
+           lambda mods: tuple(FWD_SM90_TF32_TILES["fp32"]) if not mods & ~FWD_SM90_TF32_MODS else (),
+           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("fwd_wide_fp64", "forward", None, ("fp64",),

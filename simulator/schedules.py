@@ -154,7 +154,9 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
     runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and
     fp64 the registry picks the wide kernels (FwdWideConfig / BwdWideConfig, cuda/wide.cuh), whose tiles are the same
-    on every target and for both families; they have no deterministic backward. For fp8 the FP8 forward
+    on every target and for both families, except the fp32 / tf32 forward at kernel head dims 64 and 128 (no score
+    modifier but a window), which is the TF32 wgmma kernel (FwdSm90Tf32Config, cuda/fwd_sm90_tf32.cuh) with "auto";
+    they have no deterministic backward. For fp8 the FP8 forward
     (config.FwdSm90Fp8Config, fp8_config): forward only."""
     check_kernels(kernels)
     if p.dtype in FP8_DTYPES:
@@ -176,6 +178,8 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     # the library's kernel of the window (MOD_WINDOW, causal folded in as right = 0) gives the tiles; the counts
     # take the causal flag and the window from the problem
     cfg = _config.forward_kernel_config(hd, p.dtype, False, ARCH, kernels, mods=_config.MOD_WINDOW)
+    if isinstance(cfg, _config.FwdSm90Tf32Config):  # its window is a flag (the tiles are the same)
+        return dataclasses.replace(cfg, causal=p.causal, window=False)
     return dataclasses.replace(cfg, causal=p.causal, mods=0)
 
 

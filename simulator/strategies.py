@@ -119,6 +119,7 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.FwdWideConfig: "fwd_wide_kernel",
     _config.BwdWideConfig: "bwd_wide_kernel",
     _config.FwdSm90Fp8Config: "fwd_sm90_fp8_kernel",
+    _config.FwdSm90Tf32Config: "fwd_sm90_tf32_kernel",
 }
 
 
@@ -206,10 +207,12 @@ def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) 
     """fwd_kernel, fwd_sm90_kernel or fwd_sm90_ws_kernel: FA2's global traffic with the config's blocks (all
     three read Q once per CTA that sees a key and K, V once per visited key tile, valid rows only: cp.async
     zero-fills the tails without reading, TMA fills out-of-bounds box rows with zeros); SRAM from the walk
-    (wgmma operand reads and TMA box writes included). fp8: _cuflash_fp8_fwd."""
+    (wgmma operand reads and TMA box writes included). fp8: _cuflash_fp8_fwd; float32 on Hopper: _cuflash_tf32_fwd."""
     cfg = cuflash_config(p, kernels=kernels)
     if isinstance(cfg, _config.FwdSm90Fp8Config):
         return _cuflash_fp8_fwd(p, cfg, causal_skip)
+    if isinstance(cfg, _config.FwdSm90Tf32Config):
+        return _cuflash_tf32_fwd(p, cfg, causal_skip)
     if isinstance(cfg, _config.FwdWideConfig):
         return _cuflash_wide_fwd(p, cfg, causal_skip)
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
@@ -234,6 +237,28 @@ def _cuflash_fp8_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     c.sram_read_bytes = walk.read_bytes
     c.sram_write_bytes = walk.write_bytes
     c.bank_conflicts = walk.conflicts
+    return c
+
+
+def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
+    """fwd_sm90_tf32_kernel (cuda/fwd_sm90_tf32.cuh; fp32 as 3xTF32, tf32): fwd_sm90_ws_kernel's global traffic with
+    the config's tiles and 4-byte Q, K, V (TMA reads Q once per CTA that sees a key and K, V once per visited key tile,
+    in-bounds rows only; O and lse written once). FLOPs on whole tiles (3xTF32's three passes count as one product,
+    as in _cuflash_wide_fwd). Shared memory in the kernel's program order, per CTA that sees a key: TMA writes whole
+    Q, K and V boxes (HEAD_DIM columns); the splitters read each once and write its parts (3xTF32: Q's and K's small
+    part in place and the big one beside it, V^T big and small; one pass: the rounded value); per visited key tile
+    each consumer warpgroup's wgmma reads its 64 Q rows and the K tile for S and the V^T tile for P V, once per
+    product (three with 3xTF32). Counted from these sizes, not walked: bank_conflicts is None (the splitters' and
+    the transpose's accesses are conflict-free by their layout, cuda/fwd_sm90_tf32.cuh)."""
+    c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
+    t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
+    parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
+    ctas, tiles = int(t.visits_q.sum()), int(t.tiles)
+    q_tile, kv_tile = 4 * cfg.block_m * cfg.head_dim, 4 * cfg.block_n * cfg.head_dim
+    c.sram_write_bytes = (ctas * q_tile * (1 + parts) + tiles * kv_tile * (2 + 2 * parts)) * p.batch_heads
+    c.sram_read_bytes = (ctas * q_tile + tiles * (2 * kv_tile + products * (q_tile + 2 * cfg.consumers * kv_tile))
+                         ) * p.batch_heads
+    c.bank_conflicts = None
     return c
 
 

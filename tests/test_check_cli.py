@@ -108,7 +108,11 @@ def test_wide_cases_launch_no_deterministic_kernel():
         for kernels in config.KERNEL_FAMILIES:
             cfgs = case.configs(kernels=kernels)
             assert not any(isinstance(c, config.DqConfig) or getattr(c, "deterministic", False) for c in cfgs)
-            assert {type(c) for c in cfgs} == {config.FwdWideConfig, config.BwdWideConfig, config.ElementwiseConfig} | (
+            # the forward: on sm_90a with the default kernels the TF32 wgmma one where it has a kernel
+            tf32 = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in config.FWD_SM90_TF32_TILES[
+                "fp32"] and not case.mods & ~config.FWD_SM90_TF32_MODS and config.DEFAULT_ARCH == "sm_90a"
+            fwd = config.FwdSm90Tf32Config if tf32 else config.FwdWideConfig
+            assert {type(c) for c in cfgs} == {fwd, config.BwdWideConfig, config.ElementwiseConfig} | (
                 {config.DropoutMaskConfig} if case.mods & config.MOD_DROPOUT else set()), case.name
             assert all(c.dtype == case.dtype for c in cfgs if hasattr(c, "dtype")), case.name
 

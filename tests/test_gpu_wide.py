@@ -331,6 +331,32 @@ def test_float64_backward_matches_reference(sq, sk, d, layout, causal):
     run_dense("fp64", b, sq, sk, h, h, d, causal=causal, layout=layout)
 
 
+# --- the Hopper TF32 forward ----------------------------------------------------------------------------------
+
+def test_hopper_float32_forward_runs_on_tf32_wgmma():
+    """On an sm_90a GPU the float32 forward at kernel head dims 64 and 128 (plain, causal, windowed) is
+    fwd_sm90_tf32_kernel, so the forward tests above run it there; elsewhere fwd_wide_kernel is the only one."""
+    from cuflash import _launch
+
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch != "sm_90a" or config.KERNELS == "mma":
+        pytest.skip(f"the TF32 wgmma forward runs on sm_90a with the default kernels (here {arch}, {config.KERNELS})")
+    for precision in FLOATS32:
+        for d in (40, 64, 72, 128):
+            for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
+                cfg = config.select("forward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
+                assert isinstance(cfg, config.FwdSm90Tf32Config), (precision, d, causal, mods, cfg)
+
+
+@pytest.mark.parametrize("precision", FLOATS32)
+@pytest.mark.parametrize("d", [40, 104, 120])
+def test_float32_forward_head_dims_between_kernels(d, precision):
+    """Head dims below a kernel's run the next one (on Hopper the TF32 kernels of 64 and 128): TMA zero-fills the
+    columns past head_dim in shared memory, and O's columns past it are not stored (poisoned memory around them)."""
+    run_dense(precision, 2, 203, 113 if d != 120 else 1024, 3, 3, d, causal=d == 104, layout=LAYOUTS[d % 16 // 8],
+              backward=False)
+
+
 # --- strides, GQA, windows -------------------------------------------------------------------------------------
 
 STRIDED = [
@@ -419,6 +445,9 @@ FULLY_MASKED = {  # name -> (precision, run_dense keyword arguments); each has r
     "tf32-dead-batch": ("tf32", dict(sq=113, sk=203, padding="dead", mask=mask_random, bias_shape=(2, HQ, 113, 203))),
     "fp32-causal-sq>sk": ("fp32", dict(sq=300, sk=100, causal=True, mods={"dropout": 0.17})),
     "tf32-window-sq>sk": ("tf32", dict(sq=300, sk=100, mods={"window": (0, 0), "softcap": 10.0})),
+    # without other modifiers: on Hopper the TF32 wgmma forward (query blocks whose band holds no key tile)
+    "fp32-plain-causal-sq>sk": ("fp32", dict(sq=300, sk=100, causal=True)),
+    "tf32-plain-window-sq>sk": ("tf32", dict(sq=300, sk=100, mods={"window": (0, 0)})),
     "fp64-causal-sq>sk": ("fp64", dict(sq=300, sk=100, causal=True)),
     "fp64-window-sq>sk": ("fp64", dict(sq=300, sk=100, mods={"window": (0, 0)})),
 }

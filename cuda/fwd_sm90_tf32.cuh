@@ -1,0 +1,573 @@
+// fwd_sm90_tf32.cuh: the float32 forward on sm_90a: S = Q K^T and O = P V on TF32 wgmma (m64nNk8), fp32 accumulators
+// and softmax, O and lse in float32. The pipeline is fwd_sm90_fp8.cuh's (a TMA producer warp, three producer warps
+// preparing the operands, consumer warpgroups of 64 query rows, the softmax of key tile i under the P V GEMM of tile
+// i - 1), with what float32 changes:
+//
+// * The arithmetic is wide.cuh's. X3 (precision "fp32"): every operand x is split into x = big + small, both TF32
+//   (round_tf32), and each product is small*big + big*small + big*big in fp32 accumulators (3xTF32: float32-level
+//   accuracy at three times the tensor work); otherwise (precision "tf32") one TF32 product of x rounded to TF32.
+//   The tensor cores truncate while they accumulate, so no chain of products sums more than 64 k (wide.cuh's
+//   CHAIN_K): S at head dim 128 is two chains (S and S2, added after the GEMM), and every key tile's P V goes to a
+//   fresh accumulator O_tile that is added to O in fp32 (O = (O + O_tile) * alpha), never summed over the key loop.
+// * The operands are prepared once per CTA in shared memory, not per warp: TMA brings Q, K, V as float32; the three
+//   preparing warps ("splitters") split (or round) Q and K in place (small or rounded where the float32 was, big
+//   beside it) and transpose V: TF32 wgmma reads both operands K-major, and V (keys, head_dim) is not K-major for
+//   O = P V, so V^T (head_dim rows of BLOCK_N keys) is written, big and small, from V's stage. No pass over global
+//   memory.
+// * P goes from the S accumulators to the A registers of the P V GEMM without a shuffle: thread (g, t) holds S
+//   columns 2t, 2t + 1 of n8 tile j, and a TF32 A fragment wants k = t and t + 4 of k8 step j. Taking column 2t as
+//   k = t and 2t + 1 as k = t + 4 permutes the keys of each 8-key group (tf32_key_of below); the splitters write V^T
+//   in the same key order, so P V sums the same products.
+// * Shared memory: a float32 tile of C columns is stored as the 16-bit SmemTile of 2C columns (the same bytes, 128-byte
+//   swizzle panels of 32 floats), so TMA's swizzled boxes and the wgmma descriptors of tiles.cuh apply as they are:
+//   a k8 step of TF32 is 32 bytes, as a k16 step of a 16-bit type.
+//
+// One CTA = BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
+// first); causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head /
+// kv_group), dense and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only
+// head_dim columns are stored). No other score modifier: those run on wide.cuh's kernels.
+//
+// ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
+// [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
+// [mbarriers]. Q and K stages receive TMA's float32 and then hold the small part (X3) or the rounded value in place.
+//
+// ---- the barrier protocol ----------------------------------------------------------------------------------
+//   q_full                count 1 + tx: the producer's Q load
+//   q_ready               count SPLIT_THREADS: Q split (each splitter fences its writes to the async proxy,
+//                         fence.proxy.async, before it arrives: wgmma reads shared memory through that proxy)
+//   k_full[s], v_full[s]  count 1 + tx: the producer's K / V loads of the tile in stage s
+//   k_ready[s]            count SPLIT_THREADS: K of stage s split
+//   k_empty[s]            count CONSUMER_WARPS: the consumers' S GEMM of stage s retired
+//   v_empty[s]            count SPLIT_THREADS: the splitters have read V of stage s
+//   vt_full[s]            count SPLIT_THREADS: V^T of stage s written
+//   vt_empty[s]           count CONSUMER_WARPS: the consumers' P V GEMM of stage s retired
+// Key tile i uses stage i % STAGES with phase bit (i / STAGES) & 1 on every barrier of its stage. The producer loads
+// K_i after k_empty of tile i - STAGES (which frees K's big part too: the splitters write it only after k_full of
+// tile i) and V_i after v_empty of tile i - STAGES; the splitters take the tiles in the consumers' order (K_0, then
+// K_{i+1} before V_i), each V_i after vt_empty of tile i - STAGES; the consumers wait k_ready for S_i and vt_full for
+// P_{i-1} V_{i-1}. Every wait is for a tile at least STAGES - 1 behind its waiter's, so no cycle forms for
+// STAGES >= 2.
+#pragma once
+#include "fwd_sm90_ws.cuh"
+#include "wide.cuh"
+
+namespace cuflash {
+
+// The key (0..7) of an 8-key group whose P column a thread packs at A-fragment position k = p: its own S columns 2t
+// (k = t) and 2t + 1 (k = t + 4). V^T holds key tf32_key_of(p) of each group at column p.
+__host__ __device__ constexpr int tf32_key_of(int p) { return p < 4 ? 2 * p : 2 * (p - 4) + 1; }
+// ... and the column of key `key` (0..7) of a group: the inverse
+__host__ __device__ constexpr int tf32_column_of(int key) { return (key & 1) ? 4 + (key >> 1) : key >> 1; }
+
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false>
+struct FwdTf32Traits {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
+  static constexpr int STAGES = STAGES_;
+  static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups of 64 query rows
+  static constexpr bool X3 = X3_;                     // 3xTF32 (precision "fp32"); false: one TF32 pass ("tf32")
+  static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
+  static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
+  static constexpr int BLOCK_M = 64 * CONSUMERS;
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
+  static constexpr int SPLIT_THREADS = 96;            // producer warps 1-3; warp 0's lane 0 issues the TMA loads
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;
+  // two consumers: the register file is shared out by setmaxnreg (as fwd_sm90_fp8); one: 256 threads may each hold
+  // 255 registers, no redistribution needed
+  static constexpr int PRODUCER_REGS = 56;
+  static constexpr int CONSUMER_REGS = 224;
+  static constexpr int N_TILES = BLOCK_N / 8;
+  static constexpr int D_TILES = HEAD_DIM / 8;
+  static constexpr int QK_K_STEPS = HEAD_DIM / 8;     // k8 steps of S = Q K^T
+  static constexpr int PV_K_STEPS = BLOCK_N / 8;      // k8 steps of O_tile = P V
+  static constexpr int CHAIN_STEPS = 8;               // k8 steps summed in one accumulator chain (k 64)
+  static constexpr int S_CHAINS = QK_K_STEPS / CHAIN_STEPS;
+
+  // float32 tiles as 16-bit SmemTiles of twice the columns: the same bytes, swizzle and descriptors
+  using TileQ = SmemTile<BLOCK_M, 2 * HEAD_DIM>;
+  using TileKV = SmemTile<BLOCK_N, 2 * HEAD_DIM>;
+  using TileVt = SmemTile<HEAD_DIM, 2 * BLOCK_N>;
+  static constexpr int BOX_COLS = 32;                 // TMA box width in floats: one 128-byte panel
+  static constexpr int PANELS = HEAD_DIM / BOX_COLS;
+  static constexpr int PARTS = X3 ? 2 : 1;            // big and small, or the rounded value alone
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int BARRIERS = 2 + 7 * STAGES;
+  static constexpr int OFF_Q = 0;                                      // small (X3) or rounded
+  static constexpr int OFF_QB = OFF_Q + SMEM_Q;                        // big (X3)
+  static constexpr int OFF_K = OFF_Q + PARTS * SMEM_Q;                 // small (X3) or rounded
+  static constexpr int OFF_KB = OFF_K + STAGES * SMEM_KV;              // big (X3)
+  static constexpr int OFF_V = OFF_K + PARTS * STAGES * SMEM_KV;       // float32 from TMA
+  static constexpr int OFF_VT = OFF_V + STAGES * SMEM_KV;              // big (X3) or rounded
+  static constexpr int OFF_VTS = OFF_VT + STAGES * SMEM_KV;            // small (X3)
+  static constexpr int OFF_BAR = OFF_VT + PARTS * STAGES * SMEM_KV;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;     // cuflash/config.py FwdSm90Tf32Config.smem_bytes
+
+  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "TF32 head dims: 64, 128");
+  static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of P V)");
+  static_assert(QK_K_STEPS % CHAIN_STEPS == 0 && S_CHAINS <= 2, "S in at most two chains of k 64");
+  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+  static_assert(!PINGPONG || CONSUMERS == 2, "pingpong orders two consumers");
+  static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
+  static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
+  static_assert(CONSUMERS == 1 || 128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536,
+                "setmaxnreg exceeds the register file");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+template <class Tr>
+struct Tf32Smem {
+  u32 base;
+  __device__ __forceinline__ u32 q() const { return base + Tr::OFF_Q; }
+  __device__ __forceinline__ u32 q_big() const { return base + Tr::OFF_QB; }
+  __device__ __forceinline__ u32 k(int s) const { return base + Tr::OFF_K + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 k_big(int s) const { return base + Tr::OFF_KB + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 v(int s) const { return base + Tr::OFF_V + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 vt(int s) const { return base + Tr::OFF_VT + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 vt_small(int s) const { return base + Tr::OFF_VTS + s * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
+  __device__ __forceinline__ u32 q_full() const { return bar(0); }
+  __device__ __forceinline__ u32 q_ready() const { return bar(1); }
+  __device__ __forceinline__ u32 k_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ u32 k_ready(int s) const { return bar(2 + Tr::STAGES + s); }
+  __device__ __forceinline__ u32 k_empty(int s) const { return bar(2 + 2 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 v_full(int s) const { return bar(2 + 3 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 v_empty(int s) const { return bar(2 + 4 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 vt_full(int s) const { return bar(2 + 5 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 vt_empty(int s) const { return bar(2 + 6 * Tr::STAGES + s); }
+};
+
+__device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];\n" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void st_shared_u32x4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ void st_shared_u32(u32 addr, u32 a) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a) : "memory");
+}
+
+// x as TF32 (X3: big and small, Tf32x3::split; else rounded)
+template <bool X3>
+__device__ __forceinline__ void tf32_parts(float x, u32& big, u32& small) {
+  if constexpr (X3) {
+    Tf32x3::split(x, big, small);
+  } else {
+    big = round_tf32(x);
+    small = 0;
+  }
+}
+
+// A float32 tile split in place, by the splitters (tid 0..SPLIT_THREADS-1): each 16-byte chunk of `tile` becomes its
+// small part (X3; big to the same offset of `big`) or its rounded value. Both tiles have one layout, so a chunk keeps
+// its offset and the swizzle does not matter; 8 consecutive chunks per phase: no bank conflict. (Loading 4 chunks
+// before storing any, against the program order the volatile shared accesses keep, was slower on an H100: 3xTF32
+// at head dim 64 66 against 73 TFLOP/s, one-pass TF32 at head dim 128 111 against 128.)
+template <class Tr, int BYTES>
+__device__ __forceinline__ void tf32_split_tile(u32 tile, u32 big, int tid) {
+  for (int c = tid; c < BYTES / 16; c += Tr::SPLIT_THREADS) {
+    const float4 x = ld_shared_f32x4(tile + 16 * c);
+    u32 b0, b1, b2, b3, s0, s1, s2, s3;
+    tf32_parts<Tr::X3>(x.x, b0, s0);
+    tf32_parts<Tr::X3>(x.y, b1, s1);
+    tf32_parts<Tr::X3>(x.z, b2, s2);
+    tf32_parts<Tr::X3>(x.w, b3, s3);
+    if constexpr (Tr::X3) {
+      st_shared_u32x4(big + 16 * c, b0, b1, b2, b3);
+      st_shared_u32x4(tile + 16 * c, s0, s1, s2, s3);
+    } else {
+      st_shared_u32x4(tile + 16 * c, b0, b1, b2, b3);
+    }
+  }
+}
+
+// V (BLOCK_N keys x HEAD_DIM floats, from TMA) -> V^T (HEAD_DIM rows x BLOCK_N keys, keys permuted within 8-key
+// groups by tf32_column_of), big (X3) and small, by the splitters. A unit is 32 (key, 16-byte chunk) pairs of V: KEYS
+// = min(32, BLOCK_N) consecutive keys of 32 / KEYS consecutive chunks (4 columns each). Lane l reads its pair's
+// chunk (8 lanes of a phase: 8 consecutive rows of one chunk, 8 distinct swizzled chunks) and writes its 4 values to
+// 4 V^T rows at its key's column (a warp store: 32 distinct columns of one row, or 16 of two rows 4 apart, whose
+// swizzles differ in bit 2: 32 banks either way).
+template <class Tr>
+__device__ __forceinline__ void tf32_transpose_v(u32 v, u32 vt, u32 vt_small, int warp, int lane) {
+  constexpr int KEYS = Tr::BLOCK_N < 32 ? Tr::BLOCK_N : 32, CHUNKS_PER_UNIT = 32 / KEYS;
+  constexpr int KEY_UNITS = Tr::BLOCK_N / KEYS, UNITS = KEY_UNITS * (Tr::HEAD_DIM / 4) / CHUNKS_PER_UNIT;
+  constexpr int WARPS = Tr::SPLIT_THREADS / 32;
+  static_assert(KEYS == 16 || KEYS == 32, "16 or 32 keys per unit");
+  for (int u = warp; u < UNITS; u += WARPS) {
+    const int key = KEYS * (u % KEY_UNITS) + lane % KEYS, chunk = CHUNKS_PER_UNIT * (u / KEY_UNITS) + lane / KEYS;
+    const float4 x = ld_shared_f32x4(v + Tr::TileKV::offset(key, 8 * chunk));
+    const int col = (key & ~7) + tf32_column_of(key & 7);
+    const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      u32 big, small;
+      tf32_parts<Tr::X3>(xs[j], big, small);
+      const u32 off = Tr::TileVt::offset(4 * chunk + j, 2 * col);
+      st_shared_u32(vt + off, big);
+      if constexpr (Tr::X3) st_shared_u32(vt_small + off, small);
+    }
+  }
+}
+
+// The TMA thread: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1} before V_i).
+template <class Tr>
+__device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf32Smem<Tr>& sm, const Seq& seq,
+                                                  int row0, int head, int batch, int n_end, int n_tiles) {
+  const int kv_head = head / p.fwd.seq.kv_group;
+  const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
+  const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
+  constexpr int BOX_BYTES = 4 * Tr::BOX_COLS;
+  mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel)
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * BOX_BYTES, &p.tma_q, sm.q_full(),
+                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+  auto load = [&](int i, u32 empty, u32 full, u32 dst, const TmaDesc* map) {
+    mbarrier_wait_or_trap(empty, ((i / Tr::STAGES) & 1) ^ 1);
+    mbarrier_arrive_expect_tx(full, Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel)
+      cp_async_bulk_tensor_4d_global_to_shared(dst + panel * Tr::BLOCK_N * BOX_BYTES, map, full, panel * Tr::BOX_COLS,
+                                               seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N, kv_head, kv_batch);
+  };
+  auto load_k = [&](int i) {
+    const int s = i % Tr::STAGES;
+    load(i, sm.k_empty(s), sm.k_full(s), sm.k(s), &p.tma_k);
+  };
+  load_k(0);
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) load_k(i + 1);
+    const int s = i % Tr::STAGES;
+    load(i, sm.v_empty(s), sm.v_full(s), sm.v(s), &p.tma_v);
+  }
+}
+
+// The splitters (producer warps 1-3): Q once, then K_0, and for every tile K_{i+1} and V_i -> V^T_i.
+template <class Tr>
+__device__ __forceinline__ void fwd_tf32_splitter(const Tf32Smem<Tr>& sm, int n_tiles, int tid) {
+  const int warp = tid / 32, lane = tid & 31;
+  mbarrier_wait_or_trap(sm.q_full(), 0);
+  tf32_split_tile<Tr, Tr::SMEM_Q>(sm.q(), sm.q_big(), tid);
+  fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
+  mbarrier_arrive(sm.q_ready());
+  auto split_k = [&](int i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.k_full(s), (i / Tr::STAGES) & 1);
+    tf32_split_tile<Tr, Tr::SMEM_KV>(sm.k(s), sm.k_big(s), tid);
+    fence_proxy_async_shared();
+    mbarrier_arrive(sm.k_ready(s));
+  };
+  split_k(0);
+  for (int i = 0; i < n_tiles; ++i) {
+    if (i + 1 < n_tiles) split_k(i + 1);
+    const int s = i % Tr::STAGES;
+    const u32 phase = (i / Tr::STAGES) & 1;
+    mbarrier_wait_or_trap(sm.v_full(s), phase);
+    mbarrier_wait_or_trap(sm.vt_empty(s), phase ^ 1);
+    tf32_transpose_v<Tr>(sm.v(s), sm.vt(s), sm.vt_small(s), warp, lane);
+    fence_proxy_async_shared();
+    mbarrier_arrive(sm.v_empty(s));
+    mbarrier_arrive(sm.vt_full(s));
+  }
+}
+
+// The online softmax of one key tile (OnlineSoftmax::update's arithmetic, O's rescale left to the caller):
+// m_new = max(m, rowmax(S) * scale_log2), l = l * alpha + rowsum(P), S overwritten by P = exp2(S * scale_log2 -
+// m_new); alpha = exp2(m - m_new).
+template <int N_TILES, int D_TILES>
+__device__ __forceinline__ void tf32_softmax_probs(OnlineSoftmax<1, N_TILES, D_TILES>& softmax,
+                                                   float (&s)[1][N_TILES][4], float scale_log2, float (&alpha)[2]) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float tile_max = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
+    const float m_new = fmaxf(softmax.row_max[0][h], quad_max(tile_max) * scale_log2);
+    const float m_use = (m_new == neg_inf()) ? 0.f : m_new;  // a row masked so far: exp2(-inf) = 0, not NaN
+    alpha[h] = ex2_approx(softmax.row_max[0][h] - m_use);
+    softmax.row_max[0][h] = m_new;
+    float sum = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 2 * h; c < 2 * h + 2; ++c) {
+        s[0][nt][c] = ex2_approx(fmaf(s[0][nt][c], scale_log2, -m_use));
+        sum += s[0][nt][c];
+      }
+    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + sum;
+  }
+}
+
+// P (fp32 S accumulators) -> TF32 A registers of O_tile = P V: k8 step kk is n8 tile kk, a thread's column 2t its
+// k = t, 2t + 1 its k = t + 4 (tf32_key_of). X3: big and small parts.
+template <bool X3, int N_TILES>
+__device__ __forceinline__ void tf32_probs_to_regs(const float (&s)[1][N_TILES][4], u32 (&big)[N_TILES][4],
+                                                   u32 (&small)[X3 ? N_TILES : 1][4]) {
+#pragma unroll
+  for (int kk = 0; kk < N_TILES; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      // a0 (row g, k t) = c0, a1 (g + 8, t) = c2, a2 (g, t + 4) = c1, a3 (g + 8, t + 4) = c3
+      const int c = (r == 1) ? 2 : (r == 2) ? 1 : r;
+      u32 b, sm;
+      tf32_parts<X3>(s[0][kk][c], b, sm);
+      big[kk][r] = b;
+      if constexpr (X3) small[kk][r] = sm;
+    }
+  }
+}
+
+// Consumer warpgroup wg: query rows row0 + 64 wg .. + 63.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf32Smem<Tr>& sm,
+                                                  const Band<IS_CAUSAL, HAS_WINDOW>& band, int row0, int out_row0,
+                                                  int rows_q, int head, int batch, int n_end, int n_tiles) {
+  const int ctid = threadIdx.x - 128;
+  const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32;
+  const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
+  const float scale_log2 = p.fwd.scale_log2;
+
+  float o_acc[1][Tr::D_TILES][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o_acc[0][dt][c] = 0.f;
+  float o_tile[1][Tr::D_TILES][4];  // one key tile's P V: a chain of k BLOCK_N <= 64
+  OnlineSoftmax<1, Tr::N_TILES, Tr::D_TILES> softmax;
+  softmax.init();
+  float s_acc[1][Tr::N_TILES][4];
+  float s2_acc[1][Tr::N_TILES][4];  // the second chain of S (k 64..127; unused, and dropped, at head dim 64)
+  u32 p_big[Tr::PV_K_STEPS][4];
+  u32 p_small[Tr::X3 ? Tr::PV_K_STEPS : 1][4];
+  float alpha[2];
+
+  using WS = Wgmma<Tr::BLOCK_N, tf32>;
+  using WO = Wgmma<Tr::HEAD_DIM, tf32>;
+  // one k8 step of S into acc (scale_d = more: 0 starts a chain)
+  auto mma_s = [&](float (&acc)[Tr::N_TILES][4], u32 q, u32 k_small, u32 k_big, int kk, int more) {
+    const u64 qd = Tr::TileQ::desc_k_major(q, 64 * wg, 16 * kk), kd = Tr::TileKV::desc_k_major(k_small, 0, 16 * kk);
+    if constexpr (Tr::X3) {
+      const u64 qbd = Tr::TileQ::desc_k_major(q + (Tr::OFF_QB - Tr::OFF_Q), 64 * wg, 16 * kk);
+      const u64 kbd = Tr::TileKV::desc_k_major(k_big, 0, 16 * kk);
+      // the small terms first, as Tf32x3::mma, so they are not lost against the big product's rounding
+      WS::ss(acc, qd, kbd, more);
+      WS::ss(acc, qbd, kd, 1);
+      WS::ss(acc, qbd, kbd, 1);
+    } else {
+      WS::ss(acc, qd, kd, more);
+    }
+  };
+  auto issue_s = [&](int stage) {
+    const u32 k_small = sm.k(stage), k_big = sm.k_big(stage);
+    // Q's descriptors from an address the optimizer cannot see through: else it keeps all of them (2 per k step
+    // and part, loop invariants) in registers across the key loop, which spilled the head-dim-128 consumers
+    const u32 q = static_cast<u32>(opaque(static_cast<int>(sm.q())));
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk) {
+      if (kk < Tr::CHAIN_STEPS)
+        mma_s(s_acc[0], q, k_small, k_big, kk, kk > 0);
+      else
+        mma_s(s2_acc[0], q, k_small, k_big, kk, kk > Tr::CHAIN_STEPS);
+    }
+    wgmma_commit_group();
+  };
+  auto issue_pv = [&](int stage) {
+    const u32 vt = sm.vt(stage), vt_small = sm.vt_small(stage);
+#pragma unroll
+    for (int kk = 0; kk < Tr::PV_K_STEPS; ++kk) {
+      const u64 vd = Tr::TileVt::desc_k_major(vt, 0, 16 * kk);
+      if constexpr (Tr::X3) {
+        WO::rs(o_tile[0], p_small[Tr::X3 ? kk : 0], vd, kk > 0);
+        WO::rs(o_tile[0], p_big[kk], Tr::TileVt::desc_k_major(vt_small, 0, 16 * kk), 1);
+        WO::rs(o_tile[0], p_big[kk], vd, 1);
+      } else {
+        WO::rs(o_tile[0], p_big[kk], vd, kk > 0);
+      }
+    }
+    wgmma_commit_group();
+  };
+  auto release = [&](u32 bar) {
+    if (lane == 0) mbarrier_arrive(bar);
+  };
+  auto scores_to_probs = [&](int n_block) {
+    if constexpr (Tr::S_CHAINS > 1) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += s2_acc[0][nt][c];
+    }
+    const int key0 = n_block * Tr::BLOCK_N;
+    if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
+      apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
+    tf32_softmax_probs(softmax, s_acc, scale_log2, alpha);
+  };
+  auto fence_s = [&]() {
+    wgmma_fence_operand(s_acc[0]);
+    if constexpr (Tr::S_CHAINS > 1) wgmma_fence_operand(s2_acc[0]);
+  };
+
+  // pingpong (fwd_sm90_fp8.cuh): consumer 0 issues first; each consumer runs n_tiles + 1 rounds of GEMMs and passes
+  // the token after each but its last (consumer 1's last passes nothing)
+  auto round_begin = [&]() {
+    if (Tr::PINGPONG) named_barrier_sync(Tr::PINGPONG_BAR + wg, Tr::CONSUMER_THREADS);
+  };
+  auto round_end = [&](bool is_last) {
+    if (Tr::PINGPONG && !(is_last && wg == 1)) named_barrier_arrive(Tr::PINGPONG_BAR + 1 - wg, Tr::CONSUMER_THREADS);
+  };
+  if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, Tr::CONSUMER_THREADS);
+
+  mbarrier_wait_or_trap(sm.q_ready(), 0);
+  int stage = 0, n_block = n_end - 1;
+  u32 phase = 0;
+  round_begin();
+  mbarrier_wait_or_trap(sm.k_ready(stage), phase);
+  wgmma_fence();
+  issue_s(stage);
+  round_end(/*is_last=*/false);
+  wgmma_wait_group<0>();
+  fence_s();
+  release(sm.k_empty(stage));
+  scores_to_probs(n_block);
+  tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
+  int v_stage = stage;
+  u32 v_phase = phase;
+  if (++stage == Tr::STAGES) {
+    stage = 0;
+    phase ^= 1;
+  }
+  for (int i = 1; i < n_tiles; ++i) {
+    --n_block;
+    round_begin();
+    mbarrier_try_wait_parity(sm.k_ready(stage), phase);
+    wgmma_fence();
+    issue_s(stage);
+    mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
+    issue_pv(v_stage);
+    round_end(/*is_last=*/false);
+
+    wgmma_wait_group<1>();  // S_i
+    fence_s();
+    release(sm.k_empty(stage));
+    scores_to_probs(n_block);
+
+    wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
+    wgmma_fence_operand(o_tile[0]);
+    release(sm.vt_empty(v_stage));
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) o_acc[0][dt][c] = (o_acc[0][dt][c] + o_tile[0][dt][c]) * alpha[c >> 1];
+    tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
+    v_stage = stage;
+    v_phase = phase;
+    if (++stage == Tr::STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+  round_begin();
+  mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
+  wgmma_fence();
+  issue_pv(v_stage);
+  round_end(/*is_last=*/true);
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(o_tile[0]);
+  release(sm.vt_empty(v_stage));
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) o_acc[0][dt][c] += o_tile[0][dt][c];
+
+  // epilogue: O / l and lse, straight from registers to global memory (8-byte stores of column pairs; columns past
+  // head_dim and rows past rows_q, e.g. the next packed sequence's, not stored)
+  float lse[1][2];
+  softmax.finalize(o_acc, lse);
+  const int g = lane >> 2, t = lane & 3;
+  float* o_gmem = reinterpret_cast<float*>(p.fwd.o) + batch * p.fwd.o_batch_stride +
+                  static_cast<long long>(out_row0) * p.fwd.o_row_stride + head * p.fwd.o_head_stride;
+  float* lse_gmem = p.fwd.lse + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + g + 8 * h;
+    if (row >= rows_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+      if (dt * 8 < p.fwd.head_dim)  // head_dim is a multiple of 8 (cuflash's rule for every head dim)
+        *reinterpret_cast<float2*>(o_gmem + row * p.fwd.o_row_stride + dt * 8 + 2 * t) =
+            make_float2(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
+    if (t == 0 && p.fwd.lse != nullptr) lse_gmem[row] = lse[0][h];
+  }
+}
+
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __grid_constant__ FwdWsParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const Tf32Smem<Tr> sm{aligned.base};
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.fwd.seq, batch);
+  const int row0 = m_block * Tr::BLOCK_M;
+  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+  const int out_row0 = seq.q_row0 + row0;
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                        HAS_WINDOW ? p.fwd.mods.window_right : 0};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  const int n_tiles = n_end - n_begin;
+  if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf
+    float* o = reinterpret_cast<float*>(p.fwd.o) + batch * p.fwd.o_batch_stride +
+               static_cast<long long>(out_row0) * p.fwd.o_row_stride + head * p.fwd.o_head_stride;
+    const int cols = p.fwd.head_dim;
+    for (int idx = threadIdx.x; idx < rows_q * cols; idx += Tr::THREADS) o[(idx / cols) * p.fwd.o_row_stride + idx % cols] = 0.f;
+    if (p.fwd.lse != nullptr)
+      for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
+        p.fwd.lse[batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0 + r] = neg_inf();
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_full(), 1);
+    mbarrier_init(sm.q_ready(), Tr::SPLIT_THREADS);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.k_full(s), 1);
+      mbarrier_init(sm.v_full(s), 1);
+      mbarrier_init(sm.k_ready(s), Tr::SPLIT_THREADS);
+      mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+      mbarrier_init(sm.v_empty(s), Tr::SPLIT_THREADS);
+      mbarrier_init(sm.vt_full(s), Tr::SPLIT_THREADS);
+      mbarrier_init(sm.vt_empty(s), Tr::CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    if constexpr (Tr::CONSUMERS > 1) setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      prefetch_tensormap(&p.tma_q);
+      prefetch_tensormap(&p.tma_k);
+      prefetch_tensormap(&p.tma_v);
+      fwd_tf32_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
+    } else if (threadIdx.x >= 32) {
+      fwd_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
+    }
+  } else {
+    if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    fwd_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, row0, out_row0, rows_q, head, batch, n_end, n_tiles);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash

@@ -1,0 +1,154 @@
+"""The float32 Hopper forward (cuda/fwd_sm90_tf32.cuh) without a GPU: the registry sends float32 forwards to it on
+sm_90a where it has a kernel (head dims up to 128, no score modifier but a window) and to fwd_wide_kernel elsewhere;
+every shipped instantiation compiles through NVRTC for sm_90a spill-free, with TMA loads, TF32 warpgroup MMAs and
+setmaxnreg where it has two consumers; its shared memory fits sm_90; the TMA maps of float32 operands are accepted;
+the analyzer counts it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuflash import _compile, _tma, config
+from cuflash.__main__ import sass_text
+
+SHIPPED = [c for c in config.all_fwd_configs("sm_90a") if isinstance(c, config.FwdSm90Tf32Config)]
+
+
+def _nvrtc_or_skip():
+    try:
+        _compile._nvrtc().getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+
+
+def _name(c: config.FwdSm90Tf32Config) -> str:
+    return (f"{c.dtype}-d{c.head_dim}-bn{c.block_n}-s{c.stages}-c{c.consumers}-"
+            f"{'causal' if c.causal else 'window' if c.window else 'full'}")
+
+
+def test_every_table_entry_is_shipped_plain_causal_and_windowed():
+    want = {(dt, d, c, w) for dt, table in config.FWD_SM90_TF32_TILES.items() for d in table
+            for c, w in ((False, False), (True, False), (False, True))}
+    assert {(c.dtype, c.head_dim, c.causal, c.window) for c in SHIPPED} == want
+    assert len(SHIPPED) == len(want) == 12
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32"])
+def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
+    for hd in (64, 128):
+        for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
+            cfg = config.select("forward", hd, dtype, causal, "sm_90a", mods=mods)
+            assert isinstance(cfg, config.FwdSm90Tf32Config), (hd, causal, mods, cfg)
+            assert (cfg.head_dim, cfg.dtype, cfg.causal, cfg.window) == (hd, dtype, causal, bool(mods))
+    # other head dims, any other modifier, other targets and CUFLASH_KERNELS=mma: the mma.sync kernels
+    assert isinstance(config.select("forward", 32, dtype, False, "sm_90a"), config.FwdWideConfig)
+    assert isinstance(config.select("forward", 256, dtype, False, "sm_90a"), config.FwdWideConfig)
+    for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_BIAS, config.MOD_MASK,
+              config.MOD_WINDOW | config.MOD_BIAS):
+        assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
+    assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
+    assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
+    # the backward stays on bwd_wide_kernel, and float64 on its own kernels
+    assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdWideConfig)
+    assert isinstance(config.select("forward", 64, "fp64", False, "sm_90a"), config.FwdWideConfig)
+
+
+def test_config_checks_its_arguments():
+    with pytest.raises(ValueError, match="dtype='bf16'"):
+        config.FwdSm90Tf32Config(64, 64, 2, 2, "bf16", False)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        config.FwdSm90Tf32Config(96, 64, 2, 2, "fp32", False)
+    with pytest.raises(ValueError, match="block_n=128"):
+        config.FwdSm90Tf32Config(64, 128, 2, 2, "fp32", False)
+    with pytest.raises(ValueError, match="pingpong"):
+        config.FwdSm90Tf32Config(64, 64, 2, 1, "fp32", False, pingpong=True)
+    with pytest.raises(ValueError, match="causal=True with window=True"):
+        config.FwdSm90Tf32Config(64, 64, 2, 2, "fp32", True, window=True)
+
+
+def test_shared_memory_fits_sm90_and_follows_the_traits():
+    for c in SHIPPED:
+        assert c.smem_bytes <= config.SMEM_LIMIT_SM90, c
+        parts = 2 if c.dtype == "fp32" else 1
+        q, kv = 4 * c.block_m * c.head_dim, 4 * c.block_n * c.head_dim
+        # Q (+ big part), K stages (+ big), V stages, V^T stages (+ small), mbarriers, alignment slack
+        assert c.smem_bytes == parts * q + parts * c.stages * kv + c.stages * kv + parts * c.stages * kv + \
+            8 * (2 + 7 * c.stages) + 1024
+        assert c.threads == 128 + 128 * c.consumers and c.block_m == 64 * c.consumers
+
+
+def test_tma_maps_of_float32_operands():
+    """Boxes one 128-byte panel (32 floats) wide, 128-byte swizzle, the array's byte strides."""
+    from types import SimpleNamespace
+
+    assert _tma.panel_swizzle(32, "fp32") == _tma.panel_swizzle(32, "tf32") == 128
+    dims = SimpleNamespace(batch=2, seqlen=300, heads=4, head_dim=64, batch_stride=300 * 4 * 64, row_stride=4 * 64,
+                           head_stride=64)
+    assert _tma.tma_unsupported(1 << 20, dims, "fp32", 128, 32) is None
+    addr, sizes, strides, box = _tma.operand_map(1 << 20, dims, "fp32", 128, 32)
+    assert sizes == (64, 300, 4, 2) and strides == (4 * 256, 4 * 64, 4 * 300 * 256) and box == (32, 128, 1, 1)
+    assert "16-byte aligned" in _tma._encode_args_problem("fp32", (1 << 20) + 4, sizes, strides, box, 128)
+    assert "at most 128 bytes" in _tma._encode_args_problem("fp32", 1 << 20, sizes, strides, (64, 128, 1, 1), 128)
+    odd = SimpleNamespace(**{**vars(dims), "row_stride": 4 * 64 + 1})  # a row stride of 1028 bytes: not TMA's
+    assert "multiples of 16" in _tma.tma_unsupported(1 << 20, odd, "fp32", 128, 32)
+
+
+@pytest.mark.parametrize("cfg", SHIPPED, ids=_name)
+def test_every_instantiation_compiles_spill_free(cfg):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    res = compiled.resources
+    spills = (res["spill_stores"], res["spill_loads"], res["stack"])
+    assert spills == (0, 0, 0), f"{cfg} spills (stores, loads, stack) = {spills}\n{compiled.log}"
+    limit = 168 if cfg.consumers == 2 else 255  # 384 threads: setmaxnreg gives the consumers theirs
+    assert res["registers"] is not None and res["registers"] <= limit, f"{cfg}: {res}"
+    assert "C7508" not in compiled.log and "serialized" not in compiled.log, compiled.log
+    assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
+
+
+@pytest.mark.parametrize("cfg", [c for c in SHIPPED if not c.causal and not c.window], ids=_name)
+def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    text = sass_text(compiled.cubin)
+    if text is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    panels = cfg.head_dim // 32
+    # Q, K (issued in two places: the first tile, then one tile ahead in the loop), V: one load per 32-float panel
+    assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want (Q, K, K, V) x {panels} panels"
+    # S: 3 (3xTF32) or 1 product per k8 step; O_tile = P V the same per k8 step of the key tile; each GEMM is issued
+    # in two places (S: first tile and loop; P V: loop and last tile)
+    products = 3 if cfg.dtype == "fp32" else 1
+    assert count("HGMMA") == 2 * products * (cfg.head_dim // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
+    assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
+    assert count("USETMAXREG") == (2 if cfg.consumers == 2 else 0)
+    assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
+
+
+def test_analyzer_counts_the_tf32_forward():
+    """cuflash-sim's cuflash strategy on sm_90a: the float32 forward is fwd_sm90_tf32_kernel, with 4-byte traffic
+    (Q once per query block, K and V once per visited key tile) and its shared-memory bytes; 3xTF32 reads each
+    operand three times where one pass reads it once."""
+    from simulator import strategies
+    from simulator.model import Problem
+
+    counts = {}
+    for dt in ("fp32", "tf32"):
+        p = Problem(batch=1, heads=1, seqlen_q=1024, seqlen_k=1024, head_dim=64, dtype=dt)
+        cfg = strategies.cuflash_config(p)
+        assert isinstance(cfg, config.FwdSm90Tf32Config) and strategies.kernel_name(cfg) == "fwd_sm90_tf32_kernel"
+        c = strategies.simulate("cuflash", p)
+        q_blocks, kv_tiles = 1024 // cfg.block_m, (1024 // cfg.block_m) * (1024 // cfg.block_n)
+        assert c.hbm_read_bytes == 4 * 64 * (1024 + 2 * cfg.block_n * kv_tiles)
+        assert c.hbm_write_bytes == 1024 * (4 * 64 + 4)
+        assert c.bank_conflicts is None and c.sram_read_bytes > 0 and c.sram_write_bytes > 0
+        counts[dt] = (c, cfg, q_blocks, kv_tiles)
+    (c3, cfg3, qb3, t3), (c1, cfg1, qb1, t1) = counts["fp32"], counts["tf32"]
+    q3, kv3 = 4 * cfg3.block_m * 64, 4 * cfg3.block_n * 64
+    assert c3.sram_read_bytes == qb3 * q3 + t3 * (2 * kv3 + 3 * (q3 + 2 * cfg3.consumers * kv3))
+    q1, kv1 = 4 * cfg1.block_m * 64, 4 * cfg1.block_n * 64
+    assert c1.sram_read_bytes == qb1 * q1 + t1 * (2 * kv1 + q1 + 2 * cfg1.consumers * kv1)
