@@ -25,6 +25,9 @@ Strategies (docs/IO_ANALYSIS.md):
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
             preprocess / convert launches, with config.select's tiles, the same on every target): global
             traffic and FLOPs only; their shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
+            On sm_90a the fp32 / tf32 forward at kernel head dims 64 and 128 (no modifier but a window) is
+            fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd): its shared-memory bytes are
+            counted from its program order (bank_conflicts None).
             fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
             V, bf16 O, fwd_sm90_ws_kernel's schedule with the config's key tiles, V transposed in shared memory,
             float32 descale factors); forward only, and the only strategy that counts fp8.

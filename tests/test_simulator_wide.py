@@ -57,21 +57,30 @@ def test_fa2_element_traffic_scales_with_the_element_size(dtype, backward):
 
 
 def test_cuflash_wide_forward_is_a_hand_count_of_its_tiles():
-    """fwd_wide_kernel, no mask: each query block reads Q once, K and V once per key tile; O and lse written once."""
+    """fwd_wide_kernel, no mask: each query block reads Q once, K and V once per key tile; O and lse written once.
+    (On sm_90a with the default kernels float32 runs fwd_sm90_tf32_kernel at this head dim: the same global
+    traffic for its query blocks, and its shared-memory bytes counted; tests/test_fwd_tf32_compile.py.)"""
     b, h, n, d = 2, 3, 300, 64
     for dtype, e, s in (("fp32", 4, 4), ("tf32", 4, 4), ("fp64", 8, 8)):
-        cfg = config.select("forward", 64, dtype, False, "sm_90a")
+        cfg = config.select("forward", 64, dtype, False, "sm_90a", kernels="mma")
         assert isinstance(cfg, config.FwdWideConfig) and cfg.v_split == 1
         bm, bn = cfg.block_m, cfg.block_n
         q_blocks, k_blocks = math.ceil(n / bm), math.ceil(n / bn)
-        c = simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype))
+        c = simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype), kernels="mma")
         assert (c.block_m, c.block_n) == (bm, bn)
         assert c.hbm_read_bytes == b * h * (n * d + 2 * q_blocks * n * d) * e
         assert c.hbm_write_bytes == b * h * (n * d * e + n * s)
         assert c.flops_matmul == b * h * q_blocks * k_blocks * 4 * bm * bn * 64, "whole tiles"
         assert c.sram_read_bytes is None and c.sram_write_bytes is None and c.bank_conflicts is None, "not modelled"
         assert c.launches == 1 and c.peak_extra_bytes == 0
-        assert simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype), kernels="mma").hbm_bytes == c.hbm_bytes
+        auto = simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype))
+        tf32 = config.select("forward", 64, dtype, False, "sm_90a")
+        if dtype == "fp64":
+            assert auto.hbm_bytes == c.hbm_bytes and auto.sram_read_bytes is None
+        else:
+            assert isinstance(tf32, config.FwdSm90Tf32Config) and auto.sram_read_bytes > 0
+            assert auto.hbm_read_bytes == b * h * (n * d + 2 * math.ceil(n / tf32.block_m) * n * d) * e
+            assert auto.hbm_write_bytes == c.hbm_write_bytes
 
 
 def test_cuflash_wide_forward_with_split_o_columns():
