@@ -275,33 +275,6 @@ __device__ __forceinline__ void fwd_tf32_splitter(const Tf32Smem<Tr>& sm, int n_
   }
 }
 
-// The online softmax of one key tile (OnlineSoftmax::update's arithmetic, O's rescale left to the caller):
-// m_new = max(m, rowmax(S) * scale_log2), l = l * alpha + rowsum(P), S overwritten by P = exp2(S * scale_log2 -
-// m_new); alpha = exp2(m - m_new).
-template <int N_TILES, int D_TILES>
-__device__ __forceinline__ void tf32_softmax_probs(OnlineSoftmax<1, N_TILES, D_TILES>& softmax,
-                                                   float (&s)[1][N_TILES][4], float scale_log2, float (&alpha)[2]) {
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float tile_max = neg_inf();
-#pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt) tile_max = fmaxf(tile_max, fmaxf(s[0][nt][2 * h], s[0][nt][2 * h + 1]));
-    const float m_new = fmaxf(softmax.row_max[0][h], quad_max(tile_max) * scale_log2);
-    const float m_use = (m_new == neg_inf()) ? 0.f : m_new;  // a row masked so far: exp2(-inf) = 0, not NaN
-    alpha[h] = ex2_approx(softmax.row_max[0][h] - m_use);
-    softmax.row_max[0][h] = m_new;
-    float sum = 0.f;
-#pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-      for (int c = 2 * h; c < 2 * h + 2; ++c) {
-        s[0][nt][c] = ex2_approx(fmaf(s[0][nt][c], scale_log2, -m_use));
-        sum += s[0][nt][c];
-      }
-    softmax.row_sum[0][h] = softmax.row_sum[0][h] * alpha[h] + sum;
-  }
-}
-
 // P (fp32 S accumulators) -> TF32 A registers of O_tile = P V: k8 step kk is n8 tile kk, a thread's column 2t its
 // k = t, 2t + 1 its k = t + 4 (tf32_key_of). X3: big and small parts.
 template <bool X3, int N_TILES>
@@ -403,7 +376,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     const int key0 = n_block * Tr::BLOCK_N;
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
-    tf32_softmax_probs(softmax, s_acc, scale_log2, alpha);
+    softmax_probs(softmax, s_acc, scale_log2, alpha);  // fwd_sm90_ws.cuh's: O's rescale waits for P V
   };
   auto fence_s = [&]() {
     wgmma_fence_operand(s_acc[0]);
