@@ -200,6 +200,32 @@ def test_tma_maps_follow_the_arrays():
     assert len(_plan.plans) == 1, "the three calls share one plan"
 
 
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_float32_forward_takes_the_tf32_kernel_with_float32_maps(precision):
+    """float32 at head dim 64 on the faked sm_90a: fwd_sm90_tf32_kernel, its grid of 128-row query blocks, maps of the
+    call's own arrays as float32 (CU_TENSOR_MAP_DATA_TYPE_FLOAT32) in boxes of 32 floats, 128-byte swizzle; a
+    replay launches the same bytes as the full path, and a window keeps the kernel (its window flag)."""
+    cfg = config.select("forward", 64, precision, False, "sm_90a")
+    _plan.plans.clear()
+    for _ in range(2):
+        q, k, v = qkv(dtype=F32)
+        launches, _ = launches_of(lambda: cuflash.attention_forward(q, k, v, precision=precision), 1 << 50)
+        assert len(launches) == 1 and launches[0][0] == cfg.cpp_name() and "fwd_sm90_tf32_kernel" in launches[0][0]
+        assert launches[0][1] == cfg.grid(2, 4, 40) == (1, 4, 2)
+        params = _params(launches[0][2])
+        for m, x, rows in ((params.tma_q, q, cfg.block_m), (params.tma_k, k, cfg.block_n), (params.tma_v, v, cfg.block_n)):
+            # the fake encoder's words: address, dtype, rank, dims (4), strides (3), box (4), swizzle
+            assert m.v[0] == x.data.ptr and m.v[1] == 7 and m.v[2] == 4
+            assert list(m.v[10:14]) == [32, rows, 1, 1] and m.v[14] == 3, list(m.v)
+        assert params.fwd.o and params.fwd.lse and params.fwd.head_dim == 64
+    assert len(_plan.plans) == 1, "the two calls share one plan"
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*qkv(dtype=F32), precision=precision),
+                                  lambda: cuflash.attention_forward(*qkv(dtype=F32), precision=precision))
+    launches, _ = launches_of(lambda: cuflash.attention_forward(*qkv(dtype=F32), precision=precision,
+                                                                window=(8, 8)), 1 << 50)
+    assert launches[0][0] == config.fwd_sm90_tf32_config(64, precision, False, True).cpp_name()
+
+
 def backward_args(b=2, sq=40, sk=72, h=4, hkv=2, d=64, dtype=F16):
     q, k, v = qkv(b, sq, sk, h, hkv, d, dtype)
     return dict(dout=A(q.shape, dtype), q=q, k=k, v=v, out=A(q.shape, dtype), lse=A((b, h, sq), F32))

@@ -154,7 +154,7 @@ def ctypes_size(cfg) -> int:
     import ctypes
 
     name = cfg.cpp_name()
-    if "fwd_sm90_ws" in name:
+    if "fwd_sm90_ws" in name or "fwd_sm90_tf32" in name:
         return ctypes.sizeof(_tma.FwdWsParams)
     if "bwd_sm90_ws_kernel" in name:
         return ctypes.sizeof(_tma.BwdWsParams)

@@ -4,7 +4,9 @@ For each kernel head dim, the shipped config (first) and its candidates replace 
 are compiled (registers and spills from ptxas) and timed with CUDA events, bf16, FlashAttention benchmark
 shapes (batch = 16384 / N, heads = 2048 / D). `diff` is the largest difference to the first candidate's
 output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_WS_TILES, else
-FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). Results go to docs/PERFORMANCE.md.
+FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). `--dtype fp32` / `tf32`
+tunes the float32 Hopper forward instead (FWD_SM90_TF32_TILES; float32 inputs, precision "fp32" or "tf32").
+Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
@@ -45,11 +47,16 @@ FWD_SM90_WS = {64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, F
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
+# the float32 Hopper forward (sm_90a): (block_n, stages, consumers, pingpong), the alternatives measured against the
+# shipped tiles (config.FWD_SM90_TF32_TILES)
+FWD_SM90_TF32 = {"fp32": {64: [(64, 2, 2, False), (32, 3, 2, True)], 128: [(16, 2, 2, True), (32, 2, 1, False)]},
+                 "tf32": {64: [(64, 2, 2, True), (32, 4, 2, True)], 128: [(32, 2, 2, True), (64, 2, 1, False)]}}
 BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
 
 
-def rand(shape):
-    return cp.random.standard_normal(shape, dtype=cp.float32).astype(BF16)
+def rand(shape, dtype: str = "bf16"):
+    x = cp.random.standard_normal(shape, dtype=cp.float32)
+    return x if dtype in ("fp32", "tf32") else x.astype(BF16)
 
 
 def bench_ms(fn, reps=15):
@@ -91,6 +98,32 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
     _plan.plans.clear()
 
 
+def tune_float32(args, arch: str, wgmma: bool) -> int:
+    """--dtype fp32 / tf32: the float32 Hopper forward's tiles (config.FWD_SM90_TF32_TILES), forward only."""
+    table = config.FWD_SM90_TF32_TILES[args.dtype]
+    kw = {"precision": args.dtype}
+    for d in args.head_dims:
+        if not wgmma or d not in table:
+            print(f"D={d}: no float32 Hopper forward tiles on {arch} (fwd_wide_kernel runs it)")
+            continue
+        for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
+            for n in args.n:
+                b, h = 16384 // n, 2048 // d
+                q, k, v = (rand((b, n, h, d), args.dtype) for _ in range(3))
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                print(f"D={d} causal={causal} N={n} (B={b}, H={h}) {args.dtype}", flush=True)
+
+                def fwd():
+                    ms = bench_ms(lambda: cuflash.attention_forward(q, k, v, causal=causal, **kw))
+                    return (ms, flops / ms / 1e9), cuflash.attention_forward(q, k, v, causal=causal, **kw)
+
+                tune(table, FWD_SM90_TF32[args.dtype].get(d, []), d, f"fwd {args.dtype}", fwd, arch,
+                     lambda: config.fwd_sm90_tf32_config(d, args.dtype, causal))
+                del q, k, v
+                cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8192])
@@ -98,12 +131,16 @@ def main() -> int:
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--only", default=None, help="regex on the candidate tuple: time only the shipped tiles and these")
     ap.add_argument("--no-backward", action="store_true", help="tune the forward only")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "tf32"), default="bf16",
+                    help="fp32 / tf32: the float32 Hopper forward (its tiles only; sm_90a)")
     args = ap.parse_args()
     global ONLY
     ONLY = re.compile(args.only) if args.only else None
     arch = _compile.device_arch()
     wgmma = config.uses_wgmma(arch)
     print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
+    if args.dtype != "bf16":
+        return tune_float32(args, arch, wgmma)
     for d in args.head_dims:
         for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
             for n in args.n:
