@@ -189,8 +189,10 @@ __device__ __forceinline__ void tf32_split_tile(u32 tile, u32 big, int tid) {
 // groups by tf32_column_of), big (X3) and small, by the splitters. A unit is 32 (key, 16-byte chunk) pairs of V: KEYS
 // = min(32, BLOCK_N) consecutive keys of 32 / KEYS consecutive chunks (4 columns each). Lane l reads its pair's
 // chunk (8 lanes of a phase: 8 consecutive rows of one chunk, 8 distinct swizzled chunks) and writes its 4 values to
-// 4 V^T rows at its key's column (a warp store: 32 distinct columns of one row, or 16 of two rows 4 apart, whose
-// swizzles differ in bit 2: 32 banks either way).
+// 4 V^T rows at its key's column. A warp store is 32 distinct columns of one 128-byte row (32 banks); with 16-key
+// tiles (64-byte V^T rows, two to a 128-byte line) it is 16 columns of two rows 4 apart, which have one parity and
+// so share one half of the banks: 2 wavefronts (ncu counts them, docs/PERFORMANCE.md; a row order without them
+// measured no faster, the kernel being latency-bound).
 template <class Tr>
 __device__ __forceinline__ void tf32_transpose_v(u32 v, u32 vt, u32 vt_small, int warp, int lane) {
   constexpr int KEYS = Tr::BLOCK_N < 32 ? Tr::BLOCK_N : 32, CHUNKS_PER_UNIT = 32 / KEYS;

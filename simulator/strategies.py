@@ -251,8 +251,8 @@ def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     Q, K and V boxes (HEAD_DIM columns); the splitters read each once and write its parts (3xTF32: Q's and K's small
     part in place and the big one beside it, V^T big and small; one pass: the rounded value); per visited key tile
     each consumer warpgroup's wgmma reads its 64 Q rows and the K tile for S and the V^T tile for P V, once per
-    product (three with 3xTF32). Counted from these sizes, not walked: bank_conflicts is None (the splitters' and
-    the transpose's accesses are conflict-free by their layout, cuda/fwd_sm90_tf32.cuh)."""
+    product (three with 3xTF32). Counted from these sizes, not walked: bank_conflicts is None (ncu on an H100 found
+    none in the loads, and 2-way conflicts in the V^T stores of 16-key tiles, docs/PERFORMANCE.md)."""
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
     parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
