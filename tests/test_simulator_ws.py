@@ -133,15 +133,14 @@ def test_o_staging_has_no_bank_conflicts_and_reads_each_valid_chunk_once(d, rows
 
 
 def test_the_config_is_the_librarys():
-    """kernels="auto": fwd_sm90_ws_kernel at head dims 64, 128, 256 (and 40 -> 64) when the registry picks it, the
-    sync wgmma kernel at 96; kernels="mma": fwd_kernel; a sliding window (a score modifier) counts the family
-    the registry gives MOD_WINDOW (fwd_sm90_kernel while the ws family takes no modifier), an unbounded one (no
-    modifier) the ws kernel."""
-    for d, want in ((40, C.FwdSm90WsConfig), (64, C.FwdSm90WsConfig), (96, C.FwdSm90Config),
-                    (128, C.FwdSm90WsConfig), (256, C.FwdSm90WsConfig)):
-        if C.forward_kernel_config(C.kernel_head_dim(d), "fp16", False, kernels="auto").__class__ is not want:
-            pytest.skip("config.FAMILIES does not register fwd_sm90_ws first")
-        assert isinstance(cuflash_config(Problem(1, 1, 300, 300, d)), want), d
+    """kernels="auto": fwd_sm90_ws_kernel at head dims 64, 128, 256 (40 -> 64, and 96 zero-padded to its 128
+    kernel), the sync wgmma kernel at 32; kernels="mma": fwd_kernel; a sliding window (a score modifier) counts the
+    family the registry gives MOD_WINDOW, an unbounded one (no modifier) the ws kernel."""
+    for d, want, hd in ((32, C.FwdSm90Config, 32), (40, C.FwdSm90WsConfig, 64), (64, C.FwdSm90WsConfig, 64),
+                        (96, C.FwdSm90WsConfig, 128), (128, C.FwdSm90WsConfig, 128), (256, C.FwdSm90WsConfig, 256)):
+        assert C.forward_kernel_config(C.kernel_head_dim(d), "fp16", False, kernels="auto").__class__ is want, d
+        cfg = cuflash_config(Problem(1, 1, 300, 300, d))
+        assert isinstance(cfg, want) and cfg.head_dim == hd, (d, cfg)
     assert isinstance(cuflash_config(Problem(1, 1, 300, 300, 128), kernels="mma"), C.FwdConfig)
     windowed = C.forward_kernel_config(128, "fp16", False, kernels="auto", mods=C.MOD_WINDOW)
     want = C.FwdSm90WsConfig if isinstance(windowed, C.FwdSm90WsConfig) else C.FwdSm90Config
