@@ -58,6 +58,12 @@ namespace cuflash {
 __host__ __device__ constexpr int tf32_key_of(int p) { return p < 4 ? 2 * p : 2 * (p - 4) + 1; }
 // ... and the column of key `key` (0..7) of a group: the inverse
 __host__ __device__ constexpr int tf32_column_of(int key) { return (key & 1) ? 4 + (key >> 1) : key >> 1; }
+__host__ __device__ constexpr bool tf32_columns_invert_keys() {
+  for (int p = 0; p < 8; ++p)
+    if (tf32_column_of(tf32_key_of(p)) != p) return false;
+  return true;
+}
+static_assert(tf32_columns_invert_keys(), "tf32_column_of is the inverse of tf32_key_of");
 
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false>
 struct FwdTf32Traits {
@@ -147,9 +153,6 @@ __device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
 __device__ __forceinline__ void st_shared_u32x4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
 }
-__device__ __forceinline__ void st_shared_u32(u32 addr, u32 a) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(a) : "memory");
-}
 
 // x as TF32 (X3: big and small, Tf32x3::split; else rounded)
 template <bool X3>
@@ -209,8 +212,8 @@ __device__ __forceinline__ void tf32_transpose_v(u32 v, u32 vt, u32 vt_small, in
       u32 big, small;
       tf32_parts<Tr::X3>(xs[j], big, small);
       const u32 off = Tr::TileVt::offset(4 * chunk + j, 2 * col);
-      st_shared_u32(vt + off, big);
-      if constexpr (Tr::X3) st_shared_u32(vt_small + off, small);
+      st_shared_s32(vt + off, static_cast<int>(big));
+      if constexpr (Tr::X3) st_shared_s32(vt_small + off, static_cast<int>(small));
     }
   }
 }

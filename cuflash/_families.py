@@ -229,8 +229,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         maps = None
         ws = isinstance(cfg, config.FwdSm90WsConfig)
         if ws or isinstance(cfg, config.FwdSm90Tf32Config):  # Q, K, V through TMA
-            cols = _tma.BOX_COLS if ws else cfg.box_cols
-            boxes = ((cfg.block_m, cols), (cfg.block_n, cols), (cfg.block_n, cols))
+            boxes = ((cfg.block_m, cfg.box_cols), (cfg.block_n, cfg.box_cols), (cfg.block_n, cfg.box_cols))
             maps = _TmaMaps(a.dtype, (dq, dk, dv), boxes, _tma.FwdWsParams, "fwd")
             if not maps.usable((q, k, v)):  # a view no tensor map describes (negative strides): contiguous copies
                 (q, dq), (k, dk), (v, dv) = (_contiguous(x, layout) for x in (q, k, v))

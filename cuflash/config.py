@@ -402,6 +402,7 @@ class FwdSm90WsConfig:
             raise ValueError(f"stages={self.stages} must be 2, 3 or 4")
 
     block_m = 128
+    box_cols = TMA_BOX_COLS  # TMA box width in elements: one 128-byte swizzle panel
 
     @property
     def threads(self) -> int:
