@@ -47,7 +47,8 @@ stage_env() {
     $PY -c "import cupy, numpy, numba, ml_dtypes, cuflash; from cupy_backends.cuda.libs import nvrtc; \
 print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'numba', numba.__version__, 'nvrtc', nvrtc.getVersion())"
     $PY -c "import torch; print('torch', torch.__version__)" 2>&1 | tail -1
-    $PY - <<'PYEOF'
+    # a -c script, not stdin: the compile's worker processes are spawned and re-import the main script
+    $PY -c '
 import time
 from cuflash import check, config
 cfgs = config.all_fwd_configs("sm_90a") + config.all_bwd_configs("sm_90a")
@@ -57,7 +58,7 @@ failed = {n: e for n, e in check.compile_configs(cfgs, "sm_90a").items() if e}
 print(f"kernel cache: {len(cfgs)} sm_90a kernels compiled in {time.perf_counter() - t0:.1f} s, {len(failed)} failed")
 for name, err in list(failed.items())[:5]:
     print(f"  {name}: {err}")
-PYEOF
+'
   } > "$LOGS/env.txt" 2>&1
   tail -4 "$LOGS/env.txt" >> "$summary"
 }
