@@ -10,5 +10,6 @@
 #include "bwd_sm90_ws.cuh"
 #include "fwd_sm90_fp8.cuh"
 #include "fwd_sm90_tf32.cuh"
+#include "bwd_sm90_tf32.cuh"
 #include "kvcache.cuh"
 #include "wide.cuh"

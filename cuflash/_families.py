@@ -377,23 +377,35 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         hd = kernel_head_dim(a.head_dim, a.dtype)
         bits = blocks_only("backward", a, hd, p.deterministic)
         main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, bits, p.deterministic)
-        maps = None
-        if isinstance(main, config.BwdSm90WsConfig):  # Q, dO, K, V through TMA
-            pc = main.panel_cols
-            boxes = ((main.block_m, pc), (main.block_m, pc), (main.block_n, pc), (main.block_n, pc))
-            maps = _TmaMaps(a.dtype, (d_q, d_do, d_k, d_v), boxes, _tma.BwdWsParams, "bwd")
-            if not maps.usable((q, dout, k, v)):  # a view no tensor map describes (negative strides): copies
+        tf32 = isinstance(main, config.BwdSm90Tf32Config)  # dK, dV and then dQ, both through TMA, no dQ_acc
+        dqc = main.dq_config() if tf32 else None
+        deterministic = p.deterministic or tf32
+        maps = dq_maps = None
+        if isinstance(main, config.BwdSm90WsConfig) or tf32:  # Q, dO, K, V through TMA
+
+            def make_maps():
+                def boxes(cfg, cols):
+                    return ((cfg.block_m, cols), (cfg.block_m, cols), (cfg.block_n, cols), (cfg.block_n, cols))
+                dims = (d_q, d_do, d_k, d_v)
+                if tf32:  # each kernel its own boxes
+                    return (_TmaMaps(a.dtype, dims, boxes(main, main.box_cols), _tma.BwdWsParams, "bwd"),
+                            _TmaMaps(a.dtype, dims, boxes(dqc, dqc.box_cols), _tma.BwdWsParams, "bwd"))
+                return _TmaMaps(a.dtype, dims, boxes(main, main.panel_cols), _tma.BwdWsParams, "bwd"), None
+
+            maps, dq_maps = make_maps()
+            if not maps.usable((q, dout, k, v)) or (dq_maps is not None and not dq_maps.usable((q, dout, k, v))):
+                # a view no tensor map describes (negative strides): contiguous copies
                 (q, d_q), (dout, d_do), (k, d_k), (v, d_v) = (_contiguous(x, layout) for x in (q, dout, k, v))
-                maps = _TmaMaps(a.dtype, (d_q, d_do, d_k, d_v), boxes, _tma.BwdWsParams, "bwd")
+                maps, dq_maps = make_maps()
         if a.packed:  # fp32 rows: every sequence gets a region from a multiple of SEQLEN_Q_PAD (cuda/seqs.cuh)
             pad_rows, pad_batches = (a.total_q + SEQLEN_Q_PAD * a.batch) // SEQLEN_Q_PAD * SEQLEN_Q_PAD, 1
         else:
             pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
         rows = pad_batches * a.heads_q * pad_rows
         acc = 8 if a.dtype == "fp64" else 4  # bytes of a workspace element (float64 for float64 inputs)
-        work_floats = _backward_workspace(rows, hd, p.deterministic) * acc // 4
+        work_floats = _backward_workspace(rows, hd, deterministic) * acc // 4
         work = cp.empty(work_floats, dtype=cp.float32)
-        dq_accum = 0 if p.deterministic else work.data.ptr + 2 * acc * rows
+        dq_accum = 0 if deterministic else work.data.ptr + 2 * acc * rows
         params = _launch.BwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
             lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + acc * rows, _seq(a, cu_seqlens),
@@ -415,9 +427,12 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                 params.mods.block_map = tiles
         # the warp-specialized kernel takes the tensor maps in front of (a copy of) the completed params
         main_params = params if maps is None else maps.params(params, (q, dout, k, v))
+        dq_params = None if dq_maps is None else dq_maps.params(params, (q, dout, k, v))
         if a.seqlen_k > 0:
             launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k), main_params))
-        if p.deterministic:
+        if tf32:  # dQ straight from its own kernel (Q-outer)
+            launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), dq_params))
+        elif p.deterministic:
             dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
         elif maps is not None:  # dQ_acc in the ws kernel's order: one thread per 4 floats of its 64-row blocks
@@ -437,6 +452,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             b = _plan.PlanBuilder(a.device, 9)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
+            if dq_params is not None:
+                targets += ((dq_params, "bwd."),)
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
@@ -447,10 +464,12 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                     for prm, pre_ in targets:
                         b.bind(6 + i, prm, pre_ + field)
             work_fields = (("lse_log2", 0), ("delta", acc * rows)) + \
-                (() if p.deterministic else (("dq_accum", 2 * acc * rows),))
+                (() if deterministic else (("dq_accum", 2 * acc * rows),))
             b.scratch(work_floats, *((prm, pre_ + f, off) for prm, pre_ in targets for f, off in work_fields))
             if maps is not None:  # the maps hold the addresses of q, dout, k, v (arrays 1, 0, 2, 3)
                 b.derive((1, 0, 2, 3), main_params, "tma_q", maps.words)
+            if dq_maps is not None:
+                b.derive((1, 0, 2, 3), dq_params, "tma_q", dq_maps.words)
             for kern, grid, prm in launches:
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]

@@ -172,12 +172,14 @@ class Case:
                                       kernels=kernels)]
             except ValueError:
                 return []
-        if self.wide:  # the registry's wide families (every target); no deterministic backward, so no dQ kernel
+        if self.wide:  # the registry's wide families (every target); no deterministic backward
             c, m = self.kernel_causal, self.mods
+            bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
+            # the float32 Hopper backward's dQ comes from its own kernel; the others convert a dQ accumulator
+            tail = [bwd.dq_config()] if isinstance(bwd, config.BwdSm90Tf32Config) else \
+                [config.ElementwiseConfig("convert_dq", self.dtype)]
             return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
-                    config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m),
-                    config.ElementwiseConfig("preprocess", self.dtype),
-                    config.ElementwiseConfig("convert_dq", self.dtype)] + \
+                    bwd, config.ElementwiseConfig("preprocess", self.dtype)] + tail + \
                 ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
             return [config.AppendConfig(self.dtype),

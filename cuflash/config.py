@@ -833,7 +833,7 @@ def dq_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> DqConfi
 
 def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every backward instantiation the library can launch on `arch` (main, deterministic dQ,
-    elementwise; for sm_90a also the wgmma main kernels)."""
+    elementwise; for sm_90a also the wgmma main kernels and the float32 ones with their dQ kernels)."""
     out: list = []
     for dt in DTYPES:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
@@ -854,6 +854,12 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 if arch == "sm_90a":  # BWD_SM90_WS_EXACT_MODS, each with and without the window
                     out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_EXACT_MODS.get(hd, ())
                             for w in ((0,) if c else (0, MOD_WINDOW)) for det in (False, True)]
+    if arch == "sm_90a":  # the float32 backward's two kernels (dK / dV, dQ)
+        for dt in BWD_SM90_TF32_TILES:
+            for hd in BWD_SM90_TF32_TILES[dt]:
+                for c, w in ((False, False), (True, False), (False, True)):
+                    m = bwd_sm90_tf32_config(hd, dt, c, w)
+                    out += [m, m.dq_config()]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
 
@@ -1282,6 +1288,125 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
     return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong)
 
 
+
+@dataclass(frozen=True)
+class BwdSm90Tf32Config:
+    """One float32 Hopper backward instantiation, its main kernel (dK, dV):
+    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3>, IS_CAUSAL, HAS_WINDOW>` (cuda/bwd_sm90_tf32.cuh):
+    K/V-outer CTAs of 64 keys, TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K, V and each
+    step's Q, dO, and transposing Q and dO) and two consumer warpgroups taking alternate steps of block_m queries.
+    dQ comes from a second kernel, `dq_config()` (Q-outer, no atomics: the backward repeats bitwise). dtype "fp32":
+    3xTF32, "tf32": one TF32 pass; window: a sliding window."""
+
+    head_dim: int
+    block_m: int
+    dtype: str
+    causal: bool
+    window: bool = False
+    stages: int = 2
+
+    def __post_init__(self):
+        if self.dtype not in ("fp32", "tf32"):
+            raise ValueError(f"dtype={self.dtype!r}; allowed: 'fp32', 'tf32'")
+        if self.head_dim != 64:
+            raise ValueError(f"head_dim={self.head_dim} is not a head dim of the TF32 backward; allowed: 64")
+        if self.block_m not in (32, 64) or self.stages != 2:
+            raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 32 or 64, 2 stages")
+        if self.causal and self.window:
+            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"block_m={self.block_m} at dtype {self.dtype!r} needs {self.smem_bytes} bytes of shared "
+                             f"memory (the limit is {227 * 1024})")
+
+    block_n = 64  # keys per CTA
+    box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
+    threads = 384
+
+    @property
+    def smem_bytes(self) -> int:
+        """BwdTf32Traits::SMEM_BYTES: K and V (with their big parts: 3xTF32), the stages of Q and dO (each with its
+        big part and its transpose, big and small), 2 + 3 * stages mbarriers, 1024 to align the base."""
+        parts = 2 if self.dtype == "fp32" else 1
+        kv, q = 4 * self.block_n * self.head_dim, 4 * self.block_m * self.head_dim
+        return 2 * parts * kv + self.stages * 4 * parts * q + 8 * (2 + 3 * self.stages) + 1024
+
+    def cpp_name(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_sm90_tf32_kernel<cuflash::BwdTf32Traits<{self.head_dim}, {self.block_m}, {self.stages}, "
+                f"{b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
+
+    def grid(self, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads_kv, batch)
+
+    def dq_config(self) -> "BwdDqSm90Tf32Config":
+        bn, stages, consumers = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
+        return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window)
+
+
+@dataclass(frozen=True)
+class BwdDqSm90Tf32Config:
+    """The dQ kernel of the float32 Hopper backward:
+    `bwd_dq_sm90_tf32_kernel<BwdDqTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3>, IS_CAUSAL, HAS_WINDOW>`:
+    Q-outer CTAs of 64 * consumers query rows, S and dP again, dQ = dS K with K^T written by the splitters."""
+
+    head_dim: int
+    block_n: int
+    stages: int
+    consumers: int
+    dtype: str
+    causal: bool
+    window: bool = False
+
+    def __post_init__(self):
+        if self.dtype not in ("fp32", "tf32") or self.head_dim != 64:
+            raise ValueError(f"dtype={self.dtype!r}, head_dim={self.head_dim}: 'fp32' or 'tf32' at head dim 64")
+        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
+            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
+                             f"or 64, 2-4 stages, 1 or 2 consumers")
+        if self.causal and self.window:
+            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+        if self.smem_bytes > 227 * 1024:
+            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers} at dtype "
+                             f"{self.dtype!r} needs {self.smem_bytes} bytes of shared memory (the limit is {227 * 1024})")
+
+    box_cols = 32
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 + 128 * self.consumers
+
+    @property
+    def smem_bytes(self) -> int:
+        """BwdDqTf32Traits::SMEM_BYTES: Q and dO (with their big parts: 3xTF32), the stages of K (split, and K^T big
+        and small) and V (split), 2 + 3 * stages mbarriers, 1024 to align the base."""
+        parts = 2 if self.dtype == "fp32" else 1
+        q, kv = 4 * self.block_m * self.head_dim, 4 * self.block_n * self.head_dim
+        return 2 * parts * q + self.stages * 3 * parts * kv + 8 * (2 + 3 * self.stages) + 1024
+
+    def cpp_name(self) -> str:
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_dq_sm90_tf32_kernel<cuflash::BwdDqTf32Traits<{self.head_dim}, {self.block_n}, "
+                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
+
+    def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+
+# The float32 Hopper backward's tiles per (dtype, head dim): the dK / dV kernel's block_m (queries per step), the dQ
+# kernel's (block_n, stages, consumers). 3xTF32 keeps K, V and two stages of Q, dO with their transposes (192 KB at
+# block_m 32) and, in the dQ kernel, Q and dO of 128 rows and two stages of 32-key K, K^T, V (225 KB).
+BWD_SM90_TF32_TILES = {"fp32": {64: 32}, "tf32": {64: 32}}
+BWD_DQ_SM90_TF32_TILES = {"fp32": {64: (32, 2, 2)}, "tf32": {64: (64, 2, 2)}}
+BWD_SM90_TF32_MODS = MOD_WINDOW
+
+
+def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> BwdSm90Tf32Config:
+    return BwdSm90Tf32Config(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim], dtype, causal, window)
+
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #
 # The host path asks `select` for the config of an operation ("forward", "backward": the main kernel of the
@@ -1335,6 +1460,9 @@ FAMILIES = (
     Family("fwd_wide_fp64", "forward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
+    Family("bwd_sm90_tf32", "backward", ("sm_90a",), ("fp32", "tf32"),
+           lambda mods: tuple(BWD_SM90_TF32_TILES["fp32"]) if not mods & ~BWD_SM90_TF32_MODS else (),
+           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch)),
     Family("bwd_wide_fp64", "backward", None, ("fp64",),

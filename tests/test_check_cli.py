@@ -100,8 +100,9 @@ def test_wide_cases_have_the_required_variety():
 
 
 def test_wide_cases_launch_no_deterministic_kernel():
-    """float32 / float64 have no deterministic backward: their cases launch the forward, the atomic backward, its
-    preprocess and dQ conversion (and the dropout mask kernel with dropout), all of their own dtype."""
+    """float32 / float64 have no deterministic backward: their cases launch the forward, the backward with its
+    preprocess and its dQ conversion or, on the TF32 wgmma backward, its dQ kernel (and the dropout mask kernel with
+    dropout), all of their own dtype."""
     for case in check.default_cases():
         if not case.wide:
             continue
@@ -112,7 +113,12 @@ def test_wide_cases_launch_no_deterministic_kernel():
             tf32 = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in config.FWD_SM90_TF32_TILES[
                 "fp32"] and not case.mods & ~config.FWD_SM90_TF32_MODS and config.DEFAULT_ARCH == "sm_90a"
             fwd = config.FwdSm90Tf32Config if tf32 else config.FwdWideConfig
-            assert {type(c) for c in cfgs} == {fwd, config.BwdWideConfig, config.ElementwiseConfig} | (
+            # the backward: the TF32 wgmma one (and its dQ kernel) at the head dims and modifiers it has
+            tf32_bwd = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in \
+                config.BWD_SM90_TF32_TILES["fp32"] and not case.mods & ~config.BWD_SM90_TF32_MODS and \
+                config.DEFAULT_ARCH == "sm_90a"
+            bwd = {config.BwdSm90Tf32Config, config.BwdDqSm90Tf32Config} if tf32_bwd else {config.BwdWideConfig}
+            assert {type(c) for c in cfgs} == {fwd, config.ElementwiseConfig} | bwd | (
                 {config.DropoutMaskConfig} if case.mods & config.MOD_DROPOUT else set()), case.name
             assert all(c.dtype == case.dtype for c in cfgs if hasattr(c, "dtype")), case.name
 

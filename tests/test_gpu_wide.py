@@ -357,6 +357,54 @@ def test_float32_forward_head_dims_between_kernels(d, precision):
               backward=False)
 
 
+
+def test_hopper_float32_backward_runs_on_tf32_wgmma():
+    """On an sm_90a GPU the float32 backward at kernel head dim 64 (plain, causal, windowed) is bwd_sm90_tf32_kernel
+    with its dQ kernel, so the backward tests at head dims 33..64 run them there; elsewhere bwd_wide_kernel."""
+    from cuflash import _launch
+
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch != "sm_90a" or config.KERNELS == "mma":
+        pytest.skip(f"the TF32 wgmma backward runs on sm_90a with the default kernels (here {arch}, {config.KERNELS})")
+    for precision in FLOATS32:
+        for d in (40, 64):
+            for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
+                cfg = config.select("backward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
+                assert isinstance(cfg, config.BwdSm90Tf32Config), (precision, d, causal, mods, cfg)
+        assert isinstance(config.select("backward", 128, precision, False, arch), config.BwdWideConfig)
+
+
+# (precision, b, sq, sk, hq, hkv, d, causal, layout): head dims below 64 (zero-filled columns), many query steps of
+# the dK / dV kernel and key tiles of the dQ kernel, GQA and MQA, key and query tails
+TF32_BWD = [("fp32", 2, 203, 113, 3, 3, 40, False, "bshd"), ("tf32", 2, 203, 113, 3, 3, 48, True, "bhsd"),
+            ("fp32", 1, 1023, 1024, 4, 2, 56, True, "bshd"), ("tf32", 1, 1024, 1023, 4, 1, 64, False, "bhsd"),
+            ("fp32", 3, 64, 65, 2, 1, 64, False, "bhsd"), ("tf32", 1, 2048, 2048, 2, 2, 64, True, "bshd")]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,layout", TF32_BWD,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
+                              for c in TF32_BWD])
+def test_float32_backward_head_dims_and_lengths(precision, b, sq, sk, hq, hkv, d, causal, layout):
+    run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=layout)
+
+
+@pytest.mark.parametrize("precision", FLOATS32)
+def test_float32_backward_repeats_bitwise(precision):
+    """Three backwards of one problem give the same dq, dk, dv bits (no atomics in the float32 wgmma backward; the
+    mma.sync one sums dq with atomics, so it is run here only where it is the kernel that will be compared)."""
+    from cuflash import _launch
+
+    cfg = config.select("backward", 64, precision, True, _launch.device_arch(cp.cuda.Device().id))
+    if not isinstance(cfg, config.BwdSm90Tf32Config):
+        pytest.skip(f"dq is summed with atomics on {type(cfg).__name__}")
+    q, k, v, dout = (make_input(1, s, 4 if i != 1 and i != 2 else 2, 64, input_dtype(precision), "bshd", "contiguous",
+                                seed_of("wide-bwd-repeat", precision, i)) for i, s in enumerate((700, 517, 517, 700)))
+    o, lse = cuflash.attention_forward(q, k, v, causal=True, precision=precision)
+    first = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, precision=precision)
+    for _ in range(2):
+        again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, precision=precision)
+        assert all(same_bits(a, b) for a, b in zip(again, first)), f"{precision}: the backward differs between runs"
+
 # --- strides, GQA, windows -------------------------------------------------------------------------------------
 
 STRIDED = [

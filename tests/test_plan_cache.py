@@ -267,6 +267,38 @@ def test_backward_tma_maps_follow_the_arrays():
     assert len(_plan.plans) == 1, "the three calls share one plan"
 
 
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32"])
+def test_float32_backward_takes_the_tf32_kernels_with_their_own_maps(precision):
+    """float32 at head dim 64 on the faked sm_90a: the preprocess, bwd_sm90_tf32_kernel (grid of 64-key blocks per
+    K/V head) and bwd_dq_sm90_tf32_kernel (grid of query blocks per head), each with float32 maps of the call's own
+    q, dout, k, v in its own boxes; no dQ accumulator (dQ is the dQ kernel's output) and no conversion launch; a
+    replay launches the same bytes as the full path."""
+    main = config.select("backward", 64, precision, True, "sm_90a")
+    dqc = main.dq_config()
+    _plan.plans.clear()
+    for _ in range(2):
+        a = backward_args(dtype=F32)
+        launches, (dq, dk, dv) = launches_of(
+            lambda: cuflash.attention_backward(*a.values(), causal=True, precision=precision), 1 << 50)
+        names = [n for n, _, _ in launches]
+        assert len(names) == 3 and "preprocess" in names[0] and names[1:] == [main.cpp_name(), dqc.cpp_name()], names
+        assert launches[1][1] == main.grid(2, 2, 72) == (2, 2, 2) and launches[2][1] == dqc.grid(2, 4, 40)
+        for blob, cfg in ((launches[1][2], main), (launches[2][2], dqc)):
+            ws = _tma.BwdWsParams.from_buffer_copy(blob)
+            for m, x, rows in ((ws.tma_q, a["q"], cfg.block_m), (ws.tma_do, a["dout"], cfg.block_m),
+                               (ws.tma_k, a["k"], cfg.block_n), (ws.tma_v, a["v"], cfg.block_n)):
+                assert m.v[0] == x.data.ptr and m.v[1] == 7 and list(m.v[10:14]) == [32, rows, 1, 1], list(m.v)
+            assert (ws.bwd.dq, ws.bwd.dk, ws.bwd.dv) == (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+            assert not ws.bwd.dq_accum and ws.bwd.lse_log2 and ws.bwd.delta
+    assert len(_plan.plans) == 1, "the two calls share one plan"
+
+    def call():
+        a = backward_args(dtype=F32)
+        return lambda: cuflash.attention_backward(*a.values(), causal=True, precision=precision)
+
+    check_replay_equals_full_path(call(), call())
+
 def kvcache_args(b=2, s_cache=4096, h=8, hkv=2, d=128, s_new=0, paged=False, lens="array"):
     q = A((b, 1, h, d), F16)
     if paged:

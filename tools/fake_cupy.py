@@ -156,7 +156,7 @@ def ctypes_size(cfg) -> int:
     name = cfg.cpp_name()
     if "fwd_sm90_ws" in name or "fwd_sm90_tf32" in name:
         return ctypes.sizeof(_tma.FwdWsParams)
-    if "bwd_sm90_ws_kernel" in name:
+    if "bwd_sm90_ws_kernel" in name or "sm90_tf32_kernel<cuflash::Bwd" in name:
         return ctypes.sizeof(_tma.BwdWsParams)
     if "append" in name:
         return ctypes.sizeof(_launch.AppendParams)

@@ -1,0 +1,758 @@
+// bwd_sm90_tf32.cuh: the float32 backward on sm_90a, TF32 wgmma (m64nNk8), fp32 accumulators, dQ, dK, dV in float32.
+// Two kernels after the preprocess (bwd_wide_preprocess_kernel: delta = rowsum(dO * O), lse_log2), each with the
+// data movement of fwd_sm90_tf32.cuh (a TMA thread, three "splitter" warps preparing the operands in shared memory,
+// consumer warpgroups of 64 rows) and its arithmetic (3xTF32 or one TF32 pass, chains of at most k 64 summed into
+// fp32 registers, P and dS straight from the accumulators to A registers with the keys or queries of each 8-group
+// permuted by tf32_key_of):
+//
+//   bwd_sm90_tf32_kernel (K/V-outer; grid (key blocks of 64, K/V heads, batch)): dK and dV of 64 keys. Per step
+//     (query head, BLOCK_M queries):  S^T = K Q^T, dP^T = V dO^T (B = Q, dO as loaded: K-major);
+//     P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - delta);  dV += P^T dO, dK += dS^T Q, where TF32
+//     wants the B operands K-major over the queries: the splitters write Q^T and dO^T (head_dim rows of BLOCK_M
+//     queries, permuted as P^T's columns) beside the split Q and dO. Two consumer warpgroups take alternate steps
+//     (each its own stage) for the same 64 keys; their dK, dV are added once at the end.
+//   bwd_dq_sm90_tf32_kernel (Q-outer; grid (query blocks, heads, batch)): dQ of 64 * CONSUMERS rows:
+//     S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K with B = K^T, written by the splitters per key tile
+//     (K split in place, K^T big and small, V split in place), as the forward writes V^T.
+//
+// No atomics: each output element is summed by one thread in a fixed order, so the backward repeats bitwise and
+// deterministic=True costs nothing here. S and dP are computed twice (once per kernel): 7 GEMMs instead of 5,
+// against a dQ accumulated across CTAs, which needs dS in shared memory and K^T beside K in the K/V-outer CTA
+// (more than the 227 KB of shared memory with 3xTF32's split operands).
+//
+// Key and query tails: TMA zero-fills rows past a dense tensor (a packed sequence's next rows are read instead),
+// lse_log2 is +inf on the pad rows of the fp32 buffers (seqs.cuh) and keys past len_k are masked, so P = dS = 0
+// wherever a row or key does not exist; nothing past them is stored. Causal and sliding-window bands, GQA (the
+// K/V-outer CTA walks every query head of its group: BwdKeyBlock), dense and packed (varlen) sequences; no other
+// score modifier (those run on wide.cuh's bwd_wide_kernel).
+#pragma once
+#include "fwd_sm90_tf32.cuh"
+#include "bwd_sm90_ws.cuh"  // BwdWsParams; bwd.cuh's BwdKeyBlock, QueryBlock
+
+namespace cuflash {
+
+// ROWS x COLS float32 tile `tile` (SmemTile<ROWS, 2 COLS>, from TMA) prepared for TF32 wgmma by THREADS threads: each
+// value becomes its small part in place and its big part at the same offset of `big` (X3), or its rounded value in
+// place; with TRANSPOSE also X^T (SmemTile<COLS, 2 ROWS>: COLS rows of ROWS values, the rows of X permuted within
+// 8-row groups by tf32_column_of, as P's columns are) big or rounded at t_big, small at t_small. Without TRANSPOSE
+// 8 consecutive chunks per phase (tf32_split_tile's order); with it fwd_sm90_tf32.cuh's transpose units (a lane's
+// 16-byte chunk: 4 columns of one row, 8 lanes of a phase on 8 rows of one chunk).
+template <int ROWS, int COLS, bool X3, bool TRANSPOSE, int THREADS>
+__device__ __forceinline__ void tf32_prepare(u32 tile, u32 big, u32 t_big, u32 t_small, int tid) {
+  using Tile = SmemTile<ROWS, 2 * COLS>;
+  using TileT = SmemTile<COLS, 2 * ROWS>;
+  auto put = [&](u32 off, float4 x) {
+    u32 b0, b1, b2, b3, s0, s1, s2, s3;
+    tf32_parts<X3>(x.x, b0, s0);
+    tf32_parts<X3>(x.y, b1, s1);
+    tf32_parts<X3>(x.z, b2, s2);
+    tf32_parts<X3>(x.w, b3, s3);
+    if constexpr (X3) {
+      st_shared_u32x4(big + off, b0, b1, b2, b3);
+      st_shared_u32x4(tile + off, s0, s1, s2, s3);
+    } else {
+      st_shared_u32x4(tile + off, b0, b1, b2, b3);
+    }
+  };
+  if constexpr (!TRANSPOSE) {
+    for (int c = tid; c < ROWS * COLS / 4; c += THREADS) put(16 * c, ld_shared_f32x4(tile + 16 * c));
+  } else {
+    constexpr int KEYS = ROWS < 32 ? ROWS : 32, CHUNKS_PER_UNIT = 32 / KEYS;
+    constexpr int ROW_UNITS = ROWS / KEYS, UNITS = ROW_UNITS * (COLS / 4) / CHUNKS_PER_UNIT;
+    static_assert(KEYS == 16 || KEYS == 32, "16 or 32 rows per unit");
+    const int warp = tid / 32, lane = tid & 31;
+    for (int u = warp; u < UNITS; u += THREADS / 32) {
+      const int row = KEYS * (u % ROW_UNITS) + lane % KEYS, chunk = CHUNKS_PER_UNIT * (u / ROW_UNITS) + lane / KEYS;
+      const u32 off = Tile::offset(row, 8 * chunk);
+      const float4 x = ld_shared_f32x4(tile + off);
+      put(off, x);
+      const int col = (row & ~7) + tf32_column_of(row & 7);
+      const float xs[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        u32 b, s;
+        tf32_parts<X3>(xs[j], b, s);
+        const u32 toff = TileT::offset(4 * chunk + j, 2 * col);
+        st_shared_s32(t_big + toff, static_cast<int>(b));
+        if constexpr (X3) st_shared_s32(t_small + toff, static_cast<int>(s));
+      }
+    }
+  }
+}
+
+// One k8 step of X3 (or one-pass) TF32 wgmma from shared memory: acc (+)= a b^T, the small terms first (Tf32x3::mma).
+template <int N, bool X3, int NT>
+__device__ __forceinline__ void tf32_ss(float (&acc)[NT][4], u64 a_small, u64 a_big, u64 b_small, u64 b_big, int more) {
+  using W = Wgmma<N, tf32>;
+  if constexpr (X3) {
+    W::ss(acc, a_small, b_big, more);
+    W::ss(acc, a_big, b_small, 1);
+    W::ss(acc, a_big, b_big, 1);
+  } else {
+    W::ss(acc, a_small, b_small, more);
+  }
+}
+// ... with A from registers (big, small: tf32_probs_to_regs) and B's big (or rounded) and small parts
+template <int N, bool X3, int NT>
+__device__ __forceinline__ void tf32_rs(float (&acc)[NT][4], const u32 (&a_big)[4], const u32 (&a_small)[4],
+                                        u64 b_big, u64 b_small, int more) {
+  using W = Wgmma<N, tf32>;
+  if constexpr (X3) {
+    W::rs(acc, a_small, b_big, more);
+    W::rs(acc, a_big, b_small, 1);
+    W::rs(acc, a_big, b_big, 1);
+  } else {
+    W::rs(acc, a_big, b_big, more);
+  }
+}
+
+template <int N_TILES>
+__device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (&tile)[N_TILES][4]) {
+#pragma unroll
+  for (int i = 0; i < N_TILES; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] += tile[i][c];
+}
+
+// ==== dK, dV: bwd_sm90_tf32_kernel ================================================================================
+//
+// ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
+// [K] [K big] [V] [V big] then per stage: [Q] [Q big] [Q^T big] [Q^T small] [dO] [dO big] [dO^T big] [dO^T small]
+// (one pass: [K] [V], per stage [Q] [Q^T] [dO] [dO^T]), [mbarriers]. K, V, Q, dO receive TMA's float32 and then hold
+// the small part or the rounded value in place. After the query loop the first stage holds consumer 1's dK, dV.
+//
+// ---- the barrier protocol ------------------------------------------------------------------------------------
+//   kv_full      count 1 + tx: K and V          kv_ready   count SPLIT_THREADS: K and V split
+//   q_full[s]    count 1 + tx: Q_i, dO_i       q_ready[s] count SPLIT_THREADS: split and transposed
+//   q_empty[s]   count 4: the warps of the consumer that took step i, once its last GEMM on stage s retired
+// Step i uses stage i % STAGES, phase (i / STAGES) & 1; consumer i % 2 takes it. The producer loads step i after
+// q_empty of step i - STAGES; the splitters' writes to a stage's derived tiles follow q_full, so they too wait for
+// that release.
+template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_>
+struct BwdTf32Traits {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = BLOCK_M_;             // queries per step
+  static constexpr int BLOCK_N = 64;                   // keys per CTA (one warpgroup's M)
+  static constexpr int STAGES = STAGES_;
+  static constexpr bool X3 = X3_;
+  static constexpr int CONSUMERS = 2;                  // alternate steps, the same 64 keys
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int SPLIT_THREADS = 96;
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static constexpr int Q_TILES = BLOCK_M / 8;          // n8 tiles of S^T, dP^T; k8 steps of dV, dK
+  static constexpr int D_TILES = HEAD_DIM / 8;
+  static constexpr int QK_K_STEPS = HEAD_DIM / 8;
+  using TileQ = SmemTile<BLOCK_M, 2 * HEAD_DIM>;       // Q, dO: BLOCK_M rows of HEAD_DIM floats
+  using TileKV = SmemTile<BLOCK_N, 2 * HEAD_DIM>;
+  using TileQt = SmemTile<HEAD_DIM, 2 * BLOCK_M>;      // Q^T, dO^T
+  static constexpr int BOX_COLS = 32;                  // TMA box width in floats: one 128-byte panel
+  static constexpr int PANELS = HEAD_DIM / BOX_COLS;
+  static constexpr int PARTS = X3 ? 2 : 1;
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int OFF_K = 0;                                   // small (X3) or rounded
+  static constexpr int OFF_KB = OFF_K + SMEM_KV;                    // big (X3)
+  static constexpr int OFF_V = OFF_K + PARTS * SMEM_KV;
+  static constexpr int OFF_VB = OFF_V + SMEM_KV;
+  static constexpr int OFF_STAGES = OFF_V + PARTS * SMEM_KV;
+  // within a stage: Q (small or rounded), Q big, Q^T big (or rounded), Q^T small; then dO's four
+  static constexpr int TENSOR_BYTES = 2 * PARTS * SMEM_Q;
+  static constexpr int STAGE_BYTES = 2 * TENSOR_BYTES;
+  static constexpr int BARRIERS = 2 + 3 * STAGES;
+  static constexpr int OFF_BAR = OFF_STAGES + STAGES * STAGE_BYTES;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
+  static constexpr int EPI_BAR = 1;                                 // named barrier of the consumers (0: __syncthreads)
+
+  static_assert(HEAD_DIM == 64, "dK and dV of 64 keys at head dim 64 (128 would exceed a consumer's registers)");
+  static_assert(BLOCK_M == 32 || BLOCK_M == 64, "steps of 32 or 64 queries");
+  static_assert(STAGES == CONSUMERS, "consumer c takes stage c");
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  static_assert(2 * D_TILES * 4 * 4 * CONSUMER_THREADS / CONSUMERS <= STAGE_BYTES, "dK, dV of a consumer fit a stage");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+template <class Tr>
+struct BwdTf32Smem {
+  u32 base;
+  __device__ __forceinline__ u32 k() const { return base + Tr::OFF_K; }
+  __device__ __forceinline__ u32 k_big() const { return base + Tr::OFF_KB; }
+  __device__ __forceinline__ u32 v() const { return base + Tr::OFF_V; }
+  __device__ __forceinline__ u32 v_big() const { return base + Tr::OFF_VB; }
+  // tensor 0 (Q) or 1 (dO) of stage s: part 0 small / rounded, 1 big, 2 transposed big / rounded, 3 transposed small
+  __device__ __forceinline__ u32 part(int s, int tensor, int part) const {
+    return base + Tr::OFF_STAGES + s * Tr::STAGE_BYTES + tensor * Tr::TENSOR_BYTES + part * Tr::SMEM_Q;
+  }
+  __device__ __forceinline__ u32 x(int s, int tensor) const { return part(s, tensor, 0); }
+  __device__ __forceinline__ u32 x_big(int s, int tensor) const { return part(s, tensor, 1); }
+  __device__ __forceinline__ u32 xt(int s, int tensor) const { return part(s, tensor, Tr::X3 ? 2 : 1); }
+  __device__ __forceinline__ u32 xt_small(int s, int tensor) const { return part(s, tensor, 3); }
+  __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
+  __device__ __forceinline__ u32 kv_full() const { return bar(0); }
+  __device__ __forceinline__ u32 kv_ready() const { return bar(1); }
+  __device__ __forceinline__ u32 q_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ u32 q_ready(int s) const { return bar(2 + Tr::STAGES + s); }
+  __device__ __forceinline__ u32 q_empty(int s) const { return bar(2 + 2 * Tr::STAGES + s); }
+};
+
+// The TMA thread: K, V, then Q_i and dO_i of every step into the next stage.
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const BwdTf32Smem<Tr>& sm, const KeyBlock& kb,
+                                                  int steps) {
+  const BwdParams& p = P.bwd;
+  prefetch_tensormap(&P.tma_q);
+  prefetch_tensormap(&P.tma_do);
+  prefetch_tensormap(&P.tma_k);
+  prefetch_tensormap(&P.tma_v);
+  const int q_batch = p.seq.cu_seqlens_q != nullptr ? 0 : kb.batch;
+  const int kv_batch = p.seq.cu_seqlens_k != nullptr ? 0 : kb.batch;
+  constexpr int BOX_BYTES = 4 * Tr::BOX_COLS;
+  const int key0 = kb.seq.k_row0 + kb.n0;
+  mbarrier_arrive_expect_tx(sm.kv_full(), 2 * Tr::SMEM_KV);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel) {
+    cp_async_bulk_tensor_4d_global_to_shared(sm.k() + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_k, sm.kv_full(),
+                                             panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
+    cp_async_bulk_tensor_4d_global_to_shared(sm.v() + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_v, sm.kv_full(),
+                                             panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
+  }
+  int left = steps;
+  QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, kb.seq, kb.batch, kb.kv_head * p.seq.kv_group, kb.m_begin);
+  for (int i = 0;; ++i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.q_empty(s), ((i / Tr::STAGES) & 1) ^ 1);
+    mbarrier_arrive_expect_tx(sm.q_full(s), 2 * Tr::SMEM_Q);
+    const int row = kb.seq.q_row0 + qb.m_block * Tr::BLOCK_M;
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel) {
+      cp_async_bulk_tensor_4d_global_to_shared(sm.x(s, 0) + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_q, sm.q_full(s),
+                                               panel * Tr::BOX_COLS, row, qb.head, q_batch);
+      cp_async_bulk_tensor_4d_global_to_shared(sm.x(s, 1) + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_do, sm.q_full(s),
+                                               panel * Tr::BOX_COLS, row, qb.head, q_batch);
+    }
+    if (!kb.advance(p, qb, left)) break;
+  }
+}
+
+// The splitters: K and V once, then Q_i and dO_i of every step (split, and transposed for dK's and dV's B operands).
+template <class Tr>
+__device__ __forceinline__ void bwd_tf32_splitter(const BwdTf32Smem<Tr>& sm, int steps, int tid) {
+  constexpr int THREADS = Tr::SPLIT_THREADS;
+  mbarrier_wait_or_trap(sm.kv_full(), 0);
+  tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.k(), sm.k_big(), 0, 0, tid);
+  tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.v(), sm.v_big(), 0, 0, tid);
+  fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
+  mbarrier_arrive(sm.kv_ready());
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);
+#pragma unroll
+    for (int x = 0; x < 2; ++x)
+      tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, true, THREADS>(sm.x(s, x), sm.x_big(s, x), sm.xt(s, x),
+                                                                     sm.xt_small(s, x), tid);
+    fence_proxy_async_shared();
+    mbarrier_arrive(sm.q_ready(s));
+  }
+}
+
+// consumer 0: its dK, dV plus consumer 1's (xch) to global memory, dK times softmax_scale
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float* xch,
+                                                     const float (&dk_acc)[Tr::D_TILES][4],
+                                                     const float (&dv_acc)[Tr::D_TILES][4], int key_row0, int wtid,
+                                                     int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;  // (BwdKeyBlock::key_rows steps u16)
+  float* dk = reinterpret_cast<float*>(p.dk) + kb.batch * p.dk_batch_stride + kb.kv_head * p.dk_head_stride +
+              row0 * p.dk_row_stride;
+  float* dv = reinterpret_cast<float*>(p.dv) + kb.batch * p.dv_batch_stride + kb.kv_head * p.dv_head_stride +
+              row0 * p.dv_row_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int key = key_row0 + g + 8 * h;
+    if (key >= kb.keys) continue;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt) {
+      if (dt * 8 >= p.head_dim) continue;  // head_dim is a multiple of 8
+      const int c0 = 2 * h, col = dt * 8 + 2 * t;
+      const float k0 = dk_acc[dt][c0] + xch[(dt * 4 + c0) * 128 + wtid];
+      const float k1 = dk_acc[dt][c0 + 1] + xch[(dt * 4 + c0 + 1) * 128 + wtid];
+      const float v0 = dv_acc[dt][c0] + xch[((Tr::D_TILES + dt) * 4 + c0) * 128 + wtid];
+      const float v1 = dv_acc[dt][c0 + 1] + xch[((Tr::D_TILES + dt) * 4 + c0 + 1) * 128 + wtid];
+      *reinterpret_cast<float2*>(dk + key * p.dk_row_stride + col) =
+          make_float2(k0 * p.softmax_scale, k1 * p.softmax_scale);
+      *reinterpret_cast<float2*>(dv + key * p.dv_row_stride + col) = make_float2(v0, v1);
+    }
+  }
+}
+
+// Consumer warpgroup cwg: the steps i with i % 2 == cwg, for all 64 keys of the CTA; then both consumers' dK, dV
+// added by consumer 0 and stored.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, class KeyBlock>
+__device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdTf32Smem<Tr>& sm, unsigned char* smem,
+                                                  const KeyBlock& kb, int steps) {
+  const int ctid = threadIdx.x - 128;
+  const int cwg = __shfl_sync(0xffffffffu, ctid / 128, 0);
+  const int wtid = ctid & 127, lane = ctid & 31, warp = wtid / 32, t = lane & 3;
+  const int key_row0 = warp * 16;  // this warp's keys in the CTA's 64
+  const float scale_log2 = p.scale_log2;
+
+  float dk_acc[Tr::D_TILES][4], dv_acc[Tr::D_TILES][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
+  float tile[Tr::D_TILES][4];  // one step's dV or dK (a chain of k BLOCK_M), added to dv_acc / dk_acc in fp32
+  float s_acc[1][Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
+  u32 p_big[Tr::Q_TILES][4], p_small[Tr::X3 ? Tr::Q_TILES : 1][4];  // P^T's A registers for dV, then dS^T's for dK
+
+  mbarrier_wait_or_trap(sm.kv_ready(), 0);
+  // step i is query block m_begin + i % blocks of the group's query head i / blocks; its fp32 rows (lse_log2, delta)
+  // start at vec_row (consecutive heads are seqlen_q_pad rows apart: seqs.cuh)
+  const int blocks = kb.m_end - kb.m_begin;
+  const long long vec0 =
+      padded_row0(p.seq, kb.batch, kb.kv_head * p.seq.kv_group, p.heads, p.seqlen_q_pad) + kb.m_begin * Tr::BLOCK_M;
+  const int s = cwg;  // stage i % STAGES of step i: consumer c takes the steps, and the stage, of parity c
+  for (int i = cwg; i < steps; i += Tr::CONSUMERS) {
+    {
+      const int head_step = i / blocks, m_step = i - head_step * blocks;
+      const int m0 = (kb.m_begin + m_step) * Tr::BLOCK_M;
+      const long long vec_row = vec0 + static_cast<long long>(head_step) * p.seqlen_q_pad + m_step * Tr::BLOCK_M;
+      // lse_log2 of this thread's query columns (pad rows: +inf), loaded under the GEMMs
+      float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+        lse[qt] = __ldg(reinterpret_cast<const float2*>(p.lse_log2 + vec_row + qt * 8 + 2 * t));
+      mbarrier_wait_or_trap(sm.q_ready(s), (i / Tr::STAGES) & 1);
+      // K's and V's descriptors from an address the optimizer cannot see through: else it keeps all of them (loop
+      // invariants, 2 per k step and part) in registers across the query loop, which spilled
+      const u32 k_small = static_cast<u32>(opaque(static_cast<int>(sm.k())));
+      const u32 k_big = k_small + (Tr::OFF_KB - Tr::OFF_K), v_small = k_small + (Tr::OFF_V - Tr::OFF_K),
+                v_big = k_small + (Tr::OFF_VB - Tr::OFF_K);
+      const u32 q_small = sm.x(s, 0), q_big = sm.x_big(s, 0), do_small = sm.x(s, 1), do_big = sm.x_big(s, 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+        tf32_ss<Tr::BLOCK_M, Tr::X3>(
+            s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk), Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
+            Tr::TileQ::desc_k_major(q_small, 0, 16 * kk), Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
+      wgmma_commit_group();
+#pragma unroll
+      for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+        tf32_ss<Tr::BLOCK_M, Tr::X3>(
+            dp_acc, Tr::TileKV::desc_k_major(v_small, 0, 16 * kk), Tr::TileKV::desc_k_major(v_big, 0, 16 * kk),
+            Tr::TileQ::desc_k_major(do_small, 0, 16 * kk), Tr::TileQ::desc_k_major(do_big, 0, 16 * kk), kk > 0);
+      wgmma_commit_group();
+
+      wgmma_wait_group<1>();  // S^T
+      wgmma_fence_operand(s_acc[0]);
+      if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
+        apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(s_acc[0], kb.n0 + key_row0, m0, kb.band, lane);
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          s_acc[0][qt][c] = ex2_approx(fmaf(s_acc[0][qt][c], scale_log2, (c & 1) ? -lse[qt].y : -lse[qt].x));
+      tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
+      // delta of the same columns (pad rows: 0), loaded under the dV GEMM
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+        delta[qt] = __ldg(reinterpret_cast<const float2*>(p.delta + vec_row + qt * 8 + 2 * t));
+      // dV_i = P^T dO_i: B = dO^T (head_dim rows of the step's queries in P^T's column order)
+      const u32 dot_big = sm.xt(s, 1), dot_small = sm.xt_small(s, 1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tr::Q_TILES; ++kk)
+        tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, p_big[kk], p_small[Tr::X3 ? kk : 0],
+                                      Tr::TileQt::desc_k_major(dot_big, 0, 16 * kk),
+                                      Tr::TileQt::desc_k_major(dot_small, 0, 16 * kk), kk > 0);
+      wgmma_commit_group();
+
+      // dP^T and dV_i: waiting for dV here frees P's registers for dS's (with dS computed under the dV GEMM, 16 bytes
+      // spilled); the other consumer's GEMMs keep the tensor cores busy meanwhile
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(dp_acc);
+      wgmma_fence_operand(tile);
+      add_tile(dv_acc, tile);
+      // dS^T = P^T (dP^T - delta), into s_acc (softmax_scale goes on dK at the end). 3xTF32 takes P^T as big + small
+      // (about 22 bits) from the A registers, so that the fp32 P^T need not stay live under the dV GEMM (it spilled)
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int r = (c == 1) ? 2 : (c == 2) ? 1 : c;  // tf32_probs_to_regs's register of element c
+          const float prob = Tr::X3 ? __uint_as_float(p_big[qt][r]) + __uint_as_float(p_small[Tr::X3 ? qt : 0][r])
+                                    : s_acc[0][qt][c];
+          s_acc[0][qt][c] = prob * (dp_acc[qt][c] - ((c & 1) ? delta[qt].y : delta[qt].x));
+        }
+      tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
+      // dK_i = dS^T Q_i: B = Q^T
+      const u32 qt_big = sm.xt(s, 0), qt_small = sm.xt_small(s, 0);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < Tr::Q_TILES; ++kk)
+        tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, p_big[kk], p_small[Tr::X3 ? kk : 0],
+                                      Tr::TileQt::desc_k_major(qt_big, 0, 16 * kk),
+                                      Tr::TileQt::desc_k_major(qt_small, 0, 16 * kk), kk > 0);
+      wgmma_commit_group();
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(tile);
+      add_tile(dk_acc, tile);
+      if (lane == 0) mbarrier_arrive(sm.q_empty(s));  // stage s is read
+    }
+  }
+
+  // consumer 1's dK, dV -> the first stage (every step is done: the barrier), consumer 0 adds them and stores
+  named_barrier_sync(Tr::EPI_BAR, Tr::CONSUMER_THREADS);
+  float* xch = reinterpret_cast<float*>(smem + Tr::OFF_STAGES);
+  if (cwg == 1) {
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        xch[(dt * 4 + c) * 128 + wtid] = dk_acc[dt][c];
+        xch[((Tr::D_TILES + dt) * 4 + c) * 128 + wtid] = dv_acc[dt][c];
+      }
+  }
+  named_barrier_sync(Tr::EPI_BAR, Tr::CONSUMER_THREADS);
+  if (cwg == 0) bwd_tf32_store_dk_dv<Tr>(p, kb, xch, dk_acc, dv_acc, key_row0, wtid, lane);
+}
+
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const BwdParams& p = P.bwd;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const BwdTf32Smem<Tr> sm{aligned.base};
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
+  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
+  const int steps = kb.m_begin < kb.m_end ? kb.steps(p) : 0;
+  if (steps == 0) {  // no query sees these keys: dK = dV = 0
+    const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;
+    float* dk = reinterpret_cast<float*>(p.dk) + kb.batch * p.dk_batch_stride + kb.kv_head * p.dk_head_stride +
+                row0 * p.dk_row_stride;
+    float* dv = reinterpret_cast<float*>(p.dv) + kb.batch * p.dv_batch_stride + kb.kv_head * p.dv_head_stride +
+                row0 * p.dv_row_stride;
+    for (int idx = threadIdx.x; idx < kb.keys * p.head_dim; idx += Tr::THREADS) {
+      const int r = idx / p.head_dim, c = idx % p.head_dim;
+      dk[r * p.dk_row_stride + c] = 0.f;
+      dv[r * p.dv_row_stride + c] = 0.f;
+    }
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.kv_full(), 1);
+    mbarrier_init(sm.kv_ready(), Tr::SPLIT_THREADS);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.q_full(s), 1);
+      mbarrier_init(sm.q_ready(s), Tr::SPLIT_THREADS);
+      mbarrier_init(sm.q_empty(s), 4);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0)
+      bwd_tf32_producer<Tr>(P, sm, kb, steps);
+    else if (threadIdx.x >= 32)
+      bwd_tf32_splitter<Tr>(sm, steps, threadIdx.x - 32);
+  } else {
+    setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    bwd_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, aligned.ptr, kb, steps);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
+#endif
+}
+
+// ==== dQ: bwd_dq_sm90_tf32_kernel ===================================================================================
+//
+// ---- shared memory ------------------------------------------------------------------------------------------------
+// [Q] [Q big] [dO] [dO big] then per stage: [K] [K big] [K^T big] [K^T small] [V] [V big] (one pass: [Q] [dO], per
+// stage [K] [K^T] [V]), [mbarriers].
+//
+// ---- the barrier protocol ------------------------------------------------------------------------------------
+//   q_full         count 1 + tx: Q, dO         q_ready      count SPLIT_THREADS: split
+//   kv_full[s]     count 1 + tx: K_i, V_i      kv_ready[s]  count SPLIT_THREADS: split, K^T written
+//   kv_empty[s]    count CONSUMER_WARPS: every consumer's GEMMs on stage s retired
+// Key tile i uses stage i % STAGES, phase (i / STAGES) & 1; the producer loads tile i after kv_empty of tile
+// i - STAGES, and the splitters' writes to the stage follow kv_full of tile i.
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_>
+struct BwdDqTf32Traits {
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_N = BLOCK_N_;             // keys per tile
+  static constexpr int STAGES = STAGES_;
+  static constexpr int CONSUMERS = CONSUMERS_;
+  static constexpr bool X3 = X3_;
+  static constexpr int BLOCK_M = 64 * CONSUMERS;
+  static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
+  static constexpr int SPLIT_THREADS = 96;
+  static constexpr int THREADS = 128 + CONSUMER_THREADS;
+  static constexpr int PRODUCER_REGS = 40;
+  static constexpr int CONSUMER_REGS = 232;
+  static constexpr int N_TILES = BLOCK_N / 8;          // n8 tiles of S, dP; k8 steps of dQ
+  static constexpr int D_TILES = HEAD_DIM / 8;
+  static constexpr int QK_K_STEPS = HEAD_DIM / 8;
+  using TileQ = SmemTile<BLOCK_M, 2 * HEAD_DIM>;
+  using TileKV = SmemTile<BLOCK_N, 2 * HEAD_DIM>;
+  using TileKt = SmemTile<HEAD_DIM, 2 * BLOCK_N>;
+  static constexpr int BOX_COLS = 32;
+  static constexpr int PANELS = HEAD_DIM / BOX_COLS;
+  static constexpr int PARTS = X3 ? 2 : 1;
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int OFF_Q = 0, OFF_QB = SMEM_Q;
+  static constexpr int OFF_DO = PARTS * SMEM_Q, OFF_DOB = OFF_DO + SMEM_Q;
+  static constexpr int OFF_STAGES = 2 * PARTS * SMEM_Q;
+  // within a stage: K (small or rounded), K big, K^T big (or rounded), K^T small, V, V big
+  static constexpr int STAGE_BYTES = 3 * PARTS * SMEM_KV;
+  static constexpr int BARRIERS = 2 + 3 * STAGES;
+  static constexpr int OFF_BAR = OFF_STAGES + STAGES * STAGE_BYTES;
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdDqSm90Tf32Config.smem_bytes
+
+  static_assert(HEAD_DIM == 64, "head dim 64");
+  static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
+  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+  static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileKt::BYTES == SMEM_KV, "tiles on the swizzle period");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 || CONSUMERS == 1,
+                "setmaxnreg exceeds the register file");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+template <class Tr>
+struct DqTf32Smem {
+  u32 base;
+  __device__ __forceinline__ u32 q() const { return base + Tr::OFF_Q; }
+  __device__ __forceinline__ u32 q_big() const { return base + Tr::OFF_QB; }
+  __device__ __forceinline__ u32 dout() const { return base + Tr::OFF_DO; }
+  __device__ __forceinline__ u32 dout_big() const { return base + Tr::OFF_DOB; }
+  __device__ __forceinline__ u32 stage(int s) const { return base + Tr::OFF_STAGES + s * Tr::STAGE_BYTES; }
+  __device__ __forceinline__ u32 k(int s) const { return stage(s); }
+  __device__ __forceinline__ u32 k_big(int s) const { return stage(s) + Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 kt(int s) const { return stage(s) + (Tr::PARTS == 2 ? 2 : 1) * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 kt_small(int s) const { return stage(s) + 3 * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 v(int s) const { return stage(s) + 2 * Tr::PARTS * Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 v_big(int s) const { return v(s) + Tr::SMEM_KV; }
+  __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
+  __device__ __forceinline__ u32 q_full() const { return bar(0); }
+  __device__ __forceinline__ u32 q_ready() const { return bar(1); }
+  __device__ __forceinline__ u32 kv_full(int s) const { return bar(2 + s); }
+  __device__ __forceinline__ u32 kv_ready(int s) const { return bar(2 + Tr::STAGES + s); }
+  __device__ __forceinline__ u32 kv_empty(int s) const { return bar(2 + 2 * Tr::STAGES + s); }
+};
+
+template <class Tr>
+__device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqTf32Smem<Tr>& sm, const Seq& seq,
+                                                 int row0, int head, int batch, int n_begin, int n_tiles) {
+  const BwdParams& p = P.bwd;
+  prefetch_tensormap(&P.tma_q);
+  prefetch_tensormap(&P.tma_do);
+  prefetch_tensormap(&P.tma_k);
+  prefetch_tensormap(&P.tma_v);
+  const int kv_head = head / p.seq.kv_group;
+  const int q_batch = p.seq.cu_seqlens_q != nullptr ? 0 : batch;
+  const int kv_batch = p.seq.cu_seqlens_k != nullptr ? 0 : batch;
+  constexpr int BOX_BYTES = 4 * Tr::BOX_COLS;
+  mbarrier_arrive_expect_tx(sm.q_full(), 2 * Tr::SMEM_Q);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel) {
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_q, sm.q_full(),
+                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+    cp_async_bulk_tensor_4d_global_to_shared(sm.dout() + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_do, sm.q_full(),
+                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+  }
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.kv_empty(s), ((i / Tr::STAGES) & 1) ^ 1);
+    mbarrier_arrive_expect_tx(sm.kv_full(s), 2 * Tr::SMEM_KV);
+    const int key = seq.k_row0 + (n_begin + i) * Tr::BLOCK_N;
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel) {
+      cp_async_bulk_tensor_4d_global_to_shared(sm.k(s) + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_k, sm.kv_full(s),
+                                               panel * Tr::BOX_COLS, key, kv_head, kv_batch);
+      cp_async_bulk_tensor_4d_global_to_shared(sm.v(s) + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_v, sm.kv_full(s),
+                                               panel * Tr::BOX_COLS, key, kv_head, kv_batch);
+    }
+  }
+}
+
+template <class Tr>
+__device__ __forceinline__ void dq_tf32_splitter(const DqTf32Smem<Tr>& sm, int n_tiles, int tid) {
+  constexpr int THREADS = Tr::SPLIT_THREADS;
+  mbarrier_wait_or_trap(sm.q_full(), 0);
+  tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.q(), sm.q_big(), 0, 0, tid);
+  tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.dout(), sm.dout_big(), 0, 0, tid);
+  fence_proxy_async_shared();
+  mbarrier_arrive(sm.q_ready());
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.kv_full(s), (i / Tr::STAGES) & 1);
+    tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, true, THREADS>(sm.k(s), sm.k_big(s), sm.kt(s), sm.kt_small(s), tid);
+    tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.v(s), sm.v_big(s), 0, 0, tid);
+    fence_proxy_async_shared();
+    mbarrier_arrive(sm.kv_ready(s));
+  }
+}
+
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf32Smem<Tr>& sm,
+                                                 const Band<IS_CAUSAL, HAS_WINDOW>& band, long long vec_row0,
+                                                 long long out_row0, int row0, int rows_q, int head, int batch,
+                                                 int n_begin, int n_tiles) {
+  const int ctid = threadIdx.x - 128;
+  const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32, g = lane >> 2, t = lane & 3;
+  const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
+  const float scale_log2 = p.scale_log2;
+  // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0)
+  float lse[2], delta[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    lse[h] = __ldg(p.lse_log2 + vec_row0 + warp * 16 + g + 8 * h);
+    delta[h] = __ldg(p.delta + vec_row0 + warp * 16 + g + 8 * h);
+  }
+  float dq_acc[Tr::D_TILES][4], tile[Tr::D_TILES][4];
+#pragma unroll
+  for (int dt = 0; dt < Tr::D_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dq_acc[dt][c] = 0.f;
+  float s_acc[1][Tr::N_TILES][4], dp_acc[Tr::N_TILES][4];
+  u32 ds_big[Tr::N_TILES][4], ds_small[Tr::X3 ? Tr::N_TILES : 1][4];
+
+  mbarrier_wait_or_trap(sm.q_ready(), 0);
+  const u32 q_small = static_cast<u32>(opaque(static_cast<int>(sm.q())));
+  for (int i = 0; i < n_tiles; ++i) {
+    const int s = i % Tr::STAGES;
+    const int key0 = (n_begin + i) * Tr::BLOCK_N;
+    mbarrier_wait_or_trap(sm.kv_ready(s), (i / Tr::STAGES) & 1);
+    const u32 q_big = q_small + (Tr::OFF_QB - Tr::OFF_Q), do_small = q_small + (Tr::OFF_DO - Tr::OFF_Q),
+              do_big = q_small + (Tr::OFF_DOB - Tr::OFF_Q);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      tf32_ss<Tr::BLOCK_N, Tr::X3>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk),
+                                   Tr::TileQ::desc_k_major(q_big, 64 * wg, 16 * kk),
+                                   Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk),
+                                   Tr::TileKV::desc_k_major(sm.k_big(s), 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      tf32_ss<Tr::BLOCK_N, Tr::X3>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk),
+                                   Tr::TileQ::desc_k_major(do_big, 64 * wg, 16 * kk),
+                                   Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
+                                   Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
+
+    wgmma_wait_group<1>();  // S
+    wgmma_fence_operand(s_acc[0]);
+    if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
+      apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_acc[0][nt][c] = ex2_approx(fmaf(s_acc[0][nt][c], scale_log2, -lse[c >> 1]));
+    wgmma_wait_group<0>();  // dP
+    wgmma_fence_operand(dp_acc);
+#pragma unroll
+    for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_acc[0][nt][c] *= dp_acc[nt][c] - delta[c >> 1];
+    tf32_probs_to_regs<Tr::X3>(s_acc, ds_big, ds_small);
+    // dQ_i = dS K: B = K^T (head_dim rows of the tile's keys in dS's column order)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::N_TILES; ++kk)
+      tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, ds_big[kk], ds_small[Tr::X3 ? kk : 0],
+                                    Tr::TileKt::desc_k_major(sm.kt(s), 0, 16 * kk),
+                                    Tr::TileKt::desc_k_major(sm.kt_small(s), 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(tile);
+    if (lane == 0) mbarrier_arrive(sm.kv_empty(s));
+    add_tile(dq_acc, tile);
+  }
+
+  float* dq = reinterpret_cast<float*>(p.dq) + batch * p.dq_batch_stride + out_row0 * p.dq_row_stride +
+              head * p.dq_head_stride;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + g + 8 * h;
+    if (row >= rows_q) continue;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt)
+      if (dt * 8 < p.head_dim)
+        *reinterpret_cast<float2*>(dq + row * p.dq_row_stride + dt * 8 + 2 * t) =
+            make_float2(dq_acc[dt][2 * h] * p.softmax_scale, dq_acc[dt][2 * h + 1] * p.softmax_scale);
+  }
+}
+
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const BwdParams& p = P.bwd;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const DqTf32Smem<Tr> sm{aligned.base};
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
+
+  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+  const int head = blockIdx.y, batch = blockIdx.z;
+  const Seq seq = sequence(p.seq, batch);
+  const int row0 = m_block * Tr::BLOCK_M;
+  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+  const long long out_row0 = static_cast<long long>(seq.q_row0) + row0;
+  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.mods.window_left : 0,
+                                        HAS_WINDOW ? p.mods.window_right : 0};
+  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+  const int n_tiles = n_end - n_begin;
+  if (n_tiles <= 0) {  // these rows see no key: dQ = 0
+    float* dq = reinterpret_cast<float*>(p.dq) + batch * p.dq_batch_stride + out_row0 * p.dq_row_stride +
+                head * p.dq_head_stride;
+    for (int idx = threadIdx.x; idx < rows_q * p.head_dim; idx += Tr::THREADS)
+      dq[(idx / p.head_dim) * p.dq_row_stride + idx % p.head_dim] = 0.f;
+    return;
+  }
+  const long long vec_row0 = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + row0;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(sm.q_full(), 1);
+    mbarrier_init(sm.q_ready(), Tr::SPLIT_THREADS);
+#pragma unroll
+    for (int s = 0; s < Tr::STAGES; ++s) {
+      mbarrier_init(sm.kv_full(s), 1);
+      mbarrier_init(sm.kv_ready(s), Tr::SPLIT_THREADS);
+      mbarrier_init(sm.kv_empty(s), Tr::CONSUMER_WARPS);
+    }
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    if constexpr (Tr::CONSUMERS > 1) setmaxnreg_dec<Tr::PRODUCER_REGS>();
+    if (threadIdx.x == 0)
+      dq_tf32_producer<Tr>(P, sm, seq, row0, head, batch, n_begin, n_tiles);
+    else if (threadIdx.x >= 32)
+      dq_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
+  } else {
+    if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
+    dq_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, n_begin,
+                                                n_tiles);
+  }
+#else
+  static_assert(Tr::HEAD_DIM < 0, "bwd_dq_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash
