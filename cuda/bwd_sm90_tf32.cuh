@@ -36,45 +36,46 @@ namespace cuflash {
 // place; with TRANSPOSE also X^T (SmemTile<COLS, 2 ROWS>: COLS rows of ROWS values, the rows of X permuted within
 // 8-row groups by tf32_column_of, as P's columns are) big or rounded at t_big, small at t_small. Without TRANSPOSE
 // 8 consecutive chunks per phase (tf32_split_tile's order); with it fwd_sm90_tf32.cuh's transpose units (a lane's
-// 16-byte chunk: 4 columns of one row, 8 lanes of a phase on 8 rows of one chunk).
+// 16-byte chunk: 4 columns of one row, 8 lanes of a phase on 8 rows of one chunk), unit u taken by warp
+// (u + rot) % WARPS: a second tile prepared with another rot evens out the units per warp.
 template <int ROWS, int COLS, bool X3, bool TRANSPOSE, int THREADS>
-__device__ __forceinline__ void tf32_prepare(u32 tile, u32 big, u32 t_big, u32 t_small, int tid) {
+__device__ __forceinline__ void tf32_prepare(u32 tile, u32 big, u32 t_big, u32 t_small, int tid, int rot = 0) {
   using Tile = SmemTile<ROWS, 2 * COLS>;
   using TileT = SmemTile<COLS, 2 * ROWS>;
-  auto put = [&](u32 off, float4 x) {
-    u32 b0, b1, b2, b3, s0, s1, s2, s3;
-    tf32_parts<X3>(x.x, b0, s0);
-    tf32_parts<X3>(x.y, b1, s1);
-    tf32_parts<X3>(x.z, b2, s2);
-    tf32_parts<X3>(x.w, b3, s3);
+  constexpr int WARPS = THREADS / 32;
+  auto put = [&](u32 off, float4 x, u32 (&b)[4], u32 (&sm)[4]) {
+    tf32_parts<X3>(x.x, b[0], sm[0]);
+    tf32_parts<X3>(x.y, b[1], sm[1]);
+    tf32_parts<X3>(x.z, b[2], sm[2]);
+    tf32_parts<X3>(x.w, b[3], sm[3]);
     if constexpr (X3) {
-      st_shared_u32x4(big + off, b0, b1, b2, b3);
-      st_shared_u32x4(tile + off, s0, s1, s2, s3);
+      st_shared_u32x4(big + off, b[0], b[1], b[2], b[3]);
+      st_shared_u32x4(tile + off, sm[0], sm[1], sm[2], sm[3]);
     } else {
-      st_shared_u32x4(tile + off, b0, b1, b2, b3);
+      st_shared_u32x4(tile + off, b[0], b[1], b[2], b[3]);
     }
   };
   if constexpr (!TRANSPOSE) {
-    for (int c = tid; c < ROWS * COLS / 4; c += THREADS) put(16 * c, ld_shared_f32x4(tile + 16 * c));
+    for (int c = tid; c < ROWS * COLS / 4; c += THREADS) {
+      u32 b[4], sm[4];
+      put(16 * c, ld_shared_f32x4(tile + 16 * c), b, sm);
+    }
   } else {
     constexpr int KEYS = ROWS < 32 ? ROWS : 32, CHUNKS_PER_UNIT = 32 / KEYS;
     constexpr int ROW_UNITS = ROWS / KEYS, UNITS = ROW_UNITS * (COLS / 4) / CHUNKS_PER_UNIT;
     static_assert(KEYS == 16 || KEYS == 32, "16 or 32 rows per unit");
     const int warp = tid / 32, lane = tid & 31;
-    for (int u = warp; u < UNITS; u += THREADS / 32) {
+    for (int u = (warp + WARPS - rot % WARPS) % WARPS; u < UNITS; u += WARPS) {
       const int row = KEYS * (u % ROW_UNITS) + lane % KEYS, chunk = CHUNKS_PER_UNIT * (u / ROW_UNITS) + lane / KEYS;
       const u32 off = Tile::offset(row, 8 * chunk);
-      const float4 x = ld_shared_f32x4(tile + off);
-      put(off, x);
+      u32 b[4], sm[4];
+      put(off, ld_shared_f32x4(tile + off), b, sm);  // the parts once, for both layouts
       const int col = (row & ~7) + tf32_column_of(row & 7);
-      const float xs[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        u32 b, s;
-        tf32_parts<X3>(xs[j], b, s);
         const u32 toff = TileT::offset(4 * chunk + j, 2 * col);
-        st_shared_s32(t_big + toff, static_cast<int>(b));
-        if constexpr (X3) st_shared_s32(t_small + toff, static_cast<int>(s));
+        st_shared_s32(t_big + toff, static_cast<int>(b[j]));
+        if constexpr (X3) st_shared_s32(t_small + toff, static_cast<int>(sm[j]));
       }
     }
   }
@@ -160,9 +161,12 @@ struct BwdTf32Traits {
   // within a stage: Q (small or rounded), Q big, Q^T big (or rounded), Q^T small; then dO's four
   static constexpr int TENSOR_BYTES = 2 * PARTS * SMEM_Q;
   static constexpr int STAGE_BYTES = 2 * TENSOR_BYTES;
+  static constexpr int SMEM_ROWVEC = 4 * BLOCK_M;                   // a step's lse_log2 or delta
+  static constexpr int OFF_VEC = OFF_STAGES + STAGES * STAGE_BYTES; // per stage: lse_log2, delta
   static constexpr int BARRIERS = 2 + 3 * STAGES;
-  static constexpr int OFF_BAR = OFF_STAGES + STAGES * STAGE_BYTES;
+  static constexpr int OFF_BAR = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
+  static constexpr int Q_TX = 2 * SMEM_Q + 2 * SMEM_ROWVEC;         // transaction bytes of a step
   static constexpr int EPI_BAR = 1;                                 // named barrier of the consumers (0: __syncthreads)
 
   static_assert(HEAD_DIM == 64, "dK and dV of 64 keys at head dim 64 (128 would exceed a consumer's registers)");
@@ -189,6 +193,8 @@ struct BwdTf32Smem {
   __device__ __forceinline__ u32 x_big(int s, int tensor) const { return part(s, tensor, 1); }
   __device__ __forceinline__ u32 xt(int s, int tensor) const { return part(s, tensor, Tr::X3 ? 2 : 1); }
   __device__ __forceinline__ u32 xt_small(int s, int tensor) const { return part(s, tensor, 3); }
+  __device__ __forceinline__ u32 lse(int s) const { return base + Tr::OFF_VEC + s * 2 * Tr::SMEM_ROWVEC; }
+  __device__ __forceinline__ u32 delta(int s) const { return lse(s) + Tr::SMEM_ROWVEC; }
   __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
   __device__ __forceinline__ u32 kv_full() const { return bar(0); }
   __device__ __forceinline__ u32 kv_ready() const { return bar(1); }
@@ -223,8 +229,11 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
   for (int i = 0;; ++i) {
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.q_empty(s), ((i / Tr::STAGES) & 1) ^ 1);
-    mbarrier_arrive_expect_tx(sm.q_full(s), 2 * Tr::SMEM_Q);
+    mbarrier_arrive_expect_tx(sm.q_full(s), Tr::Q_TX);
     const int row = kb.seq.q_row0 + qb.m_block * Tr::BLOCK_M;
+    // BLOCK_M fp32 rows each, pad rows included (the buffers are padded per head: seqs.cuh)
+    cp_async_bulk_global_to_shared(sm.lse(s), p.lse_log2 + qb.vec_row, Tr::SMEM_ROWVEC, sm.q_full(s));
+    cp_async_bulk_global_to_shared(sm.delta(s), p.delta + qb.vec_row, Tr::SMEM_ROWVEC, sm.q_full(s));
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel) {
       cp_async_bulk_tensor_4d_global_to_shared(sm.x(s, 0) + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_q, sm.q_full(s),
@@ -248,10 +257,12 @@ __device__ __forceinline__ void bwd_tf32_splitter(const BwdTf32Smem<Tr>& sm, int
   for (int i = 0; i < steps; ++i) {
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);
+    // Q's units from warp 0 on, dO's from the warp after Q's last (rot): the warps get equal shares of the two
 #pragma unroll
     for (int x = 0; x < 2; ++x)
       tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, true, THREADS>(sm.x(s, x), sm.x_big(s, x), sm.xt(s, x),
-                                                                     sm.xt_small(s, x), tid);
+                                                                     sm.xt_small(s, x), tid,
+                                                                     x * (Tr::BLOCK_M / 32 * Tr::HEAD_DIM / 4));
     fence_proxy_async_shared();
     mbarrier_arrive(sm.q_ready(s));
   }
@@ -309,23 +320,14 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   u32 p_big[Tr::Q_TILES][4], p_small[Tr::X3 ? Tr::Q_TILES : 1][4];  // P^T's A registers for dV, then dS^T's for dK
 
   mbarrier_wait_or_trap(sm.kv_ready(), 0);
-  // step i is query block m_begin + i % blocks of the group's query head i / blocks; its fp32 rows (lse_log2, delta)
-  // start at vec_row (consecutive heads are seqlen_q_pad rows apart: seqs.cuh)
+  // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next)
   const int blocks = kb.m_end - kb.m_begin;
-  const long long vec0 =
-      padded_row0(p.seq, kb.batch, kb.kv_head * p.seq.kv_group, p.heads, p.seqlen_q_pad) + kb.m_begin * Tr::BLOCK_M;
   const int s = cwg;  // stage i % STAGES of step i: consumer c takes the steps, and the stage, of parity c
   for (int i = cwg; i < steps; i += Tr::CONSUMERS) {
     {
-      const int head_step = i / blocks, m_step = i - head_step * blocks;
-      const int m0 = (kb.m_begin + m_step) * Tr::BLOCK_M;
-      const long long vec_row = vec0 + static_cast<long long>(head_step) * p.seqlen_q_pad + m_step * Tr::BLOCK_M;
-      // lse_log2 of this thread's query columns (pad rows: +inf), loaded under the GEMMs
-      float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-        lse[qt] = __ldg(reinterpret_cast<const float2*>(p.lse_log2 + vec_row + qt * 8 + 2 * t));
+      const int m0 = (kb.m_begin + i % blocks) * Tr::BLOCK_M;
       mbarrier_wait_or_trap(sm.q_ready(s), (i / Tr::STAGES) & 1);
+      mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);  // (done: q_ready follows it) lse_log2, delta
       // K's and V's descriptors from an address the optimizer cannot see through: else it keeps all of them (loop
       // invariants, 2 per k step and part) in registers across the query loop, which spilled
       const u32 k_small = static_cast<u32>(opaque(static_cast<int>(sm.k())));
@@ -346,6 +348,11 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
             Tr::TileQ::desc_k_major(do_small, 0, 16 * kk), Tr::TileQ::desc_k_major(do_big, 0, 16 * kk), kk > 0);
       wgmma_commit_group();
 
+      // lse_log2 of this thread's query columns (pad rows: +inf)
+      const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
+      float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt) lse[qt] = *reinterpret_cast<const float2*>(lse_smem + qt * 8 + 2 * t);
       wgmma_wait_group<1>();  // S^T
       wgmma_fence_operand(s_acc[0]);
       if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
@@ -356,10 +363,10 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
         for (int c = 0; c < 4; ++c)
           s_acc[0][qt][c] = ex2_approx(fmaf(s_acc[0][qt][c], scale_log2, (c & 1) ? -lse[qt].y : -lse[qt].x));
       tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
-      // delta of the same columns (pad rows: 0), loaded under the dV GEMM
+      // delta of the same columns (pad rows: 0)
 #pragma unroll
       for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-        delta[qt] = __ldg(reinterpret_cast<const float2*>(p.delta + vec_row + qt * 8 + 2 * t));
+        delta[qt] = *reinterpret_cast<const float2*>(lse_smem + Tr::BLOCK_M + qt * 8 + 2 * t);
       // dV_i = P^T dO_i: B = dO^T (head_dim rows of the step's queries in P^T's column order)
       const u32 dot_big = sm.xt(s, 1), dot_small = sm.xt_small(s, 1);
       wgmma_fence();

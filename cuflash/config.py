@@ -1325,10 +1325,12 @@ class BwdSm90Tf32Config:
     @property
     def smem_bytes(self) -> int:
         """BwdTf32Traits::SMEM_BYTES: K and V (with their big parts: 3xTF32), the stages of Q and dO (each with its
-        big part and its transpose, big and small), 2 + 3 * stages mbarriers, 1024 to align the base."""
+        big part and its transpose, big and small) and of lse_log2 and delta, 2 + 3 * stages mbarriers, 1024 to align
+        the base."""
         parts = 2 if self.dtype == "fp32" else 1
         kv, q = 4 * self.block_n * self.head_dim, 4 * self.block_m * self.head_dim
-        return 2 * parts * kv + self.stages * 4 * parts * q + 8 * (2 + 3 * self.stages) + 1024
+        return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m) + 8 * (2 + 3 * self.stages)
+                + 1024)
 
     def cpp_name(self) -> str:
         b = lambda x: "true" if x else "false"  # noqa: E731
