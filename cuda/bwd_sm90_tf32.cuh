@@ -5,12 +5,12 @@
 // fp32 registers, P and dS straight from the accumulators to A registers with the keys or queries of each 8-group
 // permuted by tf32_key_of):
 //
-//   bwd_sm90_tf32_kernel (K/V-outer; grid (key blocks of 64, K/V heads, batch)): dK and dV of 64 keys. Per step
+//   bwd_sm90_tf32_kernel (K/V-outer; grid (key blocks of 128, K/V heads, batch)): dK and dV of 128 keys. Per step
 //     (query head, BLOCK_M queries):  S^T = K Q^T, dP^T = V dO^T (B = Q, dO as loaded: K-major);
 //     P^T = exp2(S^T scale_log2 - lse_log2), dS^T = P^T (dP^T - delta);  dV += P^T dO, dK += dS^T Q, where TF32
 //     wants the B operands K-major over the queries: the splitters write Q^T and dO^T (head_dim rows of BLOCK_M
-//     queries, permuted as P^T's columns) beside the split Q and dO. Two consumer warpgroups take alternate steps
-//     (each its own stage) for the same 64 keys; their dK, dV are added once at the end.
+//     queries, permuted as P^T's columns) beside the split Q and dO. Two consumer warpgroups of 64 keys each (128
+//     keys per CTA) take every step together, so each split and transposed Q, dO serves 128 keys.
 //   bwd_dq_sm90_tf32_kernel (Q-outer; grid (query blocks, heads, batch)): dQ of 64 * CONSUMERS rows:
 //     S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K with B = K^T, written by the splitters per key tile
 //     (K split in place, K^T big and small, V split in place), as the forward writes V^T.
@@ -119,25 +119,26 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [K] [K big] [V] [V big] then per stage: [Q] [Q big] [Q^T big] [Q^T small] [dO] [dO big] [dO^T big] [dO^T small]
-// (one pass: [K] [V], per stage [Q] [Q^T] [dO] [dO^T]), [mbarriers]. K, V, Q, dO receive TMA's float32 and then hold
-// the small part or the rounded value in place. After the query loop the first stage holds consumer 1's dK, dV.
+// (one pass: [K] [V], per stage [Q] [Q^T] [dO] [dO^T]), [per stage: lse_log2, delta], [mbarriers]. K, V, Q, dO receive
+// TMA's float32 and then hold the small part or the rounded value in place.
 //
 // ---- the barrier protocol ------------------------------------------------------------------------------------
 //   kv_full      count 1 + tx: K and V          kv_ready   count SPLIT_THREADS: K and V split
-//   q_full[s]    count 1 + tx: Q_i, dO_i       q_ready[s] count SPLIT_THREADS: split and transposed
-//   q_empty[s]   count 4: the warps of the consumer that took step i, once its last GEMM on stage s retired
-// Step i uses stage i % STAGES, phase (i / STAGES) & 1; consumer i % 2 takes it. The producer loads step i after
-// q_empty of step i - STAGES; the splitters' writes to a stage's derived tiles follow q_full, so they too wait for
-// that release.
+//   q_full[s]    count 1 + tx: Q_i, dO_i, lse_log2_i, delta_i
+//   q_ready[s]   count SPLIT_THREADS: Q_i, dO_i split and transposed
+//   q_empty[s]   count CONSUMER_WARPS: every consumer's last GEMM on stage s retired
+// Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
+// the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
 template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_>
 struct BwdTf32Traits {
   static constexpr int HEAD_DIM = HEAD_DIM_;
   static constexpr int BLOCK_M = BLOCK_M_;             // queries per step
-  static constexpr int BLOCK_N = 64;                   // keys per CTA (one warpgroup's M)
   static constexpr int STAGES = STAGES_;
   static constexpr bool X3 = X3_;
-  static constexpr int CONSUMERS = 2;                  // alternate steps, the same 64 keys
+  static constexpr int CONSUMERS = 2;                  // 64 keys each (one warpgroup's M), every step
+  static constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per CTA
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
+  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
   static constexpr int SPLIT_THREADS = 96;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
@@ -167,14 +168,12 @@ struct BwdTf32Traits {
   static constexpr int OFF_BAR = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
   static constexpr int Q_TX = 2 * SMEM_Q + 2 * SMEM_ROWVEC;         // transaction bytes of a step
-  static constexpr int EPI_BAR = 1;                                 // named barrier of the consumers (0: __syncthreads)
 
   static_assert(HEAD_DIM == 64, "dK and dV of 64 keys at head dim 64 (128 would exceed a consumer's registers)");
-  static_assert(BLOCK_M == 32 || BLOCK_M == 64, "steps of 32 or 64 queries");
-  static_assert(STAGES == CONSUMERS, "consumer c takes stage c");
+  static_assert(BLOCK_M == 16 || BLOCK_M == 32, "steps of 16 or 32 queries");
+  static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
-  static_assert(2 * D_TILES * 4 * 4 * CONSUMER_THREADS / CONSUMERS <= STAGE_BYTES, "dK, dV of a consumer fit a stage");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
@@ -262,18 +261,18 @@ __device__ __forceinline__ void bwd_tf32_splitter(const BwdTf32Smem<Tr>& sm, int
     for (int x = 0; x < 2; ++x)
       tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, true, THREADS>(sm.x(s, x), sm.x_big(s, x), sm.xt(s, x),
                                                                      sm.xt_small(s, x), tid,
-                                                                     x * (Tr::BLOCK_M / 32 * Tr::HEAD_DIM / 4));
+                                                                     x * (Tr::BLOCK_M * Tr::HEAD_DIM / 128));
     fence_proxy_async_shared();
     mbarrier_arrive(sm.q_ready(s));
   }
 }
 
-// consumer 0: its dK, dV plus consumer 1's (xch) to global memory, dK times softmax_scale
+// A consumer's dK (times softmax_scale) and dV to global memory: this warp's 16 keys (key_row0 in the CTA's), the valid
+// keys and head_dim columns only
 template <class Tr, class KeyBlock>
-__device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const KeyBlock& kb, const float* xch,
+__device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const KeyBlock& kb,
                                                      const float (&dk_acc)[Tr::D_TILES][4],
-                                                     const float (&dv_acc)[Tr::D_TILES][4], int key_row0, int wtid,
-                                                     int lane) {
+                                                     const float (&dv_acc)[Tr::D_TILES][4], int key_row0, int lane) {
   const int g = lane >> 2, t = lane & 3;
   const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;  // (BwdKeyBlock::key_rows steps u16)
   float* dk = reinterpret_cast<float*>(p.dk) + kb.batch * p.dk_batch_stride + kb.kv_head * p.dk_head_stride +
@@ -287,27 +286,27 @@ __device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const K
 #pragma unroll
     for (int dt = 0; dt < Tr::D_TILES; ++dt) {
       if (dt * 8 >= p.head_dim) continue;  // head_dim is a multiple of 8
-      const int c0 = 2 * h, col = dt * 8 + 2 * t;
-      const float k0 = dk_acc[dt][c0] + xch[(dt * 4 + c0) * 128 + wtid];
-      const float k1 = dk_acc[dt][c0 + 1] + xch[(dt * 4 + c0 + 1) * 128 + wtid];
-      const float v0 = dv_acc[dt][c0] + xch[((Tr::D_TILES + dt) * 4 + c0) * 128 + wtid];
-      const float v1 = dv_acc[dt][c0 + 1] + xch[((Tr::D_TILES + dt) * 4 + c0 + 1) * 128 + wtid];
+      const int col = dt * 8 + 2 * t;
       *reinterpret_cast<float2*>(dk + key * p.dk_row_stride + col) =
-          make_float2(k0 * p.softmax_scale, k1 * p.softmax_scale);
-      *reinterpret_cast<float2*>(dv + key * p.dv_row_stride + col) = make_float2(v0, v1);
+          make_float2(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<float2*>(dv + key * p.dv_row_stride + col) = make_float2(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
     }
   }
 }
 
-// Consumer warpgroup cwg: the steps i with i % 2 == cwg, for all 64 keys of the CTA; then both consumers' dK, dV
-// added by consumer 0 and stored.
+// Consumer warpgroup cwg: keys 64 cwg .. 64 cwg + 63 of the CTA, every step; then its dK, dV. Per step i, as wgmma
+// groups in this order: S^T_i and dP^T_i, dV_i once P^T_i is in registers, dK_i once dS^T_i is. OVERLAP (where the
+// registers allow it: 16 queries per step; at 32, 20-28 bytes spilled) issues S^T_{i+1} and dP^T_{i+1} right behind
+// dK_i and waits for dK_i behind them, so the tensor cores have the next step's products while this step's dK ends,
+// and computes dS^T under the dV GEMM into registers of its own (dV still reads P^T's).
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdTf32Smem<Tr>& sm, unsigned char* smem,
                                                   const KeyBlock& kb, int steps) {
+  constexpr bool OVERLAP = Tr::BLOCK_M == 16;
   const int ctid = threadIdx.x - 128;
   const int cwg = __shfl_sync(0xffffffffu, ctid / 128, 0);
   const int wtid = ctid & 127, lane = ctid & 31, warp = wtid / 32, t = lane & 3;
-  const int key_row0 = warp * 16;  // this warp's keys in the CTA's 64
+  const int key_row0 = cwg * 64 + warp * 16;  // this warp's first key in the CTA's
   const float scale_log2 = p.scale_log2;
 
   float dk_acc[Tr::D_TILES][4], dv_acc[Tr::D_TILES][4];
@@ -317,114 +316,136 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
   float tile[Tr::D_TILES][4];  // one step's dV or dK (a chain of k BLOCK_M), added to dv_acc / dk_acc in fp32
   float s_acc[1][Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
-  u32 p_big[Tr::Q_TILES][4], p_small[Tr::X3 ? Tr::Q_TILES : 1][4];  // P^T's A registers for dV, then dS^T's for dK
+  u32 p_big[Tr::Q_TILES][4], p_small[Tr::X3 ? Tr::Q_TILES : 1][4];  // P^T's A registers for dV (and dS^T's for dK)
+  u32 ds_big[OVERLAP ? Tr::Q_TILES : 1][4], ds_small[OVERLAP && Tr::X3 ? Tr::Q_TILES : 1][4];
+
+  // S^T_i = K Q_i^T and dP^T_i = V dO_i^T, two commit groups, once step i's operands are ready
+  auto issue_sdp = [&](int i) {
+    const int s = i % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.q_ready(s), (i / Tr::STAGES) & 1);
+    mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);  // (done: q_ready follows it) lse_log2, delta
+    // K's and V's descriptors from an address the optimizer cannot see through: else it keeps all of them (loop
+    // invariants, 2 per k step and part) in registers across the query loop, which spilled
+    const u32 k_small = static_cast<u32>(opaque(static_cast<int>(sm.k()))) + Tr::TileKV::offset(cwg * 64, 0);
+    const u32 k_big = k_small + (Tr::OFF_KB - Tr::OFF_K), v_small = k_small + (Tr::OFF_V - Tr::OFF_K),
+              v_big = k_small + (Tr::OFF_VB - Tr::OFF_K);
+    const u32 q_small = sm.x(s, 0), q_big = sm.x_big(s, 0), do_small = sm.x(s, 1), do_big = sm.x_big(s, 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      tf32_ss<Tr::BLOCK_M, Tr::X3>(
+          s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk), Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
+          Tr::TileQ::desc_k_major(q_small, 0, 16 * kk), Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      tf32_ss<Tr::BLOCK_M, Tr::X3>(
+          dp_acc, Tr::TileKV::desc_k_major(v_small, 0, 16 * kk), Tr::TileKV::desc_k_major(v_big, 0, 16 * kk),
+          Tr::TileQ::desc_k_major(do_small, 0, 16 * kk), Tr::TileQ::desc_k_major(do_big, 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
+  };
 
   mbarrier_wait_or_trap(sm.kv_ready(), 0);
   // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next)
   const int blocks = kb.m_end - kb.m_begin;
-  const int s = cwg;  // stage i % STAGES of step i: consumer c takes the steps, and the stage, of parity c
-  for (int i = cwg; i < steps; i += Tr::CONSUMERS) {
-    {
-      const int m0 = (kb.m_begin + i % blocks) * Tr::BLOCK_M;
-      mbarrier_wait_or_trap(sm.q_ready(s), (i / Tr::STAGES) & 1);
-      mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);  // (done: q_ready follows it) lse_log2, delta
-      // K's and V's descriptors from an address the optimizer cannot see through: else it keeps all of them (loop
-      // invariants, 2 per k step and part) in registers across the query loop, which spilled
-      const u32 k_small = static_cast<u32>(opaque(static_cast<int>(sm.k())));
-      const u32 k_big = k_small + (Tr::OFF_KB - Tr::OFF_K), v_small = k_small + (Tr::OFF_V - Tr::OFF_K),
-                v_big = k_small + (Tr::OFF_VB - Tr::OFF_K);
-      const u32 q_small = sm.x(s, 0), q_big = sm.x_big(s, 0), do_small = sm.x(s, 1), do_big = sm.x_big(s, 1);
-      wgmma_fence();
+  if (OVERLAP) issue_sdp(0);
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % Tr::STAGES;
+    if (!OVERLAP) issue_sdp(i);
+    const int m0 = (kb.m_begin + i % blocks) * Tr::BLOCK_M;
+    // lse_log2 of this thread's query columns (pad rows: +inf)
+    const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
+    float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
 #pragma unroll
-      for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-        tf32_ss<Tr::BLOCK_M, Tr::X3>(
-            s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk), Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
-            Tr::TileQ::desc_k_major(q_small, 0, 16 * kk), Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
-      wgmma_commit_group();
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt) lse[qt] = *reinterpret_cast<const float2*>(lse_smem + qt * 8 + 2 * t);
+    wgmma_wait_group<1>();  // S^T_i (dP^T_i may run on)
+    wgmma_fence_operand(s_acc[0]);
+    // P^T in registers of its own: no other instruction than wgmma defines s_acc, whose next product is issued while
+    // dK_i runs (written in place, ptxas serialized the wgmma of the whole loop, C7515)
+    float prob[1][Tr::Q_TILES][4];
 #pragma unroll
-      for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-        tf32_ss<Tr::BLOCK_M, Tr::X3>(
-            dp_acc, Tr::TileKV::desc_k_major(v_small, 0, 16 * kk), Tr::TileKV::desc_k_major(v_big, 0, 16 * kk),
-            Tr::TileQ::desc_k_major(do_small, 0, 16 * kk), Tr::TileQ::desc_k_major(do_big, 0, 16 * kk), kk > 0);
-      wgmma_commit_group();
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) prob[0][qt][c] = s_acc[0][qt][c];
+    if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
+      apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(prob[0], kb.n0 + key_row0, m0, kb.band, lane);
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        prob[0][qt][c] = ex2_approx(fmaf(prob[0][qt][c], scale_log2, (c & 1) ? -lse[qt].y : -lse[qt].x));
+    tf32_probs_to_regs<Tr::X3>(prob, p_big, p_small);
+    // delta of the same columns (pad rows: 0)
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+      delta[qt] = *reinterpret_cast<const float2*>(lse_smem + Tr::BLOCK_M + qt * 8 + 2 * t);
+    // dV_i = P^T dO_i: B = dO^T (head_dim rows of the step's queries in P^T's column order)
+    const u32 dot_big = sm.xt(s, 1), dot_small = sm.xt_small(s, 1);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::Q_TILES; ++kk)
+      tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, p_big[kk], p_small[Tr::X3 ? kk : 0],
+                                    Tr::TileQt::desc_k_major(dot_big, 0, 16 * kk),
+                                    Tr::TileQt::desc_k_major(dot_small, 0, 16 * kk), kk > 0);
+    wgmma_commit_group();
 
-      // lse_log2 of this thread's query columns (pad rows: +inf)
-      const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
-      float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt) lse[qt] = *reinterpret_cast<const float2*>(lse_smem + qt * 8 + 2 * t);
-      wgmma_wait_group<1>();  // S^T
-      wgmma_fence_operand(s_acc[0]);
-      if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
-        apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(s_acc[0], kb.n0 + key_row0, m0, kb.band, lane);
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          s_acc[0][qt][c] = ex2_approx(fmaf(s_acc[0][qt][c], scale_log2, (c & 1) ? -lse[qt].y : -lse[qt].x));
-      tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
-      // delta of the same columns (pad rows: 0)
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-        delta[qt] = *reinterpret_cast<const float2*>(lse_smem + Tr::BLOCK_M + qt * 8 + 2 * t);
-      // dV_i = P^T dO_i: B = dO^T (head_dim rows of the step's queries in P^T's column order)
-      const u32 dot_big = sm.xt(s, 1), dot_small = sm.xt_small(s, 1);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < Tr::Q_TILES; ++kk)
-        tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, p_big[kk], p_small[Tr::X3 ? kk : 0],
-                                      Tr::TileQt::desc_k_major(dot_big, 0, 16 * kk),
-                                      Tr::TileQt::desc_k_major(dot_small, 0, 16 * kk), kk > 0);
-      wgmma_commit_group();
-
-      // dP^T and dV_i: waiting for dV here frees P's registers for dS's (with dS computed under the dV GEMM, 16 bytes
-      // spilled); the other consumer's GEMMs keep the tensor cores busy meanwhile
+    // dP^T_i; without OVERLAP also dV_i, which frees P's registers for dS's (the other consumer's GEMMs keep the
+    // tensor cores busy meanwhile)
+    if constexpr (OVERLAP) {
+      wgmma_wait_group<1>();
+    } else {
       wgmma_wait_group<0>();
-      wgmma_fence_operand(dp_acc);
       wgmma_fence_operand(tile);
       add_tile(dv_acc, tile);
-      // dS^T = P^T (dP^T - delta), into s_acc (softmax_scale goes on dK at the end). 3xTF32 takes P^T as big + small
-      // (about 22 bits) from the A registers, so that the fp32 P^T need not stay live under the dV GEMM (it spilled)
+    }
+    wgmma_fence_operand(dp_acc);
+    // dS^T = P^T (dP^T - delta), in place of P^T (softmax_scale goes on dK at the end). 3xTF32 takes P^T as big + small
+    // (about 22 bits) from the A registers, so that the fp32 P^T need not stay live under the dV GEMM (it spilled)
 #pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int r = (c == 1) ? 2 : (c == 2) ? 1 : c;  // tf32_probs_to_regs's register of element c
-          const float prob = Tr::X3 ? __uint_as_float(p_big[qt][r]) + __uint_as_float(p_small[Tr::X3 ? qt : 0][r])
-                                    : s_acc[0][qt][c];
-          s_acc[0][qt][c] = prob * (dp_acc[qt][c] - ((c & 1) ? delta[qt].y : delta[qt].x));
-        }
-      tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
-      // dK_i = dS^T Q_i: B = Q^T
-      const u32 qt_big = sm.xt(s, 0), qt_small = sm.xt_small(s, 0);
-      wgmma_fence();
+      for (int c = 0; c < 4; ++c) {
+        const int r = (c == 1) ? 2 : (c == 2) ? 1 : c;  // tf32_probs_to_regs's register of element c
+        const float pr = Tr::X3 ? __uint_as_float(p_big[qt][r]) + __uint_as_float(p_small[Tr::X3 ? qt : 0][r])
+                                : prob[0][qt][c];
+        prob[0][qt][c] = pr * (dp_acc[qt][c] - ((c & 1) ? delta[qt].y : delta[qt].x));
+      }
+    if constexpr (OVERLAP) {
+      tf32_probs_to_regs<Tr::X3>(prob, ds_big, ds_small);
+      wgmma_wait_group<0>();  // dV_i
+      wgmma_fence_operand(tile);
+      add_tile(dv_acc, tile);
+    } else {
+      tf32_probs_to_regs<Tr::X3>(prob, p_big, p_small);
+    }
+    // dK_i = dS^T Q_i: B = Q^T
+    const u32 qt_big = sm.xt(s, 0), qt_small = sm.xt_small(s, 0);
+    wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < Tr::Q_TILES; ++kk)
+    for (int kk = 0; kk < Tr::Q_TILES; ++kk) {
+      if constexpr (OVERLAP)
+        tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, ds_big[kk], ds_small[Tr::X3 ? kk : 0],
+                                      Tr::TileQt::desc_k_major(qt_big, 0, 16 * kk),
+                                      Tr::TileQt::desc_k_major(qt_small, 0, 16 * kk), kk > 0);
+      else
         tf32_rs<Tr::HEAD_DIM, Tr::X3>(tile, p_big[kk], p_small[Tr::X3 ? kk : 0],
                                       Tr::TileQt::desc_k_major(qt_big, 0, 16 * kk),
                                       Tr::TileQt::desc_k_major(qt_small, 0, 16 * kk), kk > 0);
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      wgmma_fence_operand(tile);
-      add_tile(dk_acc, tile);
-      if (lane == 0) mbarrier_arrive(sm.q_empty(s));  // stage s is read
     }
+    wgmma_commit_group();
+    // the next step's S^T and dP^T behind dK_i (s_acc, dp_acc are free: dS^T is in the A registers)
+    if (OVERLAP && i + 1 < steps) {
+      issue_sdp(i + 1);
+      wgmma_wait_group<2>();  // dK_i
+    } else {
+      wgmma_wait_group<0>();
+    }
+    wgmma_fence_operand(tile);
+    add_tile(dk_acc, tile);
+    if (lane == 0) mbarrier_arrive(sm.q_empty(s));  // stage s is read
   }
 
-  // consumer 1's dK, dV -> the first stage (every step is done: the barrier), consumer 0 adds them and stores
-  named_barrier_sync(Tr::EPI_BAR, Tr::CONSUMER_THREADS);
-  float* xch = reinterpret_cast<float*>(smem + Tr::OFF_STAGES);
-  if (cwg == 1) {
-#pragma unroll
-    for (int dt = 0; dt < Tr::D_TILES; ++dt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        xch[(dt * 4 + c) * 128 + wtid] = dk_acc[dt][c];
-        xch[((Tr::D_TILES + dt) * 4 + c) * 128 + wtid] = dv_acc[dt][c];
-      }
-  }
-  named_barrier_sync(Tr::EPI_BAR, Tr::CONSUMER_THREADS);
-  if (cwg == 0) bwd_tf32_store_dk_dv<Tr>(p, kb, xch, dk_acc, dv_acc, key_row0, wtid, lane);
+  bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane);
 }
 
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
@@ -460,7 +481,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.q_full(s), 1);
       mbarrier_init(sm.q_ready(s), Tr::SPLIT_THREADS);
-      mbarrier_init(sm.q_empty(s), 4);
+      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_WARPS);
     }
     fence_mbarrier_init();
   }

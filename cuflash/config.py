@@ -1293,8 +1293,9 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
 class BwdSm90Tf32Config:
     """One float32 Hopper backward instantiation, its main kernel (dK, dV):
     `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3>, IS_CAUSAL, HAS_WINDOW>` (cuda/bwd_sm90_tf32.cuh):
-    K/V-outer CTAs of 64 keys, TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K, V and each
-    step's Q, dO, and transposing Q and dO) and two consumer warpgroups taking alternate steps of block_m queries.
+    K/V-outer CTAs of 128 keys, TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K, V and each
+    step's Q, dO, and transposing Q and dO) and two consumer warpgroups of 64 keys taking every step of block_m
+    queries together.
     dQ comes from a second kernel, `dq_config()` (Q-outer, no atomics: the backward repeats bitwise). dtype "fp32":
     3xTF32, "tf32": one TF32 pass; window: a sliding window."""
 
@@ -1310,15 +1311,15 @@ class BwdSm90Tf32Config:
             raise ValueError(f"dtype={self.dtype!r}; allowed: 'fp32', 'tf32'")
         if self.head_dim != 64:
             raise ValueError(f"head_dim={self.head_dim} is not a head dim of the TF32 backward; allowed: 64")
-        if self.block_m not in (32, 64) or self.stages != 2:
-            raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 32 or 64, 2 stages")
+        if self.block_m not in (16, 32) or not 2 <= self.stages <= 4:
+            raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 16 or 32, 2-4 stages")
         if self.causal and self.window:
             raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
         if self.smem_bytes > 227 * 1024:
             raise ValueError(f"block_m={self.block_m} at dtype {self.dtype!r} needs {self.smem_bytes} bytes of shared "
                              f"memory (the limit is {227 * 1024})")
 
-    block_n = 64  # keys per CTA
+    block_n = 128  # keys per CTA: two consumer warpgroups of 64
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
     threads = 384
 
@@ -1398,16 +1399,21 @@ class BwdDqSm90Tf32Config:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
 
 
-# The float32 Hopper backward's tiles per (dtype, head dim): the dK / dV kernel's block_m (queries per step), the dQ
-# kernel's (block_n, stages, consumers). 3xTF32 keeps K, V and two stages of Q, dO with their transposes (192 KB at
-# block_m 32) and, in the dQ kernel, Q and dO of 128 rows and two stages of 32-key K, K^T, V (225 KB).
-BWD_SM90_TF32_TILES = {"fp32": {64: 32}, "tf32": {64: 32}}
+# The float32 Hopper backward's tiles per (dtype, head dim): the dK / dV kernel's (block_m: queries per step, stages),
+# the dQ kernel's (block_n, stages, consumers). 3xTF32 keeps 128 keys of K, V and three stages of 16-query Q, dO with
+# their transposes (225 KB) and, in the dQ kernel, Q and dO of 128 rows and two stages of 32-key K, K^T, V (225 KB).
+# Measured on an H100 (2026-11-27, FA shapes, N 1k-16k): one-pass TF32 with 32-query steps ran 103-116 TFLOP/s, with
+# 16-query steps and the next step's products issued under dK (the kernel's OVERLAP) 92-103; 3xTF32, whose 32-query
+# steps do not fit with 128 keys, 47-50 either way (and 45-49 with 64 keys per CTA, the two consumers taking
+# alternate steps of 32 queries).
+BWD_SM90_TF32_TILES = {"fp32": {64: (16, 3)}, "tf32": {64: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {64: (32, 2, 2)}, "tf32": {64: (64, 2, 2)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> BwdSm90Tf32Config:
-    return BwdSm90Tf32Config(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim], dtype, causal, window)
+    block_m, stages = BWD_SM90_TF32_TILES[dtype][head_dim]
+    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages)
 
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #

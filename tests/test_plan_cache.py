@@ -270,7 +270,7 @@ def test_backward_tma_maps_follow_the_arrays():
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_float32_backward_takes_the_tf32_kernels_with_their_own_maps(precision):
-    """float32 at head dim 64 on the faked sm_90a: the preprocess, bwd_sm90_tf32_kernel (grid of 64-key blocks per
+    """float32 at head dim 64 on the faked sm_90a: the preprocess, bwd_sm90_tf32_kernel (grid of 128-key blocks per
     K/V head) and bwd_dq_sm90_tf32_kernel (grid of query blocks per head), each with float32 maps of the call's own
     q, dout, k, v in its own boxes; no dQ accumulator (dQ is the dQ kernel's output) and no conversion launch; a
     replay launches the same bytes as the full path."""
@@ -283,7 +283,7 @@ def test_float32_backward_takes_the_tf32_kernels_with_their_own_maps(precision):
             lambda: cuflash.attention_backward(*a.values(), causal=True, precision=precision), 1 << 50)
         names = [n for n, _, _ in launches]
         assert len(names) == 3 and "preprocess" in names[0] and names[1:] == [main.cpp_name(), dqc.cpp_name()], names
-        assert launches[1][1] == main.grid(2, 2, 72) == (2, 2, 2) and launches[2][1] == dqc.grid(2, 4, 40)
+        assert launches[1][1] == main.grid(2, 2, 72) == (1, 2, 2) and launches[2][1] == dqc.grid(2, 4, 40)
         for blob, cfg in ((launches[1][2], main), (launches[2][2], dqc)):
             ws = _tma.BwdWsParams.from_buffer_copy(blob)
             for m, x, rows in ((ws.tma_q, a["q"], cfg.block_m), (ws.tma_do, a["dout"], cfg.block_m),
