@@ -126,7 +126,7 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //   kv_full      count 1 + tx: K and V          kv_ready   count SPLIT_THREADS: K and V split
 //   q_full[s]    count 1 + tx: Q_i, dO_i, lse_log2_i, delta_i
 //   q_ready[s]   count SPLIT_THREADS: Q_i, dO_i split and transposed
-//   q_empty[s]   count CONSUMER_WARPS: every consumer's last GEMM on stage s retired
+//   q_empty[s]   count CONSUMER_THREADS: every consumer thread, once its last GEMM on stage s retired
 // Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
 // the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
 template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_>
@@ -138,7 +138,6 @@ struct BwdTf32Traits {
   static constexpr int CONSUMERS = 2;                  // 64 keys each (one warpgroup's M), every step
   static constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per CTA
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
-  static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
   static constexpr int SPLIT_THREADS = 96;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
@@ -442,7 +441,9 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     }
     wgmma_fence_operand(tile);
     add_tile(dk_acc, tile);
-    if (lane == 0) mbarrier_arrive(sm.q_empty(s));  // stage s is read
+    // stage s is read: every thread arrives, which orders its own reads of lse_log2_i and delta_i before the producer's
+    // next copies into the stage (one arrive per warp left the other lanes' reads unordered: racecheck's WAR hazards)
+    mbarrier_arrive(sm.q_empty(s));
   }
 
   bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane);
@@ -481,7 +482,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.q_full(s), 1);
       mbarrier_init(sm.q_ready(s), Tr::SPLIT_THREADS);
-      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_WARPS);
+      mbarrier_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
     fence_mbarrier_init();
   }
