@@ -154,10 +154,11 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
     runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and
     fp64 the registry picks the wide kernels (FwdWideConfig / BwdWideConfig, cuda/wide.cuh), whose tiles are the same
-    on every target and for both families, except the fp32 / tf32 forward at kernel head dims 64 and 128 (no score
-    modifier but a window), which is the TF32 wgmma kernel (FwdSm90Tf32Config, cuda/fwd_sm90_tf32.cuh) with "auto";
-    they have no deterministic backward. For fp8 the FP8 forward
-    (config.FwdSm90Fp8Config, fp8_config): forward only."""
+    on every target and for both families, except, with "auto", the fp32 / tf32 forward at kernel head dims 64 and 128
+    and backward at kernel head dim 64 (no score modifier but a window), which are the TF32 wgmma kernels
+    (FwdSm90Tf32Config, cuda/fwd_sm90_tf32.cuh; BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh, whose dQ kernel is its
+    dq_config; a window selects the same tiles); they have no deterministic backward (as the library), though the
+    TF32 one sums dQ without atomics. For fp8 the FP8 forward (config.FwdSm90Fp8Config, fp8_config): forward only."""
     check_kernels(kernels)
     if p.dtype in FP8_DTYPES:
         return fp8_config(p, backward, kernels)
@@ -165,13 +166,13 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     if p.dtype not in dtypes:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(dtypes)} only (got dtype={p.dtype!r})")
     if deterministic and p.dtype in _config.WIDE_DTYPES:
-        raise ValueError(f"deterministic=True: cuflash's {p.dtype} backward sums dQ with atomics only (no deterministic "
-                         f"variant, as the library)")
+        raise ValueError(f"deterministic=True: cuflash's {p.dtype} backward has no deterministic variant (as the "
+                         f"library)")
     hd = _config.kernel_head_dim(p.head_dim, p.dtype)
     if p.head_dim % _config.CHUNK_ELEMS:
         raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
                          f"(got head_dim={p.head_dim})")
-    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic
+    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic or TF32
         return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
     if not runs_window_kernel(p):
         return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels, seqlen_k=p.seqlen_k)

@@ -26,8 +26,10 @@ Strategies (docs/IO_ANALYSIS.md):
             preprocess / convert launches, with config.select's tiles, the same on every target): global
             traffic and FLOPs only; their shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
             On sm_90a the fp32 / tf32 forward at kernel head dims 64 and 128 (no modifier but a window) is
-            fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd): its shared-memory bytes are
-            counted from its program order (bank_conflicts None).
+            fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at kernel head
+            dim 64 is bwd_sm90_tf32_kernel (dK, dV; config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ,
+            its dq_config), no dQ accumulator and no atomics: their shared-memory bytes are counted from their
+            program order (_tf32_bwd_shared; bank_conflicts None).
             fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
             V, bf16 O, fwd_sm90_ws_kernel's schedule with the config's key tiles, V transposed in shared memory,
             float32 descale factors); forward only, and the only strategy that counts fp8.
@@ -123,6 +125,8 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.BwdWideConfig: "bwd_wide_kernel",
     _config.FwdSm90Fp8Config: "fwd_sm90_fp8_kernel",
     _config.FwdSm90Tf32Config: "fwd_sm90_tf32_kernel",
+    _config.BwdSm90Tf32Config: "bwd_sm90_tf32_kernel",
+    _config.BwdDqSm90Tf32Config: "bwd_dq_sm90_tf32_kernel",
 }
 
 
@@ -394,6 +398,14 @@ def _bwd_visits(cfg, p: Problem, causal_skip: bool) -> tuple[np.ndarray, np.ndar
     return visits, np.where(visits > 0, rows_cum[m_end] - rows_cum[np.minimum(m_begin, m_end)], 0)
 
 
+def _dq_kernel_config(cfg, p: Problem):
+    """The config of the Q-outer dQ kernel that follows the main kernel cfg: the float32 Hopper backward's own
+    (BwdSm90Tf32Config.dq_config, bwd_dq_sm90_tf32_kernel), else dq_config's bwd_dq_kernel (deterministic)."""
+    if isinstance(cfg, _config.BwdSm90Tf32Config):
+        return cfg.dq_config()
+    return _config.dq_config(cfg.head_dim, p.dtype, p.causal)
+
+
 def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False,
                              kernels: str = DEFAULT_KERNELS) -> list[KernelTraffic]:
     """The launches of cuflash.attention_backward and what each reads and writes (cuda/bwd.cuh; the main
@@ -403,10 +415,10 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
-    2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited
-       query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats, pad rows included)
-       and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ tile into
-       dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
+    2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j
+       (valid keys) once; per visited query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats,
+       pad rows included) and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ
+       tile into dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
        the block).
     3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ;
        bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel (whose dQ adds are bulk reductions of the same bytes):
@@ -417,12 +429,21 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     fp32, tf32 and fp64 (cuda/wide.cuh, a BwdWideConfig) run the same three launches with the same accesses:
     bwd_wide_preprocess_kernel, bwd_wide_kernel (K/V-outer; dQ tile atomics, float64 atomicAdd for fp64) and
     bwd_wide_convert_dq_kernel (one thread per pair of elements); lse, lse_log2, delta and dq_accum are
-    stat_bytes wide (float32, float64 for fp64). They have no deterministic variant."""
+    stat_bytes wide (float32, float64 for fp64). They have no deterministic variant.
+
+    fp32 and tf32 at kernel head dim 64 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh) have no dQ
+    accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
+    (ceil(Sk / 64), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
+    every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
+    accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
+    are written once each (zeros where no query or key is seen)."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
-    wide = isinstance(cfg, _config.BwdWideConfig)
+    tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
+    wide = isinstance(cfg, _config.BwdWideConfig) or tf32
+    dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel: no accumulator, no atomics
     bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
-    acc_bytes = 0 if deterministic else pad * hd * s4  # dq_accum per (batch, head)
+    acc_bytes = 0 if dq_kernel else pad * hd * s4  # dq_accum per (batch, head)
     pre = _config.ElementwiseConfig("preprocess", p.dtype)
     out = [KernelTraffic("bwd_wide_preprocess_kernel" if wide else "bwd_preprocess_kernel",
                          (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
@@ -431,15 +452,15 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     keys = block_sizes(sk, cfg.block_n)
     reads = 2 * int((keys * (visits > 0)).sum()) * d * e + 2 * int(q_rows.sum()) * d * e \
         + 2 * int(visits.sum()) * cfg.block_m * s4
-    atomics = 0 if deterministic else int(visits.sum()) * cfg.block_m * hd * s4
+    atomics = 0 if dq_kernel else int(visits.sum()) * cfg.block_m * hd * s4
     out.append(KernelTraffic(kernel_name(cfg), cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
                              bh * 2 * sk * d * e, bh * atomics))
-    if deterministic:
-        dcfg = _config.dq_config(hd, p.dtype, p.causal)
+    if dq_kernel:
+        dcfg = _dq_kernel_config(cfg, p)
         t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
         reads = (2 * int((t.rows * t.visits_q).sum()) * d * e + 2 * int(t.visits_q.sum()) * dcfg.block_m * s4
                  + 2 * int(t.kv_rows.sum()) * d * e)
-        out.append(KernelTraffic("bwd_dq_kernel", dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
+        out.append(KernelTraffic(kernel_name(dcfg), dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
     elif isinstance(cfg, _config.BwdSm90WsConfig):  # one thread per 4 floats of dQ_acc's 64-row blocks (in the
         # main kernel's accumulator order): head_dim columns of every row of the blocks that hold a row < Sq
@@ -454,35 +475,83 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     return out
 
 
+def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
+    """(read, write) shared-memory bytes of the float32 Hopper backward's two kernels (cuda/bwd_sm90_tf32.cuh; fp32 as
+    3xTF32, tf32), all batches and heads, counted in the kernels' program order as _cuflash_tf32_fwd counts the
+    forward's (parts: 2 with 3xTF32, its big and small part, else 1, the rounded value; products: 3 with 3xTF32,
+    else 1; every tile float32, HEAD_DIM columns, whole boxes).
+
+    The splitters read each TMA box once and write its parts (3xTF32: the small part in place and the big one
+    beside it; one pass: the rounded value in place), and for the tiles a GEMM takes transposed also the transpose
+    in as many parts.
+    bwd_sm90_tf32_kernel, per CTA with a step (a CTA whose keys no query sees stores zeros without shared memory):
+    TMA writes the K and V boxes (64 rows) once and the Q and dO boxes (BLOCK_M rows) of every step; the splitters
+    prepare K, V and, per step, Q, dO with Q^T, dO^T; per step one consumer warpgroup's wgmma read K and Q for S^T,
+    V and dO for dP^T, dO^T for dV and Q^T for dK, once per product; at the end consumer 1 writes its dK and dV
+    accumulators (64 x HEAD_DIM floats each) and consumer 0 reads them for the keys and head-dim columns it stores.
+    bwd_dq_sm90_tf32_kernel, per CTA that sees a key: TMA writes the Q and dO boxes (BLOCK_M = 64 * CONSUMERS rows)
+    once and the K and V boxes of every visited key tile; the splitters prepare Q, dO and, per key tile, K with K^T
+    and V; per key tile each consumer warpgroup's wgmma reads its 64 rows of Q and the K tile for S, its rows of dO
+    and the V tile for dP, and K^T for dQ, once per product. dQ leaves from registers."""
+    parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    visits, _ = _bwd_visits(cfg, p, causal_skip)
+    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    keys = int((block_sizes(p.seqlen_k, bn) * (visits > 0)).sum())  # keys of the CTAs with a step
+    q_tile, kv_tile = 4 * bm * hd, 4 * bn * hd
+    # per CTA: TMA K, V, their parts, consumer 1's dK, dV; per step: TMA Q, dO, their parts and transposes
+    write = ctas * kv_tile * (2 + 2 * parts + 2) + steps * q_tile * (2 + 4 * parts)
+    # per CTA: the splitters' K, V, consumer 0's reads of the stored keys' dK, dV; per step: the splitters' Q, dO,
+    # the wgmma operands (K, Q; V, dO; dO^T; Q^T)
+    read = (ctas * 2 * kv_tile + 2 * keys * p.head_dim * 4
+            + steps * (2 * q_tile + products * (2 * kv_tile + 4 * q_tile)))
+    dcfg = cfg.dq_config()
+    t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
+    ctas, tiles = int(t.visits_q.sum()), int(t.tiles)
+    q_tile, kv_tile = 4 * dcfg.block_m * hd, 4 * dcfg.block_n * hd
+    # per CTA: TMA Q, dO and their parts; per key tile: TMA K, V, their parts and K^T's
+    write += ctas * q_tile * (2 + 2 * parts) + tiles * kv_tile * (2 + 3 * parts)
+    # per CTA: the splitters' Q, dO; per key tile: the splitters' K, V, each consumer's wgmma operands (its Q rows
+    # and K; its dO rows and V; K^T)
+    read += ctas * 2 * q_tile + tiles * (2 * kv_tile + products * (2 * q_tile + 3 * dcfg.consumers * kv_tile))
+    return read * p.batch_heads, write * p.batch_heads
+
+
 def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
                  kernels: str = DEFAULT_KERNELS) -> Counts:
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
     a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
     conflicts from walking every shared access of the main kernel (and bwd_dq_kernel). The wide kernels
     (fp32, tf32, fp64): global traffic and FLOPs (3xTF32 counted as one product) only, their shared memory is
-    not modelled (sram_*_bytes and bank_conflicts None)."""
+    not modelled (sram_*_bytes and bank_conflicts None). The float32 Hopper backward (bwd_sm90_tf32_kernel and
+    bwd_dq_sm90_tf32_kernel): global traffic and FLOPs as the 16-bit deterministic backward's (S^T and dP^T in the
+    dK / dV kernel, S and dP again in the dQ kernel: 7 products instead of 5, 3xTF32's passes counted as one),
+    shared-memory bytes from its program order (_tf32_bwd_shared), bank_conflicts None (not walked)."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
     c.hbm_read_bytes = sum(k.read_bytes + k.atomic_bytes for k in launches)
     c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in launches)
+    tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
     wide = isinstance(cfg, _config.BwdWideConfig)
-    walks = [] if wide else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim,
-                                                     causal_skip, p.window)]
+    dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel instead of atomics
+    walks = [] if wide or tf32 else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k,
+                                                             p.head_dim, causal_skip, p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; bwd_wide_kernel's warps
     # each sum their head-dim slice and add the slices (the softmax work stays per warp); a wgmma warpgroup owns its
-    # 64 keys whole, so bwd_sm90_kernel computes them once
+    # 64 keys whole, so bwd_sm90_kernel and bwd_sm90_tf32_kernel compute them once
     ds = cfg.d_split if isinstance(cfg, (_config.BwdConfig, _config.BwdWideConfig)) else 1
     ds_mm = 1 if wide else ds
     visits = int(_bwd_visits(cfg, p, causal_skip)[0].sum())
     # per visit: S^T and dP^T (D_SPLIT times but in the wide kernels), dV and dK, dQ (atomic mode)
-    c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds_mm + 2 + (0 if deterministic else 1))
+    c.flops_matmul = visits * 2 * bm * bn * hd * (2 * ds_mm + 2 + (0 if dq_kernel else 1))
     scores = visits * ds * bm * bn
-    if deterministic:
-        dcfg = _config.dq_config(hd, p.dtype, p.causal)
-        walks.append(banks.dq_kernel_shared(dcfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip,
-                                            p.window))
+    if dq_kernel:
+        dcfg = _dq_kernel_config(cfg, p)
+        if not tf32:
+            walks.append(banks.dq_kernel_shared(dcfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim,
+                                                causal_skip, p.window))
         tiles = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip).tiles
         c.flops_matmul += tiles * 3 * 2 * dcfg.block_m * dcfg.block_n * hd  # S, dP and dQ recomputed per tile
         scores += tiles * dcfg.block_m * dcfg.block_n
@@ -491,6 +560,9 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.flops_useful = 10 * p.head_dim * allowed_pairs(p) * p.batch_heads
     if wide:  # the wide kernels' shared memory is not modelled
         c.sram_read_bytes = c.sram_write_bytes = c.bank_conflicts = None
+    elif tf32:  # counted from the program order, not walked
+        c.sram_read_bytes, c.sram_write_bytes = _tf32_bwd_shared(p, cfg, causal_skip)
+        c.bank_conflicts = None
     else:
         c.sram_read_bytes = sum(w.read_bytes for w in walks)
         c.sram_write_bytes = sum(w.write_bytes for w in walks)
@@ -498,7 +570,7 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.launches = len(launches)
     pad = seqlen_q_pad(p.seqlen_q)
     s = p.stat_bytes
-    c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if deterministic else pad * hd * s))
+    c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if dq_kernel else pad * hd * s))
     return c
 
 

@@ -49,8 +49,11 @@ def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
         assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
     assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
-    # the backward stays on bwd_wide_kernel, and float64 on its own kernels
-    assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdWideConfig)
+    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dim 64 with the default kernels, bwd_wide_kernel at
+    # the other head dims and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
+    assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdSm90Tf32Config)
+    assert isinstance(config.select("backward", 128, dtype, False, "sm_90a"), config.BwdWideConfig)
+    assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)
     assert isinstance(config.select("forward", 64, "fp64", False, "sm_90a"), config.FwdWideConfig)
 
 

@@ -251,6 +251,22 @@ def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main, conv
         simulate("cuflash", p, deterministic=True)
 
 
+def test_every_attention_kernel_has_its_name():
+    """Every attention kernel config the library instantiates on the H100 (config.all_fwd_configs, all_bwd_configs)
+    is one the analyzer names, and by the function its cpp_name instantiates: a kernel family added to the library
+    fails here until the analyzer knows it. (The preprocess, convert, combine, append and dropout-mask kernels are
+    named by the launch lists themselves.)"""
+    import re
+
+    from cuflash.simulator.strategies import kernel_name
+
+    aux = (config.ElementwiseConfig, config.CombineConfig, config.AppendConfig, config.DropoutMaskConfig)
+    cfgs = [c for c in config.all_fwd_configs("sm_90a") + config.all_bwd_configs("sm_90a") if not isinstance(c, aux)]
+    assert {type(c) for c in cfgs} >= {config.BwdSm90Tf32Config, config.BwdDqSm90Tf32Config, config.FwdSm90Tf32Config}
+    for c in cfgs:
+        assert kernel_name(c) == re.match(r"cuflash::(\w+)<", c.cpp_name()).group(1), c.cpp_name()
+
+
 def test_figure_2_configuration():
     """GPT-2 medium (N=1024, d=64, 16 heads, batch 64, fp16), forward + backward. The paper reports
     40.3 GB (standard) vs 4.4 GB (FlashAttention); exact algorithm counts give 25.2 GB vs 4.65 GB

@@ -2,6 +2,7 @@
 counts the wide kernels of cuda/wide.cuh from their configs, and the HBM-vs-N plot draws several dtypes."""
 import math
 
+import numpy as np
 import pytest
 
 from cuflash import config
@@ -122,11 +123,128 @@ def test_cuflash_wide_backward_is_a_hand_count_of_its_tiles():
 
 
 def test_cuflash_wide_backward_launch_names():
-    from cuflash.simulator.strategies import cuflash_backward_kernels
+    """bwd_wide_kernel's three launches where the registry picks it (kernels="mma"; fp32 at head dim 128); on sm_90a
+    fp32 and tf32 at head dim 64 the TF32 backward's: the preprocess, bwd_sm90_tf32_kernel over the 64-key blocks
+    and bwd_dq_sm90_tf32_kernel over its query blocks of 128 rows, no dQ conversion and no atomics."""
+    from cuflash.simulator.strategies import cuflash_backward_kernels, kernel_name
 
-    ks = cuflash_backward_kernels(P(300, 64, dtype="fp32"))
-    assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
-    assert ks[2].grid == (math.ceil(300 * 32 / 256), 3, 2), "one thread per pair of elements"
+    for d, kernels in ((64, "mma"), (128, "auto")):
+        ks = cuflash_backward_kernels(P(300, d, dtype="fp32"), kernels=kernels)
+        assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
+        assert ks[2].grid == (math.ceil(300 * d // 2 / 256), 3, 2), "one thread per pair of elements"
+        assert ks[1].atomic_bytes > 0
+    for dtype in ("fp32", "tf32"):
+        main = config.select("backward", 64, dtype, False, "sm_90a")
+        assert isinstance(main, config.BwdSm90Tf32Config)
+        assert kernel_name(main) == "bwd_sm90_tf32_kernel"
+        assert kernel_name(main.dq_config()) == "bwd_dq_sm90_tf32_kernel"
+        for d in (64, 40):  # 40: the kernel head dim is 64 too
+            ks = cuflash_backward_kernels(P(300, d, nk=517, dtype=dtype))
+            assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_sm90_tf32_kernel",
+                                            "bwd_dq_sm90_tf32_kernel"]
+            # 384 padded rows / 32 per CTA; 517 keys in 9 blocks of 64; 300 rows in 3 blocks of 128
+            assert [k.grid for k in ks] == [(12, 3, 2), (9, 3, 2), (3, 3, 2)]
+            assert [k.threads for k in ks] == [256, 384, 384]
+            assert all(k.atomic_bytes == 0 for k in ks)
+
+
+def _visible(sq, sk, causal, window):
+    """[sq, sk] bool, element by element: query i sees key j (diag = sk - sq; causal: j <= i + diag; a window
+    (left, right), -1 unbounded: i + diag - left <= j <= i + diag + right)."""
+    i, j, diag = np.arange(sq)[:, None], np.arange(sk)[None, :], sk - sq
+    ok = np.ones((sq, sk), dtype=bool)
+    if causal:
+        ok &= j <= i + diag
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            ok &= j >= i + diag - left
+        if right >= 0:
+            ok &= j <= i + diag + right
+    return ok
+
+
+def _seen(vis, bm, bn):
+    """[query blocks, key blocks] bool: the pair of blocks holds a visible (query, key) pair."""
+    sq, sk = vis.shape
+    return np.array([[vis[i:i + bm, j:j + bn].any() for j in range(0, sk, bn)] for i in range(0, sq, bm)])
+
+
+def _sizes(n, block):
+    return np.array([min(block, n - i) for i in range(0, n, block)])
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32"])
+@pytest.mark.parametrize("sq,sk,d", [(1000, 1000, 64), (300, 517, 64), (517, 300, 48)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 20)), (True, (200, -1))])
+def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, causal, window):
+    """The float32 Hopper backward by hand, its visited blocks from an element-by-element mask:
+    bwd_wide_preprocess_kernel (no dq_accum to zero); bwd_sm90_tf32_kernel reads K and V once per 64-key block
+    that some query sees, Q and dO (and 32 lse_log2 and delta floats) once per (key block, 32-row query block)
+    step, writes dK, dV once; bwd_dq_sm90_tf32_kernel reads Q and dO (and 128 lse_log2 and delta floats) once per
+    128-row query block that sees a key and K, V once per visited key tile, writes dQ once. FLOPs: 4 products per
+    step, 3 per dQ tile. Shared memory: the TMA boxes, the splitters' reads and the parts they write (the kernels'
+    shared layouts: K, V's parts once, a stage's tiles per step or key tile), the wgmma operand reads, the dK / dV
+    exchange of the two consumers."""
+    b, h, e, s = 2, 3, 4, 4
+    p = Problem(b, h, sq, sk, d, dtype, causal, window)
+    main = config.select("backward", 64, dtype, False, "sm_90a")
+    dqc = main.dq_config()
+    assert (main.block_m, main.block_n, dqc.block_m) == (32, 64, 128)
+    bn2 = dqc.block_n
+    vis = _visible(sq, sk, causal, window)
+    steps = _seen(vis, 32, 64)  # [query blocks of 32, key blocks of 64]
+    tiles = _seen(vis, 128, bn2)  # [query blocks of 128, key tiles of bn2]
+    rows32, keys64 = _sizes(sq, 32), _sizes(sk, 64)
+    rows128, keys_t = _sizes(sq, 128), _sizes(sk, bn2)
+    kv_blocks = steps.any(axis=0)
+    q_blocks = tiles.any(axis=1)
+    pad = math.ceil(sq / config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
+
+    pre_r, pre_w = 2 * sq * d * e + sq * s, 2 * pad * s
+    main_r = (2 * keys64[kv_blocks].sum() * d * e + 2 * (steps * rows32[:, None]).sum() * d * e
+              + 2 * steps.sum() * 32 * s)
+    main_w = 2 * sk * d * e
+    dq_r = (2 * rows128[q_blocks].sum() * d * e + 2 * q_blocks.sum() * 128 * s
+            + 2 * (tiles * keys_t[None, :]).sum() * d * e)
+    dq_w = sq * d * e
+    c = simulate("cuflash", p, backward=True)
+    assert (c.block_m, c.block_n, c.launches) == (32, 64, 3)
+    assert c.hbm_read_bytes == b * h * (pre_r + main_r + dq_r)
+    assert c.hbm_write_bytes == b * h * (pre_w + main_w + dq_w)
+    assert c.peak_extra_bytes == b * h * 2 * pad * s, "lse_log2 and delta, no dQ accumulator"
+    assert c.flops_matmul == b * h * 2 * 64 * (4 * steps.sum() * 32 * 64 + 3 * tiles.sum() * 128 * bn2)
+
+    parts, products = (2, 3) if dtype == "fp32" else (1, 1)
+
+    def bars(cfg):  # the mbarriers and the 1024 bytes that align the base
+        return 8 * (2 + 3 * cfg.stages) + 1024
+
+    kv, q = 4 * 64 * 64, 4 * 32 * 64  # float32 tiles of HEAD_DIM columns: 64 keys, 32 queries
+    kv_parts = 2 * parts * kv  # K and V as the wgmma read them
+    stage = (main.smem_bytes - bars(main) - kv_parts) // main.stages  # Q, dO split and transposed
+    ctas = kv_blocks.sum()
+    w1 = ctas * (2 * kv + kv_parts + 2 * kv) + steps.sum() * (2 * q + stage)  # ... + consumer 1's dK, dV
+    r1 = (ctas * 2 * kv + 2 * keys64[kv_blocks].sum() * d * 4
+          + steps.sum() * (2 * q + products * ((kv + q) + (kv + q) + q + q)))  # S^T, dP^T, dV, dK
+    q2, kv2 = 4 * 128 * 64, 4 * bn2 * 64
+    q_parts = 2 * parts * q2  # Q and dO as the wgmma read them
+    stage2 = (dqc.smem_bytes - bars(dqc) - q_parts) // dqc.stages  # K split and K^T, V split
+    w2 = q_blocks.sum() * (2 * q2 + q_parts) + tiles.sum() * (2 * kv2 + stage2)
+    r2 = q_blocks.sum() * 2 * q2 + tiles.sum() * (2 * kv2 + products * ((q2 + 2 * kv2) + (q2 + 2 * kv2) + 2 * kv2))
+    assert c.sram_write_bytes == b * h * (w1 + w2)
+    assert c.sram_read_bytes == b * h * (r1 + r2)
+    assert c.bank_conflicts is None, "not walked"
+
+
+def test_cuflash_tf32_backward_visits_every_block_without_causal_skip():
+    """causal_skip=False: the masked backward moves and computes what the unmasked one does."""
+    full = simulate("cuflash", P(700, 64, nk=900, dtype="fp32"), backward=True)
+    causal = simulate("cuflash", P(700, 64, causal=True, nk=900, dtype="fp32"), backward=True)
+    noskip = simulate("cuflash", P(700, 64, causal=True, nk=900, dtype="fp32"), backward=True, causal_skip=False)
+    assert causal.hbm_read_bytes < full.hbm_read_bytes and causal.sram_read_bytes < full.sram_read_bytes
+    for field in ("hbm_read_bytes", "hbm_write_bytes", "sram_read_bytes", "sram_write_bytes", "flops_matmul"):
+        assert getattr(noskip, field) == getattr(full, field), field
 
 
 def test_cuflash_wide_causal_skips_tiles_and_l2_is_refused():
@@ -134,6 +252,8 @@ def test_cuflash_wide_causal_skips_tiles_and_l2_is_refused():
     assert causal.hbm_read_bytes < 0.6 * full.hbm_read_bytes
     with pytest.raises(ValueError, match="L2 model covers cuflash's fp16/bf16 kernels only"):
         simulate("cuflash", P(256, 64, dtype="fp32"), l2_bytes=50 << 20)
+    with pytest.raises(ValueError, match="L2 model covers cuflash's fp16/bf16 kernels only"):
+        simulate("cuflash", P(256, 64, dtype="fp32"), backward=True, l2_bytes=50 << 20)
 
 
 def test_plot_hbm_vs_n_draws_each_strategy_once_per_dtype(tmp_path, monkeypatch):
