@@ -433,7 +433,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
 
     fp32 and tf32 at kernel head dim 64 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh) have no dQ
     accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
-    (ceil(Sk / 64), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
+    (ceil(Sk / 128), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
     every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
     are written once each (zeros where no query or key is seen)."""
@@ -485,10 +485,11 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     beside it; one pass: the rounded value in place), and for the tiles a GEMM takes transposed also the transpose
     in as many parts.
     bwd_sm90_tf32_kernel, per CTA with a step (a CTA whose keys no query sees stores zeros without shared memory):
-    TMA writes the K and V boxes (64 rows) once and the Q and dO boxes (BLOCK_M rows) of every step; the splitters
-    prepare K, V and, per step, Q, dO with Q^T, dO^T; per step one consumer warpgroup's wgmma read K and Q for S^T,
-    V and dO for dP^T, dO^T for dV and Q^T for dK, once per product; at the end consumer 1 writes its dK and dV
-    accumulators (64 x HEAD_DIM floats each) and consumer 0 reads them for the keys and head-dim columns it stores.
+    TMA writes the K and V boxes (BLOCK_N = 128 rows) once and, every step, the Q and dO boxes (BLOCK_M rows) and
+    BLOCK_M floats each of lse_log2 and delta; the splitters prepare K, V and, per step, Q, dO with Q^T, dO^T; per
+    step each of the two consumer warpgroups (64 keys each) reads its lse_log2 and delta columns (two floats per n8
+    tile and thread) and its wgmma read its K rows and Q for S^T, its V rows and dO for dP^T, dO^T for dV and Q^T
+    for dK, once per product. dK and dV leave from registers.
     bwd_dq_sm90_tf32_kernel, per CTA that sees a key: TMA writes the Q and dO boxes (BLOCK_M = 64 * CONSUMERS rows)
     once and the K and V boxes of every visited key tile; the splitters prepare Q, dO and, per key tile, K with K^T
     and V; per key tile each consumer warpgroup's wgmma reads its 64 rows of Q and the K tile for S, its rows of dO
@@ -497,14 +498,14 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     visits, _ = _bwd_visits(cfg, p, causal_skip)
     ctas, steps = int((visits > 0).sum()), int(visits.sum())
-    keys = int((block_sizes(p.seqlen_k, bn) * (visits > 0)).sum())  # keys of the CTAs with a step
     q_tile, kv_tile = 4 * bm * hd, 4 * bn * hd
-    # per CTA: TMA K, V, their parts, consumer 1's dK, dV; per step: TMA Q, dO, their parts and transposes
-    write = ctas * kv_tile * (2 + 2 * parts + 2) + steps * q_tile * (2 + 4 * parts)
-    # per CTA: the splitters' K, V, consumer 0's reads of the stored keys' dK, dV; per step: the splitters' Q, dO,
-    # the wgmma operands (K, Q; V, dO; dO^T; Q^T)
-    read = (ctas * 2 * kv_tile + 2 * keys * p.head_dim * 4
-            + steps * (2 * q_tile + products * (2 * kv_tile + 4 * q_tile)))
+    consumers = bn // 64
+    # per CTA: TMA K, V and their parts; per step: TMA Q, dO, lse_log2, delta, the parts and transposes of Q, dO
+    write = ctas * kv_tile * (2 + 2 * parts) + steps * (q_tile * (2 + 4 * parts) + 2 * 4 * bm)
+    # per CTA: the splitters' K, V; per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta
+    # (bm / 8 float2 each), the wgmma operands (K, Q; V, dO; dO^T; Q^T) of each consumer
+    read = ctas * 2 * kv_tile + steps * (2 * q_tile + consumers * 128 * 2 * (bm // 8) * 8
+                                         + products * (2 * kv_tile + consumers * 4 * q_tile))
     dcfg = cfg.dq_config()
     t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
     ctas, tiles = int(t.visits_q.sum()), int(t.tiles)

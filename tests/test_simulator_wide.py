@@ -124,7 +124,7 @@ def test_cuflash_wide_backward_is_a_hand_count_of_its_tiles():
 
 def test_cuflash_wide_backward_launch_names():
     """bwd_wide_kernel's three launches where the registry picks it (kernels="mma"; fp32 at head dim 128); on sm_90a
-    fp32 and tf32 at head dim 64 the TF32 backward's: the preprocess, bwd_sm90_tf32_kernel over the 64-key blocks
+    fp32 and tf32 at head dim 64 the TF32 backward's: the preprocess, bwd_sm90_tf32_kernel over the 128-key blocks
     and bwd_dq_sm90_tf32_kernel over its query blocks of 128 rows, no dQ conversion and no atomics."""
     from cuflash.simulator.strategies import cuflash_backward_kernels, kernel_name
 
@@ -142,8 +142,8 @@ def test_cuflash_wide_backward_launch_names():
             ks = cuflash_backward_kernels(P(300, d, nk=517, dtype=dtype))
             assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_sm90_tf32_kernel",
                                             "bwd_dq_sm90_tf32_kernel"]
-            # 384 padded rows / 32 per CTA; 517 keys in 9 blocks of 64; 300 rows in 3 blocks of 128
-            assert [k.grid for k in ks] == [(12, 3, 2), (9, 3, 2), (3, 3, 2)]
+            # 384 padded rows / 32 per CTA; 517 keys in 5 blocks of 128; 300 rows in 3 blocks of 128
+            assert [k.grid for k in ks] == [(12, 3, 2), (5, 3, 2), (3, 3, 2)]
             assert [k.threads for k in ks] == [256, 384, 384]
             assert all(k.atomic_bytes == 0 for k in ks)
 
@@ -179,54 +179,57 @@ def _sizes(n, block):
 @pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 20)), (True, (200, -1))])
 def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, causal, window):
     """The float32 Hopper backward by hand, its visited blocks from an element-by-element mask:
-    bwd_wide_preprocess_kernel (no dq_accum to zero); bwd_sm90_tf32_kernel reads K and V once per 64-key block
-    that some query sees, Q and dO (and 32 lse_log2 and delta floats) once per (key block, 32-row query block)
-    step, writes dK, dV once; bwd_dq_sm90_tf32_kernel reads Q and dO (and 128 lse_log2 and delta floats) once per
-    128-row query block that sees a key and K, V once per visited key tile, writes dQ once. FLOPs: 4 products per
-    step, 3 per dQ tile. Shared memory: the TMA boxes, the splitters' reads and the parts they write (the kernels'
-    shared layouts: K, V's parts once, a stage's tiles per step or key tile), the wgmma operand reads, the dK / dV
-    exchange of the two consumers."""
+    bwd_wide_preprocess_kernel (no dq_accum to zero); bwd_sm90_tf32_kernel reads K and V once per 128-key block
+    that some query sees, Q and dO (and BM lse_log2 and delta floats) once per (key block, BM-row query block)
+    step (BM 16 for fp32, 32 for tf32), writes dK, dV once; bwd_dq_sm90_tf32_kernel reads Q and dO (and 128
+    lse_log2 and delta floats) once per 128-row query block that sees a key and K, V once per visited key tile,
+    writes dQ once. FLOPs: 4 products per step, 3 per dQ tile. Shared memory: the TMA boxes (lse_log2 and delta
+    too), the splitters' reads and the parts they write (the kernels' shared layouts: K, V's parts once, a stage's
+    tiles per step or key tile), the consumers' lse_log2 and delta reads, the wgmma operand reads of each of the
+    two consumers."""
     b, h, e, s = 2, 3, 4, 4
     p = Problem(b, h, sq, sk, d, dtype, causal, window)
     main = config.select("backward", 64, dtype, False, "sm_90a")
     dqc = main.dq_config()
-    assert (main.block_m, main.block_n, dqc.block_m) == (32, 64, 128)
+    bm = {"fp32": 16, "tf32": 32}[dtype]
+    assert (main.block_m, main.block_n, dqc.block_m) == (bm, 128, 128)
     bn2 = dqc.block_n
     vis = _visible(sq, sk, causal, window)
-    steps = _seen(vis, 32, 64)  # [query blocks of 32, key blocks of 64]
+    steps = _seen(vis, bm, 128)  # [query blocks of bm, key blocks of 128]
     tiles = _seen(vis, 128, bn2)  # [query blocks of 128, key tiles of bn2]
-    rows32, keys64 = _sizes(sq, 32), _sizes(sk, 64)
+    rows_bm, keys128 = _sizes(sq, bm), _sizes(sk, 128)
     rows128, keys_t = _sizes(sq, 128), _sizes(sk, bn2)
     kv_blocks = steps.any(axis=0)
     q_blocks = tiles.any(axis=1)
     pad = math.ceil(sq / config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
 
     pre_r, pre_w = 2 * sq * d * e + sq * s, 2 * pad * s
-    main_r = (2 * keys64[kv_blocks].sum() * d * e + 2 * (steps * rows32[:, None]).sum() * d * e
-              + 2 * steps.sum() * 32 * s)
+    main_r = (2 * keys128[kv_blocks].sum() * d * e + 2 * (steps * rows_bm[:, None]).sum() * d * e
+              + 2 * steps.sum() * bm * s)
     main_w = 2 * sk * d * e
     dq_r = (2 * rows128[q_blocks].sum() * d * e + 2 * q_blocks.sum() * 128 * s
             + 2 * (tiles * keys_t[None, :]).sum() * d * e)
     dq_w = sq * d * e
     c = simulate("cuflash", p, backward=True)
-    assert (c.block_m, c.block_n, c.launches) == (32, 64, 3)
+    assert (c.block_m, c.block_n, c.launches) == (bm, 128, 3)
     assert c.hbm_read_bytes == b * h * (pre_r + main_r + dq_r)
     assert c.hbm_write_bytes == b * h * (pre_w + main_w + dq_w)
     assert c.peak_extra_bytes == b * h * 2 * pad * s, "lse_log2 and delta, no dQ accumulator"
-    assert c.flops_matmul == b * h * 2 * 64 * (4 * steps.sum() * 32 * 64 + 3 * tiles.sum() * 128 * bn2)
+    assert c.flops_matmul == b * h * 2 * 64 * (4 * steps.sum() * bm * 128 + 3 * tiles.sum() * 128 * bn2)
 
     parts, products = (2, 3) if dtype == "fp32" else (1, 1)
 
     def bars(cfg):  # the mbarriers and the 1024 bytes that align the base
         return 8 * (2 + 3 * cfg.stages) + 1024
 
-    kv, q = 4 * 64 * 64, 4 * 32 * 64  # float32 tiles of HEAD_DIM columns: 64 keys, 32 queries
+    kv, q = 4 * 128 * 64, 4 * bm * 64  # float32 tiles of HEAD_DIM columns: 128 keys, bm queries
     kv_parts = 2 * parts * kv  # K and V as the wgmma read them
-    stage = (main.smem_bytes - bars(main) - kv_parts) // main.stages  # Q, dO split and transposed
+    stage = (main.smem_bytes - bars(main) - kv_parts) // main.stages  # Q, dO split and transposed, lse_log2, delta
     ctas = kv_blocks.sum()
-    w1 = ctas * (2 * kv + kv_parts + 2 * kv) + steps.sum() * (2 * q + stage)  # ... + consumer 1's dK, dV
-    r1 = (ctas * 2 * kv + 2 * keys64[kv_blocks].sum() * d * 4
-          + steps.sum() * (2 * q + products * ((kv + q) + (kv + q) + q + q)))  # S^T, dP^T, dV, dK
+    w1 = ctas * (2 * kv + kv_parts) + steps.sum() * (2 * q + stage)
+    vec_reads = 2 * 256 * (bm // 8) * 8  # lse_log2 and delta: a float2 per n8 tile and thread of 256
+    r1 = (ctas * 2 * kv
+          + steps.sum() * (2 * q + vec_reads + products * ((kv + 2 * q) + (kv + 2 * q) + 2 * q + 2 * q)))
     q2, kv2 = 4 * 128 * 64, 4 * bn2 * 64
     q_parts = 2 * parts * q2  # Q and dO as the wgmma read them
     stage2 = (dqc.smem_bytes - bars(dqc) - q_parts) // dqc.stages  # K split and K^T, V split
