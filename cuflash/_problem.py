@@ -176,7 +176,8 @@ def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=Fa
     deterministic = _validate.check_flag(deterministic, "deterministic")
     if deterministic and fwd.dtype in ("fp32", "tf32", "fp64"):
         raise ValueError(f"deterministic=True is not available for {_validate.NUMPY_DTYPES[fwd.dtype]} inputs (their "
-                         f"backward sums dq with atomics only): pass deterministic=False")
+                         f"mma.sync backward sums dq with atomics; the Hopper TF32 backward at head dims up to 64 has "
+                         f"no atomics and repeats bitwise anyway): pass deterministic=False")
     qi, ki, vi = fwd.infos
     doi, oi = _validate.array_info(dout, "dout"), _validate.array_info(out, "out")
     _validate.check_dtype(qi, doi, oi)
