@@ -1,0 +1,145 @@
+"""The float32 Hopper backward (cuda/bwd_sm90_tf32.cuh) without a GPU: the registry sends float32 backwards to it on
+sm_90a at kernel head dim 64 (no score modifier but a window) and to bwd_wide_kernel elsewhere; its two kernels (dK /
+dV, dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA
+loads and the TF32 products their loops issue; their shared memory fits sm_90; the configs check their arguments."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuflash import _compile, config
+from cuflash.__main__ import sass_text
+
+MAIN = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90Tf32Config)]
+DQ = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdDqSm90Tf32Config)]
+
+
+def _nvrtc_or_skip():
+    try:
+        _compile._nvrtc().getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+
+
+def _name(c) -> str:
+    kind = "dkdv" if isinstance(c, config.BwdSm90Tf32Config) else "dq"
+    return f"{kind}-{c.dtype}-d{c.head_dim}-{'causal' if c.causal else 'window' if c.window else 'full'}"
+
+
+def _ops(cfg) -> tuple[str, list]:
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    text = sass_text(compiled.cubin)
+    if text is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    return text, re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+
+
+def test_every_table_entry_is_shipped_with_its_dq_kernel():
+    want = {(dt, d, c, w) for dt, table in config.BWD_SM90_TF32_TILES.items() for d in table
+            for c, w in ((False, False), (True, False), (False, True))}
+    assert {(c.dtype, c.head_dim, c.causal, c.window) for c in MAIN} == want and len(MAIN) == 6
+    assert set(DQ) == {c.dq_config() for c in MAIN}
+    for c in MAIN:
+        d = c.dq_config()
+        assert (d.dtype, d.head_dim, d.causal, d.window) == (c.dtype, c.head_dim, c.causal, c.window)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32"])
+def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dim_64(dtype):
+    for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
+        for det in (False, True):
+            cfg = config.select("backward", 64, dtype, causal, "sm_90a", mods=mods, deterministic=det)
+            assert isinstance(cfg, config.BwdSm90Tf32Config), (causal, mods, cfg)
+            assert (cfg.dtype, cfg.causal, cfg.window) == (dtype, causal, bool(mods))
+    for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_BIAS, config.MOD_MASK,
+              config.MOD_WINDOW | config.MOD_BIAS):
+        assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
+    for hd in (32, 128, 256):
+        assert isinstance(config.select("backward", hd, dtype, False, "sm_90a"), config.BwdWideConfig), hd
+    assert isinstance(config.select("backward", 64, dtype, False, "sm_80"), config.BwdWideConfig)
+    assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)
+
+
+def test_configs_check_their_arguments():
+    with pytest.raises(ValueError, match="dtype='bf16'"):
+        config.BwdSm90Tf32Config(64, 16, "bf16", False)
+    with pytest.raises(ValueError, match="head_dim=128"):
+        config.BwdSm90Tf32Config(128, 16, "fp32", False)
+    with pytest.raises(ValueError, match="block_m=64"):
+        config.BwdSm90Tf32Config(64, 64, "fp32", False)
+    with pytest.raises(ValueError, match="causal=True with window=True"):
+        config.BwdSm90Tf32Config(64, 16, "fp32", True, window=True)
+    # 3xTF32 at 32 queries per step and three stages: K, V of 128 keys and the split stages exceed 227 KB
+    with pytest.raises(ValueError, match="shared memory"):
+        config.BwdSm90Tf32Config(64, 32, "fp32", False, stages=3)
+    with pytest.raises(ValueError, match="block_n=128"):
+        config.BwdDqSm90Tf32Config(64, 128, 2, 2, "fp32", False)
+    with pytest.raises(ValueError, match="shared memory"):
+        config.BwdDqSm90Tf32Config(64, 64, 2, 2, "fp32", False)
+
+
+def test_shared_memory_fits_sm90_and_follows_the_traits():
+    for c in MAIN:
+        parts = 2 if c.dtype == "fp32" else 1
+        kv, q = 4 * c.block_n * c.head_dim, 4 * c.block_m * c.head_dim
+        # K, V (+ big parts); per stage Q, dO with big parts and transposes (big, small), lse_log2 and delta;
+        # mbarriers; alignment slack
+        assert c.smem_bytes == 2 * parts * kv + c.stages * (2 * 2 * parts * q + 2 * 4 * c.block_m) + \
+            8 * (2 + 3 * c.stages) + 1024
+        assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 384 and c.block_n == 128, c
+    for c in DQ:
+        parts = 2 if c.dtype == "fp32" else 1
+        q, kv = 4 * c.block_m * c.head_dim, 4 * c.block_n * c.head_dim
+        # Q, dO (+ big parts); per stage K (+ big), K^T (big, small), V (+ big); mbarriers; alignment slack
+        assert c.smem_bytes == 2 * parts * q + c.stages * 3 * parts * kv + 8 * (2 + 3 * c.stages) + 1024
+        assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 128 + 128 * c.consumers, c
+
+
+@pytest.mark.parametrize("cfg", MAIN + DQ, ids=_name)
+def test_every_instantiation_compiles_spill_free_and_unserialized(cfg):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    res = compiled.resources
+    spills = (res["spill_stores"], res["spill_loads"], res["stack"])
+    assert spills == (0, 0, 0), f"{cfg} spills (stores, loads, stack) = {spills}\n{compiled.log}"
+    assert res["registers"] is not None and res["registers"] <= 168, f"{cfg}: {res}"
+    # C7515 / C7508: ptxas serializing the wgmma of a loop (e.g. an accumulator also written by other code)
+    assert "C7515" not in compiled.log and "C7508" not in compiled.log and "serialized" not in compiled.log, \
+        compiled.log
+    assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
+
+
+@pytest.mark.parametrize("cfg", [c for c in MAIN if not c.causal and not c.window], ids=_name)
+def test_sass_of_the_dk_dv_kernel(cfg):
+    _nvrtc_or_skip()
+    text, ops = _ops(cfg)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    panels = cfg.head_dim // 32
+    # K, V once; Q, dO per step: one TMA load per 32-float panel; lse_log2 and delta by two 1-D bulk copies
+    assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads"
+    assert count("UBLKCP") == 2, f"{cfg}: {count('UBLKCP')} bulk copies"
+    products = 3 if cfg.dtype == "fp32" else 1
+    sdp = 2 * products * cfg.head_dim // 8  # S^T and dP^T: a product per k8 step of the head dim
+    dkdv = 2 * products * cfg.block_m // 8  # dV and dK: a product per k8 step of the step's queries
+    overlap = cfg.block_m == 16  # the next step's S^T, dP^T issued behind dK: a second copy of their MMAs
+    assert count("HGMMA") == (2 if overlap else 1) * sdp + dkdv, f"{cfg}: {count('HGMMA')} HGMMA"
+    assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
+    assert count("USETMAXREG") == 2 and count("LDL") == 0 and count("STL") == 0, cfg
+    assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 (S^T before dP^T)"
+    if overlap:
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2", text), f"{cfg}: dK is not waited for behind S^T, dP^T"
+
+
+@pytest.mark.parametrize("cfg", [c for c in DQ if not c.causal and not c.window], ids=_name)
+def test_sass_of_the_dq_kernel(cfg):
+    _nvrtc_or_skip()
+    text, ops = _ops(cfg)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    panels = cfg.head_dim // 32
+    assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads (Q, dO once; K, V per tile)"
+    products = 3 if cfg.dtype == "fp32" else 1
+    # S and dP (a product per k8 step of the head dim), dQ (per k8 step of the key tile)
+    assert count("HGMMA") == products * (2 * cfg.head_dim // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')}"
+    assert count("LDL") == 0 and count("STL") == 0 and count("RED") == 0 and count("ATOM") == 0, \
+        f"{cfg}: local memory or atomics"
