@@ -1210,8 +1210,37 @@ def all_wide_configs(arch: str = DEFAULT_ARCH) -> list:
     return out
 
 
+def _check_tf32(cfg, head_dims: tuple, kernel: str) -> None:
+    """The checks every TF32 wgmma config makes: its dtype, head dim and causal / window pair."""
+    if cfg.dtype not in ("fp32", "tf32"):
+        raise ValueError(f"dtype={cfg.dtype!r}; allowed: 'fp32', 'tf32'")
+    if cfg.head_dim not in head_dims:
+        raise ValueError(f"head_dim={cfg.head_dim} is not a head dim of the {kernel}; allowed: "
+                         f"{', '.join(map(str, head_dims))}")
+    if cfg.causal and cfg.window:
+        raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+
+
+def _check_smem_sm90(cfg, tiles: str) -> None:
+    if cfg.smem_bytes > SMEM_LIMIT_SM90:
+        raise ValueError(f"{tiles} at dtype {cfg.dtype!r} needs {cfg.smem_bytes} bytes of shared memory (the limit is "
+                         f"{SMEM_LIMIT_SM90})")
+
+
+class _ConsumerWarpgroups:
+    """block_m and threads of a kernel with a producer warpgroup beside `consumers` warpgroups of 64 query rows."""
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 + 128 * self.consumers
+
+
 @dataclass(frozen=True)
-class FwdSm90Tf32Config:
+class FwdSm90Tf32Config(_ConsumerWarpgroups):
     """One float32 Hopper forward instantiation:
     `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, HAS_WINDOW>`
     (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting Q and K and
@@ -1228,27 +1257,14 @@ class FwdSm90Tf32Config:
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
 
     def __post_init__(self):
-        if self.dtype not in ("fp32", "tf32"):
-            raise ValueError(f"dtype={self.dtype!r}; allowed: 'fp32', 'tf32'")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"head_dim={self.head_dim} is not a head dim of the TF32 forward; allowed: 64, 128")
+        _check_tf32(self, (64, 128), "TF32 forward")
         if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
                              f"or 64, 2-4 stages, 1 or 2 consumers")
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
-        if self.causal and self.window:
-            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
 
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.consumers
-
-    @property
-    def threads(self) -> int:
-        return 128 + 128 * self.consumers
 
     @property
     def smem_bytes(self) -> int:
@@ -1307,17 +1323,10 @@ class BwdSm90Tf32Config:
     stages: int = 2
 
     def __post_init__(self):
-        if self.dtype not in ("fp32", "tf32"):
-            raise ValueError(f"dtype={self.dtype!r}; allowed: 'fp32', 'tf32'")
-        if self.head_dim != 64:
-            raise ValueError(f"head_dim={self.head_dim} is not a head dim of the TF32 backward; allowed: 64")
+        _check_tf32(self, (64,), "TF32 backward")
         if self.block_m not in (16, 32) or not 2 <= self.stages <= 4:
             raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 16 or 32, 2-4 stages")
-        if self.causal and self.window:
-            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
-        if self.smem_bytes > 227 * 1024:
-            raise ValueError(f"block_m={self.block_m} at dtype {self.dtype!r} needs {self.smem_bytes} bytes of shared "
-                             f"memory (the limit is {227 * 1024})")
+        _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}")
 
     block_n = 128  # keys per CTA: two consumer warpgroups of 64
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
@@ -1347,7 +1356,7 @@ class BwdSm90Tf32Config:
 
 
 @dataclass(frozen=True)
-class BwdDqSm90Tf32Config:
+class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     """The dQ kernel of the float32 Hopper backward:
     `bwd_dq_sm90_tf32_kernel<BwdDqTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3>, IS_CAUSAL, HAS_WINDOW>`:
     Q-outer CTAs of 64 * consumers query rows, S and dP again, dQ = dS K with K^T written by the splitters."""
@@ -1361,26 +1370,13 @@ class BwdDqSm90Tf32Config:
     window: bool = False
 
     def __post_init__(self):
-        if self.dtype not in ("fp32", "tf32") or self.head_dim != 64:
-            raise ValueError(f"dtype={self.dtype!r}, head_dim={self.head_dim}: 'fp32' or 'tf32' at head dim 64")
+        _check_tf32(self, (64,), "TF32 backward's dQ kernel")
         if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
                              f"or 64, 2-4 stages, 1 or 2 consumers")
-        if self.causal and self.window:
-            raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
-        if self.smem_bytes > 227 * 1024:
-            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers} at dtype "
-                             f"{self.dtype!r} needs {self.smem_bytes} bytes of shared memory (the limit is {227 * 1024})")
+        _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
     box_cols = 32
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.consumers
-
-    @property
-    def threads(self) -> int:
-        return 128 + 128 * self.consumers
 
     @property
     def smem_bytes(self) -> int:
