@@ -136,12 +136,14 @@ def test_varlen_masks_take_the_sequence_index_as_the_batch_index():
         np.testing.assert_array_equal(masks[b], mask_by_loop(b + 1, 3, sq, sk, 0.3, 99, 4)[b])
 
 
-def test_large_mask_is_fast():
+def test_large_mask_is_vectorized():
+    """16.8 M mask elements: vectorized NumPy takes about a second (2.2 s under a loaded 8-worker test run, which a
+    2-second bound failed); a per-element Python loop would take minutes. The bound catches the loop, not speed."""
     start = time.perf_counter()
     mask = philox.dropout_mask(1, 4, 2048, 2048, 0.1, seed=2**63 + 5, offset=3)
     elapsed = time.perf_counter() - start
     assert mask.shape == (1, 4, 2048, 2048)
-    assert elapsed < 2.0, f"dropout_mask(1, 4, 2048, 2048) took {elapsed:.2f} s"
+    assert elapsed < 30.0, f"dropout_mask(1, 4, 2048, 2048) took {elapsed:.2f} s: not vectorized?"
 
 
 def test_bad_seed_and_offset():
