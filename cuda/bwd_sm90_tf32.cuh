@@ -15,10 +15,11 @@
 //     S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K with B = K^T, written by the splitters per key tile
 //     (K split in place, K^T big and small, V split in place), as the forward writes V^T.
 //
-// No atomics: each output element is summed by one thread in a fixed order, so the backward repeats bitwise and
-// deterministic=True costs nothing here. S and dP are computed twice (once per kernel): 7 GEMMs instead of 5,
-// against a dQ accumulated across CTAs, which needs dS in shared memory and K^T beside K in the K/V-outer CTA
-// (more than the 227 KB of shared memory with 3xTF32's split operands).
+// No atomics: each output element is summed by one thread in a fixed order, so the backward repeats bitwise (the API
+// still refuses deterministic=True for float32 inputs: it decides before the kernel is chosen). S and dP are
+// computed twice (once per kernel): 7 GEMMs instead of 5, against a dQ accumulated across CTAs, which needs dS in
+// shared memory and K^T beside K in the K/V-outer CTA (more than the 227 KB of shared memory with 3xTF32's split
+// operands).
 //
 // Key and query tails: TMA zero-fills rows past a dense tensor (a packed sequence's next rows are read instead),
 // lse_log2 is +inf on the pad rows of the fp32 buffers (seqs.cuh) and keys past len_k are masked, so P = dS = 0
