@@ -380,23 +380,20 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         tf32 = isinstance(main, config.BwdSm90Tf32Config)  # dK, dV and then dQ, both through TMA, no dQ_acc
         dqc = main.dq_config() if tf32 else None
         deterministic = p.deterministic or tf32
-        maps = dq_maps = None
-        if isinstance(main, config.BwdSm90WsConfig) or tf32:  # Q, dO, K, V through TMA
+        # the kernels that read Q, dO, K, V through TMA, each with the maps of its own boxes
+        tma_cfgs = (main, dqc) if tf32 else (main,) if isinstance(main, config.BwdSm90WsConfig) else ()
 
-            def make_maps():
-                def boxes(cfg, cols):
-                    return ((cfg.block_m, cols), (cfg.block_m, cols), (cfg.block_n, cols), (cfg.block_n, cols))
-                dims = (d_q, d_do, d_k, d_v)
-                if tf32:  # each kernel its own boxes
-                    return (_TmaMaps(a.dtype, dims, boxes(main, main.box_cols), _tma.BwdWsParams, "bwd"),
-                            _TmaMaps(a.dtype, dims, boxes(dqc, dqc.box_cols), _tma.BwdWsParams, "bwd"))
-                return _TmaMaps(a.dtype, dims, boxes(main, main.panel_cols), _tma.BwdWsParams, "bwd"), None
+        def make_maps():
+            return [_TmaMaps(a.dtype, (d_q, d_do, d_k, d_v),
+                             ((c.block_m, c.box_cols), (c.block_m, c.box_cols), (c.block_n, c.box_cols),
+                              (c.block_n, c.box_cols)), _tma.BwdWsParams, "bwd") for c in tma_cfgs]
 
-            maps, dq_maps = make_maps()
-            if not maps.usable((q, dout, k, v)) or (dq_maps is not None and not dq_maps.usable((q, dout, k, v))):
-                # a view no tensor map describes (negative strides): contiguous copies
-                (q, d_q), (dout, d_do), (k, d_k), (v, d_v) = (_contiguous(x, layout) for x in (q, dout, k, v))
-                maps, dq_maps = make_maps()
+        tma_maps = make_maps()
+        if not all(m.usable((q, dout, k, v)) for m in tma_maps):
+            # a view no tensor map describes (negative strides): contiguous copies
+            (q, d_q), (dout, d_do), (k, d_k), (v, d_v) = (_contiguous(x, layout) for x in (q, dout, k, v))
+            tma_maps = make_maps()
+        maps, dq_maps = (tma_maps + [None, None])[:2]
         if a.packed:  # fp32 rows: every sequence gets a region from a multiple of SEQLEN_Q_PAD (cuda/seqs.cuh)
             pad_rows, pad_batches = (a.total_q + SEQLEN_Q_PAD * a.batch) // SEQLEN_Q_PAD * SEQLEN_Q_PAD, 1
         else:

@@ -960,6 +960,11 @@ class BwdSm90WsConfig(BwdSm90Config):
 
     stages = 2  # of (Q, dO, lse_log2, delta)
 
+    @property
+    def box_cols(self) -> int:
+        """TMA box width in elements: one swizzle panel of the tiles (panel_cols)."""
+        return self.panel_cols
+
     def sync_equivalent(self) -> BwdSm90Config:
         """bwd_sm90_kernel's config with the same tiles (the synchronous kernel this one is measured against)."""
         return BwdSm90Config(self.head_dim, self.block_m, self.block_n, self.ctas_per_sm, self.dtype, self.causal,
