@@ -27,12 +27,14 @@ def _name(c) -> str:
     return f"{kind}-{c.dtype}-d{c.head_dim}-{'causal' if c.causal else 'window' if c.window else 'full'}"
 
 
-def _ops(cfg) -> tuple[str, list]:
-    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
-    text = sass_text(compiled.cubin)
+def _sass(cfg):
+    """The kernel's SASS text and a function counting its instructions that start with a prefix."""
+    _nvrtc_or_skip()
+    text = sass_text(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
     if text is None:
         pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    return text, re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+    return text, lambda prefix: sum(1 for o in ops if o.startswith(prefix))
 
 
 def test_every_table_entry_is_shipped_with_its_dq_kernel():
@@ -112,9 +114,7 @@ def test_every_instantiation_compiles_spill_free_and_unserialized(cfg):
 
 @pytest.mark.parametrize("cfg", [c for c in MAIN if not c.causal and not c.window], ids=_name)
 def test_sass_of_the_dk_dv_kernel(cfg):
-    _nvrtc_or_skip()
-    text, ops = _ops(cfg)
-    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    text, count = _sass(cfg)
     panels = cfg.head_dim // 32
     # K, V once; Q, dO per step: one TMA load per 32-float panel; lse_log2 and delta by two 1-D bulk copies
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads"
@@ -133,9 +133,7 @@ def test_sass_of_the_dk_dv_kernel(cfg):
 
 @pytest.mark.parametrize("cfg", [c for c in DQ if not c.causal and not c.window], ids=_name)
 def test_sass_of_the_dq_kernel(cfg):
-    _nvrtc_or_skip()
-    text, ops = _ops(cfg)
-    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    text, count = _sass(cfg)
     panels = cfg.head_dim // 32
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads (Q, dO once; K, V per tile)"
     products = 3 if cfg.dtype == "fp32" else 1
