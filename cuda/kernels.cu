@@ -11,5 +11,6 @@
 #include "fwd_sm90_fp8.cuh"
 #include "fwd_sm90_tf32.cuh"
 #include "bwd_sm90_tf32.cuh"
+#include "bwd_sm90_split.cuh"
 #include "kvcache.cuh"
 #include "wide.cuh"

@@ -854,6 +854,10 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 if arch == "sm_90a":  # BWD_SM90_WS_EXACT_MODS, each with and without the window
                     out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_EXACT_MODS.get(hd, ())
                             for w in ((0,) if c else (0, MOD_WINDOW)) for det in (False, True)]
+    if arch == "sm_90a":  # the wide-head backward: each dtype, plain, causal, windowed; atomic and deterministic dQ
+        out += [BwdSm90SplitConfig(hd, dt, c, det, MOD_WINDOW if w else 0) for dt in DTYPES
+                for hd in BWD_SM90_SPLIT_HEAD_DIMS for c, w in ((False, False), (True, False), (False, True))
+                for det in (False, True)]
     if arch == "sm_90a":  # the float32 backward's two kernels (dK / dV, dQ)
         for dt in BWD_SM90_TF32_TILES:
             for hd in BWD_SM90_TF32_TILES[dt]:
@@ -938,6 +942,71 @@ def bwd_sm90_tiles(mods: int = 0) -> dict:
 def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90Config:
     bm, bn, ctas = bwd_sm90_tiles(mods)[head_dim]
     return BwdSm90Config(head_dim, bm, bn, ctas, dtype, causal, deterministic, mods)
+
+
+# --- Hopper (sm_90a): the wide-head backward (cuda/bwd_sm90_split.cuh) ---------------------------------------
+
+@dataclass(frozen=True)
+class BwdSm90SplitConfig:
+    """Hopper backward main kernel at head dims 192 and 256:
+    `bwd_sm90_split_kernel<BwdSm90SplitTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: K/V-outer CTAs of
+    64 keys and two warpgroups, each keeping dK and dV of one half of the head dim; query blocks of 64. No score
+    modifier but the window."""
+
+    head_dim: int
+    dtype: str
+    causal: bool
+    deterministic: bool
+    mods: int = 0  # MOD_WINDOW or 0
+    block_m: int = 64
+    block_n: int = 64
+    ctas_per_sm: int = 1
+
+    def __post_init__(self):
+        check_mods(self.mods, self.causal)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.head_dim not in BWD_SM90_SPLIT_HEAD_DIMS:
+            raise ValueError(f"head_dim={self.head_dim}; bwd_sm90_split_kernel takes {BWD_SM90_SPLIT_HEAD_DIMS}")
+        if self.mods & ~BWD_SM90_SPLIT_MODS:
+            raise ValueError(f"mods={self.mods}; bwd_sm90_split_kernel takes no score modifier but the window "
+                             f"(MOD_WINDOW={MOD_WINDOW})")
+        if (self.block_m, self.block_n, self.ctas_per_sm) != (64, 64, 1):
+            raise ValueError(f"(block_m, block_n, ctas_per_sm)=({self.block_m}, {self.block_n}, {self.ctas_per_sm}); "
+                             f"bwd_sm90_split_kernel takes (64, 64, 1)")
+
+    @property
+    def num_warps(self) -> int:
+        return 8
+
+    @property
+    def threads(self) -> int:
+        return 256
+
+    @property
+    def smem_bytes(self) -> int:
+        q = self.block_m * self.head_dim * ELEM_BYTES
+        kv = self.block_n * self.head_dim * ELEM_BYTES
+        ds = self.block_n * self.block_m * ELEM_BYTES
+        # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), + 1024 to align the base
+        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 1024
+
+    def cpp_name(self) -> str:
+        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        b = lambda x: "true" if x else "false"  # noqa: E731
+        return (f"cuflash::bwd_sm90_split_kernel<cuflash::BwdSm90SplitTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
+                f"{b(self.deterministic)}, {self.mods}>")
+
+    def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
+        return (math.ceil(seqlen_k / self.block_n), heads, batch)
+
+
+BWD_SM90_SPLIT_HEAD_DIMS = (192, 256)
+BWD_SM90_SPLIT_MODS = MOD_WINDOW
+
+
+def bwd_sm90_split_head_dims(mods: int = 0) -> tuple:
+    return BWD_SM90_SPLIT_HEAD_DIMS if not mods & ~BWD_SM90_SPLIT_MODS else ()
 
 
 # --- Hopper (sm_90a): the warp-specialized backward (cuda/bwd_sm90_ws.cuh) ----------------------------------
@@ -1459,6 +1528,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_ws_config(hd, dt, c, det, m), wgmma=True, tile_map=True),
     Family("bwd_sm90", "backward", ("sm_90a",), DTYPES, bwd_sm90_tiles,
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_config(hd, dt, c, det, m), wgmma=True),
+    Family("bwd_sm90_split", "backward", ("sm_90a",), DTYPES, bwd_sm90_split_head_dims,
+           lambda hd, dt, c, m, det, arch, sk: BwdSm90SplitConfig(hd, dt, c, det, m), wgmma=True),
     Family("bwd", "backward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
     Family("fwd_sm90_tf32", "forward", ("sm_90a",), ("fp32", "tf32"),

@@ -314,7 +314,7 @@ def config_resident(cfg) -> int:
     ptxas -v, sm_90a, gives 184-255 registers per thread at CTAS_PER_SM = 1, i.e. one 256-thread CTA),
     so registers, which _resident leaves out, are what limits them."""
     n = _resident(cfg.smem_bytes, cfg.threads)
-    if isinstance(cfg, (_config.FwdSm90Config, _config.BwdSm90Config)):
+    if isinstance(cfg, (_config.FwdSm90Config, _config.BwdSm90Config, _config.BwdSm90SplitConfig)):
         n = min(n, cfg.ctas_per_sm)
     if isinstance(cfg, (_config.FwdSm90WsConfig, _config.FwdSm90Fp8Config)):
         # __launch_bounds__(384, 1) and setmaxnreg size the registers for one CTA: 128 producer threads x 24

@@ -120,6 +120,7 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
     _config.BwdConfig: "bwd_kernel",
     _config.BwdSm90Config: "bwd_sm90_kernel",
     _config.BwdSm90WsConfig: "bwd_sm90_ws_kernel",
+    _config.BwdSm90SplitConfig: "bwd_sm90_split_kernel",
     _config.DqConfig: "bwd_dq_kernel",
     _config.FwdWideConfig: "fwd_wide_kernel",
     _config.BwdWideConfig: "bwd_wide_kernel",
@@ -415,7 +416,8 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
-    2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j
+    2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel / bwd_sm90_split_kernel, the last at kernel head
+       dims 192 and 256 with BLOCK_N = 64 keys, its two warpgroups adding half the dQ columns each), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j
        (valid keys) once; per visited query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats,
        pad rows included) and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ
        tile into dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
@@ -518,6 +520,28 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     return read * p.batch_heads, write * p.batch_heads
 
 
+def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, deterministic: bool) -> tuple[int, int]:
+    """(read, write) shared-memory bytes of bwd_sm90_split_kernel (cuda/bwd_sm90_split.cuh: head dims 192 and 256;
+    two warpgroups share a CTA's BLOCK_N = 64 keys, each with half the head dim of dK and dV), all batches and heads,
+    counted in its program order (16-bit tiles, HEAD_DIM columns). Per CTA with a step (a CTA whose keys no query
+    sees stores zeros without shared memory): cp.async writes K and V once and the epilogue stages dK and dV in their
+    tiles and reads them back for the global stores. Per step: cp.async writes Q, dO and BLOCK_M floats each of
+    lse_log2 and delta; warpgroup 0's S^T wgmma reads K and Q, warpgroup 1's dP^T reads V and dO; warpgroup 0 reads
+    its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
+    each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)
+    and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); unless deterministic the dQ GEMMs
+    read dS^T (each) and K (a half each). Bank conflicts are not walked."""
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    visits, _ = _bwd_visits(cfg, p, causal_skip)
+    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    q_tile, kv_tile, ds_tile, vecs = 2 * bm * hd, 2 * bn * hd, 2 * bn * bm, 128 * 8 * (bm // 8)
+    write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile)
+    dq = 0 if deterministic else 2 * ds_tile + kv_tile
+    read = ctas * 2 * kv_tile + steps * (2 * (kv_tile + q_tile) + 2 * vecs + ds_tile + (q_tile + ds_tile)
+                                         + (2 * ds_tile + q_tile) + dq)
+    return read * p.batch_heads, write * p.batch_heads
+
+
 def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
                  kernels: str = DEFAULT_KERNELS) -> Counts:
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
@@ -535,8 +559,9 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.hbm_write_bytes = sum(k.write_bytes + k.atomic_bytes for k in launches)
     tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
     wide = isinstance(cfg, _config.BwdWideConfig)
+    split = isinstance(cfg, _config.BwdSm90SplitConfig)
     dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel instead of atomics
-    walks = [] if wide or tf32 else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k,
+    walks = [] if wide or tf32 or split else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k,
                                                              p.head_dim, causal_skip, p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     # S^T and dP^T are computed by each of the D_SPLIT warps of a key group in bwd_kernel; bwd_wide_kernel's warps
@@ -563,6 +588,11 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
         c.sram_read_bytes = c.sram_write_bytes = c.bank_conflicts = None
     elif tf32:  # counted from the program order, not walked
         c.sram_read_bytes, c.sram_write_bytes = _tf32_bwd_shared(p, cfg, causal_skip)
+        c.bank_conflicts = None
+    elif split:  # the same, for the main kernel; bwd_dq_kernel (deterministic) walked
+        r, w = _split_bwd_shared(p, cfg, causal_skip, deterministic)
+        c.sram_read_bytes = r + sum(x.read_bytes for x in walks)
+        c.sram_write_bytes = w + sum(x.write_bytes for x in walks)
         c.bank_conflicts = None
     else:
         c.sram_read_bytes = sum(w.read_bytes for w in walks)

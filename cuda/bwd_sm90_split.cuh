@@ -1,0 +1,354 @@
+// bwd_sm90_split.cuh: the 16-bit backward at head dims 192 and 256 on sm_90a wgmma, dK and dV split across two
+// warpgroups by head-dim halves (FlashAttention-3's layout for wide heads: Shah et al. 2024).
+//
+// bwd_sm90_kernel gives each warpgroup 64 keys and their whole dK and dV rows in registers: 2 x 64 x HEAD_DIM fp32
+// values per warpgroup, 128 registers a thread at HEAD_DIM 128, 256 at 256, which do not fit. Here one CTA owns 64
+// keys (BLOCK_N) and two warpgroups share them: warpgroup w keeps dK and dV of all 64 keys for the columns
+// w * HALF .. w * HALF + HALF - 1 (HALF = HEAD_DIM / 2: 128 registers a thread at HEAD_DIM 256). Per query block
+// (BLOCK_M = 64 queries), every product once (the five of FlashAttention-2's backward):
+//   warpgroup 0: S^T = K Q^T (keys x queries, the whole head dim), P^T = exp2(S^T scale_log2 - lse_log2)
+//   warpgroup 1: dP^T = V dO^T                                           (both at once on the tensor cores)
+//   P^T (input dtype) -> shared memory; warpgroup 1 reads it back in its own accumulator positions (the two
+//   warpgroups' fragments of a 64 x 64 tile cover the same elements thread by thread) and computes
+//   dS^T = P^T (dP^T - delta) -> shared memory; warpgroup 0 reads it back
+//   both: dV[:, half w] += P^T dO[:, half w], dK[:, half w] += dS^T Q[:, half w] (A from registers, B N-major)
+//   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major; fp32 atomics into dQ_acc), unless
+//   IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead)
+// Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
+// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. No score
+// modifier but the window (the others run on the mma.sync backward).
+//
+// ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
+// [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
+// 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
+// half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
+//
+// ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
+//   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
+//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced for wgmma's reads: none read it that way
+//                  here, but the same fence orders it for warpgroup 1's loads)
+//   __syncthreads  dS^T is in shared memory (fenced: dQ's wgmma reads it)
+//   __syncthreads  end of step: every GEMM that read this stage, P^T or dS^T has retired (each warpgroup waited
+//                  for its own), so the next step may overwrite them
+#pragma once
+#include "ptx.cuh"
+#include "ptx_wgmma.cuh"
+#include "traits.cuh"
+#include "tiles.cuh"
+#include "mask.cuh"
+#include "mods.cuh"
+#include "bwd.cuh"
+#include "bwd_sm90.cuh"  // bwd_sm90_store_ds
+
+namespace cuflash {
+
+template <int HEAD_DIM_, class T_>
+struct BwdSm90SplitTraits {
+  using T = T_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int BLOCK_M = 64;                // query rows per step
+  static constexpr int BLOCK_N = 64;                // keys per CTA, shared by both warpgroups
+  static constexpr int CTAS_PER_SM = 1;
+  static constexpr int WARPGROUPS = 2;              // head-dim halves of dK, dV, dQ
+  static constexpr int THREADS = 128 * WARPGROUPS;
+  static constexpr int HALF = HEAD_DIM / 2;         // dK, dV, dQ columns per warpgroup
+  static constexpr int Q_TILES = BLOCK_M / 8;       // n8 (query) tiles of S^T, dP^T
+  static constexpr int QK_K_STEPS = HEAD_DIM / 16;  // k16 steps of S^T and dP^T
+  static constexpr int Q_K_STEPS = BLOCK_M / 16;    // k16 steps of dV += P^T dO, dK += dS^T Q
+  static constexpr int DKV_TILES = HALF / 8;        // n8 tiles of a warpgroup's dK, dV
+  static constexpr int DQ_CHUNK = HALF <= 96 ? HALF : 64;  // dQ columns per GEMM (bwd_split_query_block)
+  static constexpr int DQ_CHUNKS = HALF / DQ_CHUNK;
+  static constexpr int DQ_TILES = DQ_CHUNK / 8;
+  static constexpr int DQ_K_STEPS = BLOCK_N / 16;
+  static constexpr int PANEL_COLS = HALF % 64 == 0 ? 64 : 32;  // a half starts on a panel boundary
+
+  using TileQ = SmemTile<BLOCK_M, HEAD_DIM, PANEL_COLS>;   // Q_i and dO_i
+  using TileKV = SmemTile<BLOCK_N, HEAD_DIM, PANEL_COLS>;  // K_j and V_j; reused to stage dK, dV
+  using TileDS = SmemTile<BLOCK_N, BLOCK_M>;               // dS^T or P^T (keys x queries)
+  static constexpr int SMEM_Q = TileQ::BYTES;
+  static constexpr int SMEM_KV = TileKV::BYTES;
+  static constexpr int SMEM_DS = TileDS::BYTES;
+  static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
+  static constexpr int OFF_K = 0;
+  static constexpr int OFF_V = SMEM_KV;
+  static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
+  static constexpr int OFF_DO = OFF_Q + SMEM_Q;            // + stage * 2 * SMEM_Q
+  static constexpr int OFF_DS = 2 * SMEM_KV + 4 * SMEM_Q;
+  static constexpr int OFF_P = OFF_DS + SMEM_DS;
+  static constexpr int OFF_LSE = OFF_P + SMEM_DS;          // + stage * 2 * SMEM_ROWVEC
+  static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
+  static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC + 1024;  // cuflash/config.py BwdSm90SplitConfig
+
+  static_assert(HEAD_DIM == 192 || HEAD_DIM == 256, "head dims 192 and 256 (narrower ones: bwd_sm90_kernel)");
+  static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
+  static_assert(DQ_CHUNK % PANEL_COLS == 0, "dQ's chunks of K start on panels");
+  static_assert(HALF % PANEL_COLS == 0, "a warpgroup's columns are whole panels");
+  static_assert(OFF_DS % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && SMEM_DS % 1024 == 0,
+                "1024-byte swizzle periods");
+  static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+};
+
+// P^T or dS^T of this warp's 16 keys back from the tile that bwd_sm90_store_ds wrote, into the same registers (the
+// A layout of the k16 steps over the block's queries)
+template <class Tr>
+__device__ __forceinline__ void bwd_split_load_ds(const unsigned char* smem, u32 off, int key_row0, int lane,
+                                                  u32 (&regs)[Tr::Q_K_STEPS][4]) {
+  const int t = lane & 3, g = lane >> 2;
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      regs[kk][r] = *reinterpret_cast<const u32*>(
+          smem + off + Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t));
+}
+
+// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth), as
+// bwd_load_query_block but with the 16-bit tiles copied by a rolled loop: unrolled, the per-chunk row offsets
+// (loop invariants) stayed in registers across the query loop and the head-dim-256 kernel spilled
+template <class Tr>
+__device__ __forceinline__ void bwd_split_load_query_block(const BwdParams& p, u32 smem_base, int stage,
+                                                           const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
+                                                           int len_q, int tid) {
+  const int rows = min(Tr::BLOCK_M, len_q - qb.m_block * Tr::BLOCK_M);
+  using Tile = typename Tr::TileQ;
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q, do_smem = q_smem + Tr::SMEM_Q;
+#pragma unroll 1
+  for (int idx = tid; idx < Tile::CHUNKS; idx += Tr::THREADS) {
+    int row, col;
+    Tile::panel_order(idx, row, col);
+    const bool valid = row < rows && col < p.head_dim;
+    const u32 off = Tile::offset(row, col);
+    cp_async_cg_16(q_smem + off, valid ? qb.q + row * p.q_row_stride + col : qb.q, valid);
+    cp_async_cg_16(do_smem + off, valid ? qb.dout + row * p.do_row_stride + col : qb.dout, valid);
+  }
+  if (copy.has_vec)
+    cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
+}
+
+// One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool HAS_WINDOW>
+__device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked,
+                                                      const Band<IS_CAUSAL, HAS_WINDOW>& band, unsigned char* smem,
+                                                      u32 smem_base, int stage, int m_block, int n0, long long vec_row,
+                                                      int wg, int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  // the tiles' addresses from a value the optimizer cannot see through: else it keeps the K, V (loop invariants) and
+  // per-stage Q, dO descriptors of every k step in registers across the query loop, which spilled
+  smem_base = static_cast<u32>(opaque(static_cast<int>(smem_base)));
+  const int t = lane & 3, g = lane >> 2;
+  const int key_row0 = (warp % 4) * 16;  // this warp's first key row in the tile (both warpgroups hold all 64)
+  const int m0 = m_block * Tr::BLOCK_M;
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
+  const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
+
+  // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1), over the whole head dim
+  float acc[Tr::Q_TILES][4];
+  {
+    const u32 a_smem = smem_base + (wg == 0 ? Tr::OFF_K : Tr::OFF_V);
+    const u32 b_smem = wg == 0 ? q_smem : do_smem;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
+      Wgmma<Tr::BLOCK_M, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/0>(
+          acc, Tr::TileKV::desc_k_major(a_smem, 0, kk * 16), Tr::TileQ::desc_k_major(b_smem, 0, kk * 16),
+          /*scale_d=*/kk > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(acc);
+  }
+
+  // P^T (warpgroup 0) into A registers, and into shared memory, where warpgroup 1 reads it as its dV's A operand and
+  // for dS^T (registers held across both exchanges spilled: warpgroup 0 takes dS^T for dK from shared memory too)
+  if (wg == 0) {
+    u32 p_regs[Tr::Q_K_STEPS][4];
+    if (is_masked) apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(acc, n0 + key_row0, m0, band, lane);
+#pragma unroll
+    for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+      float prob[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          prob[j][c] = ex2_approx(fmaf(acc[2 * kk + j][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+      }
+      p_regs[kk][0] = Cvt<T>::pack(prob[0][0], prob[0][1]);
+      p_regs[kk][1] = Cvt<T>::pack(prob[0][2], prob[0][3]);
+      p_regs[kk][2] = Cvt<T>::pack(prob[1][0], prob[1][1]);
+      p_regs[kk][3] = Cvt<T>::pack(prob[1][2], prob[1][3]);
+    }
+    // dV[:, half 0] += P^T dO_i[:, half 0]: dO_i is [query][d], the k dimension (queries) its rows: read N-major
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+      Wgmma<Tr::HALF, T>::template rs</*TRANS_B=*/1>(dv_acc, p_regs[kk], Tr::TileQ::desc_mn_major(do_smem, kk * 16, 0),
+                                                     /*scale_d=*/1);
+    wgmma_commit_group();
+    bwd_sm90_store_ds<Tr>(smem, Tr::OFF_P, key_row0, lane, p_regs);
+    fence_proxy_async_shared();  // st.shared -> visible to warpgroup 1's wgmma (async proxy) after the barrier
+  }
+  __syncthreads();  // P^T is in shared memory
+  if (wg == 1) {
+    // dV[:, half 1] += P^T dO_i[:, half 1], A = P^T from shared memory (keys x queries: K-major)
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+      Wgmma<Tr::HALF, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/1>(
+          dv_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_P, 0, kk * 16),
+          Tr::TileQ::desc_mn_major(do_smem, kk * 16, Tr::HALF), /*scale_d=*/1);
+    wgmma_commit_group();
+    // dS^T = P^T (dP^T - delta), from the input dtype's P^T (as bwd_sm90_kernel's), into shared memory one k16 step
+    // at a time (both warpgroups' dK and dQ read it there: held in A registers beside dP^T it spilled)
+#pragma unroll
+    for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
+      float ds[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const float2 delta = *reinterpret_cast<const float2*>(delta_smem + (2 * kk + j) * 8 + 2 * t);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 pr = *reinterpret_cast<const u32*>(
+              smem + Tr::OFF_P + Tr::TileDS::offset(key_row0 + g + h * 8, kk * 16 + j * 8 + 2 * t));
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = 2 * h + e;
+            ds[j][c] = Cvt<T>::unpack(pr, e) * (acc[2 * kk + j][c] - (e ? delta.y : delta.x));
+          }
+        }
+      }
+      u32 ds_regs[1][4];
+      ds_regs[0][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
+      ds_regs[0][1] = Cvt<T>::pack(ds[0][2], ds[0][3]);
+      ds_regs[0][2] = Cvt<T>::pack(ds[1][0], ds[1][1]);
+      ds_regs[0][3] = Cvt<T>::pack(ds[1][2], ds[1][3]);
+#pragma unroll
+      for (int r = 0; r < 4; ++r)
+        *reinterpret_cast<u32*>(smem + Tr::OFF_DS +
+                                Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
+            ds_regs[0][r];
+    }
+    fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
+  }
+  __syncthreads();  // dS^T is in shared memory
+  // dK[:, half] += dS^T Q_i[:, half], A = dS^T from shared memory (softmax_scale applied to dK once, at the end)
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
+    Wgmma<Tr::HALF, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/1>(
+        dk_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_DS, 0, kk * 16),
+        Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
+  wgmma_commit_group();
+  if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel instead
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(dv_acc);
+    wgmma_fence_operand(dk_acc);
+    return;
+  }
+
+  // dQ_i[:, half] = dS K_j[:, half] in chunks of DQ_CHUNK columns (at HEAD_DIM 256 a whole half's 64 accumulators
+  // beside dK and dV spilled): A = dS^T read M-major (queries are its contiguous dimension), B = K_j N-major; each
+  // chunk into dQ_acc by fp32 atomics (pad rows exist in the buffer, so no bounds checks)
+  float* dq = p.dq_accum + vec_row * p.dq_accum_cols;  // vec_row: the block's first fp32 row (QueryBlock)
+  const u32 k_smem = smem_base + Tr::OFF_K;
+#pragma unroll 1
+  for (int chunk = 0; chunk < Tr::DQ_CHUNKS; ++chunk) {
+    const int col0 = wg * Tr::HALF + chunk * Tr::DQ_CHUNK;
+    float dq_acc[Tr::DQ_TILES][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+      Wgmma<Tr::DQ_CHUNK, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+          dq_acc, Tr::TileDS::desc_mn_major(smem_base + Tr::OFF_DS, kk * 16, 0),
+          Tr::TileKV::desc_mn_major(k_smem, kk * 16, col0), /*scale_d=*/kk > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();  // (the first also retires dV and dK)
+    wgmma_fence_operand(dv_acc);
+    wgmma_fence_operand(dk_acc);
+    wgmma_fence_operand(dq_acc);
+#pragma unroll
+    for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // c0,c1 (row g) and c2,c3 (row g+8): adjacent columns
+        const int row = (warp % 4) * 16 + g + h * 8;
+        red_add_v2_f32(dq + row * p.dq_accum_cols + col0 + dt * 8 + 2 * t, dq_acc[dt][2 * h], dq_acc[dt][2 * h + 1]);
+      }
+  }
+}
+
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const BwdParams p) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  static_assert((MODS & ~MOD_WINDOW) == 0, "bwd_sm90_split_kernel takes no score modifier but the window");
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const AlignedSmem aligned = align_smem_1024(smem_raw);
+  const u32 smem_base = aligned.base;
+  unsigned char* smem = aligned.ptr;
+
+  using T = typename Tr::T;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform: its descriptors in uniform registers
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
+  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
+  int left;
+  QueryBlock<Tr> qb = kb.first_step(p, left);
+  if (kb.m_begin >= kb.m_end || left == 0) {  // no query sees these keys: dK = dV = 0
+    kb.zero_dk_dv(p, tid);
+    return;
+  }
+  const QueryBlockCopy<Tr> copy(p, tid);
+  kb.load_first(p, smem_base, copy, tid, qb);
+
+  float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // 16 keys x HALF columns of this warp, fp32
+#pragma unroll
+  for (int dt = 0; dt < Tr::DKV_TILES; ++dt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
+
+  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
+  int stage = 0;
+  for (;;) {
+    QueryBlock<Tr> qb_next = qb;
+    int left_next = left;
+    const bool more = kb.advance(p, qb_next, left_next);
+    const int m0 = qb.m_block * Tr::BLOCK_M;
+    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
+    if (more) bwd_split_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q, tid);
+    cp_async_commit_group();
+    cp_async_wait_group<1>();
+    fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
+    __syncthreads();
+    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, HAS_WINDOW>(p, is_masked, kb.band, smem, smem_base, stage,
+                                                                       qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
+                                                                       dk_acc, dv_acc);
+    __syncthreads();
+    if (!more) break;
+    stage ^= 1;
+    qb = qb_next;
+    left = left_next;
+  }
+
+  // epilogue: dK * softmax_scale and dV into the K and V tiles (this warpgroup's columns), then 16-byte stores
+  {
+    const int t = lane & 3, g = lane >> 2, key_row0 = (warp % 4) * 16;
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+        const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, wg * Tr::HALF + dt * 8 + 2 * t);
+        *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+            Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+        *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+      }
+  }
+  __syncthreads();
+  kb.store_dk_dv(p, smem, tid_x_reread());
+#else
+  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_split_kernel uses wgmma: compile it for sm_90a");
+#endif
+}
+
+}  // namespace cuflash

@@ -1,0 +1,98 @@
+"""The wide-head Hopper backward (cuda/bwd_sm90_split.cuh) without a GPU: the registry sends 16-bit backwards at
+kernel head dims 192 and 256 to it on sm_90a (no score modifier but a window) and to the mma.sync backward elsewhere;
+its instantiations compile through NVRTC for sm_90a spill-free, issue the wgmma its step needs and dQ atomics only
+where not deterministic; its shared memory fits sm_90; the config checks its arguments; the analyzer counts it."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from cuflash import _compile, config
+from cuflash.__main__ import sass_text
+from cuflash.simulator import Problem, simulate
+
+SPLIT = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90SplitConfig)]
+
+
+def _nvrtc_or_skip():
+    try:
+        _compile._nvrtc().getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+
+
+def test_every_dtype_head_dim_and_variant_is_shipped():
+    want = {(dt, d, c, m, det) for dt in config.DTYPES for d in config.BWD_SM90_SPLIT_HEAD_DIMS
+            for c, m in ((False, 0), (True, 0), (False, config.MOD_WINDOW)) for det in (False, True)}
+    assert {(c.dtype, c.head_dim, c.causal, c.mods, c.deterministic) for c in SPLIT} == want and len(SPLIT) == 24
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_registry_sends_wide_heads_to_the_split_kernel_on_sm90(dtype):
+    for hd in (192, 256):
+        for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):  # (causal is a window there)
+            for det in (False, True):
+                cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods, deterministic=det)
+                assert isinstance(cfg, config.BwdSm90SplitConfig), (hd, causal, mods, det, cfg)
+                assert (cfg.head_dim, cfg.causal, cfg.mods, cfg.deterministic) == (hd, causal, mods, det)
+        for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_BIAS, config.MOD_MASK,
+                  config.MOD_WINDOW | config.MOD_ALIBI):
+            assert isinstance(config.select("backward", hd, dtype, False, "sm_90a", mods=m), config.BwdConfig), m
+        assert isinstance(config.select("backward", hd, dtype, False, "sm_80"), config.BwdConfig)
+        assert isinstance(config.select("backward", hd, dtype, False, "sm_90a", kernels="mma"), config.BwdConfig)
+    for hd in (64, 128):  # the warp-specialized kernel keeps these
+        assert isinstance(config.select("backward", hd, dtype, False, "sm_90a"), config.BwdSm90WsConfig)
+
+
+def test_config_checks_its_arguments():
+    with pytest.raises(ValueError, match="head_dim=128"):
+        config.BwdSm90SplitConfig(128, "bf16", False, False)
+    with pytest.raises(ValueError, match=f"mods={config.MOD_ALIBI}"):
+        config.BwdSm90SplitConfig(256, "bf16", False, False, config.MOD_ALIBI)
+    with pytest.raises(ValueError, match="dtype='fp32'"):
+        config.BwdSm90SplitConfig(256, "fp32", False, False)
+    with pytest.raises(ValueError, match=r"\(block_m, block_n, ctas_per_sm\)=\(64, 128, 1\)"):
+        config.BwdSm90SplitConfig(256, "bf16", False, False, block_n=128)
+
+
+@pytest.mark.parametrize("hd", [192, 256])
+def test_shared_memory_fits_sm90(hd):
+    c = config.BwdSm90SplitConfig(hd, "bf16", False, False)
+    # K, V (64 keys), 2 stages of Q, dO (64 rows), dS^T, P^T (64 x 64), 2 stages of lse_log2, delta, 1024 alignment
+    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+    assert c.smem_bytes <= 227 * 1024 and c.threads == 256
+    assert c.grid(3, 5, 129) == (3, 5, 3)
+
+
+@pytest.mark.parametrize("cfg", [c for c in SPLIT if c.dtype == "bf16"],
+                         ids=lambda c: f"d{c.head_dim}-{'causal' if c.causal else 'window' if c.mods else 'full'}"
+                                       f"-{'det' if c.deterministic else 'atomic'}")
+def test_compiles_spill_free_with_its_products(cfg):
+    _nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
+    r = compiled.resources
+    assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{cfg.cpp_name()} spills: {r}"
+    assert "C75" not in compiled.log, compiled.log  # ptxas serialized the warpgroup MMAs
+    text = sass_text(compiled.cubin)
+    if text is None:
+        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
+    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    # per step, one warpgroup's path: S^T or dP^T (HEAD_DIM / 16 k steps), dV and dK (4 each), dQ chunks (4 each)
+    assert count("HGMMA") >= cfg.head_dim // 16 + 8 + (0 if cfg.deterministic else 4)
+    assert (count("RED") > 0) != cfg.deterministic, "dQ atomics exactly where not deterministic"
+    assert count("LDL") == 0 and count("STL") == 0
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_analyzer_counts_the_split_kernel(causal):
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+    p = Problem(batch=2, heads=3, seqlen_q=300, seqlen_k=517, head_dim=256, dtype="bf16", causal=causal)
+    names = [k.name for k in cuflash_backward_kernels(p)]
+    assert names == ["bwd_preprocess_kernel", "bwd_sm90_split_kernel", "bwd_convert_dq_kernel"]
+    c = simulate("cuflash", p, backward=True)
+    assert (c.block_m, c.block_n) == (64, 64) and c.bank_conflicts is None
+    assert c.sram_read_bytes > 0 and c.sram_write_bytes > 0
+    det = simulate("cuflash", p, backward=True, deterministic=True)
+    assert det.sram_read_bytes != c.sram_read_bytes  # the dQ GEMMs' reads leave, bwd_dq_kernel's walk comes in

@@ -1,0 +1,105 @@
+"""The wide-head Hopper backward (bwd_sm90_split_kernel: head dims 192 and 256, two warpgroups each keeping half the
+head dim of dK and dV, P^T and dS^T exchanged through shared memory): that the library launches it on an H100, and
+what the general backward tests (test_gpu_backward.py at D 256 and the padded D 200, test_gpu_mods.py's windows at
+D 192 and 256, which run on it there) do not reach: many query blocks per CTA with GQA steps and a key tail on a
+poisoned pool, the padded head dims of both instantiations, deterministic mode, and the mma.sync kernel beside it on
+the same inputs. Pass rule as everywhere (docs/RELIABILITY.md): max|dX - dX_ref64| <= 3 * max|dX_lowp - dX_ref64| +
+1e-5. Needs an sm_90 GPU (skipped elsewhere, like every `gpu` test).
+"""
+from __future__ import annotations
+
+import pytest
+
+cp = pytest.importorskip("cupy")
+
+import cuflash  # noqa: E402
+from cuflash import _compile, _families, _plan, _xpref, config  # noqa: E402
+from gpu_helpers import check_rule, make_input, max_abs, poison_pool, round_up, seed_of, to_bshd32  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper_only():
+    if _compile.device_arch() != "sm_90a":
+        pytest.skip("bwd_sm90_split_kernel needs an sm_90 GPU (wgmma)")
+
+
+def problem(b, sq, sk, hq, hkv, d, dtype, causal, key=()):
+    seed = seed_of("bwd-split", b, sq, sk, hq, hkv, d, dtype, causal, *key)
+    q = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed)
+    k = make_input(b, sk, hkv, d, dtype, "bshd", "padded", seed + 1)
+    v = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 2)
+    dout = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed + 3)
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    return q, k, v, dout, o, lse
+
+
+def check_against_reference(grads, q, k, v, dout, dtype, causal, what):
+    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
+    refs64 = _xpref.attention_backward64(do32, q32, k32, v32, causal)  # (GQA: dK, dV summed over each group)
+    lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, dtype, causal)
+    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, lowp):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
+        check_rule(name, to_bshd32(g, "bshd"), g64, glowp, 3.0, what)
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_the_library_launches_the_split_backward_on_hopper(d, dtype):
+    arch = _compile.device_arch()
+    for causal, mods, det in ((False, 0, False), (True, 0, True), (False, config.MOD_WINDOW, False)):
+        cfg = config.backward_kernel_config(d, dtype, causal, det, arch, mods=mods)
+        assert isinstance(cfg, config.BwdSm90SplitConfig) and cfg.deterministic == det, cfg
+    heavy = config.backward_kernel_config(d, dtype, False, False, arch, mods=config.MOD_ALIBI)
+    assert isinstance(heavy, config.BwdConfig), "other modifiers keep the mma.sync backward"
+
+
+@pytest.mark.parametrize("d", [160, 192, 200, 256])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
+    """1000 queries = 16 query blocks per query head, 4 query heads per K/V head: 64 steps per CTA through the
+    2-stage cp.async ring; 700 keys = a key tail (700 = 10 x 64 + 60); head dims 160 and 200 zero-padded in the 192
+    and 256 kernels; poisoned pool (dQ_acc, dQ's pad rows)."""
+    q, k, v, dout, o, lse = problem(2, 1000, 700, 8, 2, d, dtype, causal)
+    poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    check_against_reference(grads, q, k, v, dout, dtype, causal, f"split D={d} {dtype} causal={causal} GQA 8/2")
+
+
+@pytest.mark.parametrize("sq,sk", [(1, 239), (239, 1), (64, 64), (65, 129)])
+def test_short_and_tail_blocks(sq, sk):
+    """A single query row, a single key, exactly one block each, one row and one key past a block."""
+    q, k, v, dout, o, lse = problem(2, sq, sk, 2, 1, 256, "bf16", True, key=("short",))
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True)
+    check_against_reference(grads, q, k, v, dout, "bf16", True, f"split Sq={sq} Sk={sk}")
+
+
+@pytest.mark.parametrize("d", [192, 256])
+def test_deterministic_mode_repeats_bitwise(d):
+    q, k, v, dout, o, lse = problem(1, 1023, 1024, 2, 2, d, "fp16", True, key=("det",))
+    first = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
+    for _ in range(3):
+        again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
+        for a, b in zip(first, again):
+            assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
+    check_against_reference(first, q, k, v, dout, "fp16", True, f"deterministic split D={d}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_split_and_mma_kernels_agree(causal, monkeypatch):
+    """The same inputs through bwd_sm90_split_kernel and the mma.sync bwd_kernel (CUFLASH_KERNELS=mma): both within
+    the rule, and close to each other (the same products in another order)."""
+    q, k, v, dout, o, lse = problem(2, 517, 1030, 4, 4, 256, "bf16", causal, key=("mma",))
+    split = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    monkeypatch.setattr(config, "KERNELS", "mma")
+    monkeypatch.setattr(_families, "_selected", {})
+    monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
+    assert isinstance(config.backward_kernel_config(256, "bf16", causal, False, "sm_90a"), config.BwdConfig)
+    mma = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    check_against_reference(split, q, k, v, dout, "bf16", causal, f"split causal={causal}")
+    check_against_reference(mma, q, k, v, dout, "bf16", causal, f"mma causal={causal}")
+    for name, a, b in zip(("dq", "dk", "dv"), split, mma):
+        a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
+        assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: split and mma.sync kernels differ"
