@@ -10,8 +10,9 @@
 //   warpgroup 1: dP^T = V dO^T                                           (both at once on the tensor cores)
 //   P^T (input dtype) -> shared memory; warpgroup 1 reads it back in its own accumulator positions (the two
 //   warpgroups' fragments of a 64 x 64 tile cover the same elements thread by thread) and computes
-//   dS^T = P^T (dP^T - delta) -> shared memory; warpgroup 0 reads it back
-//   both: dV[:, half w] += P^T dO[:, half w], dK[:, half w] += dS^T Q[:, half w] (A from registers, B N-major)
+//   dS^T = P^T (dP^T - delta) -> shared memory
+//   both: dV[:, half w] += P^T dO[:, half w] (A: warpgroup 0's P^T registers, warpgroup 1's P^T tile), then
+//   dK[:, half w] += dS^T Q[:, half w] (A: the dS^T tile); B N-major
 //   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major; fp32 atomics into dQ_acc), unless
 //   IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead)
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
@@ -25,9 +26,8 @@
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
 //   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
-//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced for wgmma's reads: none read it that way
-//                  here, but the same fence orders it for warpgroup 1's loads)
-//   __syncthreads  dS^T is in shared memory (fenced: dQ's wgmma reads it)
+//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
+//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
 //   __syncthreads  end of step: every GEMM that read this stage, P^T or dS^T has retired (each warpgroup waited
 //                  for its own), so the next step may overwrite them
 #pragma once
