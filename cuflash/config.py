@@ -61,6 +61,16 @@ ELEM_BYTES = 2
 CHUNK_ELEMS = 8  # one 16-byte cp.async / ldmatrix row
 
 
+def _cpp_type(dtype: str) -> str:
+    """The C++ element type of a 16-bit dtype's kernel instantiations (cpp_name)."""
+    return "cuflash::f16" if dtype == "fp16" else "cuflash::bf16"
+
+
+def _cpp_bool(x) -> str:
+    """A C++ bool template argument (cpp_name)."""
+    return "true" if x else "false"
+
+
 def kernel_head_dim(head_dim: int, dtype: str = "fp16") -> int:
     """The smallest compiled HEAD_DIM that holds `head_dim` (a multiple of 8, at most 256) for `dtype`'s kernels."""
     dims = WIDE_KERNEL_HEAD_DIMS.get(dtype, KERNEL_HEAD_DIMS)
@@ -138,8 +148,8 @@ class FwdConfig:
         return self.smem_q_bytes + 2 * self.stages * self.smem_kv_bytes
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool
         return (f"cuflash::fwd_kernel<cuflash::FwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.num_warps}, {self.stages}, {t}>, {b(self.causal)}, {b(self.decode)}, {self.mods}>")
 
@@ -346,9 +356,9 @@ class FwdSm90Config:
         return q + 2 * self.stages * kv + 1024  # + rounding the base up to the 1024-byte swizzle period
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        t = _cpp_type(self.dtype)
         return (f"cuflash::fwd_sm90_kernel<cuflash::FwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.ctas_per_sm}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
+                f"{self.ctas_per_sm}, {t}>, {_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -443,10 +453,10 @@ class FwdSm90WsConfig:
         return self.persistent and 2 * q + 2 * self.stages * kv + 8 * self.barriers + 1024 <= SMEM_LIMIT_SM90
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        t = _cpp_type(self.dtype)
         return (f"cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{'true' if self.pingpong else 'false'}, {t}{', true' if self.persistent else ''}>, "
-                f"{'true' if self.causal else 'false'}, {self.mods}>")
+                f"{_cpp_bool(self.pingpong)}, {t}{', true' if self.persistent else ''}>, "
+                f"{_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """The work items as a grid (query blocks, heads, batch): the launch grid unless persistent."""
@@ -528,11 +538,11 @@ class FwdSm90Fp8Config:
         return self.block_m * self.head_dim + 3 * self.stages * kv + 8 * (1 + 6 * self.stages) + 1024
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = "true" if self.pingpong else "false"
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool(self.pingpong)
         extra = f", {b}, true" if self.q_in_regs else f", {b}" if self.pingpong else ""
         return (f"cuflash::fwd_sm90_fp8_kernel<cuflash::FwdFp8Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{t}{extra}>, {'true' if self.causal else 'false'}, {'true' if self.window else 'false'}>")
+                f"{t}{extra}>, {_cpp_bool(self.causal)}, {_cpp_bool(self.window)}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -702,8 +712,8 @@ class BwdConfig:
         return 2 * kv + 4 * q + ds + 4 * self.block_m * 4
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool
         return (f"cuflash::bwd_kernel<cuflash::BwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.num_warps}, {self.d_split}, {t}>, {b(self.causal)}, {b(self.deterministic)}, {self.mods}>")
 
@@ -736,9 +746,9 @@ class DqConfig:
         return 2 * self.block_m * self.head_dim * ELEM_BYTES + 4 * self.block_n * self.head_dim * ELEM_BYTES
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        t = _cpp_type(self.dtype)
         return (f"cuflash::bwd_dq_kernel<cuflash::DqTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, {t}>, {'true' if self.causal else 'false'}, {self.mods}>")
+                f"{self.num_warps}, {t}>, {_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -757,12 +767,12 @@ class ElementwiseConfig:
 
     def cpp_name(self) -> str:
         if self.kind == "convert_dq_ws":
-            t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+            t = _cpp_type(self.dtype)
             return f"cuflash::bwd_convert_dq_ws_kernel<{t}, {self.head_dim}>"
         if self.dtype in WIDE_DTYPES:
             t = "double, double" if self.dtype == "fp64" else "float, float"
             return f"cuflash::bwd_wide_{self.kind}_kernel<{t}>"
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
+        t = _cpp_type(self.dtype)
         return f"cuflash::bwd_{self.kind}_kernel<{t}>"
 
 
@@ -913,8 +923,8 @@ class BwdSm90Config:
         return 2 * kv + 4 * q + ds + 4 * self.block_m * 4 + 1024
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool
         return (f"cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.ctas_per_sm}, {t}>, {b(self.causal)}, {b(self.deterministic)}, {self.mods}>")
 
@@ -992,8 +1002,8 @@ class BwdSm90SplitConfig:
         return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 1024
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool
         return (f"cuflash::bwd_sm90_split_kernel<cuflash::BwdSm90SplitTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
                 f"{b(self.deterministic)}, {self.mods}>")
 
@@ -1057,8 +1067,8 @@ class BwdSm90WsConfig(BwdSm90Config):
         return end + 1024
 
     def cpp_name(self) -> str:
-        t = "cuflash::f16" if self.dtype == "fp16" else "cuflash::bf16"
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        t = _cpp_type(self.dtype)
+        b = _cpp_bool
         return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
                 f"{b(self.deterministic)}, {self.mods}>")
 
@@ -1161,7 +1171,7 @@ class FwdWideConfig:
     def cpp_name(self) -> str:
         return (f"cuflash::fwd_wide_kernel<cuflash::WideFwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.num_warps}, cuflash::{WIDE_MATH[self.dtype]}, {self.v_split}>, "
-                f"{'true' if self.causal else 'false'}, {self.mods}>")
+                f"{_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m) * self.v_split, heads, batch)
@@ -1205,7 +1215,7 @@ class BwdWideConfig:
     def cpp_name(self) -> str:
         return (f"cuflash::bwd_wide_kernel<cuflash::WideBwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.num_warps}, {self.d_split}, cuflash::{WIDE_MATH[self.dtype]}>, "
-                f"{'true' if self.causal else 'false'}, {self.mods}>")
+                f"{_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads, batch)
@@ -1349,7 +1359,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
         return parts * q + (2 * parts + 1) * self.stages * kv + 8 * (2 + 7 * self.stages) + 1024
 
     def cpp_name(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = _cpp_bool
         return (f"cuflash::fwd_sm90_tf32_kernel<cuflash::FwdTf32Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
                 f"{self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}>, {b(self.causal)}, {b(self.window)}>")
 
@@ -1417,7 +1427,7 @@ class BwdSm90Tf32Config:
                 + 1024)
 
     def cpp_name(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = _cpp_bool
         return (f"cuflash::bwd_sm90_tf32_kernel<cuflash::BwdTf32Traits<{self.head_dim}, {self.block_m}, {self.stages}, "
                 f"{b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
 
@@ -1461,7 +1471,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
         return 2 * parts * q + self.stages * 3 * parts * kv + 8 * (2 + 3 * self.stages) + 1024
 
     def cpp_name(self) -> str:
-        b = lambda x: "true" if x else "false"  # noqa: E731
+        b = _cpp_bool
         return (f"cuflash::bwd_dq_sm90_tf32_kernel<cuflash::BwdDqTf32Traits<{self.head_dim}, {self.block_n}, "
                 f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
 
