@@ -4,22 +4,13 @@ its instantiations compile through NVRTC for sm_90a spill-free, issue the wgmma 
 where not deterministic; its shared memory fits sm_90; the config checks its arguments; the analyzer counts it."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from cuflash import _compile, config
-from cuflash.__main__ import sass_text
 from cuflash.simulator import Problem, simulate
+from compile_helpers import nvrtc_or_skip, opcode_counter, sass_or_skip
 
 SPLIT = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90SplitConfig)]
-
-
-def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
 def test_every_dtype_head_dim_and_variant_is_shipped():
@@ -69,16 +60,12 @@ def test_shared_memory_fits_sm90(hd):
                          ids=lambda c: f"d{c.head_dim}-{'causal' if c.causal else 'window' if c.mods else 'full'}"
                                        f"-{'det' if c.deterministic else 'atomic'}")
 def test_compiles_spill_free_with_its_products(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     r = compiled.resources
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0, f"{cfg.cpp_name()} spills: {r}"
     assert "C75" not in compiled.log, compiled.log  # ptxas serialized the warpgroup MMAs
-    text = sass_text(compiled.cubin)
-    if text is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
-    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    count = opcode_counter(sass_or_skip(compiled.cubin))
     # per step, one warpgroup's path: S^T or dP^T (HEAD_DIM / 16 k steps), dV and dK (4 each), dQ chunks (4 each)
     assert count("HGMMA") >= cfg.head_dim // 16 + 8 + (0 if cfg.deterministic else 4)
     assert (count("RED") > 0) != cfg.deterministic, "dQ atomics exactly where not deterministic"

@@ -9,17 +9,10 @@ import re
 import pytest
 
 from cuflash import _compile, config
-from cuflash.__main__ import sass_text
+from compile_helpers import nvrtc_or_skip, opcode_counter, sass_or_skip
 
 MAIN = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90Tf32Config)]
 DQ = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdDqSm90Tf32Config)]
-
-
-def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
 def _name(c) -> str:
@@ -29,12 +22,9 @@ def _name(c) -> str:
 
 def _sass(cfg):
     """The kernel's SASS text and a function counting its instructions that start with a prefix."""
-    _nvrtc_or_skip()
-    text = sass_text(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
-    if text is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
-    return text, lambda prefix: sum(1 for o in ops if o.startswith(prefix))
+    nvrtc_or_skip()
+    text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
+    return text, opcode_counter(text)
 
 
 def test_every_table_entry_is_shipped_with_its_dq_kernel():
@@ -100,7 +90,7 @@ def test_shared_memory_fits_sm90_and_follows_the_traits():
 
 @pytest.mark.parametrize("cfg", MAIN + DQ, ids=_name)
 def test_every_instantiation_compiles_spill_free_and_unserialized(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     res = compiled.resources
     spills = (res["spill_stores"], res["spill_loads"], res["stack"])

@@ -12,16 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from cuflash import _compile, _launch, _tma, config
-from cuflash.__main__ import sass_text
+from compile_helpers import nvrtc_or_skip, sass_or_skip
 
 WS = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm90WsConfig)]
-
-
-def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
 def test_registry_chooses_the_ws_backward_where_it_has_kernels():
@@ -98,14 +91,12 @@ def _name(c):
 
 @pytest.mark.parametrize("cfg", WS, ids=_name)
 def test_every_instantiation_compiles_spill_free_with_its_data_movement(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     r = compiled.resources
     assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, f"{cfg.cpp_name()}: {r}"
     assert "C7508" not in compiled.log, "setmaxnreg ignored (the roles are not one uniform branch)"
-    sass = sass_text(compiled.cubin)
-    if sass is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
+    sass = sass_or_skip(compiled.cubin)
     ops = re.findall(r"/\*[0-9a-f]{4,6}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
     count = lambda op: sum(o.split(".")[0] == op for o in ops)  # noqa: E731
     panels = cfg.head_dim // cfg.panel_cols

@@ -9,14 +9,8 @@ import pytest
 
 from cuflash import _compile, config
 from cuflash.config import bwd_sm90_config, fwd_config, fwd_sm90_config
+from compile_helpers import nvrtc_or_skip
 
-
-def _nvrtc_or_skip():
-    try:
-        nvrtc = _compile._nvrtc()
-        nvrtc.getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
 REPRESENTATIVE = [
@@ -31,7 +25,7 @@ REPRESENTATIVE = [
 @pytest.mark.parametrize("cfg,arch", REPRESENTATIVE, ids=lambda x: x if isinstance(x, str) else
                          f"{type(x).__name__}-d{x.head_dim}-{x.dtype}-{'causal' if x.causal else 'full'}")
 def test_representative_kernels_compile_without_spills(cfg, arch):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), arch, use_cache=False)
     res = compiled.resources
     assert compiled.cubin and compiled.lowered_name.startswith("_Z"), compiled.log
@@ -54,7 +48,7 @@ def private_sources(tmp_path, monkeypatch):
 
 
 def test_cache_key_follows_the_text_of_every_header(private_sources, monkeypatch):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     cache = _compile.cache_dir()
     name = fwd_config(64, "fp16", False).cpp_name()
 
@@ -81,7 +75,7 @@ def test_cache_key_follows_the_text_of_every_header(private_sources, monkeypatch
 
 
 def test_cache_key_differs_per_arch(private_sources):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     name = fwd_config(64, "fp16", False).cpp_name()
     _compile.compile_kernel(name, "sm_80")
     _compile.compile_kernel(name, "sm_90a")
@@ -89,7 +83,7 @@ def test_cache_key_differs_per_arch(private_sources):
 
 
 def test_compile_error_names_the_kernel(private_sources):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     bad = "cuflash::fwd_kernel<cuflash::FwdTraits<100, 128, 64, 8, 2, cuflash::f16>, false>"  # 100 % 16 != 0
     with pytest.raises(RuntimeError, match="NVRTC failed to compile"):
         _compile.compile_kernel(bad, "sm_80", use_cache=False)
@@ -118,7 +112,7 @@ def test_parse_ptxas_log():
 def test_hopper_kernels_use_warpgroup_mma():
     """The sm_90a kernels must really run on wgmma (HGMMA in SASS is what makes them fast); their PTX
     says wgmma.mma_async, and a compile for sm_80 is refused by the kernel's own static_assert."""
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     name = fwd_sm90_config(64, "bf16", False).cpp_name()
     nvrtc = _compile._nvrtc()
     source = (_compile.cuda_dir() / "kernels.cu").read_text()

@@ -10,16 +10,9 @@ import re
 import pytest
 
 from cuflash import _compile, _tma, config
-from cuflash.__main__ import sass_text
+from compile_helpers import nvrtc_or_skip, opcode_counter, sass_or_skip
 
 SHIPPED = [c for c in config.all_fwd_configs("sm_90a") if isinstance(c, config.FwdSm90Tf32Config)]
-
-
-def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
 
 
 def _name(c: config.FwdSm90Tf32Config) -> str:
@@ -99,7 +92,7 @@ def test_tma_maps_of_float32_operands():
 
 @pytest.mark.parametrize("cfg", SHIPPED, ids=_name)
 def test_every_instantiation_compiles_spill_free(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     res = compiled.resources
     spills = (res["spill_stores"], res["spill_loads"], res["stack"])
@@ -112,13 +105,10 @@ def test_every_instantiation_compiles_spill_free(cfg):
 
 @pytest.mark.parametrize("cfg", [c for c in SHIPPED if not c.causal and not c.window], ids=_name)
 def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
-    text = sass_text(compiled.cubin)
-    if text is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
-    count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
+    text = sass_or_skip(compiled.cubin)
+    count = opcode_counter(text)
     panels = cfg.head_dim // 32
     # Q, K (issued in two places: the first tile, then one tile ahead in the loop), V: one load per 32-float panel
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want (Q, K, K, V) x {panels} panels"

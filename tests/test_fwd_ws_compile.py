@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from cuflash import _compile, _launch, _tma, config
-from cuflash.__main__ import sass_text
+from compile_helpers import nvrtc_or_skip, opcodes, sass_or_skip
 from ws_helpers import ws_kernel
 
 CONFIGS = [ws_kernel(d, dt, c, pingpong=pp)
@@ -36,32 +36,14 @@ PERSISTENT_CONFIGS = [config.FwdSm90WsConfig(d, bn, st, dt, c, pp, persistent=Tr
                       for dt in ("fp16", "bf16") for c in (False, True) if not (d == 256 and c)]
 
 
-def _nvrtc_or_skip():
-    try:
-        _compile._nvrtc().getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing: nothing to compile with
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
-
-
 def _name(c: config.FwdSm90WsConfig):
     return (f"d{c.head_dim}-bn{c.block_n}-s{c.stages}-{c.dtype}-{'causal' if c.causal else 'full'}-"
             f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}{'-persistent' if c.persistent else ''}")
 
 
-def _sass(compiled) -> str:
-    text = sass_text(compiled.cubin)
-    if text is None:
-        pytest.skip("nvdisasm not found (pip install nvidia-cuda-nvdisasm)")
-    return text
-
-
-def _opcodes(text: str) -> list:
-    return re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9.]+)", text, re.M)
-
-
 @pytest.mark.parametrize("cfg", CONFIGS + MOD_CONFIGS + PERSISTENT_CONFIGS, ids=_name)
 def test_every_instantiation_compiles_spill_free(cfg):
-    _nvrtc_or_skip()
+    nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     res = compiled.resources
     spills = (res["spill_stores"], res["spill_loads"], res["stack"])
@@ -76,9 +58,9 @@ def test_every_instantiation_compiles_spill_free(cfg):
 @pytest.mark.parametrize("cfg", [c for c in CONFIGS + MOD_CONFIGS + PERSISTENT_CONFIGS if c.dtype == "bf16" and not c.causal],
                          ids=_name)
 def test_sass_has_tma_loads_and_async_wgmma(cfg):
-    _nvrtc_or_skip()
-    text = _sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a"))
-    ops = _opcodes(text)
+    nvrtc_or_skip()
+    text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
+    ops = opcodes(text)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
     panels = cfg.head_dim // 64
     assert count("UTMALDG") == 3 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want Q, K, V x {panels} panels"
@@ -99,8 +81,8 @@ PLAIN_SASS = {64: {"HGMMA": 24, "MUFU.EX2": 132, "FMNMX": 140}, 128: {"HGMMA": 3
 @pytest.mark.parametrize("cfg", [config.FwdSm90WsConfig(d, 64 if d == 256 else 128, 2, "bf16", False, pp, persistent=pers)
                                  for d in PLAIN_SASS for pp in (False, True) for pers in (False, True)], ids=_name)
 def test_plain_path_keeps_its_work(cfg):
-    _nvrtc_or_skip()
-    ops = _opcodes(_sass(_compile.compile_kernel(cfg.cpp_name(), "sm_90a")))
+    nvrtc_or_skip()
+    ops = opcodes(sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin))
     got = {prefix: sum(1 for o in ops if o.startswith(prefix)) for prefix in PLAIN_SASS[cfg.head_dim]}
     assert got == PLAIN_SASS[cfg.head_dim], f"{cfg}: {got}, before the modifiers {PLAIN_SASS[cfg.head_dim]}"
     # named barriers: __syncthreads and the epilogue's (+ the pingpong token's; + the persistent O buffer's reuse)
