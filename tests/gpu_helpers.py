@@ -110,6 +110,29 @@ def check_rule(name: str, got, ref64, lowp, factor: float, what: str, extra: flo
     return err, bound
 
 
+def backward_problem(tag: str, b, sq, sk, hq, hkv, d, dtype, causal, kinds=("contiguous",) * 4, key=()):
+    """q, k, v, dout (bshd, the given stride kinds) and the forward's o, lse of one backward test case."""
+    import cuflash
+    seed = seed_of(tag, b, sq, sk, hq, hkv, d, dtype, causal, kinds, *key)
+    q = make_input(b, sq, hq, d, dtype, "bshd", kinds[0], seed)
+    k = make_input(b, sk, hkv, d, dtype, "bshd", kinds[1], seed + 1)
+    v = make_input(b, sk, hkv, d, dtype, "bshd", kinds[2], seed + 2)
+    dout = make_input(b, sq, hq, d, dtype, "bshd", kinds[3], seed + 3)
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    return q, k, v, dout, o, lse
+
+
+def check_backward(grads, q, k, v, dout, dtype, causal, what):
+    """dq, dk, dv (bshd) by the pass rule with factor 3, against the float64 and plain low-precision backward (GQA:
+    dk, dv summed over each group); shapes and dtypes those of q, k, v."""
+    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
+    refs64 = _xpref.attention_backward64(do32, q32, k32, v32, causal)
+    lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, dtype, causal)
+    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, lowp):
+        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
+        check_rule(name, to_bshd32(g, "bshd"), g64, glowp, 3.0, what)
+
+
 def check_lse(lse, lse64, what: str, atol: float = 1e-3):
     """lse (B, H, Sq) float32 against float64: -inf exactly where the row sees no key, else within atol."""
     assert lse.dtype == cp.float32, f"lse dtype {lse.dtype} for {what}"

@@ -14,9 +14,10 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _compile, _families, _plan, _xpref, config  # noqa: E402
-from gpu_helpers import check_rule, make_input, max_abs, poison_pool, round_up, seed_of, to_bshd32  # noqa: E402
+from gpu_helpers import backward_problem, check_backward, max_abs, poison_pool, round_up  # noqa: E402
 
 pytestmark = pytest.mark.gpu
+KINDS = ("contiguous", "padded", "contiguous", "contiguous")  # q, k, v, dout: k with padded rows
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,22 +27,7 @@ def _hopper_only():
 
 
 def problem(b, sq, sk, hq, hkv, d, dtype, causal, key=()):
-    seed = seed_of("bwd-split", b, sq, sk, hq, hkv, d, dtype, causal, *key)
-    q = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed)
-    k = make_input(b, sk, hkv, d, dtype, "bshd", "padded", seed + 1)
-    v = make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + 2)
-    dout = make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed + 3)
-    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-    return q, k, v, dout, o, lse
-
-
-def check_against_reference(grads, q, k, v, dout, dtype, causal, what):
-    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
-    refs64 = _xpref.attention_backward64(do32, q32, k32, v32, causal)  # (GQA: dK, dV summed over each group)
-    lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, dtype, causal)
-    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, lowp):
-        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
-        check_rule(name, to_bshd32(g, "bshd"), g64, glowp, 3.0, what)
+    return backward_problem("bwd-split", b, sq, sk, hq, hkv, d, dtype, causal, KINDS, key)
 
 
 @pytest.mark.parametrize("d", [192, 256])
@@ -65,7 +51,7 @@ def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
     q, k, v, dout, o, lse = problem(2, 1000, 700, 8, 2, d, dtype, causal)
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
     grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
-    check_against_reference(grads, q, k, v, dout, dtype, causal, f"split D={d} {dtype} causal={causal} GQA 8/2")
+    check_backward(grads, q, k, v, dout, dtype, causal, f"split D={d} {dtype} causal={causal} GQA 8/2")
 
 
 @pytest.mark.parametrize("sq,sk", [(1, 239), (239, 1), (64, 64), (65, 129)])
@@ -73,7 +59,7 @@ def test_short_and_tail_blocks(sq, sk):
     """A single query row, a single key, exactly one block each, one row and one key past a block."""
     q, k, v, dout, o, lse = problem(2, sq, sk, 2, 1, 256, "bf16", True, key=("short",))
     grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True)
-    check_against_reference(grads, q, k, v, dout, "bf16", True, f"split Sq={sq} Sk={sk}")
+    check_backward(grads, q, k, v, dout, "bf16", True, f"split Sq={sq} Sk={sk}")
 
 
 @pytest.mark.parametrize("d", [192, 256])
@@ -84,7 +70,7 @@ def test_deterministic_mode_repeats_bitwise(d):
         again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
         for a, b in zip(first, again):
             assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
-    check_against_reference(first, q, k, v, dout, "fp16", True, f"deterministic split D={d}")
+    check_backward(first, q, k, v, dout, "fp16", True, f"deterministic split D={d}")
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -98,8 +84,8 @@ def test_split_and_mma_kernels_agree(causal, monkeypatch):
     monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
     assert isinstance(config.backward_kernel_config(256, "bf16", causal, False, "sm_90a"), config.BwdConfig)
     mma = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
-    check_against_reference(split, q, k, v, dout, "bf16", causal, f"split causal={causal}")
-    check_against_reference(mma, q, k, v, dout, "bf16", causal, f"mma causal={causal}")
+    check_backward(split, q, k, v, dout, "bf16", causal, f"split causal={causal}")
+    check_backward(mma, q, k, v, dout, "bf16", causal, f"mma causal={causal}")
     for name, a, b in zip(("dq", "dk", "dv"), split, mma):
         a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: split and mma.sync kernels differ"

@@ -14,7 +14,7 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _compile, _families, _plan, _xpref, config  # noqa: E402
-from gpu_helpers import check_rule, make_input, max_abs, poison_pool, round_up, seed_of, to_bshd32  # noqa: E402
+from gpu_helpers import backward_problem, check_backward, make_input, max_abs, poison_pool, round_up, seed_of  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -34,22 +34,7 @@ def sync_family(monkeypatch):
 
 
 def problem(b, sq, sk, hq, hkv, d, dtype, causal, kinds=("contiguous",) * 4, key=()):
-    seed = seed_of("bwd-ws", b, sq, sk, hq, hkv, d, dtype, causal, kinds, *key)
-    q = make_input(b, sq, hq, d, dtype, "bshd", kinds[0], seed)
-    k = make_input(b, sk, hkv, d, dtype, "bshd", kinds[1], seed + 1)
-    v = make_input(b, sk, hkv, d, dtype, "bshd", kinds[2], seed + 2)
-    dout = make_input(b, sq, hq, d, dtype, "bshd", kinds[3], seed + 3)
-    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
-    return q, k, v, dout, o, lse
-
-
-def check_against_reference(grads, q, k, v, dout, dtype, causal, what):
-    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
-    refs64 = _xpref.attention_backward64(do32, q32, k32, v32, causal)  # (GQA: dK, dV summed over each group)
-    lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, dtype, causal)
-    for name, g, x, g64, glowp in zip(("dq", "dk", "dv"), grads, (q, k, v), refs64, lowp):
-        assert g.shape == x.shape and g.dtype == x.dtype, f"{name} is {g.shape} {g.dtype} for {what}"
-        check_rule(name, to_bshd32(g, "bshd"), g64, glowp, 3.0, what)
+    return backward_problem("bwd-ws", b, sq, sk, hq, hkv, d, dtype, causal, kinds, key)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -70,7 +55,7 @@ def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
     q, k, v, dout, o, lse = problem(2, 1000, 700, 8, 2, d, dtype, causal)
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
     grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
-    check_against_reference(grads, q, k, v, dout, dtype, causal, f"ws D={d} {dtype} causal={causal} GQA 8/2")
+    check_backward(grads, q, k, v, dout, dtype, causal, f"ws D={d} {dtype} causal={causal} GQA 8/2")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -81,7 +66,7 @@ def test_a_negative_stride_view_is_copied_and_correct(d):
     q, dout = q[:, ::-1], dout[:, ::-1]
     o, lse = cuflash.attention_forward(q, k, v)
     grads = cuflash.attention_backward(dout, q, k, v, o, lse)
-    check_against_reference(grads, q, k, v, dout, "bf16", False, f"negative strides D={d}")
+    check_backward(grads, q, k, v, dout, "bf16", False, f"negative strides D={d}")
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -94,8 +79,8 @@ def test_ws_and_sync_kernels_agree(d, causal, request):
     request.getfixturevalue("sync_family")
     assert not isinstance(config.backward_kernel_config(d, "bf16", causal, False, "sm_90a"), config.BwdSm90WsConfig)
     sync = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
-    check_against_reference(ws, q, k, v, dout, "bf16", causal, f"ws D={d} causal={causal}")
-    check_against_reference(sync, q, k, v, dout, "bf16", causal, f"sync D={d} causal={causal}")
+    check_backward(ws, q, k, v, dout, "bf16", causal, f"ws D={d} causal={causal}")
+    check_backward(sync, q, k, v, dout, "bf16", causal, f"sync D={d} causal={causal}")
     for name, a, b in zip(("dq", "dk", "dv"), ws, sync):
         a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: ws and sync kernels differ"
@@ -109,7 +94,7 @@ def test_deterministic_mode_on_the_ws_kernel(d):
         again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
         for a, b in zip(first, again):
             assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
-    check_against_reference(first, q, k, v, dout, "fp16", True, f"deterministic ws D={d}")
+    check_backward(first, q, k, v, dout, "fp16", True, f"deterministic ws D={d}")
 
 
 # Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
