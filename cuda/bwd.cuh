@@ -358,9 +358,10 @@ struct QueryBlockCopy {
   const float* vec_gmem;  // lse_log2 or delta + this thread's 4 rows (add the block's first fp32 row)
   u32 vec_smem;           // their offset from smem_base (add the stage's)
   bool has_vec;
+  int first_chunk;        // Tr::ROLLED_QUERY_COPY: this thread's first Q / dO chunk (its index)
 
   __device__ __forceinline__ QueryBlockCopy(const BwdParams& p, int tid)
-      : q(tid, p.q_row_stride), dout(tid, p.do_row_stride) {
+      : q(tid, p.q_row_stride), dout(tid, p.do_row_stride), first_chunk(tid) {
     const bool is_delta = tid >= VEC_CHUNKS;
     const int c = is_delta ? tid - VEC_CHUNKS : tid;
     vec_gmem = (is_delta ? p.delta : p.lse_log2) + c * 4;
@@ -369,14 +370,32 @@ struct QueryBlockCopy {
   }
 };
 
-// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth).
+// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth). Q_i and
+// dO_i by the threads' TileCopy, or with Tr::ROLLED_QUERY_COPY by a rolled loop over the chunks in panel order:
+// bwd_sm90_split_kernel's 8-chunk fixed-column copies at head dim 256, unrolled, kept their row offsets (loop
+// invariants) in registers across the query loop, and it spilled.
 template <class Tr>
 __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage,
                                                      const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
                                                      int len_q) {
   const int rows = min(Tr::BLOCK_M, len_q - qb.m_block * Tr::BLOCK_M);
-  copy.q.load(smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q, qb.q, p.q_row_stride, rows, p.head_dim);
-  copy.dout.load(smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q, qb.dout, p.do_row_stride, rows, p.head_dim);
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  if constexpr (Tr::ROLLED_QUERY_COPY) {
+    using Tile = typename Tr::TileQ;
+#pragma unroll 1
+    for (int idx = copy.first_chunk; idx < Tile::CHUNKS; idx += Tr::THREADS) {
+      int row, col;
+      Tile::panel_order(idx, row, col);
+      const bool valid = row < rows && col < p.head_dim;
+      const u32 off = Tile::offset(row, col);
+      cp_async_cg_16(q_smem + off, valid ? qb.q + row * p.q_row_stride + col : qb.q, valid);
+      cp_async_cg_16(do_smem + off, valid ? qb.dout + row * p.do_row_stride + col : qb.dout, valid);
+    }
+  } else {
+    copy.q.load(q_smem, qb.q, p.q_row_stride, rows, p.head_dim);
+    copy.dout.load(do_smem, qb.dout, p.do_row_stride, rows, p.head_dim);
+  }
   // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
   if (copy.has_vec)
     cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
@@ -480,6 +499,37 @@ struct BwdKeyBlock {
     cp_async_commit_group();
   }
 
+  // The query loop of a synchronous wgmma K/V-outer kernel (bwd_sm90_kernel, bwd_sm90_split_kernel): the steps
+  // from qb (first_step; `left` positions) in order, each first issuing the next step's loads into the other stage
+  // (one cp.async group) and waiting for its own, then step(qb, stage, is_masked) between two CTA barriers.
+  // is_masked: the step needs the band mask (the causal diagonal, a window edge) or this CTA holds the key tail.
+  // (bwd_kernel keeps a loop of its own: its step is a template on is_masked, decided after the barrier; through
+  // walk its SASS changed.)
+  template <class Step>
+  __device__ __forceinline__ void walk(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
+                                       QueryBlock<Tr> qb, int left, Step&& step) const {
+    const bool is_key_tail = keys < Tr::BLOCK_N;
+    int stage = 0;
+    for (;;) {
+      QueryBlock<Tr> qb_next = qb;
+      int left_next = left;
+      const bool more = advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
+      const int m0 = qb.m_block * Tr::BLOCK_M;
+      const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
+      if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
+      cp_async_commit_group();
+      cp_async_wait_group<1>();
+      fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
+      __syncthreads();
+      step(qb, stage, is_masked);
+      __syncthreads();
+      if (!more) break;
+      stage ^= 1;
+      qb = qb_next;
+      left = left_next;
+    }
+  }
+
   // dK_j and dV_j, staged in the K and V tiles, to global memory (valid keys only), by THREADS threads (tid < THREADS)
   template <int THREADS = Tr::THREADS>
   __device__ __forceinline__ void store_dk_dv(const BwdParams& p, const unsigned char* smem, int tid) const {
@@ -498,11 +548,31 @@ struct BwdKeyBlock {
   }
 };
 
+// The epilogue's staging of a K/V-outer backward: dK * softmax_scale into the K tile and dV (scaled by the caller for
+// dropout) into the V tile, this warp's 16 keys from key_row0 and DKV_TILES n8 tiles of columns from col0, in the
+// input dtype; the caller synchronizes before the K tile is overwritten (no dQ GEMM may still read it) and before
+// store_dk_dv reads the tiles.
+template <class Tr>
+__device__ __forceinline__ void bwd_stage_dk_dv(const BwdParams& p, unsigned char* smem, int key_row0, int col0, int lane,
+                                                const float (&dk_acc)[Tr::DKV_TILES][4],
+                                                const float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  const int t = lane & 3, g = lane >> 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
+      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, col0 + dt * 8 + 2 * t);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
+          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
+      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
+    }
+}
+
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem[];
-  using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
@@ -554,17 +624,7 @@ __global__ void __launch_bounds__(Tr::THREADS) bwd_kernel(const BwdParams p) {
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
   // tile, 16-byte stores
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
-  const int g = lane >> 2, t = lane & 3;
-  const int key_row0 = (warp / Tr::D_SPLIT) * 16, d_col0 = (warp % Tr::D_SPLIT) * Tr::DKV_COLS;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
-      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, d_col0 + dt * 8 + 2 * t);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
-          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
-    }
+  bwd_stage_dk_dv<Tr>(p, smem, (warp / Tr::D_SPLIT) * 16, (warp % Tr::D_SPLIT) * Tr::DKV_COLS, lane, dk_acc, dv_acc);
   __syncthreads();
   kb.store_dk_dv(p, smem, tid);
 }

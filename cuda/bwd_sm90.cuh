@@ -20,6 +20,16 @@
 
 namespace cuflash {
 
+// One k16 step's A registers (keys x the step's 16 queries) from two n8 accumulator tiles x[0], x[1] of values: each
+// pair of adjacent elements packed into the input dtype, in the register order of the k16 A layout
+template <class T>
+__device__ __forceinline__ void pack_k16_a(const float (&x)[2][4], u32 (&a)[4]) {
+  a[0] = Cvt<T>::pack(x[0][0], x[0][1]);
+  a[1] = Cvt<T>::pack(x[0][2], x[0][3]);
+  a[2] = Cvt<T>::pack(x[1][0], x[1][1]);
+  a[3] = Cvt<T>::pack(x[1][2], x[1][3]);
+}
+
 // S^T = K_j Q_i^T and dP^T = V_j dO_i^T of one query block for one warpgroup (its 64 keys x BLOCK_M queries), each
 // its own wgmma commit group (S^T first), not waited for: bwd_sm90_dkdv_step takes them from here. This warp holds
 // keys key_row0 + g (+8), queries 8 * qt + 2t (+1) of each n8 tile qt. Reads K, V and Q, dO of `stage`.
@@ -167,15 +177,9 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
         if (FP32_P) s_acc[qt][c] = ps[j][c];
       }
     }
-    p_regs[kk][0] = Cvt<T>::pack(pv[0][0], pv[0][1]);
-    p_regs[kk][1] = Cvt<T>::pack(pv[0][2], pv[0][3]);
-    p_regs[kk][2] = Cvt<T>::pack(pv[1][0], pv[1][1]);
-    p_regs[kk][3] = Cvt<T>::pack(pv[1][2], pv[1][3]);
+    pack_k16_a<T>(pv, p_regs[kk]);
     if (HAS_PS) {
-      ps_regs[kk][0] = Cvt<T>::pack(ps[0][0], ps[0][1]);
-      ps_regs[kk][1] = Cvt<T>::pack(ps[0][2], ps[0][3]);
-      ps_regs[kk][2] = Cvt<T>::pack(ps[1][0], ps[1][1]);
-      ps_regs[kk][3] = Cvt<T>::pack(ps[1][2], ps[1][3]);
+      pack_k16_a<T>(ps, ps_regs[kk]);
     }
   }
 
@@ -214,10 +218,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
         if (Mods::HAS_BIAS) mods.put_dbias(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1), ds[j][c]);
       }
     }
-    ds_regs[kk][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
-    ds_regs[kk][1] = Cvt<T>::pack(ds[0][2], ds[0][3]);
-    ds_regs[kk][2] = Cvt<T>::pack(ds[1][0], ds[1][1]);
-    ds_regs[kk][3] = Cvt<T>::pack(ds[1][2], ds[1][3]);
+    pack_k16_a<T>(ds, ds_regs[kk]);
   }
 
   // dK_j += dS^T Q_i (softmax_scale applied to dK once, at the end); Q_i read N-major like dO_i
@@ -231,38 +232,25 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
 
 // dS^T (ds_regs, the A layout of bwd_sm90_dkdv_step) of this warp's 16 keys into the dS^T tile at ds_smem_off: the
 // 4 packed registers of each k16 step at rows g, g+8, columns 2t, 8+2t (all 8 rows of a phase land in 8 different
-// 16-byte chunks: no bank conflict). The caller fences (fence.proxy.async) and synchronizes before wgmma reads it.
+// 16-byte chunks: no bank conflict); ds_pair_offset is where register r of step kk goes, bwd_sm90_store_ds_step one
+// step's four. The caller fences (fence.proxy.async) and synchronizes before wgmma reads it.
+template <class Tr>
+__device__ __forceinline__ u32 ds_pair_offset(int key_row0, int kk, int r, int lane) {  // (see bwd_sm90_store_ds)
+  return Tr::TileDS::offset(key_row0 + (lane >> 2) + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * (lane & 3));
+}
+template <class Tr>
+__device__ __forceinline__ void bwd_sm90_store_ds_step(unsigned char* smem, u32 ds_smem_off, int key_row0, int kk,
+                                                       int lane, const u32 (&a)[4]) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+    *reinterpret_cast<u32*>(smem + ds_smem_off + ds_pair_offset<Tr>(key_row0, kk, r, lane)) = a[r];
+}
 template <class Tr>
 __device__ __forceinline__ void bwd_sm90_store_ds(unsigned char* smem, u32 ds_smem_off, int key_row0, int lane,
                                                   const u32 (&ds_regs)[Tr::Q_K_STEPS][4]) {
-  const int t = lane & 3, g = lane >> 2;
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      *reinterpret_cast<u32*>(smem + ds_smem_off +
-                              Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
-          ds_regs[kk][r];
-}
-
-// The epilogue's staging: dK * softmax_scale into the K tile and dV (scaled by the caller for dropout) into the V
-// tile, this warp's 16 keys, in the input dtype; the caller synchronizes before the K tile is overwritten (no
-// dQ GEMM may still read it) and before store_dk_dv reads the tiles.
-template <class Tr>
-__device__ __forceinline__ void bwd_sm90_stage_dk_dv(const BwdParams& p, unsigned char* smem, int key_row0, int lane,
-                                                     const float (&dk_acc)[Tr::DKV_TILES][4],
-                                                     const float (&dv_acc)[Tr::DKV_TILES][4]) {
-  using T = typename Tr::T;
-  const int t = lane & 3, g = lane >> 2;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
-      const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, dt * 8 + 2 * t);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
-          Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
-      *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
-    }
+    bwd_sm90_store_ds_step<Tr>(smem, ds_smem_off, key_row0, kk, lane, ds_regs[kk]);
 }
 
 // One query block for one warpgroup of bwd_sm90_kernel: bwd_sm90_dkdv_step, then (unless deterministic) dS^T to
@@ -336,7 +324,6 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
   const u32 smem_base = aligned.base;
   unsigned char* smem = aligned.ptr;
 
-  using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   // broadcast from lane 0: ptxas then knows warpgroup is warp-uniform and builds the K/V descriptors of
   // the query loop in uniform registers, instead of recomputing them per step in vector registers
@@ -359,39 +346,22 @@ __global__ void __launch_bounds__(Tr::THREADS, Tr::CTAS_PER_SM) bwd_sm90_kernel(
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  // (query head, query block) steps in order; each first issues the next step's loads. Unlike bwd_kernel,
-  // the mask is a run-time flag of one loop body (causal diagonal; every block when this CTA holds the
-  // key tail): two inlined copies of the body (masked and unmasked) pushed d128 causal past 255 registers.
-  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
-  int stage = 0;
-  for (;;) {
-    QueryBlock<Tr> qb_next = qb;
-    int left_next = left;
-    const bool more = kb.advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
-    const int m0 = qb.m_block * Tr::BLOCK_M;
-    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
-    if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q);
-    cp_async_commit_group();
-    cp_async_wait_group<1>();
-    fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
-    __syncthreads();
+  // (query head, query block) steps in order (walk). Unlike bwd_kernel, the mask is a run-time flag of one loop
+  // body (causal diagonal; every block when this CTA holds the key tail): two inlined copies of the body (masked and
+  // unmasked) pushed d128 causal past 255 registers.
+  kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
     if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
     bwd_sm90_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
                                                                 qb.m_block, kb.n0, qb.vec_row, warpgroup, warp, lane,
                                                                 dk_acc, dv_acc);
-    __syncthreads();
-    if (!more) break;
-    stage ^= 1;
-    qb = qb_next;
-    left = left_next;
-  }
+  });
 
   // epilogue: dK = softmax_scale * dK (dV * 1 / (1 - p) with dropout); stage dK in the K tile and dV in the V
   // tile, 16-byte stores
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
-  bwd_sm90_stage_dk_dv<Tr>(p, smem, warpgroup * 64 + (warp % 4) * 16, lane, dk_acc, dv_acc);
+  bwd_stage_dk_dv<Tr>(p, smem, warpgroup * 64 + (warp % 4) * 16, 0, lane, dk_acc, dv_acc);
   __syncthreads();
   // tid read anew: the copy offsets are the prologue's K/V ones; kept live across the query loop they
   // cost d128 causal a 4-byte spill under NVRTC 13.0

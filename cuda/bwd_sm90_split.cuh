@@ -69,6 +69,7 @@ struct BwdSm90SplitTraits {
   static constexpr int SMEM_KV = TileKV::BYTES;
   static constexpr int SMEM_DS = TileDS::BYTES;
   static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
+  static constexpr bool ROLLED_QUERY_COPY = true;  // bwd_load_query_block's rolled copy (unrolled: spills)
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = SMEM_KV;
   static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
@@ -87,43 +88,6 @@ struct BwdSm90SplitTraits {
                 "1024-byte swizzle periods");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
-
-// P^T or dS^T of this warp's 16 keys back from the tile that bwd_sm90_store_ds wrote, into the same registers (the
-// A layout of the k16 steps over the block's queries)
-template <class Tr>
-__device__ __forceinline__ void bwd_split_load_ds(const unsigned char* smem, u32 off, int key_row0, int lane,
-                                                  u32 (&regs)[Tr::Q_K_STEPS][4]) {
-  const int t = lane & 3, g = lane >> 2;
-#pragma unroll
-  for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-      regs[kk][r] = *reinterpret_cast<const u32*>(
-          smem + off + Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t));
-}
-
-// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth), as
-// bwd_load_query_block but with the 16-bit tiles copied by a rolled loop: unrolled, the per-chunk row offsets
-// (loop invariants) stayed in registers across the query loop and the head-dim-256 kernel spilled
-template <class Tr>
-__device__ __forceinline__ void bwd_split_load_query_block(const BwdParams& p, u32 smem_base, int stage,
-                                                           const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
-                                                           int len_q, int tid) {
-  const int rows = min(Tr::BLOCK_M, len_q - qb.m_block * Tr::BLOCK_M);
-  using Tile = typename Tr::TileQ;
-  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q, do_smem = q_smem + Tr::SMEM_Q;
-#pragma unroll 1
-  for (int idx = tid; idx < Tile::CHUNKS; idx += Tr::THREADS) {
-    int row, col;
-    Tile::panel_order(idx, row, col);
-    const bool valid = row < rows && col < p.head_dim;
-    const u32 off = Tile::offset(row, col);
-    cp_async_cg_16(q_smem + off, valid ? qb.q + row * p.q_row_stride + col : qb.q, valid);
-    cp_async_cg_16(do_smem + off, valid ? qb.dout + row * p.do_row_stride + col : qb.dout, valid);
-  }
-  if (copy.has_vec)
-    cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
-}
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool HAS_WINDOW>
@@ -175,10 +139,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         for (int c = 0; c < 4; ++c)
           prob[j][c] = ex2_approx(fmaf(acc[2 * kk + j][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
       }
-      p_regs[kk][0] = Cvt<T>::pack(prob[0][0], prob[0][1]);
-      p_regs[kk][1] = Cvt<T>::pack(prob[0][2], prob[0][3]);
-      p_regs[kk][2] = Cvt<T>::pack(prob[1][0], prob[1][1]);
-      p_regs[kk][3] = Cvt<T>::pack(prob[1][2], prob[1][3]);
+      pack_k16_a<T>(prob, p_regs[kk]);
     }
     // dV[:, half 0] += P^T dO_i[:, half 0]: dO_i is [query][d], the k dimension (queries) its rows: read N-major
     wgmma_fence();
@@ -210,8 +171,8 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         const float2 delta = *reinterpret_cast<const float2*>(delta_smem + (2 * kk + j) * 8 + 2 * t);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const u32 pr = *reinterpret_cast<const u32*>(
-              smem + Tr::OFF_P + Tr::TileDS::offset(key_row0 + g + h * 8, kk * 16 + j * 8 + 2 * t));
+          const u32 pr =  // P^T's pair in A register 2 j + h of step kk
+              *reinterpret_cast<const u32*>(smem + Tr::OFF_P + ds_pair_offset<Tr>(key_row0, kk, 2 * j + h, lane));
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int c = 2 * h + e;
@@ -219,16 +180,9 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
           }
         }
       }
-      u32 ds_regs[1][4];
-      ds_regs[0][0] = Cvt<T>::pack(ds[0][0], ds[0][1]);
-      ds_regs[0][1] = Cvt<T>::pack(ds[0][2], ds[0][3]);
-      ds_regs[0][2] = Cvt<T>::pack(ds[1][0], ds[1][1]);
-      ds_regs[0][3] = Cvt<T>::pack(ds[1][2], ds[1][3]);
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-        *reinterpret_cast<u32*>(smem + Tr::OFF_DS +
-                                Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
-            ds_regs[0][r];
+      u32 ds_a[4];
+      pack_k16_a<T>(ds, ds_a);
+      bwd_sm90_store_ds_step<Tr>(smem, Tr::OFF_DS, key_row0, kk, lane, ds_a);
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
   }
@@ -288,7 +242,6 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
   const u32 smem_base = aligned.base;
   unsigned char* smem = aligned.ptr;
 
-  using T = typename Tr::T;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform: its descriptors in uniform registers
   const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
@@ -308,42 +261,14 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
-  int stage = 0;
-  for (;;) {
-    QueryBlock<Tr> qb_next = qb;
-    int left_next = left;
-    const bool more = kb.advance(p, qb_next, left_next);
-    const int m0 = qb.m_block * Tr::BLOCK_M;
-    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
-    if (more) bwd_split_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, kb.seq.len_q, tid);
-    cp_async_commit_group();
-    cp_async_wait_group<1>();
-    fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
-    __syncthreads();
+  kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
     bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, HAS_WINDOW>(p, is_masked, kb.band, smem, smem_base, stage,
                                                                        qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
                                                                        dk_acc, dv_acc);
-    __syncthreads();
-    if (!more) break;
-    stage ^= 1;
-    qb = qb_next;
-    left = left_next;
-  }
+  });
 
   // epilogue: dK * softmax_scale and dV into the K and V tiles (this warpgroup's columns), then 16-byte stores
-  {
-    const int t = lane & 3, g = lane >> 2, key_row0 = (warp % 4) * 16;
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int dt = 0; dt < Tr::DKV_TILES; ++dt) {
-        const u32 off = Tr::TileKV::offset(key_row0 + g + 8 * h, wg * Tr::HALF + dt * 8 + 2 * t);
-        *reinterpret_cast<u32*>(smem + Tr::OFF_K + off) =
-            Cvt<T>::pack(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
-        *reinterpret_cast<u32*>(smem + Tr::OFF_V + off) = Cvt<T>::pack(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
-      }
-  }
+  bwd_stage_dk_dv<Tr>(p, smem, (warp % 4) * 16, wg * Tr::HALF, lane, dk_acc, dv_acc);
   __syncthreads();
   kb.store_dk_dv(p, smem, tid_x_reread());
 #else

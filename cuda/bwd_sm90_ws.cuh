@@ -300,7 +300,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
   // once neither consumer's dQ GEMM reads K, then 16-byte stores by the 256 consumer threads
   if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
   named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
-  bwd_sm90_stage_dk_dv<Tr>(p, smem, key_row0, lane, dk_acc, dv_acc);
+  bwd_stage_dk_dv<Tr>(p, smem, key_row0, 0, lane, dk_acc, dv_acc);
   named_barrier_sync(Tr::EPILOGUE_BAR, Tr::CONSUMER_THREADS);
   kb.template store_dk_dv<Tr::CONSUMER_THREADS>(p, smem, tid_x_reread() - 128);
 }
