@@ -30,6 +30,32 @@ __device__ __forceinline__ void pack_k16_a(const float (&x)[2][4], u32 (&a)[4]) 
   a[3] = Cvt<T>::pack(x[1][2], x[1][3]);
 }
 
+// P^T of k16 step kk (the queries of n8 tiles 2 kk, 2 kk + 1) from the modified scores s (ScoreMods applied, masked
+// scores -inf): pv, the kept P^T (dV's A operand: dropped elements 0), and ps, P^T undropped times the softcap's
+// derivative (dS^T's factor; ps = pv without dropout and softcap). P^T = exp2(s * scale_log2 - lse_log2[query]);
+// keep: dropout_keep_transposed's bits; g_key: this thread's first key (the second is + 8).
+template <int MODS, int Q_TILES>
+__device__ __forceinline__ void bwd_probs_step(const float (&s)[Q_TILES][4], int kk, const float* lse_log2_smem,
+                                               float scale_log2, u32 keep, const ScoreMods<MODS>& mods, int m0,
+                                               int g_key, int diag, int lane, float (&pv)[2][4], float (&ps)[2][4]) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int qt = 2 * kk + j;
+      const float prob = ex2_approx(fmaf(s[qt][c], scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+      pv[j][c] = (!ScoreMods<MODS>::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1)) ? prob : 0.f;
+      ps[j][c] = prob;
+      if (ScoreMods<MODS>::HAS_SOFTCAP)
+        ps[j][c] = prob == 0.f ? 0.f
+                               : prob * mods.softcap_grad(s[qt][c], m0 + qt * 8 + 2 * t + (c & 1), g_key + 8 * (c >> 1),
+                                                          diag);
+    }
+  }
+}
+
 // S^T = K_j Q_i^T and dP^T = V_j dO_i^T of one query block for one warpgroup (its 64 keys x BLOCK_M queries), each
 // its own wgmma commit group (S^T first), not waited for: bwd_sm90_dkdv_step takes them from here. This warp holds
 // keys key_row0 + g (+8), queries 8 * qt + 2t (+1) of each n8 tile qt. Reads K, V and Q, dO of `stage`.
@@ -160,22 +186,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const int g_key = n0 + key_row0 + g;  // this thread's first key (the second is + 8)
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
-    float prob[2][4], pv[2][4], ps[2][4];
+    float pv[2][4], ps[2][4];
+    bwd_probs_step<MODS>(s_acc, kk, lse_log2_smem, p.scale_log2, keep, mods, m0, g_key, band.diag, lane, pv, ps);
+    if (FP32_P) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int qt = 2 * kk + j;
-        prob[j][c] = ex2_approx(fmaf(s_acc[qt][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
-        pv[j][c] = (!Mods::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1)) ? prob[j][c] : 0.f;
-        ps[j][c] = prob[j][c];
-        if (Mods::HAS_SOFTCAP)
-          ps[j][c] = prob[j][c] == 0.f ? 0.f
-                                       : prob[j][c] * mods.softcap_grad(s_acc[qt][c], m0 + qt * 8 + 2 * t + (c & 1),
-                                                                        g_key + 8 * (c >> 1), band.diag);
-        if (FP32_P) s_acc[qt][c] = ps[j][c];
-      }
+        for (int c = 0; c < 4; ++c) s_acc[2 * kk + j][c] = ps[j][c];
     }
     pack_k16_a<T>(pv, p_regs[kk]);
     if (HAS_PS) {

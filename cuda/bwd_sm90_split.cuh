@@ -6,21 +6,27 @@
 // keys (BLOCK_N) and two warpgroups share them: warpgroup w keeps dK and dV of all 64 keys for the columns
 // w * HALF .. w * HALF + HALF - 1 (HALF = HEAD_DIM / 2: 128 registers a thread at HEAD_DIM 256). Per query block
 // (BLOCK_M = 64 queries), every product once (the five of FlashAttention-2's backward):
-//   warpgroup 0: S^T = K Q^T (keys x queries, the whole head dim), P^T = exp2(S^T scale_log2 - lse_log2)
+//   warpgroup 0: S^T = K Q^T (keys x queries, the whole head dim), the score modifiers, P^T = exp2(S^T scale_log2
+//                - lse_log2)
 //   warpgroup 1: dP^T = V dO^T                                           (both at once on the tensor cores)
 //   P^T (input dtype) -> shared memory; warpgroup 1 reads it back in its own accumulator positions (the two
 //   warpgroups' fragments of a 64 x 64 tile cover the same elements thread by thread) and computes
 //   dS^T = P^T (dP^T - delta) -> shared memory
+//   With dropout or soft-capping the P^T tile holds the kept P^T (dV's operand) and warpgroup 0 also writes P^T
+//   undropped, times the softcap's derivative, into the dS^T tile, where warpgroup 1 reads it and overwrites it
+//   with dS^T (each thread the elements it read); dropout's keep bits, computed by warpgroup 0 under its S^T
+//   GEMM, go to warpgroup 1 through shared memory (one word per thread).
 //   both: dV[:, half w] += P^T dO[:, half w] (A: warpgroup 0's P^T registers, warpgroup 1's P^T tile), then
 //   dK[:, half w] += dS^T Q[:, half w] (A: the dS^T tile); B N-major
 //   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major; fp32 atomics into dQ_acc), unless
 //   IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead)
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
-// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. No score
-// modifier but the window (the others run on the mma.sync backward).
+// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. Score
+// modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
+// [keep bits: one word per thread of warpgroup 0]
 // 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
@@ -78,7 +84,8 @@ struct BwdSm90SplitTraits {
   static constexpr int OFF_P = OFF_DS + SMEM_DS;
   static constexpr int OFF_LSE = OFF_P + SMEM_DS;          // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
-  static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC + 1024;  // cuflash/config.py BwdSm90SplitConfig
+  static constexpr int OFF_KEEP = OFF_LSE + 4 * SMEM_ROWVEC;  // dropout's keep bits (u32 per thread of warpgroup 0)
+  static constexpr int SMEM_BYTES = OFF_KEEP + 128 * 4 + 1024;  // cuflash/config.py BwdSm90SplitConfig
 
   static_assert(HEAD_DIM == 192 || HEAD_DIM == 256, "head dims 192 and 256 (narrower ones: bwd_sm90_kernel)");
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
@@ -90,13 +97,17 @@ struct BwdSm90SplitTraits {
 };
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
 __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked,
-                                                      const Band<IS_CAUSAL, HAS_WINDOW>& band, unsigned char* smem,
-                                                      u32 smem_base, int stage, int m_block, int n0, long long vec_row,
-                                                      int wg, int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                                      const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                      const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
+                                                      int stage, int m_block, int n0, long long vec_row, int wg,
+                                                      int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
                                                       float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
+  using Mods = ScoreMods<MODS>;
+  // a second P^T (undropped, times the softcap's derivative) for dS^T, in the dS^T tile
+  constexpr bool HAS_PS = Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP;
   // the tiles' addresses from a value the optimizer cannot see through: else it keeps the K, V (loop invariants) and
   // per-stage Q, dO descriptors of every k step in registers across the query loop, which spilled
   smem_base = static_cast<u32>(opaque(static_cast<int>(smem_base)));
@@ -107,6 +118,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
+  u32* keep_smem = reinterpret_cast<u32*>(smem + Tr::OFF_KEEP) + (warp % 4) * 32 + lane;  // this thread's position
 
   // S^T = K Q^T (warpgroup 0) or dP^T = V dO^T (warpgroup 1), over the whole head dim
   float acc[Tr::Q_TILES][4];
@@ -120,26 +132,31 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
           acc, Tr::TileKV::desc_k_major(a_smem, 0, kk * 16), Tr::TileQ::desc_k_major(b_smem, 0, kk * 16),
           /*scale_d=*/kk > 0);
     wgmma_commit_group();
-    wgmma_wait_group<0>();
-    wgmma_fence_operand(acc);
   }
+  u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
+  if (Mods::HAS_DROPOUT && wg == 0) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+  wgmma_wait_group<0>();
+  wgmma_fence_operand(acc);
 
   // P^T (warpgroup 0) into A registers, and into shared memory, where warpgroup 1 reads it as its dV's A operand and
   // for dS^T (registers held across both exchanges spilled: warpgroup 0 takes dS^T for dK from shared memory too)
   if (wg == 0) {
     u32 p_regs[Tr::Q_K_STEPS][4];
-    if (is_masked) apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(acc, n0 + key_row0, m0, band, lane);
+    float unused_dcap[Tr::Q_TILES][4];  // (bwd_probs_step recovers the softcap's derivative from the score)
+    apply_score_mods_transposed(acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
+    if (is_masked) apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW>(acc, n0 + key_row0, m0, band, lane);
+    if (Mods::HAS_DROPOUT) *keep_smem = keep;
 #pragma unroll
     for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
-      float prob[2][4];
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const float2 lse2 = *reinterpret_cast<const float2*>(lse_log2_smem + (2 * kk + j) * 8 + 2 * t);
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          prob[j][c] = ex2_approx(fmaf(acc[2 * kk + j][c], p.scale_log2, (c & 1) ? -lse2.y : -lse2.x));
+      float pv[2][4], ps[2][4];
+      bwd_probs_step<MODS>(acc, kk, lse_log2_smem, p.scale_log2, keep, mods, m0, n0 + key_row0 + g, band.diag, lane,
+                           pv, ps);
+      pack_k16_a<T>(pv, p_regs[kk]);
+      if (HAS_PS) {
+        u32 ps_a[4];
+        pack_k16_a<T>(ps, ps_a);
+        bwd_sm90_store_ds_step<Tr>(smem, Tr::OFF_DS, key_row0, kk, lane, ps_a);
       }
-      pack_k16_a<T>(prob, p_regs[kk]);
     }
     // dV[:, half 0] += P^T dO_i[:, half 0]: dO_i is [query][d], the k dimension (queries) its rows: read N-major
     wgmma_fence();
@@ -162,7 +179,9 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
           Tr::TileQ::desc_mn_major(do_smem, kk * 16, Tr::HALF), /*scale_d=*/1);
     wgmma_commit_group();
     // dS^T = P^T (dP^T - delta), from the input dtype's P^T (as bwd_sm90_kernel's), into shared memory one k16 step
-    // at a time (both warpgroups' dK and dQ read it there: held in A registers beside dP^T it spilled)
+    // at a time (both warpgroups' dK and dQ read it there: held in A registers beside dP^T it spilled). With dropout
+    // or softcap, from the second P^T in the dS^T tile, overwritten in place (ds_of: dropout's dP^T / (1 - p)).
+    if (Mods::HAS_DROPOUT) keep = *keep_smem;
 #pragma unroll
     for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
       float ds[2][4];
@@ -172,11 +191,14 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const u32 pr =  // P^T's pair in A register 2 j + h of step kk
-              *reinterpret_cast<const u32*>(smem + Tr::OFF_P + ds_pair_offset<Tr>(key_row0, kk, 2 * j + h, lane));
+              *reinterpret_cast<const u32*>(smem + (HAS_PS ? Tr::OFF_DS : Tr::OFF_P) +
+                                            ds_pair_offset<Tr>(key_row0, kk, 2 * j + h, lane));
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int c = 2 * h + e;
-            ds[j][c] = Cvt<T>::unpack(pr, e) * (acc[2 * kk + j][c] - (e ? delta.y : delta.x));
+            const int c = 2 * h + e, qt = 2 * kk + j;
+            // (the softcap's factor is in the second P^T already: ds_of's dcap = 1)
+            ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(Cvt<T>::unpack(pr, e), acc[qt][c], e ? delta.y : delta.x,
+                                                  (keep >> (4 * qt + c)) & 1, p.mods.dropout_rp, 1.f);
           }
         }
       }
@@ -235,7 +257,8 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  static_assert((MODS & ~MOD_WINDOW) == 0, "bwd_sm90_split_kernel takes no score modifier but the window");
+  static_assert((MODS & ~(MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)) == 0,
+                "bwd_sm90_split_kernel takes the window, ALiBi, soft-capping and dropout (no bias, mask or block map)");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const AlignedSmem aligned = align_smem_1024(smem_raw);
@@ -262,12 +285,16 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
   kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
-    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, HAS_WINDOW>(p, is_masked, kb.band, smem, smem_base, stage,
-                                                                       qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
-                                                                       dk_acc, dv_acc);
+    ScoreMods<MODS> mods;
+    mods.init(p.mods, kb.batch, qb.head, p.heads);
+    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
+                                                                 qb.m_block, kb.n0, qb.vec_row, wg, warp, lane, dk_acc,
+                                                                 dv_acc);
   });
 
-  // epilogue: dK * softmax_scale and dV into the K and V tiles (this warpgroup's columns), then 16-byte stores
+  // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's
+  // columns), then 16-byte stores
+  if (ScoreMods<MODS>::HAS_DROPOUT) scale_acc(dv_acc, p.mods.dropout_rp);
   bwd_stage_dk_dv<Tr>(p, smem, (warp % 4) * 16, wg * Tr::HALF, lane, dk_acc, dv_acc);
   __syncthreads();
   kb.store_dk_dv(p, smem, tid_x_reread());

@@ -277,6 +277,15 @@ def default_cases() -> list[Case]:
                 for ci, (causal, window) in enumerate(((False, config.MOD_WINDOW), (False, 0), (True, 0))):
                     sq, sk = ((136, 264), (264, 136))[(mi + di + ci) % 2]
                     cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=heavy | window))
+    # the wide-head backward's modifier kernels (config.BWD_SM90_SPLIT_MODS_CHECKED: window, ALiBi, softcap and
+    # dropout; the sets above carry a bias and mask, which run the mma.sync backward there), each launched: 3 query
+    # blocks, a key tail in a tile, every row sees keys
+    for hi, hd in enumerate(config.BWD_SM90_SPLIT_HEAD_DIMS):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for causal in (False, True):
+                sq, sk = ((136, 264), (130, 200))[(hi + di) % 2]
+                cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous",
+                                   mods=config.BWD_SM90_SPLIT_MODS_CHECKED[causal][0]))
     # a mask alone (with a window, or causal): the Hopper forward's mask tiles (config.FWD_SM90_WS_TILES_MASK)
     for hi, hd in enumerate(config.FWD_SM90_WS_TILES_MASK):
         for di, dtype in enumerate(("fp16", "bf16")):

@@ -1,5 +1,6 @@
 """The wide-head Hopper backward (cuda/bwd_sm90_split.cuh) without a GPU: the registry sends 16-bit backwards at
-kernel head dims 192 and 256 to it on sm_90a (no score modifier but a window) and to the mma.sync backward elsewhere;
+kernel head dims 192 and 256 to it on sm_90a (window, ALiBi, soft-capping, dropout; not a bias or mask) and to the
+mma.sync backward elsewhere;
 its instantiations compile through NVRTC for sm_90a spill-free, issue the wgmma its step needs and dQ atomics only
 where not deterministic; its shared memory fits sm_90; the config checks its arguments; the analyzer counts it."""
 from __future__ import annotations
@@ -14,21 +15,26 @@ SPLIT = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.Bwd
 
 
 def test_every_dtype_head_dim_and_variant_is_shipped():
+    heavy = config.MOD_ALIBI | config.MOD_SOFTCAP | config.MOD_DROPOUT
     want = {(dt, d, c, m, det) for dt in config.DTYPES for d in config.BWD_SM90_SPLIT_HEAD_DIMS
-            for c, m in ((False, 0), (True, 0), (False, config.MOD_WINDOW)) for det in (False, True)}
-    assert {(c.dtype, c.head_dim, c.causal, c.mods, c.deterministic) for c in SPLIT} == want and len(SPLIT) == 24
+            for c, m in ((False, 0), (True, 0), (False, config.MOD_WINDOW), (False, heavy | config.MOD_WINDOW),
+                         (True, heavy)) for det in (False, True)}
+    assert {(c.dtype, c.head_dim, c.causal, c.mods, c.deterministic) for c in SPLIT} == want and len(SPLIT) == 40
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_registry_sends_wide_heads_to_the_split_kernel_on_sm90(dtype):
     for hd in (192, 256):
-        for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):  # (causal is a window there)
-            for det in (False, True):
-                cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods, deterministic=det)
-                assert isinstance(cfg, config.BwdSm90SplitConfig), (hd, causal, mods, det, cfg)
-                assert (cfg.head_dim, cfg.causal, cfg.mods, cfg.deterministic) == (hd, causal, mods, det)
-        for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_BIAS, config.MOD_MASK,
-                  config.MOD_WINDOW | config.MOD_ALIBI):
+        for causal in (False, True):
+            for mods in range(16):  # every combination of window, ALiBi, softcap, dropout
+                if causal and mods & config.MOD_WINDOW:
+                    continue  # (causal is a window there)
+                for det in (False, True):
+                    cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods, deterministic=det)
+                    assert isinstance(cfg, config.BwdSm90SplitConfig), (hd, causal, mods, det, cfg)
+                    assert (cfg.head_dim, cfg.causal, cfg.mods, cfg.deterministic) == (hd, causal, mods, det)
+        for m in (config.MOD_BIAS, config.MOD_MASK, config.MOD_BIAS | config.MOD_DROPOUT,
+                  config.MOD_WINDOW | config.MOD_MASK):
             assert isinstance(config.select("backward", hd, dtype, False, "sm_90a", mods=m), config.BwdConfig), m
         assert isinstance(config.select("backward", hd, dtype, False, "sm_80"), config.BwdConfig)
         assert isinstance(config.select("backward", hd, dtype, False, "sm_90a", kernels="mma"), config.BwdConfig)
@@ -39,8 +45,8 @@ def test_registry_sends_wide_heads_to_the_split_kernel_on_sm90(dtype):
 def test_config_checks_its_arguments():
     with pytest.raises(ValueError, match="head_dim=128"):
         config.BwdSm90SplitConfig(128, "bf16", False, False)
-    with pytest.raises(ValueError, match=f"mods={config.MOD_ALIBI}"):
-        config.BwdSm90SplitConfig(256, "bf16", False, False, config.MOD_ALIBI)
+    with pytest.raises(ValueError, match=f"mods={config.MOD_BIAS}; .* no bias, mask or block map"):
+        config.BwdSm90SplitConfig(256, "bf16", False, False, config.MOD_BIAS)
     with pytest.raises(ValueError, match="dtype='fp32'"):
         config.BwdSm90SplitConfig(256, "fp32", False, False)
     with pytest.raises(ValueError, match=r"\(block_m, block_n, ctas_per_sm\)=\(64, 128, 1\)"):
@@ -50,8 +56,9 @@ def test_config_checks_its_arguments():
 @pytest.mark.parametrize("hd", [192, 256])
 def test_shared_memory_fits_sm90(hd):
     c = config.BwdSm90SplitConfig(hd, "bf16", False, False)
-    # K, V (64 keys), 2 stages of Q, dO (64 rows), dS^T, P^T (64 x 64), 2 stages of lse_log2, delta, 1024 alignment
-    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 1024
+    # K, V (64 keys), 2 stages of Q, dO (64 rows), dS^T, P^T (64 x 64), 2 stages of lse_log2, delta, 128 keep-bit
+    # words, 1024 alignment
+    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 128 * 4 + 1024
     assert c.smem_bytes <= 227 * 1024 and c.threads == 256
     assert c.grid(3, 5, 129) == (3, 5, 3)
 

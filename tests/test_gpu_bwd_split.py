@@ -1,7 +1,7 @@
 """The wide-head Hopper backward (bwd_sm90_split_kernel: head dims 192 and 256, two warpgroups each keeping half the
 head dim of dK and dV, P^T and dS^T exchanged through shared memory): that the library launches it on an H100, and
-what the general backward tests (test_gpu_backward.py at D 256 and the padded D 200, test_gpu_mods.py's windows at
-D 192 and 256, which run on it there) do not reach: many query blocks per CTA with GQA steps and a key tail on a
+what the general backward tests (test_gpu_backward.py at D 256 and the padded D 200, test_gpu_mods.py's modifiers at
+D 192, 200 and 256, which run on it there) do not reach: many query blocks per CTA with GQA steps and a key tail on a
 poisoned pool, the padded head dims of both instantiations, deterministic mode, and the mma.sync kernel beside it on
 the same inputs. Pass rule as everywhere (docs/RELIABILITY.md): max|dX - dX_ref64| <= 3 * max|dX_lowp - dX_ref64| +
 1e-5. Needs an sm_90 GPU (skipped elsewhere, like every `gpu` test).
@@ -34,11 +34,12 @@ def problem(b, sq, sk, hq, hkv, d, dtype, causal, key=()):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_the_library_launches_the_split_backward_on_hopper(d, dtype):
     arch = _compile.device_arch()
-    for causal, mods, det in ((False, 0, False), (True, 0, True), (False, config.MOD_WINDOW, False)):
+    for causal, mods, det in ((False, 0, False), (True, 0, True), (False, config.MOD_WINDOW, False),
+                              (True, config.MOD_ALIBI | config.MOD_SOFTCAP | config.MOD_DROPOUT, False)):
         cfg = config.backward_kernel_config(d, dtype, causal, det, arch, mods=mods)
         assert isinstance(cfg, config.BwdSm90SplitConfig) and cfg.deterministic == det, cfg
-    heavy = config.backward_kernel_config(d, dtype, False, False, arch, mods=config.MOD_ALIBI)
-    assert isinstance(heavy, config.BwdConfig), "other modifiers keep the mma.sync backward"
+    biased = config.backward_kernel_config(d, dtype, False, False, arch, mods=config.MOD_BIAS)
+    assert isinstance(biased, config.BwdConfig), "a bias keeps the mma.sync backward"
 
 
 @pytest.mark.parametrize("d", [160, 192, 200, 256])

@@ -125,7 +125,7 @@ def test_window_head_dims(d, dtype):
 
 @pytest.mark.parametrize("shape", ["h", "bh"])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_alibi(shape, causal, d):
     run_dense(2, 113, 203, 4, 2, d, "fp16", causal, {"alibi": shape})
 
@@ -161,13 +161,23 @@ def test_combinations(mods, causal, d, dtype):
 
 
 @pytest.mark.parametrize("mods", [COMBOS[1], COMBOS[4], {"window": (3, 3)}])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])
 def test_deterministic_backward(mods, d):
     """The deterministic dQ kernel applies the same modifiers; two runs are bitwise equal."""
     a = run_dense(1, 203, 317, 2, 2, d, "bf16", True, mods, deterministic=True)
     b = run_dense(1, 203, 317, 2, 2, d, "bf16", True, mods, deterministic=True)
     for x, y in zip(a[2], b[2]):
         assert same_bits(x, y), f"deterministic backward with {mods} is not bitwise reproducible"
+
+
+@pytest.mark.parametrize("d,dtype,mods", [(256, "bf16", COMBOS[4]), (256, "fp16", COMBOS[2]), (192, "fp16", COMBOS[3]),
+                                          (200, "bf16", COMBOS[1])])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_heads_many_query_blocks(d, dtype, mods, causal):
+    """Head dims 192 and 256 (200: zero-padded in the 256 kernels) with modifiers on a long query walk: 650 queries
+    = 11 query blocks per query head, 4 query heads per K/V head (GQA: every block's dropout stream and ALiBi slope
+    its own head's), 530 keys = a key tail; the bhsd layout."""
+    run_dense(1, 650, 530, 4, 1, d, dtype, causal, mods, layout="bhsd")
 
 
 def test_window_rows_without_keys():
