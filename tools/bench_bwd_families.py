@@ -1,6 +1,6 @@
 """Time the backward main-kernel families side by side on one GPU:
 `python tools/bench_bwd_families.py [--families bwd_sm90_ws bwd_sm90 bwd] [--head-dims 64 128] [--n 1024 4096 16384]
-[--mods none alibi softcap dropout bias bias+mask]`.
+[--mods none alibi softcap dropout alibi+softcap+dropout bias bias+mask]`.
 
 Each family is put first in the registry (cuflash.config.FAMILIES; the other backward families that would win
 over it are left out), the selection and plan caches are cleared, and `attention_backward` is timed with CUDA
@@ -29,7 +29,8 @@ import cuflash  # noqa: E402
 from cuflash import _families, _plan, config  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-FAMILY_CONFIG = {"bwd_sm90_ws": config.BwdSm90WsConfig, "bwd_sm90": config.BwdSm90Config, "bwd": config.BwdConfig}
+FAMILY_CONFIG = {"bwd_sm90_ws": config.BwdSm90WsConfig, "bwd_sm90": config.BwdSm90Config,
+                 "bwd_sm90_split": config.BwdSm90SplitConfig, "bwd": config.BwdConfig}
 
 
 def use_family(name: str, original: tuple) -> None:
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--causal", nargs="+", choices=("no", "yes"), default=["no", "yes"])
     ap.add_argument("--mods", nargs="+", default=["none"],
-                    choices=("none", "alibi", "softcap", "dropout", "bias", "bias+mask", "mask"))
+                    choices=("none", "alibi", "softcap", "dropout", "alibi+softcap+dropout", "bias", "bias+mask",
+                             "mask"))
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     original = config.FAMILIES

@@ -12,7 +12,8 @@
 #   tests         python -m pytest -m gpu (every GPU test but the long sweep), 6 xdist workers, default
 #                 kernels (wgmma on an H100)
 #   tests_mma     the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
-#   sanitize      python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels
+#   sanitize      python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels;
+#                 SANITIZE_ONLY: a regular expression of case names (its --only)
 #   sanitize_mma  the same with CUFLASH_KERNELS=mma
 #   sweep         the 2000-configuration gpu_slow sweep
 #   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
@@ -80,7 +81,7 @@ stage_tests_mma() {
 }
 stage_sanitize() {
   TAIL=8 run_logged sanitize "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize --out /tmp/sanitize \
-    --deadline "$(( ${SANITIZE_TIMEOUT:-400} - 30 ))"
+    --deadline "$(( ${SANITIZE_TIMEOUT:-400} - 30 ))" ${SANITIZE_ONLY:+--only "$SANITIZE_ONLY"}
 }
 stage_sanitize_mma() {
   CUFLASH_KERNELS=mma TAIL=8 run_logged sanitize_mma "${SANITIZE_TIMEOUT:-400}" $PY -m cuflash.check sanitize \
