@@ -432,12 +432,11 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         elif p.deterministic:
             dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
-        elif maps is not None:  # dQ_acc in the ws kernel's order: one thread per 4 floats of its 64-row blocks
-            conv = config.convert_dq_config(main, a.dtype)
+        elif (conv := config.convert_dq_config(main, a.dtype)).kind == "convert_dq_ws":
+            # dQ_acc in the ws and split kernels' order: one thread per 4 floats of their 64-row blocks
             vecs = -(-a.seqlen_q // main.block_m) * main.block_m * hd // 4
             launches.append((_launch.get_kernel(conv, a.device), (-(-vecs // conv.threads), a.heads_q, a.batch), params))
-        else:
-            conv = ElementwiseConfig("convert_dq", a.dtype)
+        else:  # row-major dQ_acc (conv: convert_dq)
             # 16-bit: one 16-byte chunk (8 elements) per thread; float32 / float64: one pair of elements
             chunks = a.seqlen_q * (a.head_dim // (2 if a.dtype in config.WIDE_DTYPES else 8))
             launches.append((_launch.get_kernel(conv, a.device), (-(-chunks // conv.threads), a.heads_q, a.batch),

@@ -758,7 +758,8 @@ class DqConfig:
 class ElementwiseConfig:
     """The backward's preprocess (delta, lse_log2, dQ_acc = 0) and dQ conversion kernels."""
 
-    kind: str  # "preprocess" | "convert_dq" | "convert_dq_ws" (dQ_acc of bwd_sm90_ws_kernel, per head_dim)
+    kind: str  # "preprocess" | "convert_dq" | "convert_dq_ws" (dQ_acc of bwd_sm90_ws_kernel and
+    # bwd_sm90_split_kernel, in their accumulator order, per head_dim)
     dtype: str
     threads: int = 256
     smem_bytes: int = 0
@@ -848,7 +849,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
     for dt in DTYPES:
         out += [ElementwiseConfig("preprocess", dt), ElementwiseConfig("convert_dq", dt)]
         if arch == "sm_90a":
-            out += [ElementwiseConfig("convert_dq_ws", dt, head_dim=hd) for hd in BWD_SM90_WS_HEAD_DIMS]
+            out += [ElementwiseConfig("convert_dq_ws", dt, head_dim=hd)
+                    for hd in BWD_SM90_WS_HEAD_DIMS + BWD_SM90_SPLIT_HEAD_DIMS]
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
                 for m in (0, *MODS_CHECKED[c]):
@@ -964,7 +966,8 @@ class BwdSm90SplitConfig:
     `bwd_sm90_split_kernel<BwdSm90SplitTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: K/V-outer CTAs of
     64 keys and two warpgroups, each keeping dK and dV of one half of the head dim; query blocks of 64. Score
     modifiers: window, ALiBi, soft-capping, dropout (BWD_SM90_SPLIT_MODS; a bias or mask runs the mma.sync
-    backward)."""
+    backward). dQ by bulk reductions into dQ_acc in the accumulator order of `bwd_sm90_ws_kernel`, converted by
+    `bwd_convert_dq_ws_kernel` (convert_dq_config)."""
 
     head_dim: int
     dtype: str
@@ -997,13 +1000,24 @@ class BwdSm90SplitConfig:
         return 256
 
     @property
-    def smem_bytes(self) -> int:
+    def dq_in_stage(self) -> bool:
+        """dQ's chunk buffers in the Q and dO tiles of the step's stage (BwdSm90SplitTraits::DQ_IN_STAGE): where a
+        buffer of its own (block_m x head_dim fp32) leaves no room, at head dim 256."""
+        return self._base_smem() + self.block_m * self.head_dim * 4 + 1024 > 227 * 1024
+
+    def _base_smem(self) -> int:
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
         # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread
-        # of warpgroup 0), + 1024 to align the base
-        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 1024
+        # of warpgroup 0)
+        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4
+
+    @property
+    def smem_bytes(self) -> int:
+        # + the dQ chunk buffers where they are their own, + 1024 to align the base
+        dq = 0 if self.dq_in_stage else self.block_m * self.head_dim * 4
+        return self._base_smem() + dq + 1024
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
@@ -1088,9 +1102,9 @@ def bwd_stages_bias(head_dim: int, mods: int) -> bool:
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
-    """The dQ conversion kernel that reads the dQ_acc of backward main kernel `main` (a config): the ws kernel writes
-    it in its accumulator order (bwd_convert_dq_ws_kernel), the others row-major."""
-    if isinstance(main, BwdSm90WsConfig):
+    """The dQ conversion kernel that reads the dQ_acc of backward main kernel `main` (a config): the ws and split
+    kernels write it in their accumulator order (bwd_convert_dq_ws_kernel), the others row-major."""
+    if isinstance(main, (BwdSm90WsConfig, BwdSm90SplitConfig)):
         return ElementwiseConfig("convert_dq_ws", dtype, head_dim=main.head_dim)
     return ElementwiseConfig("convert_dq", dtype)
 

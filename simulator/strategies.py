@@ -423,8 +423,8 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
        tile into dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
        the block).
     3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ;
-       bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel (whose dQ adds are bulk reductions of the same bytes):
-       the same, for every row of the 64-row blocks that hold a row < Sq.
+       bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel and bwd_sm90_split_kernel (whose dQ adds are bulk
+       reductions of the same bytes): the same, for every row of the 64-row blocks that hold a row < Sq.
     3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
        sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i.
 
@@ -464,8 +464,9 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
                  + 2 * int(t.kv_rows.sum()) * d * e)
         out.append(KernelTraffic(kernel_name(dcfg), dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
-    elif isinstance(cfg, _config.BwdSm90WsConfig):  # one thread per 4 floats of dQ_acc's 64-row blocks (in the
-        # main kernel's accumulator order): head_dim columns of every row of the blocks that hold a row < Sq
+    elif isinstance(cfg, (_config.BwdSm90WsConfig, _config.BwdSm90SplitConfig)):
+        # one thread per 4 floats of dQ_acc's 64-row blocks (in the main kernel's accumulator order): head_dim
+        # columns of every row of the blocks that hold a row < Sq
         rows = -(-sq // cfg.block_m) * cfg.block_m
         out.append(KernelTraffic("bwd_convert_dq_ws_kernel", (-(-rows * hd // 4 // 256), p.heads, p.batch), 256,
                                  bh * rows * d * s4, bh * sq * d * e))
@@ -530,13 +531,15 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, deterministic: bool) -
     its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
     each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)
     and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); unless deterministic the dQ GEMMs
-    read dS^T (each) and K (a half each). Bank conflicts are not walked."""
+    read dS^T (each) and K (a half each), the warpgroups write the BLOCK_M x HEAD_DIM fp32 dQ tile to their chunk
+    buffers and the bulk reductions read it. Bank conflicts are not walked."""
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     visits, _ = _bwd_visits(cfg, p, causal_skip)
     ctas, steps = int((visits > 0).sum()), int(visits.sum())
     q_tile, kv_tile, ds_tile, vecs = 2 * bm * hd, 2 * bn * hd, 2 * bn * bm, 128 * 8 * (bm // 8)
-    write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile)
-    dq = 0 if deterministic else 2 * ds_tile + kv_tile
+    dq_tile = 0 if deterministic else 4 * bm * hd
+    write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile + dq_tile)
+    dq = 0 if deterministic else 2 * ds_tile + kv_tile + dq_tile
     read = ctas * 2 * kv_tile + steps * (2 * (kv_tile + q_tile) + 2 * vecs + ds_tile + (q_tile + ds_tile)
                                          + (2 * ds_tile + q_tile) + dq)
     return read * p.batch_heads, write * p.batch_heads

@@ -1,8 +1,8 @@
 """The wide-head Hopper backward (cuda/bwd_sm90_split.cuh) without a GPU: the registry sends 16-bit backwards at
 kernel head dims 192 and 256 to it on sm_90a (window, ALiBi, soft-capping, dropout; not a bias or mask) and to the
-mma.sync backward elsewhere;
-its instantiations compile through NVRTC for sm_90a spill-free, issue the wgmma its step needs and dQ atomics only
-where not deterministic; its shared memory fits sm_90; the config checks its arguments; the analyzer counts it."""
+mma.sync backward elsewhere; its instantiations compile through NVRTC for sm_90a spill-free, issue the wgmma its
+step needs and dQ bulk reductions only where not deterministic; its shared memory fits sm_90; the config checks its
+arguments; the analyzer counts it."""
 from __future__ import annotations
 
 import pytest
@@ -57,14 +57,16 @@ def test_config_checks_its_arguments():
 def test_shared_memory_fits_sm90(hd):
     c = config.BwdSm90SplitConfig(hd, "bf16", False, False)
     # K, V (64 keys), 2 stages of Q, dO (64 rows), dS^T, P^T (64 x 64), 2 stages of lse_log2, delta, 128 keep-bit
-    # words, 1024 alignment
-    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 128 * 4 + 1024
+    # words, 1024 alignment; at D 192 the dQ chunk buffers (64 x 192 fp32), at 256 no room: dQ in the stage's tiles
+    dq = {192: 64 * 192 * 4, 256: 0}[hd]
+    assert c.dq_in_stage == (hd == 256)
+    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 128 * 4 + dq + 1024
     assert c.smem_bytes <= 227 * 1024 and c.threads == 256
     assert c.grid(3, 5, 129) == (3, 5, 3)
 
 
 @pytest.mark.parametrize("cfg", [c for c in SPLIT if c.dtype == "bf16"],
-                         ids=lambda c: f"d{c.head_dim}-{'causal' if c.causal else 'window' if c.mods else 'full'}"
+                         ids=lambda c: f"d{c.head_dim}-{'causal' if c.causal else 'full'}-mods{c.mods}"
                                        f"-{'det' if c.deterministic else 'atomic'}")
 def test_compiles_spill_free_with_its_products(cfg):
     nvrtc_or_skip()
@@ -75,7 +77,8 @@ def test_compiles_spill_free_with_its_products(cfg):
     count = opcode_counter(sass_or_skip(compiled.cubin))
     # per step, one warpgroup's path: S^T or dP^T (HEAD_DIM / 16 k steps), dV and dK (4 each), dQ chunks (4 each)
     assert count("HGMMA") >= cfg.head_dim // 16 + 8 + (0 if cfg.deterministic else 4)
-    assert (count("RED") > 0) != cfg.deterministic, "dQ atomics exactly where not deterministic"
+    # dQ: one bulk reduction per chunk (cp.reduce.async.bulk) exactly where not deterministic, no element atomics
+    assert (count("UBLKRED") > 0) != cfg.deterministic and count("RED") == 0, "dQ's bulk reductions"
     assert count("LDL") == 0 and count("STL") == 0
 
 
@@ -84,7 +87,7 @@ def test_the_analyzer_counts_the_split_kernel(causal):
     from cuflash.simulator.strategies import cuflash_backward_kernels
     p = Problem(batch=2, heads=3, seqlen_q=300, seqlen_k=517, head_dim=256, dtype="bf16", causal=causal)
     names = [k.name for k in cuflash_backward_kernels(p)]
-    assert names == ["bwd_preprocess_kernel", "bwd_sm90_split_kernel", "bwd_convert_dq_kernel"]
+    assert names == ["bwd_preprocess_kernel", "bwd_sm90_split_kernel", "bwd_convert_dq_ws_kernel"]
     c = simulate("cuflash", p, backward=True)
     assert (c.block_m, c.block_n) == (64, 64) and c.bank_conflicts is None
     assert c.sram_read_bytes > 0 and c.sram_write_bytes > 0

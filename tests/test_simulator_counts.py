@@ -188,7 +188,7 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
             rows = min(bm, sq - m_block * bm)
             reads += 2 * rows * d * e + 2 * bm * 4  # Q, dO; lse_log2, delta incl. pad rows
             if not deterministic:
-                atomics += bm * hd * 4  # red.global.add.v2.f32 of the whole dQ tile (by all warpgroups)
+                atomics += bm * hd * 4  # the whole dQ tile's adds (element atomics or bulk reductions)
     if deterministic:  # bwd_dq_kernel
         dcfg = config.dq_config(hd, "fp16", causal)
         for m_block in range(-(-sq // dcfg.block_m)):
@@ -202,9 +202,10 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
             if n_blocks > 0:
                 reads += 2 * rows * d * e + 2 * dcfg.block_m * 4
                 reads += 2 * sum(min(dcfg.block_n, sk - n * dcfg.block_n) for n in range(n_blocks)) * d * e
-    else:  # convert (after bwd_sm90_ws_kernel: every row of the 64-row blocks, in its accumulator order)
+    else:  # convert (after bwd_sm90_ws_kernel and bwd_sm90_split_kernel: every row of the 64-row blocks, in their
+        # accumulator order)
         main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
-        rows = -(-sq // 64) * 64 if isinstance(main, config.BwdSm90WsConfig) else sq
+        rows = -(-sq // 64) * 64 if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else sq
         reads += rows * d * 4
         writes += sq * d * e
     peak = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)
