@@ -41,7 +41,8 @@
 //   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it) and, at
 //                  HEAD_DIM 256, the previous step's dQ reductions have read their buffers (each warpgroup's thread
 //                  0 waited before it): then every thread issues its part of the next step's loads into the other
-//                  stage (walk's LATE_LOADS), over those buffers at 256
+//                  stage, over those buffers (walk's LATE_LOADS; at 192, whose buffers are their own, walk issues
+//                  the loads at the start of the step)
 //   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
 //   bar.sync 1 + w per dQ chunk, warpgroup w's 128 threads: the chunk is in its buffer (fenced), thread 0 of the
 //                  warpgroup issues its bulk reduction; at HEAD_DIM 192 also before the chunk's stores: the
@@ -196,7 +197,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
   // them): after the barrier the next step's loads may overwrite that step's stage, which holds them
   if (Tr::DQ_IN_STAGE && !IS_DETERMINISTIC && (warp % 4) * 32 + lane == 0) cp_async_bulk_wait_group_read<0>();
   __syncthreads();  // P^T is in shared memory
-  load_next();      // the next step's Q, dO, lse_log2, delta into the other stage, landing during this step's rest
+  load_next();  // HEAD_DIM 256: the next step's Q, dO, lse_log2, delta into the other stage (at 192 walk issued them)
   if (wg == 1) {
     // dV[:, half 1] += P^T dO_i[:, half 1], A = P^T from shared memory (keys x queries: K-major)
     wgmma_fence();
@@ -329,14 +330,19 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left,
-                                       [&](const QueryBlock<Tr>& qb, int stage, bool is_masked, auto&& load_next) {
+  auto step = [&](const QueryBlock<Tr>& qb, int stage, bool is_masked, auto&& load_next) {
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads);
     bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, load_next, kb.band, mods, smem,
                                                                  smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg,
                                                                  warp, lane, dk_acc, dv_acc);
-  });
+  };
+  if constexpr (Tr::DQ_IN_STAGE) {  // the next step's loads go over the dQ buffers: after the P^T barrier
+    kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, step);
+  } else {  // at the start of the step (walk's order)
+    kb.walk(p, smem_base, copy, qb, left,
+            [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) { step(qb, stage, is_masked, [] {}); });
+  }
   // the last reductions have written dQ_acc before the CTA ends
   if (!IS_DETERMINISTIC && tid % 128 == 0) cp_async_bulk_wait_group<0>();
 
