@@ -296,8 +296,8 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
   }
   // (the reductions read their buffers while the next step computes: at HEAD_DIM 256 its thread 0 waits for them
   // before the P^T barrier, after which the stage holding them is loaded; at 192 before the next dQ chunk goes to
-  // its buffer. The reductions are throughput-bound: waiting here, before the step's last barrier, cost the D 256
-  // backward 15 % and the D 192 one 11-13 %, and at 192 waiting at the P^T barrier still 6-8 %.)
+  // its buffer. A step's reductions take most of the next step to read their buffers: waiting here, before the
+  // step's last barrier, cost the D 256 backward 15 % and the D 192 one 11-13 %.)
 }
 
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
