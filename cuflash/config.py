@@ -1032,8 +1032,8 @@ class BwdSm90SplitConfig:
 BWD_SM90_SPLIT_HEAD_DIMS = (192, 256)
 BWD_SM90_SPLIT_MODS = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT
 # The modifier sets of its kernels that the compile check builds beyond plain, causal and windowed: all of them
-# (non-causal with the window), the register-heaviest (as MODS_CHECKED). Every combination compiled spill-free for
-# bf16 at head dim 256 under NVRTC 13.0 and 13.5 (2026-11-27): 205-255 registers, all four 252-255.
+# (non-causal with the window), the register-heaviest (as MODS_CHECKED). Every combination compiled spill-free at
+# head dims 192 and 256 under NVRTC 13.0 and 13.5 (2026-11-27, bf16; fp16 the heaviest): 186-251 registers.
 BWD_SM90_SPLIT_MODS_CHECKED = {False: (BWD_SM90_SPLIT_MODS,), True: (BWD_SM90_SPLIT_MODS & ~MOD_WINDOW,)}
 
 
