@@ -377,6 +377,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         hd = kernel_head_dim(a.head_dim, a.dtype)
         bits = blocks_only("backward", a, hd, p.deterministic)
         main, kernel = _kernel("backward", a.device, hd, a.dtype, a.mods.causal, bits, p.deterministic)
+        acc_hd = main.head_dim  # dQ_acc's columns: the main kernel's head dim (a padded one runs the next one's)
         tf32 = isinstance(main, config.BwdSm90Tf32Config)  # dK, dV and then dQ, both through TMA, no dQ_acc
         dqc = main.dq_config() if tf32 else None
         deterministic = p.deterministic or tf32
@@ -400,14 +401,14 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
         rows = pad_batches * a.heads_q * pad_rows
         acc = 8 if a.dtype == "fp64" else 4  # bytes of a workspace element (float64 for float64 inputs)
-        work_floats = _backward_workspace(rows, hd, deterministic) * acc // 4
+        work_floats = _backward_workspace(rows, acc_hd, deterministic) * acc // 4
         work = cp.empty(work_floats, dtype=cp.float32)
         dq_accum = 0 if deterministic else work.data.ptr + 2 * acc * rows
         params = _launch.BwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
             lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + acc * rows, _seq(a, cu_seqlens),
             *(s for d in (d_q, d_k, d_v, d_o, d_do, *grad_dims) for s in _strides(d)),
-            *p.lse_strides, pad_rows, a.heads_q, a.head_dim, hd, _launch.scale_log2(a.scale), a.scale)
+            *p.lse_strides, pad_rows, a.heads_q, a.head_dim, acc_hd, _launch.scale_log2(a.scale), a.scale)
         params.scale_log2_d = a.scale * _launch.LOG2E  # the float64 kernels'
         params.softmax_scale_d = a.scale
         keep = []  # a combined mask lives until the launches are queued
@@ -434,7 +435,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
         elif (conv := config.convert_dq_config(main, a.dtype)).kind == "convert_dq_ws":
             # dQ_acc in the ws and split kernels' order: one thread per 4 floats of their 64-row blocks
-            vecs = -(-a.seqlen_q // main.block_m) * main.block_m * hd // 4
+            vecs = -(-a.seqlen_q // main.block_m) * main.block_m * acc_hd // 4
             launches.append((_launch.get_kernel(conv, a.device), (-(-vecs // conv.threads), a.heads_q, a.batch), params))
         else:  # row-major dQ_acc (conv: convert_dq)
             # 16-bit: one 16-byte chunk (8 elements) per thread; float32 / float64: one pair of elements

@@ -857,7 +857,7 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                     out += [bwd_config(hd, dt, c, False, m, arch), bwd_config(hd, dt, c, True, m, arch)]
                     if dq_supported(hd, m, arch):
                         out.append(dq_config(hd, dt, c, m))
-                    if arch == "sm_90a" and hd in bwd_sm90_ws_head_dims(m):
+                    if arch == "sm_90a" and hd in bwd_sm90_ws_head_dims(m) and hd not in BWD_SM90_WS_PADDED:
                         out += [bwd_sm90_ws_config(hd, dt, c, False, m), bwd_sm90_ws_config(hd, dt, c, True, m)]
                     elif arch == "sm_90a" and hd in bwd_sm90_tiles(m):
                         out += [bwd_sm90_config(hd, dt, c, False, m), bwd_sm90_config(hd, dt, c, True, m)]
@@ -1123,13 +1123,28 @@ BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
 BWD_SM90_WS_EXACT_MODS = {64: (MOD_BIAS, MOD_BIAS | MOD_MASK), 128: BWD_SM90_WS_MODS_128}
 
 
+# Kernel head dims that run the warp-specialized backward of the next head dim (where that one takes the modifiers):
+# the TMA boxes of the columns past head_dim read zeros (the maps' rows end at head_dim), so S^T, dP^T, dK, dV and
+# dQ get zeros there, and the stores stop at head_dim. Measured on an H100 (bf16, FlashAttention benchmark shapes,
+# tools/bench_bwd_families.py, N 1k-16k, 2026-11-28): D 96 on the 128 kernel 308-413 TFLOP/s against 139-156 for
+# the mma.sync backward (causal 219-396 against 116-154), with a (batch, heads, N, N) bias 59-97 against 46-60; D 32
+# with that bias 36-52 against 20-26, but without a bias 122-198 against 131-203 (the 64 kernel does twice the
+# matmul work), so D 32 takes it only with a bias (BWD_SM90_WS_PADDED_MODS).
+BWD_SM90_WS_PADDED = {32: 64, 96: 128}
+BWD_SM90_WS_PADDED_MODS = {32: MOD_BIAS}  # a padded head dim listed here runs the next kernel only with one of these
+
+
 def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
     heavy = mods & ~MODS_LIGHT
-    return BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (64,)
+    dims = BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (64,)
+    return dims + tuple(hd for hd, to in BWD_SM90_WS_PADDED.items()
+                        if to in dims and (hd not in BWD_SM90_WS_PADDED_MODS or mods & BWD_SM90_WS_PADDED_MODS[hd]))
 
 
 def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:
-    return BwdSm90WsConfig(head_dim, 64, 128, 1, dtype, causal, deterministic, mods)
+    """The warp-specialized backward of kernel head dim `head_dim` (a padded one, BWD_SM90_WS_PADDED, runs the
+    kernel of the next)."""
+    return BwdSm90WsConfig(BWD_SM90_WS_PADDED.get(head_dim, head_dim), 64, 128, 1, dtype, causal, deterministic, mods)
 
 
 def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,

@@ -330,7 +330,7 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
     convert, or (deterministic) bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels'
     tiles of different heights touch the same units."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
-    dcfg = _config.dq_config(cfg.head_dim, p.dtype, p.causal) if deterministic else None
+    dcfg = _config.dq_config(_config.kernel_head_dim(p.head_dim, p.dtype), p.dtype, p.causal) if deterministic else None
     uq = math.gcd(cfg.block_m, dcfg.block_m) if deterministic else cfg.block_m
     uk = math.gcd(cfg.block_n, dcfg.block_n) if deterministic else cfg.block_n
     d_bytes, pad = p.head_dim * p.elem_bytes, seqlen_q_pad(p.seqlen_q)

@@ -404,7 +404,8 @@ def _dq_kernel_config(cfg, p: Problem):
     (BwdSm90Tf32Config.dq_config, bwd_dq_sm90_tf32_kernel), else dq_config's bwd_dq_kernel (deterministic)."""
     if isinstance(cfg, _config.BwdSm90Tf32Config):
         return cfg.dq_config()
-    return _config.dq_config(cfg.head_dim, p.dtype, p.causal)
+    # the kernel head dim of the call (a padded main kernel, config.BWD_SM90_WS_PADDED, runs the next one's)
+    return _config.dq_config(_config.kernel_head_dim(p.head_dim, p.dtype), p.dtype, p.causal)
 
 
 def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False,

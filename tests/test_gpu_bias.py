@@ -273,6 +273,16 @@ def test_head_dims_and_layouts(d, layout, dtype):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [8, 24])
+def test_small_head_dims(d, causal):
+    """Head dims below 32 (the head-dim-32 kernels; on an H100 the backward with a bias runs the 64 kernel, whose
+    columns past d read zeros): a full bias (every dbias element stored, none zeroed first) and, causal, a
+    head-shared one (summed)."""
+    shape = (2, 1, 203, 113) if causal else (2, HQ, 203, 113)
+    run_dense(2, 203, 113, HQ, HKV, d, DTYPES[d // 8 % 2], bias_shape=shape, causal=causal)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("sq,sk", SEQLEN_PAIRS, ids=[f"{sq}x{sk}" for sq, sk in SEQLEN_PAIRS])
 def test_awkward_sequence_lengths(sq, sk, causal):
     """Partial tiles at both ends; non-causal: a full bias and key padding; causal: a head-shared bias and a mask."""

@@ -101,6 +101,8 @@ def _expected_tiles(hd, causal, kernels, backward=False, seqlen_k=None):
         table = config.FWD_SM90_WS_TILES_CAUSAL_PLAIN.get(ws_hd, config.FWD_SM90_WS_TILES_CAUSAL[ws_hd]) if causal \
             else (config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES)[ws_hd]
         return (128, table[0])
+    if kernels == "auto" and backward and hd in config.bwd_sm90_ws_head_dims():  # 96 on the 128 ws kernel
+        hd = config.BWD_SM90_WS_PADDED.get(hd, hd)
     if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
         return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
     if kernels == "auto" and backward and hd in config.BWD_SM90_SPLIT_HEAD_DIMS:  # bwd_sm90_split_kernel
@@ -170,9 +172,11 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
     analyzer helper): (reads, writes, atomics, peak)."""
     hd = config.kernel_head_dim(d)
     bm, bn = _expected_tiles(hd, causal, kernels, backward=True)
+    main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
+    acc_hd = main.head_dim  # dq_accum's columns: the main kernel's (d 32 and 96 run the 64 and 128 kernels)
     pad = -(-sq // config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
     reads = 2 * sq * d * e + sq * 4  # preprocess: O, dO, lse
-    writes = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)  # delta, lse_log2, dq_accum = 0
+    writes = 2 * pad * 4 + (0 if deterministic else pad * acc_hd * 4)  # delta, lse_log2, dq_accum = 0
     atomics = 0
     diag = sk - sq
     for n_block in range(-(-sk // bn)):  # bwd_kernel / bwd_sm90_kernel
@@ -188,7 +192,7 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
             rows = min(bm, sq - m_block * bm)
             reads += 2 * rows * d * e + 2 * bm * 4  # Q, dO; lse_log2, delta incl. pad rows
             if not deterministic:
-                atomics += bm * hd * 4  # the whole dQ tile's adds (element atomics or bulk reductions)
+                atomics += bm * acc_hd * 4  # the whole dQ tile's adds (element atomics or bulk reductions)
     if deterministic:  # bwd_dq_kernel
         dcfg = config.dq_config(hd, "fp16", causal)
         for m_block in range(-(-sq // dcfg.block_m)):
@@ -204,11 +208,10 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
                 reads += 2 * sum(min(dcfg.block_n, sk - n * dcfg.block_n) for n in range(n_blocks)) * d * e
     else:  # convert (after bwd_sm90_ws_kernel and bwd_sm90_split_kernel: every row of the 64-row blocks, in their
         # accumulator order)
-        main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
         rows = -(-sq // 64) * 64 if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else sq
         reads += rows * d * 4
         writes += sq * d * e
-    peak = 2 * pad * 4 + (0 if deterministic else pad * hd * 4)
+    peak = 2 * pad * 4 + (0 if deterministic else pad * acc_hd * 4)
     return b * h * reads, b * h * writes, b * h * atomics, b * h * peak
 
 
