@@ -343,11 +343,22 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
     if p.dbias is False:
         return _backward(p, arrays, cp, cu_seqlens, key, None)
     with _launch.on_device(cp, a.device):
+        stores_all = _stores_every_dbias(a)
         if p.dbias is True:
-            dbias = cp.zeros(a.mods.bias.info.shape, dtype=cp.float32)
-        else:
+            dbias = (cp.empty if stores_all else cp.zeros)(a.mods.bias.info.shape, dtype=cp.float32)
+        elif not stores_all:
             dbias.fill(0)  # summed into (broadcast biases) or stored where some pair is visible
     return (*_backward(p, arrays, cp, cu_seqlens, key, dbias), dbias)
+
+
+def _stores_every_dbias(a) -> bool:
+    """Whether the main kernel of the backward of problem `a` stores every element of its dbias, so that none needs
+    zeros first: a bias of the full shape (each element one pair's: plain stores, not atomic adds) in a dense call
+    whose kernels visit every pair (no causal or window bound, no mask and so no tile skipped, not varlen) and that
+    launches. (A zero fill of a (B, H, N, N) float32 dbias writes as many bytes as the kernel's stores.)"""
+    m = a.mods
+    return (not m.bias.reduces and not m.causal and m.window is None and not m.masks and not a.packed
+            and min(a.batch, a.heads_q, a.seqlen_q, a.seqlen_k) > 0)
 
 
 def _backward(p, arrays, cp, cu_seqlens, key, dbias):
