@@ -83,13 +83,38 @@ __device__ __forceinline__ void bwd_sm90_issue_sdp(u32 smem_base, int stage, int
   wgmma_commit_group();
 }
 
+// Whether the bias of this step is staged in shared memory (bwd_sm90_dkdv_step): Tr::stage_bias and a 16-bit
+// bias with contiguous, 16-byte aligned rows (decided per call; the caller of bwd_stage_bias and the step agree).
+template <class Tr, bool IS_CAUSAL, int MODS>
+__device__ __forceinline__ bool bwd_bias_staged(const ScoreMods<MODS>& mods) {
+  return Tr::stage_bias(MODS, IS_CAUSAL) && mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
+         reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
+}
+
+// One warp's staged bias of one step: its 16 keys from key0 of the BLOCK_M query rows from m0, into `rows`
+// (a shared address; cp.async, two 16-byte chunks per row in Tr::bias_offset's layout; a key tail zero-filled), one
+// commit group. The warp-specialized consumer issues it a step ahead, into the other of two buffers.
+template <class Tr, int MODS>
+__device__ __forceinline__ void bwd_stage_bias(const ScoreMods<MODS>& mods, u32 rows, int m0, int key0, int lane) {
+  __syncwarp();  // every lane has read what the buffer held two steps ago
+#pragma unroll
+  for (int i = lane; i < 2 * Tr::BLOCK_M; i += 32) {
+    const int r = i >> 1, key = key0 + 8 * (i & 1);
+    const int bytes = max(0, min(16, 2 * (mods.last_k + 1 - key)));
+    const unsigned char* row = mods.bias_base + min(m0 + r, mods.last_q) * mods.bias_q;
+    cp_async_cg_16_n(rows + Tr::bias_offset(r, i & 1), bytes > 0 ? row + 2 * key : row, bytes);
+  }
+  cp_async_commit_group();
+}
+
 // The dK / dV part of one query block for one warpgroup (see the file comment), shared by bwd_sm90_kernel and
 // the warp-specialized bwd_sm90_ws_kernel (bwd_sm90_ws.cuh), after bwd_sm90_issue_sdp issued S^T and dP^T into
 // s_acc, dp_acc as the last two wgmma groups: P^T, dV += P^T dO, dS^T, dK += dS^T Q. Each step starts as soon as
 // its operand is done while the next product runs. Returns with dV and dK issued as the last two wgmma groups (not
 // waited for) and dS^T in ds_regs (the A layout of the k16 steps over the block's queries). is_masked: apply the
 // causal / key-tail mask to S^T. Reads from shared memory: Q, dO, lse_log2, delta of `stage` (Tr's offsets +
-// stage strides).
+// stage strides). A staged bias (bwd_bias_staged: the warp-specialized kernel's) is read from its buffer bias_buf;
+// bias_next_pending: the next step's copies are in flight behind it.
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_masked,
                                                    const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
@@ -97,7 +122,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
                                                    int stage, int m_block, int n0, int warpgroup, int warp, int lane,
                                                    float (&s_acc)[Tr::Q_TILES][4], float (&dp_acc)[Tr::Q_TILES][4],
                                                    float (&dk_acc)[Tr::DKV_TILES][4], float (&dv_acc)[Tr::DKV_TILES][4],
-                                                   u32 (&ds_regs)[Tr::Q_K_STEPS][4]) {
+                                                   u32 (&ds_regs)[Tr::Q_K_STEPS][4], int bias_buf = 0,
+                                                   bool bias_next_pending = false) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
   // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs. With a
@@ -113,27 +139,17 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
 
-  // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): where Tr::stage_bias(MODS), a
-  // 16-bit bias with contiguous, 16-byte aligned rows is copied to shared memory (cp.async, two 16-byte chunks per
-  // row in Tr::bias_offset's layout; a key tail zero-filled) under the S^T GEMM and read from there; otherwise the
-  // bias (and the mask) are pulled into L1 for the element loads after it. Element loads straight from the bias
-  // touched 4 rows' lines per warp load and cost the backward ~3x its plain time. Dropout's keep bits of these
-  // elements (bit qt * 4 + c) meanwhile.
-  constexpr bool STAGE = Tr::stage_bias(MODS);
-  unsigned char* bias_rows = smem + Tr::OFF_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
-  const bool staged = STAGE && mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
-                      reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
-  if (staged) {
-    __syncwarp();  // every lane has read the previous step's rows
-#pragma unroll
-    for (int i = lane; i < 2 * Tr::BLOCK_M; i += 32) {
-      const int r = i >> 1, key = n0 + key_row0 + 8 * (i & 1);
-      const int bytes = max(0, min(16, 2 * (mods.last_k + 1 - key)));
-      const unsigned char* row = mods.bias_base + min(m0 + r, mods.last_q) * mods.bias_q;
-      cp_async_cg_16_n(smem_u32(bias_rows + Tr::bias_offset(r, i & 1)), bytes > 0 ? row + 2 * key : row, bytes);
-    }
-    cp_async_commit_group();
-  }
+  // The bias of this warp's S^T tile (its 16 keys of the block's 64 query rows): where it is staged
+  // (bwd_bias_staged), the caller has copied it to shared memory buffer bias_buf a step ahead (bwd_stage_bias; with
+  // bias_next_pending the next step's copy group is in flight behind it) and it is read from there; otherwise the
+  // bias (and the mask) are pulled into L1 for the element loads after the S^T GEMM. Element loads straight from
+  // the bias touched 4 rows' lines per warp load and cost the backward ~3x its plain time; copies issued under this
+  // step's own S^T GEMM waited for their L2 latency. Dropout's keep bits of these elements (bit qt * 4 + c)
+  // meanwhile.
+  constexpr bool STAGE = Tr::stage_bias(MODS, IS_CAUSAL);
+  const u32 bias_rows =
+      smem_base + Tr::OFF_BIAS + bias_buf * Tr::SMEM_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
+  const bool staged = bwd_bias_staged<Tr, IS_CAUSAL>(mods);
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   if ((Mods::HAS_BIAS && !staged) || Mods::HAS_MASK)
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
@@ -146,30 +162,43 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
     // ldmatrix .trans of the staged rows hands each thread its elements in the S^T layout, two per register: of
     // 8 x 8 block (queries qt * 8.., keys 8 h..), queries 2t, 2t + 1 of key g. One x4 load per two query tiles
     // (lanes 8m .. 8m + 7 address block m's rows: query tile 2j + m / 2, key half m % 2).
-    u32 pairs[Tr::Q_TILES / 2][4];
+    // Each load just before its query tiles (.x2 at head dim 128, one tile: 2 live registers; loading all 16 first
+    // spilled there).
     if (staged) {
-      cp_async_wait_group<0>();
+      if (bias_next_pending)
+        cp_async_wait_group<1>();
+      else
+        cp_async_wait_group<0>();
       __syncwarp();  // the other lanes' chunks have landed too
-#pragma unroll
-      for (int j = 0; j < Tr::Q_TILES / 2; ++j)
-        ldmatrix_x4_trans(pairs[j], smem_u32(bias_rows + Tr::bias_offset((2 * j + (lane >> 4)) * 8 + (lane & 7),
-                                                                         (lane >> 3) & 1)));
     }
+    constexpr int QT_PER_LOAD = Tr::HEAD_DIM > 64 ? 1 : 2;  // x2 loads at head dim 128: 2 live registers
 #pragma unroll
-    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
-        float b;
-        if (staged) {
-          const u32 pair = pairs[qt >> 1][2 * (qt & 1) + (c >> 1)];
-          b = (mods.bias_kind == 1 ? Cvt<f16>::unpack(pair, c & 1) : Cvt<bf16>::unpack(pair, c & 1)) * mods.bias_scale;
-        } else {
-          b = mods.bias_at(query, key);
-        }
-        const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
-        s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
+    for (int j = 0; j < Tr::Q_TILES / QT_PER_LOAD; ++j) {
+      u32 pairs[2 * QT_PER_LOAD];
+      if (staged) {
+        const u32 at = bias_rows + Tr::bias_offset((QT_PER_LOAD * j + (lane >> 4)) * 8 + (lane & 7), (lane >> 3) & 1);
+        if constexpr (QT_PER_LOAD == 2)
+          ldmatrix_x4_trans(pairs, at);
+        else
+          ldmatrix_x2_trans(pairs, at);
       }
+#pragma unroll
+      for (int qt = QT_PER_LOAD * j; qt < QT_PER_LOAD * (j + 1); ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
+          float b;
+          if (staged) {
+            const u32 pair = pairs[2 * (qt % QT_PER_LOAD) + (c >> 1)];
+            b = (mods.bias_kind == 1 ? Cvt<f16>::unpack(pair, c & 1) : Cvt<bf16>::unpack(pair, c & 1)) *
+                mods.bias_scale;
+          } else {
+            b = mods.bias_at(query, key);
+          }
+          const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
+          s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
+        }
+    }
   } else {
     apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
   }

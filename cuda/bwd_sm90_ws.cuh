@@ -103,15 +103,18 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   static constexpr int OFF_BAR = OFF_LSE + 2 * STAGES * Base::SMEM_ROWVEC;  // kv_full, q_full[2], q_empty[2]
   static constexpr int BARRIERS = 1 + 2 * STAGES;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;   // + rounding the base up to 1024
-  // A bias (16-bit, contiguous 16-byte aligned rows: bwd_sm90_dkdv_step decides per call) is staged at head dim 64
-  // when no ALiBi, soft-capping or dropout is beside it (with them, or at head dim 128, the staging's registers
-  // made ptxas spill 4-180 bytes): each consumer warp copies its 16 keys of the step's BLOCK_M query rows (two
-  // 16-byte cp.async chunks per row, 32-byte rows) to OFF_BIAS + warp * BLOCK_M * BIAS_PITCH, chunk h of row r at
-  // bias_offset(r, h): the halves swap in rows 4-7 of every 8, so that both the copies (8 lanes: 4 rows x 2
-  // halves) and the ldmatrix reads (8 rows of one half) hit 8 distinct 16-byte bank groups.
+  // A bias (16-bit, contiguous 16-byte aligned rows: bwd_bias_staged decides per call) is staged at head dim 64
+  // when no ALiBi, soft-capping or dropout is beside it, and at head dim 128 when it comes alone and not causal
+  // (beside a window or a mask there the staging made ptxas spill 12-48 bytes, causal 4 bytes under NVRTC 13.0):
+  // each consumer warp copies its 16 keys of the next step's BLOCK_M query rows (two 16-byte cp.async chunks per
+  // row, 32-byte rows; issued a step ahead, at the top of the step before) to OFF_BIAS + buffer * SMEM_BIAS +
+  // warp * BLOCK_M * BIAS_PITCH (two buffers, step i in i % 2), chunk h of row r at bias_offset(r, h): the halves
+  // swap in rows 4-7 of every 8, so that both the copies (8 lanes: 4 rows x 2 halves) and the ldmatrix reads (8
+  // rows of one half) hit 8 distinct 16-byte bank groups.
   // cuflash/config.py bwd_stages_bias mirrors this.
-  static constexpr bool stage_bias(int mods) {
-    return HEAD_DIM_ <= 64 && (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT));
+  static constexpr bool stage_bias(int mods, bool causal) {
+    return HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
+                           : mods == MOD_BIAS && !causal;
   }
   static constexpr int BIAS_PITCH = 32;
   static __device__ __forceinline__ int bias_offset(int row, int half) {
@@ -120,7 +123,7 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   static constexpr int OFF_BIAS = (OFF_BAR + 8 * BARRIERS + 127) / 128 * 128;  // 4 rows: one 128-byte line
   static constexpr int SMEM_BIAS = 4 * CONSUMERS * Base::BLOCK_M * BIAS_PITCH;
   static constexpr int smem_bytes(bool bias) {  // cuflash/config.py BwdSm90WsConfig.smem_bytes
-    return bias ? OFF_BIAS + SMEM_BIAS + 1024 : SMEM_BYTES;
+    return bias ? OFF_BIAS + 2 * SMEM_BIAS + 1024 : SMEM_BYTES;
   }
   static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
   // named barriers (0 is __syncthreads)
@@ -214,6 +217,14 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
   const bool is_key_tail = kb.keys < Tr::BLOCK_N;
+  // a staged bias (Tr::stage_bias): this warp's rows of buffer 0 / 1, step i's in buffer i % 2 (= its stage)
+  const u32 bias_rows = sm.base + Tr::OFF_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
+  if (Tr::stage_bias(MODS, IS_CAUSAL)) {  // the first step's (the others' are issued during the step before)
+    ScoreMods<MODS> mods;
+    mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
+    if (bwd_bias_staged<Tr, IS_CAUSAL>(mods))
+      bwd_stage_bias<Tr>(mods, bias_rows, qb.m_block * Tr::BLOCK_M, kb.n0 + key_row0, lane);
+  }
   mbarrier_wait_or_trap(sm.kv_full(), 0);
   int stage = 0, buf = 0;
   u32 phase = 0;
@@ -226,13 +237,24 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
     if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
+    // the next step's bias into the other buffer, before this step's S^T and dP^T accumulators are live (issued
+    // after bwd_sm90_issue_sdp or after the step, its registers made ptxas spill at head dim 128)
+    bool bias_next = false;
+    if (Tr::stage_bias(MODS, IS_CAUSAL) && more) {
+      ScoreMods<MODS> next;
+      next.init(p.mods, kb.batch, qb_next.head, p.heads, kb.seq.len_q, kb.seq.len_k);
+      bias_next = bwd_bias_staged<Tr, IS_CAUSAL>(next);
+      if (bias_next)
+        bwd_stage_bias<Tr>(next, bias_rows + (stage ^ 1) * Tr::SMEM_BIAS, qb_next.m_block * Tr::BLOCK_M,
+                           kb.n0 + key_row0, lane);
+    }
     mbarrier_try_wait_parity(sm.q_full(stage), phase);
     float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
     bwd_sm90_issue_sdp<Tr>(sm.base, stage, cwg, s_acc, dp_acc);
 
     u32 ds_regs[Tr::Q_K_STEPS][4];
     bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.n0, cwg,
-                                            warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs);
+                                            warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs, stage, bias_next);
     if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel
       wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
@@ -315,7 +337,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
   const BwdWsSmem<Tr> sm{aligned.base};
   unsigned char* smem = aligned.ptr;
   // the host's shared memory size (cuflash/config.py BwdSm90WsConfig.smem_bytes) must cover this layout
-  if (dynamic_smem_size() < Tr::smem_bytes(Tr::stage_bias(MODS))) __trap();
+  if (dynamic_smem_size() < Tr::smem_bytes(Tr::stage_bias(MODS, IS_CAUSAL))) __trap();
 
   // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
   const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP> kb(p);

@@ -194,8 +194,8 @@ struct BwdSm90Traits {
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int SMEM_BYTES = OFF_LSE + 4 * SMEM_ROWVEC + 1024;  // + rounding up to 1024
   // no staged bias (the warp-specialized traits stage one: bwd_sm90_dkdv_step)
-  static constexpr bool stage_bias(int) { return false; }
-  static constexpr int OFF_BIAS = 0, BIAS_PITCH = 0;
+  static constexpr bool stage_bias(int, bool) { return false; }
+  static constexpr int OFF_BIAS = 0, BIAS_PITCH = 0, SMEM_BIAS = 0;
   static __device__ __forceinline__ int bias_offset(int, int) { return 0; }
 
   static_assert(BLOCK_M == 64, "one m64 wgmma of dQ rows per step");

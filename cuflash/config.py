@@ -1078,14 +1078,14 @@ class BwdSm90WsConfig(BwdSm90Config):
     @property
     def smem_bytes(self) -> int:
         """BwdSm90WsTraits::smem_bytes (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
-        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (then, when a bias is staged, 8
-        warps x 64 rows x 32 bytes of it from the next 128-byte boundary), 1024 to align the base."""
+        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (then, when a bias is staged, two
+        buffers of 8 warps x 64 rows x 32 bytes of it from the next 128-byte boundary), 1024 to align the base."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
         end = 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5
-        if bwd_stages_bias(self.head_dim, self.mods):
-            end = -(-end // 128) * 128 + 8 * self.block_m * 32
+        if bwd_stages_bias(self.head_dim, self.mods, self.causal):  # two buffers: copies issued a step ahead
+            end = -(-end // 128) * 128 + 2 * 8 * self.block_m * 32
         return end + 1024
 
     def cpp_name(self) -> str:
@@ -1095,10 +1095,14 @@ class BwdSm90WsConfig(BwdSm90Config):
                 f"{b(self.deterministic)}, {self.mods}>")
 
 
-def bwd_stages_bias(head_dim: int, mods: int) -> bool:
+def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
     """Whether the warp-specialized backward kernel of these modifiers stages a 16-bit bias in shared memory
-    (BwdSm90WsTraits::stage_bias): at head dim 64, without ALiBi, soft-capping or dropout beside the bias."""
-    return head_dim <= 64 and bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
+    (BwdSm90WsTraits::stage_bias): at head dim 64 without ALiBi, soft-capping or dropout beside the bias, at head
+    dim 128 for a bias alone, not causal (beside a window or a mask its registers spilled 12-48 bytes, causal 4
+    bytes under NVRTC 13.0)."""
+    if head_dim > 64:
+        return head_dim == 128 and mods == MOD_BIAS and not causal
+    return bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":

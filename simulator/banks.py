@@ -560,8 +560,10 @@ BWD_SM90_WS_ROLES = {
     "dq_bulk": ("tma", "UBLKRED"),  # the dQ buffer read by the bulk reduction into dQ_acc, unless deterministic
     # a staged 16-bit bias (config.bwd_stages_bias): each consumer warp copies its 16 keys of the block's rows (two
     # 16-byte chunks per row, bias_offset's layout) and reads them back as the S^T layout with ldmatrix .x4 .trans
+    # (two query tiles per load; head dim 128: .x2, one query tile, bias_frag2)
     "bias_stage": ("cp.async16", "LDGSTS"),
     "bias_frag": ("ldmatrix.x4", "LDSM"),
+    "bias_frag2": ("ldmatrix.x2", "LDSM"),
     "dk_store": ("st32", "STS"),  # epilogue: dK into the K tile, dV into the V tile (the 8 consumer warps)
     "dv_store": ("st32", "STS"),
     "dk_read": ("ld128", "LDS"),  # store_tile of dK, dV by the 256 consumer threads
@@ -1512,8 +1514,9 @@ def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
 class BwdSm90WsLayout:
     """The constants of BwdSm90WsTraits (cuda/bwd_sm90_ws.cuh) for one BwdSm90WsConfig: bwd_sm90_kernel's K, V,
     2 stages of (Q, dO) and dS^T (`base`), then a second dS^T buffer, the fp32 dQ buffer, 2 stages of (lse_log2,
-    delta), 5 mbarriers and, when the config stages a bias (config.bwd_stages_bias), 8 warps x BLOCK_M rows x
-    BIAS_PITCH bytes of it from the next 128-byte boundary."""
+    delta), 5 mbarriers and, when the config stages a bias (config.bwd_stages_bias), two buffers of 8 warps x
+    BLOCK_M rows x BIAS_PITCH bytes of it from the next 128-byte boundary (visit k's in buffer k % 2: its copies are
+    issued during visit k - 1)."""
 
     base: BwdSm90Layout
     panels: int  # TMA boxes per 16-bit tile: HEAD_DIM / PANEL_COLS
@@ -1524,7 +1527,7 @@ class BwdSm90WsLayout:
     off_delta: int
     off_bar: int
     smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
-    off_bias: int = -1  # the staged bias (-1: none); warp w's rows at off_bias + w * BLOCK_M * BIAS_PITCH
+    off_bias: int = -1  # staged bias (-1: none); warp w's rows of buffer b at off_bias + (8 b + w) * BLOCK_M * BIAS_PITCH
 
 
 BIAS_PITCH = 32  # BwdSm90WsTraits::BIAS_PITCH: 16 keys of 2 bytes per staged row
@@ -1542,9 +1545,9 @@ def bwd_sm90_ws_layout(cfg) -> BwdSm90WsLayout:
     off_lse = off_dq + smem_dq
     off_bar = off_lse + 4 * B.rowvec
     end, off_bias = off_bar + 8 * 5, -1
-    if _config.bwd_stages_bias(cfg.head_dim, cfg.mods):
+    if _config.bwd_stages_bias(cfg.head_dim, cfg.mods, cfg.causal):
         off_bias = (end + 127) // 128 * 128
-        end = off_bias + 8 * cfg.block_m * BIAS_PITCH
+        end = off_bias + 2 * 8 * cfg.block_m * BIAS_PITCH
     return BwdSm90WsLayout(base=B, panels=cfg.head_dim // B.panel_cols, dq_tiles=B.dq_cols // 8, smem_dq=smem_dq,
                            off_dq=off_dq, off_lse=off_lse, off_delta=off_lse + B.rowvec, off_bar=off_bar,
                            smem_bytes=end + 1024, off_bias=off_bias)
@@ -1571,11 +1574,15 @@ def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: in
         dt = np.arange(L.dq_tiles).reshape(1, -1, 1)
         out["dq_store"] = L.off_dq + ((ctid // 128 * L.dq_tiles + dt) * 128 + ctid % 128) * 16
     if L.off_bias >= 0:  # warp w: chunk i = lane + 32 j of its rows (row i / 2, half i % 2); ldmatrix j: block
-        rows_w = L.off_bias + np.arange(nw).reshape(-1, 1, 1) * bm * BIAS_PITCH  # 2j + m / 2, key half m % 2
+        rows_w = L.off_bias + (stage * nw + np.arange(nw).reshape(-1, 1, 1)) * bm * BIAS_PITCH  # 2j + m / 2, half m % 2
         i = _ax(2 * bm // WARP, 1, 3) * WARP + _L.reshape(1, 1, -1)
         out["bias_stage"] = rows_w + bias_offset(i >> 1, i & 1)
-        j = _ax(bm // 16, 1, 3)
-        out["bias_frag"] = rows_w + bias_offset((2 * j + (_L >> 4)) * 8 + (_L & 7), (_L >> 3) & 1)
+        if hd <= 64:
+            j = _ax(bm // 16, 1, 3)
+            out["bias_frag"] = rows_w + bias_offset((2 * j + (_L >> 4)) * 8 + (_L & 7), (_L >> 3) & 1)
+        else:  # lanes 0-15 address the 2 matrices (the others' addresses are not read: -1)
+            j = _ax(bm // 8, 1, 3)
+            out["bias_frag2"] = np.where(_L < 16, rows_w + bias_offset(j * 8 + (_L & 7), (_L >> 3) & 1), -1)
     rows, cols = key_row0[..., 0] + 8 * _ax(2, 1, 3), _ax(hd // 8, 2, 3) * 8
     out["dk_store"] = accumulator_store_addresses(B.off_k, bn, hd, rows, cols, pc)
     out["dv_store"] = accumulator_store_addresses(B.off_v, bn, hd, rows, cols, pc)

@@ -49,14 +49,19 @@ def test_ws_config_geometry_and_errors():
     assert config.bwd_sm90_ws_config(64, "fp16", False, True).panel_cols == 32  # dQ's split at column 32
     # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 5 mbarriers
     assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 40 + 1024
-    # head dim 64 with a bias (and a mask, a window) stages it: 8 warps x 64 rows x 32 bytes from the 128-byte
-    # boundary after the mbarriers
+    # head dim 64 with a bias (and a mask, a window) stages it: two buffers of 8 warps x 64 rows x 32 bytes from the
+    # 128-byte boundary after the mbarriers
     plain64 = config.bwd_sm90_ws_config(64, "bf16", False, False)
     for mods, staged in ((config.MOD_BIAS, True), (config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW, True),
                          (config.MOD_BIAS | config.MOD_DROPOUT, False), (config.MOD_MASK, False)):
         cfg = config.bwd_sm90_ws_config(64, "bf16", False, False, mods)
-        assert cfg.smem_bytes == plain64.smem_bytes + (88 + 8 * 64 * 32 if staged else 0), mods
-    assert config.bwd_sm90_ws_config(128, "bf16", False, False, config.MOD_BIAS).smem_bytes == c.smem_bytes
+        assert cfg.smem_bytes == plain64.smem_bytes + (88 + 2 * 8 * 64 * 32 if staged else 0), mods
+    # head dim 128 stages a bias alone, not causal (c is causal)
+    assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS).smem_bytes == c.smem_bytes
+    assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS | config.MOD_MASK).smem_bytes == \
+        c.smem_bytes
+    assert config.bwd_sm90_ws_config(128, "bf16", False, False, config.MOD_BIAS).smem_bytes == \
+        c.smem_bytes + 88 + 2 * 8 * 64 * 32 <= config.SMEM_LIMIT_SM90
     assert c.sync_equivalent() == config.bwd_sm90_config(128, "bf16", True, False)
     assert c.cpp_name() == "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<128, cuflash::bf16>, true, false, 0>"
     with pytest.raises(ValueError, match="head_dim 64 or 128"):

@@ -122,16 +122,19 @@ def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp16+mask", "broadcast", "key-slice", "fp32", "unaligned-view"])
-def test_head_dim_64_staged_bias(case):
-    """Head dim 64 copies a 16-bit bias with contiguous, 16-byte aligned rows to shared memory per step (200 keys: a
-    key tail inside a tile, 130 queries: a query tail; key-slice: 197 keys of 208-key rows, the last chunk of a row
-    partly zero-filled); a float32 bias and a view whose rows are not 16-byte aligned take the element loads in the
-    same kernel. All against the float64 reference, dbias included."""
+@pytest.mark.parametrize("d", [32, 64, 128])
+def test_staged_bias(d, case):
+    """Head dims 64 and 128 (and 32, on the 64 kernel) copy a 16-bit bias with contiguous, 16-byte aligned rows to
+    shared memory, a step ahead into one of two buffers (200 keys: a key tail inside a tile, 130 queries: a query
+    tail and three steps per query head, GQA 2:1: the next step's head differs; key-slice: 197 keys of 208-key rows,
+    the last chunk of a row partly zero-filled); a float32 bias and a view whose rows are not 16-byte aligned take
+    the element loads in the same kernel, and so does head dim 128 with a mask beside the bias. All against the
+    float64 reference, dbias included."""
     from test_gpu_bias import check_dense, make_bias, mask_random
 
-    b, sq, sk, hq, hkv, d = 2, 130, 197 if case == "key-slice" else 200, 4, 2, 64
+    b, sq, sk, hq, hkv = 2, 130, 197 if case == "key-slice" else 200, 4, 2
     dtype = "fp16" if case.startswith("fp16") else "bf16"
-    seed = seed_of("bwd-ws-staged-bias", case)
+    seed = seed_of("bwd-ws-staged-bias", d, case)
     q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i)
                      for i, (s, h) in enumerate(((sq, hq), (sk, hkv), (sk, hkv), (sq, hq))))
     shape = (1, hq, sq, sk) if case == "broadcast" else (b, hq, sq, sk)
@@ -144,5 +147,6 @@ def test_head_dim_64_staged_bias(case):
     mask = mask_random(b, hq, sq, sk, seed + 5) if case.endswith("mask") else None
     mods = config.MOD_BIAS | (config.MOD_MASK if mask is not None else 0)
     cfg = config.backward_kernel_config(d, dtype, False, False, _compile.device_arch(), mods=mods)
-    assert isinstance(cfg, config.BwdSm90WsConfig) and config.bwd_stages_bias(d, mods), cfg
-    check_dense(q, k, v, dout, dtype, f"staged bias {case}", bias=bias, mask=mask, seed=seed)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == max(d, 64), cfg
+    assert config.bwd_stages_bias(cfg.head_dim, mods) == (d < 128 or mask is None), cfg
+    check_dense(q, k, v, dout, dtype, f"staged bias d={d} {case}", bias=bias, mask=mask, seed=seed)
