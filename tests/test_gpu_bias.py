@@ -509,6 +509,33 @@ def test_preallocated_dbias_is_overwritten_and_returned(bias_shape):
         check_rule("dbias", pre, want64, want_lowp, 3, f"preallocated dbias {bias_shape}, call {call + 1}")
 
 
+@pytest.mark.parametrize("view", ["odd-offset", "transposed"])
+@pytest.mark.parametrize("bias_shape", [(2, HQ, 113, 203), (1, HQ, 113, 203)], ids=["full", "broadcast"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_preallocated_dbias_views(d, bias_shape, view):
+    """A preallocated dbias that is a view one element into a wider array (rows only 4-byte aligned) or a transposed
+    view (keys strided), of a full and of a shared bias (stores, atomic adds): NaN-filled around and inside the
+    view; the values by the rule, and nothing written outside the view."""
+    q, k, v, dout, bias = dense_inputs(2, 113, 203, HQ, HKV, d, "bf16", bias_shape, f"view-{view}")
+    o, lse = cuflash.attention_forward(q, k, v, bias=bias)
+    q32, k32, v32, do32 = (to_bshd32(x, "bshd") for x in (q, k, v, dout))
+    bias32 = _xpref.to_float32(bias)
+    want64 = _xpref.attention_backward64(do32, q32, k32, v32, bias=bias32)[3]
+    want_lowp = _xpref.attention_backward_lowp(do32, q32, k32, v32, "bf16", bias=bias32)[3]
+    if view == "odd-offset":
+        base = cp.full(bias_shape[:3] + (bias_shape[3] + 2,), cp.nan, dtype=cp.float32)
+        pre = base[..., 1:bias_shape[3] + 1]
+    else:
+        base = cp.full(bias_shape[:2] + (bias_shape[3], bias_shape[2]), cp.nan, dtype=cp.float32)
+        pre = base.transpose(0, 1, 3, 2)
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, dbias=pre)
+    assert grads[3] is pre
+    check_rule("dbias", pre, want64, want_lowp, 3, f"preallocated dbias {view} {bias_shape} d={d}")
+    if view == "odd-offset":
+        assert bool(cp.isnan(base[..., 0]).all()) and bool(cp.isnan(base[..., -1]).all()), \
+            "dbias written outside its view"
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_deterministic_with_a_full_bias_is_bitwise_reproducible(d, causal):
