@@ -26,7 +26,10 @@
 // Each tile is HEAD_DIM / 64 column panels of 64 elements (128 bytes) x ROWS rows, 128-byte swizzled: chunk c
 // (16 bytes) of row r sits at chunk c ^ (r % 8) of its line. That is both TMA's CU_TENSOR_MAP_SWIZZLE_128B
 // layout of a (64, ROWS) box written at a 1024-byte aligned address and wgmma's 128-byte swizzle (tiles.cuh),
-// so one TMA box per panel fills it and the descriptors of fwd_sm90.cuh read it unchanged.
+// so one TMA box per panel fills it and the descriptors of fwd_sm90.cuh read it unchanged. A head dim that is not
+// a multiple of 64 (32, 96) takes panels of 32 columns (64 bytes), 64-byte swizzled (chunk c of the 64-byte row r
+// at chunk c ^ ((r / 2) % 4)): TMA's CU_TENSOR_MAP_SWIZZLE_64B layout of a (32, ROWS) box and wgmma's 64-byte
+// swizzle, one box per panel as well (BOX_COLS below; the host's maps take the config's box_cols).
 //
 // ---- the barrier protocol -------------------------------------------------------------------------------
 // mbarriers (8 bytes each, initialized by thread 0 before the role split, then fence + __syncthreads):
@@ -40,10 +43,10 @@
 // n_block = n_end - 1 - i, so the window's first block n_begin is the last tile i = n_tiles - 1. Tile i uses
 // stage s = i % STAGES, in round u = i / STAGES of that stage, phase bit ph = u & 1 (kept as counters: stage,
 // phase ^= 1 on wrap):
-//   producer  Q:   arrive.expect_tx(q_full, SMEM_Q), TMA Q (HEAD_DIM/64 boxes of 64 x 128)
+//   producer  Q:   arrive.expect_tx(q_full, SMEM_Q), TMA Q (PANELS boxes of BOX_COLS x 128)
 //             K_i: wait(k_empty[s], parity ph ^ 1)  -- round 0: a fresh barrier passes parity 1 at once;
 //                                                     round u >= 1: waits for the 8 releases of tile i - STAGES
-//                  arrive.expect_tx(k_full[s], SMEM_KV), TMA K_i (HEAD_DIM/64 boxes of 64 x BLOCK_N)
+//                  arrive.expect_tx(k_full[s], SMEM_KV), TMA K_i (PANELS boxes of BOX_COLS x BLOCK_N)
 //             V_i: the same with v_empty[s], v_full[s]
 //   consumer  wait(q_full, parity 0) once
 //             S_i: wait(k_full[s], parity ph); S = Q K_i^T; after the wait_group that retires it:
@@ -114,8 +117,8 @@ struct alignas(64) TmaDesc {
 // Kernel argument of fwd_sm90_ws_kernel, passed as one `const __grid_constant__` struct (so TMA can read the
 // maps in parameter space through their generic address). Mirrored by cuflash/_tma.py:FwdWsParams.
 struct FwdWsParams {
-  TmaDesc tma_q;  // Q as (head_dim, seqlen_q, heads, batch), box (64, BLOCK_M, 1, 1), 128-byte swizzle
-  TmaDesc tma_k;  // K as (head_dim, seqlen_k, kv_heads, batch), box (64, BLOCK_N, 1, 1), 128-byte swizzle
+  TmaDesc tma_q;  // Q as (head_dim, seqlen_q, heads, batch), box (BOX_COLS, BLOCK_M, 1, 1), one panel's swizzle
+  TmaDesc tma_k;  // K as (head_dim, seqlen_k, kv_heads, batch), box (BOX_COLS, BLOCK_N, 1, 1), one panel's swizzle
   TmaDesc tma_v;  // V like K
   FwdParams fwd;  // the pointers and strides of fwd_sm90_kernel (o, lse, strides, seq lengths, scale)
   int m_blocks;   // query blocks of BLOCK_M rows per (batch, head): ceil(seqlen_q / BLOCK_M) (max_seqlen_q if packed)
@@ -151,11 +154,14 @@ struct FwdSm90WsTraits {
   static constexpr int D_TILES = HEAD_DIM / 8;        // n8 column tiles of O
   static constexpr int QK_K_STEPS = HEAD_DIM / 16;    // k16 steps of S = Q K^T
   static constexpr int PV_K_STEPS = BLOCK_N / 16;     // k16 steps of O += P V
-  static constexpr int BOX_COLS = 64;                 // TMA box width: one 128-byte swizzle panel
-  static constexpr int PANELS = HEAD_DIM / BOX_COLS;  // TMA boxes per tile
 
   using TileQ = SmemTile<BLOCK_M, HEAD_DIM>;  // also the O staging's layout
   using TileKV = SmemTile<BLOCK_N, HEAD_DIM>;
+  // TMA box width: one swizzle panel, 64 columns (128-byte swizzle), or 32 (64-byte swizzle) when HEAD_DIM is not a
+  // multiple of 64 (head dims 32 and 96)
+  static constexpr int BOX_COLS = TileQ::PANEL_COLS;
+  static constexpr int PANELS = HEAD_DIM / BOX_COLS;  // TMA boxes per tile
+  static constexpr int PANEL_BYTES = TileQ::PANEL_BYTES;
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
   // q_full, q_empty (persistent only), k_full[], k_empty[], v_full[], v_empty[], then, persistent only, the work
@@ -190,14 +196,14 @@ struct FwdSm90WsTraits {
   static constexpr int PINGPONG_BAR = 1;  // + consumer: that consumer's turn to issue GEMMs
   static constexpr int EPILOGUE_BAR = 3;  // + consumer: its O staging in shared memory is complete
 
-  static_assert(HEAD_DIM % 64 == 0 && TileQ::PANEL_COLS == 64 && TileKV::PANEL_COLS == 64,
-                "TMA boxes fill whole 128-byte swizzle panels: HEAD_DIM must be a multiple of 64");
+  static_assert(HEAD_DIM % 32 == 0 && TileKV::PANEL_COLS == BOX_COLS,
+                "TMA boxes fill whole swizzle panels (64 or 32 columns): HEAD_DIM must be a multiple of 32");
   static_assert(is_wgmma_n(BLOCK_N) && is_wgmma_n(HEAD_DIM), "BLOCK_N and HEAD_DIM must be wgmma N sizes");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && BLOCK_M <= 256, "TMA box rows are at most 256");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
   static_assert(CONSUMERS == 2, "pingpong and the register split assume two consumer warpgroups");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
-  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && (BLOCK_N * 128) % 1024 == 0,
+  static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && (BLOCK_N * PANEL_BYTES) % 1024 == 0,
                 "tiles and panels start on the 1024-byte swizzle period");
   static_assert(SMEM_Q + 2 * STAGES * SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
@@ -353,7 +359,7 @@ __device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const
   mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel)
-    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * 128, &p.tma_q, sm.q_full(),
+    cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * Tr::PANEL_BYTES, &p.tma_q, sm.q_full(),
                                              panel * Tr::BOX_COLS, it.seq.q_row0 + it.row0, it.head, q_batch);
 
   int n_block = it.n_end;
@@ -366,14 +372,14 @@ __device__ __forceinline__ void fwd_sm90_ws_producer(const FwdWsParams& p, const
     mbarrier_arrive_expect_tx(sm.k_full(pipe.stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
-      cp_async_bulk_tensor_4d_global_to_shared(sm.k(pipe.stage) + panel * Tr::BLOCK_N * 128, &p.tma_k,
+      cp_async_bulk_tensor_4d_global_to_shared(sm.k(pipe.stage) + panel * Tr::BLOCK_N * Tr::PANEL_BYTES, &p.tma_k,
                                                sm.k_full(pipe.stage), panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
     // V_i likewise
     mbarrier_wait_or_trap(sm.v_empty(pipe.stage), pipe.phase ^ 1);
     mbarrier_arrive_expect_tx(sm.v_full(pipe.stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
-      cp_async_bulk_tensor_4d_global_to_shared(sm.v(pipe.stage) + panel * Tr::BLOCK_N * 128, &p.tma_v,
+      cp_async_bulk_tensor_4d_global_to_shared(sm.v(pipe.stage) + panel * Tr::BLOCK_N * Tr::PANEL_BYTES, &p.tma_v,
                                                sm.v_full(pipe.stage), panel * Tr::BOX_COLS, key0, kv_head, kv_batch);
     pipe.advance<Tr::STAGES>();
   }
@@ -642,8 +648,15 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   named_barrier_sync(Tr::EPILOGUE_BAR + wg, 128);
   u16* o_gmem = p.o + batch * p.o_batch_stride + static_cast<long long>(out_row0) * p.o_row_stride + head * p.o_head_stride;
   constexpr int CHUNKS_PER_ROW = Tr::HEAD_DIM / 8;
-  for (int idx = ctid - wg * 128; idx < 64 * CHUNKS_PER_ROW; idx += 128) {  // 8 lanes: one 128-byte line
-    const int row = wg * 64 + idx / CHUNKS_PER_ROW, col = (idx % CHUNKS_PER_ROW) * 8;
+  // 8 lanes read one 128-byte line: row-major over 128-byte panels (8 chunks of one row); over 64-byte panels of a
+  // wider row (D 96) panel by panel, so that two rows of one panel, not a row across two panels (the same banks,
+  // ROWS * 64 bytes apart), share a phase
+  constexpr int PANEL_CHUNKS = Tr::TileQ::PANEL_COLS / 8;
+  constexpr bool PANEL_ORDER = PANEL_CHUNKS < 8 && CHUNKS_PER_ROW > PANEL_CHUNKS;
+  for (int idx = ctid - wg * 128; idx < 64 * CHUNKS_PER_ROW; idx += 128) {
+    const int row = wg * 64 + (PANEL_ORDER ? idx % (64 * PANEL_CHUNKS) / PANEL_CHUNKS : idx / CHUNKS_PER_ROW);
+    const int col = PANEL_ORDER ? idx / (64 * PANEL_CHUNKS) * Tr::TileQ::PANEL_COLS + idx % PANEL_CHUNKS * 8
+                                : (idx % CHUNKS_PER_ROW) * 8;
     if (row < rows_q && col < p.head_dim)
       *reinterpret_cast<uint4*>(o_gmem + row * p.o_row_stride + col) =
           *reinterpret_cast<const uint4*>(smem + Tr::OFF_O + Tr::TileQ::offset(row, col));

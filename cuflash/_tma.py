@@ -218,10 +218,11 @@ def ws_params(fwd_params: _launch.FwdParams, q, k, v, dims_q, dims_k, dims_v, dt
                              f"not batch={dims.batch}")
     maps = []
     for name, x, dims, rows in (("q", q, dims_q, cfg.block_m), ("k", k, dims_k, cfg.block_n), ("v", v, dims_v, cfg.block_n)):
-        problem = tma_unsupported(x, dims, dtype, rows)
+        problem = tma_unsupported(x, dims, dtype, rows, cfg.box_cols)
         if problem is not None:
             raise ValueError(f"{name} cannot be read through a TMA tensor map: {problem}")
-        maps.append(encode_tiled(dtype, *operand_map(_pointer(x), dims, dtype, rows)))
+        maps.append(encode_tiled(dtype, *operand_map(_pointer(x), dims, dtype, rows, cfg.box_cols),
+                                 panel_swizzle(cfg.box_cols, dtype)))
     params = FwdWsParams()
     for field, blob in zip(("tma_q", "tma_k", "tma_v"), maps):
         ctypes.memmove(ctypes.addressof(params) + getattr(FwdWsParams, field).offset, blob, TENSOR_MAP_BYTES)

@@ -293,6 +293,18 @@ def default_cases() -> list[Case]:
                 sq, sk = ((113, 203), (203, 113), (256, 317))[(mi + hi + di) % 3]
                 cases.append(_case(1, sq, sk, 1, hd, dtype, causal, "bshd", "contiguous",
                                    mods=config.MODS_MASK_CHECKED[causal][0]))
+    # a bias alone (with a window, or causal): the Hopper forward's bias tiles (config.FWD_SM90_WS_TILES_BIAS, a
+    # persistent grid); seqlen_k a multiple of 8, so the bias comes in the case's 16-bit dtype (the staged path); a
+    # case the backward's sets above already have is not repeated
+    names = {c.name for c in cases}
+    for hi, hd in enumerate(config.FWD_SM90_WS_TILES_BIAS):
+        for di, dtype in enumerate(("fp16", "bf16")):
+            for mi, (causal, mods) in enumerate((causal, m) for causal in (False, True)
+                                                for m in config.MODS_BIAS_CHECKED[causal]):
+                sq, sk = ((136, 264), (264, 136), (256, 320))[(mi + hi + di) % 3]
+                case = _case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods)
+                if case.name not in names:
+                    cases.append(case)
     # a BlockMask of whole 128 x 128 blocks (with a window, or causal): the Hopper kernels that skip its empty tiles
     # without an element mask (config.MOD_BLOCKS, config.FWD_SM90_WS_TILES_BLOCKS)
     for hi, hd in enumerate(config.FWD_SM90_WS_TILES_BLOCKS):

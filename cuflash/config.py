@@ -290,6 +290,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_MASK for dt in DTYPES for c in (False, True)
                 for m in MODS_MASK_CHECKED[c]]
+        out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_BIAS for dt in DTYPES for c in (False, True)
+                for m in MODS_BIAS_CHECKED[c]]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
@@ -405,14 +407,20 @@ class FwdSm90WsConfig:
         check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
-        if self.head_dim % TMA_BOX_COLS or not 64 <= self.head_dim <= 256:
-            raise ValueError(f"head_dim={self.head_dim} is not supported; supported: 64, 128, 256 (whole 64-column "
-                             f"TMA panels, a wgmma N size)")
+        if self.head_dim not in FWD_SM90_WS_HEAD_DIMS:
+            raise ValueError(f"head_dim={self.head_dim} is not supported; supported: "
+                             f"{', '.join(map(str, FWD_SM90_WS_HEAD_DIMS))} (whole 32- or 64-column TMA panels, a "
+                             f"wgmma N size)")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages={self.stages} must be 2, 3 or 4")
 
     block_m = 128
-    box_cols = TMA_BOX_COLS  # TMA box width in elements: one 128-byte swizzle panel
+
+    @property
+    def box_cols(self) -> int:
+        """TMA box width in elements: one swizzle panel (FwdSm90WsTraits::BOX_COLS), 64 columns with a 128-byte
+        swizzle, or 32 with a 64-byte one when the head dim is not a multiple of 64."""
+        return panel_cols(self.head_dim)
 
     @property
     def threads(self) -> int:
@@ -475,17 +483,28 @@ class FwdSm90WsConfig:
 # B=2, H = 2048 / D, 2026-11-24; TFLOP/s of the chosen tiles first). Non-causal: D 64 (192, 2) 468 against 448 with
 # (128, 2) and pingpong, 440 (128, 3), 407 (64, 2), 402 (128, 2); D 128 (192, 2) 703 against 647 (128, 2), 643
 # (128, 3), 640 with pingpong, 628 (96, 2); D 256 (64, 2) 706 against 662 with pingpong, 624 (48, 3), 534 (32, 4).
+# Head dims 32 and 96 take 32-column panels (a 64-byte swizzle), measured the same way on 2026-11-28 (H = 64 at D 32,
+# 21 at D 96; N 8k / 16k): D 32 (192, 2) 279 / 289 against 277 / 283 (256, 2), 263 / 267 (128, 2), 266 / 268 (256,
+# 2, persistent), 251 / 254 with pingpong, and 257 / 259 for fwd_sm90_kernel, which ran D 32 before; D 96 (128, 2,
+# persistent) at N 2k / 8k 530 / 555 against 503 / 524 with pingpong, 475 / 518 (128, 2), 467 / 516 (192, 2), and
+# 488 / 483 for the 128 kernel, which ran D 96 before with its last 32 columns zero-filled.
 FWD_SM90_WS_TILES = {
+    32: (192, 2, False),
     64: (192, 2, False),
+    96: (128, 2, False, True),
     128: (192, 2, False),
     256: (64, 2, False),
 }
 # Causal (and a window, which masks tiles like causal): D 64 (128, 2) with pingpong 421 against 392 (192, 2), 389
 # (128, 2), 373 (128, 3), 371 (64, 2); D 128 (128, 3) 621 against 589 (128, 2), 588 (192, 2), 580 with pingpong,
 # 545 (96, 2); D 256 (64, 2) 631 against 594 with pingpong, 529 (48, 3), 484 (32, 4). FlashAttention-3 takes
-# block_n 176 (d128) and 80 (d256); ptx_wgmma.cuh has N = 16..256 in steps it lists.
+# block_n 176 (d128) and 80 (d256); ptx_wgmma.cuh has N = 16..256 in steps it lists. D 32 and 96 (2026-11-28, N 2k
+# / 8k at D 96): a window takes (128, 2) at D 32 (causal N 1k / 4k / 16k 161 / 233 / 265 against 148 / 227 / 263
+# for (192, 2)) and (128, 3) at D 96 (causal 421 / 507 against 402 / 485 (128, 2)); plain causal rows take FWD_SM90_WS_TILES_CAUSAL_PLAIN.
 FWD_SM90_WS_TILES_CAUSAL = {
+    32: (128, 2, False),
     64: (128, 2, True),
+    96: (128, 3, False),
     128: (128, 3, False),
     256: (64, 2, False),
 }
@@ -566,20 +585,23 @@ def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = 
     bn, stages, pingpong, q_in_regs = FWD_SM90_FP8_TILES[head_dim]
     return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs)
 
-# Head dims whose 32-column panels the TMA kernel does not take (a 64-byte swizzle) run on the next TMA kernel, the
-# extra columns zero-filled by TMA: measured on an H100 against fwd_sm90_kernel at the head dim itself (bf16, FA
-# shapes, N 2k / 8k, 2026-11-24), D 96 on the 128 kernel 422 / 528 TFLOP/s against 286 / 322 (causal 347 / 474
-# against 240 / 300), D 192 on the 256 kernel 487 / 563 against 331 / 372 (causal 378 / 524 against 260 / 345).
-# D 32 stays on fwd_sm90_kernel: on the 64 kernel it ran 159 / 189 against 230 / 251 (causal 130 / 153 against
-# 195 / 233).
-FWD_SM90_WS_PADDED = {96: 128, 192: 256}
+# Head dims without a kernel of their own run on the next one, the extra columns zero-filled by TMA: D 192 on the 256
+# kernel, measured on an H100 against fwd_sm90_kernel at D 192 (bf16, FA shapes, N 2k / 8k, 2026-11-24): 487 / 563
+# TFLOP/s against 331 / 372 (causal 378 / 524 against 260 / 345). (D 96 ran on the 128 kernel this way until
+# 2026-11-28, and D 32 on fwd_sm90_kernel; both now have kernels of their own, with 32-column panels: the tables'
+# comments give the measurements.)
+FWD_SM90_WS_PADDED = {192: 256}
+# The head dims fwd_sm90_ws_kernel is compiled for (FwdSm90WsConfig checks them)
+FWD_SM90_WS_HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
 # With ALiBi / softcap / dropout (heavy_mods): the largest key tile that stays spill-free under the consumers' 240
 # registers with every modifier set (NVRTC 13.5 and 13.0). The plain tiles spilled: d128 block_n 128: 8-32 bytes;
 # d256 block_n 64: 16-40 bytes, 48: 4-12 bytes; d256 with pingpong kept 4-8 bytes on the stack at block_n 32.
 FWD_SM90_WS_TILES_MODS = {
+    32: (128, 2, False),
     64: (128, 2, False),
+    96: (96, 3, False),
     128: (96, 3, False),
     256: (32, 4, False),
 }
@@ -590,14 +612,36 @@ FWD_SM90_WS_TILES_MODS = {
 # 128-key block straddled two tiles, about twice the blocks' tiles were visited and most of them were partial
 # (their element mask read), where aligned tiles are full and read no mask.
 FWD_SM90_WS_TILES_MASK = {
+    32: (128, 2, False),
     64: (128, 2, False),
+    96: (128, 2, False),
     128: (128, 2, False),
     256: (64, 2, False),
 }
 # The heaviest modifier sets of the mask table (the compile check builds them, as MODS_CHECKED for the others)
 MODS_MASK_CHECKED = {False: (MOD_MASK | MOD_WINDOW,), True: (MOD_MASK,)}
+# ... of the bias table (MOD_BIAS with at most a window)
+MODS_BIAS_CHECKED = {False: (MOD_BIAS, MOD_BIAS | MOD_WINDOW), True: (MOD_BIAS,)}
 # ... and of the block map alone (MOD_BLOCKS: the plain / causal tiles of the warp-specialized kernels)
 MODS_BLOCKS_CHECKED = {False: (MOD_BLOCKS | MOD_WINDOW,), True: (MOD_BLOCKS,)}
+
+
+# A bias, with at most a window beside it (causal or not): key tiles of 64 rows on the persistent grid, at D 64 only
+# up to FWD_SM90_WS_BIAS_MAX_KEYS keys. Measured on an H100 (bf16, the rows of `python -m cuflash.bench --bias`,
+# forward ms, 2026-11-28): D 32 evoformer rows (B*N 128-1024 sequences of L 256-768, H 4-8, the pair bias shared by
+# the N rows) 0.81-0.87x the synchronous fwd_sm90_kernel it replaced (0.139-3.047 ms against 0.159-3.757), against
+# 0.87-0.95x for (128, 2, persistent) and 0.88-1.05x for (128, 2) on the one-item grid (192-key tiles 1.00-1.57x; 3
+# or 4 stages of 64 keys within 3 % of 2; 32-key tiles 0.97-1.01x); D 64 evoformer rows (L 256, 512) 0.84 / 0.91x the
+# (128, 2) one-item kernel, but 1.03-1.05x on the llm rows (a full (B, H, N, N) bias, N 1k-4k); D 128 llm rows (N
+# 1k-4k) 0.93-0.97x (96, 3) on the one-item grid. With a mask beside the bias the persistent kernel spills 68-72
+# bytes at D 32 (NVRTC 13.5): those calls take FWD_SM90_WS_TILES_MODS.
+FWD_SM90_WS_TILES_BIAS = {32: (64, 2, False, True), 64: (64, 2, False, True), 128: (64, 2, False, True)}
+FWD_SM90_WS_BIAS_MAX_KEYS = {64: 512}
+
+
+def bias_only(mods: int) -> bool:
+    """A bias, with at most a window beside it: the kernels of config.FWD_SM90_WS_TILES_BIAS."""
+    return bool(mods & MOD_BIAS) and not mods & ~(MOD_BIAS | MOD_WINDOW)
 
 
 def mask_only(mods: int) -> bool:
@@ -613,9 +657,12 @@ def mask_only(mods: int) -> bool:
 # against 669 (192, 2), 8k 646 against 721 (so 4k is the bound); D 64 N 1k 397 against 351 (128, 2, pingpong), 2k
 # 427 against 415, 4k 449 against 428 (192, 2), 8k 448 (457 with pingpong) against 432, 16k 435 against 473. D 256
 # stays on the one-CTA-per-item grid (persistent N 8k 723 against 760); causal rows: FWD_SM90_WS_TILES_CAUSAL_PLAIN.
-# (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.)
-FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
-FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
+# (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.) D 32
+# (2026-11-28, H = 64): (256, 2, pingpong, persistent) N 1k / 2k / 4k 249 / 288 / 305 against 236 / 262 / 270
+# without pingpong (which spills 28 bytes under NVRTC 13.0), 229 / 239 / 256 (128, 2, persistent), 223 / 247 / 274
+# (256, 2) on the one-item grid and 226 / 250 / 256 for fwd_sm90_kernel (3 stages: 254 / 285 / 304).
+FWD_SM90_WS_SHORT_KEYS = {32: 4096, 64: 8192, 128: 4096}
+FWD_SM90_WS_TILES_SHORT = {32: (256, 2, True, True), 64: (128, 2, False, True), 128: (128, 2, False, True)}
 
 # Causal without other modifiers: the persistent grid taking its items from a work queue (longest query blocks
 # first; a CTA takes the next item once it has issued the loads of its current one, so the CTAs' sums of key
@@ -626,8 +673,12 @@ FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)
 # fixed stride instead of the queue the persistent kernel ran causal rows 5-40 % slower than the one-item grid, and
 # with the next item taken when the current one started, 2-8 % slower from 8k keys (a long item held the next back).
 # D 256 keeps the one-item grid (its persistent causal kernel spills 12 bytes); windows and other modifiers keep
-# the tables above (not measured persistent).
-FWD_SM90_WS_TILES_CAUSAL_PLAIN = {64: (128, 2, False, True), 128: (128, 2, True, True)}
+# the tables above (not measured persistent). D 32 (2026-11-28, H 64) (128, 2, pingpong) N 1k / 4k / 16k 185 / 253
+# / 282 against 182 / 239 / 261 without pingpong, 164 / 240 / 275 with pingpong on the one-item grid and 177 / 230 /
+# 249 for fwd_sm90_kernel; D 96 (H 21) N 2k / 8k 457 / 516 against 421 / 507 (128, 3) and 399 / 466 for the 128
+# kernel that ran it before.
+FWD_SM90_WS_TILES_CAUSAL_PLAIN = {32: (128, 2, True, True), 64: (128, 2, False, True), 96: (128, 2, True, True),
+                                  128: (128, 2, True, True)}
 
 
 # A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
@@ -645,7 +696,10 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
     short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
-    table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
+    table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else \
+        FWD_SM90_WS_TILES_BIAS if bias_only(mods) and head_dim in FWD_SM90_WS_TILES_BIAS and \
+        (seqlen_k is None or seqlen_k <= FWD_SM90_WS_BIAS_MAX_KEYS.get(head_dim, seqlen_k)) else \
+        FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
         FWD_SM90_WS_TILES_BLOCKS if mods & MOD_BLOCKS else \
         FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES

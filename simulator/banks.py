@@ -919,7 +919,7 @@ def fwd_sm90_ws_layout(cfg) -> FwdSm90WsLayout:
     off_o = off_v + cfg.stages * smem_kv if cfg.o_separate else 0
     off_bar = off_v + cfg.stages * smem_kv + (smem_q if cfg.o_separate else 0)
     consumers = bm // 64
-    return FwdSm90WsLayout(consumers=consumers, consumer_warps=4 * consumers, panels=hd // _config.TMA_BOX_COLS,
+    return FwdSm90WsLayout(consumers=consumers, consumer_warps=4 * consumers, panels=hd // cfg.box_cols,
                            smem_q=smem_q, smem_kv=smem_kv, off_q=0, off_k=off_k, off_v=off_v, off_o=off_o,
                            off_bar=off_bar, smem_bytes=off_bar + 8 * cfg.barriers + 1024)
 
@@ -935,7 +935,8 @@ def fwd_sm90_ws_addresses(cfg, rows_q: int | None = None, head_dim: int | None =
     fwd_sm90_ws_kernel, [consumer warp, i, lane] (-1: lane inactive): the O staging stores of consumer warp
     w (rows 16w + g + 8h, columns dt*8 + 2t of TileQ) and the epilogue's 16-byte reads: consumer wg's thread
     ltid = ctid - 128 wg reads chunks idx = ltid + 128 i < 64 * HEAD_DIM/8 of its rows, row wg*64 + idx /
-    (HEAD_DIM/8), column (idx % (HEAD_DIM/8)) * 8, for rows < rows_q and columns < head_dim."""
+    (HEAD_DIM/8), column (idx % (HEAD_DIM/8)) * 8 (over 64-byte panels of a wider row, D 96, panel by panel: idx
+    / (64 * 4) the panel, then rows, then the 4 chunks of a panel row), for rows < rows_q and columns < head_dim."""
     L = fwd_sm90_ws_layout(cfg)
     hd, bm = cfg.head_dim, cfg.block_m
     rows_q = bm if rows_q is None else rows_q
@@ -947,14 +948,20 @@ def fwd_sm90_ws_addresses(cfg, rows_q: int | None = None, head_dim: int | None =
     ctid = np.arange(128 * L.consumers).reshape(L.consumer_warps, 1, WARP)
     wg = ctid // 128
     idx = ctid - wg * 128 + np.arange(iters).reshape(1, iters, 1) * 128
-    row, col = wg * 64 + idx // chunks_per_row, (idx % chunks_per_row) * _config.CHUNK_ELEMS
+    panel_chunks = _config.panel_cols(hd) // _config.CHUNK_ELEMS
+    if panel_chunks < 8 and chunks_per_row > panel_chunks:  # 64-byte panels of a wider row (D 96): panel order
+        row = wg * 64 + idx % (64 * panel_chunks) // panel_chunks
+        col = (idx // (64 * panel_chunks) * panel_chunks + idx % panel_chunks) * _config.CHUNK_ELEMS
+    else:
+        row, col = wg * 64 + idx // chunks_per_row, (idx % chunks_per_row) * _config.CHUNK_ELEMS
     valid = (idx < 64 * chunks_per_row) & (row < rows_q) & (col < head_dim)
     out["o_read"] = np.where(valid, L.off_o + swizzled_offset(np.minimum(row, bm - 1), col, bm, hd), -1)
     return {role: np.asarray(a, dtype=np.int64) for role, a in out.items()}
 
 
 def fwd_sm90_ws_tma(cfg) -> dict[str, InstrStats]:
-    """TMA loads of one key tile: K_i and V_i, HEAD_DIM/64 boxes of 64 x BLOCK_N each, the whole box written."""
+    """TMA loads of one key tile: K_i and V_i, HEAD_DIM / BOX_COLS boxes of BOX_COLS x BLOCK_N each (one swizzle panel
+    wide: 64 columns, 32 at head dims 32 and 96), the whole box written."""
     L = fwd_sm90_ws_layout(cfg)
     return {"k_tma": tma_stats(L.panels, L.smem_kv), "v_tma": tma_stats(L.panels, L.smem_kv)}
 

@@ -169,3 +169,20 @@ def test_ws_params_packed_rules():
     # a packed operand's map: (head_dim, total, heads, 1), the unit batch dim given a valid stride
     assert _tma.operand_map(0x10000, packed, "bf16", 128) == (0x10000, (128, 1000, 4, 1), (1024, 256, 16),
                                                                (64, 128, 1, 1))
+
+
+@pytest.mark.parametrize("d,cols,swizzle", [(32, 32, 64), (64, 64, 128), (96, 32, 64), (128, 64, 128), (256, 64, 128)])
+def test_ws_params_boxes_are_one_panel_wide(monkeypatch, d, cols, swizzle):
+    """ws_params encodes each operand's box one shared-memory panel wide with that panel's swizzle: 64 columns
+    (128-byte swizzle), or 32 (64-byte) at head dims 32 and 96, the kernel's FwdSm90WsTraits::BOX_COLS. (A box of 64
+    columns at D 32 lands twice the bytes each stage's barrier expects, past the tile.)"""
+    calls = []
+    monkeypatch.setattr(_tma, "encode_tiled", lambda dtype, address, dims, strides, box, swizzle=128:
+                        calls.append((box, swizzle)) or bytes(_tma.TENSOR_MAP_BYTES))
+    cfg = config.fwd_sm90_ws_config(d, "bf16", False)
+    assert cfg.box_cols == cols
+    dims = _dims(2, 300, 4, d, 300 * 4 * d, 4 * d, d)
+    fwd = _launch.FwdParams(seq=_launch.seq_params(300, 300, 1), heads=4, head_dim=d)
+    _tma.ws_params(fwd, 0x10000, 0x20000, 0x30000, dims, dims, dims, "bf16", cfg)
+    assert calls == [((cols, 128, 1, 1), swizzle), ((cols, cfg.block_n, 1, 1), swizzle),
+                     ((cols, cfg.block_n, 1, 1), swizzle)]

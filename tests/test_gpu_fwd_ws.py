@@ -165,7 +165,8 @@ def test_ws_forward_matches_reference(d, dtype, causal, pingpong, sq, sk, layout
 
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1024, 1023), (127, 513), (512, 256)], ids=str)
 @pytest.mark.parametrize("d,dtype,causal,pingpong", [(128, "bf16", True, True), (128, "fp16", False, True),
-                                                     (64, "bf16", True, False), (256, "fp16", True, True)], ids=str)
+                                                     (64, "bf16", True, False), (256, "fp16", True, True),
+                                                     (32, "bf16", False, False), (96, "fp16", True, True)], ids=str)
 def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
     cfg = config.fwd_sm90_ws_config(d, dtype, causal, pingpong=pingpong)
     check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal)
@@ -176,7 +177,8 @@ def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
 # and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole
 # GPU, the items taken in a fixed stride or from the work queue.
 PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (64, 128, 2, False), (128, 128, 2, False), (128, 128, 2, True),
-              (128, 128, 3, False), (128, 192, 2, False), (256, 64, 2, False)]
+              (128, 128, 3, False), (128, 192, 2, False), (256, 64, 2, False), (32, 256, 2, True), (32, 128, 2, True),
+              (96, 128, 2, False), (96, 128, 2, True)]
 
 
 @pytest.mark.parametrize("queue", [False, True], ids=["stride", "queue"])

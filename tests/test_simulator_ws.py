@@ -38,7 +38,7 @@ def hand_counts(cfg, b, h, sq, sk, d):
             continue  # O = 0, lse = -inf straight to global memory: no TMA, no shared memory
         keys = min(n_end * bn, sk)  # the last box may reach past Sk: those rows are zero-filled, not read
         out["reads"] += rows * d * E + 2 * keys * d * E
-        out["boxes"] += hd // 64 * (1 + 2 * n_end)
+        out["boxes"] += hd // cfg.box_cols * (1 + 2 * n_end)  # panels of 64 columns (32 at D 32 and 96)
         out["tma_bytes"] += bm * hd * E + 2 * n_end * bn * hd * E  # whole boxes land in shared memory
         # per key tile, each of the 2 consumers: S = Q K^T reads its 64 Q rows and K; O += P V reads V
         out["wgmma"] += n_end * 2 * ((64 + bn) * hd + bn * hd) * E
@@ -70,7 +70,7 @@ def test_b1_h1_n256_d128_by_hand(monkeypatch):
     assert c.bank_conflicts == 0 and walk.guard_lds == 0 and walk.by_sass("LDGSTS").instructions == 0
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(256, 256), (1000, 1500), (1500, 1000), (1, 239), (513, 128)])
 def test_counts_equal_the_hand_loop(d, causal, sq, sk):
@@ -112,14 +112,14 @@ def test_causal_skips_the_tiles_past_the_diagonal(monkeypatch):
 
 
 # (kernel head dim, rows_q, run-time head_dim): every run-time head dim at most its kernel's
-O_STAGING = [(d, rq, hd) for d in (64, 128, 256) for rq, hd in ((None, None), (77, None), (128, 48), (1, 200))
+O_STAGING = [(d, rq, hd) for d in (32, 64, 96, 128, 256) for rq, hd in ((None, None), (77, None), (128, 48), (1, 200))
              if hd is None or hd <= d]
 
 
 @pytest.mark.parametrize("d,rows_q,head_dim", O_STAGING)
 def test_o_staging_has_no_bank_conflicts_and_reads_each_valid_chunk_once(d, rows_q, head_dim):
     """st.shared.b32 of the accumulators (8 consumer warps) and the epilogue's 16-byte reads are conflict-free by
-    the 128-byte swizzle (banks.py's rule); the reads cover every valid (row, 8-column chunk) of TileQ once."""
+    the 128-byte swizzle (64-byte at D 32 and 96; banks.py's rule); the reads cover every valid (row, 8-column chunk) of TileQ once."""
     cfg = ws(d)
     addrs = banks.fwd_sm90_ws_addresses(cfg, rows_q, head_dim)
     for role, kind in (("o_store", "st32"), ("o_read", "ld128")):
@@ -127,7 +127,7 @@ def test_o_staging_has_no_bank_conflicts_and_reads_each_valid_chunk_once(d, rows
         assert conflicts == 0, f"{role} d{d}: {conflicts} bank conflicts"
     rq, hdv = rows_q or 128, head_dim or d
     rows, cols = np.meshgrid(np.arange(rq), np.arange(0, hdv, 8), indexing="ij")
-    want = np.sort(banks.swizzled_offset(rows, cols, 128, d).ravel())
+    want = np.sort(banks.swizzled_offset(rows, cols, 128, d).ravel()) + banks.fwd_sm90_ws_layout(cfg).off_o
     got = addrs["o_read"][addrs["o_read"] >= 0]
     assert np.array_equal(np.sort(got), want), f"o_read d{d} rows_q={rq} head_dim={hdv}"
     stored = addrs["o_store"].ravel()
@@ -135,11 +135,12 @@ def test_o_staging_has_no_bank_conflicts_and_reads_each_valid_chunk_once(d, rows
 
 
 def test_the_config_is_the_librarys():
-    """kernels="auto": fwd_sm90_ws_kernel at head dims 64, 128, 256 (40 -> 64, and 96 zero-padded to its 128
-    kernel), the sync wgmma kernel at 32; kernels="mma": fwd_kernel; a sliding window (a score modifier) counts the
+    """kernels="auto": fwd_sm90_ws_kernel at head dims 32, 64, 96, 128, 256 (40 -> 64, 80 -> 96; 32 and 96 with
+    64-byte panels); kernels="mma": fwd_kernel; a sliding window (a score modifier) counts the
     family the registry gives MOD_WINDOW, an unbounded one (no modifier) the ws kernel."""
-    for d, want, hd in ((32, C.FwdSm90Config, 32), (40, C.FwdSm90WsConfig, 64), (64, C.FwdSm90WsConfig, 64),
-                        (96, C.FwdSm90WsConfig, 128), (128, C.FwdSm90WsConfig, 128), (256, C.FwdSm90WsConfig, 256)):
+    for d, want, hd in ((32, C.FwdSm90WsConfig, 32), (40, C.FwdSm90WsConfig, 64), (64, C.FwdSm90WsConfig, 64),
+                        (80, C.FwdSm90WsConfig, 96), (96, C.FwdSm90WsConfig, 96), (128, C.FwdSm90WsConfig, 128),
+                        (256, C.FwdSm90WsConfig, 256)):
         assert C.forward_kernel_config(C.kernel_head_dim(d), "fp16", False, kernels="auto").__class__ is want, d
         cfg = cuflash_config(Problem(1, 1, 300, 300, d))
         assert isinstance(cfg, want) and cfg.head_dim == hd, (d, cfg)

@@ -35,13 +35,17 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
 # the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent])
-FWD_SM90_WS = {64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
+FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, True, True), (128, 2, True, True),
+                    (128, 2, False, True), (256, 3, True, True)],
+               64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
                     (192, 3, True), (256, 2, False), (256, 2, True), (128, 2, True, True), (128, 2, False, True),
                     (192, 2, False, True), (64, 2, False, True), (64, 3, False, True), (64, 3, True, True)],
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True), (64, 2, True, True), (64, 3, True, True), (64, 3, False, True),
                      (64, 4, True, True)],
+               96: [(128, 2, False, True), (128, 2, True, True), (128, 2, True), (128, 2, False), (128, 3, False),
+                    (192, 2, False)],
                256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True),
                      (48, 2, False, True), (48, 3, False, True), (48, 2, True, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
