@@ -484,12 +484,14 @@ class FwdSm90WsConfig:
 # (128, 2) and pingpong, 440 (128, 3), 407 (64, 2), 402 (128, 2); D 128 (192, 2) 703 against 647 (128, 2), 643
 # (128, 3), 640 with pingpong, 628 (96, 2); D 256 (64, 2) 706 against 662 with pingpong, 624 (48, 3), 534 (32, 4).
 # Head dims 32 and 96 take 32-column panels (a 64-byte swizzle), measured the same way on 2026-11-28 (H = 64 at D 32,
-# 21 at D 96; N 8k / 16k): D 32 (192, 2) 279 / 289 against 277 / 283 (256, 2), 263 / 267 (128, 2), 266 / 268 (256,
-# 2, persistent), 251 / 254 with pingpong, and 257 / 259 for fwd_sm90_kernel, which ran D 32 before; D 96 (128, 2,
+# 21 at D 96; N 8k / 16k): D 32 (256, 2, pingpong, persistent) 313 / 317 against 290 / 303 on the one-item grid,
+# 308 / 309 with 3 stages, 279 / 294 (192, 2), 277 / 283 (256, 2), 263 / 267 (128, 2), 266 / 268 (256, 2,
+# persistent; it spills 28 bytes under NVRTC 13.0), and 257 / 259 for fwd_sm90_kernel, which ran D 32 before (the
+# same tile wins at N 1k-4k: FWD_SM90_WS_SHORT_KEYS' comment); D 96 (128, 2,
 # persistent) at N 2k / 8k 530 / 555 against 503 / 524 with pingpong, 475 / 518 (128, 2), 467 / 516 (192, 2), and
 # 488 / 483 for the 128 kernel, which ran D 96 before with its last 32 columns zero-filled.
 FWD_SM90_WS_TILES = {
-    32: (192, 2, False),
+    32: (256, 2, True, True),
     64: (192, 2, False),
     96: (128, 2, False, True),
     128: (192, 2, False),
@@ -657,12 +659,12 @@ def mask_only(mods: int) -> bool:
 # against 669 (192, 2), 8k 646 against 721 (so 4k is the bound); D 64 N 1k 397 against 351 (128, 2, pingpong), 2k
 # 427 against 415, 4k 449 against 428 (192, 2), 8k 448 (457 with pingpong) against 432, 16k 435 against 473. D 256
 # stays on the one-CTA-per-item grid (persistent N 8k 723 against 760); causal rows: FWD_SM90_WS_TILES_CAUSAL_PLAIN.
-# (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.) D 32
-# (2026-11-28, H = 64): (256, 2, pingpong, persistent) N 1k / 2k / 4k 249 / 288 / 305 against 236 / 262 / 270
-# without pingpong (which spills 28 bytes under NVRTC 13.0), 229 / 239 / 256 (128, 2, persistent), 223 / 247 / 274
-# (256, 2) on the one-item grid and 226 / 250 / 256 for fwd_sm90_kernel (3 stages: 254 / 285 / 304).
-FWD_SM90_WS_SHORT_KEYS = {32: 4096, 64: 8192, 128: 4096}
-FWD_SM90_WS_TILES_SHORT = {32: (256, 2, True, True), 64: (128, 2, False, True), 128: (128, 2, False, True)}
+# (Before: D 128 N 1k 531 TFLOP/s with (128, 2) against 475 with (192, 2), `python -m cuflash.bench`.) D 32 takes
+# its long-sequence tiles (FWD_SM90_WS_TILES) at every length (2026-11-28, H = 64): (256, 2, pingpong, persistent)
+# N 1k / 2k / 4k 249 / 288 / 305 against 236 / 262 / 270 without pingpong, 229 / 239 / 256 (128, 2, persistent),
+# 223 / 247 / 274 (256, 2) on the one-item grid and 226 / 250 / 256 for fwd_sm90_kernel (3 stages: 254 / 285 / 304).
+FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
+FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
 
 # Causal without other modifiers: the persistent grid taking its items from a work queue (longest query blocks
 # first; a CTA takes the next item once it has issued the loads of its current one, so the CTAs' sums of key
