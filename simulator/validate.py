@@ -150,7 +150,7 @@ class Target:
 
     def config(self):
         """The config of the profiled kernel. fwd_sm90_kernel: its own config also where the library launches
-        fwd_sm90_ws_kernel for dense inputs (head dims 64, 128, 256), whose family the driver takes out
+        fwd_sm90_ws_kernel (every 16-bit head dim), whose family the driver takes out
         (FWD_SM90_DRIVER_NOTE)."""
         c = self.case
         hd = _config.kernel_head_dim(c.head_dim)
@@ -715,9 +715,9 @@ def kernel_configs(target: Target) -> list:
 # which _env sets per target; the driver stops if it did not arrive (ncu would otherwise profile nothing). Inputs
 # are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying on CuPy converting to
 # ml_dtypes.bfloat16).
-# FWD_SM90_DRIVER_NOTE: for dense inputs at head dims 64, 128, 256 the library launches fwd_sm90_ws_kernel, the
-# first forward family of config.FAMILIES; a fwd_sm90_kernel target takes that family out of the registry in its
-# own process, so config.select returns the next one (what varlen batches and the other head dims run). Likewise
+# FWD_SM90_DRIVER_NOTE: at every 16-bit head dim the library launches fwd_sm90_ws_kernel, the first forward family
+# of config.FAMILIES; a fwd_sm90_kernel target takes that family out of the registry in its own process, so
+# config.select returns the next one (the synchronous kernel, which the library no longer launches). Likewise
 # a bwd_sm90_kernel target takes out bwd_sm90_ws, the backward the library launches at head dims 64 and 128.
 DRIVER = r"""
 import sys
