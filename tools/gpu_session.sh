@@ -9,7 +9,7 @@
 #
 #   env           GPU, driver, package versions; fills the kernel cache (every shipped sm_90a kernel)
 #   layouts       tools/check_wgmma_layouts.py (wgmma descriptors against the shared-memory layouts)
-#   tests         python -m pytest -m gpu (every GPU test but the long sweep), 6 xdist workers, default
+#   tests         python -m pytest -m gpu (every GPU test but the long sweep), 8 xdist workers, 420 s (TESTS_TIMEOUT), default
 #                 kernels (wgmma on an H100)
 #   tests_mma     the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
 #   sanitize      python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels;
@@ -73,10 +73,10 @@ run_logged() {  # name timeout command...: run, log, note exit code and last lin
 
 stage_layouts() { run_logged layouts 120 $PY tools/check_wgmma_layouts.py; }
 stage_tests() {
-  run_logged tests "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider -rfEs --tb=line ${TESTS_PATHS:-tests}
+  run_logged tests "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -rfEs --tb=line ${TESTS_PATHS:-tests}
 }
 stage_tests_mma() {
-  CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-300}" $PY -m pytest -q -m gpu -n 6 -p no:cacheprovider \
+  CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider \
     -rfEs --tb=line ${TESTS_PATHS:-tests}
 }
 stage_sanitize() {
