@@ -62,7 +62,7 @@ def test_sass_has_tma_loads_and_async_wgmma(cfg):
     text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
     ops = opcodes(text)
     count = lambda prefix: sum(1 for o in ops if o.startswith(prefix))  # noqa: E731
-    panels = cfg.head_dim // 64
+    panels = cfg.head_dim // cfg.box_cols  # 64-column panels, 32-column ones at head dims 32 and 96
     assert count("UTMALDG") == 3 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want Q, K, V x {panels} panels"
     assert count("HGMMA") > 0 and count("USETMAXREG") == 2, f"{cfg}: HGMMA {count('HGMMA')}, USETMAXREG {count('USETMAXREG')}"
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
@@ -131,8 +131,10 @@ def test_config_names_and_shared_memory():
     assert not pers.uses_queue(False) and pers.uses_queue(True) and not cfg.uses_queue(True)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", True, False, persistent=True).uses_queue(False)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, config.MOD_WINDOW, True).uses_queue(False)
-    with pytest.raises(ValueError, match="head_dim=96"):
-        config.fwd_sm90_ws_config(96, "bf16", False)
+    with pytest.raises(ValueError, match="head_dim=192"):  # D 192 runs on the 256 kernel
+        config.fwd_sm90_ws_config(192, "bf16", False)
+    with pytest.raises(ValueError, match="head_dim=48"):
+        config.FwdSm90WsConfig(48, 128, 2, "bf16", False)
 
 
 def _dims(b, s, h, d, bs, rs, hs):
