@@ -119,7 +119,8 @@ O_STAGING = [(d, rq, hd) for d in (32, 64, 96, 128, 256) for rq, hd in ((None, N
 @pytest.mark.parametrize("d,rows_q,head_dim", O_STAGING)
 def test_o_staging_has_no_bank_conflicts_and_reads_each_valid_chunk_once(d, rows_q, head_dim):
     """st.shared.b32 of the accumulators (8 consumer warps) and the epilogue's 16-byte reads are conflict-free by
-    the 128-byte swizzle (64-byte at D 32 and 96; banks.py's rule); the reads cover every valid (row, 8-column chunk) of TileQ once."""
+    the 128-byte swizzle (64-byte at D 32 and 96; banks.py's rule); the reads cover every valid (row, 8-column
+    chunk) of TileQ once."""
     cfg = ws(d)
     addrs = banks.fwd_sm90_ws_addresses(cfg, rows_q, head_dim)
     for role, kind in (("o_store", "st32"), ("o_read", "ld128")):

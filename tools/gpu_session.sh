@@ -9,8 +9,8 @@
 #
 #   env           GPU, driver, package versions; fills the kernel cache (every shipped sm_90a kernel)
 #   layouts       tools/check_wgmma_layouts.py (wgmma descriptors against the shared-memory layouts)
-#   tests         python -m pytest -m gpu (every GPU test but the long sweep), 8 xdist workers, 420 s (TESTS_TIMEOUT), default
-#                 kernels (wgmma on an H100)
+#   tests         python -m pytest -m gpu (every GPU test but the long sweep), 8 xdist workers, 420 s
+#                 (TESTS_TIMEOUT), default kernels (wgmma on an H100)
 #   tests_mma     the same with CUFLASH_KERNELS=mma (the mma.sync kernels that sm_80..sm_89 run)
 #   sanitize      python -m cuflash.check sanitize (memcheck, racecheck, initcheck, synccheck), default kernels;
 #                 SANITIZE_ONLY: a regular expression of case names (its --only)
