@@ -22,7 +22,8 @@
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T buffer 0, 1] [dQ: BLOCK_M x HEAD_DIM fp32]
 // [stage 0: lse_log2, delta] [stage 1: lse_log2, delta] [mbarriers]
 // The 16-bit tiles are bwd_sm90_kernel's swizzled panels (tiles.cuh): 64-column panels with a 128-byte swizzle at
-// HEAD_DIM 128, 32-column panels with a 64-byte swizzle at HEAD_DIM 64 (dQ's B operand starts at column 32 there).
+// HEAD_DIM 128, 32-column panels with a 64-byte swizzle at HEAD_DIM 64 and 32 (dQ's B operand of the second consumer
+// starts at column 32 there, a panel, and at column 16 at HEAD_DIM 32, inside the one panel: SmemTile::desc_mn_major).
 // Each is TMA's CU_TENSOR_MAP_SWIZZLE_128B / _64B layout of a (PANEL_COLS, ROWS) box at a swizzle-period aligned
 // address, so one box per panel fills it.
 //

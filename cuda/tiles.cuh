@@ -104,10 +104,13 @@ struct SmemTile {
     return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, 16, SWIZZLE_ATOM),
                      (k0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + row0 * PANEL_BYTES + (k0 % PANEL_COLS) * 2);
   }
-  // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % PANEL_COLS == 0), any number of panels
+  // k rows k0..k0+15 (k0 % 8 == 0) by MN columns n0.. (n0 % 8 == 0): any number of whole panels from a panel
+  // boundary, or, from inside a panel, at most the rest of that panel (the head-dim-32 backward's dQ halves: 16
+  // columns from column 16). The start address moves by whole 16-byte chunks of the unswizzled row, as a K-major
+  // k step does; the hardware applies the XOR to the address it forms, so the chunks it reads are the stored ones.
   static __device__ __forceinline__ u64 desc_mn_major(u32 tile_smem, int k0, int n0) {
     return desc_plus(wgmma_desc<PANEL_BYTES>(tile_smem, ROWS * PANEL_BYTES, SWIZZLE_ATOM),
-                     (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES);
+                     (n0 / PANEL_COLS) * (ROWS * PANEL_BYTES) + k0 * PANEL_BYTES + (n0 % PANEL_COLS) * 2);
   }
   // The descriptor of tile_smem + bytes from that of tile_smem: the start address field (bits 0-13, the
   // address / 16) plus bytes / 16, which never carries into the next field (shared addresses stay below

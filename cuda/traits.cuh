@@ -173,7 +173,8 @@ struct BwdSm90Traits {
   static constexpr int DQ_COLS = HEAD_DIM / WARPGROUPS;
   static constexpr int DQ_TILES = DQ_COLS / 8;
   static constexpr int DQ_K_STEPS = BLOCK_N / 16;
-  // dQ's B operand (K, N-major) starts at column DQ_COLS * warpgroup: a whole number of panels
+  // dQ's B operand (K, N-major) starts at column DQ_COLS * warpgroup: a whole number of panels, or at head dim 32
+  // (16 columns a warpgroup) the second half of the one 32-column panel
   static constexpr int PANEL_COLS = DQ_COLS % 64 == 0 ? 64 : 32;
 
   using TileQ = SmemTile<BLOCK_M, HEAD_DIM, PANEL_COLS>;   // Q_i and dO_i
@@ -200,7 +201,8 @@ struct BwdSm90Traits {
 
   static_assert(BLOCK_M == 64, "one m64 wgmma of dQ rows per step");
   static_assert(BLOCK_N % 64 == 0 && WARPGROUPS >= 1 && WARPGROUPS <= 2, "64 keys per warpgroup, 1-2 warpgroups");
-  static_assert(HEAD_DIM % WARPGROUPS == 0 && DQ_COLS % 32 == 0, "dQ columns split into whole 64-byte panels");
+  static_assert(HEAD_DIM % WARPGROUPS == 0 && (DQ_COLS % 32 == 0 || HEAD_DIM == 32),
+                "dQ columns split into whole 64-byte panels (or halves of head dim 32's one panel)");
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HEAD_DIM) && is_wgmma_n(DQ_COLS), "wgmma N sizes");
   static_assert(BLOCK_M / 2 <= THREADS, "one thread per 16-byte chunk of lse_log2 and delta");
   static_assert(OFF_DS % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "1024-byte swizzle periods");

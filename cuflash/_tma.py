@@ -15,7 +15,8 @@ seqlen = total and batch = 1, and the kernel adds cu_seqlens[b] to the row coord
 the strides: base address 16-byte aligned, every byte
 stride a multiple of 16 (row, head and batch strides multiples of 8 elements). `tma_unsupported` says why an
 array does not qualify; the caller then copies it to a contiguous array. Boxes are one swizzle panel wide (64
-columns with a 128-byte swizzle; the backward at head dim 64 takes 32-column panels with a 64-byte swizzle) by
+columns with a 128-byte swizzle; where the head dim is not a multiple of 64, and in the backward at head dim 64,
+32-column panels with a 64-byte swizzle) by
 BLOCK_M (Q, dO) or BLOCK_N (K, V) rows; rows past the array and columns past head_dim are zero-filled by TMA
 (sequence tails, a head_dim below the kernel's). In a packed array the rows past a sequence's end are the
 next sequence's: the kernel masks those keys and does not store those query rows.

@@ -1111,7 +1111,7 @@ class BwdSm90WsConfig(BwdSm90Config):
     def __post_init__(self):
         super().__post_init__()
         if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_m, self.block_n, self.ctas_per_sm) != (64, 128, 1):
-            raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 64 or 128 with (block_m, block_n, ctas_per_sm) = "
+            raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 32, 64 or 128 with (block_m, block_n, ctas_per_sm) = "
                              f"(64, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
                              f"{self.ctas_per_sm})")
 
@@ -1169,36 +1169,34 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
     return ElementwiseConfig("convert_dq", dtype)
 
 
-# Kernel head dims and score modifiers of the warp-specialized backward. Head dim 64 takes every modifier. At head
+# Kernel head dims and score modifiers of the warp-specialized backward. Head dims 32 and 64 take every modifier
+# (head dim 32's tiles are single 32-column panels; its two consumers split dQ's 32 columns 16 and 16). At head
 # dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
 # without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
 # NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T). The others run
 # the mma.sync backward: soft-capping alone spilled 20 bytes (NVRTC 13.0, with a window), a mask alone 12-24
 # (NVRTC 13.0), any two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
-BWD_SM90_WS_HEAD_DIMS = (64, 128)
+BWD_SM90_WS_HEAD_DIMS = (32, 64, 128)
 BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
 # Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
 # launch) each as they are, with and without the window, beside the heaviest set: head dim 128's (at the register
-# limit) and head dim 64's staged-bias kernels (bwd_stages_bias: a code path the heaviest set does not take).
-BWD_SM90_WS_EXACT_MODS = {64: (MOD_BIAS, MOD_BIAS | MOD_MASK), 128: BWD_SM90_WS_MODS_128}
+# limit) and head dims 32 and 64's staged-bias kernels (bwd_stages_bias: a code path the heaviest set does not take).
+BWD_SM90_WS_EXACT_MODS = {32: (MOD_BIAS, MOD_BIAS | MOD_MASK), 64: (MOD_BIAS, MOD_BIAS | MOD_MASK),
+                          128: BWD_SM90_WS_MODS_128}
 
 
 # Kernel head dims that run the warp-specialized backward of the next head dim (where that one takes the modifiers):
 # the TMA boxes of the columns past head_dim read zeros (the maps' rows end at head_dim), so S^T, dP^T, dK, dV and
 # dQ get zeros there, and the stores stop at head_dim. Measured on an H100 (bf16, FlashAttention benchmark shapes,
 # tools/bench_bwd_families.py, N 1k-16k, 2026-11-28): D 96 on the 128 kernel 308-413 TFLOP/s against 139-156 for
-# the mma.sync backward (causal 219-396 against 116-154), with a (batch, heads, N, N) bias 59-97 against 46-60; D 32
-# with that bias 36-52 against 20-26, but without a bias 122-198 against 131-203 (the 64 kernel does twice the
-# matmul work), so D 32 takes it only with a bias (BWD_SM90_WS_PADDED_MODS).
-BWD_SM90_WS_PADDED = {32: 64, 96: 128}
-BWD_SM90_WS_PADDED_MODS = {32: MOD_BIAS}  # a padded head dim listed here runs the next kernel only with one of these
+# the mma.sync backward (causal 219-396 against 116-154), with a (batch, heads, N, N) bias 59-97 against 46-60.
+BWD_SM90_WS_PADDED = {96: 128}
 
 
 def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
     heavy = mods & ~MODS_LIGHT
-    dims = BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (64,)
-    return dims + tuple(hd for hd, to in BWD_SM90_WS_PADDED.items()
-                        if to in dims and (hd not in BWD_SM90_WS_PADDED_MODS or mods & BWD_SM90_WS_PADDED_MODS[hd]))
+    dims = BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (32, 64)
+    return dims + tuple(hd for hd, to in BWD_SM90_WS_PADDED.items() if to in dims)
 
 
 def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:

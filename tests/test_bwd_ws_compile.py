@@ -18,15 +18,18 @@ WS = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdSm9
 
 
 def test_registry_chooses_the_ws_backward_where_it_has_kernels():
-    for d in (64, 128):
+    for d in (32, 64, 128):
         for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
             cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a", mods=mods)
             assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
             assert config.convert_dq_config(cfg, "bf16") == config.ElementwiseConfig("convert_dq_ws", "bf16",
                                                                                       head_dim=d)
-    # every modifier at head dim 64; head dim 128 with the heavy sets that fit its registers, the others on mma.sync
-    assert isinstance(config.backward_kernel_config(64, "fp16", False, True, "sm_90a", mods=config.MODS_ALL),
-                      config.BwdSm90WsConfig)
+    # every modifier at head dims 32 and 64; head dim 128 with the heavy sets that fit its registers, the others on
+    # mma.sync; head dim 96 on the 128 kernel
+    for d in (32, 64):
+        cfg = config.backward_kernel_config(d, "fp16", False, True, "sm_90a", mods=config.MODS_ALL)
+        assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
+    assert config.backward_kernel_config(96, "bf16", True, False, "sm_90a").head_dim == 128
     for mods in (config.MOD_ALIBI, config.MOD_DROPOUT | config.MOD_WINDOW, config.MOD_BIAS,
                  config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW):
         assert isinstance(config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=mods),
@@ -47,6 +50,11 @@ def test_ws_config_geometry_and_errors():
     c = config.bwd_sm90_ws_config(128, "bf16", True, False)
     assert (c.block_m, c.block_n, c.threads, c.panel_cols, c.stages) == (64, 128, 384, 64, 2)
     assert config.bwd_sm90_ws_config(64, "fp16", False, True).panel_cols == 32  # dQ's split at column 32
+    # head dim 32: one 32-column panel per tile, dQ's split at column 16 inside it; K, V 128 x 32, 2 x (Q, dO)
+    # 64 x 32, 2 dS^T (128 x 64), dQ fp32 (64 x 32), 2 x (lse, delta), 5 mbarriers
+    c32 = config.bwd_sm90_ws_config(32, "bf16", False, False)
+    assert (c32.head_dim, c32.panel_cols, c32.box_cols) == (32, 32, 32)
+    assert c32.smem_bytes == 2 * 8192 + 4 * 4096 + 2 * 16384 + 8192 + 4 * 256 + 40 + 1024
     # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 5 mbarriers
     assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 40 + 1024
     # head dim 64 with a bias (and a mask, a window) stages it: two buffers of 8 warps x 64 rows x 32 bytes from the
@@ -64,7 +72,7 @@ def test_ws_config_geometry_and_errors():
         c.smem_bytes + 88 + 2 * 8 * 64 * 32 <= config.SMEM_LIMIT_SM90
     assert c.sync_equivalent() == config.bwd_sm90_config(128, "bf16", True, False)
     assert c.cpp_name() == "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<128, cuflash::bf16>, true, false, 0>"
-    with pytest.raises(ValueError, match="head_dim 64 or 128"):
+    with pytest.raises(ValueError, match="head_dim 32, 64 or 128"):
         config.BwdSm90WsConfig(96, 64, 128, 1, "bf16", False, False)
     with pytest.raises(ValueError, match="block_n"):
         config.BwdSm90WsConfig(128, 64, 64, 1, "bf16", False, False)

@@ -37,7 +37,7 @@ def problem(b, sq, sk, hq, hkv, d, dtype, causal, kinds=("contiguous",) * 4, key
     return backward_problem("bwd-ws", b, sq, sk, hq, hkv, d, dtype, causal, kinds, key)
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_the_library_launches_the_ws_backward_on_hopper(d, dtype):
     for causal, mods, det in ((False, 0, False), (True, 0, False), (False, config.MOD_WINDOW, True)):
@@ -46,7 +46,7 @@ def test_the_library_launches_the_ws_backward_on_hopper(d, dtype):
         assert config.convert_dq_config(cfg, dtype).kind == "convert_dq_ws"
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
@@ -58,7 +58,7 @@ def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
     check_backward(grads, q, k, v, dout, dtype, causal, f"ws D={d} {dtype} causal={causal} GQA 8/2")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 def test_a_negative_stride_view_is_copied_and_correct(d):
     """q and dout reversed along the sequence (negative row stride): no tensor map describes them, so the library
     copies them to contiguous arrays first."""
@@ -69,11 +69,12 @@ def test_a_negative_stride_view_is_copied_and_correct(d):
     check_backward(grads, q, k, v, dout, "bf16", False, f"negative strides D={d}")
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ws_and_sync_kernels_agree(d, causal, request):
-    """The same inputs through bwd_sm90_ws_kernel and bwd_sm90_kernel: both within the rule, and close to each other
-    (dK, dV: the same per-block math in the same order; dQ: fp32 adds in another order)."""
+    """The same inputs through bwd_sm90_ws_kernel and bwd_sm90_kernel (at head dim 32, which that kernel lacks, the
+    mma.sync bwd_kernel): both within the rule, and close to each other (dK, dV: the same per-block math; dQ: fp32
+    adds in another order)."""
     q, k, v, dout, o, lse = problem(2, 517, 1030, 4, 4, d, "bf16", causal, key=("sync",))
     ws = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
     request.getfixturevalue("sync_family")
@@ -86,7 +87,7 @@ def test_ws_and_sync_kernels_agree(d, causal, request):
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: ws and sync kernels differ"
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 128])
 def test_deterministic_mode_on_the_ws_kernel(d):
     q, k, v, dout, o, lse = problem(1, 1023, 1024, 2, 2, d, "fp16", True, key=("det",))
     first = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True)
@@ -124,7 +125,7 @@ def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
 @pytest.mark.parametrize("case", ["bf16", "fp16+mask", "broadcast", "key-slice", "fp32", "unaligned-view"])
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_staged_bias(d, case):
-    """Head dims 64 and 128 (and 32, on the 64 kernel) copy a 16-bit bias with contiguous, 16-byte aligned rows to
+    """Head dims 32, 64 and 128 copy a 16-bit bias with contiguous, 16-byte aligned rows to
     shared memory, a step ahead into one of two buffers (200 keys: a key tail inside a tile, 130 queries: a query
     tail and three steps per query head, GQA 2:1: the next step's head differs; key-slice: 197 keys of 208-key rows,
     the last chunk of a row partly zero-filled); a float32 bias and a view whose rows are not 16-byte aligned take
@@ -147,6 +148,6 @@ def test_staged_bias(d, case):
     mask = mask_random(b, hq, sq, sk, seed + 5) if case.endswith("mask") else None
     mods = config.MOD_BIAS | (config.MOD_MASK if mask is not None else 0)
     cfg = config.backward_kernel_config(d, dtype, False, False, _compile.device_arch(), mods=mods)
-    assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == max(d, 64), cfg
+    assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
     assert config.bwd_stages_bias(cfg.head_dim, mods) == (d < 128 or mask is None), cfg
     check_dense(q, k, v, dout, dtype, f"staged bias d={d} {case}", bias=bias, mask=mask, seed=seed)

@@ -4,7 +4,8 @@
 
 Each case is one warpgroup computing D = A B (m64nNk16 steps over K) with A and B stored in SmemTile layouts
 the way the attention kernels store them (K-major Q/K tiles, N-major V/dO tiles, the M-major dS^T tile,
-128- and 64-byte panels, a column offset at a panel boundary), compared with a float64 NumPy product.
+128- and 64-byte panels, a column offset at a panel boundary and one inside a 64-byte panel), compared with a
+float64 NumPy product.
 It isolates descriptor or swizzle mistakes from the rest of a kernel: if an attention test fails, run
 this first. Needs CuPy, NVRTC and an sm_90 GPU.
 """
@@ -85,6 +86,10 @@ CASES = [
     ("O += P V, d256 (regs x N-major, 4 panels)", 256, 64, True, False, True, 0, 0, 256, 0, 0, 0),
     ("dQ = dS K, d128 half 1 (M-major x N-major, col 64)", 64, 128, False, False, False, 64, 0, 128, 64, 0, 0),
     ("dQ = dS K, d64 half 1 (M-major x N-major 32-col panels, col 32)", 32, 128, False, False, False, 64, 0, 64, 32, 0, 32),
+    ("S^T = K Q^T, d32 (K-major x K-major, one 32-col panel)", 64, 32, True, True, False, 0, 0, 0, 0, 32, 32),
+    ("dV += P^T dO, d32 (regs x N-major, one 32-col panel)", 32, 64, True, False, True, 0, 0, 32, 0, 0, 32),
+    ("dQ = dS K, d32 half 1 (M-major x N-major, col 16 inside the panel)", 16, 128, False, False, False, 64, 0, 32, 16,
+     0, 32),
 ]
 
 
