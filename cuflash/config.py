@@ -283,7 +283,7 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(dt) for dt in DTYPES] + [DropoutMaskConfig()]
     if arch == "sm_90a":
         out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES
-                if hd not in FWD_SM90_WS_TILES and hd not in FWD_SM90_WS_PADDED
+                if hd not in FWD_SM90_WS_TILES
                 for dt in DTYPES for c in (False, True) for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
@@ -489,12 +489,17 @@ class FwdSm90WsConfig:
 # persistent; it spills 28 bytes under NVRTC 13.0), and 257 / 259 for fwd_sm90_kernel, which ran D 32 before (the
 # same tile wins at N 1k-4k: FWD_SM90_WS_SHORT_KEYS' comment); D 96 (128, 2,
 # persistent) at N 2k / 8k 530 / 555 against 503 / 524 with pingpong, 475 / 518 (128, 2), 467 / 516 (192, 2), and
-# 488 / 483 for the 128 kernel, which ran D 96 before with its last 32 columns zero-filled.
+# 488 / 483 for the 128 kernel, which ran D 96 before with its last 32 columns zero-filled. D 192 takes three 64-column
+# panels, measured on an H200 (2026-11-28, H 10, N 2k / 8k): (96, 2, pingpong) 675 / 727 against 676 / 713 without
+# pingpong, 659 / 685 (64, 2, persistent), 631 / 685 (64, 3), 647 / 627 (64, 2, pingpong), 571 / 514 (48, 3); the 256
+# kernel, which ran D 192 before with its last 64 columns zero-filled, takes 1.25-1.36x as long (causal 1.18-1.35x;
+# docs/PERFORMANCE.md "Forward at head dim 192").
 FWD_SM90_WS_TILES = {
     32: (256, 2, True, True),
     64: (192, 2, False),
     96: (128, 2, False, True),
     128: (192, 2, False),
+    192: (96, 2, True),
     256: (64, 2, False),
 }
 # Causal (and a window, which masks tiles like causal): D 64 (128, 2) with pingpong 421 against 392 (192, 2), 389
@@ -503,11 +508,14 @@ FWD_SM90_WS_TILES = {
 # block_n 176 (d128) and 80 (d256); ptx_wgmma.cuh has N = 16..256 in steps it lists. D 32 and 96 (2026-11-28, N 2k
 # / 8k at D 96): a window takes (128, 2) at D 32 (causal N 1k / 4k / 16k 161 / 233 / 265 against 148 / 227 / 263
 # for (192, 2)) and (128, 3) at D 96 (causal 421 / 507 against 402 / 485 (128, 2)); plain causal rows take FWD_SM90_WS_TILES_CAUSAL_PLAIN.
+# D 192 (H200, 2026-11-28, N 2k / 8k): (96, 2, pingpong) 529 / 675 against 499 / 682 without pingpong, 523 / 634 (64,
+# 2, persistent), 443 / 632 (64, 3), 501 / 626 (64, 2, pingpong).
 FWD_SM90_WS_TILES_CAUSAL = {
     32: (128, 2, False),
     64: (128, 2, True),
     96: (128, 3, False),
     128: (128, 3, False),
+    192: (96, 2, True),
     256: (64, 2, False),
 }
 
@@ -587,37 +595,34 @@ def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = 
     bn, stages, pingpong, q_in_regs = FWD_SM90_FP8_TILES[head_dim]
     return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs)
 
-# Head dims without a kernel of their own run on the next one, the extra columns zero-filled by TMA: D 192 on the 256
-# kernel, measured on an H100 against fwd_sm90_kernel at D 192 (bf16, FA shapes, N 2k / 8k, 2026-11-24): 487 / 563
-# TFLOP/s against 331 / 372 (causal 378 / 524 against 260 / 345). (D 96 ran on the 128 kernel this way until
-# 2026-11-28, and D 32 on fwd_sm90_kernel; both now have kernels of their own, with 32-column panels: the tables'
-# comments give the measurements.)
-FWD_SM90_WS_PADDED = {192: 256}
 # The head dims fwd_sm90_ws_kernel is compiled for (FwdSm90WsConfig checks them)
-FWD_SM90_WS_HEAD_DIMS = (32, 64, 96, 128, 256)
+FWD_SM90_WS_HEAD_DIMS = tuple(FWD_SM90_WS_TILES)
 
 
 # With ALiBi / softcap / dropout (heavy_mods): the largest key tile that stays spill-free under the consumers' 240
 # registers with every modifier set (NVRTC 13.5 and 13.0). The plain tiles spilled: d128 block_n 128: 8-32 bytes;
-# d256 block_n 64: 16-40 bytes, 48: 4-12 bytes; d256 with pingpong kept 4-8 bytes on the stack at block_n 32.
+# d256 block_n 64: 16-40 bytes, 48: 4-12 bytes; d256 with pingpong kept 4-8 bytes on the stack at block_n 32; d192
+# block_n 64: 4-12 bytes, 48: 12-20 bytes.
 FWD_SM90_WS_TILES_MODS = {
     32: (128, 2, False),
     64: (128, 2, False),
     96: (96, 3, False),
     128: (96, 3, False),
+    192: (32, 4, False),
     256: (32, 4, False),
 }
 
 # A boolean mask (or a BlockMask) without other per-element modifiers (a window or causal may come with it): key
-# tiles of 128 rows at D 64 and 128 and of 64 at D 256, spill-free with the mask staged (NVRTC 13.5 and 13.0), so
-# that a BlockMask of 128 x 128 blocks maps each block onto whole tiles. On the heavy tiles (96 keys at D 128) a
-# 128-key block straddled two tiles, about twice the blocks' tiles were visited and most of them were partial
+# tiles of 128 rows at D 64 and 128 and of 64 at D 192 and 256, spill-free with the mask staged (NVRTC 13.5 and
+# 13.0), so that a BlockMask of 128 x 128 blocks maps each block onto whole tiles. On the heavy tiles (96 keys at D
+# 128) a 128-key block straddled two tiles, about twice the blocks' tiles were visited and most of them were partial
 # (their element mask read), where aligned tiles are full and read no mask.
 FWD_SM90_WS_TILES_MASK = {
     32: (128, 2, False),
     64: (128, 2, False),
     96: (128, 2, False),
     128: (128, 2, False),
+    192: (64, 2, False),
     256: (64, 2, False),
 }
 # The heaviest modifier sets of the mask table (the compile check builds them, as MODS_CHECKED for the others)
@@ -684,9 +689,9 @@ FWD_SM90_WS_TILES_CAUSAL_PLAIN = {32: (128, 2, True, True), 64: (128, 2, False, 
 
 
 # A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
-# rows at D 64 and 128 and of 64 at D 256 take 128 x 128 blocks whole. (The persistent causal kernels spill 64-76
-# bytes with a tile map, NVRTC 13.5.)
-FWD_SM90_WS_TILES_BLOCKS = dict(FWD_SM90_WS_TILES_CAUSAL)
+# rows at D 64 and 128 and of 64 at D 256 take 128 x 128 blocks whole; at D 192 64-key tiles instead of the causal
+# table's 96. (The persistent causal kernels spill 64-76 bytes with a tile map, NVRTC 13.5.)
+FWD_SM90_WS_TILES_BLOCKS = {**FWD_SM90_WS_TILES_CAUSAL, 192: (64, 2, True)}
 
 
 def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
@@ -1622,9 +1627,9 @@ class Family:
 
 
 FAMILIES = (
-    Family("fwd_sm90_ws", "forward", ("sm_90a",), DTYPES, lambda mods: (*FWD_SM90_WS_TILES, *FWD_SM90_WS_PADDED),
-           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_ws_config(FWD_SM90_WS_PADDED.get(hd, hd), dt, c, m,
-                                                                  seqlen_k=sk), wgmma=True, tile_map=True),
+    Family("fwd_sm90_ws", "forward", ("sm_90a",), DTYPES, lambda mods: tuple(FWD_SM90_WS_TILES),
+           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_ws_config(hd, dt, c, m, seqlen_k=sk), wgmma=True,
+           tile_map=True),
     Family("fwd_sm90", "forward", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_TILES,
            lambda hd, dt, c, m, det, arch, sk: fwd_sm90_config(hd, dt, c, m), wgmma=True),
     Family("fwd", "forward", None, DTYPES, lambda mods: KERNEL_HEAD_DIMS,

@@ -149,7 +149,7 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
     the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
     dQ atomics). kernels: "auto" (the library's default: the registry's first Hopper family for the head dim,
-    a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at every 16-bit head dim (192 on its 256 kernel), and a
+    a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at every 16-bit head dim, and a
     BwdSm90Config) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer counts dense
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
     runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and

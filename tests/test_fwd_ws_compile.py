@@ -131,8 +131,10 @@ def test_config_names_and_shared_memory():
     assert not pers.uses_queue(False) and pers.uses_queue(True) and not cfg.uses_queue(True)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", True, False, persistent=True).uses_queue(False)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, config.MOD_WINDOW, True).uses_queue(False)
-    with pytest.raises(ValueError, match="head_dim=192"):  # D 192 runs on the 256 kernel
-        config.fwd_sm90_ws_config(192, "bf16", False)
+    d192 = config.FwdSm90WsConfig(192, 64, 3, "bf16", False, False)  # three 64-column panels
+    assert d192.box_cols == 64 and d192.smem_bytes == 128 * 192 * 2 + 2 * 3 * 64 * 192 * 2 + 8 * 13 + 1024
+    with pytest.raises(ValueError, match="head_dim=160"):
+        config.FwdSm90WsConfig(160, 64, 2, "bf16", False)
     with pytest.raises(ValueError, match="head_dim=48"):
         config.FwdSm90WsConfig(48, 128, 2, "bf16", False)
 

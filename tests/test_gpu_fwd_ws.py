@@ -166,7 +166,8 @@ def test_ws_forward_matches_reference(d, dtype, causal, pingpong, sq, sk, layout
 @pytest.mark.parametrize("sq,sk", [(113, 203), (1024, 1023), (127, 513), (512, 256)], ids=str)
 @pytest.mark.parametrize("d,dtype,causal,pingpong", [(128, "bf16", True, True), (128, "fp16", False, True),
                                                      (64, "bf16", True, False), (256, "fp16", True, True),
-                                                     (32, "bf16", False, False), (96, "fp16", True, True)], ids=str)
+                                                     (32, "bf16", False, False), (96, "fp16", True, True),
+                                                     (192, "bf16", True, False)], ids=str)
 def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
     cfg = config.fwd_sm90_ws_config(d, dtype, causal, pingpong=pingpong)
     check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal)
@@ -330,6 +331,7 @@ MOD_CASES = [
     (64, "bf16", False, {"window": (37, 5), "alibi": "bh"}, 203, 256),
     (128, "fp16", True, {"window": (64, 0), "softcap": 30.0, "dropout": 0.17}, 203, 256),
     (256, "bf16", True, {"alibi": "h", "softcap": 20.0}, 203, 256),
+    (192, "bf16", False, {"window": (40, 7), "alibi": "bh", "softcap": 20.0, "dropout": 0.17}, 203, 256),
     (128, "bf16", False, {"alibi": "h", "dropout": 0.5}, 1024, 1023),
     (64, "fp16", False, {"window": (20, 20), "alibi": "h", "softcap": 10.0, "dropout": 0.17}, 203, 256),
     (128, "bf16", True, {"window": (20, 20), "alibi": "h", "softcap": 10.0, "dropout": 0.17}, 512, 256),

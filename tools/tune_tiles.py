@@ -46,6 +46,8 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
                      (64, 4, True, True)],
                96: [(128, 2, False, True), (128, 2, True, True), (128, 2, True), (128, 2, False), (128, 3, False),
                     (192, 2, False)],
+               192: [(64, 2, False), (64, 3, False), (96, 2, False), (64, 2, True), (96, 2, True), (48, 3, False),
+                     (64, 2, False, True), (64, 2, True, True), (96, 2, False, True), (96, 2, True, True)],
                256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True),
                      (48, 2, False, True), (48, 3, False, True), (48, 2, True, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
