@@ -11,7 +11,7 @@ Strategies (docs/IO_ANALYSIS.md):
   cuflash   what our kernels do on an H100 (sm_90a): the forward and backward main kernels that
             cuflash.config's forward_kernel_config / backward_kernel_config pick, by default
             (kernels="auto") the Hopper kernels where the head dim has one (forward: the warp-specialized
-            TMA kernel fwd_sm90_ws_kernel at every 16-bit head dim (192 on its 256 kernel); backward:
+            TMA kernel fwd_sm90_ws_kernel at every 16-bit head dim; backward:
             bwd_sm90_kernel) and the mma.sync fwd_kernel / bwd_kernel elsewhere; kernels="mma" counts the
             mma.sync kernels only (CUFLASH_KERNELS=mma). Tiles, warps, stages and padding come from the
             config; the shared-memory counts and bank conflicts from walking every shared instruction
