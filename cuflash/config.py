@@ -288,6 +288,7 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
+        out += [fwd_sm90_ws_config(hd, dt, True, seqlen_k=1) for hd in FWD_SM90_WS_TILES_CAUSAL_SHORT for dt in DTYPES]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_MASK for dt in DTYPES for c in (False, True)
                 for m in MODS_MASK_CHECKED[c]]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_BIAS for dt in DTYPES for c in (False, True)
@@ -686,6 +687,12 @@ FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)
 # kernel that ran it before.
 FWD_SM90_WS_TILES_CAUSAL_PLAIN = {32: (128, 2, True, True), 64: (128, 2, False, True), 96: (128, 2, True, True),
                                   128: (128, 2, True, True)}
+# Causal without other modifiers and short key sequences (seqlen_k at most the bound below): at D 192 the persistent
+# grid pays only there (H200, 2026-11-28, `tools/tune_tiles.py --head-dims 192 --causal yes`, TFLOP/s): (96, 2,
+# pingpong, persistent) N 1k / 2k / 4k / 16k 428 / 541 / 621 / 716 against 364 / 543 / 633 / 761 for the one-item
+# grid's (96, 2, pingpong) (and 418 / 536 / 604 / 691 for (64, 2, persistent)).
+FWD_SM90_WS_CAUSAL_SHORT_KEYS = {192: 2048}
+FWD_SM90_WS_TILES_CAUSAL_SHORT = {192: (96, 2, True, True)}
 
 
 # A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
@@ -702,12 +709,14 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
     if head_dim not in FWD_SM90_WS_TILES:
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
-    short = seqlen_k is not None and seqlen_k <= FWD_SM90_WS_SHORT_KEYS.get(head_dim, 0)
+    short = seqlen_k is not None and \
+        seqlen_k <= (FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal else FWD_SM90_WS_SHORT_KEYS).get(head_dim, 0)
     table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else \
         FWD_SM90_WS_TILES_BIAS if bias_only(mods) and head_dim in FWD_SM90_WS_TILES_BIAS and \
         (seqlen_k is None or seqlen_k <= FWD_SM90_WS_BIAS_MAX_KEYS.get(head_dim, seqlen_k)) else \
         FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
         FWD_SM90_WS_TILES_BLOCKS if mods & MOD_BLOCKS else \
+        FWD_SM90_WS_TILES_CAUSAL_SHORT if causal and not mods and short else \
         FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
     bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])

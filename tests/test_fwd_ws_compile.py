@@ -131,6 +131,12 @@ def test_config_names_and_shared_memory():
     assert not pers.uses_queue(False) and pers.uses_queue(True) and not cfg.uses_queue(True)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", True, False, persistent=True).uses_queue(False)
     assert config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, config.MOD_WINDOW, True).uses_queue(False)
+    # causal rows at D 192 up to FWD_SM90_WS_CAUSAL_SHORT_KEYS keys on the persistent grid, longer ones and the
+    # non-causal rows on the one-item grid
+    short, long = (config.fwd_sm90_ws_config(192, "bf16", True, seqlen_k=n) for n in (2048, 2049))
+    assert short.persistent and short.uses_queue(False) and not long.persistent and short.block_n == long.block_n == 96
+    assert not config.fwd_sm90_ws_config(192, "bf16", False, seqlen_k=1024).persistent
+    assert not config.fwd_sm90_ws_config(192, "bf16", False, config.MOD_WINDOW, seqlen_k=1024).persistent
     d192 = config.FwdSm90WsConfig(192, 64, 3, "bf16", False, False)  # three 64-column panels
     assert d192.box_cols == 64 and d192.smem_bytes == 128 * 192 * 2 + 2 * 3 * 64 * 192 * 2 + 8 * 13 + 1024
     with pytest.raises(ValueError, match="head_dim=160"):

@@ -179,7 +179,7 @@ def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
 # GPU, the items taken in a fixed stride or from the work queue.
 PERSISTENT = [(64, 192, 2, False), (64, 128, 2, True), (64, 128, 2, False), (128, 128, 2, False), (128, 128, 2, True),
               (128, 128, 3, False), (128, 192, 2, False), (256, 64, 2, False), (32, 256, 2, True), (32, 128, 2, True),
-              (96, 128, 2, False), (96, 128, 2, True)]
+              (96, 128, 2, False), (96, 128, 2, True), (192, 96, 2, True)]
 
 
 @pytest.mark.parametrize("queue", [False, True], ids=["stride", "queue"])

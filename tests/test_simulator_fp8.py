@@ -373,7 +373,7 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     changes causal skipping) FP8 reads exactly half the K/V bytes and half the Q bytes of fwd_sm90_ws_kernel, and
     writes the same O (bf16) and lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
-                  C.FWD_SM90_WS_TILES_CAUSAL_PLAIN):
+                  C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT):
         if d in table:
             monkeypatch.setitem(table, d, (bn_of(d), *table[d][1:]))
     p8, p16 = (Problem(2, 3, sq, sk, d, dt, causal) for dt in ("fp8", "bf16"))

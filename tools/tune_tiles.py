@@ -47,7 +47,8 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
                96: [(128, 2, False, True), (128, 2, True, True), (128, 2, True), (128, 2, False), (128, 3, False),
                     (192, 2, False)],
                192: [(64, 2, False), (64, 3, False), (96, 2, False), (64, 2, True), (96, 2, True), (48, 3, False),
-                     (64, 2, False, True), (64, 2, True, True), (96, 2, False, True), (96, 2, True, True)],
+                     (64, 2, False, True), (64, 2, True, True), (96, 2, False, True), (96, 2, True, True),
+                     (64, 3, False, True)],
                256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True),
                      (48, 2, False, True), (48, 3, False, True), (48, 2, True, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
@@ -168,8 +169,10 @@ def main() -> int:
                 if wgmma:
                     if d in config.FWD_SM90_WS_TILES:  # the table the call's config comes from
                         short = not causal and n <= config.FWD_SM90_WS_SHORT_KEYS.get(d, 0)
-                        causal_table = config.FWD_SM90_WS_TILES_CAUSAL_PLAIN if d in \
-                            config.FWD_SM90_WS_TILES_CAUSAL_PLAIN else config.FWD_SM90_WS_TILES_CAUSAL
+                        causal_table = config.FWD_SM90_WS_TILES_CAUSAL_SHORT \
+                            if n <= config.FWD_SM90_WS_CAUSAL_SHORT_KEYS.get(d, 0) else \
+                            config.FWD_SM90_WS_TILES_CAUSAL_PLAIN if d in config.FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
+                            config.FWD_SM90_WS_TILES_CAUSAL
                         table = causal_table if causal else \
                             config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
                         tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
