@@ -259,7 +259,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
         const int qt = 2 * kk + j;
         // (the softcap's factor is in ps already: ds_of's dcap = 1)
         ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(FP32_P ? s_acc[qt][c] : Cvt<T>::unpack(packed, c & 1), dp_acc[qt][c],
-                                              (c & 1) ? delta.y : delta.x, (keep >> (4 * qt + c)) & 1,
+                                              (c & 1) ? delta.y : delta.x,
+                                              !Mods::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1),
                                               p.mods.dropout_rp, 1.f);
         if (Mods::HAS_BIAS) mods.put_dbias(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1), ds[j][c]);
       }
@@ -310,6 +311,7 @@ __device__ __forceinline__ void bwd_sm90_query_block(const BwdParams& p, bool is
                                                      float (&dk_acc)[Tr::DKV_TILES][4],
                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
   using T = typename Tr::T;
+  static_assert(!Tr::DQ_BY_ROWS, "64-query steps: every warpgroup's dQ columns of the block's rows");
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
   const u32 k_smem = smem_base + Tr::OFF_K;

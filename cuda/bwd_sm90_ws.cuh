@@ -9,7 +9,8 @@
 //     circular buffer;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w owns keys 64w .. 64w + 63 and their dK, dV rows in
 //     registers; per step it runs bwd_sm90_dkdv_step (bwd_sm90.cuh: S^T, dP^T, P^T, dV += P^T dO, dS^T,
-//     dK += dS^T Q on asynchronous wgmma), stores dS^T, and computes dQ_i[:, w * DQ_COLS ..] = dS K_j.
+//     dK += dS^T Q on asynchronous wgmma), stores dS^T, and computes its part of dQ_i = dS K_j (half the columns of
+//     a 64-query step, half the rows of a 128-query one: BwdSm90Traits::DQ_BY_ROWS).
 // The math, the score modifiers, masks, dropout, block maps and GQA walk are bwd_sm90_kernel's (BwdKeyBlock,
 // QueryBlock: producer and consumers walk the same steps); what is new is who moves the data and when.
 //
@@ -52,11 +53,12 @@
 // only after its dQ GEMM of step i retired.
 //
 // ---- dQ_acc layout ---------------------------------------------------------------------------------------------
-// A block's 64 x HEAD_DIM fp32 values (its rows of dQ_acc, contiguous since dq_accum_cols = HEAD_DIM) are stored
-// in the consumers' accumulator order, so that each thread writes whole 16-byte chunks to shared memory without
-// bank conflicts and one bulk reduction adds the block: float4 number (w * DQ_TILES + dt) * 128 + c (consumer w,
-// its thread c = 32 wq + 4 g + t) holds rows 16 wq + g and 16 wq + g + 8, columns w * DQ_COLS + 8 dt + 2t, + 1
-// (elements 0, 1 and 2, 3). bwd_convert_dq_ws_kernel reads this order. The preprocess zeroes dQ_acc as before.
+// A block's BLOCK_M x HEAD_DIM fp32 values (its rows of dQ_acc, contiguous since dq_accum_cols = HEAD_DIM) are
+// stored in the consumers' accumulator order, so that each thread writes whole 16-byte chunks to shared memory
+// without bank conflicts and one bulk reduction adds the block: float4 number (w * DQ_TILES + dt) * 128 + c
+// (consumer w, its thread c = 32 wq + 4 g + t) holds rows r0 + 16 wq + g and r0 + 16 wq + g + 8, columns c0 + 8 dt +
+// 2t, + 1 (elements 0, 1 and 2, 3), with (r0, c0) = (dq_row0(w), dq_col0(w)): (0, w * HEAD_DIM / 2) in 64-query
+// steps, (64 w, 0) in 128-query ones. bwd_convert_dq_ws_kernel reads this order. The preprocess zeroes dQ_acc.
 #pragma once
 #include "ptx.cuh"
 #include "ptx_wgmma.cuh"
@@ -86,9 +88,13 @@ static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 616 && alignof(Bwd
 
 // bwd_sm90_kernel's (64, 128) tiles and layout names (which bwd_sm90_dkdv_step reads), with a producer warpgroup,
 // a second dS^T buffer, the dQ buffer and the mbarriers.
-template <int HEAD_DIM_, class T_>
-struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
-  using Base = BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_>;
+// BLOCK_M_ 128 (head dims 32 and 64, without dropout, a bias or a mask: cuflash/config.py BWD_SM90_WS_BLOCK_M)
+// takes steps of 128 queries: each consumer's S^T and dP^T are 64 keys x 128 queries, K and V are read once per
+// 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the same work; dQ is split by rows
+// (BwdSm90Traits::DQ_BY_ROWS).
+template <int HEAD_DIM_, class T_, int BLOCK_M_ = 64>
+struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
+  using Base = BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_>;
   static constexpr int CONSUMERS = Base::WARPGROUPS;  // 2: 64 keys each
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
@@ -114,7 +120,7 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   // rows of one half) hit 8 distinct 16-byte bank groups.
   // cuflash/config.py bwd_stages_bias mirrors this.
   static constexpr bool stage_bias(int mods, bool causal) {
-    return HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
+    return BLOCK_M_ != 64 ? false : HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
                            : mods == MOD_BIAS && !causal;
   }
   static constexpr int BIAS_PITCH = 32;
@@ -130,12 +136,18 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, 64, 128, 1, T_> {
   // named barriers (0 is __syncthreads)
   static constexpr int DS_BAR = 1, DQ_BAR = 2, EPILOGUE_BAR = 3;
 
-  static_assert(CONSUMERS == 2 && Base::BLOCK_M == 64, "two consumers of 64 keys; dQ blocks of 64 rows");
+  static_assert(CONSUMERS == 2 && (Base::BLOCK_M == 64 || (Base::BLOCK_M == 128 && HEAD_DIM_ <= 64)),
+                "two consumers of 64 keys; steps of 64 queries, or 128 at head dims up to 64 (their registers)");
+  // the score modifiers a step of 128 queries takes: dropout's keep bits (dropout_keep_transposed) hold 8 query
+  // tiles, the staged bias and the block maps are laid out for 64-row steps
+  static constexpr bool takes_mods(int mods) {
+    return BLOCK_M_ == 64 || !(mods & (MOD_DROPOUT | MOD_BIAS | MOD_MASK | MOD_BLOCKS));
+  }
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
   static_assert(Base::DQ_TILES * 128 * 4 * CONSUMERS == Base::BLOCK_M * Base::HEAD_DIM, "dQ_acc order covers the block");
   static_assert(OFF_DQ % 1024 == 0 && SMEM_DQ % 16 == 0 && OFF_LSE % 16 == 0, "bulk copy alignment");
   static_assert(Q_TX < (1 << 20) && 2 * Base::SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
-  static_assert(smem_bytes(true) <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+  static_assert(smem_bytes(BLOCK_M_ == 64) <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
 template <class Tr>
@@ -203,6 +215,7 @@ template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, class KeyBl
 __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const BwdWsSmem<Tr>& sm, unsigned char* smem,
                                                      const KeyBlock& kb, QueryBlock<Tr> qb, int left) {
   using T = typename Tr::T;
+  static_assert(Tr::takes_mods(MODS), "these score modifiers take 64-query steps (BwdSm90WsTraits::takes_mods)");
   const int ctid = threadIdx.x - 128;  // 0 .. CONSUMER_THREADS-1
   const int lane = ctid & 31, warp = ctid >> 5, t = lane & 3, g = lane >> 2;
   // from lane 0, so ptxas knows it is warp-uniform (the K/V descriptors in uniform registers, as bwd_sm90_kernel)
@@ -279,15 +292,15 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       }
       named_barrier_sync(Tr::DS_BAR, Tr::CONSUMER_THREADS);
 
-      // dQ_i[:, DQ_COLS columns of this consumer] = dS K_j: A = dS^T read M-major, B = K_j read N-major, queued
-      // behind dV and dK
+      // dQ_i[rows dq_row0.., DQ_COLS columns from dq_col0] = dS K_j: A = dS^T read M-major, B = K_j read N-major,
+      // queued behind dV and dK
       float dq_acc[Tr::DQ_TILES][4];
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
         Wgmma<Tr::DQ_COLS, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
-            dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, 0),
-            Tr::TileKV::desc_mn_major(k_smem, kk * 16, cwg * Tr::DQ_COLS), /*scale_d=*/kk > 0);
+            dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, Tr::dq_row0(cwg)),
+            Tr::TileKV::desc_mn_major(k_smem, kk * 16, Tr::dq_col0(cwg)), /*scale_d=*/kk > 0);
       wgmma_commit_group();
       wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
@@ -374,10 +387,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
 }
 
 // ---- dQ = softmax_scale * dQ_acc from bwd_sm90_ws_kernel's dQ_acc order (the file comment) -----------------
-// One thread per float4 of dQ_acc: a coalesced 16-byte load, two 4-byte stores (rows r and r + 8).
-template <class T, int HEAD_DIM>
+// One thread per float4 of dQ_acc: a coalesced 16-byte load, two 4-byte stores (rows r and r + 8). BLOCK_M: the
+// main kernel's query step (64: consumer w holds columns w * HEAD_DIM / 2 ..; 128: rows 64 w ..).
+template <class T, int HEAD_DIM, int BLOCK_M = 64>
 __global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_ws_kernel(const BwdParams p) {
-  constexpr int BLOCK_M = 64, DQ_COLS = HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
+  static_assert(BLOCK_M == 64 || BLOCK_M == 128, "the ws kernel's query steps");
+  constexpr bool BY_ROWS = BLOCK_M == 128;
+  constexpr int DQ_COLS = BY_ROWS ? HEAD_DIM : HEAD_DIM / 2, DQ_TILES = DQ_COLS / 8;
   constexpr int VECS = BLOCK_M * HEAD_DIM / 4;  // float4 per block of rows
   const int head = blockIdx.y, batch = blockIdx.z;
   const Seq seq = sequence(p.seq, batch);
@@ -386,8 +402,9 @@ __global__ void __launch_bounds__(CONVERT_THREADS) bwd_convert_dq_ws_kernel(cons
   if (block * BLOCK_M >= seq.len_q) return;
   const int c = v % 128, tile = v / 128;  // consumer thread, (consumer, n8 tile)
   const int lane = c & 31;
-  const int row = block * BLOCK_M + (c >> 5) * 16 + (lane >> 2);
-  const int col = (tile / DQ_TILES) * DQ_COLS + (tile % DQ_TILES) * 8 + 2 * (lane & 3);
+  const int w = tile / DQ_TILES;  // the consumer
+  const int row = block * BLOCK_M + (BY_ROWS ? 64 * w : 0) + (c >> 5) * 16 + (lane >> 2);
+  const int col = (BY_ROWS ? 0 : w * DQ_COLS) + (tile % DQ_TILES) * 8 + 2 * (lane & 3);
   if (col >= p.head_dim) return;
   const float4 a = *reinterpret_cast<const float4*>(
       p.dq_accum + (padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + block * BLOCK_M) * HEAD_DIM + 4 * v);

@@ -395,7 +395,7 @@ __device__ __forceinline__ void apply_dropout(float (&p)[M_TILES][N_TILES][4], i
 // Keep bits of the transposed layout: bit qt * 4 + c (Q_TILES <= 8 fits one register).
 template <int MODS, int Q_TILES>
 __device__ __forceinline__ u32 dropout_keep_transposed(int key0, int query0, const ScoreMods<MODS>& mods, int lane) {
-  static_assert(Q_TILES <= 8, "keep bits of at most 32 elements per thread");
+  static_assert(Q_TILES <= 8 || !ScoreMods<MODS>::HAS_DROPOUT, "keep bits of at most 32 elements per thread");
   if (!ScoreMods<MODS>::HAS_DROPOUT) return ~0u;
   const int g = lane >> 2, t = lane & 3;
   u32 keep = 0;

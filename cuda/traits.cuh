@@ -170,10 +170,16 @@ struct BwdSm90Traits {
   static constexpr int QK_K_STEPS = HEAD_DIM / 16;   // k16 steps of S^T and dP^T
   static constexpr int Q_K_STEPS = BLOCK_M / 16;     // k16 steps of dV += P^T dO, dK += dS^T Q
   static constexpr int DKV_TILES = HEAD_DIM / 8;     // n8 tiles of dK, dV
-  static constexpr int DQ_COLS = HEAD_DIM / WARPGROUPS;
+  // dQ_i = dS K_j of a step, one m64 wgmma per warpgroup: at BLOCK_M 64 warpgroup w takes DQ_COLS = HEAD_DIM /
+  // WARPGROUPS columns (from w * DQ_COLS) of the 64 rows; at BLOCK_M 128 (two warpgroups: the warp-specialized
+  // kernel's 128-query steps) it takes rows 64 w .. 64 w + 63, every column
+  static constexpr bool DQ_BY_ROWS = BLOCK_M == 128;
+  static constexpr int DQ_COLS = DQ_BY_ROWS ? HEAD_DIM : HEAD_DIM / WARPGROUPS;
   static constexpr int DQ_TILES = DQ_COLS / 8;
+  static constexpr int dq_row0(int warpgroup) { return DQ_BY_ROWS ? 64 * warpgroup : 0; }
+  static constexpr int dq_col0(int warpgroup) { return DQ_BY_ROWS ? 0 : DQ_COLS * warpgroup; }
   static constexpr int DQ_K_STEPS = BLOCK_N / 16;
-  // dQ's B operand (K, N-major) starts at column DQ_COLS * warpgroup: a whole number of panels, or at head dim 32
+  // dQ's B operand (K, N-major) starts at column dq_col0(warpgroup): a whole number of panels, or at head dim 32
   // (16 columns a warpgroup) the second half of the one 32-column panel
   static constexpr int PANEL_COLS = DQ_COLS % 64 == 0 ? 64 : 32;
 
@@ -199,7 +205,7 @@ struct BwdSm90Traits {
   static constexpr int OFF_BIAS = 0, BIAS_PITCH = 0, SMEM_BIAS = 0;
   static __device__ __forceinline__ int bias_offset(int, int) { return 0; }
 
-  static_assert(BLOCK_M == 64, "one m64 wgmma of dQ rows per step");
+  static_assert(BLOCK_M == 64 || (BLOCK_M == 128 && WARPGROUPS == 2), "one m64 wgmma of dQ rows per warpgroup");
   static_assert(BLOCK_N % 64 == 0 && WARPGROUPS >= 1 && WARPGROUPS <= 2, "64 keys per warpgroup, 1-2 warpgroups");
   static_assert(HEAD_DIM % WARPGROUPS == 0 && (DQ_COLS % 32 == 0 || HEAD_DIM == 32),
                 "dQ columns split into whole 64-byte panels (or halves of head dim 32's one panel)");

@@ -835,11 +835,13 @@ class ElementwiseConfig:
     smem_bytes: int = 0
     rows_per_cta: int = 32  # preprocess: eight lanes per query row (PREPROCESS_ROWS in bwd.cuh)
     head_dim: int = 0  # convert_dq_ws: the main kernel's head dim (its dQ_acc order)
+    block_m: int = 64  # convert_dq_ws: the main kernel's query rows per step (128: dQ split by rows)
 
     def cpp_name(self) -> str:
         if self.kind == "convert_dq_ws":
             t = _cpp_type(self.dtype)
-            return f"cuflash::bwd_convert_dq_ws_kernel<{t}, {self.head_dim}>"
+            m = "" if self.block_m == 64 else f", {self.block_m}"
+            return f"cuflash::bwd_convert_dq_ws_kernel<{t}, {self.head_dim}{m}>"
         if self.dtype in WIDE_DTYPES:
             t = "double, double" if self.dtype == "fp64" else "float, float"
             return f"cuflash::bwd_wide_{self.kind}_kernel<{t}>"
@@ -921,6 +923,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
         if arch == "sm_90a":
             out += [ElementwiseConfig("convert_dq_ws", dt, head_dim=hd)
                     for hd in BWD_SM90_WS_HEAD_DIMS + BWD_SM90_SPLIT_HEAD_DIMS]
+            out += [ElementwiseConfig("convert_dq_ws", dt, head_dim=hd, block_m=bm)
+                    for hd, bm in BWD_SM90_WS_BLOCK_M.items() if bm != 64]
         for hd in KERNEL_HEAD_DIMS:
             for c in (False, True):
                 for m in (0, *MODS_CHECKED[c]):
@@ -1116,18 +1120,28 @@ def bwd_sm90_split_head_dims(mods: int = 0) -> tuple:
 @dataclass(frozen=True)
 class BwdSm90WsConfig(BwdSm90Config):
     """One warp-specialized Hopper backward instantiation:
-    `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's tiles
-    (block_m 64, block_n 128: two consumer warpgroups of 64 keys, the fields it inherits) and math, plus a TMA
-    producer warpgroup (384 threads, 1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator
-    order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer walks it on its own
-    (simulator/banks.py bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
+    `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T, BLOCK_M>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's
+    tiles (block_n 128: two consumer warpgroups of 64 keys; steps of block_m 64 queries, or 128 at head dims 32 and
+    64 plain, causal or windowed: BWD_SM90_WS_BLOCK_M) and math, plus a TMA producer warpgroup (384 threads,
+    1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator order, converted by
+    `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer walks it on its own (simulator/banks.py
+    bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
 
     def __post_init__(self):
-        super().__post_init__()
-        if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_m, self.block_n, self.ctas_per_sm) != (64, 128, 1):
+        if self.block_m != 128:
+            super().__post_init__()
+        else:
+            check_mods(self.mods, self.causal)
+            if self.dtype not in DTYPES:
+                raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
+        if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_n, self.ctas_per_sm) != (128, 1) or \
+                self.block_m not in (64, 128):
             raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 32, 64 or 128 with (block_m, block_n, ctas_per_sm) = "
-                             f"(64, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
+                             f"(64 or 128, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
                              f"{self.ctas_per_sm})")
+        if self.block_m == 128 and (self.head_dim > 64 or self.mods & ~BWD_SM90_WS_BLOCK_M_MODS):
+            raise ValueError(f"block_m=128 takes head_dim 32 or 64 and the modifiers in {BWD_SM90_WS_BLOCK_M_MODS:#x} "
+                             f"(BwdSm90WsTraits::takes_mods); got head_dim={self.head_dim}, mods={self.mods:#x}")
 
     stages = 2  # of (Q, dO, lse_log2, delta)
 
@@ -1135,6 +1149,12 @@ class BwdSm90WsConfig(BwdSm90Config):
     def box_cols(self) -> int:
         """TMA box width in elements: one swizzle panel of the tiles (panel_cols)."""
         return self.panel_cols
+
+    @property
+    def panel_cols(self) -> int:
+        """BwdSm90Traits::PANEL_COLS: dQ's split (by columns at block_m 64, by rows at 128) on a panel boundary."""
+        dq_cols = self.head_dim if self.block_m == 128 else self.head_dim // 2
+        return 64 if dq_cols % 64 == 0 else 32
 
     def sync_equivalent(self) -> BwdSm90Config:
         """bwd_sm90_kernel's config with the same tiles (the synchronous kernel this one is measured against)."""
@@ -1161,7 +1181,8 @@ class BwdSm90WsConfig(BwdSm90Config):
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
         b = _cpp_bool
-        return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
+        m = "" if self.block_m == 64 else f", {self.block_m}"
+        return (f"cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<{self.head_dim}, {t}{m}>, {b(self.causal)}, "
                 f"{b(self.deterministic)}, {self.mods}>")
 
 
@@ -1179,7 +1200,7 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
     """The dQ conversion kernel that reads the dQ_acc of backward main kernel `main` (a config): the ws and split
     kernels write it in their accumulator order (bwd_convert_dq_ws_kernel), the others row-major."""
     if isinstance(main, (BwdSm90WsConfig, BwdSm90SplitConfig)):
-        return ElementwiseConfig("convert_dq_ws", dtype, head_dim=main.head_dim)
+        return ElementwiseConfig("convert_dq_ws", dtype, head_dim=main.head_dim, block_m=main.block_m)
     return ElementwiseConfig("convert_dq", dtype)
 
 
@@ -1213,10 +1234,25 @@ def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
     return dims + tuple(hd for hd, to in BWD_SM90_WS_PADDED.items() if to in dims)
 
 
+# Query rows per step of the warp-specialized backward (BwdSm90WsTraits' BLOCK_M) per kernel head dim, for the
+# modifiers in BWD_SM90_WS_BLOCK_M_MODS; the others take 64. At 128 each consumer's S^T and dP^T are 64 keys x 128
+# queries (128 accumulator registers) and K and V are read once per 128 queries. Dropout's keep bits, the staged
+# bias and the block maps are laid out for 64-row steps (BwdSm90WsTraits::takes_mods); with 128-query steps
+# soft-capping spilled 32 bytes, ALiBi with a window 4 and ALiBi with soft-capping 120 (NVRTC 13.5, head dim 64).
+BWD_SM90_WS_BLOCK_M = {32: 128, 64: 128}
+BWD_SM90_WS_BLOCK_M_MODS = MOD_WINDOW
+
+
+def bwd_sm90_ws_block_m(head_dim: int, mods: int = 0) -> int:
+    """BwdSm90WsConfig.block_m of kernel head dim `head_dim` with these modifiers."""
+    return 64 if mods & ~BWD_SM90_WS_BLOCK_M_MODS else BWD_SM90_WS_BLOCK_M.get(head_dim, 64)
+
+
 def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:
     """The warp-specialized backward of kernel head dim `head_dim` (a padded one, BWD_SM90_WS_PADDED, runs the
     kernel of the next)."""
-    return BwdSm90WsConfig(BWD_SM90_WS_PADDED.get(head_dim, head_dim), 64, 128, 1, dtype, causal, deterministic, mods)
+    hd = BWD_SM90_WS_PADDED.get(head_dim, head_dim)
+    return BwdSm90WsConfig(hd, bwd_sm90_ws_block_m(hd, mods), 128, 1, dtype, causal, deterministic, mods)
 
 
 def backward_kernel_config(head_dim: int, dtype: str, causal: bool, deterministic: bool,

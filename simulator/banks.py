@@ -1406,16 +1406,17 @@ def as_sync(cfg):
 
 
 def bwd_sm90_layout(cfg) -> BwdSm90Layout:
-    cfg = as_sync(cfg)
+    """BwdSm90Traits' constants of a BwdSm90Config or BwdSm90WsConfig (whose 128-query steps split dQ by rows:
+    every warpgroup takes all HEAD_DIM columns of its 64 rows)."""
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     smem_q, smem_kv, smem_ds = (r * c * _config.ELEM_BYTES for r, c in ((bm, hd), (bn, hd), (bn, bm)))
     off_ds = 2 * smem_kv + 4 * smem_q
     off_lse = off_ds + smem_ds
     wg = bn // 64
     return BwdSm90Layout(
-        warpgroups=wg, dq_cols=hd // wg, panel_cols=cfg.panel_cols, smem_q=smem_q, smem_kv=smem_kv, smem_ds=smem_ds,
-        rowvec=bm * 4, off_k=0, off_v=smem_kv, off_q=2 * smem_kv, off_do=2 * smem_kv + smem_q, off_ds=off_ds,
-        off_lse=off_lse, off_delta=off_lse + bm * 4, smem_bytes=off_lse + 4 * bm * 4 + 1024)
+        warpgroups=wg, dq_cols=hd if bm == 128 else hd // wg, panel_cols=cfg.panel_cols, smem_q=smem_q,
+        smem_kv=smem_kv, smem_ds=smem_ds, rowvec=bm * 4, off_k=0, off_v=smem_kv, off_q=2 * smem_kv,
+        off_do=2 * smem_kv + smem_q, off_ds=off_ds, off_lse=off_lse, off_delta=off_lse + bm * 4, smem_bytes=off_lse + 4 * bm * 4 + 1024)
 
 
 def bwd_sm90_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
@@ -1463,8 +1464,8 @@ def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
     """wgmma operand reads of one query block, all warpgroups (each: 64 keys). S^T = K Q^T and dP^T = V dO^T
     (HEAD_DIM/16 wgmma each): the warpgroup's 64 rows of K (V) and all BLOCK_M rows of Q (dO); dV += P^T dO
     and dK += dS^T Q (BLOCK_M/16 each): all of dO (Q), read N-major; unless deterministic dQ = dS K
-    (BLOCK_N/16): all of dS^T and the warpgroup's DQ_COLS columns of K."""
-    cfg = as_sync(cfg)
+    (BLOCK_N/16): the warpgroup's DQ_COLS columns of K and its rows of dS (all BLOCK_M of a 64-query step, 64 of a
+    128-query one)."""
     L = bwd_sm90_layout(cfg)
     wg, hd, bm, bn, e = L.warpgroups, cfg.head_dim, cfg.block_m, cfg.block_n, _config.ELEM_BYTES
     out = {"st_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
@@ -1472,7 +1473,7 @@ def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
            "dv_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e),
            "dk_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e)}
     if not cfg.deterministic:
-        out["dq_wgmma"] = wgmma_stats(wg * bn // 16, wg * bn * (bm + L.dq_cols) * e)
+        out["dq_wgmma"] = wgmma_stats(wg * bn // 16, wg * bn * (min(bm, 64) + L.dq_cols) * e)
     return out
 
 

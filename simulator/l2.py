@@ -324,12 +324,13 @@ def config_resident(cfg) -> int:
     return n
 
 
-def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KERNELS):
+def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KERNELS, main=None):
     """The launches of cuflash.attention_backward (strategies.cuflash_backward_kernels), each with its own
     grid and residency: preprocess; bwd_kernel or bwd_sm90_kernel (same accesses, its own blocks);
     convert, or (deterministic) bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels'
-    tiles of different heights touch the same units."""
-    cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
+    tiles of different heights touch the same units. main: the main kernel's config in place of the library's
+    choice (strategies.cuflash_backward_kernels)."""
+    cfg = main if main is not None else cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     dcfg = _config.dq_config(_config.kernel_head_dim(p.head_dim, p.dtype), p.dtype, p.causal) if deterministic else None
     uq = math.gcd(cfg.block_m, dcfg.block_m) if deterministic else cfg.block_m
     uk = math.gcd(cfg.block_n, dcfg.block_n) if deterministic else cfg.block_n

@@ -409,7 +409,7 @@ def _dq_kernel_config(cfg, p: Problem):
 
 
 def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic: bool = False,
-                             kernels: str = DEFAULT_KERNELS) -> list[KernelTraffic]:
+                             kernels: str = DEFAULT_KERNELS, main=None) -> list[KernelTraffic]:
     """The launches of cuflash.attention_backward and what each reads and writes (cuda/bwd.cuh; the main
     kernel is bwd_sm90_kernel (cuda/bwd_sm90.cuh) where cuflash_config picks a BwdSm90Config, with the
     same global accesses: each of its warpgroups adds DQ_COLS columns of the dQ tile, the whole tile in all):
@@ -425,7 +425,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
        the block).
     3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ;
        bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel and bwd_sm90_split_kernel (whose dQ adds are bulk
-       reductions of the same bytes): the same, for every row of the 64-row blocks that hold a row < Sq.
+       reductions of the same bytes): the same, for every row of the BLOCK_M-row blocks that hold a row < Sq.
     3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
        sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i.
 
@@ -439,8 +439,11 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     (ceil(Sk / 128), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
     every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
-    are written once each (zeros where no query or key is seen)."""
-    cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
+    are written once each (zeros where no query or key is seen).
+
+    main: the main kernel's config in place of the library's choice (the ncu validation profiles the synchronous
+    bwd_sm90_kernel, whose steps are 64 queries where the library's warp-specialized kernel takes 128)."""
+    cfg = main if main is not None else cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
     wide = isinstance(cfg, _config.BwdWideConfig) or tf32
     dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel: no accumulator, no atomics
@@ -466,7 +469,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
         out.append(KernelTraffic(kernel_name(dcfg), dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
     elif isinstance(cfg, (_config.BwdSm90WsConfig, _config.BwdSm90SplitConfig)):
-        # one thread per 4 floats of dQ_acc's 64-row blocks (in the main kernel's accumulator order): head_dim
+        # one thread per 4 floats of dQ_acc's BLOCK_M-row blocks (in the main kernel's accumulator order): head_dim
         # columns of every row of the blocks that hold a row < Sq
         rows = -(-sq // cfg.block_m) * cfg.block_m
         out.append(KernelTraffic("bwd_convert_dq_ws_kernel", (-(-rows * hd // 4 // 256), p.heads, p.batch), 256,

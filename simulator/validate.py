@@ -599,12 +599,12 @@ def _tma_predictions(walk, reads: int) -> dict:
 
 
 def isolated_kernel_dram(p: Problem, kernel_index: int, deterministic: bool, l2_bytes: int,
-                         num_sms: int, kernels: str = "mma") -> tuple[int, int]:
+                         num_sms: int, kernels: str = "mma", main=None) -> tuple[int, int]:
     """(DRAM read, write) bytes of one launch of the cuflash backward in isolation: the L2 model's trace of
     attention_backward (l2._cuflash_bwd: 0 preprocess, 1 the main kernel, 2 convert or bwd_dq_kernel) cut
     to that launch and started cold, as ncu's --cache-control all flushes the L2 before the kernel."""
     tr = _l2._Trace(p, "tile")
-    _l2._cuflash_bwd(tr, p, True, num_sms, deterministic, kernels)
+    _l2._cuflash_bwd(tr, p, True, num_sms, deterministic, kernels, main)
     tr.parts = [part for part in tr.parts if part[0].size and int(part[0][0]) == kernel_index]
     res = tr.run(l2_bytes // SECTOR)
     return res.read_bytes, res.write_bytes
@@ -614,9 +614,11 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     case, det = target.case, target.deterministic
     p = case.problem()
     cfg = target.config()
-    # the main kernel's traffic: bwd_sm90_kernel moves what bwd_sm90_ws_kernel (the default) moves
+    # the main kernel's traffic; bwd_sm90_kernel (the driver takes the warp-specialized family out) with its own
+    # tiles: its steps are 64 queries where bwd_sm90_ws_kernel, the default, takes 128 (head dims 32 and 64)
+    main = cfg if target.kernel == "bwd_sm90_kernel" else None
     kt = {k.name.replace("bwd_sm90_ws_kernel", "bwd_sm90_kernel"): k
-          for k in cuflash_backward_kernels(p, True, det, target.kernels)}[target.kernel]
+          for k in cuflash_backward_kernels(p, True, det, target.kernels, main)}[target.kernel]
     if target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
         is_wgmma = target.kernel in WGMMA_KERNELS
         walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
@@ -637,7 +639,7 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         notes = {"STS": "st.shared.b32 of the dQ epilogue", "LDSM": "ldmatrix.x4 of Q, dO, K, V",
                  "LDGSTS": "Q, dO once, K and V per tile, zero-fill included"}
         store_note = "dQ (every row; rows without keys get zeros)"
-    dram_r, dram_w = isolated_kernel_dram(p, index, det, l2_bytes, num_sms, target.kernels)
+    dram_r, dram_w = isolated_kernel_dram(p, index, det, l2_bytes, num_sms, target.kernels, main)
     grid = kt.grid
     red = kt.atomic_bytes
     out = {

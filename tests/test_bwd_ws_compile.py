@@ -22,8 +22,14 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
         for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
             cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a", mods=mods)
             assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.head_dim == d, cfg
+            # steps of 128 queries at head dims 32 and 64 (plain, causal, windowed), dQ_acc in their order
+            bm = 128 if d <= 64 else 64
+            assert cfg.block_m == bm, cfg
             assert config.convert_dq_config(cfg, "bf16") == config.ElementwiseConfig("convert_dq_ws", "bf16",
-                                                                                      head_dim=d)
+                                                                                      head_dim=d, block_m=bm)
+        for mods in (config.MOD_ALIBI, config.MOD_SOFTCAP | config.MOD_WINDOW, config.MOD_DROPOUT, config.MOD_BIAS,
+                     config.MOD_MASK, config.MOD_BLOCKS):  # 64-query steps (BwdSm90WsTraits::takes_mods, spills)
+            assert config.bwd_sm90_ws_config(d, "bf16", False, False, mods).block_m == 64, (d, mods)
     # every modifier at head dims 32 and 64; head dim 128 with the heavy sets that fit its registers, the others on
     # mma.sync; head dim 96 on the 128 kernel
     for d in (32, 64):
@@ -49,17 +55,27 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
 def test_ws_config_geometry_and_errors():
     c = config.bwd_sm90_ws_config(128, "bf16", True, False)
     assert (c.block_m, c.block_n, c.threads, c.panel_cols, c.stages) == (64, 128, 384, 64, 2)
-    assert config.bwd_sm90_ws_config(64, "fp16", False, True).panel_cols == 32  # dQ's split at column 32
+    # dQ's split at column 32 in 64-query steps
+    assert config.bwd_sm90_ws_config(64, "fp16", False, True, config.MOD_ALIBI).panel_cols == 32
     # head dim 32: one 32-column panel per tile, dQ's split at column 16 inside it; K, V 128 x 32, 2 x (Q, dO)
     # 64 x 32, 2 dS^T (128 x 64), dQ fp32 (64 x 32), 2 x (lse, delta), 5 mbarriers
-    c32 = config.bwd_sm90_ws_config(32, "bf16", False, False)
-    assert (c32.head_dim, c32.panel_cols, c32.box_cols) == (32, 32, 32)
+    c32 = config.bwd_sm90_ws_config(32, "bf16", False, False, config.MOD_ALIBI)
+    assert (c32.head_dim, c32.block_m, c32.panel_cols, c32.box_cols) == (32, 64, 32, 32)
     assert c32.smem_bytes == 2 * 8192 + 4 * 4096 + 2 * 16384 + 8192 + 4 * 256 + 40 + 1024
+    # 128-query steps: dQ split by rows, so head dim 64 takes one 64-column panel (32 one 32-column panel); K, V
+    # 128 x 64, 2 x (Q, dO) 128 x 64, 2 dS^T (128 x 128), dQ fp32 (128 x 64), 2 x (lse, delta), 5 mbarriers
+    c64 = config.bwd_sm90_ws_config(64, "bf16", True, True)
+    assert (c64.block_m, c64.panel_cols, c64.box_cols, c64.threads) == (128, 64, 64, 384)
+    assert c64.smem_bytes == 2 * 16384 + 4 * 16384 + 2 * 32768 + 32768 + 4 * 512 + 40 + 1024
+    assert c64.cpp_name() == \
+        "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<64, cuflash::bf16, 128>, true, true, 0>"
+    assert config.bwd_sm90_ws_config(32, "fp16", False, False, config.MOD_WINDOW).panel_cols == 32
+    assert config.convert_dq_config(c64, "bf16").cpp_name() == "cuflash::bwd_convert_dq_ws_kernel<cuflash::bf16, 64, 128>"
     # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 5 mbarriers
     assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 40 + 1024
     # head dim 64 with a bias (and a mask, a window) stages it: two buffers of 8 warps x 64 rows x 32 bytes from the
     # 128-byte boundary after the mbarriers
-    plain64 = config.bwd_sm90_ws_config(64, "bf16", False, False)
+    plain64 = config.BwdSm90WsConfig(64, 64, 128, 1, "bf16", False, False)  # 64-query steps, no modifier
     for mods, staged in ((config.MOD_BIAS, True), (config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW, True),
                          (config.MOD_BIAS | config.MOD_DROPOUT, False), (config.MOD_MASK, False)):
         cfg = config.bwd_sm90_ws_config(64, "bf16", False, False, mods)
@@ -76,6 +92,12 @@ def test_ws_config_geometry_and_errors():
         config.BwdSm90WsConfig(96, 64, 128, 1, "bf16", False, False)
     with pytest.raises(ValueError, match="block_n"):
         config.BwdSm90WsConfig(128, 64, 64, 1, "bf16", False, False)
+    with pytest.raises(ValueError, match="block_m=128 takes head_dim 32 or 64"):
+        config.BwdSm90WsConfig(128, 128, 128, 1, "bf16", False, False)
+    with pytest.raises(ValueError, match="block_m=128 takes"):
+        config.BwdSm90WsConfig(64, 128, 128, 1, "bf16", False, False, config.MOD_DROPOUT)
+    with pytest.raises(ValueError, match="block_m"):
+        config.BwdSm90WsConfig(64, 96, 128, 1, "bf16", False, False)
 
 
 def test_bwd_ws_params_layout_mirrors_the_cpp_struct():
@@ -99,7 +121,8 @@ def test_64_byte_swizzle_maps():
 
 
 def _name(c):
-    return f"d{c.head_dim}-{c.dtype}-{'causal' if c.causal else 'full'}-det{int(c.deterministic)}-mods{c.mods}"
+    return (f"d{c.head_dim}-m{c.block_m}-{c.dtype}-{'causal' if c.causal else 'full'}-det{int(c.deterministic)}"
+            f"-mods{c.mods}")
 
 
 @pytest.mark.parametrize("cfg", WS, ids=_name)

@@ -87,6 +87,42 @@ def test_ws_and_sync_kernels_agree(d, causal, request):
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: ws and sync kernels differ"
 
 
+@pytest.fixture
+def steps_of_64(monkeypatch):
+    """The warp-specialized backward with 64-query steps at every head dim (config.BWD_SM90_WS_BLOCK_M emptied),
+    caches cleared."""
+    monkeypatch.setattr(config, "BWD_SM90_WS_BLOCK_M", {})
+    monkeypatch.setattr(_families, "_selected", {})
+    monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
+
+
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("causal,window,det", [(False, None, False), (True, None, False), (False, (100, 37), False),
+                                               (True, None, True)], ids=["full", "causal", "window", "causal-det"])
+def test_128_and_64_query_steps_agree(d, causal, window, det, request):
+    """Head dims 32 and 64 take steps of 128 queries (dQ split by rows, its own dQ_acc order): on the same inputs
+    (GQA 6/2, 777 queries = 6 blocks of 128 with a tail, 1030 keys = a key tail) both step sizes within the rule and
+    close to each other (the same math, fp32 sums in another order)."""
+    q, k, v, dout, o, lse = problem(2, 777, 1030, 6, 2, d, "bf16", causal, key=("steps", window))
+    kw = {"causal": causal, **({"window": window} if window else {})}
+    if window:
+        o, lse = cuflash.attention_forward(q, k, v, **kw)
+    kw["deterministic"] = det
+    mods = config.MOD_WINDOW if window else 0
+    assert config.backward_kernel_config(d, "bf16", causal, det, "sm_90a", mods=mods).block_m == 128
+    poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    big = cuflash.attention_backward(dout, q, k, v, o, lse, **kw)
+    request.getfixturevalue("steps_of_64")
+    assert config.backward_kernel_config(d, "bf16", causal, det, "sm_90a", mods=mods).block_m == 64
+    small = cuflash.attention_backward(dout, q, k, v, o, lse, **kw)
+    if not window:  # (the reference has no window; the window's reference runs are in test_gpu_mods.py)
+        check_backward(big, q, k, v, dout, "bf16", causal, f"128-query steps D={d} causal={causal} det={det}")
+        check_backward(small, q, k, v, dout, "bf16", causal, f"64-query steps D={d} causal={causal} det={det}")
+    for name, a, b in zip(("dq", "dk", "dv"), big, small):
+        a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
+        assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: 128- and 64-query steps differ"
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_deterministic_mode_on_the_ws_kernel(d):
     q, k, v, dout, o, lse = problem(1, 1023, 1024, 2, 2, d, "fp16", True, key=("det",))

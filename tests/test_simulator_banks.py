@@ -624,9 +624,10 @@ def test_bwd_instruction_counts_and_conflicts(hd, det):
 SM90_FWD = [config.fwd_sm90_config(hd, dt, c, m) for hd in (32, 64, 96) for dt in config.DTYPES
             for c in (False, True) for m in (0, *config.MODS_CHECKED[c])]
 # the synchronous wgmma backward with the shipped tiles (the library launches the warp-specialized kernel, which
-# has the same tiles, at those head dims: SM90_BWD_WS)
+# has the same tiles where it takes 64-query steps, at those head dims: SM90_BWD_WS)
 SM90_BWD = list(dict.fromkeys(c.sync_equivalent() if isinstance(c, config.BwdSm90WsConfig) else c
-                              for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90Config)))
+                              for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90Config)
+                              and c.block_m == 64))
 SM90_BWD_WS = [c for c in config.all_bwd_configs() if isinstance(c, config.BwdSm90WsConfig)]
 
 
@@ -804,7 +805,6 @@ def test_bwd_sm90_ws_walk(cfg):
     staged = config.bwd_stages_bias(cfg.head_dim, cfg.mods, cfg.causal)
     assert (L.off_bias >= 0) == staged and (not staged or L.off_bias % 128 == 0)
     walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1000)
-    sync = banks.bwd_kernel_shared(cfg.sync_equivalent(), 1, 2, 1024, 1000)
     m_begin, m_end = bwd_query_blocks(cfg, 1024, 1000)
     n_visits = np.maximum(m_end - m_begin, 0)
     visits, ctas = 2 * int(n_visits.sum()), 2 * int((n_visits > 0).sum())
@@ -827,9 +827,25 @@ def test_bwd_sm90_ws_walk(cfg):
     assert walk.roles["dq_store"].instructions == (0 if cfg.deterministic else visits * 8 * L.dq_tiles)
     assert walk.roles["dq_store"].bytes == walk.bulk_read_bytes == dq
     assert walk.tma_write_bytes == visits * 2 * (L.base.smem_q + L.base.rowvec) + ctas * 2 * L.base.smem_kv
-    for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
-        assert walk.roles[role] == sync.roles[role], role
-    assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
+    if cfg.block_m == 64:
+        sync = banks.bwd_kernel_shared(cfg.sync_equivalent(), 1, 2, 1024, 1000)
+        for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
+            assert walk.roles[role] == sync.roles[role], role
+        assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
+        return
+    # 128-query steps (no synchronous twin): per visit and consumer (64 keys), S^T and dP^T read its 64 rows of K
+    # (V) and all 128 rows of Q (dO) in HEAD_DIM / 16 wgmma each; dV and dK all 128 rows of dO (Q) in 8; dQ its 64
+    # rows of dS (as dS^T's columns) and all of K in 8
+    hd, e = cfg.head_dim, 2
+    want = {"st_wgmma": (hd // 16, (64 + 128) * hd * e), "dpt_wgmma": (hd // 16, (64 + 128) * hd * e),
+            "dv_wgmma": (8, 128 * hd * e), "dk_wgmma": (8, 128 * hd * e)}
+    if not cfg.deterministic:
+        want["dq_wgmma"] = (8, 128 * (64 + hd) * e)
+    for role, (n, b) in want.items():
+        s = walk.roles[role]
+        assert (s.instructions, s.bytes) == (visits * 2 * n, visits * 2 * b), f"{role}: {s}"
+    assert walk.roles["ds_store"].instructions == (0 if cfg.deterministic else visits * 8 * 128 // 4)
+    assert walk.roles["ds_store"].conflicts == 0
 
 
 @pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)

@@ -104,6 +104,8 @@ def _expected_tiles(hd, causal, kernels, backward=False, seqlen_k=None):
         return (128, table[0])
     if kernels == "auto" and backward and hd in config.bwd_sm90_ws_head_dims():  # 96 on the 128 ws kernel
         hd = config.BWD_SM90_WS_PADDED.get(hd, hd)
+        if hd in (32, 64):  # bwd_sm90_ws_kernel: steps of 128 queries, 128 keys per CTA
+            return (128, 128)
     if kernels == "auto" and hd in (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES):
         return (config.BWD_SM90_TILES if backward else config.FWD_SM90_TILES)[hd][:2]
     if kernels == "auto" and backward and hd in config.BWD_SM90_SPLIT_HEAD_DIMS:  # bwd_sm90_split_kernel
@@ -207,9 +209,9 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
             if n_blocks > 0:
                 reads += 2 * rows * d * e + 2 * dcfg.block_m * 4
                 reads += 2 * sum(min(dcfg.block_n, sk - n * dcfg.block_n) for n in range(n_blocks)) * d * e
-    else:  # convert (after bwd_sm90_ws_kernel and bwd_sm90_split_kernel: every row of the 64-row blocks, in their
-        # accumulator order)
-        rows = -(-sq // 64) * 64 if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else sq
+    else:  # convert (after bwd_sm90_ws_kernel and bwd_sm90_split_kernel: every row of their BLOCK_M-row blocks
+        # (128 at head dims 32 and 64, else 64), in their accumulator order)
+        rows = -(-sq // bm) * bm if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else sq
         reads += rows * d * 4
         writes += sq * d * e
     peak = 2 * pad * 4 + (0 if deterministic else pad * acc_hd * 4)

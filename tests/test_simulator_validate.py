@@ -159,10 +159,12 @@ def _bshd_rows(b, h, s, d, e, rows):
 
 
 def _brute_force_bwd_kernel_reads(case, kernels):
-    """Every global load of bwd_kernel (bwd_sm90_kernel: the same loads, its blocks), access by access, in
-    32-byte sectors (cp.async.cg skips L1)."""
+    """Every global load of bwd_kernel (kernels "mma"; "auto": bwd_sm90_kernel, the same loads, its blocks), access
+    by access, in 32-byte sectors (cp.async.cg skips L1)."""
     p = case.problem()
-    cfg = C.backward_kernel_config(C.kernel_head_dim(p.head_dim), p.dtype, p.causal, False, kernels=kernels)
+    hd = C.kernel_head_dim(p.head_dim)
+    cfg = C.bwd_sm90_config(hd, p.dtype, p.causal, False) if kernels == "auto" else \
+        C.backward_kernel_config(hd, p.dtype, p.causal, False, kernels=kernels)
     b, h, sq, sk, d, e = p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes
     pad, diag = seqlen_q_pad(sq), sk - sq
     total = 0
@@ -228,9 +230,10 @@ def test_backward_predictions_are_consistent(target):
     p = target.case.problem()
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
     assert set(pred) == set(validate.metrics_for(target))
-    # (a bwd_sm90_kernel target: its traffic is that of bwd_sm90_ws_kernel, the library's default)
+    # (a bwd_sm90_kernel target with its own tiles: 64-query steps where the ws kernel takes 128)
+    main = target.config() if target.kernel == "bwd_sm90_kernel" else None
     kt = {k.name.replace("_ws_kernel", "_kernel"): k
-          for k in cuflash_backward_kernels(p, True, target.deterministic, target.kernels)}[target.kernel]
+          for k in cuflash_backward_kernels(p, True, target.deterministic, target.kernels, main)}[target.kernel]
     v = {m: x for m, (x, _) in pred.items()}
     assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == kt.read_bytes
     assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == kt.write_bytes
