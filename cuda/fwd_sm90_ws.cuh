@@ -10,6 +10,9 @@
 //     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
 //     runs S = Q K_j^T, the online softmax, O += P_j V_j (P from registers: wgmma's RS form), then the epilogue.
+// With BLOCK_M = 192 (FwdSm90WsTraits' last parameter; head dims up to 64, no pingpong, one item per CTA) three
+// consumer warpgroups of 160 registers each (512 threads) share each K/V tile: a third more query rows per load
+// and per barrier round, and 12 consumer warps to hide the softmax's latency (FlashAttention-3's D 64 choice).
 // The algorithm's math (OnlineSoftmax, Band masks, the score modifiers of mods.cuh in fwd_sm90_key_tile's order:
 // softcap, ALiBi, mask, softmax, dropout; the swizzled SmemTile layout and its wgmma descriptors) is
 // fwd_sm90.cuh's; what is new is who moves the data and when. K/V heads = heads / kv_group (GQA). No kv cache.
@@ -134,11 +137,12 @@ static_assert(alignof(FwdParams) == 8 && sizeof(FwdParams) == 520 && alignof(Fwd
                   sizeof(FwdWsParams) == 960,
               "FwdWsParams is mirrored in cuflash/_tma.py (FwdWsParams): maps at 0, 128, 256, FwdParams at 384, 960 bytes");
 
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_, bool PERSISTENT_ = false>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, bool PINGPONG_, class T_, bool PERSISTENT_ = false,
+          int BLOCK_M_ = 128>
 struct FwdSm90WsTraits {
   using T = T_;
   static constexpr int HEAD_DIM = HEAD_DIM_;
-  static constexpr int BLOCK_M = 128;                 // query rows per CTA: 64 per consumer warpgroup
+  static constexpr int BLOCK_M = BLOCK_M_;            // query rows per CTA: 64 per consumer warpgroup
   static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
   static constexpr int STAGES = STAGES_;              // K (and V) shared-memory buffers
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
@@ -149,7 +153,7 @@ struct FwdSm90WsTraits {
   static constexpr int THREADS = 128 + CONSUMER_THREADS;  // producer warpgroup + consumers
   // setmaxnreg: the producer gives registers back to the consumers (the pool is 64K per SM at 1 CTA per SM)
   static constexpr int PRODUCER_REGS = 24;
-  static constexpr int CONSUMER_REGS = 240;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 240 : 160;  // three: 3 x 128 x 160 + 128 x 24 <= 64K
   static constexpr int N_TILES = BLOCK_N / 8;         // n8 column tiles of S (per consumer: 64 x BLOCK_N)
   static constexpr int D_TILES = HEAD_DIM / 8;        // n8 column tiles of O
   static constexpr int QK_K_STEPS = HEAD_DIM / 16;    // k16 steps of S = Q K^T
@@ -201,7 +205,8 @@ struct FwdSm90WsTraits {
   static_assert(is_wgmma_n(BLOCK_N) && is_wgmma_n(HEAD_DIM), "BLOCK_N and HEAD_DIM must be wgmma N sizes");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && BLOCK_M <= 256, "TMA box rows are at most 256");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
-  static_assert(CONSUMERS == 2, "pingpong and the register split assume two consumer warpgroups");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && !PINGPONG && !PERSISTENT),
+                "two consumer warpgroups, or three without pingpong and on the one-item grid");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && (BLOCK_N * PANEL_BYTES) % 1024 == 0,
                 "tiles and panels start on the 1024-byte swizzle period");

@@ -255,10 +255,11 @@ def default_cases() -> list[Case]:
               _case(4, 113, 203, 2, 128, "bf16", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
               _case(4, 203, 113, 2, 64, "fp16", False, "bshd", "contiguous", kind="varlen")]
     # long key sequences: the Hopper forward's long-sequence tiles (past config.FWD_SM90_WS_SHORT_KEYS, non-causal,
-    # and FWD_SM90_WS_CAUSAL_SHORT_KEYS, causal; the shorter cases above run its persistent kernels there)
+    # and FWD_SM90_WS_CAUSAL_SHORT_KEYS and _LONG_KEYS, causal; the shorter cases above run its persistent kernels)
     cases += [_case(1, 130, keys + 52, 1, hd, dtype, causal, "bshd", "contiguous")
               for causal, bounds in ((False, config.FWD_SM90_WS_SHORT_KEYS),
-                                     (True, config.FWD_SM90_WS_CAUSAL_SHORT_KEYS))
+                                     (True, config.FWD_SM90_WS_CAUSAL_SHORT_KEYS),
+                                     (True, config.FWD_SM90_WS_CAUSAL_LONG_KEYS))
               for hd, keys in bounds.items() for dtype in ("fp16", "bf16")]
     # score modifiers: every modifier kernel the compile check builds (window alone, all four with causal folded
     # into the window, all but the window on a causal kernel), for each kernel head dim and dtype

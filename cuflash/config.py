@@ -289,6 +289,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in (0, *MODS_CHECKED[c])]
         out += [fwd_sm90_ws_config(hd, dt, False, seqlen_k=1) for hd in FWD_SM90_WS_TILES_SHORT for dt in DTYPES]
         out += [fwd_sm90_ws_config(hd, dt, True, seqlen_k=1) for hd in FWD_SM90_WS_TILES_CAUSAL_SHORT for dt in DTYPES]
+        out += [fwd_sm90_ws_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_WS_TILES_CAUSAL_LONG
+                for dt in DTYPES]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_MASK for dt in DTYPES for c in (False, True)
                 for m in MODS_MASK_CHECKED[c]]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_BIAS for dt in DTYPES for c in (False, True)
@@ -392,8 +394,10 @@ def smem_limit(arch: str) -> int:
 @dataclass(frozen=True)
 class FwdSm90WsConfig:
     """One warp-specialized Hopper forward instantiation:
-    `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T>, IS_CAUSAL, MODS>`: a TMA producer
-    warpgroup and two consumer warpgroups of 64 query rows each (BLOCK_M = 128, 384 threads, 1 CTA per SM)."""
+    `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T, PERSISTENT, BLOCK_M>, IS_CAUSAL,
+    MODS>`: a TMA producer warpgroup and block_m / 64 consumer warpgroups of 64 query rows each, 1 CTA per SM: two
+    (block_m 128, 384 threads, 240 registers each), or three (block_m 192, 512 threads, 160 registers each; head
+    dims up to 64, no modifier, no pingpong, one item per CTA)."""
 
     head_dim: int
     block_n: int
@@ -403,6 +407,7 @@ class FwdSm90WsConfig:
     pingpong: bool = True
     mods: int = 0  # score modifiers (MOD_* bits)
     persistent: bool = False  # one CTA per SM walking the work items (FwdSm90WsTraits::PERSISTENT)
+    block_m: int = 128  # query rows per CTA: 64 per consumer warpgroup
 
     def __post_init__(self):
         check_mods(self.mods, self.causal)
@@ -414,8 +419,12 @@ class FwdSm90WsConfig:
                              f"wgmma N size)")
         if not 2 <= self.stages <= 4:
             raise ValueError(f"stages={self.stages} must be 2, 3 or 4")
-
-    block_m = 128
+        if self.block_m not in (128, 192):
+            raise ValueError(f"block_m={self.block_m} must be 128 (two consumer warpgroups) or 192 (three)")
+        if self.block_m == 192 and (self.head_dim > 64 or self.mods or self.pingpong or self.persistent):
+            raise ValueError(f"block_m=192 (three consumer warpgroups of 160 registers) takes head_dim up to 64, no "
+                             f"score modifier, no pingpong, one item per CTA; got head_dim={self.head_dim}, "
+                             f"mods={self.mods}, pingpong={self.pingpong}, persistent={self.persistent}")
 
     @property
     def box_cols(self) -> int:
@@ -425,7 +434,7 @@ class FwdSm90WsConfig:
 
     @property
     def threads(self) -> int:
-        return 384
+        return 128 + 2 * self.block_m  # the producer warpgroup and block_m / 64 consumers
 
     @property
     def smem_bytes(self) -> int:
@@ -463,9 +472,10 @@ class FwdSm90WsConfig:
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
+        tail = f", {_cpp_bool(self.persistent)}, {self.block_m}" if self.block_m != 128 else \
+            ", true" if self.persistent else ""
         return (f"cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{_cpp_bool(self.pingpong)}, {t}{', true' if self.persistent else ''}>, "
-                f"{_cpp_bool(self.causal)}, {self.mods}>")
+                f"{_cpp_bool(self.pingpong)}, {t}{tail}>, {_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         """The work items as a grid (query blocks, heads, batch): the launch grid unless persistent."""
@@ -494,10 +504,14 @@ class FwdSm90WsConfig:
 # panels, measured on an H200 (2026-11-28, H 10, N 2k / 8k): (96, 2, pingpong) 675 / 727 against 676 / 713 without
 # pingpong, 659 / 685 (64, 2, persistent), 631 / 685 (64, 3), 647 / 627 (64, 2, pingpong), 571 / 514 (48, 3); the 256
 # kernel, which ran D 192 before with its last 64 columns zero-filled, takes 1.25-1.36x as long (causal 1.18-1.35x;
-# docs/PERFORMANCE.md "Forward at head dim 192").
+# docs/PERFORMANCE.md "Forward at head dim 192"). D 64 takes three consumer warpgroups (block_m 192, the fifth entry;
+# 160 registers each, 128-key tiles: 192 keys spilled 448 bytes) past FWD_SM90_WS_SHORT_KEYS, measured on an H200
+# (2026-11-28, bf16 FA shapes, A/B in one process, TFLOP/s, N 2k / 4k / 8k / 16k): (128, 2) 427 / 450 / 478 / 506
+# against 414 / 443 / 441 for the persistent (128, 2) and 457 at 16k for the two-consumer (192, 2); (128, 3) 425 /
+# 463 / 470 / 499, (96, 2) 400 / 428 / 449 / 468; at N 1k 345 against 384 (fewer, larger work items).
 FWD_SM90_WS_TILES = {
     32: (256, 2, True, True),
-    64: (192, 2, False),
+    64: (128, 2, False, False, 192),
     96: (128, 2, False, True),
     128: (192, 2, False),
     192: (96, 2, True),
@@ -669,7 +683,8 @@ def mask_only(mods: int) -> bool:
 # its long-sequence tiles (FWD_SM90_WS_TILES) at every length (2026-11-28, H = 64): (256, 2, pingpong, persistent)
 # N 1k / 2k / 4k 249 / 288 / 305 against 236 / 262 / 270 without pingpong, 229 / 239 / 256 (128, 2, persistent),
 # 223 / 247 / 274 (256, 2) on the one-item grid and 226 / 250 / 256 for fwd_sm90_kernel (3 stages: 254 / 285 / 304).
-FWD_SM90_WS_SHORT_KEYS = {64: 8192, 128: 4096}
+# D 64's bound is 2k since its long rows run three consumer warpgroups (FWD_SM90_WS_TILES' comment).
+FWD_SM90_WS_SHORT_KEYS = {64: 2048, 128: 4096}
 FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
 
 # Causal without other modifiers: the persistent grid taking its items from a work queue (longest query blocks
@@ -693,6 +708,12 @@ FWD_SM90_WS_TILES_CAUSAL_PLAIN = {32: (128, 2, True, True), 64: (128, 2, False, 
 # grid's (96, 2, pingpong) (and 418 / 536 / 604 / 691 for (64, 2, persistent)).
 FWD_SM90_WS_CAUSAL_SHORT_KEYS = {192: 2048}
 FWD_SM90_WS_TILES_CAUSAL_SHORT = {192: (96, 2, True, True)}
+# Causal without other modifiers and long key sequences (seqlen_k above the bound below): at D 64 three consumer
+# warpgroups of 64 rows each (block_m 192, 160 registers each), where the persistent grid's causal kernel ran
+# (H200, 2026-11-28, bf16 FA shapes, A/B in one process, TFLOP/s): N 8k / 16k 457 / 474 against 436 / 447; N 1k /
+# 2k / 4k 227 / 336 / 403 against 282 / 359 / 412 (fewer, larger work items and no queue), so only long rows.
+FWD_SM90_WS_CAUSAL_LONG_KEYS = {64: 4096}
+FWD_SM90_WS_TILES_CAUSAL_LONG = {64: (128, 2, False, False, 192)}
 
 
 # A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
@@ -701,27 +722,39 @@ FWD_SM90_WS_TILES_CAUSAL_SHORT = {192: (96, 2, True, True)}
 FWD_SM90_WS_TILES_BLOCKS = {**FWD_SM90_WS_TILES_CAUSAL, 192: (64, 2, True)}
 
 
-def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
-                       pingpong: bool | None = None, seqlen_k: int | None = None,
-                       persistent: bool | None = None) -> FwdSm90WsConfig:
-    """The warp-specialized forward's config (pingpong, persistent None: the table's choice; seqlen_k, when given,
-    selects the short-sequence tiles)."""
+def fwd_sm90_ws_table(head_dim: int, causal: bool, mods: int = 0, seqlen_k: int | None = None) -> dict:
+    """The tile table whose entry for `head_dim` the warp-specialized forward takes for these modifiers and key count
+    (None: the long-sequence tables; tools/tune_tiles.py tunes the entry it returns)."""
     if head_dim not in FWD_SM90_WS_TILES:
         raise ValueError(f"head_dim={head_dim} is not supported by fwd_sm90_ws_kernel; supported: "
                          f"{', '.join(map(str, FWD_SM90_WS_TILES))}")
     short = seqlen_k is not None and \
         seqlen_k <= (FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal else FWD_SM90_WS_SHORT_KEYS).get(head_dim, 0)
-    table = FWD_SM90_WS_TILES_MASK if mask_only(mods) else \
+    long = seqlen_k is not None and head_dim in FWD_SM90_WS_CAUSAL_LONG_KEYS and \
+        seqlen_k > FWD_SM90_WS_CAUSAL_LONG_KEYS[head_dim]
+    return FWD_SM90_WS_TILES_MASK if mask_only(mods) else \
         FWD_SM90_WS_TILES_BIAS if bias_only(mods) and head_dim in FWD_SM90_WS_TILES_BIAS and \
         (seqlen_k is None or seqlen_k <= FWD_SM90_WS_BIAS_MAX_KEYS.get(head_dim, seqlen_k)) else \
         FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
         FWD_SM90_WS_TILES_BLOCKS if mods & MOD_BLOCKS else \
         FWD_SM90_WS_TILES_CAUSAL_SHORT if causal and not mods and short else \
+        FWD_SM90_WS_TILES_CAUSAL_LONG if causal and not mods and long else \
         FWD_SM90_WS_TILES_CAUSAL_PLAIN if causal and not mods and head_dim in FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
         FWD_SM90_WS_TILES_CAUSAL if causal or mods else FWD_SM90_WS_TILES_SHORT if short else FWD_SM90_WS_TILES
-    bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent])
-    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, table_pingpong if pingpong is None else pingpong, mods,
-                           persistent=bool(rest and rest[0]) if persistent is None else persistent)
+
+
+def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
+                       pingpong: bool | None = None, seqlen_k: int | None = None,
+                       persistent: bool | None = None) -> FwdSm90WsConfig:
+    """The warp-specialized forward's config (pingpong, persistent None: the table's choice; seqlen_k, when given,
+    selects the short- or long-sequence tiles: fwd_sm90_ws_table). pingpong or persistent True on an entry of three
+    consumer warpgroups gives the two-consumer kernel of the same key tiles (those schedules take two)."""
+    table = fwd_sm90_ws_table(head_dim, causal, mods, seqlen_k)
+    bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent[, block_m]])
+    pingpong = table_pingpong if pingpong is None else pingpong
+    persistent = bool(rest and rest[0]) if persistent is None else persistent
+    block_m = 128 if pingpong or persistent or len(rest) < 2 else rest[1]
+    return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, pingpong, mods, persistent=persistent, block_m=block_m)
 
 
 # With ALiBi / softcap / dropout (heavy_mods, see FWD_TILES_MODS): the plain tiles spilled 28 bytes (dropout

@@ -139,6 +139,29 @@ def test_config_names_and_shared_memory():
     assert not config.fwd_sm90_ws_config(192, "bf16", False, config.MOD_WINDOW, seqlen_k=1024).persistent
     d192 = config.FwdSm90WsConfig(192, 64, 3, "bf16", False, False)  # three 64-column panels
     assert d192.box_cols == 64 and d192.smem_bytes == 128 * 192 * 2 + 2 * 3 * 64 * 192 * 2 + 8 * 13 + 1024
+    # D 64's long rows: three consumer warpgroups of 64 rows (block_m 192, 512 threads), 128-key tiles; short
+    # non-causal rows and causal rows up to FWD_SM90_WS_CAUSAL_LONG_KEYS keys on the persistent grid
+    three = config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2049)
+    assert (three.block_m, three.block_n, three.stages, three.threads, three.pingpong, three.persistent) == \
+        (192, 128, 2, 512, False, False)
+    assert three.smem_bytes == 192 * 64 * 2 + 2 * 2 * 128 * 64 * 2 + 8 * 9 + 1024
+    assert three.grid(2, 3, 1000) == (6, 3, 2) and three.schedule(2, 3, 1000, 132) == ((6, 3, 2), 6, 36)
+    assert three.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<64, 128, 2, false, cuflash::bf16, "
+                                "false, 192>, false, 0>")
+    assert config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2048).block_m == 128
+    assert config.fwd_sm90_ws_config(64, "bf16", True, seqlen_k=4096).block_m == 128
+    assert config.fwd_sm90_ws_config(64, "bf16", True, seqlen_k=4097).block_m == 192
+    for mods in (config.MOD_WINDOW, config.MOD_ALIBI, config.MOD_BIAS):  # the modifiers keep two consumers
+        assert config.fwd_sm90_ws_config(64, "bf16", False, mods, seqlen_k=16384).block_m == 128, mods
+    # pingpong (or a persistent grid) asked for: the two-consumer kernel of the same key tiles
+    pp = config.fwd_sm90_ws_config(64, "bf16", False, pingpong=True)
+    assert (pp.block_m, pp.block_n, pp.pingpong) == (128, 128, True)
+    with pytest.raises(ValueError, match="block_m=192"):
+        config.FwdSm90WsConfig(128, 128, 2, "bf16", False, False, block_m=192)
+    with pytest.raises(ValueError, match="block_m=192"):
+        config.FwdSm90WsConfig(64, 128, 2, "bf16", False, True, block_m=192)
+    with pytest.raises(ValueError, match="block_m=256"):
+        config.FwdSm90WsConfig(64, 128, 2, "bf16", False, False, block_m=256)
     with pytest.raises(ValueError, match="head_dim=160"):
         config.FwdSm90WsConfig(160, 64, 2, "bf16", False)
     with pytest.raises(ValueError, match="head_dim=48"):
@@ -194,5 +217,5 @@ def test_ws_params_boxes_are_one_panel_wide(monkeypatch, d, cols, swizzle):
     dims = _dims(2, 300, 4, d, 300 * 4 * d, 4 * d, d)
     fwd = _launch.FwdParams(seq=_launch.seq_params(300, 300, 1), heads=4, head_dim=d)
     _tma.ws_params(fwd, 0x10000, 0x20000, 0x30000, dims, dims, dims, "bf16", cfg)
-    assert calls == [((cols, 128, 1, 1), swizzle), ((cols, cfg.block_n, 1, 1), swizzle),
+    assert calls == [((cols, cfg.block_m, 1, 1), swizzle), ((cols, cfg.block_n, 1, 1), swizzle),
                      ((cols, cfg.block_n, 1, 1), swizzle)]

@@ -173,6 +173,38 @@ def test_ws_forward_gqa(d, dtype, causal, pingpong, sq, sk):
     check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal)
 
 
+# Three consumer warpgroups (block_m 192: D 64's long rows, config.FWD_SM90_WS_TILES / _CAUSAL_LONG): 192-row work
+# items, so the sequence pairs put the last one partial, past the sequence or seeing no key (causal, Sq > Sk)
+@pytest.mark.parametrize("layout,kind", LAYOUTS, ids=lambda x: x)
+@pytest.mark.parametrize("sq,sk", [(113, 203), (193, 217), (384, 385), (1023, 1024), (700, 300), (1, 239)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_three_consumer_forward_matches_reference(dtype, causal, sq, sk, layout, kind):
+    cfg = config.FwdSm90WsConfig(64, 128, 2, dtype, causal, False, block_m=192)
+    assert cfg.threads == 512
+    check_case(cfg, 2, sq, sk, 3, 3, layout, kind, causal)
+    check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal)  # GQA
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_the_library_runs_three_consumers_on_long_d64_rows(causal):
+    """Through cuflash.attention_forward: D 64 rows of more than FWD_SM90_WS_SHORT_KEYS keys (non-causal) or
+    FWD_SM90_WS_CAUSAL_LONG_KEYS (causal) take the three-consumer kernel; against the float64 reference."""
+    import cuflash
+
+    sk = (config.FWD_SM90_WS_CAUSAL_LONG_KEYS if causal else config.FWD_SM90_WS_SHORT_KEYS)[64] + 77
+    cfg = config.forward_kernel_config(64, "bf16", causal, _compile.device_arch(), seqlen_k=sk)
+    assert isinstance(cfg, config.FwdSm90WsConfig) and cfg.block_m == 192, cfg
+    q = make_input(1, 300, 2, 64, "bf16", "bshd", "contiguous", seed_of("three", causal))
+    k, v = (make_input(1, sk, 2, 64, "bf16", "bshd", "contiguous", seed_of("three", causal, i)) for i in (1, 2))
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    q32, k32, v32 = (to_bshd32(x, "bshd") for x in (q, k, v))
+    o64, lse64 = _xpref.attention_forward64(q32, k32, v32, causal)
+    check_rule("o", to_bshd32(o, "bshd"), o64, _xpref.attention_lowp(q32, k32, v32, "bf16", causal), 2.0,
+               f"three consumers causal={causal} 300 x {sk}")
+    check_lse(lse, lse64, f"three consumers causal={causal}")
+
+
 # The persistent kernels (one CTA per SM walking the work items; FwdSm90WsTraits::PERSISTENT): the instantiations the
 # tables may choose, each on grids of 1 and 3 CTAs (every CTA walks many items, so the rings, the Q buffer's phases
 # and the pingpong tokens carry across items, and items without keys sit between items with keys) and on the whole

@@ -95,13 +95,14 @@ def test_useful_flops_are_the_problems(strategy, causal):
 
 def _expected_tiles(hd, causal, kernels, backward=False, seqlen_k=None):
     """The tile table entry the library launches on an H100, looked up by hand."""
-    if kernels == "auto" and not backward and hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel: BLOCK_M 128
+    if kernels == "auto" and not backward and hd in config.FWD_SM90_WS_TILES:  # fwd_sm90_ws_kernel
         short = seqlen_k is not None and seqlen_k <= (config.FWD_SM90_WS_CAUSAL_SHORT_KEYS if causal
                                                       else config.FWD_SM90_WS_SHORT_KEYS).get(hd, 0)
-        table = (config.FWD_SM90_WS_TILES_CAUSAL_SHORT[hd] if short else
-                 config.FWD_SM90_WS_TILES_CAUSAL_PLAIN.get(hd, config.FWD_SM90_WS_TILES_CAUSAL[hd])) if causal \
-            else (config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES)[hd]
-        return (128, table[0])
+        long = seqlen_k is not None and seqlen_k > config.FWD_SM90_WS_CAUSAL_LONG_KEYS.get(hd, 1 << 40)
+        table = (config.FWD_SM90_WS_TILES_CAUSAL_SHORT[hd] if short else config.FWD_SM90_WS_TILES_CAUSAL_LONG[hd]
+                 if long else config.FWD_SM90_WS_TILES_CAUSAL_PLAIN.get(hd, config.FWD_SM90_WS_TILES_CAUSAL[hd])) \
+            if causal else (config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES)[hd]
+        return (table[4] if len(table) > 4 else 128, table[0])  # (block_m: 192 for three consumer warpgroups)
     if kernels == "auto" and backward and hd in config.bwd_sm90_ws_head_dims():  # 96 on the 128 ws kernel
         hd = config.BWD_SM90_WS_PADDED.get(hd, hd)
         if hd in (32, 64):  # bwd_sm90_ws_kernel: steps of 128 queries, 128 keys per CTA

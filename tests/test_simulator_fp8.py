@@ -373,9 +373,9 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     changes causal skipping) FP8 reads exactly half the K/V bytes and half the Q bytes of fwd_sm90_ws_kernel, and
     writes the same O (bf16) and lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
-                  C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT):
-        if d in table:
-            monkeypatch.setitem(table, d, (bn_of(d), *table[d][1:]))
+                  C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT, C.FWD_SM90_WS_TILES_CAUSAL_LONG):
+        if d in table:  # (and 128 query rows per CTA, as the FP8 kernel's: no three-consumer entry)
+            monkeypatch.setitem(table, d, (bn_of(d), *table[d][1:4]))
     p8, p16 = (Problem(2, 3, sq, sk, d, dt, causal) for dt in ("fp8", "bf16"))
     assert cuflash_config(p16).block_n == cuflash_config(p8).block_n
     c8, c16 = simulate("cuflash", p8), simulate("cuflash", p16)
@@ -392,12 +392,16 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
 @pytest.mark.parametrize("n", [2048, 16384])
 def test_non_causal_kv_traffic_is_half_on_the_shipped_tiles(d, n):
     """Without a mask every CTA reads all of K and V whatever its key tile, so the halving holds against the 16-bit
-    kernel's shipped tiles too."""
+    kernel's shipped tiles too, per CTA of 128 query rows (the 16-bit D 64 kernel's long rows take 192 per CTA: its
+    K and V reads are those of ceil(N / 192) CTAs)."""
     p8, p16 = (Problem(1, 4, n, n, d, dt) for dt in ("fp8", "bf16"))
     hand = hand_counts(1, 4, n, n, d, False)
     kv8 = simulate("cuflash", p8).hbm_read_bytes - hand["q_read"] - hand["descale"]
     kv16 = simulate("cuflash", p16).hbm_read_bytes - 2 * hand["q_read"]
-    assert 2 * kv8 == kv16 == 2 * 4 * (n // BM) * 2 * n * d * E8
+    bm16 = cuflash_config(p16).block_m
+    assert kv8 == 4 * (n // BM) * 2 * n * d * E8
+    assert kv16 == 4 * -(-n // bm16) * 2 * n * d * 2 * E8
+    assert (2 * kv8 == kv16) == (bm16 == BM)
 
 
 @pytest.mark.parametrize("window,causal", [((256, 0), False), ((300, 100), False), ((512, -1), True)])

@@ -34,12 +34,15 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             192: [(128, 32, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
-# the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent])
+# the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent[, block_m]]); block_m 192: three
+# consumer warpgroups (no pingpong, not persistent, head dims up to 64)
 FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, True, True), (128, 2, True, True),
                     (128, 2, False, True), (256, 3, True, True)],
                64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
                     (192, 3, True), (256, 2, False), (256, 2, True), (128, 2, True, True), (128, 2, False, True),
-                    (192, 2, False, True), (64, 2, False, True), (64, 3, False, True), (64, 3, True, True)],
+                    (192, 2, False, True), (64, 2, False, True), (64, 3, False, True), (64, 3, True, True),
+                    (128, 2, False, False, 192), (128, 3, False, False, 192), (96, 2, False, False, 192),
+                    (192, 2, False, False)],
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True), (64, 2, True, True), (64, 3, True, True), (64, 3, False, True),
@@ -168,13 +171,7 @@ def main() -> int:
 
                 if wgmma:
                     if d in config.FWD_SM90_WS_TILES:  # the table the call's config comes from
-                        short = not causal and n <= config.FWD_SM90_WS_SHORT_KEYS.get(d, 0)
-                        causal_table = config.FWD_SM90_WS_TILES_CAUSAL_SHORT \
-                            if n <= config.FWD_SM90_WS_CAUSAL_SHORT_KEYS.get(d, 0) else \
-                            config.FWD_SM90_WS_TILES_CAUSAL_PLAIN if d in config.FWD_SM90_WS_TILES_CAUSAL_PLAIN else \
-                            config.FWD_SM90_WS_TILES_CAUSAL
-                        table = causal_table if causal else \
-                            config.FWD_SM90_WS_TILES_SHORT if short else config.FWD_SM90_WS_TILES
+                        table = config.fwd_sm90_ws_table(d, causal, seqlen_k=n)
                         tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
                              lambda: config.fwd_sm90_ws_config(d, "bf16", causal, seqlen_k=n))
                     elif d in config.FWD_SM90_TILES:
