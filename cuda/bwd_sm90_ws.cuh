@@ -88,10 +88,10 @@ static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 616 && alignof(Bwd
 
 // bwd_sm90_kernel's (64, 128) tiles and layout names (which bwd_sm90_dkdv_step reads), with a producer warpgroup,
 // a second dS^T buffer, the dQ buffer and the mbarriers.
-// BLOCK_M_ 128 (head dims 32 and 64, without dropout, a bias or a mask: cuflash/config.py BWD_SM90_WS_BLOCK_M)
-// takes steps of 128 queries: each consumer's S^T and dP^T are 64 keys x 128 queries, K and V are read once per
-// 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the same work; dQ is split by rows
-// (BwdSm90Traits::DQ_BY_ROWS).
+// BLOCK_M_ 128 takes steps of 128 queries (head dims 32 and 64; the library runs it for plain, causal and windowed
+// calls, cuflash/config.py BWD_SM90_WS_BLOCK_M): each consumer's S^T and dP^T are 64 keys x 128 queries, K and V
+// are read once per 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the same work; dQ
+// is split by rows (BwdSm90Traits::DQ_BY_ROWS). Dropout, a bias, masks and block maps need 64 (takes_mods).
 template <int HEAD_DIM_, class T_, int BLOCK_M_ = 64>
 struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   using Base = BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_>;
@@ -120,7 +120,8 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   // rows of one half) hit 8 distinct 16-byte bank groups.
   // cuflash/config.py bwd_stages_bias mirrors this.
   static constexpr bool stage_bias(int mods, bool causal) {
-    return BLOCK_M_ != 64 ? false : HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
+    if (BLOCK_M_ != 64) return false;  // (two buffers of 128-row steps would not fit beside the rest)
+    return HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
                            : mods == MOD_BIAS && !causal;
   }
   static constexpr int BIAS_PITCH = 32;
