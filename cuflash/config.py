@@ -1003,13 +1003,15 @@ class BwdSm90Config:
     deterministic: bool
     mods: int = 0  # score modifiers (MOD_* bits)
 
+    block_ms = (64,)  # query rows per step the kernel takes (BwdSm90WsConfig: 64 or 128)
+
     def __post_init__(self):
         check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
-        if self.block_m != 64 or self.block_n not in (64, 128):
-            raise ValueError(f"(block_m, block_n)=({self.block_m}, {self.block_n}); the kernel takes block_m 64, "
-                             f"block_n 64 or 128")
+        if self.block_m not in self.block_ms or self.block_n not in (64, 128):
+            raise ValueError(f"(block_m, block_n)=({self.block_m}, {self.block_n}); the kernel takes block_m "
+                             f"{' or '.join(map(str, self.block_ms))}, block_n 64 or 128")
 
     @property
     def num_warps(self) -> int:
@@ -1020,10 +1022,16 @@ class BwdSm90Config:
         return 2 * self.block_n
 
     @property
+    def dq_cols(self) -> int:
+        """dQ columns per warpgroup (BwdSm90Traits::DQ_COLS): the head dim split across the warpgroups, or at
+        block_m 128 (DQ_BY_ROWS: the warpgroups split the rows) all of it."""
+        return self.head_dim if self.block_m == 128 else self.head_dim // (self.block_n // 64)
+
+    @property
     def panel_cols(self) -> int:
         """Panel width of the K, V, Q, dO tiles (BwdSm90Traits::PANEL_COLS): dQ's column split must fall
         on a panel boundary."""
-        return 64 if (self.head_dim // (self.block_n // 64)) % 64 == 0 else 32
+        return 64 if self.dq_cols % 64 == 0 else 32
 
     @property
     def smem_bytes(self) -> int:
@@ -1160,15 +1168,11 @@ class BwdSm90WsConfig(BwdSm90Config):
     `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer walks it on its own (simulator/banks.py
     bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
 
+    block_ms = (64, 128)
+
     def __post_init__(self):
-        if self.block_m != 128:
-            super().__post_init__()
-        else:
-            check_mods(self.mods, self.causal)
-            if self.dtype not in DTYPES:
-                raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
-        if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_n, self.ctas_per_sm) != (128, 1) or \
-                self.block_m not in (64, 128):
+        super().__post_init__()
+        if self.head_dim not in BWD_SM90_WS_HEAD_DIMS or (self.block_n, self.ctas_per_sm) != (128, 1):
             raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 32, 64 or 128 with (block_m, block_n, ctas_per_sm) = "
                              f"(64 or 128, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
                              f"{self.ctas_per_sm})")
@@ -1182,12 +1186,6 @@ class BwdSm90WsConfig(BwdSm90Config):
     def box_cols(self) -> int:
         """TMA box width in elements: one swizzle panel of the tiles (panel_cols)."""
         return self.panel_cols
-
-    @property
-    def panel_cols(self) -> int:
-        """BwdSm90Traits::PANEL_COLS: dQ's split (by columns at block_m 64, by rows at 128) on a panel boundary."""
-        dq_cols = self.head_dim if self.block_m == 128 else self.head_dim // 2
-        return 64 if dq_cols % 64 == 0 else 32
 
     def sync_equivalent(self) -> BwdSm90Config:
         """bwd_sm90_kernel's config with the same tiles (the synchronous kernel this one is measured against)."""

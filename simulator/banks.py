@@ -1414,9 +1414,9 @@ def bwd_sm90_layout(cfg) -> BwdSm90Layout:
     off_lse = off_ds + smem_ds
     wg = bn // 64
     return BwdSm90Layout(
-        warpgroups=wg, dq_cols=hd if bm == 128 else hd // wg, panel_cols=cfg.panel_cols, smem_q=smem_q,
-        smem_kv=smem_kv, smem_ds=smem_ds, rowvec=bm * 4, off_k=0, off_v=smem_kv, off_q=2 * smem_kv,
-        off_do=2 * smem_kv + smem_q, off_ds=off_ds, off_lse=off_lse, off_delta=off_lse + bm * 4, smem_bytes=off_lse + 4 * bm * 4 + 1024)
+        warpgroups=wg, dq_cols=cfg.dq_cols, panel_cols=cfg.panel_cols, smem_q=smem_q, smem_kv=smem_kv,
+        smem_ds=smem_ds, rowvec=bm * 4, off_k=0, off_v=smem_kv, off_q=2 * smem_kv, off_do=2 * smem_kv + smem_q,
+        off_ds=off_ds, off_lse=off_lse, off_delta=off_lse + bm * 4, smem_bytes=off_lse + 4 * bm * 4 + 1024)
 
 
 def bwd_sm90_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict[str, np.ndarray]:
