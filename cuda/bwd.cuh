@@ -1,9 +1,11 @@
 // bwd.cuh: FlashAttention-2 backward (Dao 2023, Algorithm 2) on mma.sync tensor cores.
 //
 // Nothing of size N^2 is stored: P is recomputed per tile from Q, K and the forward's lse.
-//   1. bwd_preprocess_kernel: delta_i = rowsum(dO_i * O_i), lse_log2_i = lse_i * log2(e), dQ_acc = 0
+//   1. bwd_preprocess_kernel: delta_i = rowsum(dO_i * O_i), lse_log2_i = lse_i * log2(e), dQ_acc = 0 (and its
+//      turn counters, dq_turns, = 0)
 //   2. bwd_kernel (K/V-outer): dK_j, dV_j in registers, written once; dQ_i += dS K_j by fp32 atomics
-//      into dQ_acc (or, deterministic, not at all: then 3b)
+//      into dQ_acc (or, deterministic, not at all: then 3b; bwd_sm90_ws_kernel instead adds them in a fixed order,
+//      bwd_sm90_ws.cuh "deterministic mode")
 //   3. bwd_convert_dq_kernel: dQ = softmax_scale * dQ_acc in the input dtype and layout
 //   3b. bwd_dq_kernel (Q-outer, deterministic): dQ_i = softmax_scale * sum_j dS_ij K_j in registers
 // Dense or packed (varlen) sequences and GQA as in the forward (seqs.cuh). With GQA, a bwd_kernel CTA
@@ -52,8 +54,12 @@ struct BwdParams {
   float softmax_scale;
   ModParams mods;     // score modifiers (mods.cuh), read by kernels instantiated with MODS != 0
   double scale_log2_d, softmax_scale_d;  // the two scales in float64 (the float64 kernels, wide.cuh)
+  // deterministic bwd_sm90_ws_kernel: [rows of padded_row0 / 64] the key blocks that have added their dQ into each
+  // 64 rows of dQ_acc (its ordered reductions); else null. (Last: inserted after `delta`, the field offsets that
+  // moved made NVRTC 13.0 spill 20-24 bytes in two head-dim-128 instantiations of that kernel.)
+  int* dq_turns;
 };
-static_assert(sizeof(BwdParams) == 616, "BwdParams is mirrored field by field in cuflash/_launch.py");
+static_assert(sizeof(BwdParams) == 624, "BwdParams is mirrored field by field in cuflash/_launch.py");
 
 // ---- 1. preprocess: eight lanes per query row, four rows per warp -------------------------------
 // Each lane reads 16-byte chunks of O and dO (chunk c of a row goes to lane c % 8 of its eight), so every
@@ -102,6 +108,7 @@ __global__ void __launch_bounds__(256) bwd_preprocess_kernel(const BwdParams p) 
     p.delta[vec] = delta;
     p.lse_log2[vec] = lse_log2;
   }
+  if (p.dq_turns != nullptr && sub == 0 && vec % 64 == 0) p.dq_turns[vec / 64] = 0;
   if (p.dq_accum != nullptr) {
     float* acc = p.dq_accum + vec * p.dq_accum_cols;
     for (int col = sub * 4; col < p.dq_accum_cols; col += PREPROCESS_LANES * 4)
@@ -406,8 +413,10 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
 // query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
 // HAS_MAP: the kernel takes a BlockMask's tile map (MOD_MASK or MOD_BLOCKS; mods.cuh TileMap), transposed so that
 // the query tiles of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false>
+// REVERSED: key block gridDim.x - 1 - blockIdx.x instead of blockIdx.x (the last key blocks launch first)
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false, bool REVERSED = false>
 struct BwdKeyBlock {
+  static constexpr bool MAPPED = HAS_MAP;
   Seq seq;
   int batch, kv_head;
   int n0;              // first key of this CTA
@@ -417,7 +426,7 @@ struct BwdKeyBlock {
   int m_begin, m_end;  // query blocks of each query head that see these keys
 
   __device__ __forceinline__ explicit BwdKeyBlock(const BwdParams& p)
-      : seq(sequence(p.seq, blockIdx.z)), batch(blockIdx.z), kv_head(blockIdx.y), n0(blockIdx.x * Tr::BLOCK_N) {
+      : seq(sequence(p.seq, blockIdx.z)), batch(blockIdx.z), kv_head(blockIdx.y), n0(n_block() * Tr::BLOCK_N) {
     keys = min(Tr::BLOCK_N, seq.len_k - n0);
     diag = seq.len_k - seq.len_q;
     band = Band<IS_CAUSAL, HAS_WINDOW>{seq.len_k, diag, p.mods.window_left, p.mods.window_right};
@@ -426,6 +435,29 @@ struct BwdKeyBlock {
     m_begin = band.query_begin(n0) / Tr::BLOCK_M;
     m_end = (band.query_end(n0 + keys - 1, seq.len_q) + Tr::BLOCK_M - 1) / Tr::BLOCK_M;
   }
+  // this CTA's key block; reversed, it and the first key (key0) are read anew from the special registers wherever
+  // they are used (computed once and kept through the query loop, they made the head-dim-128 warp-specialized
+  // kernel spill 4-60 bytes)
+  // (unsigned, as blockIdx.x: the unreversed kernels' index arithmetic stays what it was; sign-extended, ptxas
+  // spilled 16 bytes in one of them)
+  static __device__ __forceinline__ unsigned n_block() {
+    return REVERSED ? static_cast<unsigned>(nctaid_x_reread() - 1 - ctaid_x_reread()) : blockIdx.x;
+  }
+  __device__ __forceinline__ int key0() const { return REVERSED ? n_block() * Tr::BLOCK_N : n0; }
+
+  // Key block n's turn among those that add to query block m's dQ in a deterministic backward: without a band
+  // every key block of the sequence, in ascending order (they reach m together; the lower ones launch first); with
+  // causal or a window the key blocks that see m, a run [n_lo, n_hi], in descending order (the higher ones start
+  // at their diagonal, reach m first, and launch first when REVERSED), so each waits only on CTAs that started
+  // before it. n_hi is the last key block whose first key a row of block m sees (its m_begin <= m; its m_end is
+  // past m since n's is): n_hi * BLOCK_N - diag - right <= m * BLOCK_M + BLOCK_M - 1 (right: 0 when causal), at
+  // most the sequence's last key block. reach: dq_reach().
+  static __device__ __forceinline__ int dq_turn(int m, int n, int last_block, int reach) {
+    if (!IS_CAUSAL && !HAS_WINDOW) return n;
+    return min(last_block, (m * Tr::BLOCK_M + reach) / Tr::BLOCK_N) - n;
+  }
+  __device__ __forceinline__ int dq_reach() const { return Tr::BLOCK_M - 1 + diag + (HAS_WINDOW ? band.right : 0); }
+  __device__ __forceinline__ int last_key_block() const { return (seq.len_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N - 1; }
 
   // (query head, query block) positions of the CTA: every query head of the group over [m_begin, m_end)
   __device__ __forceinline__ int steps(const BwdParams& p) const { return p.seq.kv_group * (m_end - m_begin); }
@@ -433,10 +465,14 @@ struct BwdKeyBlock {
   // the block map's byte of query block qb (a map must be given); read from the params each time, so the map's
   // address takes no registers across the query loop
   __device__ __forceinline__ const unsigned char* state_ptr(const BwdParams& p, const QueryBlock<Tr>& qb) const {
+    return state_ptr(p, batch, qb.head, qb.m_block);
+  }
+  static __device__ __forceinline__ const unsigned char* state_ptr(const BwdParams& p, int batch, int head,
+                                                                   int m_block) {
     const Broadcast& b = p.mods.block_map;
     return static_cast<const unsigned char*>(b.ptr) + static_cast<long long>(batch / b.batch_div) * b.stride_b +
-           static_cast<long long>(blockIdx.x) * b.stride_k + static_cast<long long>(qb.head / b.head_div) * b.stride_h +
-           static_cast<long long>(qb.m_block) * b.stride_q;
+           static_cast<long long>(n_block()) * b.stride_k + static_cast<long long>(head / b.head_div) * b.stride_h +
+           static_cast<long long>(m_block) * b.stride_q;
   }
   // the block map's state of query block qb (TILE_PARTIAL without a map)
   __device__ __forceinline__ int state(const BwdParams& p, const QueryBlock<Tr>& qb) const {

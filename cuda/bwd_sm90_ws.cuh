@@ -4,9 +4,9 @@
 // next query block's GEMMs instead of per-thread atomics.
 //
 // One CTA = BLOCK_N = 128 keys of one K/V head (K/V-outer, as bwd_sm90_kernel), 3 warpgroups, 384 threads:
-//   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: K and V once, then Q_i, dO_i (tensor
-//     maps) and lse_log2_i, delta_i (1-D bulk copies) of every (query head, query block) step into a 2-stage
-//     circular buffer;
+//   warpgroup 0 (producer, 24 registers): one thread issues the TMA loads: K and V once,
+//     then Q_i, dO_i (tensor maps) and lse_log2_i, delta_i (1-D bulk copies) of every (query head, query block)
+//     step into a 2-stage circular buffer; in deterministic mode lane 0 of warp 1 is the dQ writer (below);
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w owns keys 64w .. 64w + 63 and their dK, dV rows in
 //     registers; per step it runs bwd_sm90_dkdv_step (bwd_sm90.cuh: S^T, dP^T, P^T, dV += P^T dO, dS^T,
 //     dK += dS^T Q on asynchronous wgmma), stores dS^T, and computes its part of dQ_i = dS K_j (half the columns of
@@ -52,6 +52,23 @@
 // reads buffer i % 2; buffer i % 2 is written again at step i + 2, after DS_BAR of step i + 1, which B reaches
 // only after its dQ GEMM of step i retired.
 //
+// ---- deterministic mode: ordered reductions ---------------------------------------------------------------------
+// dQ_acc's elements are fp32 sums over key blocks; with the reductions above their order is whichever CTA gets
+// there first. deterministic=True fixes it: the consumers' writer thread does not reduce but hands the block over,
+// and the dQ writer (bwd_sm90_ws_dq_writer) adds it when the CTA's turn has come, one key block after another per
+// query block in the order BwdKeyBlock::dq_turn gives (ascending key blocks without a band; with causal or a window
+// descending, the key blocks launched in reverse so that each CTA only waits on CTAs launched before it). A counter
+// per 64 rows of dQ_acc (BwdParams::dq_turns, zeroed by the preprocess) counts the turns taken: the writer polls it
+// (ld.acquire) until it equals its turn, reduces, waits for the reduction to complete, and adds 1 (red.release).
+// Two more mbarriers, count 1 each:
+//   dq_full    the consumers' writer thread, after DQ_BAR: dQ_i is in the dQ buffer
+//   dq_empty   the dQ writer, once its reduction has read the buffer; the consumers' writer thread waits for it
+//              (parity buf ^ 1: one phase per step, as buf flips) before DS_BAR, where the default mode waits for
+//              its own reduction's reads
+// A block map's empty tiles are skipped by the consumers but still take their turn in the writer (it reads the
+// same map); a CTA whose tiles are all empty runs the writer alone. A bias or dropout keeps the other scheme
+// (BwdSm90WsTraits::ordered_dq): no dQ here, bwd_dq_kernel after the kernel.
+//
 // ---- dQ_acc layout ---------------------------------------------------------------------------------------------
 // A block's BLOCK_M x HEAD_DIM fp32 values (its rows of dQ_acc, contiguous since dq_accum_cols = HEAD_DIM) are
 // stored in the consumers' accumulator order, so that each thread writes whole 16-byte chunks to shared memory
@@ -82,7 +99,7 @@ struct BwdWsParams {
   TmaDesc tma_v;   // V like K
   BwdParams bwd;   // everything else (bwd_sm90_kernel's argument)
 };
-static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 616 && alignof(BwdWsParams) == 64 &&
+static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 624 && alignof(BwdWsParams) == 64 &&
                   sizeof(BwdWsParams) == 1152,
               "BwdWsParams is mirrored in cuflash/_tma.py: maps at 0, 128, 256, 384, BwdParams at 512, 1152 bytes");
 
@@ -98,7 +115,7 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static constexpr int CONSUMERS = Base::WARPGROUPS;  // 2: 64 keys each
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
-  static constexpr int PRODUCER_REGS = 24;
+  static constexpr int PRODUCER_REGS = 24;  // (the deterministic dQ writer included)
   static constexpr int CONSUMER_REGS = 240;
   static constexpr int STAGES = 2;  // of (Q, dO, lse_log2, delta); the offsets below are Base's for 2 stages
   static constexpr int PANEL_BYTES = Base::TileQ::PANEL_BYTES;
@@ -107,9 +124,12 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static constexpr int OFF_DQ = Base::OFF_DS + 2 * Base::SMEM_DS;
   static constexpr int OFF_LSE = OFF_DQ + SMEM_DQ;                    // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + Base::SMEM_ROWVEC;      // + stage * 2 * SMEM_ROWVEC
-  static constexpr int OFF_BAR = OFF_LSE + 2 * STAGES * Base::SMEM_ROWVEC;  // kv_full, q_full[2], q_empty[2]
-  static constexpr int BARRIERS = 1 + 2 * STAGES;
-  static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;   // + rounding the base up to 1024
+  // kv_full, q_full[2], q_empty[2], dq_full, dq_empty
+  static constexpr int OFF_BAR = OFF_LSE + 2 * STAGES * Base::SMEM_ROWVEC;
+  static constexpr int BARRIERS = 3 + 2 * STAGES;
+  // the deterministic dQ writer's setup (DqWriterSetup, 32 bytes), from the thread that runs it
+  static constexpr int OFF_WRITER = OFF_BAR + 8 * BARRIERS;
+  static constexpr int SMEM_BYTES = OFF_WRITER + 32 + 1024;          // + rounding the base up to 1024
   // A bias (16-bit, contiguous 16-byte aligned rows: bwd_bias_staged decides per call) is staged at head dim 64
   // when no ALiBi, soft-capping or dropout is beside it, and at head dim 128 when it comes alone and not causal
   // (beside a window or a mask there the staging made ptxas spill 12-48 bytes, causal 4 bytes under NVRTC 13.0):
@@ -128,11 +148,16 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static __device__ __forceinline__ int bias_offset(int row, int half) {
     return row * BIAS_PITCH + 16 * (half ^ ((row >> 2) & 1));
   }
-  static constexpr int OFF_BIAS = (OFF_BAR + 8 * BARRIERS + 127) / 128 * 128;  // 4 rows: one 128-byte line
+  static constexpr int OFF_BIAS = (OFF_WRITER + 32 + 127) / 128 * 128;  // 4 rows: one 128-byte line
   static constexpr int SMEM_BIAS = 4 * CONSUMERS * Base::BLOCK_M * BIAS_PITCH;
   static constexpr int smem_bytes(bool bias) {  // cuflash/config.py BwdSm90WsConfig.smem_bytes
     return bias ? OFF_BIAS + 2 * SMEM_BIAS + 1024 : SMEM_BYTES;
   }
+  // Deterministic: dQ by ordered reductions (bwd_sm90_ws_dq_writer), except with a bias or dropout, whose
+  // element-wise work keeps the consumers at the edge of their registers: there the writer's hand-offs made ptxas
+  // spill 4-28 bytes (head dims 64 and 128, under NVRTC 13.0 or 13.5), so those leave dQ to bwd_dq_kernel.
+  // cuflash/config.py ordered_dq mirrors this.
+  static constexpr bool ordered_dq(int mods, bool /*causal*/) { return !(mods & (MOD_BIAS | MOD_DROPOUT)); }
   static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
   // named barriers (0 is __syncthreads)
   static constexpr int DS_BAR = 1, DQ_BAR = 2, EPILOGUE_BAR = 3;
@@ -144,7 +169,10 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static constexpr bool takes_mods(int mods) {
     return BLOCK_M_ == 64 || !(mods & (MOD_DROPOUT | MOD_BIAS | MOD_MASK | MOD_BLOCKS));
   }
-  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  // setmaxnreg moves registers between the CTA's warps, within what the launch gave it (__launch_bounds__(THREADS,
+  // 1): 168 per thread): a consumer's setmaxnreg.inc beyond that waits forever
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= THREADS * (65536 / THREADS / 8 * 8),
+                "setmaxnreg exceeds the registers of the launch");
   static_assert(Base::DQ_TILES * 128 * 4 * CONSUMERS == Base::BLOCK_M * Base::HEAD_DIM, "dQ_acc order covers the block");
   static_assert(OFF_DQ % 1024 == 0 && SMEM_DQ % 16 == 0 && OFF_LSE % 16 == 0, "bulk copy alignment");
   static_assert(Q_TX < (1 << 20) && 2 * Base::SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
@@ -157,6 +185,8 @@ struct BwdWsSmem {
   __device__ __forceinline__ u32 kv_full() const { return base + Tr::OFF_BAR; }
   __device__ __forceinline__ u32 q_full(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + stage); }
   __device__ __forceinline__ u32 q_empty(int stage) const { return base + Tr::OFF_BAR + 8 * (1 + Tr::STAGES + stage); }
+  __device__ __forceinline__ u32 dq_full() const { return base + Tr::OFF_BAR + 8 * (1 + 2 * Tr::STAGES); }
+  __device__ __forceinline__ u32 dq_empty() const { return base + Tr::OFF_BAR + 8 * (2 + 2 * Tr::STAGES); }
   __device__ __forceinline__ u32 q(int stage) const { return base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q; }
   __device__ __forceinline__ u32 dout(int stage) const { return base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q; }
   __device__ __forceinline__ u32 lse(int stage) const { return base + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC; }
@@ -211,18 +241,94 @@ __device__ __forceinline__ void bwd_sm90_ws_producer(const BwdWsParams& P, const
   }
 }
 
+// The deterministic dQ writer (lane 0 of producer warp 1): adds the consumers' dQ blocks to dQ_acc in a fixed order
+// of key blocks per query block (BwdKeyBlock::dq_turn), so each element of dQ_acc is summed in the same order in
+// every run. It walks every (query head, query block) position of the CTA, the empty tiles of a block map included
+// (the consumers skip those; here the CTA only takes its turn), and per position: waits for the block the
+// consumers left in the dQ buffer (dq_full) and for its turn on the query block's counter, adds the block, lets
+// the consumers refill the buffer once the add has read it (dq_empty), and passes the turn on once the add is done.
+// Its walk comes from shared memory (DqWriterSetup, stored by the same thread in the prologue and read back through
+// asm): computed from the prologue's values in the writer, those stayed live into the producer warpgroup's 24
+// registers and ptxas spilled them (8-28 bytes).
+struct DqWriterSetup {
+  long long vec_row;   // the first position's first fp32 row (QueryBlock::vec_row)
+  int m_begin, m_end;  // query blocks of each query head (BwdKeyBlock)
+  int steps;           // positions: query heads of the group x (m_end - m_begin)
+  int last_block;      // with a band: the sequence's last key block (BwdKeyBlock::dq_turn)
+  int reach;           // with a band: BwdKeyBlock::dq_reach
+  int n;               // this key block
+};
+static_assert(sizeof(DqWriterSetup) == 32, "BwdSm90WsTraits::OFF_WRITER holds 32 bytes");
+
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_sm90_ws_dq_writer_setup(const BwdParams& p, unsigned char* smem,
+                                                            const KeyBlock& kb) {
+  DqWriterSetup w;
+  w.vec_row = QueryBlock<Tr>::first(p, kb.seq, kb.batch, kb.kv_head * p.seq.kv_group, kb.m_begin).vec_row;
+  w.m_begin = kb.m_begin;
+  w.m_end = kb.m_end;
+  w.steps = kb.steps(p);
+  w.last_block = kb.last_key_block();
+  w.reach = kb.dq_reach();
+  w.n = kb.n0 / Tr::BLOCK_N;
+  *reinterpret_cast<DqWriterSetup*>(smem + Tr::OFF_WRITER) = w;
+}
+
+// ADDS false: a CTA whose tiles a block map empties, all of them (it only takes its turns)
+template <class Tr, class KeyBlock, bool ADDS = true>
+__device__ __forceinline__ void bwd_sm90_ws_dq_writer(const BwdParams& p, const BwdWsSmem<Tr>& sm) {
+  // read back through asm (not forwarded from the stores: that would keep the prologue's registers live)
+  const u32 at = sm.base + Tr::OFF_WRITER;
+  long long vec_row = static_cast<long long>(static_cast<u32>(ld_shared_s32(at))) |
+                      (static_cast<long long>(ld_shared_s32(at + 4)) << 32);
+  const int m_begin = ld_shared_s32(at + 8), m_end = ld_shared_s32(at + 12), steps = ld_shared_s32(at + 16);
+  const int last_block = ld_shared_s32(at + 20), reach = ld_shared_s32(at + 24), n = ld_shared_s32(at + 28);
+  const int head0 = blockIdx.y * p.seq.kv_group;
+  int m = m_begin, head = head0;
+  u32 phase = 0;
+  for (int left = steps; left > 0; --left) {
+    int* turns = p.dq_turns + vec_row / 64;
+    // the consumers' walk skips a block map's empty tiles (no map: every position adds)
+    const bool adds = ADDS && (!KeyBlock::MAPPED || p.mods.block_map.ptr == nullptr ||
+                               __ldg(KeyBlock::state_ptr(p, blockIdx.z, head, m)) != TILE_EMPTY);
+    if (adds) mbarrier_wait_or_trap(sm.dq_full(), phase);
+    wait_counter_or_trap(turns, KeyBlock::dq_turn(m, n, last_block, reach));
+    if (adds) {
+      fence_proxy_async_global();  // the earlier turns' adds, seen through the counter, before this one
+      cp_reduce_async_bulk_add_f32(p.dq_accum + vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
+      cp_async_bulk_commit_group();
+      cp_async_bulk_wait_group_read<0>();
+      mbarrier_arrive(sm.dq_empty());
+      cp_async_bulk_wait_group<0>();
+      fence_proxy_async_global();  // this add before the counter's release
+      phase ^= 1;
+    }
+    red_release_gpu_add(turns, 1);
+    if (m + 1 < m_end) {  // QueryBlock::next
+      ++m;
+      vec_row += Tr::BLOCK_M;
+    } else {
+      vec_row += p.seqlen_q_pad - (m - m_begin) * Tr::BLOCK_M;
+      m = m_begin;
+      ++head;
+    }
+  }
+}
+
 // Consumer warpgroup cwg (0, 1): keys n0 + 64 cwg .. + 63; every step of the CTA; then dK, dV.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, class KeyBlock>
 __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const BwdWsSmem<Tr>& sm, unsigned char* smem,
                                                      const KeyBlock& kb, QueryBlock<Tr> qb, int left) {
   using T = typename Tr::T;
   static_assert(Tr::takes_mods(MODS), "these score modifiers take 64-query steps (BwdSm90WsTraits::takes_mods)");
+  constexpr bool ORDERED = IS_DETERMINISTIC && Tr::ordered_dq(MODS, IS_CAUSAL);  // else bwd_dq_kernel's dQ
   const int ctid = threadIdx.x - 128;  // 0 .. CONSUMER_THREADS-1
   const int lane = ctid & 31, warp = ctid >> 5, t = lane & 3, g = lane >> 2;
   // from lane 0, so ptxas knows it is warp-uniform (the K/V descriptors in uniform registers, as bwd_sm90_kernel)
   const int cwg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int key_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
-  const bool is_writer = warp == 0;                 // issues the dQ reductions
+  // issues the dQ reductions (deterministic: hands each block to the dQ writer, bwd_sm90_ws_dq_writer)
+  const bool is_writer = warp == 0;
   const u32 k_smem = sm.base + Tr::OFF_K;
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
@@ -238,7 +344,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
     if (bwd_bias_staged<Tr, IS_CAUSAL>(mods))
-      bwd_stage_bias<Tr>(mods, bias_rows, qb.m_block * Tr::BLOCK_M, kb.n0 + key_row0, lane);
+      bwd_stage_bias<Tr>(mods, bias_rows, qb.m_block * Tr::BLOCK_M, kb.key0() + key_row0, lane);
   }
   mbarrier_wait_or_trap(sm.kv_full(), 0);
   int stage = 0, buf = 0;
@@ -248,7 +354,8 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
     int left_next = left;
     const bool more = kb.advance(p, qb_next, left_next);
     const int m0 = qb.m_block * Tr::BLOCK_M;
-    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
+    const bool is_masked =
+        is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.key0(), kb.key0() + Tr::BLOCK_N - 1);
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads, kb.seq.len_q, kb.seq.len_k);
     if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = kb.state(p, qb) != TILE_FULL;
@@ -261,16 +368,16 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       bias_next = bwd_bias_staged<Tr, IS_CAUSAL>(next);
       if (bias_next)
         bwd_stage_bias<Tr>(next, bias_rows + (stage ^ 1) * Tr::SMEM_BIAS, qb_next.m_block * Tr::BLOCK_M,
-                           kb.n0 + key_row0, lane);
+                           kb.key0() + key_row0, lane);
     }
     mbarrier_try_wait_parity(sm.q_full(stage), phase);
     float s_acc[Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
     bwd_sm90_issue_sdp<Tr>(sm.base, stage, cwg, s_acc, dp_acc);
 
     u32 ds_regs[Tr::Q_K_STEPS][4];
-    bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.n0, cwg,
-                                            warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs, stage, bias_next);
-    if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel
+    bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.key0(),
+                                            cwg, warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs, stage, bias_next);
+    if (IS_DETERMINISTIC && !ORDERED) {  // dQ comes from bwd_dq_kernel
       wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
       wgmma_fence_operand(dk_acc);
@@ -288,7 +395,12 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
               ds_regs[kk][r];
       fence_proxy_async_shared();
       if (is_writer) {  // the previous block's reduction has read the dQ buffer
-        if (lane == 0) cp_async_bulk_wait_group_read<0>();
+        if (lane == 0) {
+          if (ORDERED)
+            mbarrier_try_wait_parity(sm.dq_empty(), buf ^ 1);  // (the writer's: once per step, as buf flips)
+          else
+            cp_async_bulk_wait_group_read<0>();
+        }
         __syncwarp();
       }
       named_barrier_sync(Tr::DS_BAR, Tr::CONSUMER_THREADS);
@@ -317,8 +429,12 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       fence_proxy_async_shared();
       named_barrier_sync(Tr::DQ_BAR, Tr::CONSUMER_THREADS);
       if (is_writer && lane == 0) {
-        cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
-        cp_async_bulk_commit_group();
+        if (ORDERED) {
+          mbarrier_arrive(sm.dq_full());
+        } else {
+          cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
+          cp_async_bulk_commit_group();
+        }
       }
       buf ^= 1;
     }
@@ -355,12 +471,20 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
   if (dynamic_smem_size() < Tr::smem_bytes(Tr::stage_bias(MODS, IS_CAUSAL))) __trap();
 
   // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP> kb(p);
+  // deterministic, dQ by ordered reductions, with a band: the last key blocks first (BwdKeyBlock::dq_turn)
+  constexpr bool ORDERED = IS_DETERMINISTIC && Tr::ordered_dq(MODS, IS_CAUSAL);
+  using KeyBlock =
+      BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP, ORDERED && (IS_CAUSAL || HAS_WINDOW)>;
+  const KeyBlock kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
   int left;
   const QueryBlock<Tr> qb = kb.first_step(p, left);
-  if (kb.m_begin >= kb.m_end || left == 0) {  // no query sees these keys: dK = dV = 0
+  // no query sees these keys, or a block map empties all their tiles: dK = dV = 0, and (deterministic) the dQ writer
+  // alone takes the turns of the map's empty tiles
+  if (ORDERED && threadIdx.x == 32 && kb.m_begin < kb.m_end) bwd_sm90_ws_dq_writer_setup<Tr>(p, smem, kb);
+  if (kb.m_begin >= kb.m_end || left == 0) {
     kb.zero_dk_dv(p, threadIdx.x);
+    if (ORDERED && kb.m_begin < kb.m_end && threadIdx.x == 32) bwd_sm90_ws_dq_writer<Tr, KeyBlock, false>(p, sm);
     return;
   }
 
@@ -371,13 +495,18 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
       mbarrier_init(sm.q_full(s), 1);
       mbarrier_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
+    if (ORDERED) {
+      mbarrier_init(sm.dq_full(), 1);
+      mbarrier_init(sm.dq_empty(), 1);
+    }
     fence_mbarrier_init();
   }
   __syncthreads();
 
-  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
+  if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; deterministic: one the dQ adds
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
     if (threadIdx.x == 0) bwd_sm90_ws_producer<Tr>(P, sm, kb, qb, left);
+    if (ORDERED && threadIdx.x == 32) bwd_sm90_ws_dq_writer<Tr, KeyBlock>(p, sm);
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     bwd_sm90_ws_consumer<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, sm, smem, kb, qb, left);

@@ -220,6 +220,17 @@ __device__ __forceinline__ int tid_x_reread() {
   asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
   return tid;
 }
+// blockIdx.x and gridDim.x read anew, likewise
+__device__ __forceinline__ int ctaid_x_reread() {
+  int v;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(v));
+  return v;
+}
+__device__ __forceinline__ int nctaid_x_reread() {
+  int v;
+  asm volatile("mov.u32 %0, %%nctaid.x;\n" : "=r"(v));
+  return v;
+}
 // x itself, but opaque to the optimizer: what is computed from the result after a long loop is computed
 // there (a few integer ops) instead of being kept in registers through the loop.
 __device__ __forceinline__ int opaque(int x) {
@@ -262,6 +273,17 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* p) {
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+// PTX ISA "red" with .release.gpu: adds v to *p after every earlier memory operation of this thread (the release
+// half of a message passed between CTAs, in one instruction; the counter of an ordered reduction).
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+  asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Waits until the counter *p (written by other CTAs with red_release_gpu_add) equals v; a count that never comes
+// (a wrong turn computed on either side) fails the launch after about 2^26 reads instead of hanging the GPU.
+__device__ __forceinline__ void wait_counter_or_trap(const int* p, int v) {
+  for (u32 tries = 0; ld_acquire_gpu(p) != v; ++tries)
+    if (tries == (1u << 26)) __trap();
+}
 // PTX ISA "st" / "ld" on the .shared state space: one 32-bit word at a shared::cta address (ordered with the
 // mbarrier operations around them by their "memory" clobber and the barriers' release / acquire semantics).
 __device__ __forceinline__ void st_shared_s32(u32 addr, int v) {
@@ -275,6 +297,9 @@ __device__ __forceinline__ int ld_shared_s32(u32 addr) {
 // PTX ISA 9.7.13.4 "membar/fence", fence.proxy.async: makes this thread's generic-proxy writes to shared memory
 // (st.shared, cp.async) visible to the async proxy (wgmma operand reads) after the next barrier.
 __device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// ... on global memory: orders this thread's generic-proxy accesses to global memory (the acquire or release of a
+// counter) with its async-proxy ones (cp.reduce.async.bulk into global memory), both ways.
+__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;\n" ::: "memory"); }
 
 // Matrix descriptor of a shared-memory operand (PTX ISA 9.7.15.5.1.2.2): start address, leading and
 // stride byte offsets (all >> 4), swizzle mode in bits 62-63 (1: 128-byte, 2: 64-byte, 3: 32-byte).

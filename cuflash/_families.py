@@ -322,11 +322,12 @@ class _TmaMaps:
 
 # --- backward -------------------------------------------------------------------------------------------
 
-def _backward_workspace(rows: int, kernel_head_dim: int, deterministic: bool) -> int:
-    """Elements of the backward's one workspace: lse_log2 and delta (`rows` each), then, unless deterministic, the
-    dq accumulator (rows x kernel_head_dim); float32 elements (float64 for float64 inputs). rows is a multiple of
-    SEQLEN_Q_PAD, so each part starts 512-byte aligned."""
-    return rows * (2 if deterministic else 2 + kernel_head_dim)
+def _backward_workspace(rows: int, kernel_head_dim: int, dq_acc: bool, turns: bool = False) -> int:
+    """Elements of the backward's one workspace: lse_log2 and delta (`rows` each), then with dq_acc the dq
+    accumulator (rows x kernel_head_dim) and with turns its ordered reductions' counters (one int32 per 64 rows);
+    float32 elements (float64 for float64 inputs). rows is a multiple of SEQLEN_Q_PAD, so each part starts 512-byte
+    aligned."""
+    return rows * (2 + (kernel_head_dim if dq_acc else 0)) + (rows // 64 if turns else 0)
 
 
 def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
@@ -391,7 +392,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         acc_hd = main.head_dim  # dQ_acc's columns: the main kernel's head dim (a padded one runs the next one's)
         tf32 = isinstance(main, config.BwdSm90Tf32Config)  # dK, dV and then dQ, both through TMA, no dQ_acc
         dqc = main.dq_config() if tf32 else None
-        deterministic = p.deterministic or tf32
+        ordered = config.ordered_dq(main)  # deterministic dQ_acc: reductions in a fixed order, counted in turns
+        has_acc = not tf32 and (ordered or not p.deterministic)
         # the kernels that read Q, dO, K, V through TMA, each with the maps of its own boxes
         tma_cfgs = (main, dqc) if tf32 else (main,) if isinstance(main, config.BwdSm90WsConfig) else ()
 
@@ -412,9 +414,10 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
         rows = pad_batches * a.heads_q * pad_rows
         acc = 8 if a.dtype == "fp64" else 4  # bytes of a workspace element (float64 for float64 inputs)
-        work_floats = _backward_workspace(rows, acc_hd, deterministic) * acc // 4
+        work_floats = _backward_workspace(rows, acc_hd, has_acc, ordered) * acc // 4
         work = cp.empty(work_floats, dtype=cp.float32)
-        dq_accum = 0 if deterministic else work.data.ptr + 2 * acc * rows
+        dq_accum = work.data.ptr + 2 * acc * rows if has_acc else 0
+        turns_off = (2 + acc_hd) * acc * rows  # (ordered: float32 workspace, int32 counters)
         params = _launch.BwdParams(
             q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, dout.data.ptr, dq.data.ptr, dk.data.ptr, dv.data.ptr,
             lse.data.ptr, dq_accum, work.data.ptr, work.data.ptr + acc * rows, _seq(a, cu_seqlens),
@@ -422,6 +425,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             *p.lse_strides, pad_rows, a.heads_q, a.head_dim, acc_hd, _launch.scale_log2(a.scale), a.scale)
         params.scale_log2_d = a.scale * _launch.LOG2E  # the float64 kernels'
         params.softmax_scale_d = a.scale
+        params.dq_turns = work.data.ptr + turns_off if ordered else 0
         keep = []  # a combined mask lives until the launches are queued
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep,
@@ -441,7 +445,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k), main_params))
         if tf32:  # dQ straight from its own kernel (Q-outer)
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), dq_params))
-        elif p.deterministic:
+        elif p.deterministic and not ordered:
             dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
         elif (conv := config.convert_dq_config(main, a.dtype)).kind == "convert_dq_ws":
@@ -472,7 +476,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                     for prm, pre_ in targets:
                         b.bind(6 + i, prm, pre_ + field)
             work_fields = (("lse_log2", 0), ("delta", acc * rows)) + \
-                (() if deterministic else (("dq_accum", 2 * acc * rows),))
+                ((("dq_accum", 2 * acc * rows),) if has_acc else ()) + ((("dq_turns", turns_off),) if ordered else ())
             b.scratch(work_floats, *((prm, pre_ + f, off) for prm, pre_ in targets for f, off in work_fields))
             if maps is not None:  # the maps hold the addresses of q, dout, k, v (arrays 1, 0, 2, 3)
                 b.derive((1, 0, 2, 3), main_params, "tma_q", maps.words)

@@ -98,6 +98,7 @@ class BwdParams(ctypes.Structure):
         + [(n, ctypes.c_int) for n in ("seqlen_q_pad", "heads", "head_dim", "dq_accum_cols")]
         + [("scale_log2", ctypes.c_float), ("softmax_scale", ctypes.c_float), ("mods", ModParams)]
         + [("scale_log2_d", ctypes.c_double), ("softmax_scale_d", ctypes.c_double)]
+        + [("dq_turns", ctypes.c_void_p)]
     )
 
 
@@ -117,7 +118,7 @@ class AppendParams(ctypes.Structure):
 
 
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
-assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 520 and ctypes.sizeof(BwdParams) == 616
+assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 520 and ctypes.sizeof(BwdParams) == 624
 assert ctypes.sizeof(AppendParams) == 264 and ctypes.sizeof(DropoutMaskParams) == 248
 
 

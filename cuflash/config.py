@@ -1165,8 +1165,9 @@ class BwdSm90WsConfig(BwdSm90Config):
     tiles (block_n 128: two consumer warpgroups of 64 keys; steps of block_m 64 queries, or 128 at head dims 32 and
     64 plain, causal or windowed: BWD_SM90_WS_BLOCK_M) and math, plus a TMA producer warpgroup (384 threads,
     1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator order, converted by
-    `bwd_convert_dq_ws_kernel` (convert_dq_config). The analyzer walks it on its own (simulator/banks.py
-    bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
+    `bwd_convert_dq_ws_kernel` (convert_dq_config); deterministic, the same reductions in a fixed order of key
+    blocks per query block (ordered_dq: a counter per 64 rows of dQ_acc, bwd_sm90_ws_dq_writer). The analyzer
+    walks it on its own (simulator/banks.py bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
 
     block_ms = (64, 128)
 
@@ -1199,12 +1200,13 @@ class BwdSm90WsConfig(BwdSm90Config):
     @property
     def smem_bytes(self) -> int:
         """BwdSm90WsTraits::smem_bytes (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
-        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 5 mbarriers (then, when a bias is staged, two
-        buffers of 8 warps x 64 rows x 32 bytes of it from the next 128-byte boundary), 1024 to align the base."""
+        buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 7 mbarriers, the deterministic dQ writer's 32-byte
+        setup (then, when a bias is staged, two buffers of 8 warps x 64 rows x 32 bytes of it from the next 128-byte
+        boundary), 1024 to align the base."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
-        end = 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 5
+        end = 2 * kv + 4 * q + 2 * ds + self.block_m * self.head_dim * 4 + 4 * self.block_m * 4 + 8 * 7 + 32
         if bwd_stages_bias(self.head_dim, self.mods, self.causal):  # two buffers: copies issued a step ahead
             end = -(-end // 128) * 128 + 2 * 8 * self.block_m * 32
         return end + 1024
@@ -1225,6 +1227,13 @@ def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
     if head_dim > 64:
         return head_dim == 128 and mods == MOD_BIAS and not causal
     return bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
+
+
+def ordered_dq(main) -> bool:
+    """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
+    (the warp-specialized kernel: bwd_sm90_ws_dq_writer), so that no bwd_dq_kernel runs after it. Mirrors
+    BwdSm90WsTraits::ordered_dq: not with a bias or dropout (their instantiations spilled with the dQ writer)."""
+    return isinstance(main, BwdSm90WsConfig) and main.deterministic and not main.mods & (MOD_BIAS | MOD_DROPOUT)
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":

@@ -58,34 +58,36 @@ def test_ws_config_geometry_and_errors():
     # dQ's split at column 32 in 64-query steps
     assert config.bwd_sm90_ws_config(64, "fp16", False, True, config.MOD_ALIBI).panel_cols == 32
     # head dim 32: one 32-column panel per tile, dQ's split at column 16 inside it; K, V 128 x 32, 2 x (Q, dO)
-    # 64 x 32, 2 dS^T (128 x 64), dQ fp32 (64 x 32), 2 x (lse, delta), 5 mbarriers
+    # 64 x 32, 2 dS^T (128 x 64), dQ fp32 (64 x 32), 2 x (lse, delta), 7 mbarriers, the writer's setup
     c32 = config.bwd_sm90_ws_config(32, "bf16", False, False, config.MOD_ALIBI)
     assert (c32.head_dim, c32.block_m, c32.panel_cols, c32.box_cols) == (32, 64, 32, 32)
-    assert c32.smem_bytes == 2 * 8192 + 4 * 4096 + 2 * 16384 + 8192 + 4 * 256 + 40 + 1024
+    assert c32.smem_bytes == 2 * 8192 + 4 * 4096 + 2 * 16384 + 8192 + 4 * 256 + 88 + 1024
     # 128-query steps: dQ split by rows, so head dim 64 takes one 64-column panel (32 one 32-column panel); K, V
-    # 128 x 64, 2 x (Q, dO) 128 x 64, 2 dS^T (128 x 128), dQ fp32 (128 x 64), 2 x (lse, delta), 5 mbarriers
+    # 128 x 64, 2 x (Q, dO) 128 x 64, 2 dS^T (128 x 128), dQ fp32 (128 x 64), 2 x (lse, delta), 7 mbarriers, the
+    # writer's setup
     c64 = config.bwd_sm90_ws_config(64, "bf16", True, True)
     assert (c64.block_m, c64.panel_cols, c64.box_cols, c64.threads) == (128, 64, 64, 384)
-    assert c64.smem_bytes == 2 * 16384 + 4 * 16384 + 2 * 32768 + 32768 + 4 * 512 + 40 + 1024
+    assert c64.smem_bytes == 2 * 16384 + 4 * 16384 + 2 * 32768 + 32768 + 4 * 512 + 88 + 1024
     assert c64.cpp_name() == \
         "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<64, cuflash::bf16, 128>, true, true, 0>"
     assert config.bwd_sm90_ws_config(32, "fp16", False, False, config.MOD_WINDOW).panel_cols == 32
     assert config.convert_dq_config(c64, "bf16").cpp_name() == "cuflash::bwd_convert_dq_ws_kernel<cuflash::bf16, 64, 128>"
-    # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 5 mbarriers
-    assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 40 + 1024
+    # K, V (128 x 128), 2 x (Q, dO) (64 x 128), 2 dS^T (128 x 64), dQ fp32 (64 x 128), 2 x (lse, delta), 7 mbarriers,
+    # the writer's setup
+    assert c.smem_bytes == 2 * 32768 + 4 * 16384 + 2 * 16384 + 32768 + 4 * 256 + 88 + 1024
     # head dim 64 with a bias (and a mask, a window) stages it: two buffers of 8 warps x 64 rows x 32 bytes from the
     # 128-byte boundary after the mbarriers
     plain64 = config.BwdSm90WsConfig(64, 64, 128, 1, "bf16", False, False)  # 64-query steps, no modifier
     for mods, staged in ((config.MOD_BIAS, True), (config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW, True),
                          (config.MOD_BIAS | config.MOD_DROPOUT, False), (config.MOD_MASK, False)):
         cfg = config.bwd_sm90_ws_config(64, "bf16", False, False, mods)
-        assert cfg.smem_bytes == plain64.smem_bytes + (88 + 2 * 8 * 64 * 32 if staged else 0), mods
+        assert cfg.smem_bytes == plain64.smem_bytes + (40 + 2 * 8 * 64 * 32 if staged else 0), mods
     # head dim 128 stages a bias alone, not causal (c is causal)
     assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS).smem_bytes == c.smem_bytes
     assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS | config.MOD_MASK).smem_bytes == \
         c.smem_bytes
     assert config.bwd_sm90_ws_config(128, "bf16", False, False, config.MOD_BIAS).smem_bytes == \
-        c.smem_bytes + 88 + 2 * 8 * 64 * 32 <= config.SMEM_LIMIT_SM90
+        c.smem_bytes + 40 + 2 * 8 * 64 * 32 <= config.SMEM_LIMIT_SM90
     assert c.sync_equivalent() == config.bwd_sm90_config(128, "bf16", True, False)
     assert c.cpp_name() == "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<128, cuflash::bf16>, true, false, 0>"
     with pytest.raises(ValueError, match="head_dim 32, 64 or 128"):
@@ -104,7 +106,7 @@ def test_bwd_ws_params_layout_mirrors_the_cpp_struct():
     assert ctypes.sizeof(_tma.BwdWsParams) == 1152
     assert [getattr(_tma.BwdWsParams, f).offset for f in ("tma_q", "tma_do", "tma_k", "tma_v", "bwd")] == \
         [0, 128, 256, 384, 512]
-    assert ctypes.sizeof(_launch.BwdParams) == 616
+    assert ctypes.sizeof(_launch.BwdParams) == 624
 
 
 def test_64_byte_swizzle_maps():
@@ -138,5 +140,7 @@ def test_every_instantiation_compiles_spill_free_with_its_data_movement(cfg):
     panels = cfg.head_dim // cfg.panel_cols
     assert count("UTMALDG") == 4 * panels, "K, V once and Q, dO per step: one box per panel each"
     assert count("UBLKCP") == 2, "lse_log2 and delta: one 1-D bulk copy each"
-    assert count("UBLKRED") == (0 if cfg.deterministic else 1), "dQ: one bulk reduction per query block"
+    # dQ: one bulk reduction per query block (deterministic: by the dQ writer in a fixed order, config.ordered_dq,
+    # or none where bwd_dq_kernel computes dQ)
+    assert count("UBLKRED") == (1 if not cfg.deterministic or config.ordered_dq(cfg) else 0)
     assert count("USETMAXREG") == 2

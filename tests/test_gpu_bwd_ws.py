@@ -14,7 +14,8 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _compile, _families, _plan, _xpref, config  # noqa: E402
-from gpu_helpers import backward_problem, check_backward, make_input, max_abs, poison_pool, round_up, seed_of  # noqa: E402
+from gpu_helpers import (backward_problem, check_backward, make_input, max_abs, poison_pool, round_up,  # noqa: E402
+                         same_bits, seed_of)
 
 pytestmark = pytest.mark.gpu
 
@@ -132,6 +133,48 @@ def test_deterministic_mode_on_the_ws_kernel(d):
         for a, b in zip(first, again):
             assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16)))
     check_backward(first, q, k, v, dout, "fp16", True, f"deterministic ws D={d}")
+
+
+# Deterministic mode on this kernel adds each block of dQ in a fixed order of key blocks (bwd_sm90_ws_dq_writer,
+# BwdKeyBlock::dq_turn): the band decides which key blocks add into a query block and which goes first (without one
+# ascending; with causal or a window descending, the key blocks launched in reverse). A turn that the waiting CTA
+# and those before it count differently traps (a launch error, not a hang); an order that varied would show as
+# bits that differ between runs. Each case against the float64 reference (run_dense), twice; GQA 4/2, up to 9 key
+# blocks of 128 per query block.
+ORDERED = {"full": (300, 1100, False, {}), "causal": (400, 900, True, {}), "causal-sq>sk": (900, 400, True, {}),
+           "window": (600, 500, False, {"window": (300, 40)}), "window-left": (500, 500, False, {"window": (200, -1)}),
+           "window-right": (500, 500, False, {"window": (-1, 150)}),
+           "causal+window": (400, 600, True, {"window": (256, -1)}), "causal-alibi": (300, 700, True, {"alibi": "h"})}
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("case", ORDERED)
+def test_ordered_dq_reductions(case, d):
+    from test_gpu_mods import run_dense
+
+    sq, sk, causal, mods = ORDERED[case]
+    bits = (config.MOD_WINDOW if "window" in mods else 0) | (config.MOD_ALIBI if "alibi" in mods else 0)
+    cfg = config.backward_kernel_config(d, "bf16", causal and not bits & config.MOD_WINDOW, True,
+                                        _compile.device_arch(), mods=bits)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and config.ordered_dq(cfg), cfg
+    first = run_dense(1, sq, sk, 4, 2, d, "bf16", causal, mods, deterministic=True)[2]
+    again = run_dense(1, sq, sk, 4, 2, d, "bf16", causal, mods, deterministic=True)[2]
+    for name, x, y in zip(("dq", "dk", "dv"), first, again):
+        assert same_bits(x, y), f"deterministic {name} differs between two runs: {case}, D={d}"
+
+
+def test_deterministic_with_a_bias_keeps_the_dq_kernel():
+    """The exception of BwdSm90WsTraits::ordered_dq (a bias or dropout): the deterministic dQ kernel after the main
+    kernel, bitwise repeatable and within the rule (head dim 128, causal, a bias of the full shape)."""
+    from test_gpu_bias import run_dense as run_bias
+
+    cfg = config.backward_kernel_config(128, "bf16", True, True, _compile.device_arch(), mods=config.MOD_BIAS)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and not config.ordered_dq(cfg), cfg
+    b, sq, sk = 1, 333, 400
+    first, again = (run_bias(b, sq, sk, 2, 2, 128, "bf16", causal=True, deterministic=True,
+                             bias_shape=(b, 2, sq, sk))[2] for _ in range(2))
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), first, again):
+        assert same_bits(x, y), f"deterministic {name} differs between two runs"
 
 
 # Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
