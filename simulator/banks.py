@@ -59,7 +59,7 @@ from numba import njit
 from cuflash import config as _config
 
 from .model import Problem
-from .schedules import block_sizes, bwd_query_blocks, key_block_ranges
+from .schedules import block_sizes, bwd_query_blocks, key_block_ranges, main_adds_dq
 
 # kind -> (bytes per lane, lanes per phase, phases, is cp.async)
 KINDS = {
@@ -554,10 +554,12 @@ BWD_SM90_WS_ROLES = {
     "delta_load": ("ld64", "LDS"),
     "dv_wgmma": ("wgmma", "HGMMA"),
     "dk_wgmma": ("wgmma", "HGMMA"),
-    "ds_store": ("st32", "STS"),  # dS^T into buffer k % 2, unless deterministic
+    # dS^T, dQ = dS K, its stores and the bulk reduction: unless deterministic, and deterministic on the ordered path
+    # (config.ordered_dq: the producer warpgroup's dQ writer issues the same reduction in its turn)
+    "ds_store": ("st32", "STS"),  # dS^T into buffer k % 2
     "dq_wgmma": ("wgmma", "HGMMA"),
-    "dq_store": ("st128", "STS"),  # dQ_i into the dQ buffer, unless deterministic
-    "dq_bulk": ("tma", "UBLKRED"),  # the dQ buffer read by the bulk reduction into dQ_acc, unless deterministic
+    "dq_store": ("st128", "STS"),  # dQ_i into the dQ buffer
+    "dq_bulk": ("tma", "UBLKRED"),  # the dQ buffer read by the bulk reduction into dQ_acc
     # a staged 16-bit bias (config.bwd_stages_bias): each consumer warp copies its 16 keys of the block's rows (two
     # 16-byte chunks per row, bias_offset's layout) and reads them back as the S^T layout with ldmatrix .x4 .trans
     # (two query tiles per load; head dim 128: .x2, one query tile, bias_frag2)
@@ -1463,16 +1465,16 @@ def bwd_sm90_addresses(cfg, stage: int, keys: int | None = None, head_dim: int |
 def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
     """wgmma operand reads of one query block, all warpgroups (each: 64 keys). S^T = K Q^T and dP^T = V dO^T
     (HEAD_DIM/16 wgmma each): the warpgroup's 64 rows of K (V) and all BLOCK_M rows of Q (dO); dV += P^T dO
-    and dK += dS^T Q (BLOCK_M/16 each): all of dO (Q), read N-major; unless deterministic dQ = dS K
-    (BLOCK_N/16): the warpgroup's DQ_COLS columns of K and its rows of dS (all BLOCK_M of a 64-query step, 64 of a
-    128-query one)."""
+    and dK += dS^T Q (BLOCK_M/16 each): all of dO (Q), read N-major; where the kernel adds dQ (schedules.main_adds_dq:
+    unless deterministic, or on bwd_sm90_ws_kernel's ordered path) dQ = dS K (BLOCK_N/16): the warpgroup's DQ_COLS
+    columns of K and its rows of dS (all BLOCK_M of a 64-query step, 64 of a 128-query one)."""
     L = bwd_sm90_layout(cfg)
     wg, hd, bm, bn, e = L.warpgroups, cfg.head_dim, cfg.block_m, cfg.block_n, _config.ELEM_BYTES
     out = {"st_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
            "dpt_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
            "dv_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e),
            "dk_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e)}
-    if not cfg.deterministic:
+    if main_adds_dq(cfg):
         out["dq_wgmma"] = wgmma_stats(wg * bn // 16, wg * bn * (min(bm, 64) + L.dq_cols) * e)
     return out
 
@@ -1522,9 +1524,11 @@ def bwd_sm90_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k:
 class BwdSm90WsLayout:
     """The constants of BwdSm90WsTraits (cuda/bwd_sm90_ws.cuh) for one BwdSm90WsConfig: bwd_sm90_kernel's K, V,
     2 stages of (Q, dO) and dS^T (`base`), then a second dS^T buffer, the fp32 dQ buffer, 2 stages of (lse_log2,
-    delta), 5 mbarriers and, when the config stages a bias (config.bwd_stages_bias), two buffers of 8 warps x
-    BLOCK_M rows x BIAS_PITCH bytes of it from the next 128-byte boundary (visit k's in buffer k % 2: its copies are
-    issued during visit k - 1)."""
+    delta), 7 mbarriers (BARRIERS = 3 + 2 * STAGES: kv_full, q_full[2], q_empty[2], dq_full, dq_empty; the last two
+    are used by the ordered deterministic dQ writer only), the writer's 32-byte setup (OFF_WRITER; DqWriterSetup)
+    and, when the config stages a bias
+    (config.bwd_stages_bias), two buffers of 8 warps x BLOCK_M rows x BIAS_PITCH bytes of it from the next 128-byte
+    boundary (visit k's in buffer k % 2: its copies are issued during visit k - 1)."""
 
     base: BwdSm90Layout
     panels: int  # TMA boxes per 16-bit tile: HEAD_DIM / PANEL_COLS
@@ -1533,12 +1537,15 @@ class BwdSm90WsLayout:
     off_dq: int
     off_lse: int  # + stage * 2 * rowvec
     off_delta: int
-    off_bar: int
+    off_bar: int  # mbarrier b at off_bar + 8 b
+    barriers: int
+    off_writer: int  # the deterministic dQ writer's setup (32 bytes), after the mbarriers
     smem_bytes: int  # dynamic shared memory requested (+ 1024 for rounding the base up)
     off_bias: int = -1  # staged bias (-1: none); warp w's rows of buffer b at off_bias + (8 b + w) * BLOCK_M * BIAS_PITCH
 
 
 BIAS_PITCH = 32  # BwdSm90WsTraits::BIAS_PITCH: 16 keys of 2 bytes per staged row
+WRITER_SETUP_BYTES = 32  # sizeof(DqWriterSetup) at BwdSm90WsTraits::OFF_WRITER
 
 
 def bias_offset(row, half):
@@ -1552,21 +1559,24 @@ def bwd_sm90_ws_layout(cfg) -> BwdSm90WsLayout:
     off_dq = B.off_ds + 2 * B.smem_ds
     off_lse = off_dq + smem_dq
     off_bar = off_lse + 4 * B.rowvec
-    end, off_bias = off_bar + 8 * 5, -1
+    barriers = 3 + 2 * cfg.stages
+    off_writer = off_bar + 8 * barriers
+    end, off_bias = off_writer + WRITER_SETUP_BYTES, -1
     if _config.bwd_stages_bias(cfg.head_dim, cfg.mods, cfg.causal):
         off_bias = (end + 127) // 128 * 128
         end = off_bias + 2 * 8 * cfg.block_m * BIAS_PITCH
     return BwdSm90WsLayout(base=B, panels=cfg.head_dim // B.panel_cols, dq_tiles=B.dq_cols // 8, smem_dq=smem_dq,
                            off_dq=off_dq, off_lse=off_lse, off_delta=off_lse + B.rowvec, off_bar=off_bar,
-                           smem_bytes=end + 1024, off_bias=off_bias)
+                           barriers=barriers, off_writer=off_writer, smem_bytes=end + 1024, off_bias=off_bias)
 
 
 def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: int | None = None) -> dict:
     """Byte addresses of the thread-issued shared instructions of one CTA of bwd_sm90_ws_kernel (the 8 consumer
-    warps; consumer warp w owns keys 16w .. 16w + 15), per role: the float2 lse_log2 / delta loads of `stage`, unless
-    deterministic the dS^T stores into buffer `stage` (visit k uses stage and buffer k % 2) and the dQ buffer's
-    16-byte stores (consumer cwg's thread c writes n8 tile dt at float4 (cwg * DQ_TILES + dt) * 128 + c), and the
-    epilogue (dK, dV staging; store_tile by the 256 consumer threads)."""
+    warps; consumer warp w owns keys 16w .. 16w + 15), per role: the float2 lse_log2 / delta loads of `stage`, where
+    the kernel adds dQ (schedules.main_adds_dq: unless deterministic, or on the ordered path) the dS^T stores into
+    buffer `stage` (visit k uses stage and buffer k % 2) and the dQ buffer's 16-byte stores (consumer cwg's thread c
+    writes n8 tile dt at float4 (cwg * DQ_TILES + dt) * 128 + c), and the epilogue (dK, dV staging; store_tile by
+    the 256 consumer threads)."""
     L = bwd_sm90_ws_layout(cfg)
     B = L.base
     hd, bm, bn, pc, nw = cfg.head_dim, cfg.block_m, cfg.block_n, B.panel_cols, 8
@@ -1574,7 +1584,7 @@ def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: in
     out = {"lse_load": _per_warp(L.off_lse + stage * 2 * B.rowvec + (qt * 8 + 2 * (_L & 3)) * 4, nw),
            "delta_load": _per_warp(L.off_delta + stage * 2 * B.rowvec + (qt * 8 + 2 * (_L & 3)) * 4, nw)}
     key_row0 = (np.arange(nw) * 16).reshape(-1, 1, 1, 1)
-    if not cfg.deterministic:
+    if main_adds_dq(cfg):
         r = _ax(4, 2, 4)
         out["ds_store"] = accumulator_store_addresses(B.off_ds + stage * B.smem_ds, bn, bm, key_row0 + (r & 1) * 8,
                                                       _ax(bm // 16, 1, 4) * 16 + (r >> 1) * 8)
@@ -1606,13 +1616,14 @@ BWD_SM90_WS_PER_CTA_ROLES = ("k_tma", "v_tma", "dk_store", "dv_store", "dk_read"
 def bwd_sm90_ws_cta_stats(cfg, keys: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
     """(per-CTA stats, per-visit stats per stage) of bwd_sm90_ws_kernel; cached, do not modify. Per visit: Q_i and
     dO_i (PANELS boxes of SMEM_Q bytes each), lse_log2_i and delta_i (two bulk copies of BLOCK_M floats), the
-    thread instructions of bwd_sm90_ws_addresses, the wgmma operand reads of bwd_sm90_kernel, and unless
-    deterministic the bulk reduction's read of the dQ buffer."""
+    thread instructions of bwd_sm90_ws_addresses, the wgmma operand reads of bwd_sm90_kernel, and where the kernel
+    adds dQ (schedules.main_adds_dq: unless deterministic, or on the ordered path, whose dQ writer issues it) the bulk
+    reduction's read of the dQ buffer."""
     L = bwd_sm90_ws_layout(cfg)
     B = L.base
     bulk = {"q_tma": tma_stats(L.panels, B.smem_q), "do_tma": tma_stats(L.panels, B.smem_q),
             "vec_bulk": tma_stats(2, 2 * B.rowvec)}
-    if not cfg.deterministic:
+    if main_adds_dq(cfg):
         bulk["dq_bulk"] = tma_stats(1, L.smem_dq)
     per_visit = []
     for stage in range(2):
@@ -1632,7 +1643,8 @@ def bwd_sm90_ws_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen
     live CTA the K, V TMA loads and the epilogue, per visit the TMA / bulk loads, the thread instructions (walked
     with the bank rule), the wgmma operand reads and the dQ bulk reduction (bwd_sm90_ws_cta_stats). No cp.async:
     no guard LDS (the NVRTC 13.0 SASS has none before its fence.proxy.async either). The mbarrier operations are
-    SYNCS instructions, not counted."""
+    SYNCS instructions, not counted; the ordered deterministic dQ writer (config.ordered_dq) touches shared memory
+    only through them and its bulk reductions (counted as the default mode's)."""
     if not isinstance(cfg, _config.BwdSm90WsConfig):
         raise TypeError(f"cfg must be a cuflash.config.BwdSm90WsConfig, got {type(cfg).__name__}")
     head_dim = _check_head_dim(cfg, head_dim)

@@ -107,7 +107,9 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
                    help="visit masked tiles too (no causal / window block skipping)")
     p.add_argument("--backward", action="store_true", help="count the backward pass instead of the forward")
     p.add_argument("--deterministic", action="store_true",
-                   help="with --backward: cuflash's deterministic backward (dQ kernel instead of fp32 atomics)")
+                   help="with --backward: cuflash's deterministic backward (bwd_sm90_ws_kernel: the dQ reductions "
+                        "in a fixed order, with a turn counter per 64 rows; the other main kernels: a dQ kernel "
+                        "instead of fp32 atomics)")
 
 
 def _add_kernels_arg(p: argparse.ArgumentParser):

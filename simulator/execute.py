@@ -17,7 +17,16 @@ from cuflash import config as _config
 
 from .masks import first_key, key_end, query_block_range, tile_needs_mask
 from .model import STRATEGIES, Problem
-from .schedules import DEFAULT_KERNELS, block_sizes, check_kernels, key_block_ranges, resolve_blocks
+from .schedules import (
+    DEFAULT_KERNELS,
+    block_sizes,
+    bwd_key_blocks_reversed,
+    check_kernels,
+    cuflash_config,
+    key_block_ranges,
+    main_adds_dq,
+    resolve_blocks,
+)
 
 LOG2E = math.log2(math.e)
 
@@ -227,16 +236,19 @@ def _standard_bwd(do, q, k, v, p, scale):
     return dq, dk, dv
 
 
-def _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip):
+def _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip, reverse_n=False):
     """FA2 backward: D = rowsum(dO o O); per column block j (K_j, V_j in SRAM) loop over row blocks,
-    recompute P = exp(S - lse), accumulate dV_j, dK_j on chip and dQ_i in an HBM accumulator."""
+    recompute P = exp(S - lse), accumulate dV_j, dK_j on chip and dQ_i in an HBM accumulator. The column blocks
+    run in ascending order, or with reverse_n from the last to the first (so each dQ_i sums its key blocks in
+    descending order)."""
     dq_acc = np.zeros((p.batch, p.seqlen_q, p.heads, width))  # fp32 dQ accumulator, zeroed
     dk, dv = np.zeros(k.shape), np.zeros(v.shape)
     delta = np.einsum("bihd,bihd->bhi", do, o)  # D_i = rowsum(dO_i o O_i), the preprocess kernel
     t_r = math.ceil(p.seqlen_q / bm)
     for b in range(p.batch):
         for h in range(p.heads):
-            for n_block in range(math.ceil(p.seqlen_k / bn)):
+            n_blocks = range(math.ceil(p.seqlen_k / bn))
+            for n_block in (reversed(n_blocks) if reverse_n else n_blocks):
                 col0 = n_block * bn
                 k_smem, v_smem = _tile(k[b, :, h], col0, bn, width), _tile(v[b, :, h], col0, bn, width)
                 dk_acc, dv_acc = np.zeros((bn, width)), np.zeros((bn, width))
@@ -337,9 +349,12 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, window
                      deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
     """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv).
 
-    deterministic=True (cuflash only): dQ from the Q-outer schedule of bwd_dq_kernel (dq_config blocks)
-    instead of the K/V-outer accumulation. window, kernels: as in execute_forward (bwd_sm90_kernel runs
-    bwd_kernel's K/V-outer schedule with its own blocks)."""
+    deterministic=True (cuflash only), on the main kernel that cuflash_config picks (as the counts): where it adds
+    dQ itself (schedules.main_adds_dq: bwd_sm90_ws_kernel's ordered reductions, config.ordered_dq) dQ from the
+    K/V-outer accumulation with each query block's key blocks in the kernel's fixed order (ascending, or with causal
+    or a window descending: schedules.bwd_key_blocks_reversed); else from the Q-outer schedule of bwd_dq_kernel
+    (dq_config blocks). window, kernels: as in execute_forward (bwd_sm90_kernel and bwd_sm90_ws_kernel run
+    bwd_kernel's K/V-outer schedule with their own blocks)."""
     _check(strategy, (do, q, k, v), ("do", "q", "k", "v"))
     _check_kernels(strategy, kernels)
     if do.shape != q.shape:
@@ -359,8 +374,10 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, window
                              block_n=block_n, sram_bytes=sram_bytes, causal_skip=causal_skip, dtype=dtype,
                              kernels=kernels)
     bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True, kernels)
-    dq, dk, dv = _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip)
-    if deterministic:
+    main = cuflash_config(p, backward=True, deterministic=True, kernels=kernels) if deterministic else None
+    reverse_n = main is not None and bwd_key_blocks_reversed(main, p.window)
+    dq, dk, dv = _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip, reverse_n)
+    if deterministic and not main_adds_dq(main):
         dcfg = _config.dq_config(width, p.dtype, p.causal)
         dq = _q_outer_dq(do, q, k, v, o, lse, p, scale, dcfg.block_m, dcfg.block_n, width, causal_skip)
     return dq, dk, dv

@@ -35,9 +35,12 @@ from .model import FP8_DTYPES, FP8_STRATEGIES, H100_SMEM_PER_SM, H100_SMS, Probl
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
+    bwd_key_blocks_reversed,
+    bwd_main_config,
     bwd_query_blocks,
     cuflash_config,
     key_block_ranges,
+    main_adds_dq,
     resolve_blocks,
     seqlen_q_pad,
 )
@@ -132,6 +135,14 @@ class _Trace:
         w_u = np.full(rows, row_w, np.int64) if expand else w_unit
         self.tensors[name] = (self.n_units, len(w_u), w_u, block, expand)
         self.n_units += self.p.batch_heads * len(w_u)
+
+    def sector_units(self, name: str, rows: int, block: int):
+        """A per-(batch, head) array over `rows` rows cut into units of `block` rows, each unit a few bytes that
+        weigh one sector (the turn counters of the ordered dQ reductions: neighbouring units share a sector in
+        memory, which the model does not merge)."""
+        n = -(-rows // block)
+        self.tensors[name] = (self.n_units, n, np.ones(n, np.int64), block, False)
+        self.n_units += self.p.batch_heads * n
 
     def access(self, kernel: int, cta, step, sub, name: str, bh, unit, is_write: bool, wave_ctas: int):
         first, per_bh, _, block, expand = self.tensors[name]
@@ -327,13 +338,24 @@ def config_resident(cfg) -> int:
 def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KERNELS, main=None):
     """The launches of cuflash.attention_backward (strategies.cuflash_backward_kernels), each with its own
     grid and residency: preprocess; bwd_kernel or bwd_sm90_kernel (same accesses, its own blocks);
-    convert, or (deterministic) bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels'
-    tiles of different heights touch the same units. main: the main kernel's config in place of the library's
-    choice (strategies.cuflash_backward_kernels)."""
-    cfg = main if main is not None else cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
-    dcfg = _config.dq_config(_config.kernel_head_dim(p.head_dim, p.dtype), p.dtype, p.causal) if deterministic else None
-    uq = math.gcd(cfg.block_m, dcfg.block_m) if deterministic else cfg.block_m
-    uk = math.gcd(cfg.block_n, dcfg.block_n) if deterministic else cfg.block_n
+    convert, or (deterministic, but for the ordered path of bwd_sm90_ws_kernel: schedules.main_adds_dq)
+    bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels' tiles of different heights touch
+    the same units. main: the main kernel's config in place of the library's choice
+    (strategies.cuflash_backward_kernels).
+
+    The ordered deterministic bwd_sm90_ws_kernel (config.ordered_dq) runs the default mode's accesses plus its
+    turn counters (dq_turns, one int32 per 64 padded rows; a unit of BLOCK_M rows of them weighs a sector,
+    _Trace.sector_units): the preprocess writes them and each visited query block adds 1 to its block's counter
+    (a read-modify-write, as the dQ adds; the ld.acquire polls before it, reads of the same sector, are left out).
+    The lock-step waves do not model a CTA waiting for its turn. With causal or a window its key blocks launch last
+    first (key block gridDim.x - 1 - blockIdx.x: schedules.bwd_key_blocks_reversed), and the CTAs are taken in that
+    launch order."""
+    cfg = bwd_main_config(p, deterministic, kernels, main)
+    dq_kernel = not main_adds_dq(cfg)
+    ordered = _config.ordered_dq(cfg)
+    dcfg = _config.dq_config(_config.kernel_head_dim(p.head_dim, p.dtype), p.dtype, p.causal) if dq_kernel else None
+    uq = math.gcd(cfg.block_m, dcfg.block_m) if dq_kernel else cfg.block_m
+    uk = math.gcd(cfg.block_n, dcfg.block_n) if dq_kernel else cfg.block_n
     d_bytes, pad = p.head_dim * p.elem_bytes, seqlen_q_pad(p.seqlen_q)
     for name in ("q", "do", "o", "dq"):
         tr.tensor(name, p.seqlen_q, uq, d_bytes)
@@ -342,34 +364,41 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
     tr.tensor("lse", p.seqlen_q, uq, p.stat_bytes, contiguous_rows=True)
     for name in ("lse_log2", "delta"):
         tr.tensor(name, pad, uq, p.stat_bytes, contiguous_rows=True)
-    if not deterministic:
+    acc = () if dq_kernel else ("dq_acc",)
+    if not dq_kernel:
         tr.tensor("dq_acc", pad, uq, cfg.head_dim * p.stat_bytes, contiguous_rows=True)
+    if ordered:  # a unit of uq = BLOCK_M rows holds BLOCK_M / 64 counters; a step adds to the first
+        tr.sector_units("dq_turns", pad, uq)
+        acc += ("dq_turns",)
     small = num_sms * _resident(0, 256)  # preprocess and convert: 256 threads, no shared memory
-    # 1. preprocess, a unit of rows per CTA: O, dO, lse of real rows; delta, lse_log2 (, dq_acc = 0) of all
+    # 1. preprocess, a unit of rows per CTA: O, dO, lse of real rows; delta, lse_log2 (, dq_acc = 0, dq_turns = 0)
+    #    of all
     c, bh, x = _grid(p, pad // uq)
     real = x * uq < p.seqlen_q
     for sub, name in enumerate(("o", "do", "lse")):
         tr.access(0, c[real], 0, sub, name, bh[real], x[real], False, small)
-    for sub, name in enumerate(("delta", "lse_log2") + (() if deterministic else ("dq_acc",))):
+    for sub, name in enumerate(("delta", "lse_log2") + acc):
         tr.access(0, c, 1, sub, name, bh, x, True, small)
     # 2. bwd_kernel: CTA (n_block, h, b): K_j, V_j; per visited query block Q_i, dO_i, lse_log2_i,
-    #    delta_i and the dQ_acc atomics (an L2 read-modify-write: read, then dirty); dK_j, dV_j
+    #    delta_i and the dQ_acc atomics (an L2 read-modify-write: read, then dirty; on the ordered path then the
+    #    counter's add); dK_j, dV_j
     wave = num_sms * config_resident(cfg)
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k, causal_skip, p.window)
     visits = np.maximum(m_end - m_begin, 0)
     c, bh, x = _grid(p, len(visits))
+    n = len(visits) - 1 - x if bwd_key_blocks_reversed(cfg, p.window) else x  # the CTA's key block
     for sub, name in enumerate(("k", "v")):
-        _access_tiles(tr, 1, c, 0, sub, name, bh, x, cfg.block_n, False, wave)
-    owner, k = _ragged(visits[x])
-    m_block = m_begin[x[owner]] + k
-    reads = ("q", "do", "lse_log2", "delta") + (() if deterministic else ("dq_acc",))
+        _access_tiles(tr, 1, c, 0, sub, name, bh, n, cfg.block_n, False, wave)
+    owner, k = _ragged(visits[n])
+    m_block = m_begin[n[owner]] + k
+    reads = ("q", "do", "lse_log2", "delta") + acc
     for sub, name in enumerate(reads):
         _access_tiles(tr, 1, c[owner], 1 + k, sub, name, bh[owner], m_block, cfg.block_m, False, wave)
-    if not deterministic:
-        _access_tiles(tr, 1, c[owner], 1 + k, len(reads), "dq_acc", bh[owner], m_block, cfg.block_m, True, wave)
+    for sub, name in enumerate(acc, start=len(reads)):
+        _access_tiles(tr, 1, c[owner], 1 + k, sub, name, bh[owner], m_block, cfg.block_m, True, wave)
     for sub, name in enumerate(("dk", "dv")):
-        _access_tiles(tr, 1, c, 1 + visits[x], sub, name, bh, x, cfg.block_n, True, wave)
-    if not deterministic:  # 3. convert: dq_acc of real rows -> dQ
+        _access_tiles(tr, 1, c, 1 + visits[n], sub, name, bh, n, cfg.block_n, True, wave)
+    if not dq_kernel:  # 3. convert: dq_acc of real rows -> dQ
         c, bh, x = _grid(p, math.ceil(p.seqlen_q / uq))
         tr.access(2, c, 0, 0, "dq_acc", bh, x, False, small)
         tr.access(2, c, 1, 0, "dq", bh, x, True, small)

@@ -79,6 +79,35 @@ def seqlen_q_pad(seqlen_q: int) -> int:
     return -(-seqlen_q // _config.SEQLEN_Q_PAD) * _config.SEQLEN_Q_PAD
 
 
+DQ_TURN_ROWS = 64  # rows of dq_accum per counter of the ordered dQ reductions (BwdParams::dq_turns, one int32 each)
+
+
+def dq_turns_bytes(seqlen_q: int) -> int:
+    """Bytes of the ordered dQ reductions' counters (BwdParams::dq_turns) per (batch, head): one int32 per
+    DQ_TURN_ROWS rows of the padded rows (seqlen_q_pad)."""
+    return seqlen_q_pad(seqlen_q) // DQ_TURN_ROWS * 4
+
+
+def main_adds_dq(cfg) -> bool:
+    """Whether backward main kernel `cfg` adds dQ into dq_accum itself: by fp32 atomics or bulk reductions unless
+    deterministic, and deterministic on the ordered path of the warp-specialized kernel (config.ordered_dq: the
+    same reductions in a fixed order of key blocks). The others leave dQ to a Q-outer kernel: bwd_dq_kernel after a
+    deterministic main kernel, bwd_dq_sm90_tf32_kernel after the float32 Hopper one (BwdSm90Tf32Config)."""
+    if isinstance(cfg, _config.BwdSm90Tf32Config):
+        return False
+    return not getattr(cfg, "deterministic", False) or _config.ordered_dq(cfg)
+
+
+def bwd_key_blocks_reversed(cfg, window=None) -> bool:
+    """Whether backward main kernel `cfg` launches its key blocks last first (key block gridDim.x - 1 - blockIdx.x):
+    the ordered deterministic warp-specialized kernel (config.ordered_dq) with causal or a window (cfg.causal and
+    `window` folded as masks.band_sides), whose dQ turns per query block run from the highest key block down, so
+    that each CTA waits only on CTAs launched before it."""
+    if not _config.ordered_dq(cfg):
+        return False
+    return bool(cfg.mods & _config.MOD_WINDOW) or band_sides(cfg.causal, window) != (None, None)
+
+
 # ----------------------------------------------------------------------------------------------
 # Block sizes and the kernel configuration
 # ----------------------------------------------------------------------------------------------
@@ -147,8 +176,9 @@ def fp8_config(p: Problem, backward: bool = False, kernels: str = DEFAULT_KERNEL
 
 def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = False, kernels: str = DEFAULT_KERNELS):
     """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
-    the backward the main kernel's backward_kernel_config (deterministic selects the instantiation without
-    dQ atomics). kernels: "auto" (the library's default: the registry's first Hopper family for the head dim,
+    the backward the main kernel's backward_kernel_config (deterministic selects the deterministic instantiation:
+    dQ added in a fixed order, config.ordered_dq, or not at all, bwd_dq_kernel then computing it; main_adds_dq).
+    kernels: "auto" (the library's default: the registry's first Hopper family for the head dim,
     a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at every 16-bit head dim, and a
     BwdSm90Config) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer counts dense
     contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
@@ -172,7 +202,7 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     if p.head_dim % _config.CHUNK_ELEMS:
         raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "
                          f"(got head_dim={p.head_dim})")
-    if backward:  # the main backward kernel: K/V-outer, dQ by fp32 atomics unless deterministic or TF32
+    if backward:  # the main backward kernel: K/V-outer, dQ into dq_accum where main_adds_dq
         return _config.backward_kernel_config(hd, p.dtype, p.causal, deterministic, ARCH, kernels)
     if not runs_window_kernel(p):
         return _config.forward_kernel_config(hd, p.dtype, p.causal, ARCH, kernels, seqlen_k=p.seqlen_k)
@@ -182,6 +212,17 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     if isinstance(cfg, _config.FwdSm90Tf32Config):  # its window is a flag (the tiles are the same)
         return dataclasses.replace(cfg, causal=p.causal, window=False)
     return dataclasses.replace(cfg, causal=p.causal, mods=0)
+
+
+def bwd_main_config(p: Problem, deterministic: bool = False, kernels: str = DEFAULT_KERNELS, main=None):
+    """The backward main kernel's config: `main` where given (in place of the library's choice; its deterministic
+    flag must be the call's), else cuflash_config's."""
+    if main is None:
+        return cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
+    if getattr(main, "deterministic", False) != bool(deterministic):
+        raise ValueError(f"main={main!r} has deterministic={getattr(main, 'deterministic', False)}, the call "
+                         f"deterministic={deterministic}")
+    return main
 
 
 def runs_window_kernel(p: Problem) -> bool:

@@ -18,9 +18,10 @@ Strategies (docs/IO_ANALYSIS.md):
             (banks.fwd_kernel_shared, which adds the wgmma operand reads of the sm90 kernels and the TMA
             box writes of fwd_sm90_ws_kernel). The
             backward counts the launches of cuda/bwd.cuh (cuflash_backward_kernels: preprocess, the
-            K/V-outer main kernel with fp32 dQ atomics, convert; or, deterministic, the main kernel
-            without atomics and the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded to
-            SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
+            K/V-outer main kernel with fp32 dQ atomics, convert; deterministic, the warp-specialized
+            bwd_sm90_ws_kernel adds the same dQ in a fixed order (config.ordered_dq) and the others run
+            without atomics, followed by the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded
+            to SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
             (banks.bwd_kernel_shared) and bwd_dq_kernel.
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
             preprocess / convert launches, with config.select's tiles, the same on every target): global
@@ -55,10 +56,13 @@ from .model import DESCALE_BYTES, FP8_DTYPES, FP8_STRATEGIES, NONMATMUL_FLOPS, S
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
+    bwd_main_config,
     bwd_query_blocks,
     check_kernels,
     cuflash_config,
+    dq_turns_bytes,
     key_block_ranges,
+    main_adds_dq,
     resolve_blocks,
     seqlen_q_pad,
 )
@@ -416,18 +420,24 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
 
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
-       unless deterministic zeroes dq_accum [padded rows, HEAD_DIM] fp32.
+       where the main kernel adds dQ (schedules.main_adds_dq) zeroes dq_accum [padded rows, HEAD_DIM] fp32, and
+       on the ordered path (deterministic bwd_sm90_ws_kernel, config.ordered_dq) its turn counters dq_turns (one
+       int32 per 64 padded rows).
     2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel / bwd_sm90_split_kernel, the last at kernel head
-       dims 192 and 256 with BLOCK_N = 64 keys, its two warpgroups adding half the dQ columns each), grid (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j
-       (valid keys) once; per visited query block Q_i and dO_i (valid rows), lse_log2 and delta (BLOCK_M floats,
-       pad rows included) and, unless deterministic, red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ
-       tile into dq_accum (pad rows and padded columns included); writes dK_j, dV_j (or zeros when no query sees
-       the block).
-    3. bwd_convert_dq_kernel (not deterministic): reads dq_accum (head_dim columns of rows < Sq), writes dQ;
-       bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel and bwd_sm90_split_kernel (whose dQ adds are bulk
-       reductions of the same bytes): the same, for every row of the BLOCK_M-row blocks that hold a row < Sq.
-    3b. bwd_dq_kernel (deterministic), grid (ceil(Sq / BLOCK_M), heads, batch) of dq_config: per CTA that
-       sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited key tile; writes dQ_i.
+       dims 192 and 256 with BLOCK_N = 64 keys, its two warpgroups adding half the dQ columns each), grid
+       (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited query block Q_i and dO_i
+       (valid rows), lse_log2 and delta (BLOCK_M floats, pad rows included) and, where it adds dQ,
+       red.global.add.v2.f32 of the whole [BLOCK_M, HEAD_DIM] dQ tile into dq_accum (pad rows and padded
+       columns included); writes dK_j, dV_j (or zeros when no query sees the block). On the ordered path the
+       same bulk reductions, issued in a fixed order of key blocks per query block, plus per visited query block
+       one 4-byte red.release add to its counter (counted as atomic bytes; the ld.acquire polls of the counter,
+       at least one 4-byte read per visit, are not counted).
+    3. bwd_convert_dq_kernel (where the main kernel adds dQ): reads dq_accum (head_dim columns of rows < Sq),
+       writes dQ; bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel and bwd_sm90_split_kernel (whose dQ adds are
+       bulk reductions of the same bytes): the same, for every row of the BLOCK_M-row blocks that hold a row < Sq.
+    3b. bwd_dq_kernel (deterministic, but for the ordered path), grid (ceil(Sq / BLOCK_M), heads, batch) of
+       dq_config: per CTA that sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited
+       key tile; writes dQ_i.
 
     fp32, tf32 and fp64 (cuda/wide.cuh, a BwdWideConfig) run the same three launches with the same accesses:
     bwd_wide_preprocess_kernel, bwd_wide_kernel (K/V-outer; dQ tile atomics, float64 atomicAdd for fp64) and
@@ -441,15 +451,18 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
     are written once each (zeros where no query or key is seen).
 
-    main: the main kernel's config in place of the library's choice (the ncu validation profiles the synchronous
-    bwd_sm90_kernel, whose steps are 64 queries where the library's warp-specialized kernel takes 128)."""
-    cfg = main if main is not None else cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
+    main: the main kernel's config in place of the library's choice, deterministic as the call (the ncu validation
+    profiles the synchronous bwd_sm90_kernel, whose steps are 64 queries where the library's warp-specialized kernel
+    takes 128; schedules.bwd_main_config)."""
+    cfg = bwd_main_config(p, deterministic, kernels, main)
     tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
     wide = isinstance(cfg, _config.BwdWideConfig) or tf32
-    dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel: no accumulator, no atomics
+    dq_kernel = not main_adds_dq(cfg)  # dQ from a Q-outer kernel: no accumulator, no atomics
+    ordered = _config.ordered_dq(cfg)  # dQ adds in a fixed order, counted in dq_turns
     bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
-    acc_bytes = 0 if dq_kernel else pad * hd * s4  # dq_accum per (batch, head)
+    # dq_accum per (batch, head), and its counters on the ordered path
+    acc_bytes = (0 if dq_kernel else pad * hd * s4) + (dq_turns_bytes(sq) if ordered else 0)
     pre = _config.ElementwiseConfig("preprocess", p.dtype)
     out = [KernelTraffic("bwd_wide_preprocess_kernel" if wide else "bwd_preprocess_kernel",
                          (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
@@ -458,7 +471,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     keys = block_sizes(sk, cfg.block_n)
     reads = 2 * int((keys * (visits > 0)).sum()) * d * e + 2 * int(q_rows.sum()) * d * e \
         + 2 * int(visits.sum()) * cfg.block_m * s4
-    atomics = 0 if dq_kernel else int(visits.sum()) * cfg.block_m * hd * s4
+    atomics = 0 if dq_kernel else int(visits.sum()) * (cfg.block_m * hd * s4 + (4 if ordered else 0))
     out.append(KernelTraffic(kernel_name(cfg), cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
                              bh * 2 * sk * d * e, bh * atomics))
     if dq_kernel:
@@ -556,9 +569,11 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     conflicts from walking every shared access of the main kernel (and bwd_dq_kernel). The wide kernels
     (fp32, tf32, fp64): global traffic and FLOPs (3xTF32 counted as one product) only, their shared memory is
     not modelled (sram_*_bytes and bank_conflicts None). The float32 Hopper backward (bwd_sm90_tf32_kernel and
-    bwd_dq_sm90_tf32_kernel): global traffic and FLOPs as the 16-bit deterministic backward's (S^T and dP^T in the
-    dK / dV kernel, S and dP again in the dQ kernel: 7 products instead of 5, 3xTF32's passes counted as one),
-    shared-memory bytes from its program order (_tf32_bwd_shared), bank_conflicts None (not walked)."""
+    bwd_dq_sm90_tf32_kernel): global traffic and FLOPs as a 16-bit deterministic backward's with bwd_dq_kernel (S^T
+    and dP^T in the dK / dV kernel, S and dP again in the dQ kernel: 7 products instead of 5, 3xTF32's passes
+    counted as one), shared-memory bytes from its program order (_tf32_bwd_shared), bank_conflicts None (not
+    walked). peak_extra_bytes: lse_log2 and delta, and where the main kernel adds dQ (schedules.main_adds_dq)
+    dq_accum, with its turn counters on the ordered path (config.ordered_dq)."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
@@ -567,7 +582,7 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     tf32 = isinstance(cfg, _config.BwdSm90Tf32Config)
     wide = isinstance(cfg, _config.BwdWideConfig)
     split = isinstance(cfg, _config.BwdSm90SplitConfig)
-    dq_kernel = deterministic or tf32  # dQ from a Q-outer kernel instead of atomics
+    dq_kernel = not main_adds_dq(cfg)  # dQ from a Q-outer kernel instead of atomics
     walks = [] if wide or tf32 or split else [banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k,
                                                              p.head_dim, causal_skip, p.window)]
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
@@ -608,7 +623,8 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.launches = len(launches)
     pad = seqlen_q_pad(p.seqlen_q)
     s = p.stat_bytes
-    c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if dq_kernel else pad * hd * s))
+    turns = dq_turns_bytes(p.seqlen_q) if _config.ordered_dq(cfg) else 0  # the ordered path's counters
+    c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if dq_kernel else pad * hd * s) + turns)
     return c
 
 
@@ -627,8 +643,10 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
     block_m/block_n (B_r/B_c) or sram_bytes (M, from which FA1's rule derives the blocks) apply to fa1
     and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
     l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes.
-    deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True):
-    bwd_kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel. kernels (cuflash
+    deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True): on
+    bwd_sm90_ws_kernel (config.ordered_dq) the default launches, its dQ reductions in a fixed order with a turn
+    counter per 64 rows of dq_accum; on the other main kernels the kernel without dQ atomics plus bwd_dq_kernel
+    instead of the conversion kernel (cuflash_backward_kernels). kernels (cuflash
     only): "auto", what the library launches on an H100 by default (the wgmma kernels where the head dim
     has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma). problem.dtype "fp8" counts cuflash's FP8
     forward (fwd_sm90_fp8_kernel; no backward, no other strategy)."""

@@ -54,7 +54,7 @@ from cuflash import config as _config
 
 from . import banks, l2 as _l2
 from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
-from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges
+from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges, main_adds_dq
 from .strategies import cuflash_backward_kernels
 
 SECTOR = 32
@@ -703,7 +703,7 @@ def kernel_configs(target: Target) -> list:
         _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels)
     return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels, seqlen_k=c.seqlen_k),
             _config.ElementwiseConfig("preprocess", c.dtype), main,
-            _config.dq_config(hd, c.dtype, c.causal) if target.deterministic
+            _config.dq_config(hd, c.dtype, c.causal) if target.deterministic and not main_adds_dq(main)
             else _config.convert_dq_config(main, c.dtype)]
 
 

@@ -1,4 +1,6 @@
 """Shared-memory bank rule (docs/IO_ANALYSIS.md) and the walk over fwd_kernel's shared instructions."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -799,9 +801,17 @@ def test_bwd_sm90_ws_walk(cfg):
     Q, dO through TMA (whole boxes) and lse_log2, delta by bulk copy, per live CTA K, V; the bulk reduction reads
     the dQ buffer once per visit; the wgmma operand reads and the dS^T / epilogue stores are bwd_sm90_kernel's
     (same tiles), and no guard LDS; cp.async and ldmatrix only for a staged bias (4 of each per consumer warp and
-    visit, conflict-free: 32-byte rows whose halves swap in rows 4-7 of every 8)."""
+    visit, conflict-free: 32-byte rows whose halves swap in rows 4-7 of every 8). The dS^T and dQ roles are there
+    unless deterministic, and deterministic on the ordered path (config.ordered_dq: the same reductions in a fixed
+    order), as in bwd_sm90_kernel's default mode."""
     L = banks.bwd_sm90_ws_layout(cfg)
     assert L.smem_bytes == cfg.smem_bytes
+    # kv_full, q_full[2], q_empty[2], dq_full, dq_empty right after the 2 stages of (lse_log2, delta), then the dQ
+    # writer's 32-byte setup
+    assert L.barriers == 7 and L.off_bar == L.off_lse + 2 * 2 * cfg.block_m * 4
+    assert L.off_writer == L.off_bar + 8 * 7
+    assert L.off_bias in (-1, -(-(L.off_bar + 8 * 7 + 32) // 128) * 128)
+    no_dq = cfg.deterministic and not config.ordered_dq(cfg)  # dQ left to bwd_dq_kernel
     staged = config.bwd_stages_bias(cfg.head_dim, cfg.mods, cfg.causal)
     assert (L.off_bias >= 0) == staged and (not staged or L.off_bias % 128 == 0)
     walk = banks.bwd_kernel_shared(cfg, 1, 2, 1024, 1000)
@@ -820,15 +830,16 @@ def test_bwd_sm90_ws_walk(cfg):
     for role in ("lse_load", "delta_load"):
         s = walk.roles[role]
         assert s.instructions == visits * 8 * cfg.block_m // 8 and s.wavefronts == 2 * s.instructions
-    for role in ("dk_read", "dv_read") + (() if cfg.deterministic else ("dq_store",)):
+    for role in ("dk_read", "dv_read") + (() if no_dq else ("dq_store",)):
         s = walk.roles[role]
         assert s.instructions > 0 and s.wavefronts == 4 * s.instructions, f"{role}: {s}"
-    dq = 0 if cfg.deterministic else visits * L.smem_dq
-    assert walk.roles["dq_store"].instructions == (0 if cfg.deterministic else visits * 8 * L.dq_tiles)
+    dq = 0 if no_dq else visits * L.smem_dq
+    assert walk.roles["dq_store"].instructions == (0 if no_dq else visits * 8 * L.dq_tiles)
     assert walk.roles["dq_store"].bytes == walk.bulk_read_bytes == dq
     assert walk.tma_write_bytes == visits * 2 * (L.base.smem_q + L.base.rowvec) + ctas * 2 * L.base.smem_kv
-    if cfg.block_m == 64:
-        sync = banks.bwd_kernel_shared(cfg.sync_equivalent(), 1, 2, 1024, 1000)
+    if cfg.block_m == 64:  # bwd_sm90_kernel with dQ as this kernel's: its default mode on the ordered path
+        twin = dataclasses.replace(cfg.sync_equivalent(), deterministic=no_dq)
+        sync = banks.bwd_kernel_shared(twin, 1, 2, 1024, 1000)
         for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
             assert walk.roles[role] == sync.roles[role], role
         assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
@@ -839,12 +850,12 @@ def test_bwd_sm90_ws_walk(cfg):
     hd, e = cfg.head_dim, 2
     want = {"st_wgmma": (hd // 16, (64 + 128) * hd * e), "dpt_wgmma": (hd // 16, (64 + 128) * hd * e),
             "dv_wgmma": (8, 128 * hd * e), "dk_wgmma": (8, 128 * hd * e)}
-    if not cfg.deterministic:
+    if not no_dq:
         want["dq_wgmma"] = (8, 128 * (64 + hd) * e)
     for role, (n, b) in want.items():
         s = walk.roles[role]
         assert (s.instructions, s.bytes) == (visits * 2 * n, visits * 2 * b), f"{role}: {s}"
-    assert walk.roles["ds_store"].instructions == (0 if cfg.deterministic else visits * 8 * 128 // 4)
+    assert walk.roles["ds_store"].instructions == (0 if no_dq else visits * 8 * 128 // 4)
     assert walk.roles["ds_store"].conflicts == 0
 
 

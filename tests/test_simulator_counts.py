@@ -173,14 +173,19 @@ def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, ca
 
 def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
     """cuda/bwd.cuh (main kernel: bwd_sm90.cuh where the tiles have one) by hand, one loop per kernel (no
-    analyzer helper): (reads, writes, atomics, peak)."""
+    analyzer helper): (reads, writes, atomics, peak). Deterministic, bwd_sm90_ws_kernel (no bias or dropout here:
+    its ordered path) adds dQ as in the default mode, and per visit 1 to a counter (an int32 per 64 padded rows,
+    zeroed by the preprocess); the other main kernels leave dQ to bwd_dq_kernel."""
     hd = config.kernel_head_dim(d)
     bm, bn = _expected_tiles(hd, causal, kernels, backward=True)
     main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
     acc_hd = main.head_dim  # dq_accum's columns: the main kernel's (d 32 and 96 run the 64 and 128 kernels)
+    ordered = deterministic and isinstance(main, config.BwdSm90WsConfig)
+    adds = not deterministic or ordered  # the main kernel adds dQ into dq_accum
     pad = -(-sq // config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
+    turns = pad // 64 * 4 if ordered else 0  # the counters
     reads = 2 * sq * d * e + sq * 4  # preprocess: O, dO, lse
-    writes = 2 * pad * 4 + (0 if deterministic else pad * acc_hd * 4)  # delta, lse_log2, dq_accum = 0
+    writes = 2 * pad * 4 + (pad * acc_hd * 4 if adds else 0) + turns  # delta, lse_log2, dq_accum = 0, counters = 0
     atomics = 0
     diag = sk - sq
     for n_block in range(-(-sk // bn)):  # bwd_kernel / bwd_sm90_kernel
@@ -195,9 +200,11 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
         for m_block in range(m_begin, m_end):
             rows = min(bm, sq - m_block * bm)
             reads += 2 * rows * d * e + 2 * bm * 4  # Q, dO; lse_log2, delta incl. pad rows
-            if not deterministic:
+            if adds:
                 atomics += bm * acc_hd * 4  # the whole dQ tile's adds (element atomics or bulk reductions)
-    if deterministic:  # bwd_dq_kernel
+            if ordered:
+                atomics += 4  # red.release.gpu.add of 1 to the block's counter
+    if not adds:  # bwd_dq_kernel
         dcfg = config.dq_config(hd, "fp16", causal)
         for m_block in range(-(-sq // dcfg.block_m)):
             row0 = m_block * dcfg.block_m
@@ -215,7 +222,7 @@ def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
         rows = -(-sq // bm) * bm if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else sq
         reads += rows * d * 4
         writes += sq * d * e
-    peak = 2 * pad * 4 + (0 if deterministic else pad * acc_hd * 4)
+    peak = 2 * pad * 4 + (pad * acc_hd * 4 if adds else 0) + turns
     return b * h * reads, b * h * writes, b * h * atomics, b * h * peak
 
 
@@ -243,18 +250,38 @@ def test_cuflash_backward_counts_what_the_kernels_move(sq, sk, d, causal, determ
 @pytest.mark.parametrize("kernels,main,convert", [("auto", "bwd_sm90_ws_kernel", "bwd_convert_dq_ws_kernel"),
                                                   ("mma", "bwd_kernel", "bwd_convert_dq_kernel")])
 def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main, convert):
+    """Deterministic, bwd_sm90_ws_kernel (its ordered path, config.ordered_dq) adds dQ as in the default mode, in a
+    fixed order: the same launches and FLOPs, plus an int32 counter per 64 rows (zeroed by the preprocess) and a
+    4-byte add to it per visit; bwd_kernel leaves dQ to bwd_dq_kernel (no dq_accum, no atomics, about 1.4x the
+    FLOPs)."""
     from cuflash.simulator.strategies import cuflash_backward_kernels
 
     p = P(4096, 64, batch=1, heads=16)
-    names = [k.name for k in cuflash_backward_kernels(p, kernels=kernels)]
-    assert names == ["bwd_preprocess_kernel", main, convert]
+    default = cuflash_backward_kernels(p, kernels=kernels)
+    assert [k.name for k in default] == ["bwd_preprocess_kernel", main, convert]
     det = cuflash_backward_kernels(p, deterministic=True, kernels=kernels)
-    assert [k.name for k in det] == ["bwd_preprocess_kernel", main, "bwd_dq_kernel"]
-    assert all(k.atomic_bytes == 0 for k in det)
     a = simulate("cuflash", p, backward=True, kernels=kernels)
     b = simulate("cuflash", p, backward=True, deterministic=True, kernels=kernels)
-    assert 1.3 < b.flops_matmul / a.flops_matmul < 1.5, "api.py: about 1.4x the backward's FLOPs"
-    assert b.peak_extra_bytes == 16 * 2 * 4096 * 4, "no fp32 dq accumulator, only lse_log2 and delta"
+    lse_delta, acc = 16 * 2 * 4096 * 4, 16 * 4096 * 64 * 4
+    if kernels == "auto":
+        assert [k.name for k in det] == ["bwd_preprocess_kernel", main, convert]
+        turns = 16 * 4096 // 64 * 4  # an int32 per 64 rows
+        visits = 16 * (4096 // 128) ** 2  # 128-key blocks x 128-query steps, per head
+        assert det[0].write_bytes == default[0].write_bytes + turns
+        assert det[1].atomic_bytes == default[1].atomic_bytes + visits * 4 == visits * (128 * 64 * 4 + 4)
+        assert [(k.read_bytes, k.grid) for k in det] == [(k.read_bytes, k.grid) for k in default]
+        assert [k.write_bytes for k in det[1:]] == [k.write_bytes for k in default[1:]]
+        assert b.flops_matmul == a.flops_matmul and b.flops == a.flops
+        assert (b.sram_read_bytes, b.sram_write_bytes, b.bank_conflicts) == \
+            (a.sram_read_bytes, a.sram_write_bytes, a.bank_conflicts)
+        assert b.peak_extra_bytes == lse_delta + acc + turns, "lse_log2, delta, dq_accum and its counters"
+        assert b.hbm_write_bytes == a.hbm_write_bytes + turns + visits * 4
+    else:
+        assert [k.name for k in det] == ["bwd_preprocess_kernel", main, "bwd_dq_kernel"]
+        assert all(k.atomic_bytes == 0 for k in det)
+        assert 1.3 < b.flops_matmul / a.flops_matmul < 1.5, "api.py: about 1.4x the backward's FLOPs"
+        assert b.peak_extra_bytes == lse_delta, "no fp32 dq accumulator, only lse_log2 and delta"
+    assert a.peak_extra_bytes == lse_delta + acc
     # atomic mode: 10 d per pair of matmul FLOPs with D_SPLIT = 1 (no duplicated S^T, dP^T) or one
     # warpgroup per 64 keys (wgmma)
     assert a.flops_matmul == a.flops_useful
@@ -262,6 +289,53 @@ def test_cuflash_backward_kernels_and_the_deterministic_cost(kernels, main, conv
         simulate("fa2", p, backward=True, deterministic=True)
     with pytest.raises(ValueError, match="deterministic"):
         simulate("cuflash", p, deterministic=True)
+
+
+@pytest.mark.parametrize("causal,mods,ordered", [(True, config.MOD_BIAS, False), (False, config.MOD_WINDOW |
+                                                 config.MOD_DROPOUT, False), (False, config.MOD_BIAS, False),
+                                                 (True, config.MOD_ALIBI, True), (False, config.MOD_WINDOW, True)])
+def test_deterministic_ws_kernel_off_the_ordered_path_runs_bwd_dq_kernel(causal, mods, ordered):
+    """A bias or dropout keeps the deterministic ws kernel without dQ:
+    bwd_dq_kernel computes it (no dq_accum, no counters, no atomics, no dS^T or dQ in shared memory); the others
+    add it in order and are converted. Counted for main configs in place of the library's choice (the analyzer's
+    problems have no bias or dropout), against the hand counts of the d 128 tiles (64-query steps, 128 keys)."""
+    import numpy as np
+
+    from cuflash.simulator import banks, l2
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    cfg = config.bwd_sm90_ws_config(128, "bf16", causal, True, mods)
+    assert config.ordered_dq(cfg) is ordered
+    p = Problem(2, 3, 512, 512, 128, "bf16", causal)
+    launches = cuflash_backward_kernels(p, True, True, "auto", main=cfg)
+    pad, bh = 512, 6
+    # 4 key blocks of 128 x 8 query blocks of 64; causal (diag 0): key block n from query block 2 n
+    visits = bh * (8 + 6 + 4 + 2 if causal else 4 * 8)
+    names = [k.name for k in launches]
+    if ordered:
+        assert names == ["bwd_preprocess_kernel", "bwd_sm90_ws_kernel", "bwd_convert_dq_ws_kernel"]
+        assert launches[0].write_bytes == bh * (2 * pad * 4 + pad * 128 * 4 + pad // 64 * 4)
+        assert launches[1].atomic_bytes == visits * (64 * 128 * 4 + 4)
+    else:
+        assert names == ["bwd_preprocess_kernel", "bwd_sm90_ws_kernel", "bwd_dq_kernel"]
+        assert launches[0].write_bytes == bh * 2 * pad * 4, "lse_log2 and delta only"
+        assert all(k.atomic_bytes == 0 for k in launches)
+    walk = banks.bwd_kernel_shared(cfg, 2, 3, 512, 512)
+    dq_tile = 64 * 128 * 4  # the fp32 dQ buffer, stored and read by the bulk reduction once per visit
+    assert walk.bulk_read_bytes == walk.roles["dq_store"].bytes == (visits * dq_tile if ordered else 0)
+    assert (walk.roles["ds_store"].instructions > 0) is ordered
+    assert ("dq_wgmma" in walk.roles and walk.roles["dq_wgmma"].instructions > 0) is ordered
+    tr = l2._Trace(p, "tile")
+    l2._cuflash_bwd(tr, p, True, 132, True, "auto", cfg)
+    assert ("dq_acc" in tr.tensors and "dq_turns" in tr.tensors) is ordered
+    # the tensors of the third launch: convert reads dq_accum and writes dQ; bwd_dq_kernel reads Q, dO, lse_log2,
+    # delta, K, V and writes dQ
+    ids = np.concatenate([part[5] for part in tr.parts if part[0].size and part[0][0] == 2])
+    third = {name for name, (first, per_bh, *_) in tr.tensors.items()
+             if ((ids >= first) & (ids < first + per_bh * bh)).any()}
+    assert third == ({"dq_acc", "dq"} if ordered else {"q", "do", "lse_log2", "delta", "k", "v", "dq"})
+    with pytest.raises(ValueError, match="deterministic"):
+        cuflash_backward_kernels(p, True, False, "auto", main=cfg)
 
 
 def test_every_attention_kernel_has_its_name():

@@ -1,4 +1,6 @@
 """Execute mode: each strategy's tile schedule in float64 equals cuflash.reference (docs/IO_ANALYSIS.md)."""
+import math
+
 import numpy as np
 import pytest
 
@@ -82,15 +84,33 @@ def test_bad_inputs_are_explained(args, err, match):
         execute_forward(*args)
 
 
-@pytest.mark.parametrize("sq,sk", [(113, 203), (203, 113), (1, 239)])
-@pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_dq_schedule_equals_reference(sq, sk, causal):
-    """bwd_dq_kernel's Q-outer schedule (dq_config tiles, key tiles last to first, +inf lse_log2 on
-    rows without keys)."""
+@pytest.mark.parametrize("sq,sk", [(113, 203), (203, 113), (1, 239), (130, 517)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (300, 10))])
+@pytest.mark.parametrize("kernels", ["auto", "mma"])
+def test_deterministic_dq_schedule_equals_reference(sq, sk, causal, window, kernels):
+    """The deterministic backward's dQ: with "mma" (bwd_kernel) bwd_dq_kernel's Q-outer schedule (dq_config tiles,
+    key tiles last to first, +inf lse_log2 on rows without keys); with "auto" (bwd_sm90_ws_kernel, d 40 on its 64
+    kernel: the ordered path) the K/V-outer accumulation, each query block's key blocks summed from the last to the
+    first with causal or a window, else from the first. Either equals the reference, and is bitwise the schedule
+    it names (the key-block order shows where a query block sums three or more: 517 keys)."""
+    from cuflash.simulator import execute as ex
+
     q, k, v, do = _inputs(sq, sk)
-    dq, _, _ = execute_backward("cuflash", do, q, k, v, causal=causal, deterministic=True)
-    err = np.abs(dq - attention_backward64(do, q, k, v, causal)[0]).max()
-    assert err < TOL, f"dq mismatch sq={sq} sk={sk} causal={causal}: {err:.2e}"
+    dq, dk, dv = execute_backward("cuflash", do, q, k, v, causal=causal, window=window, deterministic=True,
+                                  kernels=kernels)
+    ref = attention_backward64(do, q, k, v, causal, window=window)
+    for name, got, want in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
+        err = np.abs(got - want).max()
+        assert err < TOL, f"{name} mismatch sq={sq} sk={sk} causal={causal} window={window}: {err:.2e}"
+    p = ex._problem(q, k, "fp16", causal, window)
+    scale = 1.0 / math.sqrt(40)
+    o, lse = execute_forward("cuflash", q, k, v, causal=causal, window=window, kernels=kernels)
+    if kernels == "auto":  # 128 queries x 128 keys, 64 columns
+        want = ex._kv_outer_bwd(do, q, k, v, o, lse, p, scale, 128, 128, 64, True,
+                                reverse_n=causal or window is not None)[0]
+    else:  # dq_config(64, "fp16", ...): 128 queries x 64 keys
+        want = ex._q_outer_dq(do, q, k, v, o, lse, p, scale, 128, 64, 64, True)
+    assert np.array_equal(dq, want)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "mma"])

@@ -84,7 +84,10 @@ def test_l2_arguments_are_checked():
 def test_cuflash_backward_through_the_l2(deterministic, causal, kernels):
     """The backward launches of cuda/bwd.cuh: a huge L2 reads every input once (the fp32 buffers are
     written before they are read); an L2 smaller than a tile misses every read the counts list
-    (atomics read the accumulator), when every block is whole."""
+    (atomics read the accumulator), when every block is whole. Deterministic, bwd_sm90_ws_kernel ("auto") adds dQ
+    in a fixed order counted in an int32 per 64 rows: the counts take 4 bytes per counter written (512 / 64 per
+    head by the preprocess) and per add (one per visit), the L2 a 32-byte sector per counter unit (one per
+    128-query block) and per add."""
     p = Problem(1, 4, 512, 384, 64, "fp16", causal)
     r = simulate_l2("cuflash", p, l2_bytes=1 << 30, backward=True, deterministic=deterministic, kernels=kernels)
     unseen = 4 * 128 * 64 * 2 if causal else 0  # causal, Sq > Sk: Q of queries 0-127 is never read (dO is, by
@@ -92,8 +95,12 @@ def test_cuflash_backward_through_the_l2(deterministic, causal, kernels):
     assert r.read_bytes == 4 * ((3 * 512 + 2 * 384) * 64 * 2 + 512 * 4) - unseen, "Q, dO, O, K, V and lse once"
     c = simulate("cuflash", p, backward=True, deterministic=deterministic, kernels=kernels)
     r = simulate_l2("cuflash", p, l2_bytes=32, backward=True, deterministic=deterministic, kernels=kernels)
-    assert r.read_bytes == c.hbm_read_bytes
-    assert r.write_bytes == c.hbm_write_bytes
+    sectors = deterministic and kernels == "auto"
+    # visits of the 128-key blocks (128-query steps), per head: all 3 x 4; causal (diag -128) 3 + 2 + 1
+    visits = (6 if causal else 12) if sectors else 0
+    preprocess = 4 * (4 * 32 - 512 // 64 * 4) if sectors else 0
+    assert r.read_bytes == c.hbm_read_bytes + 4 * visits * (32 - 4)
+    assert r.write_bytes == c.hbm_write_bytes + 4 * visits * (32 - 4) + preprocess
 
 
 def test_wgmma_kernels_are_resident_as_their_launch_bounds_say():
@@ -111,3 +118,29 @@ def test_wgmma_kernels_are_resident_as_their_launch_bounds_say():
     for kernels in ("auto", "mma"):
         cfg = config.forward_kernel_config(128, "bf16", False, kernels=kernels)
         assert ctas_per_sm("cuflash", p, kernels) == config_resident(cfg)
+
+
+@pytest.mark.parametrize("causal,window,deterministic,kernels,reversed_", [
+    (True, None, True, "auto", True), (False, (100, 0), True, "auto", True), (False, None, True, "auto", False),
+    (True, None, False, "auto", False), (True, None, True, "mma", False)])
+def test_ordered_deterministic_backward_launches_the_last_key_blocks_first(causal, window, deterministic, kernels,
+                                                                           reversed_):
+    """The deterministic bwd_sm90_ws_kernel (ordered dQ) with causal or a window runs key block gridDim.x - 1 -
+    blockIdx.x: the L2 model takes its CTAs in that launch order (CTA 0 loads the last K block); the other
+    backward main kernels run key block blockIdx.x."""
+    from cuflash.simulator import l2
+
+    p = Problem(1, 1, 512, 512, 64, "fp16", causal, window)
+    tr = l2._Trace(p, "tile")
+    l2._cuflash_bwd(tr, p, True, 132, deterministic, kernels)
+    first, per_bh, _, rows, _ = tr.tensors["k"]
+    blocks = 512 // 128  # bwd_sm90_ws_kernel and bwd_kernel take 128 keys at d 64
+    assert rows * per_bh == 512
+    # kernel 1, in launch order (one wave: cta = blockIdx.x): the first unit of K each CTA reads
+    k_block = {}
+    for kernel, _, _, cta, _, ids, _ in tr.parts:
+        sel = (kernel == 1) & (ids >= first) & (ids < first + per_bh)
+        for c, u in zip(cta[sel], ids[sel] - first):
+            k_block.setdefault(int(c), int(u) * rows // 128)
+    want = list(range(blocks))[::-1] if reversed_ else list(range(blocks))
+    assert [k_block[c] for c in range(blocks)] == want
