@@ -73,7 +73,9 @@ run_logged() {  # name timeout command...: run, log, note exit code and last lin
 
 stage_layouts() { run_logged layouts 120 $PY tools/check_wgmma_layouts.py; }
 stage_tests() {
-  run_logged tests "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -rfEs --tb=line ${TESTS_PATHS:-tests}
+  # the slowest tests listed at the end, and the stacks of any test still running after 120 s (a hang shows where)
+  run_logged tests "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider -rfEs --tb=line \
+    --durations=20 -o faulthandler_timeout=120 ${TESTS_PATHS:-tests}
 }
 stage_tests_mma() {
   CUFLASH_KERNELS=mma run_logged tests_mma "${TESTS_TIMEOUT:-420}" $PY -m pytest -q -m gpu -n 8 -p no:cacheprovider \
