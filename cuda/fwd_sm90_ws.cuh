@@ -205,8 +205,8 @@ struct FwdSm90WsTraits {
   static_assert(is_wgmma_n(BLOCK_N) && is_wgmma_n(HEAD_DIM), "BLOCK_N and HEAD_DIM must be wgmma N sizes");
   static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256 && BLOCK_M <= 256, "TMA box rows are at most 256");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
-  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && !PINGPONG && !PERSISTENT),
-                "two consumer warpgroups, or three without pingpong and on the one-item grid");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && !PINGPONG),
+                "two consumer warpgroups, or three without pingpong");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && (BLOCK_N * PANEL_BYTES) % 1024 == 0,
                 "tiles and panels start on the 1024-byte swizzle period");

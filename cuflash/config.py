@@ -397,7 +397,7 @@ class FwdSm90WsConfig:
     `fwd_sm90_ws_kernel<FwdSm90WsTraits<HEAD_DIM, BLOCK_N, STAGES, PINGPONG, T, PERSISTENT, BLOCK_M>, IS_CAUSAL,
     MODS>`: a TMA producer warpgroup and block_m / 64 consumer warpgroups of 64 query rows each, 1 CTA per SM: two
     (block_m 128, 384 threads, 240 registers each), or three (block_m 192, 512 threads, 160 registers each; head
-    dims up to 64, no modifier, no pingpong, one item per CTA)."""
+    dims up to 64, no modifier, no pingpong)."""
 
     head_dim: int
     block_n: int
@@ -421,10 +421,10 @@ class FwdSm90WsConfig:
             raise ValueError(f"stages={self.stages} must be 2, 3 or 4")
         if self.block_m not in (128, 192):
             raise ValueError(f"block_m={self.block_m} must be 128 (two consumer warpgroups) or 192 (three)")
-        if self.block_m == 192 and (self.head_dim > 64 or self.mods or self.pingpong or self.persistent):
+        if self.block_m == 192 and (self.head_dim > 64 or self.mods or self.pingpong):
             raise ValueError(f"block_m=192 (three consumer warpgroups of 160 registers) takes head_dim up to 64, no "
-                             f"score modifier, no pingpong, one item per CTA; got head_dim={self.head_dim}, "
-                             f"mods={self.mods}, pingpong={self.pingpong}, persistent={self.persistent}")
+                             f"score modifier, no pingpong; got head_dim={self.head_dim}, mods={self.mods}, "
+                             f"pingpong={self.pingpong}")
 
     @property
     def box_cols(self) -> int:
@@ -683,9 +683,15 @@ def mask_only(mods: int) -> bool:
 # its long-sequence tiles (FWD_SM90_WS_TILES) at every length (2026-11-28, H = 64): (256, 2, pingpong, persistent)
 # N 1k / 2k / 4k 249 / 288 / 305 against 236 / 262 / 270 without pingpong, 229 / 239 / 256 (128, 2, persistent),
 # 223 / 247 / 274 (256, 2) on the one-item grid and 226 / 250 / 256 for fwd_sm90_kernel (3 stages: 254 / 285 / 304).
-# D 64's bound is 2k since its long rows run three consumer warpgroups (FWD_SM90_WS_TILES' comment).
+# D 64's bound is 2k since its long rows run three consumer warpgroups (FWD_SM90_WS_TILES' comment); below it the
+# persistent grid runs three consumer warpgroups too (block_m 192, the fifth entry) since 2026-11-28 (H200, bf16 FA
+# shapes, `tools/tune_tiles.py --head-dims 64 --n 1024 2048 4096 8192 --causal both`, TFLOP/s): N 1k / 2k 403 / 472
+# against 403 / 436 for the persistent two-consumer (128, 2) and 359 / 448 for the one-item three-consumer (128, 2);
+# at 4k / 8k 488 / 502 against 490 / 504 for the one-item grid, which keeps the long rows. Causal rows measured
+# 274 / 376 / 428 / 473 (N 1k / 2k / 4k / 8k) against 286 / 374 / 421 / 481 for the tables' kernels (3 stages: 277 /
+# 381 / 434 / 483), within the run's noise except a loss at 1k, so they keep theirs.
 FWD_SM90_WS_SHORT_KEYS = {64: 2048, 128: 4096}
-FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True), 128: (128, 2, False, True)}
+FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True, 192), 128: (128, 2, False, True)}
 
 # Causal without other modifiers: the persistent grid taking its items from a work queue (longest query blocks
 # first; a CTA takes the next item once it has issued the loads of its current one, so the CTAs' sums of key
@@ -747,13 +753,15 @@ def fwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, mods: int = 0,
                        pingpong: bool | None = None, seqlen_k: int | None = None,
                        persistent: bool | None = None) -> FwdSm90WsConfig:
     """The warp-specialized forward's config (pingpong, persistent None: the table's choice; seqlen_k, when given,
-    selects the short- or long-sequence tiles: fwd_sm90_ws_table). pingpong or persistent True on an entry of three
-    consumer warpgroups gives the two-consumer kernel of the same key tiles (those schedules take two)."""
+    selects the short- or long-sequence tiles: fwd_sm90_ws_table). On an entry of three consumer warpgroups,
+    pingpong True, or a grid other than the entry's (persistent given and different), gives the two-consumer kernel
+    of the same key tiles."""
     table = fwd_sm90_ws_table(head_dim, causal, mods, seqlen_k)
     bn, stages, table_pingpong, *rest = table[head_dim]  # (block_n, stages, pingpong[, persistent[, block_m]])
     pingpong = table_pingpong if pingpong is None else pingpong
-    persistent = bool(rest and rest[0]) if persistent is None else persistent
-    block_m = 128 if pingpong or persistent or len(rest) < 2 else rest[1]
+    table_persistent = bool(rest and rest[0])
+    persistent = table_persistent if persistent is None else persistent
+    block_m = rest[1] if len(rest) >= 2 and not pingpong and persistent == table_persistent else 128
     return FwdSm90WsConfig(head_dim, bn, stages, dtype, causal, pingpong, mods, persistent=persistent, block_m=block_m)
 
 

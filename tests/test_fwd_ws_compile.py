@@ -34,11 +34,15 @@ PERSISTENT_CONFIGS = [config.FwdSm90WsConfig(d, bn, st, dt, c, pp, persistent=Tr
                                             (128, 128, 2, False), (128, 128, 2, True), (128, 128, 3, False),
                                             (256, 64, 2, False))
                       for dt in ("fp16", "bf16") for c in (False, True) if not (d == 256 and c)]
+# ... and D 64 with three consumer warpgroups (192-row items)
+PERSISTENT_CONFIGS += [config.FwdSm90WsConfig(64, 128, st, dt, c, False, persistent=True, block_m=192)
+                       for st in (2, 3) for dt in ("fp16", "bf16") for c in (False, True)]
 
 
 def _name(c: config.FwdSm90WsConfig):
     return (f"d{c.head_dim}-bn{c.block_n}-s{c.stages}-{c.dtype}-{'causal' if c.causal else 'full'}-"
-            f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}{'-persistent' if c.persistent else ''}")
+            f"{'pingpong' if c.pingpong else 'plain'}-mods{c.mods}{'-persistent' if c.persistent else ''}"
+            f"{'' if c.block_m == 128 else f'-m{c.block_m}'}")
 
 
 @pytest.mark.parametrize("cfg", CONFIGS + MOD_CONFIGS + PERSISTENT_CONFIGS, ids=_name)
@@ -140,7 +144,8 @@ def test_config_names_and_shared_memory():
     d192 = config.FwdSm90WsConfig(192, 64, 3, "bf16", False, False)  # three 64-column panels
     assert d192.box_cols == 64 and d192.smem_bytes == 128 * 192 * 2 + 2 * 3 * 64 * 192 * 2 + 8 * 13 + 1024
     # D 64's long rows: three consumer warpgroups of 64 rows (block_m 192, 512 threads), 128-key tiles; short
-    # non-causal rows and causal rows up to FWD_SM90_WS_CAUSAL_LONG_KEYS keys on the persistent grid
+    # non-causal rows as well, on the persistent grid; causal rows up to FWD_SM90_WS_CAUSAL_LONG_KEYS keys on the
+    # persistent two-consumer kernel
     three = config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2049)
     assert (three.block_m, three.block_n, three.stages, three.threads, three.pingpong, three.persistent) == \
         (192, 128, 2, 512, False, False)
@@ -148,7 +153,14 @@ def test_config_names_and_shared_memory():
     assert three.grid(2, 3, 1000) == (6, 3, 2) and three.schedule(2, 3, 1000, 132) == ((6, 3, 2), 6, 36)
     assert three.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<64, 128, 2, false, cuflash::bf16, "
                                 "false, 192>, false, 0>")
-    assert config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2048).block_m == 128
+    # short non-causal rows: three consumers on the persistent grid (items in a fixed stride)
+    short = config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2048)
+    assert (short.block_m, short.persistent, short.threads, short.uses_queue(False), short.o_separate) == \
+        (192, True, 512, False, True)
+    assert short.smem_bytes == 2 * 192 * 64 * 2 + 2 * 2 * 128 * 64 * 2 + 8 * 15 + 1024
+    assert short.cpp_name() == ("cuflash::fwd_sm90_ws_kernel<cuflash::FwdSm90WsTraits<64, 128, 2, false, cuflash::bf16, "
+                                "true, 192>, false, 0>")
+    assert config.fwd_sm90_ws_config(64, "bf16", False, seqlen_k=2048, persistent=False).block_m == 128
     assert config.fwd_sm90_ws_config(64, "bf16", True, seqlen_k=4096).block_m == 128
     assert config.fwd_sm90_ws_config(64, "bf16", True, seqlen_k=4097).block_m == 192
     for mods in (config.MOD_WINDOW, config.MOD_ALIBI, config.MOD_BIAS):  # the modifiers keep two consumers

@@ -224,6 +224,20 @@ def test_ws_forward_persistent(d, bn, stages, pingpong, causal, sq, sk, num_sms,
     check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms, queue=queue)
 
 
+# three consumer warpgroups (192-row items, 512 threads) on the persistent grid: the item ring and the Q barrier
+# count 384 consumer threads and 12 warps; sq 1000 leaves a last item of 40 rows (two consumers' rows all past the
+# end), 113 one item with rows of the first consumer only
+@pytest.mark.parametrize("queue", [False, True], ids=["stride", "queue"])
+@pytest.mark.parametrize("num_sms", [1, 3, None], ids=lambda x: f"ctas{x or 'all'}")
+@pytest.mark.parametrize("sq,sk", [(113, 203), (1000, 257), (257, 1000), (1, 239), (384, 384)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_ws_forward_persistent_three_consumers(stages, causal, sq, sk, num_sms, queue):
+    cfg = config.FwdSm90WsConfig(64, 128, stages, "bf16", causal, False, persistent=True, block_m=192)
+    check_case(cfg, 2, sq, sk, 3, 3, "bshd", "contiguous", causal, num_sms=num_sms, queue=queue)
+    check_case(cfg, 2, sq, sk, 4, 2, "bshd", "contiguous", causal, num_sms=num_sms, queue=queue)  # GQA
+
+
 @pytest.fixture
 def queued_causal(monkeypatch):
     """q, k, v (2 x 1000 x 6 x 128, bf16) whose causal calls through the library run the persistent D 128 kernel

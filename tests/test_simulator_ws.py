@@ -40,8 +40,9 @@ def hand_counts(cfg, b, h, sq, sk, d):
         out["reads"] += rows * d * E + 2 * keys * d * E
         out["boxes"] += hd // cfg.box_cols * (1 + 2 * n_end)  # panels of 64 columns (32 at D 32 and 96)
         out["tma_bytes"] += bm * hd * E + 2 * n_end * bn * hd * E  # whole boxes land in shared memory
-        # per key tile, each of the 2 consumers: S = Q K^T reads its 64 Q rows and K; O += P V reads V
-        out["wgmma"] += n_end * 2 * ((64 + bn) * hd + bn * hd) * E
+        # per key tile, each consumer warpgroup (bm / 64 of them): S = Q K^T reads its 64 Q rows and K; O += P V
+        # reads V
+        out["wgmma"] += n_end * (bm // 64) * ((64 + bn) * hd + bn * hd) * E
         out["o_staged"] += bm * hd * E  # every consumer warp stores its 16 rows x HEAD_DIM
         out["o_read"] += rows * d * E  # 16-byte reads of the valid rows and columns
         out["flops"] += n_end * 4 * bm * bn * hd

@@ -35,14 +35,14 @@ FWD_SM90 = {32: [(192, 128, 1), (192, 64, 1)],
             256: [(128, 64, 1), (128, 32, 1)]}
 BWD_SM90 = {64: [(64, 64, 2)], 128: []}
 # the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent[, block_m]]); block_m 192: three
-# consumer warpgroups (no pingpong, not persistent, head dims up to 64)
+# consumer warpgroups (no pingpong, head dims up to 64)
 FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, True, True), (128, 2, True, True),
                     (128, 2, False, True), (256, 3, True, True)],
                64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
                     (192, 3, True), (256, 2, False), (256, 2, True), (128, 2, True, True), (128, 2, False, True),
                     (192, 2, False, True), (64, 2, False, True), (64, 3, False, True), (64, 3, True, True),
                     (128, 2, False, False, 192), (128, 3, False, False, 192), (96, 2, False, False, 192),
-                    (192, 2, False, False)],
+                    (192, 2, False, False), (128, 2, False, True, 192), (128, 3, False, True, 192)],
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True), (64, 2, True, True), (64, 3, True, True), (64, 3, False, True),
