@@ -501,10 +501,23 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_wide_kernel(const FwdParam
 }
 
 // ---- backward -----------------------------------------------------------------------------------
-//   bwd_wide_preprocess_kernel: delta = rowsum(dO * O), lse_log2 = lse * log2(e), dQ_acc = 0 (in Acc)
+//   bwd_wide_preprocess_kernel: delta = rowsum(dO * O), lse_log2 = lse * log2(e), dQ_acc = 0 (in Acc), and the
+//     turn counters of an ordered backward = 0
 //   bwd_wide_kernel (K/V-outer): dK, dV in registers; dQ_acc += dS K by atomics (float32 red.add / float64 atomicAdd)
 //   bwd_wide_convert_dq_kernel: dQ = softmax_scale * dQ_acc
 // BwdParams as for the 16-bit kernels, its pointers to E (lse, lse_log2, delta, dq_accum: to Acc).
+//
+// Deterministic (ORDERED): the same atomics, issued in a fixed order of key blocks per query block, so every
+// element of dQ_acc receives its additions in the same order on every run. One int32 counter per WIDE_TURN_ROWS
+// rows of dQ_acc (BwdParams::dq_turns, zeroed by the preprocess; a query block of BLOCK_M rows uses the counter of
+// its first row) counts the key blocks that have added into the block. A CTA whose dQ block for query block m is
+// computed waits (thread 0, ld.acquire polling) until the counter equals its turn, then all its threads add, then,
+// after a CTA barrier, thread 0 fences and increments the counter (red.release). Turns (as BwdKeyBlock::dq_turn):
+// without a band, key block n's turn is n (every key block adds into every query block; the lower ones launch
+// first); with causal or a window, the key blocks that see m form a run [n_lo, n_hi] and take turns from n_hi
+// down, and the kernel launches its key blocks last-first (n = gridDim.x - 1 - blockIdx.x), so a CTA only waits
+// on CTAs launched before it, and those start at their diagonal, where they come first.
+constexpr int WIDE_TURN_ROWS = 16;  // rows of dQ_acc per turn counter: every BLOCK_M of the wide backward
 
 template <class E, class Acc>
 __global__ void __launch_bounds__(256) bwd_wide_preprocess_kernel(const BwdParams p) {
@@ -534,6 +547,7 @@ __global__ void __launch_bounds__(256) bwd_wide_preprocess_kernel(const BwdParam
     reinterpret_cast<Acc*>(p.delta)[vec] = delta;
     reinterpret_cast<Acc*>(p.lse_log2)[vec] = lse_log2;
   }
+  if (p.dq_turns != nullptr && sub == 0 && vec % WIDE_TURN_ROWS == 0) p.dq_turns[vec / WIDE_TURN_ROWS] = 0;
   if (p.dq_accum != nullptr) {
     Acc* acc = reinterpret_cast<Acc*>(p.dq_accum) + vec * p.dq_accum_cols;
     for (int col = sub; col < p.dq_accum_cols; col += PREPROCESS_LANES) acc[col] = Acc(0);
@@ -604,8 +618,23 @@ struct WideBwdTraits {
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
-// One query block of a K/V-outer CTA: S^T, P^T, dV, dP^T, dS^T, dK, and dQ_acc += dS K.
-template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS>
+// Key block n0 / BLOCK_N's turn among the key blocks that add into query block m0 / BLOCK_M's dQ (an ordered
+// backward; the backward section's header): without a band its index; with one, counted down from n_hi, the last
+// key block whose first key a row of the block sees (at most the sequence's last key block), as
+// BwdKeyBlock::dq_turn.
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+__device__ __forceinline__ int wide_dq_turn(const Band<IS_CAUSAL, HAS_WINDOW>& band, int m0, int n0) {
+  if (!IS_CAUSAL && !HAS_WINDOW) return n0 / Tr::BLOCK_N;
+  const int last_block = (band.seqlen_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N - 1;
+  const int reach = Tr::BLOCK_M - 1 + band.diag + (HAS_WINDOW ? band.right : 0);
+  return min(last_block, (m0 + reach) / Tr::BLOCK_N) - n0 / Tr::BLOCK_N;
+}
+
+// One query block of a K/V-outer CTA: S^T, P^T, dV, dP^T, dS^T, dK, and dQ_acc += dS K. ORDERED: the dQ GEMM and
+// its adds wait until the block's turn counter equals this key block's turn (the caller increments it after the
+// step's closing barrier); the turn is computed then, by the waiting thread, so that it holds no register through
+// the block.
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS, bool ORDERED>
 __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
                                                      const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                      const ScoreMods<MODS>& mods, unsigned char* smem, int stage, int m0,
@@ -761,6 +790,11 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
       for (int c = 0; c < 4; ++c)
         ds_s[(qt * 8 + 2 * t + (c & 1)) * Tr::DS_PITCH + key_row0 + g + 8 * (c >> 1)] = dp_acc[qt][c];
   }
+  // ordered: this CTA's turn on the block (the key blocks before it have added theirs), waited for by thread 0
+  // before the barrier that opens the dQ GEMM (waited for after it, with the dQ tile live, the float64 kernels
+  // spilled 4-48 bytes)
+  if (ORDERED && threadIdx.x == 0)
+    wait_counter_or_trap(p.dq_turns + vec_row / WIDE_TURN_ROWS, wide_dq_turn<Tr>(band, m0, n0));
   __syncthreads();
   const int warp_m = warp / Tr::DQ_WARPS_D, warp_d = warp % Tr::DQ_WARPS_D;
   constexpr int DQ_TILES = Tr::DQ_M_TILES * Tr::DQ_D_TILES;  // [mt][dt] flattened: mt * DQ_D_TILES + dt
@@ -799,16 +833,21 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
 
 // Grid (key blocks, K/V heads, batch). With GQA a CTA runs the query blocks of every query head of its group, so
 // dK and dV are summed over the group in registers and written once.
-template <class Tr, bool IS_CAUSAL, int MODS>
+// ORDERED: deterministic, dQ_acc's additions in a fixed order of key blocks (the backward section's header).
+template <class Tr, bool IS_CAUSAL, int MODS, bool ORDERED = false>
 __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_wide_kernel(const BwdParams p) {
   using E = typename Tr::E;
   using Acc = typename Tr::Acc;
   static_assert(sizeof(Acc) == 4 || (MODS & ~MOD_WINDOW) == 0, "the float64 kernels take the window alone");
+  static_assert(Tr::BLOCK_M % WIDE_TURN_ROWS == 0, "a query block starts on a turn counter of its own");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  constexpr bool BAND = IS_CAUSAL || HAS_WINDOW;
   extern __shared__ __align__(16) unsigned char smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int batch = blockIdx.z, kv_head = blockIdx.y, n0 = blockIdx.x * Tr::BLOCK_N;
+  // ordered with a band: the last key blocks launch first (their turns come first)
+  const int n_block = ORDERED && BAND ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
+  const int batch = blockIdx.z, kv_head = blockIdx.y, n0 = n_block * Tr::BLOCK_N;
   const Seq seq = sequence(p.seq, batch);
   if (n0 >= seq.len_k) return;
   const int keys = min(Tr::BLOCK_N, seq.len_k - n0);
@@ -881,10 +920,16 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_wide_kernel(const BwdParam
     mods.init(p.mods, batch, head, p.heads, seq.len_q, seq.len_k);
     const long long vec_row = padded_row0(p.seq, batch, head, p.heads, p.seqlen_q_pad) + m0;
     if (is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1))
-      bwd_wide_query_block<Tr, IS_CAUSAL, true, MODS>(p, band, mods, smem, stage, m0, n0, vec_row, warp, lane, dk_acc, dv_acc);
+      bwd_wide_query_block<Tr, IS_CAUSAL, true, MODS, ORDERED>(p, band, mods, smem, stage, m0, n0, vec_row, warp, lane,
+                                                               dk_acc, dv_acc);
     else
-      bwd_wide_query_block<Tr, IS_CAUSAL, false, MODS>(p, band, mods, smem, stage, m0, n0, vec_row, warp, lane, dk_acc, dv_acc);
+      bwd_wide_query_block<Tr, IS_CAUSAL, false, MODS, ORDERED>(p, band, mods, smem, stage, m0, n0, vec_row, warp, lane,
+                                                                dk_acc, dv_acc);
     __syncthreads();
+    if (ORDERED && tid == 0) {  // every thread's adds are issued (the barrier): the next key block's turn
+      fence_acq_rel_gpu();
+      red_release_gpu_add(p.dq_turns + vec_row / WIDE_TURN_ROWS, 1);
+    }
   }
 
   // dK = softmax_scale * dK, dV (* 1 / (1 - p) with dropout), straight from the registers

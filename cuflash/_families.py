@@ -322,12 +322,12 @@ class _TmaMaps:
 
 # --- backward -------------------------------------------------------------------------------------------
 
-def _backward_workspace(rows: int, kernel_head_dim: int, dq_acc: bool, turns: bool = False) -> int:
+def _backward_workspace(rows: int, kernel_head_dim: int, dq_acc: bool, turn_rows: int = 0, acc: int = 4) -> int:
     """Elements of the backward's one workspace: lse_log2 and delta (`rows` each), then with dq_acc the dq
-    accumulator (rows x kernel_head_dim) and with turns its ordered reductions' counters (one int32 per 64 rows);
-    float32 elements (float64 for float64 inputs). rows is a multiple of SEQLEN_Q_PAD, so each part starts 512-byte
-    aligned."""
-    return rows * (2 + (kernel_head_dim if dq_acc else 0)) + (rows // 64 if turns else 0)
+    accumulator (rows x kernel_head_dim) and with turn_rows its ordered reductions' counters (one int32 per turn_rows
+    rows); elements of `acc` bytes (float32, float64 for float64 inputs). rows is a multiple of SEQLEN_Q_PAD, so each
+    part starts 512-byte aligned."""
+    return rows * (2 + (kernel_head_dim if dq_acc else 0)) + (-(-rows // turn_rows * 4 // acc) if turn_rows else 0)
 
 
 def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
@@ -335,8 +335,8 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
     the gradients None where the call did not preallocate them; returns (dq, dk, dv), and dbias after them when
     the call asks for it (p.dbias; `dbias`: the preallocated array, or None)."""
     a = p.fwd
-    if p.deterministic and a.mods.bits and not config.dq_supported(kernel_head_dim(a.head_dim, a.dtype), a.mods.bits,
-                                                                   _launch.device_arch(a.device)):
+    if p.deterministic and a.mods.bits and a.dtype in config.DTYPES and \
+            not config.dq_supported(kernel_head_dim(a.head_dim, a.dtype), a.mods.bits, _launch.device_arch(a.device)):
         raise ValueError(f"deterministic=True with a sliding window and a bias or mask at head_dim={a.head_dim} is "
                          f"not available on {_launch.device_arch(a.device)} (its deterministic dQ kernel does not fit "
                          f"the registers there; Hopper has it): pass deterministic=False")
@@ -414,7 +414,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
             pad_rows, pad_batches = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD, a.batch
         rows = pad_batches * a.heads_q * pad_rows
         acc = 8 if a.dtype == "fp64" else 4  # bytes of a workspace element (float64 for float64 inputs)
-        work_floats = _backward_workspace(rows, acc_hd, has_acc, ordered) * acc // 4
+        work_floats = _backward_workspace(rows, acc_hd, has_acc, config.turn_rows(main) if ordered else 0, acc) * acc // 4
         work = cp.empty(work_floats, dtype=cp.float32)
         dq_accum = work.data.ptr + 2 * acc * rows if has_acc else 0
         turns_off = (2 + acc_hd) * acc * rows  # (ordered: float32 workspace, int32 counters)

@@ -174,10 +174,6 @@ def _check_grad(x, name: str, ref: Dims, like: ArrayInfo, layout: str, inputs) -
 def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=False) -> Backward:
     """The problem of attention_backward / attention_varlen_backward, given the forward's problem."""
     deterministic = _validate.check_flag(deterministic, "deterministic")
-    if deterministic and fwd.dtype in ("fp32", "tf32", "fp64"):
-        raise ValueError(f"deterministic=True is not available for {_validate.NUMPY_DTYPES[fwd.dtype]} inputs (their "
-                         f"mma.sync backward sums dq with atomics; the Hopper TF32 backward at head dims up to 64 has "
-                         f"no atomics and repeats bitwise anyway): pass deterministic=False")
     qi, ki, vi = fwd.infos
     doi, oi = _validate.array_info(dout, "dout"), _validate.array_info(out, "out")
     _validate.check_dtype(qi, doi, oi)

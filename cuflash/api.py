@@ -187,10 +187,10 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         causal, softmax_scale, layout, precision: as given to the forward.
         deterministic: False (default) accumulates dq with fp32 atomics, whose order varies from run to
             run (results differ in the last bits); True makes the gradients bitwise reproducible: on Hopper's
-            warp-specialized backward the same additions in a fixed order of key blocks (a CTA waits for its turn
-            on each query block), elsewhere a second kernel that owns each query block and recomputes S and dP
-            (about 1.4x the backward's FLOPs). float32 and float64 inputs have no deterministic mode
-            (ValueError).
+            warp-specialized backward and for float32 and float64 inputs the same additions in a fixed order of
+            key blocks (a CTA waits for its turn on each query block; the float32 Hopper backward at head dims up
+            to 64 has no atomics and repeats bitwise in either mode), elsewhere a second kernel that owns each
+            query block and recomputes S and dP (about 1.4x the backward's FLOPs).
         dq, dk, dv: optional preallocated outputs shaped like q, k, v, in their dtype, not aliasing an input.
         window, alibi_slopes, softcap, bias, mask, key_padding_mask, dropout_p, seed, offset: the forward's score
             modifiers, exactly as given to it (dropout regenerates the forward's mask from seed and offset; the
@@ -206,8 +206,9 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         key/value head's gradient summed over the query heads that use it.
 
     Extra device memory: lse_log2 and delta (float32, batch*heads*seqlen_q each) and a float32 dq accumulator
-    of batch*heads*seqlen_q*head_dim (deterministic: also one int32 turn counter per 64 of its rows on Hopper's
-    warp-specialized backward, no accumulator elsewhere): O(N), never O(N^2).
+    of batch*heads*seqlen_q*head_dim (float64 for float64 inputs; deterministic: also one int32 turn counter per
+    64 of its rows on Hopper's warp-specialized backward, per 16 rows for float32 and float64, no accumulator
+    elsewhere): O(N), never O(N^2).
 
     Example:
         >>> o, lse = cuflash.attention_forward(q, k, v, causal=True)

@@ -25,12 +25,12 @@ array; `--padding` adds a guard after each allocation where the tool supports it
 on the host. Strided cases use views into larger, fully initialized buffers (initcheck stays meaningful);
 the "misaligned" case (strides not a multiple of 16 bytes) makes the library copy its input with one CuPy kernel.
 
-Every 16-bit case runs the forward, the default backward (atomic dQ) and the deterministic backward, so each
+Every case runs the forward, the default backward (atomic dQ) and the deterministic backward, so each
 case covers one (head dim, dtype, causal) instantiation of every kernel; the default set covers every
 shipped instantiation (6 kernel head dims x 2 dtypes x causal/not) plus zero-padded head dims. The float32
-("fp32": 3xTF32, "tf32": precision="tf32") and float64 ("fp64") cases run the forward and the backward (these
-dtypes have no deterministic backward) and cover every wide instantiation (config.all_wide_configs); they are
-checked against a float64 (float64 inputs: extended-precision) reference by their own rule (`_wide_rules`).
+("fp32": 3xTF32, "tf32": precision="tf32") and float64 ("fp64") cases cover every wide instantiation
+(config.all_wide_configs, the ordered deterministic backward among them); they are checked against a float64
+(float64 inputs: extended-precision) reference by their own rule (`_wide_rules`), the deterministic gradients too.
 The FP8 cases ("fp8", "fp8_varlen": e4m3 inputs with random descales) run the FP8 forward only (Hopper; elsewhere,
 and with CUFLASH_KERNELS=mma, they launch nothing and their result says so) and cover every FP8 instantiation;
 they are checked by the FP8 tests' rule (`_run_fp8`).
@@ -172,15 +172,17 @@ class Case:
                                       kernels=kernels)]
             except ValueError:
                 return []
-        if self.wide:  # the registry's wide families (every target); no deterministic backward
+        if self.wide:  # the registry's wide families (every target)
             c, m = self.kernel_causal, self.mods
             bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
-            # the float32 Hopper backward's dQ comes from its own kernel; the others convert a dQ accumulator
+            det = config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m)
+            # the float32 Hopper backward's dQ comes from its own kernel (deterministic as it is); the others convert
+            # a dQ accumulator, deterministic mode's summed in a fixed order by the ordered bwd_wide_kernel
             tail = [bwd.dq_config()] if isinstance(bwd, config.BwdSm90Tf32Config) else \
                 [config.ElementwiseConfig("convert_dq", self.dtype)]
             return [config.forward_kernel_config(hd, self.dtype, c, arch, kernels, mods=m, seqlen_k=self.seqlen_k),
-                    bwd, config.ElementwiseConfig("preprocess", self.dtype)] + tail + \
-                ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
+                    bwd] + ([det] if det != bwd else []) + [config.ElementwiseConfig("preprocess", self.dtype)] + \
+                tail + ([config.DropoutMaskConfig()] if m & config.MOD_DROPOUT else [])
         if self.kind == "kvcache":  # the decode kernels run on every architecture and kernel family
             return [config.AppendConfig(self.dtype),
                     config.fwd_decode_config(hd, self.dtype, self.kernel_causal, self.mods),
@@ -809,28 +811,31 @@ def _wide_lse_rule(problems: list, case: Case, lse, ref, plain) -> None:
                         f"max(1, {top:.3g}))")
 
 
-def _wide_rules(case: Case, o, lse, grads, ref, plain) -> list[str]:
+def _wide_rules(case: Case, o, lse, grads, ref, plain, mode: str = "") -> list[str]:
     """The float32 / float64 pass rule on o, lse and the gradients (dq, dk, dv and, with a bias, dbias), all in the
-    references' order (bshd or packed)."""
+    references' order (bshd or packed); o None: the gradients only (mode: a prefix of their names, "det ")."""
     problems = []
     if case.dtype == "fp32" and not _float32_matmuls_exact():
         problems.append("CuPy's float32 matmul rounds to TF32 here (NVIDIA_TF32_OVERRIDE=1?): the plain float32 "
                         "attention of the pass rule would be TF32")
     floor = WIDE_FLOORS[case.dtype]
-    _wide_rule(problems, "o", o, ref[0], plain[0], 2, floor)
-    _wide_lse_rule(problems, case, lse, ref[1], plain[1])
+    if o is not None:
+        _wide_rule(problems, "o", o, ref[0], plain[0], 2, floor)
+        _wide_lse_rule(problems, case, lse, ref[1], plain[1])
     for name, g, r, p in zip(("dq", "dk", "dv", "dbias"), grads, ref[2], plain[2]):
-        _wide_rule(problems, name, g, r, p, 3, floor)
+        _wide_rule(problems, mode + name, g, r, p, 3, floor)
     return problems
 
 
-def _verify_wide(case: Case, q, k, v, dout, o, lse, grads, mods: dict) -> list[str]:
-    """The float32 / float64 pass rule (above) for a dense case (unsanitized run only)."""
+def _verify_wide(case: Case, q, k, v, dout, o, lse, grads, grads_det, mods: dict) -> list[str]:
+    """The float32 / float64 pass rule (above) for a dense case (unsanitized run only), on the default and the
+    deterministic gradients."""
     def bshd(x):
         return x if case.layout == "bshd" else x.transpose(0, 2, 1, 3)
 
     ref, plain = _wide_references(case, [bshd(x) for x in (q, k, v, dout)], _model_options(case, mods, host=False))
-    return _wide_rules(case, bshd(o), lse, [bshd(g) for g in grads[:3]] + list(grads[3:]), ref, plain)
+    return _wide_rules(case, bshd(o), lse, [bshd(g) for g in grads[:3]] + list(grads[3:]), ref, plain) + \
+        _wide_rules(case, None, None, [bshd(g) for g in grads_det[:3]], ref, plain, "det ")
 
 
 def _rule(problems: list, name: str, got, ref, low, factor: float, to32=None) -> None:
@@ -883,14 +888,14 @@ def _run_varlen(case: Case, rng, verify: bool):
     o, lse = attention_varlen_forward(q, k, v, cuq, cuk, mq, mk, causal=case.causal, **prec)
     grads = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal, **prec)
     outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2]}
-    if not case.wide:  # float32 / float64 have no deterministic backward (ValueError)
-        grads_det = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal,
-                                              deterministic=True)
-        outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
+    grads_det = attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, mq, mk, causal=case.causal,
+                                          deterministic=True, **prec)
+    outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
     problems = []
     if verify and case.wide:
         ref, plain = _wide_references(case, (q, k, v, dout), {}, varlen=(cu_q, cu_k))
         problems += _wide_rules(case, o, lse, grads, ref, plain)
+        problems += _wide_rules(case, None, None, grads_det, ref, plain, "det ")
     elif verify:
         q32, k32, v32, do32 = (_xpref.to_float32(x) for x in (q, k, v, dout))
         o64, lse64 = _xpref.attention_varlen_forward64(q32, k32, v32, cu_q, cu_k, case.causal)
@@ -1163,10 +1168,9 @@ def run_case(case: Case, verify: bool) -> dict:
     grads = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout, **call, **with_dbias,
                                **prec)
     outputs = {"o": o, "lse": lse, "dq_atomic": grads[0], "dk": grads[1], "dv": grads[2]}
-    if not case.wide:  # float32 / float64 have no deterministic backward (ValueError)
-        grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout,
-                                       deterministic=True, **call)
-        outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
+    grads_det = attention_backward(dout, q, k, v, o, lse, causal=case.causal, layout=case.layout,
+                                   deterministic=True, **call, **prec)
+    outputs.update(dq_det=grads_det[0], dk_det=grads_det[1], dv_det=grads_det[2])
     cp.cuda.Device().synchronize()
     seconds = time.perf_counter() - t0
     if with_dbias:
@@ -1175,7 +1179,7 @@ def run_case(case: Case, verify: bool) -> dict:
     for name, x in outputs.items():
         problems += _host_problems(name, x, is_lse=(name == "lse"))
     if verify and case.wide:
-        problems += _verify_wide(case, q, k, v, dout, o, lse, grads, mods)
+        problems += _verify_wide(case, q, k, v, dout, o, lse, grads, grads_det, mods)
     elif verify:
         problems += _verify(case, q, k, v, dout, o, lse, grads, grads_det, mods)
         if mask:
@@ -1366,7 +1370,7 @@ def sanitize(args) -> int:
     print(f"compute-sanitizer: {exe} ({version[-1] if version else 'unknown version'})")
     only = f", --only {args.only!r}" if args.only else ""
     print(f"{len(selected)} cases ({set_name} set{only}), each: forward, backward (atomic dQ), backward "
-          f"(deterministic; 16-bit only); FP8: forward only; "
+          f"(deterministic); FP8: forward only; "
           f"kernels: {config.KERNELS} (CUFLASH_KERNELS); logs in {out_dir}")
     t_all = time.perf_counter()
 

@@ -1239,9 +1239,19 @@ def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
 
 def ordered_dq(main) -> bool:
     """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
-    (the warp-specialized kernel: bwd_sm90_ws_dq_writer), so that no bwd_dq_kernel runs after it. Mirrors
-    BwdSm90WsTraits::ordered_dq: not with a bias or dropout (their instantiations spilled with the dQ writer)."""
+    counted in turns (the warp-specialized kernel's bwd_sm90_ws_dq_writer; the float32 / float64 bwd_wide_kernel's
+    ORDERED adds), so that no bwd_dq_kernel runs after it. Mirrors BwdSm90WsTraits::ordered_dq: not with a bias or
+    dropout (their instantiations spilled with the dQ writer)."""
+    if isinstance(main, BwdWideConfig):
+        return main.deterministic
     return isinstance(main, BwdSm90WsConfig) and main.deterministic and not main.mods & (MOD_BIAS | MOD_DROPOUT)
+
+
+def turn_rows(main) -> int:
+    """Rows of dQ_acc per int32 turn counter of an ordered backward (ordered_dq): one per 64-row block of the
+    warp-specialized kernel's reductions, one per WIDE_TURN_ROWS rows (a query block starts on its own) in the wide
+    kernel."""
+    return WIDE_TURN_ROWS if isinstance(main, BwdWideConfig) else 64
 
 
 def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
@@ -1321,6 +1331,7 @@ WIDE_MATH = {"fp32": "Tf32x3", "tf32": "Tf32", "fp64": "F64"}
 WIDE_ELEM_BYTES = {"fp32": 4, "tf32": 4, "fp64": 8}
 WIDE_KERNEL_HEAD_DIMS = {"fp32": (32, 64, 128, 256), "tf32": (32, 64, 128, 256), "fp64": (32, 64, 128)}
 WIDE_PITCH_PAD = 4  # elements added to each shared row
+WIDE_TURN_ROWS = 16  # rows of dQ_acc per turn counter of the deterministic wide backward (cuda/wide.cuh)
 # The float64 kernels take the window alone of the score modifiers (their scores are float64; mods.cuh is float32).
 WIDE_FP64_MODS = MOD_WINDOW
 
@@ -1372,8 +1383,10 @@ class FwdWideConfig:
 
 @dataclass(frozen=True)
 class BwdWideConfig:
-    """`bwd_wide_kernel<WideBwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, D_SPLIT, Math>, IS_CAUSAL, MODS>`:
-    K/V-outer, dQ summed by atomics (no deterministic variant)."""
+    """`bwd_wide_kernel<WideBwdTraits<HEAD_DIM, BLOCK_M, BLOCK_N, WARPS, D_SPLIT, Math>, IS_CAUSAL, MODS[, ORDERED]>`:
+    K/V-outer, dQ summed by atomics; deterministic: the same atomics in a fixed order of key blocks per query block
+    (ORDERED: one turn counter per WIDE_TURN_ROWS rows of dQ_acc, cuda/wide.cuh), the key blocks launched last-first
+    with causal or a window."""
 
     head_dim: int
     block_m: int
@@ -1387,8 +1400,9 @@ class BwdWideConfig:
 
     def __post_init__(self):
         _check_wide(self.dtype, self.mods, self.causal)
-        if self.deterministic:
-            raise ValueError("the float32 / float64 backward has no deterministic variant")
+        if self.block_m % WIDE_TURN_ROWS:
+            raise ValueError(f"block_m={self.block_m} must be a multiple of {WIDE_TURN_ROWS} (a turn counter per query "
+                             f"block)")
         if self.block_n != 16 * self.num_warps // self.d_split:
             raise ValueError(f"block_n={self.block_n} must be 16 * num_warps / d_split")
 
@@ -1408,7 +1422,7 @@ class BwdWideConfig:
     def cpp_name(self) -> str:
         return (f"cuflash::bwd_wide_kernel<cuflash::WideBwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
                 f"{self.num_warps}, {self.d_split}, cuflash::{WIDE_MATH[self.dtype]}>, "
-                f"{_cpp_bool(self.causal)}, {self.mods}>")
+                f"{_cpp_bool(self.causal)}, {self.mods}{', true' if self.deterministic else ''}>")
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads, batch)
@@ -1443,6 +1457,16 @@ BWD_WIDE_TILES_MODS = {
     "fp32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
     "tf32": {32: (32, 128, 8, 1), 64: (32, 128, 8, 1), 128: (32, 64, 8, 2), 256: (16, 32, 8, 4)},
 }
+# The deterministic float64 backward (ORDERED: the turn wait and its release) spilled 4-48 bytes on the tiles above at
+# head dims 64 and 128 (NVRTC 13.5, sm_90a; the wait placed after the dQ GEMM, before it, or at the step's start
+# alike); these halve each warp's dK / dV columns (d_split 2 and 4) and fit an A100's shared memory as well. Their
+# cost, measured on an H200 (2026-11-28, FA shapes N 2k, TFLOP/s of the deterministic backward against 34.2 / 30.8
+# (D 64) and 31.9 / 29.8 (D 128) for the default mode, non-causal / causal): D 64 (16, 64, 8, 2) 19.4 / 19.2,
+# (32, 64, 8, 2) 23.8 / 21.9 (spill-free too, 238-252 registers: taken), and 28.3 / 26.1 on the default tile with
+# its spills; D 128 (16, 32, 8, 4) 17.0 / 15.5 against 25.7 / 23.9 on the default tile with its spills. The smaller
+# tiles, not the order of the adds, are most of the cost.
+BWD_WIDE_TILES_DET = {"fp64": {64: (32, 64, 8, 2), 128: (16, 32, 8, 4)}}
+BWD_WIDE_TILES_DET_SM80 = {"fp64": {64: (16, 64, 8, 2)}}  # (32, 64) needs 186 KiB of shared memory
 # The targets before sm_90 take these where a tile above needs more shared memory than an A100 CTA may have
 # (SMEM_LIMIT_SM80): spill-free there, not measured on an A100.
 FWD_WIDE_TILES_SM80 = {"tf32": {128: (128, 32, 8)}, "fp64": {64: (128, 32, 8), 128: (64, 16, 4)}}
@@ -1460,11 +1484,15 @@ def fwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch
     return cfg
 
 
-def bwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch: str = DEFAULT_ARCH) -> BwdWideConfig:
+def bwd_wide_config(head_dim: int, dtype: str, causal: bool, mods: int = 0, arch: str = DEFAULT_ARCH,
+                    deterministic: bool = False) -> BwdWideConfig:
     table = BWD_WIDE_TILES_MODS if heavy_mods(mods) else BWD_WIDE_TILES
-    cfg = BwdWideConfig(head_dim, *table[dtype][head_dim], dtype, causal, mods)
+    if deterministic and head_dim in BWD_WIDE_TILES_DET.get(dtype, {}):
+        table = BWD_WIDE_TILES_DET
+    cfg = BwdWideConfig(head_dim, *table[dtype][head_dim], dtype, causal, mods, deterministic)
     if cfg.smem_bytes > smem_limit(arch):
-        cfg = BwdWideConfig(head_dim, *BWD_WIDE_TILES_SM80[dtype][head_dim], dtype, causal, mods)
+        small = BWD_WIDE_TILES_DET_SM80 if table is BWD_WIDE_TILES_DET else BWD_WIDE_TILES_SM80
+        cfg = BwdWideConfig(head_dim, *small[dtype][head_dim], dtype, causal, mods, deterministic)
     return cfg
 
 
@@ -1483,7 +1511,8 @@ def all_wide_configs(arch: str = DEFAULT_ARCH) -> list:
         for hd in WIDE_KERNEL_HEAD_DIMS[dt]:
             for c in (False, True):
                 for m in (0, *wide_mods_checked(dt, c)):
-                    out += [fwd_wide_config(hd, dt, c, m, arch), bwd_wide_config(hd, dt, c, m, arch)]
+                    out += [fwd_wide_config(hd, dt, c, m, arch), bwd_wide_config(hd, dt, c, m, arch),
+                            bwd_wide_config(hd, dt, c, m, arch, deterministic=True)]
     return out
 
 
@@ -1747,10 +1776,10 @@ FAMILIES = (
            lambda mods: tuple(BWD_SM90_TF32_TILES["fp32"]) if not mods & ~BWD_SM90_TF32_MODS else (),
            lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
-           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),
     Family("bwd_wide_fp64", "backward", None, ("fp64",),
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
-           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),
     Family("fwd_sm90_fp8", "forward_fp8", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_FP8_TILES if not mods & ~MOD_WINDOW
            else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),

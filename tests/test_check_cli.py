@@ -99,16 +99,19 @@ def test_wide_cases_have_the_required_variety():
     assert sum(c.cost for c in wide) < sum(c.cost for c in cases if not c.wide)
 
 
-def test_wide_cases_launch_no_deterministic_kernel():
-    """float32 / float64 have no deterministic backward: their cases launch the forward, the backward with its
-    preprocess and its dQ conversion or, on the TF32 wgmma backward, its dQ kernel (and the dropout mask kernel with
-    dropout), all of their own dtype."""
+def test_wide_cases_launch_the_ordered_deterministic_kernel():
+    """float32 / float64 cases launch the forward, the default backward and the deterministic one (bwd_wide_kernel's
+    ORDERED form: the same dQ accumulator, its adds in a fixed order; the TF32 wgmma backward is deterministic as it
+    is), the preprocess and the dQ conversion or, on the TF32 wgmma backward, its dQ kernel (and the dropout mask
+    kernel with dropout), all of their own dtype, and never the 16-bit dQ kernel."""
     for case in check.default_cases():
         if not case.wide:
             continue
         for kernels in config.KERNEL_FAMILIES:
             cfgs = case.configs(kernels=kernels)
-            assert not any(isinstance(c, config.DqConfig) or getattr(c, "deterministic", False) for c in cfgs)
+            assert not any(isinstance(c, config.DqConfig) for c in cfgs), case.name
+            wide_bwd = [c for c in cfgs if isinstance(c, config.BwdWideConfig)]
+            assert [c.deterministic for c in wide_bwd] in ([], [False, True]), (case.name, wide_bwd)
             # the forward: on sm_90a with the default kernels the TF32 wgmma one where it has a kernel
             tf32 = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in config.FWD_SM90_TF32_TILES[
                 "fp32"] and not case.mods & ~config.FWD_SM90_TF32_MODS and config.DEFAULT_ARCH == "sm_90a"
@@ -314,8 +317,6 @@ class _FakeKernels:
                  precision=None, **mods):
         from cuflash import _xpref
 
-        if deterministic and q.dtype.itemsize > 2:
-            raise ValueError("deterministic=True is not available for float32 / float64 inputs")
         self.calls.append(("backward", q.dtype, precision))
         t = (lambda x: x) if layout == "bshd" else (lambda x: x.transpose(0, 2, 1, 3))
         dob, qb, kb, vb = t(dout), t(q), t(k), t(v)
@@ -343,8 +344,6 @@ class _FakeKernels:
                         precision=None):
         from cuflash import _xpref
 
-        if deterministic and q.dtype.itemsize > 2:
-            raise ValueError("deterministic=True is not available for float32 / float64 inputs")
         self.calls.append(("varlen_backward", q.dtype, precision))
         if q.dtype.itemsize == 2:
             g = _xpref.attention_varlen_backward64(dout, q, k, v, cu_q, cu_k, causal)
@@ -385,8 +384,8 @@ HOST_CASES = ("d32-fp32-causal-1x1-b2h1-bhsd-padded", "d64-fp32-full-1x1023-b1h2
 
 def test_driver_runs_the_wide_cases_on_the_host(host_driver):
     """The driver's calls, outputs, digests and pass rules for float32 / float64 cases (and 16-bit ones), with
-    kernels that compute plain attention: no problems, no deterministic backward for the wide dtypes, precision
-    "tf32" passed for the TF32 cases, lse float64 for float64 inputs."""
+    kernels that compute plain attention: no problems, the deterministic backward run for every dtype, precision
+    "tf32" passed for the TF32 cases (the deterministic backward's too), lse float64 for float64 inputs."""
     by_name = {c.name: c for c in check.default_cases()}
     for name in HOST_CASES:
         case = by_name[name]
@@ -395,9 +394,9 @@ def test_driver_runs_the_wide_cases_on_the_host(host_driver):
         assert result["problems"] == [], (name, result["problems"])
         digests = set(result["digests"])
         assert {"o", "lse", "dk", "dv"} <= digests and "dq_atomic" not in digests
-        assert any(n.endswith("_det") for n in digests) == (not case.wide), name
+        assert {"dq_det", "dk_det", "dv_det"} <= digests, name
         assert {p for _, _, p in fake.calls} == {case.precision}, name
-        assert len(fake.calls) == (2 if case.wide else 3), name
+        assert len(fake.calls) == 3, name
         want = {"fp32": np.float32, "tf32": np.float32, "fp64": np.float64}.get(case.dtype)
         if want is not None:
             assert {dt for _, dt, _ in fake.calls} == {np.dtype(want)}, name
@@ -413,3 +412,4 @@ def test_driver_pass_rules_find_wrong_wide_outputs(host_driver, name, spoil):
     host_driver(_FakeKernels(spoil=spoil))
     problems = check.run_case(case, verify=True)["problems"]
     assert any(p.startswith("o: ") for p in problems) and any(p.startswith("dk: ") for p in problems), problems
+    assert any(p.startswith("det dk: ") for p in problems), problems  # the deterministic backward's rule

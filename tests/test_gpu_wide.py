@@ -203,6 +203,15 @@ def check_grads(precision, grads, inputs, refs, what, dq_rows, bias=None):
     assert max_abs(dq_rows(grads[0])[dead]) == 0.0, f"dq rows that see no key must be 0 for {what}"
 
 
+def check_repeats(grads, again, what):
+    """A deterministic backward run again (`again()`, on memory poisoned anew) gives the same bits."""
+    first = [g.copy() for g in grads]
+    poison_pool(sum(round_up(g.nbytes) for g in grads) + (1 << 20))
+    second = again()
+    assert all(same_bits(a, b) for a, b in zip(second, first)), f"deterministic=True: the backward differs between " \
+                                                                f"runs for {what}"
+
+
 class Result(NamedTuple):
     o: object
     lse: object
@@ -216,11 +225,12 @@ def nan_like(x):
 
 def run_dense(precision, b, sq, sk, hq, hkv, d, *, causal=False, layout="bshd", kinds=CONTIGUOUS, mods=None,
               bias_shape=None, mask=None, padding=None, scale_inputs=1.0, backward=True, prealloc=False,
-              host_limit=MAX_HOST_SCORES) -> Result:
+              host_limit=MAX_HOST_SCORES, deterministic=False) -> Result:
     """Forward (and backward) of one dense problem on poisoned memory, checked by the rule of `precision`.
     mods: test_gpu_mods.mods_kwargs's dict (window, alibi, softcap, dropout); bias_shape: a float32 bias (dbias
     asked for); mask: a maker (b, h, sq, sk, seed) -> bool mask; padding: None, "random" or "dead" (batch 0 sees
-    no key); prealloc: NaN-filled dq, dk, dv given to the backward."""
+    no key); prealloc: NaN-filled dq, dk, dv given to the backward; deterministic: the backward with
+    deterministic=True, run twice on poisoned memory, the second's bits equal to the first's."""
     host_scores_ok(b, hq, sq, sk, precision, host_limit)
     dtype = input_dtype(precision)
     seed = seed_of("wide", precision, b, sq, sk, hq, hkv, d, causal, layout, kinds, sorted((mods or {}).items()),
@@ -262,11 +272,16 @@ def run_dense(precision, b, sq, sk, hq, hkv, d, *, causal=False, layout="bshd", 
     poison_pool(round_up(8 * (q.nbytes + 2 * k.nbytes)) + (round_up(4 * kw["bias"].size) if bias_shape else 0)
                 + (1 << 20))
     grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, layout=layout,
-                                       precision=api_precision(precision), **given, **extra)
+                                       precision=api_precision(precision), deterministic=deterministic, **given,
+                                       **extra)
     for name, g in given.items():
         i = ("dq", "dk", "dv").index(name)
         assert grads[i].data.ptr == g.data.ptr and grads[i].shape == g.shape, \
             f"{name} was not written into the given array for {what}"
+    if deterministic:
+        check_repeats(grads, lambda: cuflash.attention_backward(
+            dout, q, k, v, o, lse, causal=causal, layout=layout, precision=api_precision(precision),
+            deterministic=True, **extra), what)
     check_grads(precision, [to_bshd(g, layout) for g in grads[:3]] + list(grads[3:]), (qb, kb, vb), refs, what,
                 lambda x: x.transpose(0, 2, 1, 3), bias=kw.get("bias"))
     return Result(o, lse, grads, refs.lse)
@@ -388,22 +403,53 @@ def test_float32_backward_head_dims_and_lengths(precision, b, sq, sk, hq, hkv, d
     run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=layout)
 
 
-@pytest.mark.parametrize("precision", FLOATS32)
-def test_float32_backward_repeats_bitwise(precision):
-    """Three backwards of one problem give the same dq, dk, dv bits (no atomics in the float32 wgmma backward; the
-    mma.sync one sums dq with atomics, so it is run here only where it is the kernel that will be compared)."""
+# --- deterministic=True: dq's additions in a fixed order (bwd_wide_kernel's ORDERED form; the float32 Hopper backward
+# has no atomics) ------------------------------------------------------------------------------------------------
+
+# (precision, b, sq, sk, hq, hkv, d, causal, mods): every kernel head dim of each dtype, causal and not, GQA, windows
+# (the key blocks launched last-first, turns counted from the highest), tails, Sq > Sk (query blocks no key
+# reaches), and one case of more CTAs than an H100's SMs hold at once (a CTA waits on CTAs that have finished)
+DETERMINISTIC = [("fp32", 2, 203, 517, 3, 3, 32, False, None), ("fp32", 1, 517, 203, 4, 2, 128, True, None),
+                 ("fp32", 1, 300, 700, 2, 2, 256, False, {"window": (100, 37)}),
+                 ("tf32", 2, 517, 517, 2, 1, 128, False, None), ("tf32", 1, 113, 700, 2, 2, 64, True, None),
+                 ("fp32", 1, 700, 517, 4, 1, 64, False, {"window": (64, 0)}),
+                 ("fp64", 1, 203, 300, 2, 1, 32, True, None), ("fp64", 1, 300, 203, 2, 2, 64, False, None),
+                 ("fp64", 1, 256, 300, 2, 2, 128, True, None), ("fp64", 1, 250, 300, 2, 1, 64, False, {"window": (40, 9)}),
+                 ("fp32", 2, 2048, 2048, 8, 4, 128, False, None), ("fp32", 2, 2048, 2048, 8, 8, 128, True, None)]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods", DETERMINISTIC,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
+                              f"{'-window' if c[8] else ''}" for c in DETERMINISTIC])
+def test_deterministic_backward(precision, b, sq, sk, hq, hkv, d, causal, mods):
+    """deterministic=True: dq, dk, dv by the rule, and the same bits on a second run (dq_accum's additions in a fixed
+    order of key blocks per query block on bwd_wide_kernel; the float32 Hopper backward has no atomics)."""
+    run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods,
+              deterministic=True)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_deterministic_varlen_backward(precision):
+    """Packed sequences (an empty one, queries without keys), deterministic: each sequence's query blocks have
+    counters of their own in the padded rows."""
+    run_varlen(precision, precision != "tf32", deterministic=True)
+
+
+def test_deterministic_backward_kernels():
+    """deterministic=True takes the ordered bwd_wide_kernel wherever the wide family runs the backward (no dQ kernel
+    after it; float64 on tiles of its own at head dims 64 and 128), and the float32 Hopper backward as it is."""
     from cuflash import _launch
 
-    cfg = config.select("backward", 64, precision, True, _launch.device_arch(cp.cuda.Device().id))
-    if not isinstance(cfg, config.BwdSm90Tf32Config):
-        pytest.skip(f"dq is summed with atomics on {type(cfg).__name__}")
-    q, k, v, dout = (make_input(1, s, 4 if i != 1 and i != 2 else 2, 64, input_dtype(precision), "bshd", "contiguous",
-                                seed_of("wide-bwd-repeat", precision, i)) for i, s in enumerate((700, 517, 517, 700)))
-    o, lse = cuflash.attention_forward(q, k, v, causal=True, precision=precision)
-    first = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, precision=precision)
-    for _ in range(2):
-        again = cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, precision=precision)
-        assert all(same_bits(a, b) for a, b in zip(again, first)), f"{precision}: the backward differs between runs"
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    for precision in PRECISIONS:
+        for d in config.WIDE_KERNEL_HEAD_DIMS[precision]:
+            for causal in (False, True):
+                cfg = config.select("backward", d, precision, causal, arch, deterministic=True)
+                if isinstance(cfg, config.BwdSm90Tf32Config):
+                    assert arch == "sm_90a" and d == 64 and precision != "fp64", cfg
+                    continue
+                assert isinstance(cfg, config.BwdWideConfig) and cfg.deterministic and config.ordered_dq(cfg), cfg
+                assert cfg.cpp_name().endswith(", true>"), cfg.cpp_name()
 
 # --- strides, GQA, windows -------------------------------------------------------------------------------------
 
@@ -523,9 +569,10 @@ VARLEN_D = {"fp32": 64, "tf32": 96, "fp64": 128}
 
 
 def run_varlen(precision, causal, lens_q=LENS_Q, lens_k=LENS_K, hq=HQ, hkv=HKV, kind="contiguous", mods=None,
-               bias=False, padding=False, prealloc=False):
+               bias=False, padding=False, prealloc=False, deterministic=False):
     """attention_varlen_forward and attention_varlen_backward of packed sequences, by the rule of `precision`.
-    bias: a float32 (num_seqs, H_q, max_q, max_k) bias with dbias; padding: a random key padding mask."""
+    bias: a float32 (num_seqs, H_q, max_q, max_k) bias with dbias; padding: a random key padding mask;
+    deterministic: as run_dense's."""
     dtype, d = input_dtype(precision), VARLEN_D[precision]
     tq, tk, n = sum(lens_q), sum(lens_k), len(lens_q)
     max_q, max_k = max(lens_q), max(lens_k)
@@ -564,10 +611,15 @@ def run_varlen(precision, causal, lens_q=LENS_Q, lens_k=LENS_K, hq=HQ, hkv=HKV, 
     extra = dict(kw, dbias=True) if bias else kw
     poison_pool(round_up(8 * (q.nbytes + 2 * k.nbytes)) + (round_up(4 * kw["bias"].size) if bias else 0) + (1 << 20))
     grads = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cuq, cuk, max_q, max_k, causal=causal,
-                                              precision=api_precision(precision), **given, **extra)
+                                              precision=api_precision(precision), deterministic=deterministic,
+                                              **given, **extra)
     for name, g in given.items():
         i = ("dq", "dk", "dv").index(name)
         assert grads[i].data.ptr == g.data.ptr, f"{name} was not written into the given array for {what}"
+    if deterministic:
+        check_repeats(grads, lambda: cuflash.attention_varlen_backward(
+            dout, q, k, v, o, lse, cuq, cuk, max_q, max_k, causal=causal, precision=api_precision(precision),
+            deterministic=True, **extra), what)
     check_grads(precision, grads, (q, k, v), refs, what, lambda x: x.transpose(1, 0, 2), bias=kw.get("bias"))
     return o, lse, grads
 

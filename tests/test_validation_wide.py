@@ -12,10 +12,8 @@ value. The contract checked:
     (and dbias) float32, head_dim a multiple of 8 up to 256 (float64: up to 128);
   * float64 refuses alibi_slopes, softcap, bias, mask, key_padding_mask and dropout_p > 0 (ValueError naming the
     argument); attention_with_kvcache stays float16 / bfloat16 (TypeError);
-  * deterministic=True is refused for float32 and float64 (test_deterministic_backward_is_refused_for_wide_dtypes,
-    the one test to drop when a deterministic wide backward lands).
-The calls the contract allows get past validation (test_valid_wide_calls_reach_the_gpu), so the bad cases fail for
-their one defect.
+The calls the contract allows get past validation (test_valid_wide_calls_reach_the_gpu, and deterministic=True:
+test_deterministic_backward_reaches_the_gpu_for_wide_dtypes), so the bad cases fail for their one defect.
 
 References: cuflash._xpref.round_tf32 (bit patterns), attention_plain / attention_backward_plain and their varlen
 forms in "fp64" against cuflash.reference (every modifier), "fp32" / "tf32" / "ext" against "fp64", and "ext"
@@ -255,12 +253,10 @@ def test_bad_wide_call_is_rejected_before_the_gpu(fn, exc, parts):
 @pytest.mark.parametrize("dtype,precision", [(F32, None), (F32, "tf32"), (F64, None)],
                          ids=["float32", "float32-tf32", "float64"])
 @pytest.mark.parametrize("function", ["attention_backward", "attention_varlen_backward"])
-def test_deterministic_backward_is_refused_for_wide_dtypes(function, dtype, precision):
-    """For now float32 and float64 have no deterministic backward: deterministic=True is a ValueError naming it
-    (drop this test when one lands)."""
-    with pytest.raises(ValueError) as e:
+def test_deterministic_backward_reaches_the_gpu_for_wide_dtypes(function, dtype, precision):
+    """float32 and float64 have a deterministic backward: deterministic=True passes validation."""
+    with pytest.raises(AssertionError, match="the GPU was used"):
         call(function, dtype, deterministic=True, precision=precision)
-    check_message(e, ["deterministic=True"])
 
 
 # --- what the contract allows gets past validation ----------------------------------------------------------------
