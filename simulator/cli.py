@@ -108,8 +108,10 @@ def _add_problem_args(p: argparse.ArgumentParser, *, seqlen_default=None, head_d
     p.add_argument("--backward", action="store_true", help="count the backward pass instead of the forward")
     p.add_argument("--deterministic", action="store_true",
                    help="with --backward: cuflash's deterministic backward (bwd_sm90_ws_kernel: the dQ reductions "
-                        "in a fixed order, with a turn counter per 64 rows; the other main kernels: a dQ kernel "
-                        "instead of fp32 atomics)")
+                        "in a fixed order, with a turn counter per 64 rows; fp32 / tf32 / fp64 bwd_wide_kernel: its "
+                        "dQ atomics in a fixed order, a turn counter per 16 rows; the other 16-bit main kernels: a "
+                        "dQ kernel instead of fp32 atomics; the fp32 / tf32 Hopper backward at head dim 64 has no "
+                        "atomics and counts as without it)")
 
 
 def _add_kernels_arg(p: argparse.ArgumentParser):

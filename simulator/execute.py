@@ -350,9 +350,10 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, window
     """Run `strategy`'s backward schedule (after its own forward) in float64. Returns (dq, dk, dv).
 
     deterministic=True (cuflash only), on the main kernel that cuflash_config picks (as the counts): where it adds
-    dQ itself (schedules.main_adds_dq: bwd_sm90_ws_kernel's ordered reductions, config.ordered_dq) dQ from the
-    K/V-outer accumulation with each query block's key blocks in the kernel's fixed order (ascending, or with causal
-    or a window descending: schedules.bwd_key_blocks_reversed); else from the Q-outer schedule of bwd_dq_kernel
+    dQ itself (schedules.main_adds_dq: the ordered adds of bwd_sm90_ws_kernel and bwd_wide_kernel,
+    config.ordered_dq) dQ from the K/V-outer accumulation with each query block's key blocks in the kernel's fixed
+    order (ascending, or with causal or a window descending: schedules.bwd_key_blocks_reversed); the float32 Hopper
+    backward (BwdSm90Tf32Config, no atomics) as without it; else from the Q-outer schedule of bwd_dq_kernel
     (dq_config blocks). window, kernels: as in execute_forward (bwd_sm90_kernel and bwd_sm90_ws_kernel run
     bwd_kernel's K/V-outer schedule with their own blocks)."""
     _check(strategy, (do, q, k, v), ("do", "q", "k", "v"))
@@ -375,9 +376,13 @@ def execute_backward(strategy: str, do, q, k, v, *, causal: bool = False, window
                              kernels=kernels)
     bm, bn, width = _blocks_and_width(strategy, p, block_m, block_n, sram_bytes, True, kernels)
     main = cuflash_config(p, backward=True, deterministic=True, kernels=kernels) if deterministic else None
+    if isinstance(main, _config.BwdSm90Tf32Config):  # deterministic as it is: the default run
+        main = None
+    if main is not None:  # the deterministic instantiation's blocks (the float64 wide one has its own tiles)
+        bm, bn = main.block_m, main.block_n
     reverse_n = main is not None and bwd_key_blocks_reversed(main, p.window)
     dq, dk, dv = _kv_outer_bwd(do, q, k, v, o, lse, p, scale, bm, bn, width, causal_skip, reverse_n)
-    if deterministic and not main_adds_dq(main):
+    if main is not None and not main_adds_dq(main):
         dcfg = _config.dq_config(width, p.dtype, p.causal)
         dq = _q_outer_dq(do, q, k, v, o, lse, p, scale, dcfg.block_m, dcfg.block_n, width, causal_skip)
     return dq, dk, dv

@@ -338,15 +338,17 @@ def config_resident(cfg) -> int:
 def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KERNELS, main=None):
     """The launches of cuflash.attention_backward (strategies.cuflash_backward_kernels), each with its own
     grid and residency: preprocess; bwd_kernel or bwd_sm90_kernel (same accesses, its own blocks);
-    convert, or (deterministic, but for the ordered path of bwd_sm90_ws_kernel: schedules.main_adds_dq)
-    bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels' tiles of different heights touch
-    the same units. main: the main kernel's config in place of the library's choice
+    convert, or (deterministic, but for the ordered paths of bwd_sm90_ws_kernel and bwd_wide_kernel:
+    schedules.main_adds_dq) bwd_dq_kernel. Units are gcd-sized row blocks, so the main and dQ kernels' tiles of
+    different heights touch the same units. main: the main kernel's config in place of the library's choice
     (strategies.cuflash_backward_kernels).
 
-    The ordered deterministic bwd_sm90_ws_kernel (config.ordered_dq) runs the default mode's accesses plus its
-    turn counters (dq_turns, one int32 per 64 padded rows; a unit of BLOCK_M rows of them weighs a sector,
-    _Trace.sector_units): the preprocess writes them and each visited query block adds 1 to its block's counter
-    (a read-modify-write, as the dQ adds; the ld.acquire polls before it, reads of the same sector, are left out).
+    The ordered deterministic main kernels (config.ordered_dq: bwd_sm90_ws_kernel; bwd_wide_kernel, whose trace
+    this builds though simulate_l2 takes no float32 / float64 problem) run the default mode's accesses plus their
+    turn counters (dq_turns, one int32 per config.turn_rows padded rows: 64, 16 in bwd_wide_kernel; a unit of
+    BLOCK_M rows of them, BLOCK_M / turn_rows counters, weighs a sector, _Trace.sector_units): the preprocess writes
+    them and each visited query block adds 1 to its block's counter (a read-modify-write, as the dQ adds; the
+    ld.acquire polls before it, reads of the same sector, are left out).
     The lock-step waves do not model a CTA waiting for its turn. With causal or a window its key blocks launch last
     first (key block gridDim.x - 1 - blockIdx.x: schedules.bwd_key_blocks_reversed), and the CTAs are taken in that
     launch order."""
@@ -367,7 +369,7 @@ def _cuflash_bwd(tr, p, causal_skip, num_sms, deterministic, kernels=DEFAULT_KER
     acc = () if dq_kernel else ("dq_acc",)
     if not dq_kernel:
         tr.tensor("dq_acc", pad, uq, cfg.head_dim * p.stat_bytes, contiguous_rows=True)
-    if ordered:  # a unit of uq = BLOCK_M rows holds BLOCK_M / 64 counters; a step adds to the first
+    if ordered:  # a unit of uq = BLOCK_M rows holds BLOCK_M / turn_rows counters; a step adds to the first
         tr.sector_units("dq_turns", pad, uq)
         acc += ("dq_turns",)
     small = num_sms * _resident(0, 256)  # preprocess and convert: 256 threads, no shared memory

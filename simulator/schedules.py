@@ -79,20 +79,19 @@ def seqlen_q_pad(seqlen_q: int) -> int:
     return -(-seqlen_q // _config.SEQLEN_Q_PAD) * _config.SEQLEN_Q_PAD
 
 
-DQ_TURN_ROWS = 64  # rows of dq_accum per counter of the ordered dQ reductions (BwdParams::dq_turns, one int32 each)
-
-
-def dq_turns_bytes(seqlen_q: int) -> int:
-    """Bytes of the ordered dQ reductions' counters (BwdParams::dq_turns) per (batch, head): one int32 per
-    DQ_TURN_ROWS rows of the padded rows (seqlen_q_pad)."""
-    return seqlen_q_pad(seqlen_q) // DQ_TURN_ROWS * 4
+def dq_turns_bytes(cfg, seqlen_q: int) -> int:
+    """Bytes of the turn counters (BwdParams::dq_turns) of ordered backward main kernel `cfg` (config.ordered_dq)
+    per (batch, head): one int32 per config.turn_rows(cfg) rows of the padded rows (seqlen_q_pad), 64 for
+    bwd_sm90_ws_kernel and WIDE_TURN_ROWS = 16 for bwd_wide_kernel."""
+    return -(-seqlen_q_pad(seqlen_q) // _config.turn_rows(cfg)) * 4
 
 
 def main_adds_dq(cfg) -> bool:
-    """Whether backward main kernel `cfg` adds dQ into dq_accum itself: by fp32 atomics or bulk reductions unless
-    deterministic, and deterministic on the ordered path of the warp-specialized kernel (config.ordered_dq: the
-    same reductions in a fixed order of key blocks). The others leave dQ to a Q-outer kernel: bwd_dq_kernel after a
-    deterministic main kernel, bwd_dq_sm90_tf32_kernel after the float32 Hopper one (BwdSm90Tf32Config)."""
+    """Whether backward main kernel `cfg` adds dQ into dq_accum itself: by atomics or bulk reductions unless
+    deterministic, and deterministic on the ordered paths of the warp-specialized kernel and of bwd_wide_kernel
+    (config.ordered_dq: the same adds in a fixed order of key blocks). The others leave dQ to a Q-outer kernel:
+    bwd_dq_kernel after a deterministic 16-bit main kernel, bwd_dq_sm90_tf32_kernel after the float32 Hopper one
+    (BwdSm90Tf32Config, in both modes)."""
     if isinstance(cfg, _config.BwdSm90Tf32Config):
         return False
     return not getattr(cfg, "deterministic", False) or _config.ordered_dq(cfg)
@@ -100,9 +99,9 @@ def main_adds_dq(cfg) -> bool:
 
 def bwd_key_blocks_reversed(cfg, window=None) -> bool:
     """Whether backward main kernel `cfg` launches its key blocks last first (key block gridDim.x - 1 - blockIdx.x):
-    the ordered deterministic warp-specialized kernel (config.ordered_dq) with causal or a window (cfg.causal and
-    `window` folded as masks.band_sides), whose dQ turns per query block run from the highest key block down, so
-    that each CTA waits only on CTAs launched before it."""
+    the ordered deterministic kernels (config.ordered_dq: bwd_sm90_ws_kernel, bwd_wide_kernel) with causal or a
+    window (cfg.causal and `window` folded as masks.band_sides), whose dQ turns per query block run from the highest
+    key block down, so that each CTA waits only on CTAs launched before it."""
     if not _config.ordered_dq(cfg):
         return False
     return bool(cfg.mods & _config.MOD_WINDOW) or band_sides(cfg.causal, window) != (None, None)
@@ -187,17 +186,16 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     on every target and for both families, except, with "auto", the fp32 / tf32 forward at kernel head dims 64 and 128
     and backward at kernel head dim 64 (no score modifier but a window), which are the TF32 wgmma kernels
     (FwdSm90Tf32Config, cuda/fwd_sm90_tf32.cuh; BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh, whose dQ kernel is its
-    dq_config; a window selects the same tiles); they have no deterministic backward (as the library), though the
-    TF32 one sums dQ without atomics. For fp8 the FP8 forward (config.FwdSm90Fp8Config, fp8_config): forward only."""
+    dq_config; a window selects the same tiles). Deterministic, the wide backward is the ordered bwd_wide_kernel
+    (BwdWideConfig deterministic, config.ordered_dq; the float64 one on config.BWD_WIDE_TILES_DET's tiles at head
+    dims 64 and 128), and the TF32 one, which sums dQ without atomics, is its default instantiation (deterministic
+    as it is). For fp8 the FP8 forward (config.FwdSm90Fp8Config, fp8_config): forward only."""
     check_kernels(kernels)
     if p.dtype in FP8_DTYPES:
         return fp8_config(p, backward, kernels)
     dtypes = _config.DTYPES + _config.WIDE_DTYPES
     if p.dtype not in dtypes:
         raise ValueError(f"strategy 'cuflash' runs dtype {'/'.join(dtypes)} only (got dtype={p.dtype!r})")
-    if deterministic and p.dtype in _config.WIDE_DTYPES:
-        raise ValueError(f"deterministic=True: cuflash's {p.dtype} backward has no deterministic variant (as the "
-                         f"library)")
     hd = _config.kernel_head_dim(p.head_dim, p.dtype)
     if p.head_dim % _config.CHUNK_ELEMS:
         raise ValueError(f"strategy 'cuflash' needs head_dim a multiple of {_config.CHUNK_ELEMS}, as the library "

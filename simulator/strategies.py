@@ -24,13 +24,15 @@ Strategies (docs/IO_ANALYSIS.md):
             to SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
             (banks.bwd_kernel_shared) and bwd_dq_kernel.
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
-            preprocess / convert launches, with config.select's tiles, the same on every target): global
-            traffic and FLOPs only; their shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
+            preprocess / convert launches, with config.select's tiles, the same on every target; deterministic,
+            the ordered bwd_wide_kernel, its dQ atomics in a fixed order): global traffic and FLOPs only; their
+            shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
             On sm_90a the fp32 / tf32 forward at kernel head dims 64 and 128 (no modifier but a window) is
             fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at kernel head
             dim 64 is bwd_sm90_tf32_kernel (dK, dV; config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ,
-            its dq_config), no dQ accumulator and no atomics: their shared-memory bytes are counted from their
-            program order (_tf32_bwd_shared; bank_conflicts None).
+            its dq_config), no dQ accumulator and no atomics, deterministic as they are (deterministic=True counts
+            the same launches): their shared-memory bytes are counted from their program order (_tf32_bwd_shared;
+            bank_conflicts None).
             fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
             V, bf16 O, fwd_sm90_ws_kernel's schedule with the config's key tiles, V transposed in shared memory,
             float32 descale factors); forward only, and the only strategy that counts fp8.
@@ -421,8 +423,8 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     1. bwd_preprocess_kernel, grid (SEQLEN_Q_PAD-padded rows / 32, heads, batch): reads O and dO rows
        (head_dim columns) and lse for rows < seqlen_q; writes delta and lse_log2 for every padded row;
        where the main kernel adds dQ (schedules.main_adds_dq) zeroes dq_accum [padded rows, HEAD_DIM] fp32, and
-       on the ordered path (deterministic bwd_sm90_ws_kernel, config.ordered_dq) its turn counters dq_turns (one
-       int32 per 64 padded rows).
+       on the ordered path (deterministic bwd_sm90_ws_kernel or bwd_wide_kernel, config.ordered_dq) its turn
+       counters dq_turns (one int32 per config.turn_rows padded rows: 64, 16 for bwd_wide_kernel).
     2. bwd_kernel (or bwd_sm90_ws_kernel / bwd_sm90_kernel / bwd_sm90_split_kernel, the last at kernel head
        dims 192 and 256 with BLOCK_N = 64 keys, its two warpgroups adding half the dQ columns each), grid
        (ceil(Sk / BLOCK_N), heads, batch): K_j, V_j (valid keys) once; per visited query block Q_i and dO_i
@@ -442,14 +444,20 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     fp32, tf32 and fp64 (cuda/wide.cuh, a BwdWideConfig) run the same three launches with the same accesses:
     bwd_wide_preprocess_kernel, bwd_wide_kernel (K/V-outer; dQ tile atomics, float64 atomicAdd for fp64) and
     bwd_wide_convert_dq_kernel (one thread per pair of elements); lse, lse_log2, delta and dq_accum are
-    stat_bytes wide (float32, float64 for fp64). They have no deterministic variant.
+    stat_bytes wide (float32, float64 for fp64). Deterministic, the same three launches with the ordered
+    bwd_wide_kernel (BwdWideConfig deterministic; at fp64 head dims 64 and 128 on config.BWD_WIDE_TILES_DET's
+    tiles): the preprocess also zeroes the turn counters (an int32 per WIDE_TURN_ROWS = 16 padded rows), and the main
+    kernel issues the same dQ atomics in a fixed order of key blocks, plus per visited query block one 4-byte
+    red.release add to the block's counter (atomic bytes; the ld.acquire polls are not counted), its key blocks
+    launched last-first with causal or a window (schedules.bwd_key_blocks_reversed).
 
     fp32 and tf32 at kernel head dim 64 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh) have no dQ
     accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
     (ceil(Sk / 128), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
     every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
-    are written once each (zeros where no query or key is seen).
+    are written once each (zeros where no query or key is seen). They have no atomics and are deterministic as they
+    are: deterministic=True runs (and counts) the same launches.
 
     main: the main kernel's config in place of the library's choice, deterministic as the call (the ncu validation
     profiles the synchronous bwd_sm90_kernel, whose steps are 64 queries where the library's warp-specialized kernel
@@ -462,7 +470,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     bh, sq, sk, d, e, s4 = p.batch_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.elem_bytes, p.stat_bytes
     hd, pad = cfg.head_dim, seqlen_q_pad(sq)
     # dq_accum per (batch, head), and its counters on the ordered path
-    acc_bytes = (0 if dq_kernel else pad * hd * s4) + (dq_turns_bytes(sq) if ordered else 0)
+    acc_bytes = (0 if dq_kernel else pad * hd * s4) + (dq_turns_bytes(cfg, sq) if ordered else 0)
     pre = _config.ElementwiseConfig("preprocess", p.dtype)
     out = [KernelTraffic("bwd_wide_preprocess_kernel" if wide else "bwd_preprocess_kernel",
                          (pad // pre.rows_per_cta, p.heads, p.batch), pre.threads,
@@ -573,7 +581,8 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     and dP^T in the dK / dV kernel, S and dP again in the dQ kernel: 7 products instead of 5, 3xTF32's passes
     counted as one), shared-memory bytes from its program order (_tf32_bwd_shared), bank_conflicts None (not
     walked). peak_extra_bytes: lse_log2 and delta, and where the main kernel adds dQ (schedules.main_adds_dq)
-    dq_accum, with its turn counters on the ordered path (config.ordered_dq)."""
+    dq_accum, with its turn counters on the ordered path (config.ordered_dq: an int32 per config.turn_rows padded
+    rows)."""
     cfg = cuflash_config(p, backward=True, deterministic=deterministic, kernels=kernels)
     launches = cuflash_backward_kernels(p, causal_skip, deterministic, kernels)
     c = Counts("cuflash", True, cfg.block_m, cfg.block_n)
@@ -623,7 +632,7 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.launches = len(launches)
     pad = seqlen_q_pad(p.seqlen_q)
     s = p.stat_bytes
-    turns = dq_turns_bytes(p.seqlen_q) if _config.ordered_dq(cfg) else 0  # the ordered path's counters
+    turns = dq_turns_bytes(cfg, p.seqlen_q) if _config.ordered_dq(cfg) else 0  # the ordered path's counters
     c.peak_extra_bytes = p.batch_heads * (2 * pad * s + (0 if dq_kernel else pad * hd * s) + turns)
     return c
 
@@ -644,12 +653,13 @@ def simulate(strategy: str, problem: Problem, *, backward: bool = False, block_m
     and fa2; `standard` has no blocks and `cuflash` takes its blocks from cuflash.config. With
     l2_bytes, an LRU model of an L2 of that size (see l2.py) adds dram_read_bytes / dram_write_bytes.
     deterministic=True (cuflash backward only) counts attention_backward(..., deterministic=True): on
-    bwd_sm90_ws_kernel (config.ordered_dq) the default launches, its dQ reductions in a fixed order with a turn
-    counter per 64 rows of dq_accum; on the other main kernels the kernel without dQ atomics plus bwd_dq_kernel
-    instead of the conversion kernel (cuflash_backward_kernels). kernels (cuflash
-    only): "auto", what the library launches on an H100 by default (the wgmma kernels where the head dim
-    has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma). problem.dtype "fp8" counts cuflash's FP8
-    forward (fwd_sm90_fp8_kernel; no backward, no other strategy)."""
+    bwd_sm90_ws_kernel and, for fp32 / tf32 / fp64, bwd_wide_kernel (config.ordered_dq) the default launches, their
+    dQ adds in a fixed order with a turn counter per 64 rows of dq_accum (16 in bwd_wide_kernel); on the other
+    16-bit main kernels the kernel without dQ atomics plus bwd_dq_kernel instead of the conversion kernel
+    (cuflash_backward_kernels); the float32 Hopper backward (BwdSm90Tf32Config) has no atomics and counts as in the
+    default mode. kernels (cuflash only): "auto", what the library launches on an H100 by default (the wgmma kernels
+    where the head dim has one), or "mma", the mma.sync kernels (CUFLASH_KERNELS=mma). problem.dtype "fp8" counts
+    cuflash's FP8 forward (fwd_sm90_fp8_kernel; no backward, no other strategy)."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not known; known: {', '.join(STRATEGIES)}")
     check_kernels(kernels)

@@ -113,6 +113,20 @@ def test_sweep_deterministic_backward(capsys):
     assert recs[1]["bank_conflicts"] == simulate("cuflash", p, backward=True).bank_conflicts
 
 
+def test_sweep_deterministic_wide_backward(capsys):
+    """fp64, deterministic: the ordered bwd_wide_kernel on its 32 x 64 tiles at head dim 64 (sm_90a)."""
+    argv = ["sweep", "--strategy", "cuflash", "--seqlen", "256", "--head-dim", "64", "--batch", "1", "--heads", "2",
+            "--dtype", "fp64", "--causal", "--backward", "--json"]
+    assert main(argv + ["--deterministic"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert (rec["block_m"], rec["block_n"]) == (32, 64)
+    # per head: the preprocess's delta, lse_log2, dq_accum (256 padded rows, float64) and 256 / 16 int32 counters;
+    # dK, dV; per visit (causal, 4 key blocks x 8 query blocks, key block n seen by query blocks 2n..7: 8 + 6 + 4 + 2)
+    # the 32 x 64 dQ tile's float64 atomics and the counter's 4-byte add; dQ
+    per_head = (2 * 256 * 8 + 256 * 64 * 8 + 16 * 4) + 2 * 256 * 64 * 8 + 20 * (32 * 64 * 8 + 4) + 256 * 64 * 8
+    assert rec["hbm_write_bytes"] == 2 * per_head
+
+
 def test_deterministic_needs_backward(capsys):
     with pytest.raises(SystemExit) as e:
         main(["sweep", "--strategy", "cuflash", "--seqlen", "8", "--head-dim", "64", "--batch", "1", "--heads", "1",

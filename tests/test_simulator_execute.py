@@ -135,3 +135,37 @@ def test_cuflash_schedule_uses_the_launched_tiles(kernels):
         assert err < TOL, f"{name} mismatch with kernels={kernels}: {err:.2e}"
     with pytest.raises(ValueError, match="kernels='mma'"):
         execute_forward("fa2", q, k, v, kernels="mma")
+
+
+@pytest.mark.parametrize("sq,sk", [(113, 203), (203, 113), (130, 517)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (300, 10))])
+@pytest.mark.parametrize("dtype,d,tiles", [("fp64", 40, (16, 64, 64)), ("fp32", 120, (32, 64, 128))])
+def test_deterministic_wide_dq_schedule_equals_reference(sq, sk, causal, window, dtype, d, tiles):
+    """The ordered bwd_wide_kernel's dQ: the K/V-outer accumulation on the deterministic tiles (fp64 d 40 on the 64
+    kernel: 16 queries x 64 keys, not the default mode's 128 keys; fp32 d 120 on the 128 kernel: 32 x 64), each query
+    block's key blocks summed from the last to the first with causal or a window, else from the first. Equals the
+    reference, and bitwise the schedule it names."""
+    from cuflash.simulator import execute as ex
+
+    q, k, v, do = _inputs(sq, sk, d=d)
+    dq, dk, dv = execute_backward("cuflash", do, q, k, v, causal=causal, window=window, deterministic=True,
+                                  dtype=dtype)
+    ref = attention_backward64(do, q, k, v, causal, window=window)
+    for name, got, want in (("dq", dq, ref[0]), ("dk", dk, ref[1]), ("dv", dv, ref[2])):
+        err = np.abs(got - want).max()
+        assert err < TOL, f"{name} mismatch sq={sq} sk={sk} causal={causal} window={window}: {err:.2e}"
+    p = ex._problem(q, k, dtype, causal, window)
+    o, lse = execute_forward("cuflash", q, k, v, causal=causal, window=window, dtype=dtype)
+    bm, bn, width = tiles
+    want = ex._kv_outer_bwd(do, q, k, v, o, lse, p, 1.0 / math.sqrt(d), bm, bn, width, True,
+                            reverse_n=causal or window is not None)[0]
+    assert np.array_equal(dq, want)
+
+
+def test_deterministic_tf32_backward_is_the_default_run():
+    """fp32 at head dim 64 on sm_90a runs the float32 Hopper backward (no atomics) in either mode: the deterministic
+    execution is the default one, bitwise."""
+    q, k, v, do = _inputs(203, 113, d=64)
+    det = execute_backward("cuflash", do, q, k, v, causal=True, deterministic=True, dtype="fp32")
+    default = execute_backward("cuflash", do, q, k, v, causal=True, dtype="fp32")
+    assert all(np.array_equal(a, b) for a, b in zip(det, default))

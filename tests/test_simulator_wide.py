@@ -279,3 +279,162 @@ def test_plot_hbm_vs_n_draws_each_strategy_once_per_dtype(tmp_path, monkeypatch)
     labels.clear()
     assert main(["plot", "hbm-vs-n", "--strategy", "fa2", "--seqlen", "256", "1024", "--out", str(out)]) == 0
     assert labels[0] == "fa2 (B_r=128, B_c=128)", "one dtype: the labels of before"
+
+
+# The deterministic wide backward's tiles (block_m, block_n) on sm_90a: fp32 at head dim 128 as in the default mode,
+# fp64 at head dims 64 (32 x 64) and 128 (16 x 32) its own (half of each warp's dK / dV columns), and the rows of
+# dQ_acc per turn counter (a 32-row query block has two counters, one release add per visit).
+DET_TILES = {("fp32", 128): (32, 64), ("fp64", 64): (32, 64), ("fp64", 128): (16, 32)}
+TURN_ROWS = 16
+
+
+@pytest.mark.parametrize("dtype,d", list(DET_TILES))
+@pytest.mark.parametrize("sq,sk", [(300, 517), (517, 300), (256, 256)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 20)), (True, (200, -1))])
+def test_cuflash_wide_deterministic_backward_is_a_hand_count(dtype, d, sq, sk, causal, window):
+    """Deterministic, fp32 / tf32 / fp64 run the ordered bwd_wide_kernel: the default mode's three launches and
+    accesses, plus an int32 turn counter per 16 padded rows (zeroed by the preprocess, and part of the workspace)
+    and per visited (key block, query block) one 4-byte release add to the query block's counter, counted as an
+    atomic (a read and a write). The visits come from an element-by-element mask."""
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    b, h = 2, 3
+    e = s = 8 if dtype == "fp64" else 4
+    bm, bn = DET_TILES[dtype, d]
+    p = Problem(b, h, sq, sk, d, dtype, causal, window)
+    cfg = config.select("backward", d, dtype, causal, "sm_90a", deterministic=True)
+    assert isinstance(cfg, config.BwdWideConfig) and cfg.deterministic and config.ordered_dq(cfg)
+    assert (cfg.block_m, cfg.block_n) == (bm, bn)
+    steps = _seen(_visible(sq, sk, causal, window), bm, bn)  # [query blocks, key blocks]: the visits
+    rows, keys = _sizes(sq, bm), _sizes(sk, bn)
+    pad = math.ceil(sq / 128) * 128
+    turns = math.ceil(pad / TURN_ROWS) * 4
+    visits = int(steps.sum())
+    pre_r, pre_w = 2 * sq * d * e + sq * s, 2 * pad * s + pad * d * s + turns
+    main_r = (2 * keys[steps.any(axis=0)].sum() * d * e + 2 * (steps * rows[:, None]).sum() * d * e
+              + 2 * visits * bm * s)
+    main_w = 2 * sk * d * e
+    atomics = visits * (bm * d * s + 4)  # the dQ tile's adds and the counter's add
+    conv_r, conv_w = sq * d * s, sq * d * e
+    ks = cuflash_backward_kernels(p, deterministic=True)
+    assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
+    assert ks[0].write_bytes == b * h * pre_w, "delta, lse_log2, dq_accum and the counters zeroed"
+    assert ks[1].atomic_bytes == b * h * atomics
+    assert ks[1].grid == (math.ceil(sk / bn), h, b)
+    c = simulate("cuflash", p, backward=True, deterministic=True)
+    assert (c.block_m, c.block_n, c.launches) == (bm, bn, 3)
+    assert c.hbm_read_bytes == b * h * (pre_r + main_r + atomics + conv_r)
+    assert c.hbm_write_bytes == b * h * (pre_w + main_w + atomics + conv_w)
+    assert c.peak_extra_bytes == b * h * (2 * pad * s + pad * d * s + turns), "lse_log2, delta, dq_accum, counters"
+    # S^T, dP^T (the warps of a key group sum their head-dim slices), dV, dK, dQ
+    assert c.flops_matmul == b * h * visits * 2 * bm * bn * d * 5
+    assert c.sram_read_bytes is None and c.bank_conflicts is None
+    if dtype == "fp32":  # the default mode's tiles: the same traffic but the counters and their adds
+        default = cuflash_backward_kernels(p)
+        assert [(k.name, k.grid, k.read_bytes) for k in ks] == [(k.name, k.grid, k.read_bytes) for k in default]
+        assert ks[0].write_bytes == default[0].write_bytes + b * h * turns
+        assert ks[1].atomic_bytes == default[1].atomic_bytes + b * h * visits * 4
+        a = simulate("cuflash", p, backward=True)
+        assert c.hbm_write_bytes == a.hbm_write_bytes + b * h * (turns + visits * 4)
+        assert c.peak_extra_bytes == a.peak_extra_bytes + b * h * turns and c.flops == a.flops
+
+
+@pytest.mark.parametrize("causal,window,visits", [(False, None, 32), (True, None, 8 + 6 + 4 + 2),
+                                                  (False, (100, 20), 6 + 7 + 5 + 3)])
+def test_cuflash_fp64_deterministic_backward_by_hand(causal, window, visits):
+    """fp64 at head dim 64, 256 x 256, deterministic (sm_90a): 32-row query blocks, 64-key blocks (4 x 8 blocks).
+    Causal, key block n is seen by query blocks 2n..7; with the window (100, 20) by those whose rows 32m..32m+31 see
+    a key of [64n, 64n + 63] (i - 100 <= j <= i + 20, i.e. some row i in [64n - 20, 64n + 163]): 0-5, 1-7, 3-7, 5-7.
+    256 padded rows: 256 / 16 = 16 counters per head (two per query block); each visit adds 32 x 64 float64 dQ
+    atomics and one 4-byte release add."""
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    b, h, n, d = 1, 2, 256, 64
+    p = Problem(b, h, n, n, d, "fp64", causal, window)
+    c = simulate("cuflash", p, backward=True, deterministic=True)
+    a = simulate("cuflash", p, backward=True)
+    assert (a.block_m, a.block_n) == (16, 128) and (c.block_m, c.block_n) == (32, 64)
+    assert c.peak_extra_bytes == h * (2 * 256 * 8 + 256 * 64 * 8 + 16 * 4)
+    assert c.peak_extra_bytes - a.peak_extra_bytes == h * 16 * 4
+    ks = cuflash_backward_kernels(p, deterministic=True)
+    assert len(ks) == 3
+    assert ks[0].write_bytes == h * (2 * 256 * 8 + 256 * 64 * 8 + 16 * 4)
+    assert ks[1].atomic_bytes == h * visits * (32 * 64 * 8 + 4)
+    assert ks[1].grid == (4, h, b)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "tf32"])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 20))])
+def test_cuflash_tf32_backward_is_deterministic_as_it_is(dtype, causal, window):
+    """On sm_90a fp32 and tf32 at head dim 64 run the float32 Hopper backward (no atomics) in either mode:
+    deterministic=True counts what the default mode counts. With kernels="mma" the same problem runs the ordered
+    bwd_wide_kernel (counters and their adds)."""
+    import dataclasses
+
+    from cuflash.simulator.strategies import cuflash_backward_kernels
+
+    p = Problem(2, 3, 300, 517, 64, dtype, causal, window)
+    assert isinstance(config.select("backward", 64, dtype, causal, "sm_90a", deterministic=True),
+                      config.BwdSm90Tf32Config)
+    det, default = (simulate("cuflash", p, backward=True, deterministic=x) for x in (True, False))
+    assert dataclasses.asdict(det) == dataclasses.asdict(default)
+    assert cuflash_backward_kernels(p, deterministic=True) == cuflash_backward_kernels(p)
+    mma = cuflash_backward_kernels(p, deterministic=True, kernels="mma")
+    assert mma[1].name == "bwd_wide_kernel" and mma[1].atomic_bytes > \
+        cuflash_backward_kernels(p, kernels="mma")[1].atomic_bytes
+
+
+@pytest.mark.parametrize("dtype,d", list(DET_TILES))
+@pytest.mark.parametrize("causal,window,deterministic,reversed_", [
+    (True, None, True, True), (False, (100, 0), True, True), (False, (-1, 30), True, True),
+    (False, None, True, False), (True, None, False, False)])
+def test_ordered_wide_backward_launches_the_last_key_blocks_first(dtype, d, causal, window, deterministic,
+                                                                  reversed_):
+    """The ordered bwd_wide_kernel with causal or a window runs key block gridDim.x - 1 - blockIdx.x (its turns per
+    query block count down from the last key block that the block sees): the L2 model's trace takes its CTAs in that
+    launch order (CTA 0 loads the last K block); without a band, or not deterministic, key block blockIdx.x."""
+    from cuflash.simulator import l2
+
+    n = 512
+    bm, bn = DET_TILES[dtype, d]
+    p = Problem(1, 1, n, n, d, dtype, causal, window)
+    tr = l2._Trace(p, "tile")
+    l2._cuflash_bwd(tr, p, True, 132, deterministic, "auto")
+    assert ("dq_turns" in tr.tensors) is deterministic
+    first, per_bh, _, rows, _ = tr.tensors["k"]
+    if not deterministic:  # the default mode's tiles
+        bn = config.bwd_wide_config(d, dtype, causal).block_n
+    blocks = n // bn
+    assert rows * per_bh == n
+    # kernel 1, in launch order (one wave: cta = blockIdx.x): the key block of the first unit of K each CTA reads
+    k_block = {}
+    for kernel, _, _, cta, _, ids, _ in tr.parts:
+        sel = (kernel == 1) & (ids >= first) & (ids < first + per_bh)
+        for c, u in zip(cta[sel], ids[sel] - first):
+            k_block.setdefault(int(c), int(u) * rows // bn)
+    want = list(range(blocks))[::-1] if reversed_ else list(range(blocks))
+    assert [k_block[c] for c in range(blocks)] == want
+
+
+@pytest.mark.parametrize("dtype,d", list(DET_TILES))
+@pytest.mark.parametrize("causal", [False, True])
+def test_ordered_wide_backward_counters_in_the_l2_trace(dtype, d, causal):
+    """An L2 of one sector misses every access of the ordered bwd_wide_kernel's trace (whole blocks: 512 x 512):
+    what the counts list, except that a counter's unit (one per 16- or 32-row query block) weighs a 32-byte sector
+    where the counts take its 4 bytes: written by the preprocess, read and written by each visit's add."""
+    from cuflash.simulator import l2
+
+    b, h, n = 1, 2, 512
+    bm, bn = DET_TILES[dtype, d]
+    p = Problem(b, h, n, n, d, dtype, causal)
+    tr = l2._Trace(p, "tile")
+    l2._cuflash_bwd(tr, p, True, 132, True, "auto")
+    assert tr.tensors["dq_turns"][1] == n // bm, "a unit per query block"
+    r = tr.run(1)
+    c = simulate("cuflash", p, backward=True, deterministic=True)
+    k_blocks, q_blocks = n // bn, n // bm
+    # causal (diag 0): key block j is seen by query blocks j * bn / bm .. q_blocks - 1
+    visits = sum(q_blocks - j * bn // bm for j in range(k_blocks)) if causal else k_blocks * q_blocks
+    preprocess = q_blocks * 32 - n // TURN_ROWS * 4
+    assert r.read_bytes == c.hbm_read_bytes + b * h * visits * (32 - 4)
+    assert r.write_bytes == c.hbm_write_bytes + b * h * (visits * (32 - 4) + preprocess)
