@@ -10,9 +10,10 @@
 //     visible key tile (from the last to the first, as fwd_sm90_kernel) into STAGES-deep circular buffers;
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w (0, 1) owns query rows 64w..64w+63 of the tile and
 //     runs S = Q K_j^T, the online softmax, O += P_j V_j (P from registers: wgmma's RS form), then the epilogue.
-// With BLOCK_M = 192 (FwdSm90WsTraits' last parameter; head dims up to 64, no pingpong, one item per CTA) three
-// consumer warpgroups of 160 registers each (512 threads) share each K/V tile: a third more query rows per load
-// and per barrier round, and 12 consumer warps to hide the softmax's latency (FlashAttention-3's D 64 choice).
+// With BLOCK_M = 192 (FwdSm90WsTraits' last parameter; head dims up to 64, no pingpong; one item per CTA or
+// persistent) three consumer warpgroups of 160 registers each (512 threads) share each K/V tile: a third more query
+// rows per load and per barrier round, and 12 consumer warps to hide the softmax's latency (FlashAttention-3's D 64
+// choice).
 // The algorithm's math (OnlineSoftmax, Band masks, the score modifiers of mods.cuh in fwd_sm90_key_tile's order:
 // softcap, ALiBi, mask, softmax, dropout; the swizzled SmemTile layout and its wgmma descriptors) is
 // fwd_sm90.cuh's; what is new is who moves the data and when. K/V heads = heads / kv_group (GQA). No kv cache.
