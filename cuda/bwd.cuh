@@ -408,6 +408,24 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
     cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
 }
 
+// The order of a deterministic backward's dQ additions (the ordered bwd_sm90_ws_kernel and bwd_wide_kernel): key
+// block n's turn among those that add into the dQ of the query block whose first row is row0. Without a band every
+// key block of the sequence, in ascending order (they reach the block together; the lower ones launch first); with
+// causal or a window (BAND) the key blocks that see the block, a run [n_lo, n_hi], in descending order (the higher
+// ones start at their diagonal, reach the block first, and launch first: their kernels launch key blocks
+// last-first), so each waits only on CTAs that started before it. n_hi is the last key block whose first key a row
+// of the block sees (its m_begin <= m; its m_end is past m since n's is): n_hi * BLOCK_N - diag - right <= row0 +
+// BLOCK_M - 1 (right: 0 when causal), at most the sequence's last key block (last_block). reach: ordered_dq_reach.
+template <int BLOCK_N, bool BAND>
+__device__ __forceinline__ int ordered_dq_turn(int row0, int n, int last_block, int reach) {
+  if (!BAND) return n;
+  return min(last_block, (row0 + reach) / BLOCK_N) - n;
+}
+template <int BLOCK_M, bool IS_CAUSAL, bool HAS_WINDOW>
+__device__ __forceinline__ int ordered_dq_reach(const Band<IS_CAUSAL, HAS_WINDOW>& band) {
+  return BLOCK_M - 1 + band.diag + (HAS_WINDOW ? band.right : 0);
+}
+
 // The work of a K/V-outer CTA (bwd_kernel, bwd_sm90_kernel; grid (key blocks, K/V heads, batch)): keys
 // n0 .. n0 + keys - 1 of K/V head kv_head of sequence batch and, for every query head of the group, the
 // query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
@@ -445,18 +463,11 @@ struct BwdKeyBlock {
   }
   __device__ __forceinline__ int key0() const { return REVERSED ? n_block() * Tr::BLOCK_N : n0; }
 
-  // Key block n's turn among those that add to query block m's dQ in a deterministic backward: without a band
-  // every key block of the sequence, in ascending order (they reach m together; the lower ones launch first); with
-  // causal or a window the key blocks that see m, a run [n_lo, n_hi], in descending order (the higher ones start
-  // at their diagonal, reach m first, and launch first when REVERSED), so each waits only on CTAs that started
-  // before it. n_hi is the last key block whose first key a row of block m sees (its m_begin <= m; its m_end is
-  // past m since n's is): n_hi * BLOCK_N - diag - right <= m * BLOCK_M + BLOCK_M - 1 (right: 0 when causal), at
-  // most the sequence's last key block. reach: dq_reach().
+  // Key block n's turn on query block m's dQ in a deterministic backward (ordered_dq_turn); reach: dq_reach()
   static __device__ __forceinline__ int dq_turn(int m, int n, int last_block, int reach) {
-    if (!IS_CAUSAL && !HAS_WINDOW) return n;
-    return min(last_block, (m * Tr::BLOCK_M + reach) / Tr::BLOCK_N) - n;
+    return ordered_dq_turn<Tr::BLOCK_N, IS_CAUSAL || HAS_WINDOW>(m * Tr::BLOCK_M, n, last_block, reach);
   }
-  __device__ __forceinline__ int dq_reach() const { return Tr::BLOCK_M - 1 + diag + (HAS_WINDOW ? band.right : 0); }
+  __device__ __forceinline__ int dq_reach() const { return ordered_dq_reach<Tr::BLOCK_M>(band); }
   __device__ __forceinline__ int last_key_block() const { return (seq.len_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N - 1; }
 
   // (query head, query block) positions of the CTA: every query head of the group over [m_begin, m_end)

@@ -512,7 +512,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_wide_kernel(const FwdParam
 // rows of dQ_acc (BwdParams::dq_turns, zeroed by the preprocess; a query block of BLOCK_M rows uses the counter of
 // its first row) counts the key blocks that have added into the block. A CTA whose dQ block for query block m is
 // computed waits (thread 0, ld.acquire polling) until the counter equals its turn, then all its threads add, then,
-// after a CTA barrier, thread 0 fences and increments the counter (red.release). Turns (as BwdKeyBlock::dq_turn):
+// after a CTA barrier, thread 0 fences and increments the counter (red.release). Turns (bwd.cuh's ordered_dq_turn):
 // without a band, key block n's turn is n (every key block adds into every query block; the lower ones launch
 // first); with causal or a window, the key blocks that see m form a run [n_lo, n_hi] and take turns from n_hi
 // down, and the kernel launches its key blocks last-first (n = gridDim.x - 1 - blockIdx.x), so a CTA only waits
@@ -618,16 +618,13 @@ struct WideBwdTraits {
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
-// Key block n0 / BLOCK_N's turn among the key blocks that add into query block m0 / BLOCK_M's dQ (an ordered
-// backward; the backward section's header): without a band its index; with one, counted down from n_hi, the last
-// key block whose first key a row of the block sees (at most the sequence's last key block), as
-// BwdKeyBlock::dq_turn.
+// Key block n0 / BLOCK_N's turn on the dQ of the query block that starts at row m0 (an ordered backward; bwd.cuh's
+// ordered_dq_turn).
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
 __device__ __forceinline__ int wide_dq_turn(const Band<IS_CAUSAL, HAS_WINDOW>& band, int m0, int n0) {
-  if (!IS_CAUSAL && !HAS_WINDOW) return n0 / Tr::BLOCK_N;
-  const int last_block = (band.seqlen_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N - 1;
-  const int reach = Tr::BLOCK_M - 1 + band.diag + (HAS_WINDOW ? band.right : 0);
-  return min(last_block, (m0 + reach) / Tr::BLOCK_N) - n0 / Tr::BLOCK_N;
+  return ordered_dq_turn<Tr::BLOCK_N, IS_CAUSAL || HAS_WINDOW>(m0, n0 / Tr::BLOCK_N,
+                                                               (band.seqlen_k + Tr::BLOCK_N - 1) / Tr::BLOCK_N - 1,
+                                                               ordered_dq_reach<Tr::BLOCK_M>(band));
 }
 
 // One query block of a K/V-outer CTA: S^T, P^T, dV, dP^T, dS^T, dK, and dQ_acc += dS K. ORDERED: the dQ GEMM and
