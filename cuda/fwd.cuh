@@ -51,7 +51,7 @@ struct FwdParams {
   int heads;           // query heads
   int head_dim;        // run-time head dim <= HEAD_DIM; columns beyond it are zero in shared memory
   int block_table_stride;
-  int page_size;       // decode, paged: keys per page, a multiple of BLOCK_N
+  int page_size;       // decode, paged: keys per page, a multiple of 16 (config.DECODE_PAGE_MULTIPLE)
   int num_splits;      // decode: CTAs sharing one row block's keys (1: no split)
   int rows_per_pos;    // decode: query heads packed per position (the GQA group size), else 1
   float scale_log2;    // softmax_scale * log2(e)
@@ -174,12 +174,35 @@ __device__ __forceinline__ const u16* kv_tile_gmem(const FwdParams& p, const u16
   return seq_gmem + static_cast<long long>(n_block) * Tr::BLOCK_N * row_stride;
 }
 
-// Row `key` (a cache row) of a paged decode cache, for tiles that straddle pages.
-__device__ __forceinline__ const u16* paged_row_gmem(const FwdParams& p, const u16* cache_gmem, long long row_stride,
-                                                     long long page_stride, int batch, int key) {
-  const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + key / p.page_size];
-  return cache_gmem + page * page_stride + (key % p.page_size) * row_stride;
-}
+// The rows of a paged decode cache's key tile that straddles pages (a page size or a first row that is not a
+// multiple of the tile's rows): row(r) is cache row key0 + r, for load_tile_rows_async. The tile's pages are looked
+// up once per warp, lane l loading entry first + l of the sequence's block-table row (a tile of ROWS rows spans at
+// most ROWS / 16 + 1 pages of 16 rows or more), and a row takes its page from that lane by a shuffle, its page and
+// row in the page found by at most ROWS / 16 subtractions from the tile's first row, with no division and no load.
+// (A division and a block-table load before each 16-byte copy made 16- and 48-row pages decode 2.5-2.8x slower
+// than 64-row ones.) Every lane of the warp must call row() equally often, as load_tile_rows_async does.
+template <int ROWS>
+struct PagedTileRows {
+  static_assert(ROWS / 16 + 1 <= 32, "a tile's pages are one per lane");
+  int start, page_size, my_page;  // start: the tile's first row within its first page
+  __device__ __forceinline__ PagedTileRows(const FwdParams& p, int batch, int key0, int rows_valid, int lane)
+      : page_size(p.page_size) {
+    const int* table = p.block_table + static_cast<long long>(batch) * p.block_table_stride;
+    const int first = key0 / page_size, last = (key0 + rows_valid - 1) / page_size;
+    start = key0 - first * page_size;
+    my_page = first + lane <= last ? table[first + lane] : 0;
+  }
+  __device__ __forceinline__ const u16* row(const u16* cache_gmem, long long row_stride, long long page_stride,
+                                            int r) const {
+    int in_page = start + r, idx = 0;  // < ROWS + page_size: at most ROWS / 16 steps
+    while (in_page >= page_size) {
+      in_page -= page_size;
+      ++idx;
+    }
+    const int page = __shfl_sync(0xffffffffu, my_page, idx);
+    return cache_gmem + page * page_stride + in_page * row_stride;
+  }
+};
 
 // Decode epilogue: each thread writes its own rows straight from registers (a decode tile has few valid
 // rows, so no staging through shared memory): the final O and lse when num_splits == 1, else this
@@ -445,15 +468,13 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
   auto load_kv = [&](int stage, int n, int rows) {
     if (IS_DECODE && is_gather) {
-      const int key0 = seq.k_row0 + n * Tr::BLOCK_N;
+      const PagedTileRows<Tr::BLOCK_N> pages(p, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
       load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
-          k_smem0 + stage * Tr::SMEM_KV,
-          [&](int r) { return paged_row_gmem(p, k_cache, p.k_row_stride, p.k_page_stride, batch, key0 + r); }, rows,
-          p.head_dim, tid);
+          k_smem0 + stage * Tr::SMEM_KV, [&](int r) { return pages.row(k_cache, p.k_row_stride, p.k_page_stride, r); },
+          rows, p.head_dim, tid);
       load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
-          v_smem0 + stage * Tr::SMEM_KV,
-          [&](int r) { return paged_row_gmem(p, v_cache, p.v_row_stride, p.v_page_stride, batch, key0 + r); }, rows,
-          p.head_dim, tid);
+          v_smem0 + stage * Tr::SMEM_KV, [&](int r) { return pages.row(v_cache, p.v_row_stride, p.v_page_stride, r); },
+          rows, p.head_dim, tid);
       return;
     }
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(

@@ -241,8 +241,10 @@ struct TileCopy {
 };
 
 // The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
-// row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs). Chunks in panel
-// order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a placeholder address).
+// row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs; a paged cache's key tile that
+// straddles pages). Chunks in panel order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a
+// placeholder address). Every thread calls row_ptr once per chunk, valid or not, so row_ptr may shuffle within the
+// warp when CHUNKS is a multiple of THREADS (every lane then runs the loop as often).
 template <class Tile, int THREADS, class RowPtr>
 __device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, RowPtr row_ptr, int rows_valid, int cols_valid,
                                                      int tid) {
@@ -250,7 +252,8 @@ __device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, RowPtr row_p
     int row, col;
     Tile::panel_order(idx, row, col);
     const bool valid = row < rows_valid && col < cols_valid;
-    cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? row_ptr(row) + col : row_ptr(0), valid);
+    const u16* src = row_ptr(valid ? row : 0);
+    cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? src + col : src, valid);
   }
 }
 

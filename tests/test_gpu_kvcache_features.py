@@ -357,11 +357,13 @@ def test_kvcache_feature_matches_reference_and_writes_exactly_the_new_rows(case)
     run_and_check(p, case["causal"], case["num_splits"], f"{case_id(case)} {p.describe()}")
 
 
-# --- head dims 256 and 96, every argument at once -----------------------------------------------------------------
+# --- head dims 32, 96, 192 and 256, every argument at once ---------------------------------------------------------
+# (with cache_leftpad, every paged cache here has its key tiles gathered row by row across pages)
 
 @pytest.mark.parametrize("cache,d,dtype,causal", [("paged64", 256, "fp16", True), ("dense", 96, "bf16", False),
-                                                  ("paged80", 96, "fp16", False)])
-def test_kvcache_features_at_head_dims_256_and_96(cache, d, dtype, causal):
+                                                  ("paged80", 96, "fp16", False), ("paged16", 32, "bf16", False),
+                                                  ("paged48", 192, "fp16", True), ("paged16", 256, "bf16", False)])
+def test_kvcache_features_at_head_dims_32_to_256(cache, d, dtype, causal):
     c = dict(feature="all", cache=cache, new_kv=True, causal=causal, sq=4, num_splits=0, ratio=4, dtype=dtype, d=d,
              seqlens="array", guard=True, index=1)
     p = feature_problem(c)
