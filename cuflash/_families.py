@@ -508,12 +508,42 @@ def _sm_count(device: int) -> int:
 
 
 MAX_SPLITS = 128  # the merge keeps the lse of 4 x 32 splits in registers: cuda/fwd.cuh MAX_SPLITS
-# The split-KV launch aims at one CTA per SM, whatever the occupancy would allow: measured on the H100 (bf16,
-# D 128, 32/8 heads), one full wave of single CTAs beat two CTAs per SM at every batch: B=1 32k keys 57.0 us
-# (16 splits, 128 CTAs) vs 62.1 (32 splits, 256 CTAs); 128k keys 184 vs 194 us; B=2 32k 99 vs 117 us; B=8 32k
-# 357 vs 364 us; B=8 128k 1369 vs 1409 us. A decode CTA keeps enough K/V loads in flight to use its SM's share
-# of the bandwidth alone; a second one halves each split's work and doubles the merge's.
-DECODE_CTAS_PER_SM = 1
+# CTAs per SM that the split-KV launch aims at, by the DRAM bandwidth per SM. A decode CTA keeps one 32 KB K/V tile
+# in flight while it computes on another (config.DECODE_STAGES), so one CTA per SM moves about one tile per load
+# latency. Measured with tools/tune_decode.py (bf16, D 128, 32/8 heads), one full wave either way:
+#   H100 80GB HBM3 (3.35 TB/s over 132 SMs, 25 GB/s per SM): one CTA per SM faster at every batch: B=1 32k keys
+#     57.0 us (16 splits, 128 CTAs) vs 62.1 (32 splits, 256 CTAs); 128k 184 vs 194 us; B=2 32k 99 vs 117 us; B=8
+#     32k 357 vs 364 us; B=8 128k 1369 vs 1409 us (a second CTA halves each split's work and doubles the merge's);
+#   H200 (4.8 TB/s, 37 GB/s per SM), 2026-11-29: two CTAs per SM faster: B=1 32k 41.8 us vs 44.9, 128k 129.1 vs
+#     145.8; B=8 8k 69.8 vs 78.4, 32k 244.4 vs 284.3, 128k 945 vs 1086 (cuDNN through SDPA: 41.3, 128.1, 69.5,
+#     243.2, 936.2); deeper pipelines (3 or 4 stages) at one CTA per SM were no faster (44.9-46.8 us at B=1 32k).
+# So from DECODE_TWO_CTAS_GBPS_PER_SM of peak DRAM bandwidth per SM on (between the two), two CTAs per SM.
+DECODE_TWO_CTAS_GBPS_PER_SM = 30.0
+_decode_ctas: dict = {}
+
+
+def dram_gbps(device: int) -> float | None:
+    """Peak DRAM bandwidth of `device` in GB/s (2 transfers per memory clock x bus width), None if the driver does not
+    report the memory clock or bus width."""
+    from cupy.cuda import runtime
+
+    try:
+        clock_khz = runtime.deviceGetAttribute(runtime.cudaDevAttrMemoryClockRate, device)
+        bus_bits = runtime.deviceGetAttribute(runtime.cudaDevAttrGlobalMemoryBusWidth, device)
+    except Exception:  # noqa: BLE001 - an attribute this driver does not report
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9 if clock_khz > 0 and bus_bits > 0 else None
+
+
+def decode_ctas_per_sm(device: int) -> int:
+    """CTAs per SM the split-KV decode launch aims at on `device` (see DECODE_TWO_CTAS_GBPS_PER_SM): 2 where the DRAM
+    bandwidth per SM needs two K/V tiles in flight per SM, else 1 (also when the bandwidth is not reported)."""
+    if device not in _decode_ctas:
+        gbps = dram_gbps(device)
+        _decode_ctas[device] = 2 if gbps is not None and gbps / _sm_count(device) >= DECODE_TWO_CTAS_GBPS_PER_SM else 1
+    return _decode_ctas[device]
+
+
 # Split-KV merge in the decode launch itself (the last split of each row block merges; cuda/fwd.cuh
 # fwd_decode_finish) rather than in a second launch of fwd_combine_kernel.
 DECODE_FUSED_MERGE = True
@@ -621,7 +651,8 @@ def _band_keys(mods, max_len: int, seqlen_q: int) -> int:
 def _decode_splits(cp, device, stream, m, max_len, block_n, grid_rows, hd):
     """(splits, workspace or None, o_accum, lse_accum, counters) of a decode launch."""
     ctas = grid_rows
-    splits = m.num_splits or num_splits_heuristic(ctas, -(-max_len // block_n), _sm_count(device), DECODE_CTAS_PER_SM)
+    splits = m.num_splits or num_splits_heuristic(ctas, -(-max_len // block_n), _sm_count(device),
+                                                  decode_ctas_per_sm(device))
     if splits == 1:
         return 1, None, 0, 0, 0
     work, o_accum, lse_accum, counters = _split_workspace(cp, device, stream, splits, m.batch * m.heads_q * m.seqlen_q,
@@ -639,7 +670,7 @@ class _DecodeStep:
         self.before, self.kernel, self.main_t, self.combine = before, kernel, main_t, combine
         self.ctas = row_blocks * grid_heads * m.batch
         self.cache_seqlen = 0 if m.cache_seqlen is None else m.cache_seqlen
-        self.num_sms = _sm_count(device)
+        self.num_sms, self.ctas_per_sm = _sm_count(device), decode_ctas_per_sm(device)
 
     def __call__(self, plan, arrays, cache_seqlens, blocks, stream):
         p = self.p
@@ -656,7 +687,7 @@ class _DecodeStep:
         main = blocks[self.main_t][0]
         main.seq.seqlen_k = cache_seqlen
         splits = m.num_splits or num_splits_heuristic(self.ctas, -(-_band_keys(p.mods, max_len, m.seqlen_q) //
-                                                                   self.block_n), self.num_sms, DECODE_CTAS_PER_SM)
+                                                                   self.block_n), self.num_sms, self.ctas_per_sm)
         main.num_splits = splits
         work = None
         if splits == 1:  # this thread's block may hold an earlier call's workspace

@@ -48,11 +48,8 @@ def test_the_h100_decode_cases():
 
 
 def test_the_h100_decode_cases_at_one_cta_per_sm():
-    """What the library asks for (_families.DECODE_CTAS_PER_SM = 1, measured best on the H100): one wave of single
-    CTAs, 128 of 132 SMs, at every batch of the decode benchmark."""
-    from cuflash._families import DECODE_CTAS_PER_SM
-
-    assert DECODE_CTAS_PER_SM == 1
+    """What the library asks for on an H100 (one CTA per SM, measured best there): one wave of single CTAs, 128 of
+    132 SMs, at every batch of the decode benchmark."""
     assert num_splits_heuristic(8, 512, 132, 1) == 16    # B=1, 8 K/V heads
     assert num_splits_heuristic(16, 512, 132, 1) == 8    # B=2
     assert num_splits_heuristic(32, 1024, 132, 1) == 4   # B=4
@@ -60,6 +57,50 @@ def test_the_h100_decode_cases_at_one_cta_per_sm():
     assert num_splits_heuristic(8, 16, 132, 1) == 16     # B=1, 1024 keys: 16 splits of one 64-key tile
     assert num_splits_heuristic(64, 16, 132, 1) == 2     # B=8, 1024 keys
     assert num_splits_heuristic(512, 16, 132, 1) == 1    # B=64, 1024 keys: four waves of whole sequences
+
+
+# (memory clock in kHz, bus width in bits, SMs) as the driver reports them, and the CTAs per SM the decode launch
+# then aims at: two where the DRAM bandwidth per SM is at least DECODE_TWO_CTAS_GBPS_PER_SM (30 GB/s)
+DEVICES = {
+    "H100 SXM": ((2619000, 5120, 132), 1),    # 3.35 TB/s, 25 GB/s per SM: measured, one CTA per SM faster
+    "H200": ((3201000, 6144, 132), 2),        # 4.92 TB/s, 37 GB/s per SM: measured, two CTAs per SM faster
+    "A100 80GB SXM": ((1593000, 5120, 108), 1),
+    "H100 PCIe": ((1593000, 5120, 114), 1),
+    "RTX 4090": ((10501000, 384, 128), 1),
+}
+
+
+@pytest.mark.parametrize("name", DEVICES)
+def test_decode_ctas_per_sm_follow_the_dram_bandwidth_per_sm(name, monkeypatch):
+    from cupy.cuda import runtime
+
+    from cuflash import _families
+
+    (clock, bus, sms), want = DEVICES[name]
+    attrs = {runtime.cudaDevAttrMemoryClockRate: clock, runtime.cudaDevAttrGlobalMemoryBusWidth: bus,
+             runtime.cudaDevAttrMultiProcessorCount: sms}
+    monkeypatch.setattr(runtime, "deviceGetAttribute", lambda attr, device: attrs[attr])
+    monkeypatch.setattr(_families, "_num_sms", {})
+    monkeypatch.setattr(_families, "_decode_ctas", {})
+    assert _families.dram_gbps(0) == pytest.approx(2 * clock * 1e3 * bus / 8 / 1e9)
+    assert _families.decode_ctas_per_sm(0) == want
+
+
+def test_decode_ctas_per_sm_is_one_without_a_reported_bandwidth(monkeypatch):
+    from cupy.cuda import runtime
+
+    from cuflash import _families
+
+    def attribute(attr, device):
+        if attr == runtime.cudaDevAttrMultiProcessorCount:
+            return 132
+        raise runtime.CUDARuntimeError(1)
+
+    monkeypatch.setattr(runtime, "deviceGetAttribute", attribute)
+    monkeypatch.setattr(_families, "_num_sms", {})
+    monkeypatch.setattr(_families, "_decode_ctas", {})
+    assert _families.dram_gbps(0) is None
+    assert _families.decode_ctas_per_sm(0) == 1
 
 
 def test_degenerate_launches_are_not_split():
