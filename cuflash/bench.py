@@ -291,18 +291,29 @@ class TorchEvents:
 # methods (plain attention at N = 16k takes ~0.3 s a call) would otherwise dominate a whole run.
 MEASURE_BUDGET_S = 1.0
 MIN_REPS = 5
+# The untimed calls before a measurement last at least this long, in rounds of `warmup` calls each followed by
+# a synchronize: three calls of a 0.1 ms decode step right after its inputs were made timed 15 % slow in the
+# first of two measurements of the same row (B 64, 1k keys: 113.9 us, then 99.0; 98.0-98.5 in five medians of
+# a process that timed the row alone).
+WARMUP_MIN_S = 0.05
 
 
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
-    """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events;
-    `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in
+    """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events,
+    after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S; `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in
     batches of HOLD_BATCH behind a hold (see HOLD_BATCH) sized from the host time of the warm-up calls."""
     host_s = []
-    for i in range(max(warmup, 1)):
-        t0 = time.perf_counter()
-        call(i % n_sets)
-        host_s.append(time.perf_counter() - t0)
     probe = (events.event(), events.event())
+    start, done = time.perf_counter(), 0
+    while done == 0 or time.perf_counter() - start < WARMUP_MIN_S:
+        for _ in range(max(warmup, 1)):
+            t0 = time.perf_counter()
+            call(done % n_sets)
+            host_s.append(time.perf_counter() - t0)
+            done += 1
+        events.record(probe[1])  # (recorded again below, around the probe call)
+        events.synchronize(probe[1])
+    warmup = done
     t0 = time.perf_counter()
     events.record(probe[0])
     call(warmup % n_sets)

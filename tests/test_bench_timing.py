@@ -42,9 +42,21 @@ def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events():
         time.sleep(host_s)
 
     reps, warmup, n_sets = 70, 3, 4
+    t0 = time.perf_counter()
     ms = bench.median_ms(call, n_sets, events, reps, warmup)
-    assert calls[:warmup + 1] == [0, 1, 2, 3 % n_sets]  # warm-up, then the probe
-    timed = events.log[events.log.index(("sync", 1)) + 1:]
+    assert time.perf_counter() - t0 >= bench.WARMUP_MIN_S
+    # warm-up: rounds of `warmup` calls, each round closed by a synchronize, until WARMUP_MIN_S has passed
+    last_sync = len(events.log) - 1 - events.log[::-1].index(("sync", 1))  # the probe's
+    warm = events.log[:last_sync - 3]  # ... record(0), call, record(1), sync(1)
+    rounds = [k for k, entry in enumerate(warm) if entry == ("sync", 1)]
+    assert len(rounds) >= 2 and rounds[-1] == len(warm) - 1
+    for begin, end in zip([-1] + rounds[:-1], rounds):
+        assert [e[0] for e in warm[begin + 1:end]] == ["call"] * warmup + ["record"]
+    done = warmup * len(rounds)
+    assert calls[:done + 1] == [k % n_sets for k in range(done + 1)]  # warm-up, then the probe
+    assert events.log[last_sync - 3:last_sync + 1] == [("record", 0), ("call", done % n_sets), ("record", 1),
+                                                       ("sync", 1)]
+    timed = events.log[last_sync + 1:]
     holds = [k for k, entry in enumerate(timed) if entry[0] == "hold"]
     batches = [bench.HOLD_BATCH] * (reps // bench.HOLD_BATCH) + [reps % bench.HOLD_BATCH]  # 32, 32, 6
     assert len(holds) == len(batches) == 3 and holds[0] == 0
