@@ -220,7 +220,9 @@ DECODE_TILES = {
 # the H100 (tools/tune_decode.py, bf16 D 128, 32/8 heads, one CTA per SM): double buffering is fastest at every
 # batch and cache length; 3, 4 and 6 stages were 1-4% slower (B=1 32k: 59.2 us with 2 stages, 60.1-60.6 with
 # more; B=1 128k: 186.0 vs 191.0-196.2; B=8 128k: 1384 vs 1421-1429), so one 32 KB K/V tile in flight per SM
-# while another is used is not what limits a decode launch.
+# while another is used is not what limits a decode launch there. On an H200 (2026-11-29) 3 and 4 stages at one
+# CTA per SM were no faster either (B=1 32k 45.6 / 46.8 us against 44.9), but two CTAs per SM were (41.8 us: the
+# split factor's CTAs per SM, _families.decode_ctas_per_sm).
 DECODE_STAGES = 2
 DECODE_PAGE_MULTIPLE = 16
 # The score modifiers of decoding (attention_with_kvcache): the window, ALiBi and the softcap. The compile check
