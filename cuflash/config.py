@@ -982,7 +982,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
                     out += [bwd_sm90_ws_config(hd, dt, c, False, m) for m in MODS_BLOCKS_CHECKED[c]]
                 if arch == "sm_90a":  # BWD_SM90_WS_EXACT_MODS, each with and without the window
                     out += [bwd_sm90_ws_config(hd, dt, c, det, h | w) for h in BWD_SM90_WS_EXACT_MODS.get(hd, ())
-                            for w in ((0,) if c else (0, MOD_WINDOW)) for det in (False, True)]
+                            for w in ((0,) if c or h in BWD_SM90_WS_EXACT_ALONE.get(hd, ()) else (0, MOD_WINDOW))
+                            for det in (False, True)]
     if arch == "sm_90a":  # the wide-head backward: each dtype, plain, causal, windowed, the modifier sets above;
         # atomic and deterministic dQ
         out += [BwdSm90SplitConfig(hd, dt, c, det, m) for dt in DTYPES for hd in BWD_SM90_SPLIT_HEAD_DIMS
@@ -1268,16 +1269,21 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
 # (head dim 32's tiles are single 32-column panels; its two consumers split dQ's 32 columns 16 and 16). At head
 # dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
 # without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
-# NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T). The others run
-# the mma.sync backward: soft-capping alone spilled 20 bytes (NVRTC 13.0, with a window), a mask alone 12-24
-# (NVRTC 13.0), any two of ALiBi, soft-capping and dropout, or one of them beside a bias or mask, 16-320 bytes.
+# NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T). Soft-capping is taken
+# alone only (BWD_SM90_WS_MODS_128_ALONE: causal or not, deterministic or not; beside a window the bf16 kernel
+# spilled 4 bytes under NVRTC 13.0, and rewrites of its softcap factor moved the spill to 8-40 bytes). The others
+# run the mma.sync backward: a mask alone spilled 12-24 bytes (NVRTC 13.0), any two of ALiBi, soft-capping and
+# dropout, or one of them beside a bias or mask, 16-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (32, 64, 128)
 BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
+BWD_SM90_WS_MODS_128_ALONE = (MOD_SOFTCAP,)  # without a window beside it
 # Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
 # launch) each as they are, with and without the window, beside the heaviest set: head dim 128's (at the register
 # limit) and head dims 32 and 64's staged-bias kernels (bwd_stages_bias: a code path the heaviest set does not take).
 BWD_SM90_WS_EXACT_MODS = {32: (MOD_BIAS, MOD_BIAS | MOD_MASK), 64: (MOD_BIAS, MOD_BIAS | MOD_MASK),
-                          128: BWD_SM90_WS_MODS_128}
+                          128: BWD_SM90_WS_MODS_128 + BWD_SM90_WS_MODS_128_ALONE}
+# ... of which these are built (and launched) without the window only
+BWD_SM90_WS_EXACT_ALONE = {128: BWD_SM90_WS_MODS_128_ALONE}
 
 
 # Kernel head dims that run the warp-specialized backward of the next head dim (where that one takes the modifiers):
@@ -1290,7 +1296,8 @@ BWD_SM90_WS_PADDED = {96: 128}
 
 def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
     heavy = mods & ~MODS_LIGHT
-    dims = BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 else (32, 64)
+    dims = (BWD_SM90_WS_HEAD_DIMS if not heavy or heavy in BWD_SM90_WS_MODS_128 or mods in BWD_SM90_WS_MODS_128_ALONE
+            else (32, 64))
     return dims + tuple(hd for hd, to in BWD_SM90_WS_PADDED.items() if to in dims)
 
 

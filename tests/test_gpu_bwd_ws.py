@@ -177,20 +177,23 @@ def test_deterministic_with_a_bias_keeps_the_dq_kernel():
         assert same_bits(x, y), f"deterministic {name} differs between two runs"
 
 
-# Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
-# window beside some; the mask on a (B, H, Sq, Sk) bias and a random mask. GQA 4/2, a key tail, 9 query blocks.
+# Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128 and,
+# without a window, BWD_SM90_WS_MODS_128_ALONE), the window beside some; the mask on a (B, H, Sq, Sk) bias and a
+# random mask; a softcap of 2 on scores scaled up 3x, so that most scores are capped hard and its derivative
+# (1 - tanh^2) matters. GQA 4/2, a key tail, 9 query blocks.
 WS_128_MODS = [({"alibi": "bh"}, False), ({"dropout": 0.17, "window": (64, 64)}, False), ({}, True),
-               ({"window": (37, 5)}, "mask")]
+               ({"window": (37, 5)}, "mask"), ({"softcap": 2.0}, False)]
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=["alibi", "dropout+window", "bias", "bias+mask+window"])
+@pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=["alibi", "dropout+window", "bias", "bias+mask+window",
+                                                        "softcap"])
 def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
     from test_gpu_bias import mask_random, run_dense as run_bias
 
     bits = sum(bit for name, bit in (("window", config.MOD_WINDOW), ("alibi", config.MOD_ALIBI),
-                                     ("dropout", config.MOD_DROPOUT)) if name in mods)
+                                     ("dropout", config.MOD_DROPOUT), ("softcap", config.MOD_SOFTCAP)) if name in mods)
     bits |= (config.MOD_BIAS if bias else 0) | (config.MOD_MASK if bias == "mask" else 0)
     kernel_causal = causal and not bits & config.MOD_WINDOW
     dtype = "bf16" if causal else "fp16"
@@ -198,7 +201,8 @@ def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
     assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == bits, cfg
     b, sq, sk, hq, hkv = 2, 517, 300, 4, 2
     run_bias(b, sq, sk, hq, hkv, 128, dtype, causal=causal, mods=mods, deterministic=det,
-             bias_shape=(b, hq, sq, sk) if bias else None, mask=mask_random if bias == "mask" else None)
+             bias_shape=(b, hq, sq, sk) if bias else None, mask=mask_random if bias == "mask" else None,
+             scale_inputs=3.0 if "softcap" in mods else 1.0)
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp16+mask", "broadcast", "key-slice", "fp32", "unaligned-view"])

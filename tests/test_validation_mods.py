@@ -111,8 +111,9 @@ def test_every_modifier_config_is_compile_checked():
 
 def test_head_dim_128_ws_backward_modifier_sets_are_each_compile_checked():
     """Head dim 128's warp-specialized backward runs only the modifier sets listed in config.BWD_SM90_WS_MODS_128
-    (spill-free there), and the compile check builds each of them exactly (they sit at the register limit, so no
-    other set stands in for one); every other heavy set runs the mma.sync backward."""
+    (spill-free there, with or without a window) and BWD_SM90_WS_MODS_128_ALONE (without one), and the compile check
+    builds each of them exactly (they sit at the register limit, so no other set stands in for one); every other
+    heavy set runs the mma.sync backward."""
     names = {c.cpp_name() for c in config.all_bwd_configs("sm_90a")}
     taken = set()
     for m in range(config.MODS_ALL + 1):
@@ -122,14 +123,20 @@ def test_head_dim_128_ws_backward_modifier_sets_are_each_compile_checked():
             for det in (False, True):
                 cfg = config.backward_kernel_config(128, "bf16", causal, det, "sm_90a", mods=m)
                 heavy = m & ~config.MODS_LIGHT
+                alone = m in config.BWD_SM90_WS_MODS_128_ALONE
                 if isinstance(cfg, config.BwdSm90WsConfig):
-                    assert not heavy or heavy in config.BWD_SM90_WS_MODS_128, m
+                    assert not heavy or heavy in config.BWD_SM90_WS_MODS_128 or alone, m
                     if heavy:
                         assert cfg.cpp_name() in names, cfg.cpp_name()
-                        taken.add(heavy)
+                        taken.add(m)
                 else:
-                    assert heavy not in (0, *config.BWD_SM90_WS_MODS_128) and type(cfg) is config.BwdConfig, (m, cfg)
-    assert taken == set(config.BWD_SM90_WS_MODS_128)
+                    assert heavy not in (0, *config.BWD_SM90_WS_MODS_128) and not alone, (m, cfg)
+                    assert type(cfg) is config.BwdConfig, (m, cfg)
+    light = (0, config.MOD_WINDOW)
+    assert taken == {h | w for h in config.BWD_SM90_WS_MODS_128 for w in light} | set(config.BWD_SM90_WS_MODS_128_ALONE)
+    assert config.MOD_SOFTCAP in config.BWD_SM90_WS_MODS_128_ALONE  # soft-capping beside a window: mma.sync
+    cfg = config.backward_kernel_config(128, "bf16", False, False, "sm_90a", mods=config.MOD_SOFTCAP | config.MOD_WINDOW)
+    assert type(cfg) is config.BwdConfig
 
 
 def test_block_map_bits_select_the_families_that_read_a_map():
