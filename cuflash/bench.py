@@ -300,8 +300,9 @@ WARMUP_MIN_S = 0.05
 
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events,
-    after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S; `reps` calls, or fewer (at least MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in
-    batches of HOLD_BATCH behind a hold (see HOLD_BATCH) sized from the host time of the warm-up calls."""
+    after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S; `reps` calls, or fewer (at least
+    MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in batches of HOLD_BATCH behind a hold
+    (see HOLD_BATCH) sized from the host time of the warm-up calls."""
     host_s = []
     probe = (events.event(), events.event())
     start, done = time.perf_counter(), 0
