@@ -1330,8 +1330,16 @@ def print_decode_table(records: list[DecodeRecord], ceiling: float):
 
 
 def run_decode(args, torch) -> tuple[list, float]:
+    import cupy as cp
+
+    from . import _families
+
     ceiling = copy_ceiling_gbps(args)
     print(f"device-copy ceiling: {ceiling:.0f} GB/s (a {COPY_BYTES >> 30} GiB copy, bytes read + written)")
+    dev = cp.cuda.Device().id
+    peak = _families.dram_gbps(dev)
+    print(f"split-KV launches aim at {_families.decode_ctas_per_sm(dev)} CTA(s) per SM: peak DRAM "
+          f"{'not reported' if peak is None else f'{peak:.0f} GB/s'} over {_families._sm_count(dev)} SMs")
     records: list[DecodeRecord] = []
     for dtype in args.dtype:
         for b, n, hq, hkv, skip in decode_shapes(args.decode_batch, args.decode_cache, args.decode_heads,

@@ -41,7 +41,9 @@ def main(argv=None) -> int:
         import torch
     except ImportError:
         torch = None
-    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; bf16, D {D}, H_q {HQ}, H_kv {HKV}")
+    print(f"device: {cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}; bf16, D {D}, H_q {HQ}, H_kv {HKV}; "
+          f"splits 0 (the heuristic) aims at {_families.decode_ctas_per_sm(0)} CTA(s) per SM (peak DRAM "
+          f"{_families.dram_gbps(0)} GB/s over {_families._sm_count(0)} SMs)")
     ev = bench.CupyEvents()
     for b in args.batch:
         for n in args.cache:
