@@ -468,7 +468,8 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
   auto load_kv = [&](int stage, int n, int rows) {
     if (IS_DECODE && is_gather) {
-      static_assert(Tr::TileKV::CHUNKS % Tr::THREADS == 0, "every lane copies as many chunks (PagedTileRows)");
+      static_assert(!IS_DECODE || Tr::TileKV::CHUNKS % Tr::THREADS == 0,
+                    "every lane copies as many chunks (PagedTileRows)");
       const PagedTileRows<Tr::BLOCK_N> pages(p, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
       load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
           k_smem0 + stage * Tr::SMEM_KV, [&](int r) { return pages.row(k_cache, p.k_row_stride, p.k_page_stride, r); },
