@@ -258,9 +258,11 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
-            b = _plan.PlanBuilder(a.device, 3)
+            # arrays of a replay: q, k, v, the ALiBi slopes (or None); extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 4)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
+            _bind_mods(b, a.mods, 3, ((params, fields),))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
                 b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
@@ -269,9 +271,21 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 if queue:
                     b.per_stream(params, "queue", partial(_queue_ptr, a.device))
             b.launch(kernel, grid, params)
-            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(3, 4) if with_lse else 3))
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(4, 5) if with_lse else 4))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
+
+
+def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, alibi: int, targets) -> None:
+    """What a plan writes per call of the score modifiers into the ModParams of each (params, field prefix) target:
+    the ALiBi slopes' address (array number `alibi` of the replay), the dropout seed and offset (extra[0], extra[1];
+    checked on every call, written where the launch has modifiers). The other modifiers are in the plan key."""
+    targets = tuple(targets) if m.bits else ()  # (without modifiers the kernels read no ModParams)
+    if m.alibi is not None:
+        for prm, prefix in targets:
+            b.bind(alibi, prm, prefix + "mods.alibi_slopes")
+    b.value(0, 2**64, *((prm, prefix + "mods.seed") for prm, prefix in targets))
+    b.value(1, 2**32, *((prm, prefix + "mods.dropout_offset") for prm, prefix in targets))
 
 
 class _TmaMaps:
@@ -461,11 +475,14 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         for kern, grid, prm in launches:
             kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
-            b = _plan.PlanBuilder(a.device, 9)
+            # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes (or
+            # None); extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 10)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)
+            _bind_mods(b, a.mods, 9, targets)
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
@@ -486,10 +503,11 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
             infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
-            new = iter(range(9, 12))
+            new = iter(range(10, 13))
             returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
-                                        extents=tuple(None if i is None else _plan.relative_extent(i) for i in infos),
+                                        extents=tuple(None if i is None else _plan.relative_extent(i)
+                                                      for i in (*infos, a.mods.alibi)),
                                         returns=returns))
     return dq, dk, dv
 

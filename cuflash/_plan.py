@@ -13,8 +13,10 @@ but causal=1 is an error), and the kernel families in use (CUFLASH_KERNELS). Whe
 checks what depends on addresses (16-byte alignment, which decides a copy; overlap of arrays a launch writes in
 place with the others), allocates the outputs and the workspace, writes the addresses into the recorded launch
 arguments and launches. When a check fails, the call takes the full path, which copies or raises exactly as
-without a plan. Plans are made only for calls that launch on their arguments in place (no copy) and without
-score modifiers (their values, the ALiBi slopes' address, the dropout seed go the full path, which validates them).
+without a plan. Plans are made only for calls that launch on their arguments in place (no copy). The score
+modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes are an
+array like the others (their address is written per call); the dropout seed and offset enter by their types and
+are range-checked and written per call (BOUND). Calls with a bias, a mask or FP8 descales go the full path.
 """
 from __future__ import annotations
 
@@ -47,6 +49,10 @@ class PlanCache:
         return plan
 
     def put(self, key, plan) -> None:
+        try:
+            hash(key)
+        except TypeError:  # an unhashable option that the full path accepts (a window given as a list): no plan
+            return
         with self._lock:
             if len(self._plans) >= self.size:
                 del self._plans[next(iter(self._plans))]
@@ -65,7 +71,8 @@ plans = PlanCache()
 
 # --- keys ------------------------------------------------------------------------------------------------
 
-ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, DEFAULT = "array", "optional array", "count", "option", "default"
+ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, BOUND, DEFAULT = ("array", "optional array", "count", "option", "bound",
+                                                       "default")
 
 
 class Signature:
@@ -74,7 +81,9 @@ class Signature:
     `params` lists the function's arguments in order, each (name, kind): ARRAY (a CuPy array: its shape,
     strides, dtype and device enter the key), OPTIONAL_ARRAY (None or an array), COUNT (None, an int that enters
     by its type only because its value is bound per call, or an array), OPTION (value and type enter the key),
-    DEFAULT (the call is planned only when it has the value in `defaults`; it does not enter the key).
+    BOUND (None or an int that the plan range-checks and writes into the launch arguments on every call, e.g. the
+    dropout seed: its type enters the key, its value is passed to `replay` in `extra`), DEFAULT (the call is
+    planned only when it has the value in `defaults`; it does not enter the key).
 
     `key(*args)` is generated once as one flat tuple expression: a loop over the arguments building the same
     tuple cost ~0.7 us more per call (tools/launch_overhead.py --fake, 2026-11-24), and a tuple of per-array
@@ -102,6 +111,8 @@ class Signature:
                 parts.append(f"{n}_key")
             elif kind == OPTION:
                 parts.append(f"type({n}), {n}")
+            elif kind == BOUND:
+                parts.append(f"type({n})")
             elif kind == DEFAULT:
                 d = self.defaults[n]
                 plain.append(f"{n} is {d!r}" if d is None or type(d) is bool else
@@ -141,6 +152,8 @@ class Plan(NamedTuple):
     derived: tuple = ()  # (array numbers, template, word, fn): fn(their addresses) gives words written from there
     #                      on (the TMA forward's tensor maps, which hold the addresses)
     streamed: tuple = ()  # (template, word, fn): fn(the call's stream) gives that word (a per-stream buffer's address)
+    values: tuple = ()  # (index in extra, limit, ((template, field path), ...)): an int value of the call (None: 0),
+    #                     checked to be in [0, limit) (else the full path), written into those fields
     run: object = None  # run(arrays, extra): the replay made for this plan (`PlanBuilder.plan` sets it)
 
 
@@ -153,7 +166,8 @@ def replay(plan: Plan, arrays: tuple, extra=None):
     blocks; the launches. plan.step, when a family has one, runs after the allocations and before anything is
     written or launched: step(plan, arrays, extra, blocks, stream) sets the per-call values of the argument blocks
     (blocks[t] = (params, address, words)) and returns (launches, keep) (keep: what must live until the launches
-    are queued), or None to take the full path.
+    are queued), or None to take the full path. Families without a step take the values of their BOUND arguments
+    in extra (plan.values), each checked before anything is allocated.
 
     The plan runs these steps as straight-line code made once per plan (`_replay_code`): the same steps as loops
     over the plan's tuples cost ~1 us more per call (tools/launch_overhead.py --fake, 2026-11-24)."""
@@ -176,6 +190,10 @@ def _replay_code(plan: Plan) -> str:
     if plan.writes:
         ptrs = ", ".join(f"p{i}" if i in bound else "0" for i in range(n))
         lines.append(f"    if _writes_overlap(PLAN, ({ptrs},)):\n        return None")
+    for j, (index, limit, _) in enumerate(plan.values):  # (bool is not int: True goes the full path, which refuses it)
+        lines.append(f"    e{j} = extra[{index}]")
+        lines.append(f"    if e{j} is None:\n        e{j} = 0\n"
+                     f"    elif type(e{j}) is not int or not 0 <= e{j} < {limit}:\n        return None")
     lines.append("    cp = _launch.cupy()")
     lines.append("    with _launch.on_device(cp, PLAN.device):")
     for t in range(len(plan.templates)):
@@ -196,6 +214,9 @@ def _replay_code(plan: Plan) -> str:
         lines.append("        launches, keep = stepped")
     for i, t, word in plan.binds:
         lines.append(f"        w{t}[{word}] = p{i}")
+    for j, (_, _, targets) in enumerate(plan.values):
+        for t, path in targets:
+            lines.append(f"        blk{t}[0].{path} = e{j}")
     for j, (arrays, t, word, _) in enumerate(plan.derived):
         lines.append(f"        words = DERIVED[{j}][3](({''.join(f'p{i}, ' for i in arrays)}))")
         lines.append(f"        w{t}[{word}:{word} + len(words)] = words")
@@ -256,6 +277,7 @@ class PlanBuilder:
         self.launches: list = []
         self.derived: list = []
         self.streamed: list = []
+        self.values: list = []
 
     def template(self, params) -> int:
         """The number of this params struct's template (recorded from the struct as it is when `plan` is called)."""
@@ -291,13 +313,21 @@ class PlanBuilder:
         """The pointer field of params is fn(the call's stream) on every call (a buffer kept per stream)."""
         self.streamed.append((self.template(params), _launch.field_word(type(params), field), fn))
 
+    def value(self, index: int, limit: int, *targets) -> None:
+        """The call's BOUND value extra[index] (None or an int in [0, limit), else the full path) goes into these
+        (params, field path) targets on every call (none: it is only checked)."""
+        for _, path in targets:
+            if not all(name.isidentifier() for name in path.split(".")):
+                raise ValueError(f"field path {path!r}")
+        self.values.append((index, int(limit), tuple((self.template(p), path) for p, path in targets)))
+
     def launch(self, kernel, grid, params) -> None:
         self.launches.append((kernel, tuple(grid), self.template(params)))
 
     def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
         plan = Plan(self.device, self.arrays, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
                     self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
-                    step, _launch._kernels, tuple(self.derived), tuple(self.streamed))
+                    step, _launch._kernels, tuple(self.derived), tuple(self.streamed), tuple(self.values))
         scope, _ = _compile_replay(plan)
         plan = plan._replace(run=scope["run"])
         scope["PLAN"] = plan

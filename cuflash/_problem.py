@@ -191,7 +191,7 @@ def backward(fwd: Attention, dout, out, lse, deterministic, dq, dk, dv, dbias=Fa
                    fwd.dtype)
     _validate.check_same_device(qi, ki, vi, doi, oi, li)
     ls = tuple(int(s) for s in li.strides)
-    inputs = (qi, ki, vi, doi, oi, li)
+    inputs = (qi, ki, vi, doi, oi, li) + ((fwd.mods.alibi,) if fwd.mods.alibi is not None else ())
     grads = tuple(_check_grad(x, name, ref, like, fwd.layout, inputs)
                   for x, name, ref, like in ((dq, "dq", fwd.q, qi), (dk, "dk", fwd.k, ki), (dv, "dv", fwd.v, vi)))
     given = [(g[0], n) for g, n in zip(grads, ("dq", "dk", "dv")) if g is not None]

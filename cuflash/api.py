@@ -6,17 +6,20 @@ from __future__ import annotations
 from numbers import Integral
 
 from . import _families, _fp8, _plan, _problem, _validate
-from ._plan import ARRAY, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
+from ._plan import ARRAY, BOUND, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
 
-# Calls with score modifiers are not planned: their values go the full path, which validates them.
-_PLAIN = dict(window=None, alibi_slopes=None, softcap=None, bias=None, mask=None, key_padding_mask=None,
-              dropout_p=0.0, seed=None, offset=0, return_dropout_mask=False, dbias=False,
+# What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
+# ALiBi slopes as an array (its address bound per call), the dropout seed and offset by type (their values checked
+# and written per call). Calls with a bias, a mask, the dropout mask returned or FP8 descales are not planned: they
+# go the full path, which validates them (and, for a mask, works out which tiles it empties).
+_PLAIN = dict(bias=None, mask=None, key_padding_mask=None, return_dropout_mask=False, dbias=False,
               q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
-_FWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "mask", "key_padding_mask",
-                                               "dropout_p", "seed", "offset", "return_dropout_mask"))
-_BWD_MODS = tuple((name, DEFAULT) for name in ("window", "alibi_slopes", "softcap", "bias", "dbias", "mask",
-                                               "key_padding_mask", "dropout_p", "seed", "offset"))
+_VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION))
+_DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
+_FWD_MODS = (*_VALUE_MODS, *((name, DEFAULT) for name in ("bias", "mask", "key_padding_mask")), *_DROPOUT,
+             ("return_dropout_mask", DEFAULT))
+_BWD_MODS = (*_VALUE_MODS, *((name, DEFAULT) for name in ("bias", "dbias", "mask", "key_padding_mask")), *_DROPOUT)
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
                                      ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS,
                                      *_FP8_ARGS), _PLAIN)
@@ -31,8 +34,7 @@ _KVCACHE = Signature("attention_with_kvcache", (
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
     ("num_splits", OPTION), ("return_lse", OPTION), ("check_inputs", OPTION), ("rotary_cos", OPTIONAL_ARRAY),
     ("rotary_sin", OPTIONAL_ARRAY), ("rotary_interleaved", OPTION), ("cache_batch_idx", OPTIONAL_ARRAY),
-    ("cache_leftpad", OPTIONAL_ARRAY), ("window", DEFAULT), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION)),
-    dict(window=None))  # a window (a tuple or a list) is not planned
+    ("cache_leftpad", OPTIONAL_ARRAY), ("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION)))
 
 
 def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", window=None, alibi_slopes=None,
@@ -106,7 +108,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
                        out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        out = _plan.replay(plan, (q, k, v))
+        out = _plan.replay(plan, (q, k, v, alibi_slopes), (seed, offset))
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -133,7 +135,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
                          v_descale, out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        o = _plan.replay(plan, (q, k, v))
+        o = _plan.replay(plan, (q, k, v, alibi_slopes), (seed, offset))
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -218,7 +220,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                         window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
     plan = _plan.plans.get(key)
     if plan is not None:
-        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv))
+        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes), (seed, offset))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,

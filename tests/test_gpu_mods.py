@@ -210,6 +210,39 @@ def test_plain_options_are_the_plain_path():
     assert same_bits(cuflash.attention(q, k, v, dropout_p=0.0), cuflash.attention(q, k, v))
 
 
+@pytest.mark.parametrize("d,dtype", [(64, "fp16"), (128, "bf16")])
+@pytest.mark.parametrize("mods", [{"window": (40, 9), "alibi": "h"}, {"softcap": 25.0, "alibi": "bh"},
+                                  {"dropout": 0.2, "softcap": 30.0}])
+def test_a_planned_modifier_call_equals_the_full_path(d, dtype, mods):
+    """The second call of a signature with a window, ALiBi, soft-capping or dropout replays the plan of the first
+    (new inputs, slopes, seed and offset written per call): its o, lse, dq, dk, dv equal those of the same call on
+    the full path (no plans), bit for bit (the other tests check the full path against the reference)."""
+    from cuflash import _plan
+
+    b, s, hq, hkv = 2, 333, 4, 2
+
+    def call(seed):
+        q, dout = (make_input(b, s, hq, d, dtype, "bshd", "contiguous", seed + i) for i in (0, 3))
+        k, v = (make_input(b, s, hkv, d, dtype, "bshd", "contiguous", seed + i) for i in (1, 2))
+        kw = mods_kwargs(mods, b, hq, seed)
+        poison_pool(round_up(q.nbytes) + round_up(b * hq * s * 4))
+        o, lse = cuflash.attention_forward(q, k, v, causal=True, **kw)
+        poison_pool(3 * round_up(q.nbytes) + (1 << 20))
+        # (deterministic: the default mode's dQ sums in whichever order the key blocks arrive)
+        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True, **kw))
+
+    _plan.plans.clear()
+    call(101)  # makes the forward's and the backward's plans
+    assert len(_plan.plans) == 2
+    replayed = call(202)
+    assert len(_plan.plans) == 2, "the second call made plans of its own"
+    _plan.plans.clear()
+    full = call(202)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), replayed, full):
+        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's ({mods}, D={d})"
+    _plan.plans.clear()
+
+
 @pytest.mark.parametrize("mods", [{"window": (17, 3)}, {"alibi": "bh", "softcap": 20.0},
                                   {"dropout": 0.17, "window": (40, 40)}])
 @pytest.mark.parametrize("causal", [False, True])

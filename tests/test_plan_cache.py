@@ -245,6 +245,110 @@ def test_backward_replay_launches_what_the_full_path_launches(deterministic, pre
     check_replay_equals_full_path(call(backward_args()), call(backward_args()))
 
 
+MOD_CASES = {  # score modifiers that a plan takes: values in the key, slopes bound, seed and offset written
+    "window": dict(window=(16, 0)),
+    "softcap": dict(softcap=30.0),
+    "alibi": dict(alibi_slopes=(4,)),
+    "alibi-batch": dict(alibi_slopes=(2, 4)),
+    "dropout": dict(dropout_p=0.1, seed=(1, 7), offset=(0, 5)),
+    "all": dict(window=(16, 8), softcap=20.0, alibi_slopes=(4,), dropout_p=0.2, seed=(3, 2**64 - 1),
+                offset=(9, 2**32 - 1)),
+}
+
+
+def _mod_kwargs(case, call):
+    """The keywords of MOD_CASES[case] for call 0 or 1: slopes a new float32 array per call, (a, b) pairs of seeds
+    and offsets taken per call."""
+    kw = {}
+    for name, value in MOD_CASES[case].items():
+        if name == "alibi_slopes":
+            kw[name] = A(value, F32)
+        elif name in ("seed", "offset"):
+            kw[name] = value[call]
+        else:
+            kw[name] = value
+    return kw
+
+
+@pytest.mark.parametrize("d", [64, 96], ids=["tma-kernel", "fwd_sm90_kernel"])
+@pytest.mark.parametrize("case", MOD_CASES, ids=list(MOD_CASES))
+def test_modifier_calls_replay_what_the_full_path_launches(case, d):
+    """A call with a window, softcap, ALiBi or dropout makes a plan; the next call (new arrays, slopes, seed and
+    offset) replays it with the launches of its own full path, byte for byte."""
+    first, second = (_mod_kwargs(case, i) for i in (0, 1))
+    a, b = qkv(d=d), qkv(d=d)
+    ga, gb = backward_args(d=d), backward_args(d=d)
+    dqa, dqb = A(ga["q"].shape, F16), A(gb["q"].shape, F16)
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, **first),
+                                  lambda: cuflash.attention_forward(*b, **second))
+    check_replay_equals_full_path(lambda: cuflash.attention(*a, causal=True, **first),
+                                  lambda: cuflash.attention(*b, causal=True, **second))
+    check_replay_equals_full_path(lambda: cuflash.attention_backward(*ga.values(), **first),
+                                  lambda: cuflash.attention_backward(*gb.values(), **second))
+    check_replay_equals_full_path(
+        lambda: cuflash.attention_backward(*ga.values(), dq=dqa, deterministic=True, **first),
+        lambda: cuflash.attention_backward(*gb.values(), dq=dqb, deterministic=True, **second))
+
+
+def test_a_modifier_plan_writes_each_calls_seed_offset_and_slopes():
+    q, k, v = qkv()
+    _plan.plans.clear()
+    for seed, offset in ((1, 0), (2**63 + 5, 17), (0, 2**32 - 1)):
+        slopes = A((4,), F32)
+        fc.LAUNCHES.clear()
+        cuflash.attention_forward(q, k, v, alibi_slopes=slopes, dropout_p=0.25, seed=seed, offset=offset)
+        m = _params(fc.LAUNCHES[-1][2])
+        m = getattr(m, "fwd", m).mods
+        assert (m.seed, m.dropout_offset, m.alibi_slopes) == (seed, offset, slopes.data.ptr)
+    assert len(_plan.plans) == 1, "one plan for the calls of one signature"
+
+
+def test_a_warm_call_checks_its_seed_and_offset():
+    """The seed and offset are not in the key by value: each warm call checks them as the full path does."""
+    q, k, v = qkv()
+    ok = dict(dropout_p=0.1, seed=5, offset=0)
+    cuflash.attention_forward(q, k, v, **ok)
+    for bad, err, msg in ((dict(seed=-1), ValueError, "seed=-1 is out of range"),
+                          (dict(seed=2**64), ValueError, "is out of range"),
+                          (dict(offset=-3), ValueError, "offset=-3 is out of range"),
+                          (dict(offset=2**32), ValueError, "is out of range"),
+                          (dict(seed=True), TypeError, "seed=True must be an int"),
+                          (dict(offset=1.0), TypeError, "offset=1.0 must be an int")):
+        with pytest.raises(err, match=msg):
+            cuflash.attention_forward(q, k, v, **{**ok, **bad})
+    # without dropout the seed is checked all the same (the plan of a call without modifiers)
+    cuflash.attention_forward(q, k, v, seed=5)
+    with pytest.raises(ValueError, match="seed=-1 is out of range"):
+        cuflash.attention_forward(q, k, v, seed=-1)
+    # a NumPy integer seed is an int of another type: the full path takes it, launching what an int gives
+    fc.LAUNCHES.clear()
+    cuflash.attention_forward(q, k, v, **{**ok, "seed": np.uint64(2**64 - 2)})
+    m = _params(fc.LAUNCHES[-1][2])
+    assert getattr(m, "fwd", m).mods.seed == 2**64 - 2
+
+
+def test_a_window_given_as_a_list_is_not_planned():
+    q, k, v = qkv()
+    _plan.plans.clear()
+    o = cuflash.attention_forward(q, k, v, window=[8, 8])
+    assert len(_plan.plans) == 0 and o[0].shape == q.shape
+    cuflash.attention_forward(q, k, v, window=(8, 8))
+    fc.LAUNCHES.clear()
+    cuflash.attention_forward(q, k, v, window=[8, 8])  # (the tuple's plan is not found: a list is unhashable)
+    assert len(_plan.plans) == 1 and len(fc.LAUNCHES) == 1
+
+
+def test_a_gradient_overlapping_the_alibi_slopes_is_rejected_warm_or_not():
+    args = backward_args()
+    slopes = A((4,), F32)
+    cuflash.attention_backward(*args.values(), dq=A(args["q"].shape, F16), alibi_slopes=A((4,), F32))
+    dq = A(args["q"].shape, F16)
+    dq.data.ptr = slopes.data.ptr  # dq's memory starts at the slopes'
+    for _ in range(2):
+        with pytest.raises(ValueError, match="dq \\(preallocated\\) overlaps the memory of alibi_slopes"):
+            cuflash.attention_backward(*args.values(), dq=dq, alibi_slopes=slopes)
+
+
 def test_backward_tma_maps_follow_the_arrays():
     """The warp-specialized backward (head dim 64 on the faked sm_90a): each call's main launch, replayed or not,
     carries maps of its own q, dout, k, v and the same addresses in its BwdParams copy; the preprocess and dQ
@@ -334,6 +438,8 @@ KVCACHE_CASES = {
                                                             rotary_interleaved=False)),
     "indices": dict(s_new=1, opts=dict(cache_batch_idx=(2,), cache_leftpad=(2,))),
     "alibi-softcap": dict(opts=dict(alibi_slopes=(8,), softcap=30.0)),
+    "window": dict(opts=dict(window=(1000, 0))),
+    "window-append-alibi": dict(s_new=3, opts=dict(window=(100, 0), alibi_slopes=(2, 8))),
 }
 
 
@@ -562,7 +668,8 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     "dq": "grad", "dk": "grad", "dv": "grad",
     "k": "new", "v": "new", "cache_seqlens": 5, "block_table": "table", "num_splits": 3, "return_lse": True,
     "check_inputs": False,
-    # score modifiers: calls with any of them are not planned (the key is None)
+    # score modifiers: window, softcap, dropout_p by value, the slopes as an array, seed and offset by type;
+    # calls with the others are not planned (the key is None)
     "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
     "return_dropout_mask": True, "bias": "bias", "mask": "mask", "key_padding_mask": "kpm", "dbias": True,
     # the kv cache's rotary embedding and index arrays: not planned either
@@ -583,6 +690,8 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
     options = [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
     missing = [p.name for p in options if p.name not in OTHER_VALUES]
     assert not missing, f"{fn}: no test value for the options {missing}: add them to the plan key and here"
+    kinds = dict({"attention": api._ATTENTION, "attention_forward": api._FORWARD, "attention_backward": api._BACKWARD,
+                  "attention_with_kvcache": api._KVCACHE}[fn].params)
     key_params = list(inspect.signature(key_fn).parameters)
     absent = [p.name for p in options if p.name not in key_params]
     assert not absent, f"{fn}: the options {absent} are not passed to {key_fn.__name__}"
@@ -595,6 +704,10 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
         if isinstance(value, str) and p.name not in ("layout", "precision", "out_dtype"):
             value = A((1, 8, 2, 64), F16)
         changed = key_fn(**{**positional, **defaults, p.name: value})
+        if kinds[p.name] == _plan.BOUND:  # by type only: the plan writes the value per call (tests below)
+            assert changed == key_fn(**{**positional, **defaults, p.name: value + 1})
+            assert changed != key_fn(**{**positional, **defaults, p.name: True}), "a bool is not an int here"
+            continue
         assert changed != base, f"{fn}: {p.name}={value!r} gives the key of its default"
 
 

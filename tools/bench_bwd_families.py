@@ -4,18 +4,18 @@
 
 Each family is put first in the registry (cuflash.config.FAMILIES; the other backward families that would win
 over it are left out), the selection and plan caches are cleared, and `attention_backward` is timed with CUDA
-events (median of --reps calls after 2 warm-up calls), bf16, FlashAttention benchmark shapes (batch = 16384 / N,
+events (median of --reps calls after warm-up calls), bf16, FlashAttention benchmark shapes (batch = 16384 / N,
 heads = 2048 / D). TFLOP/s count the backward as 2.5x the forward's FLOPs (half when causal). `diff` is the
-largest difference of dQ, dK, dV to the first family's, so a wrong kernel shows up. This times what one call
-costs (preprocess, main kernel, dQ conversion), as the benchmark does; use it to measure a kernel family
-against the one it replaces. --mods times the backward with a score modifier: ALiBi slopes in [0, 0.3), softcap 30,
-dropout 0.1, a (batch, heads, N, N) bf16 bias with its dbias, a random boolean mask keeping 90 % of the scores (the
-bias and mask rows skip N above 4096); a family without kernels for a set shows "-".
+largest difference of dQ, dK, dV to the first family's, so a wrong kernel shows up. This times the GPU work of
+one call (preprocess, main kernel, dQ conversion) as the benchmark does (`cuflash.bench.median_ms`: calls queued
+behind a hold, CUDA events around each, so the host's time per call is not in the figures); use it to measure a
+kernel family against the one it replaces. --mods times the backward with a score modifier: ALiBi slopes in
+[0, 0.3), softcap 30, dropout 0.1, a (batch, heads, N, N) bf16 bias with its dbias, a random boolean mask keeping
+90 % of the scores (the bias and mask rows skip N above 4096); a family without kernels for a set shows "-".
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +26,7 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
-from cuflash import _families, _plan, config  # noqa: E402
+from cuflash import _families, _plan, bench, config  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FAMILY_CONFIG = {"bwd_sm90_ws": config.BwdSm90WsConfig, "bwd_sm90": config.BwdSm90Config,
@@ -45,17 +45,7 @@ def use_family(name: str, original: tuple) -> None:
 
 
 def median_ms(fn, reps: int) -> float:
-    for _ in range(2):
-        fn()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    times = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end))
-    return statistics.median(times)
+    return bench.median_ms(lambda i: fn(), 1, bench.CupyEvents(), reps, 2)
 
 
 def mod_kwargs(name: str, b: int, h: int, n: int, rng) -> dict | None:

@@ -1,5 +1,6 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
+Rows: attention, attention_backward (plain, and with a window, soft-capping and ALiBi), attention_with_kvcache.
 Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
 the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
 the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
@@ -101,9 +102,12 @@ def fake_main() -> int:
     q1 = fc.FakeArray((1, 1, 2, 128), f16)
     kc, vc = (fc.FakeArray((1, 32768, 2, 128), f16) for _ in range(2))
     lens = fc.FakeArray((1,), np.int32)
+    mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=fc.FakeArray((2,), np.float32))
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
+        "attention, window + softcap + ALiBi": lambda: cuflash.attention(q, k, v, **mods),
+        "attention_backward, the same modifiers": lambda: cuflash.attention_backward(do, q, k, v, o, lse, **mods),
         "attention_with_kvcache (1 query, 32k cache, D128)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
     }
@@ -177,10 +181,15 @@ def main() -> int:
     kc, vc = (rnd.standard_normal((1, 4096, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     lens = cp.asarray([1000], dtype=cp.int32)
     q1 = q[:, :1]
+    slopes = cp.asarray([0.25, 0.125], dtype=cp.float32)
+    mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=slopes)
+
     def calls_of(m, tag=""):
         return {
             f"attention (B=1, N=128, H=2, D=64){tag}": lambda: m.attention(q, k, v),
             f"attention_backward (same){tag}": lambda: m.attention_backward(do, q, k, v, o, lse),
+            f"attention, window + softcap + ALiBi{tag}": lambda: m.attention(q, k, v, **mods),
+            f"attention_backward, the same modifiers{tag}": lambda: m.attention_backward(do, q, k, v, o, lse, **mods),
             f"attention_with_kvcache (1 query, 1000 cached keys){tag}":
                 lambda: m.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
         }
