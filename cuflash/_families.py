@@ -258,11 +258,11 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
-            # arrays of a replay: q, k, v, the ALiBi slopes (or None); extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 4)
+            # arrays of a replay: q, k, v, the ALiBi slopes and the bias (or None); extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 5)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
-            _bind_mods(b, a.mods, 3, ((params, fields),))
+            _bind_mods(b, a.mods, 3, 4, ((params, fields),))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
                 b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
@@ -271,19 +271,22 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 if queue:
                     b.per_stream(params, "queue", partial(_queue_ptr, a.device))
             b.launch(kernel, grid, params)
-            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(4, 5) if with_lse else 4))
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(5, 6) if with_lse else 5))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
 
 
-def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, alibi: int, targets) -> None:
+def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, alibi: int, bias: int, targets) -> None:
     """What a plan writes per call of the score modifiers into the ModParams of each (params, field prefix) target:
-    the ALiBi slopes' address (array number `alibi` of the replay), the dropout seed and offset (extra[0], extra[1];
-    checked on every call, written where the launch has modifiers). The other modifiers are in the plan key."""
+    the addresses of the ALiBi slopes and of the bias (array numbers `alibi` and `bias` of the replay), the dropout
+    seed and offset (extra[0], extra[1]; checked on every call, written where the launch has modifiers). The other
+    modifiers are in the plan key."""
     targets = tuple(targets) if m.bits else ()  # (without modifiers the kernels read no ModParams)
-    if m.alibi is not None:
-        for prm, prefix in targets:
+    for prm, prefix in targets:
+        if m.alibi is not None:
             b.bind(alibi, prm, prefix + "mods.alibi_slopes")
+        if m.bias is not None:
+            b.bind(bias, prm, prefix + "mods.bias.ptr")
     b.value(0, 2**64, *((prm, prefix + "mods.seed") for prm, prefix in targets))
     b.value(1, 2**32, *((prm, prefix + "mods.dropout_offset") for prm, prefix in targets))
 
@@ -359,11 +362,13 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
         return _backward(p, arrays, cp, cu_seqlens, key, None)
     with _launch.on_device(cp, a.device):
         stores_all = _stores_every_dbias(a)
+        new = None  # dbias=True: a new array, zeroed unless the kernels store every element (what a plan repeats)
         if p.dbias is True:
-            dbias = (cp.empty if stores_all else cp.zeros)(a.mods.bias.info.shape, dtype=cp.float32)
+            new = not stores_all
+            dbias = (cp.zeros if new else cp.empty)(a.mods.bias.info.shape, dtype=cp.float32)
         elif not stores_all:
             dbias.fill(0)  # summed into (broadcast biases) or stored where some pair is visible
-    return (*_backward(p, arrays, cp, cu_seqlens, key, dbias), dbias)
+    return (*_backward(p, arrays, cp, cu_seqlens, key, dbias, new), dbias)
 
 
 def _stores_every_dbias(a) -> bool:
@@ -376,7 +381,9 @@ def _stores_every_dbias(a) -> bool:
             and min(a.batch, a.heads_q, a.seqlen_q, a.seqlen_k) > 0)
 
 
-def _backward(p, arrays, cp, cu_seqlens, key, dbias):
+def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
+    """backward's launches; dbias: the float32 gradient of the bias the main kernel writes (or None), dbias_zeroed:
+    None where the call passed it, else whether this call allocated it zeroed (a plan does the same)."""
     a = p.fwd
     layout = a.layout
     with _launch.on_device(cp, a.device):
@@ -475,17 +482,20 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
         for kern, grid, prm in launches:
             kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
-            # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes (or
-            # None); extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 10)
+            # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes and
+            # the bias (or None); extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 11)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)
-            _bind_mods(b, a.mods, 9, targets)
+            _bind_mods(b, a.mods, 9, 10, targets)
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
+            if dbias_zeroed is not None:  # dbias=True: the new gradient (allocated first, as backward does)
+                b.alloc(dbias.shape, dbias.dtype, *((prm, pre_ + "mods.dbias.ptr") for prm, pre_ in targets),
+                        zeroed=dbias_zeroed)
             for i, (g, field) in enumerate(zip(p.grads, ("dq", "dk", "dv"))):
                 if g is None:
                     b.alloc(grads[i].shape, grads[i].dtype, *((prm, pre_ + field) for prm, pre_ in targets))
@@ -503,11 +513,13 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias):
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
             infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
-            new = iter(range(10, 13))
+            new = iter(range(11 + (dbias_zeroed is not None), 15))
             returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
+            if dbias_zeroed is not None:  # (backward returns it after dq, dk, dv)
+                returns += (11,)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
                                         extents=tuple(None if i is None else _plan.relative_extent(i)
-                                                      for i in (*infos, a.mods.alibi)),
+                                                      for i in (*infos, a.mods.alibi, None)),
                                         returns=returns))
     return dq, dk, dv
 

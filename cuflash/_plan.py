@@ -14,9 +14,10 @@ checks what depends on addresses (16-byte alignment, which decides a copy; overl
 place with the others), allocates the outputs and the workspace, writes the addresses into the recorded launch
 arguments and launches. When a check fails, the call takes the full path, which copies or raises exactly as
 without a plan. Plans are made only for calls that launch on their arguments in place (no copy). The score
-modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes are an
-array like the others (their address is written per call); the dropout seed and offset enter by their types and
-are range-checked and written per call (BOUND). Calls with a bias, a mask or FP8 descales go the full path.
+modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes and a
+bias are arrays like the others (their addresses are written per call); the dropout seed and offset enter by their
+types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call (zeroed where
+the kernels add into it). Calls with a mask, a preallocated dbias or FP8 descales go the full path.
 """
 from __future__ import annotations
 
@@ -71,8 +72,8 @@ plans = PlanCache()
 
 # --- keys ------------------------------------------------------------------------------------------------
 
-ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, BOUND, DEFAULT = ("array", "optional array", "count", "option", "bound",
-                                                       "default")
+ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, BOUND, FLAG, DEFAULT = ("array", "optional array", "count", "option", "bound",
+                                                             "flag", "default")
 
 
 class Signature:
@@ -82,8 +83,9 @@ class Signature:
     strides, dtype and device enter the key), OPTIONAL_ARRAY (None or an array), COUNT (None, an int that enters
     by its type only because its value is bound per call, or an array), OPTION (value and type enter the key),
     BOUND (None or an int that the plan range-checks and writes into the launch arguments on every call, e.g. the
-    dropout seed: its type enters the key, its value is passed to `replay` in `extra`), DEFAULT (the call is
-    planned only when it has the value in `defaults`; it does not enter the key).
+    dropout seed: its type enters the key, its value is passed to `replay` in `extra`), FLAG (planned only when it
+    is True or False, which enters the key; e.g. dbias, which may also be a preallocated array), DEFAULT (the call
+    is planned only when it has the value in `defaults`; it does not enter the key).
 
     `key(*args)` is generated once as one flat tuple expression: a loop over the arguments building the same
     tuple cost ~0.7 us more per call (tools/launch_overhead.py --fake, 2026-11-24), and a tuple of per-array
@@ -113,6 +115,9 @@ class Signature:
                 parts.append(f"type({n}), {n}")
             elif kind == BOUND:
                 parts.append(f"type({n})")
+            elif kind == FLAG:
+                checks.append(f"    if type({n}) is not bool:\n        return None")
+                parts.append(n)
             elif kind == DEFAULT:
                 d = self.defaults[n]
                 plain.append(f"{n} is {d!r}" if d is None or type(d) is bool else
@@ -142,7 +147,7 @@ class Plan(NamedTuple):
     writes: tuple  # array numbers the launches write in place (preallocated outputs, a KV cache)
     extents: tuple  # per array: its byte range relative to its address (needed only with writes), or None
     binds: tuple  # (array number, template, word): the array's address goes into that word of that block
-    allocs: tuple  # (shape, dtype, ((template, word), ...)) of each array a call allocates
+    allocs: tuple  # (shape, dtype, ((template, word), ...), zeroed) of each array a call allocates
     workspace: tuple | None  # (float32 elements, ((template, word, byte offset), ...)): one scratch array
     launches: tuple  # (kernel, grid, template) in launch order
     templates: tuple  # _launch.ArgsTemplate of each distinct params struct
@@ -199,9 +204,9 @@ def _replay_code(plan: Plan) -> str:
     for t in range(len(plan.templates)):
         lines.append(f"        blk{t} = TEMPLATES[{t}].mine()")
         lines.append(f"        w{t} = blk{t}[2]")
-    for j, (_, _, slots) in enumerate(plan.allocs):
+    for j, (_, _, slots, zeroed) in enumerate(plan.allocs):
         x = f"x{n + j}"
-        lines.append(f"        {x} = cp.empty(ALLOCS[{j}][0], dtype=ALLOCS[{j}][1])")
+        lines.append(f"        {x} = cp.{'zeros' if zeroed else 'empty'}(ALLOCS[{j}][0], dtype=ALLOCS[{j}][1])")
         for t, word in slots:
             lines.append(f"        w{t}[{word}] = {x}.data.ptr")
     lines.append("        stream = cp.cuda.get_current_stream().ptr")
@@ -293,10 +298,11 @@ class PlanBuilder:
         for f in fields:
             self.binds.append((array_number, t, _launch.field_word(type(params), f)))
 
-    def alloc(self, shape, dtype, *targets) -> None:
-        """An array allocated per call; targets: (params, field) pairs its address goes to."""
+    def alloc(self, shape, dtype, *targets, zeroed: bool = False) -> None:
+        """An array allocated per call (zeroed: filled with zeros first, on the call's stream); targets: (params,
+        field) pairs its address goes to."""
         self.allocs.append((tuple(shape), dtype, tuple((self.template(p), _launch.field_word(type(p), f))
-                                                       for p, f in targets)))
+                                                       for p, f in targets), bool(zeroed)))
 
     def scratch(self, floats: int, *targets) -> None:
         """One float32 workspace per call; targets: (params, field, byte offset) triples."""

@@ -6,20 +6,21 @@ from __future__ import annotations
 from numbers import Integral
 
 from . import _families, _fp8, _plan, _problem, _validate
-from ._plan import ARRAY, BOUND, COUNT, DEFAULT, OPTION, OPTIONAL_ARRAY, Signature
+from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, Signature
 
 # What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
-# ALiBi slopes as an array (its address bound per call), the dropout seed and offset by type (their values checked
-# and written per call). Calls with a bias, a mask, the dropout mask returned or FP8 descales are not planned: they
-# go the full path, which validates them (and, for a mask, works out which tiles it empties).
-_PLAIN = dict(bias=None, mask=None, key_padding_mask=None, return_dropout_mask=False, dbias=False,
+# ALiBi slopes and a bias as arrays (their addresses bound per call), dbias when it is True or False, the dropout
+# seed and offset by type (their values checked and written per call). Calls with a mask, a preallocated dbias, the
+# dropout mask returned or FP8 descales are not planned: they go the full path, which validates them (and, for a
+# mask, works out which tiles it empties).
+_PLAIN = dict(mask=None, key_padding_mask=None, return_dropout_mask=False,
               q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
-_VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION))
+_VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
+_MASKS = (("mask", DEFAULT), ("key_padding_mask", DEFAULT))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
-_FWD_MODS = (*_VALUE_MODS, *((name, DEFAULT) for name in ("bias", "mask", "key_padding_mask")), *_DROPOUT,
-             ("return_dropout_mask", DEFAULT))
-_BWD_MODS = (*_VALUE_MODS, *((name, DEFAULT) for name in ("bias", "dbias", "mask", "key_padding_mask")), *_DROPOUT)
+_FWD_MODS = (*_VALUE_MODS, *_MASKS, *_DROPOUT, ("return_dropout_mask", DEFAULT))
+_BWD_MODS = (*_VALUE_MODS, ("dbias", FLAG), *_MASKS, *_DROPOUT)
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
                                      ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS,
                                      *_FP8_ARGS), _PLAIN)
@@ -108,7 +109,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
                        out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        out = _plan.replay(plan, (q, k, v, alibi_slopes), (seed, offset))
+        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias), (seed, offset))
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -135,7 +136,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
                          v_descale, out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        o = _plan.replay(plan, (q, k, v, alibi_slopes), (seed, offset))
+        o = _plan.replay(plan, (q, k, v, alibi_slopes, bias), (seed, offset))
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -220,7 +221,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                         window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
     plan = _plan.plans.get(key)
     if plan is not None:
-        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes), (seed, offset))
+        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias), (seed, offset))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,

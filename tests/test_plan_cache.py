@@ -256,6 +256,58 @@ MOD_CASES = {  # score modifiers that a plan takes: values in the key, slopes bo
 }
 
 
+BIAS_CASES = {  # (bias shape, its dtype, dbias): broadcast through size-1 dims or full; float32 or q's dtype
+    "full": ((2, 4, 40, 72), F16, True),
+    "pair-bias": ((2, 1, 4, 40, 72), F32, True),  # a 5-D pair bias: (batch, 1, heads, Sq, Sk), q folded to batch
+    "key-row": ((2, 1, 1, 72), F16, True),
+    "no-dbias": ((1, 4, 40, 72), F32, False),
+}
+
+
+@pytest.mark.parametrize("d", [64, 96], ids=["tma-kernel", "fwd_sm90_kernel"])
+@pytest.mark.parametrize("case", BIAS_CASES, ids=list(BIAS_CASES))
+def test_bias_calls_replay_what_the_full_path_launches(case, d):
+    """A call with a bias makes a plan that binds each call's bias (and allocates each call's dbias, zeroed where
+    the kernels add into it); the next call replays it with its full path's launches and allocations."""
+    shape, dtype, dbias = BIAS_CASES[case]
+    if len(shape) == 5:
+        shape = shape[:1] + shape[2:]  # the fold: a bias of batch 2 for q's batch 2 (one row of each group)
+    a, b = qkv(d=d), qkv(d=d)
+    ga, gb = backward_args(d=d), backward_args(d=d)
+    bias_a, bias_b = A(shape, dtype), A(shape, dtype)
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, bias=bias_a),
+                                  lambda: cuflash.attention_forward(*b, bias=bias_b))
+    check_replay_equals_full_path(lambda: cuflash.attention(*a, bias=bias_a, window=(9, 0)),
+                                  lambda: cuflash.attention(*b, bias=bias_b, window=(9, 0)))
+    for causal in (False, True):
+        check_replay_equals_full_path(
+            lambda: cuflash.attention_backward(*ga.values(), bias=bias_a, dbias=dbias, causal=causal),
+            lambda: cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=dbias, causal=causal))
+    # the allocations of a replayed call are the full path's: dbias zeroed where the kernels add into it
+    for causal in (False, True):
+        _plan.plans.clear()
+        counts = []
+        for _ in range(2):  # the full path, then the replay
+            fc.COUNTS.clear()
+            out = cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=dbias, causal=causal)
+            counts.append((fc.COUNTS["zeros"], fc.COUNTS["empty"]))
+            assert len(out) == (4 if dbias else 3) and (not dbias or out[3].shape == shape)
+        assert counts[0] == counts[1], f"causal={causal}: allocations (zeros, empty) {counts}"
+        full_shape = len(shape) == 4 and shape[:2] == (2, 4)
+        assert counts[0][0] == (1 if dbias and (causal or not full_shape) else 0), counts
+
+
+def test_a_preallocated_dbias_takes_the_full_path():
+    args = backward_args()
+    bias = A((2, 4, 40, 72), F16)
+    _plan.plans.clear()
+    for _ in range(2):
+        fc.COUNTS.clear()
+        cuflash.attention_backward(*args.values(), bias=bias, dbias=A((2, 4, 40, 72), F32), causal=True)
+        assert fc.COUNTS["encode"] == 4, "each call encodes its tensor maps: the full path"
+    assert len(_plan.plans) == 0
+
+
 def _mod_kwargs(case, call):
     """The keywords of MOD_CASES[case] for call 0 or 1: slopes a new float32 array per call, (a, b) pairs of seeds
     and offsets taken per call."""
@@ -668,8 +720,8 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     "dq": "grad", "dk": "grad", "dv": "grad",
     "k": "new", "v": "new", "cache_seqlens": 5, "block_table": "table", "num_splits": 3, "return_lse": True,
     "check_inputs": False,
-    # score modifiers: window, softcap, dropout_p by value, the slopes as an array, seed and offset by type;
-    # calls with the others are not planned (the key is None)
+    # score modifiers: window, softcap, dropout_p by value, the slopes and the bias as arrays, dbias by value when
+    # it is a bool, seed and offset by type; calls with the others are not planned (the key is None)
     "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
     "return_dropout_mask": True, "bias": "bias", "mask": "mask", "key_padding_mask": "kpm", "dbias": True,
     # the kv cache's rotary embedding and index arrays: not planned either

@@ -1,6 +1,7 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
-Rows: attention, attention_backward (plain, and with a window, soft-capping and ALiBi), attention_with_kvcache.
+Rows: attention, attention_backward (plain, with a window, soft-capping and ALiBi, and with a bias and its
+gradient), attention_with_kvcache.
 Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
 the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
 the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
@@ -103,11 +104,14 @@ def fake_main() -> int:
     kc, vc = (fc.FakeArray((1, 32768, 2, 128), f16) for _ in range(2))
     lens = fc.FakeArray((1,), np.int32)
     mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=fc.FakeArray((2,), np.float32))
+    bias = fc.FakeArray((1, 2, 128, 128), f16)
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
         "attention, window + softcap + ALiBi": lambda: cuflash.attention(q, k, v, **mods),
         "attention_backward, the same modifiers": lambda: cuflash.attention_backward(do, q, k, v, o, lse, **mods),
+        "attention_backward, a (1, 2, 128, 128) bias, dbias":
+            lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
         "attention_with_kvcache (1 query, 32k cache, D128)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
     }
@@ -183,6 +187,7 @@ def main() -> int:
     q1 = q[:, :1]
     slopes = cp.asarray([0.25, 0.125], dtype=cp.float32)
     mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=slopes)
+    bias = rnd.standard_normal((1, 2, 128, 128), dtype=cp.float32).astype(cp.float16)
 
     def calls_of(m, tag=""):
         return {
@@ -190,6 +195,8 @@ def main() -> int:
             f"attention_backward (same){tag}": lambda: m.attention_backward(do, q, k, v, o, lse),
             f"attention, window + softcap + ALiBi{tag}": lambda: m.attention(q, k, v, **mods),
             f"attention_backward, the same modifiers{tag}": lambda: m.attention_backward(do, q, k, v, o, lse, **mods),
+            f"attention_backward, a (1, 2, 128, 128) bias, dbias{tag}":
+                lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
             f"attention_with_kvcache (1 query, 1000 cached keys){tag}":
                 lambda: m.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
         }
