@@ -565,3 +565,36 @@ def test_deterministic_broadcast_bias_without_dbias_is_allowed():
     o, lse = cuflash.attention_forward(q, k, v, bias=bias)
     a, b = (cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, deterministic=True) for _ in range(2))
     assert len(a) == 3 and all(same_bits(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d,dtype", [(64, "fp16"), (128, "bf16")])
+def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal):
+    """The second call of a signature with a bias and dbias=True replays the plan of the first (new inputs and bias
+    bound per call, dbias allocated per call: zeroed when causal, where the kernels store only the visible pairs):
+    its o, lse, dq, dk, dv and dbias equal those of the same call on the full path (no plans), bit for bit, with
+    the pool poisoned before each call (deterministic: the default mode's dQ sums in any order; a full-shape bias's
+    dbias is stored, not summed)."""
+    from cuflash import _plan
+
+    b, s, h = 2, 200, 2
+
+    def call(seed):
+        q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i) for i in range(4))
+        bias = make_bias((b, h, s, s), dtype, "q", seed + 5)
+        poison_pool(round_up(q.nbytes) + round_up(b * h * s * 4))
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal, bias=bias)
+        poison_pool(3 * round_up(q.nbytes) + round_up(b * h * s * s * 4) + (1 << 20))
+        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, bias=bias, dbias=True,
+                                                    deterministic=True))
+
+    _plan.plans.clear()
+    call(11)  # makes the forward's and the backward's plans
+    assert len(_plan.plans) == 2
+    replayed = call(22)
+    assert len(_plan.plans) == 2, "the second call made plans of its own"
+    _plan.plans.clear()
+    full = call(22)
+    for name, x, y in zip(("o", "lse", "dq", "dk", "dv", "dbias"), replayed, full):
+        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's (D={d}, causal={causal})"
+    _plan.plans.clear()
