@@ -258,11 +258,12 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
-            # arrays of a replay: q, k, v, the ALiBi slopes and the bias (or None); extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 5)
+            # arrays of a replay: q, k, v, the ALiBi slopes, the bias, the mask and the key_padding_mask (or None);
+            # extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 7)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
-            _bind_mods(b, a.mods, 3, 4, ((params, fields),))
+            _bind_mods(b, a.mods, 3, ((params, fields),))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
                 b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
@@ -271,22 +272,27 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 if queue:
                     b.per_stream(params, "queue", partial(_queue_ptr, a.device))
             b.launch(kernel, grid, params)
-            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(5, 6) if with_lse else 5))
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(7, 8) if with_lse else 7))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
 
 
-def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, alibi: int, bias: int, targets) -> None:
+def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, first: int, targets) -> None:
     """What a plan writes per call of the score modifiers into the ModParams of each (params, field prefix) target:
-    the addresses of the ALiBi slopes and of the bias (array numbers `alibi` and `bias` of the replay), the dropout
-    seed and offset (extra[0], extra[1]; checked on every call, written where the launch has modifiers). The other
-    modifiers are in the plan key."""
+    the addresses of the ALiBi slopes, the bias, and the mask or key_padding_mask (array numbers first, first + 1,
+    first + 2, first + 3 of the replay; a plan has at most one of the masks: with both, their intersection is made
+    per call and the call is not planned), the dropout seed and offset (extra[0], extra[1]; checked on every call,
+    written where the launch has modifiers). The other modifiers are in the plan key."""
     targets = tuple(targets) if m.bits else ()  # (without modifiers the kernels read no ModParams)
+    if len(m.masks) > 1 or any(x.blocks is not None for x in m.masks):
+        raise ValueError("a plan takes one mask array, not a BlockMask or a mask with a key_padding_mask")
     for prm, prefix in targets:
         if m.alibi is not None:
-            b.bind(alibi, prm, prefix + "mods.alibi_slopes")
+            b.bind(first, prm, prefix + "mods.alibi_slopes")
         if m.bias is not None:
-            b.bind(bias, prm, prefix + "mods.bias.ptr")
+            b.bind(first + 1, prm, prefix + "mods.bias.ptr")
+        for x in m.masks:
+            b.bind(first + (3 if x.info.name == "key_padding_mask" else 2), prm, prefix + "mods.mask.ptr")
     b.value(0, 2**64, *((prm, prefix + "mods.seed") for prm, prefix in targets))
     b.value(1, 2**32, *((prm, prefix + "mods.dropout_offset") for prm, prefix in targets))
 
@@ -482,14 +488,14 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
         for kern, grid, prm in launches:
             kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
-            # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes and
-            # the bias (or None); extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 11)
+            # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes, the
+            # bias, the mask and the key_padding_mask (or None); extra: the dropout seed and offset
+            b = _plan.PlanBuilder(a.device, 13)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)
-            _bind_mods(b, a.mods, 9, 10, targets)
+            _bind_mods(b, a.mods, 9, targets)
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
@@ -513,13 +519,13 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
             infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
-            new = iter(range(11 + (dbias_zeroed is not None), 15))
+            new = iter(range(13 + (dbias_zeroed is not None), 17))
             returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
             if dbias_zeroed is not None:  # (backward returns it after dq, dk, dv)
-                returns += (11,)
+                returns += (13,)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
                                         extents=tuple(None if i is None else _plan.relative_extent(i)
-                                                      for i in (*infos, a.mods.alibi, None)),
+                                                      for i in (*infos, a.mods.alibi, None, None, None)),
                                         returns=returns))
     return dq, dk, dv
 

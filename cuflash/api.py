@@ -9,15 +9,14 @@ from . import _families, _fp8, _plan, _problem, _validate
 from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, Signature
 
 # What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
-# ALiBi slopes and a bias as arrays (their addresses bound per call), dbias when it is True or False, the dropout
-# seed and offset by type (their values checked and written per call). Calls with a mask, a preallocated dbias, the
-# dropout mask returned or FP8 descales are not planned: they go the full path, which validates them (and, for a
-# mask, works out which tiles it empties).
-_PLAIN = dict(mask=None, key_padding_mask=None, return_dropout_mask=False,
-              q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
+# ALiBi slopes, a bias and a boolean mask or key_padding_mask as arrays (their addresses bound per call), dbias when
+# it is True or False, the dropout seed and offset by type (their values checked and written per call). Calls with a
+# BlockMask (its tile maps), with both a mask and a key_padding_mask (their intersection is made per call), a
+# preallocated dbias, the dropout mask returned or FP8 descales are not planned: they go the full path.
+_PLAIN = dict(return_dropout_mask=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
 _VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
-_MASKS = (("mask", DEFAULT), ("key_padding_mask", DEFAULT))
+_MASKS = (("mask", OPTIONAL_ARRAY), ("key_padding_mask", OPTIONAL_ARRAY))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
 _FWD_MODS = (*_VALUE_MODS, *_MASKS, *_DROPOUT, ("return_dropout_mask", DEFAULT))
 _BWD_MODS = (*_VALUE_MODS, ("dbias", FLAG), *_MASKS, *_DROPOUT)
@@ -106,10 +105,10 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
     """
     key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                        key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale,
-                       out_dtype)
+                       out_dtype) if mask is None or key_padding_mask is None else None
     plan = _plan.plans.get(key)
     if plan is not None:
-        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias), (seed, offset))
+        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -133,10 +132,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
     """
     key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                          key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale,
-                         v_descale, out_dtype)
+                         v_descale, out_dtype) if mask is None or key_padding_mask is None else None
     plan = _plan.plans.get(key)
     if plan is not None:
-        o = _plan.replay(plan, (q, k, v, alibi_slopes, bias), (seed, offset))
+        o = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -218,10 +217,12 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
         >>> dq, dk, dv = cuflash.attention_backward(do, q, k, v, o, lse, causal=True)
     """
     key = _BACKWARD.key(dout, q, k, v, out, lse, causal, softmax_scale, layout, precision, deterministic, dq, dk, dv,
-                        window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
+                        window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed,
+                        offset) if mask is None or key_padding_mask is None else None
     plan = _plan.plans.get(key)
     if plan is not None:
-        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias), (seed, offset))
+        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask),
+                             (seed, offset))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,

@@ -567,26 +567,33 @@ def test_deterministic_broadcast_bias_without_dbias_is_allowed():
     assert len(a) == 3 and all(same_bits(x, y) for x, y in zip(a, b))
 
 
+@pytest.mark.parametrize("extra", ["bias", "bias+key_padding_mask", "mask"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,dtype", [(64, "fp16"), (128, "bf16")])
-def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal):
-    """The second call of a signature with a bias and dbias=True replays the plan of the first (new inputs and bias
-    bound per call, dbias allocated per call: zeroed when causal, where the kernels store only the visible pairs):
-    its o, lse, dq, dk, dv and dbias equal those of the same call on the full path (no plans), bit for bit, with
-    the pool poisoned before each call (deterministic: the default mode's dQ sums in any order; a full-shape bias's
-    dbias is stored, not summed)."""
+def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal, extra):
+    """The second call of a signature with a bias (and dbias=True), a key_padding_mask beside it, or a mask replays
+    the plan of the first (new inputs, bias and masks bound per call, dbias allocated per call: zeroed when causal,
+    where the kernels store only the visible pairs): its o, lse, dq, dk, dv and dbias equal those of the same call
+    on the full path (no plans), bit for bit, with the pool poisoned before each call (deterministic: the default
+    mode's dQ sums in any order; a full-shape bias's dbias is stored, not summed)."""
     from cuflash import _plan
 
     b, s, h = 2, 200, 2
 
     def call(seed):
         q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i) for i in range(4))
-        bias = make_bias((b, h, s, s), dtype, "q", seed + 5)
+        kw = {}
+        if "bias" in extra:
+            kw["bias"] = make_bias((b, h, s, s), dtype, "q", seed + 5)
+        if "key_padding_mask" in extra:
+            kw["key_padding_mask"] = padding_mask(b, s, seed + 6)
+        if extra == "mask":
+            kw["mask"] = random_mask((b, 1, s, s), seed + 7)
         poison_pool(round_up(q.nbytes) + round_up(b * h * s * 4))
-        o, lse = cuflash.attention_forward(q, k, v, causal=causal, bias=bias)
+        o, lse = cuflash.attention_forward(q, k, v, causal=causal, **kw)
         poison_pool(3 * round_up(q.nbytes) + round_up(b * h * s * s * 4) + (1 << 20))
-        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, bias=bias, dbias=True,
-                                                    deterministic=True))
+        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=True,
+                                                    dbias="bias" in kw, **kw))
 
     _plan.plans.clear()
     call(11)  # makes the forward's and the backward's plans
@@ -595,6 +602,8 @@ def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal):
     assert len(_plan.plans) == 2, "the second call made plans of its own"
     _plan.plans.clear()
     full = call(22)
+    assert len(replayed) == len(full) == (6 if "bias" in extra else 5)
     for name, x, y in zip(("o", "lse", "dq", "dk", "dv", "dbias"), replayed, full):
-        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's (D={d}, causal={causal})"
+        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's ({extra}, D={d}, " \
+                                f"causal={causal})"
     _plan.plans.clear()

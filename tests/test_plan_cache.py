@@ -28,6 +28,7 @@ sys.path.insert(0, str(TOOLS))
 import fake_cupy as fc  # noqa: E402
 
 F16, BF16, F32, I32 = np.dtype(np.float16), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32), np.dtype(np.int32)
+BOOL = np.dtype(np.bool_)
 A = fc.FakeArray
 
 
@@ -295,6 +296,51 @@ def test_bias_calls_replay_what_the_full_path_launches(case, d):
         assert counts[0] == counts[1], f"causal={causal}: allocations (zeros, empty) {counts}"
         full_shape = len(shape) == 4 and shape[:2] == (2, 4)
         assert counts[0][0] == (1 if dbias and (causal or not full_shape) else 0), counts
+
+
+MASK_CASES = {  # the mask arguments of a call: a bool mask broadcast to the scores, a key_padding_mask, with a bias
+    "mask": dict(mask=((2, 1, 40, 72), BOOL)),
+    "mask-2d": dict(mask=((40, 72), BOOL)),
+    "key-padding": dict(key_padding_mask=((2, 72), BOOL)),
+    "pair-bias+key-padding": dict(bias=((2, 4, 40, 72), F16), key_padding_mask=((2, 72), BOOL)),
+}
+
+
+def _arrays_of(kw):
+    return {name: A(shape, dtype) for name, (shape, dtype) in kw.items()}
+
+
+@pytest.mark.parametrize("d", [64, 96], ids=["tma-kernel", "fwd_sm90_kernel"])
+@pytest.mark.parametrize("case", MASK_CASES, ids=list(MASK_CASES))
+def test_mask_calls_replay_what_the_full_path_launches(case, d):
+    """One boolean mask (or a key_padding_mask) is an array of the plan: each call's address is bound."""
+    first, second = _arrays_of(MASK_CASES[case]), _arrays_of(MASK_CASES[case])
+    a, b = qkv(d=d), qkv(d=d)
+    ga, gb = backward_args(d=d), backward_args(d=d)
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, **first),
+                                  lambda: cuflash.attention_forward(*b, **second))
+    check_replay_equals_full_path(lambda: cuflash.attention(*a, causal=True, **first),
+                                  lambda: cuflash.attention(*b, causal=True, **second))
+    dbias = {"dbias": True} if "bias" in first else {}
+    check_replay_equals_full_path(lambda: cuflash.attention_backward(*ga.values(), **first, **dbias),
+                                  lambda: cuflash.attention_backward(*gb.values(), **second, **dbias))
+
+
+def test_a_mask_with_a_key_padding_mask_or_a_blockmask_takes_the_full_path(monkeypatch):
+    """Their intersection is a new array per call, and a BlockMask's tile maps are found from its contents: neither
+    call has a plan key (the full path runs every time)."""
+    keys = []
+    monkeypatch.setattr(api, "_forward", lambda *args, **kw: keys.append(args[13]))
+    monkeypatch.setattr(_families, "backward", lambda *args, **kw: keys.append(kw["key"]))
+    q, k, v = qkv()
+    m, kpm = A((2, 1, 40, 72), BOOL), A((2, 72), BOOL)
+    cuflash.attention_forward(q, k, v, mask=m, key_padding_mask=kpm)
+    cuflash.attention(q, k, v, mask=m, key_padding_mask=kpm)
+    cuflash.attention_backward(*backward_args().values(), mask=m, key_padding_mask=kpm)
+    cuflash.attention_forward(q, k, v, mask=m)  # (one of them: a key)
+    assert keys[:3] == [None, None, None] and keys[3] is not None
+    assert api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, object(), None, 0.0, None, 0,
+                            False, None, None, None, None) is None, "a mask that is no CuPy array (a BlockMask)"
 
 
 def test_a_preallocated_dbias_takes_the_full_path():
@@ -720,8 +766,8 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     "dq": "grad", "dk": "grad", "dv": "grad",
     "k": "new", "v": "new", "cache_seqlens": 5, "block_table": "table", "num_splits": 3, "return_lse": True,
     "check_inputs": False,
-    # score modifiers: window, softcap, dropout_p by value, the slopes and the bias as arrays, dbias by value when
-    # it is a bool, seed and offset by type; calls with the others are not planned (the key is None)
+    # score modifiers: window, softcap, dropout_p by value, the slopes, the bias and a mask as arrays, dbias by value
+    # when it is a bool, seed and offset by type; calls with the others are not planned (the key is None)
     "window": (4, 4), "alibi_slopes": "slopes", "softcap": 30.0, "dropout_p": 0.1, "seed": 3, "offset": 1,
     "return_dropout_mask": True, "bias": "bias", "mask": "mask", "key_padding_mask": "kpm", "dbias": True,
     # the kv cache's rotary embedding and index arrays: not planned either
