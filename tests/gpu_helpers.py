@@ -172,6 +172,27 @@ def same_bits(a, b) -> bool:
     return a.shape == b.shape and bool(cp.array_equal(bits(a), bits(b)))
 
 
+def check_replay_matches_full_path(call, what: str, names=("o", "lse", "dq", "dk", "dv", "dbias")) -> None:
+    """call(seed) runs a forward and a backward of one call signature on inputs made from seed and returns their
+    outputs. The first call makes the two plans and the second replays them on new inputs; the same second call on
+    the full path (plans cleared) must give the same outputs, bit for bit."""
+    from cuflash import _plan
+
+    _plan.plans.clear()
+    try:
+        call(100)
+        assert len(_plan.plans) == 2, f"the first call made {len(_plan.plans)} plans ({what})"
+        replayed = call(200)
+        assert len(_plan.plans) == 2, f"the second call made plans of its own ({what})"
+        _plan.plans.clear()
+        full = call(200)
+    finally:
+        _plan.plans.clear()
+    assert len(replayed) == len(full)
+    for name, x, y in zip(names, replayed, full):
+        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's ({what})"
+
+
 def make_packed(total: int, h: int, d: int, dtype: str, kind: str, seed: int, scale: float = 1.0):
     """A packed (total, H, D) array (varlen layout) whose token/head strides follow `kind`:
       contiguous  a fresh C-contiguous array

@@ -20,9 +20,9 @@ cp = pytest.importorskip("cupy")
 import cuflash  # noqa: E402
 from cuflash import _xpref, config, philox  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
-from gpu_helpers import (DTYPES, HEAD_DIMS, LAYOUTS, SEQLEN_PAIRS, check_lse, check_rule, cu_seqlens,  # noqa: E402
-                         make_input, make_packed, max_abs, poison_pool, randn, round_up, same_bits, seed_of, to_bshd32,
-                         warm_kernel_cache)
+from gpu_helpers import (DTYPES, HEAD_DIMS, LAYOUTS, SEQLEN_PAIRS, check_lse,  # noqa: E402
+                         check_replay_matches_full_path, check_rule, cu_seqlens, make_input, make_packed, max_abs,
+                         poison_pool, randn, round_up, same_bits, seed_of, to_bshd32, warm_kernel_cache)
 from test_gpu_mods import check_mask, mods_kwargs, ref_kwargs  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -576,8 +576,6 @@ def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal, extra):
     where the kernels store only the visible pairs): its o, lse, dq, dk, dv and dbias equal those of the same call
     on the full path (no plans), bit for bit, with the pool poisoned before each call (deterministic: the default
     mode's dQ sums in any order; a full-shape bias's dbias is stored, not summed)."""
-    from cuflash import _plan
-
     b, s, h = 2, 200, 2
 
     def call(seed):
@@ -595,15 +593,4 @@ def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal, extra):
         return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=True,
                                                     dbias="bias" in kw, **kw))
 
-    _plan.plans.clear()
-    call(11)  # makes the forward's and the backward's plans
-    assert len(_plan.plans) == 2
-    replayed = call(22)
-    assert len(_plan.plans) == 2, "the second call made plans of its own"
-    _plan.plans.clear()
-    full = call(22)
-    assert len(replayed) == len(full) == (6 if "bias" in extra else 5)
-    for name, x, y in zip(("o", "lse", "dq", "dk", "dv", "dbias"), replayed, full):
-        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's ({extra}, D={d}, " \
-                                f"causal={causal})"
-    _plan.plans.clear()
+    check_replay_matches_full_path(call, f"{extra}, D={d}, causal={causal}")

@@ -17,8 +17,8 @@ cp = pytest.importorskip("cupy")
 import cuflash  # noqa: E402
 from cuflash import config, philox  # noqa: E402
 from cuflash import reference as ref  # noqa: E402
-from gpu_helpers import (check_lse, check_rule, cu_seqlens, make_input, make_packed, poison_pool, round_up,  # noqa: E402
-                         same_bits, seed_of, to_bshd32, warm_kernel_cache)
+from gpu_helpers import (check_lse, check_replay_matches_full_path, check_rule, cu_seqlens, make_input,  # noqa: E402
+                         make_packed, poison_pool, round_up, same_bits, seed_of, to_bshd32, warm_kernel_cache)
 
 pytestmark = pytest.mark.gpu
 
@@ -217,8 +217,6 @@ def test_a_planned_modifier_call_equals_the_full_path(d, dtype, mods):
     """The second call of a signature with a window, ALiBi, soft-capping or dropout replays the plan of the first
     (new inputs, slopes, seed and offset written per call): its o, lse, dq, dk, dv equal those of the same call on
     the full path (no plans), bit for bit (the other tests check the full path against the reference)."""
-    from cuflash import _plan
-
     b, s, hq, hkv = 2, 333, 4, 2
 
     def call(seed):
@@ -231,16 +229,7 @@ def test_a_planned_modifier_call_equals_the_full_path(d, dtype, mods):
         # (deterministic: the default mode's dQ sums in whichever order the key blocks arrive)
         return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, deterministic=True, **kw))
 
-    _plan.plans.clear()
-    call(101)  # makes the forward's and the backward's plans
-    assert len(_plan.plans) == 2
-    replayed = call(202)
-    assert len(_plan.plans) == 2, "the second call made plans of its own"
-    _plan.plans.clear()
-    full = call(202)
-    for name, x, y in zip(("o", "lse", "dq", "dk", "dv"), replayed, full):
-        assert same_bits(x, y), f"{name} of the replayed call differs from the full path's ({mods}, D={d})"
-    _plan.plans.clear()
+    check_replay_matches_full_path(call, f"{mods}, D={d}")
 
 
 @pytest.mark.parametrize("mods", [{"window": (17, 3)}, {"alibi": "bh", "softcap": 20.0},
