@@ -14,10 +14,11 @@ checks what depends on addresses (16-byte alignment, which decides a copy; overl
 place with the others), allocates the outputs and the workspace, writes the addresses into the recorded launch
 arguments and launches. When a check fails, the call takes the full path, which copies or raises exactly as
 without a plan. Plans are made only for calls that launch on their arguments in place (no copy). The score
-modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes and a
-bias are arrays like the others (their addresses are written per call); the dropout seed and offset enter by their
-types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call (zeroed where
-the kernels add into it). Calls with a mask, a preallocated dbias or FP8 descales go the full path.
+modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes, a bias
+and one boolean mask are arrays like the others (their addresses are written per call); the dropout seed and offset
+enter by their types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call
+(zeroed where the kernels add into it). Calls with a BlockMask, with both a mask and a key_padding_mask, with a
+preallocated dbias or with FP8 descales go the full path.
 """
 from __future__ import annotations
 
