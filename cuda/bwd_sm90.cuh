@@ -114,8 +114,11 @@ __device__ __forceinline__ void bwd_stage_bias(const ScoreMods<MODS>& mods, u32 
 // waited for) and dS^T in ds_regs (the A layout of the k16 steps over the block's queries). is_masked: apply the
 // causal / key-tail mask to S^T. Reads from shared memory: Q, dO, lse_log2, delta of `stage` (Tr's offsets +
 // stage strides). A staged bias (bwd_bias_staged: the warp-specialized kernel's) is read from its buffer bias_buf;
-// bias_next_pending: the next step's copies are in flight behind it.
-template <class Tr, bool IS_CAUSAL, int MODS>
+// bias_next_pending: the next step's copies are in flight behind it. ps_stash (STASH_PS, the warp-specialized
+// kernel's): the byte offset of 2 KB of shared memory that only this warp touches until it stores dS^T, where
+// the P^T copy for dS^T (dropout's undropped one, or times the softcap's derivative) is parked between the two
+// loops at head dim 128 (see DV_FIRST below).
+template <class Tr, bool IS_CAUSAL, int MODS, bool STASH_PS = false>
 __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_masked,
                                                    const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                    const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
@@ -123,7 +126,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
                                                    float (&s_acc)[Tr::Q_TILES][4], float (&dp_acc)[Tr::Q_TILES][4],
                                                    float (&dk_acc)[Tr::DKV_TILES][4], float (&dv_acc)[Tr::DKV_TILES][4],
                                                    u32 (&ds_regs)[Tr::Q_K_STEPS][4], int bias_buf = 0,
-                                                   bool bias_next_pending = false) {
+                                                   bool bias_next_pending = false, int ps_stash = 0) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
   // dS needs P^T undropped and times the softcap's derivative: a second packed copy when dV's differs. With a
@@ -131,6 +134,12 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   // fp32, kept in s_acc (dead otherwise once P^T is packed), instead of the packed copy.
   constexpr bool FP32_P = Mods::HAS_BIAS;
   constexpr bool HAS_PS = (Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP) && !FP32_P;
+  // At head dim 128 dK and dV hold 128 of the 240 registers a warp-specialized consumer has: the softcap's second
+  // packed copy (16 registers) is stored to shared memory after the probabilities and read back by the dS^T loop
+  // (each thread its own 16-byte chunk per k16 step, consecutive lanes consecutive chunks: no bank conflict), so
+  // that dV still runs under dS^T; held in registers, it made the step wait for dV first (DV_FIRST). Dropout's
+  // copy stays in registers: parked the same way, the kernel spilled 8-16 bytes (NVRTC 13.0 and 13.5).
+  constexpr bool STASH = STASH_PS && HAS_PS && Mods::HAS_SOFTCAP && !Mods::HAS_DROPOUT && Tr::HEAD_DIM >= 128;
   const int t = lane & 3, g = lane >> 2;
   const int key_row0 = warpgroup * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
   const int m0 = m_block * Tr::BLOCK_M;
@@ -211,7 +220,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   // too would cost 16 more registers per thread, and d128 runs at the 255 limit.
   // With dropout or softcap, p_regs hold the kept P^T (dV's A operand) and ps_regs P^T * dcap, undropped (dS).
   u32 p_regs[Tr::Q_K_STEPS][4];
-  u32 ps_regs[HAS_PS ? Tr::Q_K_STEPS : 1][4];
+  u32 ps_regs[HAS_PS && !STASH ? Tr::Q_K_STEPS : 1][4];
   const int g_key = n0 + key_row0 + g;  // this thread's first key (the second is + 8)
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
@@ -224,7 +233,12 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
         for (int c = 0; c < 4; ++c) s_acc[2 * kk + j][c] = ps[j][c];
     }
     pack_k16_a<T>(pv, p_regs[kk]);
-    if (HAS_PS) {
+    if (STASH) {
+      u32 packed[4];
+      pack_k16_a<T>(ps, packed);
+      *reinterpret_cast<uint4*>(smem + ps_stash + (kk * 32 + lane) * 16) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    } else if (HAS_PS) {
       pack_k16_a<T>(ps, ps_regs[kk]);
     }
   }
@@ -240,22 +254,29 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
 
   // dS^T = P^T * (dP^T - delta[query])   (delta_i = rowsum(dO_i * O_i)), into A registers as well. dP^T is done;
   // dV runs on under this work, its A registers (p_regs) held, except at head dim 128 with a modifier that keeps
-  // values beyond P^T (a bias's fp32 P^T, dropout's or the softcap's second copy): there dK and dV hold 128 of the
-  // 240 registers a warp-specialized consumer has, and waiting for dV here frees p_regs (no spill; the other
-  // warpgroup's GEMMs keep the tensor cores busy meanwhile)
-  constexpr bool DV_FIRST = Tr::HEAD_DIM >= 128 && (FP32_P || HAS_PS);
+  // values beyond P^T in registers (a bias's fp32 P^T, dropout's second copy, the softcap's where it is not
+  // parked): there dK and dV hold 128 of the 240 registers a warp-specialized consumer has, and waiting for dV
+  // here frees p_regs (no spill; the other warpgroup's GEMMs keep the tensor cores busy meanwhile)
+  constexpr bool DV_FIRST = Tr::HEAD_DIM >= 128 && (FP32_P || (HAS_PS && !STASH));
   wgmma_wait_group<DV_FIRST ? 0 : 1>();
   wgmma_fence_operand(dp_acc);
   if (DV_FIRST) wgmma_fence_operand(dv_acc);
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk) {
     float ds[2][4];
+    u32 stashed[4];
+    if (STASH) {
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + ps_stash + (kk * 32 + lane) * 16);
+      stashed[0] = v.x, stashed[1] = v.y, stashed[2] = v.z, stashed[3] = v.w;
+    }
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float2 delta = *reinterpret_cast<const float2*>(delta_smem + (2 * kk + j) * 8 + 2 * t);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
-        const u32 packed = HAS_PS ? ps_regs[HAS_PS ? kk : 0][2 * j + (c >> 1)] : p_regs[kk][2 * j + (c >> 1)];
+        const u32 packed = STASH    ? stashed[2 * j + (c >> 1)]
+                           : HAS_PS ? ps_regs[HAS_PS ? kk : 0][2 * j + (c >> 1)]
+                                    : p_regs[kk][2 * j + (c >> 1)];
         const int qt = 2 * kk + j;
         // (the softcap's factor is in ps already: ds_of's dcap = 1)
         ds[j][c] = ds_of<MODS & ~MOD_SOFTCAP>(FP32_P ? s_acc[qt][c] : Cvt<T>::unpack(packed, c & 1), dp_acc[qt][c],

@@ -375,8 +375,14 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
     bwd_sm90_issue_sdp<Tr>(sm.base, stage, cwg, s_acc, dp_acc);
 
     u32 ds_regs[Tr::Q_K_STEPS][4];
-    bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS>(p, is_masked, kb.band, mods, smem, sm.base, stage, qb.m_block, kb.key0(),
-                                            cwg, warp, lane, s_acc, dp_acc, dk_acc, dv_acc, ds_regs, stage, bias_next);
+    // the step's second P^T copy, where it takes one (bwd_sm90_dkdv_step's STASH), is parked in this warp's 16 rows
+    // of the dS^T buffer it stores to below: 2 KB that no other warp reads or writes until DS_BAR
+    static_assert(Tr::BLOCK_M * 2 * 16 == 32 * 4 * 16 || Tr::HEAD_DIM < 128,
+                  "a warp's rows of the dS^T buffer hold its 4 x 16 bytes per lane");
+    const int ps_stash = Tr::OFF_DS + buf * Tr::SMEM_DS + Tr::TileDS::offset(key_row0, 0);
+    bwd_sm90_dkdv_step<Tr, IS_CAUSAL, MODS, /*STASH_PS=*/true>(p, is_masked, kb.band, mods, smem, sm.base, stage,
+                                                               qb.m_block, kb.key0(), cwg, warp, lane, s_acc, dp_acc,
+                                                               dk_acc, dv_acc, ds_regs, stage, bias_next, ps_stash);
     if (IS_DETERMINISTIC && !ORDERED) {  // dQ comes from bwd_dq_kernel
       wgmma_wait_group<0>();
       wgmma_fence_operand(dv_acc);
@@ -386,6 +392,7 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       // dS^T -> buffer `buf`, visible to the tensor cores after DS_BAR: bwd_sm90_store_ds's conflict-free stores,
       // written out here (called, ptxas scheduled the head-dim-128 window instantiations differently)
       const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
+      __syncwarp();  // every lane has read its parked P^T copy back (the stores below overwrite it)
 #pragma unroll
       for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
 #pragma unroll

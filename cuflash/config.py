@@ -1269,14 +1269,13 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
 # (head dim 32's tiles are single 32-column panels; its two consumers split dQ's 32 columns 16 and 16). At head
 # dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
 # without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
-# NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T). Soft-capping is taken
-# alone only (BWD_SM90_WS_MODS_128_ALONE: causal or not, deterministic or not; beside a window the bf16 kernel
-# spilled 4 bytes under NVRTC 13.0, and rewrites of its softcap factor moved the spill to 8-40 bytes). The others
-# run the mma.sync backward: a mask alone spilled 12-24 bytes (NVRTC 13.0), any two of ALiBi, soft-capping and
-# dropout, or one of them beside a bias or mask, 16-320 bytes.
+# NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T; soft-capping parks
+# its second P^T copy in shared memory instead). The others run the mma.sync backward: a mask
+# alone spilled 12-24 bytes (NVRTC 13.0), dropout beside ALiBi or soft-capping, or any of the three beside a bias
+# or mask, 8-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (32, 64, 128)
-BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
-BWD_SM90_WS_MODS_128_ALONE = (MOD_SOFTCAP,)  # without a window beside it
+BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_SOFTCAP, MOD_ALIBI | MOD_SOFTCAP, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
+BWD_SM90_WS_MODS_128_ALONE = ()  # sets taken without a window beside them only (none today)
 # Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
 # launch) each as they are, with and without the window, beside the heaviest set: head dim 128's (at the register
 # limit) and head dims 32 and 64's staged-bias kernels (bwd_stages_bias: a code path the heaviest set does not take).

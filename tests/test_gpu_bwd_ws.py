@@ -177,18 +177,19 @@ def test_deterministic_with_a_bias_keeps_the_dq_kernel():
         assert same_bits(x, y), f"deterministic {name} differs between two runs"
 
 
-# Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128 and,
-# without a window, BWD_SM90_WS_MODS_128_ALONE), the window beside some; the mask on a (B, H, Sq, Sk) bias and a
-# random mask; a softcap of 2 on scores scaled up 3x, so that most scores are capped hard and its derivative
-# (1 - tanh^2) matters. GQA 4/2, a key tail, 9 query blocks.
+# Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
+# window beside some; the mask on a (B, H, Sq, Sk) bias and a random mask; a softcap of 2 on scores scaled up 3x, so
+# that most scores are capped hard and its derivative (1 - tanh^2), parked in shared memory between the step's two
+# loops, matters. GQA 4/2, a key tail, 9 query blocks.
 WS_128_MODS = [({"alibi": "bh"}, False), ({"dropout": 0.17, "window": (64, 64)}, False), ({}, True),
-               ({"window": (37, 5)}, "mask"), ({"softcap": 2.0}, False)]
+               ({"window": (37, 5)}, "mask"), ({"softcap": 2.0}, False), ({"softcap": 2.0, "window": (64, 64)}, False),
+               ({"softcap": 2.0, "alibi": "bh"}, False)]
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=["alibi", "dropout+window", "bias", "bias+mask+window",
-                                                        "softcap"])
+                                                        "softcap", "softcap+window", "alibi+softcap"])
 def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
     from test_gpu_bias import mask_random, run_dense as run_bias
 

@@ -134,9 +134,13 @@ def test_head_dim_128_ws_backward_modifier_sets_are_each_compile_checked():
                     assert type(cfg) is config.BwdConfig, (m, cfg)
     light = (0, config.MOD_WINDOW)
     assert taken == {h | w for h in config.BWD_SM90_WS_MODS_128 for w in light} | set(config.BWD_SM90_WS_MODS_128_ALONE)
-    assert config.MOD_SOFTCAP in config.BWD_SM90_WS_MODS_128_ALONE  # soft-capping beside a window: mma.sync
-    cfg = config.backward_kernel_config(128, "bf16", False, False, "sm_90a", mods=config.MOD_SOFTCAP | config.MOD_WINDOW)
-    assert type(cfg) is config.BwdConfig
+    # soft-capping parks its second P^T copy in shared memory: beside a window and ALiBi too; dropout beside ALiBi
+    # or soft-capping keeps its copy in registers and runs mma.sync
+    every = config.MOD_SOFTCAP | config.MOD_ALIBI | config.MOD_WINDOW
+    cfg = config.backward_kernel_config(128, "bf16", False, False, "sm_90a", mods=every)
+    assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == every, cfg
+    for pair in (config.MOD_DROPOUT | config.MOD_ALIBI, config.MOD_DROPOUT | config.MOD_SOFTCAP):
+        assert type(config.backward_kernel_config(128, "bf16", False, False, "sm_90a", mods=pair)) is config.BwdConfig
 
 
 def test_block_map_bits_select_the_families_that_read_a_map():
