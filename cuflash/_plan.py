@@ -86,18 +86,25 @@ class Signature:
     BOUND (None or an int that the plan range-checks and writes into the launch arguments on every call, e.g. the
     dropout seed: its type enters the key, its value is passed to `replay` in `extra`), FLAG (planned only when it
     is True or False, which enters the key; e.g. dbias, which may also be a preallocated array), DEFAULT (the call
-    is planned only when it has the value in `defaults`; it does not enter the key).
+    is planned only when it has the value in `defaults`; it does not enter the key). `exclusive` lists groups of
+    optional arguments of which a planned call gives at most one (e.g. mask and key_padding_mask, whose intersection
+    is made per call): a call that gives two of one group gets no key.
 
     `key(*args)` is generated once as one flat tuple expression: a loop over the arguments building the same
     tuple cost ~0.7 us more per call (tools/launch_overhead.py --fake, 2026-11-24), and a tuple of per-array
     tuples ~1 us more to build, hash and compare."""
 
-    def __init__(self, name: str, params, defaults: dict | None = None):
+    def __init__(self, name: str, params, defaults: dict | None = None, exclusive=()):
         self.name = name
         self.params = tuple(params)
         self.defaults = dict(defaults or {})
+        self.exclusive = tuple(tuple(group) for group in exclusive)
         names = [n for n, _ in self.params]
         checks, parts, plain = [], [repr(name), "_config.KERNELS"], []
+        for group in self.exclusive:
+            if len(group) < 2 or any(n not in names for n in group):
+                raise ValueError(f"{name}: exclusive group {group!r} must name two or more of its parameters")
+            checks.append(f"    if {' + '.join(f'({n} is not None)' for n in group)} > 1:\n        return None")
         arrays = [n for n, kind in self.params if kind == ARRAY]
         if arrays:
             checks.append(f"    if {' or '.join(f'type({n}) is not nd' for n in arrays)}:\n        return None")

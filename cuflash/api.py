@@ -20,15 +20,16 @@ _MASKS = (("mask", OPTIONAL_ARRAY), ("key_padding_mask", OPTIONAL_ARRAY))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
 _FWD_MODS = (*_VALUE_MODS, *_MASKS, *_DROPOUT, ("return_dropout_mask", DEFAULT))
 _BWD_MODS = (*_VALUE_MODS, ("dbias", FLAG), *_MASKS, *_DROPOUT)
+_ONE_MASK = (("mask", "key_padding_mask"),)
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
                                      ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS,
-                                     *_FP8_ARGS), _PLAIN)
-_FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN)
+                                     *_FP8_ARGS), _PLAIN, _ONE_MASK)
+_FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN, _ONE_MASK)
 _BACKWARD = Signature("attention_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("causal", OPTION),
     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), ("deterministic", OPTION),
     ("dq", OPTIONAL_ARRAY),
-    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN)
+    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN, _ONE_MASK)
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
@@ -105,7 +106,7 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
     """
     key = _FORWARD.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                        key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale,
-                       out_dtype) if mask is None or key_padding_mask is None else None
+                       out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
         out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
@@ -132,7 +133,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
     """
     key = _ATTENTION.key(q, k, v, causal, softmax_scale, layout, precision, window, alibi_slopes, softcap, bias, mask,
                          key_padding_mask, dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale,
-                         v_descale, out_dtype) if mask is None or key_padding_mask is None else None
+                         v_descale, out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
         o = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
@@ -218,7 +219,7 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
     """
     key = _BACKWARD.key(dout, q, k, v, out, lse, causal, softmax_scale, layout, precision, deterministic, dq, dk, dv,
                         window, alibi_slopes, softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed,
-                        offset) if mask is None or key_padding_mask is None else None
+                        offset)
     plan = _plan.plans.get(key)
     if plan is not None:
         grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask),

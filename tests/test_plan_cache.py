@@ -343,6 +343,20 @@ def test_a_mask_with_a_key_padding_mask_or_a_blockmask_takes_the_full_path(monke
                             False, None, None, None, None) is None, "a mask that is no CuPy array (a BlockMask)"
 
 
+def test_an_exclusive_group_gives_no_key_when_two_of_it_are_given():
+    """Signature's `exclusive` groups: a call with two arguments of one group gets no key, with one or none it
+    gets one; a group must name two or more of the signature's parameters."""
+    sig = _plan.Signature("f", (("x", _plan.OPTIONAL_ARRAY), ("y", _plan.OPTIONAL_ARRAY), ("z", _plan.OPTION)),
+                          exclusive=(("x", "y"),))
+    a, b = A((4,), np.float32), A((4,), np.float32)
+    assert sig.key(a, b, 1) is None
+    assert sig.key(a, None, 1) is not None and sig.key(None, b, 1) is not None and sig.key(None, None, 1) is not None
+    assert sig.key(a, None, 1) != sig.key(None, b, 1)
+    for bad in ((("x",),), (("x", "w"),)):
+        with pytest.raises(ValueError, match="exclusive group"):
+            _plan.Signature("f", (("x", _plan.OPTIONAL_ARRAY), ("y", _plan.OPTIONAL_ARRAY)), exclusive=bad)
+
+
 def test_a_preallocated_dbias_takes_the_full_path():
     args = backward_args()
     bias = A((2, 4, 40, 72), F16)
