@@ -10,8 +10,9 @@ largest difference of dQ, dK, dV to the first family's, so a wrong kernel shows 
 one call (preprocess, main kernel, dQ conversion) as the benchmark does (`cuflash.bench.median_ms`: calls queued
 behind a hold, CUDA events around each, so the host's time per call is not in the figures); use it to measure a
 kernel family against the one it replaces. --mods times the backward with a score modifier: ALiBi slopes in
-[0, 0.3), softcap 30, dropout 0.1, a (batch, heads, N, N) bf16 bias with its dbias, a random boolean mask keeping
-90 % of the scores (the bias and mask rows skip N above 4096); a family without kernels for a set shows "-".
+[0, 0.3), softcap 30, dropout 0.1, a sliding window of 512 keys each side (its FLOPs: the visible pairs only), a
+(batch, heads, N, N) bf16 bias with its dbias, a random boolean mask keeping 90 % of the scores (the bias and mask
+rows skip N above 4096); a family without kernels for a set shows "-".
 """
 from __future__ import annotations
 
@@ -58,6 +59,8 @@ def mod_kwargs(name: str, b: int, h: int, n: int, rng) -> dict | None:
             kw["softcap"] = 30.0
         elif part == "dropout":
             kw.update(dropout_p=0.1, seed=1)
+        elif part == "window":
+            kw["window"] = (512, 512)
         elif part == "bias":
             if n > 4096:
                 return None
@@ -76,13 +79,13 @@ def main(argv=None) -> int:
     ap.add_argument("--n", nargs="+", type=int, default=[1024, 4096, 16384])
     ap.add_argument("--causal", nargs="+", choices=("no", "yes"), default=["no", "yes"])
     ap.add_argument("--mods", nargs="+", default=["none"],
-                    choices=("none", "alibi", "softcap", "dropout", "alibi+softcap+dropout", "bias", "bias+mask",
-                             "mask"))
+                    choices=("none", "alibi", "softcap", "dropout", "alibi+softcap", "softcap+window",
+                             "alibi+softcap+dropout", "bias", "bias+mask", "mask"))
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     original = config.FAMILIES
     print(f"{cp.cuda.runtime.getDeviceProperties(0)['name'].decode()}, bf16, TFLOP/s (ms)")
-    print(f"{'mods':>9} {'D':>4} {'causal':>6} {'N':>6}  " + "  ".join(f"{f:>22}" for f in args.families) + "  diff")
+    print(f"{'mods':>14} {'D':>4} {'causal':>6} {'N':>6}  " + "  ".join(f"{f:>22}" for f in args.families) + "  diff")
     for mods, d, causal, n in ((m, d, c == "yes", n) for m in args.mods for d in args.head_dims
                        for c in args.causal for n in args.n):
         b, h = 16384 // n, 2048 // d
@@ -94,15 +97,18 @@ def main(argv=None) -> int:
         o, lse = cuflash.attention_forward(q, k, v, causal=causal, **kw)
         bits = sum(bit for key, bit in (("alibi_slopes", config.MOD_ALIBI), ("softcap", config.MOD_SOFTCAP),
                                         ("dropout_p", config.MOD_DROPOUT), ("bias", config.MOD_BIAS),
-                                        ("mask", config.MOD_MASK)) if key in kw)
+                                        ("mask", config.MOD_MASK), ("window", config.MOD_WINDOW)) if key in kw)
         if "bias" in kw:
             kw["dbias"] = True
-        flops = 2.5 * 4 * b * h * n * n * d / (2 if causal else 1)
+        pairs = n * n / (2 if causal else 1) if "window" not in kw else bench.visible_pairs(n, n, causal, kw["window"])
+        flops = 2.5 * 4 * b * h * d * pairs
         cells, first, grads, diff = [], None, None, 0.0
         for name in args.families:
             use_family(name, original)
             try:
-                cfg = config.backward_kernel_config(d, "bf16", causal, False, "sm_90a", mods=bits)
+                # (a window carries causal as its right edge: the kernel is not the causal one)
+                cfg = config.backward_kernel_config(d, "bf16", causal and "window" not in kw, False, "sm_90a",
+                                                    mods=bits)
             except ValueError:
                 cfg = None
             if type(cfg) is not FAMILY_CONFIG[name]:  # the family has no kernel for these mods
@@ -117,7 +123,7 @@ def main(argv=None) -> int:
                 diff = max(diff, *(float(cp.abs(a - b_).max()) for a, b_ in zip(grads, first)))
             ms = median_ms(call, args.reps)
             cells.append(f"{flops / ms / 1e9:7.1f} ({ms:7.3f}) {type(cfg).__name__[:6]}")
-        print(f"{mods:>9} {d:>4} {str(causal):>6} {n:>6}  " + "  ".join(f"{c:>22}" for c in cells) +
+        print(f"{mods:>14} {d:>4} {str(causal):>6} {n:>6}  " + "  ".join(f"{c:>22}" for c in cells) +
               f"  {diff:.2e}", flush=True)
         del q, k, v, do, o, lse, kw, grads, first
         cp.get_default_memory_pool().free_all_blocks()
