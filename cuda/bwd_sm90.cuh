@@ -116,8 +116,8 @@ __device__ __forceinline__ void bwd_stage_bias(const ScoreMods<MODS>& mods, u32 
 // stage strides). A staged bias (bwd_bias_staged: the warp-specialized kernel's) is read from its buffer bias_buf;
 // bias_next_pending: the next step's copies are in flight behind it. ps_stash (STASH_PS, the warp-specialized
 // kernel's): the byte offset of 2 KB of shared memory that only this warp touches until it stores dS^T, where
-// the P^T copy for dS^T (dropout's undropped one, or times the softcap's derivative) is parked between the two
-// loops at head dim 128 (see DV_FIRST below).
+// the softcap's P^T copy for dS^T (P^T times the softcap's derivative) is parked between the two loops at head
+// dim 128 (STASH, DV_FIRST below).
 template <class Tr, bool IS_CAUSAL, int MODS, bool STASH_PS = false>
 __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_masked,
                                                    const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
