@@ -258,11 +258,15 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
             if queue:  # two counters that each launch on the stream leaves at zero (the decode's buffer)
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
-            # arrays of a replay: q, k, v, the ALiBi slopes, the bias, the mask and the key_padding_mask (or None);
-            # extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 7)
+            # arrays of a replay: q, k, v, the ALiBi slopes, the bias, the mask and the key_padding_mask (or None),
+            # and of a packed call cu_seqlens_q, cu_seqlens_k; extra: the dropout seed and offset
+            n = 7 if cu_seqlens is None else 9
+            b = _plan.PlanBuilder(a.device, n)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
+            if cu_seqlens is not None:
+                b.bind(7, params, fields + "seq.cu_seqlens_q")
+                b.bind(8, params, fields + "seq.cu_seqlens_k")
             _bind_mods(b, a.mods, 3, ((params, fields),))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
@@ -272,7 +276,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 if queue:
                     b.per_stream(params, "queue", partial(_queue_ptr, a.device))
             b.launch(kernel, grid, params)
-            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(7, 8) if with_lse else 7))
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(n, n + 1) if with_lse else n))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)
     return (o, lse) if with_lse else o
 
@@ -489,8 +493,10 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
             kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
             # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes, the
-            # bias, the mask and the key_padding_mask (or None); extra: the dropout seed and offset
-            b = _plan.PlanBuilder(a.device, 13)
+            # bias, the mask and the key_padding_mask (or None), and of a packed call cu_seqlens_q, cu_seqlens_k;
+            # extra: the dropout seed and offset
+            n = 13 if cu_seqlens is None else 15
+            b = _plan.PlanBuilder(a.device, n)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             if dq_params is not None:
@@ -499,6 +505,10 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
+            if cu_seqlens is not None:
+                for i, field in ((13, "seq.cu_seqlens_q"), (14, "seq.cu_seqlens_k")):
+                    for prm, pre_ in targets:
+                        b.bind(i, prm, pre_ + field)
             if dbias_zeroed is not None:  # dbias=True: the new gradient (allocated first, as backward does)
                 b.alloc(dbias.shape, dbias.dtype, *((prm, pre_ + "mods.dbias.ptr") for prm, pre_ in targets),
                         zeroed=dbias_zeroed)
@@ -519,13 +529,13 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
             infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
-            new = iter(range(13 + (dbias_zeroed is not None), 17))
+            new = iter(range(n + (dbias_zeroed is not None), n + 4))
             returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
             if dbias_zeroed is not None:  # (backward returns it after dq, dk, dv)
-                returns += (13,)
+                returns += (n,)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
                                         extents=tuple(None if i is None else _plan.relative_extent(i)
-                                                      for i in (*infos, a.mods.alibi, None, None, None)),
+                                                      for i in (*infos, a.mods.alibi, *(None,) * (n - 10))),
                                         returns=returns))
     return dq, dk, dv
 

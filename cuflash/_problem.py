@@ -98,6 +98,18 @@ def packed_dims(info: ArrayInfo) -> Dims:
     return Dims(1, total, heads, head_dim, 0, info.strides[0], info.strides[1])
 
 
+def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, max_seqlen_q: int, max_seqlen_k: int,
+                     device: int) -> None:
+    """check_inputs of the varlen functions: the values of cu_seqlens, read back (one device -> host copy of
+    batch + 1 ints each: a synchronization). A warm call that replays a plan runs it too."""
+    from ._launch import cupy, on_device
+
+    cp = cupy()
+    with on_device(cp, device):
+        _validate.check_cu_seqlens_values(cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k), total_q, total_k,
+                                          max_seqlen_q, max_seqlen_k)
+
+
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                      check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset, bias=None, mask=None,
                      key_padding_mask=None, precision=None) -> Attention:
@@ -109,13 +121,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     m = _validate.check_varlen(qi, ki, vi, cqi, cki, max_seqlen_q, max_seqlen_k)
     m = m._replace(dtype=_validate.check_precision(precision, m.dtype))
     _validate.check_wide_head_dim(m.dtype, m.head_dim)
-    if check_inputs:  # one device -> host copy of batch + 1 ints each (a synchronization)
-        from ._launch import cupy, on_device
-
-        cp = cupy()
-        with on_device(cp, m.device):
-            _validate.check_cu_seqlens_values(cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k), m.total_q,
-                                              m.total_k, m.max_seqlen_q, m.max_seqlen_k)
+    if check_inputs:
+        check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, m.total_q, m.total_k, m.max_seqlen_q, m.max_seqlen_k, m.device)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
     mods = _mods(causal, window, alibi_slopes, softcap, dropout_p, seed, offset, m.batch, m.heads_q, m.device, m.dtype,
                  m.max_seqlen_q, m.max_seqlen_k, bias, mask, key_padding_mask)

@@ -12,7 +12,9 @@ from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, S
 # ALiBi slopes, a bias and a boolean mask or key_padding_mask as arrays (their addresses bound per call), dbias when
 # it is True or False, the dropout seed and offset by type (their values checked and written per call). Calls with a
 # BlockMask (its tile maps), with both a mask and a key_padding_mask (their intersection is made per call), a
-# preallocated dbias, the dropout mask returned or FP8 descales are not planned: they go the full path.
+# preallocated dbias, the dropout mask returned or FP8 descales are not planned: they go the full path. The varlen
+# functions' cu_seqlens are arrays of their plans, max_seqlen and check_inputs options (check_inputs=True reads
+# cu_seqlens back on every call, planned or not).
 _PLAIN = dict(return_dropout_mask=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
 _VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
@@ -30,6 +32,15 @@ _BACKWARD = Signature("attention_backward", (
     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), ("deterministic", OPTION),
     ("dq", OPTIONAL_ARRAY),
     ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN, _ONE_MASK)
+_VARLEN_FORWARD = Signature("attention_varlen_forward", (
+    ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("cu_seqlens_q", ARRAY), ("cu_seqlens_k", ARRAY),
+    ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION), ("softmax_scale", OPTION),
+    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_ARGS), _PLAIN, _ONE_MASK)
+_VARLEN_BACKWARD = Signature("attention_varlen_backward", (
+    ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("cu_seqlens_q", ARRAY),
+    ("cu_seqlens_k", ARRAY), ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION),
+    ("softmax_scale", OPTION), ("deterministic", OPTION), ("dq", OPTIONAL_ARRAY), ("dk", OPTIONAL_ARRAY),
+    ("dv", OPTIONAL_ARRAY), ("check_inputs", OPTION), ("precision", OPTION), *_BWD_MODS), {}, _ONE_MASK)
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
@@ -281,6 +292,18 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
         >>> q = cp.random.randn(357, 8, 64).astype(cp.float16)
         >>> o, lse = cuflash.attention_varlen_forward(q, q, q, cu, cu, 257, 257, causal=True)
     """
+    key = _VARLEN_FORWARD.key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
+                              check_inputs, precision, window, alibi_slopes, softcap, bias, mask, key_padding_mask,
+                              dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale, out_dtype)
+    plan = _plan.plans.get(key)
+    if plan is not None:
+        if check_inputs is True:  # (the key holds check_inputs by type and value: True or False here)
+            _problem.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                      plan.device)
+        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k),
+                           (seed, offset))
+        if out is not None:
+            return out
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None or \
             _fp8.is_fp8(q):
         if not _fp8.is_fp8(q):
@@ -298,7 +321,8 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     masks = ()
     if return_mask:  # sequence b's mask is the top-left corner of batch index b's (the stream ignores lengths)
         masks = (_families.varlen_dropout_masks(a, cu_seqlens_q, cu_seqlens_k),)
-    o, lse = _families.forward(a, (q, k, v), with_lse=True, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    o, lse = _families.forward(a, (q, k, v), with_lse=True, cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
+                               key=None if return_mask else key)
     return (o, lse, *masks)
 
 
@@ -347,12 +371,24 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
         >>> o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 257, 257, causal=True)
         >>> dq, dk, dv = cuflash.attention_varlen_backward(do, q, k, v, o, lse, cu, cu, 257, 257, causal=True)
     """
+    key = _VARLEN_BACKWARD.key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                               softmax_scale, deterministic, dq, dk, dv, check_inputs, precision, window, alibi_slopes,
+                               softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
+    plan = _plan.plans.get(key)
+    if plan is not None:
+        if check_inputs is True:  # (the key holds check_inputs by type and value: True or False here)
+            _problem.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                      plan.device)
+        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask,
+                                    cu_seqlens_q, cu_seqlens_k), (seed, offset))
+        if grads is not None:
+            return grads
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
                                   bias, mask, key_padding_mask, precision)
     p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
     return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
-                              dbias=_dbias_array(dbias))
+                              key=key, dbias=_dbias_array(dbias))
 
 
 # --- KV-cache decoding ----------------------------------------------------------------------------------

@@ -285,6 +285,29 @@ def test_varlen_check_inputs_false_gives_the_same_bits(dtype):
         assert same_bits(a, b), f"{name} differs with check_inputs=False"
 
 
+@pytest.mark.parametrize("d,dtype,kind", [(64, "fp16", "contiguous"), (128, "bf16", "padded"), (96, "bf16", "transposed")])
+@pytest.mark.parametrize("check", [True, False], ids=["checked", "unchecked"])
+def test_a_planned_varlen_call_equals_the_full_path(d, dtype, kind, check):
+    """The second call of a varlen signature replays the plans of the first (new inputs and new cu_seqlens arrays of
+    the same lengths, their addresses written per call; check_inputs=True reads them back each time): its o, lse,
+    dq, dk, dv equal those of the same call on the full path (no plans), bit for bit. GQA 4:2, a zero-length
+    sequence, causal (the persistent forward's work queue at these head dims)."""
+    from gpu_helpers import check_replay_matches_full_path
+
+    lens = ([70, 0, 131, 9], [64, 5, 200, 9])
+
+    def call(seed):
+        q, k, v, dout, cu_q, cu_k, lens_q, lens_k = varlen_problem(4, 2, d, dtype, kind, ("plan", seed), lens)
+        mq, mk = max(lens_q), max(lens_k)
+        poison_pool(round_up(q.nbytes) + round_up(4 * 4 * q.shape[0]))
+        o, lse = cuflash.attention_varlen_forward(q, k, v, cu_q, cu_k, mq, mk, causal=True, check_inputs=check)
+        poison_pool(backward_poison_bytes(q, k, v))
+        return (o, lse, *cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu_q, cu_k, mq, mk, causal=True,
+                                                           deterministic=True, check_inputs=check))
+
+    check_replay_matches_full_path(call, f"varlen D={d} {dtype} {kind} check_inputs={check}")
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_deterministic_backward_is_bitwise_reproducible(causal):
     q, k, v, dout, cu_q, cu_k, lens_q, lens_k = varlen_problem(8, 2, 64, "bf16", "padded", ("det", causal))

@@ -357,6 +357,76 @@ def test_an_exclusive_group_gives_no_key_when_two_of_it_are_given():
             _plan.Signature("f", (("x", _plan.OPTIONAL_ARRAY), ("y", _plan.OPTIONAL_ARRAY)), exclusive=bad)
 
 
+def packed(lens_q=(5, 0, 12), lens_k=(9, 4, 7), h=4, hkv=2, d=64, dtype=F16):
+    """Packed q, k, v and their cu_seqlens (int32) for sequences of these lengths."""
+    tq, tk = sum(lens_q), sum(lens_k)
+    return (A((tq, h, d), dtype), A((tk, hkv, d), dtype), A((tk, hkv, d), dtype), A((len(lens_q) + 1,), I32),
+            A((len(lens_k) + 1,), I32), max(lens_q), max(lens_k))
+
+
+VARLEN_CASES = {
+    "plain": dict(),
+    "causal-bf16-d128": dict(args=dict(dtype=BF16, d=128), opts=dict(causal=True)),
+    "window-alibi": dict(opts=dict(window=(3, 0), alibi_slopes="slopes")),
+    "d72-dropout": dict(args=dict(d=72), opts=dict(dropout_p=0.2, seed=5)),
+}
+
+
+@pytest.mark.parametrize("case", VARLEN_CASES, ids=list(VARLEN_CASES))
+def test_varlen_forward_replays_what_the_full_path_launches(case):
+    """attention_varlen_forward and attention_varlen replay a plan: cu_seqlens are arrays of it (their addresses
+    bound per call), max_seqlen_q / max_seqlen_k and check_inputs enter the key by value."""
+    kw = VARLEN_CASES[case]
+    first, second = packed(**kw.get("args", {})), packed(**kw.get("args", {}))
+    def opts():  # (a fresh slopes array for each call)
+        o = dict(kw.get("opts", {}), check_inputs=False)
+        if o.get("alibi_slopes") == "slopes":
+            o["alibi_slopes"] = A((4,), F32)
+        return o
+    for fn in (cuflash.attention_varlen_forward, cuflash.attention_varlen):
+        check_replay_equals_full_path(lambda: fn(*first, **opts()), lambda: fn(*second, **opts()))
+
+
+@pytest.mark.parametrize("case", ["plain", "deterministic-bf16-d128", "prealloc-dq-alibi"])
+def test_varlen_backward_replays_what_the_full_path_launches(case):
+    args = dict(dtype=BF16, d=128) if "d128" in case else {}
+    def call(p):
+        q, k, v, cu_q, cu_k, mq, mk = p
+        dout, out, lse = A(q.shape, q.dtype), A(q.shape, q.dtype), A((q.shape[1], q.shape[0]), F32)
+        kw = dict(check_inputs=False, causal=True, deterministic="deterministic" in case)
+        if "prealloc" in case:
+            kw.update(dq=A(q.shape, q.dtype), alibi_slopes=A((q.shape[1],), F32))
+        return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **kw)
+    first, second = packed(**args), packed(**args)
+    check_replay_equals_full_path(lambda: call(first), lambda: call(second))
+
+
+def test_a_warm_varlen_call_checks_cu_seqlens_values_when_asked(monkeypatch):
+    """check_inputs=True reads cu_seqlens back on every call, planned or not; a bad value raises on a warm call as
+    on the first; check_inputs=False reads nothing."""
+    from cuflash import _validate
+
+    seen = []
+    real = _validate.check_cu_seqlens_values
+    monkeypatch.setattr(_validate, "check_cu_seqlens_values",
+                        lambda *args: seen.append(args[2:]) or real(np.array([0, 5, 5, 17]), np.array([0, 9, 13, 20]),
+                                                                     *args[2:]))
+    _plan.plans.clear()
+    args = packed()
+    for _ in range(3):
+        cuflash.attention_varlen_forward(*args)
+    assert len(_plan.plans) == 1 and len(seen) == 3 and seen[-1] == (17, 20, 12, 9)
+    monkeypatch.setattr(_validate, "check_cu_seqlens_values", lambda *args: real(np.array([0, 5, 5, 16]),
+                                                                                  np.array([0, 9, 13, 20]), *args[2:]))
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        cuflash.attention_varlen_forward(*args)
+    seen.clear()
+    monkeypatch.setattr(_validate, "check_cu_seqlens_values", lambda *args: seen.append(args))
+    cuflash.attention_varlen_forward(*args, check_inputs=False)
+    cuflash.attention_varlen_forward(*args, check_inputs=False)
+    assert not seen and len(_plan.plans) == 2
+
+
 def test_a_preallocated_dbias_takes_the_full_path():
     args = backward_args()
     bias = A((2, 4, 40, 72), F16)
@@ -792,18 +862,22 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
 }
 
 
-@pytest.mark.parametrize("fn", ["attention", "attention_forward", "attention_backward", "attention_with_kvcache"])
+@pytest.mark.parametrize("fn", ["attention", "attention_forward", "attention_backward", "attention_with_kvcache",
+                                "attention_varlen_forward", "attention_varlen_backward"])
 def test_every_keyword_option_is_part_of_the_plan_key(fn):
     """A keyword option that the key misses would replay a plan made for another value. When this fails
     for a new option: add it to the function's Signature (api.py) and a value here."""
     key_fn = {"attention": api._ATTENTION.key, "attention_forward": api._FORWARD.key,
-              "attention_backward": api._BACKWARD.key, "attention_with_kvcache": api._KVCACHE.key}[fn]
+              "attention_backward": api._BACKWARD.key, "attention_with_kvcache": api._KVCACHE.key,
+              "attention_varlen_forward": api._VARLEN_FORWARD.key,
+              "attention_varlen_backward": api._VARLEN_BACKWARD.key}[fn]
     sig = inspect.signature(getattr(api, fn))
     options = [p for p in sig.parameters.values() if p.kind is p.KEYWORD_ONLY]
     missing = [p.name for p in options if p.name not in OTHER_VALUES]
     assert not missing, f"{fn}: no test value for the options {missing}: add them to the plan key and here"
     kinds = dict({"attention": api._ATTENTION, "attention_forward": api._FORWARD, "attention_backward": api._BACKWARD,
-                  "attention_with_kvcache": api._KVCACHE}[fn].params)
+                  "attention_with_kvcache": api._KVCACHE, "attention_varlen_forward": api._VARLEN_FORWARD,
+                  "attention_varlen_backward": api._VARLEN_BACKWARD}[fn].params)
     key_params = list(inspect.signature(key_fn).parameters)
     absent = [p.name for p in options if p.name not in key_params]
     assert not absent, f"{fn}: the options {absent} are not passed to {key_fn.__name__}"

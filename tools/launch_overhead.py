@@ -1,7 +1,8 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
 Rows: attention, attention_backward (plain, with a window, soft-capping and ALiBi, and with a bias and its
-gradient), attention_with_kvcache.
+gradient), attention_varlen and attention_varlen_backward (three packed sequences, check_inputs=False),
+attention_with_kvcache.
 Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
 the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
 the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
@@ -105,6 +106,8 @@ def fake_main() -> int:
     lens = fc.FakeArray((1,), np.int32)
     mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=fc.FakeArray((2,), np.float32))
     bias = fc.FakeArray((1, 2, 128, 128), f16)
+    pq, pdo, po = (fc.FakeArray((300, 2, 64), f16) for _ in range(3))
+    plse, cu = fc.FakeArray((2, 300), np.float32), fc.FakeArray((4,), np.int32)
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
@@ -112,6 +115,10 @@ def fake_main() -> int:
         "attention_backward, the same modifiers": lambda: cuflash.attention_backward(do, q, k, v, o, lse, **mods),
         "attention_backward, a (1, 2, 128, 128) bias, dbias":
             lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
+        "attention_varlen (3 sequences, 300 tokens, H=2, D=64)":
+            lambda: cuflash.attention_varlen(pq, pq, pq, cu, cu, 128, 128, check_inputs=False),
+        "attention_varlen_backward (same)":
+            lambda: cuflash.attention_varlen_backward(pdo, pq, pq, pq, po, plse, cu, cu, 128, 128, check_inputs=False),
         "attention_with_kvcache (1 query, 32k cache, D128)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
     }
@@ -188,6 +195,9 @@ def main() -> int:
     slopes = cp.asarray([0.25, 0.125], dtype=cp.float32)
     mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=slopes)
     bias = rnd.standard_normal((1, 2, 128, 128), dtype=cp.float32).astype(cp.float16)
+    pq, pdo = (rnd.standard_normal((300, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
+    cu = cp.asarray([0, 100, 172, 300], dtype=cp.int32)
+    po, plse = cuflash.attention_varlen_forward(pq, pq, pq, cu, cu, 128, 128)
 
     def calls_of(m, tag=""):
         return {
@@ -197,6 +207,10 @@ def main() -> int:
             f"attention_backward, the same modifiers{tag}": lambda: m.attention_backward(do, q, k, v, o, lse, **mods),
             f"attention_backward, a (1, 2, 128, 128) bias, dbias{tag}":
                 lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
+            f"attention_varlen (3 sequences, 300 tokens, H=2, D=64){tag}":
+                lambda: m.attention_varlen(pq, pq, pq, cu, cu, 128, 128, check_inputs=False),
+            f"attention_varlen_backward (same){tag}":
+                lambda: m.attention_varlen_backward(pdo, pq, pq, pq, po, plse, cu, cu, 128, 128, check_inputs=False),
             f"attention_with_kvcache (1 query, 1000 cached keys){tag}":
                 lambda: m.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
         }
