@@ -295,15 +295,10 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     key = _VARLEN_FORWARD.key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               check_inputs, precision, window, alibi_slopes, softcap, bias, mask, key_padding_mask,
                               dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale, out_dtype)
-    plan = _plan.plans.get(key)
-    if plan is not None:
-        if check_inputs is True:  # (the key holds check_inputs by type and value: True or False here)
-            _problem.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-                                      plan.device)
-        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k),
-                           (seed, offset))
-        if out is not None:
-            return out
+    out = _varlen_replay(key, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k),
+                         (seed, offset), check_inputs, q, k, max_seqlen_q, max_seqlen_k)
+    if out is not None:
+        return out
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None or \
             _fp8.is_fp8(q):
         if not _fp8.is_fp8(q):
@@ -374,21 +369,30 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
     key = _VARLEN_BACKWARD.key(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                softmax_scale, deterministic, dq, dk, dv, check_inputs, precision, window, alibi_slopes,
                                softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
-    plan = _plan.plans.get(key)
-    if plan is not None:
-        if check_inputs is True:  # (the key holds check_inputs by type and value: True or False here)
-            _problem.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
-                                      plan.device)
-        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask,
-                                    cu_seqlens_q, cu_seqlens_k), (seed, offset))
-        if grads is not None:
-            return grads
+    grads = _varlen_replay(key, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask,
+                                 cu_seqlens_q, cu_seqlens_k), (seed, offset), check_inputs, q, k, max_seqlen_q,
+                           max_seqlen_k)
+    if grads is not None:
+        return grads
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,
                                   bias, mask, key_padding_mask, precision)
     p = _problem.backward(a, dout, out, lse, deterministic, dq, dk, dv, dbias)
     return _families.backward(p, (dout, q, k, v, out, lse, dq, dk, dv), cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
                               key=key, dbias=_dbias_array(dbias))
+
+
+def _varlen_replay(key, arrays, extra, check_inputs, q, k, max_seqlen_q, max_seqlen_k):
+    """A varlen call replayed from its plan (arrays: the plan's, cu_seqlens_q and cu_seqlens_k last), or None: no
+    plan, or a per-call check sent the call down the full path. check_inputs=True reads cu_seqlens back first, as
+    the full path does (the key holds check_inputs by type and value: True or False here)."""
+    plan = _plan.plans.get(key)
+    if plan is None:
+        return None
+    if check_inputs is True:
+        _problem.check_cu_seqlens(arrays[-2], arrays[-1], q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k,
+                                  plan.device)
+    return _plan.replay(plan, arrays, extra)
 
 
 # --- KV-cache decoding ----------------------------------------------------------------------------------
