@@ -162,6 +162,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   if ((Mods::HAS_BIAS && !staged) || Mods::HAS_MASK)
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
+  constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && Tr::HEAD_DIM >= 128;
+  const u32 mask_bits = MASK_BITS ? mask_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane) : ~0u;
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 
@@ -208,6 +210,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
           s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
         }
     }
+  } else if (MASK_BITS) {
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        s_acc[qt][c] = mods.score_of(s_acc[qt][c], m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1),
+                                     band.diag, unused_dcap[qt][c], 0.f, (mask_bits >> (4 * qt + c)) & 1);
   } else {
     apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
   }

@@ -157,7 +157,9 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   // element-wise work keeps the consumers at the edge of their registers: there the writer's hand-offs made ptxas
   // spill 4-28 bytes (head dims 64 and 128, under NVRTC 13.0 or 13.5), so those leave dQ to bwd_dq_kernel.
   // cuflash/config.py ordered_dq mirrors this.
-  static constexpr bool ordered_dq(int mods, bool /*causal*/) { return !(mods & (MOD_BIAS | MOD_DROPOUT)); }
+  static constexpr bool ordered_dq(int mods, bool /*causal*/) {
+    return !(mods & (MOD_BIAS | MOD_DROPOUT)) && !(HEAD_DIM_ >= 128 && (mods & MOD_MASK));
+  }
   static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
   // named barriers (0 is __syncthreads)
   static constexpr int DS_BAR = 1, DQ_BAR = 2, EPILOGUE_BAR = 3;

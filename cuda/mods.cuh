@@ -405,6 +405,24 @@ __device__ __forceinline__ u32 dropout_keep_transposed(int key0, int query0, con
   return keep;
 }
 
+// Mask bits of the transposed layout (bit qt * 4 + c set = kept), read before the tile's S^T GEMM is waited for
+// (the elements' lines are in L1 or on their way: prefetch_cols). The loop keeps two query tiles' loads in flight at a
+// time: fully unrolled, the 32 byte loads of a head-dim-128 step held 32 registers at the consumer's peak.
+template <int MODS, int Q_TILES>
+__device__ __forceinline__ u32 mask_keep_transposed(int key0, int query0, const ScoreMods<MODS>& mods, int lane) {
+  static_assert(Q_TILES <= 8 || !ScoreMods<MODS>::HAS_MASK, "mask bits of at most 32 elements per thread");
+  if (!ScoreMods<MODS>::HAS_MASK || !mods.check_mask) return ~0u;
+  const int g = lane >> 2, t = lane & 3;
+  u32 bits = 0;
+#pragma unroll 2
+  for (int qt = 0; qt < Q_TILES; ++qt)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      bits |= static_cast<u32>(mods.kept_by_mask(query0 + qt * 8 + 2 * t + (c & 1), key0 + g + 8 * (c >> 1)))
+              << (4 * qt + c);
+  return bits;
+}
+
 // dS of one element from P (undropped), dP (= dO . V, undropped), delta = rowsum(dO * O): P * (dP - delta);
 // dropout: dP * keep / (1 - p) in place of dP (a dropped element keeps -P * delta); softcap: times dcap.
 template <int MODS>

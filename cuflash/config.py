@@ -1244,10 +1244,11 @@ def ordered_dq(main) -> bool:
     """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
     counted in turns (the warp-specialized kernel's bwd_sm90_ws_dq_writer; the float32 / float64 bwd_wide_kernel's
     ORDERED adds), so that no bwd_dq_kernel runs after it. Mirrors BwdSm90WsTraits::ordered_dq: not with a bias or
-    dropout (their instantiations spilled with the dQ writer)."""
+    dropout, nor with a mask at head dim 128 (their instantiations spilled with the dQ writer)."""
     if isinstance(main, BwdWideConfig):
         return main.deterministic
-    return isinstance(main, BwdSm90WsConfig) and main.deterministic and not main.mods & (MOD_BIAS | MOD_DROPOUT)
+    return (isinstance(main, BwdSm90WsConfig) and main.deterministic and not main.mods & (MOD_BIAS | MOD_DROPOUT)
+            and not (main.head_dim >= 128 and main.mods & MOD_MASK))
 
 
 def turn_rows(main) -> int:
@@ -1270,11 +1271,13 @@ def convert_dq_config(main, dtype: str) -> "ElementwiseConfig":
 # dim 128 dK and dV hold 128 of a consumer's 240 registers: it takes the heavy modifier sets below (each with or
 # without the light ones), which compile spill-free for fp16 and bf16, causal or not, deterministic or not, under
 # NVRTC 13.0 and 13.5 (with dropout or a bias, bwd_sm90_dkdv_step waits for dV before dS^T; soft-capping parks
-# its second P^T copy in shared memory instead). The others run the mma.sync backward: a mask
-# alone spilled 12-24 bytes (NVRTC 13.0), dropout beside ALiBi or soft-capping, or any of the three beside a bias
-# or mask, 8-320 bytes.
+# its second P^T copy in shared memory instead; a mask without a bias reads its 32 bits per thread into one register
+# before the step's S^T is waited for, and a deterministic call with a mask takes its dQ from bwd_dq_kernel). The
+# others run the mma.sync backward: a mask beside both ALiBi and soft-capping spilled 8-16 bytes, dropout beside
+# ALiBi, soft-capping or a mask, or any of the three beside a bias, 8-320 bytes.
 BWD_SM90_WS_HEAD_DIMS = (32, 64, 128)
-BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_SOFTCAP, MOD_ALIBI | MOD_SOFTCAP, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK)
+BWD_SM90_WS_MODS_128 = (MOD_ALIBI, MOD_SOFTCAP, MOD_ALIBI | MOD_SOFTCAP, MOD_DROPOUT, MOD_BIAS, MOD_BIAS | MOD_MASK,
+                        MOD_MASK, MOD_ALIBI | MOD_MASK, MOD_SOFTCAP | MOD_MASK)
 BWD_SM90_WS_MODS_128_ALONE = ()  # sets taken without a window beside them only (none today)
 # Heavy modifier sets whose warp-specialized backward kernels the compile check builds (and the sanitizer cases
 # launch) each as they are, with and without the window, beside the heaviest set: head dim 128's (at the register

@@ -38,10 +38,13 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
     assert config.backward_kernel_config(96, "bf16", True, False, "sm_90a").head_dim == 128
     for mods in (config.MOD_ALIBI, config.MOD_DROPOUT | config.MOD_WINDOW, config.MOD_BIAS,
                  config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW, config.MOD_SOFTCAP,
-                 config.MOD_SOFTCAP | config.MOD_WINDOW, config.MOD_ALIBI | config.MOD_SOFTCAP):
+                 config.MOD_SOFTCAP | config.MOD_WINDOW, config.MOD_ALIBI | config.MOD_SOFTCAP, config.MOD_MASK,
+                 config.MOD_MASK | config.MOD_WINDOW, config.MOD_ALIBI | config.MOD_MASK,
+                 config.MOD_SOFTCAP | config.MOD_MASK | config.MOD_WINDOW):
         assert isinstance(config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=mods),
                           config.BwdSm90WsConfig), mods
-    for mods in (config.MOD_SOFTCAP | config.MOD_DROPOUT, config.MOD_MASK, config.MOD_ALIBI | config.MOD_DROPOUT,
+    for mods in (config.MOD_SOFTCAP | config.MOD_DROPOUT, config.MOD_ALIBI | config.MOD_SOFTCAP | config.MOD_MASK,
+                 config.MOD_ALIBI | config.MOD_DROPOUT, config.MOD_MASK | config.MOD_DROPOUT,
                  config.MOD_BIAS | config.MOD_DROPOUT, config.MODS_ALL):
         heavy = config.backward_kernel_config(128, "fp16", False, False, "sm_90a", mods=mods)
         assert type(heavy) is config.BwdConfig, mods

@@ -163,47 +163,58 @@ def test_ordered_dq_reductions(case, d):
         assert same_bits(x, y), f"deterministic {name} differs between two runs: {case}, D={d}"
 
 
-def test_deterministic_with_a_bias_keeps_the_dq_kernel():
-    """The exception of BwdSm90WsTraits::ordered_dq (a bias or dropout): the deterministic dQ kernel after the main
-    kernel, bitwise repeatable and within the rule (head dim 128, causal, a bias of the full shape)."""
-    from test_gpu_bias import run_dense as run_bias
+@pytest.mark.parametrize("what", ["bias", "mask"])
+def test_deterministic_with_a_bias_keeps_the_dq_kernel(what):
+    """The exceptions of BwdSm90WsTraits::ordered_dq (a bias or dropout; a mask at head dim 128): the deterministic
+    dQ kernel after the main kernel, bitwise repeatable and within the rule (head dim 128, causal, a bias of the
+    full shape or a random mask)."""
+    from test_gpu_bias import mask_random, run_dense as run_bias
 
-    cfg = config.backward_kernel_config(128, "bf16", True, True, _compile.device_arch(), mods=config.MOD_BIAS)
+    mods = config.MOD_BIAS if what == "bias" else config.MOD_MASK
+    cfg = config.backward_kernel_config(128, "bf16", True, True, _compile.device_arch(), mods=mods)
     assert isinstance(cfg, config.BwdSm90WsConfig) and not config.ordered_dq(cfg), cfg
     b, sq, sk = 1, 333, 400
-    first, again = (run_bias(b, sq, sk, 2, 2, 128, "bf16", causal=True, deterministic=True,
-                             bias_shape=(b, 2, sq, sk))[2] for _ in range(2))
+    kw = {"bias_shape": (b, 2, sq, sk)} if what == "bias" else {"mask": mask_random}
+    first, again = (run_bias(b, sq, sk, 2, 2, 128, "bf16", causal=True, deterministic=True, **kw)[2]
+                    for _ in range(2))
     for name, x, y in zip(("dq", "dk", "dv", "dbias"), first, again):
-        assert same_bits(x, y), f"deterministic {name} differs between two runs"
+        if x is not None or y is not None:
+            assert same_bits(x, y), f"deterministic {name} differs between two runs ({what})"
 
 
 # Head dim 128 with each heavy modifier set its warp-specialized kernel takes (config.BWD_SM90_WS_MODS_128), the
-# window beside some; the mask on a (B, H, Sq, Sk) bias and a random mask; a softcap of 2 on scores scaled up 3x, so
-# that most scores are capped hard and its derivative (1 - tanh^2), parked in shared memory between the step's two
-# loops, matters. GQA 4/2, a key tail, 9 query blocks.
+# window beside some; the mask on a (B, H, Sq, Sk) bias and a random mask, and masks without a bias (random; whole
+# tiles kept or dropped, so that full tiles skip the element reads; dead rows beside a key padding mask); a softcap
+# of 2 on scores scaled up 3x, so that most scores are capped hard and its derivative (1 - tanh^2), parked in shared
+# memory between the step's two loops, matters. GQA 4/2, a key tail, 9 query blocks. `bias`: False (none), True (a
+# full bias), "mask" (a full bias and a random mask), or a mask alone: "random", "tiles", "dead".
 WS_128_MODS = [({"alibi": "bh"}, False), ({"dropout": 0.17, "window": (64, 64)}, False), ({}, True),
                ({"window": (37, 5)}, "mask"), ({"softcap": 2.0}, False), ({"softcap": 2.0, "window": (64, 64)}, False),
-               ({"softcap": 2.0, "alibi": "bh"}, False)]
+               ({"softcap": 2.0, "alibi": "bh"}, False), ({}, "random"), ({"window": (37, 5)}, "tiles"),
+               ({"alibi": "bh"}, "dead"), ({"softcap": 2.0, "window": (64, 64)}, "random")]
+WS_128_IDS = ["alibi", "dropout+window", "bias", "bias+mask+window", "softcap", "softcap+window", "alibi+softcap",
+              "mask", "tile-mask+window", "dead-rows-mask+padding+alibi", "mask+softcap+window"]
 
 
 @pytest.mark.parametrize("det", [False, True], ids=["atomic", "deterministic"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=["alibi", "dropout+window", "bias", "bias+mask+window",
-                                                        "softcap", "softcap+window", "alibi+softcap"])
+@pytest.mark.parametrize("mods,bias", WS_128_MODS, ids=WS_128_IDS)
 def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
-    from test_gpu_bias import mask_random, run_dense as run_bias
+    from test_gpu_bias import mask_dead_rows, mask_random, mask_tiles, run_dense as run_bias
 
     bits = sum(bit for name, bit in (("window", config.MOD_WINDOW), ("alibi", config.MOD_ALIBI),
                                      ("dropout", config.MOD_DROPOUT), ("softcap", config.MOD_SOFTCAP)) if name in mods)
-    bits |= (config.MOD_BIAS if bias else 0) | (config.MOD_MASK if bias == "mask" else 0)
+    mask = {"mask": mask_random, "random": mask_random, "tiles": mask_tiles, "dead": mask_dead_rows}.get(bias)
+    has_bias = bias is True or bias == "mask"
+    bits |= (config.MOD_BIAS if has_bias else 0) | (config.MOD_MASK if mask else 0)
     kernel_causal = causal and not bits & config.MOD_WINDOW
     dtype = "bf16" if causal else "fp16"
     cfg = config.backward_kernel_config(128, dtype, kernel_causal, det, _compile.device_arch(), mods=bits)
     assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == bits, cfg
     b, sq, sk, hq, hkv = 2, 517, 300, 4, 2
     run_bias(b, sq, sk, hq, hkv, 128, dtype, causal=causal, mods=mods, deterministic=det,
-             bias_shape=(b, hq, sq, sk) if bias else None, mask=mask_random if bias == "mask" else None,
-             scale_inputs=3.0 if "softcap" in mods else 1.0)
+             bias_shape=(b, hq, sq, sk) if has_bias else None, mask=mask,
+             padding="random" if bias == "dead" else None, scale_inputs=3.0 if "softcap" in mods else 1.0)
 
 
 @pytest.mark.parametrize("case", ["bf16", "fp16+mask", "broadcast", "key-slice", "fp32", "unaligned-view"])

@@ -1,6 +1,6 @@
 """Time the backward main-kernel families side by side on one GPU:
 `python tools/bench_bwd_families.py [--families bwd_sm90_ws bwd_sm90 bwd] [--head-dims 64 128] [--n 1024 4096 16384]
-[--mods none alibi softcap dropout alibi+softcap+dropout bias bias+mask]`.
+[--mods none alibi softcap dropout alibi+softcap+dropout bias bias+mask mask alibi+mask ...]`.
 
 Each family is put first in the registry (cuflash.config.FAMILIES; the other backward families that would win
 over it are left out), the selection and plan caches are cleared, and `attention_backward` is timed with CUDA
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", nargs="+", choices=("no", "yes"), default=["no", "yes"])
     ap.add_argument("--mods", nargs="+", default=["none"],
                     choices=("none", "alibi", "softcap", "dropout", "alibi+softcap", "softcap+window",
-                             "alibi+softcap+dropout", "bias", "bias+mask", "mask"))
+                             "alibi+softcap+dropout", "bias", "bias+mask", "mask", "alibi+mask", "softcap+mask"))
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args(argv)
     original = config.FAMILIES
