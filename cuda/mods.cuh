@@ -406,14 +406,42 @@ __device__ __forceinline__ u32 dropout_keep_transposed(int key0, int query0, con
 }
 
 // Mask bits of the transposed layout (bit qt * 4 + c set = kept), read before the tile's S^T GEMM is waited for
-// (the elements' lines are in L1 or on their way: prefetch_cols). The loop keeps two query tiles' loads in flight at a
-// time: fully unrolled, the 32 byte loads of a head-dim-128 step held 32 registers at the consumer's peak.
+// (the elements' lines are in L1 or on their way: prefetch_cols). Where a warp's 16 keys of each query row are one
+// aligned 16-byte chunk (keys contiguous, rows on 16 bytes, no key tail), each lane loads two rows' chunks, packs each
+// to 16 bits, and the lanes take their elements' bits from the rows' lanes by shuffles (2 loads instead of 32). Else
+// byte loads, two query tiles in flight at a time: fully unrolled, the 32 loads of a head-dim-128 step held 32
+// registers at the consumer's peak.
+__device__ __forceinline__ u32 mask_nibble(u32 w) {  // 4 mask bytes -> 4 bits, byte j -> bit j
+  const u32 b = __vcmpne4(w, 0u) & 0x01010101u;
+  return (b | b >> 7 | b >> 14 | b >> 21) & 0xFu;
+}
 template <int MODS, int Q_TILES>
 __device__ __forceinline__ u32 mask_keep_transposed(int key0, int query0, const ScoreMods<MODS>& mods, int lane) {
   static_assert(Q_TILES <= 8 || !ScoreMods<MODS>::HAS_MASK, "mask bits of at most 32 elements per thread");
   if (!ScoreMods<MODS>::HAS_MASK || !mods.check_mask) return ~0u;
   const int g = lane >> 2, t = lane & 3;
   u32 bits = 0;
+  // (not beside ALiBi: with it, the window and both paths, ptxas 13.5 spilled 16 bytes at head dim 128)
+  const bool chunks = Q_TILES == 8 && !ScoreMods<MODS>::HAS_ALIBI && mods.mask_k == 1 && mods.mask_q % 16 == 0 && key0 % 16 == 0 &&
+                      key0 + 15 <= mods.last_k && reinterpret_cast<unsigned long long>(mods.mask_base) % 16 == 0;
+  if (chunks) {  // (warp-uniform)
+    u32 rows = 0;  // bits of keys key0 .. + 15: query row query0 + lane in bits 0-15, row query0 + lane + 32 in 16-31
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = min(query0 + lane + 32 * h, mods.last_q);
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(mods.mask_base + (row * mods.mask_q + key0)));
+      rows |= (mask_nibble(v.x) | mask_nibble(v.y) << 4 | mask_nibble(v.z) << 8 | mask_nibble(v.w) << 12) << (16 * h);
+    }
+#pragma unroll
+    for (int qt = 0; qt < Q_TILES; ++qt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int query = qt * 8 + 2 * t + e;  // in the block
+        const u32 r = __shfl_sync(0xffffffffu, rows, query & 31) >> (16 * (query >> 5) + g);
+        bits |= (r & 1u) << (4 * qt + e) | ((r >> 8) & 1u) << (4 * qt + e + 2);
+      }
+    return bits;
+  }
 #pragma unroll 2
   for (int qt = 0; qt < Q_TILES; ++qt)
 #pragma unroll

@@ -283,7 +283,11 @@ def default_cases() -> list[Case]:
                 for ci, (causal, window) in enumerate(((False, config.MOD_WINDOW), (False, 0), (True, 0))):
                     if window and heavy in config.BWD_SM90_WS_EXACT_ALONE.get(hd, ()):
                         continue
-                    sq, sk = ((136, 264), (264, 136))[(mi + di + ci) % 2]
+                    # a mask without a bias: rows of a multiple of 16 keys, so that the head-dim-128 kernel reads
+                    # them in 16-byte chunks (mask_keep_transposed), a key tail of 16 keys past the last full tile
+                    shapes = ((136, 272), (264, 144)) if heavy & config.MOD_MASK and not heavy & config.MOD_BIAS else \
+                        ((136, 264), (264, 136))
+                    sq, sk = shapes[(mi + di + ci) % 2]
                     cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=heavy | window))
     # the wide-head backward's modifier kernels (config.BWD_SM90_SPLIT_MODS_CHECKED: window, ALiBi, softcap and
     # dropout; the sets above carry a bias and mask, which run the mma.sync backward there), each launched: 3 query

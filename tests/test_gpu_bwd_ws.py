@@ -187,7 +187,9 @@ def test_deterministic_with_a_bias_keeps_the_dq_kernel(what):
 # tiles kept or dropped, so that full tiles skip the element reads; dead rows beside a key padding mask); a softcap
 # of 2 on scores scaled up 3x, so that most scores are capped hard and its derivative (1 - tanh^2), parked in shared
 # memory between the step's two loops, matters. GQA 4/2, a key tail, 9 query blocks. `bias`: False (none), True (a
-# full bias), "mask" (a full bias and a random mask), or a mask alone: "random", "tiles", "dead".
+# full bias), "mask" (a full bias and a random mask), or a mask alone: "random", "tiles", "dead". The random and tile
+# masks come with 304 keys, rows of a multiple of 16 bytes, which the kernel reads in 16-byte chunks
+# (mask_keep_transposed); the others with 300, read byte by byte.
 WS_128_MODS = [({"alibi": "bh"}, False), ({"dropout": 0.17, "window": (64, 64)}, False), ({}, True),
                ({"window": (37, 5)}, "mask"), ({"softcap": 2.0}, False), ({"softcap": 2.0, "window": (64, 64)}, False),
                ({"softcap": 2.0, "alibi": "bh"}, False), ({}, "random"), ({"window": (37, 5)}, "tiles"),
@@ -211,7 +213,7 @@ def test_head_dim_128_with_a_heavy_modifier(mods, bias, causal, det):
     dtype = "bf16" if causal else "fp16"
     cfg = config.backward_kernel_config(128, dtype, kernel_causal, det, _compile.device_arch(), mods=bits)
     assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.mods == bits, cfg
-    b, sq, sk, hq, hkv = 2, 517, 300, 4, 2
+    b, sq, sk, hq, hkv = 2, 517, 304 if bias in ("random", "tiles") else 300, 4, 2
     run_bias(b, sq, sk, hq, hkv, 128, dtype, causal=causal, mods=mods, deterministic=det,
              bias_shape=(b, hq, sq, sk) if has_bias else None, mask=mask,
              padding="random" if bias == "dead" else None, scale_inputs=3.0 if "softcap" in mods else 1.0)
