@@ -4,6 +4,7 @@
     cuflash compile --arch sm_80  # compile every shipped kernel, print registers/spills/shared memory
     cuflash compile --all         # every architecture we ship for (sm_80 and sm_90a)
     cuflash compile --sass --filter fwd_sm90   # + SASS instruction counts (nvdisasm), some kernels only
+    cuflash compile --every-mods --filter "BwdSm90WsTraits<64"   # every modifier set, not only the heaviest
 
 The compile check needs NVRTC but no GPU, so CI runs it. It exits non-zero on a compile error or on any
 spill (spill stores, spill loads or a stack frame).
@@ -129,6 +130,39 @@ def shipped_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
     return out
 
 
+def every_mods_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
+    """(kind, config) of the 16-bit forward and backward main kernels the registry picks on `arch` for every score
+    modifier set (each combination of the MOD_* bits, and a BlockMask's tile map with or without a window, not
+    deterministic), kernel head dim, dtype, causal flag and, for the backward, deterministic mode, with the
+    deterministic dQ kernel where one runs after the main kernel; the forward's tiles for a key length not given
+    (select's seqlen_k=None). These are the lighter sets that the shipped list (MODS_CHECKED: the heaviest set as
+    the register bound of the others) does not build. Thousands of kernels: narrow it with --filter."""
+    from . import config
+
+    sets = [m for m in range(config.MODS_ALL + 1)] + [config.MOD_BLOCKS, config.MOD_BLOCKS | config.MOD_WINDOW]
+    out: dict[str, tuple[str, object]] = {}
+    for hd in config.KERNEL_HEAD_DIMS:
+        for dt in config.DTYPES:
+            for causal in (False, True):
+                for mods in sets:
+                    if causal and mods & config.MOD_WINDOW:  # a window carries causal itself
+                        continue
+                    for op, kind, det in (("forward", "fwd", False), ("backward", "bwd", False),
+                                          ("backward", "bwd", True)):
+                        if det and mods & config.MOD_BLOCKS:  # the deterministic backward keeps the element
+                            continue                              # mask (_families.blocks_only)
+                        try:
+                            cfg = config.select(op, hd, dt, causal, arch, mods=mods, deterministic=det)
+                        except ValueError:  # no family takes this set
+                            continue
+                        out.setdefault(cfg.cpp_name(), (kind, cfg))
+                        if det and not config.ordered_dq(cfg) and config.dq_supported(hd, mods, arch) and not \
+                                isinstance(cfg, config.BwdSm90SplitConfig):
+                            dq = config.dq_config(hd, dt, causal, mods)
+                            out.setdefault(dq.cpp_name(), ("bwd", dq))
+    return list(out.values())
+
+
 SASS_OPS = ("HGMMA", "HMMA", "LDSM", "LDGSTS", "LDG", "STG", "REDG", "LDL", "STL")
 
 
@@ -182,8 +216,8 @@ def compile_check(args) -> int:
         print(f"cuflash compile: NVRTC is not usable: {type(e).__name__}: {e}\n"
               f"install it with: pip install nvidia-cuda-nvrtc (CUDA 13) or nvidia-cuda-nvrtc-cu12", file=sys.stderr)
         return 2
-    jobs = [(arch, kind, cfg) for arch in archs for kind, cfg in shipped_instantiations(arch)
-            if args.filter in cfg.cpp_name()]
+    listing = every_mods_instantiations if args.every_mods else shipped_instantiations
+    jobs = [(arch, kind, cfg) for arch in archs for kind, cfg in listing(arch) if args.filter in cfg.cpp_name()]
     print(f"compiling {len(jobs)} kernel instantiations for {', '.join(archs)} with NVRTC {version}, "
           f"{args.jobs} threads, sources {_compile.cuda_dir()}")
 
@@ -283,6 +317,10 @@ def build_parser() -> argparse.ArgumentParser:
                            help="also count SASS instructions (HGMMA, HMMA, LDGSTS, LDL/STL, ...) with nvdisasm")
     p_compile.add_argument("--filter", default="", metavar="TEXT",
                            help="only kernels whose C++ name contains TEXT (e.g. fwd_sm90)")
+    p_compile.add_argument("--every-mods", action="store_true",
+                           help="the main kernels of every score-modifier set the library can launch (not only the "
+                                "heaviest, which the default list builds as the register bound of the others); "
+                                "thousands of kernels: combine with --filter")
     p_compile.add_argument("--jobs", type=_positive_int, default=os.cpu_count() or 1,
                            help="compiler threads (default: the number of CPUs)")
     return parser

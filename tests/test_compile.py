@@ -181,3 +181,36 @@ def test_every_shipped_tile_fits_the_targets_shared_memory(arch):
         assert config.SMEM_LIMIT_SM80 < c.smem_bytes <= config.SMEM_LIMIT_SM90, c
     assert config.select("forward", 128, "fp64", False, "sm_80").smem_bytes <= config.SMEM_LIMIT_SM80
     assert config.select("backward", 64, "fp64", True, "sm_80").smem_bytes <= config.SMEM_LIMIT_SM80
+
+
+def test_every_mods_listing_covers_the_lighter_sets():
+    """`cuflash compile --every-mods` lists the main kernels of every modifier set the registry can pick, beyond the
+    shipped list's heaviest sets: a lighter set of the head-dim-64 warp-specialized backward (a mask, deterministic)
+    that the shipped list does not build, the head-dim-128 mask kernel it does, each listed once, each what `select`
+    returns for its set, and the deterministic dQ kernel where one runs after the main kernel."""
+    from cuflash.__main__ import every_mods_instantiations, shipped_instantiations
+
+    every = every_mods_instantiations("sm_90a")
+    names = [cfg.cpp_name() for _, cfg in every]
+    assert len(names) == len(set(names))
+    shipped = {cfg.cpp_name() for _, cfg in shipped_instantiations("sm_90a")}
+    light = config.select("backward", 64, "bf16", False, "sm_90a", mods=config.MOD_MASK, deterministic=True)
+    assert isinstance(light, config.BwdSm90WsConfig) and light.cpp_name() in names and light.cpp_name() not in shipped
+    mask128 = config.select("backward", 128, "fp16", True, "sm_90a", mods=config.MOD_MASK | config.MOD_ALIBI)
+    assert mask128.cpp_name() in names and mask128.cpp_name() in shipped
+    det128 = config.select("backward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK, deterministic=True)
+    assert not config.ordered_dq(det128) and config.dq_config(128, "bf16", False, config.MOD_MASK).cpp_name() in names
+    for mods in (0, config.MOD_WINDOW, config.MOD_SOFTCAP | config.MOD_DROPOUT, config.MOD_BLOCKS):
+        fwd = config.select("forward", 96, "fp16", False, "sm_90a", mods=mods)
+        assert fwd.cpp_name() in names, mods
+
+
+def test_every_mods_compile_check_on_one_kernel(capsys):
+    """The compile command with --every-mods and a filter that leaves one kernel builds it and reports 0 problems."""
+    nvrtc_or_skip()
+    from cuflash.__main__ import main
+
+    name = config.select("backward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK).cpp_name()
+    assert main(["compile", "--every-mods", "--filter", name, "--jobs", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "compiling 1 kernel instantiations" in out and "1 kernels in" in out and "0 with problems" in out, out
