@@ -153,10 +153,10 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static constexpr int smem_bytes(bool bias) {  // cuflash/config.py BwdSm90WsConfig.smem_bytes
     return bias ? OFF_BIAS + 2 * SMEM_BIAS + 1024 : SMEM_BYTES;
   }
-  // Deterministic: dQ by ordered reductions (bwd_sm90_ws_dq_writer), except with a bias or dropout, whose
-  // element-wise work keeps the consumers at the edge of their registers: there the writer's hand-offs made ptxas
-  // spill 4-28 bytes (head dims 64 and 128, under NVRTC 13.0 or 13.5), so those leave dQ to bwd_dq_kernel.
-  // cuflash/config.py ordered_dq mirrors this.
+  // Deterministic: dQ by ordered reductions (bwd_sm90_ws_dq_writer), except with a bias or dropout, and with a mask
+  // at head dim 128, whose element-wise work keeps the consumers at the edge of their registers: there the writer's
+  // hand-offs made ptxas spill 4-28 bytes (head dims 64 and 128, under NVRTC 13.0 or 13.5; a mask at 128: 8-12), so
+  // those leave dQ to bwd_dq_kernel. cuflash/config.py ordered_dq mirrors this.
   static constexpr bool ordered_dq(int mods, bool /*causal*/) {
     return !(mods & (MOD_BIAS | MOD_DROPOUT)) && !(HEAD_DIM_ >= 128 && (mods & MOD_MASK));
   }

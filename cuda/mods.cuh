@@ -422,8 +422,9 @@ __device__ __forceinline__ u32 mask_keep_transposed(int key0, int query0, const 
   const int g = lane >> 2, t = lane & 3;
   u32 bits = 0;
   // (not beside ALiBi: with it, the window and both paths, ptxas 13.5 spilled 16 bytes at head dim 128)
-  const bool chunks = Q_TILES == 8 && !ScoreMods<MODS>::HAS_ALIBI && mods.mask_k == 1 && mods.mask_q % 16 == 0 && key0 % 16 == 0 &&
-                      key0 + 15 <= mods.last_k && reinterpret_cast<unsigned long long>(mods.mask_base) % 16 == 0;
+  const bool chunks = Q_TILES == 8 && !ScoreMods<MODS>::HAS_ALIBI && mods.mask_k == 1 && mods.mask_q % 16 == 0 &&
+                      key0 % 16 == 0 && key0 + 15 <= mods.last_k &&
+                      reinterpret_cast<unsigned long long>(mods.mask_base) % 16 == 0;
   if (chunks) {  // (warp-uniform)
     u32 rows = 0;  // bits of keys key0 .. + 15: query row query0 + lane in bits 0-15, row query0 + lane + 32 in 16-31
 #pragma unroll
