@@ -156,8 +156,8 @@ def every_mods_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
                         except ValueError:  # no family takes this set
                             continue
                         out.setdefault(cfg.cpp_name(), (kind, cfg))
-                        if det and not config.ordered_dq(cfg) and config.dq_supported(hd, mods, arch) and not \
-                                isinstance(cfg, config.BwdSm90SplitConfig):
+                        # (as _families._backward: deterministic and not ordered -> bwd_dq_kernel after it)
+                        if det and not config.ordered_dq(cfg) and config.dq_supported(hd, mods, arch):
                             dq = config.dq_config(hd, dt, causal, mods)
                             out.setdefault(dq.cpp_name(), ("bwd", dq))
     return list(out.values())

@@ -200,6 +200,10 @@ def test_every_mods_listing_covers_the_lighter_sets():
     assert mask128.cpp_name() in names and mask128.cpp_name() in shipped
     det128 = config.select("backward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK, deterministic=True)
     assert not config.ordered_dq(det128) and config.dq_config(128, "bf16", False, config.MOD_MASK).cpp_name() in names
+    # the wide-head backward, deterministic: bwd_dq_kernel after it, with each modifier set (its lighter sets spill)
+    split = config.select("backward", 256, "bf16", False, "sm_90a", mods=config.MOD_ALIBI, deterministic=True)
+    assert isinstance(split, config.BwdSm90SplitConfig) and not config.ordered_dq(split)
+    assert config.dq_config(256, "bf16", False, config.MOD_ALIBI).cpp_name() in names
     for mods in (0, config.MOD_WINDOW, config.MOD_SOFTCAP | config.MOD_DROPOUT, config.MOD_BLOCKS):
         fwd = config.select("forward", 96, "fp16", False, "sm_90a", mods=mods)
         assert fwd.cpp_name() in names, mods
