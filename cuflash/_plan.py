@@ -17,8 +17,9 @@ without a plan. Plans are made only for calls that launch on their arguments in 
 modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes, a bias
 and one boolean mask are arrays like the others (their addresses are written per call); the dropout seed and offset
 enter by their types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call
-(zeroed where the kernels add into it). Calls with a BlockMask, with both a mask and a key_padding_mask, with a
-preallocated dbias or with FP8 descales go the full path.
+(zeroed where the kernels add into it); FP8 descales given as arrays are arrays like the others. Calls with a
+BlockMask, with both a mask and a key_padding_mask, with a preallocated dbias, with an FP8 descale given as a number
+or with FP8 inputs to the varlen functions go the full path.
 """
 from __future__ import annotations
 

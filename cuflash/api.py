@@ -10,13 +10,17 @@ from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, S
 
 # What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
 # ALiBi slopes, a bias and a boolean mask or key_padding_mask as arrays (their addresses bound per call), dbias when
-# it is True or False, the dropout seed and offset by type (their values checked and written per call). Calls with a
-# BlockMask (its tile maps), with both a mask and a key_padding_mask (their intersection is made per call), a
-# preallocated dbias, the dropout mask returned or FP8 descales are not planned: they go the full path. The varlen
-# functions' cu_seqlens are arrays of their plans, max_seqlen and check_inputs options (check_inputs=True reads
-# cu_seqlens back on every call, planned or not).
-_PLAIN = dict(return_dropout_mask=False, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
-_FP8_ARGS = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))  # FP8: not planned
+# it is True or False, the dropout seed and offset by type (their values checked and written per call). FP8 calls of
+# attention and attention_forward are planned when their descales are arrays or None (a number goes the full path),
+# out_dtype by value. Calls with a BlockMask (its tile maps), with both a mask and a key_padding_mask (their
+# intersection is made per call), a preallocated dbias, the dropout mask returned or FP8 inputs to the varlen
+# functions are not planned: they go the full path. The varlen functions' cu_seqlens are arrays of their plans,
+# max_seqlen and check_inputs options (check_inputs=True reads cu_seqlens back on every call, planned or not).
+_PLAIN = dict(return_dropout_mask=False)
+_FP8_ARGS = (("q_descale", OPTIONAL_ARRAY), ("k_descale", OPTIONAL_ARRAY), ("v_descale", OPTIONAL_ARRAY),
+             ("out_dtype", OPTION))
+_FP8_UNPLANNED = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))
+_VARLEN_PLAIN = dict(_PLAIN, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
 _MASKS = (("mask", OPTIONAL_ARRAY), ("key_padding_mask", OPTIONAL_ARRAY))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
@@ -35,7 +39,7 @@ _BACKWARD = Signature("attention_backward", (
 _VARLEN_FORWARD = Signature("attention_varlen_forward", (
     ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("cu_seqlens_q", ARRAY), ("cu_seqlens_k", ARRAY),
     ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION), ("softmax_scale", OPTION),
-    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_ARGS), _PLAIN, _ONE_MASK)
+    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_UNPLANNED), _VARLEN_PLAIN, _ONE_MASK)
 _VARLEN_BACKWARD = Signature("attention_varlen_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("cu_seqlens_q", ARRAY),
     ("cu_seqlens_k", ARRAY), ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION),
@@ -120,7 +124,8 @@ def attention_forward(q, k, v, *, causal=False, softmax_scale=None, layout="bshd
                        out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
+        out = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, q_descale, k_descale, v_descale),
+                           (seed, offset))
         if out is not None:
             return out
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -147,7 +152,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, layout="bshd", windo
                          v_descale, out_dtype)
     plan = _plan.plans.get(key)
     if plan is not None:
-        o = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask), (seed, offset))
+        o = _plan.replay(plan, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, q_descale, k_descale, v_descale),
+                         (seed, offset))
         if o is not None:
             return o
     return _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed, offset,
@@ -163,9 +169,10 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
              fp8=_NO_FP8):
     """The full path of attention / attention_forward: o without lse (the kernel then writes none). fp8: q_descale,
     k_descale, v_descale, out_dtype."""
-    if any(x is not None for x in fp8) or _fp8.is_fp8(q):  # FP8 calls are not planned (key None): always here
+    if any(x is not None for x in fp8) or _fp8.is_fp8(q):
         return _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask,
-                            key_padding_mask, dropout_p, return_dropout_mask, precision, *fp8, with_lse=with_lse)
+                            key_padding_mask, dropout_p, return_dropout_mask, precision, *fp8, with_lse=with_lse,
+                            key=key)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
                            offset, bias, mask, key_padding_mask, precision)
@@ -177,14 +184,15 @@ def _forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softc
 
 
 def _fp8_forward(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, bias, mask, key_padding_mask,
-                 dropout_p, return_dropout_mask, precision, q_descale, k_descale, v_descale, out_dtype, with_lse):
-    """attention / attention_forward on FP8 inputs (descales given, or q a uint8 array)."""
+                 dropout_p, return_dropout_mask, precision, q_descale, k_descale, v_descale, out_dtype, with_lse,
+                 key=None):
+    """attention / attention_forward on FP8 inputs (descales given, or q a uint8 array); key: the call's plan key."""
     if not _fp8.is_fp8(q):
         _fp8.refuse_descales(q_descale, k_descale, v_descale, out_dtype)
     refused = dict(alibi_slopes=alibi_slopes, softcap=softcap, bias=bias, mask=mask, key_padding_mask=key_padding_mask,
                    dropout_p=dropout_p, return_dropout_mask=return_dropout_mask, precision=precision)
     return _fp8.attention(q, k, v, causal, softmax_scale, layout, window, q_descale, k_descale, v_descale, out_dtype,
-                          refused, with_lse)
+                          refused, with_lse, key=key)
 
 
 def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=None, layout="bshd",
@@ -316,8 +324,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     masks = ()
     if return_mask:  # sequence b's mask is the top-left corner of batch index b's (the stream ignores lengths)
         masks = (_families.varlen_dropout_masks(a, cu_seqlens_q, cu_seqlens_k),)
-    o, lse = _families.forward(a, (q, k, v), with_lse=True, cu_seqlens=(cu_seqlens_q, cu_seqlens_k),
-                               key=None if return_mask else key)
+    o, lse = _families.forward(a, (q, k, v), with_lse=True, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), key=key)
     return (o, lse, *masks)
 
 

@@ -219,3 +219,58 @@ def test_fp8_varlen_matches_per_sequence_reference(d, causal):
         bound = 2.0 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max()) + 1e-5
         assert err <= bound, f"sequence {s} (d={d}, causal={causal}): {err:.3e} > {bound:.3e}"
         check_lse(cp.asarray(lse_host[:, rq][None]), cp.asarray(lse64), f"sequence {s}", atol=1e-2)
+
+
+PLANNED = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling, out_dtype)
+    (128, 300, 517, 4, 2, True, None, "bshd", "block", "bf16"),
+    (64, 129, 255, 2, 2, False, (40, 8), "bhsd", "head", "fp16"),
+    (256, 64, 1000, 2, 1, False, None, "bshd", "tensor", "bf16"),
+    (128, 1, 333, 4, 4, False, None, "bshd", "none", "fp16"),
+]
+
+
+@pytest.mark.parametrize("case", PLANNED, ids=lambda c: "-".join(map(str, c)))
+def test_fp8_warm_calls_replay_the_full_path(case):
+    """attention and attention_forward on FP8 inputs record a plan on their first call (descales as arrays or None)
+    and later calls of that signature replay it: on new inputs and descales the replay gives the bits of the full
+    path (plans cleared) and the reference result; a descale given as a number is never planned."""
+    from cuflash import _plan, api
+
+    d, sq, sk, h, hkv, causal, window, layout, scaling, out_dtype = case
+    b = 2
+    kw = dict(causal=causal, window=window, layout=layout, out_dtype=out_dtype)
+
+    def inputs(salt):
+        seed = seed_of("fp8-plan", case, salt)
+        bits = [e4m3_bits((b, s, n, d), seed + i) for i, (s, n) in enumerate(((sq, h), (sk, hkv), (sk, hkv)))]
+        desc = [descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in enumerate(((sq, h), (sk, hkv), (sk, hkv)))]
+        arrays = tuple(cp.asarray(to_layout(x, layout)) for x, _ in bits)
+        values = tuple(dequantize(v, f, s) for (_, v), (_, f), s in zip(bits, desc, (sq, sk, sk)))
+        return arrays, dict(q_descale=desc[0][0], k_descale=desc[1][0], v_descale=desc[2][0]), values
+
+    _plan.plans.clear()
+    first, first_desc, _ = inputs(0)
+    cuflash.attention_forward(*first, **kw, **first_desc)
+    cuflash.attention(*first, **kw, **first_desc)
+    assert len(_plan.plans) == 2, f"the first calls made {len(_plan.plans)} plans, not 2"
+    arrays, desc, (q64, k64, v64) = inputs(1)
+    key = api._FORWARD.key(*arrays, causal, None, layout, None, window, None, None, None, None, None, 0.0, None, 0,
+                           False, desc["q_descale"], desc["k_descale"], desc["v_descale"], out_dtype)
+    assert _plan.plans.get(key) is not None, "the second call's key finds no plan"
+    poison_pool(2 * b * sq * h * d * 2 + 4 * b * h * sq + (1 << 16))
+    o, lse = cuflash.attention_forward(*arrays, **kw, **desc)
+    o_only = cuflash.attention(*arrays, **kw, **desc)
+    _plan.plans.clear()
+    want_o, want_lse = cuflash.attention_forward(*arrays, **kw, **desc)
+    assert bool((o.view(cp.uint16) == want_o.view(cp.uint16)).all()), f"replayed o differs from the full path's, {case}"
+    assert bool((o_only.view(cp.uint16) == want_o.view(cp.uint16)).all()), f"replayed attention() differs, {case}"
+    assert bool((lse.view(cp.uint32) == want_lse.view(cp.uint32)).all()), f"replayed lse differs, {case}"
+    o64, lse64 = ref.attention_forward64(q64, k64, v64, causal, 1.0 / math.sqrt(d), window=window)
+    emul_err = float(np.abs(emulate(q64, k64, v64, causal, window, 1.0 / math.sqrt(d)) - o64).max())
+    err = float(np.abs(from_layout(cp.asnumpy(o).astype(np.float64), layout) - o64).max())
+    out_round = (2.0 ** -8 if out_dtype == "bf16" else 2.0 ** -11) * float(np.abs(o64).max())
+    assert err <= 2.0 * emul_err + out_round + 1e-5, f"o mismatch for {case}: {err:.3e}"
+    check_lse(lse, cp.asarray(lse64), str(case), atol=1e-2)
+    _plan.plans.clear()
+    cuflash.attention_forward(*arrays, **kw, **dict(desc, q_descale=0.5))
+    assert len(_plan.plans) == 0, "a call with a descale given as a number made a plan"

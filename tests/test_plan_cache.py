@@ -105,6 +105,43 @@ def test_forward_replay_launches_what_the_full_path_launches(case):
                                   lambda: cuflash.attention_forward(*b, **opts))
 
 
+U8 = np.dtype(np.uint8)
+FP8_CASES = {  # descales as arrays of each accepted shape, or None; out_dtype, causal, window, layout
+    "none": dict(),
+    "per-head-fp16": dict(desc=((2, 4), (2, 2), (2, 2)), opts=dict(causal=True, out_dtype="fp16")),
+    "blocks-window-bhsd": dict(desc=((2, 4, 1), (2, 2, 1), (2, 2, 1)), layout="bhsd",
+                               opts=dict(window=(8, 8), layout="bhsd")),
+    "tensor-d128": dict(d=128, desc=((), (1,), ())),
+}
+
+
+@pytest.mark.parametrize("case", FP8_CASES, ids=list(FP8_CASES))
+@pytest.mark.parametrize("fn", ["attention", "attention_forward"])
+def test_fp8_replay_launches_what_the_full_path_launches(case, fn):
+    """FP8 calls whose descales are arrays (or None) are planned: the replay's launch (tensor maps of the new q, k, v,
+    the new descales' addresses, the new outputs) equals the full path's byte for byte."""
+    kw = dict(FP8_CASES[case])
+    opts, desc = kw.pop("opts", {}), kw.pop("desc", None)
+
+    def args():
+        q, k, v = qkv(dtype=U8, **kw)
+        names = ("q_descale", "k_descale", "v_descale")
+        return (q, k, v), ({} if desc is None else {n: A(shape, F32) for n, shape in zip(names, desc)})
+
+    (a, da), (b, db) = args(), args()
+    f = getattr(cuflash, fn)
+    check_replay_equals_full_path(lambda: f(*a, **da, **opts), lambda: f(*b, **db, **opts))
+
+
+def test_fp8_numbers_as_descales_are_not_planned():
+    _plan.plans.clear()
+    q, k, v = qkv(dtype=U8)
+    cuflash.attention_forward(q, k, v, q_descale=0.5)
+    assert len(_plan.plans) == 0
+    assert api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, None, 0.0, None, 0,
+                            False, 0.5, None, None, None) is None
+
+
 def _params(blob):
     """The params struct a forward launch passed: FwdWsParams (tensor maps, then FwdParams) or FwdParams."""
     if len(blob) == ctypes.sizeof(_tma.FwdWsParams):

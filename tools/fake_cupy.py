@@ -14,7 +14,7 @@ import types
 
 import numpy as np
 
-from cuflash import _families, _launch, _plan, _tma, _validate
+from cuflash import _families, _fp8, _launch, _plan, _tma, _validate
 
 COUNTS: collections.Counter = collections.Counter()  # what the fakes were asked to do, by name
 LAUNCHES: list = []  # (kernel name, grid, params bytes) of each launch while RECORD[0] is True
@@ -91,6 +91,11 @@ def _empty(shape, dtype=np.float32):
     return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
 
 
+def _full(shape, value, dtype=np.float32):
+    COUNTS["full"] += 1
+    return FakeArray(shape, dtype)
+
+
 def _zeros(shape, dtype=np.float32):
     COUNTS["zeros"] += 1
     return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
@@ -126,7 +131,7 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 
 cupy = types.SimpleNamespace(
-    empty=_empty, zeros=_zeros, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf, ndarray=FakeArray,
+    empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf, ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
                                runtime=types.SimpleNamespace(getDevice=_get_device)))
 _NAMES: dict = {}
@@ -154,6 +159,8 @@ def ctypes_size(cfg) -> int:
     import ctypes
 
     name = cfg.cpp_name()
+    if "fwd_sm90_fp8" in name:
+        return ctypes.sizeof(_tma.FwdFp8Params)
     if "fwd_sm90_ws" in name or "fwd_sm90_tf32" in name:
         return ctypes.sizeof(_tma.FwdWsParams)
     if "bwd_sm90_ws_kernel" in name or "sm90_tf32_kernel<cuflash::Bwd" in name:
@@ -185,6 +192,7 @@ def install(setattr_) -> None:
     setattr_(_launch, "cupy", lambda: cupy)
     setattr_(_launch, "get_kernel", _fake_kernel)
     setattr_(_launch, "device_arch", lambda device_id: "sm_90a")
+    setattr_(_fp8, "is_fp8", lambda x: type(x) is FakeArray and x.dtype == np.uint8)  # as a CuPy uint8 array
     setattr_(driver, "launchKernel", _launch_kernel)
     setattr_(_families, "_num_sms", {0: 132})
     setattr_(_families, "_selected", {})

@@ -2,7 +2,7 @@
 
 Rows: attention, attention_backward (plain, with a window, soft-capping and ALiBi, and with a bias and its
 gradient), attention_varlen and attention_varlen_backward (three packed sequences, check_inputs=False),
-attention_with_kvcache.
+attention_with_kvcache, and attention on FP8 inputs with per-head descale arrays (on Hopper, and with --fake).
 Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
 the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
 the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 import cuflash  # noqa: E402
+from cuflash import _compile  # noqa: E402
 
 FAKE = "--fake" in sys.argv[1:]
 if not FAKE:
@@ -108,6 +109,7 @@ def fake_main() -> int:
     bias = fc.FakeArray((1, 2, 128, 128), f16)
     pq, pdo, po = (fc.FakeArray((300, 2, 64), f16) for _ in range(3))
     plse, cu = fc.FakeArray((2, 300), np.float32), fc.FakeArray((4,), np.int32)
+    q8, d8 = fc.FakeArray((1, 128, 2, 128), np.uint8), fc.FakeArray((1, 2), np.float32)  # e4m3 bits, descales
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
@@ -121,6 +123,8 @@ def fake_main() -> int:
             lambda: cuflash.attention_varlen_backward(pdo, pq, pq, pq, po, plse, cu, cu, 128, 128, check_inputs=False),
         "attention_with_kvcache (1 query, 32k cache, D128)":
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
+        "attention, FP8 (B=1, N=128, H=2, D=128)":
+            lambda: cuflash.attention(q8, q8, q8, q_descale=d8, k_descale=d8, v_descale=d8),
     }
     n = 20000
     print(f"{'call (CuPy faked)':<52} {'host us/call':>13}  asked of CuPy per call")
@@ -198,9 +202,19 @@ def main() -> int:
     pq, pdo = (rnd.standard_normal((300, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     cu = cp.asarray([0, 100, 172, 300], dtype=cp.int32)
     po, plse = cuflash.attention_varlen_forward(pq, pq, pq, cu, cu, 128, 128)
+    fp8 = _compile.device_arch() == "sm_90a"  # the FP8 forward runs on Hopper
+    if fp8:
+        import ml_dtypes
+
+        q8 = cp.asarray(np.random.default_rng(0).standard_normal((1, 128, 2, 128)).astype(ml_dtypes.float8_e4m3fn)
+                        .view(np.uint8))
+        d8 = cp.full((1, 2), 0.5, dtype=cp.float32)
 
     def calls_of(m, tag=""):
-        return {
+        rows = {} if not fp8 else {
+            f"attention, FP8 (B=1, N=128, H=2, D=128){tag}":
+                lambda: m.attention(q8, q8, q8, q_descale=d8, k_descale=d8, v_descale=d8)}
+        return rows | {
             f"attention (B=1, N=128, H=2, D=64){tag}": lambda: m.attention(q, k, v),
             f"attention_backward (same){tag}": lambda: m.attention_backward(do, q, k, v, o, lse),
             f"attention, window + softcap + ALiBi{tag}": lambda: m.attention(q, k, v, **mods),
