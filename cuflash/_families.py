@@ -259,15 +259,15 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 params.queue = _queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and _same((q, k, v), arrays):  # no operand copied: later calls replay this launch
             # arrays of a replay: q, k, v, the ALiBi slopes, the bias, the mask and the key_padding_mask (or None),
-            # then of a dense call the FP8 descales (None here), of a packed call cu_seqlens_q, cu_seqlens_k; extra:
-            # the dropout seed and offset
-            n = 10 if cu_seqlens is None else 9
+            # the FP8 descales (None here), and of a packed call cu_seqlens_q, cu_seqlens_k; extra: the dropout seed
+            # and offset
+            n = 10 if cu_seqlens is None else 12
             b = _plan.PlanBuilder(a.device, n)
             for i, name in enumerate("qkv"):
                 b.bind(i, params, fields + name)
             if cu_seqlens is not None:
-                b.bind(7, params, fields + "seq.cu_seqlens_q")
-                b.bind(8, params, fields + "seq.cu_seqlens_k")
+                b.bind(10, params, fields + "seq.cu_seqlens_q")
+                b.bind(11, params, fields + "seq.cu_seqlens_k")
             _bind_mods(b, a.mods, 3, ((params, fields),))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:

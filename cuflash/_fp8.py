@@ -221,9 +221,9 @@ def problem(q, k, v, causal, softmax_scale, layout, window, q_descale, k_descale
 
 def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
     """Launch the FP8 forward of problem `a` on arrays = (q, k, v); returns (o, lse), or o alone. cu_seqlens: the
-    (q, k) offsets of a packed problem. key: the call's plan key (attention, attention_forward), or None; a call that
-    launches on its arrays in place records a plan whose replay takes (q, k, v, alibi_slopes, bias, mask,
-    key_padding_mask, q_descale, k_descale, v_descale), the descales arrays or None (the key has no plan for numbers)."""
+    (q, k) offsets of a packed problem. key: the call's plan key, or None; a call that launches on its arrays in place
+    records a plan whose replay takes (q, k, v, alibi_slopes, bias, mask, key_padding_mask, q_descale, k_descale,
+    v_descale), then cu_seqlens_q, cu_seqlens_k if packed; the descales arrays or None (numbers have no key)."""
     cp = _launch.cupy()
     out_np = np.float16 if a.out == "fp16" else _validate.BF16
     with _launch.on_device(cp, a.device):
@@ -264,12 +264,15 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             ptr = _scalar_array(cp, a.device, d.array).data.ptr if isinstance(d.array, float) else d.ptr
             setattr(params, field, _tma.Descale(ptr, *d.strides, 0))
         grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
-        planned = key is not None and not keep and cu_seqlens is None and all(
+        planned = key is not None and not keep and all(
             d.array is None or d.array == 1.0 for d in a.descales)  # arrays, or None: the kept array of 1.0
         if planned:  # later calls of this signature replay the launch
-            n = 10
+            n = 10 if cu_seqlens is None else 12
             b = _plan.PlanBuilder(a.device, n)
             b.derive((0, 1, 2), params, "tma_q", maps.words)
+            if cu_seqlens is not None:
+                b.bind(10, params, "fwd.seq.cu_seqlens_q")
+                b.bind(11, params, "fwd.seq.cu_seqlens_k")
             for i, (field, d) in enumerate(zip(fields, a.descales)):
                 if d.array is None:  # an array: its address goes in per call
                     b.bind(7 + i, params, field + ".ptr")
@@ -290,11 +293,12 @@ def attention(q, k, v, causal, softmax_scale, layout, window, q_descale, k_desca
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
-                     check_inputs, window, q_descale, k_descale, v_descale, out_dtype, refused: dict, with_lse: bool):
-    """cuflash.attention_varlen / attention_varlen_forward on FP8 inputs."""
+                     check_inputs, window, q_descale, k_descale, v_descale, out_dtype, refused: dict, with_lse: bool,
+                     key=None):
+    """cuflash.attention_varlen / attention_varlen_forward on FP8 inputs; key: the call's plan key, or None."""
     a = problem_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                        check_inputs, window, q_descale, k_descale, v_descale, out_dtype, refused)
-    return forward(a, (q, k, v), with_lse=with_lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k))
+    return forward(a, (q, k, v), with_lse=with_lse, cu_seqlens=(cu_seqlens_q, cu_seqlens_k), key=key)
 
 
 def refuse_descales(q_descale, k_descale, v_descale, out_dtype) -> None:

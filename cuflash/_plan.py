@@ -18,8 +18,8 @@ modifiers that are values (a window, the softcap, the dropout probability) enter
 and one boolean mask are arrays like the others (their addresses are written per call); the dropout seed and offset
 enter by their types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call
 (zeroed where the kernels add into it); FP8 descales given as arrays are arrays like the others. Calls with a
-BlockMask, with both a mask and a key_padding_mask, with a preallocated dbias, with an FP8 descale given as a number
-or with FP8 inputs to the varlen functions go the full path.
+BlockMask, with both a mask and a key_padding_mask, with a preallocated dbias or with an FP8 descale given as a
+number go the full path.
 """
 from __future__ import annotations
 

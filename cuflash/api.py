@@ -10,17 +10,15 @@ from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, S
 
 # What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
 # ALiBi slopes, a bias and a boolean mask or key_padding_mask as arrays (their addresses bound per call), dbias when
-# it is True or False, the dropout seed and offset by type (their values checked and written per call). FP8 calls of
-# attention and attention_forward are planned when their descales are arrays or None (a number goes the full path),
-# out_dtype by value. Calls with a BlockMask (its tile maps), with both a mask and a key_padding_mask (their
-# intersection is made per call), a preallocated dbias, the dropout mask returned or FP8 inputs to the varlen
-# functions are not planned: they go the full path. The varlen functions' cu_seqlens are arrays of their plans,
-# max_seqlen and check_inputs options (check_inputs=True reads cu_seqlens back on every call, planned or not).
+# it is True or False, the dropout seed and offset by type (their values checked and written per call). FP8 calls are
+# planned when their descales are arrays or None (a number goes the full path), out_dtype by value. Calls with a
+# BlockMask (its tile maps), with both a mask and a key_padding_mask (their intersection is made per call), a
+# preallocated dbias or the dropout mask returned are not planned: they go the full path. The varlen functions'
+# cu_seqlens are arrays of their plans, max_seqlen and check_inputs options (check_inputs=True reads cu_seqlens back
+# on every call, planned or not).
 _PLAIN = dict(return_dropout_mask=False)
 _FP8_ARGS = (("q_descale", OPTIONAL_ARRAY), ("k_descale", OPTIONAL_ARRAY), ("v_descale", OPTIONAL_ARRAY),
              ("out_dtype", OPTION))
-_FP8_UNPLANNED = tuple((name, DEFAULT) for name in ("q_descale", "k_descale", "v_descale", "out_dtype"))
-_VARLEN_PLAIN = dict(_PLAIN, q_descale=None, k_descale=None, v_descale=None, out_dtype=None)
 _VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
 _MASKS = (("mask", OPTIONAL_ARRAY), ("key_padding_mask", OPTIONAL_ARRAY))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
@@ -39,7 +37,7 @@ _BACKWARD = Signature("attention_backward", (
 _VARLEN_FORWARD = Signature("attention_varlen_forward", (
     ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("cu_seqlens_q", ARRAY), ("cu_seqlens_k", ARRAY),
     ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION), ("softmax_scale", OPTION),
-    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_UNPLANNED), _VARLEN_PLAIN, _ONE_MASK)
+    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_ARGS), _PLAIN, _ONE_MASK)
 _VARLEN_BACKWARD = Signature("attention_varlen_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("cu_seqlens_q", ARRAY),
     ("cu_seqlens_k", ARRAY), ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION),
@@ -303,8 +301,9 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
     key = _VARLEN_FORWARD.key(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale,
                               check_inputs, precision, window, alibi_slopes, softcap, bias, mask, key_padding_mask,
                               dropout_p, seed, offset, return_dropout_mask, q_descale, k_descale, v_descale, out_dtype)
-    out = _varlen_replay(key, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, cu_seqlens_q, cu_seqlens_k),
-                         (seed, offset), check_inputs, q, k, max_seqlen_q, max_seqlen_k)
+    out = _varlen_replay(key, (q, k, v, alibi_slopes, bias, mask, key_padding_mask, q_descale, k_descale, v_descale,
+                               cu_seqlens_q, cu_seqlens_k), (seed, offset), check_inputs, q, k, max_seqlen_q,
+                         max_seqlen_k)
     if out is not None:
         return out
     if q_descale is not None or k_descale is not None or v_descale is not None or out_dtype is not None or \
@@ -316,7 +315,7 @@ def attention_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, 
                        precision=precision)
         return _fp8.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                      softmax_scale, check_inputs, window, q_descale, k_descale, v_descale, out_dtype,
-                                     refused, with_lse=True)
+                                     refused, with_lse=True, key=key)
     return_mask = _validate.check_flag(return_dropout_mask, "return_dropout_mask")
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
                                   softmax_scale, check_inputs, window, alibi_slopes, softcap, dropout_p, seed, offset,

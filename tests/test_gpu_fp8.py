@@ -274,3 +274,51 @@ def test_fp8_warm_calls_replay_the_full_path(case):
     _plan.plans.clear()
     cuflash.attention_forward(*arrays, **kw, **dict(desc, q_descale=0.5))
     assert len(_plan.plans) == 0, "a call with a descale given as a number made a plan"
+
+
+@pytest.mark.parametrize("d,causal,scaling", [(128, True, "block"), (64, False, "none")])
+def test_fp8_varlen_warm_calls_replay_the_full_path(d, causal, scaling):
+    """attention_varlen_forward / attention_varlen on FP8 inputs record a plan (cu_seqlens and the descale arrays
+    bound per call, check_inputs reading cu_seqlens back on every call): a later call on new data and descales gives
+    the bits of the full path (plans cleared) and each sequence's reference result."""
+    from cuflash import _plan
+
+    lens_q, lens_k = [130, 0, 257, 1], [200, 5, 129, 64]
+    h, hkv, b = 4, 2, len(lens_q)
+    cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
+    mq, mk = max(lens_q), max(lens_k)
+
+    def inputs(salt):
+        seed = seed_of("fp8 varlen plan", d, causal, salt)
+        bits = [e4m3_bits((int(c[-1]), n, d), seed + i) for i, (c, n) in enumerate(((cq, h), (ck, hkv), (ck, hkv)))]
+        desc = [descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in enumerate(((mq, h), (mk, hkv), (mk, hkv)))]
+        args = (*(cp.asarray(x) for x, _ in bits), cp.asarray(cq, dtype=cp.int32), cp.asarray(ck, dtype=cp.int32),
+                mq, mk)
+        return args, dict(q_descale=desc[0][0], k_descale=desc[1][0], v_descale=desc[2][0]), bits, desc
+
+    _plan.plans.clear()
+    args, kw, _, _ = inputs(0)
+    cuflash.attention_varlen_forward(*args, causal=causal, **kw)
+    assert len(_plan.plans) == 1, "the first call made no plan"
+    args, kw, bits, desc = inputs(1)
+    o, lse = cuflash.attention_varlen_forward(*args, causal=causal, **kw)
+    o_only = cuflash.attention_varlen(*args, causal=causal, **kw)
+    _plan.plans.clear()
+    want_o, want_lse = cuflash.attention_varlen_forward(*args, causal=causal, **kw)
+    assert bool((o.view(cp.uint16) == want_o.view(cp.uint16)).all()), "replayed o differs from the full path's"
+    assert bool((o_only.view(cp.uint16) == want_o.view(cp.uint16)).all()), "replayed attention_varlen differs"
+    assert bool((lse.view(cp.uint32) == want_lse.view(cp.uint32)).all()), "replayed lse differs from the full path's"
+    o_host = cp.asnumpy(o).astype(np.float64)
+    (_, qv), (_, kv), (_, vv) = bits
+    (_, qf), (_, kf), (_, vf) = desc
+    for s in range(b):
+        if lens_q[s] == 0:
+            continue
+        rq, rk = slice(cq[s], cq[s + 1]), slice(ck[s], ck[s + 1])
+        q64, k64, v64 = (dequantize(x[None, r], f[min(s, f.shape[0] - 1):][:1], n) for x, r, f, n in
+                         ((qv, rq, qf, lens_q[s]), (kv, rk, kf, lens_k[s]), (vv, rk, vf, lens_k[s])))
+        o64, _ = ref.attention_forward64(q64, k64, v64, causal)
+        emul = emulate(q64, k64, v64, causal, None, 1 / math.sqrt(d))
+        err = float(np.abs(o_host[None, rq] - o64).max())
+        bound = 2.0 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max()) + 1e-5
+        assert err <= bound, f"sequence {s} (d={d}, causal={causal}): {err:.3e} > {bound:.3e}"

@@ -424,6 +424,18 @@ def test_varlen_forward_replays_what_the_full_path_launches(case):
         check_replay_equals_full_path(lambda: fn(*first, **opts()), lambda: fn(*second, **opts()))
 
 
+@pytest.mark.parametrize("descales", [False, True], ids=["descales-none", "descale-arrays"])
+@pytest.mark.parametrize("fn", ["attention_varlen", "attention_varlen_forward"])
+def test_fp8_varlen_replays_what_the_full_path_launches(fn, descales):
+    """Packed FP8 sequences: cu_seqlens and the descale arrays are arrays of the plan, bound per call."""
+    def call(p):
+        q, k, v, cu_q, cu_k, mq, mk = p
+        d = {} if not descales else dict(q_descale=A((3, 4), F32), k_descale=A((3, 2, 1), F32), v_descale=A((), F32))
+        return getattr(cuflash, fn)(q, k, v, cu_q, cu_k, mq, mk, check_inputs=False, causal=True, **d)
+    first, second = packed(dtype=U8, d=128), packed(dtype=U8, d=128)
+    check_replay_equals_full_path(lambda: call(first), lambda: call(second))
+
+
 @pytest.mark.parametrize("case", ["plain", "deterministic-bf16-d128", "prealloc-dq-alibi"])
 def test_varlen_backward_replays_what_the_full_path_launches(case):
     args = dict(dtype=BF16, d=128) if "d128" in case else {}
