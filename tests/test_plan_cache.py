@@ -906,7 +906,7 @@ OTHER_VALUES = {  # a valid non-default value of each keyword option of the func
     # the kv cache's rotary embedding and index arrays: not planned either
     "rotary_cos": "cos", "rotary_sin": "sin", "rotary_interleaved": False, "cache_batch_idx": "idx",
     "cache_leftpad": "leftpad",
-    # FP8 (e4m3) inputs' descales and output dtype: not planned
+    # FP8 (e4m3) inputs' descales as arrays (a number: no key, the full path), the output dtype by value
     "q_descale": "qd", "k_descale": 0.5, "v_descale": "vd", "out_dtype": "fp16",
 }
 
@@ -948,7 +948,7 @@ def test_every_keyword_option_is_part_of_the_plan_key(fn):
 
 def test_fp8_arguments_reach_the_fp8_path(monkeypatch):
     """A descale given as an array (or a number) or an out_dtype sends attention / attention_forward to the FP8
-    forward, whatever q is: the full path routes on them (their plan key is None)."""
+    forward, whatever q is: the full path routes on them (here no plan exists: the first call of each key)."""
     from cuflash import _fp8
 
     seen = []
