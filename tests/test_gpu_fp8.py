@@ -243,7 +243,8 @@ def test_fp8_warm_calls_replay_the_full_path(case):
     def inputs(salt):
         seed = seed_of("fp8-plan", case, salt)
         bits = [e4m3_bits((b, s, n, d), seed + i) for i, (s, n) in enumerate(((sq, h), (sk, hkv), (sk, hkv)))]
-        desc = [descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in enumerate(((sq, h), (sk, hkv), (sk, hkv)))]
+        desc = [descale_arg(scaling, b, n, s, seed + 10 + i)
+                for i, (s, n) in enumerate(((sq, h), (sk, hkv), (sk, hkv)))]
         arrays = tuple(cp.asarray(to_layout(x, layout)) for x, _ in bits)
         values = tuple(dequantize(v, f, s) for (_, v), (_, f), s in zip(bits, desc, (sq, sk, sk)))
         return arrays, dict(q_descale=desc[0][0], k_descale=desc[1][0], v_descale=desc[2][0]), values
@@ -291,7 +292,8 @@ def test_fp8_varlen_warm_calls_replay_the_full_path(d, causal, scaling):
     def inputs(salt):
         seed = seed_of("fp8 varlen plan", d, causal, salt)
         bits = [e4m3_bits((int(c[-1]), n, d), seed + i) for i, (c, n) in enumerate(((cq, h), (ck, hkv), (ck, hkv)))]
-        desc = [descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in enumerate(((mq, h), (mk, hkv), (mk, hkv)))]
+        desc = [descale_arg(scaling, b, n, s, seed + 10 + i)
+                for i, (s, n) in enumerate(((mq, h), (mk, hkv), (mk, hkv)))]
         args = (*(cp.asarray(x) for x, _ in bits), cp.asarray(cq, dtype=cp.int32), cp.asarray(ck, dtype=cp.int32),
                 mq, mk)
         return args, dict(q_descale=desc[0][0], k_descale=desc[1][0], v_descale=desc[2][0]), bits, desc

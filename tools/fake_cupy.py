@@ -131,7 +131,8 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 
 cupy = types.SimpleNamespace(
-    empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf, ndarray=FakeArray,
+    empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf,
+    ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
                                runtime=types.SimpleNamespace(getDevice=_get_device)))
 _NAMES: dict = {}
