@@ -12,6 +12,7 @@ import threading
 from functools import lru_cache, partial
 
 from . import _launch, _plan, _problem, _tma, _validate, config
+from .blockmask import BlockMask
 from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
                      kernel_head_dim)
 from .philox import dropout_threshold
@@ -81,20 +82,31 @@ def _broadcast(b: _validate.Broadcast, ptr: int | None = None, strides: tuple | 
 
 
 def _mask(masks: tuple, keep: list) -> _validate.Broadcast:
-    """The one mask the kernels read: mask or key_padding_mask, or, with both, their intersection (a new uint8
-    array of their broadcast shape; `keep` holds it until the launch is queued)."""
+    """The one mask the kernels read: mask or key_padding_mask, or, with both, their intersection (a new bool
+    array of their broadcast shape, `_MaskAnd`; `keep` holds it until the launch is queued)."""
     if len(masks) == 1:
         return masks[0]
-    cp = _launch.cupy()
-    m, kpm = masks
-    x = m.array.reshape(m.shape)
-    b = m.scores[0]
-    if m.batch_div > 1 and m.shape[0] > 1:  # a batch that divides the problem's: one row per batch entry
-        x = x[cp.arange(b) // m.batch_div]
-    both = cp.logical_and(x, kpm.array.reshape(b, 1, 1, -1))
+    both = _MaskAnd(masks[0])(masks[0].array, masks[1].array)
     keep.append(both)
     info = _validate.array_info(both, "mask")
-    return _validate.check_broadcast(info, "mask", *m.scores, info.device)
+    return _validate.check_broadcast(info, "mask", *masks[0].scores, info.device)
+
+
+class _MaskAnd:
+    """The intersection of a mask (the Broadcast `m`) with a key_padding_mask, as one bool array of their
+    broadcast shape: `_mask` makes it for a launch, a plan once per call (`_plan.PlanBuilder.make`)."""
+
+    def __init__(self, m: _validate.Broadcast):
+        self.shape, self.batch = m.shape, m.scores[0]
+        self.rows = m.batch_div > 1 and m.shape[0] > 1  # a batch that divides the problem's: a row per batch entry
+        self.batch_div = m.batch_div
+
+    def __call__(self, mask, key_padding_mask):
+        cp = _launch.cupy()
+        x = (mask.mask if isinstance(mask, BlockMask) else mask).reshape(self.shape)
+        if self.rows:
+            x = x[cp.arange(self.batch) // self.batch_div]
+        return cp.logical_and(x, key_padding_mask.reshape(self.batch, 1, 1, -1))
 
 
 def mod_params(m: _validate.Mods, scale: float, max_seqlen: int, keep: list | None = None,
@@ -285,19 +297,24 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
 def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, first: int, targets) -> None:
     """What a plan writes per call of the score modifiers into the ModParams of each (params, field prefix) target:
     the addresses of the ALiBi slopes, the bias, and the mask or key_padding_mask (array numbers first, first + 1,
-    first + 2, first + 3 of the replay; a plan has at most one of the masks: with both, their intersection is made
-    per call and the call is not planned), the dropout seed and offset (extra[0], extra[1]; checked on every call,
-    written where the launch has modifiers). The other modifiers are in the plan key."""
+    first + 2, first + 3 of the replay), or, with both masks, of their intersection made per call; the dropout seed
+    and offset (extra[0], extra[1]; checked on every call, written where the launch has modifiers). A BlockMask
+    (array first + 2) is not bound: the plan replays for that BlockMask only (`PlanBuilder.guard`), whose mask and
+    tile maps the launch arguments already hold. The other modifiers are in the plan key."""
     targets = tuple(targets) if m.bits else ()  # (without modifiers the kernels read no ModParams)
-    if len(m.masks) > 1 or any(x.blocks is not None for x in m.masks):
-        raise ValueError("a plan takes one mask array, not a BlockMask or a mask with a key_padding_mask")
+    for x in m.masks:
+        if x.blocks is not None:
+            b.guard(first + 2, x.blocks)
+    if len(m.masks) == 2 and targets:
+        b.make(_MaskAnd(m.masks[0]), (first + 2, first + 3),
+               *((prm, prefix + "mods.mask.ptr") for prm, prefix in targets))
     for prm, prefix in targets:
         if m.alibi is not None:
             b.bind(first, prm, prefix + "mods.alibi_slopes")
         if m.bias is not None:
             b.bind(first + 1, prm, prefix + "mods.bias.ptr")
-        for x in m.masks:
-            b.bind(first + (3 if x.info.name == "key_padding_mask" else 2), prm, prefix + "mods.mask.ptr")
+        if len(m.masks) == 1 and m.masks[0].blocks is None:
+            b.bind(first + (3 if m.masks[0].info.name == "key_padding_mask" else 2), prm, prefix + "mods.mask.ptr")
     b.value(0, 2**64, *((prm, prefix + "mods.seed") for prm, prefix in targets))
     b.value(1, 2**32, *((prm, prefix + "mods.dropout_offset") for prm, prefix in targets))
 
@@ -379,7 +396,7 @@ def backward(p, arrays, *, cu_seqlens=None, key=None, dbias=None):
             dbias = (cp.zeros if new else cp.empty)(a.mods.bias.info.shape, dtype=cp.float32)
         elif not stores_all:
             dbias.fill(0)  # summed into (broadcast biases) or stored where some pair is visible
-    return (*_backward(p, arrays, cp, cu_seqlens, key, dbias, new), dbias)
+    return (*_backward(p, arrays, cp, cu_seqlens, key, dbias, new, not stores_all), dbias)
 
 
 def _stores_every_dbias(a) -> bool:
@@ -392,9 +409,10 @@ def _stores_every_dbias(a) -> bool:
             and min(a.batch, a.heads_q, a.seqlen_q, a.seqlen_k) > 0)
 
 
-def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
+def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cleared=False):
     """backward's launches; dbias: the float32 gradient of the bias the main kernel writes (or None), dbias_zeroed:
-    None where the call passed it, else whether this call allocated it zeroed (a plan does the same)."""
+    None where the call passed it, else whether this call allocated it zeroed; dbias_cleared: a dbias the call passed
+    was filled with zeros first (a plan does the same)."""
     a = p.fwd
     layout = a.layout
     with _launch.on_device(cp, a.device):
@@ -494,9 +512,10 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
             kern.launch(grid, prm, stream)
         if key is not None and _same((dout, q, k, v, out), arrays):  # no operand copied: replay this
             # arrays of a replay: dout, q, k, v, out, lse, dq, dk, dv (None where not given), the ALiBi slopes, the
-            # bias, the mask and the key_padding_mask (or None), and of a packed call cu_seqlens_q, cu_seqlens_k;
-            # extra: the dropout seed and offset
-            n = 13 if cu_seqlens is None else 15
+            # bias, the mask and the key_padding_mask, a preallocated dbias (or None), and of a packed call
+            # cu_seqlens_q, cu_seqlens_k; extra: the dropout seed and offset
+            n = 14 if cu_seqlens is None else 16
+            given_dbias = dbias is not None and dbias_zeroed is None
             b = _plan.PlanBuilder(a.device, n)
             # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
@@ -507,12 +526,17 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)
             if cu_seqlens is not None:
-                for i, field in ((13, "seq.cu_seqlens_q"), (14, "seq.cu_seqlens_k")):
+                for i, field in ((14, "seq.cu_seqlens_q"), (15, "seq.cu_seqlens_k")):
                     for prm, pre_ in targets:
                         b.bind(i, prm, pre_ + field)
             if dbias_zeroed is not None:  # dbias=True: the new gradient (allocated first, as backward does)
                 b.alloc(dbias.shape, dbias.dtype, *((prm, pre_ + "mods.dbias.ptr") for prm, pre_ in targets),
                         zeroed=dbias_zeroed)
+            elif given_dbias:  # array 13, zeroed per call where the kernels add into it
+                for prm, pre_ in targets:
+                    b.bind(13, prm, pre_ + "mods.dbias.ptr")
+                if dbias_cleared:
+                    b.clear(13)
             for i, (g, field) in enumerate(zip(p.grads, ("dq", "dk", "dv"))):
                 if g is None:
                     b.alloc(grads[i].shape, grads[i].dtype, *((prm, pre_ + field) for prm, pre_ in targets))
@@ -529,14 +553,18 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None):
             for kern, grid, prm in launches:
                 b.launch(kern, grid, prm)
             given = [6 + i for i, g in enumerate(p.grads) if g is not None]
-            infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads))
+            infos = (doi, *a.infos, oi, li, *(None if g is None else g[0] for g in p.grads), a.mods.alibi)
+            if given_dbias:  # checked against every array of the call, as the full path checks it
+                masks = {x.info.name: x.info for x in a.mods.masks}
+                infos += (a.mods.bias.info, masks.get("mask"), masks.get("key_padding_mask"), p.dbias)
             new = iter(range(n + (dbias_zeroed is not None), n + 4))
             returns = tuple(6 + i if g is not None else next(new) for i, g in enumerate(p.grads))
-            if dbias_zeroed is not None:  # (backward returns it after dq, dk, dv)
-                returns += (n,)
-            _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=given,
+            if dbias is not None:  # (backward returns it after dq, dk, dv)
+                returns += (13 if given_dbias else n,)
+            writes = (*given, 13) if given_dbias else tuple(given)
+            _plan.plans.put(key, b.plan(aligned=(0, 1, 2, 3, 4, *given), writes=writes,
                                         extents=tuple(None if i is None else _plan.relative_extent(i)
-                                                      for i in (*infos, a.mods.alibi, *(None,) * (n - 10))),
+                                                      for i in (*infos, *(None,) * (n - len(infos)))),
                                         returns=returns))
     return dq, dk, dv
 

@@ -90,8 +90,8 @@ _ONES_LOCK = threading.Lock()
 
 
 def _scalar_array(cp, device: int, value: float):
-    """A 1-element float32 array holding value. The arrays of 1.0 (a descale given as None) are never dropped: the
-    launch arguments of plans hold their addresses."""
+    """A 1-element float32 array holding value. The arrays of 1.0 (a descale given as None) are never dropped; a
+    plan holds the others whose addresses its launch arguments hold (`_plan.PlanBuilder.hold`)."""
     key = (device, value)
     a = _ONES.get(key)
     if a is None:
@@ -223,7 +223,8 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
     """Launch the FP8 forward of problem `a` on arrays = (q, k, v); returns (o, lse), or o alone. cu_seqlens: the
     (q, k) offsets of a packed problem. key: the call's plan key, or None; a call that launches on its arrays in place
     records a plan whose replay takes (q, k, v, alibi_slopes, bias, mask, key_padding_mask, q_descale, k_descale,
-    v_descale), then cu_seqlens_q, cu_seqlens_k if packed; the descales arrays or None (numbers have no key)."""
+    v_descale), then cu_seqlens_q, cu_seqlens_k if packed; a descale array is bound per call, a number (or None) is
+    in the key and its one-element array held by the plan."""
     cp = _launch.cupy()
     out_np = np.float16 if a.out == "fp16" else _validate.BF16
     with _launch.on_device(cp, a.device):
@@ -260,15 +261,20 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             fwd.mods = _families.mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k))
         params = maps.params(fwd, tuple(x for x, _ in operands))
         fields = ("q_descale", "k_descale", "v_descale")
+        scalars = []  # the one-element arrays of descales given as numbers (or None: 1.0)
         for field, d in zip(fields, a.descales):
-            ptr = _scalar_array(cp, a.device, d.array).data.ptr if isinstance(d.array, float) else d.ptr
+            if isinstance(d.array, float):
+                scalars.append(_scalar_array(cp, a.device, d.array))
+                ptr = scalars[-1].data.ptr
+            else:
+                ptr = d.ptr
             setattr(params, field, _tma.Descale(ptr, *d.strides, 0))
         grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
-        planned = key is not None and not keep and all(
-            d.array is None or d.array == 1.0 for d in a.descales)  # arrays, or None: the kept array of 1.0
-        if planned:  # later calls of this signature replay the launch
+        if key is not None and not keep:  # later calls of this signature replay the launch
             n = 10 if cu_seqlens is None else 12
             b = _plan.PlanBuilder(a.device, n)
+            for x in scalars:  # (a number is in the key; its array may leave _scalar_array's cache)
+                b.hold(x)
             b.derive((0, 1, 2), params, "tma_q", maps.words)
             if cu_seqlens is not None:
                 b.bind(10, params, "fwd.seq.cu_seqlens_q")

@@ -14,20 +14,23 @@ checks what depends on addresses (16-byte alignment, which decides a copy; overl
 place with the others), allocates the outputs and the workspace, writes the addresses into the recorded launch
 arguments and launches. When a check fails, the call takes the full path, which copies or raises exactly as
 without a plan. Plans are made only for calls that launch on their arguments in place (no copy). The score
-modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes, a bias
-and one boolean mask are arrays like the others (their addresses are written per call); the dropout seed and offset
-enter by their types and are range-checked and written per call (BOUND); dbias=True allocates the gradient per call
-(zeroed where the kernels add into it); FP8 descales given as arrays are arrays like the others. Calls with a
-BlockMask, with both a mask and a key_padding_mask, with a preallocated dbias or with an FP8 descale given as a
-number go the full path.
+modifiers that are values (a window, the softcap, the dropout probability) enter the key; the ALiBi slopes, a bias,
+a boolean mask and a key_padding_mask are arrays like the others (their addresses are written per call; with both
+masks their intersection is made per call, as the full path makes it); a BlockMask enters the key by its identity
+(its contents decided the kernels and its tile maps, so the plan replays for that object only); the dropout seed and
+offset enter by their types and are range-checked and written per call (BOUND); dbias=True allocates the gradient
+per call and a preallocated dbias is an array of the plan (each zeroed where the kernels add into it); FP8 descales
+are arrays of the plan, or numbers that enter the key by value.
 """
 from __future__ import annotations
 
 import numbers
 import threading
+import weakref
 from typing import NamedTuple
 
 from . import _launch, _validate, config
+from .blockmask import BlockMask
 
 
 class PlanCache:
@@ -74,8 +77,8 @@ plans = PlanCache()
 
 # --- keys ------------------------------------------------------------------------------------------------
 
-ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, BOUND, FLAG, DEFAULT = ("array", "optional array", "count", "option", "bound",
-                                                             "flag", "default")
+ARRAY, OPTIONAL_ARRAY, COUNT, OPTION, BOUND, FLAG_OR_ARRAY, NUMBER_OR_ARRAY, MASK, DEFAULT = (
+    "array", "optional array", "count", "option", "bound", "flag or array", "number or array", "mask", "default")
 
 
 class Signature:
@@ -85,11 +88,13 @@ class Signature:
     strides, dtype and device enter the key), OPTIONAL_ARRAY (None or an array), COUNT (None, an int that enters
     by its type only because its value is bound per call, or an array), OPTION (value and type enter the key),
     BOUND (None or an int that the plan range-checks and writes into the launch arguments on every call, e.g. the
-    dropout seed: its type enters the key, its value is passed to `replay` in `extra`), FLAG (planned only when it
-    is True or False, which enters the key; e.g. dbias, which may also be a preallocated array), DEFAULT (the call
-    is planned only when it has the value in `defaults`; it does not enter the key). `exclusive` lists groups of
-    optional arguments of which a planned call gives at most one (e.g. mask and key_padding_mask, whose intersection
-    is made per call): a call that gives two of one group gets no key.
+    dropout seed: its type enters the key, its value is passed to `replay` in `extra`), FLAG_OR_ARRAY (True or False,
+    which enter the key, or an array: e.g. dbias, a flag or a preallocated gradient), NUMBER_OR_ARRAY (None, an int or
+    float that enters the key by type and value, or an array: e.g. an FP8 descale), MASK (None, an array, or a
+    BlockMask, which enters the key by its identity: the plan keeps a weak reference to it and replays only for that
+    object, see `Plan.guards`), DEFAULT (the call is planned only when it has the value in `defaults`; it does not
+    enter the key). `exclusive` lists groups of optional arguments of which a planned call gives at most one: a call
+    that gives two of one group gets no key.
 
     `key(*args)` is generated once as one flat tuple expression: a loop over the arguments building the same
     tuple cost ~0.7 us more per call (tools/launch_overhead.py --fake, 2026-11-24), and a tuple of per-array
@@ -124,9 +129,22 @@ class Signature:
                 parts.append(f"type({n}), {n}")
             elif kind == BOUND:
                 parts.append(f"type({n})")
-            elif kind == FLAG:
-                checks.append(f"    if type({n}) is not bool:\n        return None")
-                parts.append(n)
+            elif kind == FLAG_OR_ARRAY:
+                checks.append(f"    if type({n}) is bool:\n        {n}_key = {n}\n"
+                              f"    elif type({n}) is nd:\n        {n}_key = ({meta})\n    else:\n        return None")
+                parts.append(f"{n}_key")
+            elif kind == NUMBER_OR_ARRAY:
+                checks.append(f"    if {n} is None:\n        {n}_key = None\n"
+                              f"    elif type({n}) is nd:\n        {n}_key = ({meta})\n"
+                              f"    elif type({n}) is int or type({n}) is float:\n        {n}_key = (type({n}), {n})\n"
+                              f"    else:\n        return None")
+                parts.append(f"{n}_key")
+            elif kind == MASK:
+                checks.append(f"    if {n} is None:\n        {n}_key = None\n"
+                              f"    elif type({n}) is nd:\n        {n}_key = ({meta})\n"
+                              f"    elif type({n}) is BlockMask:\n        {n}_key = (BlockMask, id({n}))\n"
+                              f"    else:\n        return None")
+                parts.append(f"{n}_key")
             elif kind == DEFAULT:
                 d = self.defaults[n]
                 plain.append(f"{n} is {d!r}" if d is None or type(d) is bool else
@@ -137,7 +155,7 @@ class Signature:
             checks.append(f"    if not ({' and '.join(plain)}):\n        return None")
         src = (f"def key({', '.join(names)}):\n    nd = _validate._ndarray\n" + "\n".join(checks)
                + f"\n    return ({', '.join(parts)})\n")
-        scope = {"_validate": _validate, "_config": config, "Integral": numbers.Integral}
+        scope = {"_validate": _validate, "_config": config, "Integral": numbers.Integral, "BlockMask": BlockMask}
         exec(src, scope)  # noqa: S102 - our own text, built from the parameter list above
         self.key = scope["key"]
         self.key.__qualname__ = f"Signature({name!r}).key"
@@ -168,6 +186,12 @@ class Plan(NamedTuple):
     streamed: tuple = ()  # (template, word, fn): fn(the call's stream) gives that word (a per-stream buffer's address)
     values: tuple = ()  # (index in extra, limit, ((template, field path), ...)): an int value of the call (None: 0),
     #                     checked to be in [0, limit) (else the full path), written into those fields
+    guards: tuple = ()  # (array number, weak reference): the plan replays only for that very BlockMask (the launch
+    #                     arguments hold its mask's and tile maps' addresses, and its contents chose the kernels)
+    made: tuple = ()  # (fn, array numbers, ((template, word), ...)): fn(those arrays) makes an array per call (the
+    #                   intersection of a mask and a key_padding_mask) whose address goes into those words
+    cleared: tuple = ()  # array numbers filled with zeros before the launches (a preallocated dbias added into)
+    held: tuple = ()  # objects kept alive with the plan (arrays whose addresses its launch arguments hold)
     run: object = None  # run(arrays, extra): the replay made for this plan (`PlanBuilder.plan` sets it)
 
 
@@ -194,11 +218,21 @@ def _replay_code(plan: Plan) -> str:
     lines = ["def run(arrays, extra):"]
     names = [f"a{i}" for i in range(n)]
     lines.append(f"    {', '.join(names)}{',' if n == 1 else ''} = arrays")
+    for j, (i, _) in enumerate(plan.guards):
+        lines.append(f"    if a{i} is not GUARDS[{j}][1]():\n        return None")
     bound = {i for i, _, _ in plan.binds} | set(plan.aligned) | set(plan.writes) | \
         {i for arrays, _, _, _ in plan.derived for i in arrays}
+    if plan.writes:  # every array with an extent is checked against the written ones
+        bound |= {i for i, e in enumerate(plan.extents) if e is not None}
+    guarded = {i for i, _ in plan.guards}
     for i in sorted(bound):
         required = i in plan.aligned
-        lines.append(f"    p{i} = a{i}.data.ptr" if required else f"    p{i} = 0 if a{i} is None else a{i}.data.ptr")
+        if i in guarded:  # a BlockMask: its mask's address
+            lines.append(f"    p{i} = a{i}.mask.data.ptr")
+        elif required:
+            lines.append(f"    p{i} = a{i}.data.ptr")
+        else:
+            lines.append(f"    p{i} = 0 if a{i} is None else a{i}.data.ptr")
     if plan.aligned:
         lines.append(f"    if ({' | '.join(f'p{i}' for i in plan.aligned)}) & 15:\n        return None")
     if plan.writes:
@@ -231,6 +265,8 @@ def _replay_code(plan: Plan) -> str:
     for j, (_, _, targets) in enumerate(plan.values):
         for t, path in targets:
             lines.append(f"        blk{t}[0].{path} = e{j}")
+    for i in plan.cleared:
+        lines.append(f"        a{i}.fill(0)")
     for j, (arrays, t, word, _) in enumerate(plan.derived):
         lines.append(f"        words = DERIVED[{j}][3](({''.join(f'p{i}, ' for i in arrays)}))")
         lines.append(f"        w{t}[{word}:{word} + len(words)] = words")
@@ -238,6 +274,10 @@ def _replay_code(plan: Plan) -> str:
         lines.append("        work = cp.empty(PLAN.workspace[0], dtype=cp.float32)")
         for t, word, offset in plan.workspace[1]:
             lines.append(f"        w{t}[{word}] = work.data.ptr + {offset}")
+    for j, (_, arrays, words) in enumerate(plan.made):  # (after the workspace, as the full path makes them)
+        lines.append(f"        m{j} = MADE[{j}][0]({', '.join(f'a{i}' for i in arrays)})")
+        for t, word in words:
+            lines.append(f"        w{t}[{word}] = m{j}.data.ptr")
     if plan.step is not None:
         lines.append("        for kernel, grid, t in launches:")
         blocks = ", ".join(f"blk{t}[1]" for t in range(len(plan.templates)))
@@ -254,7 +294,8 @@ def _replay_code(plan: Plan) -> str:
 def _compile_replay(plan: Plan):
     src = _replay_code(plan)
     scope = {"_launch": _launch, "_writes_overlap": _writes_overlap, "TEMPLATES": plan.templates,
-             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches, "DERIVED": plan.derived, "STREAMED": plan.streamed}
+             "ALLOCS": plan.allocs, "LAUNCHES": plan.launches, "DERIVED": plan.derived, "STREAMED": plan.streamed,
+             "GUARDS": plan.guards, "MADE": plan.made}
     exec(src, scope)  # noqa: S102 - our own text, built from the plan's tuples
     return scope, src
 
@@ -292,6 +333,10 @@ class PlanBuilder:
         self.derived: list = []
         self.streamed: list = []
         self.values: list = []
+        self.guards: list = []
+        self.made: list = []
+        self.cleared: list = []
+        self.held: list = []
 
     def template(self, params) -> int:
         """The number of this params struct's template (recorded from the struct as it is when `plan` is called)."""
@@ -336,13 +381,33 @@ class PlanBuilder:
                 raise ValueError(f"field path {path!r}")
         self.values.append((index, int(limit), tuple((self.template(p), path) for p, path in targets)))
 
+    def guard(self, array_number: int, obj) -> None:
+        """The plan replays only when that argument is the BlockMask obj itself (held by a weak reference: a plan does
+        not keep it alive, and one made later at the same address is not taken for it)."""
+        self.guards.append((array_number, weakref.ref(obj)))
+
+    def make(self, fn, array_numbers: tuple, *targets) -> None:
+        """Per call, fn(the arrays of these numbers) makes an array (on the call's device and stream) whose address
+        goes into these (params, field) targets; it lives until the launches are queued."""
+        self.made.append((fn, tuple(array_numbers), tuple((self.template(p), _launch.field_word(type(p), f))
+                                                          for p, f in targets)))
+
+    def clear(self, array_number: int) -> None:
+        """The argument (a preallocated output the kernels add into) is filled with zeros before the launches."""
+        self.cleared.append(array_number)
+
+    def hold(self, obj) -> None:
+        """obj lives as long as the plan (an array whose address the launch arguments hold)."""
+        self.held.append(obj)
+
     def launch(self, kernel, grid, params) -> None:
         self.launches.append((kernel, tuple(grid), self.template(params)))
 
     def plan(self, *, aligned=(), writes=(), extents=(), returns, step=None) -> Plan:
         plan = Plan(self.device, self.arrays, tuple(aligned), tuple(writes), tuple(extents), tuple(self.binds), tuple(self.allocs),
                     self.workspace, tuple(self.launches), tuple(_launch.ArgsTemplate(p) for p in self.params), returns,
-                    step, _launch._kernels, tuple(self.derived), tuple(self.streamed), tuple(self.values))
+                    step, _launch._kernels, tuple(self.derived), tuple(self.streamed), tuple(self.values),
+                    tuple(self.guards), tuple(self.made), tuple(self.cleared), tuple(self.held))
         scope, _ = _compile_replay(plan)
         plan = plan._replace(run=scope["run"])
         scope["PLAN"] = plan

@@ -6,43 +6,42 @@ from __future__ import annotations
 from numbers import Integral
 
 from . import _families, _fp8, _plan, _problem, _validate
-from ._plan import ARRAY, BOUND, COUNT, DEFAULT, FLAG, OPTION, OPTIONAL_ARRAY, Signature
+from ._plan import (ARRAY, BOUND, COUNT, DEFAULT, FLAG_OR_ARRAY, MASK, NUMBER_OR_ARRAY, OPTION, OPTIONAL_ARRAY,
+                    Signature)
 
 # What the plan key holds of the score modifiers: a window, the softcap and the dropout probability by value, the
-# ALiBi slopes, a bias and a boolean mask or key_padding_mask as arrays (their addresses bound per call), dbias when
-# it is True or False, the dropout seed and offset by type (their values checked and written per call). FP8 calls are
-# planned when their descales are arrays or None (a number goes the full path), out_dtype by value. Calls with a
-# BlockMask (its tile maps), with both a mask and a key_padding_mask (their intersection is made per call), a
-# preallocated dbias or the dropout mask returned are not planned: they go the full path. The varlen functions'
-# cu_seqlens are arrays of their plans, max_seqlen and check_inputs options (check_inputs=True reads cu_seqlens back
-# on every call, planned or not).
+# ALiBi slopes, a bias, a boolean mask and a key_padding_mask as arrays (their addresses bound per call; with both
+# masks, their intersection is made per call), a BlockMask by its identity, dbias when it is True or False or as a
+# preallocated array, the dropout seed and offset by type (their values checked and written per call). FP8 descales
+# enter as arrays or by value (None or a number), out_dtype by value. Calls that return the dropout mask are not
+# planned: they go the full path. The varlen functions' cu_seqlens are arrays of their plans, max_seqlen and
+# check_inputs options (check_inputs=True reads cu_seqlens back on every call, planned or not).
 _PLAIN = dict(return_dropout_mask=False)
-_FP8_ARGS = (("q_descale", OPTIONAL_ARRAY), ("k_descale", OPTIONAL_ARRAY), ("v_descale", OPTIONAL_ARRAY),
+_FP8_ARGS = (("q_descale", NUMBER_OR_ARRAY), ("k_descale", NUMBER_OR_ARRAY), ("v_descale", NUMBER_OR_ARRAY),
              ("out_dtype", OPTION))
 _VALUE_MODS = (("window", OPTION), ("alibi_slopes", OPTIONAL_ARRAY), ("softcap", OPTION), ("bias", OPTIONAL_ARRAY))
-_MASKS = (("mask", OPTIONAL_ARRAY), ("key_padding_mask", OPTIONAL_ARRAY))
+_MASKS = (("mask", MASK), ("key_padding_mask", OPTIONAL_ARRAY))
 _DROPOUT = (("dropout_p", OPTION), ("seed", BOUND), ("offset", BOUND))
 _FWD_MODS = (*_VALUE_MODS, *_MASKS, *_DROPOUT, ("return_dropout_mask", DEFAULT))
-_BWD_MODS = (*_VALUE_MODS, ("dbias", FLAG), *_MASKS, *_DROPOUT)
-_ONE_MASK = (("mask", "key_padding_mask"),)
+_BWD_MODS = (*_VALUE_MODS, ("dbias", FLAG_OR_ARRAY), *_MASKS, *_DROPOUT)
 _ATTENTION = Signature("attention", (("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("causal", OPTION),
                                      ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), *_FWD_MODS,
-                                     *_FP8_ARGS), _PLAIN, _ONE_MASK)
-_FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN, _ONE_MASK)
+                                     *_FP8_ARGS), _PLAIN)
+_FORWARD = Signature("attention_forward", _ATTENTION.params, _PLAIN)
 _BACKWARD = Signature("attention_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("causal", OPTION),
     ("softmax_scale", OPTION), ("layout", OPTION), ("precision", OPTION), ("deterministic", OPTION),
     ("dq", OPTIONAL_ARRAY),
-    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN, _ONE_MASK)
+    ("dk", OPTIONAL_ARRAY), ("dv", OPTIONAL_ARRAY), *_BWD_MODS), _PLAIN)
 _VARLEN_FORWARD = Signature("attention_varlen_forward", (
     ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("cu_seqlens_q", ARRAY), ("cu_seqlens_k", ARRAY),
     ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION), ("softmax_scale", OPTION),
-    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_ARGS), _PLAIN, _ONE_MASK)
+    ("check_inputs", OPTION), ("precision", OPTION), *_FWD_MODS, *_FP8_ARGS), _PLAIN)
 _VARLEN_BACKWARD = Signature("attention_varlen_backward", (
     ("dout", ARRAY), ("q", ARRAY), ("k", ARRAY), ("v", ARRAY), ("out", ARRAY), ("lse", ARRAY), ("cu_seqlens_q", ARRAY),
     ("cu_seqlens_k", ARRAY), ("max_seqlen_q", OPTION), ("max_seqlen_k", OPTION), ("causal", OPTION),
     ("softmax_scale", OPTION), ("deterministic", OPTION), ("dq", OPTIONAL_ARRAY), ("dk", OPTIONAL_ARRAY),
-    ("dv", OPTIONAL_ARRAY), ("check_inputs", OPTION), ("precision", OPTION), *_BWD_MODS), {}, _ONE_MASK)
+    ("dv", OPTIONAL_ARRAY), ("check_inputs", OPTION), ("precision", OPTION), *_BWD_MODS))
 _KVCACHE = Signature("attention_with_kvcache", (
     ("q", ARRAY), ("k_cache", ARRAY), ("v_cache", ARRAY), ("k", OPTIONAL_ARRAY), ("v", OPTIONAL_ARRAY),
     ("cache_seqlens", COUNT), ("block_table", OPTIONAL_ARRAY), ("causal", OPTION), ("softmax_scale", OPTION),
@@ -239,8 +238,8 @@ def attention_backward(dout, q, k, v, out, lse, *, causal=False, softmax_scale=N
                         offset)
     plan = _plan.plans.get(key)
     if plan is not None:
-        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask),
-                             (seed, offset))
+        grads = _plan.replay(plan, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask,
+                                    _dbias_array(dbias)), (seed, offset))
         if grads is not None:
             return grads
     a = _problem.attention(q, k, v, causal, softmax_scale, layout, window, alibi_slopes, softcap, dropout_p, seed,
@@ -376,8 +375,8 @@ def attention_varlen_backward(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_
                                softmax_scale, deterministic, dq, dk, dv, check_inputs, precision, window, alibi_slopes,
                                softcap, bias, dbias, mask, key_padding_mask, dropout_p, seed, offset)
     grads = _varlen_replay(key, (dout, q, k, v, out, lse, dq, dk, dv, alibi_slopes, bias, mask, key_padding_mask,
-                                 cu_seqlens_q, cu_seqlens_k), (seed, offset), check_inputs, q, k, max_seqlen_q,
-                           max_seqlen_k)
+                                 _dbias_array(dbias), cu_seqlens_q, cu_seqlens_k), (seed, offset), check_inputs, q, k,
+                           max_seqlen_q, max_seqlen_k)
     if grads is not None:
         return grads
     a = _problem.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,

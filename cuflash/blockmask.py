@@ -36,13 +36,18 @@ class BlockMask:
         if not 2 <= len(info.shape) <= 4:
             raise ValueError(f"mask has shape {tuple(info.shape)}; it must have 2 to 4 dims, broadcastable to "
                              f"(batch, heads, seqlen_q, seqlen_k)")
-        self.mask = mask
+        self._mask = mask
         self._maps: dict = {}
         self._lock = threading.Lock()
 
     @property
+    def mask(self):
+        """The bool CuPy array (read-only: the tile maps, and the plans of calls that used them, stand for it)."""
+        return self._mask
+
+    @property
     def shape(self) -> tuple:
-        return tuple(self.mask.shape)
+        return tuple(self._mask.shape)
 
     def tile_map(self, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, transposed: bool = False):
         """uint8 (Bm, Hm, ceil(Sq / block_m) or 1, ceil(Sk / block_n) or 1): the state of each tile (TILE_*) for a
@@ -52,7 +57,7 @@ class BlockMask:
         key = (block_m, block_n, seqlen_q, seqlen_k, transposed)
         m = self._maps.get(key)
         if m is None:
-            m = tile_states(self.mask, block_m, block_n)
+            m = tile_states(self._mask, block_m, block_n)
             if transposed:
                 m = _launch.cupy().ascontiguousarray(m.transpose(0, 1, 3, 2))
             with self._lock:

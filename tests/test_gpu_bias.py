@@ -567,16 +567,20 @@ def test_deterministic_broadcast_bias_without_dbias_is_allowed():
     assert len(a) == 3 and all(same_bits(x, y) for x, y in zip(a, b))
 
 
-@pytest.mark.parametrize("extra", ["bias", "bias+key_padding_mask", "mask"])
+@pytest.mark.parametrize("extra", ["bias", "bias+key_padding_mask", "mask", "bias+given-dbias", "mask+key_padding_mask",
+                                   "blockmask"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d,dtype", [(64, "fp16"), (128, "bf16")])
 def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal, extra):
-    """The second call of a signature with a bias (and dbias=True), a key_padding_mask beside it, or a mask replays
-    the plan of the first (new inputs, bias and masks bound per call, dbias allocated per call: zeroed when causal,
-    where the kernels store only the visible pairs): its o, lse, dq, dk, dv and dbias equal those of the same call
-    on the full path (no plans), bit for bit, with the pool poisoned before each call (deterministic: the default
-    mode's dQ sums in any order; a full-shape bias's dbias is stored, not summed)."""
+    """The second call of a signature with a bias (and dbias=True, or a preallocated dbias full of NaN), a
+    key_padding_mask beside it, a mask, a mask and a key_padding_mask, or a BlockMask (the same object in both calls)
+    replays the plan of the first (new inputs, bias and masks bound per call, the two masks' intersection made per
+    call, dbias allocated or zeroed per call where the kernels store only the visible pairs): its o, lse, dq, dk, dv
+    and dbias equal those of the same call on the full path (no plans), bit for bit, with the pool poisoned before
+    each call (deterministic: the default mode's dQ sums in any order; a full-shape bias's dbias is stored, not
+    summed)."""
     b, s, h = 2, 200, 2
+    block_mask = cuflash.BlockMask(random_mask((b, 1, s, s), seed_of("planned blockmask", d, causal)))
 
     def call(seed):
         q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i) for i in range(4))
@@ -585,12 +589,19 @@ def test_a_planned_bias_call_equals_the_full_path(d, dtype, causal, extra):
             kw["bias"] = make_bias((b, h, s, s), dtype, "q", seed + 5)
         if "key_padding_mask" in extra:
             kw["key_padding_mask"] = padding_mask(b, s, seed + 6)
-        if extra == "mask":
+        if extra.startswith("mask"):
             kw["mask"] = random_mask((b, 1, s, s), seed + 7)
+        if extra == "blockmask":
+            kw["mask"] = block_mask
+        dbias = "bias" in kw
+        if extra == "bias+given-dbias":
+            dbias = cp.full((b, h, s, s), cp.nan, dtype=cp.float32)
         poison_pool(round_up(q.nbytes) + round_up(b * h * s * 4))
         o, lse = cuflash.attention_forward(q, k, v, causal=causal, **kw)
         poison_pool(3 * round_up(q.nbytes) + round_up(b * h * s * s * 4) + (1 << 20))
-        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=True,
-                                                    dbias="bias" in kw, **kw))
+        grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=True, dbias=dbias, **kw)
+        if dbias is not True and dbias is not False:
+            assert grads[3] is dbias
+        return (o, lse, *grads)
 
     check_replay_matches_full_path(call, f"{extra}, D={d}, causal={causal}")

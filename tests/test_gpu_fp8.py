@@ -233,7 +233,7 @@ PLANNED = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling, out
 def test_fp8_warm_calls_replay_the_full_path(case):
     """attention and attention_forward on FP8 inputs record a plan on their first call (descales as arrays or None)
     and later calls of that signature replay it: on new inputs and descales the replay gives the bits of the full
-    path (plans cleared) and the reference result; a descale given as a number is never planned."""
+    path (plans cleared) and the reference result; so do descales given as numbers (planned by value)."""
     from cuflash import _plan, api
 
     d, sq, sk, h, hkv, causal, window, layout, scaling, out_dtype = case
@@ -272,9 +272,17 @@ def test_fp8_warm_calls_replay_the_full_path(case):
     out_round = (2.0 ** -8 if out_dtype == "bf16" else 2.0 ** -11) * float(np.abs(o64).max())
     assert err <= 2.0 * emul_err + out_round + 1e-5, f"o mismatch for {case}: {err:.3e}"
     check_lse(lse, cp.asarray(lse64), str(case), atol=1e-2)
+    # a descale given as a number enters the key by value: the second call replays, with the full path's bits
     _plan.plans.clear()
-    cuflash.attention_forward(*arrays, **kw, **dict(desc, q_descale=0.5))
-    assert len(_plan.plans) == 0, "a call with a descale given as a number made a plan"
+    numbers = dict(desc, q_descale=0.5, v_descale=2)
+    cuflash.attention_forward(*first, **kw, **numbers)
+    assert len(_plan.plans) == 1, "a call with descales given as numbers made no plan"
+    o, lse = cuflash.attention_forward(*arrays, **kw, **numbers)
+    assert len(_plan.plans) == 1, "the second call with the same numbers made a plan of its own"
+    _plan.plans.clear()
+    want_o, want_lse = cuflash.attention_forward(*arrays, **kw, **numbers)
+    assert bool((o.view(cp.uint16) == want_o.view(cp.uint16)).all()), f"replayed o (numbers) differs, {case}"
+    assert bool((lse.view(cp.uint32) == want_lse.view(cp.uint32)).all()), f"replayed lse (numbers) differs, {case}"
 
 
 @pytest.mark.parametrize("d,causal,scaling", [(128, True, "block"), (64, False, "none")])

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _families, _launch, _plan, _tma, api, config
+from cuflash import _families, _fp8, _launch, _plan, _tma, api, config
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 if not (TOOLS / "fake_cupy.py").exists():  # pragma: no cover - an installed cuflash without tools/
@@ -133,13 +133,32 @@ def test_fp8_replay_launches_what_the_full_path_launches(case, fn):
     check_replay_equals_full_path(lambda: f(*a, **da, **opts), lambda: f(*b, **db, **opts))
 
 
-def test_fp8_numbers_as_descales_are_not_planned():
-    _plan.plans.clear()
+@pytest.mark.parametrize("fn", ["attention", "attention_forward"])
+def test_fp8_numbers_as_descales_are_planned_by_value(fn):
+    """A descale given as a number enters the key by value: the same numbers replay the plan (the launch equals the
+    full path's byte for byte, its one-element arrays of those values held by the plan even when the cache of such
+    arrays is emptied), other numbers, or the same value as an int, make their own plans."""
+    f = getattr(cuflash, fn)
+    opts = dict(q_descale=0.5, k_descale=2, v_descale=None)
+    check_replay_equals_full_path(lambda: f(*qkv(dtype=U8), **opts), lambda: f(*qkv(dtype=U8), **opts))
+    plan = next(iter(_plan.plans._plans.values()))
+    held = {x.data.ptr for x in plan.held}
+    assert len(plan.held) == 3, "the arrays of 0.5, 2.0 and 1.0"
+    _fp8._ONES.clear()  # their cache may drop them: the plan still holds the arrays its launch points at
+    replayed, _ = launches_of(lambda: f(*qkv(dtype=U8), **opts), 1 << 50)
+    params = _tma.FwdFp8Params.from_buffer_copy(replayed[0][2])
+    assert {params.q_descale.ptr, params.k_descale.ptr, params.v_descale.ptr} == held
     q, k, v = qkv(dtype=U8)
-    cuflash.attention_forward(q, k, v, q_descale=0.5)
-    assert len(_plan.plans) == 0
-    assert api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, None, 0.0, None, 0,
-                            False, 0.5, None, None, None) is None
+    for other in (dict(opts, q_descale=0.25), dict(opts, k_descale=2.0), dict(opts, v_descale=1.0)):
+        f(q, k, v, **other)
+    assert len(_plan.plans) == 4, "each descale value (and its type) makes its own plan"
+
+
+def test_fp8_descales_of_other_types_have_no_key():
+    q, k, v = qkv(dtype=U8)
+    for bad in (np.float32(0.5), True, [0.5]):
+        assert api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, None, None, 0.0, None, 0,
+                                False, bad, None, None, None) is None, bad
 
 
 def _params(blob):
@@ -363,21 +382,83 @@ def test_mask_calls_replay_what_the_full_path_launches(case, d):
                                   lambda: cuflash.attention_backward(*gb.values(), **second, **dbias))
 
 
-def test_a_mask_with_a_key_padding_mask_or_a_blockmask_takes_the_full_path(monkeypatch):
-    """Their intersection is a new array per call, and a BlockMask's tile maps are found from its contents: neither
-    call has a plan key (the full path runs every time)."""
-    keys = []
-    monkeypatch.setattr(api, "_forward", lambda *args, **kw: keys.append(args[13]))
-    monkeypatch.setattr(_families, "backward", lambda *args, **kw: keys.append(kw["key"]))
+BOTH_MASK_CASES = {  # a mask beside a key_padding_mask: their intersection is made per call
+    "mask": (2, 1, 40, 72),
+    "mask-2d": (40, 72),
+    "mask-of-batch-1": (1, 4, 40, 72),
+}
+
+
+@pytest.mark.parametrize("d", [64, 96], ids=["tma-kernel", "fwd_sm90_kernel"])
+@pytest.mark.parametrize("case", BOTH_MASK_CASES, ids=list(BOTH_MASK_CASES))
+def test_a_mask_with_a_key_padding_mask_replays_the_full_path(case, d):
+    """With both masks a plan makes their intersection on every call, as the full path does (the same allocations,
+    its address in the launch): forward, attention() and backward replay the full path's launches byte for byte."""
+    shape = BOTH_MASK_CASES[case]
+
+    def masks():
+        return dict(mask=A(shape, BOOL), key_padding_mask=A((2, 72), BOOL))
+
+    first, second = masks(), masks()
+    a, b = qkv(d=d), qkv(d=d)
+    ga, gb = backward_args(d=d), backward_args(d=d)
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*a, **first),
+                                  lambda: cuflash.attention_forward(*b, **second))
+    check_replay_equals_full_path(lambda: cuflash.attention(*a, causal=True, **first),
+                                  lambda: cuflash.attention(*b, causal=True, **second))
+    check_replay_equals_full_path(lambda: cuflash.attention_backward(*ga.values(), **first),
+                                  lambda: cuflash.attention_backward(*gb.values(), **second))
+    cuflash.attention_forward(*b, **second)  # (check_replay_equals_full_path ends with the plans cleared)
+    fc.COUNTS.clear()
+    cuflash.attention_forward(*b, **second)
+    assert fc.COUNTS["logical_and"] == 1 and fc.COUNTS["encode"] == 0, "a warm call makes the intersection only"
+
+
+def _block_mask(monkeypatch, shape, aligned):
+    """A BlockMask over a fake mask whose tile maps are fake arrays and whose alignment is `aligned`."""
+    bm = cuflash.BlockMask(A(shape, BOOL))
+    maps = {}
+
+    def tile_map(block_m, block_n, sq, sk, transposed=False):
+        key = (block_m, block_n, sq, sk, transposed)
+        if key not in maps:
+            nm, nn = -(-sq // block_m), -(-sk // block_n)
+            maps[key] = A((*shape[:-2], nn, nm) if transposed else (*shape[:-2], nm, nn), np.uint8)
+        return maps[key]
+
+    monkeypatch.setattr(bm, "tile_map", tile_map)
+    monkeypatch.setattr(bm, "aligned", lambda *args: aligned)
+    return bm
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["tile-skipping", "mask-kernels"])
+def test_blockmask_calls_replay_for_that_blockmask_only(monkeypatch, aligned):
+    """A BlockMask enters the key by identity: a second call with the same BlockMask replays the full path's launch
+    byte for byte (its mask and tile maps as the first call found them); another BlockMask of the same shape makes
+    its own plan, and a plan never replays for an object that is not its BlockMask (a guard, not the key alone:
+    an id can be reused once the first one is gone)."""
+    bm, other = (_block_mask(monkeypatch, (2, 1, 40, 72), aligned) for _ in range(2))
+    ga, gb = backward_args(), backward_args()
+    check_replay_equals_full_path(lambda: cuflash.attention_forward(*qkv(), mask=bm),
+                                  lambda: cuflash.attention_forward(*qkv(), mask=bm))
+    check_replay_equals_full_path(lambda: cuflash.attention_backward(*ga.values(), mask=bm),
+                                  lambda: cuflash.attention_backward(*gb.values(), mask=bm))
+    check_replay_equals_full_path(lambda: cuflash.attention(*qkv(), mask=bm, key_padding_mask=A((2, 72), BOOL)),
+                                  lambda: cuflash.attention(*qkv(), mask=bm, key_padding_mask=A((2, 72), BOOL)))
+    _plan.plans.clear()
     q, k, v = qkv()
-    m, kpm = A((2, 1, 40, 72), BOOL), A((2, 72), BOOL)
-    cuflash.attention_forward(q, k, v, mask=m, key_padding_mask=kpm)
-    cuflash.attention(q, k, v, mask=m, key_padding_mask=kpm)
-    cuflash.attention_backward(*backward_args().values(), mask=m, key_padding_mask=kpm)
-    cuflash.attention_forward(q, k, v, mask=m)  # (one of them: a key)
-    assert keys[:3] == [None, None, None] and keys[3] is not None
+    cuflash.attention_forward(q, k, v, mask=bm)
+    cuflash.attention_forward(q, k, v, mask=other)
+    assert len(_plan.plans) == 2
+    plan = _plan.plans.get(api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, bm, None, 0.0,
+                                            None, 0, False, None, None, None, None))
+    arrays = (q, k, v, None, None, bm, None, None, None, None)
+    assert _plan.replay(plan, arrays, (None, 0)) is not None
+    assert _plan.replay(plan, arrays[:5] + (other,) + arrays[6:], (None, 0)) is None, "replayed for another object"
+    with pytest.raises(AttributeError):
+        bm.mask = A((2, 1, 40, 72), BOOL)  # (the mask a BlockMask stands for does not change)
     assert api._FORWARD.key(q, k, v, False, None, "bshd", None, None, None, None, None, object(), None, 0.0, None, 0,
-                            False, None, None, None, None) is None, "a mask that is no CuPy array (a BlockMask)"
+                            False, None, None, None, None) is None, "a mask that is neither array nor BlockMask"
 
 
 def test_an_exclusive_group_gives_no_key_when_two_of_it_are_given():
@@ -403,6 +484,7 @@ def packed(lens_q=(5, 0, 12), lens_k=(9, 4, 7), h=4, hkv=2, d=64, dtype=F16):
 
 VARLEN_CASES = {
     "plain": dict(),
+    "both-masks": dict(opts=dict(mask="mask", key_padding_mask="kpm")),
     "causal-bf16-d128": dict(args=dict(dtype=BF16, d=128), opts=dict(causal=True)),
     "window-alibi": dict(opts=dict(window=(3, 0), alibi_slopes="slopes")),
     "d72-dropout": dict(args=dict(d=72), opts=dict(dropout_p=0.2, seed=5)),
@@ -419,6 +501,8 @@ def test_varlen_forward_replays_what_the_full_path_launches(case):
         o = dict(kw.get("opts", {}), check_inputs=False)
         if o.get("alibi_slopes") == "slopes":
             o["alibi_slopes"] = A((4,), F32)
+        if "mask" in o:  # scores (3, 4, 12, 9)
+            o.update(mask=A((3, 1, 12, 9), BOOL), key_padding_mask=A((3, 9), BOOL))
         return o
     for fn in (cuflash.attention_varlen_forward, cuflash.attention_varlen):
         check_replay_equals_full_path(lambda: fn(*first, **opts()), lambda: fn(*second, **opts()))
@@ -436,7 +520,7 @@ def test_fp8_varlen_replays_what_the_full_path_launches(fn, descales):
     check_replay_equals_full_path(lambda: call(first), lambda: call(second))
 
 
-@pytest.mark.parametrize("case", ["plain", "deterministic-bf16-d128", "prealloc-dq-alibi"])
+@pytest.mark.parametrize("case", ["plain", "deterministic-bf16-d128", "prealloc-dq-alibi", "bias-masks"])
 def test_varlen_backward_replays_what_the_full_path_launches(case):
     args = dict(dtype=BF16, d=128) if "d128" in case else {}
     def call(p):
@@ -445,6 +529,9 @@ def test_varlen_backward_replays_what_the_full_path_launches(case):
         kw = dict(check_inputs=False, causal=True, deterministic="deterministic" in case)
         if "prealloc" in case:
             kw.update(dq=A(q.shape, q.dtype), alibi_slopes=A((q.shape[1],), F32))
+        if "bias-masks" in case:  # a preallocated dbias and both masks (made per call) of scores (3, 4, 12, 9)
+            kw.update(bias=A((1, 4, mq, mk), q.dtype), dbias=A((1, 4, mq, mk), F32), mask=A((mq, mk), BOOL),
+                      key_padding_mask=A((3, mk), BOOL))
         return cuflash.attention_varlen_backward(dout, q, k, v, out, lse, cu_q, cu_k, mq, mk, **kw)
     first, second = packed(**args), packed(**args)
     check_replay_equals_full_path(lambda: call(first), lambda: call(second))
@@ -476,15 +563,31 @@ def test_a_warm_varlen_call_checks_cu_seqlens_values_when_asked(monkeypatch):
     assert not seen and len(_plan.plans) == 2
 
 
-def test_a_preallocated_dbias_takes_the_full_path():
-    args = backward_args()
-    bias = A((2, 4, 40, 72), F16)
-    _plan.plans.clear()
-    for _ in range(2):
+@pytest.mark.parametrize("shape,causal", [((2, 4, 40, 72), False), ((2, 4, 40, 72), True), ((1, 4, 40, 72), False)],
+                         ids=["full-stored", "full-causal", "pair-summed"])
+def test_a_preallocated_dbias_is_an_array_of_the_plan(shape, causal):
+    """A preallocated dbias is bound per call and returned; it is filled with zeros first exactly where the full path
+    fills it (the kernels add into it, or store only where some pair is visible), and a warm call whose dbias
+    overlaps an input raises the full path's error."""
+    bias_a, bias_b = A(shape, F16), A(shape, F16)
+    ga, gb = backward_args(), backward_args()
+    db_a, db_b = A(shape, F32), A(shape, F32)
+    kw = dict(causal=causal)
+    check_replay_equals_full_path(lambda: cuflash.attention_backward(*ga.values(), bias=bias_a, dbias=db_a, **kw),
+                                  lambda: cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=db_b, **kw))
+    fills = []
+    for _ in range(2):  # the replay, then the full path
         fc.COUNTS.clear()
-        cuflash.attention_backward(*args.values(), bias=bias, dbias=A((2, 4, 40, 72), F32), causal=True)
-        assert fc.COUNTS["encode"] == 4, "each call encodes its tensor maps: the full path"
-    assert len(_plan.plans) == 0
+        out = cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=db_b, causal=causal)
+        assert out[3] is db_b and fc.COUNTS["zeros"] == 0
+        fills.append(fc.COUNTS["fill"])
+        _plan.plans.clear()
+    assert fills[0] == fills[1] == (0 if shape[0] == 2 and not causal else 1), fills
+    cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=db_b, causal=causal)  # the plan again
+    assert len(_plan.plans) == 1
+    over = A(shape, F32, ptr=bias_b.data.ptr)  # dbias over the bias's memory
+    with pytest.raises(ValueError, match="dbias .preallocated. overlaps the memory of bias"):
+        cuflash.attention_backward(*gb.values(), bias=bias_b, dbias=over, causal=causal)
 
 
 def _mod_kwargs(case, call):

@@ -82,8 +82,19 @@ class FakeArray:
         COUNTS["fill"] += 1
 
     def __getitem__(self, index):  # views at the same address (enough for q[:, :1]-style test inputs)
+        if type(index) is FakeArray:  # rows picked by an index array: a new array
+            COUNTS["take"] += 1
+            return FakeArray(index.shape + self.shape[1:], self.dtype, device=self.data.device_id)
         return FakeArray(np.empty(self.shape, dtype=np.uint8)[index].shape, self.dtype, self.strides,
                          self.data.ptr, self.data.device_id)
+
+    def reshape(self, *shape):  # a view at the same address, with C-contiguous strides
+        shape = shape[0] if len(shape) == 1 and isinstance(shape[0], tuple) else shape
+        return FakeArray(np.empty(self.shape, dtype=np.uint8).reshape(shape).shape, self.dtype, None, self.data.ptr,
+                         self.data.device_id)
+
+    def __floordiv__(self, other):
+        return FakeArray(self.shape, self.dtype, device=self.data.device_id)
 
 
 def _empty(shape, dtype=np.float32):
@@ -99,6 +110,16 @@ def _full(shape, value, dtype=np.float32):
 def _zeros(shape, dtype=np.float32):
     COUNTS["zeros"] += 1
     return FakeArray(shape if isinstance(shape, tuple) else (shape,), dtype)
+
+
+def _arange(n, dtype=np.int64):
+    COUNTS["arange"] += 1
+    return FakeArray((n,), dtype)
+
+
+def _logical_and(x, y):
+    COUNTS["logical_and"] += 1
+    return FakeArray(np.broadcast_shapes(x.shape, y.shape), np.bool_, device=x.data.device_id)
 
 
 def _asnumpy(x):
@@ -131,7 +152,8 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 
 cupy = types.SimpleNamespace(
-    empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, float32=np.float32, int32=np.int32, inf=np.inf,
+    empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, arange=_arange, logical_and=_logical_and,
+    float32=np.float32, int32=np.int32, bool_=np.bool_, inf=np.inf,
     ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
                                runtime=types.SimpleNamespace(getDevice=_get_device)))

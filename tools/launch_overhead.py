@@ -1,8 +1,10 @@
 """Host cost of one cuflash call on a GPU: `python tools/launch_overhead.py`.
 
 Rows: attention, attention_backward (plain, with a window, soft-capping and ALiBi, and with a bias and its
-gradient), attention_varlen and attention_varlen_backward (three packed sequences, check_inputs=False),
-attention_with_kvcache, and attention on FP8 inputs with per-head descale arrays (on Hopper, and with --fake).
+gradient, new or preallocated), attention with a mask and a key_padding_mask and with a BlockMask,
+attention_varlen and attention_varlen_backward (three packed sequences, check_inputs=False),
+attention_with_kvcache, and attention on FP8 inputs with per-head descale arrays and with descales given as numbers
+(on Hopper, and with --fake).
 Columns: the wall time per call of many back-to-back calls with one synchronization at the end (bound by
 the host or by the GPU, whichever is slower); the CUDA-event span of one call alone on an idle GPU (it includes
 the host's launch work between the two events, so it bounds the GPU time from above); and the Python time of
@@ -110,6 +112,11 @@ def fake_main() -> int:
     pq, pdo, po = (fc.FakeArray((300, 2, 64), f16) for _ in range(3))
     plse, cu = fc.FakeArray((2, 300), np.float32), fc.FakeArray((4,), np.int32)
     q8, d8 = fc.FakeArray((1, 128, 2, 128), np.uint8), fc.FakeArray((1, 2), np.float32)  # e4m3 bits, descales
+    dbias = fc.FakeArray((1, 2, 128, 128), np.float32)
+    mask, kpm = fc.FakeArray((1, 1, 128, 128), np.bool_), fc.FakeArray((1, 128), np.bool_)
+    bm = cuflash.BlockMask(mask)  # its tile maps faked: partial tiles everywhere (the mask kernels)
+    bm.tile_map = lambda bm_, bn, sq, sk, transposed=False: fc.FakeArray((1, 1, -(-sq // bm_), -(-sk // bn)), np.uint8)
+    bm.aligned = lambda *args: False
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
@@ -117,6 +124,10 @@ def fake_main() -> int:
         "attention_backward, the same modifiers": lambda: cuflash.attention_backward(do, q, k, v, o, lse, **mods),
         "attention_backward, a (1, 2, 128, 128) bias, dbias":
             lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
+        "attention_backward, the bias, a preallocated dbias":
+            lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=dbias),
+        "attention, a mask and a key_padding_mask": lambda: cuflash.attention(q, k, v, mask=mask, key_padding_mask=kpm),
+        "attention, a BlockMask": lambda: cuflash.attention(q, k, v, mask=bm),
         "attention_varlen (3 sequences, 300 tokens, H=2, D=64)":
             lambda: cuflash.attention_varlen(pq, pq, pq, cu, cu, 128, 128, check_inputs=False),
         "attention_varlen_backward (same)":
@@ -125,6 +136,7 @@ def fake_main() -> int:
             lambda: cuflash.attention_with_kvcache(q1, kc, vc, cache_seqlens=lens, check_inputs=False),
         "attention, FP8 (B=1, N=128, H=2, D=128)":
             lambda: cuflash.attention(q8, q8, q8, q_descale=d8, k_descale=d8, v_descale=d8),
+        "attention, FP8, descales as numbers": lambda: cuflash.attention(q8, q8, q8, q_descale=0.5, k_descale=0.25),
     }
     n = 20000
     print(f"{'call (CuPy faked)':<52} {'host us/call':>13}  asked of CuPy per call")
@@ -199,6 +211,8 @@ def main() -> int:
     slopes = cp.asarray([0.25, 0.125], dtype=cp.float32)
     mods = dict(window=(64, 0), softcap=30.0, alibi_slopes=slopes)
     bias = rnd.standard_normal((1, 2, 128, 128), dtype=cp.float32).astype(cp.float16)
+    dbias = cp.empty((1, 2, 128, 128), dtype=cp.float32)
+    mask, kpm = rnd.rand(1, 1, 128, 128) < 0.5, cp.ones((1, 128), dtype=cp.bool_)
     pq, pdo = (rnd.standard_normal((300, 2, 64), dtype=cp.float32).astype(cp.float16) for _ in range(2))
     cu = cp.asarray([0, 100, 172, 300], dtype=cp.int32)
     po, plse = cuflash.attention_varlen_forward(pq, pq, pq, cu, cu, 128, 128)
@@ -211,6 +225,7 @@ def main() -> int:
         d8 = cp.full((1, 2), 0.5, dtype=cp.float32)
 
     def calls_of(m, tag=""):
+        bm = m.BlockMask(mask)
         rows = {
             f"attention (B=1, N=128, H=2, D=64){tag}": lambda: m.attention(q, k, v),
             f"attention_backward (same){tag}": lambda: m.attention_backward(do, q, k, v, o, lse),
@@ -218,6 +233,11 @@ def main() -> int:
             f"attention_backward, the same modifiers{tag}": lambda: m.attention_backward(do, q, k, v, o, lse, **mods),
             f"attention_backward, a (1, 2, 128, 128) bias, dbias{tag}":
                 lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
+            f"attention_backward, the bias, a preallocated dbias{tag}":
+                lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=dbias),
+            f"attention, a mask and a key_padding_mask{tag}":
+                lambda: m.attention(q, k, v, mask=mask, key_padding_mask=kpm),
+            f"attention, a BlockMask{tag}": lambda: m.attention(q, k, v, mask=bm),
             f"attention_varlen (3 sequences, 300 tokens, H=2, D=64){tag}":
                 lambda: m.attention_varlen(pq, pq, pq, cu, cu, 128, 128, check_inputs=False),
             f"attention_varlen_backward (same){tag}":
@@ -228,6 +248,8 @@ def main() -> int:
         if fp8:
             rows[f"attention, FP8 (B=1, N=128, H=2, D=128){tag}"] = \
                 lambda: m.attention(q8, q8, q8, q_descale=d8, k_descale=d8, v_descale=d8)
+            rows[f"attention, FP8, descales as numbers{tag}"] = \
+                lambda: m.attention(q8, q8, q8, q_descale=0.5, k_descale=0.25)
         return rows
 
     calls = calls_of(cuflash)
