@@ -139,7 +139,7 @@ def every_mods_instantiations(arch: str = "sm_90a") -> list[tuple[str, object]]:
     the register bound of the others) does not build. Thousands of kernels: narrow it with --filter."""
     from . import config
 
-    sets = [m for m in range(config.MODS_ALL + 1)] + [config.MOD_BLOCKS, config.MOD_BLOCKS | config.MOD_WINDOW]
+    sets = list(range(config.MODS_ALL + 1)) + [config.MOD_BLOCKS, config.MOD_BLOCKS | config.MOD_WINDOW]
     out: dict[str, tuple[str, object]] = {}
     for hd in config.KERNEL_HEAD_DIMS:
         for dt in config.DTYPES:
