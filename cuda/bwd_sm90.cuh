@@ -163,7 +163,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   if ((Mods::HAS_BIAS && !staged) || Mods::HAS_MASK)
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
   constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && Tr::HEAD_DIM >= 128;
-  const u32 mask_bits = MASK_BITS ? mask_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane) : ~0u;
+  u32 mask_bits = ~0u;  // (instantiated where used only: its bits hold 8 query tiles, a 128-query step has 16)
+  if constexpr (MASK_BITS) mask_bits = mask_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 

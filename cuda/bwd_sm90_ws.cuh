@@ -108,7 +108,8 @@ static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 624 && alignof(Bwd
 // BLOCK_M_ 128 takes steps of 128 queries (head dims 32 and 64; the library runs it for plain, causal and windowed
 // calls, cuflash/config.py BWD_SM90_WS_BLOCK_M): each consumer's S^T and dP^T are 64 keys x 128 queries, K and V
 // are read once per 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the same work; dQ
-// is split by rows (BwdSm90Traits::DQ_BY_ROWS). Dropout, a bias, masks and block maps need 64 (takes_mods).
+// is split by rows (BwdSm90Traits::DQ_BY_ROWS). Dropout, masks and block maps need 64 (takes_mods), and so does
+// a bias, except at head dim 32, where the staged bias of 128-row steps fits beside the tiles (stage_bias).
 template <int HEAD_DIM_, class T_, int BLOCK_M_ = 64>
 struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   using Base = BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_>;
@@ -138,9 +139,11 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   // warp * BLOCK_M * BIAS_PITCH (two buffers, step i in i % 2), chunk h of row r at bias_offset(r, h): the halves
   // swap in rows 4-7 of every 8, so that both the copies (8 lanes: 4 rows x 2 halves) and the ldmatrix reads (8
   // rows of one half) hit 8 distinct 16-byte bank groups.
+  // In 128-query steps only at head dim 32: its two buffers of 128 rows (64 KB) fit beside the tiles (195 KB in
+  // all); at head dim 64 they would not (259 KB).
   // cuflash/config.py bwd_stages_bias mirrors this.
   static constexpr bool stage_bias(int mods, bool causal) {
-    if (BLOCK_M_ != 64) return false;  // (two buffers of 128-row steps would not fit beside the rest)
+    if (BLOCK_M_ != 64 && HEAD_DIM_ != 32) return false;
     return HEAD_DIM_ <= 64 ? (mods & MOD_BIAS) && !(mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT))
                            : mods == MOD_BIAS && !causal;
   }
@@ -167,8 +170,11 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static_assert(CONSUMERS == 2 && (Base::BLOCK_M == 64 || (Base::BLOCK_M == 128 && HEAD_DIM_ <= 64)),
                 "two consumers of 64 keys; steps of 64 queries, or 128 at head dims up to 64 (their registers)");
   // the score modifiers a step of 128 queries takes: dropout's keep bits (dropout_keep_transposed) hold 8 query
-  // tiles, the staged bias and the block maps are laid out for 64-row steps
+  // tiles, and the block maps are laid out for 64-row steps; at head dim 32 also a staged bias (stage_bias) with a
+  // window or a mask beside it (the element mask read as in 64-query steps; a BlockMask's tile map is built at the
+  // kernel's tiles, cuflash/_families.py _block_map with the config's block_m)
   static constexpr bool takes_mods(int mods) {
+    if (BLOCK_M_ != 64 && HEAD_DIM_ == 32 && (mods & MOD_BIAS)) return !(mods & ~(MOD_BIAS | MOD_MASK | MOD_WINDOW));
     return BLOCK_M_ == 64 || !(mods & (MOD_DROPOUT | MOD_BIAS | MOD_MASK | MOD_BLOCKS));
   }
   // setmaxnreg moves registers between the CTA's warps, within what the launch gave it (__launch_bounds__(THREADS,
@@ -178,7 +184,7 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static_assert(Base::DQ_TILES * 128 * 4 * CONSUMERS == Base::BLOCK_M * Base::HEAD_DIM, "dQ_acc order covers the block");
   static_assert(OFF_DQ % 1024 == 0 && SMEM_DQ % 16 == 0 && OFF_LSE % 16 == 0, "bulk copy alignment");
   static_assert(Q_TX < (1 << 20) && 2 * Base::SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
-  static_assert(smem_bytes(BLOCK_M_ == 64) <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+  static_assert(smem_bytes(stage_bias(MOD_BIAS, false)) <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
 template <class Tr>

@@ -1174,11 +1174,12 @@ class BwdSm90WsConfig(BwdSm90Config):
     """One warp-specialized Hopper backward instantiation:
     `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T, BLOCK_M>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's
     tiles (block_n 128: two consumer warpgroups of 64 keys; steps of block_m 64 queries, or 128 at head dims 32 and
-    64 plain, causal or windowed: BWD_SM90_WS_BLOCK_M) and math, plus a TMA producer warpgroup (384 threads,
-    1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator order, converted by
-    `bwd_convert_dq_ws_kernel` (convert_dq_config); deterministic, the same reductions in a fixed order of key
-    blocks per query block (ordered_dq: a counter per 64 rows of dQ_acc, bwd_sm90_ws_dq_writer). The analyzer
-    walks it on its own (simulator/banks.py bwd_sm90_ws_kernel_shared); its global traffic is bwd_sm90_kernel's."""
+    64 plain, causal or windowed, and at head dim 32 with a staged bias: bwd_sm90_ws_block_m) and math, plus a TMA
+    producer warpgroup (384 threads, 1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator
+    order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config); deterministic, the same reductions in a fixed
+    order of key blocks per query block (ordered_dq: a counter per 64 rows of dQ_acc, bwd_sm90_ws_dq_writer). The
+    analyzer walks it on its own (simulator/banks.py bwd_sm90_ws_kernel_shared); its global traffic is
+    bwd_sm90_kernel's."""
 
     block_ms = (64, 128)
 
@@ -1188,8 +1189,9 @@ class BwdSm90WsConfig(BwdSm90Config):
             raise ValueError(f"bwd_sm90_ws_kernel takes head_dim 32, 64 or 128 with (block_m, block_n, ctas_per_sm) = "
                              f"(64 or 128, 128, 1); got head_dim={self.head_dim}, ({self.block_m}, {self.block_n}, "
                              f"{self.ctas_per_sm})")
-        if self.block_m == 128 and (self.head_dim > 64 or self.mods & ~BWD_SM90_WS_BLOCK_M_MODS):
-            raise ValueError(f"block_m=128 takes head_dim 32 or 64 and the modifiers in {BWD_SM90_WS_BLOCK_M_MODS:#x} "
+        takes = bwd_sm90_ws_mods_128(self.head_dim, self.mods)
+        if self.block_m == 128 and (self.head_dim > 64 or self.mods & ~takes):
+            raise ValueError(f"block_m=128 takes head_dim 32 or 64 and the modifiers in {takes:#x} "
                              f"(BwdSm90WsTraits::takes_mods); got head_dim={self.head_dim}, mods={self.mods:#x}")
 
     stages = 2  # of (Q, dO, lse_log2, delta)
@@ -1212,8 +1214,8 @@ class BwdSm90WsConfig(BwdSm90Config):
     def smem_bytes(self) -> int:
         """BwdSm90WsTraits::smem_bytes (the kernel traps if it is given less): K, V, 2 stages of (Q, dO), 2 dS^T
         buffers, the fp32 dQ block, 2 stages of (lse_log2, delta), 7 mbarriers, the deterministic dQ writer's 32-byte
-        setup (then, when a bias is staged, two buffers of 8 warps x 64 rows x 32 bytes of it from the next 128-byte
-        boundary), 1024 to align the base."""
+        setup (then, when a bias is staged, two buffers of 8 warps x block_m rows x 32 bytes of it from the next
+        128-byte boundary), 1024 to align the base."""
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
@@ -1232,9 +1234,9 @@ class BwdSm90WsConfig(BwdSm90Config):
 
 def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
     """Whether the warp-specialized backward kernel of these modifiers stages a 16-bit bias in shared memory
-    (BwdSm90WsTraits::stage_bias): at head dim 64 without ALiBi, soft-capping or dropout beside the bias, at head
-    dim 128 for a bias alone, not causal (beside a window or a mask its registers spilled 12-48 bytes, causal 4
-    bytes under NVRTC 13.0)."""
+    (BwdSm90WsTraits::stage_bias): at head dims 32 and 64 without ALiBi, soft-capping or dropout beside the bias, at
+    head dim 128 for a bias alone, not causal (beside a window or a mask its registers spilled 12-48 bytes, causal 4
+    bytes under NVRTC 13.0). In steps of block_m rows: 64, or 128 at head dim 32 (bwd_sm90_ws_block_m)."""
     if head_dim > 64:
         return head_dim == 128 and mods == MOD_BIAS and not causal
     return bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
@@ -1305,16 +1307,27 @@ def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
 
 # Query rows per step of the warp-specialized backward (BwdSm90WsTraits' BLOCK_M) per kernel head dim, for the
 # modifiers in BWD_SM90_WS_BLOCK_M_MODS; the others take 64. At 128 each consumer's S^T and dP^T are 64 keys x 128
-# queries (128 accumulator registers) and K and V are read once per 128 queries. Dropout's keep bits, the staged
-# bias and the block maps are laid out for 64-row steps (BwdSm90WsTraits::takes_mods); with 128-query steps
-# soft-capping spilled 32 bytes, ALiBi with a window 4 and ALiBi with soft-capping 120 (NVRTC 13.5, head dim 64).
+# queries (128 accumulator registers) and K and V are read once per 128 queries. Dropout's keep bits and the block
+# maps are laid out for 64-row steps (BwdSm90WsTraits::takes_mods); with 128-query steps soft-capping spilled 32
+# bytes, ALiBi with a window 4 and ALiBi with soft-capping 120 (NVRTC 13.5, head dim 64).
 BWD_SM90_WS_BLOCK_M = {32: 128, 64: 128}
 BWD_SM90_WS_BLOCK_M_MODS = MOD_WINDOW
+# With a bias, the modifiers of 128-query steps per kernel head dim: at head dim 32 the staged bias (bwd_stages_bias)
+# of 128-row steps, two buffers of 64 KB, fits beside the tiles (195 KB of shared memory), with a mask, a window or
+# both beside it (the element mask read as in 64-query steps, a BlockMask's tile map built at 128-row tiles); at
+# head dim 64 the buffers would not fit (259 KB).
+BWD_SM90_WS_BLOCK_M_BIAS = {32: MOD_BIAS | MOD_MASK | MOD_WINDOW}
+
+
+def bwd_sm90_ws_mods_128(head_dim: int, mods: int = 0) -> int:
+    """The modifier bits that 128-query steps of kernel head dim `head_dim` take where `mods` are called for
+    (BWD_SM90_WS_BLOCK_M_BIAS with a bias, else BWD_SM90_WS_BLOCK_M_MODS)."""
+    return BWD_SM90_WS_BLOCK_M_BIAS.get(head_dim, 0) if mods & MOD_BIAS else BWD_SM90_WS_BLOCK_M_MODS
 
 
 def bwd_sm90_ws_block_m(head_dim: int, mods: int = 0) -> int:
     """BwdSm90WsConfig.block_m of kernel head dim `head_dim` with these modifiers."""
-    return 64 if mods & ~BWD_SM90_WS_BLOCK_M_MODS else BWD_SM90_WS_BLOCK_M.get(head_dim, 64)
+    return 64 if mods & ~bwd_sm90_ws_mods_128(head_dim, mods) else BWD_SM90_WS_BLOCK_M.get(head_dim, 64)
 
 
 def bwd_sm90_ws_config(head_dim: int, dtype: str, causal: bool, deterministic: bool, mods: int = 0) -> BwdSm90WsConfig:

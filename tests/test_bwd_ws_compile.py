@@ -28,8 +28,19 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
             assert config.convert_dq_config(cfg, "bf16") == config.ElementwiseConfig("convert_dq_ws", "bf16",
                                                                                       head_dim=d, block_m=bm)
         for mods in (config.MOD_ALIBI, config.MOD_SOFTCAP | config.MOD_WINDOW, config.MOD_DROPOUT, config.MOD_BIAS,
-                     config.MOD_MASK, config.MOD_BLOCKS):  # 64-query steps (BwdSm90WsTraits::takes_mods, spills)
-            assert config.bwd_sm90_ws_config(d, "bf16", False, False, mods).block_m == 64, (d, mods)
+                     config.MOD_MASK, config.MOD_BLOCKS, config.MOD_BIAS | config.MOD_ALIBI,
+                     config.MOD_BIAS | config.MOD_SOFTCAP, config.MOD_BIAS | config.MOD_DROPOUT):
+            # 64-query steps (BwdSm90WsTraits::takes_mods, spills), except head dim 32's staged bias
+            bm = 128 if d == 32 and mods == config.MOD_BIAS else 64
+            assert config.bwd_sm90_ws_config(d, "bf16", False, False, mods).block_m == bm, (d, mods)
+    # head dim 32: a staged bias in 128-query steps, with a mask, a window or both beside it, deterministic or not
+    for mods in (config.MOD_BIAS, config.MOD_BIAS | config.MOD_WINDOW, config.MOD_BIAS | config.MOD_MASK,
+                 config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW):
+        for causal, det in ((False, False), (True, False), (False, True), (True, True)):
+            if not (causal and mods & config.MOD_WINDOW):
+                cfg = config.backward_kernel_config(32, "fp16", causal, det, "sm_90a", mods=mods)
+                assert isinstance(cfg, config.BwdSm90WsConfig) and cfg.block_m == 128, (mods, causal, det)
+                assert config.bwd_stages_bias(32, mods, causal) and not config.ordered_dq(cfg)
     # every modifier at head dims 32 and 64; head dim 128 with the heavy sets that fit its registers, the others on
     # mma.sync; head dim 96 on the 128 kernel
     for d in (32, 64):
@@ -92,6 +103,18 @@ def test_ws_config_geometry_and_errors():
         c.smem_bytes
     assert config.bwd_sm90_ws_config(128, "bf16", False, False, config.MOD_BIAS).smem_bytes == \
         c.smem_bytes + 40 + 2 * 8 * 64 * 32 <= config.SMEM_LIMIT_SM90
+    # head dim 32 stages a bias in 128-query steps: two buffers of 8 warps x 128 rows x 32 bytes beside K, V
+    # (128 x 32), 2 x (Q, dO) (128 x 32), 2 dS^T (128 x 128), dQ fp32 (128 x 32), 2 x (lse, delta), 7 mbarriers, the
+    # writer's setup; at head dim 64 they would pass the limit
+    plain32 = config.bwd_sm90_ws_config(32, "bf16", False, False)
+    assert plain32.block_m == 128
+    assert plain32.smem_bytes == 2 * 8192 + 4 * 8192 + 2 * 32768 + 16384 + 4 * 512 + 88 + 1024
+    for causal, mods in ((False, config.MOD_BIAS), (True, config.MOD_BIAS | config.MOD_MASK),
+                         (False, config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW)):
+        b32 = config.bwd_sm90_ws_config(32, "bf16", causal, False, mods)
+        assert b32.smem_bytes == plain32.smem_bytes + 40 + 2 * 8 * 128 * 32 == 199808 <= config.SMEM_LIMIT_SM90
+    assert config.BwdSm90WsConfig(64, 128, 128, 1, "bf16", False, False).smem_bytes + 40 + 2 * 8 * 128 * 32 > \
+        config.SMEM_LIMIT_SM90
     assert c.sync_equivalent() == config.bwd_sm90_config(128, "bf16", True, False)
     assert c.cpp_name() == "cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<128, cuflash::bf16>, true, false, 0>"
     with pytest.raises(ValueError, match="head_dim 32, 64 or 128"):
@@ -104,6 +127,13 @@ def test_ws_config_geometry_and_errors():
         config.BwdSm90WsConfig(64, 128, 128, 1, "bf16", False, False, config.MOD_DROPOUT)
     with pytest.raises(ValueError, match="block_m"):
         config.BwdSm90WsConfig(64, 96, 128, 1, "bf16", False, False)
+    # a bias in 128-query steps: head dim 32 only (its staged rows fit), with at most a mask and a window beside it
+    with pytest.raises(ValueError, match="block_m=128 takes"):
+        config.BwdSm90WsConfig(64, 128, 128, 1, "bf16", False, False, config.MOD_BIAS)
+    with pytest.raises(ValueError, match="block_m=128 takes"):
+        config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_BIAS | config.MOD_ALIBI)
+    with pytest.raises(ValueError, match="block_m=128 takes"):
+        config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_MASK)
 
 
 def test_bwd_ws_params_layout_mirrors_the_cpp_struct():

@@ -124,6 +124,38 @@ def test_128_and_64_query_steps_agree(d, causal, window, det, request):
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: 128- and 64-query steps differ"
 
 
+@pytest.mark.parametrize("bias_shape,causal,window,masked", [
+    ("pair", False, None, False), ("full", True, None, True), ("pair", False, (100, 37), True),
+    ("full", False, (-1, 0), False)], ids=["pair", "full-causal-mask", "pair-window-mask", "full-window"])
+def test_128_query_steps_with_a_staged_bias(bias_shape, causal, window, masked, request):
+    """Head dim 32 with a bias (a pair bias shared by the batch, its dbias summed with atomics, or a full one, stored)
+    and a mask or a window beside it takes steps of 128 queries with the bias staged in two 64 KB buffers: against the
+    float64 reference (o, lse, dq, dk, dv and dbias; GQA 6/2, 777 queries = 6 blocks of 128 with a tail, 1030 keys =
+    a key tail) and close to the 64-query steps' gradients on the same inputs (fp32 sums in another order)."""
+    from test_gpu_bias import check_dense, make_bias, mask_random
+
+    b, sq, sk, hq, hkv, d, dtype = 2, 777, 1030, 6, 2, 32, "bf16"
+    seed = seed_of("bwd-ws-bias-128", bias_shape, causal, window, masked)
+    q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i)
+                     for i, (s, h) in enumerate(((sq, hq), (sk, hkv), (sk, hkv), (sq, hq))))
+    bias = make_bias((1 if bias_shape == "pair" else b, hq, sq, sk), dtype, "q", seed + 4)
+    mask = mask_random(b, 1, sq, sk, seed + 5) if masked else None
+    mods = config.MOD_BIAS | (config.MOD_MASK if masked else 0) | (config.MOD_WINDOW if window else 0)
+    kernel_causal = causal and not window
+    assert config.backward_kernel_config(d, dtype, kernel_causal, False, "sm_90a", mods=mods).block_m == 128
+    assert config.bwd_stages_bias(d, mods, kernel_causal)
+    o, lse, big, _ = check_dense(q, k, v, dout, dtype, f"128-query steps, staged bias {bias_shape}", causal=causal,
+                                 bias=bias, mask=mask, mods={"window": window} if window else None, seed=seed)
+    request.getfixturevalue("steps_of_64")
+    assert config.backward_kernel_config(d, dtype, kernel_causal, False, "sm_90a", mods=mods).block_m == 64
+    kw = dict(causal=causal, bias=bias, dbias=True, **({"mask": mask} if masked else {}),
+              **({"window": window} if window else {}))
+    small = cuflash.attention_backward(dout, q, k, v, o, lse, **kw)
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), big, small):
+        x32, y32 = _xpref.to_float32(x), _xpref.to_float32(y)
+        assert max_abs(x32 - y32) <= 0.02 * max_abs(y32), f"{name}: 128- and 64-query steps differ"
+
+
 @pytest.mark.parametrize("d", [32, 64, 128])
 def test_deterministic_mode_on_the_ws_kernel(d):
     q, k, v, dout, o, lse = problem(1, 1023, 1024, 2, 2, d, "fp16", True, key=("det",))
