@@ -396,30 +396,13 @@ def test_a_warm_call_with_both_masks_makes_their_intersection_only():
     assert fc.COUNTS["logical_and"] == 1 and fc.COUNTS["encode"] == 0 and fc.COUNTS["empty"] == 2, fc.COUNTS
 
 
-def _block_mask(monkeypatch, shape, aligned):
-    """A BlockMask over a fake mask whose tile maps are fake arrays and whose alignment is `aligned`."""
-    bm = cuflash.BlockMask(A(shape, BOOL))
-    maps = {}
-
-    def tile_map(block_m, block_n, sq, sk, transposed=False):
-        key = (block_m, block_n, sq, sk, transposed)
-        if key not in maps:
-            nm, nn = -(-sq // block_m), -(-sk // block_n)
-            maps[key] = A((*shape[:-2], nn, nm) if transposed else (*shape[:-2], nm, nn), np.uint8)
-        return maps[key]
-
-    monkeypatch.setattr(bm, "tile_map", tile_map)
-    monkeypatch.setattr(bm, "aligned", lambda *args: aligned)
-    return bm
-
-
 @pytest.mark.parametrize("aligned", [True, False], ids=["tile-skipping", "mask-kernels"])
-def test_blockmask_calls_replay_for_that_blockmask_only(monkeypatch, aligned):
+def test_blockmask_calls_replay_for_that_blockmask_only(aligned):
     """A BlockMask enters the key by identity: a second call with the same BlockMask replays the full path's launch
     byte for byte (its mask and tile maps as the first call found them); another BlockMask of the same shape makes
     its own plan, and a plan never replays for an object that is not its BlockMask (a guard, not the key alone:
     an id can be reused once the first one is gone)."""
-    bm, other = (_block_mask(monkeypatch, (2, 1, 40, 72), aligned) for _ in range(2))
+    bm, other = (fc.block_mask((2, 1, 40, 72), aligned) for _ in range(2))
     ga, gb = backward_args(), backward_args()
     check_replay_equals_full_path(lambda: cuflash.attention_forward(*qkv(), mask=bm),
                                   lambda: cuflash.attention_forward(*qkv(), mask=bm))

@@ -122,6 +122,26 @@ def _logical_and(x, y):
     return FakeArray(np.broadcast_shapes(x.shape, y.shape), np.bool_, device=x.data.device_id)
 
 
+def block_mask(shape, aligned: bool):
+    """A cuflash.BlockMask over a FakeArray bool mask of `shape` whose tile maps are FakeArrays (one per tile shape,
+    kept, as the real ones are) and whose tiles are all empty or full (`aligned`) or not."""
+    import cuflash
+
+    bm = cuflash.BlockMask(FakeArray(shape, np.bool_))
+    maps = {}
+
+    def tile_map(block_m, block_n, sq, sk, transposed=False):
+        key = (block_m, block_n, sq, sk, transposed)
+        if key not in maps:
+            nm, nn = -(-sq // block_m), -(-sk // block_n)
+            maps[key] = FakeArray((*shape[:-2], nn, nm) if transposed else (*shape[:-2], nm, nn), np.uint8)
+        return maps[key]
+
+    bm.tile_map = tile_map
+    bm.aligned = lambda *args: aligned
+    return bm
+
+
 def _asnumpy(x):
     COUNTS["asnumpy"] += 1
     return getattr(x, "host", np.zeros(x.shape, x.dtype))

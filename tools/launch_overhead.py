@@ -114,9 +114,7 @@ def fake_main() -> int:
     q8, d8 = fc.FakeArray((1, 128, 2, 128), np.uint8), fc.FakeArray((1, 2), np.float32)  # e4m3 bits, descales
     dbias = fc.FakeArray((1, 2, 128, 128), np.float32)
     mask, kpm = fc.FakeArray((1, 1, 128, 128), np.bool_), fc.FakeArray((1, 128), np.bool_)
-    bm = cuflash.BlockMask(mask)  # its tile maps faked: partial tiles everywhere (the mask kernels)
-    bm.tile_map = lambda bm_, bn, sq, sk, transposed=False: fc.FakeArray((1, 1, -(-sq // bm_), -(-sk // bn)), np.uint8)
-    bm.aligned = lambda *args: False
+    bm = fc.block_mask((1, 1, 128, 128), aligned=False)  # partial tiles: the mask kernels
     calls = {
         "attention (B=1, N=128, H=2, D=64)": lambda: cuflash.attention(q, k, v),
         "attention_backward (same)": lambda: cuflash.attention_backward(do, q, k, v, o, lse),
