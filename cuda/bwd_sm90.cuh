@@ -83,12 +83,13 @@ __device__ __forceinline__ void bwd_sm90_issue_sdp(u32 smem_base, int stage, int
   wgmma_commit_group();
 }
 
-// Whether the bias of this step is staged in shared memory (bwd_sm90_dkdv_step): Tr::stage_bias and a 16-bit
-// bias with contiguous, 16-byte aligned rows (decided per call; the caller of bwd_stage_bias and the step agree).
+// Whether the bias of this step is staged in shared memory (bwd_sm90_dkdv_step): Tr::stage_bias and a bias in the
+// input dtype (the one 16-bit dtype the host allows beside float32) with contiguous, 16-byte aligned rows (decided
+// per call; the caller of bwd_stage_bias and the step agree).
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ bool bwd_bias_staged(const ScoreMods<MODS>& mods) {
-  return Tr::stage_bias(MODS, IS_CAUSAL) && mods.bias_kind != 0 && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
-         reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
+  return Tr::stage_bias(MODS, IS_CAUSAL) && mods.bias_kind == Cvt<typename Tr::T>::BIAS_KIND && mods.bias_k == 2 &&
+         mods.bias_q % 16 == 0 && reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
 }
 
 // One warp's staged bias of one step: its 16 keys from key0 of the BLOCK_M query rows from m0, into `rows`
@@ -176,6 +177,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
     // (lanes 8m .. 8m + 7 address block m's rows: query tile 2j + m / 2, key half m % 2).
     // Each load just before its query tiles (.x2 at head dim 128, one tile: 2 live registers; loading all 16 first
     // spilled there).
+    // staged or not is decided per load, not per score: tested per score, the branch and the dtype test took 5
+    // instructions per score where the staged bias needs 2
+    auto modify = [&](int qt, int c, float b) {
+      const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
+      const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
+      s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
+    };
     if (staged) {
       if (bias_next_pending)
         cp_async_wait_group<1>();
@@ -186,30 +194,26 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
     constexpr int QT_PER_LOAD = Tr::HEAD_DIM > 64 ? 1 : 2;  // x2 loads at head dim 128: 2 live registers
 #pragma unroll
     for (int j = 0; j < Tr::Q_TILES / QT_PER_LOAD; ++j) {
-      u32 pairs[2 * QT_PER_LOAD];
+      // (a branch per load: in one straight run of code ptxas moved all loads to the front, and spilled)
       if (staged) {
+        u32 pairs[2 * QT_PER_LOAD];
         const u32 at = bias_rows + Tr::bias_offset((QT_PER_LOAD * j + (lane >> 4)) * 8 + (lane & 7), (lane >> 3) & 1);
         if constexpr (QT_PER_LOAD == 2)
           ldmatrix_x4_trans(pairs, at);
         else
           ldmatrix_x2_trans(pairs, at);
+#pragma unroll
+        for (int qt = QT_PER_LOAD * j; qt < QT_PER_LOAD * (j + 1); ++qt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            modify(qt, c, Cvt<T>::unpack(pairs[2 * (qt % QT_PER_LOAD) + (c >> 1)], c & 1) * mods.bias_scale);
+      } else {
+#pragma unroll
+        for (int qt = QT_PER_LOAD * j; qt < QT_PER_LOAD * (j + 1); ++qt)
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            modify(qt, c, mods.bias_at(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1)));
       }
-#pragma unroll
-      for (int qt = QT_PER_LOAD * j; qt < QT_PER_LOAD * (j + 1); ++qt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
-          float b;
-          if (staged) {
-            const u32 pair = pairs[2 * (qt % QT_PER_LOAD) + (c >> 1)];
-            b = (mods.bias_kind == 1 ? Cvt<f16>::unpack(pair, c & 1) : Cvt<bf16>::unpack(pair, c & 1)) *
-                mods.bias_scale;
-          } else {
-            b = mods.bias_at(query, key);
-          }
-          const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
-          s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
-        }
     }
   } else if (MASK_BITS) {
 #pragma unroll
@@ -293,9 +297,12 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
                                               (c & 1) ? delta.y : delta.x,
                                               !Mods::HAS_DROPOUT || ((keep >> (4 * qt + c)) & 1),
                                               p.mods.dropout_rp, 1.f);
-        if (Mods::HAS_BIAS) mods.put_dbias(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1), ds[j][c]);
       }
     }
+    // dBias: the block's address and the way it is written (ScoreMods::dbias_rows), made per k16 step: kept for the
+    // whole step, its registers made ptxas spill
+    if (Mods::HAS_BIAS)
+      mods.put_dbias_tiles(mods.dbias_rows(m0, Tr::BLOCK_M, n0 + key_row0, lane), 2 * kk, m0, n0 + key_row0, lane, ds);
     pack_k16_a<T>(ds, ds_regs[kk]);
   }
 

@@ -215,6 +215,67 @@ struct ScoreMods {
       red_add_f32(at, ds);
   }
 
+  // The dBias writes of a block of scores in the backward's transposed layout (keys key0 + g and + 8 of a warp's 16,
+  // queries query0 + 8 qt + 2t and + 1 of `rows`), with what is uniform over the block decided once: put_dbias
+  // tests per score whether to write, whether the pair is inside the sequence and whether to add or store, and
+  // computes each address from its indices (16 instructions per score in the Hopper backward, where an inside
+  // block with contiguous keys needs 2-3: DbiasRows::put).
+  struct DbiasRows {
+    float* at;   // FAST_*: the element of (query0 + 2t, key0 + g); the others of the block at fixed offsets
+    int stride;  // dbias_q
+    int mode;    // NONE: no dBias; FAST_ADD / FAST_STORE: every pair of the block inside the sequence, keys
+                 // contiguous in dBias; PER_SCORE: put_dbias
+  };
+  static constexpr int DBIAS_NONE = 0, DBIAS_FAST_ADD = 1, DBIAS_FAST_STORE = 2, DBIAS_PER_SCORE = 3;
+  __device__ __forceinline__ DbiasRows dbias_rows(int query0, int rows, int key0, int lane) const {
+    DbiasRows r{nullptr, 0, DBIAS_NONE};
+    if (!HAS_BIAS || dbias_base == nullptr) return r;
+    r.stride = dbias_q;
+    if (dbias_k == 1 && query0 + rows - 1 <= last_q && key0 + 15 <= last_k) {
+      r.at = dbias_base + ((query0 + 2 * (lane & 3)) * dbias_q + key0 + (lane >> 2));
+      r.mode = dbias_atomic ? DBIAS_FAST_ADD : DBIAS_FAST_STORE;
+    } else {
+      r.mode = DBIAS_PER_SCORE;
+    }
+    return r;
+  }
+  // dBias of query tile qt's four scores ds[c] (c & 1: query + 1, c >> 1: key + 8), of a block dbias_rows made
+  template <int MODE>
+  __device__ __forceinline__ void put_dbias_tile(const DbiasRows& r, int qt, int query0, int key0, int lane,
+                                                 const float (&ds)[4]) const {
+    if (MODE == DBIAS_PER_SCORE) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        put_dbias(query0 + qt * 8 + 2 * (lane & 3) + (c & 1), key0 + (lane >> 2) + 8 * (c >> 1), ds[c]);
+      return;
+    }
+    float* row0 = r.at + qt * 8 * r.stride;
+    float* row1 = row0 + r.stride;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      float* at = ((c & 1) ? row1 : row0) + 8 * (c >> 1);
+      if (MODE == DBIAS_FAST_STORE)
+        st_global_f32(at, ds[c]);
+      else  // zeros too: tested, the volatile reduction became a branch around each one (5 instructions)
+        red_add_f32(at, ds[c]);
+    }
+  }
+  // ... of query tiles qt0 .. qt0 + N - 1 (ds[i]: tile qt0 + i)
+  template <int N>
+  __device__ __forceinline__ void put_dbias_tiles(const DbiasRows& r, int qt0, int query0, int key0, int lane,
+                                                  const float (&ds)[N][4]) const {
+    if (r.mode == DBIAS_FAST_ADD) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) put_dbias_tile<DBIAS_FAST_ADD>(r, qt0 + i, query0, key0, lane, ds[i]);
+    } else if (r.mode == DBIAS_FAST_STORE) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) put_dbias_tile<DBIAS_FAST_STORE>(r, qt0 + i, query0, key0, lane, ds[i]);
+    } else if (r.mode == DBIAS_PER_SCORE) {
+#pragma unroll
+      for (int i = 0; i < N; ++i) put_dbias_tile<DBIAS_PER_SCORE>(r, qt0 + i, query0, key0, lane, ds[i]);
+    }
+  }
+
   // bias, softcap, ALiBi, then the mask, of one raw score of query `query` and key `key` (diag: seqlen_k -
   // seqlen_q; both relative to the sequence).
   // dcap: d(modified score) / d(raw score) = 1 - tanh^2 of the softcap (written only with the softcap;
@@ -368,6 +429,8 @@ template <int MODS, int Q_TILES>
 __device__ __forceinline__ void put_dbias_transposed(const float (&ds)[Q_TILES][4], int key0, int query0,
                                                      const ScoreMods<MODS>& mods, int lane) {
   if (!ScoreMods<MODS>::HAS_BIAS || mods.dbias_base == nullptr) return;
+  // (per score: through ScoreMods::put_dbias_tiles, the sm_80 bwd_kernel at head dim 32 with every modifier spilled
+  // 4 bytes at its 255 registers)
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int qt = 0; qt < Q_TILES; ++qt)

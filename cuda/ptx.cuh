@@ -99,6 +99,7 @@ template <class T>
 struct Cvt;
 template <>
 struct Cvt<f16> {
+  static constexpr int BIAS_KIND = 1;  // ModParams::bias_kind of a bias in this dtype (mods.cuh)
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
@@ -114,6 +115,7 @@ struct Cvt<f16> {
 };
 template <>
 struct Cvt<bf16> {
+  static constexpr int BIAS_KIND = 2;
   static __device__ __forceinline__ u32 pack(float lo, float hi) {
     u32 r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
@@ -200,6 +202,11 @@ __device__ __forceinline__ float ex2_approx(float x) {
 // ---- red.global.add.f32 (PTX ISA 9.7.13.7 "red"): fire-and-forget atomic add ----------------
 __device__ __forceinline__ void red_add_f32(float* addr, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(addr), "f"(v));
+}
+
+// a plain store to global memory (st.global: from a float* the compiler cannot tell global, a generic store)
+__device__ __forceinline__ void st_global_f32(float* addr, float v) {
+  asm volatile("st.global.f32 [%0], %1;\n" ::"l"(addr), "f"(v) : "memory");
 }
 
 // Two adjacent floats in one request (PTX ISA 9.7.13.7, .v2.f32 needs sm_90); two scalar reds before.
