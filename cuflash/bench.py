@@ -39,9 +39,9 @@ attention_varlen forward and backward against the dense call on the same sequenc
 useful-token TFLOP/s: 4 * H * D * sum_b L_b^2 (halved when causal), bwd 2.5 x that (check_inputs=False).
 
 Additive bias (--bias): attention with a bias added to the scores (bias=, and dbias=True in the backward),
-forward (fwd) and forward + backward with the bias's gradient (fwd+bwd), not causal, bf16 (--dtype fp16 too),
-against torch SDPA's memory-efficient backend given the same bias as attn_mask (sdpa-mem) and plain CuPy
-attention with the bias added (plain); same timing, FLOPs (4*B*H*S^2*D, fwd+bwd 3.5x; the bias add not counted)
+forward (fwd) and forward + backward with the bias's gradient (fwd+bwd), not causal, bf16 (--dtype fp16 and fp32
+too: float32 inputs and bias, cuflash precision "fp32"), against torch SDPA's memory-efficient backend given the
+same bias as attn_mask (sdpa-mem) and plain CuPy attention with the bias added (plain); same timing, FLOPs (4*B*H*S^2*D, fwd+bwd 3.5x; the bias add not counted)
 and input-set rotation as above. Two families (--bias-shapes):
   evoformer  row attention with a pair bias: q (B0, N, L, H, D) folded to (B0*N, L, H, D), bias (B0, H, L, L)
              shared by the N rows of each group (cuflash takes it as is: Bb = B0 divides the batch; SDPA gets
@@ -1506,7 +1506,7 @@ class BiasRecord:
     seqlen: int  # S = Sq = Sk (evoformer: L)
     heads: int
     head_dim: int
-    bias_bytes: int  # the bias, (Bb, H, S, S) in 16 bits
+    bias_bytes: int  # the bias, (Bb, H, S, S) in the input dtype
     ms: float | None = None
     tflops: float | None = None
     peak_mem_bytes: int | None = None  # allocated during one call (outputs included)
@@ -1534,8 +1534,9 @@ class BiasShape:
     def bias_dims(self) -> tuple:
         return (self.bias_batch, self.heads, self.seqlen, self.seqlen)
 
-    def bias_bytes(self, itemsize: int = 2) -> int:
-        return math.prod(self.bias_dims()) * itemsize
+    def bias_bytes(self, itemsize: int | None = None) -> int:
+        """Bytes of a (Bb, H, S, S) array of `itemsize`-byte elements (default: the input dtype's, the bias's)."""
+        return math.prod(self.bias_dims()) * (ITEMSIZE[self.dtype] if itemsize is None else itemsize)
 
     def flops(self, passname: str) -> float:
         """4 * B * H * S^2 * D (the bias add not counted), times the pass's factor (fwd+bwd: 3.5)."""
@@ -1584,7 +1585,7 @@ def bias_shapes(families, dtypes, seqlens=None, head_dims=None, evoformer=None, 
             for d in head_dims or LLM_BIAS_HEAD_DIMS:
                 for n in seqlens or LLM_BIAS_SEQLENS:
                     shape = BiasShape("llm", dtype, TOKENS // n, TOKENS // n, n, LLM_BIAS_HEADS, d)
-                    gb = shape.bias_bytes(2 + 4) / 1e9
+                    gb = shape.bias_bytes(ITEMSIZE[dtype] + 4) / 1e9  # the bias and its float32 dbias
                     if gb > max_gb:
                         shape.skip = f"skipped: bias + float32 dbias {gb:.1f} GB > --bias-max-gb {max_gb:g}"
                     out.append(shape)
@@ -1603,7 +1604,8 @@ def bias_inputs(shape: BiasShape, dtype: str, layout: str, n_sets: int, seed: in
 
 
 def bias_n_sets(shape: BiasShape) -> int:
-    return n_input_sets(4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * 2 + shape.bias_bytes())
+    return n_input_sets(4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * ITEMSIZE[shape.dtype]
+                        + shape.bias_bytes())
 
 
 def bench_cuflash_bias(shape: BiasShape, args, out: list, torch=None):
@@ -1612,15 +1614,17 @@ def bench_cuflash_bias(shape: BiasShape, args, out: list, torch=None):
     n_sets = bias_n_sets(shape)
     sets = bias_inputs(shape, shape.dtype, "bshd", n_sets, seed=shape.seqlen + shape.batch)
     events, deterministic = CupyEvents(), args.deterministic
+    kw = cuflash_kwargs(shape.dtype)  # precision="fp32" for float32 inputs
 
     def fwd(i):
         q, k, v, _, bias = sets[i]
-        return cuflash.attention(q, k, v, bias=bias)
+        return cuflash.attention(q, k, v, bias=bias, **kw)
 
     def fwd_bwd(i):
         q, k, v, dout, bias = sets[i]
-        o, lse = cuflash.attention_forward(q, k, v, bias=bias)
-        return cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, dbias=True, deterministic=deterministic)
+        o, lse = cuflash.attention_forward(q, k, v, bias=bias, **kw)
+        return cuflash.attention_backward(dout, q, k, v, o, lse, bias=bias, dbias=True, deterministic=deterministic,
+                                          **kw)
 
     for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(4))):  # dbias: float32
         ms = median_ms(call, n_sets, events, args.reps, args.warmup)
@@ -1669,7 +1673,7 @@ def bench_sdpa_bias(shape: BiasShape, args, out: list, torch):
         return torch.autograd.grad(sdpa(i), leaves[i], douts[i])  # dq, dk, dv, dbias (in the bias's dtype)
 
     with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):  # entered once, outside the timed calls
-        for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(2))):
+        for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes())):  # the bias's dtype
             ms = median_ms(call, n_sets, events, args.reps, args.warmup)
             mem = torch_peak_bytes(lambda c=call: c(0))
             out.append(shape.record("sdpa-mem", p, ms=ms, tflops=shape.flops(p) / ms / 1e9, peak_mem_bytes=mem,
@@ -1701,7 +1705,7 @@ def bench_plain_bias(shape: BiasShape, args, out: list, torch=None):
         dq, dk, dv, ds = plain_backward(dout, q, k, v, o, p, scale, return_ds=True)
         return dq, dk, dv, plain_bias_grad(ds)
 
-    for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(2))):
+    for p, call, dbias_bytes in (("fwd", fwd, 0), ("fwd+bwd", fwd_bwd, shape.bias_bytes(ITEMSIZE[compute]))):
         ms = median_ms(call, 1, events, args.reps, args.warmup)
         free_memory()  # the timed calls' cached blocks: not in the way of the measured call
         mem = cupy_peak_bytes(lambda c=call: c(0))
@@ -1729,7 +1733,7 @@ def print_bias_table(records: list[BiasRecord], methods: list[str]):
     for p in passes:
         print(f"\nbias {p}: ms, TFLOP/s ({PASS_FLOP_FACTOR[p]:g} x 4*B*H*S^2*D), cuflash speedup over sdpa-mem "
               f"(cf/sdpa), peak extra MiB beyond the inputs, bias and dbias; B = batch (evoformer: B0*N rows), "
-              f"Bb = bias batch; BHS^2 MiB: one (B, H, S, S) 16-bit score matrix")
+              f"Bb = bias batch; BHS^2 MiB: one (B, H, S, S) score matrix in the input dtype")
         head = (f"{'shape':<9} {'dtype':<5} {'B':>5} {'Bb':>5} {'S':>5} {'H':>3} {'D':>3} {'bias MiB':>8} "
                 f"{'BHS^2 MiB':>9} | " + " ".join(f"{'ms ' + short[m]:>10}" for m in methods) + " | "
                 + " ".join(f"{'TF ' + short[m]:>8}" for m in methods) + " | cf/sdpa | "
@@ -1748,8 +1752,9 @@ def print_bias_table(records: list[BiasRecord], methods: list[str]):
             ratio = bias_speedup(index.get(("cuflash", p) + key), index.get(("sdpa-mem", p) + key))
             plain = index.get(("plain", p) + key)
             mark = "*" if plain is not None and plain.compute_dtype else " "
-            print(f"{family:<9} {dtype:<5} {b:>5} {bb:>5} {s:>5} {h:>3} {d:>3} {bb * h * s * s * 2 / 2**20:>8.1f} "
-                  f"{b * h * s * s * 2 / 2**20:>9.0f} | " + " ".join(_fmt(x, "10.3f") for x in ms) + " | "
+            size = ITEMSIZE[dtype]
+            print(f"{family:<9} {dtype:<5} {b:>5} {bb:>5} {s:>5} {h:>3} {d:>3} {bb * h * s * s * size / 2**20:>8.1f} "
+                  f"{b * h * s * s * size / 2**20:>9.0f} | " + " ".join(_fmt(x, "10.3f") for x in ms) + " | "
                   + " ".join(_fmt(x, "8.1f") for x in tf) + f" | {_fmt(ratio, '7.2f')} | "
                   + " ".join(_fmt(x, "10.1f") for x in mem) + mark)
     if any(r.compute_dtype for r in records):
@@ -1923,7 +1928,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("--dtype", nargs="+", choices=DTYPES, default=None,
                    help="default: bf16 and fp16 (--decode, --varlen, --bias: bf16); fp32 (float32, cuflash precision "
-                        "'fp32': 3xTF32), tf32 (float32, precision 'tf32'), fp64 (float64): the default mode only")
+                        "'fp32': 3xTF32; the default mode and --bias), tf32 (float32, precision 'tf32'), fp64 "
+                        "(float64): the default mode only")
     p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
                    help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used; --bias: "
                         f"the llm shapes' D, default {' '.join(map(str, LLM_BIAS_HEAD_DIMS))}, and the default "
@@ -2023,9 +2029,11 @@ def main(argv=None) -> int:
         parser.error(f"--methods {' '.join(m for m in args.methods if m not in allowed)}: "
                      f"{'--bias' if args.bias else 'this mode'} runs {', '.join(allowed)}")
     wide = [d for d in args.dtype if d in WIDE_DTYPES]
-    if wide and (args.decode or args.varlen or args.bias or args.fp8):
-        parser.error(f"--dtype {' '.join(wide)}: the default mode only (--decode, --varlen, --bias and --fp8 take "
-                     f"bf16 / fp16)")
+    if wide and (args.decode or args.varlen or args.fp8):
+        parser.error(f"--dtype {' '.join(wide)}: the default mode and --bias only (--decode, --varlen and --fp8 "
+                     f"take bf16 / fp16)")
+    if args.bias and set(wide) - {"fp32"}:
+        parser.error(f"--bias --dtype {' '.join(d for d in wide if d != 'fp32')}: --bias takes bf16, fp16 and fp32")
     if args.fp8 and any(d not in (64, 128, 256) for d in args.head_dim):
         parser.error(f"--fp8 --head-dim {' '.join(map(str, args.head_dim))}: the FP8 forward has head dims 64, 128, 256")
     try:

@@ -98,6 +98,49 @@ def test_flops_follow_the_other_modes():
     assert s.bias_bytes() == 8 * 256 * 256 * 2 and s.bias_bytes(4) == 2 * s.bias_bytes()
 
 
+def test_float32_rows_count_four_byte_biases():
+    args = parse("--bias", "--dtype", "bf16", "fp32")
+    assert args.dtype == ["bf16", "fp32"]
+    shapes = shapes_of("--dtype", "fp32", "--bias-shapes", "llm", "--seqlen", "4096", "8192", "--head-dim", "64")
+    assert [s.dtype for s in shapes] == ["fp32", "fp32"]
+    assert shapes[0].bias_bytes() == 4 * 16 * 4096 * 4096 * 4 and shapes[0].record("cuflash", "fwd").bias_bytes == \
+        shapes[0].bias_bytes()
+    # the cap counts the float32 bias and its float32 dbias: 8.6 GB at N 4k, 17.2 GB at 8k
+    assert [bool(s.skip) for s in shapes] == [False, True]
+    assert shapes[1].skip == "skipped: bias + float32 dbias 17.2 GB > --bias-max-gb 16"
+
+
+def test_cuflash_float32_rows_call_with_precision_fp32(monkeypatch):
+    calls = []
+
+    class FakeCuflash(types.ModuleType):
+        def attention(self, q, k, v, **kw):
+            calls.append(("attention", kw))
+
+        def attention_forward(self, q, k, v, **kw):
+            calls.append(("attention_forward", kw))
+            return None, None
+
+        def attention_backward(self, dout, q, k, v, o, lse, **kw):
+            calls.append(("attention_backward", kw))
+
+    monkeypatch.setitem(sys.modules, "cuflash", FakeCuflash("cuflash"))
+    monkeypatch.setattr(bench, "bias_inputs", lambda shape, dtype, layout, n, seed: [("q", "k", "v", "do", "b")] * n)
+    monkeypatch.setattr(bench, "n_input_sets", lambda set_bytes: 2)
+    monkeypatch.setattr(bench, "CupyEvents", lambda: None)
+    monkeypatch.setattr(bench, "free_memory", lambda torch=None: None)
+    monkeypatch.setattr(bench, "median_ms", lambda call, n, events, reps, warmup: call(0) or 1.0)
+    monkeypatch.setattr(bench, "cupy_peak_bytes", lambda call: call() or 1 << 30)
+    out = []
+    for dtype, want in (("fp32", {"precision": "fp32"}), ("bf16", {})):
+        calls.clear()
+        bench.bench_cuflash_bias(bench.BiasShape("evoformer", dtype, 4, 1, 64, 2, 32), parse("--bias"), out)
+        assert {name for name, _ in calls} == {"attention", "attention_forward", "attention_backward"}
+        assert all({k: kw[k] for k in kw if k == "precision"} == want and kw["bias"] == "b" for _, kw in calls)
+    # fwd+bwd's extra memory leaves out the float32 dbias it returns
+    assert out[-1].extra_mem_bytes == (1 << 30) - 2 * 64 * 64 * 4 and out[1].extra_mem_bytes == (1 << 30) - 2 * 64 * 64 * 4
+
+
 def test_methods_are_checked_against_the_mode(capsys):
     assert parse("--bias", "--methods", "cuflash", "sdpa-mem").methods == ["cuflash", "sdpa-mem"]
     with pytest.raises(SystemExit):

@@ -41,11 +41,18 @@ def test_bad_arguments_are_refused(argv):
         bench.build_parser().parse_args(argv)
 
 
-@pytest.mark.parametrize("mode", ["--decode", "--varlen", "--bias"])
+@pytest.mark.parametrize("mode", ["--decode", "--varlen"])
 def test_wide_dtypes_are_the_default_mode_only(mode, capsys):
     with pytest.raises(SystemExit):
-        bench.main([mode, "--dtype", "bf16", "fp64"])
-    assert "--dtype fp64: the default mode only" in capsys.readouterr().err
+        bench.main([mode, "--dtype", "bf16", "fp32"])
+    assert "--dtype fp32: the default mode and --bias only" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["tf32", "fp64"])
+def test_bias_takes_fp32_but_no_other_wide_dtype(dtype, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--bias", "--dtype", "fp32", dtype])
+    assert f"--bias --dtype {dtype}: --bias takes bf16, fp16 and fp32" in capsys.readouterr().err
 
 
 def test_wide_dtypes_without_a_gpu_say_so(monkeypatch, capsys):
