@@ -1226,12 +1226,15 @@ def decode_inputs(b, n, hq, hkv, d, dtype, n_sets, seed):
 
 
 def to_torch(x, torch):
-    """A torch view of a CuPy array through DLPack (no copy); bf16 through an int16 view if needed."""
+    """A torch view of a CuPy array through DLPack (no copy); bf16 through an int16 view if needed; float32 and
+    float64 as they are."""
     import cupy as cp
 
+    if x.dtype.itemsize != 2:
+        return torch.from_dlpack(x)
     try:
         t = torch.from_dlpack(x)
-        if x.dtype.itemsize == 2 and t.dtype in (torch.float16, torch.bfloat16):
+        if t.dtype in (torch.float16, torch.bfloat16):
             return t
     except Exception:  # noqa: BLE001 - an older CuPy or torch without bf16 DLPack: go through int16
         pass

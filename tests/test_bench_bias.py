@@ -110,6 +110,16 @@ def test_float32_rows_count_four_byte_biases():
     assert shapes[1].skip == "skipped: bias + float32 dbias 17.2 GB > --bias-max-gb 16"
 
 
+def test_to_torch_keeps_float32_arrays_as_they_are(monkeypatch):
+    """The SDPA anchor's views: a float32 bias went through the 16-bit path (an int16 view of twice its keys)."""
+    cupy = types.ModuleType("cupy")
+    cupy.int16, cupy.float16 = np.int16, np.float16
+    monkeypatch.setitem(sys.modules, "cupy", cupy)
+    fake_torch = types.SimpleNamespace(float16="f16", bfloat16="bf16", from_dlpack=lambda a: a)
+    x = np.zeros((2, 3, 4, 4), np.float32)
+    assert bench.to_torch(x, fake_torch) is x  # not a view of twice the elements
+
+
 def test_cuflash_float32_rows_call_with_precision_fp32(monkeypatch):
     calls = []
 
