@@ -436,8 +436,13 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
                                                                   (Mods::HAS_MASK ? Tr::MASK_PITCH : 0));
   unsigned char* mask_rows = bias_rows + (Mods::HAS_BIAS ? 16 * Tr::BIAS_PITCH : 0);
   bool staged_bias = false, staged_mask = false;
+  // the bias loop of apply_mods below: per n8 tile with a staged bias alone or beside a window, else per score
+  constexpr bool SPLIT_BIAS = !(MODS & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_MASK));
+  // (a 16-bit bias is in q's dtype, the host's rule; SPLIT_BIAS converts it as such. Tested as bias_kind == T's
+  // there only: in the per-score loop that test made ptxas spill 4 bytes at head dim 128 under NVRTC 13.0)
   if (Mods::HAS_BIAS)
-    staged_bias = mods.bias_kind == Cvt<T>::BIAS_KIND && mods.bias_k == 2 && mods.bias_q % 16 == 0 &&
+    staged_bias = (SPLIT_BIAS ? mods.bias_kind == Cvt<T>::BIAS_KIND : mods.bias_kind != 0) && mods.bias_k == 2 &&
+                  mods.bias_q % 16 == 0 &&
                   reinterpret_cast<unsigned long long>(mods.bias_base) % 16 == 0;
   if (Mods::HAS_MASK)
     staged_mask = mods.mask_k == 1 && mods.mask_q % 16 == 0 && reinterpret_cast<unsigned long long>(mods.mask_base) % 16 == 0;
@@ -481,50 +486,52 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     cp_async_wait_group<0>();
     __syncwarp();  // the other lanes' chunks have landed too
     const int g = lane >> 2, t = lane & 3;
-    auto modify = [&](int nt, int c, float b) {
-      const int lr = g + 8 * (c >> 1), lc = nt * 8 + 2 * t + (c & 1);  // in this warp's 16 rows of the tile
-      const int query = warp_row + lr, key = key0 + lc;
-      bool kept = true;
-      if (Mods::HAS_MASK && mods.check_mask)
-        kept = staged_mask ? mask_rows[lr * Tr::MASK_PITCH + lc] != 0 : mods.kept_by_mask(query, key);
-      s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], query, key, band.diag, unused_dcap[0][nt][c], b, kept);
-    };
-    // A staged bias: each pair of adjacent keys in one 4-byte load, converted from the input dtype (the one 16-bit
-    // bias dtype). Beside no ALiBi, soft-capping, dropout or mask, staged or not is decided per n8 tile: tested per
-    // score, the branch, a 2-byte load and the dtype test cost 3 instructions beside the conversion and the add.
-    // With them, the test stays per score: split per tile, ptxas spilled 4-40 bytes (head dims 128 and 256).
-    constexpr bool SPLIT = !(MODS & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_MASK));
+    // A staged bias: beside no ALiBi, soft-capping, dropout or mask (SPLIT_BIAS), each pair of adjacent keys in one
+    // 4-byte load, converted from the input dtype (the one 16-bit bias dtype), staged or not decided per n8 tile:
+    // tested per score, the branch, a 2-byte load and the dtype test cost 3 instructions beside the conversion and
+    // the add. With them, the loop below keeps its test per score: split per tile (or with the pairs loaded
+    // ahead), ptxas spilled 4-40 bytes at head dims 128 and 256.
+    if constexpr (!SPLIT_BIAS) {
 #pragma unroll
-    for (int nt = 0; nt < Tr::N_TILES; ++nt) {
-      if (!Mods::HAS_BIAS) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) modify(nt, c, 0.f);
-      } else if (SPLIT && staged_bias) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const u32 pair = *reinterpret_cast<const u32*>(bias_rows + (g + 8 * h) * Tr::BIAS_PITCH + 2 * (nt * 8 + 2 * t));
-          modify(nt, 2 * h, Cvt<T>::unpack(pair, 0) * mods.bias_scale);
-          modify(nt, 2 * h + 1, Cvt<T>::unpack(pair, 1) * mods.bias_scale);
-        }
-      } else if (SPLIT) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          modify(nt, c, mods.bias_at(warp_row + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1)));
-      } else {
+      for (int nt = 0; nt < Tr::N_TILES; ++nt)
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
-          const int lr = g + 8 * (c >> 1), lc = nt * 8 + 2 * t + (c & 1);  // (modify's lines, written out: through
-          const int query = warp_row + lr, key = key0 + lc;                 // it, head dim 128 f16 spilled 40 bytes)
-          float b;
-          if (staged_bias)  // (2-byte loads: 4-byte pairs loaded ahead spilled 4 bytes at head dim 128, causal)
-            b = Cvt<T>::to_float(*reinterpret_cast<const u16*>(bias_rows + lr * Tr::BIAS_PITCH + 2 * lc)) *
-                mods.bias_scale;
-          else
-            b = mods.bias_at(query, key);
+          const int lr = g + 8 * (c >> 1), lc = nt * 8 + 2 * t + (c & 1);  // in this warp's 16 rows of the tile
+          const int query = warp_row + lr, key = key0 + lc;
+          float b = 0.f;
+          if (Mods::HAS_BIAS) {
+            if (staged_bias) {
+              const u16 h = *reinterpret_cast<const u16*>(bias_rows + lr * Tr::BIAS_PITCH + 2 * lc);
+              b = (mods.bias_kind == 1 ? Cvt<f16>::to_float(h) : Cvt<bf16>::to_float(h)) * mods.bias_scale;
+            } else {
+              b = mods.bias_at(query, key);
+            }
+          }
           bool kept = true;
           if (Mods::HAS_MASK && mods.check_mask)
             kept = staged_mask ? mask_rows[lr * Tr::MASK_PITCH + lc] != 0 : mods.kept_by_mask(query, key);
           s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], query, key, band.diag, unused_dcap[0][nt][c], b, kept);
+        }
+    } else {
+      auto modify = [&](int nt, int c, float b) {  // (no mask here: SPLIT_BIAS)
+        s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], warp_row + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1),
+                                        band.diag, unused_dcap[0][nt][c], b, true);
+      };
+#pragma unroll
+      for (int nt = 0; nt < Tr::N_TILES; ++nt) {
+        if (Mods::HAS_BIAS && staged_bias) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const u32 pair =
+                *reinterpret_cast<const u32*>(bias_rows + (g + 8 * h) * Tr::BIAS_PITCH + 2 * (nt * 8 + 2 * t));
+            modify(nt, 2 * h, Cvt<T>::unpack(pair, 0) * mods.bias_scale);
+            modify(nt, 2 * h + 1, Cvt<T>::unpack(pair, 1) * mods.bias_scale);
+          }
+        } else {
+#pragma unroll
+          for (int c = 0; c < 4; ++c)
+            modify(nt, c, Mods::HAS_BIAS ? mods.bias_at(warp_row + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1))
+                                         : 0.f);
         }
       }
     }
