@@ -219,7 +219,7 @@ struct ScoreMods {
   // queries query0 + 8 qt + 2t and + 1 of `rows`), with what is uniform over the block decided once: put_dbias
   // tests per score whether to write, whether the pair is inside the sequence and whether to add or store, and
   // computes each address from its indices (16 instructions per score in the Hopper backward, where an inside
-  // block with contiguous keys needs 2-3: DbiasRows::put).
+  // block with contiguous keys needs 2-3: put_dbias_tiles).
   struct DbiasRows {
     float* at;   // FAST_*: the element of (query0 + 2t, key0 + g); the others of the block at fixed offsets
     int stride;  // dbias_q
