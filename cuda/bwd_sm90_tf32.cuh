@@ -299,9 +299,10 @@ __device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const K
 // registers allow it: 16 queries per step; at 32, 20-28 bytes spilled) issues S^T_{i+1} and dP^T_{i+1} right behind
 // dK_i and waits for dK_i behind them, so the tensor cores have the next step's products while this step's dK ends,
 // and computes dS^T under the dV GEMM into registers of its own (dV still reads P^T's).
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, class KeyBlock>
+template <class Tr, bool IS_CAUSAL, int MODS, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdTf32Smem<Tr>& sm, unsigned char* smem,
                                                   const KeyBlock& kb, int steps) {
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW, HAS_BIAS = ScoreMods<MODS>::HAS_BIAS;
   constexpr bool OVERLAP = Tr::BLOCK_M == 16;
   const int ctid = threadIdx.x - 128;
   const int cwg = __shfl_sync(0xffffffffu, ctid / 128, 0);
@@ -353,6 +354,14 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     const int s = i % Tr::STAGES;
     if (!OVERLAP) issue_sdp(i);
     const int m0 = (kb.m_begin + i % blocks) * Tr::BLOCK_M;
+    // the bias of this step's query head (step i's head: i / blocks of the group), pulled into L1 while S^T runs;
+    // dBias written from dS^T below (each (query head, query, key) is this CTA's alone: stores, or red.add where
+    // the bias is broadcast)
+    ScoreMods<MODS> mods;
+    if (HAS_BIAS) {
+      mods.init(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q, kb.seq.len_k);
+      mods.template prefetch_cols<Tr::BLOCK_M>(kb.n0 + key_row0, m0, lane);
+    }
     // lse_log2 of this thread's query columns (pad rows: +inf)
     const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
     float2 lse[Tr::Q_TILES], delta[Tr::Q_TILES];
@@ -367,6 +376,7 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) prob[0][qt][c] = s_acc[0][qt][c];
+    if (HAS_BIAS) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);  // before the band's -inf
     if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
       apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(prob[0], kb.n0 + key_row0, m0, kb.band, lane);
 #pragma unroll
@@ -410,6 +420,9 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
                                 : prob[0][qt][c];
         prob[0][qt][c] = pr * (dp_acc[qt][c] - ((c & 1) ? delta[qt].y : delta[qt].x));
       }
+    if (HAS_BIAS)  // dBias = dS
+      mods.put_dbias_tiles(mods.dbias_rows(m0, Tr::BLOCK_M, kb.n0 + key_row0, lane), 0, m0, kb.n0 + key_row0, lane,
+                           prob[0]);
     if constexpr (OVERLAP) {
       tf32_probs_to_regs<Tr::X3>(prob, ds_big, ds_small);
       wgmma_wait_group<0>();  // dV_i
@@ -450,8 +463,10 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane);
 }
 
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_sm90_tf32_kernel takes a window and a bias");
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const BwdParams& p = P.bwd;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -497,7 +512,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
       bwd_tf32_splitter<Tr>(sm, steps, threadIdx.x - 32);
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    bwd_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, aligned.ptr, kb, steps);
+    bwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, aligned.ptr, kb, steps);
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
@@ -635,15 +650,19 @@ __device__ __forceinline__ void dq_tf32_splitter(const DqTf32Smem<Tr>& sm, int n
   }
 }
 
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf32Smem<Tr>& sm,
-                                                 const Band<IS_CAUSAL, HAS_WINDOW>& band, long long vec_row0,
-                                                 long long out_row0, int row0, int rows_q, int head, int batch,
-                                                 int n_begin, int n_tiles) {
+                                                 const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
+                                                 long long vec_row0, long long out_row0, int row0, int rows_q,
+                                                 int head, int batch, int n_begin, int n_tiles) {
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW, HAS_BIAS = ScoreMods<MODS>::HAS_BIAS;
   const int ctid = threadIdx.x - 128;
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32, g = lane >> 2, t = lane & 3;
   const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
   const float scale_log2 = p.scale_log2;
+  // the bias, as the forward reads it (pulled into L1 while S runs)
+  ScoreMods<MODS> mods;
+  if (HAS_BIAS) mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
   // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0)
   float lse[2], delta[2];
 #pragma unroll
@@ -682,9 +701,11 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
                                    Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
                                    Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
+    if (HAS_BIAS) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
 
     wgmma_wait_group<1>();  // S
     wgmma_fence_operand(s_acc[0]);
+    if (HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
 #pragma unroll
@@ -726,8 +747,10 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   }
 }
 
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_dq_sm90_tf32_kernel takes a window and a bias");
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const BwdParams& p = P.bwd;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -777,7 +800,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const 
       dq_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    dq_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, n_begin,
+    dq_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, n_begin,
                                                 n_tiles);
   }
 #else

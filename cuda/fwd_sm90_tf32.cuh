@@ -300,14 +300,23 @@ __device__ __forceinline__ void tf32_probs_to_regs(const float (&s)[1][N_TILES][
 }
 
 // Consumer warpgroup wg: query rows row0 + 64 wg .. + 63.
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf32Smem<Tr>& sm,
-                                                  const Band<IS_CAUSAL, HAS_WINDOW>& band, int row0, int out_row0,
-                                                  int rows_q, int head, int batch, int n_end, int n_tiles) {
+                                                  const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band, int row0,
+                                                  int out_row0, int rows_q, int head, int batch, int n_end,
+                                                  int n_tiles) {
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  using Mods = ScoreMods<MODS>;
   const int ctid = threadIdx.x - 128;
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32;
   const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
   const float scale_log2 = p.fwd.scale_log2;
+  // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran
+  Mods mods;
+  if (Mods::HAS_BIAS) mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
+  auto prefetch_bias = [&](int n_block) {
+    if (Mods::HAS_BIAS) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
+  };
 
   float o_acc[1][Tr::D_TILES][4];
 #pragma unroll
@@ -379,6 +388,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
         for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += s2_acc[0][nt][c];
     }
     const int key0 = n_block * Tr::BLOCK_N;
+    if (Mods::HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
     softmax_probs(softmax, s_acc, scale_log2, alpha);  // fwd_sm90_ws.cuh's: O's rescale waits for P V
@@ -406,6 +416,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   wgmma_fence();
   issue_s(stage);
   round_end(/*is_last=*/false);
+  prefetch_bias(n_block);
   wgmma_wait_group<0>();
   fence_s();
   release(sm.k_empty(stage));
@@ -426,6 +437,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
     issue_pv(v_stage);
     round_end(/*is_last=*/false);
+    prefetch_bias(n_block);
 
     wgmma_wait_group<1>();  // S_i
     fence_s();
@@ -481,8 +493,10 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   }
 }
 
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+template <class Tr, bool IS_CAUSAL, int MODS>
 __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __grid_constant__ FwdWsParams p) {
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "fwd_sm90_tf32_kernel takes a window and a bias");
+  constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const AlignedSmem aligned = align_smem_1024(smem_raw);
@@ -541,7 +555,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
     }
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    fwd_tf32_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, row0, out_row0, rows_q, head, batch, n_end, n_tiles);
+    fwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, row0, out_row0, rows_q, head, batch, n_end, n_tiles);
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");

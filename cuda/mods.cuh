@@ -543,6 +543,58 @@ __device__ __forceinline__ void scale_acc(float (&x)[A][4], float f) {
     for (int c = 0; c < 4; ++c) x[a][c] *= f;
 }
 
+// The float32 bias (bias_kind 0: the host's one bias dtype for float32 inputs) of a warp's query rows g and g + 8 in
+// the row layout (S[N_TILES][4]: thread (g, t) holds keys 2t, 2t + 1 of each n8 tile), for the float32 kernels: with
+// contiguous keys and 8-byte aligned rows, one 8-byte load per row and tile when all of the tile's keys lie inside
+// the sequence; else per score through the strides, with the indices clamped as ScoreMods::bias_at clamps them.
+template <int MODS, int N_TILES>
+__device__ __forceinline__ void add_bias_f32(const ScoreMods<MODS>& m, float (&s)[N_TILES][4], int row0, int key0,
+                                             int lane) {
+  // (the row pointers and the test per tile: kept across the key loop, their registers made the head-dim-64
+  // 3xTF32 forward spill)
+  const int g = lane >> 2, t = lane & 3;
+  const bool pairs = m.bias_k == 4 && m.bias_q % 8 == 0 && reinterpret_cast<unsigned long long>(m.bias_base) % 8 == 0;
+  if (pairs && key0 + 8 * N_TILES - 1 <= m.last_k) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned char* row = m.bias_base + min(row0 + g + 8 * h, m.last_q) * m.bias_q + 4 * (key0 + 2 * t);
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt) {
+        const float2 b = __ldg(reinterpret_cast<const float2*>(row + 32 * nt));
+        s[nt][2 * h] = fmaf(b.x, m.bias_scale, s[nt][2 * h]);
+        s[nt][2 * h + 1] = fmaf(b.y, m.bias_scale, s[nt][2 * h + 1]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const int query = min(row0 + g + 8 * (c >> 1), m.last_q), key = min(key0 + nt * 8 + 2 * t + (c & 1), m.last_k);
+        const float b = __ldg(reinterpret_cast<const float*>(m.bias_base + (query * m.bias_q + key * m.bias_k)));
+        s[nt][c] = fmaf(b, m.bias_scale, s[nt][c]);
+      }
+  }
+}
+
+// The float32 bias (as add_bias_f32) in the backward's transposed layout (S^T[Q_TILES][4]: thread (g, t) holds keys
+// key0 + g and + 8 of queries query0 + 8 qt + 2t and + 1), per score with the indices clamped to the sequence: a warp
+// load reads 8 contiguous keys of 4 query rows (4 sectors)
+template <int MODS, int Q_TILES>
+__device__ __forceinline__ void add_bias_f32_transposed(const ScoreMods<MODS>& m, float (&s)[Q_TILES][4], int key0,
+                                                        int query0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  const int k0 = min(key0 + g, m.last_k) * m.bias_k, k1 = min(key0 + g + 8, m.last_k) * m.bias_k;
+#pragma unroll
+  for (int qt = 0; qt < Q_TILES; ++qt)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {  // c & 1: query + 1, c >> 1: key + 8
+      const unsigned char* row = m.bias_base + min(query0 + qt * 8 + 2 * t + j, m.last_q) * m.bias_q;
+      s[qt][j] = fmaf(__ldg(reinterpret_cast<const float*>(row + k0)), m.bias_scale, s[qt][j]);
+      s[qt][2 + j] = fmaf(__ldg(reinterpret_cast<const float*>(row + k1)), m.bias_scale, s[qt][2 + j]);
+    }
+}
+
 // The dropout mask itself, for tests (return_dropout_mask): mask[b, h, i, j] = 1 where kept, one thread per
 // 2x2 group (the same Philox words the attention kernels draw). Grid (ceil(groups / 256), heads, batch).
 struct DropoutMaskParams {

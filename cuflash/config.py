@@ -301,8 +301,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
-        out += [fwd_sm90_tf32_config(hd, dt, c, w) for dt in FWD_SM90_TF32_TILES for hd in FWD_SM90_TF32_TILES[dt]
-                for c, w in ((False, False), (True, False), (False, True))]
+        out += [fwd_sm90_tf32_config(hd, dt, c, w, b) for dt in FWD_SM90_TF32_TILES for hd in FWD_SM90_TF32_TILES[dt]
+                for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)]
     out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
     return out
 
@@ -994,8 +994,9 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
         for dt in BWD_SM90_TF32_TILES:
             for hd in BWD_SM90_TF32_TILES[dt]:
                 for c, w in ((False, False), (True, False), (False, True)):
-                    m = bwd_sm90_tf32_config(hd, dt, c, w)
-                    out += [m, m.dq_config()]
+                    for bias in (False, True):
+                        m = bwd_sm90_tf32_config(hd, dt, c, w, bias)
+                        out += [m, m.dq_config()]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
 
@@ -1572,10 +1573,10 @@ class _ConsumerWarpgroups:
 @dataclass(frozen=True)
 class FwdSm90Tf32Config(_ConsumerWarpgroups):
     """One float32 Hopper forward instantiation:
-    `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, HAS_WINDOW>`
+    `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, MODS>`
     (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting Q and K and
     transposing V in shared memory) and one or two consumer warpgroups of 64 query rows. dtype "fp32": 3xTF32 (X3),
-    "tf32": one TF32 pass; window: a sliding window."""
+    "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias (MOD_BIAS)."""
 
     head_dim: int
     block_n: int
@@ -1585,6 +1586,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     causal: bool
     window: bool = False
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
+    bias: bool = False
 
     def __post_init__(self):
         _check_tf32(self, (64, 128), "TF32 forward")
@@ -1607,7 +1609,11 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     def cpp_name(self) -> str:
         b = _cpp_bool
         return (f"cuflash::fwd_sm90_tf32_kernel<cuflash::FwdTf32Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}>, {b(self.causal)}, {b(self.window)}>")
+                f"{self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}>, {b(self.causal)}, {self.mods}>")
+
+    @property
+    def mods(self) -> int:
+        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -1625,25 +1631,31 @@ FWD_SM90_TF32_TILES = {
     "fp32": {64: (64, 2, 2, True), 128: (16, 2, 2, False)},
     "tf32": {64: (64, 3, 2, True), 128: (32, 3, 2, True)},
 }
-# The score modifiers it takes: a window (causal is not a modifier); the others run on fwd_wide_kernel
-FWD_SM90_TF32_MODS = MOD_WINDOW
+# With a bias, 3xTF32 at head dim 64 takes 32-key tiles: with 64-key tiles the causal and windowed kernels spilled 4
+# bytes (NVRTC 13.5)
+FWD_SM90_TF32_TILES_BIAS = {"fp32": {64: (32, 3, 2, True)}}
+# The score modifiers it takes: a window (causal is not a modifier) and a bias; the others run on fwd_wide_kernel
+FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 
-def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> FwdSm90Tf32Config:
-    bn, stages, consumers, pingpong = FWD_SM90_TF32_TILES[dtype][head_dim]
-    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong)
+def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
+                         bias: bool = False) -> FwdSm90Tf32Config:
+    tiles = FWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias else {}
+    bn, stages, consumers, pingpong = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
+    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias)
 
 
 
 @dataclass(frozen=True)
 class BwdSm90Tf32Config:
     """One float32 Hopper backward instantiation, its main kernel (dK, dV):
-    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3>, IS_CAUSAL, HAS_WINDOW>` (cuda/bwd_sm90_tf32.cuh):
+    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3>, IS_CAUSAL, MODS>` (cuda/bwd_sm90_tf32.cuh):
     K/V-outer CTAs of 128 keys, TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K, V and each
     step's Q, dO, and transposing Q and dO) and two consumer warpgroups of 64 keys taking every step of block_m
     queries together.
     dQ comes from a second kernel, `dq_config()` (Q-outer, no atomics: the backward repeats bitwise). dtype "fp32":
-    3xTF32, "tf32": one TF32 pass; window: a sliding window."""
+    3xTF32, "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias and its gradient
+    (MOD_BIAS: dBias is written by this kernel)."""
 
     head_dim: int
     block_m: int
@@ -1651,6 +1663,7 @@ class BwdSm90Tf32Config:
     causal: bool
     window: bool = False
     stages: int = 2
+    bias: bool = False
 
     def __post_init__(self):
         _check_tf32(self, (64,), "TF32 backward")
@@ -1675,21 +1688,27 @@ class BwdSm90Tf32Config:
     def cpp_name(self) -> str:
         b = _cpp_bool
         return (f"cuflash::bwd_sm90_tf32_kernel<cuflash::BwdTf32Traits<{self.head_dim}, {self.block_m}, {self.stages}, "
-                f"{b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
+                f"{b(self.dtype == 'fp32')}>, {b(self.causal)}, {self.mods}>")
+
+    @property
+    def mods(self) -> int:
+        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads_kv, batch)
 
     def dq_config(self) -> "BwdDqSm90Tf32Config":
         bn, stages, consumers = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
-        return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window)
+        return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
+                                   self.bias)
 
 
 @dataclass(frozen=True)
 class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     """The dQ kernel of the float32 Hopper backward:
-    `bwd_dq_sm90_tf32_kernel<BwdDqTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3>, IS_CAUSAL, HAS_WINDOW>`:
-    Q-outer CTAs of 64 * consumers query rows, S and dP again, dQ = dS K with K^T written by the splitters."""
+    `bwd_dq_sm90_tf32_kernel<BwdDqTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3>, IS_CAUSAL, MODS>`:
+    Q-outer CTAs of 64 * consumers query rows, S and dP again, dQ = dS K with K^T written by the splitters; the
+    window and bias of the main kernel (no dBias here)."""
 
     head_dim: int
     block_n: int
@@ -1698,6 +1717,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     dtype: str
     causal: bool
     window: bool = False
+    bias: bool = False
 
     def __post_init__(self):
         _check_tf32(self, (64,), "TF32 backward's dQ kernel")
@@ -1719,7 +1739,11 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     def cpp_name(self) -> str:
         b = _cpp_bool
         return (f"cuflash::bwd_dq_sm90_tf32_kernel<cuflash::BwdDqTf32Traits<{self.head_dim}, {self.block_n}, "
-                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}>, {b(self.causal)}, {b(self.window)}>")
+                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}>, {b(self.causal)}, {self.mods}>")
+
+    @property
+    def mods(self) -> int:
+        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -1734,12 +1758,17 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # alternate steps of 32 queries).
 BWD_SM90_TF32_TILES = {"fp32": {64: (16, 3)}, "tf32": {64: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {64: (32, 2, 2)}, "tf32": {64: (64, 2, 2)}}
-BWD_SM90_TF32_MODS = MOD_WINDOW
+# With a bias, one-pass TF32 takes 3xTF32's 16-query steps: its 32-query steps spilled 8-68 bytes with the bias read
+# and the dBias writes (NVRTC 13.0 and 13.5)
+BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3)}}
+BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 
-def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> BwdSm90Tf32Config:
-    block_m, stages = BWD_SM90_TF32_TILES[dtype][head_dim]
-    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages)
+def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
+                         bias: bool = False) -> BwdSm90Tf32Config:
+    tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias else {}
+    block_m, stages = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
+    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias)
 
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #
@@ -1790,7 +1819,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
     Family("fwd_sm90_tf32", "forward", ("sm_90a",), ("fp32", "tf32"),
            lambda mods: tuple(FWD_SM90_TF32_TILES["fp32"]) if not mods & ~FWD_SM90_TF32_MODS else (),
-           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
+           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS)),
+           wgmma=True),
     Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("fwd_wide_fp64", "forward", None, ("fp64",),
@@ -1798,7 +1828,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("bwd_sm90_tf32", "backward", ("sm_90a",), ("fp32", "tf32"),
            lambda mods: tuple(BWD_SM90_TF32_TILES["fp32"]) if not mods & ~BWD_SM90_TF32_MODS else (),
-           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
+           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS)),
+           wgmma=True),
     Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),
     Family("bwd_wide_fp64", "backward", None, ("fp64",),

@@ -225,26 +225,33 @@ def nan_like(x):
 
 def run_dense(precision, b, sq, sk, hq, hkv, d, *, causal=False, layout="bshd", kinds=CONTIGUOUS, mods=None,
               bias_shape=None, mask=None, padding=None, scale_inputs=1.0, backward=True, prealloc=False,
-              host_limit=MAX_HOST_SCORES, deterministic=False) -> Result:
+              host_limit=MAX_HOST_SCORES, deterministic=False, bias_view=None) -> Result:
     """Forward (and backward) of one dense problem on poisoned memory, checked by the rule of `precision`.
     mods: test_gpu_mods.mods_kwargs's dict (window, alibi, softcap, dropout); bias_shape: a float32 bias (dbias
-    asked for); mask: a maker (b, h, sq, sk, seed) -> bool mask; padding: None, "random" or "dead" (batch 0 sees
+    asked for), bias_view: None (contiguous), "odd-rows" (a slice of wider rows: an odd number of floats from one
+    row to the next) or "transposed" (keys strided, queries contiguous); mask: a maker (b, h, sq, sk, seed) -> bool mask; padding: None, "random" or "dead" (batch 0 sees
     no key); prealloc: NaN-filled dq, dk, dv given to the backward; deterministic: the backward with
     deterministic=True, run twice on poisoned memory, the second's bits equal to the first's."""
     host_scores_ok(b, hq, sq, sk, precision, host_limit)
     dtype = input_dtype(precision)
     seed = seed_of("wide", precision, b, sq, sk, hq, hkv, d, causal, layout, kinds, sorted((mods or {}).items()),
-                   bias_shape, getattr(mask, "__name__", None), padding, scale_inputs, prealloc)
+                   bias_shape, getattr(mask, "__name__", None), padding, scale_inputs, prealloc, bias_view)
     what = (f"{precision} B={b} Sq={sq} Sk={sk} H={hq}/{hkv} D={d} causal={causal} {layout} "
-            f"strides={'/'.join(kinds)} mods={mods} bias={bias_shape} mask={getattr(mask, '__name__', None)} "
-            f"padding={padding}")
+            f"strides={'/'.join(kinds)} mods={mods} bias={bias_shape} {bias_view or ''} "
+            f"mask={getattr(mask, '__name__', None)} padding={padding}")
     q = make_input(b, sq, hq, d, dtype, layout, kinds[0], seed, scale_inputs)
     k = make_input(b, sk, hkv, d, dtype, layout, kinds[1], seed + 1, scale_inputs)
     v = make_input(b, sk, hkv, d, dtype, layout, kinds[2], seed + 2)
     dout = make_input(b, sq, hq, d, dtype, layout, kinds[3], seed + 3)
     kw = mods_kwargs(mods or {}, b, hq, seed)
     if bias_shape is not None:
-        kw["bias"] = make_bias(bias_shape, "fp32", "fp32", seed + 4, 2.0)
+        *lead, bq, bk = bias_shape
+        if bias_view == "odd-rows":  # rows of bk + 1 or + 2 floats, an odd number
+            kw["bias"] = make_bias((*lead, bq, bk + 1 + bk % 2), "fp32", "fp32", seed + 4, 2.0)[..., :bk]
+        elif bias_view == "transposed":
+            kw["bias"] = cp.swapaxes(make_bias((*lead, bk, bq), "fp32", "fp32", seed + 4, 2.0), -1, -2)
+        else:
+            kw["bias"] = make_bias(bias_shape, "fp32", "fp32", seed + 4, 2.0)
     if mask is not None:
         kw["mask"] = mask(b, hq, sq, sk, seed + 5)
     if padding is not None:
@@ -532,6 +539,45 @@ def test_float32_with_modifiers(name, precision):
               layout=LAYOUTS[i % 2], **MODIFIERS[name])
 
 
+# --- a float32 bias on the Hopper TF32 kernels ---------------------------------------------------------------------
+
+# (precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view): on sm_90a the forward at kernel head dims 64
+# and 128 and the backward at 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and bwd_dq_sm90_tf32_kernel with the
+# bias (8-byte key pairs where the rows allow, per score otherwise) and dBias (stores, or red.add where broadcast):
+# key and query tails, GQA, causal, windows, every broadcast kind, the folded batch, strided views
+TF32_BIAS = [
+    ("fp32", 2, 203, 113, 4, 2, 64, False, None, (2, 4, 203, 113), None),
+    ("tf32", 2, 113, 203, 4, 4, 48, True, None, (1, 4, 113, 203), None),
+    ("fp32", 1, 300, 517, 2, 1, 128, False, {"window": (100, 37)}, (1, 1, 300, 517), None),
+    ("tf32", 2, 256, 256, 2, 2, 128, True, None, (256, 256), None),
+    ("fp32", 2, 203, 203, 4, 4, 64, False, None, (2, 4, 203, 203), "odd-rows"),
+    ("tf32", 1, 256, 320, 2, 2, 64, True, None, (1, 2, 256, 320), "transposed"),
+    ("fp32", 2, 1024, 1024, 2, 2, 64, False, None, (1, 2, 1, 1024), None),
+    ("tf32", 1, 517, 300, 2, 2, 64, False, {"window": (64, 0)}, (1, 2, 517, 300), None),
+    ("fp32", 6, 113, 113, 4, 4, 64, False, None, (2, 4, 113, 113), None),  # the Evoformer fold: batch 6 reads bias b // 3
+    ("fp32", 1, 1024, 1024, 4, 1, 128, True, None, (1, 4, 1024, 1024), None),
+]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods,bias_shape,bias_view", TF32_BIAS,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
+                              f"{'-window' if c[8] else ''}-bias{'x'.join(map(str, c[9]))}{'-' + c[10] if c[10] else ''}"
+                              for c in TF32_BIAS])
+def test_float32_bias_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view):
+    """o, lse, dq, dk, dv and dbias by the rule; on sm_90a these shapes run the TF32 wgmma kernels (checked)."""
+    from cuflash import _launch
+
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch == "sm_90a" and config.KERNELS != "mma":
+        bits = config.MOD_BIAS | (config.MOD_WINDOW if mods else 0)
+        hd = config.kernel_head_dim(d, precision)
+        assert isinstance(config.select("forward", hd, precision, causal, arch, mods=bits), config.FwdSm90Tf32Config)
+        assert isinstance(config.select("backward", hd, precision, causal, arch, mods=bits),
+                          config.BwdSm90Tf32Config if hd == 64 else config.BwdWideConfig)
+    run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods,
+              bias_shape=bias_shape, bias_view=bias_view)
+
+
 # --- rows that see no key -----------------------------------------------------------------------------------------
 
 FULLY_MASKED = {  # name -> (precision, run_dense keyword arguments); each has rows that see no key
@@ -640,6 +686,7 @@ def test_varlen_with_window_and_modifiers(precision):
         run_varlen(precision, True, mods={"window": (17, 0)}, kind="transposed")
     else:
         run_varlen(precision, False, mods={"window": (40, 40), "dropout": 0.17}, bias=True, padding=True)
+        run_varlen(precision, True, bias=True)  # fp32 at head dim 64: the TF32 kernels with the bias on sm_90a
 
 
 # --- preallocated gradients, the default precision, repeatability, empty problems ----------------------------------
