@@ -169,7 +169,8 @@ struct BwdTf32Traits {
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
   static constexpr int Q_TX = 2 * SMEM_Q + 2 * SMEM_ROWVEC;         // transaction bytes of a step
 
-  static_assert(HEAD_DIM == 64, "dK and dV of 64 keys at head dim 64 (128 would exceed a consumer's registers)");
+  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64,
+                "dK and dV of 64 keys at head dims 32 and 64 (128 would exceed a consumer's registers)");
   static_assert(BLOCK_M == 16 || BLOCK_M == 32, "steps of 16 or 32 queries");
   static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
@@ -565,7 +566,7 @@ struct BwdDqTf32Traits {
   static constexpr int OFF_BAR = OFF_STAGES + STAGES * STAGE_BYTES;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdDqSm90Tf32Config.smem_bytes
 
-  static_assert(HEAD_DIM == 64, "head dim 64");
+  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64, "head dims 32 and 64");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");

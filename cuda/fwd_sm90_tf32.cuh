@@ -88,7 +88,7 @@ struct FwdTf32Traits {
   static constexpr int QK_K_STEPS = HEAD_DIM / 8;     // k8 steps of S = Q K^T
   static constexpr int PV_K_STEPS = BLOCK_N / 8;      // k8 steps of O_tile = P V
   static constexpr int CHAIN_STEPS = 8;               // k8 steps summed in one accumulator chain (k 64)
-  static constexpr int S_CHAINS = QK_K_STEPS / CHAIN_STEPS;
+  static constexpr int S_CHAINS = (QK_K_STEPS + CHAIN_STEPS - 1) / CHAIN_STEPS;
 
   // float32 tiles as 16-bit SmemTiles of twice the columns: the same bytes, swizzle and descriptors
   using TileQ = SmemTile<BLOCK_M, 2 * HEAD_DIM>;
@@ -110,9 +110,10 @@ struct FwdTf32Traits {
   static constexpr int OFF_BAR = OFF_VT + PARTS * STAGES * SMEM_KV;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;     // cuflash/config.py FwdSm90Tf32Config.smem_bytes
 
-  static_assert(HEAD_DIM == 64 || HEAD_DIM == 128, "TF32 head dims: 64, 128");
+  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128, "TF32 head dims: 32, 64, 128");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of P V)");
-  static_assert(QK_K_STEPS % CHAIN_STEPS == 0 && S_CHAINS <= 2, "S in at most two chains of k 64");
+  static_assert((QK_K_STEPS < CHAIN_STEPS || QK_K_STEPS % CHAIN_STEPS == 0) && S_CHAINS <= 2,
+                "S in at most two chains of k 64");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
   static_assert(!PINGPONG || CONSUMERS == 2, "pingpong orders two consumers");
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");

@@ -1589,7 +1589,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     bias: bool = False
 
     def __post_init__(self):
-        _check_tf32(self, (64, 128), "TF32 forward")
+        _check_tf32(self, (32, 64, 128), "TF32 forward")
         if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
                              f"or 64, 2-4 stages, 1 or 2 consumers")
@@ -1628,8 +1628,8 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # tiles 105.9 / 110.4 against 106.8 / 111.4) or head dim 64 with (32, 4) tiles (95.1 / 98.8). One-pass TF32 at head
 # dim 128 on one consumer with 64-key tiles ran 60 % as fast.
 FWD_SM90_TF32_TILES = {
-    "fp32": {64: (64, 2, 2, True), 128: (16, 2, 2, False)},
-    "tf32": {64: (64, 3, 2, True), 128: (32, 3, 2, True)},
+    "fp32": {32: (64, 3, 2, True), 64: (64, 2, 2, True), 128: (16, 2, 2, False)},
+    "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True), 128: (32, 3, 2, True)},
 }
 # With a bias, 3xTF32 at head dim 64 takes 32-key tiles: with 64-key tiles the causal and windowed kernels spilled 4
 # bytes (NVRTC 13.5)
@@ -1666,7 +1666,7 @@ class BwdSm90Tf32Config:
     bias: bool = False
 
     def __post_init__(self):
-        _check_tf32(self, (64,), "TF32 backward")
+        _check_tf32(self, (32, 64), "TF32 backward")
         if self.block_m not in (16, 32) or not 2 <= self.stages <= 4:
             raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 16 or 32, 2-4 stages")
         _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}")
@@ -1720,7 +1720,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     bias: bool = False
 
     def __post_init__(self):
-        _check_tf32(self, (64,), "TF32 backward's dQ kernel")
+        _check_tf32(self, (32, 64), "TF32 backward's dQ kernel")
         if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
                              f"or 64, 2-4 stages, 1 or 2 consumers")
@@ -1756,11 +1756,11 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # 16-query steps and the next step's products issued under dK (the kernel's OVERLAP) 92-103; 3xTF32, whose 32-query
 # steps do not fit with 128 keys, 47-50 either way (and 45-49 with 64 keys per CTA, the two consumers taking
 # alternate steps of 32 queries).
-BWD_SM90_TF32_TILES = {"fp32": {64: (16, 3)}, "tf32": {64: (32, 3)}}
-BWD_DQ_SM90_TF32_TILES = {"fp32": {64: (32, 2, 2)}, "tf32": {64: (64, 2, 2)}}
+BWD_SM90_TF32_TILES = {"fp32": {32: (16, 3), 64: (16, 3)}, "tf32": {32: (32, 3), 64: (32, 3)}}
+BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (32, 2, 2), 64: (32, 2, 2)}, "tf32": {32: (64, 2, 2), 64: (64, 2, 2)}}
 # With a bias, one-pass TF32 takes 3xTF32's 16-query steps: its 32-query steps spilled 8-68 bytes with the bias read
 # and the dBias writes (NVRTC 13.0 and 13.5)
-BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3)}}
+BWD_SM90_TF32_TILES_BIAS = {"tf32": {32: (16, 3), 64: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 

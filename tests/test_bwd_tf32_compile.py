@@ -1,5 +1,5 @@
 """The float32 Hopper backward (cuda/bwd_sm90_tf32.cuh) without a GPU: the registry sends float32 backwards to it on
-sm_90a at kernel head dim 64 (no score modifier but a window and a bias) and to bwd_wide_kernel elsewhere; its two kernels (dK /
+sm_90a at kernel head dims 32 and 64 (no score modifier but a window and a bias) and to bwd_wide_kernel elsewhere; its two kernels (dK /
 dV, dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA
 loads and the TF32 products their loops issue; their shared memory fits sm_90; the configs check their arguments."""
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _sass(cfg):
 def test_every_table_entry_is_shipped_with_its_dq_kernel():
     want = {(dt, d, c, w, b) for dt, table in config.BWD_SM90_TF32_TILES.items() for d in table
             for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
-    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in MAIN} == want and len(MAIN) == 12
+    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in MAIN} == want and len(MAIN) == 24
     assert set(DQ) == {c.dq_config() for c in MAIN}
     for c in MAIN:
         d = c.dq_config()
@@ -42,17 +42,20 @@ def test_every_table_entry_is_shipped_with_its_dq_kernel():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "tf32"])
-def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dim_64(dtype):
-    for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW), (False, config.MOD_BIAS),
-                         (True, config.MOD_BIAS), (False, config.MOD_WINDOW | config.MOD_BIAS)):
+def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_and_64(dtype):
+    for hd, causal, mods in ((hd, c, m) for hd in (32, 64) for c, m in (
+            (False, 0), (True, 0), (False, config.MOD_WINDOW), (False, config.MOD_BIAS), (True, config.MOD_BIAS),
+            (False, config.MOD_WINDOW | config.MOD_BIAS))):
         for det in (False, True):
-            cfg = config.select("backward", 64, dtype, causal, "sm_90a", mods=mods, deterministic=det)
+            cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods, deterministic=det)
             assert isinstance(cfg, config.BwdSm90Tf32Config), (causal, mods, cfg)
             assert (cfg.dtype, cfg.causal, cfg.mods) == (dtype, causal, mods)
     for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_MASK,
               config.MOD_BIAS | config.MOD_MASK, config.MOD_BIAS | config.MOD_SOFTCAP):
         assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
-    for hd in (32, 128, 256):
+    assert isinstance(config.select("backward", 32, dtype, False, "sm_90a", mods=config.MOD_BIAS),
+                      config.BwdSm90Tf32Config)
+    for hd in (128, 256):
         assert isinstance(config.select("backward", hd, dtype, False, "sm_90a"), config.BwdWideConfig), hd
     assert isinstance(config.select("backward", 64, dtype, False, "sm_80"), config.BwdWideConfig)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)

@@ -1,5 +1,5 @@
 """The float32 Hopper forward (cuda/fwd_sm90_tf32.cuh) without a GPU: the registry sends float32 forwards to it on
-sm_90a where it has a kernel (head dims up to 128, no score modifier but a window and a bias) and to fwd_wide_kernel
+sm_90a where it has a kernel (head dims 32, 64 and 128, no score modifier but a window and a bias) and to fwd_wide_kernel
 elsewhere;
 every shipped instantiation compiles through NVRTC for sm_90a spill-free, with TMA loads, TF32 warpgroup MMAs and
 setmaxnreg where it has two consumers; its shared memory fits sm_90; the TMA maps of float32 operands are accepted;
@@ -25,28 +25,27 @@ def test_every_table_entry_is_shipped_plain_causal_and_windowed_with_and_without
     want = {(dt, d, c, w, b) for dt, table in config.FWD_SM90_TF32_TILES.items() for d in table
             for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
     assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in SHIPPED} == want
-    assert len(SHIPPED) == len(want) == 24
+    assert len(SHIPPED) == len(want) == 36
     for c in SHIPPED:  # the template's MODS: MOD_WINDOW, MOD_BIAS
         assert c.cpp_name().endswith(f", {config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias}>"), c
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "tf32"])
 def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
-    for hd in (64, 128):
+    for hd in (32, 64, 128):
         for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW), (False, config.MOD_BIAS),
                              (True, config.MOD_BIAS), (False, config.MOD_WINDOW | config.MOD_BIAS)):
             cfg = config.select("forward", hd, dtype, causal, "sm_90a", mods=mods)
             assert isinstance(cfg, config.FwdSm90Tf32Config), (hd, causal, mods, cfg)
             assert (cfg.head_dim, cfg.dtype, cfg.causal, cfg.mods) == (hd, dtype, causal, mods)
     # other head dims, any other modifier, other targets and CUFLASH_KERNELS=mma: the mma.sync kernels
-    assert isinstance(config.select("forward", 32, dtype, False, "sm_90a"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 256, dtype, False, "sm_90a"), config.FwdWideConfig)
     for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_MASK,
               config.MOD_BIAS | config.MOD_MASK, config.MOD_BIAS | config.MOD_ALIBI):
         assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
     assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
-    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dim 64 with the default kernels, bwd_wide_kernel at
+    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dims 32 and 64 with the default kernels, bwd_wide_kernel at
     # the other head dims and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdSm90Tf32Config)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=config.MOD_BIAS),

@@ -356,7 +356,7 @@ def test_float64_backward_matches_reference(sq, sk, d, layout, causal):
 # --- the Hopper TF32 forward ----------------------------------------------------------------------------------
 
 def test_hopper_float32_forward_runs_on_tf32_wgmma():
-    """On an sm_90a GPU the float32 forward at kernel head dims 64 and 128 (plain, causal, windowed) is
+    """On an sm_90a GPU the float32 forward at kernel head dims 32, 64 and 128 (plain, causal, windowed) is
     fwd_sm90_tf32_kernel, so the forward tests above run it there; elsewhere fwd_wide_kernel is the only one."""
     from cuflash import _launch
 
@@ -364,7 +364,7 @@ def test_hopper_float32_forward_runs_on_tf32_wgmma():
     if arch != "sm_90a" or config.KERNELS == "mma":
         pytest.skip(f"the TF32 wgmma forward runs on sm_90a with the default kernels (here {arch}, {config.KERNELS})")
     for precision in FLOATS32:
-        for d in (40, 64, 72, 128):
+        for d in (8, 24, 32, 40, 64, 72, 128):
             for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
                 cfg = config.select("forward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
                 assert isinstance(cfg, config.FwdSm90Tf32Config), (precision, d, causal, mods, cfg)
@@ -381,15 +381,16 @@ def test_float32_forward_head_dims_between_kernels(d, precision):
 
 
 def test_hopper_float32_backward_runs_on_tf32_wgmma():
-    """On an sm_90a GPU the float32 backward at kernel head dim 64 (plain, causal, windowed) is bwd_sm90_tf32_kernel
-    with its dQ kernel, so the backward tests at head dims 33..64 run them there; elsewhere bwd_wide_kernel."""
+    """On an sm_90a GPU the float32 backward at kernel head dims 32 and 64 (plain, causal, windowed) is
+    bwd_sm90_tf32_kernel with its dQ kernel, so the backward tests at head dims up to 64 run them there; elsewhere
+    bwd_wide_kernel."""
     from cuflash import _launch
 
     arch = _launch.device_arch(cp.cuda.Device().id)
     if arch != "sm_90a" or config.KERNELS == "mma":
         pytest.skip(f"the TF32 wgmma backward runs on sm_90a with the default kernels (here {arch}, {config.KERNELS})")
     for precision in FLOATS32:
-        for d in (40, 64):
+        for d in (8, 24, 32, 40, 64):
             for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
                 cfg = config.select("backward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
                 assert isinstance(cfg, config.BwdSm90Tf32Config), (precision, d, causal, mods, cfg)
@@ -400,7 +401,9 @@ def test_hopper_float32_backward_runs_on_tf32_wgmma():
 # the dK / dV kernel and key tiles of the dQ kernel, GQA and MQA, key and query tails
 TF32_BWD = [("fp32", 2, 203, 113, 3, 3, 40, False, "bshd"), ("tf32", 2, 203, 113, 3, 3, 48, True, "bhsd"),
             ("fp32", 1, 1023, 1024, 4, 2, 56, True, "bshd"), ("tf32", 1, 1024, 1023, 4, 1, 64, False, "bhsd"),
-            ("fp32", 3, 64, 65, 2, 1, 64, False, "bhsd"), ("tf32", 1, 2048, 2048, 2, 2, 64, True, "bshd")]
+            ("fp32", 3, 64, 65, 2, 1, 64, False, "bhsd"), ("tf32", 1, 2048, 2048, 2, 2, 64, True, "bshd"),
+            ("fp32", 2, 203, 113, 3, 3, 8, True, "bhsd"), ("tf32", 2, 113, 203, 4, 2, 24, False, "bshd"),
+            ("fp32", 1, 1024, 1023, 4, 1, 32, False, "bshd"), ("tf32", 3, 65, 64, 2, 2, 32, True, "bhsd")]
 
 
 @pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,layout", TF32_BWD,
@@ -453,7 +456,7 @@ def test_deterministic_backward_kernels():
             for causal in (False, True):
                 cfg = config.select("backward", d, precision, causal, arch, deterministic=True)
                 if isinstance(cfg, config.BwdSm90Tf32Config):
-                    assert arch == "sm_90a" and d == 64 and precision != "fp64", cfg
+                    assert arch == "sm_90a" and d in (32, 64) and precision != "fp64", cfg
                     continue
                 assert isinstance(cfg, config.BwdWideConfig) and cfg.deterministic and config.ordered_dq(cfg), cfg
                 assert cfg.cpp_name().endswith(", true>"), cfg.cpp_name()
@@ -541,8 +544,8 @@ def test_float32_with_modifiers(name, precision):
 
 # --- a float32 bias on the Hopper TF32 kernels ---------------------------------------------------------------------
 
-# (precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view): on sm_90a the forward at kernel head dims 64
-# and 128 and the backward at 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and bwd_dq_sm90_tf32_kernel with the
+# (precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view): on sm_90a the forward at kernel head dims
+# 32, 64 and 128 and the backward at 32 and 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and bwd_dq_sm90_tf32_kernel with the
 # bias (8-byte key pairs where the rows allow, per score otherwise) and dBias (stores, or red.add where broadcast):
 # key and query tails, GQA, causal, windows, every broadcast kind, the folded batch, strided views
 TF32_BIAS = [
@@ -556,6 +559,9 @@ TF32_BIAS = [
     ("tf32", 1, 517, 300, 2, 2, 64, False, {"window": (64, 0)}, (1, 2, 517, 300), None),
     ("fp32", 6, 113, 113, 4, 4, 64, False, None, (2, 4, 113, 113), None),  # the Evoformer fold: batch 6 reads bias b // 3
     ("fp32", 1, 1024, 1024, 4, 1, 128, True, None, (1, 4, 1024, 1024), None),
+    ("fp32", 8, 256, 256, 4, 4, 32, False, None, (2, 4, 256, 256), None),  # Evoformer rows at head dim 32
+    ("tf32", 4, 203, 113, 4, 2, 24, True, None, (1, 4, 203, 113), "odd-rows"),
+    ("fp32", 2, 300, 517, 2, 2, 32, False, {"window": (64, 64)}, (2, 1, 1, 517), None),
 ]
 
 
@@ -573,7 +579,7 @@ def test_float32_bias_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, caus
         hd = config.kernel_head_dim(d, precision)
         assert isinstance(config.select("forward", hd, precision, causal, arch, mods=bits), config.FwdSm90Tf32Config)
         assert isinstance(config.select("backward", hd, precision, causal, arch, mods=bits),
-                          config.BwdSm90Tf32Config if hd == 64 else config.BwdWideConfig)
+                          config.BwdSm90Tf32Config if hd <= 64 else config.BwdWideConfig)
     run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods,
               bias_shape=bias_shape, bias_view=bias_view)
 
