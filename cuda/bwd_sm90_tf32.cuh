@@ -24,7 +24,9 @@
 // Key and query tails: TMA zero-fills rows past a dense tensor (a packed sequence's next rows are read instead),
 // lse_log2 is +inf on the pad rows of the fp32 buffers (seqs.cuh) and keys past len_k are masked, so P = dS = 0
 // wherever a row or key does not exist; nothing past them is stored. Causal and sliding-window bands, GQA (the
-// K/V-outer CTA walks every query head of its group: BwdKeyBlock), dense and packed (varlen) sequences; no other
+// K/V-outer CTA walks every query head of its group: BwdKeyBlock), dense and packed (varlen) sequences, a float32
+// bias (MODS & MOD_BIAS: added to S^T and S as the forward adds it; dBias = dS^T written by the dK / dV kernel,
+// which sees each (query head, query, key) once: plain stores, or red.add where the bias is broadcast); no other
 // score modifier (those run on wide.cuh's bwd_wide_kernel).
 #pragma once
 #include "fwd_sm90_tf32.cuh"

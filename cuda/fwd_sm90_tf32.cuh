@@ -25,7 +25,8 @@
 // One CTA = BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
 // first); causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head /
 // kv_group), dense and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only
-// head_dim columns are stored). No other score modifier: those run on wide.cuh's kernels.
+// head_dim columns are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask,
+// its rows pulled into L1 while the S GEMM runs). No other score modifier: those run on wide.cuh's kernels.
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
