@@ -1,7 +1,8 @@
 """The float32 Hopper backward (cuda/bwd_sm90_tf32.cuh) without a GPU: the registry sends float32 backwards to it on
-sm_90a at kernel head dims 32 and 64 (no score modifier but a window and a bias) and to bwd_wide_kernel elsewhere; its two kernels (dK /
-dV, dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA
-loads and the TF32 products their loops issue; their shared memory fits sm_90; the configs check their arguments."""
+sm_90a at kernel head dims 32 and 64 (no score modifier but a window and a bias) and to bwd_wide_kernel elsewhere;
+its two kernels (dK / dV, dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their
+warpgroup MMAs, with TMA loads and the TF32 products their loops issue; their shared memory fits sm_90; the configs
+check their arguments."""
 from __future__ import annotations
 
 import re

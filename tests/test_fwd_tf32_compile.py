@@ -1,9 +1,8 @@
 """The float32 Hopper forward (cuda/fwd_sm90_tf32.cuh) without a GPU: the registry sends float32 forwards to it on
-sm_90a where it has a kernel (head dims 32, 64 and 128, no score modifier but a window and a bias) and to fwd_wide_kernel
-elsewhere;
-every shipped instantiation compiles through NVRTC for sm_90a spill-free, with TMA loads, TF32 warpgroup MMAs and
-setmaxnreg where it has two consumers; its shared memory fits sm_90; the TMA maps of float32 operands are accepted;
-the analyzer counts it."""
+sm_90a where it has a kernel (head dims 32, 64 and 128, no score modifier but a window and a bias) and to
+fwd_wide_kernel elsewhere; every shipped instantiation compiles through NVRTC for sm_90a spill-free, with TMA loads,
+TF32 warpgroup MMAs and setmaxnreg where it has two consumers; its shared memory fits sm_90; the TMA maps of float32
+operands are accepted; the analyzer counts it."""
 from __future__ import annotations
 
 import re
@@ -45,8 +44,8 @@ def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
         assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
     assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
-    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dims 32 and 64 with the default kernels, bwd_wide_kernel at
-    # the other head dims and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
+    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dims 32 and 64 with the default kernels,
+    # bwd_wide_kernel at the other head dims and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdSm90Tf32Config)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=config.MOD_BIAS),
                       config.BwdSm90Tf32Config)

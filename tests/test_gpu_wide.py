@@ -229,7 +229,8 @@ def run_dense(precision, b, sq, sk, hq, hkv, d, *, causal=False, layout="bshd", 
     """Forward (and backward) of one dense problem on poisoned memory, checked by the rule of `precision`.
     mods: test_gpu_mods.mods_kwargs's dict (window, alibi, softcap, dropout); bias_shape: a float32 bias (dbias
     asked for), bias_view: None (contiguous), "odd-rows" (a slice of wider rows: an odd number of floats from one
-    row to the next) or "transposed" (keys strided, queries contiguous); mask: a maker (b, h, sq, sk, seed) -> bool mask; padding: None, "random" or "dead" (batch 0 sees
+    row to the next) or "transposed" (keys strided, queries contiguous); mask: a maker (b, h, sq, sk, seed) -> bool
+    mask; padding: None, "random" or "dead" (batch 0 sees
     no key); prealloc: NaN-filled dq, dk, dv given to the backward; deterministic: the backward with
     deterministic=True, run twice on poisoned memory, the second's bits equal to the first's."""
     host_scores_ok(b, hq, sq, sk, precision, host_limit)
@@ -545,9 +546,10 @@ def test_float32_with_modifiers(name, precision):
 # --- a float32 bias on the Hopper TF32 kernels ---------------------------------------------------------------------
 
 # (precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view): on sm_90a the forward at kernel head dims
-# 32, 64 and 128 and the backward at 32 and 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and bwd_dq_sm90_tf32_kernel with the
-# bias (8-byte key pairs where the rows allow, per score otherwise) and dBias (stores, or red.add where broadcast):
-# key and query tails, GQA, causal, windows, every broadcast kind, the folded batch, strided views
+# 32, 64 and 128 and the backward at 32 and 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and
+# bwd_dq_sm90_tf32_kernel with the bias (8-byte key pairs where the rows allow, per score otherwise) and dBias (stores,
+# or red.add where broadcast): key and query tails, GQA, causal, windows, every broadcast kind, the folded batch,
+# strided views
 TF32_BIAS = [
     ("fp32", 2, 203, 113, 4, 2, 64, False, None, (2, 4, 203, 113), None),
     ("tf32", 2, 113, 203, 4, 4, 48, True, None, (1, 4, 113, 203), None),
@@ -557,7 +559,7 @@ TF32_BIAS = [
     ("tf32", 1, 256, 320, 2, 2, 64, True, None, (1, 2, 256, 320), "transposed"),
     ("fp32", 2, 1024, 1024, 2, 2, 64, False, None, (1, 2, 1, 1024), None),
     ("tf32", 1, 517, 300, 2, 2, 64, False, {"window": (64, 0)}, (1, 2, 517, 300), None),
-    ("fp32", 6, 113, 113, 4, 4, 64, False, None, (2, 4, 113, 113), None),  # the Evoformer fold: batch 6 reads bias b // 3
+    ("fp32", 6, 113, 113, 4, 4, 64, False, None, (2, 4, 113, 113), None),  # the Evoformer fold: bias b // 3
     ("fp32", 1, 1024, 1024, 4, 1, 128, True, None, (1, 4, 1024, 1024), None),
     ("fp32", 8, 256, 256, 4, 4, 32, False, None, (2, 4, 256, 256), None),  # Evoformer rows at head dim 32
     ("tf32", 4, 203, 113, 4, 2, 24, True, None, (1, 4, 203, 113), "odd-rows"),
@@ -567,7 +569,8 @@ TF32_BIAS = [
 
 @pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods,bias_shape,bias_view", TF32_BIAS,
                          ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
-                              f"{'-window' if c[8] else ''}-bias{'x'.join(map(str, c[9]))}{'-' + c[10] if c[10] else ''}"
+                              f"{'-window' if c[8] else ''}-bias{'x'.join(map(str, c[9]))}"
+                              f"{'-' + c[10] if c[10] else ''}"
                               for c in TF32_BIAS])
 def test_float32_bias_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view):
     """o, lse, dq, dk, dv and dbias by the rule; on sm_90a these shapes run the TF32 wgmma kernels (checked)."""
