@@ -1758,11 +1758,15 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # 16-query steps and the next step's products issued under dK (the kernel's OVERLAP) 92-103; 3xTF32, whose 32-query
 # steps do not fit with 128 keys, 47-50 either way (and 45-49 with 64 keys per CTA, the two consumers taking
 # alternate steps of 32 queries).
-BWD_SM90_TF32_TILES = {"fp32": {32: (16, 3), 64: (16, 3)}, "tf32": {32: (32, 3), 64: (32, 3)}}
-BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (32, 2, 2), 64: (32, 2, 2)}, "tf32": {32: (64, 2, 2), 64: (64, 2, 2)}}
-# With a bias, one-pass TF32 takes 3xTF32's 16-query steps: its 32-query steps spilled 8-68 bytes with the bias read
-# and the dBias writes (NVRTC 13.0 and 13.5)
-BWD_SM90_TF32_TILES_BIAS = {"tf32": {32: (16, 3), 64: (16, 3)}}
+# At head dim 32 3xTF32's 32-query steps fit (its K and V take half the bytes of head dim 64's) and were faster on
+# an H200 (2026-11-29, `tools/tune_tiles.py --dtype fp32 --head-dims 32 --n 4096 --causal no`, the backward's
+# TFLOP/s): dK / dV steps of 32 queries 49 against 42 with 16 (the overlapped steps), dQ with 64-key tiles 46 against
+# 43 with 32-key ones; one-pass TF32 at head dim 32 measured its head-dim-64 tiles best (94; 16-query steps 82).
+BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3)}, "tf32": {32: (32, 3), 64: (32, 3)}}
+BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2)}, "tf32": {32: (64, 2, 2), 64: (64, 2, 2)}}
+# With a bias, one-pass TF32 at head dim 64 takes 16-query steps: its 32-query steps spilled 8-68 bytes with the bias
+# read and the dBias writes (NVRTC 13.0 and 13.5); at head dim 32 they do not
+BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 

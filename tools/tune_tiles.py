@@ -5,7 +5,8 @@ are compiled (registers and spills from ptxas) and timed with CUDA events, bf16,
 shapes (batch = 16384 / N, heads = 2048 / D). `diff` is the largest difference to the first candidate's
 output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_WS_TILES, else
 FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). `--dtype fp32` / `tf32`
-tunes the float32 Hopper forward instead (FWD_SM90_TF32_TILES; float32 inputs, precision "fp32" or "tf32").
+tunes the float32 Hopper kernels instead (FWD_SM90_TF32_TILES, and unless --no-backward BWD_SM90_TF32_TILES and
+BWD_DQ_SM90_TF32_TILES, the backward timed whole; float32 inputs, precision "fp32" or "tf32").
 Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
@@ -59,8 +60,16 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
 # the float32 Hopper forward (sm_90a): (block_n, stages, consumers, pingpong), the alternatives measured against the
 # shipped tiles (config.FWD_SM90_TF32_TILES)
-FWD_SM90_TF32 = {"fp32": {64: [(64, 2, 2, False), (32, 3, 2, True)], 128: [(16, 2, 2, True), (32, 2, 1, False)]},
-                 "tf32": {64: [(64, 2, 2, True), (32, 4, 2, True)], 128: [(32, 2, 2, True), (64, 2, 1, False)]}}
+FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, True), (64, 3, 2, False)],
+                          64: [(64, 2, 2, False), (32, 3, 2, True)], 128: [(16, 2, 2, True), (32, 2, 1, False)]},
+                 "tf32": {32: [(64, 2, 2, True), (32, 4, 2, True), (64, 4, 2, True)],
+                          64: [(64, 2, 2, True), (32, 4, 2, True)], 128: [(32, 2, 2, True), (64, 2, 1, False)]}}
+# the float32 Hopper backward (sm_90a): the dK / dV kernel's (block_m, stages) and the dQ kernel's (block_n, stages,
+# consumers), each tuned with the other's shipped tiles
+BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4)], 64: [(16, 2)]},
+                 "tf32": {32: [(16, 3), (32, 2), (32, 4)], 64: [(32, 2), (16, 3)]}}
+BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1)], 64: [(16, 3, 2)]},
+                    "tf32": {32: [(64, 3, 2), (32, 2, 2), (64, 4, 2)], 64: [(64, 3, 2), (32, 3, 2)]}}
 BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
 
 
@@ -109,7 +118,8 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
 
 
 def tune_float32(args, arch: str, wgmma: bool) -> int:
-    """--dtype fp32 / tf32: the float32 Hopper forward's tiles (config.FWD_SM90_TF32_TILES), forward only."""
+    """--dtype fp32 / tf32: the float32 Hopper forward's tiles (config.FWD_SM90_TF32_TILES) and, unless --no-backward,
+    the backward's (config.BWD_SM90_TF32_TILES, BWD_DQ_SM90_TF32_TILES) where it has them."""
     table = config.FWD_SM90_TF32_TILES[args.dtype]
     kw = {"precision": args.dtype}
     for d in args.head_dims:
@@ -129,6 +139,21 @@ def tune_float32(args, arch: str, wgmma: bool) -> int:
 
                 tune(table, FWD_SM90_TF32[args.dtype].get(d, []), d, f"fwd {args.dtype}", fwd, arch,
                      lambda: config.fwd_sm90_tf32_config(d, args.dtype, causal))
+                if not args.no_backward and d in config.BWD_SM90_TF32_TILES[args.dtype]:
+                    do = rand((b, n, h, d), args.dtype)
+                    o, lse = cuflash.attention_forward(q, k, v, causal=causal, **kw)
+
+                    def bwd():
+                        ms = bench_ms(lambda: cuflash.attention_backward(do, q, k, v, o, lse, causal=causal, **kw))
+                        return (ms, 2.5 * flops / ms / 1e9), cuflash.attention_backward(do, q, k, v, o, lse,
+                                                                                         causal=causal, **kw)
+
+                    main_cfg = lambda: config.bwd_sm90_tf32_config(d, args.dtype, causal)  # noqa: E731
+                    tune(config.BWD_SM90_TF32_TILES[args.dtype], BWD_SM90_TF32[args.dtype].get(d, []), d,
+                         f"bwd dk/dv {args.dtype}", bwd, arch, main_cfg)
+                    tune(config.BWD_DQ_SM90_TF32_TILES[args.dtype], BWD_DQ_SM90_TF32[args.dtype].get(d, []), d,
+                         f"bwd dq {args.dtype}", bwd, arch, lambda: main_cfg().dq_config())
+                    del do, o, lse
                 del q, k, v
                 cp.get_default_memory_pool().free_all_blocks()
     return 0
