@@ -431,8 +431,9 @@ __device__ __forceinline__ int ordered_dq_reach(const Band<IS_CAUSAL, HAS_WINDOW
 // query blocks [m_begin, m_end) that see them. Prologue and epilogue of both kernels.
 // HAS_MAP: the kernel takes a BlockMask's tile map (MOD_MASK or MOD_BLOCKS; mods.cuh TileMap), transposed so that
 // the query tiles of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
-// REVERSED: key block gridDim.x - 1 - blockIdx.x instead of blockIdx.x (the last key blocks launch first)
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false, bool REVERSED = false>
+// REVERSED: key block gridDim.x - 1 - blockIdx.x instead of blockIdx.x (the last key blocks launch first).
+// SPLIT: CTAs per key block, blockIdx.x / SPLIT its index (a cluster of CTAs sharing the head dim: bwd_sm90_tf32.cuh)
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false, bool REVERSED = false, int SPLIT = 1>
 struct BwdKeyBlock {
   static constexpr bool MAPPED = HAS_MAP;
   Seq seq;
@@ -459,7 +460,8 @@ struct BwdKeyBlock {
   // (unsigned, as blockIdx.x: the unreversed kernels' index arithmetic stays what it was; sign-extended, ptxas
   // spilled 16 bytes in one of them)
   static __device__ __forceinline__ unsigned n_block() {
-    return REVERSED ? static_cast<unsigned>(nctaid_x_reread() - 1 - ctaid_x_reread()) : blockIdx.x;
+    static_assert(!REVERSED || SPLIT == 1, "a reversed grid of single CTAs");
+    return REVERSED ? static_cast<unsigned>(nctaid_x_reread() - 1 - ctaid_x_reread()) : blockIdx.x / SPLIT;
   }
   __device__ __forceinline__ int key0() const { return REVERSED ? n_block() * Tr::BLOCK_N : n0; }
 

@@ -118,6 +118,52 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
     for (int c = 0; c < 4; ++c) acc[i][c] += tile[i][c];
 }
 
+// ==== head dim 128: a pair of CTAs, 64 columns each =============================================================
+//
+// At head dim 128 the 3xTF32 operands of a CTA's keys or rows (K and V with their big parts: 128 KB per 64 keys) and
+// its float32 outputs (dK and dV of 64 keys: 128 registers per consumer thread) do not fit one CTA. SPLIT 2 runs
+// each CTA of the head-dim-64 kernels as a cluster of two (__cluster_dims__(2, 1, 1)): CTA r loads and splits columns
+// 64 r .. 64 r + 63 of every operand and writes those columns of its outputs. A product over the head dim (S, dP)
+// is then a partial sum in each CTA: each sends its fragment into the other's exchange slot (st.async, one float4
+// per n8 tile, thread for thread: the other CTA's thread of the same index holds the same elements; each store
+// completes its bytes on the slot's mbarrier there), waits on its own slot's barrier (each warp's lane 0 announces
+// the warp's bytes) and adds: own + peer, the same bits in both CTAs (addition commutes), and the sum of two chains
+// of k 64 that the one-CTA kernels take at head dim 128. Slots and barriers alternate by step parity: a CTA writes
+// step i's slot of the other only after receiving the other's step i - 1, which the other sent after its loads from
+// the slot of step i - 2 had returned (their values feed the products it sends).
+template <int N_TILES>
+__device__ __forceinline__ void pair_send(u32 slot, u32 bar, const float (&acc)[N_TILES][4], int wtid) {
+  const u32 peer = cluster_ctarank() ^ 1u;
+  const u32 dst = map_shared_rank(slot + 16 * wtid, peer), peer_bar = map_shared_rank(bar, peer);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt)
+    st_async_f32x4(dst + nt * 128 * 16, acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3], peer_bar);
+}
+// ... the wait for the other's fragment (phase parity `parity` of bar, whose count is the 4 warps) ...
+template <int N_TILES>
+__device__ __forceinline__ void pair_wait(u32 bar, u32 parity, int wtid) {
+  if ((wtid & 31) == 0) mbarrier_arrive_expect_tx(bar, 32 * N_TILES * 16);
+  while (!mbarrier_try_wait_parity_once(bar, parity)) {
+  }
+}
+// ... its n8 tile nt ...
+__device__ __forceinline__ float4 pair_tile(u32 slot, int nt, int wtid) {
+  return ld_shared_f32x4(slot + 16 * wtid + nt * 128 * 16);
+}
+// ... or all of it
+template <int N_TILES>
+__device__ __forceinline__ void pair_receive(u32 slot, u32 bar, u32 parity, float (&peer)[N_TILES][4], int wtid) {
+  pair_wait<N_TILES>(bar, parity, wtid);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+    const float4 v = pair_tile(slot, nt, wtid);
+    peer[nt][0] = v.x;
+    peer[nt][1] = v.y;
+    peer[nt][2] = v.z;
+    peer[nt][3] = v.w;
+  }
+}
+
 // ==== dK, dV: bwd_sm90_tf32_kernel ================================================================================
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
@@ -132,12 +178,13 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //   q_empty[s]   count CONSUMER_THREADS: every consumer thread, once its last GEMM on stage s retired
 // Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
 // the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
-template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_>
+template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1>
 struct BwdTf32Traits {
-  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;           // columns of this CTA (of HEAD_DIM * SPLIT)
   static constexpr int BLOCK_M = BLOCK_M_;             // queries per step
   static constexpr int STAGES = STAGES_;
   static constexpr bool X3 = X3_;
+  static constexpr int SPLIT = SPLIT_;                 // CTAs of a cluster sharing the head dim (PairExchange)
   static constexpr int CONSUMERS = 2;                  // 64 keys each (one warpgroup's M), every step
   static constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per CTA
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -166,13 +213,17 @@ struct BwdTf32Traits {
   static constexpr int STAGE_BYTES = 2 * TENSOR_BYTES;
   static constexpr int SMEM_ROWVEC = 4 * BLOCK_M;                   // a step's lse_log2 or delta
   static constexpr int OFF_VEC = OFF_STAGES + STAGES * STAGE_BYTES; // per stage: lse_log2, delta
-  static constexpr int BARRIERS = 2 + 3 * STAGES;
-  static constexpr int OFF_BAR = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
+  // a pair's exchange (SPLIT 2): per parity, product (S^T, dP^T) and consumer, Q_TILES float4 per consumer thread
+  static constexpr int XCHG_SLOT = SPLIT > 1 ? Q_TILES * 128 * 16 : 0;
+  static constexpr int OFF_XCHG = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
+  static constexpr int BARRIERS = 2 + 3 * STAGES + (SPLIT > 1 ? 2 * 2 * CONSUMERS : 0);
+  static constexpr int OFF_BAR = OFF_XCHG + 2 * 2 * CONSUMERS * XCHG_SLOT;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
   static constexpr int Q_TX = 2 * SMEM_Q + 2 * SMEM_ROWVEC;         // transaction bytes of a step
 
   static_assert(HEAD_DIM == 32 || HEAD_DIM == 64,
-                "dK and dV of 64 keys at head dims 32 and 64 (128 would exceed a consumer's registers)");
+                "dK and dV of 64 keys x 32 or 64 columns per CTA (128 would exceed a consumer's registers: SPLIT 2)");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_M == 16 || BLOCK_M == 32, "steps of 16 or 32 queries");
   static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
@@ -203,12 +254,19 @@ struct BwdTf32Smem {
   __device__ __forceinline__ u32 q_full(int s) const { return bar(2 + s); }
   __device__ __forceinline__ u32 q_ready(int s) const { return bar(2 + Tr::STAGES + s); }
   __device__ __forceinline__ u32 q_empty(int s) const { return bar(2 + 2 * Tr::STAGES + s); }
+  // the pair's exchange slot and barrier of parity b, product x (0: S^T, 1: dP^T), consumer wg
+  __device__ __forceinline__ u32 xchg(int b, int x, int wg) const {
+    return base + Tr::OFF_XCHG + ((b * 2 + x) * Tr::CONSUMERS + wg) * Tr::XCHG_SLOT;
+  }
+  __device__ __forceinline__ u32 xbar(int b, int x, int wg) const {
+    return bar(2 + 3 * Tr::STAGES + (b * 2 + x) * Tr::CONSUMERS + wg);
+  }
 };
 
 // The TMA thread: K, V, then Q_i and dO_i of every step into the next stage.
 template <class Tr, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const BwdTf32Smem<Tr>& sm, const KeyBlock& kb,
-                                                  int steps) {
+                                                  int steps, int col0) {
   const BwdParams& p = P.bwd;
   prefetch_tensormap(&P.tma_q);
   prefetch_tensormap(&P.tma_do);
@@ -222,9 +280,9 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel) {
     cp_async_bulk_tensor_4d_global_to_shared(sm.k() + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_k, sm.kv_full(),
-                                             panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
+                                             col0 + panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
     cp_async_bulk_tensor_4d_global_to_shared(sm.v() + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_v, sm.kv_full(),
-                                             panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
+                                             col0 + panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
   }
   int left = steps;
   QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, kb.seq, kb.batch, kb.kv_head * p.seq.kv_group, kb.m_begin);
@@ -239,9 +297,9 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel) {
       cp_async_bulk_tensor_4d_global_to_shared(sm.x(s, 0) + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_q, sm.q_full(s),
-                                               panel * Tr::BOX_COLS, row, qb.head, q_batch);
+                                               col0 + panel * Tr::BOX_COLS, row, qb.head, q_batch);
       cp_async_bulk_tensor_4d_global_to_shared(sm.x(s, 1) + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_do, sm.q_full(s),
-                                               panel * Tr::BOX_COLS, row, qb.head, q_batch);
+                                               col0 + panel * Tr::BOX_COLS, row, qb.head, q_batch);
     }
     if (!kb.advance(p, qb, left)) break;
   }
@@ -275,7 +333,8 @@ __device__ __forceinline__ void bwd_tf32_splitter(const BwdTf32Smem<Tr>& sm, int
 template <class Tr, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const KeyBlock& kb,
                                                      const float (&dk_acc)[Tr::D_TILES][4],
-                                                     const float (&dv_acc)[Tr::D_TILES][4], int key_row0, int lane) {
+                                                     const float (&dv_acc)[Tr::D_TILES][4], int key_row0, int lane,
+                                                     int col0) {
   const int g = lane >> 2, t = lane & 3;
   const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;  // (BwdKeyBlock::key_rows steps u16)
   float* dk = reinterpret_cast<float*>(p.dk) + kb.batch * p.dk_batch_stride + kb.kv_head * p.dk_head_stride +
@@ -288,8 +347,8 @@ __device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const K
     if (key >= kb.keys) continue;
 #pragma unroll
     for (int dt = 0; dt < Tr::D_TILES; ++dt) {
-      if (dt * 8 >= p.head_dim) continue;  // head_dim is a multiple of 8
-      const int col = dt * 8 + 2 * t;
+      if (col0 + dt * 8 >= p.head_dim) continue;  // head_dim is a multiple of 8
+      const int col = col0 + dt * 8 + 2 * t;
       *reinterpret_cast<float2*>(dk + key * p.dk_row_stride + col) =
           make_float2(dk_acc[dt][2 * h] * p.softmax_scale, dk_acc[dt][2 * h + 1] * p.softmax_scale);
       *reinterpret_cast<float2*>(dv + key * p.dv_row_stride + col) = make_float2(dv_acc[dt][2 * h], dv_acc[dt][2 * h + 1]);
@@ -312,6 +371,8 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   const int wtid = ctid & 127, lane = ctid & 31, warp = wtid / 32, t = lane & 3;
   const int key_row0 = cwg * 64 + warp * 16;  // this warp's first key in the CTA's
   const float scale_log2 = p.scale_log2;
+  constexpr bool PAIR = Tr::SPLIT > 1;
+  auto rank = [] { return PAIR ? static_cast<int>(cluster_ctarank()) : 0; };  // columns 64 rank .. of the pair
 
   float dk_acc[Tr::D_TILES][4], dv_acc[Tr::D_TILES][4];
 #pragma unroll
@@ -375,10 +436,14 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     // P^T in registers of its own: no other instruction than wgmma defines s_acc, whose next product is issued while
     // dK_i runs (written in place, ptxas serialized the wgmma of the whole loop, C7515)
     float prob[1][Tr::Q_TILES][4];
+    if constexpr (PAIR) {  // S^T over the other CTA's 64 columns, added
+      pair_send(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), s_acc[0], wtid);
+      pair_receive(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), (i >> 1) & 1, prob[0], wtid);
+    }
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) prob[0][qt][c] = s_acc[0][qt][c];
+      for (int c = 0; c < 4; ++c) prob[0][qt][c] = PAIR ? s_acc[0][qt][c] + prob[0][qt][c] : s_acc[0][qt][c];
     if (HAS_BIAS) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);  // before the band's -inf
     if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
       apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(prob[0], kb.n0 + key_row0, m0, kb.band, lane);
@@ -412,18 +477,26 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
       add_tile(dv_acc, tile);
     }
     wgmma_fence_operand(dp_acc);
+    if constexpr (PAIR) {  // dP^T over the other CTA's columns, read per n8 tile below (dp_acc is wgmma's alone)
+      pair_send(sm.xchg(i & 1, 1, cwg), sm.xbar(i & 1, 1, cwg), dp_acc, wtid);
+      pair_wait<Tr::Q_TILES>(sm.xbar(i & 1, 1, cwg), (i >> 1) & 1, wtid);
+    }
     // dS^T = P^T (dP^T - delta), in place of P^T (softmax_scale goes on dK at the end). 3xTF32 takes P^T as big + small
     // (about 22 bits) from the A registers, so that the fp32 P^T need not stay live under the dV GEMM (it spilled)
 #pragma unroll
-    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
+      const float4 peer = PAIR ? pair_tile(sm.xchg(i & 1, 1, cwg), qt, wtid) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float dp_peer[4] = {peer.x, peer.y, peer.z, peer.w};
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         const int r = (c == 1) ? 2 : (c == 2) ? 1 : c;  // tf32_probs_to_regs's register of element c
         const float pr = Tr::X3 ? __uint_as_float(p_big[qt][r]) + __uint_as_float(p_small[Tr::X3 ? qt : 0][r])
                                 : prob[0][qt][c];
-        prob[0][qt][c] = pr * (dp_acc[qt][c] - ((c & 1) ? delta[qt].y : delta[qt].x));
+        const float dp = PAIR ? dp_acc[qt][c] + dp_peer[c] : dp_acc[qt][c];
+        prob[0][qt][c] = pr * (dp - ((c & 1) ? delta[qt].y : delta[qt].x));
       }
-    if (HAS_BIAS)  // dBias = dS
+    }
+    if (HAS_BIAS && rank() == 0)  // dBias = dS (the pair's CTAs hold the same dS^T: one writes it)
       mods.put_dbias_tiles(mods.dbias_rows(m0, Tr::BLOCK_M, kb.n0 + key_row0, lane), 0, m0, kb.n0 + key_row0, lane,
                            prob[0]);
     if constexpr (OVERLAP) {
@@ -463,11 +536,13 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     mbarrier_arrive(sm.q_empty(s));
   }
 
-  bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane);
+  bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane, rank() * Tr::HEAD_DIM);
 }
 
+// The kernel's body: bwd_sm90_tf32_kernel (one CTA per key block), bwd_sm90_tf32_pair_kernel (SPLIT 2: a cluster of
+// two per key block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+__device__ __forceinline__ void bwd_tf32_main(const BwdWsParams& P) {
   static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_sm90_tf32_kernel takes a window and a bias");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -477,10 +552,11 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
   const BwdTf32Smem<Tr> sm{aligned.base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
-  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, false, false, Tr::SPLIT> kb(p);
+  if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys (both CTAs of a pair)
   const int steps = kb.m_begin < kb.m_end ? kb.steps(p) : 0;
-  if (steps == 0) {  // no query sees these keys: dK = dV = 0
+  if (steps == 0) {  // no query sees these keys: dK = dV = 0 (a pair's rank 0 writes every column)
+    if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;
     float* dk = reinterpret_cast<float*>(p.dk) + kb.batch * p.dk_batch_stride + kb.kv_head * p.dk_head_stride +
                 row0 * p.dk_row_stride;
@@ -503,23 +579,43 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
       mbarrier_init(sm.q_ready(s), Tr::SPLIT_THREADS);
       mbarrier_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
+    if constexpr (Tr::SPLIT > 1)  // exchange slots: a consumer's 4 warps arrive, the other CTA's stores complete bytes
+#pragma unroll
+      for (int x = 0; x < 2 * 2 * Tr::CONSUMERS; ++x) mbarrier_init(sm.xbar(0, 0, 0) + 8 * x, 4);
     fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (Tr::SPLIT > 1)
+    cluster_sync();  // both CTAs' barriers initialized before any remote arrival
+  else
+    __syncthreads();
 
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
     if (threadIdx.x == 0)
-      bwd_tf32_producer<Tr>(P, sm, kb, steps);
+      bwd_tf32_producer<Tr>(P, sm, kb, steps, Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     else if (threadIdx.x >= 32)
       bwd_tf32_splitter<Tr>(sm, steps, threadIdx.x - 32);
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch: after their join ptxas serialized wgmma)
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
     bwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, aligned.ptr, kb, steps);
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // the other CTA may still be writing to this one's shared memory
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
 #endif
+}
+
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert(Tr::SPLIT == 1, "SPLIT 2 runs as bwd_sm90_tf32_pair_kernel");
+  bwd_tf32_main<Tr, IS_CAUSAL, MODS>(P);
+}
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+    bwd_sm90_tf32_pair_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
+  bwd_tf32_main<Tr, IS_CAUSAL, MODS>(P);
 }
 
 // ==== dQ: bwd_dq_sm90_tf32_kernel ===================================================================================
@@ -534,9 +630,10 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
 //   kv_empty[s]    count CONSUMER_WARPS: every consumer's GEMMs on stage s retired
 // Key tile i uses stage i % STAGES, phase (i / STAGES) & 1; the producer loads tile i after kv_empty of tile
 // i - STAGES, and the splitters' writes to the stage follow kv_full of tile i.
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, int SPLIT_ = 1>
 struct BwdDqTf32Traits {
-  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;           // columns of this CTA (of HEAD_DIM * SPLIT)
+  static constexpr int SPLIT = SPLIT_;                 // CTAs of a cluster sharing the head dim (pair_send)
   static constexpr int BLOCK_N = BLOCK_N_;             // keys per tile
   static constexpr int STAGES = STAGES_;
   static constexpr int CONSUMERS = CONSUMERS_;
@@ -564,11 +661,15 @@ struct BwdDqTf32Traits {
   static constexpr int OFF_STAGES = 2 * PARTS * SMEM_Q;
   // within a stage: K (small or rounded), K big, K^T big (or rounded), K^T small, V, V big
   static constexpr int STAGE_BYTES = 3 * PARTS * SMEM_KV;
-  static constexpr int BARRIERS = 2 + 3 * STAGES;
-  static constexpr int OFF_BAR = OFF_STAGES + STAGES * STAGE_BYTES;
+  // a pair's exchange (SPLIT 2): per parity, product (S, dP) and consumer, N_TILES float4 per consumer thread
+  static constexpr int XCHG_SLOT = SPLIT > 1 ? N_TILES * 128 * 16 : 0;
+  static constexpr int OFF_XCHG = OFF_STAGES + STAGES * STAGE_BYTES;
+  static constexpr int BARRIERS = 2 + 3 * STAGES + (SPLIT > 1 ? 2 * 2 * CONSUMERS : 0);
+  static constexpr int OFF_BAR = OFF_XCHG + 2 * 2 * CONSUMERS * XCHG_SLOT;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdDqSm90Tf32Config.smem_bytes
 
-  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64, "head dims 32 and 64");
+  static_assert(HEAD_DIM == 32 || HEAD_DIM == 64, "32 or 64 columns per CTA");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
   static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
@@ -598,11 +699,18 @@ struct DqTf32Smem {
   __device__ __forceinline__ u32 kv_full(int s) const { return bar(2 + s); }
   __device__ __forceinline__ u32 kv_ready(int s) const { return bar(2 + Tr::STAGES + s); }
   __device__ __forceinline__ u32 kv_empty(int s) const { return bar(2 + 2 * Tr::STAGES + s); }
+  // the pair's exchange slot and barrier of parity b, product x (0: S, 1: dP), consumer wg
+  __device__ __forceinline__ u32 xchg(int b, int x, int wg) const {
+    return base + Tr::OFF_XCHG + ((b * 2 + x) * Tr::CONSUMERS + wg) * Tr::XCHG_SLOT;
+  }
+  __device__ __forceinline__ u32 xbar(int b, int x, int wg) const {
+    return bar(2 + 3 * Tr::STAGES + (b * 2 + x) * Tr::CONSUMERS + wg);
+  }
 };
 
 template <class Tr>
 __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqTf32Smem<Tr>& sm, const Seq& seq,
-                                                 int row0, int head, int batch, int n_begin, int n_tiles) {
+                                                 int row0, int head, int batch, int n_begin, int n_tiles, int col0) {
   const BwdParams& p = P.bwd;
   prefetch_tensormap(&P.tma_q);
   prefetch_tensormap(&P.tma_do);
@@ -616,9 +724,9 @@ __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqT
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel) {
     cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_q, sm.q_full(),
-                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+                                             col0 + panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
     cp_async_bulk_tensor_4d_global_to_shared(sm.dout() + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_do, sm.q_full(),
-                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+                                             col0 + panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
   }
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
@@ -628,9 +736,9 @@ __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqT
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel) {
       cp_async_bulk_tensor_4d_global_to_shared(sm.k(s) + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_k, sm.kv_full(s),
-                                               panel * Tr::BOX_COLS, key, kv_head, kv_batch);
+                                               col0 + panel * Tr::BOX_COLS, key, kv_head, kv_batch);
       cp_async_bulk_tensor_4d_global_to_shared(sm.v(s) + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_v, sm.kv_full(s),
-                                               panel * Tr::BOX_COLS, key, kv_head, kv_batch);
+                                               col0 + panel * Tr::BOX_COLS, key, kv_head, kv_batch);
     }
   }
 }
@@ -663,6 +771,9 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32, g = lane >> 2, t = lane & 3;
   const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
   const float scale_log2 = p.scale_log2;
+  constexpr bool PAIR = Tr::SPLIT > 1;
+  const int rank = PAIR ? static_cast<int>(cluster_ctarank()) : 0;  // columns 64 rank .. of the pair's head dim
+  float peer[PAIR ? Tr::N_TILES : 1][4];  // S or dP over the other CTA's columns
   // the bias, as the forward reads it (pulled into L1 while S runs)
   ScoreMods<MODS> mods;
   if (HAS_BIAS) mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
@@ -708,6 +819,14 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
 
     wgmma_wait_group<1>();  // S
     wgmma_fence_operand(s_acc[0]);
+    if constexpr (PAIR) {
+      pair_send(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), s_acc[0], ctid & 127);
+      pair_receive(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), (i >> 1) & 1, peer, ctid & 127);
+#pragma unroll
+      for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += peer[PAIR ? nt : 0][c];
+    }
     if (HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
@@ -717,10 +836,15 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
       for (int c = 0; c < 4; ++c) s_acc[0][nt][c] = ex2_approx(fmaf(s_acc[0][nt][c], scale_log2, -lse[c >> 1]));
     wgmma_wait_group<0>();  // dP
     wgmma_fence_operand(dp_acc);
+    if constexpr (PAIR) {
+      pair_send(sm.xchg(i & 1, 1, wg), sm.xbar(i & 1, 1, wg), dp_acc, ctid & 127);
+      pair_receive(sm.xchg(i & 1, 1, wg), sm.xbar(i & 1, 1, wg), (i >> 1) & 1, peer, ctid & 127);
+    }
 #pragma unroll
     for (int nt = 0; nt < Tr::N_TILES; ++nt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) s_acc[0][nt][c] *= dp_acc[nt][c] - delta[c >> 1];
+      for (int c = 0; c < 4; ++c)
+        s_acc[0][nt][c] *= (PAIR ? dp_acc[nt][c] + peer[PAIR ? nt : 0][c] : dp_acc[nt][c]) - delta[c >> 1];
     tf32_probs_to_regs<Tr::X3>(s_acc, ds_big, ds_small);
     // dQ_i = dS K: B = K^T (head_dim rows of the tile's keys in dS's column order)
     wgmma_fence();
@@ -744,14 +868,16 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     if (row >= rows_q) continue;
 #pragma unroll
     for (int dt = 0; dt < Tr::D_TILES; ++dt)
-      if (dt * 8 < p.head_dim)
-        *reinterpret_cast<float2*>(dq + row * p.dq_row_stride + dt * 8 + 2 * t) =
+      if (rank * Tr::HEAD_DIM + dt * 8 < p.head_dim)
+        *reinterpret_cast<float2*>(dq + row * p.dq_row_stride + rank * Tr::HEAD_DIM + dt * 8 + 2 * t) =
             make_float2(dq_acc[dt][2 * h] * p.softmax_scale, dq_acc[dt][2 * h + 1] * p.softmax_scale);
   }
 }
 
+// The kernel's body: bwd_dq_sm90_tf32_kernel (one CTA per query block), bwd_dq_sm90_tf32_pair_kernel (SPLIT 2: a
+// cluster of two per query block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+__device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
   static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_dq_sm90_tf32_kernel takes a window and a bias");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -761,7 +887,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const 
   const DqTf32Smem<Tr> sm{aligned.base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
-  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+  const int m_block = IS_CAUSAL ? (gridDim.x / Tr::SPLIT - 1 - blockIdx.x / Tr::SPLIT)
+                                : blockIdx.x / Tr::SPLIT;  // causal: longest first
   const int head = blockIdx.y, batch = blockIdx.z;
   const Seq seq = sequence(p.seq, batch);
   const int row0 = m_block * Tr::BLOCK_M;
@@ -773,7 +900,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const 
   const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
   const int n_tiles = n_end - n_begin;
-  if (n_tiles <= 0) {  // these rows see no key: dQ = 0
+  if (n_tiles <= 0) {  // these rows see no key: dQ = 0 (a pair's rank 0 writes every column)
+    if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     float* dq = reinterpret_cast<float*>(p.dq) + batch * p.dq_batch_stride + out_row0 * p.dq_row_stride +
                 head * p.dq_head_stride;
     for (int idx = threadIdx.x; idx < rows_q * p.head_dim; idx += Tr::THREADS)
@@ -791,24 +919,45 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const 
       mbarrier_init(sm.kv_ready(s), Tr::SPLIT_THREADS);
       mbarrier_init(sm.kv_empty(s), Tr::CONSUMER_WARPS);
     }
+    if constexpr (Tr::SPLIT > 1)  // exchange slots: a consumer's 4 warps arrive, the other CTA's stores complete bytes
+#pragma unroll
+      for (int x = 0; x < 2 * 2 * Tr::CONSUMERS; ++x) mbarrier_init(sm.xbar(0, 0, 0) + 8 * x, 4);
     fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (Tr::SPLIT > 1)
+    cluster_sync();  // both CTAs' barriers initialized before any remote arrival
+  else
+    __syncthreads();
 
   if (threadIdx.x < 128) {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_dec<Tr::PRODUCER_REGS>();
     if (threadIdx.x == 0)
-      dq_tf32_producer<Tr>(P, sm, seq, row0, head, batch, n_begin, n_tiles);
+      dq_tf32_producer<Tr>(P, sm, seq, row0, head, batch, n_begin, n_tiles,
+                           Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     else if (threadIdx.x >= 32)
       dq_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch: after their join ptxas serialized wgmma)
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
     dq_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, n_begin,
                                                 n_tiles);
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // the other CTA may still be writing to this one's shared memory
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "bwd_dq_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
 #endif
+}
+
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert(Tr::SPLIT == 1, "SPLIT 2 runs as bwd_dq_sm90_tf32_pair_kernel");
+  bwd_dq_tf32_main<Tr, IS_CAUSAL, MODS>(P);
+}
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+    bwd_dq_sm90_tf32_pair_kernel(const __grid_constant__ BwdWsParams P) {
+  static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
+  bwd_dq_tf32_main<Tr, IS_CAUSAL, MODS>(P);
 }
 
 }  // namespace cuflash

@@ -444,4 +444,36 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// ---- thread-block clusters (sm_90): distributed shared memory, stores into another CTA, the cluster barrier ----
+// A kernel declared with __cluster_dims__ runs its CTAs in clusters; CTA `rank` of a cluster reaches the shared
+// memory of the others through shared::cluster addresses (mapa). Every CTA of a cluster must stay resident while
+// another may still write to its shared memory: such kernels end with cluster_sync().
+
+// PTX ISA, "Special Registers: %cluster_ctarank": this CTA's rank in its cluster, read anew at every use (volatile:
+// a rank kept in a register across a consumer's loop cost the register that made ptxas serialize its wgmma)
+__device__ __forceinline__ u32 cluster_ctarank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// PTX ISA 8.0+, "Data Movement: mapa": the shared::cluster address of the variable that sits at shared::cta address
+// `smem` in CTA `rank` of this cluster (the same layout in every CTA of the kernel).
+__device__ __forceinline__ u32 map_shared_rank(u32 smem, u32 rank) {
+  u32 r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(smem), "r"(rank));
+  return r;
+}
+// PTX ISA 8.1+, "Data Movement: st.async": a 16-byte store to another CTA's shared memory (address from
+// map_shared_rank) that completes 16 transaction bytes on that CTA's mbarrier `bar_cluster` (also mapped): the
+// receiving CTA's waiters see the data once the barrier's phase completes (its arrivals announce the bytes with
+// mbarrier_arrive_expect_tx; bytes that land first leave the phase open until they are announced). No fence.
+__device__ __forceinline__ void st_async_f32x4(u32 addr, float a, float b, float c, float d, u32 bar_cluster) {
+  asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n"
+               ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d), "r"(bar_cluster) : "memory");
+}
+// PTX ISA 8.0+, "barrier.cluster": every thread of every CTA of the cluster arrives (release) and waits (acquire).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
 }  // namespace cuflash

@@ -401,7 +401,8 @@ def wide_cases() -> list[Case]:
                     cases.append(_case(1, sq, sk, 2 if config.heavy_mods(mods) else 1, hd, dtype, causal, "bshd",
                                        "contiguous", mods=mods))
     # a bias alone, causal or beside a window, per float32 dtype and TF32 head dim: on sm_90a the TF32 wgmma kernels'
-    # bias (head dims 32, 64 and 128) and dBias (32, 64); the bias shared by two heads (dBias by red.add)
+    # bias and dBias (head dims 32, 64 and 128: at 128 the backward's cluster pairs); the bias shared by two heads
+    # (dBias by red.add)
     for i, (dtype, hd, (causal, mods)) in enumerate(
             (dt, hd, cm) for dt in ("fp32", "tf32") for hd in (32, 64, 128)
             for cm in ((False, config.MOD_BIAS), (True, config.MOD_BIAS), (False, config.MOD_BIAS | config.MOD_WINDOW))):

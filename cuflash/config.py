@@ -1552,6 +1552,11 @@ def _check_tf32(cfg, head_dims: tuple, kernel: str) -> None:
         raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
 
 
+def _tf32_split(head_dim: int) -> int:
+    """CTAs sharing a TF32 backward block's head dim: 2 at head dim 128 (a cluster pair of 64 columns each)."""
+    return 2 if head_dim == 128 else 1
+
+
 def _check_smem_sm90(cfg, tiles: str) -> None:
     if cfg.smem_bytes > SMEM_LIMIT_SM90:
         raise ValueError(f"{tiles} at dtype {cfg.dtype!r} needs {cfg.smem_bytes} bytes of shared memory (the limit is "
@@ -1668,7 +1673,7 @@ class BwdSm90Tf32Config:
     bias: bool = False
 
     def __post_init__(self):
-        _check_tf32(self, (32, 64), "TF32 backward")
+        _check_tf32(self, (32, 64, 128), "TF32 backward")
         if self.block_m not in (16, 32) or not 2 <= self.stages <= 4:
             raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 16 or 32, 2-4 stages")
         _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}")
@@ -1678,26 +1683,34 @@ class BwdSm90Tf32Config:
     threads = 384
 
     @property
+    def split(self) -> int:
+        """CTAs per key block: head dim 128 runs as clusters of two CTAs of 64 columns (`_pair_kernel`)."""
+        return _tf32_split(self.head_dim)
+
+    @property
     def smem_bytes(self) -> int:
         """BwdTf32Traits::SMEM_BYTES: K and V (with their big parts: 3xTF32), the stages of Q and dO (each with its
-        big part and its transpose, big and small) and of lse_log2 and delta, 2 + 3 * stages mbarriers, 1024 to align
-        the base."""
+        big part and its transpose, big and small) and of lse_log2 and delta, a pair's exchange slots (16 bytes per
+        consumer thread and n8 tile, per parity, product and consumer), the mbarriers, 1024 to align the base."""
         parts = 2 if self.dtype == "fp32" else 1
-        kv, q = 4 * self.block_n * self.head_dim, 4 * self.block_m * self.head_dim
-        return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m) + 8 * (2 + 3 * self.stages)
-                + 1024)
+        cols = self.head_dim // self.split
+        kv, q = 4 * self.block_n * cols, 4 * self.block_m * cols
+        xchg, xbars = ((2 * 2 * 2 * (self.block_m // 8) * 128 * 16, 8) if self.split > 1 else (0, 0))
+        return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m) + xchg
+                + 8 * (2 + 3 * self.stages + xbars) + 1024)
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        return (f"cuflash::bwd_sm90_tf32_kernel<cuflash::BwdTf32Traits<{self.head_dim}, {self.block_m}, {self.stages}, "
-                f"{b(self.dtype == 'fp32')}>, {b(self.causal)}, {self.mods}>")
+        kernel, split = ("bwd_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("bwd_sm90_tf32_kernel", "")
+        return (f"cuflash::{kernel}<cuflash::BwdTf32Traits<{self.head_dim // self.split}, {self.block_m}, "
+                f"{self.stages}, {b(self.dtype == 'fp32')}{split}>, {b(self.causal)}, {self.mods}>")
 
     @property
     def mods(self) -> int:
         return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
-        return (math.ceil(seqlen_k / self.block_n), heads_kv, batch)
+        return (self.split * math.ceil(seqlen_k / self.block_n), heads_kv, batch)
 
     def dq_config(self) -> "BwdDqSm90Tf32Config":
         bn, stages, consumers = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
@@ -1722,7 +1735,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     bias: bool = False
 
     def __post_init__(self):
-        _check_tf32(self, (32, 64), "TF32 backward's dQ kernel")
+        _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
         if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
                              f"or 64, 2-4 stages, 1 or 2 consumers")
@@ -1731,24 +1744,33 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     box_cols = 32
 
     @property
+    def split(self) -> int:
+        """CTAs per query block: head dim 128 runs as clusters of two CTAs of 64 columns (`_pair_kernel`)."""
+        return _tf32_split(self.head_dim)
+
+    @property
     def smem_bytes(self) -> int:
         """BwdDqTf32Traits::SMEM_BYTES: Q and dO (with their big parts: 3xTF32), the stages of K (split, and K^T big
-        and small) and V (split), 2 + 3 * stages mbarriers, 1024 to align the base."""
+        and small) and V (split), a pair's exchange slots, the mbarriers, 1024 to align the base."""
         parts = 2 if self.dtype == "fp32" else 1
-        q, kv = 4 * self.block_m * self.head_dim, 4 * self.block_n * self.head_dim
-        return 2 * parts * q + self.stages * 3 * parts * kv + 8 * (2 + 3 * self.stages) + 1024
+        cols = self.head_dim // self.split
+        q, kv = 4 * self.block_m * cols, 4 * self.block_n * cols
+        xchg, xbars = ((2 * 2 * self.consumers * (self.block_n // 8) * 128 * 16, 4 * self.consumers)
+                       if self.split > 1 else (0, 0))
+        return 2 * parts * q + self.stages * 3 * parts * kv + xchg + 8 * (2 + 3 * self.stages + xbars) + 1024
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        return (f"cuflash::bwd_dq_sm90_tf32_kernel<cuflash::BwdDqTf32Traits<{self.head_dim}, {self.block_n}, "
-                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}>, {b(self.causal)}, {self.mods}>")
+        kernel, split = ("bwd_dq_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("bwd_dq_sm90_tf32_kernel", "")
+        return (f"cuflash::{kernel}<cuflash::BwdDqTf32Traits<{self.head_dim // self.split}, {self.block_n}, "
+                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}{split}>, {b(self.causal)}, {self.mods}>")
 
     @property
     def mods(self) -> int:
         return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+        return (self.split * math.ceil(seqlen_q / self.block_m), heads, batch)
 
 
 # The float32 Hopper backward's tiles per (dtype, head dim): the dK / dV kernel's (block_m: queries per step, stages),
@@ -1762,11 +1784,13 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # an H200 (2026-11-29, `tools/tune_tiles.py --dtype fp32 --head-dims 32 --n 4096 --causal no`, the backward's
 # TFLOP/s): dK / dV steps of 32 queries 49 against 42 with 16 (the overlapped steps), dQ with 64-key tiles 46 against
 # 43 with 32-key ones; one-pass TF32 at head dim 32 measured its head-dim-64 tiles best (94; 16-query steps 82).
-BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3)}, "tf32": {32: (32, 3), 64: (32, 3)}}
-BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2)}, "tf32": {32: (64, 2, 2), 64: (64, 2, 2)}}
+BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3), 128: (16, 2)},
+                       "tf32": {32: (32, 3), 64: (32, 3), 128: (32, 3)}}
+BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
+                          "tf32": {32: (64, 2, 2), 64: (64, 2, 2), 128: (32, 2, 2)}}
 # With a bias, one-pass TF32 at head dim 64 takes 16-query steps: its 32-query steps spilled 8-68 bytes with the bias
 # read and the dBias writes (NVRTC 13.0 and 13.5); at head dim 32 they do not
-BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3)}}
+BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 

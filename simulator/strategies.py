@@ -27,10 +27,10 @@ Strategies (docs/IO_ANALYSIS.md):
             preprocess / convert launches, with config.select's tiles, the same on every target; deterministic,
             the ordered bwd_wide_kernel, its dQ atomics in a fixed order): global traffic and FLOPs only; their
             shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
-            On sm_90a the fp32 / tf32 forward at kernel head dims 64 and 128 (no modifier but a window) is
-            fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at kernel head
-            dim 64 is bwd_sm90_tf32_kernel (dK, dV; config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ,
-            its dq_config), no dQ accumulator and no atomics, deterministic as they are (deterministic=True counts
+            On sm_90a the fp32 / tf32 forward at kernel head dims 32, 64 and 128 (no modifier but a window and a
+            bias) is fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at the same
+            head dims (128: clusters of two CTAs, `_pair_kernel`) is bwd_sm90_tf32_kernel (dK, dV;
+            config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ, its dq_config), no dQ accumulator and no atomics, deterministic as they are (deterministic=True counts
             the same launches): their shared-memory bytes are counted from their program order (_tf32_bwd_shared;
             bank_conflicts None).
             fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
@@ -138,10 +138,12 @@ KERNEL_NAMES = {  # config type -> the __global__ function it instantiates
 
 
 def kernel_name(cfg) -> str:
-    """The kernel function a config instantiates (what ncu and the launch list call it)."""
+    """The kernel function a config instantiates (what ncu and the launch list call it); the float32 Hopper backward
+    at head dim 128 runs clusters of two CTAs, `..._pair_kernel`."""
     if type(cfg) not in KERNEL_NAMES:
         raise TypeError(f"cfg must be one of {', '.join(t.__name__ for t in KERNEL_NAMES)}, got {type(cfg).__name__}")
-    return KERNEL_NAMES[type(cfg)]
+    name = KERNEL_NAMES[type(cfg)]
+    return name.replace("_kernel", "_pair_kernel") if getattr(cfg, "split", 1) > 1 else name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,8 +453,9 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     red.release add to the block's counter (atomic bytes; the ld.acquire polls are not counted), its key blocks
     launched last-first with causal or a window (schedules.bwd_key_blocks_reversed).
 
-    fp32 and tf32 at kernel head dim 64 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh) have no dQ
-    accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
+    fp32 and tf32 at kernel head dims 32, 64 and 128 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh; at 128
+    the `_pair_kernel`s, clusters of two CTAs of 64 columns, each reading the lse_log2 and delta of its block) have
+    no dQ accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
     (ceil(Sk / 128), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
     every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
@@ -477,15 +480,17 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
                          bh * (2 * sq * d * e + sq * s4), bh * (2 * pad * s4 + acc_bytes))]
     visits, q_rows = _bwd_visits(cfg, p, causal_skip)
     keys = block_sizes(sk, cfg.block_n)
+    split = getattr(cfg, "split", 1)  # CTAs sharing a block's head dim (each reads the block's lse_log2, delta)
     reads = 2 * int((keys * (visits > 0)).sum()) * d * e + 2 * int(q_rows.sum()) * d * e \
-        + 2 * int(visits.sum()) * cfg.block_m * s4
+        + 2 * int(visits.sum()) * cfg.block_m * s4 * split
     atomics = 0 if dq_kernel else int(visits.sum()) * (cfg.block_m * hd * s4 + (4 if ordered else 0))
     out.append(KernelTraffic(kernel_name(cfg), cfg.grid(p.batch, p.heads, sk), cfg.threads, bh * reads,
                              bh * 2 * sk * d * e, bh * atomics))
     if dq_kernel:
         dcfg = _dq_kernel_config(cfg, p)
         t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
-        reads = (2 * int((t.rows * t.visits_q).sum()) * d * e + 2 * int(t.visits_q.sum()) * dcfg.block_m * s4
+        reads = (2 * int((t.rows * t.visits_q).sum()) * d * e
+                 + 2 * int(t.visits_q.sum()) * dcfg.block_m * s4 * getattr(dcfg, "split", 1)
                  + 2 * int(t.kv_rows.sum()) * d * e)
         out.append(KernelTraffic(kernel_name(dcfg), dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
@@ -521,28 +526,34 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     bwd_dq_sm90_tf32_kernel, per CTA that sees a key: TMA writes the Q and dO boxes (BLOCK_M = 64 * CONSUMERS rows)
     once and the K and V boxes of every visited key tile; the splitters prepare Q, dO and, per key tile, K with K^T
     and V; per key tile each consumer warpgroup's wgmma reads its 64 rows of Q and the K tile for S, its rows of dO
-    and the V tile for dP, and K^T for dQ, once per product. dQ leaves from registers."""
+    and the V tile for dP, and K^T for dQ, once per product. dQ leaves from registers.
+    Head dim 128 (cfg.split 2, the `_pair_kernel`s): each CTA of a pair does the above on its 64 columns, and per step
+    (dK / dV) or key tile (dQ) each consumer thread stores its fragments of S and dP into the other CTA's exchange
+    slots (st.async, 16 bytes per n8 tile each; counted as writes of the receiving CTA) and reads the other's back."""
     parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
-    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    split = cfg.split
+    hd, bm, bn = cfg.head_dim // split, cfg.block_m, cfg.block_n  # a CTA's columns
     visits, _ = _bwd_visits(cfg, p, causal_skip)
-    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    ctas, steps = split * int((visits > 0).sum()), split * int(visits.sum())
     q_tile, kv_tile = 4 * bm * hd, 4 * bn * hd
     consumers = bn // 64
+    xchg = consumers * 128 * 2 * (bm // 8) * 16 if split > 1 else 0  # a step's S^T and dP^T fragments
     # per CTA: TMA K, V and their parts; per step: TMA Q, dO, lse_log2, delta, the parts and transposes of Q, dO
-    write = ctas * kv_tile * (2 + 2 * parts) + steps * (q_tile * (2 + 4 * parts) + 2 * 4 * bm)
+    write = ctas * kv_tile * (2 + 2 * parts) + steps * (q_tile * (2 + 4 * parts) + 2 * 4 * bm + xchg)
     # per CTA: the splitters' K, V; per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta
     # (bm / 8 float2 each), the wgmma operands (K, Q; V, dO; dO^T; Q^T) of each consumer
     read = ctas * 2 * kv_tile + steps * (2 * q_tile + consumers * 128 * 2 * (bm // 8) * 8
-                                         + products * (2 * kv_tile + consumers * 4 * q_tile))
+                                         + products * (2 * kv_tile + consumers * 4 * q_tile) + xchg)
     dcfg = cfg.dq_config()
     t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
-    ctas, tiles = int(t.visits_q.sum()), int(t.tiles)
+    ctas, tiles = split * int(t.visits_q.sum()), split * int(t.tiles)
     q_tile, kv_tile = 4 * dcfg.block_m * hd, 4 * dcfg.block_n * hd
+    xchg = dcfg.consumers * 128 * 2 * (dcfg.block_n // 8) * 16 if split > 1 else 0  # a key tile's S and dP
     # per CTA: TMA Q, dO and their parts; per key tile: TMA K, V, their parts and K^T's
-    write += ctas * q_tile * (2 + 2 * parts) + tiles * kv_tile * (2 + 3 * parts)
+    write += ctas * q_tile * (2 + 2 * parts) + tiles * (kv_tile * (2 + 3 * parts) + xchg)
     # per CTA: the splitters' Q, dO; per key tile: the splitters' K, V, each consumer's wgmma operands (its Q rows
     # and K; its dO rows and V; K^T)
-    read += ctas * 2 * q_tile + tiles * (2 * kv_tile + products * (2 * q_tile + 3 * dcfg.consumers * kv_tile))
+    read += ctas * 2 * q_tile + tiles * (2 * kv_tile + products * (2 * q_tile + 3 * dcfg.consumers * kv_tile) + xchg)
     return read * p.batch_heads, write * p.batch_heads
 
 

@@ -1,8 +1,9 @@
 """The float32 Hopper backward (cuda/bwd_sm90_tf32.cuh) without a GPU: the registry sends float32 backwards to it on
-sm_90a at kernel head dims 32 and 64 (no score modifier but a window and a bias) and to bwd_wide_kernel elsewhere;
-its two kernels (dK / dV, dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their
-warpgroup MMAs, with TMA loads and the TF32 products their loops issue; their shared memory fits sm_90; the configs
-check their arguments."""
+sm_90a at kernel head dims 32, 64 and 128 (no score modifier but a window and a bias; 128 as clusters of two CTAs of
+64 columns, the `_pair_kernel`s) and to bwd_wide_kernel elsewhere; its two kernels (dK / dV, dQ) compile through
+NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA loads, the TF32 products
+their loops issue and, in pairs, the exchange through the other CTA's shared memory; their shared memory fits sm_90;
+the configs check their arguments."""
 from __future__ import annotations
 
 import re
@@ -32,20 +33,24 @@ def _sass(cfg):
 def test_every_table_entry_is_shipped_with_its_dq_kernel():
     want = {(dt, d, c, w, b) for dt, table in config.BWD_SM90_TF32_TILES.items() for d in table
             for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
-    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in MAIN} == want and len(MAIN) == 24
+    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in MAIN} == want and len(MAIN) == 36
     assert set(DQ) == {c.dq_config() for c in MAIN}
     for c in MAIN:
         d = c.dq_config()
         assert (d.dtype, d.head_dim, d.causal, d.window, d.bias) == (c.dtype, c.head_dim, c.causal, c.window, c.bias)
         assert c.cpp_name().endswith(f", {c.mods}>") and d.cpp_name().endswith(f", {c.mods}>")
-        # with a bias one-pass TF32 at head dim 64 takes 16-query steps (its 32-query steps spilled)
-        assert c.block_m == (16 if c.bias and (c.dtype, c.head_dim) == ("tf32", 64) else
+        # with a bias one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query steps spilled)
+        assert c.block_m == (16 if c.bias and c.dtype == "tf32" and c.head_dim >= 64 else
                              config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
+        # head dim 128: clusters of two CTAs of 64 columns, twice the CTAs of the grid
+        assert c.split == d.split == (2 if c.head_dim == 128 else 1)
+        assert ("_pair_kernel<" in c.cpp_name()) == ("_pair_kernel<" in d.cpp_name()) == (c.split == 2)
+        assert c.grid(3, 5, 1000)[0] == c.split * 8 and d.grid(3, 5, 1000)[0] == d.split * -(-1000 // d.block_m)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "tf32"])
-def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_and_64(dtype):
-    for hd, causal, mods in ((hd, c, m) for hd in (32, 64) for c, m in (
+def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_to_128(dtype):
+    for hd, causal, mods in ((hd, c, m) for hd in (32, 64, 128) for c, m in (
             (False, 0), (True, 0), (False, config.MOD_WINDOW), (False, config.MOD_BIAS), (True, config.MOD_BIAS),
             (False, config.MOD_WINDOW | config.MOD_BIAS))):
         for det in (False, True):
@@ -57,8 +62,9 @@ def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_and
         assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
     assert isinstance(config.select("backward", 32, dtype, False, "sm_90a", mods=config.MOD_BIAS),
                       config.BwdSm90Tf32Config)
-    for hd in (128, 256):
-        assert isinstance(config.select("backward", hd, dtype, False, "sm_90a"), config.BwdWideConfig), hd
+    assert isinstance(config.select("backward", 256, dtype, False, "sm_90a"), config.BwdWideConfig)
+    for m in (config.MOD_ALIBI, config.MOD_BIAS | config.MOD_MASK):
+        assert isinstance(config.select("backward", 128, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
     assert isinstance(config.select("backward", 64, dtype, False, "sm_80"), config.BwdWideConfig)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)
 
@@ -66,8 +72,15 @@ def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_and
 def test_configs_check_their_arguments():
     with pytest.raises(ValueError, match="dtype='bf16'"):
         config.BwdSm90Tf32Config(64, 16, "bf16", False)
-    with pytest.raises(ValueError, match="head_dim=128"):
-        config.BwdSm90Tf32Config(128, 16, "fp32", False)
+    with pytest.raises(ValueError, match="head_dim=256"):
+        config.BwdSm90Tf32Config(256, 16, "fp32", False)
+    with pytest.raises(ValueError, match="head_dim=96"):
+        config.BwdDqSm90Tf32Config(96, 16, 2, 2, "fp32", False)
+    # head dim 128 (a pair): 3xTF32 fits two stages of 16-query steps beside the exchange slots, not three
+    with pytest.raises(ValueError, match="shared memory"):
+        config.BwdSm90Tf32Config(128, 16, "fp32", False, stages=3)
+    with pytest.raises(ValueError, match="shared memory"):
+        config.BwdDqSm90Tf32Config(128, 32, 2, 2, "fp32", False)
     with pytest.raises(ValueError, match="block_m=64"):
         config.BwdSm90Tf32Config(64, 64, "fp32", False)
     with pytest.raises(ValueError, match="causal=True with window=True"):
@@ -84,17 +97,24 @@ def test_configs_check_their_arguments():
 def test_shared_memory_fits_sm90_and_follows_the_traits():
     for c in MAIN:
         parts = 2 if c.dtype == "fp32" else 1
-        kv, q = 4 * c.block_n * c.head_dim, 4 * c.block_m * c.head_dim
+        cols = 64 if c.head_dim == 128 else c.head_dim  # a pair's CTA: 64 columns
+        kv, q = 4 * c.block_n * cols, 4 * c.block_m * cols
+        # a pair's exchange: S^T and dP^T fragments (a float4 per n8 tile and consumer thread) of 2 consumers,
+        # double-buffered, and a barrier for each slot
+        xchg, xbars = (2 * 2 * 2 * 128 * 16 * c.block_m // 8, 8) if c.head_dim == 128 else (0, 0)
         # K, V (+ big parts); per stage Q, dO with big parts and transposes (big, small), lse_log2 and delta;
         # mbarriers; alignment slack
-        assert c.smem_bytes == 2 * parts * kv + c.stages * (2 * 2 * parts * q + 2 * 4 * c.block_m) + \
-            8 * (2 + 3 * c.stages) + 1024
+        assert c.smem_bytes == 2 * parts * kv + c.stages * (2 * 2 * parts * q + 2 * 4 * c.block_m) + xchg + \
+            8 * (2 + 3 * c.stages + xbars) + 1024
         assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 384 and c.block_n == 128, c
     for c in DQ:
         parts = 2 if c.dtype == "fp32" else 1
-        q, kv = 4 * c.block_m * c.head_dim, 4 * c.block_n * c.head_dim
-        # Q, dO (+ big parts); per stage K (+ big), K^T (big, small), V (+ big); mbarriers; alignment slack
-        assert c.smem_bytes == 2 * parts * q + c.stages * 3 * parts * kv + 8 * (2 + 3 * c.stages) + 1024
+        cols = 64 if c.head_dim == 128 else c.head_dim
+        q, kv = 4 * c.block_m * cols, 4 * c.block_n * cols
+        xchg, xbars = (2 * 2 * c.consumers * 128 * 16 * c.block_n // 8, 4 * c.consumers) if c.head_dim == 128 \
+            else (0, 0)
+        # Q, dO (+ big parts); per stage K (+ big), K^T (big, small), V (+ big); exchange; mbarriers; slack
+        assert c.smem_bytes == 2 * parts * q + c.stages * 3 * parts * kv + xchg + 8 * (2 + 3 * c.stages + xbars) + 1024
         assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 128 + 128 * c.consumers, c
 
 
@@ -115,12 +135,13 @@ def test_every_instantiation_compiles_spill_free_and_unserialized(cfg):
 @pytest.mark.parametrize("cfg", [c for c in MAIN if not c.causal and not c.window], ids=_name)
 def test_sass_of_the_dk_dv_kernel(cfg):
     text, count = _sass(cfg)
-    panels = cfg.head_dim // 32
+    cols = cfg.head_dim // cfg.split  # a CTA's columns
+    panels = cols // 32
     # K, V once; Q, dO per step: one TMA load per 32-float panel; lse_log2 and delta by two 1-D bulk copies
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads"
     assert count("UBLKCP") == 2, f"{cfg}: {count('UBLKCP')} bulk copies"
     products = 3 if cfg.dtype == "fp32" else 1
-    sdp = 2 * products * cfg.head_dim // 8  # S^T and dP^T: a product per k8 step of the head dim
+    sdp = 2 * products * cols // 8  # S^T and dP^T: a product per k8 step of the CTA's columns
     dkdv = 2 * products * cfg.block_m // 8  # dV and dK: a product per k8 step of the step's queries
     overlap = cfg.block_m == 16  # the next step's S^T, dP^T issued behind dK: a second copy of their MMAs
     assert count("HGMMA") == (2 if overlap else 1) * sdp + dkdv, f"{cfg}: {count('HGMMA')} HGMMA"
@@ -129,15 +150,30 @@ def test_sass_of_the_dk_dv_kernel(cfg):
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 (S^T before dP^T)"
     if overlap:
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x2", text), f"{cfg}: dK is not waited for behind S^T, dP^T"
+    _check_exchange(cfg, text, count, cfg.block_m // 8)
+
+
+def _check_exchange(cfg, text, count, tiles):
+    """A pair sends its S and dP fragments to the other CTA (st.async: one 16-byte STAS per n8 tile of each) and
+    meets it at a cluster barrier at the start and at the end (one in each role's branch); a single CTA has
+    neither."""
+    if cfg.split == 1:
+        assert count("STAS") == 0 and count("UCGABAR") == 0, cfg
+        return
+    assert count("STAS.128") == 2 * tiles, f"{cfg}: {count('STAS.128')} stores to the other CTA"
+    arrive, wait = (len(re.findall(rf"\bUCGABAR_{x}\b", text)) for x in ("ARV", "WAIT"))
+    assert arrive == wait == 3, f"{cfg}: {arrive} / {wait} cluster barrier arrives / waits (start; end per role)"
 
 
 @pytest.mark.parametrize("cfg", [c for c in DQ if not c.causal and not c.window], ids=_name)
 def test_sass_of_the_dq_kernel(cfg):
     text, count = _sass(cfg)
-    panels = cfg.head_dim // 32
+    cols = cfg.head_dim // cfg.split
+    panels = cols // 32
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads (Q, dO once; K, V per tile)"
     products = 3 if cfg.dtype == "fp32" else 1
-    # S and dP (a product per k8 step of the head dim), dQ (per k8 step of the key tile)
-    assert count("HGMMA") == products * (2 * cfg.head_dim // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')}"
+    # S and dP (a product per k8 step of the CTA's columns), dQ (per k8 step of the key tile)
+    assert count("HGMMA") == products * (2 * cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')}"
     assert count("LDL") == 0 and count("STL") == 0 and count("RED") == 0 and count("ATOM") == 0, \
         f"{cfg}: local memory or atomics"
+    _check_exchange(cfg, text, count, cfg.block_n // 8)

@@ -44,12 +44,13 @@ def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
         assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
     assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
-    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dims 32 and 64 with the default kernels,
-    # bwd_wide_kernel at the other head dims and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
+    # the backward: the TF32 one (cuda/bwd_sm90_tf32.cuh) at head dims 32, 64 and 128 with the default kernels,
+    # bwd_wide_kernel at head dim 256 and with CUFLASH_KERNELS=mma; float64 stays on its own kernels
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a"), config.BwdSm90Tf32Config)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=config.MOD_BIAS),
                       config.BwdSm90Tf32Config)
-    assert isinstance(config.select("backward", 128, dtype, False, "sm_90a"), config.BwdWideConfig)
+    assert isinstance(config.select("backward", 128, dtype, False, "sm_90a"), config.BwdSm90Tf32Config)
+    assert isinstance(config.select("backward", 256, dtype, False, "sm_90a"), config.BwdWideConfig)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)
     assert isinstance(config.select("forward", 64, "fp64", False, "sm_90a"), config.FwdWideConfig)
 

@@ -382,20 +382,21 @@ def test_float32_forward_head_dims_between_kernels(d, precision):
 
 
 def test_hopper_float32_backward_runs_on_tf32_wgmma():
-    """On an sm_90a GPU the float32 backward at kernel head dims 32 and 64 (plain, causal, windowed) is
-    bwd_sm90_tf32_kernel with its dQ kernel, so the backward tests at head dims up to 64 run them there; elsewhere
-    bwd_wide_kernel."""
+    """On an sm_90a GPU the float32 backward at kernel head dims 32, 64 and 128 (plain, causal, windowed) is
+    bwd_sm90_tf32_kernel with its dQ kernel (at 128 their cluster pairs, 64 columns per CTA), so the backward tests
+    at head dims up to 128 run them there; elsewhere bwd_wide_kernel."""
     from cuflash import _launch
 
     arch = _launch.device_arch(cp.cuda.Device().id)
     if arch != "sm_90a" or config.KERNELS == "mma":
         pytest.skip(f"the TF32 wgmma backward runs on sm_90a with the default kernels (here {arch}, {config.KERNELS})")
     for precision in FLOATS32:
-        for d in (8, 24, 32, 40, 64):
+        for d in (8, 24, 32, 40, 64, 72, 96, 128):
             for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
                 cfg = config.select("backward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
                 assert isinstance(cfg, config.BwdSm90Tf32Config), (precision, d, causal, mods, cfg)
-        assert isinstance(config.select("backward", 128, precision, False, arch), config.BwdWideConfig)
+                assert cfg.split == (2 if d > 64 else 1)
+        assert isinstance(config.select("backward", 256, precision, False, arch), config.BwdWideConfig)
 
 
 # (precision, b, sq, sk, hq, hkv, d, causal, layout): head dims below 64 (zero-filled columns), many query steps of
@@ -404,7 +405,11 @@ TF32_BWD = [("fp32", 2, 203, 113, 3, 3, 40, False, "bshd"), ("tf32", 2, 203, 113
             ("fp32", 1, 1023, 1024, 4, 2, 56, True, "bshd"), ("tf32", 1, 1024, 1023, 4, 1, 64, False, "bhsd"),
             ("fp32", 3, 64, 65, 2, 1, 64, False, "bhsd"), ("tf32", 1, 2048, 2048, 2, 2, 64, True, "bshd"),
             ("fp32", 2, 203, 113, 3, 3, 8, True, "bhsd"), ("tf32", 2, 113, 203, 4, 2, 24, False, "bshd"),
-            ("fp32", 1, 1024, 1023, 4, 1, 32, False, "bshd"), ("tf32", 3, 65, 64, 2, 2, 32, True, "bhsd")]
+            ("fp32", 1, 1024, 1023, 4, 1, 32, False, "bshd"), ("tf32", 3, 65, 64, 2, 2, 32, True, "bhsd"),
+            # head dims 72-128: the cluster pairs (rank 1's columns partly or wholly past head_dim below 128)
+            ("fp32", 2, 203, 113, 3, 3, 128, False, "bshd"), ("tf32", 1, 1023, 1024, 4, 2, 128, True, "bhsd"),
+            ("fp32", 1, 1024, 1023, 4, 1, 72, True, "bhsd"), ("tf32", 3, 64, 65, 2, 1, 96, False, "bshd"),
+            ("fp32", 1, 2048, 2048, 2, 2, 128, True, "bshd"), ("tf32", 2, 113, 203, 4, 4, 80, False, "bhsd")]
 
 
 @pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,layout", TF32_BWD,
@@ -457,7 +462,7 @@ def test_deterministic_backward_kernels():
             for causal in (False, True):
                 cfg = config.select("backward", d, precision, causal, arch, deterministic=True)
                 if isinstance(cfg, config.BwdSm90Tf32Config):
-                    assert arch == "sm_90a" and d in (32, 64) and precision != "fp64", cfg
+                    assert arch == "sm_90a" and d in (32, 64, 128) and precision != "fp64", cfg
                     continue
                 assert isinstance(cfg, config.BwdWideConfig) and cfg.deterministic and config.ordered_dq(cfg), cfg
                 assert cfg.cpp_name().endswith(", true>"), cfg.cpp_name()
@@ -546,7 +551,7 @@ def test_float32_with_modifiers(name, precision):
 # --- a float32 bias on the Hopper TF32 kernels ---------------------------------------------------------------------
 
 # (precision, b, sq, sk, hq, hkv, d, causal, mods, bias_shape, bias_view): on sm_90a the forward at kernel head dims
-# 32, 64 and 128 and the backward at 32 and 64 run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and
+# 32, 64 and 128 and the backward at the same (128: cluster pairs) run fwd_sm90_tf32_kernel, bwd_sm90_tf32_kernel and
 # bwd_dq_sm90_tf32_kernel with the bias (8-byte key pairs where the rows allow, per score otherwise) and dBias (stores,
 # or red.add where broadcast): key and query tails, GQA, causal, windows, every broadcast kind, the folded batch,
 # strided views
@@ -564,6 +569,8 @@ TF32_BIAS = [
     ("fp32", 8, 256, 256, 4, 4, 32, False, None, (2, 4, 256, 256), None),  # Evoformer rows at head dim 32
     ("tf32", 4, 203, 113, 4, 2, 24, True, None, (1, 4, 203, 113), "odd-rows"),
     ("fp32", 2, 300, 517, 2, 2, 32, False, {"window": (64, 64)}, (2, 1, 1, 517), None),
+    ("tf32", 3, 203, 203, 4, 4, 128, False, None, (3, 4, 203, 203), "odd-rows"),  # a pair: one CTA writes dBias
+    ("fp32", 2, 256, 300, 4, 2, 96, False, None, (1, 4, 1, 300), None),  # key-only bias: red.add
 ]
 
 
@@ -581,8 +588,7 @@ def test_float32_bias_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, caus
         bits = config.MOD_BIAS | (config.MOD_WINDOW if mods else 0)
         hd = config.kernel_head_dim(d, precision)
         assert isinstance(config.select("forward", hd, precision, causal, arch, mods=bits), config.FwdSm90Tf32Config)
-        assert isinstance(config.select("backward", hd, precision, causal, arch, mods=bits),
-                          config.BwdSm90Tf32Config if hd <= 64 else config.BwdWideConfig)
+        assert isinstance(config.select("backward", hd, precision, causal, arch, mods=bits), config.BwdSm90Tf32Config)
     run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods,
               bias_shape=bias_shape, bias_view=bias_view)
 

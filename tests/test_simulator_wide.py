@@ -123,12 +123,13 @@ def test_cuflash_wide_backward_is_a_hand_count_of_its_tiles():
 
 
 def test_cuflash_wide_backward_launch_names():
-    """bwd_wide_kernel's three launches where the registry picks it (kernels="mma"; fp32 at head dim 128); on sm_90a
+    """bwd_wide_kernel's three launches where the registry picks it (kernels="mma"; fp32 at head dim 256); on sm_90a
     fp32 and tf32 at head dim 64 the TF32 backward's: the preprocess, bwd_sm90_tf32_kernel over the 128-key blocks
-    and bwd_dq_sm90_tf32_kernel over its query blocks of 128 rows, no dQ conversion and no atomics."""
+    and bwd_dq_sm90_tf32_kernel over its query blocks of 128 rows, no dQ conversion and no atomics; at head dim 128
+    their cluster pairs (twice the CTAs, each pair reading its block's lse_log2 and delta twice)."""
     from cuflash.simulator.strategies import cuflash_backward_kernels, kernel_name
 
-    for d, kernels in ((64, "mma"), (128, "auto")):
+    for d, kernels in ((64, "mma"), (128, "mma"), (256, "auto")):
         ks = cuflash_backward_kernels(P(300, d, dtype="fp32"), kernels=kernels)
         assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
         assert ks[2].grid == (math.ceil(300 * d // 2 / 256), 3, 2), "one thread per pair of elements"
@@ -146,6 +147,21 @@ def test_cuflash_wide_backward_launch_names():
             assert [k.grid for k in ks] == [(12, 3, 2), (5, 3, 2), (3, 3, 2)]
             assert [k.threads for k in ks] == [256, 384, 384]
             assert all(k.atomic_bytes == 0 for k in ks)
+        main = config.select("backward", 128, dtype, False, "sm_90a")
+        assert isinstance(main, config.BwdSm90Tf32Config) and main.split == main.dq_config().split == 2
+        assert kernel_name(main) == "bwd_sm90_tf32_pair_kernel"
+        assert kernel_name(main.dq_config()) == "bwd_dq_sm90_tf32_pair_kernel"
+        for d in (128, 96):  # 96: the kernel head dim is 128 too
+            ks = cuflash_backward_kernels(P(300, d, nk=517, dtype=dtype))
+            assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_sm90_tf32_pair_kernel",
+                                            "bwd_dq_sm90_tf32_pair_kernel"]
+            # two CTAs per 128-key block (5) and per 128-row query block (3)
+            assert [k.grid for k in ks] == [(12, 3, 2), (10, 3, 2), (6, 3, 2)]
+            # K, V once per key block, Q, dO once per step (each CTA its half of the columns: whole rows per pair),
+            # lse_log2 and delta per step by both CTAs of a pair
+            steps = 5 * math.ceil(300 / main.block_m)
+            assert ks[1].read_bytes == 2 * 3 * (2 * 517 * d * 4 + 5 * 2 * 300 * d * 4 + 2 * 2 * steps * main.block_m * 4)
+            assert ks[1].write_bytes == 2 * 3 * 2 * 517 * d * 4 and ks[2].write_bytes == 2 * 3 * 300 * d * 4
 
 
 def _visible(sq, sk, causal, window):
@@ -302,7 +318,9 @@ def test_cuflash_wide_deterministic_backward_is_a_hand_count(dtype, d, sq, sk, c
     e = s = 8 if dtype == "fp64" else 4
     bm, bn = DET_TILES[dtype, d]
     p = Problem(b, h, sq, sk, d, dtype, causal, window)
-    cfg = config.select("backward", d, dtype, causal, "sm_90a", deterministic=True)
+    # (fp32 at head dim 128 runs the TF32 cluster pairs on sm_90a by default: the wide kernels with kernels="mma")
+    kernels = "mma" if dtype == "fp32" else "auto"
+    cfg = config.select("backward", d, dtype, causal, "sm_90a", deterministic=True, kernels=kernels)
     assert isinstance(cfg, config.BwdWideConfig) and cfg.deterministic and config.ordered_dq(cfg)
     assert (cfg.block_m, cfg.block_n) == (bm, bn)
     steps = _seen(_visible(sq, sk, causal, window), bm, bn)  # [query blocks, key blocks]: the visits
@@ -316,12 +334,12 @@ def test_cuflash_wide_deterministic_backward_is_a_hand_count(dtype, d, sq, sk, c
     main_w = 2 * sk * d * e
     atomics = visits * (bm * d * s + 4)  # the dQ tile's adds and the counter's add
     conv_r, conv_w = sq * d * s, sq * d * e
-    ks = cuflash_backward_kernels(p, deterministic=True)
+    ks = cuflash_backward_kernels(p, deterministic=True, kernels=kernels)
     assert [k.name for k in ks] == ["bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
     assert ks[0].write_bytes == b * h * pre_w, "delta, lse_log2, dq_accum and the counters zeroed"
     assert ks[1].atomic_bytes == b * h * atomics
     assert ks[1].grid == (math.ceil(sk / bn), h, b)
-    c = simulate("cuflash", p, backward=True, deterministic=True)
+    c = simulate("cuflash", p, backward=True, deterministic=True, kernels=kernels)
     assert (c.block_m, c.block_n, c.launches) == (bm, bn, 3)
     assert c.hbm_read_bytes == b * h * (pre_r + main_r + atomics + conv_r)
     assert c.hbm_write_bytes == b * h * (pre_w + main_w + atomics + conv_w)
@@ -330,11 +348,11 @@ def test_cuflash_wide_deterministic_backward_is_a_hand_count(dtype, d, sq, sk, c
     assert c.flops_matmul == b * h * visits * 2 * bm * bn * d * 5
     assert c.sram_read_bytes is None and c.bank_conflicts is None
     if dtype == "fp32":  # the default mode's tiles: the same traffic but the counters and their adds
-        default = cuflash_backward_kernels(p)
+        default = cuflash_backward_kernels(p, kernels=kernels)
         assert [(k.name, k.grid, k.read_bytes) for k in ks] == [(k.name, k.grid, k.read_bytes) for k in default]
         assert ks[0].write_bytes == default[0].write_bytes + b * h * turns
         assert ks[1].atomic_bytes == default[1].atomic_bytes + b * h * visits * 4
-        a = simulate("cuflash", p, backward=True)
+        a = simulate("cuflash", p, backward=True, kernels=kernels)
         assert c.hbm_write_bytes == a.hbm_write_bytes + b * h * (turns + visits * 4)
         assert c.peak_extra_bytes == a.peak_extra_bytes + b * h * turns and c.flops == a.flops
 
@@ -399,7 +417,8 @@ def test_ordered_wide_backward_launches_the_last_key_blocks_first(dtype, d, caus
     bm, bn = DET_TILES[dtype, d]
     p = Problem(1, 1, n, n, d, dtype, causal, window)
     tr = l2._Trace(p, "tile")
-    l2._cuflash_bwd(tr, p, True, 132, deterministic, "auto")
+    # (fp32 at head dim 128 runs the TF32 cluster pairs on sm_90a by default: the wide kernels with kernels="mma")
+    l2._cuflash_bwd(tr, p, True, 132, deterministic, "mma" if dtype == "fp32" else "auto")
     assert ("dq_turns" in tr.tensors) is deterministic
     first, per_bh, _, rows, _ = tr.tensors["k"]
     if not deterministic:  # the default mode's tiles
@@ -428,10 +447,10 @@ def test_ordered_wide_backward_counters_in_the_l2_trace(dtype, d, causal):
     bm, bn = DET_TILES[dtype, d]
     p = Problem(b, h, n, n, d, dtype, causal)
     tr = l2._Trace(p, "tile")
-    l2._cuflash_bwd(tr, p, True, 132, True, "auto")
+    l2._cuflash_bwd(tr, p, True, 132, True, "mma" if dtype == "fp32" else "auto")  # (wide at fp32 128: mma)
     assert tr.tensors["dq_turns"][1] == n // bm, "a unit per query block"
     r = tr.run(1)
-    c = simulate("cuflash", p, backward=True, deterministic=True)
+    c = simulate("cuflash", p, backward=True, deterministic=True, kernels="mma" if dtype == "fp32" else "auto")
     k_blocks, q_blocks = n // bn, n // bm
     # causal (diag 0): key block j is seen by query blocks j * bn / bm .. q_blocks - 1
     visits = sum(q_blocks - j * bn // bm for j in range(k_blocks)) if causal else k_blocks * q_blocks
