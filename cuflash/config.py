@@ -1784,10 +1784,19 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # an H200 (2026-11-29, `tools/tune_tiles.py --dtype fp32 --head-dims 32 --n 4096 --causal no`, the backward's
 # TFLOP/s): dK / dV steps of 32 queries 49 against 42 with 16 (the overlapped steps), dQ with 64-key tiles 46 against
 # 43 with 32-key ones; one-pass TF32 at head dim 32 measured its head-dim-64 tiles best (94; 16-query steps 82).
+# Head dim 128 runs as cluster pairs of head-dim-64 CTAs, whose exchange slots of S and dP (double-buffered: 32 KB in
+# the dK / dV kernel at 16 queries per step) leave 3xTF32 two stages of 16-query steps and, in the dQ kernel, 16-key
+# tiles with two consumers or 32-key ones with one. Per kernel on an H200 (2026-11-30, CUDA events around each launch
+# as `tools/kernel_times.py` takes them; B 4, N 4096, H 16 against the head-dim-64 kernels at H 32: the same CTA count
+# and work per CTA): dK / dV 22.9 ms against 17.6 with the head-dim-64 tiles and 20.3 with the pair's (16, 2); dQ 16.3
+# (either dQ tile) against 10.7, and 15.0 with (16, 2, 2): the two stages and the 16-key tiles cost more than the
+# exchange. One-pass TF32 at 128 (`tools/tune_tiles.py --dtype tf32 --head-dims 128 --n 4096 --causal no`, same day):
+# dK / dV (32, 3) 87 TFLOP/s against 85 with 2 stages and 78 with 16-query steps; dQ (32, 3, 2) 89 against 87 with 2
+# stages, 79 with (64, 2, 1).
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
-                          "tf32": {32: (64, 2, 2), 64: (64, 2, 2), 128: (32, 2, 2)}}
+                          "tf32": {32: (64, 2, 2), 64: (64, 2, 2), 128: (32, 3, 2)}}
 # With a bias, one-pass TF32 at head dim 64 takes 16-query steps: its 32-query steps spilled 8-68 bytes with the bias
 # read and the dBias writes (NVRTC 13.0 and 13.5); at head dim 32 they do not
 BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3), 128: (16, 3)}}

@@ -30,9 +30,9 @@ Strategies (docs/IO_ANALYSIS.md):
             On sm_90a the fp32 / tf32 forward at kernel head dims 32, 64 and 128 (no modifier but a window and a
             bias) is fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at the same
             head dims (128: clusters of two CTAs, `_pair_kernel`) is bwd_sm90_tf32_kernel (dK, dV;
-            config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ, its dq_config), no dQ accumulator and no atomics, deterministic as they are (deterministic=True counts
-            the same launches): their shared-memory bytes are counted from their program order (_tf32_bwd_shared;
-            bank_conflicts None).
+            config.BwdSm90Tf32Config) and bwd_dq_sm90_tf32_kernel (dQ, its dq_config), no dQ accumulator and no
+            atomics, deterministic as they are (deterministic=True counts the same launches): their shared-memory
+            bytes are counted from their program order (_tf32_bwd_shared; bank_conflicts None).
             fp8: the FP8 forward fwd_sm90_fp8_kernel (config.FwdSm90Fp8Config, schedules.fp8_config: e4m3 Q, K,
             V, bf16 O, fwd_sm90_ws_kernel's schedule with the config's key tiles, V transposed in shared memory,
             float32 descale factors); forward only, and the only strategy that counts fp8.

@@ -160,7 +160,8 @@ def test_cuflash_wide_backward_launch_names():
             # K, V once per key block, Q, dO once per step (each CTA its half of the columns: whole rows per pair),
             # lse_log2 and delta per step by both CTAs of a pair
             steps = 5 * math.ceil(300 / main.block_m)
-            assert ks[1].read_bytes == 2 * 3 * (2 * 517 * d * 4 + 5 * 2 * 300 * d * 4 + 2 * 2 * steps * main.block_m * 4)
+            assert ks[1].read_bytes == 2 * 3 * (2 * 517 * d * 4 + 5 * 2 * 300 * d * 4
+                                                 + 2 * 2 * steps * main.block_m * 4)
             assert ks[1].write_bytes == 2 * 3 * 2 * 517 * d * 4 and ks[2].write_bytes == 2 * 3 * 300 * d * 4
 
 

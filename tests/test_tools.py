@@ -63,3 +63,14 @@ def test_mma_rates_kernels_compile(shape):
 
     assert compiles("sm_90a")
     assert compiles("sm_80") == (mma_rates.SHAPES[shape][-1] <= 80)
+
+
+def test_kernel_times_parses_its_arguments():
+    """tools/kernel_times.py (per-launch GPU times of one call) imports and describes its options without a GPU, and
+    refuses float32 tile overrides on a 16-bit dtype before touching the GPU."""
+    out = subprocess.run([sys.executable, str(TOOLS / "kernel_times.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "--main" in out.stdout and "--dq" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, str(TOOLS / "kernel_times.py"), "--dtype", "bf16", "--main", "16,2"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "--dtype fp32 or tf32" in out.stderr, out.stderr[-2000:]
