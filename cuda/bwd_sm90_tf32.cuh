@@ -118,51 +118,13 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
     for (int c = 0; c < 4; ++c) acc[i][c] += tile[i][c];
 }
 
-// ==== head dim 128: a pair of CTAs, 64 columns each =============================================================
+// ==== head dim 128: a pair of CTAs, 64 columns each (pair_send, pair_wait, pair_tile: fwd_sm90_tf32.cuh) ==========
 //
 // At head dim 128 the 3xTF32 operands of a CTA's keys or rows (K and V with their big parts: 128 KB per 64 keys) and
 // its float32 outputs (dK and dV of 64 keys: 128 registers per consumer thread) do not fit one CTA. SPLIT 2 runs
 // each CTA of the head-dim-64 kernels as a cluster of two (__cluster_dims__(2, 1, 1)): CTA r loads and splits columns
-// 64 r .. 64 r + 63 of every operand and writes those columns of its outputs. A product over the head dim (S, dP)
-// is then a partial sum in each CTA: each sends its fragment into the other's exchange slot (st.async, one float4
-// per n8 tile, thread for thread: the other CTA's thread of the same index holds the same elements; each store
-// completes its bytes on the slot's mbarrier there), waits on its own slot's barrier (each warp's lane 0 announces
-// the warp's bytes) and adds: own + peer, the same bits in both CTAs (addition commutes), and the sum of two chains
-// of k 64 that the one-CTA kernels take at head dim 128. Slots and barriers alternate by step parity: a CTA writes
-// step i's slot of the other only after receiving the other's step i - 1, which the other sent after its loads from
-// the slot of step i - 2 had returned (their values feed the products it sends).
-template <int N_TILES>
-__device__ __forceinline__ void pair_send(u32 slot, u32 bar, const float (&acc)[N_TILES][4], int wtid) {
-  const u32 peer = cluster_ctarank() ^ 1u;
-  const u32 dst = map_shared_rank(slot + 16 * wtid, peer), peer_bar = map_shared_rank(bar, peer);
-#pragma unroll
-  for (int nt = 0; nt < N_TILES; ++nt)
-    st_async_f32x4(dst + nt * 128 * 16, acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3], peer_bar);
-}
-// ... the wait for the other's fragment (phase parity `parity` of bar, whose count is the 4 warps) ...
-template <int N_TILES>
-__device__ __forceinline__ void pair_wait(u32 bar, u32 parity, int wtid) {
-  if ((wtid & 31) == 0) mbarrier_arrive_expect_tx(bar, 32 * N_TILES * 16);
-  while (!mbarrier_try_wait_parity_once(bar, parity)) {
-  }
-}
-// ... its n8 tile nt ...
-__device__ __forceinline__ float4 pair_tile(u32 slot, int nt, int wtid) {
-  return ld_shared_f32x4(slot + 16 * wtid + nt * 128 * 16);
-}
-// ... or all of it
-template <int N_TILES>
-__device__ __forceinline__ void pair_receive(u32 slot, u32 bar, u32 parity, float (&peer)[N_TILES][4], int wtid) {
-  pair_wait<N_TILES>(bar, parity, wtid);
-#pragma unroll
-  for (int nt = 0; nt < N_TILES; ++nt) {
-    const float4 v = pair_tile(slot, nt, wtid);
-    peer[nt][0] = v.x;
-    peer[nt][1] = v.y;
-    peer[nt][2] = v.z;
-    peer[nt][3] = v.w;
-  }
-}
+// 64 r .. 64 r + 63 of every operand and writes those columns of its outputs; S and dP (S^T, dP^T) are exchanged
+// and added as the forward's pairs add S.
 
 // ==== dK, dV: bwd_sm90_tf32_kernel ================================================================================
 //

@@ -66,9 +66,10 @@ __host__ __device__ constexpr bool tf32_columns_invert_keys() {
 }
 static_assert(tf32_columns_invert_keys(), "tf32_column_of is the inverse of tf32_key_of");
 
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false, int SPLIT_ = 1>
 struct FwdTf32Traits {
-  static constexpr int HEAD_DIM = HEAD_DIM_;
+  static constexpr int HEAD_DIM = HEAD_DIM_;          // columns of this CTA (of HEAD_DIM * SPLIT)
+  static constexpr int SPLIT = SPLIT_;                // CTAs of a cluster sharing the head dim (pair_send)
   static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
   static constexpr int STAGES = STAGES_;
   static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups of 64 query rows
@@ -100,7 +101,9 @@ struct FwdTf32Traits {
   static constexpr int PARTS = X3 ? 2 : 1;            // big and small, or the rounded value alone
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
-  static constexpr int BARRIERS = 2 + 7 * STAGES;
+  // a pair's exchange of S (SPLIT 2): per parity and consumer, N_TILES float4 per consumer thread
+  static constexpr int XCHG_SLOT = SPLIT > 1 ? N_TILES * 128 * 16 : 0;
+  static constexpr int BARRIERS = 2 + 7 * STAGES + (SPLIT > 1 ? 2 * CONSUMERS : 0);
   static constexpr int OFF_Q = 0;                                      // small (X3) or rounded
   static constexpr int OFF_QB = OFF_Q + SMEM_Q;                        // big (X3)
   static constexpr int OFF_K = OFF_Q + PARTS * SMEM_Q;                 // small (X3) or rounded
@@ -108,10 +111,12 @@ struct FwdTf32Traits {
   static constexpr int OFF_V = OFF_K + PARTS * STAGES * SMEM_KV;       // float32 from TMA
   static constexpr int OFF_VT = OFF_V + STAGES * SMEM_KV;              // big (X3) or rounded
   static constexpr int OFF_VTS = OFF_VT + STAGES * SMEM_KV;            // small (X3)
-  static constexpr int OFF_BAR = OFF_VT + PARTS * STAGES * SMEM_KV;
+  static constexpr int OFF_XCHG = OFF_VT + PARTS * STAGES * SMEM_KV;
+  static constexpr int OFF_BAR = OFF_XCHG + 2 * CONSUMERS * XCHG_SLOT;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;     // cuflash/config.py FwdSm90Tf32Config.smem_bytes
 
   static_assert(HEAD_DIM == 32 || HEAD_DIM == 64 || HEAD_DIM == 128, "TF32 head dims: 32, 64, 128");
+  static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of P V)");
   static_assert((QK_K_STEPS < CHAIN_STEPS || QK_K_STEPS % CHAIN_STEPS == 0) && S_CHAINS <= 2,
                 "S in at most two chains of k 64");
@@ -145,6 +150,11 @@ struct Tf32Smem {
   __device__ __forceinline__ u32 v_empty(int s) const { return bar(2 + 4 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_full(int s) const { return bar(2 + 5 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_empty(int s) const { return bar(2 + 6 * Tr::STAGES + s); }
+  // the pair's exchange slot and barrier of parity b, consumer wg
+  __device__ __forceinline__ u32 xchg(int b, int wg) const {
+    return base + Tr::OFF_XCHG + (b * Tr::CONSUMERS + wg) * Tr::XCHG_SLOT;
+  }
+  __device__ __forceinline__ u32 xbar(int b, int wg) const { return bar(2 + 7 * Tr::STAGES + b * Tr::CONSUMERS + wg); }
 };
 
 __device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
@@ -154,6 +164,52 @@ __device__ __forceinline__ float4 ld_shared_f32x4(u32 addr) {
 }
 __device__ __forceinline__ void st_shared_u32x4(u32 addr, u32 a, u32 b, u32 c, u32 d) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// ==== head dim 128 in 3xTF32: a pair of CTAs, 64 columns each ================================================
+//
+// A kernel with SPLIT 2 (the forward here, the backward's two kernels in bwd_sm90_tf32.cuh) runs each block of rows
+// or keys as a cluster of two CTAs (__cluster_dims__(2, 1, 1), blockIdx.x / 2 the block): CTA r loads and splits
+// columns 64 r .. 64 r + 63 of every operand and writes those columns of its outputs; one of them writes what both
+// hold whole (lse, dBias). A product over the head dim (S, dP) is then a partial sum in each CTA: each sends its
+// fragment into the other's exchange slot (st.async, one float4 per n8 tile, thread for thread: the other CTA's
+// thread of the same index holds the same elements; each store completes its bytes on the slot's mbarrier there),
+// waits on its own slot's barrier (each warp's lane 0 announces the warp's bytes) and adds: own + peer, the same bits
+// in both CTAs (addition commutes), and the sum of two chains of k 64 that the one-CTA kernels take at head dim 128,
+// so the softmax and everything after it agree in both. Slots and barriers alternate by step parity: a CTA writes
+// step i's slot of the other only after receiving the other's step i - 1, which the other sent after its loads from
+// the slot of step i - 2 had returned (their values feed the products it sends).
+template <int N_TILES>
+__device__ __forceinline__ void pair_send(u32 slot, u32 bar, const float (&acc)[N_TILES][4], int wtid) {
+  const u32 peer = cluster_ctarank() ^ 1u;
+  const u32 dst = map_shared_rank(slot + 16 * wtid, peer), peer_bar = map_shared_rank(bar, peer);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt)
+    st_async_f32x4(dst + nt * 128 * 16, acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3], peer_bar);
+}
+// ... the wait for the other's fragment (phase parity `parity` of bar, whose count is the 4 warps) ...
+template <int N_TILES>
+__device__ __forceinline__ void pair_wait(u32 bar, u32 parity, int wtid) {
+  if ((wtid & 31) == 0) mbarrier_arrive_expect_tx(bar, 32 * N_TILES * 16);
+  while (!mbarrier_try_wait_parity_once(bar, parity)) {
+  }
+}
+// ... its n8 tile nt ...
+__device__ __forceinline__ float4 pair_tile(u32 slot, int nt, int wtid) {
+  return ld_shared_f32x4(slot + 16 * wtid + nt * 128 * 16);
+}
+// ... or all of it
+template <int N_TILES>
+__device__ __forceinline__ void pair_receive(u32 slot, u32 bar, u32 parity, float (&peer)[N_TILES][4], int wtid) {
+  pair_wait<N_TILES>(bar, parity, wtid);
+#pragma unroll
+  for (int nt = 0; nt < N_TILES; ++nt) {
+    const float4 v = pair_tile(slot, nt, wtid);
+    peer[nt][0] = v.x;
+    peer[nt][1] = v.y;
+    peer[nt][2] = v.z;
+    peer[nt][3] = v.w;
+  }
 }
 
 // x as TF32 (X3: big and small, Tf32x3::split; else rounded)
@@ -223,7 +279,7 @@ __device__ __forceinline__ void tf32_transpose_v(u32 v, u32 vt, u32 vt_small, in
 // The TMA thread: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1} before V_i).
 template <class Tr>
 __device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf32Smem<Tr>& sm, const Seq& seq,
-                                                  int row0, int head, int batch, int n_end, int n_tiles) {
+                                                  int row0, int head, int batch, int n_end, int n_tiles, int col0) {
   const int kv_head = head / p.fwd.seq.kv_group;
   const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
   const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
@@ -232,14 +288,15 @@ __device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel)
     cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * BOX_BYTES, &p.tma_q, sm.q_full(),
-                                             panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
+                                             col0 + panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
   auto load = [&](int i, u32 empty, u32 full, u32 dst, const TmaDesc* map) {
     mbarrier_wait_or_trap(empty, ((i / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(full, Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
-      cp_async_bulk_tensor_4d_global_to_shared(dst + panel * Tr::BLOCK_N * BOX_BYTES, map, full, panel * Tr::BOX_COLS,
-                                               seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N, kv_head, kv_batch);
+      cp_async_bulk_tensor_4d_global_to_shared(dst + panel * Tr::BLOCK_N * BOX_BYTES, map, full,
+                                               col0 + panel * Tr::BOX_COLS, seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N,
+                                               kv_head, kv_batch);
   };
   auto load_k = [&](int i) {
     const int s = i % Tr::STAGES;
@@ -313,6 +370,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32;
   const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
   const float scale_log2 = p.fwd.scale_log2;
+  constexpr bool PAIR = Tr::SPLIT > 1;  // rank(): columns 64 rank .. of the pair's head dim
+  auto rank = [] { return PAIR ? static_cast<int>(cluster_ctarank()) : 0; };
   // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran
   Mods mods;
   if (Mods::HAS_BIAS) mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
@@ -399,6 +458,22 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     wgmma_fence_operand(s_acc[0]);
     if constexpr (Tr::S_CHAINS > 1) wgmma_fence_operand(s2_acc[0]);
   };
+  // a pair: S of key tile i over the other CTA's 64 columns, added (slots by the tile's parity)
+  auto exchange_s = [&](int i) {
+    if constexpr (PAIR) {
+      const int wtid = ctid & 127;
+      pair_send(sm.xchg(i & 1, wg), sm.xbar(i & 1, wg), s_acc[0], wtid);
+      pair_wait<Tr::N_TILES>(sm.xbar(i & 1, wg), (i >> 1) & 1, wtid);
+#pragma unroll
+      for (int nt = 0; nt < Tr::N_TILES; ++nt) {
+        const float4 v = pair_tile(sm.xchg(i & 1, wg), nt, wtid);
+        s_acc[0][nt][0] += v.x;
+        s_acc[0][nt][1] += v.y;
+        s_acc[0][nt][2] += v.z;
+        s_acc[0][nt][3] += v.w;
+      }
+    }
+  };
 
   // pingpong (fwd_sm90_fp8.cuh): consumer 0 issues first; each consumer runs n_tiles + 1 rounds of GEMMs and passes
   // the token after each but its last (consumer 1's last passes nothing)
@@ -422,6 +497,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   wgmma_wait_group<0>();
   fence_s();
   release(sm.k_empty(stage));
+  exchange_s(0);
   scores_to_probs(n_block);
   tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
   int v_stage = stage;
@@ -444,6 +520,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     wgmma_wait_group<1>();  // S_i
     fence_s();
     release(sm.k_empty(stage));
+    exchange_s(i);
     scores_to_probs(n_block);
 
     wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
@@ -479,8 +556,9 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   float lse[1][2];
   softmax.finalize(o_acc, lse);
   const int g = lane >> 2, t = lane & 3;
+  const int col0 = rank() * Tr::HEAD_DIM;
   float* o_gmem = reinterpret_cast<float*>(p.fwd.o) + batch * p.fwd.o_batch_stride +
-                  static_cast<long long>(out_row0) * p.fwd.o_row_stride + head * p.fwd.o_head_stride;
+                  static_cast<long long>(out_row0) * p.fwd.o_row_stride + head * p.fwd.o_head_stride + col0;
   float* lse_gmem = p.fwd.lse + batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -488,15 +566,17 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     if (row >= rows_q) continue;
 #pragma unroll
     for (int dt = 0; dt < Tr::D_TILES; ++dt)
-      if (dt * 8 < p.fwd.head_dim)  // head_dim is a multiple of 8 (cuflash's rule for every head dim)
+      if (col0 + dt * 8 < p.fwd.head_dim)  // head_dim is a multiple of 8 (cuflash's rule for every head dim)
         *reinterpret_cast<float2*>(o_gmem + row * p.fwd.o_row_stride + dt * 8 + 2 * t) =
             make_float2(o_acc[0][dt][2 * h], o_acc[0][dt][2 * h + 1]);
-    if (t == 0 && p.fwd.lse != nullptr) lse_gmem[row] = lse[0][h];
+    if (t == 0 && p.fwd.lse != nullptr && col0 == 0) lse_gmem[row] = lse[0][h];  // (a pair: rank 0)
   }
 }
 
+// The kernel's body: fwd_sm90_tf32_kernel (one CTA per query block), fwd_sm90_tf32_pair_kernel (SPLIT 2: a cluster of
+// two per query block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __grid_constant__ FwdWsParams p) {
+__device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
   static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "fwd_sm90_tf32_kernel takes a window and a bias");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -505,7 +585,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
   const Tf32Smem<Tr> sm{aligned.base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
-  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+  const int m_block = IS_CAUSAL ? (gridDim.x / Tr::SPLIT - 1 - blockIdx.x / Tr::SPLIT)
+                                : blockIdx.x / Tr::SPLIT;  // causal: longest first
   const int head = blockIdx.y, batch = blockIdx.z;
   const Seq seq = sequence(p.fwd.seq, batch);
   const int row0 = m_block * Tr::BLOCK_M;
@@ -517,7 +598,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
   const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
   const int n_tiles = n_end - n_begin;
-  if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf
+  if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf (a pair's rank 0 writes every column)
+    if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     float* o = reinterpret_cast<float*>(p.fwd.o) + batch * p.fwd.o_batch_stride +
                static_cast<long long>(out_row0) * p.fwd.o_row_stride + head * p.fwd.o_head_stride;
     const int cols = p.fwd.head_dim;
@@ -541,9 +623,15 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
       mbarrier_init(sm.vt_full(s), Tr::SPLIT_THREADS);
       mbarrier_init(sm.vt_empty(s), Tr::CONSUMER_WARPS);
     }
+    if constexpr (Tr::SPLIT > 1)  // exchange slots: a consumer's 4 warps arrive, the other CTA's stores complete bytes
+#pragma unroll
+      for (int x = 0; x < 2 * Tr::CONSUMERS; ++x) mbarrier_init(sm.xbar(0, 0) + 8 * x, 4);
     fence_mbarrier_init();
   }
-  __syncthreads();
+  if constexpr (Tr::SPLIT > 1)
+    cluster_sync();  // both CTAs' barriers initialized before any store into the other
+  else
+    __syncthreads();
 
   if (threadIdx.x < 128) {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_dec<Tr::PRODUCER_REGS>();
@@ -551,17 +639,32 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
       prefetch_tensormap(&p.tma_q);
       prefetch_tensormap(&p.tma_k);
       prefetch_tensormap(&p.tma_v);
-      fwd_tf32_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
+      fwd_tf32_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles,
+                            Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     } else if (threadIdx.x >= 32) {
       fwd_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
     }
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch, as the backward's pairs)
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
     fwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, row0, out_row0, rows_q, head, batch, n_end, n_tiles);
+    if constexpr (Tr::SPLIT > 1) cluster_sync();  // the other CTA may still be writing to this one's shared memory
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_tf32_kernel uses TMA and TF32 wgmma: compile it for sm_90a");
 #endif
+}
+
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __grid_constant__ FwdWsParams p) {
+  static_assert(Tr::SPLIT == 1, "SPLIT 2 runs as fwd_sm90_tf32_pair_kernel");
+  fwd_tf32_main<Tr, IS_CAUSAL, MODS>(p);
+}
+template <class Tr, bool IS_CAUSAL, int MODS>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+    fwd_sm90_tf32_pair_kernel(const __grid_constant__ FwdWsParams p) {
+  static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
+  fwd_tf32_main<Tr, IS_CAUSAL, MODS>(p);
 }
 
 }  // namespace cuflash

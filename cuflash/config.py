@@ -1604,24 +1604,36 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
 
     @property
+    def split(self) -> int:
+        """CTAs per query block: 3xTF32 at head dim 128 runs as clusters of two CTAs of 64 columns
+        (`fwd_sm90_tf32_pair_kernel`); one TF32 pass keeps one CTA (its operands fit)."""
+        return 2 if self.head_dim == 128 and self.dtype == "fp32" else 1
+
+    @property
     def smem_bytes(self) -> int:
         """FwdTf32Traits::SMEM_BYTES: Q, the K stages (each 3xTF32 with its big part beside), the V stages, the V^T
-        stages (big and small), 2 + 7 * stages mbarriers, and 1024 bytes to round the base up to the swizzle period."""
+        stages (big and small), a pair's exchange slots of S (16 bytes per consumer thread and n8 tile, per parity and
+        consumer), the mbarriers, and 1024 bytes to round the base up to the swizzle period."""
         parts = 2 if self.dtype == "fp32" else 1
-        q, kv = 4 * self.block_m * self.head_dim, 4 * self.block_n * self.head_dim
-        return parts * q + (2 * parts + 1) * self.stages * kv + 8 * (2 + 7 * self.stages) + 1024
+        cols = self.head_dim // self.split
+        q, kv = 4 * self.block_m * cols, 4 * self.block_n * cols
+        xchg, xbars = (2 * self.consumers * (self.block_n // 8) * 128 * 16, 2 * self.consumers) if self.split > 1 \
+            else (0, 0)
+        return parts * q + (2 * parts + 1) * self.stages * kv + xchg + 8 * (2 + 7 * self.stages + xbars) + 1024
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        return (f"cuflash::fwd_sm90_tf32_kernel<cuflash::FwdTf32Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
-                f"{self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}>, {b(self.causal)}, {self.mods}>")
+        kernel, split = ("fwd_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("fwd_sm90_tf32_kernel", "")
+        return (f"cuflash::{kernel}<cuflash::FwdTf32Traits<{self.head_dim // self.split}, {self.block_n}, "
+                f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}{split}>, "
+                f"{b(self.causal)}, {self.mods}>")
 
     @property
     def mods(self) -> int:
         return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
-        return (math.ceil(seqlen_q / self.block_m), heads, batch)
+        return (self.split * math.ceil(seqlen_q / self.block_m), heads, batch)
 
 
 # TF32 forward tiles per (dtype, head dim): (block_n, stages, consumers, pingpong), spill-free under NVRTC 13.0 and
@@ -1632,8 +1644,13 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # one-pass TF32 with 2 stages instead of 3 (head dim 64: 97.1 / 100.9 against 97.2 / 100.3; head dim 128 with 32-key
 # tiles 105.9 / 110.4 against 106.8 / 111.4) or head dim 64 with (32, 4) tiles (95.1 / 98.8). One-pass TF32 at head
 # dim 128 on one consumer with 64-key tiles ran 60 % as fast.
+# 3xTF32 at head dim 128 runs as cluster pairs of head-dim-64 CTAs (FwdSm90Tf32Config.split), whose exchange slots of
+# S (32 KB at 32-key tiles, double-buffered) leave no room for 64-key tiles: `tools/tune_tiles.py --dtype fp32
+# --head-dims 128 --n 4096 --causal both --no-backward` (H200, 2026-11-30): (32, 3, 2, pingpong) 62 / 58 TFLOP/s
+# (not causal / causal), (32, 2, 2, pingpong) 62 / 58, (16, 4, 2, pingpong) 47 / 44; the one-CTA (16, 2, 2) tiles it
+# replaced 54 (`tools/tune_tiles.py` the same day, before the pairs). Without pingpong ptxas serializes its wgmma.
 FWD_SM90_TF32_TILES = {
-    "fp32": {32: (64, 3, 2, True), 64: (64, 2, 2, True), 128: (16, 2, 2, False)},
+    "fp32": {32: (64, 3, 2, True), 64: (64, 2, 2, True), 128: (32, 3, 2, True)},
     "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True), 128: (32, 3, 2, True)},
 }
 # With a bias and a causal or windowed band, 3xTF32 at head dim 64 takes 32-key tiles: with 64-key tiles those

@@ -265,15 +265,22 @@ def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     part in place and the big one beside it, V^T big and small; one pass: the rounded value); per visited key tile
     each consumer warpgroup's wgmma reads its 64 Q rows and the K tile for S and the V^T tile for P V, once per
     product (three with 3xTF32). Counted from these sizes, not walked: bank_conflicts is None (ncu on an H100 found
-    none in the loads, and 2-way conflicts in the V^T stores of 16-key tiles, docs/PERFORMANCE.md)."""
+    none in the loads, and 2-way conflicts in the V^T stores of 16-key tiles, docs/PERFORMANCE.md). 3xTF32 at head
+    dim 128 (cfg.split 2, `fwd_sm90_tf32_pair_kernel`): two CTAs per query block, each with 64 of the columns (the
+    same global bytes; lse from one of them), and per visited key tile each consumer thread stores its S fragment
+    into the other CTA's exchange slot (16 bytes per n8 tile, counted as writes of the receiving CTA) and reads the
+    other's back."""
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
     parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
-    ctas, tiles = int(t.visits_q.sum()), int(t.tiles)
-    q_tile, kv_tile = 4 * cfg.block_m * cfg.head_dim, 4 * cfg.block_n * cfg.head_dim
-    c.sram_write_bytes = (ctas * q_tile * (1 + parts) + tiles * kv_tile * (2 + 2 * parts)) * p.batch_heads
-    c.sram_read_bytes = (ctas * q_tile + tiles * (2 * kv_tile + products * (q_tile + 2 * cfg.consumers * kv_tile))
-                         ) * p.batch_heads
+    split = cfg.split
+    ctas, tiles = split * int(t.visits_q.sum()), split * int(t.tiles)
+    cols = cfg.head_dim // split  # a CTA's columns
+    q_tile, kv_tile = 4 * cfg.block_m * cols, 4 * cfg.block_n * cols
+    xchg = cfg.consumers * 128 * (cfg.block_n // 8) * 16 if split > 1 else 0
+    c.sram_write_bytes = (ctas * q_tile * (1 + parts) + tiles * (kv_tile * (2 + 2 * parts) + xchg)) * p.batch_heads
+    c.sram_read_bytes = (ctas * q_tile + tiles * (2 * kv_tile + products * (q_tile + 2 * cfg.consumers * kv_tile)
+                                                  + xchg)) * p.batch_heads
     c.bank_conflicts = None
     return c
 

@@ -72,11 +72,18 @@ def test_shared_memory_fits_sm90_and_follows_the_traits():
     for c in SHIPPED:
         assert c.smem_bytes <= config.SMEM_LIMIT_SM90, c
         parts = 2 if c.dtype == "fp32" else 1
-        q, kv = 4 * c.block_m * c.head_dim, 4 * c.block_n * c.head_dim
-        # Q (+ big part), K stages (+ big), V stages, V^T stages (+ small), mbarriers, alignment slack
-        assert c.smem_bytes == parts * q + parts * c.stages * kv + c.stages * kv + parts * c.stages * kv + \
-            8 * (2 + 7 * c.stages) + 1024
+        pair = c.dtype == "fp32" and c.head_dim == 128  # 3xTF32 at 128: two CTAs of 64 columns
+        assert c.split == (2 if pair else 1)
+        cols = c.head_dim // c.split
+        q, kv = 4 * c.block_m * cols, 4 * c.block_n * cols
+        # a pair's exchange: S fragments (a float4 per n8 tile and consumer thread), double-buffered, a barrier each
+        xchg, xbars = (2 * c.consumers * 128 * 16 * c.block_n // 8, 2 * c.consumers) if pair else (0, 0)
+        # Q (+ big part), K stages (+ big), V stages, V^T stages (+ small), exchange, mbarriers, alignment slack
+        assert c.smem_bytes == parts * q + parts * c.stages * kv + c.stages * kv + parts * c.stages * kv + xchg + \
+            8 * (2 + 7 * c.stages + xbars) + 1024
         assert c.threads == 128 + 128 * c.consumers and c.block_m == 64 * c.consumers
+        assert ("fwd_sm90_tf32_pair_kernel<" in c.cpp_name()) == pair
+        assert c.grid(2, 3, 1000)[0] == c.split * -(-1000 // c.block_m)
 
 
 def test_tma_maps_of_float32_operands():
@@ -114,21 +121,30 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     compiled = _compile.compile_kernel(cfg.cpp_name(), "sm_90a")
     text = sass_or_skip(compiled.cubin)
     count = opcode_counter(text)
-    panels = cfg.head_dim // 32
+    cols = cfg.head_dim // cfg.split  # a CTA's columns
+    panels = cols // 32
     # Q, K (issued in two places: the first tile, then one tile ahead in the loop), V: one load per 32-float panel
     assert count("UTMALDG") == 4 * panels, f"{cfg}: {count('UTMALDG')} TMA loads, want (Q, K, K, V) x {panels} panels"
     # S: 3 (3xTF32) or 1 product per k8 step; O_tile = P V the same per k8 step of the key tile; each GEMM is issued
     # in two places (S: first tile and loop; P V: loop and last tile)
     products = 3 if cfg.dtype == "fp32" else 1
-    assert count("HGMMA") == 2 * products * (cfg.head_dim // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
+    assert count("HGMMA") == 2 * products * (cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
     assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
     assert count("USETMAXREG") == (2 if cfg.consumers == 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
     # the bias: an L1 prefetch per line of the tile's rows, and 8-byte loads of key pairs (a tile inside the
     # sequence, read where the S GEMM is waited for: the first tile and the loop)
-    assert (count("CCTL") > 0) == cfg.bias, f"{cfg}: {count('CCTL')} prefetches"
+    prefetches = count("CCTL") - count("CCTL.IVALL")  # (a pair's cluster barriers invalidate L1: CCTL.IVALL)
+    assert (prefetches > 0) == cfg.bias, f"{cfg}: {prefetches} prefetches"
     assert count("LDG.E.64") == (2 * 2 * cfg.block_n // 8 if cfg.bias else 0), f"{cfg}: {count('LDG.E.64')} pairs"
+    # a pair: its S fragment to the other CTA (st.async, a 16-byte STAS per n8 tile) where S is waited for (the first
+    # tile and the loop), and the cluster barriers at the start and at the end of each role's branch
+    arrive = len(re.findall(r"\bUCGABAR_ARV\b", text))
+    if cfg.split > 1:
+        assert count("STAS.128") == 2 * cfg.block_n // 8 and arrive == 3, f"{cfg}: {count('STAS.128')} / {arrive}"
+    else:
+        assert count("STAS") == 0 and arrive == 0, cfg
 
 
 def test_analyzer_counts_the_tf32_forward():

@@ -358,7 +358,8 @@ def test_float64_backward_matches_reference(sq, sk, d, layout, causal):
 
 def test_hopper_float32_forward_runs_on_tf32_wgmma():
     """On an sm_90a GPU the float32 forward at kernel head dims 32, 64 and 128 (plain, causal, windowed) is
-    fwd_sm90_tf32_kernel, so the forward tests above run it there; elsewhere fwd_wide_kernel is the only one."""
+    fwd_sm90_tf32_kernel (3xTF32 at 128: its cluster pairs of 64 columns), so the forward tests above run it there;
+    elsewhere fwd_wide_kernel is the only one."""
     from cuflash import _launch
 
     arch = _launch.device_arch(cp.cuda.Device().id)
@@ -369,6 +370,7 @@ def test_hopper_float32_forward_runs_on_tf32_wgmma():
             for causal, mods in ((False, 0), (True, 0), (False, config.MOD_WINDOW)):
                 cfg = config.select("forward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods)
                 assert isinstance(cfg, config.FwdSm90Tf32Config), (precision, d, causal, mods, cfg)
+                assert cfg.split == (2 if d > 64 and precision == "fp32" else 1), cfg
 
 
 @pytest.mark.parametrize("precision", FLOATS32)
