@@ -386,7 +386,7 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     ScoreMods<MODS> mods;
     if (HAS_BIAS) {
       mods.init(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q, kb.seq.len_k);
-      mods.template prefetch_cols<Tr::BLOCK_M>(kb.n0 + key_row0, m0, lane);
+      if (rank() == 0) mods.template prefetch_cols<Tr::BLOCK_M>(kb.n0 + key_row0, m0, lane);  // (a pair: rank 0 adds it)
     }
     // lse_log2 of this thread's query columns (pad rows: +inf)
     const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
@@ -398,15 +398,24 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     // P^T in registers of its own: no other instruction than wgmma defines s_acc, whose next product is issued while
     // dK_i runs (written in place, ptxas serialized the wgmma of the whole loop, C7515)
     float prob[1][Tr::Q_TILES][4];
-    if constexpr (PAIR) {  // S^T over the other CTA's 64 columns, added
-      pair_send(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), s_acc[0], wtid);
-      pair_receive(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), (i >> 1) & 1, prob[0], wtid);
-    }
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) prob[0][qt][c] = PAIR ? s_acc[0][qt][c] + prob[0][qt][c] : s_acc[0][qt][c];
-    if (HAS_BIAS) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);  // before the band's -inf
+      for (int c = 0; c < 4; ++c) prob[0][qt][c] = s_acc[0][qt][c];
+    // the bias before the band's -inf; a pair adds it once, rank 0 to its part before the exchange: (S0 + bias) + S1
+    if (HAS_BIAS && rank() == 0) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);
+    if constexpr (PAIR) {  // S^T over the other CTA's 64 columns, added
+      pair_send(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), prob[0], wtid);
+      pair_wait<Tr::Q_TILES>(sm.xbar(i & 1, 0, cwg), (i >> 1) & 1, wtid);
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt) {
+        const float4 v = pair_tile(sm.xchg(i & 1, 0, cwg), qt, wtid);
+        prob[0][qt][0] += v.x;
+        prob[0][qt][1] += v.y;
+        prob[0][qt][2] += v.z;
+        prob[0][qt][3] += v.w;
+      }
+    }
     if (kb.keys < Tr::BLOCK_N || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1))
       apply_band_mask_transposed<IS_CAUSAL, HAS_WINDOW>(prob[0], kb.n0 + key_row0, m0, kb.band, lane);
 #pragma unroll
@@ -777,10 +786,12 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
                                    Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
                                    Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
-    if (HAS_BIAS) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
+    if (HAS_BIAS && rank == 0) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
 
     wgmma_wait_group<1>();  // S
     wgmma_fence_operand(s_acc[0]);
+    // the bias before the band's -inf; a pair adds it once, rank 0 to its part before the exchange: (S0 + bias) + S1
+    if (HAS_BIAS && rank == 0) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
     if constexpr (PAIR) {
       pair_send(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), s_acc[0], ctid & 127);
       pair_receive(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), (i >> 1) & 1, peer, ctid & 127);
@@ -789,7 +800,6 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
 #pragma unroll
         for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += peer[PAIR ? nt : 0][c];
     }
-    if (HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
 #pragma unroll

@@ -375,8 +375,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran
   Mods mods;
   if (Mods::HAS_BIAS) mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
-  auto prefetch_bias = [&](int n_block) {
-    if (Mods::HAS_BIAS) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
+  auto prefetch_bias = [&](int n_block) {  // (a pair: rank 0 adds the bias)
+    if (Mods::HAS_BIAS && rank() == 0) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
   };
 
   float o_acc[1][Tr::D_TILES][4];
@@ -449,7 +449,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
         for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += s2_acc[0][nt][c];
     }
     const int key0 = n_block * Tr::BLOCK_N;
-    if (Mods::HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
+    if (Mods::HAS_BIAS && !PAIR) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
     softmax_probs(softmax, s_acc, scale_log2, alpha);  // fwd_sm90_ws.cuh's: O's rescale waits for P V
@@ -458,9 +458,11 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     wgmma_fence_operand(s_acc[0]);
     if constexpr (Tr::S_CHAINS > 1) wgmma_fence_operand(s2_acc[0]);
   };
-  // a pair: S of key tile i over the other CTA's 64 columns, added (slots by the tile's parity)
-  auto exchange_s = [&](int i) {
+  // a pair: S of key tile i over the other CTA's 64 columns, added (slots by the tile's parity); the bias once per
+  // pair, by rank 0 to its part before the exchange: (S0 + bias) + S1
+  auto exchange_s = [&](int i, int n_block) {
     if constexpr (PAIR) {
+      if (Mods::HAS_BIAS && rank() == 0) add_bias_f32(mods, s_acc[0], warp_row, n_block * Tr::BLOCK_N, lane);
       const int wtid = ctid & 127;
       pair_send(sm.xchg(i & 1, wg), sm.xbar(i & 1, wg), s_acc[0], wtid);
       pair_wait<Tr::N_TILES>(sm.xbar(i & 1, wg), (i >> 1) & 1, wtid);
@@ -497,7 +499,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   wgmma_wait_group<0>();
   fence_s();
   release(sm.k_empty(stage));
-  exchange_s(0);
+  exchange_s(0, n_block);
   scores_to_probs(n_block);
   tf32_probs_to_regs<Tr::X3>(s_acc, p_big, p_small);
   int v_stage = stage;
@@ -520,7 +522,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     wgmma_wait_group<1>();  // S_i
     fence_s();
     release(sm.k_empty(stage));
-    exchange_s(i);
+    exchange_s(i, n_block);
     scores_to_probs(n_block);
 
     wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
