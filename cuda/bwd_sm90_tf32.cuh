@@ -583,7 +583,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_tf32_kernel(const __g
   bwd_tf32_main<Tr, IS_CAUSAL, MODS>(P);
 }
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+__global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
     bwd_sm90_tf32_pair_kernel(const __grid_constant__ BwdWsParams P) {
   static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
   bwd_tf32_main<Tr, IS_CAUSAL, MODS>(P);
@@ -926,7 +926,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_dq_sm90_tf32_kernel(const 
   bwd_dq_tf32_main<Tr, IS_CAUSAL, MODS>(P);
 }
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+__global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
     bwd_dq_sm90_tf32_pair_kernel(const __grid_constant__ BwdWsParams P) {
   static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
   bwd_dq_tf32_main<Tr, IS_CAUSAL, MODS>(P);

@@ -170,15 +170,16 @@ __device__ __forceinline__ void st_shared_u32x4(u32 addr, u32 a, u32 b, u32 c, u
 //
 // A kernel with SPLIT 2 (the forward here, the backward's two kernels in bwd_sm90_tf32.cuh) runs each block of rows
 // or keys as a cluster of two CTAs (__cluster_dims__(2, 1, 1), blockIdx.x / 2 the block): CTA r loads and splits
-// columns 64 r .. 64 r + 63 of every operand and writes those columns of its outputs; one of them writes what both
-// hold whole (lse, dBias). A product over the head dim (S, dP) is then a partial sum in each CTA: each sends its
-// fragment into the other's exchange slot (st.async, one float4 per n8 tile, thread for thread: the other CTA's
-// thread of the same index holds the same elements; each store completes its bytes on the slot's mbarrier there),
-// waits on its own slot's barrier (each warp's lane 0 announces the warp's bytes) and adds: own + peer, the same bits
-// in both CTAs (addition commutes), and the sum of two chains of k 64 that the one-CTA kernels take at head dim 128,
-// so the softmax and everything after it agree in both. Slots and barriers alternate by step parity: a CTA writes
-// step i's slot of the other only after receiving the other's step i - 1, which the other sent after its loads from
-// the slot of step i - 2 had returned (their values feed the products it sends).
+// columns 64 r .. 64 r + 63 of every operand and writes those columns of its outputs; rank 0 writes what both hold
+// whole (lse, dBias) and adds a bias, to its partial S before the exchange. A product over the head dim (S, dP) is
+// then a partial sum in each CTA: each sends its fragment into the other's exchange slot (st.async, one float4 per
+// n8 tile, thread for thread: the other CTA's thread of the same index holds the same elements; each store completes
+// its bytes on the slot's mbarrier there), waits on its own slot's barrier (each warp's lane 0 announces the warp's
+// bytes) and adds: own + peer, the same bits in both CTAs (addition commutes), and the sum of two chains of k 64 that
+// the one-CTA kernels take at head dim 128, so the softmax and everything after it agree in both. Slots and barriers
+// alternate by step parity: a CTA writes step i's slot of the other only after receiving the other's step i - 1,
+// which the other sent after its loads from the slot of step i - 2 had returned (their values feed the products it
+// sends).
 template <int N_TILES>
 __device__ __forceinline__ void pair_send(u32 slot, u32 bar, const float (&acc)[N_TILES][4], int wtid) {
   const u32 peer = cluster_ctarank() ^ 1u;
@@ -663,7 +664,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_tf32_kernel(const __g
   fwd_tf32_main<Tr, IS_CAUSAL, MODS>(p);
 }
 template <class Tr, bool IS_CAUSAL, int MODS>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(Tr::THREADS, 1)
+__global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
     fwd_sm90_tf32_pair_kernel(const __grid_constant__ FwdWsParams p) {
   static_assert(Tr::SPLIT == 2, "a pair of CTAs: SPLIT 2");
   fwd_tf32_main<Tr, IS_CAUSAL, MODS>(p);

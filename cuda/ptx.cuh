@@ -449,6 +449,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 // memory of the others through shared::cluster addresses (mapa). Every CTA of a cluster must stay resident while
 // another may still write to its shared memory: such kernels end with cluster_sync().
 
+// The cluster shape of the pair kernels (two CTAs along x). NVRTC refuses __cluster_dims__ when it compiles kernels.cu
+// for an architecture before sm_90, where those kernels are never instantiated: there the attribute is left out.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define CUFLASH_CLUSTER_PAIR
+#else
+#define CUFLASH_CLUSTER_PAIR __cluster_dims__(2, 1, 1)
+#endif
+
 // PTX ISA, "Special Registers: %cluster_ctarank": this CTA's rank in its cluster, read anew at every use (volatile:
 // a rank kept in a register across a consumer's loop cost the register that made ptxas serialize its wgmma)
 __device__ __forceinline__ u32 cluster_ctarank() {

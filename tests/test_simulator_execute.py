@@ -149,15 +149,17 @@ def test_deterministic_wide_dq_schedule_equals_reference(sq, sk, causal, window,
     """The ordered bwd_wide_kernel's dQ: the K/V-outer accumulation on the deterministic tiles (fp64 d 40 on the 64
     kernel: 32 queries x 64 keys, not the default mode's 16 x 128; fp32 d 120 on the 128 kernel: 32 x 64), each query
     block's key blocks summed from the last to the first with causal or a window, else from the first. Equals the
-    reference, and bitwise the schedule it names."""
+    reference, and bitwise the schedule it names. (fp32 at head dim 128 runs the TF32 cluster pairs on sm_90a by
+    default: the wide kernels are kernels="mma" there.)"""
     from cuflash.simulator import execute as ex
 
+    kernels = "mma" if dtype == "fp32" else "auto"
     q, k, v, do = _inputs(sq, sk, d=d)
     dq, dk, dv = execute_backward("cuflash", do, q, k, v, causal=causal, window=window, deterministic=True,
-                                  dtype=dtype)
+                                  dtype=dtype, kernels=kernels)
     _check_grads(do, q, k, v, (dq, dk, dv), causal, window)
     p = ex._problem(q, k, dtype, causal, window)
-    o, lse = execute_forward("cuflash", q, k, v, causal=causal, window=window, dtype=dtype)
+    o, lse = execute_forward("cuflash", q, k, v, causal=causal, window=window, dtype=dtype, kernels=kernels)
     bm, bn, width = tiles
     want = ex._kv_outer_bwd(do, q, k, v, o, lse, p, 1.0 / math.sqrt(d), bm, bn, width, True,
                             reverse_n=causal or window is not None)[0]
