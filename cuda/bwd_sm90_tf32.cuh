@@ -15,8 +15,10 @@
 //     S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K with B = K^T, written by the splitters per key tile
 //     (K split in place, K^T big and small, V split in place), as the forward writes V^T.
 //
-// No atomics: each output element is summed by one thread in a fixed order, so the backward repeats bitwise (the API
-// still refuses deterministic=True for float32 inputs: it decides before the kernel is chosen). S and dP are
+// Head dim 128 runs both kernels as cluster pairs of 64 columns per CTA (SPLIT 2, the `_pair_kernel`s: below).
+//
+// No atomics: each output element is summed by one thread in a fixed order, so the backward repeats bitwise
+// (deterministic=True launches the same kernels). S and dP are
 // computed twice (once per kernel): 7 GEMMs instead of 5, against a dQ accumulated across CTAs, which needs dS in
 // shared memory and K^T beside K in the K/V-outer CTA (more than the 227 KB of shared memory with 3xTF32's split
 // operands).
@@ -130,14 +132,17 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [K] [K big] [V] [V big] then per stage: [Q] [Q big] [Q^T big] [Q^T small] [dO] [dO big] [dO^T big] [dO^T small]
-// (one pass: [K] [V], per stage [Q] [Q^T] [dO] [dO^T]), [per stage: lse_log2, delta], [mbarriers]. K, V, Q, dO receive
-// TMA's float32 and then hold the small part or the rounded value in place.
+// (one pass: [K] [V], per stage [Q] [Q^T] [dO] [dO^T]), [per stage: lse_log2, delta], [SPLIT 2: the exchange slots,
+// per parity, product (S^T, dP^T) and consumer], [mbarriers]. K, V, Q, dO receive TMA's float32 and then hold the
+// small part or the rounded value in place.
 //
 // ---- the barrier protocol ------------------------------------------------------------------------------------
 //   kv_full      count 1 + tx: K and V          kv_ready   count SPLIT_THREADS: K and V split
 //   q_full[s]    count 1 + tx: Q_i, dO_i, lse_log2_i, delta_i
 //   q_ready[s]   count SPLIT_THREADS: Q_i, dO_i split and transposed
 //   q_empty[s]   count CONSUMER_THREADS: every consumer thread, once its last GEMM on stage s retired
+//   xbar[b][x][wg] (SPLIT 2) count 4 + tx: the consumer's warps announce their bytes, the other CTA's st.async of
+//                its S^T (x 0) or dP^T (x 1) fragments of step i (b = i & 1, phase (i >> 1) & 1) complete them
 // Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
 // the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
 template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1>
@@ -593,12 +598,13 @@ __global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
 //
 // ---- shared memory ------------------------------------------------------------------------------------------------
 // [Q] [Q big] [dO] [dO big] then per stage: [K] [K big] [K^T big] [K^T small] [V] [V big] (one pass: [Q] [dO], per
-// stage [K] [K^T] [V]), [mbarriers].
+// stage [K] [K^T] [V]), [SPLIT 2: the exchange slots, per parity, product (S, dP) and consumer], [mbarriers].
 //
 // ---- the barrier protocol ------------------------------------------------------------------------------------
 //   q_full         count 1 + tx: Q, dO         q_ready      count SPLIT_THREADS: split
 //   kv_full[s]     count 1 + tx: K_i, V_i      kv_ready[s]  count SPLIT_THREADS: split, K^T written
 //   kv_empty[s]    count CONSUMER_WARPS: every consumer's GEMMs on stage s retired
+//   xbar[b][x][wg] (SPLIT 2) count 4 + tx: as the dK / dV kernel's, S (x 0) and dP (x 1) of key tile i
 // Key tile i uses stage i % STAGES, phase (i / STAGES) & 1; the producer loads tile i after kv_empty of tile
 // i - STAGES, and the splitters' writes to the stage follow kv_full of tile i.
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, int SPLIT_ = 1>

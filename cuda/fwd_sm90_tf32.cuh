@@ -23,14 +23,16 @@
 //   a k8 step of TF32 is 32 bytes, as a k16 step of a 16-bit type.
 //
 // One CTA = BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
-// first); causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head /
-// kv_group), dense and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only
-// head_dim columns are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask,
-// its rows pulled into L1 while the S GEMM runs). No other score modifier: those run on wide.cuh's kernels.
+// first; 3xTF32 at head dim 128: a cluster pair of CTAs of 64 columns each, SPLIT 2, fwd_sm90_tf32_pair_kernel);
+// causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head / kv_group), dense
+// and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only head_dim columns
+// are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask, its rows pulled
+// into L1 while the S GEMM runs). No other score modifier: those run on wide.cuh's kernels.
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
-// [mbarriers]. Q and K stages receive TMA's float32 and then hold the small part (X3) or the rounded value in place.
+// [SPLIT 2: the exchange slots of S, per parity and consumer] [mbarriers]. Q and K stages receive TMA's float32 and
+// then hold the small part (X3) or the rounded value in place.
 //
 // ---- the barrier protocol ----------------------------------------------------------------------------------
 //   q_full                count 1 + tx: the producer's Q load
@@ -42,6 +44,8 @@
 //   v_empty[s]            count SPLIT_THREADS: the splitters have read V of stage s
 //   vt_full[s]            count SPLIT_THREADS: V^T of stage s written
 //   vt_empty[s]           count CONSUMER_WARPS: the consumers' P V GEMM of stage s retired
+//   xbar[b][wg]           (SPLIT 2) count 4 + tx: consumer wg's warps announce their bytes, the other CTA's st.async
+//                         of its S fragments of key tile i (b = i & 1, phase (i >> 1) & 1) complete them
 // Key tile i uses stage i % STAGES with phase bit (i / STAGES) & 1 on every barrier of its stage. The producer loads
 // K_i after k_empty of tile i - STAGES (which frees K's big part too: the splitters write it only after k_full of
 // tile i) and V_i after v_empty of tile i - STAGES; the splitters take the tiles in the consumers' order (K_0, then
