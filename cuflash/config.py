@@ -1814,8 +1814,9 @@ BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
                           "tf32": {32: (64, 2, 2), 64: (64, 2, 2), 128: (32, 3, 2)}}
-# With a bias, one-pass TF32 at head dim 64 takes 16-query steps: its 32-query steps spilled 8-68 bytes with the bias
-# read and the dBias writes (NVRTC 13.0 and 13.5); at head dim 32 they do not
+# With a bias, one-pass TF32 at head dims 64 and 128 takes 16-query steps: its 32-query steps spilled 8-68 bytes with
+# the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
+# dim 32 they do not
 BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
