@@ -5,31 +5,41 @@
 Targets are (kernel, configuration) pairs: the mma.sync kernels `fwd_kernel`, the backward's main
 `bwd_kernel` (default mode: dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum) and, for one
 deterministic case, `bwd_dq_kernel`, profiled with CUFLASH_KERNELS=mma (on an H100 the library launches
-the wgmma kernels by default); and the wgmma kernels `fwd_sm90_kernel` and `bwd_sm90_kernel`, profiled
-with CUFLASH_KERNELS=auto, on the metrics that make sense for them (no ldmatrix; their wgmma operand
-reads are no thread instructions). First every kernel instantiation the targets need is compiled once outside ncu
-(NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a small driver (`python -c ...`:
-random CuPy inputs; the forward twice, or the forward once for o and lse and then the backward twice)
-runs under
+the wgmma kernels by default); the synchronous wgmma kernels `fwd_sm90_kernel` and `bwd_sm90_kernel` and the
+warp-specialized TMA kernels `fwd_sm90_ws_kernel` and `bwd_sm90_ws_kernel`, profiled with CUFLASH_KERNELS=auto, on
+the metrics that make sense for them (no ldmatrix; their wgmma operand reads are no thread instructions; the TMA
+kernels' loads are TMA boxes and bulk copies, compared on the TMA counters). fwd_sm90_ws_kernel and
+bwd_sm90_ws_kernel are what the library launches for 16-bit inputs on an H100 (the backward at kernel head dims 32,
+64, 96 and 128); a fwd_sm90_kernel or bwd_sm90_kernel driver takes the ws family out of the registry to reach the
+synchronous kernel (FWD_SM90_DRIVER_NOTE). bwd_sm90_ws_kernel is profiled in its default mode only, where it adds
+dQ by one bulk reduction (`cp.reduce.async.bulk .add.f32`) per visited query block: its deterministic mode's dQ
+writer polls a turn counter, a timing-dependent number of global reads. First every kernel instantiation the
+targets need is compiled once outside ncu (NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a
+small driver (`python -c ...`: random CuPy inputs; the forward twice, or the forward once for o and lse and then
+the backward twice) runs under
 
     ncu --print-units base --cache-control all --clock-control none --csv
         --kernel-name regex:<kernel_regex(kernel)> --launch-skip 1 --launch-count 1 --metrics <METRICS>
 
 so only the second launch of the target kernel is profiled (the filter counts matching launches only; the
 regex matches the kernel's name as a whole identifier, so `bwd_kernel` matches none of
-bwd_preprocess_kernel, bwd_convert_dq_kernel, bwd_dq_kernel, bwd_sm90_kernel). ncu's CSV is
-parsed, the profiled kernel's name checked, and each metric compared with the analyzer's prediction for
-the same kernel and config. Raw ncu output and the rows as JSON are kept in out/ncu_raw/ (git-ignored;
-`--raw-dir`) so the table can be rebuilt without the GPU (`--from-raw out/ncu_raw`). A metric that this
-ncu does not know is dropped: by the name in ncu's error when it gives one, else by probing the metrics
-one by one (printed, and listed in the document), so one bad name does not lose the run. `--dry-run`
-prints the predictions and the ncu commands without running anything.
+bwd_preprocess_kernel, bwd_convert_dq_kernel, bwd_dq_kernel, bwd_sm90_kernel, and `bwd_sm90_kernel` does not
+match bwd_sm90_ws_kernel). ncu's CSV is parsed, the profiled kernel's name checked, and each metric compared with
+the analyzer's prediction for the same kernel and config. Raw ncu output and the rows as JSON are kept in
+out/ncu_raw/ (git-ignored; `--raw-dir`) so the table can be rebuilt without the GPU (`--from-raw out/ncu_raw`). A
+metric that this ncu does not know is dropped: by the name in ncu's error when it gives one, else by probing the
+metrics one by one (printed, and listed in the document), so one bad name does not lose the run. `--dry-run`
+prints the predictions and the ncu commands without running anything; `--kernels K ...` (and `--only I ...`,
+indices of `--list`) selects targets, e.g. `--kernels bwd_sm90_ws_kernel`.
 
 Targets: L2->SM read bytes within 2% of the predicted global reads; shared wavefronts and bank
 conflicts of ld/st and ldmatrix exactly equal; cp.async wavefronts within 10% of the model's band
 [lower, upper] (a point for 128-byte panels); DRAM bytes (L2 model) within 10%. The document ends with
-MISSES_EXPLAINED, the analysis of the misses of the measuring run. For bwd_kernel also the dQ atomics: reduction bytes and L2 reduction sectors within 2%,
-reduction requests exact (they travel SM->L2 as writes, never as L2->SM reads).
+MISSES_EXPLAINED, the analysis of the misses of the measuring run. For bwd_kernel also the dQ atomics: reduction
+bytes and L2 reduction sectors within 2%, reduction requests exact (they travel SM->L2 as writes, never as L2->SM
+reads). For the TMA kernels the TMA load bytes and sectors within 2% and the TMA load instructions exact
+(TMA_METRICS); for bwd_sm90_ws_kernel also its dQ bulk reductions: their SM->L2 bytes within 2%, their
+instructions exact and no LSU reduction (BULK_RED_METRICS).
 """
 from __future__ import annotations
 
@@ -58,13 +68,18 @@ from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges, ma
 from .strategies import cuflash_backward_kernels
 
 SECTOR = 32
-KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel")
+KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel",
+           "bwd_sm90_ws_kernel")
 FORWARD_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel")
 # the wgmma kernels run with CUFLASH_KERNELS=auto (the library's default), the others with
 # CUFLASH_KERNELS=mma: bwd_dq_kernel and the elementwise kernels are the same in both families
-WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel")
-# the kernels whose global loads are TMA boxes (cp.async.bulk.tensor), compared on the TMA counters (TMA_METRICS)
-TMA_KERNELS = ("fwd_sm90_ws_kernel",)
+WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel")
+# the kernels whose global loads are TMA boxes (cp.async.bulk.tensor) and 1-D bulk copies (cp.async.bulk), compared
+# on the TMA counters (TMA_METRICS)
+TMA_KERNELS = ("fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel")
+# the kernels that add dQ by bulk reductions (cp.reduce.async.bulk) instead of red.global, compared on the TMA
+# reduction counters (BULK_RED_METRICS)
+BULK_RED_KERNELS = ("bwd_sm90_ws_kernel",)
 
 
 class Band(float):
@@ -119,12 +134,24 @@ class Target:
             object.__setattr__(self, "deterministic", True)
         if self.kernel in FORWARD_KERNELS and self.deterministic:
             raise ValueError("deterministic applies to the backward kernels only")
+        if self.kernel == "bwd_sm90_ws_kernel" and self.deterministic:
+            # the ordered dQ writer polls its query block's turn counter (ld.acquire) until the CTAs before it have
+            # added theirs: a number of global reads that depends on timing, so no read row could be predicted
+            raise ValueError("bwd_sm90_ws_kernel targets run the default mode (dQ by bulk reductions): its "
+                             "deterministic mode's turn-counter polls are timing-dependent reads")
         hd = _config.kernel_head_dim(self.case.head_dim)
         tiles = {"fwd_sm90_kernel": _config.FWD_SM90_TILES, "bwd_sm90_kernel": _config.BWD_SM90_TILES,
-                 "fwd_sm90_ws_kernel": _config.FWD_SM90_WS_TILES}.get(self.kernel)
+                 "fwd_sm90_ws_kernel": _config.FWD_SM90_WS_TILES,
+                 "bwd_sm90_ws_kernel": _config.bwd_sm90_ws_head_dims()}.get(self.kernel)
         if tiles is not None and hd not in tiles:
-            raise ValueError(f"{self.kernel} runs kernel head dims {', '.join(map(str, tiles))} "
+            raise ValueError(f"{self.kernel} runs kernel head dims {', '.join(map(str, sorted(tiles)))} "
                              f"(got head_dim={self.case.head_dim}: the library launches the mma.sync kernel)")
+        if self.kernel == "bwd_sm90_ws_kernel":
+            # the driver runs the library's choice as it is: the registry (config.FAMILIES) must pick this kernel
+            launched = _config.backward_kernel_config(hd, self.case.dtype, self.case.causal, False, ARCH, "auto")
+            if launched != self.config():
+                raise ValueError(f"the library launches {launched.cpp_name()} for {self.case.name}, not "
+                                 f"{self.config().cpp_name()}")
         if self.is_backward and (self.case.head_dim * 2) % SECTOR:
             # the backward predictions are bytes; they equal 32-byte sectors only for sector-aligned rows
             raise ValueError(f"backward targets need head_dim * 2 bytes a multiple of {SECTOR} "
@@ -160,6 +187,8 @@ class Target:
             return _config.bwd_sm90_config(hd, c.dtype, c.causal, self.deterministic)
         if self.kernel == "fwd_sm90_ws_kernel":
             return _config.fwd_sm90_ws_config(hd, c.dtype, c.causal, seqlen_k=c.seqlen_k)
+        if self.kernel == "bwd_sm90_ws_kernel":  # the library's backward at kernel head dims 32, 64, 96 and 128
+            return _config.bwd_sm90_ws_config(hd, c.dtype, c.causal, False)
         if self.kernel in FORWARD_KERNELS:
             return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, self.kernels, seqlen_k=c.seqlen_k)
         if self.kernel == "bwd_dq_kernel":
@@ -179,7 +208,8 @@ def _fwd(*cases: Case) -> list[Target]:
 # default set takes a few minutes of ncu on an H100. Those are the mma.sync kernels (CUFLASH_KERNELS=mma). The
 # wgmma kernels come last: fwd_sm90_kernel with 128-byte (d64, d128 causal bf16) and 64-byte panels (d96, with
 # tails); bwd_sm90_kernel at d64 (64-byte panels: PANEL_COLS 32 splits dQ's columns per warpgroup) and d128
-# causal bf16, and a deterministic one.
+# causal bf16, and a deterministic one; then the warp-specialized TMA kernels, fwd_sm90_ws_kernel and
+# bwd_sm90_ws_kernel, which the library launches by default.
 _QUICK = [
     Target("fwd_kernel", Case(2, 16, 2048, 2048, 64)),
     Target("bwd_kernel", Case(2, 8, 2048, 2048, 64)),
@@ -211,6 +241,13 @@ _DEFAULT = _QUICK + [
     Target("fwd_sm90_ws_kernel", Case(2, 8, 1000, 1500, 64, causal=True)),
     Target("fwd_sm90_ws_kernel", Case(1, 16, 2048, 2048, 128, "bf16", causal=True)),
     Target("fwd_sm90_ws_kernel", Case(2, 8, 1024, 1024, 256)),
+    # the warp-specialized TMA backward, the library's 16-bit backward on an H100, in its default mode (dQ by bulk
+    # reductions): d64 in steps of 128 queries (one 64-column box per tile), plain fp16 and causal bf16; d128 in steps
+    # of 64 queries, causal bf16 and plain fp16. No tails: every box lies in bounds
+    Target("bwd_sm90_ws_kernel", Case(2, 8, 2048, 2048, 64)),
+    Target("bwd_sm90_ws_kernel", Case(1, 8, 2048, 2048, 128, "bf16", causal=True)),
+    Target("bwd_sm90_ws_kernel", Case(2, 4, 1024, 1024, 64, "bf16", causal=True)),
+    Target("bwd_sm90_ws_kernel", Case(2, 4, 1024, 1024, 128)),
 ]
 
 CASES = {
@@ -232,6 +269,9 @@ CASES = {
         Target("bwd_sm90_kernel", Case(2, 4, 1000, 1500, 64, causal=True)),
         Target("fwd_sm90_ws_kernel", Case(1, 32, 16384, 16384, 128)),
         Target("fwd_sm90_ws_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
+        # tails (the last query and key boxes partly out of bounds) and a working set near the L2's size
+        Target("bwd_sm90_ws_kernel", Case(2, 4, 1000, 1500, 64, "bf16")),
+        Target("bwd_sm90_ws_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
     ],
 }
 
@@ -309,15 +349,45 @@ WGMMA_METRIC_CHANGES = {
 # in-bounds bytes only, and whether ncu counts bytes for the out-of-bounds part of a box is what the causal
 # 1000 x 1500 target shows (every other target has no tail).
 # The wgmma operand reads (HGMMA) have counters too: `..._op_gmma` at the l1tex data stage and SASS-level
-# instruction and byte counts. Reported for fwd_sm90_ws_kernel (predicted: HGMMA per warp, the walk's operand
-# bytes, one wavefront per 128 bytes and no conflict under the 128-byte swizzle), not targeted: how the tensor
+# instruction and byte counts. Reported for the TMA kernels (predicted: HGMMA per warp, the walk's operand
+# bytes, one wavefront per 128 bytes and no conflict under the swizzle), not targeted: how the tensor
 # core's operand fetches are split into warps and wavefronts is not documented.
+# bwd_sm90_ws_kernel loads the same way (K, V boxes once per CTA; Q, dO boxes per visited query block) and adds two
+# 1-D bulk copies (cp.async.bulk, SASS UBLKCP) per visit, lse_log2 and delta: those are in the UTMALDG/UBLKCP
+# instruction count above and, as TMA-unit loads, predicted in the TMA read rows too (the note of the row gives the
+# boxes' and the copies' bytes apart, should the counter leave the copies out).
 TMA_METRICS = {
     "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum": ("L2->SM read bytes of TMA loads", 0.02),
     "l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum": ("L2->SM read sectors of the TMA pipe", 0.02),
     "lts__t_sectors_srcunit_tex_op_read.sum": ("L2 sectors read by unit TEX (TMA included?)", None),
-    "sm__sass_inst_executed_op_tma_ld.sum": ("TMA load instructions (UTMALDG boxes)", "exact"),
+    "sm__sass_inst_executed_op_tma_ld.sum": ("TMA load instructions (UTMALDG boxes, UBLKCP copies)", "exact"),
     "l1tex__tmain_requests.sum": ("TMA instructions sent to the TMA unit", None),
+}
+
+# bwd_sm90_ws_kernel adds each visit's dQ block to dQ_acc with one bulk reduction (cp.reduce.async.bulk .add.f32,
+# SASS UBLKRED, issued by one consumer thread): the TMA unit reads the BLOCK_M x HEAD_DIM fp32 buffer from shared
+# memory and sends it SM -> L2, where the L2 adds it; no LSU RED instruction, no L2 -> SM data. The counters (names
+# as public Nsight Compute scripts spell them; like every metric here, one that this ncu does not know is dropped
+# and listed in the document):
+#   l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red  SM -> L2 bytes of global TMA reductions: the payload,
+#       BLOCK_M * HEAD_DIM * 4 per visit (pad rows included). Targeted (2%).
+#   l1tex__m_l1tex2xbar_write_bytes_pipe_tma  all SM -> L2 writes of the TMA pipe: the same bytes (the kernel's
+#       stores of dK, dV are LSU stores). Targeted (2%).
+#   smsp__sass_inst_executed_op_tma_red  the UBLKRED instructions: one per visit. Exact.
+#   l1tex__t_requests_pipe_lsu_mem_global_op_red  LSU reductions: none (0, exact), which tells the bulk reductions
+#       apart from bwd_sm90_kernel's red.global.add.
+#   l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red, lts__t_sectors_op_red  reported, not targeted: whether the
+#       op_red breakdown and the L2's reduction sectors count the TMA unit's reductions is not documented.
+# The all-source write row l1tex__m_l1tex2xbar_write_bytes stays targeted, predicted as the dK, dV stores plus the
+# reduction payload, on the assumption that the M-stage write total includes the TMA pipe as the read total does
+# (fwd_sm90_ws_kernel's measured L2->SM read bytes equal its TMA load bytes).
+BULK_RED_METRICS = {
+    "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum": ("SM->L2 bytes of bulk reductions (dQ)", 0.02),
+    "l1tex__m_l1tex2xbar_write_bytes_pipe_tma.sum": ("SM->L2 write bytes of the TMA pipe", 0.02),
+    "smsp__sass_inst_executed_op_tma_red.sum": ("bulk reduction instructions (UBLKRED)", "exact"),
+    "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": ("LSU global reduction requests (RED instructions)", "exact"),
+    "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": ("SM->L2 reduction bytes, op_red (TMA included?)", None),
+    "lts__t_sectors_op_red.sum": ("L2 reduction sectors, all sources", None),
 }
 GMMA_METRICS = {
     "sm__sass_inst_executed_op_shared_gmma.sum": ("wgmma instructions (HGMMA, per warp)", None),
@@ -341,11 +411,13 @@ def metrics_for(target: Target) -> dict:
         items = items[:at] + list(TMA_METRICS.items()) + items[at:]
         at = [m for m, _ in items].index("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
         out = dict(items[:at] + list(GMMA_METRICS.items()) + items[at:])
-    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
-        # after the SM->L2 write bytes, so the atomics sit next to the stores in the table
+    adds = (RED_METRICS if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic
+            else BULK_RED_METRICS if target.kernel in BULK_RED_KERNELS else None)
+    if adds is not None:
+        # after the SM->L2 write bytes, so the dQ adds sit next to the stores in the table
         items = list(out.items())
         at = [m for m, _ in items].index("l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum") + 1
-        out = dict(items[:at] + list(RED_METRICS.items()) + items[at:])
+        out = dict(items[:at] + list(adds.items()) + items[at:])
     return out
 
 
@@ -508,7 +580,9 @@ def _shared_predictions(walk, notes: dict) -> dict:
             + "); no LDSM"),
         "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum": (
             lds.wavefronts + ldsm.wavefronts, f"LDS {lds.wavefronts:,} + LDSM {ldsm.wavefronts:,}"
-            + (f"; not included: wgmma operand reads, {walk.wgmma_read_bytes:,} B" if walk.wgmma_read_bytes else "")),
+            + (f"; not included: wgmma operand reads, {walk.wgmma_read_bytes:,} B" if walk.wgmma_read_bytes else "")
+            + (f"; bulk-reduction reads of the dQ buffer, {walk.bulk_read_bytes:,} B" if walk.bulk_read_bytes
+               else "")),
         "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (
             lds.conflicts + ldsm.conflicts, f"LDS {lds.conflicts:,} + LDSM {ldsm.conflicts:,}" + by_role("LDS")),
         "smsp__inst_executed_op_shared_st.sum": (sts.instructions, notes["STS"]),
@@ -572,29 +646,37 @@ def _predict_fwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
                      guard="none expected: no cp.async, no fence.proxy.async")
     out.update(_shared_predictions(walk, notes))
     if is_tma:
-        out.update(_tma_predictions(walk, reads))
+        out.update(_tma_predictions(walk, reads, f"per live CTA HEAD_DIM/{cfg.box_cols} boxes of Q, and of K and of V "
+                                                 "per key tile", "A (S = Q K^T) and B operands per warpgroup wgmma"))
     out.update(_measured_only())
     return {m: out[m] for m in metrics_for(target)}
 
 
-def _tma_predictions(walk, reads: int) -> dict:
-    """The TMA and wgmma rows of fwd_sm90_ws_kernel (TMA_METRICS, GMMA_METRICS) from its walk and its global
-    reads (predicted_global_bytes: the in-bounds rows of every box, in 32-byte sectors)."""
-    tma, gmma = walk.by_sass(banks.TMA_CLASS), walk.by_sass(banks.TENSOR_CLASS)
-    box_note = (f"{tma.instructions:,} boxes of 64 columns, {tma.bytes:,} B written to shared memory "
-                f"(zero-filled rows included); read: in-bounds rows only")
+def _tma_predictions(walk, reads: int, count_note: str, gmma_note: str) -> dict:
+    """The TMA and wgmma rows of a TMA kernel (TMA_METRICS, GMMA_METRICS) from its walk and its global reads (the
+    in-bounds rows of every box and every 1-D bulk copy, in 32-byte sectors). count_note: where the UTMALDG boxes
+    and UBLKCP copies come from; gmma_note: which wgmma operands are read from shared memory."""
+    tma, copies = walk.by_sass(banks.TMA_CLASS), walk.by_sass(banks.BULK_COPY_CLASS)
+    reds, gmma = walk.by_sass(banks.BULK_READ_CLASS), walk.by_sass(banks.TENSOR_CLASS)
+    box_note = (f"{tma.instructions:,} boxes of {walk.config.box_cols} columns, {tma.bytes:,} B written to shared "
+                f"memory (zero-filled rows included)"
+                + (f"; {copies.instructions:,} 1-D bulk copies, {copies.bytes:,} B" if copies.instructions else "")
+                + "; read: in-bounds rows only")
+    requests = "the UTMALDG boxes" + (", the UBLKCP copies" if copies.instructions else "") \
+        + (f" and {reds.instructions:,} UBLKRED reductions" if reds.instructions else "")
     return {
         "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum": (reads, box_note),
         "l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum": (reads // SECTOR, "the TMA loads in 32-byte sectors"),
         "lts__t_sectors_srcunit_tex_op_read.sum": (reads // SECTOR, "if the L2 counts TMA requests as unit TEX"),
-        "sm__sass_inst_executed_op_tma_ld.sum": (tma.instructions, "per live CTA HEAD_DIM/64 boxes of Q, "
-                                                                   "and of K and of V per key tile"),
-        "l1tex__tmain_requests.sum": (tma.instructions, "the UTMALDG boxes (+ prefetch.tensormap if counted)"),
+        "sm__sass_inst_executed_op_tma_ld.sum": (tma.instructions + copies.instructions, count_note),
+        "l1tex__tmain_requests.sum": (tma.instructions + copies.instructions + reds.instructions,
+                                      requests + " (+ prefetch.tensormap if counted)"),
         "sm__sass_inst_executed_op_shared_gmma.sum": (4 * gmma.instructions, f"{gmma.instructions:,} wgmma per "
                                                                              "warpgroup x 4 warps"),
-        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma.bytes, "A (S = Q K^T) and B operands per warpgroup wgmma"),
+        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma.bytes, gmma_note),
         "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum": (gmma.bytes // 128, "one per 128 bytes"),
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (0, "128-byte swizzle: none"),
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (
+            0, f"{walk.config.box_cols * 2}-byte swizzle: none"),
     }
 
 
@@ -614,12 +696,25 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     case, det = target.case, target.deterministic
     p = case.problem()
     cfg = target.config()
-    # the main kernel's traffic; bwd_sm90_kernel (the driver takes the warp-specialized family out) with its own
-    # tiles: its steps are 64 queries where bwd_sm90_ws_kernel, the default, takes 128 (head dims 32 and 64)
-    main = cfg if target.kernel == "bwd_sm90_kernel" else None
-    kt = {k.name.replace("bwd_sm90_ws_kernel", "bwd_sm90_kernel"): k
-          for k in cuflash_backward_kernels(p, True, det, target.kernels, main)}[target.kernel]
-    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
+    # the main kernel's traffic with the profiled kernel's own config: bwd_sm90_kernel (the driver takes the
+    # warp-specialized family out) has its own tiles, steps of 64 queries where bwd_sm90_ws_kernel takes 128 at head
+    # dims 32 and 64; bwd_sm90_ws_kernel's is the library's choice (Target checks it)
+    main = cfg if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else None
+    kt = {k.name: k for k in cuflash_backward_kernels(p, True, det, target.kernels, main)}[target.kernel]
+    is_ws = target.kernel == "bwd_sm90_ws_kernel"
+    if is_ws:
+        walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
+        index = 1
+        read_note = ("K, V once per CTA (TMA boxes); per visited query block Q, dO (TMA boxes) and BLOCK_M lse_log2, "
+                     "delta (1-D bulk copies): all the kernel's global reads, in-bounds rows only")
+        notes = {"STS": "per visit dS^T (st.shared.b32) and the dQ block (16-byte stores, dQ_acc order) by the 8 "
+                        "consumer warps; dK, dV epilogue",
+                 "LDSM": "none: wgmma reads K, V, Q, dO, dS^T through descriptors",
+                 "LDGSTS": "none: TMA and bulk copies load K, V, Q, dO, lse_log2, delta",
+                 "guard": "none expected: no cp.async, and none before this kernel's fence.proxy.async in the "
+                          "NVRTC 13.0 SASS"}
+        store_note = "dK, dV (valid keys)"
+    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
         is_wgmma = target.kernel in WGMMA_KERNELS
         walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
         index = 1
@@ -646,15 +741,41 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         "l1tex__m_xbar2l1tex_read_bytes.sum": (kt.read_bytes, read_note),
         "l1tex__m_l1tex2xbar_write_bytes.sum": (
             kt.write_bytes + red,
-            store_note + (f" {kt.write_bytes:,} + dQ red payload {red:,} (reds leave the SM as writes)" if red else "")),
+            store_note + ("" if not red else
+                          f" {kt.write_bytes:,} + dQ bulk-reduction payload {red:,} (the TMA unit's writes)" if is_ws
+                          else f" {kt.write_bytes:,} + dQ red payload {red:,} (reds leave the SM as writes)")),
         "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": (kt.write_bytes, store_note + ", 16-byte stores"),
         "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": (0, "the kernels are spill-free"),
         "dram__bytes_read.sum": (dram_r, f"LRU L2 of {l2_bytes / 2**20:.0f} MiB, this kernel alone, cold"
                                  + (" (dq_accum sectors are read before the L2 adds)" if red else "")),
         "dram__bytes_write.sum": (dram_w, "model incl. the final write-back; ncu sees only evictions during the kernel"),
         "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
-        "launch__block_size": (cfg.threads, f"{cfg.num_warps} warps"),
+        "launch__block_size": (cfg.threads, "12 warps: a TMA producer warpgroup, 2 consumer warpgroups" if is_ws
+                               else f"{cfg.num_warps} warps"),
     }
+    if is_ws:
+        # one bulk reduction of the whole BLOCK_M x HEAD_DIM fp32 block per visit
+        m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+        visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
+        assert visits * cfg.block_m * cfg.head_dim * p.stat_bytes == red, (visits, red)
+        assert walk.by_sass(banks.BULK_READ_CLASS).instructions == visits
+        out.update({
+            "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum": (
+                red, f"{visits:,} visits x {cfg.block_m} x {cfg.head_dim} x 4 B (pad rows included)"),
+            "l1tex__m_l1tex2xbar_write_bytes_pipe_tma.sum": (red, "the dQ reductions: the TMA pipe's only writes"),
+            "smsp__sass_inst_executed_op_tma_red.sum": (visits, "one cp.reduce.async.bulk per visit (one consumer "
+                                                                "thread)"),
+            "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (0, "none: no red.global, dQ by bulk reduction"),
+            "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the payload, if op_red counts the TMA "
+                                                                           "unit's reductions"),
+            "lts__t_sectors_op_red.sum": (red // SECTOR, "the payload's sectors, if the L2 counts bulk reductions "
+                                                         "as reductions"),
+        })
+        box = cfg.box_cols
+        out.update(_tma_predictions(
+            walk, kt.read_bytes, f"per live CTA HEAD_DIM/{box} boxes of K and of V; per visit HEAD_DIM/{box} boxes "
+                                 "of Q and of dO and 2 bulk copies (lse_log2, delta)",
+            "per visit and warpgroup: K, V rows and Q, dO (S^T, dP^T), dO and Q (dV, dK), dS^T and K (dQ)"))
     if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not det:
         m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
         visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
@@ -699,7 +820,7 @@ def kernel_configs(target: Target) -> list:
     hd = _config.kernel_head_dim(c.head_dim)
     if not target.is_backward:  # the profiled forward itself (fwd_sm90_kernel: also where ws is the default)
         return [target.config()]
-    main = target.config() if target.kernel == "bwd_sm90_kernel" else \
+    main = target.config() if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else \
         _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels)
     return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels, seqlen_k=c.seqlen_k),
             _config.ElementwiseConfig("preprocess", c.dtype), main,
@@ -712,15 +833,17 @@ def kernel_configs(target: Target) -> list:
 # ----------------------------------------------------------------------------------------------
 
 # The profiled process: the forward twice (fwd_kernel, fwd_sm90_kernel, fwd_sm90_ws_kernel), or the forward once
-# (o, lse) and the backward twice (bwd_kernel, bwd_sm90_kernel, bwd_dq_kernel); ncu's --launch-skip 1
-# --launch-count 1 picks the second launch of the target kernel. The kernel family comes from CUFLASH_KERNELS,
-# which _env sets per target; the driver stops if it did not arrive (ncu would otherwise profile nothing). Inputs
-# are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying on CuPy converting to
-# ml_dtypes.bfloat16).
+# (o, lse) and the backward twice (bwd_kernel, bwd_sm90_kernel, bwd_sm90_ws_kernel, bwd_dq_kernel); ncu's
+# --launch-skip 1 --launch-count 1 picks the second launch of the target kernel. The kernel family comes from
+# CUFLASH_KERNELS, which _env sets per target; the driver stops if it did not arrive (ncu would otherwise profile
+# nothing). Inputs are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying on CuPy
+# converting to ml_dtypes.bfloat16).
 # FWD_SM90_DRIVER_NOTE: at every 16-bit head dim the library launches fwd_sm90_ws_kernel, the first forward family
 # of config.FAMILIES; a fwd_sm90_kernel target takes that family out of the registry in its own process, so
 # config.select returns the next one (the synchronous kernel, which the library no longer launches). Likewise
-# a bwd_sm90_kernel target takes out bwd_sm90_ws, the backward the library launches at head dims 64 and 128.
+# a bwd_sm90_kernel target takes out bwd_sm90_ws, the backward the library launches at kernel head dims 32, 64, 96
+# and 128. fwd_sm90_ws_kernel and bwd_sm90_ws_kernel targets run the registry as it is (for bwd_sm90_ws_kernel,
+# Target checks that it picks the profiled config).
 DRIVER = r"""
 import sys
 import cupy as cp, cuflash
@@ -1033,24 +1156,35 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "(`--clock-control none`). Kernels: `fwd_kernel`; `bwd_kernel`, the backward's K/V-outer main kernel",
         "in the default mode (dQ accumulated by fp32 `red.global.add.v2.f32` into dq_accum), after a forward",
         "that provides o and lse; `bwd_dq_kernel`, the deterministic backward's Q-outer dQ kernel. These are",
-        "the mma.sync kernels, run with `CUFLASH_KERNELS=mma`: on an H100 the library launches the wgmma",
-        "kernels by default, `fwd_sm90_kernel` and `bwd_sm90_kernel`, which are run with",
-        "`CUFLASH_KERNELS=auto` and compared on global traffic, spills, cp.async and st.shared (their",
-        "tensor-core operand reads are no thread instructions: the l1tex shared-load wavefront and conflict",
-        "rows are reported, not targeted, for them).",
+        "the mma.sync kernels, run with `CUFLASH_KERNELS=mma`. On an H100 the library launches its wgmma",
+        "kernels by default: for 16-bit inputs the warp-specialized TMA kernels `fwd_sm90_ws_kernel` and",
+        "`bwd_sm90_ws_kernel` (the backward in its default mode: dQ added to dq_accum by bulk reductions); the",
+        "synchronous `fwd_sm90_kernel` and `bwd_sm90_kernel` are profiled with the warp-specialized family taken",
+        "out of the registry. The four run with `CUFLASH_KERNELS=auto` and are compared on global traffic,",
+        "spills, cp.async and st.shared (their tensor-core operand reads are no thread instructions: the l1tex",
+        "shared-load wavefront and conflict rows are reported, not targeted, for them), the TMA kernels also on",
+        "the TMA counters.",
         "",
         "* global traffic: `l1tex__m_xbar2l1tex_read_bytes` (L2 -> SM) is what the kernel's global loads",
         "  become; the L2 absorbs K/V re-reads, so `dram__bytes_read` is compared with the LRU L2 model",
         "  instead (for the backward kernels the model runs the one kernel from a cold L2).",
-        "  Stores: `l1tex__m_l1tex2xbar_write_bytes` (SM -> L2; for `bwd_kernel` it also carries the dQ",
-        "  reductions' payload) and `l1tex__t_bytes_pipe_lsu_mem_global_op_st` (stores only). Spills would",
-        "  add local stores; expected 0.",
-        "* dQ atomics of `bwd_kernel`: a RED is not a load, it sends its data SM -> L2 where the L2 adds it,",
-        "  so it is compared with the reduction counters (`..._op_red`: requests, bytes at L1, SM -> L2",
-        "  bytes, L2 sectors), not with the L2 -> SM reads.",
+        "  Stores: `l1tex__m_l1tex2xbar_write_bytes` (SM -> L2; for the backward main kernels it also carries",
+        "  the dQ reductions' payload) and `l1tex__t_bytes_pipe_lsu_mem_global_op_st` (stores only). Spills",
+        "  would add local stores; expected 0.",
+        "* TMA loads of `fwd_sm90_ws_kernel` and `bwd_sm90_ws_kernel` (one producer thread: tensor-map boxes,",
+        "  and in the backward 1-D bulk copies of lse_log2 and delta): TMA read bytes and sectors",
+        "  (`..._op_tma_ld`, `..._pipe_tma`) and the UTMALDG / UBLKCP instruction count.",
+        "* dQ atomics of `bwd_kernel` and `bwd_sm90_kernel`: a RED is not a load, it sends its data SM -> L2",
+        "  where the L2 adds it, so it is compared with the reduction counters (`..._op_red`: requests, bytes",
+        "  at L1, SM -> L2 bytes, L2 sectors), not with the L2 -> SM reads.",
+        "* dQ bulk reductions of `bwd_sm90_ws_kernel`: one `cp.reduce.async.bulk .add.f32` of the whole",
+        "  BLOCK_M x HEAD_DIM fp32 block per visited query block, carried out by the TMA unit: compared with",
+        "  the TMA reduction counters (`..._op_tma_red` SM -> L2 bytes, the TMA pipe's writes, UBLKRED",
+        "  instructions) and with zero LSU reductions.",
         "* shared memory: every instruction of the kernel walked by `banks.fwd_kernel_shared`,",
-        "  `banks.bwd_kernel_shared` or `banks.dq_kernel_shared` with the hardware bank rule (docs/IO_ANALYSIS.md",
-        "  section 6). The shared load *wavefront* and conflict counters (`l1tex__..._op_ld`) count LDS and",
+        "  `banks.bwd_kernel_shared` (`banks.bwd_sm90_ws_kernel_shared` for the warp-specialized backward) or",
+        "  `banks.dq_kernel_shared` with the hardware bank rule (docs/IO_ANALYSIS.md section 6). The shared",
+        "  load *wavefront* and conflict counters (`l1tex__..._op_ld`) count LDS and",
         "  LDSM together; the shared load *instruction* counter (`smsp__inst_executed_op_shared_ld`) counts",
         "  LDS only, including the predicated-off LDS that ptxas puts before cp.async (see section 1 of",
         "  \"What the misses mean\"); LDSM has its own counters. cp.async (LDGSTS) wavefronts follow an",

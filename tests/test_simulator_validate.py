@@ -85,6 +85,16 @@ def test_csv_parser_without_rows_returns_empty():
     ("bwd_kernel", "void cuflash::bwd_preprocess_kernel<cuflash::f16>(cuflash::BwdParams)", False),
     ("bwd_dq_kernel", "void cuflash::bwd_dq_kernel<cuflash::DqTraits<128, 128, 32, 8, cuflash::f16>, true>", True),
     ("fwd_kernel", "fwd_kernel", True),
+    ("bwd_sm90_ws_kernel", "void cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<64, cuflash::f16, 128>, false, "
+                           "false, 0>(cuflash::BwdWsParams)", True),
+    ("bwd_sm90_ws_kernel", "_ZN7cuflash18bwd_sm90_ws_kernelINS_15BwdSm90WsTraits", True),
+    ("bwd_sm90_kernel", "void cuflash::bwd_sm90_ws_kernel<cuflash::BwdSm90WsTraits<64, cuflash::f16, 128>, false, "
+                        "false, 0>(cuflash::BwdWsParams)", False),
+    ("bwd_sm90_kernel", "_ZN7cuflash18bwd_sm90_ws_kernelINS_15BwdSm90WsTraits", False),
+    ("bwd_sm90_ws_kernel", "void cuflash::bwd_sm90_kernel<cuflash::BwdSm90Traits<64, 64, 128, 1, cuflash::f16>, false, "
+                           "false>(cuflash::BwdParams)", False),
+    ("bwd_sm90_ws_kernel", "void cuflash::bwd_convert_dq_ws_kernel<cuflash::f16, 64, 128>(cuflash::BwdParams)", False),
+    ("bwd_sm90_ws_kernel", "fwd_sm90_ws_kernel", False),
 ])
 def test_kernel_name_check(kernel, name, ok):
     assert validate.kernel_matches(kernel, name) is ok
@@ -94,7 +104,7 @@ def test_kernel_name_check(kernel, name, ok):
 
 def test_kernel_regexes_select_one_kernel_each():
     """No target's --kernel-name regex selects another kernel of the library, by bare or demangled name."""
-    launched = validate.KERNELS + ("bwd_preprocess_kernel", "bwd_convert_dq_kernel")
+    launched = validate.KERNELS + ("bwd_preprocess_kernel", "bwd_convert_dq_kernel", "bwd_convert_dq_ws_kernel")
     for kernel in validate.KERNELS:
         for other in launched:
             for name in (other, f"void cuflash::{other}<T, true>(cuflash::Params)"):
@@ -115,6 +125,7 @@ def test_rejected_metric_names_are_read_from_ncu_errors():
 
 FWD_TARGETS = [t for t in validate.CASES["full"] if not t.is_backward]
 BWD_TARGETS = [t for t in validate.CASES["full"] if t.is_backward]
+RED_ONLY = [m for m in validate.RED_METRICS if m not in validate.BULK_RED_METRICS]  # red.global's rows only
 
 
 def test_default_set_covers_what_the_validation_needs():
@@ -231,15 +242,22 @@ def test_backward_predictions_are_consistent(target):
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
     assert set(pred) == set(validate.metrics_for(target))
     # (a bwd_sm90_kernel target with its own tiles: 64-query steps where the ws kernel takes 128)
-    main = target.config() if target.kernel == "bwd_sm90_kernel" else None
-    kt = {k.name.replace("_ws_kernel", "_kernel"): k
-          for k in cuflash_backward_kernels(p, True, target.deterministic, target.kernels, main)}[target.kernel]
+    main = target.config() if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else None
+    launches = cuflash_backward_kernels(p, True, target.deterministic, target.kernels, main)
+    kt = {k.name: k for k in launches}[target.kernel]
     v = {m: x for m, (x, _) in pred.items()}
     assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == kt.read_bytes
     assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == kt.write_bytes
     assert v["launch__grid_size"] == int(np.prod(kt.grid)) and v["launch__block_size"] == target.config().threads
     assert v["dram__bytes_read.sum"] > 0
-    if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
+    if target.kernel == "bwd_sm90_ws_kernel":  # dQ by bulk reductions: TMA writes, no LSU RED
+        red = kt.atomic_bytes
+        assert red > 0 and not any(m in pred for m in RED_ONLY)
+        assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red
+        assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum"] == red
+        assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 0
+        assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
+    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
         red = kt.atomic_bytes
         assert red > 0
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
@@ -251,8 +269,8 @@ def test_backward_predictions_are_consistent(target):
     else:
         assert not any(m in pred for m in validate.RED_METRICS)
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes
-    assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum",
-                              "smsp__sass_inst_executed_op_ldgsts.sum")) > 0
+    assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum")) > 0
+    assert (v["smsp__sass_inst_executed_op_ldgsts.sum"] > 0) == (target.kernel not in validate.TMA_KERNELS)
     assert (v["smsp__inst_executed_op_ldsm.sum"] == 0) == (target.kernel in validate.WGMMA_KERNELS), \
         "wgmma reads its operands without ldmatrix"
     # the shared-memory rows come from the same walks as the strategy's bank-conflict count (which adds
@@ -350,6 +368,9 @@ def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, c
         hd = C.kernel_head_dim(c.head_dim)
         assert C.select("forward", hd, c.dtype, c.causal, "sm_90a", kernels="auto", seqlen_k=c.seqlen_k) == \
             target.config(), target.name
+    if target.kernel == "bwd_sm90_ws_kernel":  # the library's backward, the registry left as it is
+        assert C.select("backward", C.kernel_head_dim(c.head_dim), c.dtype, c.causal, "sm_90a", kernels="auto") == \
+            target.config(), target.name
     q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
     want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
     if not target.is_backward:
@@ -394,7 +415,8 @@ metrics = args[args.index("--metrics") + 1].split(",")
 # the launches of the driver, and which of them the --kernel-name regex selects (one, or it is an error)
 pattern = args[args.index("--kernel-name") + 1].split(":", 1)[1]
 launched = ["fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_preprocess_kernel", "bwd_kernel",
-            "bwd_sm90_kernel", "bwd_convert_dq_kernel", "bwd_dq_kernel"]
+            "bwd_sm90_kernel", "bwd_sm90_ws_kernel", "bwd_convert_dq_kernel", "bwd_convert_dq_ws_kernel",
+            "bwd_dq_kernel"]
 selected = [k for k in launched if re.search(pattern, k) and re.search(pattern, "void cuflash::%s<T>(P)" % k)]
 if len(selected) != 1:
     print("==ERROR== --kernel-name %s selects %s" % (pattern, selected), file=sys.stderr)
@@ -654,10 +676,11 @@ SM90_TARGETS = [t for t in validate.CASES["full"] if t.kernel in validate.WGMMA_
 def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     """fwd_sm90_kernel: per live CTA 2 * HEAD_DIM/8 O staging stores per warp; bwd_sm90_kernel: per CTA 2 *
     2 * HEAD_DIM/8 dK/dV staging stores per warp, per visit BLOCK_M/4 dS^T stores per warp (unless
-    deterministic) and 2 * DQ_COLS/8 RED.v2 per warp. No ldmatrix; the l1tex shared-load rows are
-    reported, not targeted (wgmma operand reads)."""
+    deterministic) and 2 * DQ_COLS/8 RED.v2 per warp; bwd_sm90_ws_kernel: the same stores by its 8 consumer warps,
+    plus per visit DQ_COLS/8 16-byte stores of the dQ block per warp, and no RED. No ldmatrix; the l1tex
+    shared-load rows are reported, not targeted (wgmma operand reads)."""
     cfg, p = target.config(), target.case.problem()
-    assert type(cfg).__name__ in ("FwdSm90Config", "FwdSm90WsConfig", "BwdSm90Config")
+    assert type(cfg).__name__ in ("FwdSm90Config", "FwdSm90WsConfig", "BwdSm90Config", "BwdSm90WsConfig")
     pred = {m: v for m, (v, _) in validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS).items()}
     metrics = validate.metrics_for(target)
     assert pred["smsp__inst_executed_op_ldsm.sum"] == 0
@@ -676,6 +699,14 @@ def test_sm90_predictions_count_the_thread_instructions_by_hand(target):
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
     visits = int((m_end - m_begin).clip(0).sum()) * p.batch_heads
     live = int((m_end > m_begin).sum()) * p.batch_heads
+    if target.kernel == "bwd_sm90_ws_kernel":  # 8 consumer warps; a 128-query step splits dQ by rows
+        dq_cols = hd if cfg.block_m == 128 else hd // 2
+        assert pred["smsp__inst_executed_op_shared_st.sum"] == \
+            live * 8 * 2 * 2 * hd // 8 + visits * 8 * (cfg.block_m // 4 + dq_cols // 8)
+        assert "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum" not in pred
+        assert pred["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 0
+        assert pred["smsp__sass_inst_executed_op_tma_red.sum"] == visits
+        return
     ds = 0 if cfg.deterministic else visits * warps * cfg.block_m // 4
     assert pred["smsp__inst_executed_op_shared_st.sum"] == live * warps * 2 * 2 * hd // 8 + ds
     dq_cols = hd // (cfg.block_n // 64)
@@ -702,6 +733,182 @@ def test_whole_run_of_the_wgmma_targets_against_a_fake_ncu(tmp_path):
     assert rows[("fwd_sm90_kernel", "smsp__inst_executed_op_shared_st.sum")] == "yes"
     assert rows[("bwd_sm90_kernel", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum")] == "yes"
     assert rows[("bwd_sm90_kernel", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum")] == "info"
+    assert rows[("bwd_sm90_ws_kernel", "smsp__sass_inst_executed_op_tma_red.sum")] == "yes"
+    assert rows[("bwd_sm90_ws_kernel", "sm__sass_inst_executed_op_tma_ld.sum")] == "yes"
     calls = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert [c[c.index("--kernel-name") + 1] for c in calls] == ["regex:" + validate.kernel_regex(k)
                                                                for k in validate.WGMMA_KERNELS]
+
+
+# ---- the warp-specialized backward (bwd_sm90_ws_kernel) -------------------------------------------------------
+
+WS_BWD_TARGETS = [t for t in validate.CASES["full"] if t.kernel == "bwd_sm90_ws_kernel"]
+
+
+def test_the_ws_backward_targets_are_the_librarys_kernel():
+    """Head dims 64 and 128, both dtypes, causal and not, in the default set; each target's config is the one the
+    registry gives attention_backward with the library's default family (the driver takes nothing out)."""
+    default = [t for t in validate.CASES["default"] if t.kernel == "bwd_sm90_ws_kernel"]
+    assert 2 <= len(default) <= 4
+    assert {t.case.head_dim for t in default} == {64, 128} and {t.case.dtype for t in default} == {"fp16", "bf16"}
+    assert {t.case.causal for t in default} == {False, True}
+    for t in WS_BWD_TARGETS:
+        c = t.case
+        cfg = t.config()
+        assert isinstance(cfg, C.BwdSm90WsConfig) and t.kernels == "auto" and not t.deterministic
+        assert C.select("backward", C.kernel_head_dim(c.head_dim), c.dtype, c.causal, "sm_90a", kernels="auto") == cfg
+        assert cfg == C.bwd_sm90_ws_config(C.kernel_head_dim(c.head_dim), c.dtype, c.causal, False)
+
+
+def _ws_hand_count(b, h, sq, sk, d, bm, bn, box, causal, e=2):
+    """bwd_sm90_ws_kernel by hand, one loop over key blocks and query blocks (no analyzer helper): a CTA of bn keys
+    visits every query block of bm rows whose last row sees its first key (causal, bottom-right: key j <= row i +
+    sk - sq); TMA reads K, V once and Q, dO per visit (in-bounds rows), bulk copies read bm floats of lse_log2 and
+    of delta per visit, one bulk reduction adds the bm x d fp32 dQ block per visit. Thread instructions: per visit
+    dS^T (bn x bm, st.shared.b32 of 128 bytes per warp), the dQ block (16-byte stores, 512 bytes per warp) and the
+    float2 lse_log2 and delta loads (8 consumer warps x bm / 8 each); per CTA the dK, dV staging (st.shared.b32) and
+    their 16-byte reads (no key tail here)."""
+    out = dict(reads=0, loads=0, visits=0, ctas=0, sts=0, lds=0)
+    for n in range(-(-sk // bn)):
+        n0, keys = n * bn, min(bn, sk - n * bn)
+        assert keys == bn, "the LDS count below assumes no key tail"
+        blocks = [m for m in range(-(-sq // bm)) if not causal or min((m + 1) * bm, sq) - 1 + sk - sq >= n0]
+        if not blocks:
+            continue
+        out["ctas"] += 1
+        out["reads"] += 2 * keys * d * e
+        out["loads"] += 2 * (d // box)
+        out["sts"] += 2 * bn * d * e // 128
+        out["lds"] += 2 * bn * d * e // 512
+        for m in blocks:
+            rows = min(bm, sq - m * bm)
+            out["reads"] += 2 * rows * d * e + 2 * bm * 4
+            out["loads"] += 2 * (d // box) + 2
+            out["visits"] += 1
+            out["sts"] += bn * bm * e // 128 + bm * d * 4 // 512
+            out["lds"] += 8 * 2 * (bm // 8)
+    return {k: v * b * h for k, v in out.items()}
+
+
+def test_ws_backward_b1_h2_n512_d64_causal_by_hand():
+    """B=1 H=2 N=512 D=64 fp16 causal: steps of 128 queries, 128 keys per CTA, one 64-column box per tile. Key block
+    n sees query blocks n .. 3: 4 + 3 + 2 + 1 = 10 visits per head."""
+    t = validate.Target("bwd_sm90_ws_kernel", validate.Case(1, 2, 512, 512, 64, causal=True))
+    cfg = t.config()
+    assert (cfg.block_m, cfg.block_n, cfg.box_cols) == (128, 128, 64)
+    v = {m: x for m, (x, _) in validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    kv = 2 * 512 * 64 * 2  # 131,072 per head: K and V once
+    q_do = 10 * 2 * 128 * 64 * 2  # 327,680: Q and dO per visit
+    vec = 10 * 2 * 128 * 4  # 10,240: lse_log2 and delta per visit
+    reads = 2 * (kv + q_do + vec)
+    assert reads == 937_984
+    for m in ("l1tex__m_xbar2l1tex_read_bytes.sum", "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum"):
+        assert v[m] == reads, m
+    assert v["l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum"] == reads // 32
+    # per head: 4 CTAs x (K, V: 1 box each) + 10 visits x (Q, dO: 1 box each + 2 bulk copies)
+    assert v["sm__sass_inst_executed_op_tma_ld.sum"] == 2 * (4 * 2 + 10 * 4) == 96
+    red = 2 * 10 * 128 * 64 * 4  # 655,360: one 128 x 64 fp32 block per visit
+    assert v["smsp__sass_inst_executed_op_tma_red.sum"] == 20
+    assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum"] == red == 655_360
+    assert v["l1tex__m_l1tex2xbar_write_bytes_pipe_tma.sum"] == red
+    dk_dv = 2 * 2 * 512 * 64 * 2  # 262,144
+    assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == dk_dv
+    assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == dk_dv + red == 917_504
+    assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 0
+    # STS per head: 4 CTAs x 256 (dK, dV staging) + 10 visits x (256 dS^T + 64 dQ); LDS: 4 x 64 + 10 x 256
+    assert v["smsp__inst_executed_op_shared_st.sum"] == 2 * (4 * 256 + 10 * 320) == 8_448
+    assert v["smsp__inst_executed_op_shared_ld.sum"] == 2 * (4 * 64 + 10 * 256) == 5_632
+    assert v["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"] == 0
+    assert v["smsp__sass_inst_executed_op_ldgsts.sum"] == v["smsp__inst_executed_op_ldsm.sum"] == 0
+    assert v["launch__grid_size"] == 4 * 2 and v["launch__block_size"] == 384
+    # DRAM from a cold L2 that holds everything: Q, dO, K, V, lse_log2, delta once, dq_acc's blocks read before the adds
+    assert v["dram__bytes_read.sum"] == 2 * (4 * 512 * 64 * 2 + 2 * 512 * 4 + 512 * 64 * 4)
+
+
+@pytest.mark.parametrize("case,tiles", [
+    (validate.Case(1, 2, 512, 512, 64, causal=True), (128, 128, 64)),
+    (validate.Case(2, 1, 256, 384, 128, "bf16"), (64, 128, 64)),
+    (validate.Case(1, 2, 320, 256, 64, "bf16", causal=True), (128, 128, 64)),  # a Q tail; rows without a key
+    (validate.Case(2, 3, 700, 512, 128, causal=True), (64, 128, 64)),
+    (validate.Case(1, 2, 256, 256, 32), (128, 128, 32)),
+], ids=lambda x: x.name if isinstance(x, validate.Case) else str(x))
+def test_ws_backward_predictions_equal_the_hand_loop(case, tiles):
+    bm, bn, box = tiles
+    t = validate.Target("bwd_sm90_ws_kernel", case)
+    cfg = t.config()
+    assert (cfg.block_m, cfg.block_n, cfg.box_cols) == tiles
+    want = _ws_hand_count(case.batch, case.heads, case.seqlen_q, case.seqlen_k, case.head_dim, bm, bn, box,
+                          case.causal)
+    v = {m: x for m, (x, _) in validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == v["l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum"] \
+        == want["reads"]
+    assert v["sm__sass_inst_executed_op_tma_ld.sum"] == want["loads"]
+    assert v["smsp__sass_inst_executed_op_tma_red.sum"] == want["visits"]
+    red = want["visits"] * bm * case.head_dim * 4
+    assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum"] == red
+    dk_dv = 2 * case.batch * case.heads * case.seqlen_k * case.head_dim * 2
+    assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == dk_dv + red
+    assert v["smsp__inst_executed_op_shared_st.sum"] == want["sts"]
+    assert v["smsp__inst_executed_op_shared_ld.sum"] == want["lds"]
+    assert v["launch__grid_size"] == -(-case.seqlen_k // bn) * case.batch * case.heads
+
+
+def test_ws_backward_targets_reject_what_they_cannot_count():
+    with pytest.raises(ValueError, match="timing-dependent"):
+        validate.Target("bwd_sm90_ws_kernel", validate.Case(1, 1, 256, 256, 64), deterministic=True)
+    with pytest.raises(ValueError, match="bwd_sm90_ws_kernel runs kernel head dims"):
+        validate.Target("bwd_sm90_ws_kernel", validate.Case(1, 1, 256, 256, 256))
+
+
+def test_ws_backward_kernel_configs_and_driver(monkeypatch):
+    t = validate.Target("bwd_sm90_ws_kernel", validate.Case(1, 2, 100, 150, 64, "bf16", causal=True))
+    ws = C.bwd_sm90_ws_config(64, "bf16", True, False)
+    assert validate.kernel_configs(t) == [C.forward_kernel_config(64, "bf16", True, kernels="auto", seqlen_k=150),
+                                          C.ElementwiseConfig("preprocess", "bf16"), ws,
+                                          C.convert_dq_config(ws, "bf16")]
+    assert C.convert_dq_config(ws, "bf16").kind == "convert_dq_ws"
+    code = validate.driver_code(t)
+    assert "'bwd_sm90_ws_kernel'" in code and "'auto'" in code
+
+
+def test_ws_backward_dry_run_lists_the_target(tmp_path, capsys):
+    out = tmp_path / "ws.md"
+    assert validate.main(["--out", str(out), "--dry-run", "--kernels", "bwd_sm90_ws_kernel",
+                          "--raw-dir", str(tmp_path / "raw")]) == 0
+    text, printed = out.read_text(), capsys.readouterr().out
+    n = len([t for t in validate.CASES["default"] if t.kernel == "bwd_sm90_ws_kernel"])
+    assert printed.count("CUFLASH_KERNELS=auto") == n and "CUFLASH_KERNELS=mma" not in printed
+    assert printed.count("regex:" + validate.kernel_regex("bwd_sm90_ws_kernel")) == n
+    rows = [ln for ln in text.splitlines() if ln.startswith("| bwd_")]
+    assert rows and all(ln.startswith("| bwd_sm90_ws_kernel |") for ln in rows)
+    assert "`l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum`" in text
+    assert "`sm__sass_inst_executed_op_tma_ld.sum`" in text and "pending" in text
+    assert not (tmp_path / "raw" / "rows.json").exists(), "a dry run keeps no rows"
+    assert validate.main(["--list", "--cases", "default"]) == 0
+    assert "bwd_sm90_ws_kernel | b2 h8 N2048 d64 fp16" in capsys.readouterr().out
+
+
+def test_ws_backward_from_raw(tmp_path):
+    """A fake ncu that echoes the predictions measures every targeted row; the kept output rebuilds the table."""
+    default = validate.CASES["default"]
+    only = [i for i, t in enumerate(default) if t.kernel == "bwd_sm90_ws_kernel"][:2]
+    targets = [default[i] for i in only]
+    values = {"bwd_sm90_ws_kernel": {m: int(v) for m, (v, _) in validate.predict(
+        targets[0], validate.H100_L2_BYTES, validate.H100_SMS).items() if v is not None}}
+    ncu, log = _fake_ncu(tmp_path, values)
+    out, raw = tmp_path / "v.md", tmp_path / "raw"
+    assert validate.main(["--out", str(out), "--only", *map(str, only), "--ncu", ncu, "--no-prewarm",
+                          "--raw-dir", str(raw)]) == 0
+    calls = [json.loads(ln) for ln in log.read_text().splitlines()]
+    assert [c[c.index("--kernel-name") + 1] for c in calls] == \
+        ["regex:" + validate.kernel_regex("bwd_sm90_ws_kernel")] * 2
+    rows = {(r["case"], r["metric"]): r["verdict"] for r in json.loads((raw / "rows.json").read_text())}
+    first = targets[0].case.name
+    for m, (_, tol) in validate.metrics_for(targets[0]).items():
+        assert rows[(first, m)] == ("info" if tol is None else "yes"), m
+    again = tmp_path / "again.md"
+    assert validate.main(["--out", str(again), "--only", *map(str, only), "--from-raw", str(raw),
+                          "--raw-dir", str(tmp_path / "raw2")]) == 0
+    table = lambda t: t.split("| kernel |")[1].split("\nTargets met")[0]  # noqa: E731
+    assert table(again.read_text()) == table(out.read_text())
+    assert "Targets without measurements" not in again.read_text()
