@@ -19,7 +19,8 @@
 #   bench         python -m cuflash.bench --backward $BENCH_ARGS (JSON and plot kept)
 #   bench_decode  python -m cuflash.bench --decode; bench_varlen: --varlen; bench_bias: --bias $BIAS_ARGS
 #   bench_fp8     python -m cuflash.bench --fp8 $FP8_ARGS (JSON kept); fp8_accuracy: tools/fp8_accuracy.py (JSON kept)
-#   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters)
+#   ncu           python -m cuflash.simulator.validate (the analyzer against hardware counters); NCU_ARGS: more of
+#                 its arguments, e.g. "--kernels bwd_sm90_ws_kernel" (only those targets) or "--cases full"
 #   overhead      tools/launch_overhead.py (host cost of a call)
 #   tune          tools/tune_tiles.py $TUNE_ARGS
 #   tune_decode   tools/tune_decode.py $TUNE_DECODE_ARGS (decode pipeline depth and split factor)
@@ -142,7 +143,7 @@ stage_bench_ring2() {  # a second ring benchmark in the same call (e.g. not caus
 stage_ncu() {
   TAIL=3 run_logged ncu "${NCU_TIMEOUT:-500}" $PY -m cuflash.simulator.validate --out "$OUT/IO_VALIDATION.md" \
     --raw-dir /tmp/ncu_raw --ncu "$(command -v ncu || echo /usr/local/cuda/bin/ncu)" --timeout 120 \
-    --budget-s "$(( ${NCU_TIMEOUT:-500} - 40 ))"
+    --budget-s "$(( ${NCU_TIMEOUT:-500} - 40 ))" ${NCU_ARGS:-}
   tar czf "$OUT/ncu_raw.tgz" -C /tmp ncu_raw 2>/dev/null
 }
 stage_overhead() { TAIL="${OVERHEAD_TAIL:-5}" run_logged overhead 120 $PY tools/launch_overhead.py ${OVERHEAD_ARGS:-}; }
