@@ -85,10 +85,10 @@ struct FwdTf32Traits {
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
   static constexpr int SPLIT_THREADS = 96;            // producer warps 1-3; warp 0's lane 0 issues the TMA loads
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
-  // two consumers: the register file is shared out by setmaxnreg (as fwd_sm90_fp8); one: 256 threads may each hold
-  // 255 registers, no redistribution needed
+  // two or three consumers: the register file is shared out by setmaxnreg (as fwd_sm90_fp8); one: 256 threads may
+  // each hold 255 registers, no redistribution needed. Three: 128 x 56 + 384 x 152 = 64K
   static constexpr int PRODUCER_REGS = 56;
-  static constexpr int CONSUMER_REGS = 224;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : 224;
   static constexpr int N_TILES = BLOCK_N / 8;
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 8;     // k8 steps of S = Q K^T
@@ -124,7 +124,8 @@ struct FwdTf32Traits {
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of P V)");
   static_assert((QK_K_STEPS < CHAIN_STEPS || QK_K_STEPS % CHAIN_STEPS == 0) && S_CHAINS <= 2,
                 "S in at most two chains of k 64");
-  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+  static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+  static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
   static_assert(!PINGPONG || CONSUMERS == 2, "pingpong orders two consumers");
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");

@@ -420,6 +420,11 @@ def wide_cases() -> list[Case]:
               _case(4, 113, 203, 2, 96, "fp32", True, "bshd", "contiguous", kind="varlen", kv_heads=1),
               _case(4, 203, 113, 2, 64, "tf32", False, "bshd", "contiguous", kind="varlen"),
               _case(4, 113, 203, 2, 40, "fp64", True, "bshd", "contiguous", kind="varlen", kv_heads=1)]
+    # causal rows past config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS: the TF32 forward's three consumer warpgroups with a
+    # band (the shorter causal cases above take its two-consumer tiles), 1100 rows: the last 192-row block part empty
+    cases += [_case(1, 1100, 1100, 1, 64, "tf32", True, "bhsd", "contiguous"),
+              _case(1, 1100, 1030, 1, 32, "fp32", True, "bshd", "contiguous", kv_heads=1),
+              _case(1, 1030, 1100, 1, 24, "tf32", True, "bshd", "padded")]
     return cases
 
 

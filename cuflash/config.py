@@ -303,6 +303,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for c, w in ((False, False), (True, False), (False, True))]
         out += [fwd_sm90_tf32_config(hd, dt, c, w, b) for dt in FWD_SM90_TF32_TILES for hd in FWD_SM90_TF32_TILES[dt]
                 for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)]
+        out += [fwd_sm90_tf32_config(hd, dt, True, seqlen_k=1) for dt in FWD_SM90_TF32_TILES_TWO
+                for hd in FWD_SM90_TF32_TILES_TWO[dt]]
     out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
     return out
 
@@ -1595,9 +1597,12 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 forward")
-        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
+        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2, 3):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
-                             f"or 64, 2-4 stages, 1 or 2 consumers")
+                             f"or 64, 2-4 stages, 1-3 consumers")
+        if self.consumers == 3 and self.split > 1:
+            raise ValueError(f"consumers=3 at head_dim={self.head_dim} in {self.dtype!r}: a cluster pair runs two "
+                             f"consumer warpgroups per CTA")
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
 
@@ -1649,10 +1654,22 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # --head-dims 128 --n 4096 --causal both --no-backward` (H200, 2026-11-30): (32, 3, 2, pingpong) 62 / 58 TFLOP/s
 # (not causal / causal), (32, 2, 2, pingpong) 62 / 58, (16, 4, 2, pingpong) 47 / 44; the one-CTA (16, 2, 2) tiles it
 # replaced 54 (`tools/tune_tiles.py` the same day, before the pairs). Without pingpong ptxas serializes its wgmma.
+# Three consumer warpgroups (192 query rows per CTA, no pingpong, 152 registers each) where a consumer's registers
+# hold them: one-pass TF32 at head dims 32 and 64, 3xTF32 at 32 (3xTF32 at 64 spilled nothing with 32-key tiles but
+# ran 4-21 % slower). Each K / V tile, its split and its transpose then serve 192 rows instead of 128.
+# `tools/tune_tiles.py --dtype tf32|fp32 --head-dims 32 64 --n 1024 4096 16384 --causal both --no-backward` (H200,
+# 2026-11-30), TFLOP/s at N 1k / 4k / 16k, (64, 2, 3) against the two-consumer tiles before: one-pass TF32 at D 64
+# 135 / 159 / 170 against 122 / 131 / 133 (causal 97 / 140 / 158 against 100 / 126 / 137), at D 32 95 / 113 / 117
+# against 93 / 103 / 105 (causal 72 / 104 / 118 against 77 / 97 / 106); 3xTF32 at D 32 64 / 74 / 77 against 61 / 65 /
+# 66 (causal 48 / 66 / 74 against 51 / 61 / 65); (64, 3, 3) within 2 % of (64, 2, 3) in every row. Causal rows up to
+# 1k keys (FWD_SM90_TF32_SHORT_CAUSAL_KEYS) and a bias keep two consumers (FWD_SM90_TF32_TILES_TWO): the short causal
+# rows measured slower on three (above), and with a bias three spilled 80-100 bytes at head dim 64.
 FWD_SM90_TF32_TILES = {
-    "fp32": {32: (64, 3, 2, True), 64: (64, 2, 2, True), 128: (32, 3, 2, True)},
-    "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True), 128: (32, 3, 2, True)},
+    "fp32": {32: (64, 2, 3, False), 64: (64, 2, 2, True), 128: (32, 3, 2, True)},
+    "tf32": {32: (64, 2, 3, False), 64: (64, 2, 3, False), 128: (32, 3, 2, True)},
 }
+FWD_SM90_TF32_TILES_TWO = {"fp32": {32: (64, 3, 2, True)}, "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True)}}
+FWD_SM90_TF32_SHORT_CAUSAL_KEYS = 1024
 # With a bias and a causal or windowed band, 3xTF32 at head dim 64 takes 32-key tiles: with 64-key tiles those
 # kernels spilled 4 bytes (NVRTC 13.5). (On the full band the 64-key tiles stay: with 32-key ones a bias forward
 # of B 512, L 256, H 8 took 1.253 ms against 1.082 without a bias; at head dim 128, on unchanged tiles, a bias cost
@@ -1663,8 +1680,13 @@ FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 
 def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
-                         bias: bool = False) -> FwdSm90Tf32Config:
+                         bias: bool = False, seqlen_k: int | None = None) -> FwdSm90Tf32Config:
+    """The float32 Hopper forward's config; seqlen_k (the call's longest key sequence), when given, lets causal rows
+    of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys take the two-consumer tiles."""
+    short_causal = causal and seqlen_k is not None and seqlen_k <= FWD_SM90_TF32_SHORT_CAUSAL_KEYS
     tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if bias and (causal or window) else {}
+    if bias or short_causal:
+        tiles = {**FWD_SM90_TF32_TILES_TWO.get(dtype, {}), **tiles}
     bn, stages, consumers, pingpong = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
     return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias)
 
@@ -1753,9 +1775,12 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
-        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2):
+        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2, 3):
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
-                             f"or 64, 2-4 stages, 1 or 2 consumers")
+                             f"or 64, 2-4 stages, 1-3 consumers")
+        if self.consumers == 3 and self.split > 1:
+            raise ValueError(f"consumers=3 at head_dim={self.head_dim} in {self.dtype!r}: a cluster pair runs two "
+                             f"consumer warpgroups per CTA")
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
     box_cols = 32
@@ -1876,7 +1901,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: bwd_config(hd, dt, c, det, m, arch)),
     Family("fwd_sm90_tf32", "forward", ("sm_90a",), ("fp32", "tf32"),
            lambda mods: tuple(FWD_SM90_TF32_TILES["fp32"]) if not mods & ~FWD_SM90_TF32_MODS else (),
-           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS)),
+           lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS),
+                                                                     seqlen_k=sk),
            wgmma=True),
     Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),

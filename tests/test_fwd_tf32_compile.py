@@ -24,7 +24,11 @@ def test_every_table_entry_is_shipped_plain_causal_and_windowed_with_and_without
     want = {(dt, d, c, w, b) for dt, table in config.FWD_SM90_TF32_TILES.items() for d in table
             for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
     assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in SHIPPED} == want
-    assert len(SHIPPED) == len(want) == 36
+    # ... and the two-consumer tiles of causal rows of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys
+    short = {(dt, d) for dt, table in config.FWD_SM90_TF32_TILES_TWO.items() for d in table}
+    assert short == {("fp32", 32), ("tf32", 32), ("tf32", 64)}
+    assert len(SHIPPED) == len(want) + len(short) == 39
+    assert len({c.cpp_name() for c in SHIPPED}) == len(SHIPPED)
     for c in SHIPPED:  # the template's MODS: MOD_WINDOW, MOD_BIAS
         assert c.cpp_name().endswith(f", {config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias}>"), c
 
@@ -55,6 +59,25 @@ def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
     assert isinstance(config.select("forward", 64, "fp64", False, "sm_90a"), config.FwdWideConfig)
 
 
+def test_three_consumers_where_they_fit_two_for_short_causal_rows_and_a_bias():
+    """Three consumer warpgroups (192 rows, no pingpong) for one-pass TF32 at head dims 32 and 64 and 3xTF32 at 32;
+    causal rows of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys and a bias keep the two-consumer tiles."""
+    short = config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS
+    for dt, hd in (("tf32", 32), ("tf32", 64), ("fp32", 32)):
+        for causal, window, sk in ((False, False, None), (False, False, 512), (True, False, None),
+                                   (True, False, short + 1), (False, True, 512)):
+            cfg = config.fwd_sm90_tf32_config(hd, dt, causal, window, seqlen_k=sk)
+            assert (cfg.consumers, cfg.block_m, cfg.threads, cfg.pingpong) == (3, 192, 512, False), (dt, hd, causal, sk)
+        for causal, bias, sk in ((True, False, short), (True, False, 1), (False, True, None), (True, True, 1 << 20)):
+            cfg = config.fwd_sm90_tf32_config(hd, dt, causal, bias=bias, seqlen_k=sk)
+            assert (cfg.consumers, cfg.block_m, cfg.pingpong) == (2, 128, True), (dt, hd, causal, bias, sk)
+        # the registry passes the call's longest key sequence
+        assert config.select("forward", hd, dt, True, "sm_90a", seqlen_k=short).consumers == 2
+        assert config.select("forward", hd, dt, True, "sm_90a", seqlen_k=short + 1).consumers == 3
+    for dt, hd in (("fp32", 64), ("fp32", 128), ("tf32", 128)):  # P's parts (3xTF32) or O at 128: two consumers
+        assert config.fwd_sm90_tf32_config(hd, dt, False).consumers == 2
+
+
 def test_config_checks_its_arguments():
     with pytest.raises(ValueError, match="dtype='bf16'"):
         config.FwdSm90Tf32Config(64, 64, 2, 2, "bf16", False)
@@ -64,6 +87,12 @@ def test_config_checks_its_arguments():
         config.FwdSm90Tf32Config(64, 128, 2, 2, "fp32", False)
     with pytest.raises(ValueError, match="pingpong"):
         config.FwdSm90Tf32Config(64, 64, 2, 1, "fp32", False, pingpong=True)
+    with pytest.raises(ValueError, match="pingpong"):
+        config.FwdSm90Tf32Config(64, 64, 2, 3, "tf32", False, pingpong=True)
+    with pytest.raises(ValueError, match="consumers=4"):
+        config.FwdSm90Tf32Config(64, 64, 2, 4, "tf32", False)
+    with pytest.raises(ValueError, match="consumers=3 at head_dim=128"):  # a cluster pair
+        config.FwdSm90Tf32Config(128, 32, 2, 3, "fp32", False)
     with pytest.raises(ValueError, match="causal=True with window=True"):
         config.FwdSm90Tf32Config(64, 64, 2, 2, "fp32", True, window=True)
 
@@ -109,7 +138,8 @@ def test_every_instantiation_compiles_spill_free(cfg):
     res = compiled.resources
     spills = (res["spill_stores"], res["spill_loads"], res["stack"])
     assert spills == (0, 0, 0), f"{cfg} spills (stores, loads, stack) = {spills}\n{compiled.log}"
-    limit = 168 if cfg.consumers == 2 else 255  # 384 threads: setmaxnreg gives the consumers theirs
+    # 384 / 512 threads: the launch's share (setmaxnreg then gives the consumers theirs); one consumer: 255
+    limit = {1: 255, 2: 168, 3: 128}[cfg.consumers]
     assert res["registers"] is not None and res["registers"] <= limit, f"{cfg}: {res}"
     assert "C7508" not in compiled.log and "serialized" not in compiled.log, compiled.log
     assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
@@ -130,7 +160,7 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     products = 3 if cfg.dtype == "fp32" else 1
     assert count("HGMMA") == 2 * products * (cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
     assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
-    assert count("USETMAXREG") == (2 if cfg.consumers == 2 else 0)
+    assert count("USETMAXREG") == (2 if cfg.consumers >= 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
     # the bias: an L1 prefetch per line of the tile's rows, and 8-byte loads of key pairs (a tile inside the
@@ -160,7 +190,8 @@ def test_analyzer_counts_the_tf32_forward():
         cfg = strategies.cuflash_config(p)
         assert isinstance(cfg, config.FwdSm90Tf32Config) and strategies.kernel_name(cfg) == "fwd_sm90_tf32_kernel"
         c = strategies.simulate("cuflash", p)
-        q_blocks, kv_tiles = 1024 // cfg.block_m, (1024 // cfg.block_m) * (1024 // cfg.block_n)
+        q_blocks = -(-1024 // cfg.block_m)  # 192 rows (three consumers): the last block part empty
+        kv_tiles = q_blocks * (1024 // cfg.block_n)
         assert c.hbm_read_bytes == 4 * 64 * (1024 + 2 * cfg.block_n * kv_tiles)
         assert c.hbm_write_bytes == 1024 * (4 * 64 + 4)
         assert c.bank_conflicts is None and c.sram_read_bytes > 0 and c.sram_write_bytes > 0

@@ -383,6 +383,33 @@ def test_float32_forward_head_dims_between_kernels(d, precision):
 
 
 
+# (precision, b, sq, sk, hq, hkv, d, causal, mods): the three-consumer tiles (192 query rows per CTA): query lengths
+# that leave the last block part empty (1100 = 5 x 192 + 140, 385, 193), causal rows past the short-causal rule,
+# GQA / MQA, a window, head dims below the kernel's
+THREE_CONSUMERS = [("tf32", 1, 1100, 1100, 4, 2, 64, True, None), ("tf32", 2, 385, 1500, 2, 1, 64, False, None),
+                   ("fp32", 1, 1300, 1100, 3, 3, 32, True, None), ("tf32", 1, 1537, 1537, 2, 2, 24, True, None),
+                   ("tf32", 2, 700, 900, 2, 2, 56, False, {"window": (100, 50)}),
+                   ("fp32", 2, 193, 191, 4, 4, 32, False, None), ("fp32", 1, 1025, 1030, 2, 1, 16, True, None)]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods", THREE_CONSUMERS,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
+                              f"{'-window' if c[8] else ''}" for c in THREE_CONSUMERS])
+def test_float32_forward_on_three_consumer_warpgroups(precision, b, sq, sk, hq, hkv, d, causal, mods):
+    """On an sm_90a GPU one-pass TF32 at head dims 32 and 64 and 3xTF32 at 32 run fwd_sm90_tf32_kernel with three
+    consumer warpgroups (config.FWD_SM90_TF32_TILES): each case asserts the registry picks them, then checks the
+    forward and backward by the rule of its precision (elsewhere the same cases run fwd_wide_kernel)."""
+    from cuflash import _launch
+
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch == "sm_90a" and config.KERNELS != "mma":
+        mods_bits = config.MOD_WINDOW if mods else 0
+        cfg = config.select("forward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods_bits,
+                            seqlen_k=sk)
+        assert isinstance(cfg, config.FwdSm90Tf32Config) and cfg.consumers == 3, cfg
+    run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods)
+
+
 def test_hopper_float32_backward_runs_on_tf32_wgmma():
     """On an sm_90a GPU the float32 backward at kernel head dims 32, 64 and 128 (plain, causal, windowed) is
     bwd_sm90_tf32_kernel with its dQ kernel (at 128 their cluster pairs, 64 columns per CTA), so the backward tests
@@ -632,11 +659,11 @@ VARLEN_D = {"fp32": 64, "tf32": 96, "fp64": 128}
 
 
 def run_varlen(precision, causal, lens_q=LENS_Q, lens_k=LENS_K, hq=HQ, hkv=HKV, kind="contiguous", mods=None,
-               bias=False, padding=False, prealloc=False, deterministic=False):
+               bias=False, padding=False, prealloc=False, deterministic=False, d=None):
     """attention_varlen_forward and attention_varlen_backward of packed sequences, by the rule of `precision`.
     bias: a float32 (num_seqs, H_q, max_q, max_k) bias with dbias; padding: a random key padding mask;
-    deterministic: as run_dense's."""
-    dtype, d = input_dtype(precision), VARLEN_D[precision]
+    deterministic: as run_dense's; d: the head dim (VARLEN_D's by default)."""
+    dtype, d = input_dtype(precision), VARLEN_D[precision] if d is None else d
     tq, tk, n = sum(lens_q), sum(lens_k), len(lens_q)
     max_q, max_k = max(lens_q), max(lens_k)
     host_scores_ok(1, hq, 1, sum(a * b for a, b in zip(lens_q, lens_k)), precision)
@@ -693,6 +720,14 @@ def test_varlen(precision, causal):
     """Packed sequences of lengths 0, 1, odd, GQA 4 / 2: each sequence its own attention (causal per sequence); the
     20 queries of the sequence without keys get o = 0, lse = -inf, dq = 0."""
     run_varlen(precision, causal, kind="padded" if causal else "contiguous")
+
+
+@pytest.mark.parametrize("precision", FLOATS32)
+def test_varlen_causal_past_the_short_rule(precision):
+    """Causal packed sequences whose longest is past config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys: at the TF32
+    kernels' head dims of three consumer warpgroups (one-pass TF32 at 64), 192-row blocks inside each sequence."""
+    run_varlen(precision, True, lens_q=[1100, 0, 385, 1], lens_k=[1200, 7, 385, 300],
+               d={"tf32": 64, "fp32": 32}[precision])
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

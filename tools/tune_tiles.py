@@ -60,10 +60,15 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
 # the float32 Hopper forward (sm_90a): (block_n, stages, consumers, pingpong), the alternatives measured against the
 # shipped tiles (config.FWD_SM90_TF32_TILES)
-FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, True), (64, 3, 2, False)],
-                          64: [(64, 2, 2, False), (32, 3, 2, True)], 128: [(32, 2, 2, True), (16, 4, 2, True)]},
-                 "tf32": {32: [(64, 2, 2, True), (32, 4, 2, True), (64, 4, 2, True)],
-                          64: [(64, 2, 2, True), (32, 4, 2, True)], 128: [(32, 2, 2, True), (64, 2, 1, False)]}}
+FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, True), (64, 3, 2, False),
+                               (64, 3, 3, False), (64, 2, 3, False)],
+                          64: [(64, 2, 2, False), (32, 3, 2, True), (32, 3, 3, False)],
+                          128: [(32, 2, 2, True), (16, 4, 2, True)]},
+                 "tf32": {32: [(64, 2, 2, True), (32, 4, 2, True), (64, 4, 2, True), (64, 3, 3, False),
+                               (64, 2, 3, False)],
+                          64: [(64, 2, 2, True), (32, 4, 2, True), (64, 3, 3, False), (64, 2, 3, False),
+                               (32, 3, 3, False)],
+                          128: [(32, 2, 2, True), (64, 2, 1, False)]}}
 # the float32 Hopper backward (sm_90a): the dK / dV kernel's (block_m, stages) and the dQ kernel's (block_n, stages,
 # consumers), each tuned with the other's shipped tiles
 # (head dim 128: the cluster pairs, whose exchange slots leave 3xTF32 one dK / dV tile, (16, 2))
