@@ -621,7 +621,7 @@ struct BwdDqTf32Traits {
   static constexpr int SPLIT_THREADS = 96;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : 232;  // three: 128 x 40 + 384 x 152 <= 64K
   static constexpr int N_TILES = BLOCK_N / 8;          // n8 tiles of S, dP; k8 steps of dQ
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 8;
@@ -648,7 +648,8 @@ struct BwdDqTf32Traits {
   static_assert(HEAD_DIM == 32 || HEAD_DIM == 64, "32 or 64 columns per CTA");
   static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
-  static_assert(CONSUMERS == 1 || CONSUMERS == 2, "one or two consumer warpgroups");
+  static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
+  static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileKt::BYTES == SMEM_KV, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 || CONSUMERS == 1,
@@ -754,12 +755,16 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   // the bias, as the forward reads it (pulled into L1 while S runs)
   ScoreMods<MODS> mods;
   if (HAS_BIAS) mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
-  // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0)
+  // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0). The padded region ends at a
+  // multiple of PAD_ROWS (128), which the last of three consumers' 192-row blocks may pass: rows past rows_q (never
+  // stored) take the pad values without a load
   float lse[2], delta[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    lse[h] = __ldg(p.lse_log2 + vec_row0 + warp * 16 + g + 8 * h);
-    delta[h] = __ldg(p.delta + vec_row0 + warp * 16 + g + 8 * h);
+    const int r = warp * 16 + g + 8 * h;
+    const bool padded = Tr::BLOCK_M > PAD_ROWS && r >= rows_q;
+    lse[h] = padded ? __int_as_float(0x7f800000) : __ldg(p.lse_log2 + vec_row0 + r);
+    delta[h] = padded ? 0.f : __ldg(p.delta + vec_row0 + r);
   }
   float dq_acc[Tr::D_TILES][4], tile[Tr::D_TILES][4];
 #pragma unroll

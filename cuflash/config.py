@@ -917,7 +917,8 @@ DQ_TILES = {
     256: (32, 16, 2),  # block_n 32 spilled 4-28 bytes once varlen and GQA took a few registers (255 in use);
     # (64, 16, 4) spilled 8 bytes non-causal once the kernel took MODS
 }
-SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m)
+SEQLEN_Q_PAD = 128  # fp32 backward buffers are padded to a multiple of this (>= every block_m but the TF32 dQ
+# kernel's 192-row blocks, which read no lse_log2 or delta past their rows)
 
 
 # With ALiBi / softcap / dropout (heavy_mods): see FWD_TILES_MODS. The plain tiles spilled 20-164 bytes at
@@ -1835,10 +1836,16 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # exchange. One-pass TF32 at 128 (`tools/tune_tiles.py --dtype tf32 --head-dims 128 --n 4096 --causal no`, same day):
 # dK / dV (32, 3) 87 TFLOP/s against 85 with 2 stages and 78 with 16-query steps; dQ (32, 3, 2) 89 against 87 with 2
 # stages, 79 with (64, 2, 1).
+# The dQ kernel on three consumer warpgroups (192 rows per CTA, 152 registers each; spill-free where listed in
+# tools/tune_tiles.py's candidates): `tools/tune_tiles.py --dtype tf32|fp32 --head-dims 32 64 --n 1024 4096 16384
+# --causal both` (H200, 2026-11-30, the backward's TFLOP/s at N 1k / 4k / 16k): one-pass TF32 at head dim 32 with
+# (64, 3, 3) 89 / 102 / 105 against 85 / 94 / 97 (causal 68 / 92 / 102 against 68 / 87 / 95), so it takes them; at
+# head dim 64 (32, 3, 3) 100 / 113 / 118 against 102 / 112 / 114 (causal 79 / 105 / 117 against 81 / 103 / 113) and
+# 3xTF32 at 32 (32, 3, 3) 48 / 52 / 53 against 50 / 53 / 54 (causal 38-52 against 41-53) do not.
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
-                          "tf32": {32: (64, 2, 2), 64: (64, 2, 2), 128: (32, 3, 2)}}
+                          "tf32": {32: (64, 3, 3), 64: (64, 2, 2), 128: (32, 3, 2)}}
 # With a bias, one-pass TF32 at head dims 64 and 128 takes 16-query steps: its 32-query steps spilled 8-68 bytes with
 # the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
 # dim 32 they do not

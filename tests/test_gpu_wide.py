@@ -389,24 +389,30 @@ def test_float32_forward_head_dims_between_kernels(d, precision):
 THREE_CONSUMERS = [("tf32", 1, 1100, 1100, 4, 2, 64, True, None), ("tf32", 2, 385, 1500, 2, 1, 64, False, None),
                    ("fp32", 1, 1300, 1100, 3, 3, 32, True, None), ("tf32", 1, 1537, 1537, 2, 2, 24, True, None),
                    ("tf32", 2, 700, 900, 2, 2, 56, False, {"window": (100, 50)}),
-                   ("fp32", 2, 193, 191, 4, 4, 32, False, None), ("fp32", 1, 1025, 1030, 2, 1, 16, True, None)]
+                   ("fp32", 2, 193, 191, 4, 4, 32, False, None), ("fp32", 1, 1025, 1030, 2, 1, 16, True, None),
+                   # one-pass TF32 at head dim 32: the dQ kernel's 192-row blocks too, the last one past the 128-row
+                   # padding of lse_log2 and delta at the end of their arrays (1024 rows, one head)
+                   ("tf32", 1, 1024, 1024, 1, 1, 32, False, None), ("tf32", 2, 640, 700, 2, 2, 32, True, None)]
 
 
 @pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods", THREE_CONSUMERS,
                          ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
                               f"{'-window' if c[8] else ''}" for c in THREE_CONSUMERS])
-def test_float32_forward_on_three_consumer_warpgroups(precision, b, sq, sk, hq, hkv, d, causal, mods):
+def test_float32_on_three_consumer_warpgroups(precision, b, sq, sk, hq, hkv, d, causal, mods):
     """On an sm_90a GPU one-pass TF32 at head dims 32 and 64 and 3xTF32 at 32 run fwd_sm90_tf32_kernel with three
-    consumer warpgroups (config.FWD_SM90_TF32_TILES): each case asserts the registry picks them, then checks the
-    forward and backward by the rule of its precision (elsewhere the same cases run fwd_wide_kernel)."""
+    consumer warpgroups (config.FWD_SM90_TF32_TILES), and one-pass TF32 at 32 its backward's dQ kernel too
+    (config.BWD_DQ_SM90_TF32_TILES): each case asserts the registry picks them, then checks the forward and backward
+    by the rule of its precision (elsewhere the same cases run the wide kernels)."""
     from cuflash import _launch
 
     arch = _launch.device_arch(cp.cuda.Device().id)
     if arch == "sm_90a" and config.KERNELS != "mma":
         mods_bits = config.MOD_WINDOW if mods else 0
-        cfg = config.select("forward", config.kernel_head_dim(d, precision), precision, causal, arch, mods=mods_bits,
-                            seqlen_k=sk)
+        hd = config.kernel_head_dim(d, precision)
+        cfg = config.select("forward", hd, precision, causal, arch, mods=mods_bits, seqlen_k=sk)
         assert isinstance(cfg, config.FwdSm90Tf32Config) and cfg.consumers == 3, cfg
+        dqc = config.select("backward", hd, precision, causal, arch, mods=mods_bits, seqlen_k=sk).dq_config()
+        assert dqc.consumers == (3 if (precision, hd) == ("tf32", 32) else 2), dqc
     run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods)
 
 
@@ -722,12 +728,12 @@ def test_varlen(precision, causal):
     run_varlen(precision, causal, kind="padded" if causal else "contiguous")
 
 
-@pytest.mark.parametrize("precision", FLOATS32)
-def test_varlen_causal_past_the_short_rule(precision):
-    """Causal packed sequences whose longest is past config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys: at the TF32
-    kernels' head dims of three consumer warpgroups (one-pass TF32 at 64), 192-row blocks inside each sequence."""
-    run_varlen(precision, True, lens_q=[1100, 0, 385, 1], lens_k=[1200, 7, 385, 300],
-               d={"tf32": 64, "fp32": 32}[precision])
+@pytest.mark.parametrize("precision,d", [("tf32", 64), ("tf32", 32), ("fp32", 32)])
+def test_varlen_causal_past_the_short_rule(precision, d):
+    """Causal packed sequences whose longest is past config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys, at the TF32
+    kernels' head dims of three consumer warpgroups: 192-row blocks inside each sequence (one-pass TF32 at 32: the
+    dQ kernel's too)."""
+    run_varlen(precision, True, lens_q=[1100, 0, 385, 1], lens_k=[1200, 7, 385, 300], d=d)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
