@@ -92,6 +92,12 @@ def test_configs_check_their_arguments():
         config.BwdDqSm90Tf32Config(64, 128, 2, 2, "fp32", False)
     with pytest.raises(ValueError, match="shared memory"):
         config.BwdDqSm90Tf32Config(64, 64, 2, 2, "fp32", False)
+    # the dQ kernel: up to three consumer warpgroups, two in a cluster pair (head dim 128)
+    with pytest.raises(ValueError, match="consumers=4"):
+        config.BwdDqSm90Tf32Config(32, 64, 3, 4, "tf32", False)
+    with pytest.raises(ValueError, match="consumers=3 at head_dim=128"):
+        config.BwdDqSm90Tf32Config(128, 16, 2, 3, "tf32", False)
+    assert config.BwdDqSm90Tf32Config(32, 64, 3, 3, "tf32", False).block_m == 192
 
 
 def test_shared_memory_fits_sm90_and_follows_the_traits():
