@@ -10,7 +10,8 @@ conflicts of attention tiling strategies, counted from the same configuration co
 
 Modules: masks (the band of visible pairs and the kernels' tile tests), schedules (kernel configs, block
 sizes and the blocks each loop visits, which every model below reads), banks (bank-conflict rule and the
-walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels fwd_sm90_kernel, bwd_sm90_kernel), l2
+walks of fwd_kernel, bwd_kernel, bwd_dq_kernel and the wgmma kernels fwd_sm90_kernel, fwd_sm90_ws_kernel,
+bwd_sm90_kernel, bwd_sm90_ws_kernel), l2
 (LRU L2 model), strategies (counts; `simulate` adds the walks and the L2 model), execute (the tile
 schedules run in float64), cli (`cuflash-sim`), validate (ncu on the H100). Imports run one way:
 strategies imports banks and l2, and all three import schedules. `cuflash` counts what the library

@@ -177,14 +177,15 @@ def cuflash_config(p: Problem, backward: bool = False, deterministic: bool = Fal
     """The kernel configuration cuflash launches for this problem on an H100: forward_kernel_config, or for
     the backward the main kernel's backward_kernel_config (deterministic selects the deterministic instantiation:
     dQ added in a fixed order, config.ordered_dq, or not at all, bwd_dq_kernel then computing it; main_adds_dq).
-    kernels: "auto" (the library's default: the registry's first Hopper family for the head dim,
-    a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at every 16-bit head dim, and a
-    BwdSm90Config) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer counts dense
-    contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
+    kernels: "auto" (the library's default: the registry's first family that runs the call, for 16-bit inputs
+    a FwdSm90WsConfig (fwd_sm90_ws_kernel, TMA) at every head dim and a BwdSm90WsConfig (bwd_sm90_ws_kernel) at
+    kernel head dims 32 to 128 or a BwdSm90SplitConfig (bwd_sm90_split_kernel) at 192 and 256, a BwdConfig where
+    the modifiers rule those out) or "mma" (FwdConfig / BwdConfig, as with CUFLASH_KERNELS=mma). The analyzer
+    counts dense contiguous inputs, which TMA describes; a sliding window is a score modifier (MOD_WINDOW,
     runs_window_kernel): a windowed forward counts the tiles of the library's window kernel. For fp32, tf32 and
     fp64 the registry picks the wide kernels (FwdWideConfig / BwdWideConfig, cuda/wide.cuh), whose tiles are the same
-    on every target and for both families, except, with "auto", the fp32 / tf32 forward at kernel head dims 64 and 128
-    and backward at kernel head dim 64 (no score modifier but a window), which are the TF32 wgmma kernels
+    on every target and for both families, except, with "auto", the fp32 / tf32 forward and backward at kernel head
+    dims 32, 64 and 128 (no score modifier but a window and a bias), which are the TF32 wgmma kernels
     (FwdSm90Tf32Config, cuda/fwd_sm90_tf32.cuh; BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh, whose dQ kernel is its
     dq_config; a window selects the same tiles). Deterministic, the wide backward is the ordered bwd_wide_kernel
     (BwdWideConfig deterministic, config.ordered_dq; the float64 one on config.BWD_WIDE_TILES_DET's tiles at head

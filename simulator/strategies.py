@@ -10,19 +10,26 @@ Strategies (docs/IO_ANALYSIS.md):
             K/V blocks outer in the backward, dQ accumulated in an fp32 buffer by read-modify-write.
   cuflash   what our kernels do on an H100 (sm_90a): the forward and backward main kernels that
             cuflash.config's forward_kernel_config / backward_kernel_config pick, by default
-            (kernels="auto") the Hopper kernels where the head dim has one (forward: the warp-specialized
-            TMA kernel fwd_sm90_ws_kernel at every 16-bit head dim; backward:
-            bwd_sm90_kernel) and the mma.sync fwd_kernel / bwd_kernel elsewhere; kernels="mma" counts the
-            mma.sync kernels only (CUFLASH_KERNELS=mma). Tiles, warps, stages and padding come from the
-            config; the shared-memory counts and bank conflicts from walking every shared instruction
-            (banks.fwd_kernel_shared, which adds the wgmma operand reads of the sm90 kernels and the TMA
-            box writes of fwd_sm90_ws_kernel). The
+            (kernels="auto") the Hopper kernels where the head dim and modifiers have one (config.FAMILIES,
+            the first family that runs the call; forward: the warp-specialized TMA kernel fwd_sm90_ws_kernel at
+            every 16-bit head dim; backward, 16-bit: the warp-specialized TMA kernel bwd_sm90_ws_kernel at
+            head dims 32 to 128 (96 on the 128 kernel, config.BWD_SM90_WS_PADDED; some modifier sets at 32 and
+            64 only, config.bwd_sm90_ws_head_dims) and bwd_sm90_split_kernel at 192 and 256) and the mma.sync
+            fwd_kernel / bwd_kernel elsewhere (e.g. the backward with a bias at 192 and 256); kernels="mma" counts the
+            mma.sync kernels only (CUFLASH_KERNELS=mma). The synchronous bwd_sm90_kernel is counted where a
+            caller passes its config (cuflash_backward_kernels' `main`: the ncu validation profiles it).
+            Tiles, warps, stages and padding come from the config; the shared-memory counts and bank
+            conflicts from walking every shared instruction (banks.fwd_kernel_shared, which adds the wgmma
+            operand reads of the sm90 kernels and the TMA box writes of fwd_sm90_ws_kernel). The
             backward counts the launches of cuda/bwd.cuh (cuflash_backward_kernels: preprocess, the
-            K/V-outer main kernel with fp32 dQ atomics, convert; deterministic, the warp-specialized
+            K/V-outer main kernel with fp32 dQ atomics (bulk reductions in bwd_sm90_ws_kernel and
+            bwd_sm90_split_kernel), convert; deterministic, the warp-specialized
             bwd_sm90_ws_kernel adds the same dQ in a fixed order (config.ordered_dq) and the others run
             without atomics, followed by the Q-outer bwd_dq_kernel of dq_config), with the fp32 vectors padded
             to SEQLEN_Q_PAD rows, and walks the shared instructions of the main kernel
-            (banks.bwd_kernel_shared) and bwd_dq_kernel.
+            (banks.bwd_kernel_shared; banks.bwd_sm90_ws_kernel_shared for bwd_sm90_ws_kernel;
+            bwd_sm90_split_kernel's shared bytes are counted in its program order, not walked) and
+            bwd_dq_kernel.
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
             preprocess / convert launches, with config.select's tiles, the same on every target; deterministic,
             the ordered bwd_wide_kernel, its dQ atomics in a fixed order): global traffic and FLOPs only; their

@@ -667,6 +667,66 @@ def test_the_document_explains_every_miss(tmp_path):
     assert "## What the misses mean" not in dry, "a dry run has nothing to explain"
 
 
+def test_a_section_is_the_runs_table_without_the_document_around_it(tmp_path):
+    """--section TITLE writes one run (e.g. the targets of one kernel rebuilt with --kernels K --from-raw DIR) as a
+    '## TITLE' section to add to a document that a full run wrote: the header lines, table, tally and missed targets
+    of the whole document, without its introduction and "What the misses mean"."""
+    targets = validate.CASES["quick"]
+    ncu, _ = _fake_ncu(tmp_path, _echo_predictions(targets))
+    raw = tmp_path / "raw"
+    assert validate.main(["--out", str(tmp_path / "run.md"), "--cases", "quick", "--only", "0", "--ncu", ncu,
+                          "--no-prewarm", "--raw-dir", str(raw)]) == 0
+    whole, sec = tmp_path / "whole.md", tmp_path / "section.md"
+    common = ["--cases", "quick", "--only", "0", "--from-raw", str(raw), "--raw-dir", str(tmp_path / "raw2")]
+    assert validate.main(["--out", str(whole), *common]) == 0
+    assert validate.main(["--out", str(sec), *common, "--section", "fwd_kernel (H100, one day)"]) == 0
+    text, full = sec.read_text(), whole.read_text()
+    assert text.startswith("## fwd_kernel (H100, one day)\n") and "# IO validation" not in text
+    assert "## What the misses mean" in full and "## What the misses mean" not in text
+    assert "--section 'fwd_kernel (H100, one day)'" in text, "the command line as it can be run again"
+    assert "- run command: " in text and "- ncu runs: 1 runs" in text
+    body = lambda t: t[t.index("| kernel |"):].split("\n## What the misses mean")[0].strip()  # noqa: E731
+    assert body(text) == body(full) and "Targets met: " in body(text)
+    # a miss is listed with its section, explained in the document the section goes into
+    pred = validate.predict(targets[0], validate.H100_L2_BYTES, validate.H100_SMS)
+    measured = {m: float(v) for m, (v, _) in pred.items() if v is not None}
+    measured["l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum"] = 8405.0
+    rows = validate.build_rows(targets[0], pred, measured, True)
+    part = validate.markdown_section(rows, {"device": "d"}, {}, {}, "T")
+    assert "- device: d" in part and "(section 2)" in part and "## What the misses mean" not in part
+
+
+# ---- the warp-specialized backward measured on an H200, 2026-11-30 (docs/IO_VALIDATION.md, its own section) ----
+# per default bwd_sm90_ws_kernel target, as measured by ncu 2025.3.1 on an NVIDIA H200 (tree of cf1af5a):
+# (L2->SM read bytes, UTMALDG + UBLKCP, UBLKRED, SM->L2 write bytes, STS, LDS)
+H200_2026_11_30 = {
+    "bwd_sm90_ws_kernel | b2 h8 N2048 d64 fp16": (146_800_640, 16_896, 4_096, 142_606_336, 1_376_256, 1_064_960),
+    "bwd_sm90_ws_kernel | b1 h8 N2048 d128 bf16 causal": (80_805_888, 13_568, 2_176, 79_691_776, 483_328, 294_912),
+    "bwd_sm90_ws_kernel | b2 h4 N1024 d64 bf16 causal": (11_829_248, 1_280, 288, 11_534_336, 108_544, 77_824),
+    "bwd_sm90_ws_kernel | b2 h4 N1024 d128 fp16": (38_273_024, 6_400, 1_024, 37_748_736, 229_376, 139_264),
+}
+H200_METRICS = ("l1tex__m_xbar2l1tex_read_bytes.sum", "sm__sass_inst_executed_op_tma_ld.sum",
+                "smsp__sass_inst_executed_op_tma_red.sum", "l1tex__m_l1tex2xbar_write_bytes.sum",
+                "smsp__inst_executed_op_shared_st.sum", "smsp__inst_executed_op_shared_ld.sum")
+
+
+def test_the_h200_run_covers_the_ws_backward_targets():
+    names = {t.name for t in validate.CASES["default"] if t.kernel == "bwd_sm90_ws_kernel"}
+    assert names == set(H200_2026_11_30), "the 2026-11-30 run measured every default bwd_sm90_ws_kernel target"
+
+
+@pytest.mark.parametrize("target", [t for t in validate.CASES["default"] if t.name in H200_2026_11_30],
+                         ids=lambda t: t.name)
+def test_ws_backward_predictions_meet_the_h200_measurements(target):
+    """The global reads (all TMA), the TMA load and bulk-reduction instructions, the SM->L2 writes (dK, dV and the dQ
+    payload) and the shared load and store instructions equal the run's counters."""
+    pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
+    measured = dict(zip(H200_METRICS, H200_2026_11_30[target.name]))
+    assert {m: pred[m][0] for m in H200_METRICS} == measured
+    rows = {r.metric: r for r in validate.build_rows(target, pred, measured, True)}
+    assert all(rows[m].verdict == "yes" for m in H200_METRICS)
+
+
 # ---- the wgmma targets ---------------------------------------------------------------------------------
 
 SM90_TARGETS = [t for t in validate.CASES["full"] if t.kernel in validate.WGMMA_KERNELS]
