@@ -145,20 +145,20 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //                its S^T (x 0) or dP^T (x 1) fragments of step i (b = i & 1, phase (i >> 1) & 1) complete them
 // Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
 // the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
-template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1>
+template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1, int CONSUMERS_ = 2>
 struct BwdTf32Traits {
   static constexpr int HEAD_DIM = HEAD_DIM_;           // columns of this CTA (of HEAD_DIM * SPLIT)
   static constexpr int BLOCK_M = BLOCK_M_;             // queries per step
   static constexpr int STAGES = STAGES_;
   static constexpr bool X3 = X3_;
   static constexpr int SPLIT = SPLIT_;                 // CTAs of a cluster sharing the head dim (PairExchange)
-  static constexpr int CONSUMERS = 2;                  // 64 keys each (one warpgroup's M), every step
+  static constexpr int CONSUMERS = CONSUMERS_;         // 64 keys each (one warpgroup's M), every step
   static constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per CTA
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int SPLIT_THREADS = 96;
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 40;
-  static constexpr int CONSUMER_REGS = 232;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : 232;  // three: 128 x 40 + 384 x 152 <= 64K
   static constexpr int Q_TILES = BLOCK_M / 8;          // n8 tiles of S^T, dP^T; k8 steps of dV, dK
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 8;
@@ -192,6 +192,7 @@ struct BwdTf32Traits {
                 "dK and dV of 64 keys x 32 or 64 columns per CTA (128 would exceed a consumer's registers: SPLIT 2)");
   static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_M == 16 || BLOCK_M == 32, "steps of 16 or 32 queries");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && SPLIT == 1), "two consumers, or three in one CTA per key block");
   static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");

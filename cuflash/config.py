@@ -1696,10 +1696,10 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
 @dataclass(frozen=True)
 class BwdSm90Tf32Config:
     """One float32 Hopper backward instantiation, its main kernel (dK, dV):
-    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3>, IS_CAUSAL, MODS>` (cuda/bwd_sm90_tf32.cuh):
-    K/V-outer CTAs of 128 keys, TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K, V and each
-    step's Q, dO, and transposing Q and dO) and two consumer warpgroups of 64 keys taking every step of block_m
-    queries together.
+    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3[, SPLIT, CONSUMERS]>, IS_CAUSAL, MODS>`
+    (cuda/bwd_sm90_tf32.cuh): K/V-outer CTAs of 64 * consumers keys, TF32 wgmma, a producer warpgroup (one TMA thread,
+    three warps splitting K, V and each step's Q, dO, and transposing Q and dO) and two or three consumer warpgroups
+    of 64 keys taking every step of block_m queries together.
     dQ comes from a second kernel, `dq_config()` (Q-outer, no atomics: the backward repeats bitwise). dtype "fp32":
     3xTF32, "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias and its gradient
     (MOD_BIAS: dBias is written by this kernel)."""
@@ -1711,16 +1711,27 @@ class BwdSm90Tf32Config:
     window: bool = False
     stages: int = 2
     bias: bool = False
+    consumers: int = 2  # consumer warpgroups of 64 keys: two, or three (one CTA per key block, not a pair)
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward")
         if self.block_m not in (16, 32) or not 2 <= self.stages <= 4:
             raise ValueError(f"block_m={self.block_m}, stages={self.stages}: block_m 16 or 32, 2-4 stages")
-        _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}")
+        if self.consumers not in (2, 3) or (self.consumers == 3 and self.split > 1):
+            raise ValueError(f"consumers={self.consumers} at head_dim={self.head_dim}: 2, or 3 where a key block is "
+                             f"one CTA (head dims 32 and 64)")
+        _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}, consumers={self.consumers}")
 
-    block_n = 128  # keys per CTA: two consumer warpgroups of 64
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
-    threads = 384
+
+    @property
+    def block_n(self) -> int:
+        """Keys per CTA: a consumer warpgroup's 64 each."""
+        return 64 * self.consumers
+
+    @property
+    def threads(self) -> int:
+        return 128 + 128 * self.consumers
 
     @property
     def split(self) -> int:
@@ -1735,15 +1746,17 @@ class BwdSm90Tf32Config:
         parts = 2 if self.dtype == "fp32" else 1
         cols = self.head_dim // self.split
         kv, q = 4 * self.block_n * cols, 4 * self.block_m * cols
-        xchg, xbars = ((2 * 2 * 2 * (self.block_m // 8) * 128 * 16, 8) if self.split > 1 else (0, 0))
+        xchg, xbars = ((2 * 2 * self.consumers * (self.block_m // 8) * 128 * 16, 4 * self.consumers)
+                       if self.split > 1 else (0, 0))
         return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m) + xchg
                 + 8 * (2 + 3 * self.stages + xbars) + 1024)
 
     def cpp_name(self) -> str:
         b = _cpp_bool
         kernel, split = ("bwd_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("bwd_sm90_tf32_kernel", "")
+        consumers = f", {self.split}, {self.consumers}" if self.consumers != 2 else ""
         return (f"cuflash::{kernel}<cuflash::BwdTf32Traits<{self.head_dim // self.split}, {self.block_m}, "
-                f"{self.stages}, {b(self.dtype == 'fp32')}{split}>, {b(self.causal)}, {self.mods}>")
+                f"{self.stages}, {b(self.dtype == 'fp32')}{split}{consumers}>, {b(self.causal)}, {self.mods}>")
 
     @property
     def mods(self) -> int:
@@ -1842,22 +1855,27 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # (64, 3, 3) 89 / 102 / 105 against 85 / 94 / 97 (causal 68 / 92 / 102 against 68 / 87 / 95), so it takes them; at
 # head dim 64 (32, 3, 3) 100 / 113 / 118 against 102 / 112 / 114 (causal 79 / 105 / 117 against 81 / 103 / 113) and
 # 3xTF32 at 32 (32, 3, 3) 48 / 52 / 53 against 50 / 53 / 54 (causal 38-52 against 41-53) do not.
-BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3), 64: (16, 3), 128: (16, 2)},
-                       "tf32": {32: (32, 3), 64: (32, 3), 128: (32, 3)}}
+# The dK / dV kernel on three consumer warpgroups (a third element: 192 keys per CTA, 152 registers each; at head dim
+# 64 three spilled 36-228 bytes), the same tuner and day: at head dim 32 one-pass TF32 (32, 3, 3) 93 / 112 / 118
+# against 89 / 102 / 105 (causal 73 / 103 / 114 against 68 / 92 / 102; (32, 2, 3) 1-3 % behind), 3xTF32 (32, 3, 3) 50 /
+# 55 / 57 against 49 / 53 / 54 (causal 43 / 53 / 57 against 41 / 50 / 53; (16, 3, 3) 43-50).
+BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
+                       "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
                           "tf32": {32: (64, 3, 3), 64: (64, 2, 2), 128: (32, 3, 2)}}
 # With a bias, one-pass TF32 at head dims 64 and 128 takes 16-query steps: its 32-query steps spilled 8-68 bytes with
 # the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
-# dim 32 they do not
-BWD_SM90_TF32_TILES_BIAS = {"tf32": {64: (16, 3), 128: (16, 3)}}
+# dim 32 they do not. 3xTF32 at head dim 32 keeps two consumer warpgroups with a bias: three spilled 8 bytes beside a
+# window (NVRTC 13.5)
+BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
                          bias: bool = False) -> BwdSm90Tf32Config:
     tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias else {}
-    block_m, stages = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
-    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias)
+    block_m, stages, *consumers = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
+    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *consumers)
 
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #

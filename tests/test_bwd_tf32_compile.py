@@ -42,10 +42,15 @@ def test_every_table_entry_is_shipped_with_its_dq_kernel():
         # with a bias one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query steps spilled)
         assert c.block_m == (16 if c.bias and c.dtype == "tf32" and c.head_dim >= 64 else
                              config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
+        # three consumer warpgroups (192 keys per CTA) at head dim 32, but for 3xTF32 with a bias
+        assert c.consumers == (3 if c.head_dim == 32 and not (c.bias and c.dtype == "fp32") else 2), c
+        assert (c.block_n, c.threads) == (64 * c.consumers, 128 + 128 * c.consumers), c
+        assert (f", {c.split}, 3>" in c.cpp_name()) == (c.consumers == 3), c
         # head dim 128: clusters of two CTAs of 64 columns, twice the CTAs of the grid
         assert c.split == d.split == (2 if c.head_dim == 128 else 1)
         assert ("_pair_kernel<" in c.cpp_name()) == ("_pair_kernel<" in d.cpp_name()) == (c.split == 2)
-        assert c.grid(3, 5, 1000)[0] == c.split * 8 and d.grid(3, 5, 1000)[0] == d.split * -(-1000 // d.block_m)
+        assert c.grid(3, 5, 1000)[0] == c.split * -(-1000 // c.block_n)
+        assert d.grid(3, 5, 1000)[0] == d.split * -(-1000 // d.block_m)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "tf32"])
@@ -97,6 +102,12 @@ def test_configs_check_their_arguments():
         config.BwdDqSm90Tf32Config(32, 64, 3, 4, "tf32", False)
     with pytest.raises(ValueError, match="consumers=3 at head_dim=128"):
         config.BwdDqSm90Tf32Config(128, 16, 2, 3, "tf32", False)
+    # the dK / dV kernel: two consumer warpgroups, or three where a key block is one CTA
+    with pytest.raises(ValueError, match="consumers=3 at head_dim=128"):
+        config.BwdSm90Tf32Config(128, 16, "tf32", False, consumers=3)
+    with pytest.raises(ValueError, match="consumers=1"):
+        config.BwdSm90Tf32Config(32, 32, "tf32", False, consumers=1)
+    assert config.BwdSm90Tf32Config(32, 32, "tf32", False, consumers=3).block_n == 192
     assert config.BwdDqSm90Tf32Config(32, 64, 3, 3, "tf32", False).block_m == 192
 
 
@@ -105,14 +116,16 @@ def test_shared_memory_fits_sm90_and_follows_the_traits():
         parts = 2 if c.dtype == "fp32" else 1
         cols = 64 if c.head_dim == 128 else c.head_dim  # a pair's CTA: 64 columns
         kv, q = 4 * c.block_n * cols, 4 * c.block_m * cols
-        # a pair's exchange: S^T and dP^T fragments (a float4 per n8 tile and consumer thread) of 2 consumers,
+        # a pair's exchange: S^T and dP^T fragments (a float4 per n8 tile and consumer thread) of its consumers,
         # double-buffered, and a barrier for each slot
-        xchg, xbars = (2 * 2 * 2 * 128 * 16 * c.block_m // 8, 8) if c.head_dim == 128 else (0, 0)
+        xchg, xbars = (2 * 2 * c.consumers * 128 * 16 * c.block_m // 8, 4 * c.consumers) if c.head_dim == 128 \
+            else (0, 0)
         # K, V (+ big parts); per stage Q, dO with big parts and transposes (big, small), lse_log2 and delta;
         # mbarriers; alignment slack
         assert c.smem_bytes == 2 * parts * kv + c.stages * (2 * 2 * parts * q + 2 * 4 * c.block_m) + xchg + \
             8 * (2 + 3 * c.stages + xbars) + 1024
-        assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 384 and c.block_n == 128, c
+        assert c.smem_bytes <= config.SMEM_LIMIT_SM90 and c.threads == 128 + 128 * c.consumers, c
+        assert c.block_n == 64 * c.consumers, c
     for c in DQ:
         parts = 2 if c.dtype == "fp32" else 1
         cols = 64 if c.head_dim == 128 else c.head_dim

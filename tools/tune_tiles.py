@@ -72,8 +72,10 @@ FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, Tr
 # the float32 Hopper backward (sm_90a): the dK / dV kernel's (block_m, stages) and the dQ kernel's (block_n, stages,
 # consumers), each tuned with the other's shipped tiles
 # (head dim 128: the cluster pairs, whose exchange slots leave 3xTF32 one dK / dV tile, (16, 2))
-BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4)], 64: [(16, 2)]},
-                 "tf32": {32: [(16, 3), (32, 2), (32, 4)], 64: [(32, 2), (16, 3)], 128: [(32, 2), (16, 3)]}}
+# (a third element: consumer warpgroups of 64 keys, 2 by default)
+BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4), (32, 3, 3), (16, 3, 3)], 64: [(16, 2)]},
+                 "tf32": {32: [(16, 3), (32, 2), (32, 4), (32, 3, 3), (32, 2, 3)], 64: [(32, 2), (16, 3)],
+                          128: [(32, 2), (16, 3)]}}
 BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1), (32, 3, 3)], 64: [(16, 3, 2)],
                              128: [(32, 2, 1), (16, 3, 1)]},
                     "tf32": {32: [(64, 3, 2), (32, 2, 2), (64, 4, 2), (64, 3, 3)],
