@@ -42,8 +42,10 @@ def test_every_table_entry_is_shipped_with_its_dq_kernel():
         # with a bias one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query steps spilled)
         assert c.block_m == (16 if c.bias and c.dtype == "tf32" and c.head_dim >= 64 else
                              config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
-        # three consumer warpgroups (192 keys per CTA) at head dim 32, but for 3xTF32 with a bias
-        assert c.consumers == (3 if c.head_dim == 32 and not (c.bias and c.dtype == "fp32") else 2), c
+        # consumer warpgroups: a table entry's third element (2 without one)
+        tiles = (config.BWD_SM90_TF32_TILES_BIAS.get(c.dtype, {}) if c.bias else {}).get(
+            c.head_dim, config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim])
+        assert c.consumers == (tiles[2] if len(tiles) > 2 else 2), c
         assert (c.block_n, c.threads) == (64 * c.consumers, 128 + 128 * c.consumers), c
         assert (f", {c.split}, 3>" in c.cpp_name()) == (c.consumers == 3), c
         # head dim 128: clusters of two CTAs of 64 columns, twice the CTAs of the grid

@@ -400,10 +400,9 @@ THREE_CONSUMERS = [("tf32", 1, 1100, 1100, 4, 2, 64, True, None), ("tf32", 2, 38
                               f"{'-window' if c[8] else ''}" for c in THREE_CONSUMERS])
 def test_float32_on_three_consumer_warpgroups(precision, b, sq, sk, hq, hkv, d, causal, mods):
     """On an sm_90a GPU one-pass TF32 at head dims 32 and 64 and 3xTF32 at 32 run fwd_sm90_tf32_kernel with three
-    consumer warpgroups (config.FWD_SM90_TF32_TILES), at head dim 32 the backward's dK / dV kernel too (192 keys per
-    CTA, config.BWD_SM90_TF32_TILES) and in one TF32 pass its dQ kernel (config.BWD_DQ_SM90_TF32_TILES): each case
-    asserts the registry picks them, then checks the forward and backward by the rule of its precision (elsewhere the
-    same cases run the wide kernels)."""
+    consumer warpgroups (config.FWD_SM90_TF32_TILES), and one-pass TF32 at 32 its backward's dQ kernel too
+    (config.BWD_DQ_SM90_TF32_TILES): each case asserts the registry picks them, then checks the forward and backward
+    by the rule of its precision (elsewhere the same cases run the wide kernels)."""
     from cuflash import _launch
 
     arch = _launch.device_arch(cp.cuda.Device().id)
@@ -413,7 +412,7 @@ def test_float32_on_three_consumer_warpgroups(precision, b, sq, sk, hq, hkv, d, 
         cfg = config.select("forward", hd, precision, causal, arch, mods=mods_bits, seqlen_k=sk)
         assert isinstance(cfg, config.FwdSm90Tf32Config) and cfg.consumers == 3, cfg
         main = config.select("backward", hd, precision, causal, arch, mods=mods_bits, seqlen_k=sk)
-        assert main.consumers == (3 if hd == 32 else 2), main  # the dK / dV kernel: 192 keys per CTA at 32
+        assert isinstance(main, config.BwdSm90Tf32Config), main
         assert main.dq_config().consumers == (3 if (precision, hd) == ("tf32", 32) else 2), main.dq_config()
     run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods)
 
