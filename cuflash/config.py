@@ -1566,16 +1566,20 @@ def _check_smem_sm90(cfg, tiles: str) -> None:
                          f"{SMEM_LIMIT_SM90})")
 
 
-class _ConsumerWarpgroups:
-    """block_m and threads of a kernel with a producer warpgroup beside `consumers` warpgroups of 64 query rows."""
-
-    @property
-    def block_m(self) -> int:
-        return 64 * self.consumers
+class _ProducerConsumers:
+    """threads of a kernel with a producer warpgroup beside `consumers` consumer warpgroups."""
 
     @property
     def threads(self) -> int:
         return 128 + 128 * self.consumers
+
+
+class _ConsumerWarpgroups(_ProducerConsumers):
+    """... whose consumers take 64 query rows each: block_m."""
+
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
 
 @dataclass(frozen=True)
@@ -1694,7 +1698,7 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
 
 
 @dataclass(frozen=True)
-class BwdSm90Tf32Config:
+class BwdSm90Tf32Config(_ProducerConsumers):
     """One float32 Hopper backward instantiation, its main kernel (dK, dV):
     `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3[, SPLIT, CONSUMERS]>, IS_CAUSAL, MODS>`
     (cuda/bwd_sm90_tf32.cuh): K/V-outer CTAs of 64 * consumers keys, TF32 wgmma, a producer warpgroup (one TMA thread,
@@ -1728,10 +1732,6 @@ class BwdSm90Tf32Config:
     def block_n(self) -> int:
         """Keys per CTA: a consumer warpgroup's 64 each."""
         return 64 * self.consumers
-
-    @property
-    def threads(self) -> int:
-        return 128 + 128 * self.consumers
 
     @property
     def split(self) -> int:
