@@ -4,9 +4,7 @@ the GPU (cuflash._xpref: the math of cuflash.reference in CuPy matmuls; tests/te
 that they agree with cuflash.reference on NumPy arrays)."""
 from __future__ import annotations
 
-import os
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 
 import cupy as cp
 import numpy as np
@@ -145,19 +143,26 @@ def check_lse(lse, lse64, what: str, atol: float = 1e-3):
     assert err <= atol, f"lse mismatch for {what}: {err:.3e} > {atol:g}"
 
 
-def warm_kernel_cache(configs) -> None:
-    """Compile (or load from the disk cache) the given kernel configs on all CPUs before the tests, so the
-    tests do not compile one kernel at a time. A config that fails to compile is left to its tests."""
-    arch = _compile.device_arch()
+def warm_kernel_cache(configs, arch: str | None = None) -> None:
+    """Compile (or load from the disk cache) the given kernel configs on all CPUs before the tests, so the tests do
+    not compile one kernel at a time. The misses go to processes (cuflash.check.compile_configs: NVRTC holds the GIL,
+    so threads compiled one kernel at a time), and pytest-xdist's workers take turns through a lock file in the
+    kernel cache: the first compiles what is missing on all CPUs, the next find it cached (each worker compiling
+    everything in threads made a run of the float32 test files without a filled cache compile-bound for minutes).
+    A config that fails to compile is left to its tests."""
+    import fcntl
 
-    def build(cfg):
+    from cuflash import check
+
+    arch = arch or _compile.device_arch()
+    cache = _compile.cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".warm.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            _compile.compile_kernel(cfg.cpp_name(), arch)
-        except Exception:  # noqa: BLE001 - the test that launches it reports the error
-            pass
-
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
-        list(pool.map(build, configs))
+            check.compile_configs(configs, arch)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 # --- packed (varlen) inputs, KV caches, bit-for-bit comparisons --------------------------------------------

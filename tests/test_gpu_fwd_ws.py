@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.gpu
 
 cp = pytest.importorskip("cupy")
 from gpu_helpers import (check_lse, check_rule, cu_seqlens, make_input, make_packed, max_abs, seed_of,  # noqa: E402
-                         to_bshd32)
+                         to_bshd32, warm_kernel_cache)
 from test_gpu_gqa_varlen import rows_of, varlen_lengths  # noqa: E402
 from test_gpu_mods import mods_kwargs, ref_kwargs  # noqa: E402
 from ws_helpers import ws_kernel  # noqa: E402
@@ -123,16 +122,7 @@ def run_ws(cfg, q, k, v, layout, causal, scale=None, with_lse=True, mods=None, n
 
 def warm(kernels):
     """Compile the instantiations a test module launches on all CPUs up front (gpu_helpers.warm_kernel_cache)."""
-    arch = _compile.device_arch()
-
-    def build(k):
-        try:
-            _compile.compile_kernel(k.cpp_name(), arch)
-        except Exception:  # noqa: BLE001 - the test that launches it reports the error
-            pass
-
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        list(pool.map(build, kernels))
+    warm_kernel_cache(kernels)
 
 
 def check_case(cfg, b, sq, sk, h, h_kv, layout, kind, causal, num_sms=None, queue=None):
