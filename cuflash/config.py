@@ -1575,11 +1575,20 @@ class _ProducerConsumers:
 
 
 class _ConsumerWarpgroups(_ProducerConsumers):
-    """... whose consumers take 64 query rows each: block_m."""
+    """... whose consumers take 64 query rows each: block_m. The TF32 forward's and dQ kernel's configs (key tiles
+    block_n, stages, consumers; `split` CTAs per block) check their tiles with `_check_tiles`."""
 
     @property
     def block_m(self) -> int:
         return 64 * self.consumers
+
+    def _check_tiles(self) -> None:
+        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2, 3):
+            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
+                             f"or 64, 2-4 stages, 1-3 consumers")
+        if self.consumers == 3 and self.split > 1:
+            raise ValueError(f"consumers=3 at head_dim={self.head_dim} in {self.dtype!r}: a cluster pair runs two "
+                             f"consumer warpgroups per CTA")
 
 
 @dataclass(frozen=True)
@@ -1602,12 +1611,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 forward")
-        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2, 3):
-            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
-                             f"or 64, 2-4 stages, 1-3 consumers")
-        if self.consumers == 3 and self.split > 1:
-            raise ValueError(f"consumers=3 at head_dim={self.head_dim} in {self.dtype!r}: a cluster pair runs two "
-                             f"consumer warpgroups per CTA")
+        self._check_tiles()
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
 
@@ -1789,12 +1793,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
-        if self.block_n not in (16, 32, 64) or not 2 <= self.stages <= 4 or self.consumers not in (1, 2, 3):
-            raise ValueError(f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}: block_n 16, 32 "
-                             f"or 64, 2-4 stages, 1-3 consumers")
-        if self.consumers == 3 and self.split > 1:
-            raise ValueError(f"consumers=3 at head_dim={self.head_dim} in {self.dtype!r}: a cluster pair runs two "
-                             f"consumer warpgroups per CTA")
+        self._check_tiles()
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
     box_cols = 32
