@@ -470,7 +470,7 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
     fp32 and tf32 at kernel head dims 32, 64 and 128 on sm_90a (a BwdSm90Tf32Config, cuda/bwd_sm90_tf32.cuh; at 128
     the `_pair_kernel`s, clusters of two CTAs of 64 columns, each reading the lse_log2 and delta of its block) have
     no dQ accumulator: bwd_wide_preprocess_kernel (1. without dq_accum to zero), bwd_sm90_tf32_kernel, grid
-    (ceil(Sk / 128), heads, batch), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
+    (ceil(Sk / BLOCK_N), heads, batch; BLOCK_N 64 per consumer warpgroup), with 2.'s accesses without atomics (TMA reads K_j, V_j once and Q_i, dO_i of
     every step of BLOCK_M queries, in-bounds rows only), and bwd_dq_sm90_tf32_kernel of cfg.dq_config() with 3b.'s
     accesses (TMA reads Q_i, dO_i once per CTA that sees a key and K_j, V_j per visited key tile): dQ, dK and dV
     are written once each (zeros where no query or key is seen). They have no atomics and are deterministic as they
