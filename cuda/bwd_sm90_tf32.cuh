@@ -608,7 +608,7 @@ __global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
 //   xbar[b][x][wg] (SPLIT 2) count 4 + tx: as the dK / dV kernel's, S (x 0) and dP (x 1) of key tile i
 // Key tile i uses stage i % STAGES, phase (i / STAGES) & 1; the producer loads tile i after kv_empty of tile
 // i - STAGES, and the splitters' writes to the stage follow kv_full of tile i.
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, int SPLIT_ = 1>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, int SPLIT_ = 1, int A_REGS_ = 0>
 struct BwdDqTf32Traits {
   static constexpr int HEAD_DIM = HEAD_DIM_;           // columns of this CTA (of HEAD_DIM * SPLIT)
   static constexpr int SPLIT = SPLIT_;                 // CTAs of a cluster sharing the head dim (pair_send)
@@ -616,6 +616,9 @@ struct BwdDqTf32Traits {
   static constexpr int STAGES = STAGES_;
   static constexpr int CONSUMERS = CONSUMERS_;
   static constexpr bool X3 = X3_;
+  // 3xTF32: the big parts of Q (A_REGS 1) or of Q and dO (2) as the A registers of two of the three products of S
+  // (and dP), read from shared memory once, so those read only K's (V's) part from shared memory per k8 step
+  static constexpr int A_REGS = A_REGS_;
   static constexpr int BLOCK_M = 64 * CONSUMERS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
@@ -651,6 +654,7 @@ struct BwdDqTf32Traits {
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
   static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
+  static_assert(A_REGS == 0 || (X3 && A_REGS <= 2), "Q's (and dO's) big parts in registers: 3xTF32");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileKt::BYTES == SMEM_KV, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 || CONSUMERS == 1,
@@ -774,8 +778,12 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     for (int c = 0; c < 4; ++c) dq_acc[dt][c] = 0.f;
   float s_acc[1][Tr::N_TILES][4], dp_acc[Tr::N_TILES][4];
   u32 ds_big[Tr::N_TILES][4], ds_small[Tr::X3 ? Tr::N_TILES : 1][4];
+  // A_REGS: this warp's 16 rows of Q's (and dO's) big parts, wgmma A registers
+  u32 q_regs[Tr::A_REGS >= 1 ? Tr::QK_K_STEPS : 1][4], do_regs[Tr::A_REGS >= 2 ? Tr::QK_K_STEPS : 1][4];
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);
+  if constexpr (Tr::A_REGS >= 1) tf32_load_a<typename Tr::TileQ>(q_regs, sm.q_big(), 16 * warp, lane);
+  if constexpr (Tr::A_REGS >= 2) tf32_load_a<typename Tr::TileQ>(do_regs, sm.dout_big(), 16 * warp, lane);
   const u32 q_small = static_cast<u32>(opaque(static_cast<int>(sm.q())));
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
@@ -786,17 +794,27 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-      tf32_ss<Tr::BLOCK_N, Tr::X3>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk),
-                                   Tr::TileQ::desc_k_major(q_big, 64 * wg, 16 * kk),
-                                   Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk),
-                                   Tr::TileKV::desc_k_major(sm.k_big(s), 0, 16 * kk), kk > 0);
+      if constexpr (Tr::A_REGS >= 1)
+        tf32x3_sr<Tr::BLOCK_N>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk), q_regs[kk],
+                               Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk),
+                               Tr::TileKV::desc_k_major(sm.k_big(s), 0, 16 * kk), kk > 0);
+      else
+        tf32_ss<Tr::BLOCK_N, Tr::X3>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk),
+                                     Tr::TileQ::desc_k_major(q_big, 64 * wg, 16 * kk),
+                                     Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk),
+                                     Tr::TileKV::desc_k_major(sm.k_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-      tf32_ss<Tr::BLOCK_N, Tr::X3>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk),
-                                   Tr::TileQ::desc_k_major(do_big, 64 * wg, 16 * kk),
-                                   Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
-                                   Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
+      if constexpr (Tr::A_REGS >= 2)
+        tf32x3_sr<Tr::BLOCK_N>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk), do_regs[kk],
+                               Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
+                               Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
+      else
+        tf32_ss<Tr::BLOCK_N, Tr::X3>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk),
+                                     Tr::TileQ::desc_k_major(do_big, 64 * wg, 16 * kk),
+                                     Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
+                                     Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
     if (HAS_BIAS && rank == 0) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
 

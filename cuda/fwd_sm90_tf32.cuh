@@ -70,7 +70,8 @@ __host__ __device__ constexpr bool tf32_columns_invert_keys() {
 }
 static_assert(tf32_columns_invert_keys(), "tf32_column_of is the inverse of tf32_key_of");
 
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false, int SPLIT_ = 1>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, int CONSUMERS_, bool X3_, bool PINGPONG_ = false, int SPLIT_ = 1,
+          bool Q_REGS_ = false>
 struct FwdTf32Traits {
   static constexpr int HEAD_DIM = HEAD_DIM_;          // columns of this CTA (of HEAD_DIM * SPLIT)
   static constexpr int SPLIT = SPLIT_;                // CTAs of a cluster sharing the head dim (pair_send)
@@ -79,6 +80,9 @@ struct FwdTf32Traits {
   static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups of 64 query rows
   static constexpr bool X3 = X3_;                     // 3xTF32 (precision "fp32"); false: one TF32 pass ("tf32")
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
+  // 3xTF32: Q's big part as the A registers of two of S's three products (read from shared memory once), so those
+  // read only K's part from shared memory per k8 step
+  static constexpr bool Q_REGS = Q_REGS_;
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
   static constexpr int BLOCK_M = 64 * CONSUMERS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -127,6 +131,7 @@ struct FwdTf32Traits {
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
   static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
   static_assert(!PINGPONG || CONSUMERS == 2, "pingpong orders two consumers");
+  static_assert(!Q_REGS || (X3 && HEAD_DIM == 64 && CONSUMERS == 2), "Q's big part in registers: 3xTF32, 64 columns");
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
@@ -345,6 +350,31 @@ __device__ __forceinline__ void fwd_tf32_splitter(const Tf32Smem<Tr>& sm, int n_
   }
 }
 
+// A's registers of k8 steps 0 .. K_STEPS - 1 (columns 8 kk ..) from a K-major Tile of TF32 values, a warp's 16 rows
+// from row0: a0 (row g, k t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4), as wgmma takes A from registers
+template <class Tile, int K_STEPS>
+__device__ __forceinline__ void tf32_load_a(u32 (&a)[K_STEPS][4], u32 tile, int row0, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int kk = 0; kk < K_STEPS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      a[kk][r] = static_cast<u32>(
+          ld_shared_s32(tile + Tile::offset(row0 + g + 8 * (r & 1), 2 * (8 * kk + t + 4 * (r >> 1)))));
+}
+
+// One k8 step of 3xTF32 wgmma, acc (+)= a b^T, with A's small part from shared memory and its big part from registers
+// (tf32_load_a): the products of tf32_ss (bwd_sm90_tf32.cuh) in the same order, the small terms first, so the same
+// sums, with two of the three reading only B from shared memory
+template <int N, int NT>
+__device__ __forceinline__ void tf32x3_sr(float (&acc)[NT][4], u64 a_small, const u32 (&a_big)[4], u64 b_small,
+                                          u64 b_big, int more) {
+  using W = Wgmma<N, tf32>;
+  W::ss(acc, a_small, b_big, more);
+  W::rs(acc, a_big, b_small, 1);
+  W::rs(acc, a_big, b_big, 1);
+}
+
 // P (fp32 S accumulators) -> TF32 A registers of O_tile = P V: k8 step kk is n8 tile kk, a thread's column 2t its
 // k = t, 2t + 1 its k = t + 4 (tf32_key_of). X3: big and small parts.
 template <bool X3, int N_TILES>
@@ -401,10 +431,14 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
 
   using WS = Wgmma<Tr::BLOCK_N, tf32>;
   using WO = Wgmma<Tr::HEAD_DIM, tf32>;
+  u32 q_regs[Tr::Q_REGS ? Tr::QK_K_STEPS : 1][4];  // Q_REGS: this warp's 16 rows of Q's big part (tf32_load_a)
   // one k8 step of S into acc (scale_d = more: 0 starts a chain)
   auto mma_s = [&](float (&acc)[Tr::N_TILES][4], u32 q, u32 k_small, u32 k_big, int kk, int more) {
     const u64 qd = Tr::TileQ::desc_k_major(q, 64 * wg, 16 * kk), kd = Tr::TileKV::desc_k_major(k_small, 0, 16 * kk);
-    if constexpr (Tr::X3) {
+    if constexpr (Tr::Q_REGS) {
+      tf32x3_sr<Tr::BLOCK_N>(acc, qd, q_regs[Tr::Q_REGS ? kk : 0], kd, Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
+                             more);
+    } else if constexpr (Tr::X3) {
       const u64 qbd = Tr::TileQ::desc_k_major(q + (Tr::OFF_QB - Tr::OFF_Q), 64 * wg, 16 * kk);
       const u64 kbd = Tr::TileKV::desc_k_major(k_big, 0, 16 * kk);
       // the small terms first, as Tf32x3::mma, so they are not lost against the big product's rounding
@@ -494,6 +528,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, Tr::CONSUMER_THREADS);
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);
+  if constexpr (Tr::Q_REGS) tf32_load_a<typename Tr::TileQ>(q_regs, sm.q_big(), 16 * warp, lane);
   int stage = 0, n_block = n_end - 1;
   u32 phase = 0;
   round_begin();

@@ -1608,12 +1608,17 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     window: bool = False
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
     bias: bool = False
+    q_regs: bool = False  # 3xTF32 at 64 columns per CTA, two consumers: Q's big part as wgmma A registers (Q_REGS)
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 forward")
         self._check_tiles()
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
+        if self.q_regs and (self.dtype != "fp32" or self.head_dim // self.split != 64 or self.consumers != 2):
+            raise ValueError(f"q_regs=True at dtype {self.dtype!r}, head_dim={self.head_dim}, consumers="
+                             f"{self.consumers}: Q's big part in registers is 3xTF32's at head dims 64 and 128, two "
+                             f"consumers")
 
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
 
@@ -1637,7 +1642,8 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        kernel, split = ("fwd_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("fwd_sm90_tf32_kernel", "")
+        kernel = "fwd_sm90_tf32_pair_kernel" if self.split > 1 else "fwd_sm90_tf32_kernel"
+        split = f", {self.split}, true" if self.q_regs else ", 2" if self.split > 1 else ""
         return (f"cuflash::{kernel}<cuflash::FwdTf32Traits<{self.head_dim // self.split}, {self.block_n}, "
                 f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}, {b(self.pingpong)}{split}>, "
                 f"{b(self.causal)}, {self.mods}>")
@@ -1674,7 +1680,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # 1k keys (FWD_SM90_TF32_SHORT_CAUSAL_KEYS) and a bias keep two consumers (FWD_SM90_TF32_TILES_TWO): the short causal
 # rows measured slower on three (above), and with a bias three spilled 80-100 bytes at head dim 64.
 FWD_SM90_TF32_TILES = {
-    "fp32": {32: (64, 2, 3, False), 64: (64, 2, 2, True), 128: (32, 3, 2, True)},
+    "fp32": {32: (64, 2, 3, False), 64: (64, 2, 2, True, True), 128: (32, 3, 2, True, True)},
     "tf32": {32: (64, 2, 3, False), 64: (64, 2, 3, False), 128: (32, 3, 2, True)},
 }
 FWD_SM90_TF32_TILES_TWO = {"fp32": {32: (64, 3, 2, True)}, "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True)}}
@@ -1684,6 +1690,9 @@ FWD_SM90_TF32_SHORT_CAUSAL_KEYS = 1024
 # of B 512, L 256, H 8 took 1.253 ms against 1.082 without a bias; at head dim 128, on unchanged tiles, a bias cost
 # 0.3 %. H200, 2026-11-29.)
 FWD_SM90_TF32_TILES_BIAS_BANDED = {"fp32": {64: (32, 3, 2, True)}}
+# A window or a bias at head dim 64: Q's big part from shared memory (with it in registers, q_regs, those kernels
+# spilled 4-16 bytes under NVRTC 13.0 and 13.5)
+FWD_SM90_TF32_TILES_MODS = {"fp32": {64: (64, 2, 2, True)}}
 # The score modifiers it takes: a window (causal is not a modifier) and a bias; the others run on fwd_wide_kernel
 FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
@@ -1696,8 +1705,10 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
     tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if bias and (causal or window) else {}
     if bias or short_causal:
         tiles = {**FWD_SM90_TF32_TILES_TWO.get(dtype, {}), **tiles}
-    bn, stages, consumers, pingpong = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
-    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias)
+    if bias or window:
+        tiles = {**FWD_SM90_TF32_TILES_MODS.get(dtype, {}), **tiles}
+    bn, stages, consumers, pingpong, *q_regs = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
+    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias, *q_regs)
 
 
 
@@ -1770,9 +1781,11 @@ class BwdSm90Tf32Config(_ProducerConsumers):
         return (self.split * math.ceil(seqlen_k / self.block_n), heads_kv, batch)
 
     def dq_config(self) -> "BwdDqSm90Tf32Config":
-        bn, stages, consumers = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
+        bn, stages, consumers, *a_regs = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
+        if self.window and self.bias:
+            a_regs = [min(*a_regs, BWD_DQ_SM90_TF32_WINDOW_BIAS_A_REGS)] if a_regs else []
         return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
-                                   self.bias)
+                                   self.bias, *a_regs)
 
 
 @dataclass(frozen=True)
@@ -1790,10 +1803,13 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     causal: bool
     window: bool = False
     bias: bool = False
+    a_regs: int = 0  # 3xTF32: the big parts of Q (1) or of Q and dO (2) as wgmma A registers (A_REGS)
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
         self._check_tiles()
+        if self.a_regs not in (0, 1, 2) or (self.a_regs and self.dtype != "fp32"):
+            raise ValueError(f"a_regs={self.a_regs} at dtype {self.dtype!r}: 0, or 1 (Q) or 2 (Q and dO) in 3xTF32")
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
     box_cols = 32
@@ -1816,7 +1832,8 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        kernel, split = ("bwd_dq_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("bwd_dq_sm90_tf32_kernel", "")
+        kernel = "bwd_dq_sm90_tf32_pair_kernel" if self.split > 1 else "bwd_dq_sm90_tf32_kernel"
+        split = f", {self.split}, {self.a_regs}" if self.a_regs else ", 2" if self.split > 1 else ""
         return (f"cuflash::{kernel}<cuflash::BwdDqTf32Traits<{self.head_dim // self.split}, {self.block_n}, "
                 f"{self.stages}, {self.consumers}, {b(self.dtype == 'fp32')}{split}>, {b(self.causal)}, {self.mods}>")
 
@@ -1862,7 +1879,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # them (with a bias 3xTF32 keeps two: BWD_SM90_TF32_TILES_BIAS).
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
-BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2)},
+BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2, 2)},
                           "tf32": {32: (64, 3, 3), 64: (64, 2, 2), 128: (32, 3, 2)}}
 # With a bias, one-pass TF32 at head dims 64 and 128 takes 16-query steps: its 32-query steps spilled 8-68 bytes with
 # the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
@@ -1870,6 +1887,9 @@ BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2), 64: (32, 2, 2), 128: (16, 2, 
 # window (NVRTC 13.5)
 BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
+# A window beside a bias: the dQ kernel holds Q's big part alone in registers (with dO's too the head-dim-128 pair
+# spilled 24 bytes under NVRTC 13.0)
+BWD_DQ_SM90_TF32_WINDOW_BIAS_A_REGS = 1
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,

@@ -76,6 +76,25 @@ def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_to_
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)
 
 
+def test_dq_kernel_holds_q_and_do_in_registers_in_3xtf32_at_head_dims_32_and_128():
+    """3xTF32's dQ kernel takes Q's and dO's big parts as wgmma A registers (a_regs 2) at head dims 32 and 128, Q's
+    alone beside a window and a bias (two spilled), neither at 64 (slower there); one pass never."""
+    for hd in (32, 64, 128):
+        for causal, window, bias in ((False, False, False), (True, False, False), (False, True, False),
+                                     (False, False, True), (True, False, True), (False, True, True)):
+            d = config.bwd_sm90_tf32_config(hd, "fp32", causal, window, bias).dq_config()
+            want = 0 if hd == 64 else config.BWD_DQ_SM90_TF32_WINDOW_BIAS_A_REGS if window and bias else 2
+            assert d.a_regs == want, (hd, causal, window, bias)
+            assert (f", {d.split}, {d.a_regs}>," in d.cpp_name()) == (d.a_regs > 0), d.cpp_name()
+            assert not config.bwd_sm90_tf32_config(hd, "tf32", causal, window, bias).dq_config().a_regs
+    assert config.BwdDqSm90Tf32Config(64, 32, 2, 2, "fp32", False).cpp_name().endswith(
+        "BwdDqTf32Traits<64, 32, 2, 2, true>, false, 0>")
+    with pytest.raises(ValueError, match="a_regs=1 at dtype 'tf32'"):
+        config.BwdDqSm90Tf32Config(64, 32, 2, 2, "tf32", False, a_regs=1)
+    with pytest.raises(ValueError, match="a_regs=3"):
+        config.BwdDqSm90Tf32Config(64, 32, 2, 2, "fp32", False, a_regs=3)
+
+
 def test_configs_check_their_arguments():
     with pytest.raises(ValueError, match="dtype='bf16'"):
         config.BwdSm90Tf32Config(64, 16, "bf16", False)
@@ -195,6 +214,29 @@ def test_sass_of_the_dq_kernel(cfg):
     products = 3 if cfg.dtype == "fp32" else 1
     # S and dP (a product per k8 step of the CTA's columns), dQ (per k8 step of the key tile)
     assert count("HGMMA") == products * (2 * cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')}"
+    # A from registers: dS in every product of dQ; with a_regs Q's (1) or Q's and dO's (2) big parts in two of the
+    # three products of S (and dP) per k8 step
+    reg_a = len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", text))
+    assert reg_a == products * cfg.block_n // 8 + cfg.a_regs * 2 * cols // 8, f"{cfg}: {reg_a}"
     assert count("LDL") == 0 and count("STL") == 0 and count("RED") == 0 and count("ATOM") == 0, \
         f"{cfg}: local memory or atomics"
     _check_exchange(cfg, text, count, cfg.block_n // 8)
+
+
+def test_analyzer_counts_the_dq_kernels_register_operands(monkeypatch):
+    """cuflash-sim's backward on sm_90a: with a_regs 2 (3xTF32 at head dim 32) the dQ kernel's consumers read Q's and
+    dO's big parts from shared memory once per query block, and per key tile one product of S and one of dP read Q
+    and dO instead of three each: the shared-memory reads drop by 4 Q tiles per key tile, less 2 per query block."""
+    from simulator import strategies
+    from simulator.model import Problem
+
+    p = Problem(batch=1, heads=1, seqlen_q=1024, seqlen_k=1024, head_dim=32, dtype="fp32")
+    with_regs = strategies.simulate("cuflash", p, backward=True)
+    d = config.bwd_sm90_tf32_config(32, "fp32", False).dq_config()
+    assert d.a_regs == 2 and (d.block_m, d.block_n) == (128, 64)
+    monkeypatch.setitem(config.BWD_DQ_SM90_TF32_TILES["fp32"], 32, (64, 2, 2))
+    without = strategies.simulate("cuflash", p, backward=True)
+    q_tile, blocks = 4 * 128 * 32, 1024 // 128
+    tiles = blocks * (1024 // 64)  # not causal: every query block visits every key tile
+    assert without.sram_read_bytes - with_regs.sram_read_bytes == tiles * 4 * q_tile - blocks * 2 * q_tile
+    assert without.sram_write_bytes == with_regs.sram_write_bytes and without.hbm_read_bytes == with_regs.hbm_read_bytes

@@ -78,6 +78,29 @@ def test_three_consumers_where_they_fit_two_for_short_causal_rows_and_a_bias():
         assert config.fwd_sm90_tf32_config(hd, dt, False).consumers == 2
 
 
+def test_q_regs_where_3xtf32_takes_two_consumers_of_64_columns_without_a_window_or_bias_at_64():
+    """3xTF32 at head dims 64 and 128 (pairs of 64 columns) holds Q's big part in registers (q_regs), but for a window
+    or a bias at head dim 64 (those spilled); one-pass TF32 and the three-consumer tiles do not."""
+    for hd in (64, 128):
+        for causal, window, bias in ((False, False, False), (True, False, False), (False, True, False),
+                                     (False, False, True), (True, False, True), (False, True, True)):
+            cfg = config.fwd_sm90_tf32_config(hd, "fp32", causal, window, bias)
+            assert cfg.q_regs == (hd == 128 or not (window or bias)), (hd, causal, window, bias)
+            assert (f"true, {cfg.split}, true>," in cfg.cpp_name()) == cfg.q_regs, cfg.cpp_name()
+    for dt, hd in (("fp32", 32), ("tf32", 32), ("tf32", 64), ("tf32", 128)):
+        assert not config.fwd_sm90_tf32_config(hd, dt, False).q_regs
+    # the template's defaults stay out of the name: the kernels without q_regs keep their names
+    assert config.FwdSm90Tf32Config(64, 64, 2, 2, "fp32", False, pingpong=True).cpp_name().endswith(
+        "FwdTf32Traits<64, 64, 2, 2, true, true>, false, 0>")
+    assert config.FwdSm90Tf32Config(128, 32, 3, 2, "fp32", False, pingpong=True, q_regs=True).cpp_name().endswith(
+        "FwdTf32Traits<64, 32, 3, 2, true, true, 2, true>, false, 0>")
+    for bad in (dict(dtype="tf32"), dict(head_dim=32), dict(consumers=3, pingpong=False)):
+        args = {"head_dim": 64, "block_n": 64, "stages": 2, "consumers": 2, "dtype": "fp32", "causal": False,
+                "q_regs": True, **bad}
+        with pytest.raises(ValueError, match="q_regs=True"):
+            config.FwdSm90Tf32Config(**args)
+
+
 def test_config_checks_its_arguments():
     with pytest.raises(ValueError, match="dtype='bf16'"):
         config.FwdSm90Tf32Config(64, 64, 2, 2, "bf16", False)
@@ -160,6 +183,9 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     products = 3 if cfg.dtype == "fp32" else 1
     assert count("HGMMA") == 2 * products * (cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
     assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
+    # A from registers: P in every product of P V; with q_regs also Q's big part in two of S's three per k8 step
+    reg_a = len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", text))
+    assert reg_a == 2 * (products * cfg.block_n // 8 + (2 * cols // 8 if cfg.q_regs else 0)), f"{cfg}: {reg_a}"
     assert count("USETMAXREG") == (2 if cfg.consumers >= 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
@@ -180,7 +206,8 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
 def test_analyzer_counts_the_tf32_forward():
     """cuflash-sim's cuflash strategy on sm_90a: the float32 forward is fwd_sm90_tf32_kernel, with 4-byte traffic
     (Q once per query block, K and V once per visited key tile) and its shared-memory bytes; 3xTF32 reads each
-    operand three times where one pass reads it once."""
+    operand three times where one pass reads it once, but for Q, whose big part two of S's products take from
+    registers (q_regs: read from shared memory once per CTA)."""
     from simulator import strategies
     from simulator.model import Problem
 
@@ -198,6 +225,7 @@ def test_analyzer_counts_the_tf32_forward():
         counts[dt] = (c, cfg, q_blocks, kv_tiles)
     (c3, cfg3, qb3, t3), (c1, cfg1, qb1, t1) = counts["fp32"], counts["tf32"]
     q3, kv3 = 4 * cfg3.block_m * 64, 4 * cfg3.block_n * 64
-    assert c3.sram_read_bytes == qb3 * q3 + t3 * (2 * kv3 + 3 * (q3 + 2 * cfg3.consumers * kv3))
+    assert cfg3.q_regs  # the shipped 3xTF32 tiles at head dim 64
+    assert c3.sram_read_bytes == qb3 * 2 * q3 + t3 * (2 * kv3 + q3 + 3 * 2 * cfg3.consumers * kv3)
     q1, kv1 = 4 * cfg1.block_m * 64, 4 * cfg1.block_n * 64
     assert c1.sram_read_bytes == qb1 * q1 + t1 * (2 * kv1 + q1 + 2 * cfg1.consumers * kv1)

@@ -58,26 +58,28 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
-# the float32 Hopper forward (sm_90a): (block_n, stages, consumers, pingpong), the alternatives measured against the
-# shipped tiles (config.FWD_SM90_TF32_TILES)
+# the float32 Hopper forward (sm_90a): (block_n, stages, consumers, pingpong[, q_regs]), the alternatives measured
+# against the shipped tiles (config.FWD_SM90_TF32_TILES)
 FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, True), (64, 3, 2, False),
                                (64, 3, 3, False), (64, 2, 3, False)],
-                          64: [(64, 2, 2, False), (32, 3, 2, True), (32, 3, 3, False)],
-                          128: [(32, 2, 2, True), (16, 4, 2, True)]},
+                          64: [(64, 2, 2, False), (32, 3, 2, True), (32, 3, 3, False), (64, 2, 2, True, True)],
+                          128: [(32, 2, 2, True), (16, 4, 2, True), (32, 3, 2, True, True)]},
                  "tf32": {32: [(64, 2, 2, True), (32, 4, 2, True), (64, 4, 2, True), (64, 3, 3, False),
                                (64, 2, 3, False)],
                           64: [(64, 2, 2, True), (32, 4, 2, True), (64, 3, 3, False), (64, 2, 3, False),
                                (32, 3, 3, False)],
                           128: [(32, 2, 2, True), (64, 2, 1, False)]}}
 # the float32 Hopper backward (sm_90a): the dK / dV kernel's (block_m, stages) and the dQ kernel's (block_n, stages,
-# consumers), each tuned with the other's shipped tiles
+# consumers[, a_regs]), each tuned with the other's shipped tiles
 # (head dim 128: the cluster pairs, whose exchange slots leave 3xTF32 one dK / dV tile, (16, 2))
 # (a third element: consumer warpgroups of 64 keys, 2 by default)
 BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4), (32, 3, 3), (16, 3, 3)], 64: [(16, 2)]},
                  "tf32": {32: [(16, 3), (32, 2), (32, 4), (32, 3, 3), (32, 2, 3)], 64: [(32, 2), (16, 3)],
                           128: [(32, 2), (16, 3)]}}
-BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1), (32, 3, 3)], 64: [(16, 3, 2)],
-                             128: [(32, 2, 1), (16, 3, 1)]},
+BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1), (32, 3, 3), (64, 2, 2, 1),
+                                  (64, 2, 2, 2)],
+                             64: [(16, 3, 2), (16, 3, 2, 1), (16, 4, 2, 1), (32, 2, 1, 2), (32, 3, 1, 2)],
+                             128: [(32, 2, 1), (16, 3, 1), (16, 2, 2, 1), (16, 2, 2, 2)]},
                     "tf32": {32: [(64, 3, 2), (32, 2, 2), (64, 4, 2), (64, 3, 3)],
                              64: [(64, 3, 2), (32, 3, 2), (32, 3, 3)],
                              128: [(32, 3, 2), (64, 2, 1), (16, 3, 2)]}}
