@@ -616,8 +616,9 @@ struct BwdDqTf32Traits {
   static constexpr int STAGES = STAGES_;
   static constexpr int CONSUMERS = CONSUMERS_;
   static constexpr bool X3 = X3_;
-  // 3xTF32: the big parts of Q (A_REGS 1) or of Q and dO (2) as the A registers of two of the three products of S
-  // (and dP), read from shared memory once, so those read only K's (V's) part from shared memory per k8 step
+  // The big parts (3xTF32: the A operand of two of the three products per k8 step) or the rounded values (one pass)
+  // of Q (A_REGS 1) or of Q and dO (2) as wgmma A registers of S (and dP), read from shared memory once, so those
+  // products read only K's (V's) part from shared memory per k8 step
   static constexpr int A_REGS = A_REGS_;
   static constexpr int BLOCK_M = 64 * CONSUMERS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -654,7 +655,7 @@ struct BwdDqTf32Traits {
   static_assert(BLOCK_N == 16 || BLOCK_N == 32 || BLOCK_N == 64, "key tiles of 16-64 rows (one chain of dQ)");
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
   static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
-  static_assert(A_REGS == 0 || (X3 && A_REGS <= 2), "Q's (and dO's) big parts in registers: 3xTF32");
+  static_assert(A_REGS >= 0 && A_REGS <= 2, "Q's (1) or Q's and dO's (2) A operands in registers");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileKt::BYTES == SMEM_KV, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 || CONSUMERS == 1,
@@ -782,8 +783,10 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   u32 q_regs[Tr::A_REGS >= 1 ? Tr::QK_K_STEPS : 1][4], do_regs[Tr::A_REGS >= 2 ? Tr::QK_K_STEPS : 1][4];
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);
-  if constexpr (Tr::A_REGS >= 1) tf32_load_a<typename Tr::TileQ>(q_regs, sm.q_big(), 16 * warp, lane);
-  if constexpr (Tr::A_REGS >= 2) tf32_load_a<typename Tr::TileQ>(do_regs, sm.dout_big(), 16 * warp, lane);
+  if constexpr (Tr::A_REGS >= 1)
+    tf32_load_a<typename Tr::TileQ>(q_regs, Tr::X3 ? sm.q_big() : sm.q(), 16 * warp, lane);
+  if constexpr (Tr::A_REGS >= 2)
+    tf32_load_a<typename Tr::TileQ>(do_regs, Tr::X3 ? sm.dout_big() : sm.dout(), 16 * warp, lane);
   const u32 q_small = static_cast<u32>(opaque(static_cast<int>(sm.q())));
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
@@ -794,10 +797,12 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-      if constexpr (Tr::A_REGS >= 1)
+      if constexpr (Tr::A_REGS >= 1 && Tr::X3)
         tf32x3_sr<Tr::BLOCK_N>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk), q_regs[kk],
                                Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk),
                                Tr::TileKV::desc_k_major(sm.k_big(s), 0, 16 * kk), kk > 0);
+      else if constexpr (Tr::A_REGS >= 1)
+        Wgmma<Tr::BLOCK_N, tf32>::rs(s_acc[0], q_regs[kk], Tr::TileKV::desc_k_major(sm.k(s), 0, 16 * kk), kk > 0);
       else
         tf32_ss<Tr::BLOCK_N, Tr::X3>(s_acc[0], Tr::TileQ::desc_k_major(q_small, 64 * wg, 16 * kk),
                                      Tr::TileQ::desc_k_major(q_big, 64 * wg, 16 * kk),
@@ -806,10 +811,12 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     wgmma_commit_group();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-      if constexpr (Tr::A_REGS >= 2)
+      if constexpr (Tr::A_REGS >= 2 && Tr::X3)
         tf32x3_sr<Tr::BLOCK_N>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk), do_regs[kk],
                                Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
                                Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
+      else if constexpr (Tr::A_REGS >= 2)
+        Wgmma<Tr::BLOCK_N, tf32>::rs(dp_acc, do_regs[kk], Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk), kk > 0);
       else
         tf32_ss<Tr::BLOCK_N, Tr::X3>(dp_acc, Tr::TileQ::desc_k_major(do_small, 64 * wg, 16 * kk),
                                      Tr::TileQ::desc_k_major(do_big, 64 * wg, 16 * kk),

@@ -80,8 +80,8 @@ struct FwdTf32Traits {
   static constexpr int CONSUMERS = CONSUMERS_;        // consumer warpgroups of 64 query rows
   static constexpr bool X3 = X3_;                     // 3xTF32 (precision "fp32"); false: one TF32 pass ("tf32")
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
-  // 3xTF32: Q's big part as the A registers of two of S's three products (read from shared memory once), so those
-  // read only K's part from shared memory per k8 step
+  // Q's big part (3xTF32: the A registers of two of S's three products) or its rounded value (one pass) in registers,
+  // read from shared memory once, so those products read only K's part from shared memory per k8 step
   static constexpr bool Q_REGS = Q_REGS_;
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
   static constexpr int BLOCK_M = 64 * CONSUMERS;
@@ -96,6 +96,9 @@ struct FwdTf32Traits {
   static constexpr int N_TILES = BLOCK_N / 8;
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 8;     // k8 steps of S = Q K^T
+  // ... whose Q comes from registers (Q_REGS): all, but the first 32 columns of one pass at head dim 128 (with 64 or
+  // all 128 the consumers spilled)
+  static constexpr int Q_REG_STEPS = !Q_REGS ? 0 : (X3 || HEAD_DIM <= 64) ? QK_K_STEPS : 4;
   static constexpr int PV_K_STEPS = BLOCK_N / 8;      // k8 steps of O_tile = P V
   static constexpr int CHAIN_STEPS = 8;               // k8 steps summed in one accumulator chain (k 64)
   static constexpr int S_CHAINS = (QK_K_STEPS + CHAIN_STEPS - 1) / CHAIN_STEPS;
@@ -131,7 +134,7 @@ struct FwdTf32Traits {
   static_assert(CONSUMERS >= 1 && CONSUMERS <= 3, "one to three consumer warpgroups");
   static_assert(CONSUMERS < 3 || SPLIT == 1, "three consumers: one CTA per query block");
   static_assert(!PINGPONG || CONSUMERS == 2, "pingpong orders two consumers");
-  static_assert(!Q_REGS || (X3 && HEAD_DIM == 64 && CONSUMERS == 2), "Q's big part in registers: 3xTF32, 64 columns");
+  static_assert(!Q_REGS || !X3 || (HEAD_DIM == 64 && CONSUMERS == 2), "Q's big part in registers: 64 columns");
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
@@ -431,13 +434,18 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
 
   using WS = Wgmma<Tr::BLOCK_N, tf32>;
   using WO = Wgmma<Tr::HEAD_DIM, tf32>;
-  u32 q_regs[Tr::Q_REGS ? Tr::QK_K_STEPS : 1][4];  // Q_REGS: this warp's 16 rows of Q's big part (tf32_load_a)
+  u32 q_regs[Tr::Q_REGS ? Tr::Q_REG_STEPS : 1][4];  // Q_REGS: this warp's 16 rows of Q's big part or rounded Q
   // one k8 step of S into acc (scale_d = more: 0 starts a chain)
   auto mma_s = [&](float (&acc)[Tr::N_TILES][4], u32 q, u32 k_small, u32 k_big, int kk, int more) {
     const u64 qd = Tr::TileQ::desc_k_major(q, 64 * wg, 16 * kk), kd = Tr::TileKV::desc_k_major(k_small, 0, 16 * kk);
-    if constexpr (Tr::Q_REGS) {
+    if constexpr (Tr::Q_REGS && Tr::X3) {
       tf32x3_sr<Tr::BLOCK_N>(acc, qd, q_regs[Tr::Q_REGS ? kk : 0], kd, Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
                              more);
+    } else if constexpr (Tr::Q_REGS) {
+      if (kk < Tr::Q_REG_STEPS)  // (kk is a constant of the unrolled loop)
+        WS::rs(acc, q_regs[kk < Tr::Q_REG_STEPS ? kk : 0], kd, more);
+      else
+        WS::ss(acc, qd, kd, more);
     } else if constexpr (Tr::X3) {
       const u64 qbd = Tr::TileQ::desc_k_major(q + (Tr::OFF_QB - Tr::OFF_Q), 64 * wg, 16 * kk);
       const u64 kbd = Tr::TileKV::desc_k_major(k_big, 0, 16 * kk);
@@ -528,7 +536,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, Tr::CONSUMER_THREADS);
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);
-  if constexpr (Tr::Q_REGS) tf32_load_a<typename Tr::TileQ>(q_regs, sm.q_big(), 16 * warp, lane);
+  if constexpr (Tr::Q_REGS) tf32_load_a<typename Tr::TileQ>(q_regs, Tr::X3 ? sm.q_big() : sm.q(), 16 * warp, lane);
   int stage = 0, n_block = n_end - 1;
   u32 phase = 0;
   round_begin();

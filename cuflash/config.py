@@ -1608,14 +1608,14 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     window: bool = False
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
     bias: bool = False
-    q_regs: bool = False  # 3xTF32 at 64 columns per CTA, two consumers: Q's big part as wgmma A registers (Q_REGS)
+    q_regs: bool = False  # Q's big part (3xTF32: 64 columns per CTA, two consumers) or rounded Q as wgmma A registers
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 forward")
         self._check_tiles()
         if self.pingpong and self.consumers != 2:
             raise ValueError("pingpong orders two consumer warpgroups: consumers=2")
-        if self.q_regs and (self.dtype != "fp32" or self.head_dim // self.split != 64 or self.consumers != 2):
+        if self.q_regs and self.dtype == "fp32" and (self.head_dim // self.split != 64 or self.consumers != 2):
             raise ValueError(f"q_regs=True at dtype {self.dtype!r}, head_dim={self.head_dim}, consumers="
                              f"{self.consumers}: Q's big part in registers is 3xTF32's at head dims 64 and 128, two "
                              f"consumers")
@@ -1681,7 +1681,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # rows measured slower on three (above), and with a bias three spilled 80-100 bytes at head dim 64.
 FWD_SM90_TF32_TILES = {
     "fp32": {32: (64, 2, 3, False), 64: (64, 2, 2, True, True), 128: (32, 3, 2, True, True)},
-    "tf32": {32: (64, 2, 3, False), 64: (64, 2, 3, False), 128: (32, 3, 2, True)},
+    "tf32": {32: (64, 2, 3, False, True), 64: (64, 2, 3, False), 128: (32, 3, 2, True, True)},
 }
 FWD_SM90_TF32_TILES_TWO = {"fp32": {32: (64, 3, 2, True)}, "tf32": {32: (64, 3, 2, True), 64: (64, 3, 2, True)}}
 FWD_SM90_TF32_SHORT_CAUSAL_KEYS = 1024
@@ -1690,9 +1690,9 @@ FWD_SM90_TF32_SHORT_CAUSAL_KEYS = 1024
 # of B 512, L 256, H 8 took 1.253 ms against 1.082 without a bias; at head dim 128, on unchanged tiles, a bias cost
 # 0.3 %. H200, 2026-11-29.)
 FWD_SM90_TF32_TILES_BIAS_BANDED = {"fp32": {64: (32, 3, 2, True)}}
-# A window or a bias at head dim 64: Q's big part from shared memory (with it in registers, q_regs, those kernels
-# spilled 4-16 bytes under NVRTC 13.0 and 13.5)
-FWD_SM90_TF32_TILES_MODS = {"fp32": {64: (64, 2, 2, True)}}
+# A window or a bias: Q from shared memory in 3xTF32 at head dim 64 and one pass at 128 (with it in registers, q_regs,
+# those kernels spilled 4-16 bytes under NVRTC 13.0 or 13.5)
+FWD_SM90_TF32_TILES_MODS = {"fp32": {64: (64, 2, 2, True)}, "tf32": {128: (32, 3, 2, True)}}
 # The score modifiers it takes: a window (causal is not a modifier) and a bias; the others run on fwd_wide_kernel
 FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
 
@@ -1781,9 +1781,12 @@ class BwdSm90Tf32Config(_ProducerConsumers):
         return (self.split * math.ceil(seqlen_k / self.block_n), heads_kv, batch)
 
     def dq_config(self) -> "BwdDqSm90Tf32Config":
-        bn, stages, consumers, *a_regs = BWD_DQ_SM90_TF32_TILES[self.dtype][self.head_dim]
+        tiles = BWD_DQ_SM90_TF32_TILES[self.dtype]
+        if self.window or self.bias:
+            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_MODS.get(self.dtype, {})}
         if self.window and self.bias:
-            a_regs = [min(*a_regs, BWD_DQ_SM90_TF32_WINDOW_BIAS_A_REGS)] if a_regs else []
+            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS.get(self.dtype, {})}
+        bn, stages, consumers, *a_regs = tiles[self.head_dim]
         return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
                                    self.bias, *a_regs)
 
@@ -1803,13 +1806,17 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     causal: bool
     window: bool = False
     bias: bool = False
-    a_regs: int = 0  # 3xTF32: the big parts of Q (1) or of Q and dO (2) as wgmma A registers (A_REGS)
+    a_regs: int = 0  # the big parts (3xTF32) or rounded values of Q (1) or of Q and dO (2) as wgmma A registers
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
         self._check_tiles()
-        if self.a_regs not in (0, 1, 2) or (self.a_regs and self.dtype != "fp32"):
-            raise ValueError(f"a_regs={self.a_regs} at dtype {self.dtype!r}: 0, or 1 (Q) or 2 (Q and dO) in 3xTF32")
+        if self.a_regs not in (0, 1, 2):
+            raise ValueError(f"a_regs={self.a_regs}: 0, 1 (Q's A operand in registers) or 2 (Q's and dO's)")
+        if self.a_regs and self.dtype == "tf32" and self.head_dim // self.split == 64 and self.block_n == 64:
+            # the one variant that computed a wrong dQ on an H200 (tools/tune_tiles.py, 2026-11-30: max |diff| 0.1-1.8
+            # against the kernel with Q from shared memory, which its other variants matched bitwise); not explained
+            raise ValueError(f"a_regs={self.a_regs} with block_n=64 at 64 columns in 'tf32': not a kernel (wrong dQ)")
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
     box_cols = 32
@@ -1880,16 +1887,18 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2, 2)},
-                          "tf32": {32: (64, 3, 3), 64: (64, 2, 2), 128: (32, 3, 2)}}
+                          "tf32": {32: (64, 3, 3, 1), 64: (32, 3, 2, 2), 128: (32, 3, 2, 2)}}
 # With a bias, one-pass TF32 at head dims 64 and 128 takes 16-query steps: its 32-query steps spilled 8-68 bytes with
 # the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
 # dim 32 they do not. 3xTF32 at head dim 32 keeps two consumer warpgroups with a bias: three spilled 8 bytes beside a
 # window (NVRTC 13.5)
 BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
-# A window beside a bias: the dQ kernel holds Q's big part alone in registers (with dO's too the head-dim-128 pair
-# spilled 24 bytes under NVRTC 13.0)
-BWD_DQ_SM90_TF32_WINDOW_BIAS_A_REGS = 1
+# The dQ kernel's tiles with a window or a bias (_MODS), and with both (_WINDOW_BIAS), where the A registers of the plain
+# tiles spilled (NVRTC 13.0 or 13.5): one pass at head dim 128 keeps Q's alone in registers beside either (with dO's
+# too 4-20 bytes), one pass at 32 neither (40-48 bytes with a bias), 3xTF32 at 128 Q's alone beside both (24 bytes)
+BWD_DQ_SM90_TF32_TILES_MODS = {"tf32": {32: (64, 3, 3), 128: (32, 3, 2, 1)}}
+BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS = {"fp32": {128: (16, 2, 2, 1)}}
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,

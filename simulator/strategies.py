@@ -276,8 +276,10 @@ def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     dim 128 (cfg.split 2, `fwd_sm90_tf32_pair_kernel`): two CTAs per query block, each with 64 of the columns (the
     same global bytes; lse from one of them), and per visited key tile each consumer thread stores its S fragment
     into the other CTA's exchange slot (16 bytes per n8 tile, counted as writes of the receiving CTA) and reads the
-    other's back. With cfg.q_regs (3xTF32) the consumers read Q's big part into registers once per CTA (ld.shared) and
-    two of S's three products per k8 step take it from there: Q is read by one product per key tile, not three."""
+    other's back. With cfg.q_regs the consumers read Q's A operand into registers once per CTA (ld.shared): in 3xTF32
+    its big part, which two of S's three products per k8 step then take from there (Q is read by one product per key
+    tile, not three); in one pass the rounded Q, which S's product takes from there (at head dim 128 the first 32
+    columns only)."""
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
     parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
@@ -287,9 +289,11 @@ def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     q_tile, kv_tile = 4 * cfg.block_m * cols, 4 * cfg.block_n * cols
     xchg = cfg.consumers * 128 * (cfg.block_n // 8) * 16 if split > 1 else 0
     c.sram_write_bytes = (ctas * q_tile * (1 + parts) + tiles * (kv_tile * (2 + 2 * parts) + xchg)) * p.batch_heads
-    q_products = products - 2 * cfg.q_regs  # S's products that read Q from shared memory
-    c.sram_read_bytes = (ctas * q_tile * (1 + cfg.q_regs)
-                         + tiles * (2 * kv_tile + q_products * q_tile + products * 2 * cfg.consumers * kv_tile
+    # Q's bytes held in registers (FwdTf32Traits::Q_REG_STEPS) and the products that take them from there
+    q_held = 0 if not cfg.q_regs else q_tile if products == 3 or cols <= 64 else q_tile * 32 // cols
+    q_reads = products * q_tile - (2 if products == 3 else 1) * q_held  # S's reads of Q from shared memory
+    c.sram_read_bytes = (ctas * (q_tile + q_held)
+                         + tiles * (2 * kv_tile + q_reads + products * 2 * cfg.consumers * kv_tile
                                     + xchg)) * p.batch_heads
     c.bank_conflicts = None
     return c
@@ -547,8 +551,9 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     Head dim 128 (cfg.split 2, the `_pair_kernel`s): each CTA of a pair does the above on its 64 columns, and per step
     (dK / dV) or key tile (dQ) each consumer thread stores its fragments of S and dP into the other CTA's exchange
     slots (st.async, 16 bytes per n8 tile each; counted as writes of the receiving CTA) and reads the other's back.
-    The dQ kernel's a_regs (3xTF32): the consumers read Q's (1) or Q's and dO's (2) big parts into registers once per
-    CTA, and two of the three products of S (dP) per k8 step take them from there."""
+    The dQ kernel's a_regs: the consumers read Q's (1) or Q's and dO's (2) A operands into registers once per CTA, and
+    two of the three products of S (dP) per k8 step take their big parts from there (3xTF32), or its one product the
+    rounded values (one pass)."""
     parts, products = (2, 3) if cfg.dtype == "fp32" else (1, 1)
     split = cfg.split
     hd, bm, bn = cfg.head_dim // split, cfg.block_m, cfg.block_n  # a CTA's columns
@@ -572,7 +577,8 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     write += ctas * q_tile * (2 + 2 * parts) + tiles * (kv_tile * (2 + 3 * parts) + xchg)
     # per CTA: the splitters' Q, dO; per key tile: the splitters' K, V, each consumer's wgmma operands (its Q rows
     # and K; its dO rows and V; K^T)
-    q_products = 2 * products - 2 * dcfg.a_regs  # the products of S and dP that read Q or dO from shared memory
+    # the products of S and dP that read Q or dO from shared memory
+    q_products = 2 * products - dcfg.a_regs * (2 if products == 3 else 1)
     read += ctas * (2 + dcfg.a_regs) * q_tile + tiles * (2 * kv_tile + q_products * q_tile
                                                           + products * 3 * dcfg.consumers * kv_tile + xchg)
     return read * p.batch_heads, write * p.batch_heads

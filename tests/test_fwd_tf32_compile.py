@@ -78,23 +78,35 @@ def test_three_consumers_where_they_fit_two_for_short_causal_rows_and_a_bias():
         assert config.fwd_sm90_tf32_config(hd, dt, False).consumers == 2
 
 
-def test_q_regs_where_3xtf32_takes_two_consumers_of_64_columns_without_a_window_or_bias_at_64():
-    """3xTF32 at head dims 64 and 128 (pairs of 64 columns) holds Q's big part in registers (q_regs), but for a window
-    or a bias at head dim 64 (those spilled); one-pass TF32 and the three-consumer tiles do not."""
-    for hd in (64, 128):
-        for causal, window, bias in ((False, False, False), (True, False, False), (False, True, False),
-                                     (False, False, True), (True, False, True), (False, True, True)):
-            cfg = config.fwd_sm90_tf32_config(hd, "fp32", causal, window, bias)
-            assert cfg.q_regs == (hd == 128 or not (window or bias)), (hd, causal, window, bias)
-            assert (f"true, {cfg.split}, true>," in cfg.cpp_name()) == cfg.q_regs, cfg.cpp_name()
-    for dt, hd in (("fp32", 32), ("tf32", 32), ("tf32", 64), ("tf32", 128)):
-        assert not config.fwd_sm90_tf32_config(hd, dt, False).q_regs
+def test_q_regs_where_the_consumers_registers_hold_them():
+    """Q's A operand in registers (q_regs): 3xTF32's big part at head dims 64 and 128 (pairs of 64 columns) but for a
+    window or a bias at 64; one pass's rounded Q at head dim 32 (not on the two-consumer tiles of a bias or of short
+    causal rows) and at 128 (its first 32 columns) without a window or a bias; never one pass at 64 (three consumers
+    of 152 registers spilled)."""
+    modsets = ((False, False, False), (True, False, False), (False, True, False), (False, False, True),
+               (True, False, True), (False, True, True))
+    want = {("fp32", 32): lambda c, w, b: False,
+            ("fp32", 64): lambda c, w, b: not (w or b),
+            ("fp32", 128): lambda c, w, b: True,
+            ("tf32", 32): lambda c, w, b: not b,
+            ("tf32", 64): lambda c, w, b: False,
+            ("tf32", 128): lambda c, w, b: not (w or b)}
+    for (dt, hd), rule in want.items():
+        for causal, window, bias in modsets:
+            cfg = config.fwd_sm90_tf32_config(hd, dt, causal, window, bias)
+            assert cfg.q_regs == rule(causal, window, bias), (dt, hd, causal, window, bias)
+            assert (f", {cfg.split}, true>," in cfg.cpp_name()) == cfg.q_regs, cfg.cpp_name()
+        # causal rows of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys: at head dim 32 the two-consumer tiles, without
+        short = config.fwd_sm90_tf32_config(hd, dt, True, seqlen_k=config.FWD_SM90_TF32_SHORT_CAUSAL_KEYS)
+        assert short.q_regs == (rule(True, False, False) and hd != 32), (dt, hd)
     # the template's defaults stay out of the name: the kernels without q_regs keep their names
     assert config.FwdSm90Tf32Config(64, 64, 2, 2, "fp32", False, pingpong=True).cpp_name().endswith(
         "FwdTf32Traits<64, 64, 2, 2, true, true>, false, 0>")
     assert config.FwdSm90Tf32Config(128, 32, 3, 2, "fp32", False, pingpong=True, q_regs=True).cpp_name().endswith(
         "FwdTf32Traits<64, 32, 3, 2, true, true, 2, true>, false, 0>")
-    for bad in (dict(dtype="tf32"), dict(head_dim=32), dict(consumers=3, pingpong=False)):
+    assert config.FwdSm90Tf32Config(32, 64, 2, 3, "tf32", False, q_regs=True).cpp_name().endswith(
+        "FwdTf32Traits<32, 64, 2, 3, false, false, 1, true>, false, 0>")
+    for bad in (dict(head_dim=32), dict(consumers=3, pingpong=False)):  # 3xTF32 holds Q's big part at 64 columns
         args = {"head_dim": 64, "block_n": 64, "stages": 2, "consumers": 2, "dtype": "fp32", "causal": False,
                 "q_regs": True, **bad}
         with pytest.raises(ValueError, match="q_regs=True"):
@@ -183,9 +195,11 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     products = 3 if cfg.dtype == "fp32" else 1
     assert count("HGMMA") == 2 * products * (cols // 8 + cfg.block_n // 8), f"{cfg}: {count('HGMMA')} HGMMA"
     assert re.search(r"HGMMA\.\w+\.F32\.TF32", text), f"{cfg}: no TF32 HGMMA"
-    # A from registers: P in every product of P V; with q_regs also Q's big part in two of S's three per k8 step
+    # A from registers: P in every product of P V; with q_regs also Q, in 3xTF32 its big part in two of S's three
+    # products per k8 step, in one pass the rounded Q in its product, at head dim 128 for the first 32 columns
     reg_a = len(re.findall(r"HGMMA\.\S+ R\d+, R\d+, gdesc", text))
-    assert reg_a == 2 * (products * cfg.block_n // 8 + (2 * cols // 8 if cfg.q_regs else 0)), f"{cfg}: {reg_a}"
+    q_rs = 0 if not cfg.q_regs else 2 * cols // 8 if products == 3 else min(cols, 32) // 8
+    assert reg_a == 2 * (products * cfg.block_n // 8 + q_rs), f"{cfg}: {reg_a}"
     assert count("USETMAXREG") == (2 if cfg.consumers >= 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
@@ -229,3 +243,24 @@ def test_analyzer_counts_the_tf32_forward():
     assert c3.sram_read_bytes == qb3 * 2 * q3 + t3 * (2 * kv3 + q3 + 3 * 2 * cfg3.consumers * kv3)
     q1, kv1 = 4 * cfg1.block_m * 64, 4 * cfg1.block_n * 64
     assert c1.sram_read_bytes == qb1 * q1 + t1 * (2 * kv1 + q1 + 2 * cfg1.consumers * kv1)
+
+
+@pytest.mark.parametrize("hd,held_cols", [(32, 32), (128, 32)])
+def test_analyzer_counts_one_pass_q_in_registers(monkeypatch, hd, held_cols):
+    """One pass with q_regs: the consumers read the rounded Q's first held_cols columns (all at head dim 32, 32 of 128)
+    into registers once per query block and S's product takes them from there: a key tile's Q reads drop by those
+    bytes, a query block's reads grow by them once."""
+    from simulator import strategies
+    from simulator.model import Problem
+
+    p = Problem(batch=1, heads=1, seqlen_q=1024, seqlen_k=1024, head_dim=hd, dtype="tf32")
+    cfg = config.fwd_sm90_tf32_config(hd, "tf32", False)
+    assert cfg.q_regs
+    with_regs = strategies.simulate("cuflash", p)
+    monkeypatch.setitem(config.FWD_SM90_TF32_TILES["tf32"], hd, (cfg.block_n, cfg.stages, cfg.consumers, cfg.pingpong))
+    without = strategies.simulate("cuflash", p)
+    held = 4 * cfg.block_m * held_cols  # bytes of a query block's Q in registers
+    blocks = -(-1024 // cfg.block_m)
+    tiles = blocks * (1024 // cfg.block_n)  # not causal: every block visits every key tile
+    assert without.sram_read_bytes - with_regs.sram_read_bytes == tiles * held - blocks * held
+    assert without.sram_write_bytes == with_regs.sram_write_bytes

@@ -203,7 +203,7 @@ def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, ca
     writes dQ once. FLOPs: 4 products per step, 3 per dQ tile. Shared memory: the TMA boxes (lse_log2 and delta
     too), the splitters' reads and the parts they write (the kernels' shared layouts: K, V's parts once, a stage's
     tiles per step or key tile), the consumers' lse_log2 and delta reads, the wgmma operand reads of each of the
-    two consumers."""
+    two consumers (the dQ kernel's Q and dO from registers where it holds them)."""
     b, h, e, s = 2, 3, 4, 4
     p = Problem(b, h, sq, sk, d, dtype, causal, window)
     main = config.select("backward", 64, dtype, False, "sm_90a")
@@ -251,7 +251,12 @@ def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, ca
     q_parts = 2 * parts * q2  # Q and dO as the wgmma read them
     stage2 = (dqc.smem_bytes - bars(dqc) - q_parts) // dqc.stages  # K split and K^T, V split
     w2 = q_blocks.sum() * (2 * q2 + q_parts) + tiles.sum() * (2 * kv2 + stage2)
-    r2 = q_blocks.sum() * 2 * q2 + tiles.sum() * (2 * kv2 + products * ((q2 + 2 * kv2) + (q2 + 2 * kv2) + 2 * kv2))
+    # Q and dO (a_regs of them) as A registers: read once per query block, and then by one product of S (dP) fewer
+    # per key tile in one pass, two fewer in 3xTF32
+    held = {"fp32": 0, "tf32": 2}[dtype]  # the shipped tiles at head dim 64
+    assert dqc.a_regs == held
+    r2 = q_blocks.sum() * (2 + held) * q2 + tiles.sum() * (
+        2 * kv2 + products * ((q2 + 2 * kv2) + (q2 + 2 * kv2) + 2 * kv2) - held * (2 if products == 3 else 1) * q2)
     assert c.sram_write_bytes == b * h * (w1 + w2)
     assert c.sram_read_bytes == b * h * (r1 + r2)
     assert c.bank_conflicts is None, "not walked"
