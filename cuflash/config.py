@@ -1679,6 +1679,12 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 # 66 (causal 48 / 66 / 74 against 51 / 61 / 65); (64, 3, 3) within 2 % of (64, 2, 3) in every row. Causal rows up to
 # 1k keys (FWD_SM90_TF32_SHORT_CAUSAL_KEYS) and a bias keep two consumers (FWD_SM90_TF32_TILES_TWO): the short causal
 # rows measured slower on three (above), and with a bias three spilled 80-100 bytes at head dim 64.
+# A fifth element, q_regs: Q's A operand in registers (3xTF32: its big part; one pass: the rounded Q, at head dim 128
+# its first 32 columns). `tools/tune_tiles.py --dtype fp32|tf32 --head-dims 32 64 128 --n 1024 4096 16384 --causal
+# both` (H200, 2026-11-30, outputs bitwise those of Q from shared memory), TFLOP/s at N 1k / 4k / 16k: 3xTF32 at D 64
+# 77 / 83 / 84 against 75 / 80 / 81, at D 128 65 / 69 / 70 against 58 / 62 / 63; one pass at D 32 98 / 117 / 122
+# against 96 / 113 / 118, at D 128 126 / 135 / 137 against 122 / 130 / 132 (causal likewise); one pass at D 64 on two
+# consumers with it 124-142 against 135-171 on three without.
 FWD_SM90_TF32_TILES = {
     "fp32": {32: (64, 2, 3, False), 64: (64, 2, 2, True, True), 128: (32, 3, 2, True, True)},
     "tf32": {32: (64, 2, 3, False, True), 64: (64, 2, 3, False), 128: (32, 3, 2, True, True)},
@@ -1884,6 +1890,12 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # 55 / 57 against 49 / 53 / 54 (causal 43 / 53 / 57 against 41 / 50 / 53; (16, 3, 3) 43-50), gradients bitwise equal
 # to the two-consumer kernel's on those shapes, the 18 head-dim-32 float32 sanitizer cases clean, so head dim 32 takes
 # them (with a bias 3xTF32 keeps two: BWD_SM90_TF32_TILES_BIAS).
+# The dQ kernel's fourth element, a_regs: Q's (1) or Q's and dO's (2) A operands in registers (3xTF32: the big parts;
+# one pass: the rounded values). The tuner the same day (backward TFLOP/s at N 1k / 4k / 16k): 3xTF32 at D 32 with 2
+# 51 / 58 / 60 against 49 / 55 / 57, at D 128 36 / 38 / 38 against 33 / 35 / 35; one pass at D 32 with 1 95 / 115 / 121
+# against 93 / 113 / 119, at D 64 (32, 3, 2, 2) 103 / 112 / 115 against 102 / 112 / 114, at D 128 with 2 86 / 94 / 97
+# against 81 / 88 / 90 (causal likewise); 3xTF32 at D 64: every variant that fits 3-7 % slower. One pass with 64-key
+# tiles at 64 columns and Q in registers computed a wrong dQ (max |diff| 0.1-1.8): BwdDqSm90Tf32Config refuses it.
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2, 2)},
