@@ -13,7 +13,8 @@
 //     keys per CTA) take every step together, so each split and transposed Q, dO serves 128 keys.
 //   bwd_dq_sm90_tf32_kernel (Q-outer; grid (query blocks, heads, batch)): dQ of 64 * CONSUMERS rows:
 //     S = Q K^T, dP = dO V^T, P, dS as above, dQ += dS K with B = K^T, written by the splitters per key tile
-//     (K split in place, K^T big and small, V split in place), as the forward writes V^T.
+//     (K split in place, K^T big and small, V split in place), as the forward writes V^T. A_REGS: Q's (and dO's) A
+//     operands in registers, read once, as the forward's Q_REGS.
 //
 // Head dim 128 runs both kernels as cluster pairs of 64 columns per CTA (SPLIT 2, the `_pair_kernel`s: below).
 //
@@ -779,7 +780,7 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     for (int c = 0; c < 4; ++c) dq_acc[dt][c] = 0.f;
   float s_acc[1][Tr::N_TILES][4], dp_acc[Tr::N_TILES][4];
   u32 ds_big[Tr::N_TILES][4], ds_small[Tr::X3 ? Tr::N_TILES : 1][4];
-  // A_REGS: this warp's 16 rows of Q's (and dO's) big parts, wgmma A registers
+  // A_REGS: this warp's 16 rows of Q's (and dO's) big parts (3xTF32) or rounded values (one pass), wgmma A registers
   u32 q_regs[Tr::A_REGS >= 1 ? Tr::QK_K_STEPS : 1][4], do_regs[Tr::A_REGS >= 2 ? Tr::QK_K_STEPS : 1][4];
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);

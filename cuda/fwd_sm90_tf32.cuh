@@ -21,6 +21,10 @@
 // * Shared memory: a float32 tile of C columns is stored as the 16-bit SmemTile of 2C columns (the same bytes, 128-byte
 //   swizzle panels of 32 floats), so TMA's swizzled boxes and the wgmma descriptors of tiles.cuh apply as they are:
 //   a k8 step of TF32 is 32 bytes, as a k16 step of a 16-bit type.
+// * Q_REGS: each consumer reads its rows of Q's big part (or of the rounded Q) into A registers once (tf32_load_a), so
+//   the S products that take them read only K from shared memory: an A operand of 64 rows x 8 floats is 2 KB, which a
+//   wgmma from shared memory reads again for every key tile, more than shared memory delivers per tensor-core clock
+//   beside K's 0.5-2 KB.
 //
 // One CTA = BLOCK_M = 64 * CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
 // first; 3xTF32 at head dim 128: a cluster pair of CTAs of 64 columns each, SPLIT 2, fwd_sm90_tf32_pair_kernel);
