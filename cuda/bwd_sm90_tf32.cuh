@@ -29,8 +29,9 @@
 // wherever a row or key does not exist; nothing past them is stored. Causal and sliding-window bands, GQA (the
 // K/V-outer CTA walks every query head of its group: BwdKeyBlock), dense and packed (varlen) sequences, a float32
 // bias (MODS & MOD_BIAS: added to S^T and S as the forward adds it; dBias = dS^T written by the dK / dV kernel,
-// which sees each (query head, query, key) once: plain stores, or red.add where the bias is broadcast); no other
-// score modifier (those run on wide.cuh's bwd_wide_kernel).
+// which sees each (query head, query, key) once: plain stores, or red.add where the bias is broadcast), ALiBi and an
+// element mask (MOD_ALIBI, MOD_MASK: after the bias, as the forward); soft-capping and dropout run on wide.cuh's
+// bwd_wide_kernel.
 #pragma once
 #include "fwd_sm90_tf32.cuh"
 #include "bwd_sm90_ws.cuh"  // BwdWsParams; bwd.cuh's BwdKeyBlock, QueryBlock
@@ -391,9 +392,11 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     // dBias written from dS^T below (each (query head, query, key) is this CTA's alone: stores, or red.add where
     // the bias is broadcast)
     ScoreMods<MODS> mods;
-    if (HAS_BIAS) {
+    if (ScoreMods<MODS>::CHANGES_SCORES) {
       mods.init(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q, kb.seq.len_k);
-      if (rank() == 0) mods.template prefetch_cols<Tr::BLOCK_M>(kb.n0 + key_row0, m0, lane);  // (a pair: rank 0 adds it)
+      mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
+      if ((HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && rank() == 0)  // (a pair: rank 0 applies them)
+        mods.template prefetch_cols<Tr::BLOCK_M, true>(kb.n0 + key_row0, m0, lane);
     }
     // lse_log2 of this thread's query columns (pad rows: +inf)
     const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
@@ -409,8 +412,12 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
       for (int c = 0; c < 4; ++c) prob[0][qt][c] = s_acc[0][qt][c];
-    // the bias before the band's -inf; a pair adds it once, rank 0 to its part before the exchange: (S0 + bias) + S1
-    if (HAS_BIAS && rank() == 0) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);
+    // the bias, ALiBi and the mask before the band's -inf; a pair applies them once, rank 0 to its part before the
+    // exchange: (S0 + bias - ALiBi, or -inf) + S1
+    if (rank() == 0) {
+      if (HAS_BIAS) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);
+      alibi_mask_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, kb.band.diag, lane);
+    }
     if constexpr (PAIR) {  // S^T over the other CTA's 64 columns, added
       pair_send(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), prob[0], wtid);
       pair_wait<Tr::Q_TILES>(sm.xbar(i & 1, 0, cwg), (i >> 1) & 1, wtid);
@@ -521,7 +528,8 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
 // two per key block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void bwd_tf32_main(const BwdWsParams& P) {
-  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_sm90_tf32_kernel takes a window and a bias");
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK)) == 0,
+                "bwd_sm90_tf32_kernel takes a window, a bias, ALiBi and a mask");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const BwdParams& p = P.bwd;
@@ -759,9 +767,12 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   constexpr bool PAIR = Tr::SPLIT > 1;
   const int rank = PAIR ? static_cast<int>(cluster_ctarank()) : 0;  // columns 64 rank .. of the pair's head dim
   float peer[PAIR ? Tr::N_TILES : 1][4];  // S or dP over the other CTA's columns
-  // the bias, as the forward reads it (pulled into L1 while S runs)
+  // the bias and the mask, as the forward reads them (pulled into L1 while S runs), and ALiBi
   ScoreMods<MODS> mods;
-  if (HAS_BIAS) mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
+  if (ScoreMods<MODS>::CHANGES_SCORES) {
+    mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
+    mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
+  }
   // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0). The padded region ends at a
   // multiple of PAD_ROWS (128), which the last of three consumers' 192-row blocks may pass: rows past rows_q (never
   // stored) take the pad values without a load
@@ -824,12 +835,17 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
                                      Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
                                      Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
-    if (HAS_BIAS && rank == 0) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
+    if ((HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && rank == 0)
+      mods.template prefetch_rows<Tr::BLOCK_N, true>(warp_row, key0, lane);
 
     wgmma_wait_group<1>();  // S
     wgmma_fence_operand(s_acc[0]);
-    // the bias before the band's -inf; a pair adds it once, rank 0 to its part before the exchange: (S0 + bias) + S1
-    if (HAS_BIAS && rank == 0) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
+    // the bias, ALiBi and the mask before the band's -inf; a pair applies them once, rank 0 to its part before the
+    // exchange: (S0 + bias - ALiBi, or -inf) + S1
+    if (rank == 0) {
+      if (HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
+      alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, lane);
+    }
     if constexpr (PAIR) {
       pair_send(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), s_acc[0], ctid & 127);
       pair_receive(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), (i >> 1) & 1, peer, ctid & 127);
@@ -888,7 +904,8 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
 // cluster of two per query block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
-  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "bwd_dq_sm90_tf32_kernel takes a window and a bias");
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK)) == 0,
+                "bwd_dq_sm90_tf32_kernel takes a window, a bias, ALiBi and a mask");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   const BwdParams& p = P.bwd;

@@ -31,7 +31,8 @@
 // causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head / kv_group), dense
 // and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only head_dim columns
 // are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask, its rows pulled
-// into L1 while the S GEMM runs). No other score modifier: those run on wide.cuh's kernels.
+// into L1 while the S GEMM runs), ALiBi and an element mask (MOD_ALIBI, MOD_MASK: mods.cuh's alibi_mask_f32 after the
+// bias; the mask's rows pulled into L1 as the bias's). Soft-capping and dropout run on wide.cuh's kernels.
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
@@ -415,11 +416,16 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   const float scale_log2 = p.fwd.scale_log2;
   constexpr bool PAIR = Tr::SPLIT > 1;  // rank(): columns 64 rank .. of the pair's head dim
   auto rank = [] { return PAIR ? static_cast<int>(cluster_ctarank()) : 0; };
-  // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran
+  // the bias and the mask: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled them while the
+  // GEMM ran
   Mods mods;
-  if (Mods::HAS_BIAS) mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
-  auto prefetch_bias = [&](int n_block) {  // (a pair: rank 0 adds the bias)
-    if (Mods::HAS_BIAS && rank() == 0) mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, n_block * Tr::BLOCK_N, lane);
+  if (Mods::CHANGES_SCORES) {
+    mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
+    mods.check_mask = p.fwd.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
+  }
+  auto prefetch_bias = [&](int n_block) {  // the bias and the mask (a pair: rank 0 applies them)
+    if ((Mods::HAS_BIAS || Mods::HAS_MASK) && rank() == 0)
+      mods.template prefetch_rows<Tr::BLOCK_N, true>(warp_row, n_block * Tr::BLOCK_N, lane);
   };
 
   float o_acc[1][Tr::D_TILES][4];
@@ -493,6 +499,12 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   auto release = [&](u32 bar) {
     if (lane == 0) mbarrier_arrive(bar);
   };
+  // the bias, ALiBi and the mask on S of the tile at key0 (a pair: rank 0, on its part before the exchange, so the
+  // sum is (S0 + bias - ALiBi, or -inf) + S1)
+  auto apply_mods = [&](int key0) {
+    if (Mods::HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
+    alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, lane);
+  };
   auto scores_to_probs = [&](int n_block) {
     if constexpr (Tr::S_CHAINS > 1) {
 #pragma unroll
@@ -501,7 +513,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
         for (int c = 0; c < 4; ++c) s_acc[0][nt][c] += s2_acc[0][nt][c];
     }
     const int key0 = n_block * Tr::BLOCK_N;
-    if (Mods::HAS_BIAS && !PAIR) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);  // before the band's -inf
+    if (!PAIR) apply_mods(key0);  // before the band's -inf
     if (band.needs_mask_right(wg_row, key0 + Tr::BLOCK_N - 1) || band.needs_mask_left(wg_row + 63, key0))
       apply_band_mask<IS_CAUSAL, HAS_WINDOW>(s_acc, warp_row, key0, band, lane);
     softmax_probs(softmax, s_acc, scale_log2, alpha);  // fwd_sm90_ws.cuh's: O's rescale waits for P V
@@ -514,7 +526,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   // pair, by rank 0 to its part before the exchange: (S0 + bias) + S1
   auto exchange_s = [&](int i, int n_block) {
     if constexpr (PAIR) {
-      if (Mods::HAS_BIAS && rank() == 0) add_bias_f32(mods, s_acc[0], warp_row, n_block * Tr::BLOCK_N, lane);
+      if (rank() == 0) apply_mods(n_block * Tr::BLOCK_N);
       const int wtid = ctid & 127;
       pair_send(sm.xchg(i & 1, wg), sm.xbar(i & 1, wg), s_acc[0], wtid);
       pair_wait<Tr::N_TILES>(sm.xbar(i & 1, wg), (i >> 1) & 1, wtid);
@@ -632,7 +644,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
 // two per query block, blockIdx.x / 2 its index)
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
-  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS)) == 0, "fwd_sm90_tf32_kernel takes a window and a bias");
+  static_assert((MODS & ~(MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK)) == 0,
+                "fwd_sm90_tf32_kernel takes a window, a bias, ALiBi and a mask");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];

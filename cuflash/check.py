@@ -425,6 +425,15 @@ def wide_cases() -> list[Case]:
     cases += [_case(1, 1100, 1100, 1, 64, "tf32", True, "bhsd", "contiguous"),
               _case(1, 1100, 1030, 1, 32, "fp32", True, "bshd", "contiguous", kv_heads=1),
               _case(1, 1030, 1100, 1, 24, "tf32", True, "bshd", "padded")]
+    # ALiBi with a mask (one TF32 kernel takes either or both), plain, causal and beside a window, with and without a
+    # bias, per float32 dtype and TF32 head dim: on sm_90a the TF32 wgmma kernels' alibi_mask_f32 (rows of 70 and 136
+    # keys take the mask's key-pair loads, rows of 71 and 137 the per-score loads)
+    W, B, AM = config.MOD_WINDOW, config.MOD_BIAS, config.MOD_ALIBI | config.MOD_MASK
+    for i, (dtype, hd, (causal, mods)) in enumerate(
+            (dt, hd, cm) for dt in ("fp32", "tf32") for hd in (32, 64, 128)
+            for cm in ((False, AM), (True, AM), (False, AM | W), (False, AM | B), (True, AM | B), (False, AM | B | W))):
+        sq, sk = ((137, 70), (71, 136), (136, 71))[i % 3]
+        cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
     return cases
 
 

@@ -16,6 +16,7 @@ Shared-memory layout of a [rows, HEAD_DIM] tile (Q, K, V, O staging), see cuda/t
 from __future__ import annotations
 
 from dataclasses import dataclass
+import itertools
 import math
 import os
 
@@ -301,8 +302,9 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
-        out += [fwd_sm90_tf32_config(hd, dt, c, w, b) for dt in FWD_SM90_TF32_TILES for hd in FWD_SM90_TF32_TILES[dt]
-                for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)]
+        out += [fwd_sm90_tf32_config(hd, dt, c, w, b, alibi_mask=am) for dt in FWD_SM90_TF32_TILES
+                for hd in FWD_SM90_TF32_TILES[dt] for c, w in ((False, False), (True, False), (False, True))
+                for b in (False, True) for am in (False, True)]
         out += [fwd_sm90_tf32_config(hd, dt, True, seqlen_k=1) for dt in FWD_SM90_TF32_TILES_TWO
                 for hd in FWD_SM90_TF32_TILES_TWO[dt]]
     out += [c for c in all_wide_configs(arch) if isinstance(c, FwdWideConfig)]
@@ -997,8 +999,8 @@ def all_bwd_configs(arch: str = DEFAULT_ARCH) -> list:
         for dt in BWD_SM90_TF32_TILES:
             for hd in BWD_SM90_TF32_TILES[dt]:
                 for c, w in ((False, False), (True, False), (False, True)):
-                    for bias in (False, True):
-                        m = bwd_sm90_tf32_config(hd, dt, c, w, bias)
+                    for bias, alibi_mask in itertools.product((False, True), repeat=2):
+                        m = bwd_sm90_tf32_config(hd, dt, c, w, bias, alibi_mask=alibi_mask)
                         out += [m, m.dq_config()]
     out += [c for c in all_wide_configs(arch) if not isinstance(c, FwdWideConfig)]
     return out
@@ -1555,6 +1557,14 @@ def _check_tf32(cfg, head_dims: tuple, kernel: str) -> None:
         raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
 
 
+def _tf32_mods(cfg) -> int:
+    """The MODS template argument of a TF32 wgmma config: its window and bias, and ALiBi with the mask. One kernel
+    takes ALiBi and a mask for a call with either (cuda/mods.cuh alibi_mask_f32: no slopes, a slope of 0; no mask,
+    none read), which halves the instantiations the compile check builds and the sanitizers launch."""
+    return ((MOD_WINDOW if cfg.window else 0) | (MOD_BIAS if cfg.bias else 0)
+            | (MOD_ALIBI | MOD_MASK if cfg.alibi_mask else 0))
+
+
 def _tf32_split(head_dim: int) -> int:
     """CTAs sharing a TF32 backward block's head dim: 2 at head dim 128 (a cluster pair of 64 columns each)."""
     return 2 if head_dim == 128 else 1
@@ -1609,6 +1619,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
     bias: bool = False
     q_regs: bool = False  # Q's big part (3xTF32: 64 columns per CTA, two consumers) or rounded Q as wgmma A registers
+    alibi_mask: bool = False  # ALiBi and an element mask (MOD_ALIBI | MOD_MASK), for a call with either or both
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 forward")
@@ -1650,7 +1661,7 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
 
     @property
     def mods(self) -> int:
-        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
+        return _tf32_mods(self)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (self.split * math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -1699,22 +1710,31 @@ FWD_SM90_TF32_TILES_BIAS_BANDED = {"fp32": {64: (32, 3, 2, True)}}
 # A window or a bias: Q from shared memory in 3xTF32 at head dim 64 and one pass at 128 (with it in registers, q_regs,
 # those kernels spilled 4-16 bytes under NVRTC 13.0 or 13.5)
 FWD_SM90_TF32_TILES_MODS = {"fp32": {64: (64, 2, 2, True)}, "tf32": {128: (32, 3, 2, True)}}
-# The score modifiers it takes: a window (causal is not a modifier) and a bias; the others run on fwd_wide_kernel
-FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
+# ALiBi or a mask (computed or read per score, as a bias, and take the bias's tiles), where those spilled (4-100 bytes
+# under NVRTC 13.0 or 13.5): 32-key tiles in 3xTF32 at head dim 64, 16-key tiles in one pass at 128
+FWD_SM90_TF32_TILES_SCORE = {"fp32": {64: (32, 3, 2, True)}, "tf32": {128: (16, 3, 2, True)}}
+# The score modifiers it takes: a window (causal is not a modifier), a bias, ALiBi and a mask; soft-capping and
+# dropout run on fwd_wide_kernel
+FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
 
 
 def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
-                         bias: bool = False, seqlen_k: int | None = None) -> FwdSm90Tf32Config:
+                         bias: bool = False, seqlen_k: int | None = None, *,
+                         alibi_mask: bool = False) -> FwdSm90Tf32Config:
     """The float32 Hopper forward's config; seqlen_k (the call's longest key sequence), when given, lets causal rows
     of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys take the two-consumer tiles."""
     short_causal = causal and seqlen_k is not None and seqlen_k <= FWD_SM90_TF32_SHORT_CAUSAL_KEYS
-    tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if bias and (causal or window) else {}
-    if bias or short_causal:
+    per_score = bias or alibi_mask  # modifiers read or computed per score: the bias's tiles
+    tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if per_score and (causal or window) else {}
+    if per_score or short_causal:
         tiles = {**FWD_SM90_TF32_TILES_TWO.get(dtype, {}), **tiles}
-    if bias or window:
+    if per_score or window:
         tiles = {**FWD_SM90_TF32_TILES_MODS.get(dtype, {}), **tiles}
+    if alibi_mask:
+        tiles = {**tiles, **FWD_SM90_TF32_TILES_SCORE.get(dtype, {})}
     bn, stages, consumers, pingpong, *q_regs = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
-    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias, *q_regs)
+    return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias, *q_regs,
+                             alibi_mask=alibi_mask)
 
 
 
@@ -1737,6 +1757,7 @@ class BwdSm90Tf32Config(_ProducerConsumers):
     stages: int = 2
     bias: bool = False
     consumers: int = 2  # consumer warpgroups of 64 keys: two, or three (one CTA per key block, not a pair)
+    alibi_mask: bool = False  # ALiBi and an element mask (MOD_ALIBI | MOD_MASK), for a call with either or both
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward")
@@ -1781,20 +1802,23 @@ class BwdSm90Tf32Config(_ProducerConsumers):
 
     @property
     def mods(self) -> int:
-        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
+        return _tf32_mods(self)
 
     def grid(self, batch: int, heads_kv: int, seqlen_k: int) -> tuple[int, int, int]:
         return (self.split * math.ceil(seqlen_k / self.block_n), heads_kv, batch)
 
     def dq_config(self) -> "BwdDqSm90Tf32Config":
         tiles = BWD_DQ_SM90_TF32_TILES[self.dtype]
-        if self.window or self.bias:
+        per_score = self.bias or self.alibi_mask
+        if self.window or per_score:
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_MODS.get(self.dtype, {})}
-        if self.window and self.bias:
+        if self.window and per_score:
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS.get(self.dtype, {})}
+        if self.alibi_mask:
+            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_SCORE.get(self.dtype, {})}
         bn, stages, consumers, *a_regs = tiles[self.head_dim]
         return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
-                                   self.bias, *a_regs)
+                                   self.bias, *a_regs, alibi_mask=self.alibi_mask)
 
 
 @dataclass(frozen=True)
@@ -1813,6 +1837,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
     window: bool = False
     bias: bool = False
     a_regs: int = 0  # the big parts (3xTF32) or rounded values of Q (1) or of Q and dO (2) as wgmma A registers
+    alibi_mask: bool = False  # ALiBi and an element mask (MOD_ALIBI | MOD_MASK), for a call with either or both
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward's dQ kernel")
@@ -1852,7 +1877,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 
     @property
     def mods(self) -> int:
-        return (MOD_WINDOW if self.window else 0) | (MOD_BIAS if self.bias else 0)
+        return _tf32_mods(self)
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
         return (self.split * math.ceil(seqlen_q / self.block_m), heads, batch)
@@ -1905,19 +1930,30 @@ BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 
 # dim 32 they do not. 3xTF32 at head dim 32 keeps two consumer warpgroups with a bias: three spilled 8 bytes beside a
 # window (NVRTC 13.5)
 BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
-BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS
+# ALiBi and a mask (over the bias's tiles): 3xTF32 at head dim 32 on three consumers of 16-query steps, where its
+# 32-query steps spilled 8-12 bytes on two or three consumers, and 16-query ones on two beside a window and a bias
+# (NVRTC 13.5: values carried across the producer / consumer split)
+BWD_SM90_TF32_TILES_SCORE = {"fp32": {32: (16, 3, 3)}}
+BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
 # The dQ kernel's tiles with a window or a bias (_MODS), and with both (_WINDOW_BIAS), where the A registers of the plain
 # tiles spilled (NVRTC 13.0 or 13.5): one pass at head dim 128 keeps Q's alone in registers beside either (with dO's
 # too 4-20 bytes), one pass at 32 neither (40-48 bytes with a bias), 3xTF32 at 128 Q's alone beside both (24 bytes)
 BWD_DQ_SM90_TF32_TILES_MODS = {"tf32": {32: (64, 3, 3), 128: (32, 3, 2, 1)}}
 BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS = {"fp32": {128: (16, 2, 2, 1)}}
+# ... with ALiBi or a mask (over the two above), where those spilled 4-76 bytes (NVRTC 13.0 or 13.5): fewer A registers
+# or narrower key tiles at every head dim but one pass at 128
+BWD_DQ_SM90_TF32_TILES_SCORE = {"fp32": {32: (64, 2, 2), 64: (16, 3, 2), 128: (16, 2, 2, 1)},
+                                "tf32": {32: (64, 3, 2), 64: (32, 3, 2, 1)}}
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
-                         bias: bool = False) -> BwdSm90Tf32Config:
-    tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias else {}
+                         bias: bool = False, *, alibi_mask: bool = False) -> BwdSm90Tf32Config:
+    tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias or alibi_mask else {}
+    if alibi_mask:
+        tiles = {**tiles, **BWD_SM90_TF32_TILES_SCORE.get(dtype, {})}
     block_m, stages, *consumers = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
-    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *consumers)
+    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *consumers,
+                             alibi_mask=alibi_mask)
 
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #
@@ -1969,7 +2005,8 @@ FAMILIES = (
     Family("fwd_sm90_tf32", "forward", ("sm_90a",), ("fp32", "tf32"),
            lambda mods: tuple(FWD_SM90_TF32_TILES["fp32"]) if not mods & ~FWD_SM90_TF32_MODS else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS),
-                                                                     seqlen_k=sk),
+                                                                     seqlen_k=sk,
+                                                                     alibi_mask=bool(m & (MOD_ALIBI | MOD_MASK))),
            wgmma=True),
     Family("fwd_wide", "forward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
@@ -1978,7 +2015,8 @@ FAMILIES = (
            lambda hd, dt, c, m, det, arch, sk: fwd_wide_config(hd, dt, c, m, arch)),
     Family("bwd_sm90_tf32", "backward", ("sm_90a",), ("fp32", "tf32"),
            lambda mods: tuple(BWD_SM90_TF32_TILES["fp32"]) if not mods & ~BWD_SM90_TF32_MODS else (),
-           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS)),
+           lambda hd, dt, c, m, det, arch, sk: bwd_sm90_tf32_config(hd, dt, c, bool(m & MOD_WINDOW), bool(m & MOD_BIAS),
+                                                                     alibi_mask=bool(m & (MOD_ALIBI | MOD_MASK))),
            wgmma=True),
     Family("bwd_wide", "backward", None, ("fp32", "tf32"), lambda mods: WIDE_KERNEL_HEAD_DIMS["fp32"],
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),

@@ -1,9 +1,9 @@
 """The float32 Hopper backward (cuda/bwd_sm90_tf32.cuh) without a GPU: the registry sends float32 backwards to it on
-sm_90a at kernel head dims 32, 64 and 128 (no score modifier but a window and a bias; 128 as clusters of two CTAs of
-64 columns, the `_pair_kernel`s) and to bwd_wide_kernel elsewhere; its two kernels (dK / dV, dQ) compile through
-NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA loads, the TF32 products
-their loops issue and, in pairs, the exchange through the other CTA's shared memory; their shared memory fits sm_90;
-the configs check their arguments."""
+sm_90a at kernel head dims 32, 64 and 128 (no score modifier but a window, a bias, ALiBi and a mask; 128 as
+clusters of two CTAs of 64 columns, the `_pair_kernel`s) and to bwd_wide_kernel elsewhere; its two kernels (dK / dV,
+dQ) compile through NVRTC for sm_90a spill-free and without ptxas serializing their warpgroup MMAs, with TMA loads,
+the TF32 products their loops issue and, in pairs, the exchange through the other CTA's shared memory; their shared
+memory fits sm_90; the configs check their arguments."""
 from __future__ import annotations
 
 import re
@@ -20,7 +20,7 @@ DQ = [c for c in config.all_bwd_configs("sm_90a") if isinstance(c, config.BwdDqS
 def _name(c) -> str:
     kind = "dkdv" if isinstance(c, config.BwdSm90Tf32Config) else "dq"
     return (f"{kind}-{c.dtype}-d{c.head_dim}-{'causal' if c.causal else 'window' if c.window else 'full'}"
-            f"{'-bias' if c.bias else ''}")
+            f"{'-bias' if c.bias else ''}{'-alibi-mask' if c.alibi_mask else ''}")
 
 
 def _sass(cfg):
@@ -31,21 +31,31 @@ def _sass(cfg):
 
 
 def test_every_table_entry_is_shipped_with_its_dq_kernel():
-    want = {(dt, d, c, w, b) for dt, table in config.BWD_SM90_TF32_TILES.items() for d in table
-            for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
-    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in MAIN} == want and len(MAIN) == 36
-    assert set(DQ) == {c.dq_config() for c in MAIN}
+    want = {(dt, d, c, w, b, am) for dt, table in config.BWD_SM90_TF32_TILES.items() for d in table
+            for c, w in ((False, False), (True, False), (False, True)) for b in (False, True) for am in (False, True)}
+    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias, c.alibi_mask) for c in MAIN} == want
+    assert len(MAIN) == 72 and set(DQ) == {c.dq_config() for c in MAIN}
     for c in MAIN:
         d = c.dq_config()
-        assert (d.dtype, d.head_dim, d.causal, d.window, d.bias) == (c.dtype, c.head_dim, c.causal, c.window, c.bias)
+        assert (d.dtype, d.head_dim, d.causal, d.window, d.bias, d.alibi_mask) == (
+            c.dtype, c.head_dim, c.causal, c.window, c.bias, c.alibi_mask)
         assert c.cpp_name().endswith(f", {c.mods}>") and d.cpp_name().endswith(f", {c.mods}>")
-        # with a bias one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query steps spilled)
-        assert c.block_m == (16 if c.bias and c.dtype == "tf32" and c.head_dim >= 64 else
-                             config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
+        assert c.mods == (config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias
+                          + (config.MOD_ALIBI | config.MOD_MASK) * c.alibi_mask), c
+        # with a bias (or ALiBi and a mask) one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query
+        # steps spilled), and with ALiBi and a mask 3xTF32 at 32 too, on three consumers
+        per_score = c.bias or c.alibi_mask
+        small = (per_score and c.dtype == "tf32" and c.head_dim >= 64) or (
+            c.alibi_mask and c.dtype == "fp32" and c.head_dim == 32)
+        assert c.block_m == (16 if small else config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
         # consumer warpgroups: a table entry's third element (2 without one)
-        tiles = (config.BWD_SM90_TF32_TILES_BIAS.get(c.dtype, {}) if c.bias else {}).get(
-            c.head_dim, config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim])
-        assert c.consumers == (tiles[2] if len(tiles) > 2 else 2), c
+        tiles = config.BWD_SM90_TF32_TILES[c.dtype]
+        if per_score:
+            tiles = {**tiles, **config.BWD_SM90_TF32_TILES_BIAS.get(c.dtype, {})}
+        if c.alibi_mask:
+            tiles = {**tiles, **config.BWD_SM90_TF32_TILES_SCORE.get(c.dtype, {})}
+        assert (c.block_m, c.stages) == tiles[c.head_dim][:2], c
+        assert c.consumers == (tiles[c.head_dim][2] if len(tiles[c.head_dim]) > 2 else 2), c
         assert (c.block_n, c.threads) == (64 * c.consumers, 128 + 128 * c.consumers), c
         assert (f", {c.split}, 3>" in c.cpp_name()) == (c.consumers == 3), c
         # head dim 128: clusters of two CTAs of 64 columns, twice the CTAs of the grid
@@ -64,13 +74,21 @@ def test_registry_sends_float32_backward_to_the_tf32_kernels_at_head_dims_32_to_
             cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods, deterministic=det)
             assert isinstance(cfg, config.BwdSm90Tf32Config), (causal, mods, cfg)
             assert (cfg.dtype, cfg.causal, cfg.mods) == (dtype, causal, mods)
-    for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_MASK,
-              config.MOD_BIAS | config.MOD_MASK, config.MOD_BIAS | config.MOD_SOFTCAP):
+    # ALiBi and a mask, alone or together, beside a bias and a window: one instantiation with both bits
+    A, M = config.MOD_ALIBI, config.MOD_MASK
+    for hd, causal, mods in ((hd, c, m) for hd in (32, 64, 128) for c, m in (
+            (False, A), (True, M), (False, A | M), (True, config.MOD_BIAS | M),
+            (False, config.MOD_WINDOW | config.MOD_BIAS | A))):
+        cfg = config.select("backward", hd, dtype, causal, "sm_90a", mods=mods)
+        assert isinstance(cfg, config.BwdSm90Tf32Config) and cfg.alibi_mask, (hd, causal, mods, cfg)
+        assert cfg.mods == cfg.dq_config().mods == mods | A | M
+    for m in (config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_SOFTCAP | config.MOD_MASK,
+              config.MOD_DROPOUT | config.MOD_ALIBI, config.MOD_BIAS | config.MOD_SOFTCAP):
         assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
     assert isinstance(config.select("backward", 32, dtype, False, "sm_90a", mods=config.MOD_BIAS),
                       config.BwdSm90Tf32Config)
     assert isinstance(config.select("backward", 256, dtype, False, "sm_90a"), config.BwdWideConfig)
-    for m in (config.MOD_ALIBI, config.MOD_BIAS | config.MOD_MASK):
+    for m in (config.MOD_SOFTCAP, config.MOD_BIAS | config.MOD_DROPOUT):
         assert isinstance(config.select("backward", 128, dtype, False, "sm_90a", mods=m), config.BwdWideConfig), m
     assert isinstance(config.select("backward", 64, dtype, False, "sm_80"), config.BwdWideConfig)
     assert isinstance(config.select("backward", 64, dtype, False, "sm_90a", kernels="mma"), config.BwdWideConfig)

@@ -1,5 +1,5 @@
 """The float32 Hopper forward (cuda/fwd_sm90_tf32.cuh) without a GPU: the registry sends float32 forwards to it on
-sm_90a where it has a kernel (head dims 32, 64 and 128, no score modifier but a window and a bias) and to
+sm_90a where it has a kernel (head dims 32, 64 and 128, no score modifier but a window, a bias, ALiBi and a mask) and to
 fwd_wide_kernel elsewhere; every shipped instantiation compiles through NVRTC for sm_90a spill-free, with TMA loads,
 TF32 warpgroup MMAs and setmaxnreg where it has two consumers; its shared memory fits sm_90; the TMA maps of float32
 operands are accepted; the analyzer counts it."""
@@ -17,20 +17,23 @@ SHIPPED = [c for c in config.all_fwd_configs("sm_90a") if isinstance(c, config.F
 
 def _name(c: config.FwdSm90Tf32Config) -> str:
     return (f"{c.dtype}-d{c.head_dim}-bn{c.block_n}-s{c.stages}-c{c.consumers}-"
-            f"{'causal' if c.causal else 'window' if c.window else 'full'}{'-bias' if c.bias else ''}")
+            f"{'causal' if c.causal else 'window' if c.window else 'full'}{'-bias' if c.bias else ''}"
+            f"{'-alibi-mask' if c.alibi_mask else ''}")
 
 
-def test_every_table_entry_is_shipped_plain_causal_and_windowed_with_and_without_a_bias():
-    want = {(dt, d, c, w, b) for dt, table in config.FWD_SM90_TF32_TILES.items() for d in table
-            for c, w in ((False, False), (True, False), (False, True)) for b in (False, True)}
-    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias) for c in SHIPPED} == want
+def test_every_table_entry_is_shipped_plain_causal_and_windowed_with_a_bias_alibi_and_a_mask():
+    want = {(dt, d, c, w, b, am) for dt, table in config.FWD_SM90_TF32_TILES.items() for d in table
+            for c, w in ((False, False), (True, False), (False, True)) for b in (False, True) for am in (False, True)}
+    assert {(c.dtype, c.head_dim, c.causal, c.window, c.bias, c.alibi_mask) for c in SHIPPED} == want
     # ... and the two-consumer tiles of causal rows of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys
     short = {(dt, d) for dt, table in config.FWD_SM90_TF32_TILES_TWO.items() for d in table}
     assert short == {("fp32", 32), ("tf32", 32), ("tf32", 64)}
-    assert len(SHIPPED) == len(want) + len(short) == 39
+    assert len(SHIPPED) == len(want) + len(short) == 75
     assert len({c.cpp_name() for c in SHIPPED}) == len(SHIPPED)
-    for c in SHIPPED:  # the template's MODS: MOD_WINDOW, MOD_BIAS
-        assert c.cpp_name().endswith(f", {config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias}>"), c
+    for c in SHIPPED:  # the template's MODS: MOD_WINDOW, MOD_BIAS, MOD_ALIBI | MOD_MASK (one kernel for either)
+        bits = (config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias
+                + (config.MOD_ALIBI | config.MOD_MASK) * c.alibi_mask)
+        assert c.cpp_name().endswith(f", {bits}>") and c.mods == bits, c
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "tf32"])
@@ -41,10 +44,18 @@ def test_registry_sends_float32_to_the_tf32_kernel_where_it_has_one(dtype):
             cfg = config.select("forward", hd, dtype, causal, "sm_90a", mods=mods)
             assert isinstance(cfg, config.FwdSm90Tf32Config), (hd, causal, mods, cfg)
             assert (cfg.head_dim, cfg.dtype, cfg.causal, cfg.mods) == (hd, dtype, causal, mods)
-    # other head dims, any other modifier, other targets and CUFLASH_KERNELS=mma: the mma.sync kernels
+    # ALiBi and a mask, alone, together, beside a bias and a window
+    A, M, B, W = config.MOD_ALIBI, config.MOD_MASK, config.MOD_BIAS, config.MOD_WINDOW
+    for hd in (32, 64, 128):
+        for causal, mods in ((False, A), (True, M), (False, A | M), (True, B | M), (False, W | B | A | M)):
+            cfg = config.select("forward", hd, dtype, causal, "sm_90a", mods=mods)
+            assert isinstance(cfg, config.FwdSm90Tf32Config), (hd, causal, mods, cfg)
+            assert (cfg.head_dim, cfg.causal, cfg.alibi_mask) == (hd, causal, True)
+            assert cfg.mods == mods | A | M, (hd, causal, mods, cfg)  # one kernel for ALiBi, a mask or both
+    # other head dims, soft-capping, dropout, other targets and CUFLASH_KERNELS=mma: the mma.sync kernels
     assert isinstance(config.select("forward", 256, dtype, False, "sm_90a"), config.FwdWideConfig)
-    for m in (config.MOD_ALIBI, config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_MASK,
-              config.MOD_BIAS | config.MOD_MASK, config.MOD_BIAS | config.MOD_ALIBI):
+    for m in (config.MOD_SOFTCAP, config.MOD_DROPOUT, config.MOD_SOFTCAP | config.MOD_MASK,
+              config.MOD_DROPOUT | config.MOD_ALIBI, config.MOD_BIAS | config.MOD_SOFTCAP):
         assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", mods=m), config.FwdWideConfig), m
     assert isinstance(config.select("forward", 64, dtype, False, "sm_80"), config.FwdWideConfig)
     assert isinstance(config.select("forward", 64, dtype, False, "sm_90a", kernels="mma"), config.FwdWideConfig)
@@ -203,11 +214,14 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     assert count("USETMAXREG") == (2 if cfg.consumers >= 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
-    # the bias: an L1 prefetch per line of the tile's rows, and 8-byte loads of key pairs (a tile inside the
-    # sequence, read where the S GEMM is waited for: the first tile and the loop)
+    # the bias and the mask: an L1 prefetch per line of the tile's rows; the bias's key pairs in 8-byte loads, the
+    # mask's in 2-byte loads (a tile inside the sequence, each row of a thread's two), else the mask per score in byte
+    # loads; each read where the S GEMM is waited for: the first tile and the loop
     prefetches = count("CCTL") - count("CCTL.IVALL")  # (a pair's cluster barriers invalidate L1: CCTL.IVALL)
-    assert (prefetches > 0) == cfg.bias, f"{cfg}: {prefetches} prefetches"
+    assert (prefetches > 0) == (cfg.bias or cfg.alibi_mask), f"{cfg}: {prefetches} prefetches"
     assert count("LDG.E.64") == (2 * 2 * cfg.block_n // 8 if cfg.bias else 0), f"{cfg}: {count('LDG.E.64')} pairs"
+    assert count("LDG.E.U16") == (2 * 2 * cfg.block_n // 8 if cfg.alibi_mask else 0), f"{cfg}: mask pairs"
+    assert count("LDG.E.U8") == (2 * 4 * cfg.block_n // 8 if cfg.alibi_mask else 0), f"{cfg}: mask bytes"
     # a pair: its S fragment to the other CTA (st.async, a 16-byte STAS per n8 tile) where S is waited for (the first
     # tile and the loop), and the cluster barriers at the start and at the end of each role's branch
     arrive = len(re.findall(r"\bUCGABAR_ARV\b", text))

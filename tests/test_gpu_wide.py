@@ -629,6 +629,76 @@ def test_float32_bias_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, caus
               bias_shape=bias_shape, bias_view=bias_view)
 
 
+# --- ALiBi and masks on the Hopper TF32 kernels --------------------------------------------------------------------
+
+def mask_2d(b, h, sq, sk, seed):
+    """A (sq, sk) mask, broadcast over batch and heads."""
+    return random_mask((sq, sk), seed)
+
+
+def mask_odd_rows(b, h, sq, sk, seed):
+    """A (b, 1, sq, sk) view of rows of sk + 1 bytes: the kernels' per-score path (rows not 2-byte aligned)."""
+    return random_mask((b, 1, sq, sk + 1), seed)[..., :sk]
+
+
+# (precision, b, sq, sk, hq, hkv, d, causal, mods, mask, padding, bias_shape): on sm_90a these run fwd_sm90_tf32_kernel,
+# bwd_sm90_tf32_kernel and bwd_dq_sm90_tf32_kernel (their cluster pairs at head dim 128) with ALiBi, a mask, a key
+# padding mask, alone and beside a bias and a window: key and query tails, GQA, rows that see no key, broadcast masks,
+# masks whose rows take the key-pair loads (even row length) and the per-score loads (odd row length, odd-rows view)
+TF32_MODS = [
+    ("fp32", 2, 203, 113, 4, 2, 64, False, {"alibi": "h"}, None, None, None),
+    ("tf32", 2, 113, 203, 4, 4, 32, True, None, mask_random, None, None),
+    ("fp32", 1, 300, 517, 2, 1, 128, False, {"window": (100, 37), "alibi": "bh"}, mask_random, None, None),
+    ("tf32", 2, 256, 256, 2, 2, 128, True, None, None, "random", None),
+    ("fp32", 2, 203, 203, 4, 4, 32, False, None, mask_dead_rows, None, (2, 4, 203, 203)),
+    ("tf32", 1, 517, 300, 2, 2, 64, False, {"window": (64, 0), "alibi": "h"}, None, "random", (1, 2, 517, 300)),
+    ("fp32", 2, 1024, 1024, 2, 2, 64, True, {"alibi": "h"}, mask_2d, None, None),
+    ("tf32", 3, 203, 203, 4, 4, 128, False, {"alibi": "h"}, mask_random, "random", (3, 4, 203, 203)),
+    ("fp32", 4, 203, 113, 4, 2, 24, True, None, None, "dead", None),
+    ("fp32", 2, 256, 320, 4, 2, 96, False, {"alibi": "bh"}, mask_odd_rows, None, None),
+    ("tf32", 2, 300, 256, 4, 2, 64, False, None, mask_odd_rows, None, (1, 4, 300, 256)),
+    ("fp32", 2, 256, 256, 4, 4, 128, True, {"alibi": "h"}, mask_2d, "random", (2, 4, 256, 256)),
+    ("tf32", 2, 203, 113, 4, 4, 32, False, {"window": (16, 16), "alibi": "bh"}, mask_random, "random",
+     (2, 4, 203, 113)),
+    ("fp32", 1, 1024, 1024, 4, 1, 32, True, {"alibi": "h"}, None, "random", (1, 4, 1024, 1024)),
+]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,causal,mods,mask,padding,bias_shape", TF32_MODS,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-{'causal' if c[7] else 'full'}"
+                              f"{''.join('-' + k for k in (c[8] or {}))}{'-' + c[9].__name__ if c[9] else ''}"
+                              f"{'-padding-' + c[10] if c[10] else ''}{'-bias' if c[11] else ''}" for c in TF32_MODS])
+def test_float32_alibi_and_masks_on_the_tf32_kernels(precision, b, sq, sk, hq, hkv, d, causal, mods, mask, padding,
+                                                      bias_shape):
+    """o, lse, dq, dk, dv (and dbias) by the rule; on sm_90a these calls run the TF32 wgmma kernels (checked)."""
+    from cuflash import _launch
+
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch == "sm_90a" and config.KERNELS != "mma":
+        bits = ((config.MOD_WINDOW if "window" in (mods or {}) else 0) | (config.MOD_ALIBI if "alibi" in (mods or {})
+                else 0) | (config.MOD_MASK if mask or padding else 0) | (config.MOD_BIAS if bias_shape else 0))
+        hd = config.kernel_head_dim(d, precision)
+        fwd = config.select("forward", hd, precision, causal, arch, mods=bits, seqlen_k=sk)
+        bwd = config.select("backward", hd, precision, causal, arch, mods=bits)
+        kernel_bits = bits | config.MOD_ALIBI | config.MOD_MASK  # one kernel takes ALiBi, a mask or both
+        assert isinstance(fwd, config.FwdSm90Tf32Config) and fwd.mods == kernel_bits, fwd
+        assert isinstance(bwd, config.BwdSm90Tf32Config) and bwd.mods == bwd.dq_config().mods == kernel_bits, bwd
+    res = run_dense(precision, b, sq, sk, hq, hkv, d, causal=causal, layout=LAYOUTS[(sq + d) % 2], mods=mods,
+                    mask=mask, padding=padding, bias_shape=bias_shape)
+    dead = dead_rows(res.lse_ref)
+    if mask is mask_dead_rows or padding == "dead":
+        assert bool(dead.any()), "the case has no row that sees no key"
+    assert bool((res.lse[dead] == -cp.inf).all()), "rows that see no key must have lse = -inf"
+    assert all(not bool(cp.isnan(g).any()) for g in res.grads), "NaN in the gradients"
+
+
+@pytest.mark.parametrize("precision", FLOATS32)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float32_varlen_alibi_and_padding_on_the_tf32_kernels(precision, causal):
+    """Packed sequences (an empty one, one without keys) with ALiBi, a key padding mask and a bias."""
+    run_varlen(precision, causal, mods={"alibi": "h"}, bias=True, padding=True, d=128 if precision == "fp32" else 32)
+
+
 # --- rows that see no key -----------------------------------------------------------------------------------------
 
 FULLY_MASKED = {  # name -> (precision, run_dense keyword arguments); each has rows that see no key
