@@ -74,3 +74,15 @@ def test_kernel_times_parses_its_arguments():
     out = subprocess.run([sys.executable, str(TOOLS / "kernel_times.py"), "--dtype", "bf16", "--main", "16,2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "--dtype fp32 or tf32" in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_float32_mods_describes_its_cases():
+    """tools/bench_float32_mods.py (float32 with masks and ALiBi: the TF32 kernels against the mma.sync ones and SDPA)
+    imports and lists its cases without a GPU, and refuses an unknown case before touching the GPU."""
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_float32_mods.py"), "--help"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "evoformer-d64-bias-kpm" in out.stdout and "--precision" in out.stdout, \
+        out.stderr[-2000:]
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_float32_mods.py"), "--cases", "nope"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr[-2000:]
