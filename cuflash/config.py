@@ -1845,8 +1845,13 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
         if self.a_regs not in (0, 1, 2):
             raise ValueError(f"a_regs={self.a_regs}: 0, 1 (Q's A operand in registers) or 2 (Q's and dO's)")
         if self.a_regs and self.dtype == "tf32" and self.head_dim // self.split == 64 and self.block_n == 64:
-            # the one variant that computed a wrong dQ on an H200 (tools/tune_tiles.py, 2026-11-30: max |diff| 0.1-1.8
-            # against the kernel with Q from shared memory, which its other variants matched bitwise); not explained
+            # the one variant that computes a wrong dQ on an H200 (tools/tune_tiles.py, 2026-11-30: max |diff| 0.1-1.8
+            # against the kernel with Q from shared memory, which its other variants matched bitwise). Reproduced the
+            # same day with the check bypassed: nearly every element of dQ wrong, the same bits on every run, from one
+            # query block of 128 rows and two key tiles up, on one or two consumers, with Q or Q and dO in registers,
+            # and in the cluster pairs at head dim 128; 32-key tiles at 64 columns and 64-key tiles at 32 columns
+            # match bitwise; memcheck, racecheck and synccheck clean; its SASS reads Q's fragments after q_ready and
+            # holds them untouched through the loop. Not explained
             raise ValueError(f"a_regs={self.a_regs} with block_n=64 at 64 columns in 'tf32': not a kernel (wrong dQ)")
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
