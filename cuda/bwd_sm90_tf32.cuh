@@ -392,11 +392,14 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     // dBias written from dS^T below (each (query head, query, key) is this CTA's alone: stores, or red.add where
     // the bias is broadcast)
     ScoreMods<MODS> mods;
+    u32 kept = ~0u;  // the mask's bits, read while S^T runs (a pair: rank 0 applies the bias, ALiBi and the mask)
     if (ScoreMods<MODS>::CHANGES_SCORES) {
-      mods.init(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q, kb.seq.len_k);
+      mods.template init<true>(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q,
+                               kb.seq.len_k);
       mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
-      if ((HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && rank() == 0)  // (a pair: rank 0 applies them)
-        mods.template prefetch_cols<Tr::BLOCK_M, true>(kb.n0 + key_row0, m0, lane);
+      if (HAS_BIAS && rank() == 0) mods.template prefetch_cols<Tr::BLOCK_M, false>(kb.n0 + key_row0, m0, lane);
+      if (ScoreMods<MODS>::HAS_MASK && rank() == 0)
+        kept = mask_keep_transposed<MODS, Tr::Q_TILES>(kb.n0 + key_row0, m0, mods, lane);
     }
     // lse_log2 of this thread's query columns (pad rows: +inf)
     const float* lse_smem = reinterpret_cast<const float*>(smem + (sm.lse(s) - sm.base));
@@ -416,7 +419,7 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     // exchange: (S0 + bias - ALiBi, or -inf) + S1
     if (rank() == 0) {
       if (HAS_BIAS) add_bias_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, lane);
-      alibi_mask_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, kb.band.diag, lane);
+      alibi_mask_f32_transposed(mods, prob[0], kb.n0 + key_row0, m0, kb.band.diag, kept, lane);
     }
     if constexpr (PAIR) {  // S^T over the other CTA's 64 columns, added
       pair_send(sm.xchg(i & 1, 0, cwg), sm.xbar(i & 1, 0, cwg), prob[0], wtid);
@@ -767,10 +770,11 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   constexpr bool PAIR = Tr::SPLIT > 1;
   const int rank = PAIR ? static_cast<int>(cluster_ctarank()) : 0;  // columns 64 rank .. of the pair's head dim
   float peer[PAIR ? Tr::N_TILES : 1][4];  // S or dP over the other CTA's columns
-  // the bias and the mask, as the forward reads them (pulled into L1 while S runs), and ALiBi
+  // the bias and the mask, as the forward reads them (the bias pulled into L1 and the mask's bits read while S runs),
+  // and ALiBi
   ScoreMods<MODS> mods;
   if (ScoreMods<MODS>::CHANGES_SCORES) {
-    mods.init(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
+    mods.template init<true>(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
     mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
   }
   // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0). The padded region ends at a
@@ -835,8 +839,8 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
                                      Tr::TileKV::desc_k_major(sm.v(s), 0, 16 * kk),
                                      Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
-    if ((HAS_BIAS || ScoreMods<MODS>::HAS_MASK) && rank == 0)
-      mods.template prefetch_rows<Tr::BLOCK_N, true>(warp_row, key0, lane);
+    if (HAS_BIAS && rank == 0) mods.template prefetch_rows<Tr::BLOCK_N, false>(warp_row, key0, lane);
+    const u32 kept = rank == 0 ? mask_keep_rows<MODS, Tr::N_TILES>(warp_row, key0, mods, lane) : ~0u;
 
     wgmma_wait_group<1>();  // S
     wgmma_fence_operand(s_acc[0]);
@@ -844,7 +848,7 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
     // exchange: (S0 + bias - ALiBi, or -inf) + S1
     if (rank == 0) {
       if (HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
-      alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, lane);
+      alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, kept, lane);
     }
     if constexpr (PAIR) {
       pair_send(sm.xchg(i & 1, 0, wg), sm.xbar(i & 1, 0, wg), s_acc[0], ctid & 127);

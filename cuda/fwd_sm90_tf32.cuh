@@ -416,16 +416,19 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   const float scale_log2 = p.fwd.scale_log2;
   constexpr bool PAIR = Tr::SPLIT > 1;  // rank(): columns 64 rank .. of the pair's head dim
   auto rank = [] { return PAIR ? static_cast<int>(cluster_ctarank()) : 0; };
-  // the bias and the mask: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled them while the
-  // GEMM ran
+  // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran; the
+  // mask: its bits (kept) read while the GEMM runs (a pair: rank 0 applies both)
   Mods mods;
   if (Mods::CHANGES_SCORES) {
-    mods.init(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
+    mods.template init<true>(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
     mods.check_mask = p.fwd.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
   }
-  auto prefetch_bias = [&](int n_block) {  // the bias and the mask (a pair: rank 0 applies them)
-    if ((Mods::HAS_BIAS || Mods::HAS_MASK) && rank() == 0)
-      mods.template prefetch_rows<Tr::BLOCK_N, true>(warp_row, n_block * Tr::BLOCK_N, lane);
+  u32 kept = ~0u;
+  auto prefetch_bias = [&](int n_block) {
+    if (Mods::HAS_BIAS && rank() == 0)
+      mods.template prefetch_rows<Tr::BLOCK_N, false>(warp_row, n_block * Tr::BLOCK_N, lane);
+    if (Mods::HAS_MASK && rank() == 0)
+      kept = mask_keep_rows<MODS, Tr::N_TILES>(warp_row, n_block * Tr::BLOCK_N, mods, lane);
   };
 
   float o_acc[1][Tr::D_TILES][4];
@@ -503,7 +506,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   // sum is (S0 + bias - ALiBi, or -inf) + S1)
   auto apply_mods = [&](int key0) {
     if (Mods::HAS_BIAS) add_bias_f32(mods, s_acc[0], warp_row, key0, lane);
-    alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, lane);
+    alibi_mask_f32(mods, s_acc[0], warp_row, key0, band.diag, kept, lane);
   };
   auto scores_to_probs = [&](int n_block) {
     if constexpr (Tr::S_CHAINS > 1) {

@@ -147,12 +147,14 @@ struct ScoreMods {
   bool check_mask;   // read the element mask (false on a tile the block map marks TILE_FULL)
   float bias_scale;  // 1 / softmax_scale: the bias in the kernels' raw score units
 
-  // len_q, len_k: this sequence's lengths (bias and mask only)
+  // len_q, len_k: this sequence's lengths (bias and mask only). OPTIONAL_ALIBI: slope 0 where the call has no slopes
+  // (the TF32 kernels take ALiBi and a mask in one instantiation, for a call with either)
+  template <bool OPTIONAL_ALIBI = false>
   __device__ __forceinline__ void init(const ModParams& m, int batch, int head, int heads, int len_q = 1,
                                        int len_k = 1) {
     slope = 0.f;
-    // (no slopes: 0; the TF32 kernels take ALiBi and the mask in one instantiation, for calls with either)
-    if (HAS_ALIBI && m.alibi_slopes != nullptr) slope = m.alibi_slopes[batch * m.alibi_batch_stride + head] * m.alibi_scale;
+    if (HAS_ALIBI && (!OPTIONAL_ALIBI || m.alibi_slopes != nullptr))
+      slope = m.alibi_slopes[batch * m.alibi_batch_stride + head] * m.alibi_scale;
     cap_pre = m.softcap_pre;
     cap_post = m.softcap_post;
     key0 = static_cast<u32>(m.seed);
@@ -311,11 +313,11 @@ struct ScoreMods {
   // Pulls the bias and mask of queries row0 .. row0 + 15 x keys key0 .. key0 + BLOCK_N - 1 into L1, for a tile whose
   // scores are still being computed (prefetch.global.L1, one 128-byte line per lane and step): the element loads
   // of score() then hit L1 instead of waiting on L2 after the scores are done.
-  // OPTIONAL_MASK: the mask's lines only where check_mask (the TF32 kernels: a call without a mask has none)
-  template <int BLOCK_N, bool OPTIONAL_MASK = false>
+  // WITH_MASK false: the bias's lines alone (the TF32 kernels load the mask's bits themselves while the GEMM runs)
+  template <int BLOCK_N, bool WITH_MASK = true>
   __device__ __forceinline__ void prefetch_rows(int row0, int key0, int lane) const {
     const int row = min(row0 + (lane & 15), last_q);  // lanes l and l + 16 share a row, alternate lines
-    if (HAS_MASK && (!OPTIONAL_MASK || check_mask)) {
+    if (HAS_MASK && WITH_MASK) {
       constexpr int LINES = BLOCK_N / 128 + 2;  // a row of BLOCK_N bytes spans at most this many lines
       const unsigned char* r = mask_base + row * mask_q;
 #pragma unroll
@@ -334,13 +336,13 @@ struct ScoreMods {
   // part of the backward's transposed S^T tile: its 16 keys of every query row of the block; one line per row, as
   // 16 keys of a float32 or 16-bit bias or of the mask lie in one 128-byte line at an aligned row), issued before
   // the tile's S^T GEMM: score()'s element loads after it then hit L1 instead of waiting on L2 or HBM.
-  template <int ROWS, bool OPTIONAL_MASK = false>
+  template <int ROWS, bool WITH_MASK = true>
   __device__ __forceinline__ void prefetch_cols(int key0, int query0, int lane) const {
     const int key = min(key0, last_k);
 #pragma unroll
     for (int r = lane; r < ROWS; r += 32) {
       const int row = min(query0 + r, last_q);
-      if (HAS_MASK && (!OPTIONAL_MASK || check_mask)) prefetch_l1(mask_base + row * mask_q + key * mask_k);
+      if (HAS_MASK && WITH_MASK) prefetch_l1(mask_base + row * mask_q + key * mask_k);
       if (HAS_BIAS) prefetch_l1(bias_base + row * bias_q + key * bias_k);
     }
   }
@@ -597,16 +599,45 @@ __device__ __forceinline__ void add_bias_f32_transposed(const ScoreMods<MODS>& m
     }
 }
 
+// The element mask's bits of a tile in the row layout (S[N_TILES][4]: thread (g, t) holds keys 2t, 2t + 1 of each n8
+// tile for rows row0 + g and + 8): bit 4 nt + c set = kept. The float32 kernels read them right after issuing the
+// tile's S GEMM, so the loads run under it and one register carries the result across the wait. Where the mask's keys
+// are contiguous, its rows and base 2-byte aligned and the tile inside the sequence, a thread's key pair of a row comes
+// in one 2-byte load; else per score, clamped as ScoreMods::kept_by_mask clamps. No mask (check_mask false): all kept.
+template <int MODS, int N_TILES>
+__device__ __forceinline__ u32 mask_keep_rows(int row0, int key0, const ScoreMods<MODS>& m, int lane) {
+  static_assert(N_TILES <= 8 || !ScoreMods<MODS>::HAS_MASK, "mask bits of at most 32 elements per thread");
+  if (!ScoreMods<MODS>::HAS_MASK || !m.check_mask) return ~0u;
+  const int g = lane >> 2, t = lane & 3;
+  u32 bits = 0;
+  const bool pairs = m.mask_k == 1 && m.mask_q % 2 == 0 && reinterpret_cast<unsigned long long>(m.mask_base) % 2 == 0;
+  if (pairs && key0 + 8 * N_TILES - 1 <= m.last_k) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const unsigned char* row = m.mask_base + min(row0 + g + 8 * h, m.last_q) * m.mask_q + key0 + 2 * t;
+#pragma unroll
+      for (int nt = 0; nt < N_TILES; ++nt) {
+        const u32 v = __ldg(reinterpret_cast<const unsigned short*>(row + 8 * nt));
+        bits |= static_cast<u32>((v & 0xffu) != 0) << (4 * nt + 2 * h) | static_cast<u32>((v >> 8) != 0) << (4 * nt + 2 * h + 1);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        bits |= static_cast<u32>(m.kept_by_mask(row0 + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1))) << (4 * nt + c);
+  }
+  return bits;
+}
+
 // ALiBi and the element mask (MOD_ALIBI, MOD_MASK) of the float32 kernels in the row layout, after the bias and
 // before the band's -inf, as ScoreMods::score orders them: s -= slope |query + diag - key|, then -inf where the mask
-// hides the pair. The TF32 kernels are built with both bits for a call with either: a slope of 0 (no slopes) skips
-// ALiBi and check_mask false (no mask) the mask, tests uniform over the warp (the transposed form below subtracts a
-// zero slope instead: with the test, the head-dim-32 dK / dV kernel spilled under NVRTC 13.5). Where the mask's keys
-// are contiguous, its rows and base 2-byte aligned and the tile inside the sequence, a thread's key pair (2t, 2t + 1)
-// of a row comes in one 2-byte load; else per score, clamped as ScoreMods::kept_by_mask clamps.
+// hides the pair (kept: mask_keep_rows's bits). The TF32 kernels are built with both bits for a call with either: a
+// slope of 0 (no slopes) skips ALiBi, a test uniform over the warp, and without a mask every bit is set.
 template <int MODS, int N_TILES>
 __device__ __forceinline__ void alibi_mask_f32(const ScoreMods<MODS>& m, float (&s)[N_TILES][4], int row0, int key0,
-                                               int diag, int lane) {
+                                               int diag, u32 kept, int lane) {
   using Mods = ScoreMods<MODS>;
   const int g = lane >> 2, t = lane & 3;
   if (Mods::HAS_ALIBI && m.slope != 0.f) {
@@ -618,35 +649,21 @@ __device__ __forceinline__ void alibi_mask_f32(const ScoreMods<MODS>& m, float (
         s[nt][c] -= m.slope * static_cast<float>(abs(query + diag - key));
       }
   }
-  if (Mods::HAS_MASK && m.check_mask) {
-    const bool pairs = m.mask_k == 1 && m.mask_q % 2 == 0 && reinterpret_cast<unsigned long long>(m.mask_base) % 2 == 0;
-    if (pairs && key0 + 8 * N_TILES - 1 <= m.last_k) {
+  if constexpr (Mods::HAS_MASK) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const unsigned char* row = m.mask_base + min(row0 + g + 8 * h, m.last_q) * m.mask_q + key0 + 2 * t;
+    for (int nt = 0; nt < N_TILES; ++nt)
 #pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) {
-          const u32 kept = __ldg(reinterpret_cast<const unsigned short*>(row + 8 * nt));
-          if ((kept & 0xffu) == 0) s[nt][2 * h] = neg_inf();
-          if ((kept >> 8) == 0) s[nt][2 * h + 1] = neg_inf();
-        }
-      }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (!m.kept_by_mask(row0 + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1))) s[nt][c] = neg_inf();
-    }
+      for (int c = 0; c < 4; ++c)
+        if (!((kept >> (4 * nt + c)) & 1u)) s[nt][c] = neg_inf();
   }
 }
 
 // ... in the backward's transposed layout (S^T[Q_TILES][4]: thread (g, t) holds keys key0 + g and + 8 of queries
-// query0 + 8 qt + 2t and + 1); ALiBi on every score (slope 0 without slopes), the mask through
-// mask_keep_transposed's bits
+// query0 + 8 qt + 2t and + 1; kept: mask_keep_transposed's bits, read while the S^T GEMM runs); ALiBi on every score
+// (slope 0 without slopes: with the test of the row form, the head-dim-32 dK / dV kernel spilled under NVRTC 13.5)
 template <int MODS, int Q_TILES>
 __device__ __forceinline__ void alibi_mask_f32_transposed(const ScoreMods<MODS>& m, float (&s)[Q_TILES][4], int key0,
-                                                          int query0, int diag, int lane) {
+                                                          int query0, int diag, u32 kept, int lane) {
   using Mods = ScoreMods<MODS>;
   const int g = lane >> 2, t = lane & 3;
   if constexpr (Mods::HAS_ALIBI) {
@@ -658,8 +675,7 @@ __device__ __forceinline__ void alibi_mask_f32_transposed(const ScoreMods<MODS>&
         s[qt][c] -= m.slope * static_cast<float>(abs(query + diag - key));
       }
   }
-  if (Mods::HAS_MASK && m.check_mask) {
-    const u32 kept = mask_keep_transposed<MODS, Q_TILES>(key0, query0, m, lane);
+  if constexpr (Mods::HAS_MASK) {
 #pragma unroll
     for (int qt = 0; qt < Q_TILES; ++qt)
 #pragma unroll

@@ -1710,9 +1710,11 @@ FWD_SM90_TF32_TILES_BIAS_BANDED = {"fp32": {64: (32, 3, 2, True)}}
 # A window or a bias: Q from shared memory in 3xTF32 at head dim 64 and one pass at 128 (with it in registers, q_regs,
 # those kernels spilled 4-16 bytes under NVRTC 13.0 or 13.5)
 FWD_SM90_TF32_TILES_MODS = {"fp32": {64: (64, 2, 2, True)}, "tf32": {128: (32, 3, 2, True)}}
-# ALiBi or a mask (computed or read per score, as a bias, and take the bias's tiles), where those spilled (4-100 bytes
-# under NVRTC 13.0 or 13.5): 32-key tiles in 3xTF32 at head dim 64, 16-key tiles in one pass at 128
-FWD_SM90_TF32_TILES_SCORE = {"fp32": {64: (32, 3, 2, True)}, "tf32": {128: (16, 3, 2, True)}}
+# ALiBi with a mask (alibi_mask: computed or read per score, as a bias, they take the bias's tiles but on a band) where
+# those spilled 4-32 bytes under NVRTC 13.0 or 13.5: one pass at head dim 128 in 16-key tiles, and beside a bias
+# 3xTF32 at 64 in 32-key ones (its 64-key tiles spilled 4-16 bytes there; alone or beside a window they hold)
+FWD_SM90_TF32_TILES_SCORE = {"tf32": {128: (16, 3, 2, True)}}
+FWD_SM90_TF32_TILES_SCORE_BIAS = {"fp32": {64: (32, 3, 2, True)}}
 # The score modifiers it takes: a window (causal is not a modifier), a bias, ALiBi and a mask; soft-capping and
 # dropout run on fwd_wide_kernel
 FWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
@@ -1725,13 +1727,14 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
     of up to FWD_SM90_TF32_SHORT_CAUSAL_KEYS keys take the two-consumer tiles."""
     short_causal = causal and seqlen_k is not None and seqlen_k <= FWD_SM90_TF32_SHORT_CAUSAL_KEYS
     per_score = bias or alibi_mask  # modifiers read or computed per score: the bias's tiles
-    tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if per_score and (causal or window) else {}
+    tiles = FWD_SM90_TF32_TILES_BIAS_BANDED.get(dtype, {}) if bias and (causal or window) else {}
     if per_score or short_causal:
         tiles = {**FWD_SM90_TF32_TILES_TWO.get(dtype, {}), **tiles}
     if per_score or window:
         tiles = {**FWD_SM90_TF32_TILES_MODS.get(dtype, {}), **tiles}
     if alibi_mask:
-        tiles = {**tiles, **FWD_SM90_TF32_TILES_SCORE.get(dtype, {})}
+        tiles = {**tiles, **FWD_SM90_TF32_TILES_SCORE.get(dtype, {}),
+                 **(FWD_SM90_TF32_TILES_SCORE_BIAS.get(dtype, {}) if bias else {})}
     bn, stages, consumers, pingpong, *q_regs = tiles.get(head_dim, FWD_SM90_TF32_TILES[dtype][head_dim])
     return FwdSm90Tf32Config(head_dim, bn, stages, consumers, dtype, causal, window, pingpong, bias, *q_regs,
                              alibi_mask=alibi_mask)
@@ -1814,7 +1817,7 @@ class BwdSm90Tf32Config(_ProducerConsumers):
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_MODS.get(self.dtype, {})}
         if self.window and per_score:
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS.get(self.dtype, {})}
-        if self.alibi_mask:
+        if self.alibi_mask and (self.bias or self.window):
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_SCORE.get(self.dtype, {})}
         bn, stages, consumers, *a_regs = tiles[self.head_dim]
         return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
@@ -1935,27 +1938,20 @@ BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 
 # dim 32 they do not. 3xTF32 at head dim 32 keeps two consumer warpgroups with a bias: three spilled 8 bytes beside a
 # window (NVRTC 13.5)
 BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
-# ALiBi and a mask (over the bias's tiles): 3xTF32 at head dim 32 on three consumers of 16-query steps, where its
-# 32-query steps spilled 8-12 bytes on two or three consumers, and 16-query ones on two beside a window and a bias
-# (NVRTC 13.5: values carried across the producer / consumer split)
-BWD_SM90_TF32_TILES_SCORE = {"fp32": {32: (16, 3, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
 # The dQ kernel's tiles with a window or a bias (_MODS), and with both (_WINDOW_BIAS), where the A registers of the plain
 # tiles spilled (NVRTC 13.0 or 13.5): one pass at head dim 128 keeps Q's alone in registers beside either (with dO's
 # too 4-20 bytes), one pass at 32 neither (40-48 bytes with a bias), 3xTF32 at 128 Q's alone beside both (24 bytes)
 BWD_DQ_SM90_TF32_TILES_MODS = {"tf32": {32: (64, 3, 3), 128: (32, 3, 2, 1)}}
 BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS = {"fp32": {128: (16, 2, 2, 1)}}
-# ... with ALiBi or a mask (over the two above), where those spilled 4-76 bytes (NVRTC 13.0 or 13.5): fewer A registers
-# or narrower key tiles at every head dim but one pass at 128
-BWD_DQ_SM90_TF32_TILES_SCORE = {"fp32": {32: (64, 2, 2), 64: (16, 3, 2), 128: (16, 2, 2, 1)},
-                                "tf32": {32: (64, 3, 2), 64: (32, 3, 2, 1)}}
+# ... with ALiBi and a mask beside a bias or a window (over the two above), where those spilled 8-32 bytes (NVRTC 13.0
+# or 13.5): 16-key tiles in 3xTF32 at head dim 64, two consumers in one pass at 32, Q's A registers alone at 64
+BWD_DQ_SM90_TF32_TILES_SCORE = {"fp32": {64: (16, 3, 2)}, "tf32": {32: (64, 3, 2), 64: (32, 3, 2, 1)}}
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
                          bias: bool = False, *, alibi_mask: bool = False) -> BwdSm90Tf32Config:
     tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias or alibi_mask else {}
-    if alibi_mask:
-        tiles = {**tiles, **BWD_SM90_TF32_TILES_SCORE.get(dtype, {})}
     block_m, stages, *consumers = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
     return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *consumers,
                              alibi_mask=alibi_mask)

@@ -43,17 +43,14 @@ def test_every_table_entry_is_shipped_with_its_dq_kernel():
         assert c.mods == (config.MOD_WINDOW * c.window + config.MOD_BIAS * c.bias
                           + (config.MOD_ALIBI | config.MOD_MASK) * c.alibi_mask), c
         # with a bias (or ALiBi and a mask) one-pass TF32 at head dims 64 and 128 takes 16-query steps (its 32-query
-        # steps spilled), and with ALiBi and a mask 3xTF32 at 32 too, on three consumers
+        # steps spilled)
         per_score = c.bias or c.alibi_mask
-        small = (per_score and c.dtype == "tf32" and c.head_dim >= 64) or (
-            c.alibi_mask and c.dtype == "fp32" and c.head_dim == 32)
-        assert c.block_m == (16 if small else config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
+        assert c.block_m == (16 if per_score and c.dtype == "tf32" and c.head_dim >= 64 else
+                             config.BWD_SM90_TF32_TILES[c.dtype][c.head_dim][0]), c
         # consumer warpgroups: a table entry's third element (2 without one)
         tiles = config.BWD_SM90_TF32_TILES[c.dtype]
         if per_score:
             tiles = {**tiles, **config.BWD_SM90_TF32_TILES_BIAS.get(c.dtype, {})}
-        if c.alibi_mask:
-            tiles = {**tiles, **config.BWD_SM90_TF32_TILES_SCORE.get(c.dtype, {})}
         assert (c.block_m, c.stages) == tiles[c.head_dim][:2], c
         assert c.consumers == (tiles[c.head_dim][2] if len(tiles[c.head_dim]) > 2 else 2), c
         assert (c.block_n, c.threads) == (64 * c.consumers, 128 + 128 * c.consumers), c
@@ -114,6 +111,15 @@ def test_dq_kernel_holds_q_and_do_in_registers_where_they_fit_and_paid():
         "BwdDqTf32Traits<64, 32, 2, 2, true>, false, 0>")
     with pytest.raises(ValueError, match="a_regs=3"):
         config.BwdDqSm90Tf32Config(64, 32, 2, 2, "fp32", False, a_regs=3)
+    # ALiBi with a mask: the plain or bias tiles, but beside a bias or a window 16-key tiles in 3xTF32 at head dim 64,
+    # two consumers in one pass at 32 and Q's A registers alone in one pass at 64 (config.BWD_DQ_SM90_TF32_TILES_SCORE)
+    for dt, hd, alone, beside in (("fp32", 64, (32, 2, 2, 0), (16, 3, 2, 0)), ("tf32", 32, (64, 3, 3, 0), (64, 3, 2, 0)),
+                                  ("tf32", 64, (32, 3, 2, 2), (32, 3, 2, 1)), ("fp32", 32, (64, 2, 2, 2), (64, 2, 2, 2))):
+        for causal, window, bias in ((False, False, False), (True, False, False), (False, True, False),
+                                     (False, False, True), (True, False, True), (False, True, True)):
+            d = config.bwd_sm90_tf32_config(hd, dt, causal, window, bias, alibi_mask=True).dq_config()
+            want = beside if window or bias else alone
+            assert (d.block_n, d.stages, d.consumers, d.a_regs) == want, (dt, hd, causal, window, bias, d)
     # one pass with 64-key tiles at 64 columns computed a wrong dQ on an H200: refused
     with pytest.raises(ValueError, match="wrong dQ"):
         config.BwdDqSm90Tf32Config(64, 64, 2, 2, "tf32", False, a_regs=1)

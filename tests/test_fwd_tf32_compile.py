@@ -89,6 +89,22 @@ def test_three_consumers_where_they_fit_two_for_short_causal_rows_and_a_bias():
         assert config.fwd_sm90_tf32_config(hd, dt, False).consumers == 2
 
 
+def test_alibi_and_mask_tiles():
+    """ALiBi with a mask takes the bias's tiles but on a band (two consumers, Q from shared memory at 3xTF32 head dim
+    64), 16-key tiles in one pass at head dim 128, and beside a bias 32-key tiles in 3xTF32 at 64
+    (config.FWD_SM90_TF32_TILES_SCORE, _SCORE_BIAS: where the others spilled)."""
+    for causal, window in ((False, False), (True, False), (False, True)):
+        for bias in (False, True):
+            cfg = config.fwd_sm90_tf32_config(64, "fp32", causal, window, bias, alibi_mask=True)
+            banded_bias = bias and (causal or window)
+            assert (cfg.block_n, cfg.q_regs) == ((32 if bias else 64), False), (causal, window, bias, cfg)
+            assert cfg.stages == (3 if bias else 2) and cfg.consumers == 2 and cfg.pingpong, cfg
+            assert banded_bias == (config.fwd_sm90_tf32_config(64, "fp32", causal, window, bias).block_n == 32)
+            assert config.fwd_sm90_tf32_config(128, "tf32", causal, window, bias, alibi_mask=True).block_n == 16
+            for dt in ("fp32", "tf32"):  # two consumers where the plain tiles have three
+                assert config.fwd_sm90_tf32_config(32, dt, causal, window, bias, alibi_mask=True).consumers == 2
+
+
 def test_q_regs_where_the_consumers_registers_hold_them():
     """Q's A operand in registers (q_regs): 3xTF32's big part at head dims 64 and 128 (pairs of 64 columns) but for a
     window or a bias at 64; one pass's rounded Q at head dim 32 (not on the two-consumer tiles of a bias or of short
@@ -214,11 +230,11 @@ def test_sass_has_tma_loads_and_tf32_warpgroup_mma(cfg):
     assert count("USETMAXREG") == (2 if cfg.consumers >= 2 else 0)
     assert count("LDL") == 0 and count("STL") == 0, f"{cfg} touches local memory"
     assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", text), f"{cfg}: no wgmma.wait_group 1 in the SASS"
-    # the bias and the mask: an L1 prefetch per line of the tile's rows; the bias's key pairs in 8-byte loads, the
-    # mask's in 2-byte loads (a tile inside the sequence, each row of a thread's two), else the mask per score in byte
-    # loads; each read where the S GEMM is waited for: the first tile and the loop
+    # the bias: an L1 prefetch per line of the tile's rows, its key pairs in 8-byte loads where the S GEMM is waited
+    # for; the mask: its bits read while the S GEMM runs, key pairs in 2-byte loads (a tile inside the sequence, each
+    # row of a thread's two), else per score in byte loads; each in the first tile and the loop
     prefetches = count("CCTL") - count("CCTL.IVALL")  # (a pair's cluster barriers invalidate L1: CCTL.IVALL)
-    assert (prefetches > 0) == (cfg.bias or cfg.alibi_mask), f"{cfg}: {prefetches} prefetches"
+    assert (prefetches > 0) == cfg.bias, f"{cfg}: {prefetches} prefetches"
     assert count("LDG.E.64") == (2 * 2 * cfg.block_n // 8 if cfg.bias else 0), f"{cfg}: {count('LDG.E.64')} pairs"
     assert count("LDG.E.U16") == (2 * 2 * cfg.block_n // 8 if cfg.alibi_mask else 0), f"{cfg}: mask pairs"
     assert count("LDG.E.U8") == (2 * 4 * cfg.block_n // 8 if cfg.alibi_mask else 0), f"{cfg}: mask bytes"
