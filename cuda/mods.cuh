@@ -631,6 +631,17 @@ __device__ __forceinline__ u32 mask_keep_rows(int row0, int key0, const ScoreMod
   return bits;
 }
 
+// -inf where bit 4 i + c of kept is clear: element c of tile i of an accumulator array (mask_keep_rows's or
+// mask_keep_transposed's bits)
+template <int N>
+__device__ __forceinline__ void mask_by_bits(float (&s)[N][4], u32 kept) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      if (!((kept >> (4 * i + c)) & 1u)) s[i][c] = neg_inf();
+}
+
 // ALiBi and the element mask (MOD_ALIBI, MOD_MASK) of the float32 kernels in the row layout, after the bias and
 // before the band's -inf, as ScoreMods::score orders them: s -= slope |query + diag - key|, then -inf where the mask
 // hides the pair (kept: mask_keep_rows's bits). The TF32 kernels are built with both bits for a call with either: a
@@ -649,13 +660,7 @@ __device__ __forceinline__ void alibi_mask_f32(const ScoreMods<MODS>& m, float (
         s[nt][c] -= m.slope * static_cast<float>(abs(query + diag - key));
       }
   }
-  if constexpr (Mods::HAS_MASK) {
-#pragma unroll
-    for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (!((kept >> (4 * nt + c)) & 1u)) s[nt][c] = neg_inf();
-  }
+  if constexpr (Mods::HAS_MASK) mask_by_bits(s, kept);
 }
 
 // ... in the backward's transposed layout (S^T[Q_TILES][4]: thread (g, t) holds keys key0 + g and + 8 of queries
@@ -675,13 +680,7 @@ __device__ __forceinline__ void alibi_mask_f32_transposed(const ScoreMods<MODS>&
         s[qt][c] -= m.slope * static_cast<float>(abs(query + diag - key));
       }
   }
-  if constexpr (Mods::HAS_MASK) {
-#pragma unroll
-    for (int qt = 0; qt < Q_TILES; ++qt)
-#pragma unroll
-      for (int c = 0; c < 4; ++c)
-        if (!((kept >> (4 * qt + c)) & 1u)) s[qt][c] = neg_inf();
-  }
+  if constexpr (Mods::HAS_MASK) mask_by_bits(s, kept);
 }
 
 // The dropout mask itself, for tests (return_dropout_mask): mask[b, h, i, j] = 1 where kept, one thread per
