@@ -1817,8 +1817,10 @@ class BwdSm90Tf32Config(_ProducerConsumers):
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_MODS.get(self.dtype, {})}
         if self.window and per_score:
             tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS.get(self.dtype, {})}
-        if self.alibi_mask and (self.bias or self.window):
-            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_SCORE.get(self.dtype, {})}
+        if self.alibi_mask and self.bias:
+            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_SCORE_BIAS.get(self.dtype, {})}
+        if self.alibi_mask and self.window:
+            tiles = {**tiles, **BWD_DQ_SM90_TF32_TILES_SCORE_WINDOW.get(self.dtype, {})}
         bn, stages, consumers, *a_regs = tiles[self.head_dim]
         return BwdDqSm90Tf32Config(self.head_dim, bn, stages, consumers, self.dtype, self.causal, self.window,
                                    self.bias, *a_regs, alibi_mask=self.alibi_mask)
@@ -1944,9 +1946,11 @@ BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
 # too 4-20 bytes), one pass at 32 neither (40-48 bytes with a bias), 3xTF32 at 128 Q's alone beside both (24 bytes)
 BWD_DQ_SM90_TF32_TILES_MODS = {"tf32": {32: (64, 3, 3), 128: (32, 3, 2, 1)}}
 BWD_DQ_SM90_TF32_TILES_WINDOW_BIAS = {"fp32": {128: (16, 2, 2, 1)}}
-# ... with ALiBi and a mask beside a bias or a window (over the two above), where those spilled 8-32 bytes (NVRTC 13.0
-# or 13.5): 16-key tiles in 3xTF32 at head dim 64, two consumers in one pass at 32, Q's A registers alone at 64
-BWD_DQ_SM90_TF32_TILES_SCORE = {"fp32": {64: (16, 3, 2)}, "tf32": {32: (64, 3, 2), 64: (32, 3, 2, 1)}}
+# ... with ALiBi and a mask (over the two above) beside a window, and beside a bias, where those spilled 8-24 bytes
+# (NVRTC 13.0 or 13.5): 16-key tiles in 3xTF32 at head dim 64 and Q's A registers alone in one pass at 64 beside a
+# window, two consumers in one pass at 32 beside a bias
+BWD_DQ_SM90_TF32_TILES_SCORE_WINDOW = {"fp32": {64: (16, 3, 2)}, "tf32": {64: (32, 3, 2, 1)}}
+BWD_DQ_SM90_TF32_TILES_SCORE_BIAS = {"tf32": {32: (64, 3, 2)}}
 
 
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,

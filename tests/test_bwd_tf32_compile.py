@@ -111,14 +111,17 @@ def test_dq_kernel_holds_q_and_do_in_registers_where_they_fit_and_paid():
         "BwdDqTf32Traits<64, 32, 2, 2, true>, false, 0>")
     with pytest.raises(ValueError, match="a_regs=3"):
         config.BwdDqSm90Tf32Config(64, 32, 2, 2, "fp32", False, a_regs=3)
-    # ALiBi with a mask: the plain or bias tiles, but beside a bias or a window 16-key tiles in 3xTF32 at head dim 64,
-    # two consumers in one pass at 32 and Q's A registers alone in one pass at 64 (config.BWD_DQ_SM90_TF32_TILES_SCORE)
-    for dt, hd, alone, beside in (("fp32", 64, (32, 2, 2, 0), (16, 3, 2, 0)), ("tf32", 32, (64, 3, 3, 0), (64, 3, 2, 0)),
-                                  ("tf32", 64, (32, 3, 2, 2), (32, 3, 2, 1)), ("fp32", 32, (64, 2, 2, 2), (64, 2, 2, 2))):
+    # ALiBi with a mask: the plain or bias tiles, but beside a window 16-key tiles in 3xTF32 at head dim 64 and Q's A
+    # registers alone in one pass at 64, beside a bias two consumers in one pass at 32
+    # (config.BWD_DQ_SM90_TF32_TILES_SCORE_WINDOW, _SCORE_BIAS)
+    for dt, hd, alone, beside_window, beside_bias in (("fp32", 64, (32, 2, 2, 0), (16, 3, 2, 0), None),
+                                                      ("tf32", 32, (64, 3, 3, 0), None, (64, 3, 2, 0)),
+                                                      ("tf32", 64, (32, 3, 2, 2), (32, 3, 2, 1), None),
+                                                      ("fp32", 32, (64, 2, 2, 2), None, None)):
         for causal, window, bias in ((False, False, False), (True, False, False), (False, True, False),
                                      (False, False, True), (True, False, True), (False, True, True)):
             d = config.bwd_sm90_tf32_config(hd, dt, causal, window, bias, alibi_mask=True).dq_config()
-            want = beside if window or bias else alone
+            want = (beside_window if window and beside_window else beside_bias if bias and beside_bias else alone)
             assert (d.block_n, d.stages, d.consumers, d.a_regs) == want, (dt, hd, causal, window, bias, d)
     # one pass with 64-key tiles at 64 columns computed a wrong dQ on an H200: refused
     with pytest.raises(ValueError, match="wrong dQ"):
