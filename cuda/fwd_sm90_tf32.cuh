@@ -32,7 +32,8 @@
 // and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only head_dim columns
 // are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask, its rows pulled
 // into L1 while the S GEMM runs), ALiBi and an element mask (MOD_ALIBI, MOD_MASK: mods.cuh's alibi_mask_f32 after the
-// bias; the mask's rows pulled into L1 as the bias's). Soft-capping and dropout run on wide.cuh's kernels.
+// bias; the mask's bits read while the S GEMM runs, mask_keep_rows). Soft-capping and dropout run on wide.cuh's
+// kernels.
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
@@ -424,7 +425,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     mods.check_mask = p.fwd.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
   }
   u32 kept = ~0u;
-  auto prefetch_bias = [&](int n_block) {
+  auto prefetch_mods = [&](int n_block) {
     if (Mods::HAS_BIAS && rank() == 0)
       mods.template prefetch_rows<Tr::BLOCK_N, false>(warp_row, n_block * Tr::BLOCK_N, lane);
     if (Mods::HAS_MASK && rank() == 0)
@@ -525,8 +526,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     wgmma_fence_operand(s_acc[0]);
     if constexpr (Tr::S_CHAINS > 1) wgmma_fence_operand(s2_acc[0]);
   };
-  // a pair: S of key tile i over the other CTA's 64 columns, added (slots by the tile's parity); the bias once per
-  // pair, by rank 0 to its part before the exchange: (S0 + bias) + S1
+  // a pair: S of key tile i over the other CTA's 64 columns, added (slots by the tile's parity); the bias, ALiBi and
+  // the mask once per pair, by rank 0 to its part before the exchange: (S0 + bias - ALiBi, or -inf) + S1
   auto exchange_s = [&](int i, int n_block) {
     if constexpr (PAIR) {
       if (rank() == 0) apply_mods(n_block * Tr::BLOCK_N);
@@ -563,7 +564,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   wgmma_fence();
   issue_s(stage);
   round_end(/*is_last=*/false);
-  prefetch_bias(n_block);
+  prefetch_mods(n_block);
   wgmma_wait_group<0>();
   fence_s();
   release(sm.k_empty(stage));
@@ -585,7 +586,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
     issue_pv(v_stage);
     round_end(/*is_last=*/false);
-    prefetch_bias(n_block);
+    prefetch_mods(n_block);
 
     wgmma_wait_group<1>();  // S_i
     fence_s();
