@@ -53,9 +53,9 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _xpref, config, philox  # noqa: E402
-from gpu_helpers import (HEAD_DIMS, LAYOUTS, SEQLEN_PAIRS, batch_heads, check_lse_wide, check_rule_wide,  # noqa: E402
-                         cu_seqlens, float32_matmul_rounds_to_tf32, make_input, make_packed, max_abs, poison_pool,
-                         round_up, same_bits, seed_of, to_bshd, warm_kernel_cache)
+from gpu_helpers import (HEAD_DIMS, LAYOUTS, SEQLEN_PAIRS, batch_heads, check_lse_wide, check_replay_matches_full_path,  # noqa: E402
+                         check_rule_wide, cu_seqlens, float32_matmul_rounds_to_tf32, make_input, make_packed, max_abs,
+                         poison_pool, round_up, same_bits, seed_of, to_bshd, warm_kernel_cache)
 from test_gpu_bias import make_bias, padding_mask, random_mask  # noqa: E402
 from test_gpu_mods import check_mask, mods_kwargs  # noqa: E402
 
@@ -690,6 +690,34 @@ def test_float32_alibi_and_masks_on_the_tf32_kernels(precision, b, sq, sk, hq, h
         assert bool(dead.any()), "the case has no row that sees no key"
     assert bool((res.lse[dead] == -cp.inf).all()), "rows that see no key must have lse = -inf"
     assert all(not bool(cp.isnan(g).any()) for g in res.grads), "NaN in the gradients"
+
+
+@pytest.mark.parametrize("extra", ["alibi", "mask+key_padding_mask", "alibi+bias+key_padding_mask"])
+@pytest.mark.parametrize("precision,d", [("fp32", 64), ("tf32", 32), ("fp32", 128)])
+def test_a_planned_float32_alibi_or_mask_call_equals_the_full_path(precision, d, extra):
+    """The second call of a float32 signature with ALiBi, masks (their intersection made per call) or both beside a
+    bias replays the plans of the first (new inputs, slopes, masks and bias bound per call) on the TF32 kernels: o,
+    lse, dq, dk, dv (and dbias) equal those of the same call on the full path, bit for bit."""
+    b, s, hq, hkv = 2, 203, 4, 2
+
+    def call(seed):
+        q, dout = (make_input(b, s, hq, d, input_dtype(precision), "bshd", "contiguous", seed + i) for i in (0, 3))
+        k, v = (make_input(b, s, hkv, d, input_dtype(precision), "bshd", "contiguous", seed + i) for i in (1, 2))
+        kw = mods_kwargs({"alibi": "bh"} if "alibi" in extra else {}, b, hq, seed)
+        if "bias" in extra:
+            kw["bias"] = make_bias((b, hq, s, s), "fp32", "fp32", seed + 4, 2.0)
+        if "mask+" in extra:
+            kw["mask"] = random_mask((b, 1, s, s), seed + 5)
+        if "key_padding_mask" in extra:
+            kw["key_padding_mask"] = padding_mask(b, s, seed + 6)
+        prec = api_precision(precision)
+        poison_pool(round_up(q.nbytes) + round_up(b * hq * s * 8))
+        o, lse = cuflash.attention_forward(q, k, v, causal=True, precision=prec, **kw)
+        poison_pool(3 * round_up(q.nbytes) + round_up(4 * b * hq * s * s) + (1 << 20))
+        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, causal=True, precision=prec,
+                                                    dbias="bias" in kw, **kw))
+
+    check_replay_matches_full_path(call, f"{precision} D={d} {extra}")
 
 
 @pytest.mark.parametrize("precision", FLOATS32)
