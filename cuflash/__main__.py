@@ -7,12 +7,14 @@
     cuflash compile --every-mods --filter "BwdSm90WsTraits<64"   # every modifier set, not only the heaviest
 
 The compile check needs NVRTC but no GPU, so CI runs it. It exits non-zero on a compile error or on any
-spill (spill stores, spill loads or a stack frame).
+spill (spill stores, spill loads or a stack frame); with --sass also on local memory in the SASS and on a
+warpgroup MMA whose register A operand, loaded before a loop, is overwritten inside it (a ptxas miscompilation).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -196,13 +198,78 @@ def sass_counts(cubin: bytes) -> dict | None:
     """Static counts of the SASS instructions of SASS_OPS in a cubin (`sass_text`); None when nvdisasm is not
     found. Tells, without a GPU, whether a kernel runs on wgmma (HGMMA) or mma.sync (HMMA), copies with cp.async
     (LDGSTS) and touches local memory (LDL/STL: spills or an array indexed at run time)."""
-    import re
-
     text = sass_text(cubin)
-    if text is None:
-        return None
+    return None if text is None else sass_counts_of(text)
+
+
+def sass_counts_of(text: str) -> dict:
+    """sass_counts of a SASS listing."""
     ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]+)", text, re.M)
     return {op: sum(1 for o in ops if o == op) for op in SASS_OPS}
+
+
+_SASS_LINE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9._]*)\s*([^;]*);", re.M)
+_SASS_LABEL = re.compile(r"^(\.L_x_\d+):", re.M)
+
+
+def _sass_writes(op: str, operands: str) -> range:
+    """The general registers an instruction writes: its first operand, a register range for 64- / 128-bit results
+    and for an HGMMA's accumulators (N / 2 of an m64nN fp32 product), nothing for stores, branches and barriers."""
+    first = operands.split(",")[0].strip()
+    m = re.fullmatch(r"R(\d+)", first)
+    if m is None or op.startswith(("ST", "RED", "BRA", "BAR", "SYNCS", "WARPGROUP")):
+        return range(0)
+    base = int(m.group(1))
+    if op.startswith("HGMMA"):
+        n = re.match(r"HGMMA\.64x(\d+)x", op)
+        return range(base, base + (int(n.group(1)) // 2 if n else 1))
+    width = 4 if ".128" in op else 2 if (".64" in op or ".WIDE" in op) else 1
+    return range(base, base + width)
+
+
+def sass_clobbered_a_operands(text: str) -> list[str]:
+    """Loop-invariant wgmma A registers that the loop overwrites. A warpgroup MMA may take its A operand from registers
+    (HGMMA Rd, Ra, gdesc): where Ra .. Ra + 3 are loaded from shared memory before the loop (Q's fragments, held for
+    the whole key loop: the TF32 kernels' q_regs / a_regs) no instruction of the loop may write them. NVRTC 13.0's
+    ptxas broke that in one kernel (the one-pass dQ kernel with 64-key tiles and Q in registers at 64 columns, refused
+    by config): it reused those registers for temporaries and the next key tile's S took them as Q. Loops are read
+    from the SASS listing's backward branches; one line per violation."""
+    lines = []  # (kind, text): ("label", name) or ("op", opcode, operands)
+    for raw in text.splitlines():
+        lab = _SASS_LABEL.match(raw)
+        if lab:
+            lines.append(("label", lab.group(1)))
+            continue
+        m = _SASS_LINE.match(raw)
+        if m:
+            lines.append(("op", m.group(1), m.group(2)))
+    where = {x[1]: i for i, x in enumerate(lines) if x[0] == "label"}
+    loops = []
+    for i, x in enumerate(lines):
+        if x[0] == "op" and x[1].startswith("BRA"):
+            t = re.search(r"\((\.L_x_\d+)\)", x[2])
+            if t and t.group(1) in where and where[t.group(1)] < i:
+                loops.append((where[t.group(1)], i))
+    writes = [(_sass_writes(x[1], x[2]) if x[0] == "op" else range(0)) for x in lines]
+    out = []
+    for h, x in enumerate(lines):
+        m = re.match(r"R\d+\s*,\s*R(\d+)\s*,\s*gdesc", x[2]) if x[0] == "op" and x[1].startswith("HGMMA") else None
+        if m is None:
+            continue
+        for lo, hi in loops:
+            if not lo < h < hi:
+                continue
+            for r in range(int(m.group(1)), int(m.group(1)) + 4):
+                before = [i for i in range(lo) if r in writes[i]]
+                if not before or not lines[before[-1]][1].startswith("LDS"):
+                    continue  # not loaded from shared memory before the loop
+                if any(r in writes[i] for i in range(lo, h)):
+                    continue  # redefined in the loop ahead of the MMA (P, dS of this step)
+                inside = [i for i in range(h, hi + 1) if r in writes[i]]
+                if inside:
+                    out.append(f"R{r}, an A operand of {x[1]} loaded before the loop, is written in the loop by "
+                               f"{lines[inside[0]][1]} {lines[inside[0]][2].strip()}")
+    return sorted(set(out))
 
 
 def compile_check(args) -> int:
@@ -257,7 +324,8 @@ def compile_check(args) -> int:
             flags.append("SMEM")
         sass = ""
         if args.sass:
-            counts = sass_counts(compiled.cubin)
+            text = sass_text(compiled.cubin)
+            counts = None if text is None else sass_counts_of(text)
             if counts is None:
                 print("cuflash compile --sass: nvdisasm not found (install the CUDA toolkit, or "
                       "pip install nvidia-cuda-nvdisasm)", file=sys.stderr)
@@ -265,6 +333,8 @@ def compile_check(args) -> int:
             sass = "  " + " ".join(f"{op}={n}" for op, n in counts.items() if n)
             if counts["LDL"] or counts["STL"]:
                 flags.append("LOCAL-MEMORY")
+            if sass_clobbered_a_operands(text):
+                flags.append("A-REGISTERS-CLOBBERED")
         print(f"{arch:<7} {kind:<4} {regs:>4} {res['spill_stores']:>5}/{res['spill_loads']:<5} {res['stack']:>5} "
               f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}{sass}")
         if flags:
@@ -314,7 +384,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_compile.add_argument("--arch", choices=ARCHS, default="sm_90a", help="target architecture (default sm_90a)")
     p_compile.add_argument("--all", action="store_true", help=f"every architecture we ship for: {', '.join(ALL_ARCHS)}")
     p_compile.add_argument("--sass", action="store_true",
-                           help="also count SASS instructions (HGMMA, HMMA, LDGSTS, LDL/STL, ...) with nvdisasm")
+                           help="also count SASS instructions (HGMMA, HMMA, LDGSTS, LDL/STL, ...) with nvdisasm, and "
+                                "fail a kernel that touches local memory or overwrites a loop-invariant wgmma A "
+                                "register (sass_clobbered_a_operands)")
     p_compile.add_argument("--filter", default="", metavar="TEXT",
                            help="only kernels whose C++ name contains TEXT (e.g. fwd_sm90)")
     p_compile.add_argument("--every-mods", action="store_true",

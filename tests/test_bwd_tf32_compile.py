@@ -274,3 +274,14 @@ def test_analyzer_counts_the_dq_kernels_register_operands(monkeypatch):
     tiles = blocks * (1024 // 64)  # not causal: every query block visits every key tile
     assert without.sram_read_bytes - with_regs.sram_read_bytes == tiles * 4 * q_tile - blocks * 2 * q_tile
     assert without.sram_write_bytes == with_regs.sram_write_bytes and without.hbm_read_bytes == with_regs.hbm_read_bytes
+
+
+@pytest.mark.parametrize("cfg", [c for c in DQ if c.a_regs], ids=_name)
+def test_dq_kernels_keep_their_register_a_operands(cfg):
+    """Q's (and dO's) A registers, loaded from shared memory before the key loop, are not written inside it: NVRTC
+    13.0's ptxas overwrote them in the refused 64-key variant (every dQ element wrong on an H200; NVRTC 13.5's cubin of
+    the same source right). The compile check runs this under NVRTC 13.0 too (`cuflash compile --sass`)."""
+    from cuflash.__main__ import sass_clobbered_a_operands
+
+    text, _ = _sass(cfg)
+    assert sass_clobbered_a_operands(text) == [], cfg

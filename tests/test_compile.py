@@ -218,3 +218,32 @@ def test_every_mods_compile_check_on_one_kernel(capsys):
     assert main(["compile", "--every-mods", "--filter", name, "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "compiling 1 kernel instantiations" in out and "1 kernels in" in out and "0 with problems" in out, out
+
+
+def _sass(lines: list) -> str:
+    """A SASS listing in nvdisasm's layout from (opcode and operands) lines and '.L_x_N:' labels."""
+    return "\n".join(x if x.endswith(":") else f"        /*{16 * i:04x}*/                   {x} ;"
+                     for i, x in enumerate(lines))
+
+
+def test_sass_check_finds_overwritten_loop_invariant_a_registers():
+    """`cuflash compile --sass` flags a warpgroup MMA whose register A operand is loaded from shared memory before a
+    loop and written inside it (what NVRTC 13.0's ptxas did to one refused TF32 dQ kernel); A operands computed in
+    the loop (P, dS: written before the MMA or carried to the next iteration), and writes after the loop, pass."""
+    from cuflash.__main__ import sass_clobbered_a_operands
+
+    load = [f"LDS R{88 + i}, [R{24 + i}+UR11]" for i in range(4)]
+    mma = "HGMMA.64x64x8.F32.TF32 R56, R88, gdesc[UR16], RZ, !UPT"
+    clobbered = _sass(load + [".L_x_1:", mma, "FADD R24, R56, R57", "MOV R89, 0x1", "@!P0 BRA `(.L_x_1)", "EXIT"])
+    found = sass_clobbered_a_operands(clobbered)
+    assert len(found) == 1 and found[0].startswith("R89,") and "MOV R89, 0x1" in found[0], found
+    # a 64-bit load over R90, R91 inside the loop: both
+    wide = _sass(load + [".L_x_1:", mma, "LDG.E.64 R90, desc[UR4][R2.64]", "@!P0 BRA `(.L_x_1)"])
+    assert [f.split(",")[0] for f in sass_clobbered_a_operands(wide)] == ["R90", "R91"]
+    # the same writes after the loop, or registers the loop computes (P of the previous key tile): nothing
+    after = _sass(load + [".L_x_1:", mma, "@!P0 BRA `(.L_x_1)", "MOV R89, 0x1", "EXIT"])
+    carried = _sass([f"F2FP R{88 + i}, R{8 + i}, R{9 + i}" for i in range(4)]
+                    + [".L_x_1:", mma, "F2FP R88, R10, R11", "@!P0 BRA `(.L_x_1)"])
+    in_loop = _sass(load + [".L_x_1:", "F2FP R88, R10, R11", mma, "@!P0 BRA `(.L_x_1)"])
+    assert sass_clobbered_a_operands(after) == sass_clobbered_a_operands(carried) == []
+    assert sass_clobbered_a_operands(in_loop) == []

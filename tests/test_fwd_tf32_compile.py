@@ -294,3 +294,14 @@ def test_analyzer_counts_one_pass_q_in_registers(monkeypatch, hd, held_cols):
     tiles = blocks * (1024 // cfg.block_n)  # not causal: every block visits every key tile
     assert without.sram_read_bytes - with_regs.sram_read_bytes == tiles * held - blocks * held
     assert without.sram_write_bytes == with_regs.sram_write_bytes
+
+
+@pytest.mark.parametrize("cfg", [c for c in SHIPPED if c.q_regs], ids=_name)
+def test_forward_keeps_its_register_q(cfg):
+    """Q's A registers (q_regs), loaded before the key loop, are not written inside it (see tests/
+    test_bwd_tf32_compile.py's dQ test: the ptxas miscompilation that check catches)."""
+    from cuflash.__main__ import sass_clobbered_a_operands
+
+    nvrtc_or_skip()
+    text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
+    assert sass_clobbered_a_operands(text) == [], cfg
