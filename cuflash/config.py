@@ -1855,8 +1855,11 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
             # same day with the check bypassed: nearly every element of dQ wrong, the same bits on every run, from one
             # query block of 128 rows and two key tiles up, on one or two consumers, with Q or Q and dO in registers,
             # and in the cluster pairs at head dim 128; 32-key tiles at 64 columns and 64-key tiles at 32 columns
-            # match bitwise; memcheck, racecheck and synccheck clean; its SASS reads Q's fragments after q_ready and
-            # holds them untouched through the loop. Not explained
+            # match bitwise; memcheck, racecheck and synccheck clean. The cause is NVRTC 13.0's ptxas (the device
+            # image's): it loads Q's fragments before the key loop and reuses those registers for temporaries inside
+            # it; NVRTC 13.5's cubin of the same source, run on the same H200, gives dQ bitwise equal to the
+            # reference. `cuflash compile --sass` (sass_clobbered_a_operands) finds the pattern; refused under any
+            # NVRTC, as a user's may be 13.0
             raise ValueError(f"a_regs={self.a_regs} with block_n=64 at 64 columns in 'tf32': not a kernel (wrong dQ)")
         _check_smem_sm90(self, f"block_n={self.block_n}, stages={self.stages}, consumers={self.consumers}")
 
@@ -1930,7 +1933,8 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # 51 / 58 / 60 against 49 / 55 / 57, at D 128 36 / 38 / 38 against 33 / 35 / 35; one pass at D 32 with 1 95 / 115 / 121
 # against 93 / 113 / 119, at D 64 (32, 3, 2, 2) 103 / 112 / 115 against 102 / 112 / 114, at D 128 with 2 86 / 94 / 97
 # against 81 / 88 / 90 (causal likewise); 3xTF32 at D 64: every variant that fits 3-7 % slower. One pass with 64-key
-# tiles at 64 columns and Q in registers computed a wrong dQ (max |diff| 0.1-1.8): BwdDqSm90Tf32Config refuses it.
+# tiles at 64 columns and Q in registers computed a wrong dQ (max |diff| 0.1-1.8), NVRTC 13.0's ptxas reusing Q's
+# registers inside the key loop: BwdDqSm90Tf32Config refuses it.
 BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
                        "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2, 2)},
