@@ -474,6 +474,21 @@ struct BwdKeyBlock {
 
   // (query head, query block) positions of the CTA: every query head of the group over [m_begin, m_end)
   __device__ __forceinline__ int steps(const BwdParams& p) const { return p.seq.kv_group * (m_end - m_begin); }
+  // the positions whose tile a map does not mark empty (steps() without one; 0 if no query block sees these keys),
+  // counted by the 32 lanes of a warp together (every lane must call it; each gets the count)
+  __device__ __forceinline__ int visible_steps(const BwdParams& p, int lane) const {
+    const int blocks = m_end - m_begin;
+    if (blocks <= 0) return 0;
+    if (!HAS_MAP || p.mods.block_map.ptr == nullptr) return steps(p);
+    int n = 0;
+#pragma unroll 1
+    for (int h = 0; h < p.seq.kv_group; ++h) {
+      const unsigned char* s = state_ptr(p, batch, kv_head * p.seq.kv_group + h, m_begin);
+#pragma unroll 1
+      for (int k = lane; k < blocks; k += 32) n += __ldg(s + k * p.mods.block_map.stride_q) != TILE_EMPTY;
+    }
+    return static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(n)));
+  }
 
   // the block map's byte of query block qb (a map must be given); read from the params each time, so the map's
   // address takes no registers across the query loop

@@ -30,8 +30,9 @@
 // K/V-outer CTA walks every query head of its group: BwdKeyBlock), dense and packed (varlen) sequences, a float32
 // bias (MODS & MOD_BIAS: added to S^T and S as the forward adds it; dBias = dS^T written by the dK / dV kernel,
 // which sees each (query head, query, key) once: plain stores, or red.add where the bias is broadcast), ALiBi and an
-// element mask (MOD_ALIBI, MOD_MASK: after the bias, as the forward); soft-capping and dropout run on wide.cuh's
-// bwd_wide_kernel.
+// element mask (MOD_ALIBI, MOD_MASK: after the bias, as the forward; with a BlockMask's map, each kernel at its own
+// tiles, the steps and key tiles it marks empty are skipped and the mask is not read on those it marks full);
+// soft-capping and dropout run on wide.cuh's bwd_wide_kernel.
 #pragma once
 #include "fwd_sm90_tf32.cuh"
 #include "bwd_sm90_ws.cuh"  // BwdWsParams; bwd.cuh's BwdKeyBlock, QueryBlock
@@ -182,9 +183,11 @@ struct BwdTf32Traits {
   static constexpr int STAGE_BYTES = 2 * TENSOR_BYTES;
   static constexpr int SMEM_ROWVEC = 4 * BLOCK_M;                   // a step's lse_log2 or delta
   static constexpr int OFF_VEC = OFF_STAGES + STAGES * STAGE_BYTES; // per stage: lse_log2, delta
+  // per stage: the step's query head, query block and whether a BlockMask's map marks its tile full (16 bytes)
+  static constexpr int OFF_STEP = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
   // a pair's exchange (SPLIT 2): per parity, product (S^T, dP^T) and consumer, Q_TILES float4 per consumer thread
   static constexpr int XCHG_SLOT = SPLIT > 1 ? Q_TILES * 128 * 16 : 0;
-  static constexpr int OFF_XCHG = OFF_VEC + STAGES * 2 * SMEM_ROWVEC;
+  static constexpr int OFF_XCHG = OFF_STEP + STAGES * 16;
   static constexpr int BARRIERS = 2 + 3 * STAGES + (SPLIT > 1 ? 2 * 2 * CONSUMERS : 0);
   static constexpr int OFF_BAR = OFF_XCHG + 2 * 2 * CONSUMERS * XCHG_SLOT;
   static constexpr int SMEM_BYTES = OFF_BAR + 8 * BARRIERS + 1024;  // cuflash/config.py BwdSm90Tf32Config.smem_bytes
@@ -218,6 +221,8 @@ struct BwdTf32Smem {
   __device__ __forceinline__ u32 xt_small(int s, int tensor) const { return part(s, tensor, 3); }
   __device__ __forceinline__ u32 lse(int s) const { return base + Tr::OFF_VEC + s * 2 * Tr::SMEM_ROWVEC; }
   __device__ __forceinline__ u32 delta(int s) const { return lse(s) + Tr::SMEM_ROWVEC; }
+  // word w of stage s's step: 0 the query head, 1 the query block, 2 its tile is full (a map's TILE_FULL)
+  __device__ __forceinline__ u32 step(int s, int w) const { return base + Tr::OFF_STEP + 16 * s + 4 * w; }
   __device__ __forceinline__ u32 bar(int i) const { return base + Tr::OFF_BAR + 8 * i; }
   __device__ __forceinline__ u32 kv_full() const { return bar(0); }
   __device__ __forceinline__ u32 kv_ready() const { return bar(1); }
@@ -233,10 +238,19 @@ struct BwdTf32Smem {
   }
 };
 
-// The TMA thread: K, V, then Q_i and dO_i of every step into the next stage.
+// Where a dK / dV CTA counts the steps a BlockMask's map leaves (BwdKeyBlock::visible_steps, 0 or more): once before
+// its roles split, or in 32-query steps by each role itself (counted once, a head-dim-32 kernel spilled under NVRTC
+// 13.0; counted by the consumers, the 16-query steps' wgmma were serialized, ptxas C7518)
+template <class Tr, class KeyBlock>
+constexpr bool bwd_tf32_roles_count() {
+  return KeyBlock::MAPPED && Tr::BLOCK_M != 16;
+}
+
+// The TMA thread: K, V, then Q_i and dO_i of every step into the next stage, with the step's query head and block
+// (the steps whose tile a BlockMask's map empties are skipped: BwdKeyBlock::advance).
 template <class Tr, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const BwdTf32Smem<Tr>& sm, const KeyBlock& kb,
-                                                  int steps, int col0) {
+                                                  int col0) {
   const BwdParams& p = P.bwd;
   prefetch_tensormap(&P.tma_q);
   prefetch_tensormap(&P.tma_do);
@@ -254,11 +268,16 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
     cp_async_bulk_tensor_4d_global_to_shared(sm.v() + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_v, sm.kv_full(),
                                              col0 + panel * Tr::BOX_COLS, key0, kb.kv_head, kv_batch);
   }
-  int left = steps;
-  QueryBlock<Tr> qb = QueryBlock<Tr>::first(p, kb.seq, kb.batch, kb.kv_head * p.seq.kv_group, kb.m_begin);
-  for (int i = 0;; ++i) {
+  int left;  // positions from qb on
+  QueryBlock<Tr> qb = kb.first_step(p, left);
+  for (int i = 0; !KeyBlock::MAPPED || left > 0; ++i) {  // (with a map, left may be 0: no step)
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.q_empty(s), ((i / Tr::STAGES) & 1) ^ 1);
+    if constexpr (KeyBlock::MAPPED) {  // the step for the consumers (q_full's arrive releases the stores)
+      st_shared_s32(sm.step(s, 0), qb.head);
+      st_shared_s32(sm.step(s, 1), qb.m_block);
+      st_shared_s32(sm.step(s, 2), kb.state(p, qb) == TILE_FULL);
+    }
     mbarrier_arrive_expect_tx(sm.q_full(s), Tr::Q_TX);
     const int row = kb.seq.q_row0 + qb.m_block * Tr::BLOCK_M;
     // BLOCK_M fp32 rows each, pad rows included (the buffers are padded per head: seqs.cuh)
@@ -276,9 +295,11 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
 }
 
 // The splitters: K and V once, then Q_i and dO_i of every step (split, and transposed for dK's and dV's B operands).
-template <class Tr>
-__device__ __forceinline__ void bwd_tf32_splitter(const BwdTf32Smem<Tr>& sm, int steps, int tid) {
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_tf32_splitter(const BwdParams& p, const BwdTf32Smem<Tr>& sm, const KeyBlock& kb,
+                                                  int all_steps, int tid) {
   constexpr int THREADS = Tr::SPLIT_THREADS;
+  const int steps = bwd_tf32_roles_count<Tr, KeyBlock>() ? kb.visible_steps(p, tid & 31) : all_steps;
   mbarrier_wait_or_trap(sm.kv_full(), 0);
   tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.k(), sm.k_big(), 0, 0, tid);
   tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.v(), sm.v_big(), 0, 0, tid);
@@ -333,9 +354,12 @@ __device__ __forceinline__ void bwd_tf32_store_dk_dv(const BwdParams& p, const K
 // and computes dS^T under the dV GEMM into registers of its own (dV still reads P^T's).
 template <class Tr, bool IS_CAUSAL, int MODS, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdTf32Smem<Tr>& sm, unsigned char* smem,
-                                                  const KeyBlock& kb, int steps) {
+                                                  const KeyBlock& kb, int all_steps) {
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW, HAS_BIAS = ScoreMods<MODS>::HAS_BIAS;
   constexpr bool OVERLAP = Tr::BLOCK_M == 16;
+  // the steps: all_steps (every query block of the group's heads that sees these keys, or with a BlockMask's map
+  // those whose tile it does not mark empty), or counted here (bwd_tf32_roles_count: 0 or more)
+  const int steps = bwd_tf32_roles_count<Tr, KeyBlock>() ? kb.visible_steps(p, threadIdx.x & 31) : all_steps;
   const int ctid = threadIdx.x - 128;
   const int cwg = __shfl_sync(0xffffffffu, ctid / 128, 0);
   const int wtid = ctid & 127, lane = ctid & 31, warp = wtid / 32, t = lane & 3;
@@ -381,22 +405,29 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   };
 
   mbarrier_wait_or_trap(sm.kv_ready(), 0);
-  // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next)
+  // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next);
+  // with a BlockMask's map, the step the producer wrote beside the stage (it skips the empty tiles)
   const int blocks = kb.m_end - kb.m_begin;
+  if (bwd_tf32_roles_count<Tr, KeyBlock>() && steps == 0) {  // a map left no step: dK = dV = 0
+    bwd_tf32_store_dk_dv<Tr>(p, kb, dk_acc, dv_acc, key_row0, lane, rank() * Tr::HEAD_DIM);
+    return;
+  }
   if (OVERLAP) issue_sdp(0);
   for (int i = 0; i < steps; ++i) {
     const int s = i % Tr::STAGES;
-    if (!OVERLAP) issue_sdp(i);
-    const int m0 = (kb.m_begin + i % blocks) * Tr::BLOCK_M;
-    // the bias of this step's query head (step i's head: i / blocks of the group), pulled into L1 while S^T runs;
+    if (!OVERLAP) issue_sdp(i);  // (step i's q_full waited for: its step words are visible)
+    const int* step = reinterpret_cast<const int*>(smem + (sm.step(s, 0) - sm.base));
+    const int head = KeyBlock::MAPPED ? step[0] : kb.kv_head * p.seq.kv_group + i / blocks;
+    const int m0 = (KeyBlock::MAPPED ? step[1] : kb.m_begin + i % blocks) * Tr::BLOCK_M;
+    // the bias of this step's query head, pulled into L1 while S^T runs;
     // dBias written from dS^T below (each (query head, query, key) is this CTA's alone: stores, or red.add where
     // the bias is broadcast)
     ScoreMods<MODS> mods;
     u32 kept = ~0u;  // the mask's bits, read while S^T runs (a pair: rank 0 applies the bias, ALiBi and the mask)
     if (ScoreMods<MODS>::CHANGES_SCORES) {
-      mods.template init<true>(p.mods, kb.batch, kb.kv_head * p.seq.kv_group + i / blocks, p.heads, kb.seq.len_q,
-                               kb.seq.len_k);
-      mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
+      mods.template init<true>(p.mods, kb.batch, head, p.heads, kb.seq.len_q, kb.seq.len_k);
+      // (MOD_MASK serves calls with ALiBi alone too: no mask, nothing read)
+      mods.check_mask = p.mods.mask.ptr != nullptr && !(KeyBlock::MAPPED && step[2]);
       if (HAS_BIAS && rank() == 0) mods.template prefetch_cols<Tr::BLOCK_M, false>(kb.n0 + key_row0, m0, lane);
       if (ScoreMods<MODS>::HAS_MASK && rank() == 0)
         kept = mask_keep_transposed<MODS, Tr::Q_TILES>(kb.n0 + key_row0, m0, mods, lane);
@@ -541,9 +572,15 @@ __device__ __forceinline__ void bwd_tf32_main(const BwdWsParams& P) {
   const BwdTf32Smem<Tr> sm{aligned.base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, false, false, Tr::SPLIT> kb(p);
+  // (a mask: with a BlockMask's map, whose empty tiles are skipped)
+  using KeyBlock = BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_MASK, false, Tr::SPLIT>;
+  const KeyBlock kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys (both CTAs of a pair)
-  const int steps = kb.m_begin < kb.m_end ? kb.steps(p) : 0;
+  // the steps: every query block of the group's heads that sees these keys, less those a BlockMask's map empties
+  // (or 1: the roles count them, bwd_tf32_roles_count)
+  const int steps = kb.m_begin >= kb.m_end ? 0
+                    : bwd_tf32_roles_count<Tr, KeyBlock>() ? 1
+                    : KeyBlock::MAPPED ? kb.visible_steps(p, threadIdx.x & 31) : kb.steps(p);
   if (steps == 0) {  // no query sees these keys: dK = dV = 0 (a pair's rank 0 writes every column)
     if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     const long long row0 = static_cast<long long>(kb.seq.k_row0) + kb.n0;
@@ -581,9 +618,9 @@ __device__ __forceinline__ void bwd_tf32_main(const BwdWsParams& P) {
   if (threadIdx.x < 128) {
     setmaxnreg_dec<Tr::PRODUCER_REGS>();
     if (threadIdx.x == 0)
-      bwd_tf32_producer<Tr>(P, sm, kb, steps, Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
+      bwd_tf32_producer<Tr>(P, sm, kb, Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     else if (threadIdx.x >= 32)
-      bwd_tf32_splitter<Tr>(sm, steps, threadIdx.x - 32);
+      bwd_tf32_splitter<Tr>(p, sm, kb, steps, threadIdx.x - 32);
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch: after their join ptxas serialized wgmma)
   } else {
     setmaxnreg_inc<Tr::CONSUMER_REGS>();
@@ -704,9 +741,12 @@ struct DqTf32Smem {
   }
 };
 
+// The TMA thread: Q and dO, then K and V of the n_tiles visible key tiles from n_begin up (the tiles a BlockMask's
+// map empties are skipped: TileMap::next_up).
 template <class Tr>
 __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqTf32Smem<Tr>& sm, const Seq& seq,
-                                                 int row0, int head, int batch, int n_begin, int n_tiles, int col0) {
+                                                 int row0, int head, int batch, const TileMap& tiles, int n_begin,
+                                                 int n_end, int n_tiles, int col0) {
   const BwdParams& p = P.bwd;
   prefetch_tensormap(&P.tma_q);
   prefetch_tensormap(&P.tma_do);
@@ -724,11 +764,13 @@ __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqT
     cp_async_bulk_tensor_4d_global_to_shared(sm.dout() + panel * Tr::BLOCK_M * BOX_BYTES, &P.tma_do, sm.q_full(),
                                              col0 + panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
   }
+  int n_block = n_begin - 1;
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
+    n_block = tiles.next_up(n_block + 1, n_end);
     mbarrier_wait_or_trap(sm.kv_empty(s), ((i / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(sm.kv_full(s), 2 * Tr::SMEM_KV);
-    const int key = seq.k_row0 + (n_begin + i) * Tr::BLOCK_N;
+    const int key = seq.k_row0 + n_block * Tr::BLOCK_N;
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel) {
       cp_async_bulk_tensor_4d_global_to_shared(sm.k(s) + panel * Tr::BLOCK_N * BOX_BYTES, &P.tma_k, sm.kv_full(s),
@@ -761,7 +803,8 @@ template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf32Smem<Tr>& sm,
                                                  const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                  long long vec_row0, long long out_row0, int row0, int rows_q,
-                                                 int head, int batch, int n_begin, int n_tiles) {
+                                                 int head, int batch, const TileMap& tiles, int n_begin, int n_end,
+                                                 int n_tiles) {
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW, HAS_BIAS = ScoreMods<MODS>::HAS_BIAS;
   const int ctid = threadIdx.x - 128;
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32, g = lane >> 2, t = lane & 3;
@@ -770,13 +813,10 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   constexpr bool PAIR = Tr::SPLIT > 1;
   const int rank = PAIR ? static_cast<int>(cluster_ctarank()) : 0;  // columns 64 rank .. of the pair's head dim
   float peer[PAIR ? Tr::N_TILES : 1][4];  // S or dP over the other CTA's columns
-  // the bias and the mask, as the forward reads them (the bias pulled into L1 and the mask's bits read while S runs),
-  // and ALiBi
+  // the bias and the mask, as the forward reads them (the bias pulled into L1 and the mask's bits read while S runs,
+  // on the tiles a BlockMask's map does not mark full), and ALiBi
   ScoreMods<MODS> mods;
-  if (ScoreMods<MODS>::CHANGES_SCORES) {
-    mods.template init<true>(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
-    mods.check_mask = p.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
-  }
+  if (ScoreMods<MODS>::CHANGES_SCORES) mods.template init<true>(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
   // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0). The padded region ends at a
   // multiple of PAD_ROWS (128), which the last of three consumers' 192-row blocks may pass: rows past rows_q (never
   // stored) take the pad values without a load
@@ -804,9 +844,11 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   if constexpr (Tr::A_REGS >= 2)
     tf32_load_a<typename Tr::TileQ>(do_regs, Tr::X3 ? sm.dout_big() : sm.dout(), 16 * warp, lane);
   const u32 q_small = static_cast<u32>(opaque(static_cast<int>(sm.q())));
+  int n_block = n_begin - 1;
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
-    const int key0 = (n_begin + i) * Tr::BLOCK_N;
+    n_block = tiles.next_up(n_block + 1, n_end);  // the visible key tiles, from the first up
+    const int key0 = n_block * Tr::BLOCK_N;
     mbarrier_wait_or_trap(sm.kv_ready(s), (i / Tr::STAGES) & 1);
     const u32 q_big = q_small + (Tr::OFF_QB - Tr::OFF_Q), do_small = q_small + (Tr::OFF_DO - Tr::OFF_Q),
               do_big = q_small + (Tr::OFF_DOB - Tr::OFF_Q);
@@ -840,6 +882,8 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
                                      Tr::TileKV::desc_k_major(sm.v_big(s), 0, 16 * kk), kk > 0);
     wgmma_commit_group();
     if (HAS_BIAS && rank == 0) mods.template prefetch_rows<Tr::BLOCK_N, false>(warp_row, key0, lane);
+    // (MOD_MASK serves calls with ALiBi alone too: no mask, nothing read)
+    if (ScoreMods<MODS>::HAS_MASK) mods.check_mask = p.mods.mask.ptr != nullptr && tiles.state(n_block) != TILE_FULL;
     const u32 kept = rank == 0 ? mask_keep_rows<MODS, Tr::N_TILES>(warp_row, key0, mods, lane) : ~0u;
 
     wgmma_wait_group<1>();  // S
@@ -930,7 +974,10 @@ __device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
                                         HAS_WINDOW ? p.mods.window_right : 0};
   const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  const int n_tiles = n_end - n_begin;
+  // the key tiles these rows see: the band's, less those a BlockMask's map marks empty (every warp counts them)
+  TileMap tiles;
+  tiles.init(p.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+  const int n_tiles = n_end > n_begin ? tiles.count_warp(n_begin, n_end, threadIdx.x & 31) : 0;
   if (n_tiles <= 0) {  // these rows see no key: dQ = 0 (a pair's rank 0 writes every column)
     if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     float* dq = reinterpret_cast<float*>(p.dq) + batch * p.dq_batch_stride + out_row0 * p.dq_row_stride +
@@ -963,15 +1010,15 @@ __device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
   if (threadIdx.x < 128) {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_dec<Tr::PRODUCER_REGS>();
     if (threadIdx.x == 0)
-      dq_tf32_producer<Tr>(P, sm, seq, row0, head, batch, n_begin, n_tiles,
+      dq_tf32_producer<Tr>(P, sm, seq, row0, head, batch, tiles, n_begin, n_end, n_tiles,
                            Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     else if (threadIdx.x >= 32)
       dq_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch: after their join ptxas serialized wgmma)
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    dq_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, n_begin,
-                                                n_tiles);
+    dq_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, tiles, n_begin,
+                                          n_end, n_tiles);
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // the other CTA may still be writing to this one's shared memory
   }
 #else

@@ -32,8 +32,9 @@
 // and packed (varlen) sequences, head_dim up to HEAD_DIM (TMA zero-fills the columns past it; only head_dim columns
 // are stored), a float32 bias (MODS & MOD_BIAS: mods.cuh's add_bias_f32 on S before the band mask, its rows pulled
 // into L1 while the S GEMM runs), ALiBi and an element mask (MOD_ALIBI, MOD_MASK: mods.cuh's alibi_mask_f32 after the
-// bias; the mask's bits read while the S GEMM runs, mask_keep_rows). Soft-capping and dropout run on wide.cuh's
-// kernels.
+// bias; the mask's bits read while the S GEMM runs, mask_keep_rows; with a BlockMask's map (mods.cuh TileMap) the key
+// tiles it marks empty are never loaded and the mask is not read on those it marks full). Soft-capping and dropout
+// run on wide.cuh's kernels.
 //
 // ---- shared memory (float32 elements; each tile starts on the 1024-byte swizzle period) ----------------------------
 // [Q: BLOCK_M x HEAD_DIM] [Q big (X3)] [K stages] [K big stages (X3)] [V stages] [V^T stages] [V^T small stages (X3)]
@@ -296,10 +297,12 @@ __device__ __forceinline__ void tf32_transpose_v(u32 v, u32 vt, u32 vt_small, in
   }
 }
 
-// The TMA thread: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1} before V_i).
+// The TMA thread: Q, then K and V of the n_tiles visible key tiles from n_end - 1 down (K_0, then K_{i+1} before
+// V_i; the tiles a BlockMask's map empties are skipped: TileMap::next_down_rolled).
 template <class Tr>
 __device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf32Smem<Tr>& sm, const Seq& seq,
-                                                  int row0, int head, int batch, int n_end, int n_tiles, int col0) {
+                                                  int row0, int head, int batch, const TileMap& tiles, int n_begin,
+                                                  int n_end, int n_tiles, int col0) {
   const int kv_head = head / p.fwd.seq.kv_group;
   const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
   const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
@@ -309,24 +312,29 @@ __device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf
   for (int panel = 0; panel < Tr::PANELS; ++panel)
     cp_async_bulk_tensor_4d_global_to_shared(sm.q() + panel * Tr::BLOCK_M * BOX_BYTES, &p.tma_q, sm.q_full(),
                                              col0 + panel * Tr::BOX_COLS, seq.q_row0 + row0, head, q_batch);
-  auto load = [&](int i, u32 empty, u32 full, u32 dst, const TmaDesc* map) {
+  auto load = [&](int i, int n_block, u32 empty, u32 full, u32 dst, const TmaDesc* map) {
     mbarrier_wait_or_trap(empty, ((i / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(full, Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
       cp_async_bulk_tensor_4d_global_to_shared(dst + panel * Tr::BLOCK_N * BOX_BYTES, map, full,
-                                               col0 + panel * Tr::BOX_COLS, seq.k_row0 + (n_end - 1 - i) * Tr::BLOCK_N,
+                                               col0 + panel * Tr::BOX_COLS, seq.k_row0 + n_block * Tr::BLOCK_N,
                                                kv_head, kv_batch);
   };
-  auto load_k = [&](int i) {
+  auto load_k = [&](int i, int n_block) {
     const int s = i % Tr::STAGES;
-    load(i, sm.k_empty(s), sm.k_full(s), sm.k(s), &p.tma_k);
+    load(i, n_block, sm.k_empty(s), sm.k_full(s), sm.k(s), &p.tma_k);
   };
-  load_k(0);
+  int n_k = tiles.next_down_rolled(n_end - 1, n_begin), n_v = n_k;  // the key tiles of the next K and V loads
+  load_k(0, n_k);
   for (int i = 0; i < n_tiles; ++i) {
-    if (i + 1 < n_tiles) load_k(i + 1);
+    if (i + 1 < n_tiles) {
+      n_k = tiles.next_down_rolled(n_k - 1, n_begin);
+      load_k(i + 1, n_k);
+    }
     const int s = i % Tr::STAGES;
-    load(i, sm.v_empty(s), sm.v_full(s), sm.v(s), &p.tma_v);
+    load(i, n_v, sm.v_empty(s), sm.v_full(s), sm.v(s), &p.tma_v);
+    n_v = tiles.next_down_rolled(n_v - 1, n_begin);
   }
 }
 
@@ -407,8 +415,8 @@ __device__ __forceinline__ void tf32_probs_to_regs(const float (&s)[1][N_TILES][
 template <class Tr, bool IS_CAUSAL, int MODS>
 __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf32Smem<Tr>& sm,
                                                   const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band, int row0,
-                                                  int out_row0, int rows_q, int head, int batch, int n_end,
-                                                  int n_tiles) {
+                                                  int out_row0, int rows_q, int head, int batch,
+                                                  const TileMap& tiles, int n_begin, int n_end, int n_tiles) {
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   using Mods = ScoreMods<MODS>;
   const int ctid = threadIdx.x - 128;
@@ -418,18 +426,19 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   constexpr bool PAIR = Tr::SPLIT > 1;  // rank(): columns 64 rank .. of the pair's head dim
   auto rank = [] { return PAIR ? static_cast<int>(cluster_ctarank()) : 0; };
   // the bias: read after the tile's S GEMM retires, from L1, where prefetch_rows pulled it while the GEMM ran; the
-  // mask: its bits (kept) read while the GEMM runs (a pair: rank 0 applies both)
+  // mask: its bits (kept) read while the GEMM runs (a pair: rank 0 applies both), on the tiles a BlockMask's map
+  // does not mark full
   Mods mods;
-  if (Mods::CHANGES_SCORES) {
-    mods.template init<true>(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
-    mods.check_mask = p.fwd.mods.mask.ptr != nullptr;  // (MOD_MASK serves calls with ALiBi alone too)
-  }
+  if (Mods::CHANGES_SCORES) mods.template init<true>(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
   u32 kept = ~0u;
   auto prefetch_mods = [&](int n_block) {
     if (Mods::HAS_BIAS && rank() == 0)
       mods.template prefetch_rows<Tr::BLOCK_N, false>(warp_row, n_block * Tr::BLOCK_N, lane);
-    if (Mods::HAS_MASK && rank() == 0)
+    if (Mods::HAS_MASK && rank() == 0) {
+      // (MOD_MASK serves calls with ALiBi alone too: no mask, nothing read)
+      mods.check_mask = p.fwd.mods.mask.ptr != nullptr && tiles.state(n_block) != TILE_FULL;
       kept = mask_keep_rows<MODS, Tr::N_TILES>(warp_row, n_block * Tr::BLOCK_N, mods, lane);
+    }
   };
 
   float o_acc[1][Tr::D_TILES][4];
@@ -557,7 +566,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
 
   mbarrier_wait_or_trap(sm.q_ready(), 0);
   if constexpr (Tr::Q_REGS) tf32_load_a<typename Tr::TileQ>(q_regs, Tr::X3 ? sm.q_big() : sm.q(), 16 * warp, lane);
-  int stage = 0, n_block = n_end - 1;
+  int stage = 0, n_block = tiles.next_down_rolled(n_end - 1, n_begin);  // the visible key tiles, from the last down
   u32 phase = 0;
   round_begin();
   mbarrier_wait_or_trap(sm.k_ready(stage), phase);
@@ -578,7 +587,7 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     phase ^= 1;
   }
   for (int i = 1; i < n_tiles; ++i) {
-    --n_block;
+    n_block = tiles.next_down_rolled(n_block - 1, n_begin);
     round_begin();
     mbarrier_try_wait_parity(sm.k_ready(stage), phase);
     wgmma_fence();
@@ -669,7 +678,10 @@ __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
                                         HAS_WINDOW ? p.fwd.mods.window_right : 0};
   const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
   const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  const int n_tiles = n_end - n_begin;
+  // the key tiles these rows see: the band's, less those a BlockMask's map marks empty (every warp counts them)
+  TileMap tiles;
+  tiles.init(p.fwd.mods, ScoreMods<MODS>::HAS_MASK, batch, head, m_block);
+  const int n_tiles = n_end > n_begin ? tiles.count_warp(n_begin, n_end, threadIdx.x & 31) : 0;
   if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf (a pair's rank 0 writes every column)
     if (Tr::SPLIT > 1 && cluster_ctarank() != 0) return;
     float* o = reinterpret_cast<float*>(p.fwd.o) + batch * p.fwd.o_batch_stride +
@@ -711,7 +723,7 @@ __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
       prefetch_tensormap(&p.tma_q);
       prefetch_tensormap(&p.tma_k);
       prefetch_tensormap(&p.tma_v);
-      fwd_tf32_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles,
+      fwd_tf32_producer<Tr>(p, sm, seq, row0, head, batch, tiles, n_begin, n_end, n_tiles,
                             Tr::SPLIT > 1 ? static_cast<int>(cluster_ctarank()) * Tr::HEAD_DIM : 0);
     } else if (threadIdx.x >= 32) {
       fwd_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
@@ -719,7 +731,8 @@ __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch, as the backward's pairs)
   } else {
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    fwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, row0, out_row0, rows_q, head, batch, n_end, n_tiles);
+    fwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, row0, out_row0, rows_q, head, batch, tiles, n_begin, n_end,
+                                           n_tiles);
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // the other CTA may still be writing to this one's shared memory
   }
 #else

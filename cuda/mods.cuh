@@ -89,12 +89,36 @@ struct TileMap {
       while (n >= lo && state(n) == TILE_EMPTY) --n;
     return n;
   }
+  // the same walk in one load per step (not unrolled: the TF32 kernels' producer and consumers each walk the map)
+  __device__ __forceinline__ int next_down_rolled(int n, int lo) const {
+    if (row != nullptr) {
+#pragma unroll 1
+      while (n >= lo && state(n) == TILE_EMPTY) --n;
+    }
+    return n;
+  }
+  // key tiles visited from the first up: the first visible one at or above n, or hi if none is (one load per step)
+  __device__ __forceinline__ int next_up(int n, int hi) const {
+    if (row != nullptr) {
+#pragma unroll 1
+      while (n < hi && state(n) == TILE_EMPTY) ++n;
+    }
+    return n;
+  }
   // visible key tiles in [lo, hi)
   __device__ __forceinline__ int count(int lo, int hi) const {
     if (row == nullptr) return hi - lo;
     int n = 0;
     for (int i = lo; i < hi; ++i) n += state(i) != TILE_EMPTY;
     return n;
+  }
+  // the same count by the 32 lanes of a warp together (every lane must call it; each gets the count)
+  __device__ __forceinline__ int count_warp(int lo, int hi, int lane) const {
+    if (row == nullptr) return hi - lo;
+    int n = 0;
+#pragma unroll 1
+    for (int i = lo + lane; i < hi; i += 32) n += state(i) != TILE_EMPTY;
+    return static_cast<int>(__reduce_add_sync(0xffffffffu, static_cast<unsigned>(n)));
   }
 };
 

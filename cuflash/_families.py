@@ -240,7 +240,8 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         cfg, kernel = _kernel("forward", a.device, hd, a.dtype, a.mods.causal, bits, seqlen_k=a.seqlen_k)
         maps = None
         ws = isinstance(cfg, config.FwdSm90WsConfig)
-        if ws or isinstance(cfg, config.FwdSm90Tf32Config):  # Q, K, V through TMA
+        tf32 = isinstance(cfg, config.FwdSm90Tf32Config)
+        if ws or tf32:  # Q, K, V through TMA
             boxes = ((cfg.block_m, cfg.box_cols), (cfg.block_n, cfg.box_cols), (cfg.block_n, cfg.box_cols))
             maps = _TmaMaps(a.dtype, (dq, dk, dv), boxes, _tma.FwdWsParams, "fwd")
             if not maps.usable((q, k, v)):  # a view no tensor map describes (negative strides): contiguous copies
@@ -255,7 +256,7 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
         keep = []  # a combined mask lives until the launch is queued
         if a.mods.bits:
             params.mods = mod_params(a.mods, a.scale, max(a.seqlen_q, a.seqlen_k), keep)
-            if ws:  # the kernel that skips the tiles a BlockMask empties
+            if ws or tf32:  # the kernels that skip the tiles a BlockMask empties
                 tiles = _block_map(a.mods, cfg.block_m, cfg.block_n, keep)
                 if tiles is not None:
                     params.mods.block_map = tiles
@@ -491,6 +492,9 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
         # the warp-specialized kernel takes the tensor maps in front of (a copy of) the completed params
         main_params = params if maps is None else maps.params(params, (q, dout, k, v))
         dq_params = None if dq_maps is None else dq_maps.params(params, (q, dout, k, v))
+        if dq_params is not None:  # the TF32 dQ kernel (Q-outer) skips the key tiles of its own map, or reads none
+            tiles = _block_map(a.mods, dqc.block_m, dqc.block_n, keep) if a.mods.masks else None
+            dq_params.bwd.mods.block_map = tiles if tiles is not None else _launch.Broadcast()
         if a.seqlen_k > 0:
             launches.append((kernel, main.grid(a.batch, a.heads_kv, a.seqlen_k), main_params))
         if tf32:  # dQ straight from its own kernel (Q-outer)

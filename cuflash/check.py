@@ -174,6 +174,8 @@ class Case:
                 return []
         if self.wide:  # the registry's wide families (every target)
             c, m = self.kernel_causal, self.mods
+            if m & config.MOD_BLOCKS:  # float32 reads a BlockMask's map in its mask kernels (the TF32 ones skip tiles)
+                m = (m & ~config.MOD_BLOCKS) | config.MOD_MASK
             bwd = config.backward_kernel_config(hd, self.dtype, c, False, arch, kernels, mods=m)
             det = config.backward_kernel_config(hd, self.dtype, c, True, arch, kernels, mods=m)
             # the float32 Hopper backward's dQ comes from its own kernel (deterministic as it is); the others convert
@@ -434,6 +436,12 @@ def wide_cases() -> list[Case]:
             for cm in ((False, AM), (True, AM), (False, AM | W), (False, AM | B), (True, AM | B), (False, AM | B | W))):
         sq, sk = ((137, 70), (71, 136), (136, 71))[i % 3]
         cases.append(_case(1, sq, sk, 2, hd, dtype, causal, "bshd", "contiguous", mods=mods))
+    # a BlockMask (128 x 128 blocks, half kept: empty, full and partial tiles at the TF32 kernels' tiles), per float32
+    # dtype and TF32 head dim, causal or not, two query heads on one K/V head for half of them: on sm_90a the TF32
+    # kernels' tile skipping (the dK / dV producer's step words, the walks of the forward and dQ kernels)
+    for i, (dtype, hd) in enumerate((dt, hd) for dt in ("fp32", "tf32") for hd in (32, 64, 128)):
+        cases.append(_case(1, (300, 520)[i % 2], (520, 300)[i % 2], 2, hd, dtype, bool(i % 2), "bshd", "contiguous",
+                           kv_heads=1 if i % 3 == 1 else 0, mods=config.MOD_BLOCKS))
     return cases
 
 

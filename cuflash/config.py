@@ -1786,14 +1786,15 @@ class BwdSm90Tf32Config(_ProducerConsumers):
     @property
     def smem_bytes(self) -> int:
         """BwdTf32Traits::SMEM_BYTES: K and V (with their big parts: 3xTF32), the stages of Q and dO (each with its
-        big part and its transpose, big and small) and of lse_log2 and delta, a pair's exchange slots (16 bytes per
-        consumer thread and n8 tile, per parity, product and consumer), the mbarriers, 1024 to align the base."""
+        big part and its transpose, big and small), of lse_log2 and delta and of the step's words (16 bytes), a
+        pair's exchange slots (16 bytes per consumer thread and n8 tile, per parity, product and consumer), the
+        mbarriers, 1024 to align the base."""
         parts = 2 if self.dtype == "fp32" else 1
         cols = self.head_dim // self.split
         kv, q = 4 * self.block_n * cols, 4 * self.block_m * cols
         xchg, xbars = ((2 * 2 * self.consumers * (self.block_m // 8) * 128 * 16, 4 * self.consumers)
                        if self.split > 1 else (0, 0))
-        return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m) + xchg
+        return (2 * parts * kv + self.stages * (4 * parts * q + 8 * self.block_m + 16) + xchg
                 + 8 * (2 + 3 * self.stages + xbars) + 1024)
 
     def cpp_name(self) -> str:

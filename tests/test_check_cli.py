@@ -112,13 +112,15 @@ def test_wide_cases_launch_the_ordered_deterministic_kernel():
             assert not any(isinstance(c, config.DqConfig) for c in cfgs), case.name
             wide_bwd = [c for c in cfgs if isinstance(c, config.BwdWideConfig)]
             assert [c.deterministic for c in wide_bwd] in ([], [False, True]), (case.name, wide_bwd)
-            # the forward: on sm_90a with the default kernels the TF32 wgmma one where it has a kernel
+            # the forward: on sm_90a with the default kernels the TF32 wgmma one where it has a kernel (a BlockMask's
+            # case runs the mask kernels, which read its map)
+            mods = (case.mods & ~config.MOD_BLOCKS) | config.MOD_MASK if case.mods & config.MOD_BLOCKS else case.mods
             tf32 = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in config.FWD_SM90_TF32_TILES[
-                "fp32"] and not case.mods & ~config.FWD_SM90_TF32_MODS and config.DEFAULT_ARCH == "sm_90a"
+                "fp32"] and not mods & ~config.FWD_SM90_TF32_MODS and config.DEFAULT_ARCH == "sm_90a"
             fwd = config.FwdSm90Tf32Config if tf32 else config.FwdWideConfig
             # the backward: the TF32 wgmma one (and its dQ kernel) at the head dims and modifiers it has
             tf32_bwd = case.dtype != "fp64" and kernels == "auto" and case.kernel_head_dim in \
-                config.BWD_SM90_TF32_TILES["fp32"] and not case.mods & ~config.BWD_SM90_TF32_MODS and \
+                config.BWD_SM90_TF32_TILES["fp32"] and not mods & ~config.BWD_SM90_TF32_MODS and \
                 config.DEFAULT_ARCH == "sm_90a"
             bwd = {config.BwdSm90Tf32Config, config.BwdDqSm90Tf32Config} if tf32_bwd else {config.BwdWideConfig}
             assert {type(c) for c in cfgs} == {fwd, config.ElementwiseConfig} | bwd | (

@@ -224,3 +224,136 @@ def test_ws_family_reads_the_map():
     """The warp-specialized forward is the family that takes the tile map (the others read the element mask)."""
     cfg = config.select("forward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK)
     assert isinstance(cfg, config.FwdSm90WsConfig) or config.KERNELS == "mma"
+
+
+# --- float32: the TF32 wgmma kernels (sm_90a) read the maps too ------------------------------------------------------
+
+def equal_values(a, b) -> bool:
+    """Equal element by element (-inf equals -inf, +0 equals -0; NaN equals nothing)."""
+    return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
+
+
+def float32_kernels_run(precision, d, causal, bits, sk) -> None:
+    """On sm_90a (wgmma kernels on) the forward and both backward kernels of this call are the TF32 ones."""
+    arch = _launch.device_arch(cp.cuda.Device().id)
+    if arch != "sm_90a" or config.KERNELS == "mma":
+        return
+    hd = config.kernel_head_dim(d, precision)
+    fwd = config.select("forward", hd, precision, causal, arch, mods=bits, seqlen_k=sk)
+    bwd = config.select("backward", hd, precision, causal, arch, mods=bits)
+    assert isinstance(fwd, config.FwdSm90Tf32Config) and isinstance(bwd, config.BwdSm90Tf32Config), (fwd, bwd)
+
+
+def compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, *, causal=False, window=None, alibi=False,
+                    bias=False, block=(64, 64), keep=0.3, partial=0.3):
+    """float32 (precision "fp32": 3xTF32, "tf32": one pass): the plain-mask call by the float32 rule against the
+    float64 reference (tests/test_gpu_wide.py), then the BlockMask call, forward and backward, equal to it value for
+    value (the TF32 kernels are deterministic without a broadcast dbias)."""
+    from test_gpu_mods import mods_kwargs
+    from test_gpu_wide import check_grads, check_outputs, references
+
+    seed = seed_of("blockmask-f32", precision, b, sq, sk, hq, hkv, d, mask_shape, causal, window, alibi, bias, block,
+                   keep, partial)
+    q = make_input(b, sq, hq, d, "fp32", "bshd", "contiguous", seed)
+    k = make_input(b, sk, hkv, d, "fp32", "bshd", "contiguous", seed + 1)
+    v = make_input(b, sk, hkv, d, "fp32", "bshd", "contiguous", seed + 2)
+    dout = make_input(b, sq, hq, d, "fp32", "bshd", "contiguous", seed + 3)
+    m = block_pattern(mask_shape, seed + 4, block, keep, partial)
+    kw = mods_kwargs(dict(({"window": window} if window is not None else {}), **({"alibi": "h"} if alibi else {})),
+                     b, hq, seed)
+    if bias:  # full shape: dBias by plain stores, so the backward repeats bitwise
+        kw["bias"] = cp.asarray(np.random.default_rng(seed + 5).standard_normal((b, hq, sq, sk)), dtype=cp.float32)
+    bits = (config.MOD_MASK | (config.MOD_WINDOW if window is not None else 0) | (config.MOD_ALIBI if alibi else 0)
+            | (config.MOD_BIAS if bias else 0))
+    float32_kernels_run(precision, d, causal, bits, sk)
+    what = (f"{precision} B={b} Sq={sq} Sk={sk} H={hq}/{hkv} D={d} mask={mask_shape} block={block} keep={keep} "
+            f"causal={causal} window={window} alibi={alibi} bias={bias}")
+    poison_pool(round_up(q.nbytes) + round_up(b * hq * sq * 8))
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal, precision=precision, mask=m, **kw)
+    options = dict({n: kw[n] for n in ("window", "alibi_slopes", "bias") if n in kw}, mask=m)
+    refs = references(precision, q, k, v, dout, causal, options, True)
+    check_outputs(precision, o, lse, refs, what, lambda x: x.transpose(0, 2, 1, 3))
+    grad_kw = dict(kw, dbias=True) if bias else kw
+    poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, precision=precision, mask=m, **grad_kw)
+    check_grads(precision, grads, (q, k, v), refs, what, lambda x: x.transpose(0, 2, 1, 3), bias=kw.get("bias"))
+
+    bm = cuflash.BlockMask(m)
+    poison_pool(round_up(q.nbytes) + round_up(b * hq * sq * 8))
+    o_bm, lse_bm = cuflash.attention_forward(q, k, v, causal=causal, precision=precision, mask=bm, **kw)
+    assert equal_values(o_bm, o), f"o with a BlockMask differs from the plain mask's: {what}"
+    assert equal_values(lse_bm, lse), f"lse with a BlockMask differs: {what}"
+    poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    grads_bm = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, precision=precision, mask=bm,
+                                          **grad_kw)
+    for name, x, y in zip(("dq", "dk", "dv", "dbias"), grads, grads_bm):
+        assert equal_values(y, x), f"{name} with a BlockMask differs: {what}"
+
+
+# (precision, b, sq, sk, hq, hkv, d, mask_shape, options): per-head masks under GQA (the dK / dV kernel walks the
+# group's heads), broadcast masks (one map row for every batch or head), cluster pairs (head dim 128), three-consumer
+# tiles (head dim 32 and 64), causal, a window, ALiBi and a bias beside the map, block shapes that leave partial, empty
+# and full tiles at every kernel's tile shape, and densities 0 and 1
+FLOAT32_CASES = [
+    ("fp32", 2, 700, 1100, 4, 2, 64, (2, 4, 700, 1100), {}),
+    ("tf32", 1, 640, 896, 2, 2, 128, (640, 896), {"causal": True, "block": (128, 128), "keep": 0.5}),
+    ("fp32", 2, 517, 300, 2, 1, 32, (2, 1, 517, 300), {"window": (100, 37), "alibi": True}),
+    ("fp32", 1, 1024, 1024, 2, 2, 128, (1, 1, 1024, 1024), {"bias": True, "block": (128, 128), "keep": 0.1}),
+    ("tf32", 2, 384, 1152, 4, 4, 64, (2, 4, 384, 1152), {"block": (32, 256), "keep": 0.3, "partial": 0.0}),
+    ("fp32", 1, 1000, 1000, 4, 1, 96, (1, 4, 1000, 1000), {"block": (256, 256), "keep": 0.5, "partial": 0.2}),
+    ("tf32", 1, 300, 700, 2, 2, 32, (300, 700), {"block": (64, 64), "keep": 0.0}),
+    ("fp32", 1, 300, 700, 2, 2, 64, (300, 700), {"block": (64, 64), "keep": 1.0, "partial": 0.0,
+                                                 "causal": True}),
+]
+
+
+@pytest.mark.parametrize("precision,b,sq,sk,hq,hkv,d,mask_shape,opts", FLOAT32_CASES,
+                         ids=[f"{c[0]}-b{c[1]}-{c[2]}x{c[3]}-h{c[4]}_{c[5]}-d{c[6]}-m{'x'.join(map(str, c[7]))}"
+                              f"{''.join('-' + k for k in c[8])}" for c in FLOAT32_CASES])
+def test_float32_blockmask(precision, b, sq, sk, hq, hkv, d, mask_shape, opts):
+    compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, **opts)
+
+
+@pytest.mark.parametrize("precision,d", [("fp32", 64), ("tf32", 32), ("fp32", 128)])
+def test_float32_empty_tiles_are_not_read(precision, d):
+    """Keys 384-767 masked for every query: every kernel's tiles over them are empty (384 and 768 are multiples of
+    each kernel's key tile: 16-64 keys, 128 or 192 per dK / dV CTA), so with a BlockMask no kernel reads them. NaN in
+    those rows of K and V leaves o, lse, dq, dk, dv equal to the same call with the rows zeroed (the plain mask's call
+    reads them: 0 * NaN in P V); dk, dv of those keys are 0."""
+    b, sq, sk, hq, hkv = 1, 500, 1000, 2, 2
+    seed = seed_of("blockmask-f32-nan", precision, d)
+    q, dout = (make_input(b, sq, hq, d, "fp32", "bshd", "contiguous", seed + i) for i in (0, 3))
+    k, v = (make_input(b, sk, hkv, d, "fp32", "bshd", "contiguous", seed + i) for i in (1, 2))
+    m = block_pattern((sq, sk), seed + 4, (64, 64), keep=0.6)
+    m[:, 384:768] = False
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[:, 384:768] = cp.nan
+    v_nan[:, 384:768] = cp.nan
+    k[:, 384:768] = 0
+    v[:, 384:768] = 0
+    float32_kernels_run(precision, d, False, config.MOD_MASK, sk)
+    bm = cuflash.BlockMask(m)
+    o, lse = cuflash.attention_forward(q, k, v, precision=precision, mask=bm)
+    o_nan, lse_nan = cuflash.attention_forward(q, k_nan, v_nan, precision=precision, mask=bm)
+    assert equal_values(o_nan, o) and equal_values(lse_nan, lse), "a BlockMask's empty tiles were read (forward)"
+    o_plain, _ = cuflash.attention_forward(q, k_nan, v_nan, precision=precision, mask=m)
+    assert bool(cp.isnan(o_plain).any()), "the plain mask's call should read the NaN rows (0 * NaN)"
+    g = cuflash.attention_backward(dout, q, k, v, o, lse, precision=precision, mask=bm)
+    g_nan = cuflash.attention_backward(dout, q, k_nan, v_nan, o, lse, precision=precision, mask=bm)
+    for name, x, y in zip(("dq", "dk", "dv"), g, g_nan):
+        assert equal_values(y, x), f"{name}: a BlockMask's empty tiles were read (backward)"
+    assert bool((g_nan[1][:, 384:768] == 0).all()) and bool((g_nan[2][:, 384:768] == 0).all())
+
+
+def test_float32_varlen_with_a_blockmask():
+    cu = cp.asarray([0, 300, 300, 1000], dtype=cp.int32)
+    q, k, v, dout = (make_input(1, 1000, 2, 64, "fp32", "bshd", "contiguous", seed_of("varlen-bm-f32", i))[0]
+                     for i in range(4))
+    m = block_pattern((3, 1, 700, 700), seed_of("varlen-bm-f32-mask"), keep=0.4)
+    o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=m)
+    o_bm, lse_bm = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
+    assert equal_values(o_bm, o) and equal_values(lse_bm, lse)
+    g = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=m)
+    g_bm = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
+    for name, x, y in zip(("dq", "dk", "dv"), g, g_bm):
+        assert equal_values(y, x), f"{name} with a BlockMask differs (varlen)"

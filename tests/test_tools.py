@@ -86,3 +86,14 @@ def test_bench_float32_mods_describes_its_cases():
     out = subprocess.run([sys.executable, str(TOOLS / "bench_float32_mods.py"), "--cases", "nope"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr[-2000:]
+
+
+def test_bench_blockmask_takes_float32():
+    """tools/bench_blockmask.py lists its options without a GPU (float32 through --dtype) and refuses an unknown dtype
+    before touching the GPU."""
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_blockmask.py"), "--help"], capture_output=True,
+                         text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "--dtype" in out.stdout and "tf32" in out.stdout, out.stderr[-2000:]
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_blockmask.py"), "--dtype", "fp16"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr[-2000:]
