@@ -816,7 +816,8 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   // the bias and the mask, as the forward reads them (the bias pulled into L1 and the mask's bits read while S runs,
   // on the tiles a BlockMask's map does not mark full), and ALiBi
   ScoreMods<MODS> mods;
-  if (ScoreMods<MODS>::CHANGES_SCORES) mods.template init<true>(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
+  if (ScoreMods<MODS>::CHANGES_SCORES)
+    mods.template init<true>(p.mods, batch, head, p.heads, row0 + rows_q, band.seqlen_k);
   // lse_log2 and delta of this thread's rows g, g + 8 of its warp (pad rows: +inf and 0). The padded region ends at a
   // multiple of PAD_ROWS (128), which the last of three consumers' 192-row blocks may pass: rows past rows_q (never
   // stored) take the pad values without a load

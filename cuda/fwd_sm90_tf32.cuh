@@ -429,7 +429,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   // mask: its bits (kept) read while the GEMM runs (a pair: rank 0 applies both), on the tiles a BlockMask's map
   // does not mark full
   Mods mods;
-  if (Mods::CHANGES_SCORES) mods.template init<true>(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
+  if (Mods::CHANGES_SCORES)
+    mods.template init<true>(p.fwd.mods, batch, head, p.fwd.heads, row0 + rows_q, band.seqlen_k);
   u32 kept = ~0u;
   auto prefetch_mods = [&](int n_block) {
     if (Mods::HAS_BIAS && rank() == 0)
