@@ -11,6 +11,8 @@ import math
 import threading
 from functools import lru_cache, partial
 
+import numpy as np
+
 from . import _launch, _plan, _problem, _tma, _validate, config
 from .blockmask import BlockMask
 from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
@@ -135,11 +137,17 @@ def mod_params(m: _validate.Mods, scale: float, max_seqlen: int, keep: list | No
     return params
 
 
-def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list,
-               transposed: bool = False) -> _launch.Broadcast | None:
-    """The tile map of a BlockMask mask for a kernel of block_m x block_n tiles (None without one; with a
-    key_padding_mask too the kernels read their intersection, which has no map). transposed: query tiles
-    contiguous (the backward's walk)."""
+def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list, transposed: bool = False,
+               padding: bool = True) -> _launch.Broadcast | None:
+    """The tile map of a BlockMask mask for a kernel of block_m x block_n tiles, or of a key_padding_mask alone
+    (_PaddingMap, made now) (None without either; with both masks the kernels read their intersection, which has no
+    map). transposed: query tiles contiguous (the backward's walk); padding: False where the kernel reads no map
+    (no _PaddingMap is made for it)."""
+    pm = padding_map(m, block_n) if padding else None
+    if pm is not None:
+        states = pm(m.masks[0].array)
+        keep.append(states)
+        return pm.broadcast(states)
     if len(m.masks) != 1 or m.masks[0].blocks is None:
         return None
     b = m.masks[0]
@@ -150,6 +158,61 @@ def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list,
     per_m, per_n = (1, nm) if transposed else (nn, 1)
     return _launch.Broadcast(tiles.data.ptr, hm * nm * nn if bm > 1 else 0, nm * nn if hm > 1 else 0,
                              per_m if nm > 1 else 0, per_n if nn > 1 else 0, b.batch_div, b.head_div)
+
+
+_PADDING_STATES_SOURCE = r"""
+extern "C" __global__ void cuflash_padding_tile_states(const unsigned char* kpm, int rows, int seqlen_k, int block_n,
+                                                       int tiles, unsigned char* states) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= rows * tiles) return;
+  const int row = i / tiles, lo = (i % tiles) * block_n, hi = min(lo + block_n, seqlen_k);
+  const unsigned char* x = kpm + static_cast<long long>(row) * seqlen_k;
+  bool any = false, all = true;
+  for (int j = lo; j < hi; ++j) {
+    any |= x[j] != 0;
+    all &= x[j] != 0;
+  }
+  states[i] = all ? 2 : any ? 1 : 0;  // TILE_FULL, TILE_PARTIAL, TILE_EMPTY (cuda/mods.cuh)
+}
+"""
+_padding_kernel: list = []  # the RawKernel (CuPy compiles it once per device, on its first launch there)
+
+
+class _PaddingMap:
+    """The tile map of a key_padding_mask alone (no `mask` beside it) for kernels of block_n-key tiles: uint8 (batch,
+    key tiles), the state of each sequence's key tile (no key kept: TILE_EMPTY, some: TILE_PARTIAL, all: TILE_FULL),
+    the same for every head and query tile, so the kernels that read a BlockMask's map (cuflash.blockmask) skip the
+    key tiles a padded batch empties. Made on the GPU per call (one small launch: the mask's values change between
+    calls; a plan makes it per call too, `PlanBuilder.make`)."""
+
+    def __init__(self, kpm: _validate.Broadcast, block_n: int):
+        self.rows, self.seqlen_k = kpm.shape[0], kpm.scores[3]
+        self.block_n, self.tiles = block_n, -(-kpm.scores[3] // block_n)
+        self.batch_div = kpm.batch_div
+
+    def __call__(self, key_padding_mask):
+        """The map of this call's mask (on the current device and stream: the call's)."""
+        cp = _launch.cupy()
+        if not _padding_kernel:
+            _padding_kernel.append(cp.RawKernel(_PADDING_STATES_SOURCE, "cuflash_padding_tile_states"))
+        x = cp.ascontiguousarray(key_padding_mask).view(cp.uint8)
+        states = cp.empty((self.rows, self.tiles), dtype=cp.uint8)
+        n = self.rows * self.tiles
+        _padding_kernel[0]((-(-n // 128),), (128,), (x, np.int32(self.rows), np.int32(self.seqlen_k),
+                                                     np.int32(self.block_n), np.int32(self.tiles), states))
+        return states
+
+    def broadcast(self, states) -> _launch.Broadcast:
+        """The map as the kernels read it: (batch, 1, 1, key tiles), transposed or not (one query tile)."""
+        return _launch.Broadcast(states.data.ptr, self.tiles if self.rows > 1 else 0, 0, 0, 1 if self.tiles > 1 else 0,
+                                 self.batch_div, 1)
+
+
+def padding_map(m: _validate.Mods, block_n: int) -> _PaddingMap | None:
+    """The _PaddingMap of a launch whose one mask is a key_padding_mask (None otherwise)."""
+    if len(m.masks) != 1 or m.masks[0].info.name != "key_padding_mask":
+        return None
+    return _PaddingMap(m.masks[0], block_n)
 
 
 def blocks_only(op: str, a, head_dim: int, deterministic: bool = False) -> int:
@@ -282,6 +345,8 @@ def forward(a, arrays, *, with_lse: bool, cu_seqlens=None, key=None):
                 b.bind(10, params, fields + "seq.cu_seqlens_q")
                 b.bind(11, params, fields + "seq.cu_seqlens_k")
             _bind_mods(b, a.mods, 3, ((params, fields),))
+            if (ws or tf32) and (pm := padding_map(a.mods, cfg.block_n)) is not None:  # its map, made per call
+                b.make(pm, (6,), (params, fields + "mods.block_map.ptr"))
             b.alloc(o.shape, o.dtype, (params, fields + "o"))
             if with_lse:
                 b.alloc(lse.shape, lse.dtype, (params, fields + "lse"))
@@ -485,8 +550,11 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
         pre = ElementwiseConfig("preprocess", a.dtype)
         rows_pad = -(-a.seqlen_q // SEQLEN_Q_PAD) * SEQLEN_Q_PAD  # padded region of the longest sequence
         launches.append((_launch.get_kernel(pre, a.device), (rows_pad // pre.rows_per_cta, a.heads_q, a.batch), params))
-        if a.mods.masks:  # the main kernels (K/V-outer) skip the query tiles a BlockMask empties
-            tiles = _block_map(a.mods, main.block_m, main.block_n, keep, transposed=True)
+        # the main kernels (K/V-outer) that skip the query tiles a BlockMask's map, or the key blocks a key_padding_mask's,
+        # empties
+        main_maps = isinstance(main, (config.BwdConfig, config.BwdSm90Config, config.BwdSm90Tf32Config))
+        if a.mods.masks:
+            tiles = _block_map(a.mods, main.block_m, main.block_n, keep, transposed=True, padding=main_maps)
             if tiles is not None:
                 params.mods.block_map = tiles
         # the warp-specialized kernel takes the tensor maps in front of (a copy of) the completed params
@@ -526,6 +594,10 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)
             _bind_mods(b, a.mods, 9, targets)
+            if main_maps and (pm := padding_map(a.mods, main.block_n)) is not None:  # the maps, made per call
+                b.make(pm, (12,), *((prm, pre_ + "mods.block_map.ptr") for prm, pre_ in targets[:2]))
+                if dq_params is not None:
+                    b.make(padding_map(a.mods, dqc.block_n), (12,), (dq_params, "bwd.mods.block_map.ptr"))
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)

@@ -357,3 +357,77 @@ def test_float32_varlen_with_a_blockmask():
     g_bm = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
     for name, x, y in zip(("dq", "dk", "dv"), g, g_bm):
         assert equal_values(y, x), f"{name} with a BlockMask differs (varlen)"
+
+
+# --- key_padding_mask: a tile map made per call (cuflash._families._PaddingMap) ----------------------------------------
+
+def padding_problem(b, sk, seed):
+    """A (b, sk) key_padding_mask keeping a prefix of each sequence's keys (lengths in [1, sk], one of them 1) with a
+    few holes, viewed out of wider rows (not contiguous)."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, sk + 1, b)
+    lens[0] = 1
+    keep = (np.arange(sk)[None, :] < lens[:, None]) & (rng.random((b, sk)) < 0.95)
+    wide = np.zeros((b, sk + 5), bool)
+    wide[:, :sk] = keep
+    return cp.asarray(wide)[:, :sk], lens
+
+
+@pytest.mark.parametrize("block_n", [16, 64, 96, 128, 192])
+def test_padding_tile_states_match_numpy(block_n):
+    from cuflash import _families, _problem
+
+    b, sq, sk = 5, 33, 1000
+    kpm, _ = padding_problem(b, sk, seed_of("padding-states", block_n))
+    q, k, v = (make_input(b, n, 2, 64, "bf16", "bshd", "contiguous", seed_of("padding-states-qkv", i))
+               for i, n in enumerate((sq, sk, sk)))
+    a = _problem.attention(q, k, v, False, None, "bshd", None, None, None, 0.0, None, 0, key_padding_mask=kpm)
+    pm = _families.padding_map(a.mods, block_n)
+    got = cp.asnumpy(pm(kpm))
+    want = numpy_states(cp.asnumpy(kpm).reshape(b, 1, 1, sk), 1, block_n).reshape(b, -1)
+    assert np.array_equal(got, want), (got, want)
+
+
+def nan_rows(x, lens, unit=384):
+    """x (b, s, h, d) with the rows from each sequence's length rounded up to `unit` on set to NaN, and with them
+    zeroed: those rows lie in key tiles a prefix padding mask empties at every kernel's tile shape (16-192 keys; 384
+    is a multiple of each)."""
+    nan, zero = x.copy(), x.copy()
+    for i, n in enumerate(lens):
+        start = -(-int(n) // unit) * unit
+        nan[i, start:] = cp.nan
+        zero[i, start:] = 0
+    return nan, zero
+
+
+@pytest.mark.parametrize("precision,d", [("bf16", 64), ("bf16", 128), ("fp32", 64), ("tf32", 128), ("fp32", 32)])
+def test_padded_key_tiles_are_not_read(precision, d):
+    """A key_padding_mask alone: on sm_90a (wgmma kernels) the forward and the backward skip the key tiles it empties,
+    so NaN in K and V rows there leaves o, lse, dq, dk, dv finite and equal to the call with those rows zeroed (a
+    kernel that read them would give 0 * NaN = NaN). Two rounds with other lengths on the same shapes: the second
+    call of each replays its plan, whose map is made from that call's mask."""
+    from cuflash import _launch
+
+    if _launch.device_arch(cp.cuda.Device().id) != "sm_90a" or config.KERNELS == "mma":
+        pytest.skip("the kernels that read tile maps in the forward run on sm_90a (wgmma kernels)")
+    b, sq, sk, hq, hkv = 3, 300, 2000, 4, 2
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    kw = {} if precision == "bf16" else {"precision": precision}
+    for r in range(2):
+        seed = seed_of("padding-nan", precision, d, r)
+        kpm, lens = padding_problem(b, sk, seed)
+        q, dout = (make_input(b, sq, hq, d, dtype, "bshd", "contiguous", seed + i) for i in (1, 2))
+        (k_nan, k), (v_nan, v) = (nan_rows(make_input(b, sk, hkv, d, dtype, "bshd", "contiguous", seed + i), lens)
+                                  for i in (3, 4))
+        o, lse = cuflash.attention_forward(q, k, v, key_padding_mask=kpm, **kw)
+        o_nan, lse_nan = cuflash.attention_forward(q, k_nan, v_nan, key_padding_mask=kpm, **kw)
+        assert equal_values(o_nan, o) and equal_values(lse_nan, lse), f"padded key tiles were read (forward), {r}"
+        g = cuflash.attention_backward(dout, q, k, v, o, lse, key_padding_mask=kpm, **kw)
+        g_nan = cuflash.attention_backward(dout, q, k_nan, v_nan, o, lse, key_padding_mask=kpm, **kw)
+        for name, x, y in zip(("dq", "dk", "dv"), g, g_nan):
+            assert not bool(cp.isnan(y).any()), f"{name}: padded key tiles were read (backward), round {r}"
+            if precision == "bf16":  # (dQ by atomics: the order of the adds differs between calls)
+                x32, y32 = x.astype(cp.float32), y.astype(cp.float32)
+                assert float(cp.abs(x32 - y32).max()) <= 1e-2 * max(1.0, float(cp.abs(x32).max())), name
+            else:  # the TF32 backward repeats bitwise
+                assert equal_values(y, x), f"{name} differs with NaN in the padded tiles, round {r}"

@@ -396,6 +396,33 @@ def test_a_warm_call_with_both_masks_makes_their_intersection_only():
     assert fc.COUNTS["logical_and"] == 1 and fc.COUNTS["encode"] == 0 and fc.COUNTS["empty"] == 2, fc.COUNTS
 
 
+@pytest.mark.parametrize("dtype,maps", [(F16, (1, 1)), (F32, (1, 2))], ids=["fp16", "fp32"])
+def test_a_warm_call_with_a_key_padding_mask_makes_its_tile_maps_per_call(dtype, maps):
+    """A key_padding_mask alone: the kernels that read tile maps (on sm_90a the warp-specialized forward and backward,
+    in float32 the TF32 forward, dK / dV and dQ kernels) get a map made from the mask on every call, one small launch
+    per kernel tile shape, on the full path and in the replay alike; beside a mask (their intersection), none."""
+    kpm = A((2, 72), BOOL)
+    q, k, v = qkv(dtype=dtype)
+    ga = backward_args(dtype=dtype)
+    for i, call in enumerate((lambda m: cuflash.attention_forward(q, k, v, **m),
+                              lambda m: cuflash.attention_backward(*ga.values(), **m))):
+        _plan.plans.clear()
+        for replay in (False, True):
+            fc.COUNTS.clear()
+            call({"key_padding_mask": kpm})
+            assert fc.COUNTS["cuflash_padding_tile_states"] == maps[i], (i, replay, fc.COUNTS)
+        # the replay's launches (maps included, made per call into their own allocations) are the full path's
+        other = (qkv(dtype=dtype), backward_args(dtype=dtype))[i]
+        second = (lambda: cuflash.attention_forward(*other, key_padding_mask=A((2, 72), BOOL)),
+                  lambda: cuflash.attention_backward(*other.values(), key_padding_mask=A((2, 72), BOOL)))[i]
+        check_replay_equals_full_path(lambda: call({"key_padding_mask": kpm}), second)
+        both = {"mask": A((2, 1, 40, 72), BOOL), "key_padding_mask": kpm}
+        call(both)
+        fc.COUNTS.clear()
+        call(both)
+        assert fc.COUNTS["cuflash_padding_tile_states"] == 0 and fc.COUNTS["logical_and"] == 1, fc.COUNTS
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["tile-skipping", "mask-kernels"])
 def test_blockmask_calls_replay_for_that_blockmask_only(aligned):
     """A BlockMask enters the key by identity: a second call with the same BlockMask replays the full path's launch
