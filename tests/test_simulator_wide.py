@@ -241,7 +241,9 @@ def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, ca
 
     kv, q = 4 * 128 * 64, 4 * bm * 64  # float32 tiles of HEAD_DIM columns: 128 keys, bm queries
     kv_parts = 2 * parts * kv  # K and V as the wgmma read them
-    stage = (main.smem_bytes - bars(main) - kv_parts) // main.stages  # Q, dO split and transposed, lse_log2, delta
+    # Q, dO split and transposed, lse_log2, delta (less the stage's 16 bytes of step words: a mask kernel's producer
+    # writes them, for the steps a BlockMask's map leaves)
+    stage = (main.smem_bytes - bars(main) - kv_parts) // main.stages - 16
     ctas = kv_blocks.sum()
     w1 = ctas * (2 * kv + kv_parts) + steps.sum() * (2 * q + stage)
     vec_reads = 2 * 256 * (bm // 8) * 8  # lse_log2 and delta: a float2 per n8 tile and thread of 256
