@@ -735,4 +735,32 @@ __global__ void __launch_bounds__(THREADS) dropout_mask_kernel(const DropoutMask
   }
 }
 
+// The tile map of a key_padding_mask alone (cuflash/_families.py _PaddingMap): the TILE_* state of each sequence's key
+// tile of block_n keys (keys past seqlen_k count as neither kept nor masked), one thread per (row, tile), into
+// states[row * tiles + tile]; the kernels read it as a BlockMask's map with one query tile.
+struct PaddingTilesParams {
+  const unsigned char* mask;  // bool (rows, seqlen_k), strides in bytes
+  unsigned char* states;      // (rows, tiles)
+  long long stride_b, stride_k;
+  int rows, seqlen_k, block_n, tiles;
+};
+static_assert(sizeof(PaddingTilesParams) == 48, "PaddingTilesParams is mirrored in cuflash/_launch.py");
+
+// (A template, instantiated by name only, as dropout_mask_kernel.)
+template <int THREADS>
+__global__ void __launch_bounds__(THREADS) padding_tiles_kernel(const PaddingTilesParams p) {
+  const long long i = static_cast<long long>(blockIdx.x) * THREADS + threadIdx.x;
+  if (i >= static_cast<long long>(p.rows) * p.tiles) return;
+  const int row = static_cast<int>(i / p.tiles), tile = static_cast<int>(i % p.tiles);
+  const int lo = tile * p.block_n, hi = min(lo + p.block_n, p.seqlen_k);
+  const unsigned char* x = p.mask + row * p.stride_b;
+  bool any = false, all = true;
+  for (int j = lo; j < hi; ++j) {
+    const bool kept = x[j * p.stride_k] != 0;
+    any |= kept;
+    all &= kept;
+  }
+  p.states[i] = static_cast<unsigned char>(all ? TILE_FULL : any ? TILE_PARTIAL : TILE_EMPTY);
+}
+
 }  // namespace cuflash

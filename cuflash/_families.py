@@ -11,8 +11,6 @@ import math
 import threading
 from functools import lru_cache, partial
 
-import numpy as np
-
 from . import _launch, _plan, _problem, _tma, _validate, config
 from .blockmask import BlockMask
 from .config import (SEQLEN_Q_PAD, AppendConfig, CombineConfig, DropoutMaskConfig, ElementwiseConfig, dq_config,
@@ -160,30 +158,12 @@ def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list, transp
                              per_m if nm > 1 else 0, per_n if nn > 1 else 0, b.batch_div, b.head_div)
 
 
-_PADDING_STATES_SOURCE = r"""
-extern "C" __global__ void cuflash_padding_tile_states(const unsigned char* kpm, int rows, int seqlen_k, int block_n,
-                                                       int tiles, unsigned char* states) {
-  const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= rows * tiles) return;
-  const int row = i / tiles, lo = (i % tiles) * block_n, hi = min(lo + block_n, seqlen_k);
-  const unsigned char* x = kpm + static_cast<long long>(row) * seqlen_k;
-  bool any = false, all = true;
-  for (int j = lo; j < hi; ++j) {
-    any |= x[j] != 0;
-    all &= x[j] != 0;
-  }
-  states[i] = all ? 2 : any ? 1 : 0;  // TILE_FULL, TILE_PARTIAL, TILE_EMPTY (cuda/mods.cuh)
-}
-"""
-_padding_kernel: list = []  # the RawKernel (CuPy compiles it once per device, on its first launch there)
-
-
 class _PaddingMap:
     """The tile map of a key_padding_mask alone (no `mask` beside it) for kernels of block_n-key tiles: uint8 (batch,
     key tiles), the state of each sequence's key tile (no key kept: TILE_EMPTY, some: TILE_PARTIAL, all: TILE_FULL),
     the same for every head and query tile, so the kernels that read a BlockMask's map (cuflash.blockmask) skip the
-    key tiles a padded batch empties. Made on the GPU per call (one small launch: the mask's values change between
-    calls; a plan makes it per call too, `PlanBuilder.make`)."""
+    key tiles a padded batch empties. Made on the GPU per call (one small launch of `padding_tiles_kernel`: the mask's
+    values change between calls; a plan makes it per call too, `PlanBuilder.make`)."""
 
     def __init__(self, kpm: _validate.Broadcast, block_n: int):
         self.rows, self.seqlen_k = kpm.shape[0], kpm.scores[3]
@@ -193,13 +173,12 @@ class _PaddingMap:
     def __call__(self, key_padding_mask):
         """The map of this call's mask (on the current device and stream: the call's)."""
         cp = _launch.cupy()
-        if not _padding_kernel:
-            _padding_kernel.append(cp.RawKernel(_PADDING_STATES_SOURCE, "cuflash_padding_tile_states"))
-        x = cp.ascontiguousarray(key_padding_mask).view(cp.uint8)
         states = cp.empty((self.rows, self.tiles), dtype=cp.uint8)
-        n = self.rows * self.tiles
-        _padding_kernel[0]((-(-n // 128),), (128,), (x, np.int32(self.rows), np.int32(self.seqlen_k),
-                                                     np.int32(self.block_n), np.int32(self.tiles), states))
+        cfg = config.PaddingTilesConfig()
+        params = _launch.PaddingTilesParams(key_padding_mask.data.ptr, states.data.ptr, *key_padding_mask.strides,
+                                            self.rows, self.seqlen_k, self.block_n, self.tiles)
+        _launch.get_kernel(cfg, key_padding_mask.device.id).launch(
+            (-(-self.rows * self.tiles // cfg.threads), 1, 1), params, cp.cuda.get_current_stream().ptr)
         return states
 
     def broadcast(self, states) -> _launch.Broadcast:

@@ -85,6 +85,13 @@ class DropoutMaskParams(ctypes.Structure):
                 ("seqlen_k", ctypes.c_int), ("heads", ctypes.c_int)]
 
 
+class PaddingTilesParams(ctypes.Structure):
+    """Mirror of cuflash::PaddingTilesParams (cuda/mods.cuh)."""
+
+    _fields_ = [("mask", ctypes.c_void_p), ("states", ctypes.c_void_p), ("stride_b", _c_ll), ("stride_k", _c_ll),
+                ("rows", ctypes.c_int), ("seqlen_k", ctypes.c_int), ("block_n", ctypes.c_int), ("tiles", ctypes.c_int)]
+
+
 class BwdParams(ctypes.Structure):
     """Mirror of cuflash::BwdParams (cuda/bwd.cuh); field order and types must match."""
 
@@ -120,6 +127,7 @@ class AppendParams(ctypes.Structure):
 # The C++ side static_asserts the same sizes: a field added on one side only fails loudly on both.
 assert ctypes.sizeof(ModParams) == 224 and ctypes.sizeof(SeqParams) == 40 and ctypes.sizeof(FwdParams) == 520 and ctypes.sizeof(BwdParams) == 624
 assert ctypes.sizeof(AppendParams) == 264 and ctypes.sizeof(DropoutMaskParams) == 248
+assert ctypes.sizeof(PaddingTilesParams) == 48
 
 
 class _Kernel:

@@ -100,6 +100,7 @@ class Case:
     paged: bool = False    # kvcache: a paged cache of 64-key pages in shuffled order
     splits: int = 0        # kvcache: num_splits (0: the heuristic)
     mods: int = 0          # dense: score modifiers (config.MOD_* bits), with the values of `mod_options`
+    padding: bool = False  # dense, MOD_MASK: the mask is a key_padding_mask alone (its tile map made per call)
 
     @property
     def heads_kv(self) -> int:
@@ -135,7 +136,8 @@ class Case:
         (random with rng, else None as a placeholder), softcap 20, dropout 0.17 with a seed from the name, a bias
         (1, seqlen_q, seqlen_k) shared by the heads (its gradient sums over them: atomics; run_case passes it in
         float32, or in the case's 16-bit dtype when seqlen_k is a multiple of 8) and a mask
-        (seqlen_q, seqlen_k) keeping 90 % of the pairs (NumPy arrays with rng, else None)."""
+        (seqlen_q, seqlen_k) keeping 90 % of the pairs, or with `padding` a key_padding_mask (batch, seqlen_k) keeping a
+        prefix of each sequence's keys (NumPy arrays with rng, else None)."""
         kw = {}
         if self.mods & config.MOD_WINDOW:
             kw["window"] = (37, 5)
@@ -147,7 +149,12 @@ class Case:
             kw.update(dropout_p=0.17, seed=zlib.crc32(self.name.encode()), offset=3)
         if self.mods & config.MOD_BIAS:
             kw["bias"] = None if rng is None else rng.standard_normal((1, self.seqlen_q, self.seqlen_k))
-        if self.mods & config.MOD_MASK:
+        if self.mods & config.MOD_MASK and self.padding:
+            import numpy as np
+
+            kw["key_padding_mask"] = None if rng is None else \
+                np.arange(self.seqlen_k)[None, :] < rng.integers(1, self.seqlen_k + 1, (self.batch, 1))
+        elif self.mods & config.MOD_MASK:
             kw["mask"] = None if rng is None else rng.random((self.seqlen_q, self.seqlen_k)) < 0.9
         if self.mods & config.MOD_BLOCKS:  # whole 128 x 128 blocks, half of them kept (run_case makes a BlockMask)
             import numpy as np
@@ -165,6 +172,10 @@ class Case:
     def configs(self, arch: str = config.DEFAULT_ARCH, kernels: str | None = None) -> list:
         """Every kernel config this case launches on `arch` with the kernel family `kernels` (default:
         CUFLASH_KERNELS, see cuflash.config.KERNELS)."""
+        maps = [config.PaddingTilesConfig()] if self.padding else []  # (where a kernel reads the map: enough here)
+        return self._configs(arch, kernels) + maps
+
+    def _configs(self, arch: str, kernels: str | None) -> list:
         hd = self.kernel_head_dim
         if self.kind in FP8_KINDS:  # Hopper's wgmma kernels only: nothing to launch on other targets or with mma
             try:
@@ -223,13 +234,13 @@ _MOD_NAMES = ((config.MOD_WINDOW, "window"), (config.MOD_ALIBI, "alibi"), (confi
 
 
 def _case(b, sq, sk, h, d, dtype, causal, layout, strides, kind="dense", kv_heads=0, paged=False, splits=0,
-          mods=0) -> Case:
+          mods=0, padding=False) -> Case:
     name = (f"d{d}-{dtype}-{'causal' if causal else 'full'}-{sq}x{sk}-b{b}h{h}"
             + (f"kv{kv_heads}" if kv_heads else "") + (f"-{layout}-{strides}" if kind in ("dense", "fp8") else "")
             + ("" if kind == "dense" else f"-{kind}")
             + ("-paged" if paged else "") + (f"-split{splits}" if splits else "")
-            + "".join(f"-{n}" for bit, n in _MOD_NAMES if mods & bit))
-    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits, mods)
+            + "".join(f"-{n}" for bit, n in _MOD_NAMES if mods & bit) + ("-padding" if padding else ""))
+    return Case(name, b, sq, sk, h, d, dtype, causal, layout, strides, kind, kv_heads, paged, splits, mods, padding)
 
 
 # Seqlen pairs: odd lengths (1, 17, 113, 1023), Sq != Sk both ways, several tiles in each direction, causal
@@ -442,6 +453,11 @@ def wide_cases() -> list[Case]:
     for i, (dtype, hd) in enumerate((dt, hd) for dt in ("fp32", "tf32") for hd in (32, 64, 128)):
         cases.append(_case(1, (300, 520)[i % 2], (520, 300)[i % 2], 2, hd, dtype, bool(i % 2), "bshd", "contiguous",
                            kv_heads=1 if i % 3 == 1 else 0, mods=config.MOD_BLOCKS))
+    # a key_padding_mask alone (a prefix of each sequence's keys kept): its tile map made per call
+    # (padding_tiles_kernel), which the Hopper 16-bit and TF32 kernels read to skip the padded key tiles
+    for i, (dtype, hd) in enumerate((("fp16", 64), ("bf16", 128), ("fp32", 64), ("tf32", 128))):
+        cases.append(_case(2, (300, 520)[i % 2], (520, 300)[i % 2], 1, hd, dtype, bool(i % 2), "bshd", "contiguous",
+                           mods=config.MOD_MASK, padding=True))
     return cases
 
 
@@ -678,7 +694,7 @@ def _model_options(case: Case, mods: dict, host: bool) -> dict:
     from . import philox
 
     kw = {n: mods[n] for n in ("window", "softcap") if n in mods}
-    for n, dtype in (("alibi_slopes", None), ("bias", np.float64), ("mask", bool)):
+    for n, dtype in (("alibi_slopes", None), ("bias", np.float64), ("mask", bool), ("key_padding_mask", bool)):
         if n in mods:
             if not host:
                 kw[n] = mods[n]
@@ -1188,8 +1204,9 @@ def run_case(case: Case, verify: bool) -> dict:
             bias16 = bias.astype(np.float16 if case.dtype == "fp16" else ml_dtypes.bfloat16)
             bias = bias16.astype(np.float32)
         mods["bias"] = _upload(bias)
-    if mods.get("mask") is not None:
-        mods["mask"] = cp.asarray(mods["mask"])
+    for name in ("mask", "key_padding_mask"):
+        if mods.get(name) is not None:
+            mods[name] = cp.asarray(mods[name])
     want_mask = "dropout_p" in mods  # the mask kernel too (compared with cuflash.philox when verifying)
     prec = {"precision": case.precision} if case.precision else {}
     call = dict(mods)  # what the calls get: the references read `mods`

@@ -275,6 +275,18 @@ class DropoutMaskConfig:
         return f"cuflash::dropout_mask_kernel<{self.threads}>"
 
 
+@dataclass(frozen=True)
+class PaddingTilesConfig:
+    """The tile map of a key_padding_mask alone: `padding_tiles_kernel` (cuda/mods.cuh), one thread per (sequence,
+    key tile); cuflash._families._PaddingMap launches it per call."""
+
+    threads: int = 128
+    smem_bytes: int = 0
+
+    def cpp_name(self) -> str:
+        return f"cuflash::padding_tiles_kernel<{self.threads}>"
+
+
 def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
     """Every forward instantiation the library can launch on `arch`: the mma.sync kernels (launched on
     sm_80..sm_89, and on sm_90a with CUFLASH_KERNELS=mma), the decode kernels and their combine kernel,
@@ -283,7 +295,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                  for m in (0, *MODS_CHECKED[c])]
     out += [fwd_decode_config(hd, dt, c, m) for hd in KERNEL_HEAD_DIMS for dt in DTYPES for c in (False, True)
             for m in (0, *MODS_DECODE_CHECKED[c])]
-    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(dt) for dt in DTYPES] + [DropoutMaskConfig()]
+    out += [CombineConfig(dt) for dt in DTYPES] + [AppendConfig(dt) for dt in DTYPES] + [DropoutMaskConfig(),
+                                                                                         PaddingTilesConfig()]
     if arch == "sm_90a":
         out += [fwd_sm90_config(hd, dt, c, m) for hd in FWD_SM90_TILES
                 if hd not in FWD_SM90_WS_TILES

@@ -124,7 +124,8 @@ def test_wide_cases_launch_the_ordered_deterministic_kernel():
                 config.DEFAULT_ARCH == "sm_90a"
             bwd = {config.BwdSm90Tf32Config, config.BwdDqSm90Tf32Config} if tf32_bwd else {config.BwdWideConfig}
             assert {type(c) for c in cfgs} == {fwd, config.ElementwiseConfig} | bwd | (
-                {config.DropoutMaskConfig} if case.mods & config.MOD_DROPOUT else set()), case.name
+                {config.DropoutMaskConfig} if case.mods & config.MOD_DROPOUT else set()) | (
+                {config.PaddingTilesConfig} if case.padding else set()), case.name
             assert all(c.dtype == case.dtype for c in cfgs if hasattr(c, "dtype")), case.name
 
 

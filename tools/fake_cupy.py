@@ -96,9 +96,6 @@ class FakeArray:
     def __floordiv__(self, other):
         return FakeArray(self.shape, self.dtype, device=self.data.device_id)
 
-    def view(self, dtype):  # the same bytes as another dtype of one byte (bool -> uint8)
-        return FakeArray(self.shape, dtype, self.strides, self.data.ptr, self.data.device_id)
-
 
 def _empty(shape, dtype=np.float32):
     COUNTS["empty"] += 1
@@ -145,20 +142,6 @@ def block_mask(shape, aligned: bool):
     return bm
 
 
-def _ascontiguousarray(x):
-    return x
-
-
-class _RawKernel:
-    """cupy.RawKernel: counts its launches (the key_padding_mask's tile map, cuflash._families._PaddingMap)."""
-
-    def __init__(self, source, name):
-        self.name = name
-
-    def __call__(self, grid, block, args):
-        COUNTS[self.name] += 1
-
-
 def _asnumpy(x):
     COUNTS["asnumpy"] += 1
     return getattr(x, "host", np.zeros(x.shape, x.dtype))
@@ -190,7 +173,6 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 cupy = types.SimpleNamespace(
     empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, arange=_arange, logical_and=_logical_and,
-    ascontiguousarray=_ascontiguousarray, RawKernel=_RawKernel,
     float32=np.float32, int32=np.int32, uint8=np.uint8, bool_=np.bool_, inf=np.inf,
     ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
@@ -228,6 +210,8 @@ def ctypes_size(cfg) -> int:
         return ctypes.sizeof(_tma.BwdWsParams)
     if "append" in name:
         return ctypes.sizeof(_launch.AppendParams)
+    if "padding_tiles" in name:
+        return ctypes.sizeof(_launch.PaddingTilesParams)
     if "bwd" in name or "preprocess" in name or "convert_dq" in name or "dq_kernel" in name:
         return ctypes.sizeof(_launch.BwdParams)
     return ctypes.sizeof(_launch.FwdParams)

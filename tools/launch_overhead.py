@@ -124,6 +124,8 @@ def fake_main() -> int:
             lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
         "attention_backward, the bias, a preallocated dbias":
             lambda: cuflash.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=dbias),
+        "attention, a key_padding_mask alone":
+            lambda: cuflash.attention(q, k, v, key_padding_mask=kpm),
         "attention, a mask and a key_padding_mask": lambda: cuflash.attention(q, k, v, mask=mask, key_padding_mask=kpm),
         "attention, a BlockMask": lambda: cuflash.attention(q, k, v, mask=bm),
         "attention_varlen (3 sequences, 300 tokens, H=2, D=64)":
@@ -233,6 +235,8 @@ def main() -> int:
                 lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=True),
             f"attention_backward, the bias, a preallocated dbias{tag}":
                 lambda: m.attention_backward(do, q, k, v, o, lse, bias=bias, dbias=dbias),
+            f"attention, a key_padding_mask alone{tag}":
+                lambda: m.attention(q, k, v, key_padding_mask=kpm),
             f"attention, a mask and a key_padding_mask{tag}":
                 lambda: m.attention(q, k, v, mask=mask, key_padding_mask=kpm),
             f"attention, a BlockMask{tag}": lambda: m.attention(q, k, v, mask=bm),
