@@ -400,10 +400,11 @@ def test_a_warm_call_with_both_masks_makes_their_intersection_only():
 def test_a_warm_call_with_a_key_padding_mask_makes_its_tile_maps_per_call(dtype, maps):
     """A key_padding_mask alone: the kernels that read tile maps (on sm_90a the warp-specialized forward and backward,
     in float32 the TF32 forward, dK / dV and dQ kernels) get a map made from the mask on every call, one small launch
-    per kernel tile shape, on the full path and in the replay alike; beside a mask (their intersection), none."""
-    kpm = A((2, 72), BOOL)
-    q, k, v = qkv(dtype=dtype)
-    ga = backward_args(dtype=dtype)
+    per kernel tile shape, on the full path and in the replay alike; beside a mask (their intersection), none; and
+    none where the keys fit one key tile (16 keys)."""
+    kpm = A((2, 600), BOOL)
+    q, k, v = qkv(sk=600, dtype=dtype)
+    ga = backward_args(sk=600, dtype=dtype)
     for i, call in enumerate((lambda m: cuflash.attention_forward(q, k, v, **m),
                               lambda m: cuflash.attention_backward(*ga.values(), **m))):
         _plan.plans.clear()
@@ -412,15 +413,18 @@ def test_a_warm_call_with_a_key_padding_mask_makes_its_tile_maps_per_call(dtype,
             names = [n for n, _, _ in launched]
             assert sum("padding_tiles_kernel" in n for n in names) == maps[i], (i, replay, names)
         # the replay's launches (maps included, made per call into their own allocations) are the full path's
-        other = (qkv(dtype=dtype), backward_args(dtype=dtype))[i]
-        second = (lambda: cuflash.attention_forward(*other, key_padding_mask=A((2, 72), BOOL)),
-                  lambda: cuflash.attention_backward(*other.values(), key_padding_mask=A((2, 72), BOOL)))[i]
+        other = (qkv(sk=600, dtype=dtype), backward_args(sk=600, dtype=dtype))[i]
+        second = (lambda: cuflash.attention_forward(*other, key_padding_mask=A((2, 600), BOOL)),
+                  lambda: cuflash.attention_backward(*other.values(), key_padding_mask=A((2, 600), BOOL)))[i]
         check_replay_equals_full_path(lambda: call({"key_padding_mask": kpm}), second)
-        both = {"mask": A((2, 1, 40, 72), BOOL), "key_padding_mask": kpm}
+        both = {"mask": A((2, 1, 40, 600), BOOL), "key_padding_mask": kpm}
         call(both)
         fc.COUNTS.clear()
         launched, _ = launches_of(lambda: call(both), 1 << 50)
         assert not any("padding_tiles_kernel" in n for n, _, _ in launched) and fc.COUNTS["logical_and"] == 1
+    short = qkv(sk=16, dtype=dtype)  # one key tile of every kernel
+    launched, _ = launches_of(lambda: cuflash.attention_forward(*short, key_padding_mask=A((2, 16), BOOL)), 1 << 50)
+    assert not any("padding_tiles_kernel" in n for n, _, _ in launched)
 
 
 @pytest.mark.parametrize("aligned", [True, False], ids=["tile-skipping", "mask-kernels"])
