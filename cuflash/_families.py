@@ -575,10 +575,12 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)
             _bind_mods(b, a.mods, 9, targets)
-            if main_maps and (pm := padding_map(a.mods, main.block_n)) is not None:  # the maps, made per call
+            # the maps, made per call as above: the main kernels' and the TF32 dQ kernel's each where its keys span
+            # two or more of its key tiles (the dQ kernel's tiles are narrower: it may have one where the main has none)
+            if main_maps and (pm := padding_map(a.mods, main.block_n)) is not None:
                 b.make(pm, (12,), *((prm, pre_ + "mods.block_map.ptr") for prm, pre_ in targets[:2]))
-                if dq_params is not None:
-                    b.make(padding_map(a.mods, dqc.block_n), (12,), (dq_params, "bwd.mods.block_map.ptr"))
+            if dq_params is not None and (pm := padding_map(a.mods, dqc.block_n)) is not None:
+                b.make(pm, (12,), (dq_params, "bwd.mods.block_map.ptr"))
             for i, field in enumerate(("dout", "q", "k", "v", "o", "lse")):
                 for prm, pre_ in targets:
                     b.bind(i, prm, pre_ + field)

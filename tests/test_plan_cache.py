@@ -422,6 +422,15 @@ def test_a_warm_call_with_a_key_padding_mask_makes_its_tile_maps_per_call(dtype,
         fc.COUNTS.clear()
         launched, _ = launches_of(lambda: call(both), 1 << 50)
         assert not any("padding_tiles_kernel" in n for n, _, _ in launched) and fc.COUNTS["logical_and"] == 1
+    if dtype == F32:  # 100 keys: one key tile of the dK / dV kernel (128 keys), several of the dQ kernel's
+        mid, other = backward_args(sk=100, dtype=dtype), backward_args(sk=100, dtype=dtype)
+        for replay in (False, True):
+            launched, _ = launches_of(lambda: cuflash.attention_backward(*mid.values(),
+                                                                         key_padding_mask=A((2, 100), BOOL)), 1 << 50)
+            assert sum("padding_tiles_kernel" in n for n, _, _ in launched) == 1, (replay, launched)
+        check_replay_equals_full_path(
+            lambda: cuflash.attention_backward(*mid.values(), key_padding_mask=A((2, 100), BOOL)),
+            lambda: cuflash.attention_backward(*other.values(), key_padding_mask=A((2, 100), BOOL)))
     short = qkv(sk=16, dtype=dtype)  # one key tile of every kernel
     launched, _ = launches_of(lambda: cuflash.attention_forward(*short, key_padding_mask=A((2, 16), BOOL)), 1 << 50)
     assert not any("padding_tiles_kernel" in n for n, _, _ in launched)
