@@ -158,6 +158,9 @@ def _block_map(m: _validate.Mods, block_m: int, block_n: int, keep: list, transp
                              per_m if nm > 1 else 0, per_n if nn > 1 else 0, b.batch_div, b.head_div)
 
 
+_PADDING_TILES = config.PaddingTilesConfig()  # (one instance: its kernel lookup on every call hashes it)
+
+
 class _PaddingMap:
     """The tile map of a key_padding_mask alone (no `mask` beside it) for kernels of block_n-key tiles: uint8 (batch,
     key tiles), the state of each sequence's key tile (no key kept: TILE_EMPTY, some: TILE_PARTIAL, all: TILE_FULL),
@@ -174,7 +177,7 @@ class _PaddingMap:
         """The map of this call's mask (on the current device and stream: the call's)."""
         cp = _launch.cupy()
         states = cp.empty((self.rows, self.tiles), dtype=cp.uint8)
-        cfg = config.PaddingTilesConfig()
+        cfg = _PADDING_TILES
         params = _launch.PaddingTilesParams(key_padding_mask.data.ptr, states.data.ptr, *key_padding_mask.strides,
                                             self.rows, self.seqlen_k, self.block_n, self.tiles)
         _launch.get_kernel(cfg, key_padding_mask.device.id).launch(
