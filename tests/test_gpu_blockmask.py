@@ -11,7 +11,7 @@ cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
 from cuflash import _launch, blockmask, config  # noqa: E402
-from gpu_helpers import make_input, poison_pool, round_up, seed_of  # noqa: E402
+from gpu_helpers import check_replay_matches_full_path, make_input, poison_pool, round_up, seed_of  # noqa: E402
 from test_gpu_bias import check_dense, padding_mask  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -431,3 +431,24 @@ def test_padded_key_tiles_are_not_read(precision, d):
                 assert float(cp.abs(x32 - y32).max()) <= 1e-2 * max(1.0, float(cp.abs(x32).max())), name
             else:  # the TF32 backward repeats bitwise
                 assert equal_values(y, x), f"{name} differs with NaN in the padded tiles, round {r}"
+
+
+@pytest.mark.parametrize("precision,sk", [("fp32", 100), ("tf32", 700), ("bf16", 700)])
+def test_a_planned_key_padding_call_equals_the_full_path(precision, sk):
+    """Warm calls with a key_padding_mask replay plans that make each kernel's map from the call's mask: o, lse, dq, dk,
+    dv of the replay equal the full path's bit for bit (100 keys in float32: one dK / dV block, several dQ tiles, so
+    only the dQ kernel gets a map)."""
+    b, sq, h = 3, 150, 2
+    dtype = "bf16" if precision == "bf16" else "fp32"
+    kw = {} if precision == "bf16" else {"precision": precision}
+
+    def call(seed):
+        q, dout = (make_input(b, sq, h, 64, dtype, "bshd", "contiguous", seed + i) for i in (0, 3))
+        k, v = (make_input(b, sk, h, 64, dtype, "bshd", "contiguous", seed + i) for i in (1, 2))
+        kpm, _ = padding_problem(b, sk, seed + 4)
+        o, lse = cuflash.attention_forward(q, k, v, key_padding_mask=kpm, **kw)
+        # (deterministic: the 16-bit backward's dQ in a fixed order, comparable bit for bit)
+        return (o, lse, *cuflash.attention_backward(dout, q, k, v, o, lse, key_padding_mask=kpm, deterministic=True,
+                                                    **kw))
+
+    check_replay_matches_full_path(call, f"{precision} key_padding_mask, {sk} keys")
