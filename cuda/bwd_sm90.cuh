@@ -161,9 +161,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
       smem_base + Tr::OFF_BIAS + bias_buf * Tr::SMEM_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
   const bool staged = bwd_bias_staged<Tr, IS_CAUSAL>(mods);
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
-  if ((Mods::HAS_BIAS && !staged) || Mods::HAS_MASK)
+  // A mask alone (a window aside): its bits by mask_keep_transposed at every head dim, applied only on tiles that
+  // read the mask. Through the per-score path (apply_score_mods_transposed) each score kept a branch on check_mask
+  // and, on partial tiles, a byte load of its own.
+  constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW)) && Tr::Q_TILES <= 8;
+  constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && (Tr::HEAD_DIM >= 128 || MASK_ONLY);
+  if ((Mods::HAS_BIAS && !staged) || (Mods::HAS_MASK && (!MASK_ONLY || mods.check_mask)))
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
-  constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && Tr::HEAD_DIM >= 128;
   u32 mask_bits = ~0u;  // (instantiated where used only: its bits hold 8 query tiles, a 128-query step has 16)
   if constexpr (MASK_BITS) mask_bits = mask_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
@@ -215,6 +219,8 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
             modify(qt, c, mods.bias_at(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1)));
       }
     }
+  } else if (MASK_ONLY) {
+    if (mods.check_mask) mask_by_bits(s_acc, mask_bits);
   } else if (MASK_BITS) {
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)

@@ -438,6 +438,8 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   bool staged_bias = false, staged_mask = false;
   // the bias loop of apply_mods below: per n8 tile with a staged bias alone or beside a window, else per score
   constexpr bool SPLIT_BIAS = !(MODS & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_MASK));
+  // a mask with at most a window beside it (the kernels of config.FWD_SM90_WS_TILES_MASK)
+  constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW)) && Tr::HEAD_DIM < 256;
   // (a 16-bit bias is in q's dtype, the host's rule; SPLIT_BIAS converts it as such. Tested as bias_kind == T's
   // there only: in the per-score loop that test made ptxas spill 4 bytes at head dim 128 under NVRTC 13.0)
   if (Mods::HAS_BIAS)
@@ -470,9 +472,17 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
         const unsigned char* row = mods.mask_base + min(warp_row + r, mods.last_q) * mods.mask_q;
         cp_async_cg_16_n(smem_u32(mask_rows + r * Tr::MASK_PITCH + (i % CHUNKS) * 16), bytes > 0 ? row + key : row, bytes);
       }
+    } else if (MASK_ONLY && mods.check_mask) {
+      // a mask alone whose rows are not whole 16-byte chunks: staged all the same, byte by byte (keys past the
+      // sequence 0, as the chunks' zero fill), so that its scores are masked by the one path of apply_mods
+#pragma unroll 1
+      for (int i = lane; i < 16 * Tr::BLOCK_N; i += 32) {
+        const int r = i / Tr::BLOCK_N, key = key0 + i % Tr::BLOCK_N;
+        mask_rows[r * Tr::MASK_PITCH + i % Tr::BLOCK_N] = key <= mods.last_k && mods.kept_by_mask(warp_row + r, key);
+      }
     }
     cp_async_commit_group();
-    if (Tr::HEAD_DIM < 256 && ((Mods::HAS_BIAS && !staged_bias) || (Mods::HAS_MASK && !staged_mask)))
+    if (Tr::HEAD_DIM < 256 && !MASK_ONLY && ((Mods::HAS_BIAS && !staged_bias) || (Mods::HAS_MASK && !staged_mask)))
       mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
   };
   // the modifiers on S of key tile n_block (apply_score_mods, with the staged rows read from shared memory)
@@ -483,9 +493,27 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
       apply_score_mods(s_acc, unused_dcap, warp_row, key0, band.diag, mods, lane);
       return;
     }
+    // A mask alone (a window aside, applied with the band): a full tile has nothing to apply and returns here; a
+    // partial one, always staged (fetch_tile), takes each thread's two adjacent keys of a row in one 2-byte shared
+    // load. Through the per-score loop below, every score kept its branch on check_mask and its own load: the mask
+    // kernels ran 1.8x (head dim 128) and 2.5x (64) the plain kernel's time per visited tile, full tiles included.
+    // (With that loop's global loads kept for masks not staged, ptxas hoisted them ahead of their tests and spilled
+    // 4-40 bytes.)
+    if (MASK_ONLY && !mods.check_mask) return;
     cp_async_wait_group<0>();
     __syncwarp();  // the other lanes' chunks have landed too
     const int g = lane >> 2, t = lane & 3;
+    if (MASK_ONLY) {
+#pragma unroll
+      for (int nt = 0; nt < Tr::N_TILES; ++nt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const u32 pair = *reinterpret_cast<const u16*>(mask_rows + (g + 8 * h) * Tr::MASK_PITCH + nt * 8 + 2 * t);
+          if (!(pair & 0xffu)) s_acc[0][nt][2 * h] = neg_inf();
+          if (!(pair >> 8)) s_acc[0][nt][2 * h + 1] = neg_inf();
+        }
+      return;
+    }
     // A staged bias: beside no ALiBi, soft-capping, dropout or mask (SPLIT_BIAS), each pair of adjacent keys in one
     // 4-byte load, converted from the input dtype (the one 16-bit bias dtype), staged or not decided per n8 tile:
     // tested per score, the branch, a 2-byte load and the dtype test cost 3 instructions beside the conversion and

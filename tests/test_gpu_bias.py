@@ -201,6 +201,15 @@ def mask_sparse(b, h, sq, sk, seed):
     return random_mask((b, h, sq, sk), seed, keep=0.03)  # many rows see one key or none
 
 
+def mask_keys_strided(b, h, sq, sk, seed):
+    """Every other key of a mask twice as wide: keys 2 bytes apart, rows that are no 16-byte chunks."""
+    return random_mask((b, h, sq, 2 * sk), seed)[..., ::2]
+
+
+def mask_square_tiles(b, h, sq, sk, seed):
+    return tile_mask((b, h, sq, sk), seed, tile=(128, 128))
+
+
 # --- every broadcast pattern of a bias ------------------------------------------------------------------------
 
 B, HQ, HKV, SQ, SK = 4, 4, 2, 113, 203
@@ -322,6 +331,7 @@ MASK_CASES = {  # name -> run_dense keyword arguments
     "sparse": dict(mask=mask_sparse),
     "padding": dict(padding="random"),
     "padding+mask": dict(padding="random", mask=mask_heads_broadcast),
+    "strided": dict(mask=mask_keys_strided),
     "mask+bias": dict(mask=mask_random, bias_shape=(2, HQ, 256, 512), bias_scale=2.0),
 }
 
@@ -339,6 +349,13 @@ def test_masks_that_skip_whole_tiles(sq, sk, mask):
     """64 x 128 (and 128 x 64) blocks of (query, key) all False, all True or random, with a bias."""
     run_dense(1, sq, sk, HQ, HKV, 64, "bf16" if sq == 256 else "fp16", mask=mask, bias_shape=(1, HQ, sq, sk),
               bias_dtype="fp32", causal=mask is mask_tiles)
+
+
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
+def test_a_mask_alone_at_every_head_dim(d):
+    """A mask and no other modifier (the mask kernels' own path, config.mask_only): rows of 1000 bytes (no whole
+    16-byte chunks) with full, empty and partial 128 x 128 tiles, causal at half of the head dims."""
+    run_dense(2, 300, 1000, HQ, HKV, d, DTYPES[d // 32 % 2], mask=mask_square_tiles, causal=d % 64 == 0)
 
 
 FULLY_MASKED = {  # name -> run_dense keyword arguments; each has rows that see no key

@@ -95,7 +95,7 @@ def compare(b, sq, sk, hq, hkv, d, dtype, mask_shape, *, causal=False, window=No
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("d", [32, 64, 96, 128, 192, 256])
 def test_head_dims(d, dtype):
     compare(2, 700, 1100, 2, 2, d, dtype, (2, 2, 700, 1100))
 
