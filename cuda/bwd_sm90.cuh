@@ -161,15 +161,22 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
       smem_base + Tr::OFF_BIAS + bias_buf * Tr::SMEM_BIAS + (key_row0 / 16) * Tr::BLOCK_M * Tr::BIAS_PITCH;
   const bool staged = bwd_bias_staged<Tr, IS_CAUSAL>(mods);
   const u32 keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
-  // A mask alone (a window aside): its bits by mask_keep_transposed at every head dim, applied only on tiles that
-  // read the mask. Through the per-score path (apply_score_mods_transposed) each score kept a branch on check_mask
-  // and, on partial tiles, a byte load of its own.
-  constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW)) && Tr::Q_TILES <= 8;
+  // A mask alone (a window aside): its bits by mask_keep_transposed at every head dim (a word per 64 queries),
+  // applied only on tiles that read the mask. Through the per-score path (apply_score_mods_transposed) each score
+  // kept a branch on check_mask and, on partial tiles, a byte load of its own.
+  constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW));
   constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && (Tr::HEAD_DIM >= 128 || MASK_ONLY);
+  constexpr int MASK_WORDS = MASK_BITS ? (Tr::Q_TILES + 7) / 8 : 1;  // 8 query tiles per word
+  static_assert(!MASK_BITS || Tr::Q_TILES % MASK_WORDS == 0, "whole words of mask bits");
   if ((Mods::HAS_BIAS && !staged) || (Mods::HAS_MASK && (!MASK_ONLY || mods.check_mask)))
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
-  u32 mask_bits = ~0u;  // (instantiated where used only: its bits hold 8 query tiles, a 128-query step has 16)
-  if constexpr (MASK_BITS) mask_bits = mask_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+  u32 mask_bits[MASK_WORDS] = {~0u};  // (instantiated where used only)
+  if constexpr (MASK_BITS) {
+#pragma unroll
+    for (int w = 0; w < MASK_WORDS; ++w)
+      mask_bits[w] = mask_keep_transposed<MODS, Tr::Q_TILES / MASK_WORDS>(
+          n0 + key_row0, m0 + w * 8 * (Tr::Q_TILES / MASK_WORDS), mods, lane);
+  }
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
 
@@ -220,14 +227,20 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
       }
     }
   } else if (MASK_ONLY) {
-    if (mods.check_mask) mask_by_bits(s_acc, mask_bits);
+    if (mods.check_mask) {
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (!((mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1u)) s_acc[qt][c] = neg_inf();
+    }
   } else if (MASK_BITS) {
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
         s_acc[qt][c] = mods.score_of(s_acc[qt][c], m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1),
-                                     band.diag, unused_dcap[qt][c], 0.f, (mask_bits >> (4 * qt + c)) & 1);
+                                     band.diag, unused_dcap[qt][c], 0.f, (mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1);
   } else {
     apply_score_mods_transposed(s_acc, unused_dcap, n0 + key_row0, m0, band.diag, mods, lane);
   }

@@ -106,10 +106,11 @@ static_assert(alignof(BwdParams) == 8 && sizeof(BwdParams) == 624 && alignof(Bwd
 // bwd_sm90_kernel's (64, 128) tiles and layout names (which bwd_sm90_dkdv_step reads), with a producer warpgroup,
 // a second dS^T buffer, the dQ buffer and the mbarriers.
 // BLOCK_M_ 128 takes steps of 128 queries (head dims 32 and 64; the library runs it for plain, causal and windowed
-// calls, cuflash/config.py BWD_SM90_WS_BLOCK_M): each consumer's S^T and dP^T are 64 keys x 128 queries, K and V
-// are read once per 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the same work; dQ
-// is split by rows (BwdSm90Traits::DQ_BY_ROWS). Dropout, masks and block maps need 64 (takes_mods), and so does
-// a bias, except at head dim 32, where the staged bias of 128-row steps fits beside the tiles (stage_bias).
+// calls and a mask alone, cuflash/config.py BWD_SM90_WS_BLOCK_M): each consumer's S^T and dP^T are 64 keys x 128
+// queries, K and V are read once per 128 queries instead of per 64, half the steps (barriers, dQ reductions) for the
+// same work; dQ is split by rows (BwdSm90Traits::DQ_BY_ROWS). Dropout and the other modifiers beside a mask need 64
+// (takes_mods), and so does a bias, except at head dim 32, where the staged bias of 128-row steps fits beside the
+// tiles (stage_bias).
 template <int HEAD_DIM_, class T_, int BLOCK_M_ = 64>
 struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   using Base = BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_>;
@@ -170,12 +171,14 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   static_assert(CONSUMERS == 2 && (Base::BLOCK_M == 64 || (Base::BLOCK_M == 128 && HEAD_DIM_ <= 64)),
                 "two consumers of 64 keys; steps of 64 queries, or 128 at head dims up to 64 (their registers)");
   // the score modifiers a step of 128 queries takes: dropout's keep bits (dropout_keep_transposed) hold 8 query
-  // tiles, and the block maps are laid out for 64-row steps; at head dim 32 also a staged bias (stage_bias) with a
-  // window or a mask beside it (the element mask read as in 64-query steps; a BlockMask's tile map is built at the
-  // kernel's tiles, cuflash/_families.py _block_map with the config's block_m)
+  // tiles; a mask with at most a window beside it (its bits a word per 8 query tiles, bwd_sm90_dkdv_step; a
+  // BlockMask's or key padding mask's tile map is built at the kernel's tiles, cuflash/_families.py _block_map with
+  // the config's block_m); at head dim 32 also a staged bias (stage_bias) with a window or a mask beside it (the
+  // element mask read as in 64-query steps)
   static constexpr bool takes_mods(int mods) {
     if (BLOCK_M_ != 64 && HEAD_DIM_ == 32 && (mods & MOD_BIAS)) return !(mods & ~(MOD_BIAS | MOD_MASK | MOD_WINDOW));
-    return BLOCK_M_ == 64 || !(mods & (MOD_DROPOUT | MOD_BIAS | MOD_MASK | MOD_BLOCKS));
+    return BLOCK_M_ == 64 || !(mods & (MOD_DROPOUT | MOD_BIAS | MOD_MASK | MOD_BLOCKS)) ||
+           !(mods & ~(MOD_MASK | MOD_WINDOW | MOD_BLOCKS));
   }
   // setmaxnreg moves registers between the CTA's warps, within what the launch gave it (__launch_bounds__(THREADS,
   // 1): 168 per thread): a consumer's setmaxnreg.inc beyond that waits forever

@@ -1193,7 +1193,8 @@ class BwdSm90WsConfig(BwdSm90Config):
     """One warp-specialized Hopper backward instantiation:
     `bwd_sm90_ws_kernel<BwdSm90WsTraits<HEAD_DIM, T, BLOCK_M>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: bwd_sm90_kernel's
     tiles (block_n 128: two consumer warpgroups of 64 keys; steps of block_m 64 queries, or 128 at head dims 32 and
-    64 plain, causal or windowed, and at head dim 32 with a staged bias: bwd_sm90_ws_block_m) and math, plus a TMA
+    64 plain, causal, windowed or with a mask alone, and at head dim 32 with a staged bias: bwd_sm90_ws_block_m) and
+    math, plus a TMA
     producer warpgroup (384 threads, 1 CTA per SM); dQ by bulk reductions into dQ_acc in the consumers' accumulator
     order, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config); deterministic, the same reductions in a fixed
     order of key blocks per query block (ordered_dq: a counter per 64 rows of dQ_acc, bwd_sm90_ws_dq_writer). The
@@ -1326,11 +1327,12 @@ def bwd_sm90_ws_head_dims(mods: int = 0) -> tuple:
 
 # Query rows per step of the warp-specialized backward (BwdSm90WsTraits' BLOCK_M) per kernel head dim, for the
 # modifiers in BWD_SM90_WS_BLOCK_M_MODS; the others take 64. At 128 each consumer's S^T and dP^T are 64 keys x 128
-# queries (128 accumulator registers) and K and V are read once per 128 queries. Dropout's keep bits and the block
-# maps are laid out for 64-row steps (BwdSm90WsTraits::takes_mods); with 128-query steps soft-capping spilled 32
-# bytes, ALiBi with a window 4 and ALiBi with soft-capping 120 (NVRTC 13.5, head dim 64).
+# queries (128 accumulator registers) and K and V are read once per 128 queries. A mask alone or a BlockMask's map
+# alone takes them too (the mask's bits a word per 64 queries; the tile maps, a key padding mask's included, built
+# at 128-row tiles). Dropout's keep bits hold 64 queries (BwdSm90WsTraits::takes_mods); with 128-query steps
+# soft-capping spilled 32 bytes, ALiBi with a window 4 and ALiBi with soft-capping 120 (NVRTC 13.5, head dim 64).
 BWD_SM90_WS_BLOCK_M = {32: 128, 64: 128}
-BWD_SM90_WS_BLOCK_M_MODS = MOD_WINDOW
+BWD_SM90_WS_BLOCK_M_MODS = MOD_WINDOW | MOD_MASK | MOD_BLOCKS
 # With a bias, the modifiers of 128-query steps per kernel head dim: at head dim 32 the staged bias (bwd_stages_bias)
 # of 128-row steps, two buffers of 64 KB, fits beside the tiles (195 KB of shared memory), with a mask, a window or
 # both beside it (the element mask read as in 64-query steps, a BlockMask's tile map built at 128-row tiles); at

@@ -30,8 +30,10 @@ def test_registry_chooses_the_ws_backward_where_it_has_kernels():
         for mods in (config.MOD_ALIBI, config.MOD_SOFTCAP | config.MOD_WINDOW, config.MOD_DROPOUT, config.MOD_BIAS,
                      config.MOD_MASK, config.MOD_BLOCKS, config.MOD_BIAS | config.MOD_ALIBI,
                      config.MOD_BIAS | config.MOD_SOFTCAP, config.MOD_BIAS | config.MOD_DROPOUT):
-            # 64-query steps (BwdSm90WsTraits::takes_mods, spills), except head dim 32's staged bias
-            bm = 128 if d == 32 and mods == config.MOD_BIAS else 64
+            # 64-query steps (BwdSm90WsTraits::takes_mods, spills), except head dim 32's staged bias and a mask
+            # or a BlockMask's map alone at head dims 32 and 64
+            bm = 128 if (d == 32 and mods == config.MOD_BIAS) or (d <= 64 and mods in (config.MOD_MASK,
+                                                                                        config.MOD_BLOCKS)) else 64
             assert config.bwd_sm90_ws_config(d, "bf16", False, False, mods).block_m == bm, (d, mods)
     # head dim 32: a staged bias in 128-query steps, with a mask, a window or both beside it, deterministic or not
     for mods in (config.MOD_BIAS, config.MOD_BIAS | config.MOD_WINDOW, config.MOD_BIAS | config.MOD_MASK,
@@ -94,9 +96,12 @@ def test_ws_config_geometry_and_errors():
     # 128-byte boundary after the mbarriers
     plain64 = config.BwdSm90WsConfig(64, 64, 128, 1, "bf16", False, False)  # 64-query steps, no modifier
     for mods, staged in ((config.MOD_BIAS, True), (config.MOD_BIAS | config.MOD_MASK | config.MOD_WINDOW, True),
-                         (config.MOD_BIAS | config.MOD_DROPOUT, False), (config.MOD_MASK, False)):
+                         (config.MOD_BIAS | config.MOD_DROPOUT, False), (config.MOD_MASK | config.MOD_ALIBI, False)):
         cfg = config.bwd_sm90_ws_config(64, "bf16", False, False, mods)
         assert cfg.smem_bytes == plain64.smem_bytes + (40 + 2 * 8 * 64 * 32 if staged else 0), mods
+    # a mask alone takes 128-query steps, as the plain kernel (nothing staged)
+    assert config.bwd_sm90_ws_config(64, "bf16", False, False, config.MOD_MASK).smem_bytes == \
+        config.bwd_sm90_ws_config(64, "bf16", False, False).smem_bytes
     # head dim 128 stages a bias alone, not causal (c is causal)
     assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS).smem_bytes == c.smem_bytes
     assert config.bwd_sm90_ws_config(128, "bf16", True, False, config.MOD_BIAS | config.MOD_MASK).smem_bytes == \
@@ -133,7 +138,8 @@ def test_ws_config_geometry_and_errors():
     with pytest.raises(ValueError, match="block_m=128 takes"):
         config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_BIAS | config.MOD_ALIBI)
     with pytest.raises(ValueError, match="block_m=128 takes"):
-        config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_MASK)
+        config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_MASK | config.MOD_ALIBI)
+    config.BwdSm90WsConfig(32, 128, 128, 1, "bf16", False, False, config.MOD_MASK)  # a mask alone: 128 takes it
 
 
 def test_bwd_ws_params_layout_mirrors_the_cpp_struct():

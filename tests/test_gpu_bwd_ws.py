@@ -8,6 +8,7 @@ max|dX_lowp - dX_ref64| + 1e-5. Needs an sm_90 GPU (skipped elsewhere, like ever
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 cp = pytest.importorskip("cupy")
@@ -154,6 +155,51 @@ def test_128_query_steps_with_a_staged_bias(bias_shape, causal, window, masked, 
     for name, x, y in zip(("dq", "dk", "dv", "dbias"), big, small):
         x32, y32 = _xpref.to_float32(x), _xpref.to_float32(y)
         assert max_abs(x32 - y32) <= 0.02 * max_abs(y32), f"{name}: 128- and 64-query steps differ"
+
+
+@pytest.mark.parametrize("d", [32, 64])
+@pytest.mark.parametrize("kind,causal,window,det", [
+    ("mask", False, None, False), ("mask", True, None, False), ("mask", False, (100, 37), False),
+    ("mask", True, None, True), ("blocks", False, None, False), ("blocks", True, None, False),
+    ("padding", False, None, False)],
+    ids=["mask", "mask-causal", "mask-window", "mask-causal-det", "blockmask", "blockmask-causal", "key-padding"])
+def test_128_query_steps_with_a_mask(d, kind, causal, window, det, request):
+    """Head dims 32 and 64 with a mask alone take steps of 128 queries, the mask's bits a word per 64 queries; a
+    BlockMask's and a key padding mask's tile maps are built at 128-row tiles (the BlockMask of whole 128 x 128 blocks
+    on the plain mainloop, MOD_BLOCKS): against the float64 reference (GQA 6/2, 777 queries = 6 blocks of 128 with a
+    tail, 1030 keys = a key tail; the mask with full, empty and partial tiles) and close to the 64-query steps'
+    gradients on the same inputs (fp32 sums in another order)."""
+    from test_gpu_bias import check_dense, mask_square_tiles, padding_mask
+
+    b, sq, sk, hq, hkv, dtype = 2, 777, 1030, 6, 2, "bf16"
+    seed = seed_of("bwd-ws-mask-128", d, kind, causal, window, det)
+    q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i)
+                     for i, (s, h) in enumerate(((sq, hq), (sk, hkv), (sk, hkv), (sq, hq))))
+    mods = config.MOD_WINDOW | config.MOD_MASK if window else config.MOD_MASK
+    ref, call = {}, {}
+    if kind == "padding":
+        ref["key_padding_mask"] = padding_mask(b, sk, seed + 4)
+    elif kind == "mask":
+        ref["mask"] = mask_square_tiles(b, 1, sq, sk, seed + 4)
+    else:  # whole 128 x 128 blocks, half of them kept: the map's kernel (MOD_BLOCKS), no element mask
+        blocks = np.random.default_rng(seed + 4).random((b, 1, -(-sq // 128), -(-sk // 128))) < 0.5
+        ref["mask"] = cp.asarray(np.repeat(np.repeat(blocks, 128, -2), 128, -1)[..., :sq, :sk])
+        call["call_mask"] = cuflash.BlockMask(ref["mask"])
+        mods = mods & ~config.MOD_MASK | config.MOD_BLOCKS
+    kernel_causal = causal and not window
+    assert config.backward_kernel_config(d, dtype, kernel_causal, det, "sm_90a", mods=mods).block_m == 128
+    o, lse, big, _ = check_dense(q, k, v, dout, dtype, f"128-query steps, {kind} D={d}", causal=causal,
+                                 mods={"window": window} if window else None, seed=seed, deterministic=det,
+                                 **ref, **call)
+    request.getfixturevalue("steps_of_64")
+    assert config.backward_kernel_config(d, dtype, kernel_causal, det, "sm_90a", mods=mods).block_m == 64
+    kw = dict(causal=causal, deterministic=det, **ref, **({"window": window} if window else {}))
+    if call:
+        kw["mask"] = call["call_mask"]
+    small = cuflash.attention_backward(dout, q, k, v, o, lse, **kw)
+    for name, x, y in zip(("dq", "dk", "dv"), big, small):
+        x32, y32 = _xpref.to_float32(x), _xpref.to_float32(y)
+        assert max_abs(x32 - y32) <= 0.02 * max_abs(y32), f"{name}: 128- and 64-query steps differ ({kind})"
 
 
 @pytest.mark.parametrize("d", [32, 64, 128])
