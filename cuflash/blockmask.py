@@ -75,6 +75,17 @@ class BlockMask:
                 self._maps[key] = a
         return a
 
+    def tiles_visited(self, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int) -> int:
+        """How many tiles of the block_m x block_n map are not empty: those a kernel that skips the empty ones visits.
+        Found once per tile shape (one device-to-host copy)."""
+        key = ("visited", block_m, block_n, seqlen_q, seqlen_k)
+        v = self._maps.get(key)
+        if v is None:
+            v = int((self.tile_map(block_m, block_n, seqlen_q, seqlen_k) != TILE_EMPTY).sum())
+            with self._lock:
+                self._maps[key] = v
+        return v
+
 
 def tile_states(mask, block_m: int, block_n: int):
     """The TILE_* state of each block_m x block_n tile of a bool mask (2 to 4 dims, padded to 4 from the left):

@@ -10,7 +10,7 @@ import pytest
 cp = pytest.importorskip("cupy")
 
 import cuflash  # noqa: E402
-from cuflash import _launch, blockmask, config  # noqa: E402
+from cuflash import _families, _launch, blockmask, config  # noqa: E402
 from gpu_helpers import check_replay_matches_full_path, make_input, poison_pool, round_up, seed_of  # noqa: E402
 from test_gpu_bias import check_dense, padding_mask  # noqa: E402
 
@@ -143,6 +143,23 @@ def test_varlen_with_a_blockmask():
     o_bm, lse_bm = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
     assert bool((o == o_bm).all())
 
+
+
+@pytest.mark.parametrize("d", [32, 64])
+def test_a_fine_pattern_takes_64_query_steps_in_the_backward(d):
+    """A BlockMask of 64 x 64 blocks (10 % kept, some with holes): at head dims 32 and 64 the backward takes 64-query
+    steps, whose map skips more of it than the 128-query steps' would (_families._steps_for_the_map): forward and
+    backward (not deterministic) against the float64 reference, and equal to the plain mask's forward."""
+    b, sq, sk, h, dtype = 2, 1000, 1100, 2, "bf16"
+    seed = seed_of("fine-blocks", d)
+    q, k, v, dout = (make_input(b, s, h, d, dtype, "bshd", "contiguous", seed + i)
+                     for i, s in enumerate((sq, sk, sk, sq)))
+    m = block_pattern((b, 1, sq, sk), seed + 4, (64, 64), keep=0.1)
+    bm = cuflash.BlockMask(m)
+    fine = bm.tiles_visited(64, 128, sq, sk) * _families.STEPS_128_GAIN < 2 * bm.tiles_visited(128, 128, sq, sk)
+    assert fine, "the pattern must be one that 64-query steps skip more of"
+    o, lse, _, _ = check_dense(q, k, v, dout, dtype, f"fine BlockMask D={d}", mask=m, call_mask=bm, seed=seed)
+    assert bool((cuflash.attention_forward(q, k, v, mask=m)[0] == o).all())
 
 def aligned_problem(b, sq, sk, hq, hkv, d, dtype, mask_shape, causal, window, keep, block=(128, 128)):
     """Inputs and a block pattern without partial blocks (every block kept whole or dropped whole)."""

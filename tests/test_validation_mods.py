@@ -166,3 +166,38 @@ def test_block_map_bits_select_the_families_that_read_a_map():
     with pytest.raises(ValueError, match="MOD_BLOCKS"):
         config.check_mods(blocks | config.MOD_BIAS, False)
     assert not config.heavy_mods(blocks | config.MOD_WINDOW) and config.heavy_mods(config.MOD_MASK)
+
+
+def test_a_fine_blockmask_takes_64_query_steps_in_the_backward(monkeypatch):
+    """A BlockMask whose map is not whole tiles (its element mask read): the warp-specialized backward at head dims 32
+    and 64 takes 64-query steps where their map visits fewer than 2 / STEPS_128_GAIN as many tiles as the 128-query
+    steps' (a pattern finer than 128 queries), else the 128-query steps it chose; deterministic calls, other masks
+    and other modifier sets keep the chosen steps."""
+    from types import SimpleNamespace as NS
+
+    from cuflash import _families
+
+    class Blocks:
+        def __init__(self, v64, v128):
+            self.visited = {64: v64, 128: v128}
+
+        def tiles_visited(self, block_m, block_n, seqlen_q, seqlen_k):
+            assert (block_n, seqlen_q, seqlen_k) == (128, 1000, 1100)
+            return self.visited[block_m]
+
+    monkeypatch.setattr(_families._launch, "get_kernel", lambda cfg, device: ("kernel", cfg))
+
+    def steps(blocks, bits=config.MOD_MASK, deterministic=False, d=64):
+        a = NS(device=0, mods=NS(masks=(NS(blocks=blocks, scores=(2, 1, 1000, 1100)),)))
+        main = config.bwd_sm90_ws_config(d, "bf16", False, deterministic, bits)
+        got, kernel = _families._steps_for_the_map(a, main, ("kernel", main), bits, deterministic)
+        assert kernel == ("kernel", got) and dataclasses.replace(got, block_m=main.block_m) == main
+        return got.block_m
+
+    fine, coarse = Blocks(10, 10), Blocks(20, 10)  # 10 x 1.35 < 2 x 10; 20 x 1.35 >= 2 x 10
+    assert steps(fine) == 64 and steps(fine, d=32) == 64 and steps(fine, config.MOD_MASK | config.MOD_WINDOW) == 64
+    assert steps(coarse) == 128
+    assert steps(fine, deterministic=True) == 128
+    assert steps(None) == 128  # an element mask or a key padding mask: no BlockMask
+    assert steps(fine, config.MOD_MASK | config.MOD_ALIBI) == 64  # chosen as 64 already (ALiBi takes 64)
+    assert steps(fine, d=128) == 64  # head dim 128 steps by 64 anyway
