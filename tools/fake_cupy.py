@@ -139,6 +139,8 @@ def block_mask(shape, aligned: bool):
 
     bm.tile_map = tile_map
     bm.aligned = lambda *args: aligned
+    # every tile visited (what the backward's choice of step size counts)
+    bm.tiles_visited = lambda block_m, block_n, sq, sk: math.prod(shape[:-2]) * -(-sq // block_m) * -(-sk // block_n)
     return bm
 
 
