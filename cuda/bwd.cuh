@@ -433,7 +433,10 @@ __device__ __forceinline__ int ordered_dq_reach(const Band<IS_CAUSAL, HAS_WINDOW
 // the query tiles of one key tile are contiguous bytes: the steps whose tile the map marks empty are skipped.
 // REVERSED: key block gridDim.x - 1 - blockIdx.x instead of blockIdx.x (the last key blocks launch first).
 // SPLIT: CTAs per key block, blockIdx.x / SPLIT its index (a cluster of CTAs sharing the head dim: bwd_sm90_tf32.cuh)
-template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false, bool REVERSED = false, int SPLIT = 1>
+// DIV_TEST: the map's address divides by its batch_div and head_div only where they are not 1 (broadcast_div: the
+// warp-specialized kernels of a mask or a map alone, which compute it at every step)
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, bool HAS_MAP = false, bool REVERSED = false, int SPLIT = 1,
+          bool DIV_TEST = false>
 struct BwdKeyBlock {
   static constexpr bool MAPPED = HAS_MAP;
   Seq seq;
@@ -498,8 +501,10 @@ struct BwdKeyBlock {
   static __device__ __forceinline__ const unsigned char* state_ptr(const BwdParams& p, int batch, int head,
                                                                    int m_block) {
     const Broadcast& b = p.mods.block_map;
-    return static_cast<const unsigned char*>(b.ptr) + static_cast<long long>(batch / b.batch_div) * b.stride_b +
-           static_cast<long long>(n_block()) * b.stride_k + static_cast<long long>(head / b.head_div) * b.stride_h +
+    const int bq = DIV_TEST ? broadcast_div(batch, b.batch_div) : batch / b.batch_div;
+    const int hq = DIV_TEST ? broadcast_div(head, b.head_div) : head / b.head_div;
+    return static_cast<const unsigned char*>(b.ptr) + static_cast<long long>(bq) * b.stride_b +
+           static_cast<long long>(n_block()) * b.stride_k + static_cast<long long>(hq) * b.stride_h +
            static_cast<long long>(m_block) * b.stride_q;
   }
   // the block map's state of query block qb (TILE_PARTIAL without a map)

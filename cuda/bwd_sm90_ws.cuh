@@ -491,8 +491,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
   // keys, query blocks and the no-work exits as bwd_sm90_kernel's (uniform in the CTA, before any barrier)
   // deterministic, dQ by ordered reductions, with a band: the last key blocks first (BwdKeyBlock::dq_turn)
   constexpr bool ORDERED = IS_DETERMINISTIC && Tr::ordered_dq(MODS, IS_CAUSAL);
-  using KeyBlock =
-      BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP, ORDERED && (IS_CAUSAL || HAS_WINDOW)>;
+  using KeyBlock = BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, ScoreMods<MODS>::HAS_TILE_MAP, ORDERED && (IS_CAUSAL || HAS_WINDOW),
+                               1, /*DIV_TEST=*/!(MODS & ~(MOD_MASK | MOD_WINDOW | MOD_BLOCKS))>;
   const KeyBlock kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
   int left;

@@ -38,6 +38,11 @@ struct Broadcast {
   int batch_div, head_div;
 };
 static_assert(sizeof(Broadcast) == 40, "Broadcast is mirrored in cuflash/_launch.py");
+// x / div for a Broadcast's batch_div or head_div, with the division skipped where div is 1 (every dim the array does
+// not fold, and every dim read with stride 0: the host stores 1 there). The backward computes these offsets at every
+// step (~20 instructions per division); the kernels of a mask or a tile map alone take this path, the heavier
+// modifier sets keep the plain division (with the test, ptxas spilled 28-64 bytes at head dim 128).
+__device__ __forceinline__ int broadcast_div(int x, int div) { return div == 1 ? x : x / div; }
 
 // Run-time values of the modifiers (a member of FwdParams and BwdParams; mirrored in cuflash/_launch.py).
 struct ModParams {
@@ -203,13 +208,18 @@ struct ScoreMods {
       dbias_atomic = m.dbias_atomic != 0;
     }
     if (HAS_MASK) {
-      mask_base = static_cast<const unsigned char*>(m.mask.ptr) + broadcast_offset(m.mask, batch, head);
+      mask_base = static_cast<const unsigned char*>(m.mask.ptr) +
+                  broadcast_offset<!(MODS & ~(MOD_MASK | MOD_WINDOW))>(m.mask, batch, head);
       mask_q = m.mask.stride_q;
       mask_k = m.mask.stride_k;
     }
   }
 
+  template <bool TEST_ONE = false>
   static __device__ __forceinline__ long long broadcast_offset(const Broadcast& a, int batch, int head) {
+    if (TEST_ONE)
+      return static_cast<long long>(broadcast_div(batch, a.batch_div)) * a.stride_b +
+             static_cast<long long>(broadcast_div(head, a.head_div)) * a.stride_h;
     return static_cast<long long>(batch / a.batch_div) * a.stride_b + static_cast<long long>(head / a.head_div) * a.stride_h;
   }
 

@@ -37,10 +37,16 @@ def seq_params(seqlen_q: int, seqlen_k: int, kv_group: int = 1, cu_seqlens_q=Non
 
 
 class Broadcast(ctypes.Structure):
-    """Mirror of cuflash::Broadcast (cuda/mods.cuh): an array broadcast to (batch, heads, seqlen_q, seqlen_k)."""
+    """Mirror of cuflash::Broadcast (cuda/mods.cuh): an array broadcast to (batch, heads, seqlen_q, seqlen_k). A
+    divisor whose dim is read with stride 0 is stored as 1 (the quotient is multiplied by 0): the kernels skip the
+    division where it is 1 (cuda/mods.cuh broadcast_div), and compute these offsets at every step."""
 
     _fields_ = [("ptr", ctypes.c_void_p), ("stride_b", _c_ll), ("stride_h", _c_ll), ("stride_q", ctypes.c_int),
                 ("stride_k", ctypes.c_int), ("batch_div", ctypes.c_int), ("head_div", ctypes.c_int)]
+
+    def __init__(self, ptr=None, stride_b=0, stride_h=0, stride_q=0, stride_k=0, batch_div=1, head_div=1):
+        super().__init__(ptr, stride_b, stride_h, stride_q, stride_k, batch_div if stride_b else 1,
+                         head_div if stride_h else 1)
 
 
 class ModParams(ctypes.Structure):
