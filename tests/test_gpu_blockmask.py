@@ -144,7 +144,6 @@ def test_varlen_with_a_blockmask():
     assert bool((o == o_bm).all())
 
 
-
 @pytest.mark.parametrize("d", [32, 64])
 def test_a_fine_pattern_takes_64_query_steps_in_the_backward(d):
     """A BlockMask of 64 x 64 blocks (10 % kept, some with holes): at head dims 32 and 64 the backward takes 64-query
@@ -160,6 +159,7 @@ def test_a_fine_pattern_takes_64_query_steps_in_the_backward(d):
     assert fine, "the pattern must be one that 64-query steps skip more of"
     o, lse, _, _ = check_dense(q, k, v, dout, dtype, f"fine BlockMask D={d}", mask=m, call_mask=bm, seed=seed)
     assert bool((cuflash.attention_forward(q, k, v, mask=m)[0] == o).all())
+
 
 def aligned_problem(b, sq, sk, hq, hkv, d, dtype, mask_shape, causal, window, keep, block=(128, 128)):
     """Inputs and a block pattern without partial blocks (every block kept whole or dropped whole)."""
