@@ -437,9 +437,14 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
   unsigned char* mask_rows = bias_rows + (Mods::HAS_BIAS ? 16 * Tr::BIAS_PITCH : 0);
   bool staged_bias = false, staged_mask = false;
   // the bias loop of apply_mods below: per n8 tile with a staged bias alone or beside a window, else per score
-  constexpr bool SPLIT_BIAS = !(MODS & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_MASK));
+  // a bias and a mask (a window aside) at head dims up to 64, Evoformer's pair bias and MSA mask: the bias by
+  // SPLIT_BIAS's loop on every tile, the mask as MASK_ONLY's, read only on the tiles that are not full
+  constexpr bool BIAS_MASK = Mods::HAS_BIAS && Mods::HAS_MASK && !(MODS & ~(MOD_BIAS | MOD_MASK | MOD_WINDOW)) &&
+                             Tr::HEAD_DIM <= 64;
+  constexpr bool SPLIT_BIAS = !(MODS & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT | MOD_MASK)) || BIAS_MASK;
   // a mask with at most a window beside it (the kernels of config.FWD_SM90_WS_TILES_MASK)
   constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW)) && Tr::HEAD_DIM < 256;
+  constexpr bool MASK_PAIRS = MASK_ONLY || BIAS_MASK;  // a tile that reads the mask has it staged, read by key pairs
   // (a 16-bit bias is in q's dtype, the host's rule; SPLIT_BIAS converts it as such. Tested as bias_kind == T's
   // there only: in the per-score loop that test made ptxas spill 4 bytes at head dim 128 under NVRTC 13.0)
   if (Mods::HAS_BIAS)
@@ -472,7 +477,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
         const unsigned char* row = mods.mask_base + min(warp_row + r, mods.last_q) * mods.mask_q;
         cp_async_cg_16_n(smem_u32(mask_rows + r * Tr::MASK_PITCH + (i % CHUNKS) * 16), bytes > 0 ? row + key : row, bytes);
       }
-    } else if (MASK_ONLY && mods.check_mask) {
+    } else if (MASK_PAIRS && mods.check_mask) {
       // a mask alone whose rows are not whole 16-byte chunks: staged all the same, byte by byte (keys past the
       // sequence 0, as the chunks' zero fill), so that its scores are masked by the one path of apply_mods
 #pragma unroll 1
@@ -482,8 +487,10 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
       }
     }
     cp_async_commit_group();
-    if (Tr::HEAD_DIM < 256 && !MASK_ONLY && ((Mods::HAS_BIAS && !staged_bias) || (Mods::HAS_MASK && !staged_mask)))
+    if (Tr::HEAD_DIM < 256 && !MASK_PAIRS && ((Mods::HAS_BIAS && !staged_bias) || (Mods::HAS_MASK && !staged_mask)))
       mods.template prefetch_rows<Tr::BLOCK_N>(warp_row, key0, lane);
+    else if (BIAS_MASK && !staged_bias)
+      mods.template prefetch_rows<Tr::BLOCK_N, /*WITH_MASK=*/false>(warp_row, key0, lane);
   };
   // the modifiers on S of key tile n_block (apply_score_mods, with the staged rows read from shared memory)
   auto apply_mods = [&](int n_block) {
@@ -503,7 +510,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
     cp_async_wait_group<0>();
     __syncwarp();  // the other lanes' chunks have landed too
     const int g = lane >> 2, t = lane & 3;
-    if (MASK_ONLY) {
+    auto mask_pairs = [&]() {
 #pragma unroll
       for (int nt = 0; nt < Tr::N_TILES; ++nt)
 #pragma unroll
@@ -512,6 +519,9 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
           if (!(pair & 0xffu)) s_acc[0][nt][2 * h] = neg_inf();
           if (!(pair >> 8)) s_acc[0][nt][2 * h + 1] = neg_inf();
         }
+    };
+    if (MASK_ONLY) {
+      mask_pairs();
       return;
     }
     // A staged bias: beside no ALiBi, soft-capping, dropout or mask (SPLIT_BIAS), each pair of adjacent keys in one
@@ -541,7 +551,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
           s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], query, key, band.diag, unused_dcap[0][nt][c], b, kept);
         }
     } else {
-      auto modify = [&](int nt, int c, float b) {  // (no mask here: SPLIT_BIAS)
+      auto modify = [&](int nt, int c, float b) {  // (the mask, with BIAS_MASK, after the loop)
         s_acc[0][nt][c] = mods.score_of(s_acc[0][nt][c], warp_row + g + 8 * (c >> 1), key0 + nt * 8 + 2 * t + (c & 1),
                                         band.diag, unused_dcap[0][nt][c], b, true);
       };
@@ -562,6 +572,7 @@ __device__ __forceinline__ void fwd_sm90_ws_consumer(const FwdParams& p, const W
                                          : 0.f);
         }
       }
+      if (BIAS_MASK && mods.check_mask) mask_pairs();
     }
   };
 

@@ -458,6 +458,11 @@ def wide_cases() -> list[Case]:
     for i, (dtype, hd) in enumerate((("fp16", 64), ("bf16", 128), ("fp32", 64), ("tf32", 128))):
         cases.append(_case(2, (300, 520)[i % 2], (520, 300)[i % 2], 1, hd, dtype, bool(i % 2), "bshd", "contiguous",
                            mods=config.MOD_MASK, padding=True))
+    # the same beside a bias (Evoformer's pair bias and MSA mask) at head dims 32 and 64, rows of whole 16-byte chunks
+    # and not: on sm_90a the 16-bit forward's bias loop on every tile and its staged mask on the partial ones
+    for i, (dtype, hd) in enumerate((("bf16", 32), ("fp16", 64))):
+        cases.append(_case(2, (256, 200)[i], (256, 200)[i], 1, hd, dtype, False, "bshd", "contiguous",
+                           mods=config.MOD_BIAS | config.MOD_MASK, padding=True))
     return cases
 
 

@@ -321,6 +321,24 @@ def test_evoformer_fold(length, d, padding):
                 key_padding_mask=kpm, seed=seed)
 
 
+@pytest.mark.parametrize("bias_dtype", ["q", "fp32"])
+@pytest.mark.parametrize("d,length", [(32, 256), (64, 200), (64, 384)])
+def test_evoformer_fold_with_padded_key_tiles(d, length, bias_dtype):
+    """The pair bias beside a key padding mask whose map has full, partial and empty key tiles: sequence b keeps the
+    prefix keep[b] of its keys, whole tiles or not, some with holes (rows of 200 keys: no whole 16-byte chunks). On
+    Hopper at head dims 32 and 64 the forward adds the bias on every tile and reads the mask on the partial ones."""
+    b0, n, h = 2, 4, 4
+    dtype = DTYPES[d // 32 % 2]
+    seed = seed_of("evoformer-tiles", length, d, bias_dtype)
+    q, k, v, dout = (randn((b0, n, length, h, d), dtype, seed + i).reshape(b0 * n, length, h, d) for i in range(4))
+    bias = make_bias((b0, h, length, length), dtype, bias_dtype, seed + 4, 2.0)
+    keep = np.array([length, 128, 64, length - 1, 1, 192, length, 130])[:b0 * n]
+    kpm = np.arange(length)[None, :] < keep[:, None]
+    kpm[3, 5:length:7] = False  # holes in a long prefix
+    check_dense(q, k, v, dout, dtype, f"Evoformer B0={b0} N={n} L={length} H={h} D={d} {dtype} keep={keep.tolist()}",
+                bias=bias, key_padding_mask=cp.asarray(kpm), seed=seed)
+
+
 # --- masks --------------------------------------------------------------------------------------------------------
 
 MASK_CASES = {  # name -> run_dense keyword arguments
