@@ -165,10 +165,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   // applied only on tiles that read the mask. Through the per-score path (apply_score_mods_transposed) each score
   // kept a branch on check_mask and, on partial tiles, a byte load of its own.
   constexpr bool MASK_ONLY = Mods::HAS_MASK && !(MODS & ~(MOD_MASK | MOD_WINDOW));
-  constexpr bool MASK_BITS = Mods::HAS_MASK && !Mods::HAS_BIAS && (Tr::HEAD_DIM >= 128 || MASK_ONLY);
+  // A staged bias and a mask (a window aside; Evoformer's pair bias and MSA mask): the bias as alone, then the
+  // mask's bits where the tile reads the mask; per score, each kept its branch on check_mask and a byte load.
+  constexpr bool BIAS_MASK = STAGE && Mods::HAS_MASK && !(MODS & ~(MOD_BIAS | MOD_MASK | MOD_WINDOW));
+  constexpr bool MASK_BITS = Mods::HAS_MASK && ((!Mods::HAS_BIAS && (Tr::HEAD_DIM >= 128 || MASK_ONLY)) || BIAS_MASK);
   constexpr int MASK_WORDS = MASK_BITS ? (Tr::Q_TILES + 7) / 8 : 1;  // 8 query tiles per word
   static_assert(!MASK_BITS || Tr::Q_TILES % MASK_WORDS == 0, "whole words of mask bits");
-  if ((Mods::HAS_BIAS && !staged) || (Mods::HAS_MASK && (!MASK_ONLY || mods.check_mask)))
+  if ((Mods::HAS_BIAS && !staged) || (Mods::HAS_MASK && (!(MASK_ONLY || BIAS_MASK) || mods.check_mask)))
     mods.template prefetch_cols<Tr::BLOCK_M>(n0 + key_row0, m0, lane);
   u32 mask_bits[MASK_WORDS] = {~0u};  // (instantiated where used only)
   if constexpr (MASK_BITS) {
@@ -192,7 +195,7 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
     // instructions per score where the staged bias needs 2
     auto modify = [&](int qt, int c, float b) {
       const int query = m0 + qt * 8 + 2 * t + (c & 1), key = n0 + key_row0 + g + 8 * (c >> 1);
-      const bool kept = !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
+      const bool kept = BIAS_MASK || !(Mods::HAS_MASK && mods.check_mask) || mods.kept_by_mask(query, key);
       s_acc[qt][c] = mods.score_of(s_acc[qt][c], query, key, band.diag, unused_dcap[qt][c], b, kept);
     };
     if (staged) {
@@ -225,6 +228,13 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
           for (int c = 0; c < 4; ++c)
             modify(qt, c, mods.bias_at(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1)));
       }
+    }
+    if (BIAS_MASK && mods.check_mask) {
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          if (!((mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1u)) s_acc[qt][c] = neg_inf();
     }
   } else if (MASK_ONLY) {
     if (mods.check_mask) {
