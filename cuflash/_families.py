@@ -8,7 +8,6 @@ A new kernel family or dtype is a `config.FAMILIES` entry and its kernel; the pa
 from __future__ import annotations
 
 import dataclasses
-
 import math
 import threading
 from functools import lru_cache, partial
