@@ -49,7 +49,10 @@ and input-set rotation as above. Two families (--bias-shapes):
              1024:256:8:32 256:256:4:32 512:512:8:32 512:512:4:32 128:768:8:32 768:768:4:32 512:256:8:64
              512:512:4:64: MSA row attention (H 8) and triangle attention over an L x L pair representation
              (N = L rows, H 4); --evoformer-shapes [B0:]N:L:H:D replaces them, --seqlen / --head-dim keep the
-             defaults with that L / D
+             defaults with that L / D. --msa-mask KEEP adds the MSA mask: a key_padding_mask (B0*N, L) in which
+             row r keeps its first ceil(u_r L) keys, u_r uniform in [KEEP, 1] (cuflash: key_padding_mask=; SDPA:
+             the bias plus -inf on the masked keys, a (B, H, S, S) attn_mask made in each call; plain: the same
+             sum, added to the scores)
   llm        a full (B, H, N, N) bias: B = 16384 // N, H = 16, N = --seqlen (1024 2048 4096), D = --head-dim
              (64 128); shapes whose bias + float32 dbias exceed --bias-max-gb (16) are skipped
 Reported per pass: ms, TFLOP/s, cuflash's speedup over sdpa-mem (time ratio), and each method's peak extra
@@ -1516,6 +1519,7 @@ class BiasRecord:
     extra_mem_bytes: int | None = None  # peak_mem_bytes less the dbias the call returns
     compute_dtype: str | None = None  # plain bf16 computed in fp16
     note: str = ""
+    msa_keep: float | None = None  # evoformer rows with an MSA key padding mask (BiasShape.msa_keep)
 
 
 @dataclass
@@ -1528,6 +1532,7 @@ class BiasShape:
     heads: int
     head_dim: int
     skip: str = ""  # "skipped: why" for a shape over the memory cap
+    msa_keep: float | None = None  # evoformer with an MSA key padding mask: each row keeps >= this fraction of keys
 
     @property
     def rows(self) -> int:
@@ -1547,13 +1552,14 @@ class BiasShape:
 
     def record(self, method, passname, **kw) -> BiasRecord:
         return BiasRecord(method, passname, self.family, self.dtype, self.batch, self.bias_batch, self.seqlen,
-                          self.heads, self.head_dim, self.bias_bytes(), **kw)
+                          self.heads, self.head_dim, self.bias_bytes(), msa_keep=self.msa_keep, **kw)
 
     def __str__(self):
         bias = f"bias ({self.bias_batch}, {self.heads}, {self.seqlen}, {self.seqlen})"
         if self.family == "evoformer":
+            msa = "" if self.msa_keep is None else f", MSA mask keeping {100 * self.msa_keep:g}-100 % of each row's keys"
             return (f"evoformer {self.dtype} B0*N={self.bias_batch}*{self.rows} L={self.seqlen} H={self.heads} "
-                    f"D={self.head_dim}, {bias}")
+                    f"D={self.head_dim}, {bias}{msa}")
         return f"{self.family} {self.dtype} B={self.batch} N={self.seqlen} H={self.heads} D={self.head_dim}, {bias}"
 
 
@@ -1573,17 +1579,19 @@ def parse_evoformer(text: str) -> tuple:
     return b0, n, l, h, d
 
 
-def bias_shapes(families, dtypes, seqlens=None, head_dims=None, evoformer=None, max_gb: float = BIAS_MAX_GB):
+def bias_shapes(families, dtypes, seqlens=None, head_dims=None, evoformer=None, max_gb: float = BIAS_MAX_GB,
+                msa_keep: float | None = None):
     """The --bias shapes, per dtype: the evoformer list (`evoformer` as given, else EVOFORMER_SHAPES with L in
-    `seqlens` and D in `head_dims` when those are given), then the llm shapes (N in seqlens, D in head_dims,
-    defaults LLM_BIAS_SEQLENS and LLM_BIAS_HEAD_DIMS), those whose bias + float32 dbias exceed max_gb marked."""
+    `seqlens` and D in `head_dims` when those are given; with an MSA mask keeping msa_keep or more of each row's
+    keys when given), then the llm shapes (N in seqlens, D in head_dims, defaults LLM_BIAS_SEQLENS and
+    LLM_BIAS_HEAD_DIMS), those whose bias + float32 dbias exceed max_gb marked."""
     out = []
     for dtype in dtypes:
         if "evoformer" in families:
             for b0, n, l, h, d in evoformer if evoformer is not None else EVOFORMER_SHAPES:
                 if evoformer is None and ((seqlens and l not in seqlens) or (head_dims and d not in head_dims)):
                     continue
-                out.append(BiasShape("evoformer", dtype, b0 * n, b0, l, h, d))
+                out.append(BiasShape("evoformer", dtype, b0 * n, b0, l, h, d, msa_keep=msa_keep))
         if "llm" in families:
             for d in head_dims or LLM_BIAS_HEAD_DIMS:
                 for n in seqlens or LLM_BIAS_SEQLENS:
@@ -1606,6 +1614,27 @@ def bias_inputs(shape: BiasShape, dtype: str, layout: str, n_sets: int, seed: in
             for s in cupy_inputs(shape, dtype, layout, n_sets, True, seed)]
 
 
+def msa_mask(shape: BiasShape, seed: int):
+    """The MSA mask of an evoformer shape with msa_keep (None without): bool (B, S), row r True on its first
+    ceil(u_r S) keys, u_r uniform in [msa_keep, 1]; every row keeps at least one key."""
+    if shape.msa_keep is None:
+        return None
+    import cupy as cp
+    import numpy as np
+
+    u = np.random.default_rng(seed).uniform(shape.msa_keep, 1.0, shape.batch)
+    kept = np.clip(np.ceil(u * shape.seqlen), 1, shape.seqlen).astype(np.int64)
+    return cp.asarray(np.arange(shape.seqlen)[None, :] < kept[:, None])
+
+
+def msa_term(kpm, dtype, bias_batch: int):
+    """The MSA mask (B, S) as an additive term of plain attention's folded scores (Bb, N, H, S, S): (Bb, N, 1, 1,
+    S) of `dtype`, 0 on kept keys and -inf on the others."""
+    import cupy as cp
+
+    return cp.where(kpm, 0.0, -math.inf).astype(dtype).reshape(bias_batch, kpm.shape[0] // bias_batch, 1, 1, -1)
+
+
 def bias_n_sets(shape: BiasShape) -> int:
     return n_input_sets(4 * shape.batch * shape.seqlen * shape.heads * shape.head_dim * ITEMSIZE[shape.dtype]
                         + shape.bias_bytes())
@@ -1618,6 +1647,9 @@ def bench_cuflash_bias(shape: BiasShape, args, out: list, torch=None):
     sets = bias_inputs(shape, shape.dtype, "bshd", n_sets, seed=shape.seqlen + shape.batch)
     events, deterministic = CupyEvents(), args.deterministic
     kw = cuflash_kwargs(shape.dtype)  # precision="fp32" for float32 inputs
+    kpm = msa_mask(shape, seed=shape.seqlen + shape.batch)
+    if kpm is not None:
+        kw["key_padding_mask"] = kpm
 
     def fwd(i):
         q, k, v, _, bias = sets[i]
@@ -1662,11 +1694,20 @@ def bench_sdpa_bias(shape: BiasShape, args, out: list, torch):
     douts = [to_torch(s[3], torch).transpose(1, 2) for s in sets]
     note = "bias copied to (B, H, S, S) (1 < B0 < B: no broadcast view)" if 1 < shape.bias_batch < shape.batch else ""
     events, batch = TorchEvents(), shape.batch
+    kpm = msa_mask(shape, seed=shape.seqlen + shape.batch)
+    msa = None
+    if kpm is not None:  # the MSA mask as an additive (B, 1, 1, S) term: 0 on kept keys, -inf on the others
+        bias_t = leaves[0][3]
+        masked = torch.from_dlpack(kpm.astype(cp.uint8)) == 0
+        msa = torch.zeros(masked.shape, dtype=bias_t.dtype, device=bias_t.device).masked_fill(masked, float("-inf"))
+        msa = msa[:, None, None, :]
+        note = ((note + "; ") if note else "") + "attn_mask = bias + the MSA mask's -inf, (B, H, S, S), made per call"
 
     def sdpa(i):
         q, k, v, bias = leaves[i]
+        mask = expand_bias(bias, batch) if msa is None else expand_bias(bias, batch) + msa
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=expand_bias(bias, batch))
+                                              attn_mask=mask)
 
     def fwd(i):
         with torch.no_grad():
@@ -1699,12 +1740,17 @@ def bench_plain_bias(shape: BiasShape, args, out: list, torch=None):
     scale = 1.0 / math.sqrt(shape.head_dim)
     events = CupyEvents()
     kw = dict(compute_dtype=compute if compute != shape.dtype else None, note=note)
+    kpm = msa_mask(shape, seed=shape.seqlen + shape.batch)
+    msa = None if kpm is None else msa_term(kpm, bias.dtype, shape.bias_batch)  # added to the bias in each call
+
+    def scores_bias():
+        return bias if msa is None else bias + msa
 
     def fwd(_):
-        return plain_forward(q, k, v, False, scale, bias)
+        return plain_forward(q, k, v, False, scale, scores_bias())
 
     def fwd_bwd(_):
-        o, p = plain_forward(q, k, v, False, scale, bias)
+        o, p = plain_forward(q, k, v, False, scale, scores_bias())
         dq, dk, dv, ds = plain_backward(dout, q, k, v, o, p, scale, return_ds=True)
         return dq, dk, dv, plain_bias_grad(ds)
 
@@ -1760,6 +1806,10 @@ def print_bias_table(records: list[BiasRecord], methods: list[str]):
                   f"{b * h * s * s * size / 2**20:>9.0f} | " + " ".join(_fmt(x, "10.3f") for x in ms) + " | "
                   + " ".join(_fmt(x, "8.1f") for x in tf) + f" | {_fmt(ratio, '7.2f')} | "
                   + " ".join(_fmt(x, "10.1f") for x in mem) + mark)
+    keeps = {r.msa_keep for r in records if r.msa_keep is not None}
+    if keeps:
+        print(f"evoformer rows with an MSA mask: a key_padding_mask in which each row keeps its first "
+              f"{100 * min(keeps):g}-100 % of the keys (SDPA and plain: added to the bias as -inf)")
     if any(r.compute_dtype for r in records):
         print("* plain attention for this dtype was computed in "
               f"{next(r.compute_dtype for r in records if r.compute_dtype)} (CuPy could not run it in the input dtype)")
@@ -1798,7 +1848,7 @@ def run_bias(args, torch, cuflash) -> list:
     if "bias" not in inspect.signature(cuflash.attention_forward).parameters:
         print("note: this cuflash's attention_forward has no bias= keyword: its rows are skipped")
     shapes = bias_shapes(args.bias_shapes, args.dtype, args.seqlen, args.head_dim, args.evoformer_shapes,
-                         args.bias_max_gb)
+                         args.bias_max_gb, args.msa_mask)
     for family in args.bias_shapes:
         if not any(s.family == family for s in shapes):
             print(f"note: no {family} shape left (--seqlen / --head-dim keep only the default shapes with that "
@@ -1905,6 +1955,16 @@ def _head_dim(text: str) -> int:
     return d
 
 
+def _keep_fraction(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 < x <= 1.0:
+        raise argparse.ArgumentTypeError(f"{x:g} must be a fraction in (0, 1]")
+    return x
+
+
 def _positive(text: str) -> int:
     try:
         n = int(text)
@@ -1989,6 +2049,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--evoformer-shapes", nargs="+", type=parse_evoformer, default=None, metavar="[B0:]N:L:H:D",
                    help="--bias evoformer shapes instead of the default ones: q (B0, N, L, H, D) folded to "
                         "(B0*N, L, H, D), bias (B0, H, L, L); B0 defaults to 1")
+    p.add_argument("--msa-mask", type=_keep_fraction, default=None, metavar="KEEP",
+                   help="--bias: the evoformer rows with an MSA mask too, a key_padding_mask (B0*N, L) in which each "
+                        "row keeps its first keys, a uniform fraction from KEEP to 1 of them (e.g. 0.7)")
     p.add_argument("--bias-max-gb", type=float, default=BIAS_MAX_GB,
                    help=f"--bias skips llm shapes whose bias + float32 dbias exceed this many GB "
                         f"(default {BIAS_MAX_GB:g})")
@@ -2035,6 +2098,9 @@ def main(argv=None) -> int:
     if wide and (args.decode or args.varlen or args.fp8):
         parser.error(f"--dtype {' '.join(wide)}: the default mode and --bias only (--decode, --varlen and --fp8 "
                      f"take bf16 / fp16)")
+    if args.msa_mask is not None and not (args.bias and "evoformer" in args.bias_shapes):
+        parser.error(f"--msa-mask {args.msa_mask:g}: the MSA mask is of the --bias evoformer rows (add --bias, and "
+                     f"evoformer to --bias-shapes)")
     if args.bias and set(wide) - {"fp32"}:
         parser.error(f"--bias --dtype {' '.join(d for d in wide if d != 'fp32')}: --bias takes bf16, fp16 and fp32")
     if args.fp8 and any(d not in (64, 128, 256) for d in args.head_dim):

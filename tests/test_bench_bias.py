@@ -21,7 +21,7 @@ def parse(*argv):
 def shapes_of(*argv):
     args = parse("--bias", *argv)
     return bench.bias_shapes(args.bias_shapes, args.dtype, args.seqlen, args.head_dim, args.evoformer_shapes,
-                             args.bias_max_gb)
+                             args.bias_max_gb, args.msa_mask)
 
 
 # --- arguments and shapes ------------------------------------------------------------------------------------
@@ -91,6 +91,27 @@ def test_bad_evoformer_shapes_are_rejected(text):
     assert bench.parse_evoformer("128:256:4:32") == (1, 128, 256, 4, 32)
 
 
+def test_msa_mask_flag_marks_the_evoformer_rows_only():
+    shapes = shapes_of("--msa-mask", "0.7")
+    assert {s.msa_keep for s in shapes if s.family == "evoformer"} == {0.7}
+    assert {s.msa_keep for s in shapes if s.family == "llm"} == {None}
+    assert all(s.msa_keep is None for s in shapes_of())
+    evo = next(s for s in shapes if s.family == "evoformer")
+    assert "MSA mask keeping 70-100 % of each row's keys" in str(evo) and evo.record("cuflash", "fwd").msa_keep == 0.7
+
+
+@pytest.mark.parametrize("argv,why", [(("--bias", "--msa-mask", "0"), "must be a fraction in (0, 1]"),
+                                      (("--bias", "--msa-mask", "1.5"), "must be a fraction in (0, 1]"),
+                                      (("--bias", "--msa-mask", "x"), "is not a number"),
+                                      (("--msa-mask", "0.7"), "the MSA mask is of the --bias evoformer rows"),
+                                      (("--bias", "--bias-shapes", "llm", "--msa-mask", "0.7"),
+                                       "the MSA mask is of the --bias evoformer rows")])
+def test_bad_msa_mask_arguments_are_rejected(argv, why, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(list(argv))
+    assert why in capsys.readouterr().err
+
+
 def test_flops_follow_the_other_modes():
     s = bench.BiasShape("evoformer", "bf16", 512, 1, 256, 8, 32)
     assert s.flops("fwd") == 4 * 512 * 8 * 256 * 256 * 32
@@ -147,6 +168,14 @@ def test_cuflash_float32_rows_call_with_precision_fp32(monkeypatch):
         bench.bench_cuflash_bias(bench.BiasShape("evoformer", dtype, 4, 1, 64, 2, 32), parse("--bias"), out)
         assert {name for name, _ in calls} == {"attention", "attention_forward", "attention_backward"}
         assert all({k: kw[k] for k in kw if k == "precision"} == want and kw["bias"] == "b" for _, kw in calls)
+        assert not any("key_padding_mask" in kw for _, kw in calls)
+    # with the MSA mask every call gets it as key_padding_mask
+    monkeypatch.setattr(bench, "msa_mask", lambda shape, seed: "kpm" if shape.msa_keep else None)
+    calls.clear()
+    bench.bench_cuflash_bias(bench.BiasShape("evoformer", "bf16", 4, 1, 64, 2, 32, msa_keep=0.5), parse("--bias"),
+                             out)
+    assert calls and all(kw["key_padding_mask"] == "kpm" for _, kw in calls)
+    del out[-2:]
     # fwd+bwd's extra memory leaves out the float32 dbias it returns
     assert out[-1].extra_mem_bytes == (1 << 30) - 2 * 64 * 64 * 4 and out[1].extra_mem_bytes == (1 << 30) - 2 * 64 * 64 * 4
 
@@ -234,6 +263,45 @@ def test_bias_inputs_are_the_four_arrays_and_the_bias(numpy_as_cupy):
     assert len(sets) == 2 and all(len(x) == 5 for x in sets)
     assert [a.shape for a in sets[0]] == [(6, 4, 16, 8)] * 4 + [(2, 4, 16, 16)]
     assert sets[0][4].dtype == np.float16 and not np.array_equal(sets[0][4], sets[1][4])
+
+
+@pytest.mark.parametrize("keep", [0.7, 1.0, 0.01])
+def test_msa_mask_keeps_a_prefix_of_each_row(numpy_as_cupy, keep):
+    shape = bench.BiasShape("evoformer", "bf16", 64, 2, 50, 4, 32, msa_keep=keep)
+    kpm = bench.msa_mask(shape, seed=3)
+    assert kpm.shape == (64, 50) and kpm.dtype == bool
+    kept = kpm.sum(axis=1)
+    assert (kpm == (np.arange(50)[None, :] < kept[:, None])).all()  # a prefix
+    assert kept.min() >= max(1, np.floor(keep * 50)) and kept.max() <= 50
+    if keep < 1:
+        assert len(set(kept.tolist())) > 1  # rows differ
+    assert np.array_equal(kpm, bench.msa_mask(shape, seed=3))  # the same mask for every method of a shape
+    assert bench.msa_mask(bench.BiasShape("evoformer", "bf16", 64, 2, 50, 4, 32), seed=3) is None
+
+
+def test_plain_attention_with_the_msa_term_ignores_the_masked_keys(numpy_as_cupy):
+    rng = np.random.default_rng(1)
+    b0, rows, h, s, d, scale = 2, 3, 2, 6, 8, 0.4
+    q, k, v, dout = (rng.standard_normal((b0 * rows, h, s, d)) for _ in range(4))
+    bias = rng.standard_normal((b0, h, s, s))
+    kpm = np.arange(s)[None, :] < np.array([4, 2, 1, 5, 3, 2])[:, None]
+    term = bench.msa_term(kpm, np.float64, b0)
+    assert term.shape == (b0, rows, 1, 1, s)
+    fold = lambda x: x.reshape(b0, rows, *x.shape[1:])  # noqa: E731
+    q5, k5, v5, d5 = map(fold, (q, k, v, dout))
+    o, p = bench.plain_forward(q5, k5, v5, False, scale, bias[:, None] + term)
+    for r in range(b0 * rows):  # each row: attention over its kept keys only, with its group's bias
+        n = kpm[r].sum()
+        sc = scale * q[r] @ k[r, :, :n].swapaxes(-1, -2) + bias[r // rows][:, :, :n]
+        pr = np.exp(sc - sc.max(-1, keepdims=True))
+        want = (pr / pr.sum(-1, keepdims=True)) @ v[r, :, :n]
+        np.testing.assert_allclose(o.reshape(q.shape)[r], want, rtol=1e-12, atol=1e-12)
+    _, _, _, ds = bench.plain_backward(d5, q5, k5, v5, o, p, scale, return_ds=True)
+    dbias = bench.plain_bias_grad(ds)
+    # a key masked in every row of a group gets no gradient in that group's bias
+    for g in range(b0):
+        dead = ~kpm[g * rows:(g + 1) * rows].any(axis=0)
+        assert dead.any() and (dbias[g][..., dead] == 0).all()
 
 
 class FakeTensor:
@@ -342,3 +410,13 @@ def test_json_record_of_the_bias_mode(stand_ins, monkeypatch, tmp_path, capsys):
     assert data["records"][0]["extra_mem_bytes"] == 10 << 20 and data["records"][0]["bias_bytes"] == \
         16 * 16 * 1024 * 1024 * 2
     assert f"records written to {path}" in capsys.readouterr().out
+
+
+def test_run_bias_with_the_msa_mask_says_so_in_its_table(stand_ins, capsys):
+    args = parse("--bias", "--bias-shapes", "evoformer", "--seqlen", "256", "--head-dim", "32", "--msa-mask", "0.7")
+    records = bench.run_bias(args, object(), stand_ins)
+    out = capsys.readouterr().out
+    assert records and all(r.msa_keep == 0.7 for r in records)
+    assert "MSA mask keeping 70-100 % of each row's keys" in out  # the per-shape lines
+    assert ("evoformer rows with an MSA mask: a key_padding_mask in which each row keeps its first 70-100 % of the "
+            "keys (SDPA and plain: added to the bias as -inf)") in out
