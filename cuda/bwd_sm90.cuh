@@ -182,6 +182,14 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
   }
   wgmma_wait_group<1>();  // S^T is done (dP^T may still run)
   wgmma_fence_operand(s_acc);
+  // the scores the mask's bits clear (a mask alone, or beside a staged bias), on tiles that read the mask
+  auto clear_masked = [&]() {
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        if (!((mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1u)) s_acc[qt][c] = neg_inf();
+  };
 
   // softcap, ALiBi (mods.cuh); causal diagonal, window, key tail: masked scores = -inf, so P = 0 there
   float unused_dcap[Tr::Q_TILES][4];  // recovered from the modified score below (softcap_grad): fewer registers
@@ -229,21 +237,9 @@ __device__ __forceinline__ void bwd_sm90_dkdv_step(const BwdParams& p, bool is_m
             modify(qt, c, mods.bias_at(m0 + qt * 8 + 2 * t + (c & 1), n0 + key_row0 + g + 8 * (c >> 1)));
       }
     }
-    if (BIAS_MASK && mods.check_mask) {
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (!((mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1u)) s_acc[qt][c] = neg_inf();
-    }
+    if (BIAS_MASK && mods.check_mask) clear_masked();
   } else if (MASK_ONLY) {
-    if (mods.check_mask) {
-#pragma unroll
-      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
-#pragma unroll
-        for (int c = 0; c < 4; ++c)
-          if (!((mask_bits[qt / 8] >> (4 * (qt % 8) + c)) & 1u)) s_acc[qt][c] = neg_inf();
-    }
+    if (mods.check_mask) clear_masked();
   } else if (MASK_BITS) {
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
