@@ -82,7 +82,8 @@ __host__ __device__ constexpr int fp8_key_of(int p) {
   return (p & 3) < 2 ? 2 * (p >> 2) + (p & 3) : 6 + 2 * (p >> 2) + (p & 3);
 }
 
-template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, class OutT_, bool PINGPONG_ = false, bool Q_IN_REGS_ = false>
+template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, class OutT_, bool PINGPONG_ = false, bool Q_IN_REGS_ = false,
+          bool LATE_PACK_ = false>
 struct FwdFp8Traits {
   using OutT = OutT_;                                 // f16 or bf16: O's type
   static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -91,6 +92,7 @@ struct FwdFp8Traits {
   static constexpr int STAGES = STAGES_;
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;      // Q as the A registers of S = Q K^T (read from shared memory once)
+  static constexpr bool LATE_PACK = LATE_PACK_;      // P's packing and O's rescale at the next round's start
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
   static constexpr int CONSUMERS = 2;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -393,7 +395,32 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
   }
   int stage = 0, n_block = n_end - 1;
   u32 phase = 0;
-  float vd_prev = v_descale(n_block);  // O's units after the P V GEMM of the previous tile
+  // V descales: vd_cur of the tile whose P is in s_acc, vd_prev of the last P V GEMM issued (O's units)
+  float vd_cur = v_descale(n_block), vd_prev = vd_cur;
+  auto rescale_and_pack = [&](float units) {  // O *= alpha * units, then P (s_acc) -> the P V GEMM's A registers
+    const float a0 = alpha[0] * units, a1 = alpha[1] * units;
+#pragma unroll
+    for (int dt = 0; dt < Tr::D_TILES; ++dt) {
+      o_acc[0][dt][0] *= a0;
+      o_acc[0][dt][1] *= a0;
+      o_acc[0][dt][2] *= a1;
+      o_acc[0][dt][3] *= a1;
+    }
+    fp8_probs_to_regs(s_acc, p_regs);
+  };
+  // LATE_PACK: P_j's packing (into the A registers of the last P V GEMM: wait for it, free its V^T stage) and O's
+  // rescale to tile j's max and V descale run at the start of the next round, where that GEMM ran under this
+  // consumer's softmax (the wait is short), and softmax j follows S_j's wait alone. Without it they follow the
+  // softmax in one basic block, and ptxas schedules the wait for P_{j-1} V_{j-1} ahead of the exponentials: the
+  // softmax of S_j starts only once P_{j-1} V_{j-1} has retired.
+  int pv_stage = -1;  // LATE_PACK: the V^T stage of the P V GEMM issued last, until late_pack has waited for it
+  auto late_pack = [&]() {
+    wgmma_wait_group<0>();
+    wgmma_fence_operand(o_acc[0]);
+    if (pv_stage >= 0) release(sm.vt_empty(pv_stage));
+    rescale_and_pack(__fdividef(vd_prev, vd_cur));
+    vd_prev = vd_cur;
+  };
   {
     const float kd = k_descale(n_block);
     round_begin();
@@ -404,10 +431,10 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
     wgmma_wait_group<0>();
     wgmma_fence_operand(s_acc[0]);
     release(sm.k_empty(stage));
-    scores_to_probs(n_block, scale_q * kd);
-    fp8_probs_to_regs(s_acc, p_regs);
+    scores_to_probs(n_block, scale_q * kd);  // alpha = 0: O is still 0
+    if (!Tr::LATE_PACK) fp8_probs_to_regs(s_acc, p_regs);
   }
-  int v_stage = stage;
+  int v_stage = stage;  // of key tile i - 1
   u32 v_phase = phase;
   if (++stage == Tr::STAGES) {
     stage = 0;
@@ -415,13 +442,17 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
   }
   for (int i = 1; i < n_tiles; ++i) {
     --n_block;
-    const float kd = k_descale(n_block), vd = v_descale(n_block);
+    const float kd = k_descale(n_block);
+    if (Tr::LATE_PACK) late_pack();  // P_{i-1}
+    const float vd = v_descale(n_block);
+    if (Tr::LATE_PACK) vd_cur = vd;
     round_begin();
     mbarrier_try_wait_parity(sm.k_full(stage), phase);
-    wgmma_fence();
+    wgmma_fence();  // p_regs and o_acc were written since the last wgmma
     issue_s(sm.k(stage));
     mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
     issue_pv(sm.vt(v_stage));
+    pv_stage = v_stage;
     round_end(/*is_last=*/false);
 
     wgmma_wait_group<1>();  // S_i
@@ -429,20 +460,14 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
     release(sm.k_empty(stage));
     scores_to_probs(n_block, scale_q * kd);
 
-    wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
-    wgmma_fence_operand(o_acc[0]);
-    release(sm.vt_empty(v_stage));
-    const float units = vd_prev / vd;  // O from tile i-1's V descale to tile i's
-    vd_prev = vd;
-    const float a0 = alpha[0] * units, a1 = alpha[1] * units;
-#pragma unroll
-    for (int dt = 0; dt < Tr::D_TILES; ++dt) {
-      o_acc[0][dt][0] *= a0;
-      o_acc[0][dt][1] *= a0;
-      o_acc[0][dt][2] *= a1;
-      o_acc[0][dt][3] *= a1;
+    if (!Tr::LATE_PACK) {
+      wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
+      wgmma_fence_operand(o_acc[0]);
+      release(sm.vt_empty(v_stage));
+      const float units = vd_prev / vd;  // O from tile i-1's V descale to tile i's
+      vd_prev = vd;
+      rescale_and_pack(units);
     }
-    fp8_probs_to_regs(s_acc, p_regs);
     v_stage = stage;
     v_phase = phase;
     if (++stage == Tr::STAGES) {
@@ -450,6 +475,7 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
       phase ^= 1;
     }
   }
+  if (Tr::LATE_PACK) late_pack();
   round_begin();
   mbarrier_try_wait_parity(sm.vt_full(v_stage), v_phase);
   wgmma_fence();
