@@ -20,13 +20,14 @@
 //   is folded into O's per-tile rescale: O is kept in units of the current tile's V descale (O *= alpha *
 //   vd_{i-1} / vd_i before the P_i V_i GEMM) and multiplied by the last tile's at the end.
 //
-// One CTA = BLOCK_M = 128 query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest first);
-// causal and sliding-window bands (key tiles outside them are never loaded), GQA (K/V head = head / kv_group), dense
-// and packed (varlen) sequences as in fwd_sm90_ws.cuh. No other score modifier.
+// One CTA = BLOCK_M = 64 x CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
+// first; three consumer warpgroups run without pingpong); causal and sliding-window bands (key tiles outside them are
+// never loaded), GQA (K/V head = head / kv_group), dense and packed (varlen) sequences as in fwd_sm90_ws.cuh. No
+// other score modifier.
 //
 // ---- shared memory (1-byte elements; each tile is 128-byte (64 at head_dim 64) swizzle panels, the layout of a
 // 16-bit SmemTile of half the width, so TMA's swizzled boxes and the wgmma descriptors of tiles.cuh apply) -----
-// [Q: 128 x HEAD_DIM] [K stages] [V stages] [V^T stages: HEAD_DIM x BLOCK_N] [mbarriers]
+// [Q: BLOCK_M x HEAD_DIM] [K stages] [V stages] [V^T stages: HEAD_DIM x BLOCK_N] [mbarriers]
 //
 // ---- the barrier protocol ----------------------------------------------------------------------------------
 //   q_full                count 1 + tx: the producer's Q load
@@ -83,24 +84,24 @@ __host__ __device__ constexpr int fp8_key_of(int p) {
 }
 
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, class OutT_, bool PINGPONG_ = false, bool Q_IN_REGS_ = false,
-          bool LATE_PACK_ = false>
+          bool LATE_PACK_ = false, int CONSUMERS_ = 2>
 struct FwdFp8Traits {
   using OutT = OutT_;                                 // f16 or bf16: O's type
   static constexpr int HEAD_DIM = HEAD_DIM_;
-  static constexpr int BLOCK_M = 128;                 // query rows per CTA: 64 per consumer warpgroup
+  static constexpr int CONSUMERS = CONSUMERS_;       // consumer warpgroups: 2, or 3 without pingpong
+  static constexpr int BLOCK_M = 64 * CONSUMERS;      // query rows per CTA: 64 per consumer warpgroup
   static constexpr int BLOCK_N = BLOCK_N_;            // key rows per K/V tile
   static constexpr int STAGES = STAGES_;
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;      // Q as the A registers of S = Q K^T (read from shared memory once)
   static constexpr bool LATE_PACK = LATE_PACK_;      // P's packing and O's rescale at the next round's start
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
-  static constexpr int CONSUMERS = 2;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
   static constexpr int TRANSPOSE_THREADS = 96;        // producer warps 1-3; warp 0's lane 0 issues the TMA loads
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
   static constexpr int PRODUCER_REGS = 56;            // the TMA thread and the transposers (ldmatrix, prmt, stmatrix)
-  static constexpr int CONSUMER_REGS = 224;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 224 : 152;  // three: 3 x 128 x 152 + 128 x 56 = 64K
   static constexpr int N_TILES = BLOCK_N / 8;
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 32;    // k32 steps of S = Q K^T
@@ -124,7 +125,9 @@ struct FwdFp8Traits {
 
   static_assert(HEAD_DIM == 64 || HEAD_DIM == 128 || HEAD_DIM == 256, "FP8 head dims: 64, 128, 256");
   static_assert(BLOCK_N == 64 || BLOCK_N == 128, "key tiles of 64 or 128 rows (the quantization block's divisors)");
-  static_assert(QUANT_BLOCK_ROWS % BLOCK_N == 0 && QUANT_BLOCK_ROWS == BLOCK_M, "a tile lies in one quantization block");
+  static_assert(QUANT_BLOCK_ROWS % BLOCK_N == 0 && QUANT_BLOCK_ROWS % 64 == 0,
+                "a key tile and a consumer's 64 query rows lie in one quantization block");
+  static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && !PINGPONG), "two consumer warpgroups, or three without pingpong");
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == BOX_BYTES, "V^T is V's bytes; K boxes as Q's");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
@@ -331,7 +334,10 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
   const u32 q_smem_wg = sm.q() + Tr::TileQ::offset(wg * 64, 0);
   const int kv_head = head / p.fwd.seq.kv_group;
   // the descales: Q's of this query block, K's and V's per key tile (read a tile ahead of their use)
-  const float scale_q = p.fwd.scale_log2 * p.q_descale.at(batch, head, m_block);
+  // (two consumers: the CTA's 128 rows are one quantization block, m_block; three: this consumer's 64 rows' block, or
+  // for a consumer past the sequence's end the last row's, whose factor exists)
+  const int q_block = Tr::CONSUMERS == 2 ? m_block : (row0 + min(64 * wg, rows_q - 1)) / QUANT_BLOCK_ROWS;
+  const float scale_q = p.fwd.scale_log2 * p.q_descale.at(batch, head, q_block);
   auto k_descale = [&](int n_block) { return p.k_descale.at(batch, kv_head, n_block * Tr::BLOCK_N / QUANT_BLOCK_ROWS); };
   auto v_descale = [&](int n_block) { return p.v_descale.at(batch, kv_head, n_block * Tr::BLOCK_N / QUANT_BLOCK_ROWS); };
 

@@ -560,10 +560,10 @@ FWD_SM90_WS_TILES_CAUSAL = {
 @dataclass(frozen=True)
 class FwdSm90Fp8Config:
     """One FP8 (e4m3) Hopper forward instantiation:
-    `fwd_sm90_fp8_kernel<FwdFp8Traits<HEAD_DIM, BLOCK_N, STAGES, OutT, PINGPONG, Q_IN_REGS, LATE_PACK>, IS_CAUSAL,
-    HAS_WINDOW>` (cuda/fwd_sm90_fp8.cuh):
-    a producer warpgroup (one TMA thread, three warps transposing V) and two consumer warpgroups of 64 query rows
-    (BLOCK_M = 128, 384 threads, 1 CTA per SM). dtype: the output's ("bf16" or "fp16"); window: a sliding window."""
+    `fwd_sm90_fp8_kernel<FwdFp8Traits<HEAD_DIM, BLOCK_N, STAGES, OutT, PINGPONG, Q_IN_REGS, LATE_PACK, CONSUMERS>,
+    IS_CAUSAL, HAS_WINDOW>` (cuda/fwd_sm90_fp8.cuh): a producer warpgroup (one TMA thread, three warps transposing V)
+    and two or three consumer warpgroups of 64 query rows (BLOCK_M = 128 or 192, 384 or 512 threads, 1 CTA per SM).
+    dtype: the output's ("bf16" or "fp16"); window: a sliding window."""
 
     head_dim: int
     block_n: int
@@ -574,6 +574,7 @@ class FwdSm90Fp8Config:
     pingpong: bool = False  # order the two consumers' GEMMs through named barriers
     q_in_regs: bool = False  # Q as the A registers of S = Q K^T (read from shared memory once)
     late_pack: bool = False  # P's packing and O's rescale at the start of the next round of GEMMs
+    consumers: int = 2  # consumer warpgroups of 64 query rows: 2, or 3 without pingpong
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -585,12 +586,17 @@ class FwdSm90Fp8Config:
             raise ValueError(f"block_n={self.block_n}, stages={self.stages}: block_n 64 or 128, 2-4 stages")
         if self.causal and self.window:
             raise ValueError("a window carries causal as its right edge 0: causal=True with window=True is not a kernel")
+        if self.consumers not in (2, 3) or (self.consumers == 3 and self.pingpong):
+            raise ValueError(f"consumers={self.consumers}, pingpong={self.pingpong}: two consumer warpgroups, or three "
+                             f"without pingpong")
 
-    block_m = 128
+    @property
+    def block_m(self) -> int:
+        return 64 * self.consumers
 
     @property
     def threads(self) -> int:
-        return 384
+        return 128 + 128 * self.consumers
 
     @property
     def box_bytes(self) -> int:
@@ -606,10 +612,12 @@ class FwdSm90Fp8Config:
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
-        flags = [self.pingpong, self.q_in_regs, self.late_pack]  # FwdFp8Traits' defaulted flags, trailing falses left out
-        while flags and not flags[-1]:
-            flags.pop()
-        extra = "".join(f", {_cpp_bool(f)}" for f in flags)
+        # FwdFp8Traits' defaulted arguments, the trailing defaults left out
+        args = [_cpp_bool(self.pingpong), _cpp_bool(self.q_in_regs), _cpp_bool(self.late_pack), str(self.consumers)]
+        defaults = ["false", "false", "false", "2"]
+        while args and args[-1] == defaults[len(args) - 1]:
+            args.pop()
+        extra = "".join(f", {a}" for a in args)
         return (f"cuflash::fwd_sm90_fp8_kernel<cuflash::FwdFp8Traits<{self.head_dim}, {self.block_n}, {self.stages}, "
                 f"{t}{extra}>, {_cpp_bool(self.causal)}, {_cpp_bool(self.window)}>")
 
@@ -617,29 +625,40 @@ class FwdSm90Fp8Config:
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
 
 
-# FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs, late_pack). Key tiles divide the 128-row
-# quantization blocks of cuflash.fp8.quantize; D 256 takes 64-key tiles (with 128 the consumers spilled 144 bytes,
-# NVRTC 13.5). Measured on an H100 (FA shapes, N 1k / 4k / 16k, non-causal, TFLOP/s, 2026-11-26): D 128 (128, 2)
-# with pingpong 558 / 693 / 731 against 542 / 686 / 706 without, 536 / 711 / 732 with 3 stages; D 256 (64, 4) with
-# pingpong 541 / 690 / 751 against 540 / 689 / 743 with 3 stages, 539 / 702 / 748 with 2; D 64 (128, 2) with
-# pingpong 361 / 441 / 473 against 359 / 429 / 471 without, and with Q in registers 368 / 440 / 489 against 362 / 438
-# / 477 (causal 16k 491 against 463); Q in registers spills 16 bytes at D 128 and 128 at D 256. late_pack (P packed
-# and O rescaled at the next round's start; the softmax then runs under the last P V GEMM), on an H200, 2026-11-30,
-# two rounds against the kernels without it, N 1k / 4k / 16k: D 64 non-causal 379-383 / 495-501 / 548 against
-# 366-371 / 481-485 / 535-536, causal 269-270 / 430-434 / 532-534 against 259 / 379-384 / 458-459; D 256 non-causal
-# 592-631 / 810-852 / 899-913 against 612-634 / 774-783 / 871-876, causal 437-443 / 673-676 / 882-905 against
-# 441-450 / 671-673 / 843-849; D 128 non-causal even (N 1k-16k), causal 0.93-0.94x from N 4k (607-611 / 683-692 /
-# 764 against 645-650 / 712-742 / 817-822; with 3 stages no better), so D 128 keeps the order without it.
+# FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs, late_pack, consumers). Key tiles divide the
+# 128-row quantization blocks of cuflash.fp8.quantize; D 256 takes 64-key tiles (with 128 the consumers spilled 144
+# bytes, NVRTC 13.5). Measured on an H100 (FA shapes, N 1k / 4k / 16k, non-causal, TFLOP/s, 2026-11-26): D 128
+# (128, 2) with pingpong 558 / 693 / 731 against 542 / 686 / 706 without, 536 / 711 / 732 with 3 stages; D 256 (64,
+# 4) with pingpong 541 / 690 / 751 against 540 / 689 / 743 with 3 stages, 539 / 702 / 748 with 2; D 64 (128, 2)
+# with pingpong 361 / 441 / 473 against 359 / 429 / 471 without, and with Q in registers 368 / 440 / 489 against 362
+# / 438 / 477 (causal 16k 491 against 463); Q in registers spills 16 bytes at D 128 and 128 at D 256. late_pack (P
+# packed and O rescaled at the next round's start; the softmax then runs under the last P V GEMM), on an H200,
+# 2026-11-30, two rounds against the kernels without it, N 1k / 4k / 16k: D 64 non-causal 379-383 / 495-501 / 548
+# against 366-371 / 481-485 / 535-536, causal 269-270 / 430-434 / 532-534 against 259 / 379-384 / 458-459; D 256
+# non-causal 592-631 / 810-852 / 899-913 against 612-634 / 774-783 / 871-876, causal 437-443 / 673-676 / 882-905
+# against 441-450 / 671-673 / 843-849; D 128 non-causal even (N 1k-16k), causal 0.93-0.94x from N 4k (607-611 /
+# 683-692 / 764 against 645-650 / 712-742 / 817-822; with 3 stages no better), so D 128 keeps the order without
+# it. Three consumer warpgroups (192-row CTAs, no pingpong; Q in registers spills 16 bytes there) at D 64, H200,
+# same day, N 1k / 2k / 4k / 8k / 16k, two rounds: non-causal 384-386 / 498 / 552 / 608-614 / 626-631 against two
+# consumers' 376-379 / 440-441 / 492-496 / 526-527 / 546-551, causal 245-247 / 368 / 443-445 / 518-525 / 557-561
+# against 269-272 / 359-362 / 432-433 / 485 / 526-527 (without late_pack: 364-373 / 449-450 / 490-491 / 536-541 /
+# 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). The banded kernels (causal, a window)
+# keep two consumers: a 192-row block wastes more of the band's edge tiles (causal N 1k 0.91x).
 FWD_SM90_FP8_TILES = {
-    64: (128, 2, True, True, True),
-    128: (128, 2, True, False, False),
-    256: (64, 4, True, False, True),
+    64: (128, 2, False, False, True, 3),
+    128: (128, 2, True, False, False, 2),
+    256: (64, 4, True, False, True, 2),
+}
+FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
+    64: (128, 2, True, True, True, 2),
 }
 
 
 def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> FwdSm90Fp8Config:
-    bn, stages, pingpong, q_in_regs, late_pack = FWD_SM90_FP8_TILES[head_dim]
-    return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack)
+    tiles = FWD_SM90_FP8_TILES_BANDED if (causal or window) and head_dim in FWD_SM90_FP8_TILES_BANDED \
+        else FWD_SM90_FP8_TILES
+    bn, stages, pingpong, q_in_regs, late_pack, consumers = tiles[head_dim]
+    return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack, consumers)
 
 # The head dims fwd_sm90_ws_kernel is compiled for (FwdSm90WsConfig checks them)
 FWD_SM90_WS_HEAD_DIMS = tuple(FWD_SM90_WS_TILES)

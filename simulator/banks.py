@@ -1012,7 +1012,8 @@ def fwd_sm90_ws_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen
 # its 16 Q rows once per CTA (ldmatrix.x4 per k32 step) as the A registers of S = Q K^T, whose wgmma then reads only K
 # through a descriptor; without it S = Q K^T reads Q and K. O += P V reads V^T (P from registers). Byte tiles are
 # 16-bit SmemTiles of half the columns (FwdFp8Traits: TileQ, TileKV, TileVt). O and lse leave from registers: no
-# epilogue in shared memory. PINGPONG orders the two consumers' GEMMs (named barriers): no shared-memory byte.
+# epilogue in shared memory. PINGPONG orders the two consumers' GEMMs (named barriers): no shared-memory byte. The
+# consumer warpgroups (64 query rows each) are the config's: two (BLOCK_M 128) or three (192).
 FWD_SM90_FP8_ROLES = {
     "q_tma": ("tma", "UTMALDG"),  # Q tile once per CTA
     "k_tma": ("tma", "UTMALDG"),  # K_i, V_i per key tile into stage i % STAGES
@@ -1025,8 +1026,6 @@ FWD_SM90_FP8_ROLES = {
 }
 FWD_SM90_FP8_PER_ITERATION_ROLES = ("k_tma", "v_tma", "v_read", "vt_store", "s_wgmma", "o_wgmma")
 FWD_SM90_FP8_PER_CTA_ROLES = ("q_tma", "q_frag")
-FP8_CONSUMERS = 2  # FwdFp8Traits::CONSUMERS: warpgroups of 64 query rows
-FP8_CONSUMER_WARPS = 4 * FP8_CONSUMERS  # FwdFp8Traits::CONSUMER_WARPS: 16 query rows each
 FP8_TRANSPOSE_THREADS = 96  # FwdFp8Traits::TRANSPOSE_THREADS: producer warps 1-3
 FP8_WGMMA_K = 32  # m64nNk32: an e4m3 wgmma reduces over 32 bytes
 
@@ -1068,12 +1067,12 @@ def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
 
 def fwd_sm90_fp8_q_addresses(cfg) -> np.ndarray:
     """Byte addresses (from TileQ's base, OFF_Q = 0) of the Q_IN_REGS loads of one CTA, [consumer warp, kk, lane]:
-    consumer warp w (0..7) loads its rows 16 w .. 16 w + 15 for each k32 step kk < HEAD_DIM / 32 with one
-    ldmatrix.x4, lane L giving TileQ::offset(16 w + L % 8 + 8 ((L / 8) % 2), 16 kk + 8 (L / 16)) (matrices: rows 0-7
-    and 8-15 of the 16-byte chunk 2 kk, then of 2 kk + 1: the e4m3 A fragment of m64nNk32). TileQ = SmemTile<128,
-    HEAD_DIM / 2>."""
+    consumer warp w (0 .. 4 consumers - 1) loads its rows 16 w .. 16 w + 15 for each k32 step kk < HEAD_DIM / 32 with
+    one ldmatrix.x4, lane L giving TileQ::offset(16 w + L % 8 + 8 ((L / 8) % 2), 16 kk + 8 (L / 16)) (matrices: rows
+    0-7 and 8-15 of the 16-byte chunk 2 kk, then of 2 kk + 1: the e4m3 A fragment of m64nNk32). TileQ =
+    SmemTile<BLOCK_M, HEAD_DIM / 2>."""
     hd, bm = cfg.head_dim, cfg.block_m
-    w = np.arange(FP8_CONSUMER_WARPS).reshape(-1, 1, 1)
+    w = np.arange(4 * cfg.consumers).reshape(-1, 1, 1)
     kk = np.arange(hd // FP8_WGMMA_K).reshape(1, -1, 1)
     lane = np.arange(WARP)
     return np.asarray(swizzled_offset(16 * w + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * kk + 8 * (lane >> 4), bm,
@@ -1081,10 +1080,10 @@ def fwd_sm90_fp8_q_addresses(cfg) -> np.ndarray:
 
 
 def fwd_sm90_fp8_wgmma(cfg) -> dict[str, InstrStats]:
-    """wgmma operand reads of one key tile, both consumers: S = Q K^T is HEAD_DIM/32 wgmma per consumer, each reading
+    """wgmma operand reads of one key tile, every consumer: S = Q K^T is HEAD_DIM/32 wgmma per consumer, each reading
     BLOCK_N x 32 bytes of K and, unless Q_IN_REGS (A from registers), 64 x 32 of its Q rows; O += P V is BLOCK_N/32
     wgmma reading HEAD_DIM x 32 of V^T."""
-    hd, bn, wg = cfg.head_dim, cfg.block_n, FP8_CONSUMERS
+    hd, bn, wg = cfg.head_dim, cfg.block_n, cfg.consumers
     q_rows = 0 if cfg.q_in_regs else 64
     return {"s_wgmma": wgmma_stats(wg * hd // FP8_WGMMA_K, wg * (q_rows + bn) * hd),
             "o_wgmma": wgmma_stats(wg * bn // FP8_WGMMA_K, wg * hd * bn)}
@@ -1094,7 +1093,7 @@ def fwd_sm90_fp8_wgmma(cfg) -> dict[str, InstrStats]:
 def fwd_sm90_fp8_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None = None) -> tuple[dict, list]:
     """(per-CTA stats, per-key-tile stats) of fwd_sm90_fp8_kernel, shaped as fwd_cta_stats (two identical per-tile
     entries: every stage starts on the 1024-byte swizzle period, so each has the same banks); cached. Nothing
-    depends on the CTA's valid rows: TMA writes whole boxes, the Q_IN_REGS loads read all 128 rows, and no thread
+    depends on the CTA's valid rows: TMA writes whole boxes, the Q_IN_REGS loads read all BLOCK_M rows, and no thread
     touches an O row in shared memory. Without Q_IN_REGS q_frag is empty."""
     panels, tile = cfg.head_dim // cfg.box_bytes, cfg.block_n * cfg.head_dim
     addrs = fwd_sm90_fp8_transpose_addresses(cfg)
@@ -1107,7 +1106,7 @@ def fwd_sm90_fp8_cta_stats(cfg, rows_q: int | None = None, head_dim: int | None 
 
 def fwd_sm90_fp8_kernel_shared(cfg, batch: int, heads: int, seqlen_q: int, seqlen_k: int,
                                head_dim: int | None = None, causal_skip: bool = True, window=None) -> SharedWalk:
-    """Every shared-memory access of fwd_sm90_fp8_kernel<cfg> over the grid (ceil(Sq/128), heads, batch), with
+    """Every shared-memory access of fwd_sm90_fp8_kernel<cfg> over the grid (ceil(Sq/BLOCK_M), heads, batch), with
     fwd_sm90_ws_kernel's key-tile range (key tiles n_end-1 down to n_begin, causal and window skipping; a CTA that
     sees no key writes O = 0, lse = -inf straight to global memory and touches no shared memory): per live CTA the Q
     TMA load and, with Q_IN_REGS, the consumers' ldmatrix.x4 of Q (walked with the bank rule); per key tile the K and

@@ -43,6 +43,7 @@ OUT_BYTES = {"fp8": 2}  # O where it is wider than the inputs: the FP8 forward w
 FP8_DTYPES = ("fp8",)
 FP8_STRATEGIES = ("cuflash",)  # the paper's algorithms are 16/32/64-bit: fp8 is counted for cuflash's kernel only
 DESCALE_BYTES = 4  # one float32 descale factor of q, k or v (the FP8 forward)
+QUANT_BLOCK_ROWS = 128  # rows per block descale factor (cuda/fwd_sm90_fp8.cuh QUANT_BLOCK_ROWS, cuflash.fp8)
 STAT_BYTES = 4  # l, m, lse, D and the dQ accumulator are fp32 ...
 WIDE_STAT_BYTES = {"fp64": 8}  # ... except for fp64, whose statistics and accumulator are fp64 (Problem.stat_bytes)
 STRATEGIES = ("standard", "fa1", "fa2", "cuflash")

@@ -61,7 +61,8 @@ from cuflash import config as _config
 
 from . import banks, l2
 from .masks import visible_pairs
-from .model import DESCALE_BYTES, FP8_DTYPES, FP8_STRATEGIES, NONMATMUL_FLOPS, STRATEGIES, Counts, Problem
+from .model import (DESCALE_BYTES, FP8_DTYPES, FP8_STRATEGIES, NONMATMUL_FLOPS, QUANT_BLOCK_ROWS, STRATEGIES, Counts,
+                    Problem)
 from .schedules import (
     DEFAULT_KERNELS,
     block_sizes,
@@ -249,13 +250,19 @@ def _cuflash_fwd(p: Problem, causal_skip: bool, kernels: str = DEFAULT_KERNELS) 
 def _cuflash_fp8_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     """fwd_sm90_fp8_kernel: fwd_sm90_ws_kernel's global traffic with the config's tiles and 1-byte Q, K, V (TMA reads
     Q once per CTA that sees a key and K, V once per visited key tile, in-bounds rows only), O in bf16 and lse in
-    float32 once, plus the float32 descale factors: q's of the query block once per CTA that sees a key, k's and v's
-    of each visited key tile (1 + 2 n_tiles floats; per (batch, head) factors are the same float each time, per
-    128-row block factors one per block: the same reads). FLOPs on whole tiles as the 16-bit kernels. SRAM from the
-    walk (banks.fwd_sm90_fp8_kernel_shared: TMA box writes, the V transpose, wgmma operand reads)."""
+    float32 once, plus the float32 descale factors: q's once per CTA that sees a key (with three consumer warpgroups,
+    192-row CTAs, the factors of the 128-row blocks their rows fall in: each consumer reads the block of its first
+    row, or of the CTA's last row when it has none, so two distinct floats), k's and v's of each visited key tile
+    (per (batch, head) factors are the same float each time, per 128-row block factors one per block: the same
+    reads). FLOPs on whole tiles as the 16-bit kernels. SRAM from the walk (banks.fwd_sm90_fp8_kernel_shared: TMA
+    box writes, the V transpose, wgmma operand reads)."""
     c = _fa2_fwd(p, cfg.block_m, cfg.block_n, causal_skip, "cuflash", (cfg.block_m, cfg.block_n, cfg.head_dim))
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
-    c.hbm_read_bytes += (int(t.visits_q.sum()) + 2 * t.tiles) * DESCALE_BYTES * p.batch_heads
+    row0 = np.arange(len(t.rows)) * cfg.block_m
+    first = row0[:, None] + np.minimum(64 * np.arange(cfg.consumers)[None, :], t.rows[:, None] - 1)
+    blocks = first // QUANT_BLOCK_ROWS
+    q_floats = 1 + (blocks[:, 1:] != blocks[:, :-1]).sum(axis=1)  # distinct blocks (consumers' rows ascend)
+    c.hbm_read_bytes += (int(q_floats[t.visits_q].sum()) + 2 * t.tiles) * DESCALE_BYTES * p.batch_heads
     walk = banks.fwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim, causal_skip, p.window)
     c.sram_read_bytes = walk.read_bytes
     c.sram_write_bytes = walk.write_bytes

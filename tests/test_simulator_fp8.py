@@ -1,5 +1,6 @@
 """The FP8 (e4m3) forward (cuda/fwd_sm90_fp8.cuh, fwd_sm90_fp8_kernel) in the analyzer: 1-byte Q, K, V, a bf16 O,
-float32 lse and descale factors, fwd_sm90_ws_kernel's schedule on the config's tiles (BLOCK_M = 128), and V
+float32 lse and descale factors, fwd_sm90_ws_kernel's schedule on the config's tiles (BLOCK_M = 64 per consumer
+warpgroup: 128, or 192 with three), and V
 transposed in shared memory every key tile (ldmatrix.x4.trans, stmatrix.x4), Q loaded into registers once per CTA
 where the config says q_in_regs. Its counts against a closed form (aligned problems) and a hand loop over CTAs
 (tails, Sq != Sk, rows without keys), the transpose's and the Q loads' addresses against literal ports of the
@@ -16,58 +17,80 @@ from cuflash.simulator.model import DTYPE_BYTES
 from cuflash.simulator.schedules import cuflash_config, key_block_ranges
 from cuflash.simulator.strategies import kernel_name
 
-BM = 128  # query rows per CTA
 E8, E16, F32 = 1, 2, 4  # e4m3 (Q, K, V), bf16 (O), float32 (lse, descale factors)
+QB = 128  # rows per block descale factor (cuda/fwd_sm90_fp8.cuh QUANT_BLOCK_ROWS)
 
 
-def bn_of(d):
-    """Keys per K/V tile: the library's FP8 tile for head dim d (cuflash.config.FWD_SM90_FP8_TILES)."""
-    return C.FWD_SM90_FP8_TILES[d][0]
+def cfg_of(d, causal=False):
+    """The library's FP8 forward config for head dim d (FWD_SM90_FP8_TILES, FWD_SM90_FP8_TILES_BANDED when causal)."""
+    return C.fwd_sm90_fp8_config(d, "bf16", causal)
 
 
-def q_in_regs_of(d):
-    """Whether the consumers hold Q in registers at head dim d (FWD_SM90_FP8_TILES: block_n, stages, pingpong,
-    q_in_regs, late_pack)."""
-    return C.FWD_SM90_FP8_TILES[d][3]
+def bn_of(d, causal=False):
+    """Keys per K/V tile."""
+    return cfg_of(d, causal).block_n
+
+
+def bm_of(d, causal=False):
+    """Query rows per CTA: 64 per consumer warpgroup."""
+    return cfg_of(d, causal).block_m
+
+
+def q_in_regs_of(d, causal=False):
+    """Whether the consumers hold Q in registers."""
+    return cfg_of(d, causal).q_in_regs
+
+
+def q_floats(row0, rows, consumers):
+    """q descale factors one CTA reads: each consumer warpgroup the factor of its first row's 128-row block, or of the
+    CTA's last row when it has none (fwd_fp8_consumer's q_block); distinct floats."""
+    return len({(row0 + min(64 * w, rows - 1)) // QB for w in range(consumers)})
 
 
 def closed_form(b, h, n, d, causal):
-    """Sq = Sk = n, a multiple of 128; key tiles of BN rows (BN divides 128). T = n / 128 CTAs per (batch, head),
-    each visits n / BN key tiles (causal: CTA m visits (m + 1) 128 / BN), V = the visits summed over CTAs; q = 1 with
-    Q in registers, else 0. Per (batch, head):
-      HBM read   n D (Q) + 2 BN D V (K, V per visit) + 4 (T + 2 V) (descale: q's per CTA, k's and v's per visit)
+    """Sq = Sk = n, a multiple of BM (128 or 192: 64 per consumer warpgroup, W of them) and of 128; key tiles of BN rows
+    (BN divides 128). T = n / BM CTAs per (batch, head), each visits n / BN key tiles (causal: CTA m visits (m + 1) BM
+    / BN), V = the visits summed over CTAs; q = 1 with Q in registers, else 0; F = the q descale factors a CTA reads
+    (1 with two consumers; 2 with three: its 192 rows span two 128-row blocks). Per (batch, head):
+      HBM read   n D (Q) + 2 BN D V (K, V per visit) + 4 (F T + 2 V) (descale: q's per CTA, k's and v's per visit)
       HBM write  n (2 D + 4) (O in bf16, lse)
-      SRAM write 128 D T (Q by TMA) + V (2 BN D + BN D) (K, V by TMA; V^T by the transposers)
-      SRAM read  q 128 D T (Q by the consumers' ldmatrix, once per CTA)
-                 + V (BN D + 2 ((1 - q) 64 + BN) D + 2 D BN) (V by the transposers; per consumer S = Q K^T, its Q
+      SRAM write BM D T (Q by TMA) + V (2 BN D + BN D) (K, V by TMA; V^T by the transposers)
+      SRAM read  q BM D T (Q by the consumers' ldmatrix, once per CTA)
+                 + V (BN D + W ((1 - q) 64 + BN) D + W D BN) (V by the transposers; per consumer S = Q K^T, its Q
                  rows from shared memory only without Q in registers, and O += P V)
-      FLOPs      4 * 128 BN D V"""
-    bn, t, q = bn_of(d), n // BM, int(q_in_regs_of(d))
-    v = (BM // bn) * t * (t + 1) // 2 if causal else t * (n // bn)
+      FLOPs      4 BM BN D V"""
+    cfg = cfg_of(d, causal)
+    bm, bn, w, q = cfg.block_m, cfg.block_n, cfg.consumers, int(cfg.q_in_regs)
+    assert n % bm == 0 and n % QB == 0, "the closed form is of aligned problems"
+    t, f = n // bm, 1 if w == 2 else 2
+    v = (bm // bn) * t * (t + 1) // 2 if causal else t * (n // bn)
     return {k: b * h * x for k, x in dict(
-        read=n * d * E8 + 2 * bn * d * E8 * v + F32 * (t + 2 * v),
+        read=n * d * E8 + 2 * bn * d * E8 * v + F32 * (f * t + 2 * v),
         write=n * (d * E16 + F32),
-        sram_write=BM * d * E8 * t + v * (2 * bn * d * E8 + bn * d * E8),
-        sram_read=q * BM * d * E8 * t + v * (bn * d * E8 + 2 * ((1 - q) * 64 + bn) * d * E8 + 2 * d * bn * E8),
-        flops=4 * BM * bn * d * v, visits=v).items()}
+        sram_write=bm * d * E8 * t + v * (2 * bn * d * E8 + bn * d * E8),
+        sram_read=q * bm * d * E8 * t + v * (bn * d * E8 + w * ((1 - q) * 64 + bn) * d * E8 + w * d * bn * E8),
+        flops=4 * bm * bn * d * v, visits=v).items()}
 
 
 def set_q_in_regs(monkeypatch, d, q_in_regs):
-    """The library's FP8 tile for d with q_in_regs set (the other fields as shipped)."""
-    bn, stages, pingpong, _, late_pack = C.FWD_SM90_FP8_TILES[d]
-    monkeypatch.setitem(C.FWD_SM90_FP8_TILES, d, (bn, stages, pingpong, q_in_regs, late_pack))
+    """The library's FP8 tiles for d with q_in_regs set (the other fields as shipped), banded ones too."""
+    for table in (C.FWD_SM90_FP8_TILES, C.FWD_SM90_FP8_TILES_BANDED):
+        if d in table:
+            bn, stages, pingpong, _, late_pack, consumers = table[d]
+            monkeypatch.setitem(table, d, (bn, stages, pingpong, q_in_regs, late_pack, consumers))
 
 
 def hand_counts(b, h, sq, sk, d, causal):
     """fwd_sm90_fp8_kernel by hand, one loop over CTAs (no analyzer helper): CTA m_block sees key tiles n_end - 1 .. 0,
     n_end = ceil(Sk / BN), causal: min(that, (last row + Sk - Sq) // BN + 1); a CTA without keys writes O and lse
     only. TMA reads in-bounds rows and writes whole boxes; the transposers read V and write V^T, whole tiles; with Q
-    in registers the consumers read all 128 Q rows once per CTA and S = Q K^T reads only K."""
-    bn, q = bn_of(d), int(q_in_regs_of(d))
+    in registers the consumers read all BM Q rows once per CTA and S = Q K^T reads only K."""
+    cfg = cfg_of(d, causal)
+    bm, bn, w, q = cfg.block_m, cfg.block_n, cfg.consumers, int(cfg.q_in_regs)
     out = dict(read=0, write=0, q_read=0, kv_read=0, descale=0, tma=0, transpose=0, q_frag=0, wgmma=0, flops=0)
-    for m_block in range(-(-sq // BM)):
-        row0 = m_block * BM
-        rows = min(BM, sq - row0)
+    for m_block in range(-(-sq // bm)):
+        row0 = m_block * bm
+        rows = min(bm, sq - row0)
         n_end = -(-sk // bn)
         if causal:
             last = row0 + rows - 1 + sk - sq
@@ -78,13 +101,14 @@ def hand_counts(b, h, sq, sk, d, causal):
         keys = min(n_end * bn, sk)  # the last tile may reach past Sk: TMA zero-fills, nothing read
         out["q_read"] += rows * d * E8
         out["kv_read"] += 2 * keys * d * E8
-        out["descale"] += F32 * (1 + 2 * n_end)  # q's once, k's and v's per key tile
-        out["read"] += rows * d * E8 + 2 * keys * d * E8 + F32 * (1 + 2 * n_end)
-        out["tma"] += BM * d * E8 + n_end * 2 * bn * d * E8
+        descale = F32 * (q_floats(row0, rows, w) + 2 * n_end)  # q's once, k's and v's per key tile
+        out["descale"] += descale
+        out["read"] += rows * d * E8 + 2 * keys * d * E8 + descale
+        out["tma"] += bm * d * E8 + n_end * 2 * bn * d * E8
         out["transpose"] += n_end * bn * d * E8  # V read once and V^T written once
-        out["q_frag"] += q * BM * d * E8  # Q into registers, once per CTA
-        out["wgmma"] += n_end * 2 * (((1 - q) * 64 + bn) * d + d * bn) * E8  # 2 consumers: (Q rows and) K; V^T
-        out["flops"] += n_end * 4 * BM * bn * d
+        out["q_frag"] += q * bm * d * E8  # Q into registers, once per CTA
+        out["wgmma"] += n_end * w * (((1 - q) * 64 + bn) * d + d * bn) * E8  # per consumer: (Q rows and) K; V^T
+        out["flops"] += n_end * 4 * bm * bn * d
     return {k: v * b * h for k, v in out.items()}
 
 
@@ -97,19 +121,24 @@ def test_fp8_element_sizes():
 
 
 def test_the_shipped_tiles():
-    """The tile table the closed forms read: (block_n, stages, pingpong, q_in_regs, late_pack) per head dim, Q in
-    registers at d64 only (late_pack moves work within a consumer, not traffic); the analyzer counts the config it
+    """The tile tables the closed forms read: (block_n, stages, pingpong, q_in_regs, late_pack, consumers) per head
+    dim, the banded ones (causal, a window) where they differ: three consumer warpgroups at d64 without a band, Q in
+    registers at d64 with one (late_pack moves work within a consumer, not traffic); the analyzer counts the config it
     names."""
-    assert C.FWD_SM90_FP8_TILES == {64: (128, 2, True, True, True), 128: (128, 2, True, False, False),
-                                    256: (64, 4, True, False, True)}
+    assert C.FWD_SM90_FP8_TILES == {64: (128, 2, False, False, True, 3), 128: (128, 2, True, False, False, 2),
+                                    256: (64, 4, True, False, True, 2)}
+    assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2)}
     for d in C.FWD_SM90_FP8_TILES:
-        cfg = cuflash_config(Problem(1, 1, 256, 256, d, "fp8"))
-        assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack) == C.FWD_SM90_FP8_TILES[d], f"d{d}"
+        for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED})):
+            cfg = cuflash_config(Problem(1, 1, 256, 256, d, "fp8", causal))
+            assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == table[d], \
+                f"d{d} causal={causal}"
+            assert cfg.block_m == 64 * cfg.consumers
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("n", [128, 1024, 4096])
+@pytest.mark.parametrize("n", [384, 1536, 4608])
 @pytest.mark.parametrize("q_in_regs", [False, True])
 def test_counts_equal_the_closed_form(d, causal, n, q_in_regs, monkeypatch):
     """Both settings of q_in_regs at every head dim (the shipped one among them)."""
@@ -118,7 +147,7 @@ def test_counts_equal_the_closed_form(d, causal, n, q_in_regs, monkeypatch):
     want = closed_form(b, h, n, d, causal)
     c = simulate("cuflash", Problem(b, h, n, n, d, "fp8", causal))
     cfg = f"d{d} N{n} causal={causal} q_in_regs={q_in_regs}"
-    assert (c.block_m, c.block_n) == (BM, bn_of(d)), cfg
+    assert (c.block_m, c.block_n) == (bm_of(d, causal), bn_of(d, causal)), cfg
     assert c.hbm_read_bytes == want["read"], f"HBM reads for {cfg}: {c.hbm_read_bytes} != {want['read']}"
     assert c.hbm_write_bytes == want["write"], f"HBM writes for {cfg}: {c.hbm_write_bytes} != {want['write']}"
     assert c.sram_write_bytes == want["sram_write"], f"SRAM writes for {cfg}: {c.sram_write_bytes}"
@@ -154,12 +183,30 @@ def test_b1_h1_n256_d128_by_the_numbers():
     assert c.bank_conflicts == 0 and walk.guard_lds == 4 * 3 * banks.FENCE_GUARD_LDS
 
 
-def test_b1_h1_n256_d64_q_in_registers_by_the_numbers():
-    """B=1 H=1 N=256 D=64 (Q in registers): each of the 2 CTAs' 8 consumer warps loads its 16 Q rows with one
-    ldmatrix.x4 per k32 step (2), so Q is read from shared memory once per CTA; S = Q K^T then reads only K."""
-    p = Problem(1, 1, 256, 256, 64, "fp8")
+def test_b1_h1_n384_d64_three_consumers_by_the_numbers():
+    """B=1 H=1 N=384 D=64, non-causal: three consumer warpgroups, 2 CTAs of 192 rows (Q through the S wgmma's
+    descriptor), each Q once and 3 key tiles of K and V; q descale factors: rows 0-191 span blocks 0 and 1, rows
+    192-383 blocks 1 and 2, two floats per CTA."""
+    p = Problem(1, 1, 384, 384, 64, "fp8")
     cfg = cuflash_config(p)
-    assert cfg.q_in_regs and cfg.block_n == 128
+    assert (cfg.consumers, cfg.block_m, cfg.block_n, cfg.q_in_regs, cfg.pingpong) == (3, 192, 128, False, False)
+    c = simulate("cuflash", p)
+    q_bytes, kv_bytes = 384 * 64, 2 * 2 * 384 * 64  # Q once; 2 CTAs x (K and V of 384 keys)
+    assert c.hbm_read_bytes == q_bytes + kv_bytes + (2 * 2 + 2 * 2 * 3) * 4 == 122_944
+    walk = banks.fwd_kernel_shared(cfg, 1, 1, 384, 384)
+    assert walk.roles["q_frag"].instructions == 0
+    assert walk.roles["s_wgmma"].bytes == 6 * 3 * (64 + 128) * 64 == 221_184  # 6 key tiles x 3 consumers x (Q, K)
+    assert walk.roles["o_wgmma"].bytes == 6 * 3 * 64 * 128 == 147_456
+    assert c.sram_write_bytes == q_bytes + kv_bytes + 6 * 128 * 64 and c.bank_conflicts == 0
+
+
+def test_b1_h1_n256_d64_q_in_registers_by_the_numbers():
+    """B=1 H=1 N=256 D=64 with a window wider than the sequence (the banded tiles: two consumers, Q in registers):
+    each of the 2 CTAs' 8 consumer warps loads its 16 Q rows with one ldmatrix.x4 per k32 step (2), so Q is read
+    from shared memory once per CTA; S = Q K^T then reads only K."""
+    p = Problem(1, 1, 256, 256, 64, "fp8", False, (256, 256))
+    cfg = cuflash_config(p)
+    assert cfg.q_in_regs and cfg.block_n == 128 and cfg.consumers == 2
     walk = banks.fwd_kernel_shared(cfg, 1, 1, 256, 256)
     q_frag = walk.roles["q_frag"]
     assert (q_frag.instructions, q_frag.bytes, q_frag.wavefronts) == (2 * 8 * 2, 256 * 64, 2 * 8 * 2 * 4)
@@ -223,11 +270,11 @@ def transpose_units(d: int, bn: int):
     return out
 
 
-def q_loads(d: int):
-    """The Q_IN_REGS loads of fwd_fp8_consumer, literally: per consumer warp (0..7) and k32 step kk, the ldmatrix.x4
-    lane addresses."""
-    return [[smem_tile_offset(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * kk + 8 * (lane >> 4), BM, d // 2)
-             for lane in range(32)] for warp in range(8) for kk in range(d // 32)]
+def q_loads(d: int, bm: int):
+    """The Q_IN_REGS loads of fwd_fp8_consumer, literally: per consumer warp (0 .. bm / 16 - 1) and k32 step kk, the
+    ldmatrix.x4 lane addresses."""
+    return [[smem_tile_offset(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1), 16 * kk + 8 * (lane >> 4), bm, d // 2)
+             for lane in range(32)] for warp in range(bm // 16) for kk in range(d // 32)]
 
 
 def ldmatrix_x4(smem, addrs, trans: bool):
@@ -343,7 +390,8 @@ def test_q_loads(d):
     registers are the e4m3 A fragment of m64nNk32 (r[0], r[1]: bytes 4t .. 4t + 3 of the step in rows g, g + 8; r[2],
     r[3]: bytes 16 + 4t ..), and no load conflicts."""
     cfg = dataclasses.replace(C.fwd_sm90_fp8_config(d, "bf16", False), q_in_regs=True)
-    loads = q_loads(d)
+    BM, warps = cfg.block_m, 4 * cfg.consumers
+    loads = q_loads(d, BM)
     assert banks.fwd_sm90_fp8_q_addresses(cfg).reshape(-1, 32).tolist() == loads, f"d{d}"
     assert sorted(a + j for i in loads for a in i for j in range(16)) == list(range(BM * d)), f"d{d}: Q not once"
     q = np.random.default_rng(d).integers(0, 256, (BM, d), dtype=np.uint8)
@@ -361,7 +409,8 @@ def test_q_loads(d):
             assert regs[lane] == want, f"d{d} warp {warp} kk {kk} lane {lane}"
     per_cta, _ = banks.fwd_sm90_fp8_cta_stats(cfg)
     s = per_cta["q_frag"]
-    assert (s.instructions, s.bytes, s.wavefronts, s.conflicts) == (8 * d // 32, BM * d, 4 * 8 * d // 32, 0), f"d{d}"
+    assert (s.instructions, s.bytes, s.wavefronts, s.conflicts) == (warps * d // 32, BM * d, 4 * warps * d // 32, 0), \
+        f"d{d}"
     assert s.wavefronts == sum(wavefronts(dict(enumerate(i)), 16) for i in loads), f"d{d}"
     without, _ = banks.fwd_sm90_fp8_cta_stats(dataclasses.replace(cfg, q_in_regs=False))
     assert without["q_frag"].instructions == 0, "without Q in registers the S wgmma reads Q from shared memory"
@@ -372,8 +421,11 @@ def test_q_loads(d):
 @pytest.mark.parametrize("sq,sk", [(4096, 4096), (1000, 1500), (1500, 1000)])
 def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     """On the same key tiles (the bf16 kernel's set to the FP8 kernel's here: the shipped ones may differ, which
-    changes causal skipping) FP8 reads exactly half the K/V bytes and half the Q bytes of fwd_sm90_ws_kernel, and
-    writes the same O (bf16) and lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
+    changes causal skipping; the FP8 kernel on its two-consumer tiles, 128 query rows per CTA as the bf16 kernel's)
+    FP8 reads exactly half the K/V bytes and half the Q bytes of fwd_sm90_ws_kernel, and writes the same O (bf16) and
+    lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
+    if d in C.FWD_SM90_FP8_TILES_BANDED:
+        monkeypatch.setitem(C.FWD_SM90_FP8_TILES, d, C.FWD_SM90_FP8_TILES_BANDED[d])
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
                   C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT, C.FWD_SM90_WS_TILES_CAUSAL_LONG):
         if d in table:  # (and 128 query rows per CTA, as the FP8 kernel's: no three-consumer entry)
@@ -394,16 +446,16 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
 @pytest.mark.parametrize("n", [2048, 16384])
 def test_non_causal_kv_traffic_is_half_on_the_shipped_tiles(d, n):
     """Without a mask every CTA reads all of K and V whatever its key tile, so the halving holds against the 16-bit
-    kernel's shipped tiles too, per CTA of 128 query rows (the 16-bit D 64 kernel's long rows take 192 per CTA: its
-    K and V reads are those of ceil(N / 192) CTAs)."""
+    kernel's shipped tiles too where their CTAs have as many query rows (where not, K and V are read by a different
+    number of CTAs: ceil(N / BLOCK_M) each)."""
     p8, p16 = (Problem(1, 4, n, n, d, dt) for dt in ("fp8", "bf16"))
     hand = hand_counts(1, 4, n, n, d, False)
     kv8 = simulate("cuflash", p8).hbm_read_bytes - hand["q_read"] - hand["descale"]
     kv16 = simulate("cuflash", p16).hbm_read_bytes - 2 * hand["q_read"]
-    bm16 = cuflash_config(p16).block_m
-    assert kv8 == 4 * (n // BM) * 2 * n * d * E8
+    bm8, bm16 = cuflash_config(p8).block_m, cuflash_config(p16).block_m
+    assert kv8 == 4 * -(-n // bm8) * 2 * n * d * E8
     assert kv16 == 4 * -(-n // bm16) * 2 * n * d * 2 * E8
-    assert (2 * kv8 == kv16) == (bm16 == BM)
+    assert (2 * kv8 == kv16) == (bm16 == bm8)
 
 
 @pytest.mark.parametrize("window,causal", [((256, 0), False), ((300, 100), False), ((512, -1), True)])
@@ -412,6 +464,7 @@ def test_a_window_skips_the_tiles_fa2_skips(window, causal):
     on the same blocks FP8 reads half fa2's bf16 K/V bytes, and less than without the window. Every CTA sees a key
     in these bands: Q once per CTA, descale factors 1 + 2 per visited tile."""
     b, h, sq, sk, d = 2, 2, 2000, 3000, 128
+    BM = bm_of(d, True)
     p8, p16 = (Problem(b, h, sq, sk, d, dt, causal, window) for dt in ("fp8", "bf16"))
     n_begin, n_end = key_block_ranges(p8, BM, bn_of(d))
     assert np.all(n_end > n_begin)
