@@ -239,7 +239,8 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             if with_lse:
                 lse.fill(-cp.inf)
             return (o, lse) if with_lse else o
-        cfg, kernel = _families._kernel("forward_fp8", a.device, a.head_dim, a.out, a.mods.causal, a.mods.bits)
+        cfg, kernel = _families._kernel("forward_fp8", a.device, a.head_dim, a.out, a.mods.causal, a.mods.bits,
+                                        seqlen_k=a.seqlen_k)
         boxes = ((cfg.block_m, cfg.box_bytes), (cfg.block_n, cfg.box_bytes), (cfg.block_n, cfg.box_bytes))
         operands, keep = [], []
         for x, dims, (rows, cols) in zip(arrays, (a.q, a.k, a.v), boxes):

@@ -180,7 +180,7 @@ class Case:
         if self.kind in FP8_KINDS:  # Hopper's wgmma kernels only: nothing to launch on other targets or with mma
             try:
                 return [config.select("forward_fp8", hd, self.dtype, self.kernel_causal, arch, mods=self.mods,
-                                      kernels=kernels)]
+                                      kernels=kernels, seqlen_k=self.seqlen_k)]
             except ValueError:
                 return []
         if self.wide:  # the registry's wide families (every target)
@@ -359,8 +359,8 @@ def default_cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The FP8 forward: every instantiation (head dim x output dtype x full, causal, window), each on a seqlen pair
-    of _PAIRS, both layouts, every stride kind (padded, misaligned and transposed views are copied before the TMA
+    """The FP8 forward: every instantiation (head dim x output dtype x full, causal, window, and causal on long rows),
+    each on a seqlen pair of _PAIRS (the long rows on their own), both layouts, every stride kind (padded, misaligned and transposed views are copied before the TMA
     loads), grouped-query heads; and packed sequences (with an empty one and causal rows that see no key)."""
     cases = []
     pairs = _PAIRS[0] + _PAIRS[1]
@@ -371,6 +371,10 @@ def fp8_cases() -> list[Case]:
                 sq, sk = pairs[(j + hi) % len(pairs)]
                 cases.append(_case(1 + j % 2, sq, sk, 2, hd, dtype, causal, LAYOUTS[j % 2], STRIDES[j % 4],
                                    kind="fp8", kv_heads=1 if j % 3 == 0 else 0, mods=mods))
+    # causal rows of more than config.FWD_SM90_FP8_CAUSAL_LONG_KEYS keys: the unbanded tiles
+    cases += [_case(1, 1700, sk + 64, 2, hd, dtype, True, layout, "contiguous", kind="fp8", kv_heads=kv)
+              for hd, sk in config.FWD_SM90_FP8_CAUSAL_LONG_KEYS.items()
+              for dtype, layout, kv in (("fp16", "bshd", 0), ("bf16", "bhsd", 1))]
     cases += [_case(4, 203, 113, 2, 128, "bf16", True, "bshd", "contiguous", kind="fp8_varlen", kv_heads=1),
               _case(4, 113, 203, 2, 64, "fp16", False, "bshd", "contiguous", kind="fp8_varlen"),
               _case(4, 130, 130, 2, 256, "bf16", False, "bshd", "contiguous", kind="fp8_varlen", mods=config.MOD_WINDOW)]

@@ -317,6 +317,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
+        out += [fwd_sm90_fp8_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_CAUSAL_LONG_KEYS
+                for dt in DTYPES]
         out += [fwd_sm90_tf32_config(hd, dt, c, w, b, alibi_mask=am) for dt in FWD_SM90_TF32_TILES
                 for hd in FWD_SM90_TF32_TILES[dt] for c, w in ((False, False), (True, False), (False, True))
                 for b in (False, True) for am in (False, True)]
@@ -643,7 +645,8 @@ class FwdSm90Fp8Config:
 # consumers' 376-379 / 440-441 / 492-496 / 526-527 / 546-551, causal 245-247 / 368 / 443-445 / 518-525 / 557-561
 # against 269-272 / 359-362 / 432-433 / 485 / 526-527 (without late_pack: 364-373 / 449-450 / 490-491 / 536-541 /
 # 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). The banded kernels (causal, a window)
-# keep two consumers: a 192-row block wastes more of the band's edge tiles (causal N 1k 0.91x).
+# keep two consumers where the rows are short: a 192-row block wastes more of the band's edge tiles (causal N 1k
+# 0.91x); from 2k keys three consumers run the causal rows 1.02-1.08x (FWD_SM90_FP8_CAUSAL_LONG_KEYS).
 FWD_SM90_FP8_TILES = {
     64: (128, 2, False, False, True, 3),
     128: (128, 2, True, False, False, 2),
@@ -652,10 +655,17 @@ FWD_SM90_FP8_TILES = {
 FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
     64: (128, 2, True, True, True, 2),
 }
+# Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64): measured 0.91x at 1k
+# keys and 1.02x at 2k (the break-even lies between; the midpoint is taken). A window keeps the banded tiles.
+FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1536}
 
 
-def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False) -> FwdSm90Fp8Config:
-    tiles = FWD_SM90_FP8_TILES_BANDED if (causal or window) and head_dim in FWD_SM90_FP8_TILES_BANDED \
+def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
+                        seqlen_k: int | None = None) -> FwdSm90Fp8Config:
+    """The FP8 forward's config (seqlen_k: the longest key sequence; None counts as short)."""
+    long = causal and not window and seqlen_k is not None and \
+        seqlen_k > FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
+    tiles = FWD_SM90_FP8_TILES_BANDED if (causal or window) and head_dim in FWD_SM90_FP8_TILES_BANDED and not long \
         else FWD_SM90_FP8_TILES
     bn, stages, pingpong, q_in_regs, late_pack, consumers = tiles[head_dim]
     return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack, consumers)
@@ -2080,7 +2090,8 @@ FAMILIES = (
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),
     Family("fwd_sm90_fp8", "forward_fp8", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_FP8_TILES if not mods & ~MOD_WINDOW
-           else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW)), wgmma=True),
+           else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW), seqlen_k=sk),
+           wgmma=True),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c, m)),
 )

@@ -155,7 +155,8 @@ FP8_OUT_DTYPE = "bf16"  # O of the FP8 forward the analyzer counts: the library'
 def fp8_config(p: Problem, backward: bool = False, kernels: str = DEFAULT_KERNELS):
     """The FP8 (e4m3) forward's config for p (dtype fp8), as the library selects it (config.select of op
     "forward_fp8": a config.FwdSm90Fp8Config, fwd_sm90_fp8_kernel, O in FP8_OUT_DTYPE): forward only, on the Hopper
-    family only. A sliding window selects the window instantiation (causal folded in, as the library does); the
+    family only, on the tiles the library takes for the problem's key count (config.FWD_SM90_FP8_CAUSAL_LONG_KEYS). A
+    sliding window selects the window instantiation (causal folded in, as the library does); the
     counts take the causal flag and the window from the problem, as cuflash_config's window kernels."""
     if backward:
         raise ValueError(f"backward=True: cuflash has no FP8 backward (dtype={p.dtype!r} counts the FP8 forward "
@@ -167,7 +168,8 @@ def fp8_config(p: Problem, backward: bool = False, kernels: str = DEFAULT_KERNEL
         raise ValueError(f"head_dim={p.head_dim} is not supported by the FP8 forward (fwd_sm90_fp8_kernel); "
                          f"supported: {', '.join(map(str, _config.FWD_SM90_FP8_TILES))}")
     if not runs_window_kernel(p):
-        return _config.select("forward_fp8", p.head_dim, FP8_OUT_DTYPE, p.causal, ARCH, kernels=kernels)
+        return _config.select("forward_fp8", p.head_dim, FP8_OUT_DTYPE, p.causal, ARCH, kernels=kernels,
+                              seqlen_k=p.seqlen_k)
     cfg = _config.select("forward_fp8", p.head_dim, FP8_OUT_DTYPE, False, ARCH, mods=_config.MOD_WINDOW,
                          kernels=kernels)
     return dataclasses.replace(cfg, causal=p.causal, window=False)

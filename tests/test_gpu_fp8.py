@@ -93,6 +93,8 @@ CASES = [
     (64, 128, 217, 4, 4, False, None, "bshd", "head"),
     (64, 1024, 1023, 2, 2, True, None, "bshd", "block"),
     (64, 257, 515, 4, 2, False, (100, 100), "bhsd", "block"),
+    (64, 1800, 2000, 2, 1, True, None, "bhsd", "block"),  # causal, > FWD_SM90_FP8_CAUSAL_LONG_KEYS: three consumers
+    (64, 2100, 1601, 2, 2, True, None, "bshd", "head"),
     (256, 113, 203, 2, 2, False, None, "bshd", "block"),
     (256, 512, 1024, 2, 1, True, None, "bshd", "head"),
     (256, 1000, 1000, 2, 2, False, None, "bhsd", "tensor"),
@@ -184,16 +186,21 @@ def test_fp8_bad_inputs_raise_before_launch():
     assert int(q.sum()) == 0 and float(bf.astype(cp.float32).sum()) == 0.0
 
 
-@pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_fp8_varlen_matches_per_sequence_reference(d, causal):
+VARLEN_SHORT = ([130, 0, 257, 1, 300], [200, 5, 129, 64, 300])
+VARLEN_LONG = ([130, 1700, 1, 300], [200, 1601, 64, 2000])  # causal D 64: the three-consumer tiles for every sequence
+
+
+@pytest.mark.parametrize("d,causal,lens", [(d, c, VARLEN_SHORT) for d in (64, 128, 256) for c in (False, True)]
+                         + [(64, True, VARLEN_LONG)], ids=lambda x: "long" if x is VARLEN_LONG else
+                         "short" if x is VARLEN_SHORT else str(x))
+def test_fp8_varlen_matches_per_sequence_reference(d, causal, lens):
     """Packed sequences (one empty, lengths off the 128-row blocks, q shorter and longer than k), GQA, per-block
     descales counted within each sequence: each sequence against the dense float64 reference of its own rows."""
-    lens_q, lens_k = [130, 0, 257, 1, 300], [200, 5, 129, 64, 300]
+    lens_q, lens_k = lens
     h, hkv = 4, 2
     cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
     mq, mk, b = max(lens_q), max(lens_k), len(lens_q)
-    seed = seed_of("fp8 varlen", d, causal)
+    seed = seed_of("fp8 varlen", d, causal) + (0 if lens is VARLEN_SHORT else 1)
     (qb, qv), (kb, kv), (vb, vv) = (e4m3_bits((int(c[-1]), n, d), seed + i) for i, (c, n) in
                                     enumerate(((cq, h), (ck, hkv), (ck, hkv))))
     (qd, qf), (kd, kf), (vd, vf) = (descale_arg("block", b, n, s, seed + 10 + i) for i, (s, n) in

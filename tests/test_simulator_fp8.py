@@ -21,24 +21,25 @@ E8, E16, F32 = 1, 2, 4  # e4m3 (Q, K, V), bf16 (O), float32 (lse, descale factor
 QB = 128  # rows per block descale factor (cuda/fwd_sm90_fp8.cuh QUANT_BLOCK_ROWS)
 
 
-def cfg_of(d, causal=False):
-    """The library's FP8 forward config for head dim d (FWD_SM90_FP8_TILES, FWD_SM90_FP8_TILES_BANDED when causal)."""
-    return C.fwd_sm90_fp8_config(d, "bf16", causal)
+def cfg_of(d, causal=False, sk=None):
+    """The library's FP8 forward config for head dim d and sk keys (FWD_SM90_FP8_TILES, FWD_SM90_FP8_TILES_BANDED when
+    causal with at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys; sk None: short)."""
+    return C.fwd_sm90_fp8_config(d, "bf16", causal, seqlen_k=sk)
 
 
-def bn_of(d, causal=False):
+def bn_of(d, causal=False, sk=None):
     """Keys per K/V tile."""
-    return cfg_of(d, causal).block_n
+    return cfg_of(d, causal, sk).block_n
 
 
-def bm_of(d, causal=False):
+def bm_of(d, causal=False, sk=None):
     """Query rows per CTA: 64 per consumer warpgroup."""
-    return cfg_of(d, causal).block_m
+    return cfg_of(d, causal, sk).block_m
 
 
-def q_in_regs_of(d, causal=False):
+def q_in_regs_of(d, causal=False, sk=None):
     """Whether the consumers hold Q in registers."""
-    return cfg_of(d, causal).q_in_regs
+    return cfg_of(d, causal, sk).q_in_regs
 
 
 def q_floats(row0, rows, consumers):
@@ -49,8 +50,8 @@ def q_floats(row0, rows, consumers):
 
 def closed_form(b, h, n, d, causal):
     """Sq = Sk = n, a multiple of BM (128 or 192: 64 per consumer warpgroup, W of them) and of 128; key tiles of BN rows
-    (BN divides 128). T = n / BM CTAs per (batch, head), each visits n / BN key tiles (causal: CTA m visits (m + 1) BM
-    / BN), V = the visits summed over CTAs; q = 1 with Q in registers, else 0; F = the q descale factors a CTA reads
+    (BN divides 128). T = n / BM CTAs per (batch, head), each visits n / BN key tiles (causal: CTA m visits
+    ceil((m + 1) BM / BN)), V = the visits summed over CTAs; q = 1 with Q in registers, else 0; F = the q descale factors a CTA reads
     (1 with two consumers; 2 with three: its 192 rows span two 128-row blocks). Per (batch, head):
       HBM read   n D (Q) + 2 BN D V (K, V per visit) + 4 (F T + 2 V) (descale: q's per CTA, k's and v's per visit)
       HBM write  n (2 D + 4) (O in bf16, lse)
@@ -59,11 +60,11 @@ def closed_form(b, h, n, d, causal):
                  + V (BN D + W ((1 - q) 64 + BN) D + W D BN) (V by the transposers; per consumer S = Q K^T, its Q
                  rows from shared memory only without Q in registers, and O += P V)
       FLOPs      4 BM BN D V"""
-    cfg = cfg_of(d, causal)
+    cfg = cfg_of(d, causal, n)
     bm, bn, w, q = cfg.block_m, cfg.block_n, cfg.consumers, int(cfg.q_in_regs)
     assert n % bm == 0 and n % QB == 0, "the closed form is of aligned problems"
     t, f = n // bm, 1 if w == 2 else 2
-    v = (bm // bn) * t * (t + 1) // 2 if causal else t * (n // bn)
+    v = sum(-(-(m + 1) * bm // bn) for m in range(t)) if causal else t * (n // bn)
     return {k: b * h * x for k, x in dict(
         read=n * d * E8 + 2 * bn * d * E8 * v + F32 * (f * t + 2 * v),
         write=n * (d * E16 + F32),
@@ -85,7 +86,7 @@ def hand_counts(b, h, sq, sk, d, causal):
     n_end = ceil(Sk / BN), causal: min(that, (last row + Sk - Sq) // BN + 1); a CTA without keys writes O and lse
     only. TMA reads in-bounds rows and writes whole boxes; the transposers read V and write V^T, whole tiles; with Q
     in registers the consumers read all BM Q rows once per CTA and S = Q K^T reads only K."""
-    cfg = cfg_of(d, causal)
+    cfg = cfg_of(d, causal, sk)
     bm, bn, w, q = cfg.block_m, cfg.block_n, cfg.consumers, int(cfg.q_in_regs)
     out = dict(read=0, write=0, q_read=0, kv_read=0, descale=0, tma=0, transpose=0, q_frag=0, wgmma=0, flops=0)
     for m_block in range(-(-sq // bm)):
@@ -134,6 +135,13 @@ def test_the_shipped_tiles():
             assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == table[d], \
                 f"d{d} causal={causal}"
             assert cfg.block_m == 64 * cfg.consumers
+    # causal rows of more than FWD_SM90_FP8_CAUSAL_LONG_KEYS keys take the unbanded tiles (a window keeps the band's)
+    assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1536}
+    for sk, want in ((1536, C.FWD_SM90_FP8_TILES_BANDED[64]), (1537, C.FWD_SM90_FP8_TILES[64])):
+        cfg = cuflash_config(Problem(1, 1, 1000, sk, 64, "fp8", True))
+        assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == want, sk
+    windowed = cuflash_config(Problem(1, 1, 4096, 4096, 64, "fp8", False, window=(256, 0)))
+    assert windowed.consumers == C.FWD_SM90_FP8_TILES_BANDED[64][5]
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -147,7 +155,7 @@ def test_counts_equal_the_closed_form(d, causal, n, q_in_regs, monkeypatch):
     want = closed_form(b, h, n, d, causal)
     c = simulate("cuflash", Problem(b, h, n, n, d, "fp8", causal))
     cfg = f"d{d} N{n} causal={causal} q_in_regs={q_in_regs}"
-    assert (c.block_m, c.block_n) == (bm_of(d, causal), bn_of(d, causal)), cfg
+    assert (c.block_m, c.block_n) == (bm_of(d, causal, n), bn_of(d, causal, n)), cfg
     assert c.hbm_read_bytes == want["read"], f"HBM reads for {cfg}: {c.hbm_read_bytes} != {want['read']}"
     assert c.hbm_write_bytes == want["write"], f"HBM writes for {cfg}: {c.hbm_write_bytes} != {want['write']}"
     assert c.sram_write_bytes == want["sram_write"], f"SRAM writes for {cfg}: {c.sram_write_bytes}"
@@ -494,6 +502,8 @@ def test_the_config_is_the_librarys():
     windowed = cuflash_config(Problem(1, 1, 300, 300, 256, "fp8", True, window=(64, 0)))
     want = C.select("forward_fp8", 256, "bf16", False, mods=C.MOD_WINDOW)
     assert (windowed.block_n, windowed.stages, windowed.causal) == (want.block_n, want.stages, True)
+    long = cuflash_config(Problem(1, 1, 4096, 4096, 64, "fp8", True))
+    assert long == C.select("forward_fp8", 64, "bf16", True, seqlen_k=4096) and long.consumers == 3
 
 
 @pytest.mark.parametrize("strategy,kwargs,problem,message", [
