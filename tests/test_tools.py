@@ -1,4 +1,5 @@
-"""The measurement tools' own logic that runs without a GPU (tools/launch_overhead.py, tools/mma_rates.py)."""
+"""The measurement tools' own logic that runs without a GPU (tools/launch_overhead.py, tools/mma_rates.py,
+tools/kernel_times.py, tools/bench_dbias_reductions.py, ...)."""
 from __future__ import annotations
 
 import subprocess
@@ -74,6 +75,36 @@ def test_kernel_times_parses_its_arguments():
     out = subprocess.run([sys.executable, str(TOOLS / "kernel_times.py"), "--dtype", "bf16", "--main", "16,2"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "--dtype fp32 or tf32" in out.stderr, out.stderr[-2000:]
+    for bad, message in ((["--batch", "4", "--bias-batch", "3"], "a divisor of --batch 4"),
+                         (["--no-dbias"], "--no-dbias needs a bias")):
+        out = subprocess.run([sys.executable, str(TOOLS / "kernel_times.py"), *bad], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (bad, out.stderr[-2000:])
+
+
+def test_bench_dbias_reductions_kernel_compiles():
+    """tools/bench_dbias_reductions.py (dBias reduction layouts): its kernel compiles for sm_90a (every layout is one
+    branch of it), and a sequence length off the 128-key blocks is refused before touching the GPU."""
+    from cuflash import _compile
+
+    out = subprocess.run([sys.executable, str(TOOLS / "bench_dbias_reductions.py"), "--seqlen", "200"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert out.returncode == 2 and "a multiple of 128" in out.stderr, out.stderr[-2000:]
+    try:
+        nvrtc = _compile._nvrtc()
+        nvrtc.getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+    sys.path.insert(0, str(TOOLS))
+    try:
+        import bench_dbias_reductions
+    finally:
+        sys.path.remove(str(TOOLS))
+    prog = nvrtc.createProgram(bench_dbias_reductions.SOURCE, "reduce_dbias.cu", [], [])
+    try:
+        nvrtc.compileProgram(prog, ["-arch=sm_90a", "-std=c++17"])
+    finally:
+        nvrtc.destroyProgram(prog)
 
 
 def test_bench_float32_mods_describes_its_cases():
