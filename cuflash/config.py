@@ -646,7 +646,7 @@ class FwdSm90Fp8Config:
 # against 269-272 / 359-362 / 432-433 / 485 / 526-527 (without late_pack: 364-373 / 449-450 / 490-491 / 536-541 /
 # 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). The banded kernels (causal, a window)
 # keep two consumers where the rows are short: a 192-row block wastes more of the band's edge tiles (causal N 1k
-# 0.91x); from 2k keys three consumers run the causal rows 1.02-1.08x (FWD_SM90_FP8_CAUSAL_LONG_KEYS).
+# 0.91x); above 1k keys three consumers run the causal rows faster (FWD_SM90_FP8_CAUSAL_LONG_KEYS).
 FWD_SM90_FP8_TILES = {
     64: (128, 2, False, False, True, 3),
     128: (128, 2, True, False, False, 2),
@@ -655,9 +655,11 @@ FWD_SM90_FP8_TILES = {
 FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
     64: (128, 2, True, True, True, 2),
 }
-# Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64): measured 0.91x at 1k
-# keys and 1.02x at 2k (the break-even lies between; the midpoint is taken). A window keeps the banded tiles.
-FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1536}
+# Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64). Three against two
+# consumers, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s: 247-248 / 301-302 / 344 /
+# 337 / 374-375 against 269-272 / 298 / 320-323 / 343-344 / 357-360 (a 192-row block one third full at 1792), and
+# 1.02-1.10x from 4k. A window keeps the banded tiles.
+FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1024}
 
 
 def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False,

@@ -136,8 +136,8 @@ def test_the_shipped_tiles():
                 f"d{d} causal={causal}"
             assert cfg.block_m == 64 * cfg.consumers
     # causal rows of more than FWD_SM90_FP8_CAUSAL_LONG_KEYS keys take the unbanded tiles (a window keeps the band's)
-    assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1536}
-    for sk, want in ((1536, C.FWD_SM90_FP8_TILES_BANDED[64]), (1537, C.FWD_SM90_FP8_TILES[64])):
+    assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1024}
+    for sk, want in ((1024, C.FWD_SM90_FP8_TILES_BANDED[64]), (1025, C.FWD_SM90_FP8_TILES[64])):
         cfg = cuflash_config(Problem(1, 1, 1000, sk, 64, "fp8", True))
         assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == want, sk
     windowed = cuflash_config(Problem(1, 1, 4096, 4096, 64, "fp8", False, window=(256, 0)))
