@@ -14,6 +14,27 @@ if not (TOOLS / "launch_overhead.py").exists():  # pragma: no cover - an install
     pytest.skip("tools/ is not part of this installation", allow_module_level=True)
 
 
+def nvrtc_or_skip():
+    """cuflash's NVRTC binding, or a skip where CuPy or libnvrtc is missing."""
+    from cuflash import _compile
+
+    try:
+        nvrtc = _compile._nvrtc()
+        nvrtc.getVersion()
+    except Exception as e:  # CuPy or libnvrtc missing
+        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
+    return nvrtc
+
+
+def import_tool(name: str):
+    """tools/<name>.py as a module (tools/ is not a package)."""
+    sys.path.insert(0, str(TOOLS))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(TOOLS))
+
+
 def test_against_loads_another_checkout_beside_this_one():
     """`launch_overhead.py --against DIR` times two cuflash packages in one process: the other one must be a
     separate module tree (its own plan cache and kernel table) that compiles its own checkout's kernels."""
@@ -39,18 +60,8 @@ print("ok")
 def test_mma_rates_kernels_compile(shape):
     """tools/mma_rates.py's two kernels (the rate loop and the layout check) compile for each shape on sm_90a, and
     the shapes that sm_80 lacks are marked so (NVRTC refuses them there): the tool cannot rot unnoticed."""
-    from cuflash import _compile
-
-    try:
-        nvrtc = _compile._nvrtc()
-        nvrtc.getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import mma_rates
-    finally:
-        sys.path.remove(str(TOOLS))
+    nvrtc = nvrtc_or_skip()
+    mma_rates = import_tool("mma_rates")
 
     def compiles(arch: str) -> bool:
         prog = nvrtc.createProgram(mma_rates.kernel_source(shape), "mma_rates.cu", [], [])
@@ -85,22 +96,11 @@ def test_kernel_times_parses_its_arguments():
 def test_bench_dbias_reductions_kernel_compiles():
     """tools/bench_dbias_reductions.py (dBias reduction layouts): its kernel compiles for sm_90a (every layout is one
     branch of it), and a sequence length off the 128-key blocks is refused before touching the GPU."""
-    from cuflash import _compile
-
     out = subprocess.run([sys.executable, str(TOOLS / "bench_dbias_reductions.py"), "--seqlen", "200"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "a multiple of 128" in out.stderr, out.stderr[-2000:]
-    try:
-        nvrtc = _compile._nvrtc()
-        nvrtc.getVersion()
-    except Exception as e:  # CuPy or libnvrtc missing
-        pytest.skip(f"NVRTC is not usable here: {type(e).__name__}: {e}")
-    sys.path.insert(0, str(TOOLS))
-    try:
-        import bench_dbias_reductions
-    finally:
-        sys.path.remove(str(TOOLS))
-    prog = nvrtc.createProgram(bench_dbias_reductions.SOURCE, "reduce_dbias.cu", [], [])
+    nvrtc = nvrtc_or_skip()
+    prog = nvrtc.createProgram(import_tool("bench_dbias_reductions").SOURCE, "reduce_dbias.cu", [], [])
     try:
         nvrtc.compileProgram(prog, ["-arch=sm_90a", "-std=c++17"])
     finally:
