@@ -360,8 +360,9 @@ def default_cases() -> list[Case]:
 
 def fp8_cases() -> list[Case]:
     """The FP8 forward: every instantiation (head dim x output dtype x full, causal, window, and causal on long rows),
-    each on a seqlen pair of _PAIRS (the long rows on their own), both layouts, every stride kind (padded, misaligned and transposed views are copied before the TMA
-    loads), grouped-query heads; and packed sequences (with an empty one and causal rows that see no key)."""
+    each on a seqlen pair of _PAIRS (the long rows on their own), both layouts, every stride kind (padded, misaligned
+    and transposed views are copied before the TMA loads), grouped-query heads; and packed sequences (with an empty
+    one and causal rows that see no key)."""
     cases = []
     pairs = _PAIRS[0] + _PAIRS[1]
     for hi, hd in enumerate(config.FWD_SM90_FP8_TILES):

@@ -667,10 +667,11 @@ def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = 
     """The FP8 forward's config (seqlen_k: the longest key sequence; None counts as short)."""
     long = causal and not window and seqlen_k is not None and \
         seqlen_k > FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
-    tiles = FWD_SM90_FP8_TILES_BANDED if (causal or window) and head_dim in FWD_SM90_FP8_TILES_BANDED and not long \
-        else FWD_SM90_FP8_TILES
+    banded = (causal or window) and not long
+    tiles = FWD_SM90_FP8_TILES_BANDED if banded and head_dim in FWD_SM90_FP8_TILES_BANDED else FWD_SM90_FP8_TILES
     bn, stages, pingpong, q_in_regs, late_pack, consumers = tiles[head_dim]
     return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack, consumers)
+
 
 # The head dims fwd_sm90_ws_kernel is compiled for (FwdSm90WsConfig checks them)
 FWD_SM90_WS_HEAD_DIMS = tuple(FWD_SM90_WS_TILES)
@@ -2092,8 +2093,8 @@ FAMILIES = (
            lambda mods: WIDE_KERNEL_HEAD_DIMS["fp64"] if wide_mods_supported("fp64", mods) else (),
            lambda hd, dt, c, m, det, arch, sk: bwd_wide_config(hd, dt, c, m, arch, det)),
     Family("fwd_sm90_fp8", "forward_fp8", ("sm_90a",), DTYPES, lambda mods: FWD_SM90_FP8_TILES if not mods & ~MOD_WINDOW
-           else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW), seqlen_k=sk),
-           wgmma=True),
+           else (), lambda hd, dt, c, m, det, arch, sk: fwd_sm90_fp8_config(hd, dt, c, bool(m & MOD_WINDOW),
+                                                                              seqlen_k=sk), wgmma=True),
     Family("decode", "decode", None, DTYPES, lambda mods: DECODE_TILES if not mods & ~MODS_DECODE else (),
            lambda hd, dt, c, m, det, arch, sk: fwd_decode_config(hd, dt, c, m)),
 )

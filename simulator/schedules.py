@@ -156,8 +156,8 @@ def fp8_config(p: Problem, backward: bool = False, kernels: str = DEFAULT_KERNEL
     """The FP8 (e4m3) forward's config for p (dtype fp8), as the library selects it (config.select of op
     "forward_fp8": a config.FwdSm90Fp8Config, fwd_sm90_fp8_kernel, O in FP8_OUT_DTYPE): forward only, on the Hopper
     family only, on the tiles the library takes for the problem's key count (config.FWD_SM90_FP8_CAUSAL_LONG_KEYS). A
-    sliding window selects the window instantiation (causal folded in, as the library does); the
-    counts take the causal flag and the window from the problem, as cuflash_config's window kernels."""
+    sliding window selects the window instantiation (causal folded in, as the library does); the counts take the
+    causal flag and the window from the problem, as cuflash_config's window kernels."""
     if backward:
         raise ValueError(f"backward=True: cuflash has no FP8 backward (dtype={p.dtype!r} counts the FP8 forward "
                          f"fwd_sm90_fp8_kernel only)")

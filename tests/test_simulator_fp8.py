@@ -51,8 +51,8 @@ def q_floats(row0, rows, consumers):
 def closed_form(b, h, n, d, causal):
     """Sq = Sk = n, a multiple of BM (128 or 192: 64 per consumer warpgroup, W of them) and of 128; key tiles of BN rows
     (BN divides 128). T = n / BM CTAs per (batch, head), each visits n / BN key tiles (causal: CTA m visits
-    ceil((m + 1) BM / BN)), V = the visits summed over CTAs; q = 1 with Q in registers, else 0; F = the q descale factors a CTA reads
-    (1 with two consumers; 2 with three: its 192 rows span two 128-row blocks). Per (batch, head):
+    ceil((m + 1) BM / BN)), V = the visits summed over CTAs; q = 1 with Q in registers, else 0; F = the q descale
+    factors a CTA reads (1 with two consumers; 2 with three: its 192 rows span two 128-row blocks). Per (batch, head):
       HBM read   n D (Q) + 2 BN D V (K, V per visit) + 4 (F T + 2 V) (descale: q's per CTA, k's and v's per visit)
       HBM write  n (2 D + 4) (O in bf16, lse)
       SRAM write BM D T (Q by TMA) + V (2 BN D + BN D) (K, V by TMA; V^T by the transposers)
@@ -129,8 +129,9 @@ def test_the_shipped_tiles():
     assert C.FWD_SM90_FP8_TILES == {64: (128, 2, False, False, True, 3), 128: (128, 2, True, False, False, 2),
                                     256: (64, 4, True, False, True, 2)}
     assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2)}
+    banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
     for d in C.FWD_SM90_FP8_TILES:
-        for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED})):
+        for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, banded)):
             cfg = cuflash_config(Problem(1, 1, 256, 256, d, "fp8", causal))
             assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == table[d], \
                 f"d{d} causal={causal}"

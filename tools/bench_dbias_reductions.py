@@ -52,7 +52,8 @@ extern "C" __global__ void reduce_dbias(float* dbias, int layout, int L) {
         const float x0 = v, x1 = v + 1.f, x2 = v + 2.f, x3 = v + 3.f;
         auto pick = [&](int s) { return s == 0 ? x0 : s == 1 ? x1 : s == 2 ? x2 : x3; };
         const float r0 = pick(j), r1 = __shfl_xor_sync(0xffffffffu, pick(j ^ 1), 4),
-                    r2 = __shfl_xor_sync(0xffffffffu, pick(j ^ 2), 8), r3 = __shfl_xor_sync(0xffffffffu, pick(j ^ 3), 12);
+                    r2 = __shfl_xor_sync(0xffffffffu, pick(j ^ 2), 8),
+                    r3 = __shfl_xor_sync(0xffffffffu, pick(j ^ 3), 12);
         auto from = [&](int k) { const int r = j ^ k; return r == 0 ? r0 : r == 1 ? r1 : r == 2 ? r2 : r3; };
         float* at = base + (size_t)(q0 + 8 * qt + 2 * t + (j & 1)) * L + 16 * warp + 4 * a + 8 * (j >> 1);
         asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(at), "f"(from(0)), "f"(from(1)),
