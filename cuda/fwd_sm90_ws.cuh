@@ -843,6 +843,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
                                                 n_tiles, tiles, n_begin, pipe, 0);
     }
   } else {
+    // (a tile map's walk in the producer thread's item loop spilled 64-68 bytes at 24 registers: 32 there, the two
+    // consumers 232 instead of 240, within the registers the launch gives the CTA)
+    constexpr bool MAP = ScoreMods<MODS>::HAS_TILE_MAP;
+    constexpr int PRODUCER_REGS = MAP ? 32 : Tr::PRODUCER_REGS;
+    constexpr int CONSUMER_REGS = MAP && Tr::CONSUMERS == 2 ? 232 : Tr::CONSUMER_REGS;
+    static_assert(128 * PRODUCER_REGS + Tr::CONSUMER_THREADS * CONSUMER_REGS <= 65536 / Tr::THREADS / 8 * 8 * Tr::THREADS,
+                  "setmaxnreg exceeds the registers of the launch");
     // Persistent: a grid of at most one CTA per SM walks the m_blocks * heads * batch work items (WsItem), so each
     // role runs into the next item's loads (producer) and GEMMs (consumers) without a new CTA's start, and the
     // next item's Q, K and V load under this item's last key tile and epilogue. The producer thread decides which
@@ -857,7 +864,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
     WsPipe pipe;
     u32 q_phase = 0;  // items with key tiles so far, mod 2
     if (threadIdx.x < 128) {  // producer warpgroup: one thread issues every load; the others are done
-      setmaxnreg_dec<Tr::PRODUCER_REGS>();
+      setmaxnreg_dec<PRODUCER_REGS>();
       if (threadIdx.x != 0) return;
       prefetch_tensormap(&p.tma_q);
       prefetch_tensormap(&p.tma_k);
@@ -893,7 +900,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
         }
       }
     } else {  // consumer warpgroups
-      setmaxnreg_inc<Tr::CONSUMER_REGS>();
+      setmaxnreg_inc<CONSUMER_REGS>();
       for (u32 u = 0;; ++u) {
         const int slot = u & 1;
         // a plain wait: the watchdog's trap branch here made ptxas spill 280-300 bytes at D 128 (NVRTC 13.5)

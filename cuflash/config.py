@@ -785,10 +785,17 @@ FWD_SM90_WS_CAUSAL_LONG_KEYS = {64: 4096}
 FWD_SM90_WS_TILES_CAUSAL_LONG = {64: (128, 2, False, False, 192)}
 
 
-# A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): the causal tiles, whose key tiles of 128
-# rows at D 64 and 128 and of 64 at D 256 take 128 x 128 blocks whole; at D 192 64-key tiles instead of the causal
-# table's 96. (The persistent causal kernels spill 64-76 bytes with a tile map, NVRTC 13.5.)
-FWD_SM90_WS_TILES_BLOCKS = {**FWD_SM90_WS_TILES_CAUSAL, 192: (64, 2, True)}
+# A BlockMask's tile map alone (MOD_BLOCKS, at most a window beside it): key tiles of 128 rows at D 32-128 and of 64
+# at D 192 and 256 take 128 x 128 blocks whole. Up to D 128 the persistent grid with its work queue (the query
+# blocks' kept tiles differ; the queue evens them out) and pingpong, measured in one process (H200, 2026-11-30,
+# bf16, B 1, N 16k, a random 10 % of the 128 x 128 blocks, CUDA events, the better median of two rounds, outputs
+# bitwise equal), ms, the one-item causal tiles before against (128, 2, pingpong, persistent): D 128 H 16 0.537 /
+# 0.505 (causal 0.320 / 0.283), D 64 H 32 0.861 / 0.811 (0.478 / 0.444), D 32 H 64 1.604 / 1.370 (0.864 / 0.741),
+# D 96 H 21 0.633 / 0.599 (0.359 / 0.329); persistent without pingpong or with 3 stages 0-6 % behind. (The
+# persistent kernels with a tile map spilled 64-76 bytes until the producer thread, which walks the map for each
+# item, kept 32 registers instead of 24.) D 192 and 256 keep the one-item grid (not measured persistent).
+FWD_SM90_WS_TILES_BLOCKS = {**FWD_SM90_WS_TILES_CAUSAL, 32: (128, 2, True, True), 64: (128, 2, True, True),
+                            96: (128, 2, True, True), 128: (128, 2, True, True), 192: (64, 2, True)}
 
 
 def fwd_sm90_ws_table(head_dim: int, causal: bool, mods: int = 0, seqlen_k: int | None = None) -> dict:
