@@ -313,6 +313,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_MASK_CHECKED[c]]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_BIAS for dt in DTYPES for c in (False, True)
                 for m in MODS_BIAS_CHECKED[c]]
+        out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES_BIAS_MASK for dt in DTYPES
+                for c in (False, True) for m in MODS_BIAS_MASK_CHECKED[c]]
         out += [fwd_sm90_ws_config(hd, dt, c, m) for hd in FWD_SM90_WS_TILES for dt in DTYPES for c in (False, True)
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
@@ -707,6 +709,8 @@ FWD_SM90_WS_TILES_MASK = {
 MODS_MASK_CHECKED = {False: (MOD_MASK | MOD_WINDOW,), True: (MOD_MASK,)}
 # ... of the bias table (MOD_BIAS with at most a window)
 MODS_BIAS_CHECKED = {False: (MOD_BIAS, MOD_BIAS | MOD_WINDOW), True: (MOD_BIAS,)}
+# ... of the bias-with-a-mask table (MOD_BIAS and MOD_MASK with at most a window)
+MODS_BIAS_MASK_CHECKED = {False: (MOD_BIAS | MOD_MASK, MOD_BIAS | MOD_MASK | MOD_WINDOW), True: (MOD_BIAS | MOD_MASK,)}
 # ... and of the block map alone (MOD_BLOCKS: the plain / causal tiles of the warp-specialized kernels)
 MODS_BLOCKS_CHECKED = {False: (MOD_BLOCKS | MOD_WINDOW,), True: (MOD_BLOCKS,)}
 
@@ -718,15 +722,30 @@ MODS_BLOCKS_CHECKED = {False: (MOD_BLOCKS | MOD_WINDOW,), True: (MOD_BLOCKS,)}
 # 0.87-0.95x for (128, 2, persistent) and 0.88-1.05x for (128, 2) on the one-item grid (192-key tiles 1.00-1.57x; 3
 # or 4 stages of 64 keys within 3 % of 2; 32-key tiles 0.97-1.01x); D 64 evoformer rows (L 256, 512) 0.84 / 0.91x the
 # (128, 2) one-item kernel, but 1.03-1.05x on the llm rows (a full (B, H, N, N) bias, N 1k-4k); D 128 llm rows (N
-# 1k-4k) 0.93-0.97x (96, 3) on the one-item grid. With a mask beside the bias the persistent kernel spills 68-72
-# bytes at D 32 (NVRTC 13.5): those calls take FWD_SM90_WS_TILES_MODS.
+# 1k-4k) 0.93-0.97x (96, 3) on the one-item grid.
 FWD_SM90_WS_TILES_BIAS = {32: (64, 2, False, True), 64: (64, 2, False, True), 128: (64, 2, False, True)}
 FWD_SM90_WS_BIAS_MAX_KEYS = {64: 512}
+# A bias beside a mask (the Evoformer's pair bias with its MSA mask as a key_padding_mask), with at most a window:
+# the bias's 64-key tiles on the persistent grid, with pingpong, at D 32 and 64 (at D 64 up to
+# FWD_SM90_WS_BIAS_MAX_KEYS keys); the persistent kernels spilled 68-72 bytes there until the producer thread, which
+# walks the mask's tile map for each item, kept 32 registers (fwd_sm90_ws.cuh). Measured in one process on an H200
+# (2026-11-30, bf16, a (1, H, L, L) bf16 bias, a key_padding_mask keeping every key or the first 70-100 % of each
+# row's, CUDA events, the better median of 30 calls in two rounds), forward ms, the one-item (128, 2) tiles of
+# FWD_SM90_WS_TILES_MODS against (64, 2, pingpong, persistent): B*N 1024, L 256, H 8, D 32 1.048 / 0.948 (70-100 %:
+# 1.288 / 0.954); 128, 768, 8, 32 0.816 / 0.823 (0.881 / 0.777); 512, 256, 8, 64 0.575 / 0.510 (0.683 / 0.521); 512,
+# 512, 4, 64 0.865 / 0.821 (0.987 / 0.809); without pingpong 0-5 % behind (the bias alone: 0.818, 0.742, 0.456,
+# 0.765). D 128 keeps FWD_SM90_WS_TILES_MODS (not measured).
+FWD_SM90_WS_TILES_BIAS_MASK = {32: (64, 2, True, True), 64: (64, 2, True, True)}
 
 
 def bias_only(mods: int) -> bool:
     """A bias, with at most a window beside it: the kernels of config.FWD_SM90_WS_TILES_BIAS."""
     return bool(mods & MOD_BIAS) and not mods & ~(MOD_BIAS | MOD_WINDOW)
+
+
+def bias_mask(mods: int) -> bool:
+    """A bias beside a mask, with at most a window: the kernels of config.FWD_SM90_WS_TILES_BIAS_MASK."""
+    return bool(mods & MOD_BIAS) and bool(mods & MOD_MASK) and not mods & ~(MOD_BIAS | MOD_MASK | MOD_WINDOW)
 
 
 def mask_only(mods: int) -> bool:
@@ -793,9 +812,11 @@ FWD_SM90_WS_TILES_CAUSAL_LONG = {64: (128, 2, False, False, 192)}
 # 0.505 (causal 0.320 / 0.283), D 64 H 32 0.861 / 0.811 (0.478 / 0.444), D 32 H 64 1.604 / 1.370 (0.864 / 0.741),
 # D 96 H 21 0.633 / 0.599 (0.359 / 0.329); persistent without pingpong or with 3 stages 0-6 % behind. (The
 # persistent kernels with a tile map spilled 64-76 bytes until the producer thread, which walks the map for each
-# item, kept 32 registers instead of 24.) D 192 and 256 keep the one-item grid (not measured persistent).
+# item, kept 32 registers instead of 24.) D 192 (64, 2, pingpong) persistent against one-item (H 10, same run): 0.526
+# / 0.541 ms (causal 0.276 / 0.283). D 256 keeps the one-item grid (its persistent kernels with a map spill 44-56
+# bytes in the consumers).
 FWD_SM90_WS_TILES_BLOCKS = {**FWD_SM90_WS_TILES_CAUSAL, 32: (128, 2, True, True), 64: (128, 2, True, True),
-                            96: (128, 2, True, True), 128: (128, 2, True, True), 192: (64, 2, True)}
+                            96: (128, 2, True, True), 128: (128, 2, True, True), 192: (64, 2, True, True)}
 
 
 def fwd_sm90_ws_table(head_dim: int, causal: bool, mods: int = 0, seqlen_k: int | None = None) -> dict:
@@ -810,6 +831,8 @@ def fwd_sm90_ws_table(head_dim: int, causal: bool, mods: int = 0, seqlen_k: int 
         seqlen_k > FWD_SM90_WS_CAUSAL_LONG_KEYS[head_dim]
     return FWD_SM90_WS_TILES_MASK if mask_only(mods) else \
         FWD_SM90_WS_TILES_BIAS if bias_only(mods) and head_dim in FWD_SM90_WS_TILES_BIAS and \
+        (seqlen_k is None or seqlen_k <= FWD_SM90_WS_BIAS_MAX_KEYS.get(head_dim, seqlen_k)) else \
+        FWD_SM90_WS_TILES_BIAS_MASK if bias_mask(mods) and head_dim in FWD_SM90_WS_TILES_BIAS_MASK and \
         (seqlen_k is None or seqlen_k <= FWD_SM90_WS_BIAS_MAX_KEYS.get(head_dim, seqlen_k)) else \
         FWD_SM90_WS_TILES_MODS if heavy_mods(mods) else \
         FWD_SM90_WS_TILES_BLOCKS if mods & MOD_BLOCKS else \

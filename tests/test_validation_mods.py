@@ -89,8 +89,10 @@ def test_every_modifier_config_is_compile_checked():
     """The compile check builds, per kernel, MODS 0 and the heaviest modifier sets (config.MODS_CHECKED); a
     launch with any other set uses the tiles of one of them (window alone: the plain/causal tiles, anything
     with ALiBi / softcap / dropout: the *_MODS tiles; on the Hopper warp-specialized forward a mask with at most a
-    window: the mask tiles, checked with config.MODS_MASK_CHECKED, and a bias with at most a window, at the head dims
-    of config.FWD_SM90_WS_TILES_BIAS: the bias tiles, each set built as it is, config.MODS_BIAS_CHECKED)."""
+    window: the mask tiles, checked with config.MODS_MASK_CHECKED, a bias with at most a window, at the head dims
+    of config.FWD_SM90_WS_TILES_BIAS: the bias tiles, each set built as it is, config.MODS_BIAS_CHECKED, and a bias
+    beside a mask, at the head dims of config.FWD_SM90_WS_TILES_BIAS_MASK: its tiles, each set built as it is,
+    config.MODS_BIAS_MASK_CHECKED)."""
     names = {c.cpp_name() for c in config.all_fwd_configs() + config.all_bwd_configs()}
     for hd in config.KERNEL_HEAD_DIMS:
         for m in range(1, config.MODS_ALL + 1):
@@ -101,6 +103,10 @@ def test_every_modifier_config_is_compile_checked():
                 if isinstance(cfg, config.FwdSm90WsConfig) and config.bias_only(m) and \
                         hd in config.FWD_SM90_WS_TILES_BIAS:
                     assert m in config.MODS_BIAS_CHECKED[causal] and cfg.cpp_name() in names, (hd, m, causal)
+                    continue
+                if isinstance(cfg, config.FwdSm90WsConfig) and config.bias_mask(m) and \
+                        hd in config.FWD_SM90_WS_TILES_BIAS_MASK:
+                    assert m in config.MODS_BIAS_MASK_CHECKED[causal] and cfg.cpp_name() in names, (hd, m, causal)
                     continue
                 mask_table = config.mask_only(m) and isinstance(cfg, config.FwdSm90WsConfig)
                 heavy = (config.MODS_MASK_CHECKED if mask_table else config.MODS_CHECKED)[causal][-1]
