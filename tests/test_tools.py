@@ -128,3 +128,26 @@ def test_bench_blockmask_takes_float32():
     out = subprocess.run([sys.executable, str(TOOLS / "bench_blockmask.py"), "--dtype", "fp16"],
                          capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 2 and "invalid choice" in out.stderr, out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("kind,table", [("blocks", "FWD_SM90_WS_TILES_BLOCKS"), ("kpm", "FWD_SM90_WS_TILES_MASK"),
+                                        ("mask", "FWD_SM90_WS_TILES_MASK"),
+                                        ("bias-kpm", "FWD_SM90_WS_TILES_BIAS_MASK")])
+def test_tune_tiles_mask_kinds_tune_the_table_their_calls_take(kind, table):
+    """`tune_tiles.py --mask KIND` swaps entries of config.fwd_sm90_ws_table(d, causal, MASK_MODS[KIND], n): the
+    table the masked forward's config comes from (a bias beside a mask at head dim 64 takes the bias-and-mask
+    tiles up to 512 keys, the modifier tiles above, as the library picks)."""
+    from cuflash import config
+
+    tune_tiles = import_tool("tune_tiles")
+    mods = tune_tiles.MASK_MODS[kind]
+    for causal in (False, True):
+        n = 512
+        got = config.fwd_sm90_ws_table(64, causal, mods, seqlen_k=n)
+        assert got is getattr(config, table), (kind, causal)
+        cfg = config.fwd_sm90_ws_config(64, "bf16", causal, mods, seqlen_k=n)
+        entry = got[64] + (False,) * (4 - len(got[64]))  # (block_n, stages, pingpong[, persistent[, block_m]])
+        assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.persistent) == entry[:4], (kind, causal, cfg)
+    if kind == "bias-kpm":
+        assert config.fwd_sm90_ws_table(64, False, mods, seqlen_k=1024) is config.FWD_SM90_WS_TILES_MODS
+        assert config.fwd_sm90_ws_table(128, False, mods, seqlen_k=256) is config.FWD_SM90_WS_TILES_MODS
