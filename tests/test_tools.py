@@ -131,16 +131,16 @@ def test_bench_blockmask_takes_float32():
 
 
 @pytest.mark.parametrize("kind,table", [("blocks", "FWD_SM90_WS_TILES_BLOCKS"), ("kpm", "FWD_SM90_WS_TILES_MASK"),
-                                        ("mask", "FWD_SM90_WS_TILES_MASK"),
+                                        ("mask", "FWD_SM90_WS_TILES_MASK"), ("bias", "FWD_SM90_WS_TILES_BIAS"),
                                         ("bias-kpm", "FWD_SM90_WS_TILES_BIAS_MASK")])
-def test_tune_tiles_mask_kinds_tune_the_table_their_calls_take(kind, table):
-    """`tune_tiles.py --mask KIND` swaps entries of config.fwd_sm90_ws_table(d, causal, MASK_MODS[KIND], n): the
-    table the masked forward's config comes from (a bias beside a mask at head dim 64 takes the bias-and-mask
-    tiles up to 512 keys, the modifier tiles above, as the library picks)."""
+def test_tune_tiles_mods_kinds_tune_the_table_their_calls_take(kind, table):
+    """`tune_tiles.py --mods KIND` swaps entries of config.fwd_sm90_ws_table(d, causal, MODS_KINDS[KIND], n): the
+    table the forward's config comes from with those modifiers (a bias beside a mask at head dim 64 takes the
+    bias-and-mask tiles up to 512 keys, the modifier tiles above, as the library picks)."""
     from cuflash import config
 
     tune_tiles = import_tool("tune_tiles")
-    mods = tune_tiles.MASK_MODS[kind]
+    mods = tune_tiles.MODS_KINDS[kind]
     for causal in (False, True):
         n = 512
         got = config.fwd_sm90_ws_table(64, causal, mods, seqlen_k=n)

@@ -7,8 +7,9 @@ output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FW
 FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). `--dtype fp32` / `tf32`
 tunes the float32 Hopper kernels instead (FWD_SM90_TF32_TILES, and unless --no-backward BWD_SM90_TF32_TILES and
 BWD_DQ_SM90_TF32_TILES, the backward timed whole; float32 inputs, precision "fp32" or "tf32").
-`--mask blocks|kpm|mask|bias-kpm` times a masked forward instead, on the warp-specialized forward's table for the
-call's modifier bits (MASK_MODS: a BlockMask, a key padding mask, an element mask, a bias beside a key padding mask).
+`--mods blocks|kpm|mask|bias|bias-kpm` times the forward of a call with a mask or a bias instead, on the
+warp-specialized forward's table for the call's modifier bits (MODS_KINDS: a BlockMask, a key padding mask, an
+element mask, a bias, a bias beside a key padding mask).
 Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
@@ -94,18 +95,18 @@ def rand(shape, dtype: str = "bf16"):
     return x if dtype in ("fp32", "tf32") else x.astype(BF16)
 
 
-# --mask: the forward of a masked call, timed on the warp-specialized forward's table for the call's modifier bits
-# (config.fwd_sm90_ws_table with them): "blocks" a BlockMask keeping a random 10 % of the 128 x 128 blocks (MOD_BLOCKS:
-# the tile map alone), "kpm" a key_padding_mask by which every other sequence keeps the first half of its keys, "mask"
-# an element mask of random 64 x 64 blocks, half of them kept (the mask kernels, MOD_MASK, their map with partial
-# tiles), "bias-kpm" a (1, H, N, N) bias beside a key padding mask keeping the first 70-100 % of each row's keys
-# (MOD_BIAS | MOD_MASK: the Evoformer's pair bias and MSA mask)
-MASK_MODS = {"blocks": config.MOD_BLOCKS, "kpm": config.MOD_MASK, "mask": config.MOD_MASK,
-             "bias-kpm": config.MOD_BIAS | config.MOD_MASK}
+# --mods: the forward of a call with a bias or a mask, timed on the warp-specialized forward's table for the call's
+# modifier bits (config.fwd_sm90_ws_table with them): "blocks" a BlockMask keeping a random 10 % of the 128 x 128
+# blocks (MOD_BLOCKS: the tile map alone), "kpm" a key_padding_mask by which every other sequence keeps the first half
+# of its keys, "mask" an element mask of random 64 x 64 blocks, half of them kept (the mask kernels, MOD_MASK, their
+# map with partial tiles), "bias" a (1, H, N, N) bias, "bias-kpm" the bias beside a key padding mask keeping the first
+# 70-100 % of each row's keys (MOD_BIAS | MOD_MASK: the Evoformer's pair bias and MSA mask)
+MODS_KINDS = {"blocks": config.MOD_BLOCKS, "kpm": config.MOD_MASK, "mask": config.MOD_MASK, "bias": config.MOD_BIAS,
+              "bias-kpm": config.MOD_BIAS | config.MOD_MASK}
 
 
-def mask_kwargs(kind: str, b: int, n: int, h: int, seed: int = 0) -> dict:
-    """The masked call's keyword arguments for --mask `kind` (see MASK_MODS), on (b, n, h, d) inputs."""
+def mods_kwargs(kind: str, b: int, n: int, h: int, seed: int = 0) -> dict:
+    """The call's keyword arguments for --mods `kind` (see MODS_KINDS), on (b, n, h, d) inputs."""
     rng = np.random.default_rng(seed)
     if kind == "blocks":
         blocks = rng.random((-(-n // 128), -(-n // 128))) < 0.1
@@ -117,10 +118,12 @@ def mask_kwargs(kind: str, b: int, n: int, h: int, seed: int = 0) -> dict:
     if kind == "mask":
         blocks = rng.random((-(-n // 64), -(-n // 64))) < 0.5
         return {"mask": cp.asarray(np.repeat(np.repeat(blocks, 64, 0), 64, 1)[:n, :n])}
+    if kind == "bias":
+        return {"bias": rand((1, h, n, n))}
     if kind == "bias-kpm":
         kept = np.clip(np.ceil(rng.uniform(0.7, 1.0, b) * n), 1, n).astype(np.int64)
         return {"bias": rand((1, h, n, n)), "key_padding_mask": cp.asarray(np.arange(n)[None, :] < kept[:, None])}
-    raise ValueError(f"--mask {kind!r}: one of {', '.join(MASK_MODS)}")
+    raise ValueError(f"--mods {kind!r}: one of {', '.join(MODS_KINDS)}")
 
 
 def bench_ms(fn, reps=15):
@@ -213,9 +216,9 @@ def main() -> int:
     ap.add_argument("--no-backward", action="store_true", help="tune the forward only")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "tf32"), default="bf16",
                     help="fp32 / tf32: the float32 Hopper forward (its tiles only; sm_90a)")
-    ap.add_argument("--mask", choices=tuple(MASK_MODS), default=None,
-                    help="time a masked forward on the table its modifiers take (sm_90a, bf16; forward only; TFLOP/s "
-                         "count the dense work): blocks, kpm, mask or bias-kpm (MASK_MODS)")
+    ap.add_argument("--mods", choices=tuple(MODS_KINDS), default=None,
+                    help="time the forward with a bias or mask on the table its modifiers take (sm_90a, bf16; forward "
+                         "only; TFLOP/s count the dense work): blocks, kpm, mask, bias or bias-kpm (MODS_KINDS)")
     args = ap.parse_args()
     global ONLY
     ONLY = re.compile(args.only) if args.only else None
@@ -224,8 +227,8 @@ def main() -> int:
     print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
     if args.dtype != "bf16":
         return tune_float32(args, arch, wgmma)
-    if args.mask is not None and not wgmma:
-        print(f"--mask tunes the warp-specialized forward's tables: not on {arch}")
+    if args.mods is not None and not wgmma:
+        print(f"--mods tunes the warp-specialized forward's tables: not on {arch}")
         return 1
     for d in args.head_dims:
         for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
@@ -233,9 +236,9 @@ def main() -> int:
                 b, h = 16384 // n, 2048 // d
                 q, k, v, do = (rand((b, n, h, d)) for _ in range(4))
                 flops = 4 * b * h * n * n * d / (2 if causal else 1)
-                kw = mask_kwargs(args.mask, b, n, h) if args.mask else {}
-                mods = MASK_MODS[args.mask] if args.mask else 0
-                print(f"D={d} causal={causal} N={n} (B={b}, H={h}){' mask ' + args.mask if args.mask else ''}",
+                kw = mods_kwargs(args.mods, b, n, h) if args.mods else {}
+                mods = MODS_KINDS[args.mods] if args.mods else 0
+                print(f"D={d} causal={causal} N={n} (B={b}, H={h}){' mods ' + args.mods if args.mods else ''}",
                       flush=True)
 
                 def fwd():
@@ -253,11 +256,11 @@ def main() -> int:
                         table = config.fwd_sm90_ws_table(d, causal, mods, seqlen_k=n)
                         tune(table, FWD_SM90_WS.get(d, []), d, "fwd ws", fwd, arch,
                              lambda: config.fwd_sm90_ws_config(d, "bf16", causal, mods, seqlen_k=n))
-                    elif d in config.FWD_SM90_TILES and not args.mask:
+                    elif d in config.FWD_SM90_TILES and not args.mods:
                         tune(config.FWD_SM90_TILES, FWD_SM90.get(d, []), d, "fwd", fwd, arch,
                              lambda: config.fwd_sm90_config(d, "bf16", causal))
-                    # (the masked backward's tables are other ones: not tuned here)
-                    if d in config.BWD_SM90_TILES and not args.no_backward and not args.mask:
+                    # (the backward's tables with modifiers are other ones: not tuned here)
+                    if d in config.BWD_SM90_TILES and not args.no_backward and not args.mods:
                         tune(config.BWD_SM90_TILES, BWD_SM90.get(d, []), d, "bwd", bwd, arch,
                              lambda: config.bwd_sm90_config(d, "bf16", causal, False))
                 else:
