@@ -140,7 +140,8 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 // small part or the rounded value in place.
 //
 // ---- the barrier protocol ------------------------------------------------------------------------------------
-//   kv_full      count 1 + tx: K and V          kv_ready   count SPLIT_THREADS: K and V split
+//   kv_full      count 1 + tx: K and V          kv_ready   count CONSUMER_THREADS: K and V split, each consumer
+//                                                           warpgroup its own 64 keys (tf32_split_own_rows)
 //   q_full[s]    count 1 + tx: Q_i, dO_i, lse_log2_i, delta_i
 //   q_ready[s]   count SPLIT_THREADS: Q_i, dO_i split and transposed
 //   q_empty[s]   count CONSUMER_THREADS: every consumer thread, once its last GEMM on stage s retired
@@ -294,17 +295,13 @@ __device__ __forceinline__ void bwd_tf32_producer(const BwdWsParams& P, const Bw
   }
 }
 
-// The splitters: K and V once, then Q_i and dO_i of every step (split, and transposed for dK's and dV's B operands).
+// The splitters: Q_i and dO_i of every step (split, and transposed for dK's and dV's B operands; the consumers split
+// K and V: tf32_split_own_rows).
 template <class Tr, class KeyBlock>
 __device__ __forceinline__ void bwd_tf32_splitter(const BwdParams& p, const BwdTf32Smem<Tr>& sm, const KeyBlock& kb,
                                                   int all_steps, int tid) {
   constexpr int THREADS = Tr::SPLIT_THREADS;
   const int steps = bwd_tf32_roles_count<Tr, KeyBlock>() ? kb.visible_steps(p, tid & 31) : all_steps;
-  mbarrier_wait_or_trap(sm.kv_full(), 0);
-  tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.k(), sm.k_big(), 0, 0, tid);
-  tf32_prepare<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.v(), sm.v_big(), 0, 0, tid);
-  fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
-  mbarrier_arrive(sm.kv_ready());
   for (int i = 0; i < steps; ++i) {
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.q_full(s), (i / Tr::STAGES) & 1);
@@ -314,7 +311,7 @@ __device__ __forceinline__ void bwd_tf32_splitter(const BwdParams& p, const BwdT
       tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, true, THREADS>(sm.x(s, x), sm.x_big(s, x), sm.xt(s, x),
                                                                      sm.xt_small(s, x), tid,
                                                                      x * (Tr::BLOCK_M * Tr::HEAD_DIM / 128));
-    fence_proxy_async_shared();
+    fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
     mbarrier_arrive(sm.q_ready(s));
   }
 }
@@ -404,6 +401,9 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     wgmma_commit_group();
   };
 
+  // this warpgroup's 64 keys of K and V
+  tf32_split_own_rows<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, 2>(sm.kv_full(), sm.kv_ready(), sm.k(), sm.k_big(), sm.v(),
+                                                            sm.v_big());
   mbarrier_wait_or_trap(sm.kv_ready(), 0);
   // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next);
   // with a BlockMask's map, the step the producer wrote beside the stage (it skips the empty tiles)
@@ -598,7 +598,7 @@ __device__ __forceinline__ void bwd_tf32_main(const BwdWsParams& P) {
 
   if (threadIdx.x == 0) {
     mbarrier_init(sm.kv_full(), 1);
-    mbarrier_init(sm.kv_ready(), Tr::SPLIT_THREADS);
+    mbarrier_init(sm.kv_ready(), Tr::CONSUMER_THREADS);
 #pragma unroll
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.q_full(s), 1);
@@ -651,7 +651,8 @@ __global__ void CUFLASH_CLUSTER_PAIR __launch_bounds__(Tr::THREADS, 1)
 // stage [K] [K^T] [V]), [SPLIT 2: the exchange slots, per parity, product (S, dP) and consumer], [mbarriers].
 //
 // ---- the barrier protocol ------------------------------------------------------------------------------------
-//   q_full         count 1 + tx: Q, dO         q_ready      count SPLIT_THREADS: split
+//   q_full         count 1 + tx: Q, dO         q_ready      count CONSUMER_THREADS: split, each consumer warpgroup
+//                                                             its own 64 rows (tf32_split_own_rows)
 //   kv_full[s]     count 1 + tx: K_i, V_i      kv_ready[s]  count SPLIT_THREADS: split, K^T written
 //   kv_empty[s]    count CONSUMER_WARPS: every consumer's GEMMs on stage s retired
 //   xbar[b][x][wg] (SPLIT 2) count 4 + tx: as the dK / dV kernel's, S (x 0) and dP (x 1) of key tile i
@@ -669,6 +670,9 @@ struct BwdDqTf32Traits {
   // of Q (A_REGS 1) or of Q and dO (2) as wgmma A registers of S (and dP), read from shared memory once, so those
   // products read only K's (V's) part from shared memory per k8 step
   static constexpr int A_REGS = A_REGS_;
+  // the consumers split Q and dO before setmaxnreg (3xTF32 with both in registers) or at their q_ready wait
+  // (tf32_split_own_rows)
+  static constexpr bool OWN_SPLIT_FIRST = X3 && A_REGS == 2;
   static constexpr int BLOCK_M = 64 * CONSUMERS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
@@ -781,14 +785,11 @@ __device__ __forceinline__ void dq_tf32_producer(const BwdWsParams& P, const DqT
   }
 }
 
+// The splitters: K_i (split, and K^T big and small) and V_i (split) of every key tile (the consumers split Q and dO:
+// tf32_split_own_rows).
 template <class Tr>
 __device__ __forceinline__ void dq_tf32_splitter(const DqTf32Smem<Tr>& sm, int n_tiles, int tid) {
   constexpr int THREADS = Tr::SPLIT_THREADS;
-  mbarrier_wait_or_trap(sm.q_full(), 0);
-  tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.q(), sm.q_big(), 0, 0, tid);
-  tf32_prepare<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, false, THREADS>(sm.dout(), sm.dout_big(), 0, 0, tid);
-  fence_proxy_async_shared();
-  mbarrier_arrive(sm.q_ready());
   for (int i = 0; i < n_tiles; ++i) {
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.kv_full(s), (i / Tr::STAGES) & 1);
@@ -839,6 +840,9 @@ __device__ __forceinline__ void dq_tf32_consumer(const BwdParams& p, const DqTf3
   // A_REGS: this warp's 16 rows of Q's (and dO's) big parts (3xTF32) or rounded values (one pass), wgmma A registers
   u32 q_regs[Tr::A_REGS >= 1 ? Tr::QK_K_STEPS : 1][4], do_regs[Tr::A_REGS >= 2 ? Tr::QK_K_STEPS : 1][4];
 
+  if constexpr (!Tr::OWN_SPLIT_FIRST)  // this warpgroup's rows of Q and dO
+    tf32_split_own_rows<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, 2>(sm.q_full(), sm.q_ready(), sm.q(), sm.q_big(),
+                                                              sm.dout(), sm.dout_big());
   mbarrier_wait_or_trap(sm.q_ready(), 0);
   if constexpr (Tr::A_REGS >= 1)
     tf32_load_a<typename Tr::TileQ>(q_regs, Tr::X3 ? sm.q_big() : sm.q(), 16 * warp, lane);
@@ -991,7 +995,7 @@ __device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
 
   if (threadIdx.x == 0) {
     mbarrier_init(sm.q_full(), 1);
-    mbarrier_init(sm.q_ready(), Tr::SPLIT_THREADS);
+    mbarrier_init(sm.q_ready(), Tr::CONSUMER_THREADS);
 #pragma unroll
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.kv_full(s), 1);
@@ -1017,6 +1021,9 @@ __device__ __forceinline__ void bwd_dq_tf32_main(const BwdWsParams& P) {
       dq_tf32_splitter<Tr>(sm, n_tiles, threadIdx.x - 32);
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch: after their join ptxas serialized wgmma)
   } else {
+    if constexpr (Tr::OWN_SPLIT_FIRST)  // this warpgroup's rows of Q and dO
+      tf32_split_own_rows<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3, 2>(sm.q_full(), sm.q_ready(), sm.q(), sm.q_big(),
+                                                                sm.dout(), sm.dout_big());
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
     dq_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, vec_row0, out_row0, row0, rows_q, head, batch, tiles, n_begin,
                                           n_end, n_tiles);

@@ -10,10 +10,10 @@
 //   CHAIN_K): S at head dim 128 is two chains (S and S2, added after the GEMM), and every key tile's P V goes to a
 //   fresh accumulator O_tile that is added to O in fp32 (O = (O + O_tile) * alpha), never summed over the key loop.
 // * The operands are prepared once per CTA in shared memory, not per warp: TMA brings Q, K, V as float32; the three
-//   preparing warps ("splitters") split (or round) Q and K in place (small or rounded where the float32 was, big
-//   beside it) and transpose V: TF32 wgmma reads both operands K-major, and V (keys, head_dim) is not K-major for
-//   O = P V, so V^T (head_dim rows of BLOCK_N keys) is written, big and small, from V's stage. No pass over global
-//   memory.
+//   preparing warps ("splitters") split (or round) K in place (small or rounded where the float32 was, big beside
+//   it), the consumers their rows of Q the same way, and the splitters transpose V: TF32 wgmma reads both operands
+//   K-major, and V (keys, head_dim) is not K-major for O = P V, so V^T (head_dim rows of BLOCK_N keys) is written,
+//   big and small, from V's stage. No pass over global memory.
 // * P goes from the S accumulators to the A registers of the P V GEMM without a shuffle: thread (g, t) holds S
 //   columns 2t, 2t + 1 of n8 tile j, and a TF32 A fragment wants k = t and t + 4 of k8 step j. Taking column 2t as
 //   k = t and 2t + 1 as k = t + 4 permutes the keys of each 8-key group (tf32_key_of below); the splitters write V^T
@@ -43,8 +43,9 @@
 //
 // ---- the barrier protocol ----------------------------------------------------------------------------------
 //   q_full                count 1 + tx: the producer's Q load
-//   q_ready               count SPLIT_THREADS: Q split (each splitter fences its writes to the async proxy,
-//                         fence.proxy.async, before it arrives: wgmma reads shared memory through that proxy)
+//   q_ready               count CONSUMER_THREADS: Q split, each consumer warpgroup its own rows (each thread fences
+//                         its writes to the async proxy, fence.proxy.async, before it arrives: wgmma reads shared
+//                         memory through that proxy; so do the splitters before their arrivals)
 //   k_full[s], v_full[s]  count 1 + tx: the producer's K / V loads of the tile in stage s
 //   k_ready[s]            count SPLIT_THREADS: K of stage s split
 //   k_empty[s]            count CONSUMER_WARPS: the consumers' S GEMM of stage s retired
@@ -91,6 +92,8 @@ struct FwdTf32Traits {
   // read from shared memory once, so those products read only K's part from shared memory per k8 step
   static constexpr bool Q_REGS = Q_REGS_;
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
+  // the consumers split Q before setmaxnreg (pairs) or at their q_ready wait (tf32_split_own_rows)
+  static constexpr bool OWN_SPLIT_FIRST = SPLIT > 1;
   static constexpr int BLOCK_M = 64 * CONSUMERS;
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
@@ -244,27 +247,60 @@ __device__ __forceinline__ void tf32_parts(float x, u32& big, u32& small) {
   }
 }
 
-// A float32 tile split in place, by the splitters (tid 0..SPLIT_THREADS-1): each 16-byte chunk of `tile` becomes its
-// small part (X3; big to the same offset of `big`) or its rounded value. Both tiles have one layout, so a chunk keeps
-// its offset and the swizzle does not matter; 8 consecutive chunks per phase: no bank conflict. (Loading 4 chunks
-// before storing any, against the program order the volatile shared accesses keep, was slower on an H100: 3xTF32
-// at head dim 64 66 against 73 TFLOP/s, one-pass TF32 at head dim 128 111 against 128.)
+// A float32 tile split in place, by the splitters (tid 0..SPLIT_THREADS-1), chunk by chunk (tf32_split_chunk): each
+// 16-byte chunk of `tile` becomes its small part (X3; big to the same offset of `big`) or its rounded value. Both
+// tiles have one layout, so a chunk keeps its offset and the swizzle does not matter; 8 consecutive chunks per phase:
+// no bank conflict. (Loading 4 chunks before storing any, against the program order the volatile shared accesses
+// keep, was slower on an H100: 3xTF32 at head dim 64 66 against 73 TFLOP/s, one-pass TF32 at head dim 128 111
+// against 128.)
+template <bool X3>
+__device__ __forceinline__ void tf32_split_chunk(u32 tile, u32 big, u32 off) {
+  const float4 x = ld_shared_f32x4(tile + off);
+  u32 b0, b1, b2, b3, s0, s1, s2, s3;
+  tf32_parts<X3>(x.x, b0, s0);
+  tf32_parts<X3>(x.y, b1, s1);
+  tf32_parts<X3>(x.z, b2, s2);
+  tf32_parts<X3>(x.w, b3, s3);
+  if constexpr (X3) {
+    st_shared_u32x4(big + off, b0, b1, b2, b3);
+    st_shared_u32x4(tile + off, s0, s1, s2, s3);
+  } else {
+    st_shared_u32x4(tile + off, b0, b1, b2, b3);
+  }
+}
 template <class Tr, int BYTES>
 __device__ __forceinline__ void tf32_split_tile(u32 tile, u32 big, int tid) {
-  for (int c = tid; c < BYTES / 16; c += Tr::SPLIT_THREADS) {
-    const float4 x = ld_shared_f32x4(tile + 16 * c);
-    u32 b0, b1, b2, b3, s0, s1, s2, s3;
-    tf32_parts<Tr::X3>(x.x, b0, s0);
-    tf32_parts<Tr::X3>(x.y, b1, s1);
-    tf32_parts<Tr::X3>(x.z, b2, s2);
-    tf32_parts<Tr::X3>(x.w, b3, s3);
-    if constexpr (Tr::X3) {
-      st_shared_u32x4(big + 16 * c, b0, b1, b2, b3);
-      st_shared_u32x4(tile + 16 * c, s0, s1, s2, s3);
-    } else {
-      st_shared_u32x4(tile + 16 * c, b0, b1, b2, b3);
-    }
-  }
+  for (int c = tid; c < BYTES / 16; c += Tr::SPLIT_THREADS) tf32_split_chunk<Tr::X3>(tile, big, 16 * c);
+}
+
+// A consumer warpgroup's own 64 rows (64 wg .., wg = (threadIdx.x - 128) / 128) of TILES operand tiles of ROWS rows
+// and COLS floats each (SmemTile<ROWS, 2 COLS>: COLS / 32 panels of ROWS x 128 bytes, as TMA wrote them), split in
+// place, big beside (X3), or rounded, once the load's barrier `full` (phase 0) completes; each of the warpgroup's 128
+// threads fences its writes to the async proxy and arrives on `ready` (count CONSUMER_THREADS). The operands a CTA
+// loads once (the forward's Q, the dQ kernel's Q and dO, the dK / dV kernel's K and V) are so prepared by the
+// consumers that read them, while the splitters already take the first key tile (or query step): by the splitters
+// they came first on their path, at 128 rows and 64 columns 21 chunks of a tile per splitter thread before the
+// consumers' first GEMM could start, here 8 per consumer thread. Called where the consumer waits for `ready`, or, where
+// the traits say OWN_SPLIT_FIRST, in the consumers' branch before setmaxnreg: the two places compute the same, and
+// each left some kernels with 4-20 bytes of spills in their main loop (ptxas's allocation, under NVRTC 13.5), so each
+// kernel family takes the place where every instantiation the library builds is spill-free.
+template <int ROWS, int COLS, bool X3, int TILES = 1>
+__device__ __forceinline__ void tf32_split_own_rows(u32 full, u32 ready, u32 tile, u32 big, u32 tile2 = 0,
+                                                    u32 big2 = 0) {
+  constexpr int PANEL_BYTES = ROWS * 128, CHUNKS = 64 * 128 / 16;  // a panel's chunks of 64 rows
+  static_assert(COLS % 32 == 0 && ROWS % 64 == 0 && (TILES == 1 || TILES == 2),
+                "one or two tiles, panels of 32 floats, warpgroups of 64 rows");
+  const int wg = (threadIdx.x - 128) / 128, wtid = threadIdx.x & 127;
+  mbarrier_wait_or_trap(full, 0);
+#pragma unroll 1
+  for (int x = 0; x < TILES; ++x)
+#pragma unroll 1
+    for (int panel = 0; panel < COLS / 32; ++panel)
+#pragma unroll
+      for (int c = wtid; c < CHUNKS; c += 128)
+        tf32_split_chunk<X3>(x ? tile2 : tile, x ? big2 : big, panel * PANEL_BYTES + wg * 64 * 128 + 16 * c);
+  fence_proxy_async_shared();  // generic writes before wgmma's (async proxy) reads
+  mbarrier_arrive(ready);
 }
 
 // V (BLOCK_N keys x HEAD_DIM floats, from TMA) -> V^T (HEAD_DIM rows x BLOCK_N keys, keys permuted within 8-key
@@ -338,19 +374,16 @@ __device__ __forceinline__ void fwd_tf32_producer(const FwdWsParams& p, const Tf
   }
 }
 
-// The splitters (producer warps 1-3): Q once, then K_0, and for every tile K_{i+1} and V_i -> V^T_i.
+// The splitters (producer warps 1-3): K_0, then for every tile K_{i+1} and V_i -> V^T_i (the consumers split Q:
+// tf32_split_own_rows).
 template <class Tr>
 __device__ __forceinline__ void fwd_tf32_splitter(const Tf32Smem<Tr>& sm, int n_tiles, int tid) {
   const int warp = tid / 32, lane = tid & 31;
-  mbarrier_wait_or_trap(sm.q_full(), 0);
-  tf32_split_tile<Tr, Tr::SMEM_Q>(sm.q(), sm.q_big(), tid);
-  fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
-  mbarrier_arrive(sm.q_ready());
   auto split_k = [&](int i) {
     const int s = i % Tr::STAGES;
     mbarrier_wait_or_trap(sm.k_full(s), (i / Tr::STAGES) & 1);
     tf32_split_tile<Tr, Tr::SMEM_KV>(sm.k(s), sm.k_big(s), tid);
-    fence_proxy_async_shared();
+    fence_proxy_async_shared();  // generic writes before the consumers' wgmma (async proxy) reads
     mbarrier_arrive(sm.k_ready(s));
   };
   split_k(0);
@@ -565,6 +598,8 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
   };
   if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, Tr::CONSUMER_THREADS);
 
+  if constexpr (!Tr::OWN_SPLIT_FIRST)  // this warpgroup's rows of Q
+    tf32_split_own_rows<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3>(sm.q_full(), sm.q_ready(), sm.q(), sm.q_big());
   mbarrier_wait_or_trap(sm.q_ready(), 0);
   if constexpr (Tr::Q_REGS) tf32_load_a<typename Tr::TileQ>(q_regs, Tr::X3 ? sm.q_big() : sm.q(), 16 * warp, lane);
   int stage = 0, n_block = tiles.next_down_rolled(n_end - 1, n_begin);  // the visible key tiles, from the last down
@@ -697,7 +732,7 @@ __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
 
   if (threadIdx.x == 0) {
     mbarrier_init(sm.q_full(), 1);
-    mbarrier_init(sm.q_ready(), Tr::SPLIT_THREADS);
+    mbarrier_init(sm.q_ready(), Tr::CONSUMER_THREADS);
 #pragma unroll
     for (int s = 0; s < Tr::STAGES; ++s) {
       mbarrier_init(sm.k_full(s), 1);
@@ -731,6 +766,8 @@ __device__ __forceinline__ void fwd_tf32_main(const FwdWsParams& p) {
     }
     if constexpr (Tr::SPLIT > 1) cluster_sync();  // (in each role's branch, as the backward's pairs)
   } else {
+    if constexpr (Tr::OWN_SPLIT_FIRST)  // this warpgroup's rows of Q
+      tf32_split_own_rows<Tr::BLOCK_M, Tr::HEAD_DIM, Tr::X3>(sm.q_full(), sm.q_ready(), sm.q(), sm.q_big());
     if constexpr (Tr::CONSUMERS > 1) setmaxnreg_inc<Tr::CONSUMER_REGS>();
     fwd_tf32_consumer<Tr, IS_CAUSAL, MODS>(p, sm, band, row0, out_row0, rows_q, head, batch, tiles, n_begin, n_end,
                                            n_tiles);

@@ -275,8 +275,9 @@ def _cuflash_tf32_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     the config's tiles and 4-byte Q, K, V (TMA reads Q once per CTA that sees a key and K, V once per visited key tile,
     in-bounds rows only; O and lse written once). FLOPs on whole tiles (3xTF32's three passes count as one product,
     as in _cuflash_wide_fwd). Shared memory in the kernel's program order, per CTA that sees a key: TMA writes whole
-    Q, K and V boxes (HEAD_DIM columns); the splitters read each once and write its parts (3xTF32: Q's and K's small
-    part in place and the big one beside it, V^T big and small; one pass: the rounded value); per visited key tile
+    Q, K and V boxes (HEAD_DIM columns); each is read once and its parts written (Q by the consumer warpgroups, each
+    its own rows, K and V by the splitters; 3xTF32: Q's and K's small part in place and the big one beside it, V^T
+    big and small; one pass: the rounded value); per visited key tile
     each consumer warpgroup's wgmma reads its 64 Q rows and the K tile for S and the V^T tile for P V, once per
     product (three with 3xTF32). Counted from these sizes, not walked: bank_conflicts is None (ncu on an H100 found
     none in the loads, and 2-way conflicts in the V^T stores of 16-key tiles, docs/PERFORMANCE.md). 3xTF32 at head
@@ -542,19 +543,20 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     forward's (parts: 2 with 3xTF32, its big and small part, else 1, the rounded value; products: 3 with 3xTF32,
     else 1; every tile float32, HEAD_DIM columns, whole boxes).
 
-    The splitters read each TMA box once and write its parts (3xTF32: the small part in place and the big one
-    beside it; one pass: the rounded value in place), and for the tiles a GEMM takes transposed also the transpose
-    in as many parts.
+    Each TMA box is read once and its parts written (3xTF32: the small part in place and the big one beside it; one
+    pass: the rounded value in place), and for the tiles a GEMM takes transposed also the transpose in as many parts:
+    the boxes a CTA loads once (K and V here, Q and dO in the dQ kernel) by the consumer warpgroups, each its own 64
+    rows, the per-step or per-tile boxes by the splitters.
     bwd_sm90_tf32_kernel, per CTA with a step (a CTA whose keys no query sees stores zeros without shared memory):
     TMA writes the K and V boxes (BLOCK_N = 128 rows) once and, every step, the Q and dO boxes (BLOCK_M rows) and
-    BLOCK_M floats each of lse_log2 and delta; the splitters prepare K, V and, per step, Q, dO with Q^T, dO^T; per
-    step each of the two consumer warpgroups (64 keys each) reads its lse_log2 and delta columns (two floats per n8
-    tile and thread) and its wgmma read its K rows and Q for S^T, its V rows and dO for dP^T, dO^T for dV and Q^T
-    for dK, once per product. dK and dV leave from registers.
+    BLOCK_M floats each of lse_log2 and delta; the consumers prepare K, V and the splitters, per step, Q, dO with
+    Q^T, dO^T; per step each of the two consumer warpgroups (64 keys each) reads its lse_log2 and delta columns (two
+    floats per n8 tile and thread) and its wgmma read its K rows and Q for S^T, its V rows and dO for dP^T, dO^T for
+    dV and Q^T for dK, once per product. dK and dV leave from registers.
     bwd_dq_sm90_tf32_kernel, per CTA that sees a key: TMA writes the Q and dO boxes (BLOCK_M = 64 * CONSUMERS rows)
-    once and the K and V boxes of every visited key tile; the splitters prepare Q, dO and, per key tile, K with K^T
-    and V; per key tile each consumer warpgroup's wgmma reads its 64 rows of Q and the K tile for S, its rows of dO
-    and the V tile for dP, and K^T for dQ, once per product. dQ leaves from registers.
+    once and the K and V boxes of every visited key tile; the consumers prepare Q, dO and the splitters, per key
+    tile, K with K^T and V; per key tile each consumer warpgroup's wgmma reads its 64 rows of Q and the K tile for S,
+    its rows of dO and the V tile for dP, and K^T for dQ, once per product. dQ leaves from registers.
     Head dim 128 (cfg.split 2, the `_pair_kernel`s): each CTA of a pair does the above on its 64 columns, and per step
     (dK / dV) or key tile (dQ) each consumer thread stores its fragments of S and dP into the other CTA's exchange
     slots (st.async, 16 bytes per n8 tile each; counted as writes of the receiving CTA) and reads the other's back.
@@ -571,7 +573,7 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     xchg = consumers * 128 * 2 * (bm // 8) * 16 if split > 1 else 0  # a step's S^T and dP^T fragments
     # per CTA: TMA K, V and their parts; per step: TMA Q, dO, lse_log2, delta, the parts and transposes of Q, dO
     write = ctas * kv_tile * (2 + 2 * parts) + steps * (q_tile * (2 + 4 * parts) + 2 * 4 * bm + xchg)
-    # per CTA: the splitters' K, V; per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta
+    # per CTA: the consumers' split of K, V; per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta
     # (bm / 8 float2 each), the wgmma operands (K, Q; V, dO; dO^T; Q^T) of each consumer
     read = ctas * 2 * kv_tile + steps * (2 * q_tile + consumers * 128 * 2 * (bm // 8) * 8
                                          + products * (2 * kv_tile + consumers * 4 * q_tile) + xchg)
@@ -582,8 +584,8 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     xchg = dcfg.consumers * 128 * 2 * (dcfg.block_n // 8) * 16 if split > 1 else 0  # a key tile's S and dP
     # per CTA: TMA Q, dO and their parts; per key tile: TMA K, V, their parts and K^T's
     write += ctas * q_tile * (2 + 2 * parts) + tiles * (kv_tile * (2 + 3 * parts) + xchg)
-    # per CTA: the splitters' Q, dO; per key tile: the splitters' K, V, each consumer's wgmma operands (its Q rows
-    # and K; its dO rows and V; K^T)
+    # per CTA: the consumers' split of Q, dO; per key tile: the splitters' K, V, each consumer's wgmma operands (its
+    # Q rows and K; its dO rows and V; K^T)
     # the products of S and dP that read Q or dO from shared memory
     q_products = 2 * products - dcfg.a_regs * (2 if products == 3 else 1)
     read += ctas * (2 + dcfg.a_regs) * q_tile + tiles * (2 * kv_tile + q_products * q_tile
