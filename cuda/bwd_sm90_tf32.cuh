@@ -149,7 +149,8 @@ __device__ __forceinline__ void add_tile(float (&acc)[N_TILES][4], const float (
 //                its S^T (x 0) or dP^T (x 1) fragments of step i (b = i & 1, phase (i >> 1) & 1) complete them
 // Step i uses stage i % STAGES, phase (i / STAGES) & 1. The producer loads step i after q_empty of step i - STAGES;
 // the splitters' writes to a stage's derived tiles follow q_full, so they too wait for that release.
-template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1, int CONSUMERS_ = 2>
+template <int HEAD_DIM_, int BLOCK_M_, int STAGES_, bool X3_, int SPLIT_ = 1, int CONSUMERS_ = 2,
+          int K_REG_STEPS_ = 0>
 struct BwdTf32Traits {
   static constexpr int HEAD_DIM = HEAD_DIM_;           // columns of this CTA (of HEAD_DIM * SPLIT)
   static constexpr int BLOCK_M = BLOCK_M_;             // queries per step
@@ -157,6 +158,10 @@ struct BwdTf32Traits {
   static constexpr bool X3 = X3_;
   static constexpr int SPLIT = SPLIT_;                 // CTAs of a cluster sharing the head dim (PairExchange)
   static constexpr int CONSUMERS = CONSUMERS_;         // 64 keys each (one warpgroup's M), every step
+  // the first K_REG_STEPS k8 steps of S^T take K's big part (3xTF32) from registers, read from shared memory once per
+  // CTA, as two of their three products' A operand: at 16 queries per step S^T's A (64 keys x 8 floats per k8 step)
+  // is 4x its B, so K's and V's A reads are most of a step's shared-memory reads (config.BWD_SM90_TF32_TILES)
+  static constexpr int K_REG_STEPS = K_REG_STEPS_;
   static constexpr int BLOCK_N = 64 * CONSUMERS;       // keys per CTA
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int SPLIT_THREADS = 96;
@@ -199,6 +204,7 @@ struct BwdTf32Traits {
   static_assert(SPLIT == 1 || (SPLIT == 2 && HEAD_DIM == 64), "head dim 128 as a pair of CTAs of 64 columns");
   static_assert(BLOCK_M == 16 || BLOCK_M == 32, "steps of 16 or 32 queries");
   static_assert(CONSUMERS == 2 || (CONSUMERS == 3 && SPLIT == 1), "two consumers, or three in one CTA per key block");
+  static_assert(K_REG_STEPS == 0 || (X3 && K_REG_STEPS <= HEAD_DIM / 8), "K's big part in registers: 3xTF32");
   static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
   static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
@@ -374,6 +380,7 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   float s_acc[1][Tr::Q_TILES][4], dp_acc[Tr::Q_TILES][4];
   u32 p_big[Tr::Q_TILES][4], p_small[Tr::X3 ? Tr::Q_TILES : 1][4];  // P^T's A registers for dV (and dS^T's for dK)
   u32 ds_big[OVERLAP ? Tr::Q_TILES : 1][4], ds_small[OVERLAP && Tr::X3 ? Tr::Q_TILES : 1][4];
+  u32 k_regs[Tr::K_REG_STEPS > 0 ? Tr::K_REG_STEPS : 1][4];  // K_REG_STEPS: this warp's 16 keys of K's big part
 
   // S^T_i = K Q_i^T and dP^T_i = V dO_i^T, two commit groups, once step i's operands are ready
   auto issue_sdp = [&](int i) {
@@ -389,9 +396,14 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
-      tf32_ss<Tr::BLOCK_M, Tr::X3>(
-          s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk), Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
-          Tr::TileQ::desc_k_major(q_small, 0, 16 * kk), Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
+      if (kk < Tr::K_REG_STEPS)  // (kk is a constant of the unrolled loop)
+        tf32x3_sr<Tr::BLOCK_M>(s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk),
+                               k_regs[kk < Tr::K_REG_STEPS ? kk : 0], Tr::TileQ::desc_k_major(q_small, 0, 16 * kk),
+                               Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
+      else
+        tf32_ss<Tr::BLOCK_M, Tr::X3>(
+            s_acc[0], Tr::TileKV::desc_k_major(k_small, 0, 16 * kk), Tr::TileKV::desc_k_major(k_big, 0, 16 * kk),
+            Tr::TileQ::desc_k_major(q_small, 0, 16 * kk), Tr::TileQ::desc_k_major(q_big, 0, 16 * kk), kk > 0);
     wgmma_commit_group();
 #pragma unroll
     for (int kk = 0; kk < Tr::QK_K_STEPS; ++kk)
@@ -405,6 +417,7 @@ __device__ __forceinline__ void bwd_tf32_consumer(const BwdParams& p, const BwdT
   tf32_split_own_rows<Tr::BLOCK_N, Tr::HEAD_DIM, Tr::X3, 2>(sm.kv_full(), sm.kv_ready(), sm.k(), sm.k_big(), sm.v(),
                                                             sm.v_big());
   mbarrier_wait_or_trap(sm.kv_ready(), 0);
+  if constexpr (Tr::K_REG_STEPS > 0) tf32_load_a<typename Tr::TileKV>(k_regs, sm.k_big(), key_row0, lane);
   // step i is query block m_begin + i % blocks of the group's query head i / blocks (the producer's walk, qb.next);
   // with a BlockMask's map, the step the producer wrote beside the stage (it skips the empty tiles)
   const int blocks = kb.m_end - kb.m_begin;

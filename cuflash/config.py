@@ -1833,7 +1833,8 @@ def fwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool =
 @dataclass(frozen=True)
 class BwdSm90Tf32Config(_ProducerConsumers):
     """One float32 Hopper backward instantiation, its main kernel (dK, dV):
-    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3[, SPLIT, CONSUMERS]>, IS_CAUSAL, MODS>`
+    `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3[, SPLIT, CONSUMERS[, K_REG_STEPS]]>, IS_CAUSAL,
+    MODS>`
     (cuda/bwd_sm90_tf32.cuh): K/V-outer CTAs of 64 * consumers keys, TF32 wgmma, a producer warpgroup (one TMA thread,
     three warps splitting K, V and each step's Q, dO, and transposing Q and dO) and two or three consumer warpgroups
     of 64 keys taking every step of block_m queries together.
@@ -1850,6 +1851,7 @@ class BwdSm90Tf32Config(_ProducerConsumers):
     bias: bool = False
     consumers: int = 2  # consumer warpgroups of 64 keys: two, or three (one CTA per key block, not a pair)
     alibi_mask: bool = False  # ALiBi and an element mask (MOD_ALIBI | MOD_MASK), for a call with either or both
+    k_reg_steps: int = 0  # 3xTF32: k8 steps of S^T whose A operand takes K's big part from registers (K_REG_STEPS)
 
     def __post_init__(self):
         _check_tf32(self, (32, 64, 128), "TF32 backward")
@@ -1859,6 +1861,9 @@ class BwdSm90Tf32Config(_ProducerConsumers):
             raise ValueError(f"consumers={self.consumers} at head_dim={self.head_dim}: 2, or 3 where a key block is "
                              f"one CTA (head dims 32 and 64)")
         _check_smem_sm90(self, f"block_m={self.block_m}, stages={self.stages}, consumers={self.consumers}")
+        if self.k_reg_steps and (self.dtype != "fp32" or not 0 < self.k_reg_steps <= self.head_dim // self.split // 8):
+            raise ValueError(f"k_reg_steps={self.k_reg_steps} ({self.dtype}, head_dim={self.head_dim}): 3xTF32 only, "
+                             f"at most the {self.head_dim // self.split // 8} k8 steps of a CTA's columns")
 
     box_cols = 32  # TMA box width in floats: one 128-byte swizzle panel
 
@@ -1888,10 +1893,11 @@ class BwdSm90Tf32Config(_ProducerConsumers):
 
     def cpp_name(self) -> str:
         b = _cpp_bool
-        kernel, split = ("bwd_sm90_tf32_pair_kernel", ", 2") if self.split > 1 else ("bwd_sm90_tf32_kernel", "")
-        consumers = f", {self.split}, {self.consumers}" if self.consumers != 2 else ""
+        kernel = "bwd_sm90_tf32_pair_kernel" if self.split > 1 else "bwd_sm90_tf32_kernel"
+        tail = (f", {self.split}, {self.consumers}, {self.k_reg_steps}" if self.k_reg_steps else
+                f", {self.split}, {self.consumers}" if self.consumers != 2 else ", 2" if self.split > 1 else "")
         return (f"cuflash::{kernel}<cuflash::BwdTf32Traits<{self.head_dim // self.split}, {self.block_m}, "
-                f"{self.stages}, {b(self.dtype == 'fp32')}{split}{consumers}>, {b(self.causal)}, {self.mods}>")
+                f"{self.stages}, {b(self.dtype == 'fp32')}{tail}>, {b(self.causal)}, {self.mods}>")
 
     @property
     def mods(self) -> int:
@@ -2025,7 +2031,20 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # against 81 / 88 / 90 (causal likewise); 3xTF32 at D 64: every variant that fits 3-7 % slower. One pass with 64-key
 # tiles at 64 columns and Q in registers computed a wrong dQ (max |diff| 0.1-1.8), NVRTC 13.0's ptxas reusing Q's
 # registers inside the key loop: BwdDqSm90Tf32Config refuses it.
-BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3), 128: (16, 2)},
+# A fourth element, k_reg_steps (3xTF32): the first k8 steps of the dK / dV kernel's S^T take K's big part from
+# registers (two of their three products' A operand), read from shared memory once per CTA. At 16 queries per step
+# S^T's A operand is four times its B, so K's and V's A reads are most of a step's shared-memory reads; with K's big
+# part in registers for all 8 k8 steps the kernel spilled 84-200 bytes at head dim 64, with 4 it is spill-free but
+# with a bias (4-20 bytes; 2 is spill-free there), and the pairs at 128 spill 12 bytes with 4 under NVRTC 13.5. The
+# tuner (`tools/tune_tiles.py --dtype fp32 --head-dims 64 128 --n 1024 4096 --causal both`, H200, 2026-12-01, two
+# rounds, gradients bitwise equal), backward ms at N 1k / 4k, causal N 1k / 4k: head dim 64 (16, 3) 7.29-7.34 /
+# 28.16 / 4.28 / 14.80, with 2 steps 7.20 / 27.83 / 4.22-4.24 / 14.56-14.59, 3 7.09 / 27.32 / 4.16-4.17 / 14.34-14.35,
+# 4 6.98 / 26.88 / 4.11-4.13 / 14.16-14.18; head dim 128 (16, 2) 9.18-9.27 / 35.22 / 5.39-5.41 / 18.21-18.22, with
+# 2 9.13-9.20 / 35.08-35.09 / 5.34 / 18.05-18.09 (4: 9.08-9.09 / 34.89 / 5.29-5.30 / 17.91-17.95, not spill-free).
+# With the Evoformer's pair bias (`tools/kernel_times.py --dtype fp32 --head-dim 64 --n 256 --batch 512 --heads 8
+# --bias-batch 1 --main ...`, same call) the dK / dV kernel took 2.764-2.783 ms, 2.708-2.710 with 2 steps, 2.714-2.731
+# with 3 and 2.871-2.889 with 4 (its spill): BWD_SM90_TF32_TILES_BIAS takes 2.
+BWD_SM90_TF32_TILES = {"fp32": {32: (32, 3, 3), 64: (16, 3, 2, 4), 128: (16, 2, 2, 2)},
                        "tf32": {32: (32, 3, 3), 64: (32, 3), 128: (32, 3)}}
 BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 2, 2, 2)},
                           "tf32": {32: (64, 3, 3, 1), 64: (32, 3, 2, 2), 128: (32, 3, 2, 2)}}
@@ -2033,7 +2052,7 @@ BWD_DQ_SM90_TF32_TILES = {"fp32": {32: (64, 2, 2, 2), 64: (32, 2, 2), 128: (16, 
 # the bias read and the dBias writes at 64 (NVRTC 13.0 and 13.5), 104-192 bytes in the pairs at 128 (13.5); at head
 # dim 32 they do not. 3xTF32 at head dim 32 keeps two consumer warpgroups with a bias: three spilled 8 bytes beside a
 # window (NVRTC 13.5)
-BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3)}, "tf32": {64: (16, 3), 128: (16, 3)}}
+BWD_SM90_TF32_TILES_BIAS = {"fp32": {32: (32, 3), 64: (16, 3, 2, 2)}, "tf32": {64: (16, 3), 128: (16, 3)}}
 BWD_SM90_TF32_MODS = MOD_WINDOW | MOD_BIAS | MOD_ALIBI | MOD_MASK
 # The dQ kernel's tiles with a window or a bias (_MODS), and with both (_WINDOW_BIAS), where the A registers of the plain
 # tiles spilled (NVRTC 13.0 or 13.5): one pass at head dim 128 keeps Q's alone in registers beside either (with dO's
@@ -2050,9 +2069,9 @@ BWD_DQ_SM90_TF32_TILES_SCORE_BIAS = {"tf32": {32: (64, 3, 2)}}
 def bwd_sm90_tf32_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
                          bias: bool = False, *, alibi_mask: bool = False) -> BwdSm90Tf32Config:
     tiles = BWD_SM90_TF32_TILES_BIAS.get(dtype, {}) if bias or alibi_mask else {}
-    block_m, stages, *consumers = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
-    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *consumers,
-                             alibi_mask=alibi_mask)
+    block_m, stages, *rest = tiles.get(head_dim, BWD_SM90_TF32_TILES[dtype][head_dim])
+    return BwdSm90Tf32Config(head_dim, block_m, dtype, causal, window, stages, bias, *rest[:1], alibi_mask=alibi_mask,
+                             k_reg_steps=rest[1] if len(rest) > 1 else 0)
 
 # --- the registry: which kernel family runs an operation ------------------------------------------------
 #

@@ -573,10 +573,14 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     xchg = consumers * 128 * 2 * (bm // 8) * 16 if split > 1 else 0  # a step's S^T and dP^T fragments
     # per CTA: TMA K, V and their parts; per step: TMA Q, dO, lse_log2, delta, the parts and transposes of Q, dO
     write = ctas * kv_tile * (2 + 2 * parts) + steps * (q_tile * (2 + 4 * parts) + 2 * 4 * bm + xchg)
-    # per CTA: the consumers' split of K, V; per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta
-    # (bm / 8 float2 each), the wgmma operands (K, Q; V, dO; dO^T; Q^T) of each consumer
-    read = ctas * 2 * kv_tile + steps * (2 * q_tile + consumers * 128 * 2 * (bm // 8) * 8
-                                         + products * (2 * kv_tile + consumers * 4 * q_tile) + xchg)
+    # per CTA: the consumers' split of K, V (and K's big part into registers over the config's k_reg_steps of the
+    # hd / 8 k8 steps); per step: the splitters' Q, dO, each consumer thread's lse_log2 and delta (bm / 8 float2
+    # each), the wgmma operands (K, Q; V, dO; dO^T; Q^T) of each consumer, but K's big part where it is in registers
+    # (two of the three products of those k8 steps)
+    k_big_regs = kv_tile * cfg.k_reg_steps * 8 // hd  # bytes of K's big part held in registers
+    read = ctas * (2 * kv_tile + k_big_regs) + steps * (2 * q_tile + consumers * 128 * 2 * (bm // 8) * 8
+                                                         + products * (2 * kv_tile + consumers * 4 * q_tile)
+                                                         - 2 * k_big_regs + xchg)
     dcfg = cfg.dq_config()
     t = _Tiles(p, dcfg.block_m, dcfg.block_n, causal_skip)
     ctas, tiles = split * int(t.visits_q.sum()), split * int(t.tiles)

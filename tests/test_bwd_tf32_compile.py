@@ -53,6 +53,11 @@ def test_every_table_entry_is_shipped_with_its_dq_kernel():
             tiles = {**tiles, **config.BWD_SM90_TF32_TILES_BIAS.get(c.dtype, {})}
         assert (c.block_m, c.stages) == tiles[c.head_dim][:2], c
         assert c.consumers == (tiles[c.head_dim][2] if len(tiles[c.head_dim]) > 2 else 2), c
+        # K's big part in registers for the first k8 steps of S^T: a fourth element (3xTF32 only)
+        assert c.k_reg_steps == (tiles[c.head_dim][3] if len(tiles[c.head_dim]) > 3 else 0), c
+        assert c.k_reg_steps == 0 or c.dtype == "fp32", c
+        traits = re.search(r"BwdTf32Traits<([^>]*)>", c.cpp_name()).group(1).split(", ")
+        assert (traits[6:] or ["0"]) == [str(c.k_reg_steps)], c
         assert (c.block_n, c.threads) == (64 * c.consumers, 128 + 128 * c.consumers), c
         assert (f", {c.split}, 3>" in c.cpp_name()) == (c.consumers == 3), c
         # head dim 128: clusters of two CTAs of 64 columns, twice the CTAs of the grid
@@ -159,6 +164,13 @@ def test_configs_check_their_arguments():
     # the dK / dV kernel: two consumer warpgroups, or three where a key block is one CTA
     with pytest.raises(ValueError, match="consumers=3 at head_dim=128"):
         config.BwdSm90Tf32Config(128, 16, "tf32", False, consumers=3)
+    # K's big part in registers: 3xTF32, at most the k8 steps of a CTA's columns (8 at head dims 64 and 128)
+    with pytest.raises(ValueError, match="k_reg_steps=2 \\(tf32"):
+        config.BwdSm90Tf32Config(64, 16, "tf32", False, k_reg_steps=2)
+    with pytest.raises(ValueError, match="k_reg_steps=9 \\(fp32, head_dim=128\\).*at most the 8 k8 steps"):
+        config.BwdSm90Tf32Config(128, 16, "fp32", False, k_reg_steps=9)
+    assert config.BwdSm90Tf32Config(128, 16, "fp32", False, k_reg_steps=8).cpp_name().endswith(
+        "BwdTf32Traits<64, 16, 2, true, 2, 2, 8>, false, 0>")
     with pytest.raises(ValueError, match="consumers=1"):
         config.BwdSm90Tf32Config(32, 32, "tf32", False, consumers=1)
     assert config.BwdSm90Tf32Config(32, 32, "tf32", False, consumers=3).block_n == 192

@@ -201,9 +201,9 @@ def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, ca
     step (BM 16 for fp32, 32 for tf32), writes dK, dV once; bwd_dq_sm90_tf32_kernel reads Q and dO (and 128
     lse_log2 and delta floats) once per 128-row query block that sees a key and K, V once per visited key tile,
     writes dQ once. FLOPs: 4 products per step, 3 per dQ tile. Shared memory: the TMA boxes (lse_log2 and delta
-    too), the splitters' reads and the parts they write (the kernels' shared layouts: K, V's parts once, a stage's
+    too), the reads of the split and the parts it writes (the kernels' shared layouts: K, V's parts once, a stage's
     tiles per step or key tile), the consumers' lse_log2 and delta reads, the wgmma operand reads of each of the
-    two consumers (the dQ kernel's Q and dO from registers where it holds them)."""
+    two consumers (the dQ kernel's Q and dO, the dK / dV kernel's K where it holds them in registers)."""
     b, h, e, s = 2, 3, 4, 4
     p = Problem(b, h, sq, sk, d, dtype, causal, window)
     main = config.select("backward", 64, dtype, False, "sm_90a")
@@ -247,8 +247,11 @@ def test_cuflash_tf32_backward_is_a_hand_count_of_its_tiles(dtype, sq, sk, d, ca
     ctas = kv_blocks.sum()
     w1 = ctas * (2 * kv + kv_parts) + steps.sum() * (2 * q + stage)
     vec_reads = 2 * 256 * (bm // 8) * 8  # lse_log2 and delta: a float2 per n8 tile and thread of 256
-    r1 = (ctas * 2 * kv
-          + steps.sum() * (2 * q + vec_reads + products * ((kv + 2 * q) + (kv + 2 * q) + 2 * q + 2 * q)))
+    # K's big part (3xTF32) as A registers over main.k_reg_steps of the 8 k8 steps: read once per key block, then
+    # by two of the three products of S^T fewer per step in those k8 steps
+    k_big = kv * main.k_reg_steps // 8
+    r1 = (ctas * (2 * kv + k_big)
+          + steps.sum() * (2 * q + vec_reads + products * ((kv + 2 * q) + (kv + 2 * q) + 2 * q + 2 * q) - 2 * k_big))
     q2, kv2 = 4 * 128 * 64, 4 * bn2 * 64
     q_parts = 2 * parts * q2  # Q and dO as the wgmma read them
     stage2 = (dqc.smem_bytes - bars(dqc) - q_parts) // dqc.stages  # K split and K^T, V split

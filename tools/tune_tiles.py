@@ -41,12 +41,13 @@ BWD_SM90 = {64: [(64, 64, 2)], 128: []}
 # the warp-specialized forward (sm_90a): (block_n, stages, pingpong[, persistent[, block_m]]); block_m 192: three
 # consumer warpgroups (no pingpong, head dims up to 64)
 FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, True, True), (128, 2, True, True),
-                    (128, 2, False, True), (256, 3, True, True)],
+                    (128, 2, False, True), (256, 3, True, True), (64, 2, False, True), (64, 2, True, True)],
                64: [(128, 2, False), (128, 2, True), (128, 3, False), (192, 2, False), (192, 2, True), (192, 3, False),
                     (192, 3, True), (256, 2, False), (256, 2, True), (128, 2, True, True), (128, 2, False, True),
                     (192, 2, False, True), (64, 2, False, True), (64, 3, False, True), (64, 3, True, True),
                     (128, 2, False, False, 192), (128, 3, False, False, 192), (96, 2, False, False, 192),
-                    (192, 2, False, False), (128, 2, False, True, 192), (128, 3, False, True, 192)],
+                    (192, 2, False, False), (128, 2, False, True, 192), (128, 3, False, True, 192),
+                    (64, 2, True, True)],
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True), (64, 2, True, True), (64, 3, True, True), (64, 3, False, True),
@@ -76,7 +77,11 @@ FWD_SM90_TF32 = {"fp32": {32: [(64, 2, 2, True), (32, 3, 2, True), (64, 4, 2, Tr
 # consumers[, a_regs]), each tuned with the other's shipped tiles
 # (head dim 128: the cluster pairs, whose exchange slots leave 3xTF32 one dK / dV tile, (16, 2))
 # (a third element: consumer warpgroups of 64 keys, 2 by default)
-BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4), (32, 3, 3), (16, 3, 3)], 64: [(16, 2)]},
+# (block_m, stages[, consumers[, k_reg_steps]]): k_reg_steps, 3xTF32's first k8 steps of S^T with K's big part in
+# registers (BwdSm90Tf32Config.k_reg_steps)
+BWD_SM90_TF32 = {"fp32": {32: [(32, 2), (16, 3), (16, 2), (16, 4), (32, 3, 3), (16, 3, 3)],
+                          64: [(16, 2), (16, 3, 2, 2), (16, 3, 2, 3), (16, 3, 2, 4)],
+                          128: [(16, 2, 2, 2), (16, 2, 2, 4)]},
                  "tf32": {32: [(16, 3), (32, 2), (32, 4), (32, 3, 3), (32, 2, 3)], 64: [(32, 2), (16, 3)],
                           128: [(32, 2), (16, 3)]}}
 BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1), (32, 3, 3), (64, 2, 2, 1),
