@@ -722,7 +722,8 @@ MODS_BLOCKS_CHECKED = {False: (MOD_BLOCKS | MOD_WINDOW,), True: (MOD_BLOCKS,)}
 # 0.87-0.95x for (128, 2, persistent) and 0.88-1.05x for (128, 2) on the one-item grid (192-key tiles 1.00-1.57x; 3
 # or 4 stages of 64 keys within 3 % of 2; 32-key tiles 0.97-1.01x); D 64 evoformer rows (L 256, 512) 0.84 / 0.91x the
 # (128, 2) one-item kernel, but 1.03-1.05x on the llm rows (a full (B, H, N, N) bias, N 1k-4k); D 128 llm rows (N
-# 1k-4k) 0.93-0.97x (96, 3) on the one-item grid.
+# 1k-4k) 0.93-0.97x (96, 3) on the one-item grid. With pingpong, (64, 2, True, True), 0.2-4 % slower at D 32, 64 and
+# 128, N 256-4k (H200, 2026-12-01, `tools/tune_tiles.py --mods bias`, docs/PERFORMANCE.md "What did not pay").
 FWD_SM90_WS_TILES_BIAS = {32: (64, 2, False, True), 64: (64, 2, False, True), 128: (64, 2, False, True)}
 FWD_SM90_WS_BIAS_MAX_KEYS = {64: 512}
 # A bias beside a mask (the Evoformer's pair bias with its MSA mask as a key_padding_mask), with at most a window:
