@@ -1695,8 +1695,9 @@ class _ConsumerWarpgroups(_ProducerConsumers):
 class FwdSm90Tf32Config(_ConsumerWarpgroups):
     """One float32 Hopper forward instantiation:
     `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, MODS>`
-    (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting Q and K and
-    transposing V in shared memory) and one or two consumer warpgroups of 64 query rows. dtype "fp32": 3xTF32 (X3),
+    (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K and
+    transposing V in shared memory) and one to three consumer warpgroups of 64 query rows (each splitting its rows of
+    Q). dtype "fp32": 3xTF32 (X3),
     "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias (MOD_BIAS)."""
 
     head_dim: int
@@ -1837,8 +1838,8 @@ class BwdSm90Tf32Config(_ProducerConsumers):
     `bwd_sm90_tf32_kernel<BwdTf32Traits<HEAD_DIM, BLOCK_M, STAGES, X3[, SPLIT, CONSUMERS[, K_REG_STEPS]]>, IS_CAUSAL,
     MODS>`
     (cuda/bwd_sm90_tf32.cuh): K/V-outer CTAs of 64 * consumers keys, TF32 wgmma, a producer warpgroup (one TMA thread,
-    three warps splitting K, V and each step's Q, dO, and transposing Q and dO) and two or three consumer warpgroups
-    of 64 keys taking every step of block_m queries together.
+    three warps splitting each step's Q, dO and transposing them) and two or three consumer warpgroups of 64 keys
+    (each splitting its K and V rows) taking every step of block_m queries together.
     dQ comes from a second kernel, `dq_config()` (Q-outer, no atomics: the backward repeats bitwise). dtype "fp32":
     3xTF32, "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias and its gradient
     (MOD_BIAS: dBias is written by this kernel)."""
@@ -2035,7 +2036,7 @@ class BwdDqSm90Tf32Config(_ConsumerWarpgroups):
 # A fourth element, k_reg_steps (3xTF32): the first k8 steps of the dK / dV kernel's S^T take K's big part from
 # registers (two of their three products' A operand), read from shared memory once per CTA. At 16 queries per step
 # S^T's A operand is four times its B, so K's and V's A reads are most of a step's shared-memory reads; with K's big
-# part in registers for all 8 k8 steps the kernel spilled 84-200 bytes at head dim 64, with 4 it is spill-free but
+# part in registers for all 8 k8 steps the kernel spilled 84-200 bytes at head dim 64, with 4 it is spill-free except
 # with a bias (4-20 bytes; 2 is spill-free there), and the pairs at 128 spill 12 bytes with 4 under NVRTC 13.5. The
 # tuner (`tools/tune_tiles.py --dtype fp32 --head-dims 64 128 --n 1024 4096 --causal both`, H200, 2026-12-01, two
 # rounds, gradients bitwise equal), backward ms at N 1k / 4k, causal N 1k / 4k: head dim 64 (16, 3) 7.29-7.34 /
