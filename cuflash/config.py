@@ -1697,8 +1697,8 @@ class FwdSm90Tf32Config(_ConsumerWarpgroups):
     `fwd_sm90_tf32_kernel<FwdTf32Traits<HEAD_DIM, BLOCK_N, STAGES, CONSUMERS, X3, PINGPONG>, IS_CAUSAL, MODS>`
     (cuda/fwd_sm90_tf32.cuh): TF32 wgmma, a producer warpgroup (one TMA thread, three warps splitting K and
     transposing V in shared memory) and one to three consumer warpgroups of 64 query rows (each splitting its rows of
-    Q). dtype "fp32": 3xTF32 (X3),
-    "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive bias (MOD_BIAS)."""
+    Q). dtype "fp32": 3xTF32 (X3), "tf32": one TF32 pass; window: a sliding window (MOD_WINDOW); bias: an additive
+    bias (MOD_BIAS)."""
 
     head_dim: int
     block_n: int
