@@ -64,10 +64,7 @@ __device__ __forceinline__ void tf32_prepare(u32 tile, u32 big, u32 t_big, u32 t
     }
   };
   if constexpr (!TRANSPOSE) {
-    for (int c = tid; c < ROWS * COLS / 4; c += THREADS) {
-      u32 b[4], sm[4];
-      put(16 * c, ld_shared_f32x4(tile + 16 * c), b, sm);
-    }
+    for (int c = tid; c < ROWS * COLS / 4; c += THREADS) tf32_split_chunk<X3>(tile, big, 16 * c);
   } else {
     constexpr int KEYS = ROWS < 32 ? ROWS : 32, CHUNKS_PER_UNIT = 32 / KEYS;
     constexpr int ROW_UNITS = ROWS / KEYS, UNITS = ROW_UNITS * (COLS / 4) / CHUNKS_PER_UNIT;
