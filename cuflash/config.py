@@ -664,13 +664,20 @@ FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
 FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1024}
 
 
-def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
-                        seqlen_k: int | None = None) -> FwdSm90Fp8Config:
-    """The FP8 forward's config (seqlen_k: the longest key sequence; None counts as short)."""
+def fwd_sm90_fp8_table(head_dim: int, causal: bool, window: bool = False, seqlen_k: int | None = None) -> dict:
+    """The FP8 tile table a call takes: FWD_SM90_FP8_TILES_BANDED for a window or causal rows of at most
+    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys where it has the head dim, else FWD_SM90_FP8_TILES (seqlen_k: the longest key
+    sequence; None counts as short)."""
     long = causal and not window and seqlen_k is not None and \
         seqlen_k > FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
     banded = (causal or window) and not long
-    tiles = FWD_SM90_FP8_TILES_BANDED if banded and head_dim in FWD_SM90_FP8_TILES_BANDED else FWD_SM90_FP8_TILES
+    return FWD_SM90_FP8_TILES_BANDED if banded and head_dim in FWD_SM90_FP8_TILES_BANDED else FWD_SM90_FP8_TILES
+
+
+def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False,
+                        seqlen_k: int | None = None) -> FwdSm90Fp8Config:
+    """The FP8 forward's config (seqlen_k: the longest key sequence; None counts as short)."""
+    tiles = fwd_sm90_fp8_table(head_dim, causal, window, seqlen_k)
     bn, stages, pingpong, q_in_regs, late_pack, consumers = tiles[head_dim]
     return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack, consumers)
 

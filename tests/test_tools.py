@@ -151,3 +151,30 @@ def test_tune_tiles_mods_kinds_tune_the_table_their_calls_take(kind, table):
     if kind == "bias-kpm":
         assert config.fwd_sm90_ws_table(64, False, mods, seqlen_k=1024) is config.FWD_SM90_WS_TILES_MODS
         assert config.fwd_sm90_ws_table(128, False, mods, seqlen_k=256) is config.FWD_SM90_WS_TILES_MODS
+
+
+def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
+    """`tune_tiles.py --dtype fp8` swaps entries of config.fwd_sm90_fp8_table(d, causal, seqlen_k=n), the table the
+    FP8 forward's config comes from (the banded tiles for short causal rows at head dim 64), and every candidate is a
+    valid FwdSm90Fp8Config within the shared-memory limit."""
+    from cuflash import config
+
+    tune_tiles = import_tool("tune_tiles")
+    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1024) is config.FWD_SM90_FP8_TILES_BANDED
+    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1025) is config.FWD_SM90_FP8_TILES
+    assert config.fwd_sm90_fp8_table(64, False, window=True, seqlen_k=8192) is config.FWD_SM90_FP8_TILES_BANDED
+    for d in (128, 256):
+        assert config.fwd_sm90_fp8_table(d, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES
+    for d, cands in tune_tiles.FWD_SM90_FP8.items():
+        assert d in config.FWD_SM90_FP8_TILES, d
+        for causal in (False, True):
+            table = config.fwd_sm90_fp8_table(d, causal, seqlen_k=4096)
+            for cand in cands:
+                cfg = config.FwdSm90Fp8Config(d, cand[0], cand[1], "bf16", causal, False, *cand[2:])
+                assert cfg.smem_bytes <= 227 * 1024, (d, cand)
+            shipped = config.fwd_sm90_fp8_config(d, "bf16", causal, seqlen_k=4096)
+            assert (shipped.block_n, shipped.stages, shipped.pingpong, shipped.q_in_regs, shipped.late_pack,
+                    shipped.consumers) == table[d]
+    out = subprocess.run([sys.executable, str(TOOLS / "tune_tiles.py"), "--help"], capture_output=True, text=True,
+                         cwd=ROOT, timeout=120)
+    assert out.returncode == 0 and "fp8" in out.stdout, out.stderr[-2000:]

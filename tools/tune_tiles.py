@@ -6,7 +6,8 @@ shapes (batch = 16384 / N, heads = 2048 / D). `diff` is the largest difference t
 output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FWD_SM90_WS_TILES, else
 FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). `--dtype fp32` / `tf32`
 tunes the float32 Hopper kernels instead (FWD_SM90_TF32_TILES, and unless --no-backward BWD_SM90_TF32_TILES and
-BWD_DQ_SM90_TF32_TILES, the backward timed whole; float32 inputs, precision "fp32" or "tf32").
+BWD_DQ_SM90_TF32_TILES, the backward timed whole; float32 inputs, precision "fp32" or "tf32"). `--dtype fp8` tunes the
+FP8 forward (FWD_SM90_FP8_TILES, or the banded table a short causal row takes) on block-scaled e4m3 inputs.
 `--mods blocks|kpm|mask|bias|bias-kpm` times the forward of a call with a mask or a bias instead, on the
 warp-specialized forward's table for the call's modifier bits (MODS_KINDS: a BlockMask, a key padding mask, an
 element mask, a bias, a bias beside a key padding mask).
@@ -93,6 +94,12 @@ BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1)
                              64: [(64, 3, 2), (32, 3, 2), (32, 3, 3), (64, 2, 2), (32, 3, 2, 1)],
                              128: [(32, 3, 2), (64, 2, 1), (16, 3, 2), (32, 3, 2, 1), (32, 3, 2, 2)]}}
 BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
+# the FP8 forward (sm_90a): (block_n, stages, pingpong, q_in_regs, late_pack, consumers), the alternatives measured
+# against the table a call takes (config.fwd_sm90_fp8_table: FWD_SM90_FP8_TILES, or the banded tiles)
+FWD_SM90_FP8 = {64: [(128, 2, True, True, True, 2), (128, 3, False, False, True, 3)],
+                128: [(128, 2, False, False, False, 2), (128, 3, True, False, False, 2),
+                      (64, 3, False, False, False, 3), (64, 4, False, False, True, 3)],
+                256: [(64, 4, True, False, False, 2), (128, 2, False, False, True, 2), (128, 2, True, False, False, 2)]}
 
 
 def rand(shape, dtype: str = "bf16"):
@@ -212,6 +219,41 @@ def tune_float32(args, arch: str, wgmma: bool) -> int:
     return 0
 
 
+def tune_fp8(args, arch: str, wgmma: bool) -> int:
+    """--dtype fp8: the FP8 forward's tiles (config.fwd_sm90_fp8_table) on inputs quantized with 128-row block scaling
+    (cuflash.fp8.quantize), as `python -m cuflash.bench --fp8` times them; `diff` against the shipped tiles' output."""
+    if not wgmma:
+        print(f"--dtype fp8: the FP8 forward is a Hopper (sm_90a) kernel, not on {arch}")
+        return 1
+    from cuflash import fp8
+
+    for d in args.head_dims:
+        if d not in config.FWD_SM90_FP8_TILES:
+            print(f"D={d}: no FP8 forward (head dims {', '.join(map(str, config.FWD_SM90_FP8_TILES))})")
+            continue
+        for causal in {"no": (False,), "yes": (True,), "both": (False, True)}[args.causal]:
+            for n in args.n:
+                b, h = max(1, 16384 // n), 2048 // d
+                q8, qd, k8, kd, v8, vd = (y for _ in range(3)
+                                          for y in fp8.quantize(rand((b, n, h, d)), scaling="block"))
+                flops = 4 * b * h * n * n * d / (2 if causal else 1)
+                print(f"D={d} causal={causal} N={n} (B={b}, H={h}) fp8", flush=True)
+
+                def call():
+                    return cuflash.attention_forward(q8, k8, v8, causal=causal, q_descale=qd, k_descale=kd,
+                                                     v_descale=vd)
+
+                def fwd():
+                    ms = bench_ms(call)
+                    return (ms, flops / ms / 1e9), call()
+
+                tune(config.fwd_sm90_fp8_table(d, causal, seqlen_k=n), FWD_SM90_FP8.get(d, []), d, "fwd fp8", fwd, arch,
+                     lambda: config.fwd_sm90_fp8_config(d, "bf16", causal, seqlen_k=n))
+                del q8, qd, k8, kd, v8, vd
+                cp.get_default_memory_pool().free_all_blocks()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[8192])
@@ -219,8 +261,8 @@ def main() -> int:
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--only", default=None, help="regex on the candidate tuple: time only the shipped tiles and these")
     ap.add_argument("--no-backward", action="store_true", help="tune the forward only")
-    ap.add_argument("--dtype", choices=("bf16", "fp32", "tf32"), default="bf16",
-                    help="fp32 / tf32: the float32 Hopper forward (its tiles only; sm_90a)")
+    ap.add_argument("--dtype", choices=("bf16", "fp32", "tf32", "fp8"), default="bf16",
+                    help="fp32 / tf32: the float32 Hopper kernels; fp8: the FP8 forward (sm_90a)")
     ap.add_argument("--mods", choices=tuple(MODS_KINDS), default=None,
                     help="time the forward with a bias or mask on the table its modifiers take (sm_90a, bf16; forward "
                          "only; TFLOP/s count the dense work): blocks, kpm, mask, bias or bias-kpm (MODS_KINDS)")
@@ -230,6 +272,8 @@ def main() -> int:
     arch = _compile.device_arch()
     wgmma = config.uses_wgmma(arch)
     print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
+    if args.dtype == "fp8":
+        return tune_fp8(args, arch, wgmma)
     if args.dtype != "bf16":
         return tune_float32(args, arch, wgmma)
     if args.mods is not None and not wgmma:
