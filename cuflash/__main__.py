@@ -6,9 +6,11 @@
     cuflash compile --sass --filter fwd_sm90   # + SASS instruction counts (nvdisasm), some kernels only
     cuflash compile --every-mods --filter "BwdSm90WsTraits<64"   # every modifier set, not only the heaviest
 
-The compile check needs NVRTC but no GPU, so CI runs it. It exits non-zero on a compile error or on any
-spill (spill stores, spill loads or a stack frame); with --sass also on local memory in the SASS and on a
-warpgroup MMA whose register A operand, loaded before a loop, is overwritten inside it (a ptxas miscompilation).
+The compile check needs NVRTC but no GPU, so CI runs it. It exits non-zero on a compile error, on any spill
+(spill stores, spill loads or a stack frame) and on a ptxas advisory that it serialized warpgroup MMAs (flag
+WGMMA-SERIALIZED-C75xx; its other wgmma advisories, such as an injected wgmma.wait_group, are printed beside the
+row); with --sass also on local memory in the SASS and on a warpgroup MMA whose register A operand, loaded before a
+loop, is overwritten inside it (a ptxas miscompilation).
 """
 from __future__ import annotations
 
@@ -320,6 +322,9 @@ def compile_check(args) -> int:
             flags.append("STACK")
         if res["registers"] is None:
             flags.append("NO-PTXAS-INFO")
+        if res["wgmma_serialized"]:
+            flags.append("WGMMA-SERIALIZED-" + "-".join(res["wgmma_serialized"]))
+        notes = [c for c in res["wgmma_advisories"] if c not in res["wgmma_serialized"]]  # e.g. an injected wait
         if smem > config.smem_limit(arch):
             flags.append("SMEM")
         sass = ""
@@ -335,8 +340,9 @@ def compile_check(args) -> int:
                 flags.append("LOCAL-MEMORY")
             if sass_clobbered_a_operands(text):
                 flags.append("A-REGISTERS-CLOBBERED")
+        note = f"  (ptxas {' '.join(notes)})" if notes else ""
         print(f"{arch:<7} {kind:<4} {regs:>4} {res['spill_stores']:>5}/{res['spill_loads']:<5} {res['stack']:>5} "
-              f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}{sass}")
+              f"{smem / 1024:8.1f} {seconds:5.1f}s  {name}{'  ' + ' '.join(flags) if flags else ''}{note}{sass}")
         if flags:
             problems.append(f"{arch} {name}: {' '.join(flags)} (spill stores {res['spill_stores']} B, "
                             f"spill loads {res['spill_loads']} B, stack {res['stack']} B, registers {regs}, "

@@ -69,8 +69,20 @@ class Compiled:
         return parse_ptxas_log(self.log)
 
 
+# ptxas's performance advisories on warpgroup MMA: "(C7515) Potential Performance Loss: wgmma.mma_async instructions
+# are serialized due to ..." (C7510-C7516, by cause) takes away every overlap of the kernel's wgmma, with no other sign
+# than its speed; "(C7517) wgmma.wait_group is injected in around line N ..." adds one wait, which costs little where
+# it lands after a loop (where ptxas cannot prove the loop's last wait retired every group) but would in a loop
+WGMMA_ADVISORY = re.compile(r"\((C75\d\d)\)[^\n]*wgmma", re.IGNORECASE)
+WGMMA_SERIALIZED = re.compile(r"\((C75\d\d)\)[^\n]*wgmma[^\n]*serialized", re.IGNORECASE)
+
+
 def parse_ptxas_log(log: str) -> dict:
-    out = {"registers": None, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0}
+    """Registers, spill bytes, stack and static shared memory from ptxas -v, and its wgmma advisories: the codes of
+    all of them in `wgmma_advisories` (e.g. ["C7517"]), of those that serialized wgmma in `wgmma_serialized`."""
+    out = {"registers": None, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0,
+           "wgmma_advisories": sorted(set(WGMMA_ADVISORY.findall(log))),
+           "wgmma_serialized": sorted(set(WGMMA_SERIALIZED.findall(log)))}
     if m := re.search(r"Used (\d+) registers", log):
         out["registers"] = int(m.group(1))
     if m := re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log):

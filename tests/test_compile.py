@@ -101,12 +101,37 @@ ptxas info    : Compile time = 331.834 ms
 
 def test_parse_ptxas_log():
     assert _compile.parse_ptxas_log(SAMPLE_LOG) == {
-        "registers": 255, "spill_stores": 16, "spill_loads": 20, "stack": 24, "static_smem": 2048}
+        "registers": 255, "spill_stores": 16, "spill_loads": 20, "stack": 24, "static_smem": 2048,
+        "wgmma_advisories": [], "wgmma_serialized": []}
     clean = SAMPLE_LOG.replace("24 bytes stack frame, 16 bytes spill stores, 20 bytes spill loads",
                                "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads")
     clean = clean.replace(", 2048 bytes smem", "")
     assert _compile.parse_ptxas_log(clean) == {
-        "registers": 255, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0}
+        "registers": 255, "spill_stores": 0, "spill_loads": 0, "stack": 0, "static_smem": 0, "wgmma_advisories": [],
+        "wgmma_serialized": []}
+
+
+# ptxas's advisories when it gives up a wgmma overlap (the first as NVRTC 13.5 printed it for a forward kernel with an
+# early return between a wgmma and its wait; the second as ptxas words a serialization)
+ADVISORIES = """\
+ptxas info    : (C7517) wgmma.wait_group is injected in around line 2593 by compiler to allow use of registers defined \
+by GMMA in function '_ZN7cuflash19fwd_sm90_fp8_kernel'
+ptxas info    : (C7515) Potential Performance Loss: wgmma.mma_async instructions are serialized due to non wgmma \
+instructions defining accumulator registers of a wgmma between start and end of the pipeline stage in the function \
+'_ZN7cuflash19bwd_sm90_tf32_kernel'
+"""
+
+
+def test_parse_ptxas_log_reads_the_wgmma_advisories():
+    """A kernel whose wgmma ptxas serialized is a compile-check problem (flag WGMMA-SERIALIZED-C75xx); an injected
+    wait is listed beside the row."""
+    res = _compile.parse_ptxas_log(SAMPLE_LOG + ADVISORIES)
+    assert res["wgmma_advisories"] == ["C7515", "C7517"]
+    assert res["wgmma_serialized"] == ["C7515"]
+    assert res["registers"] == 255
+    # other C-coded ptxas remarks are not wgmma advisories
+    assert _compile.parse_ptxas_log(SAMPLE_LOG + "ptxas info    : (C7999) something else entirely\n")[
+        "wgmma_advisories"] == []
 
 
 def test_hopper_kernels_use_warpgroup_mma():
@@ -218,6 +243,31 @@ def test_every_mods_compile_check_on_one_kernel(capsys):
     assert main(["compile", "--every-mods", "--filter", name, "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     assert "compiling 1 kernel instantiations" in out and "1 kernels in" in out and "0 with problems" in out, out
+
+
+@pytest.mark.parametrize("advisory,problem", [("C7515", True), ("C7517", False)])
+def test_compile_check_fails_on_serialized_wgmma(advisory, problem, monkeypatch, capsys):
+    """A ptxas advisory that it serialized a kernel's wgmma makes `cuflash compile` exit 1 (WGMMA-SERIALIZED-C7515);
+    an injected wait is printed beside the row and is not a problem. (The log of one real compile, with the
+    advisory's line added.)"""
+    nvrtc_or_skip()
+    from cuflash.__main__ import main
+
+    name = config.select("forward", 128, "bf16", False, "sm_90a").cpp_name()
+    real = _compile.compile_kernel
+    line = [x for x in ADVISORIES.splitlines(keepends=True) if advisory in x][0]
+
+    def with_advisory(expr, arch, use_cache=True):
+        c = real(expr, arch, use_cache=use_cache)
+        return _compile.Compiled(c.name_expression, c.lowered_name, c.arch, c.cubin, c.log + line)
+
+    monkeypatch.setattr(_compile, "compile_kernel", with_advisory)
+    assert main(["compile", "--filter", name, "--jobs", "1"]) == (1 if problem else 0)
+    out = capsys.readouterr().out
+    if problem:
+        assert "WGMMA-SERIALIZED-C7515" in out and "1 with problems" in out, out
+    else:
+        assert "(ptxas C7517)" in out and "0 with problems" in out, out
 
 
 def _sass(lines: list) -> str:
