@@ -204,7 +204,9 @@ struct BwdTf32Traits {
   static_assert(K_REG_STEPS == 0 || (X3 && K_REG_STEPS <= HEAD_DIM / 8), "K's big part in registers: 3xTF32");
   static_assert(STAGES >= 2 && STAGES <= 4, "2-4 stages of Q, dO");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileQt::BYTES == SMEM_Q, "tiles on the swizzle period");
-  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  // (setmaxnreg.inc waits for registers within the launch's: 65536 / THREADS rounded down to 8 per thread)
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
+                "setmaxnreg exceeds the CTA's registers");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
@@ -721,8 +723,9 @@ struct BwdDqTf32Traits {
   static_assert(A_REGS >= 0 && A_REGS <= 2, "Q's (1) or Q's and dO's (2) A operands in registers");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && TileKt::BYTES == SMEM_KV, "tiles on the swizzle period");
-  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 || CONSUMERS == 1,
-                "setmaxnreg exceeds the register file");
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS ||
+                    CONSUMERS == 1,
+                "setmaxnreg exceeds the CTA's registers");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 

@@ -148,8 +148,9 @@ struct FwdTf32Traits {
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == 4 * BOX_COLS, "V^T is V's bytes; boxes are panels");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
-  static_assert(CONSUMERS == 1 || 128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536,
-                "setmaxnreg exceeds the register file");
+  static_assert(CONSUMERS == 1 ||  // (setmaxnreg.inc waits for registers within the launch's; beyond, forever)
+                    128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
+                "setmaxnreg exceeds the CTA's registers");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
