@@ -56,6 +56,9 @@ def descale_arg(kind: str, b: int, h: int, s: int, seed: int):
     if kind == "head":
         a = rng.uniform(0.25, 2.0, (b, h)).astype(np.float32)
         return cp.asarray(a), a[:, :, None].astype(np.float64)
+    if kind == "v-spread":  # per block, log-uniform over 2^-20 .. 2^4 (v only: q and k "block")
+        a = np.exp2(rng.uniform(-20.0, 4.0, (b, h, blocks))).astype(np.float32)
+        return cp.asarray(a), a.astype(np.float64)
     a = rng.uniform(0.25, 2.0, (b, h, blocks)).astype(np.float32)  # "block"
     return cp.asarray(a), a.astype(np.float64)
 
@@ -98,6 +101,11 @@ CASES = [
     (256, 113, 203, 2, 2, False, None, "bshd", "block"),
     (256, 512, 1024, 2, 1, True, None, "bshd", "head"),
     (256, 1000, 1000, 2, 2, False, None, "bhsd", "tensor"),
+    # V descales far apart from block to block: the kernel keeps O in units of the current tile's V descale, so O
+    # moves by up to 2^24 between tiles (q and k keep the "block" factors: the scores stay at the other cases' scale)
+    (128, 640, 1500, 2, 2, False, None, "bshd", "v-spread"),
+    (64, 1500, 1700, 2, 1, True, None, "bshd", "v-spread"),
+    (256, 300, 900, 2, 2, True, None, "bhsd", "v-spread"),
 ]
 
 
@@ -109,8 +117,9 @@ def test_fp8_forward_matches_reference(case, out_dtype):
     seed = seed_of("fp8", case, out_dtype)
     (qb, qv), (kb, kv), (vb, vv) = (e4m3_bits((b, s, n, d), seed + i) for i, (s, n) in
                                     enumerate(((sq, h), (sk, hkv), (sk, hkv))))
-    (qd, qf), (kd, kf), (vd, vf) = (descale_arg(scaling, b, n, s, seed + 10 + i) for i, (s, n) in
-                                    enumerate(((sq, h), (sk, hkv), (sk, hkv))))
+    kinds = ("block", "block", "v-spread") if scaling == "v-spread" else (scaling,) * 3
+    (qd, qf), (kd, kf), (vd, vf) = (descale_arg(kind, b, n, s, seed + 10 + i) for i, (kind, s, n) in
+                                    enumerate(zip(kinds, (sq, sk, sk), (h, hkv, hkv))))
     q64, k64, v64 = dequantize(qv, qf, sq), dequantize(kv, kf, sk), dequantize(vv, vf, sk)
     scale = 1.0 / math.sqrt(d)
     o64, lse64 = ref.attention_forward64(q64, k64, v64, causal, scale, window=window)
