@@ -100,8 +100,13 @@ struct FwdFp8Traits {
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
   static constexpr int TRANSPOSE_THREADS = 96;        // producer warps 1-3; warp 0's lane 0 issues the TMA loads
   static constexpr int THREADS = 128 + CONSUMER_THREADS;
-  static constexpr int PRODUCER_REGS = 56;            // the TMA thread and the transposers (ldmatrix, prmt, stmatrix)
-  static constexpr int CONSUMER_REGS = CONSUMERS == 2 ? 224 : 152;  // three: 3 x 128 x 152 + 128 x 56 = 64K
+  // the TMA thread and the transposers (ldmatrix, prmt, stmatrix; 2 + (KV_CHUNKS + 2 VT_GROUPS) / 2 address
+  // registers, Fp8Transposer), and the consumers: at head dim 256 with 128-key tiles a consumer thread's O (128
+  // fp32 registers), S (64) and P (16) need 240 (2 x 128 x 240 + 128 x 24 = 384 x 168, the launch's registers;
+  // three consumers: 3 x 128 x 152 + 128 x 56 = 64K)
+  static constexpr bool WIDE_CONSUMERS = HEAD_DIM == 256 && BLOCK_N == 128 && CONSUMERS == 2;
+  static constexpr int PRODUCER_REGS = WIDE_CONSUMERS ? 24 : 56;
+  static constexpr int CONSUMER_REGS = CONSUMERS == 3 ? 152 : WIDE_CONSUMERS ? 240 : 224;
   static constexpr int N_TILES = BLOCK_N / 8;
   static constexpr int D_TILES = HEAD_DIM / 8;
   static constexpr int QK_K_STEPS = HEAD_DIM / 32;    // k32 steps of S = Q K^T
@@ -131,7 +136,10 @@ struct FwdFp8Traits {
   static_assert(TileVt::BYTES == SMEM_KV && TileKV::PANEL_BYTES == BOX_BYTES, "V^T is V's bytes; K boxes as Q's");
   static_assert(SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0, "tiles start on the 1024-byte swizzle period");
   static_assert(STAGES >= 2 && STAGES <= 4, "K/V circular buffers of 2-4 stages");
-  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536, "setmaxnreg exceeds the register file");
+  // within what the launch gives the CTA (65536 / THREADS rounded down to 8 per thread): setmaxnreg.inc waits for
+  // registers the decrease freed, and beyond that it would wait forever
+  static_assert(128 * PRODUCER_REGS + CONSUMER_THREADS * CONSUMER_REGS <= 65536 / THREADS / 8 * 8 * THREADS,
+                "setmaxnreg exceeds the CTA's registers");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
@@ -165,45 +173,78 @@ struct Fp8Transposer {
   static constexpr int PAIRS = Tr::HEAD_DIM / 32;  // pairs of 16-byte chunks in a V row
   static constexpr int UNITS = (Tr::BLOCK_N / 16) * PAIRS;
   static constexpr int WARPS = Tr::TRANSPOSE_THREADS / 32;
-  static constexpr int STEPS = (UNITS + WARPS - 1) / WARPS;  // units per warp (the last warps may take one fewer)
-  u32 load[STEPS], store[STEPS];  // this lane's ldmatrix / stmatrix addresses of its units, from the tile bases
-  u32 sel_lo, sel_hi;             // prmt selectors: stored matrices 0, 2 take the even (odd) bytes, 1, 3 the others
-  int steps;                      // units of this warp: warp + WARPS k < UNITS
+  // A unit's addresses split into this lane's part, which depends on the unit through its chunk pair within a V
+  // panel (c0 % KV_CHUNKS) and its key group within a V^T panel (h % VT_GROUPS) only, and a part of the unit alone:
+  //   load(u)  = load_lane[(c0 % KV_CHUNKS) / 2] + (c0 / KV_CHUNKS) * KV_PANEL + 16 h * KV_PANEL_BYTES
+  //   store(u) = store_lane[h % VT_GROUPS] + (h / VT_GROUPS) * VT_PANEL + 16 c0 * VT_PANEL_BYTES
+  // (the swizzle XORs a chunk index with the row mod 8, and the unit's parts move rows by multiples of 8). Each warp
+  // runs its own units with u a constant of the unrolled loop, so the unit's part is an immediate offset and a unit
+  // costs one ldmatrix, four prmt and one stmatrix on (KV_CHUNKS + 2 VT_GROUPS) / 2 address registers. Where the
+  // transposers have fewer registers (Tr::WIDE_CONSUMERS) they keep load_lane[0] and store_lane[0] alone: the others
+  // are load_lane[0] ^ (a << 5) and store_lane[0] ^ (b << 4) (the chunk bits of the swizzle), and each warp walks its
+  // 16-key groups h = w, w + WARPS, ... in a rolled loop with the group's PAIRS units unrolled (unrolled over every
+  // unit, ptxas held them all and spilled 48-100 bytes at 24 registers): one LOP3 per unit, four per group.
+  static constexpr int KV_PANEL_BYTES = Tr::TileKV::PANEL_BYTES, VT_PANEL_BYTES = Tr::TileVt::PANEL_BYTES;
+  static constexpr int KV_CHUNKS = KV_PANEL_BYTES / 16, VT_GROUPS = VT_PANEL_BYTES / 16;
+  static constexpr int KV_PANEL = Tr::BLOCK_N * KV_PANEL_BYTES, VT_PANEL = Tr::HEAD_DIM * VT_PANEL_BYTES;
+  static constexpr bool HELD = !Tr::WIDE_CONSUMERS;  // every lane part in a register
+  u32 load_lane[HELD ? KV_CHUNKS / 2 : 1], store_lane[HELD ? VT_GROUPS : 1];
+  u32 sel_lo, sel_hi;  // prmt selectors: stored matrices 0, 2 take the even (odd) bytes, 1, 3 the others
+  int warp;
 
-  // The addresses depend on the lane and the unit only, not on the key tile or the stage (every stage starts on
-  // the 1024-byte swizzle period): computed once, so a unit costs one ldmatrix, four prmt and one stmatrix.
-  __device__ __forceinline__ Fp8Transposer(int warp, int lane) {
+  __device__ __forceinline__ Fp8Transposer(int warp_, int lane) : warp(warp_) {
     const int i = lane & 7, m = lane >> 3;
     const bool odd_first = (lane >> 2) >= 4;  // this lane's row in stored matrices 0 and 2 is odd
     sel_lo = odd_first ? 0x7531u : 0x6420u;
     sel_hi = odd_first ? 0x6420u : 0x7531u;
-    steps = (UNITS - warp + WARPS - 1) / WARPS;
 #pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-      const int u = min(warp + WARPS * k, UNITS - 1);
-      const int h = u / PAIRS, c0 = 2 * (u % PAIRS);
-      load[k] = Tr::TileKV::offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4)));
-      const int d = 16 * (c0 + (m >> 1)) + 2 * i + (((i >= 4) != ((m & 1) != 0)) ? 1 : 0);
-      store[k] = Tr::TileVt::offset(d, 8 * h);
-    }
+    for (int a = 0; a < (HELD ? KV_CHUNKS / 2 : 1); ++a)
+      load_lane[a] = Tr::TileKV::offset(lane & 15, 8 * (2 * a + (lane >> 4)));
+    const int d = 16 * (m >> 1) + 2 * i + (((i >= 4) != ((m & 1) != 0)) ? 1 : 0);  // its V^T row less 16 c0
+#pragma unroll
+    for (int b = 0; b < (HELD ? VT_GROUPS : 1); ++b) store_lane[b] = Tr::TileVt::offset(d, 8 * b);
   }
 
-  // V (BLOCK_N x HEAD_DIM bytes) -> V^T (HEAD_DIM x BLOCK_N bytes, keys permuted within 16-key groups by
-  // fp8_key_of). A unit is one 16-key group h and two 16-byte column chunks c0, c0 + 1 of V, seen as 16-bit pairs of
-  // bytes: one ldmatrix.x4.trans (8 x 8 pair matrices: keys 0-7 and 8-15 of chunk c0, then of c0 + 1) gives lane
-  // (j = lane / 4, t = lane % 4) the pairs of column j at keys 2t, 2t + 1 and 8 + 2t, 9 + 2t: two prmt make the 4
-  // bytes of V^T rows 16 c + 2 j (even bytes) and 16 c + 2 j + 1 (odd) at positions 4t .. 4t + 3 of the group,
-  // exactly fp8_key_of's order; one stmatrix.x4 writes the 16-byte rows. Each stored matrix mixes 4 even and 4 odd
-  // rows (lanes with j < 4 give the even row of the first matrix, j >= 4 the odd one) so its 8 rows fall in 8
-  // distinct swizzled chunks: no bank conflict on either side.
-  __device__ __forceinline__ void operator()(u32 v_smem, u32 vt_smem) const {
+  // V -> V^T (the units as above the struct): warp W takes units W, W + WARPS, ...
+  __device__ __forceinline__ void unit(u32 ld, u32 st) const {
+    u32 r[4];
+    ldmatrix_x4_trans(r, ld);
+    stmatrix_x4(st, prmt(r[0], r[1], sel_lo), prmt(r[0], r[1], sel_hi), prmt(r[2], r[3], sel_lo),
+                prmt(r[2], r[3], sel_hi));
+  }
+  template <int W>
+  __device__ __forceinline__ void units(u32 v_smem, u32 vt_smem) const {
 #pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-      if (k < steps) {
-        u32 r[4];
-        ldmatrix_x4_trans(r, v_smem + load[k]);
-        stmatrix_x4(vt_smem + store[k], prmt(r[0], r[1], sel_lo), prmt(r[0], r[1], sel_hi), prmt(r[2], r[3], sel_lo),
-                    prmt(r[2], r[3], sel_hi));
+    for (int u = W; u < UNITS; u += WARPS) {
+      const int h = u / PAIRS, c0 = 2 * (u % PAIRS);
+      const u32 ld = load_lane[HELD ? (c0 % KV_CHUNKS) / 2 : 0], st = store_lane[HELD ? h % VT_GROUPS : 0];
+      unit(v_smem + ld + ((c0 / KV_CHUNKS) * KV_PANEL + 16 * h * KV_PANEL_BYTES),
+           vt_smem + st + ((h / VT_GROUPS) * VT_PANEL + 16 * c0 * VT_PANEL_BYTES));
+    }
+  }
+  __device__ __forceinline__ void operator()(u32 v_smem, u32 vt_smem) const {
+    static_assert(WARPS == 3, "three transposer warps");
+    if constexpr (HELD) {
+      if (warp == 0)
+        units<0>(v_smem, vt_smem);
+      else if (warp == 1)
+        units<1>(v_smem, vt_smem);
+      else
+        units<2>(v_smem, vt_smem);
+    } else {
+      // (v_smem and the group's 2048 h bytes leave bits 5-6, which the XORs set, as load_lane[0] has them)
+#pragma unroll 1
+      for (int h = warp; h < Tr::BLOCK_N / 16; h += WARPS) {
+        const u32 ld = v_smem + load_lane[0] + 16 * h * KV_PANEL_BYTES;
+        const u32 st = vt_smem + (store_lane[0] ^ ((h % VT_GROUPS) << 4)) + (h / VT_GROUPS) * VT_PANEL;
+        // c0 = 2 a + KV_CHUNKS panel: the units of one XOR in a row, so one of them is live at a time
+#pragma unroll
+        for (int a = 0; a < KV_CHUNKS / 2; ++a) {
+          const u32 ld_a = ld ^ (a << 5);
+#pragma unroll
+          for (int panel = 0; panel < 2 * PAIRS / KV_CHUNKS; ++panel)
+            unit(ld_a + panel * KV_PANEL, st + 16 * (2 * a + KV_CHUNKS * panel) * VT_PANEL_BYTES);
+        }
       }
     }
   }
@@ -309,13 +350,17 @@ __device__ __forceinline__ void fwd_fp8_transposer(const Fp8Smem<Tr>& sm, int n_
   int stage = 0;
   u32 phase = 0;
   for (int i = 0; i < n_tiles; ++i) {
+    if constexpr (Tr::WIDE_CONSUMERS) {  // from i, two registers fewer across the loop (24 in all)
+      stage = i % Tr::STAGES;
+      phase = (i / Tr::STAGES) & 1;
+    }
     mbarrier_wait_or_trap(sm.v_full(stage), phase);
     mbarrier_wait_or_trap(sm.vt_empty(stage), phase ^ 1);
     transpose(sm.v(stage), sm.vt(stage));
     fence_proxy_async_shared();  // V^T's generic writes before the consumers' wgmma (async proxy) reads
     mbarrier_arrive(sm.v_empty(stage));
     mbarrier_arrive(sm.vt_full(stage));
-    if (++stage == Tr::STAGES) {
+    if (!Tr::WIDE_CONSUMERS && ++stage == Tr::STAGES) {
       stage = 0;
       phase ^= 1;
     }

@@ -630,8 +630,9 @@ class FwdSm90Fp8Config:
 
 
 # FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs, late_pack, consumers). Key tiles divide the
-# 128-row quantization blocks of cuflash.fp8.quantize; D 256 takes 64-key tiles (with 128 the consumers spilled 144
-# bytes, NVRTC 13.5). Measured on an H100 (FA shapes, N 1k / 4k / 16k, non-causal, TFLOP/s, 2026-11-26): D 128
+# 128-row quantization blocks of cuflash.fp8.quantize; before 2026-12-01 D 256 took 64-key tiles (with 128 the
+# consumers spilled 144 bytes at 224 registers, NVRTC 13.5; measurements of that time below). Measured on an H100 (FA
+# shapes, N 1k / 4k / 16k, non-causal, TFLOP/s, 2026-11-26): D 128
 # (128, 2) with pingpong 558 / 693 / 731 against 542 / 686 / 706 without, 536 / 711 / 732 with 3 stages; D 256 (64,
 # 4) with pingpong 541 / 690 / 751 against 540 / 689 / 743 with 3 stages, 539 / 702 / 748 with 2; D 64 (128, 2)
 # with pingpong 361 / 441 / 473 against 359 / 429 / 471 without, and with Q in registers 368 / 440 / 489 against 362
@@ -649,13 +650,19 @@ class FwdSm90Fp8Config:
 # 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). The banded kernels (causal, a window)
 # keep two consumers where the rows are short: a 192-row block wastes more of the band's edge tiles (causal N 1k
 # 0.91x); above 1k keys three consumers run the causal rows faster (FWD_SM90_FP8_CAUSAL_LONG_KEYS).
+# D 256 since 2026-12-01 (the transposers' addresses as immediates, 24 producer registers and 240 per consumer thread:
+# FwdFp8Traits::WIDE_CONSUMERS) takes 128-key tiles, with pingpong (its banded kernels spilled 4-24 bytes: they take
+# late_pack): `tools/tune_tiles.py --dtype fp8 --head-dims 256 --n 1024 4096 16384 --causal both`, H200, N 1k / 4k /
+# 16k, TFLOP/s: (128, 2, pingpong) 727 / 966 / 1019 against 648 / 858 / 926 for (64, 4, pingpong, late_pack), (128, 2,
+# late_pack) 697 / 931 / 1002; causal (128, 2, late_pack) 478 / 813 / 993 against 449 / 717 / 894.
 FWD_SM90_FP8_TILES = {
     64: (128, 2, False, False, True, 3),
     128: (128, 2, True, False, False, 2),
-    256: (64, 4, True, False, True, 2),
+    256: (128, 2, True, False, False, 2),
 }
 FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
     64: (128, 2, True, True, True, 2),
+    256: (128, 2, False, False, True, 2),
 }
 # Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64). Three against two
 # consumers, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s: 247-248 / 301-302 / 344 /

@@ -1035,6 +1035,12 @@ def fp8_key_of(p):
     return np.where((p & 3) < 2, 2 * (p >> 2) + (p & 3), 6 + 2 * (p >> 2) + (p & 3))
 
 
+def fp8_wide_consumers(cfg) -> bool:
+    """FwdFp8Traits::WIDE_CONSUMERS: head dim 256 with 128-key tiles and two consumers (240 registers per consumer
+    thread, 24 per producer thread, the transposers' units walked by 16-key group)."""
+    return cfg.head_dim == 256 and cfg.block_n == 128 and cfg.consumers == 2
+
+
 def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
     """Byte addresses of Fp8Transposer over one key tile, from the V and V^T tile bases (every stage starts on the
     1024-byte swizzle period: the banks of stage 0's), [transposer warp, k, lane] (-1: the warp has left the loop).
@@ -1046,16 +1052,28 @@ def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
       one stmatrix.x4        TileVt::offset(d, 8 h), d = 16 (c0 + m / 2) + 2 i + ((i >= 4) != (m odd)): the V^T rows
                              of chunk c0 + m / 2, each matrix 4 even and 4 odd rows (bytes 16 h .. 16 h + 15).
     Offsets are those of the 16-bit SmemTiles of half the columns (TileKV = SmemTile<BLOCK_N, HEAD_DIM / 2>, TileVt =
-    SmemTile<HEAD_DIM, BLOCK_N / 2>). Instruction k of a warp is its k-th unit: program order."""
+    SmemTile<HEAD_DIM, BLOCK_N / 2>). Instruction k of a warp is its k-th unit: program order. With
+    FwdFp8Traits::WIDE_CONSUMERS (head dim 256, 128-key tiles, two consumers) warp w takes the 16-key groups h = w,
+    w + 3, ... instead, each group's units in the order c0 = 2 a + 8 panel, panel within a (the chunk pair a of the
+    128-byte panel, outer), so its units are 24, 24 and 16."""
     hd, bn = cfg.head_dim, cfg.block_n
     pairs = hd // 32
     units = (bn // 16) * pairs
     warps = FP8_TRANSPOSE_THREADS // WARP
-    steps = -(-units // warps)
-    u = np.arange(warps).reshape(warps, 1, 1) + warps * np.arange(steps).reshape(1, steps, 1)  # [warp, k, 1]
-    live = u < units
-    u = np.minimum(u, units - 1)
-    h, c0 = u // pairs, 2 * (u % pairs)
+    if fp8_wide_consumers(cfg):
+        chunks = 8  # 16-byte chunks of a 128-byte panel of V
+        order = [[(h, 2 * a + chunks * panel) for h in range(w, bn // 16, warps) for a in range(chunks // 2)
+                  for panel in range(2 * pairs // chunks)] for w in range(warps)]
+        steps = max(len(o) for o in order)
+        live = np.array([[k < len(o) for k in range(steps)] for o in order]).reshape(warps, steps, 1)
+        hc = np.array([[o[min(k, len(o) - 1)] for k in range(steps)] for o in order])  # [warp, k, (h, c0)]
+        h, c0 = hc[:, :, 0:1], hc[:, :, 1:2]
+    else:
+        steps = -(-units // warps)
+        u = np.arange(warps).reshape(warps, 1, 1) + warps * np.arange(steps).reshape(1, steps, 1)  # [warp, k, 1]
+        live = u < units
+        u = np.minimum(u, units - 1)
+        h, c0 = u // pairs, 2 * (u % pairs)
     lane = np.arange(WARP)
     i, m = lane & 7, lane >> 3
     loads = swizzled_offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4)), bn, hd // 2)

@@ -124,11 +124,11 @@ def test_fp8_element_sizes():
 def test_the_shipped_tiles():
     """The tile tables the closed forms read: (block_n, stages, pingpong, q_in_regs, late_pack, consumers) per head
     dim, the banded ones (causal, a window) where they differ: three consumer warpgroups at d64 without a band, Q in
-    registers at d64 with one (late_pack moves work within a consumer, not traffic); the analyzer counts the config it
-    names."""
+    registers at d64 with one, late_pack instead of pingpong at d256 with one (late_pack and pingpong move work
+    within and between consumers, not traffic); the analyzer counts the config it names."""
     assert C.FWD_SM90_FP8_TILES == {64: (128, 2, False, False, True, 3), 128: (128, 2, True, False, False, 2),
-                                    256: (64, 4, True, False, True, 2)}
-    assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2)}
+                                    256: (128, 2, True, False, False, 2)}
+    assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2), 256: (128, 2, False, False, True, 2)}
     banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
     for d in C.FWD_SM90_FP8_TILES:
         for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, banded)):
@@ -261,14 +261,20 @@ def smem_tile_offset(row: int, col: int, rows: int, cols: int) -> int:
     return (col // panel_cols) * rows * panel_bytes + off
 
 
-def transpose_units(d: int, bn: int):
+def transpose_units(d: int, bn: int, wide: bool = False):
     """Fp8Transposer over one tile, literally: per transposer warp (0..2) its units in program order, each as
-    (warp, ldmatrix.x4.trans lane addresses, stmatrix.x4 lane addresses)."""
+    (warp, ldmatrix.x4.trans lane addresses, stmatrix.x4 lane addresses). Warp w takes units w, w + 3, ...; `wide`
+    (FwdFp8Traits::WIDE_CONSUMERS) the 16-key groups h = w, w + 3, ..., each in chunk pairs a of its 128-byte
+    panels, both panels of a pair in a row (c0 = 2 a + 8 panel)."""
     pairs = d // 32
     out = []
     for warp in range(3):
-        for u in range(warp, (bn // 16) * pairs, 3):
-            h, c0 = u // pairs, 2 * (u % pairs)
+        if wide:
+            hc0 = [(h, 2 * a + 8 * panel) for h in range(warp, bn // 16, 3) for a in range(4)
+                   for panel in range(pairs // 4)]
+        else:
+            hc0 = [(u // pairs, 2 * (u % pairs)) for u in range(warp, (bn // 16) * pairs, 3)]
+        for h, c0 in hc0:
             loads = [smem_tile_offset(16 * h + (lane & 15), 8 * (c0 + (lane >> 4)), bn, d // 2) for lane in range(32)]
             stores = []
             for lane in range(32):
@@ -333,7 +339,7 @@ def test_transpose_walk_equals_the_literal_loop(d):
     """The vectorized transpose addresses and their bank costs equal a lane-by-lane port of Fp8Transposer (warp w
     takes units w, w + 3, ...); every V byte is read once and every V^T byte written once."""
     cfg = C.fwd_sm90_fp8_config(d, "bf16", False)
-    units = transpose_units(d, cfg.block_n)
+    units = transpose_units(d, cfg.block_n, wide=(d, cfg.block_n, cfg.consumers) == (256, 128, 2))
     addrs = banks.fwd_sm90_fp8_transpose_addresses(cfg)
     for role, k in (("v_read", 1), ("vt_store", 2)):
         got = [(w, [int(a) for a in row]) for w in range(3) for row in addrs[role][w] if (row >= 0).any()]

@@ -163,8 +163,8 @@ def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
     assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1024) is config.FWD_SM90_FP8_TILES_BANDED
     assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1025) is config.FWD_SM90_FP8_TILES
     assert config.fwd_sm90_fp8_table(64, False, window=True, seqlen_k=8192) is config.FWD_SM90_FP8_TILES_BANDED
-    for d in (128, 256):
-        assert config.fwd_sm90_fp8_table(d, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES
+    assert config.fwd_sm90_fp8_table(128, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES
+    assert config.fwd_sm90_fp8_table(256, True, seqlen_k=1 << 20) is config.FWD_SM90_FP8_TILES_BANDED  # no long rule
     for d, cands in tune_tiles.FWD_SM90_FP8.items():
         assert d in config.FWD_SM90_FP8_TILES, d
         for causal in (False, True):
