@@ -599,6 +599,12 @@ class FwdSm90Fp8Config:
         return 64 * self.consumers
 
     @property
+    def wide_consumers(self) -> bool:
+        """FwdFp8Traits::WIDE_CONSUMERS: head dim 256 with 128-key tiles and two consumers (240 registers per consumer
+        thread, 24 per producer thread; the transposers walk their units by 16-key group)."""
+        return self.head_dim == 256 and self.block_n == 128 and self.consumers == 2
+
+    @property
     def threads(self) -> int:
         return 128 + 128 * self.consumers
 

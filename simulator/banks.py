@@ -1035,12 +1035,6 @@ def fp8_key_of(p):
     return np.where((p & 3) < 2, 2 * (p >> 2) + (p & 3), 6 + 2 * (p >> 2) + (p & 3))
 
 
-def fp8_wide_consumers(cfg) -> bool:
-    """FwdFp8Traits::WIDE_CONSUMERS: head dim 256 with 128-key tiles and two consumers (240 registers per consumer
-    thread, 24 per producer thread, the transposers' units walked by 16-key group)."""
-    return cfg.head_dim == 256 and cfg.block_n == 128 and cfg.consumers == 2
-
-
 def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
     """Byte addresses of Fp8Transposer over one key tile, from the V and V^T tile bases (every stage starts on the
     1024-byte swizzle period: the banks of stage 0's), [transposer warp, k, lane] (-1: the warp has left the loop).
@@ -1060,7 +1054,7 @@ def fwd_sm90_fp8_transpose_addresses(cfg) -> dict[str, np.ndarray]:
     pairs = hd // 32
     units = (bn // 16) * pairs
     warps = FP8_TRANSPOSE_THREADS // WARP
-    if fp8_wide_consumers(cfg):
+    if cfg.wide_consumers:
         chunks = 8  # 16-byte chunks of a 128-byte panel of V
         order = [[(h, 2 * a + chunks * panel) for h in range(w, bn // 16, warps) for a in range(chunks // 2)
                   for panel in range(2 * pairs // chunks)] for w in range(warps)]

@@ -129,6 +129,9 @@ def test_the_shipped_tiles():
     assert C.FWD_SM90_FP8_TILES == {64: (128, 2, False, False, True, 3), 128: (128, 2, True, False, False, 2),
                                     256: (128, 2, True, False, False, 2)}
     assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2), 256: (128, 2, False, False, True, 2)}
+    # FwdFp8Traits::WIDE_CONSUMERS (240-register consumers, the transposers' units by key group): head dim 256 only
+    assert [C.fwd_sm90_fp8_config(d, "bf16", c).wide_consumers for d in (64, 128, 256) for c in (False, True)] == \
+        [False, False, False, False, True, True]
     banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
     for d in C.FWD_SM90_FP8_TILES:
         for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, banded)):
@@ -339,7 +342,7 @@ def test_transpose_walk_equals_the_literal_loop(d):
     """The vectorized transpose addresses and their bank costs equal a lane-by-lane port of Fp8Transposer (warp w
     takes units w, w + 3, ...); every V byte is read once and every V^T byte written once."""
     cfg = C.fwd_sm90_fp8_config(d, "bf16", False)
-    units = transpose_units(d, cfg.block_n, wide=(d, cfg.block_n, cfg.consumers) == (256, 128, 2))
+    units = transpose_units(d, cfg.block_n, wide=cfg.wide_consumers)
     addrs = banks.fwd_sm90_fp8_transpose_addresses(cfg)
     for role, k in (("v_read", 1), ("vt_store", 2)):
         got = [(w, [int(a) for a in row]) for w in range(3) for row in addrs[role][w] if (row >= 0).any()]
