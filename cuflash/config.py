@@ -642,7 +642,9 @@ class FwdSm90Fp8Config:
 # (128, 2) with pingpong 558 / 693 / 731 against 542 / 686 / 706 without, 536 / 711 / 732 with 3 stages; D 256 (64,
 # 4) with pingpong 541 / 690 / 751 against 540 / 689 / 743 with 3 stages, 539 / 702 / 748 with 2; D 64 (128, 2)
 # with pingpong 361 / 441 / 473 against 359 / 429 / 471 without, and with Q in registers 368 / 440 / 489 against 362
-# / 438 / 477 (causal 16k 491 against 463); Q in registers spills 16 bytes at D 128 and 128 at D 256. late_pack (P
+# / 438 / 477 (causal 16k 491 against 463); Q in registers spills 16 bytes at D 128 and 128 at D 256 (at D 128 also
+# with 24 producer and 240 consumer registers, as D 256 takes them: 16 bytes and every wgmma serialized, ptxas C7512;
+# three consumers of 128-key tiles at 160 registers spilled 96-144 bytes, C7512; NVRTC 13.5, 2026-12-01). late_pack (P
 # packed and O rescaled at the next round's start; the softmax then runs under the last P V GEMM), on an H200,
 # 2026-11-30, two rounds against the kernels without it, N 1k / 4k / 16k: D 64 non-causal 379-383 / 495-501 / 548
 # against 366-371 / 481-485 / 535-536, causal 269-270 / 430-434 / 532-534 against 259 / 379-384 / 458-459; D 256
