@@ -21,7 +21,8 @@
 //   vd_{i-1} / vd_i before the P_i V_i GEMM) and multiplied by the last tile's at the end.
 //
 // One CTA = BLOCK_M = 64 x CONSUMERS query rows of one (batch, head) (grid (m_blocks, heads, batch), causal: longest
-// first; three consumer warpgroups run without pingpong); causal and sliding-window bands (key tiles outside them are
+// first; three consumer warpgroups run without pingpong), or, PERSISTENT, at most one CTA per SM walking such work
+// items (see the kernel); causal and sliding-window bands (key tiles outside them are
 // never loaded), GQA (K/V head = head / kv_group), dense and packed (varlen) sequences as in fwd_sm90_ws.cuh. No
 // other score modifier.
 //
@@ -31,13 +32,15 @@
 //
 // ---- the barrier protocol ----------------------------------------------------------------------------------
 //   q_full                count 1 + tx: the producer's Q load
+//   q_empty               PERSISTENT only, count CONSUMER_WARPS: the consumers' last S GEMM of the item retired
 //   k_full[s], v_full[s]  count 1 + tx: the producer's K / V loads of the tile in stage s
 //   k_empty[s]            count CONSUMER_WARPS: the consumers' S GEMM of stage s retired
 //   v_empty[s]            count TRANSPOSE_THREADS: the transposers have read V of stage s
 //   vt_full[s]            count TRANSPOSE_THREADS: V^T of stage s written (each thread fences its writes to the
 //                         async proxy, fence.proxy.async, before it arrives: wgmma reads V^T through that proxy)
 //   vt_empty[s]           count CONSUMER_WARPS: the consumers' P V GEMM of stage s retired
-// Key tile i uses stage i % STAGES with phase bit (i / STAGES) & 1 on every barrier of its stage. The producer
+// Key tile i (counted over the CTA's items when PERSISTENT) uses stage i % STAGES with phase bit (i / STAGES) & 1 on
+// every barrier of its stage. The producer
 // loads K_i after k_empty of tile i - STAGES and V_i after v_empty of tile i - STAGES; the transposers wait v_full of
 // tile i and vt_empty of tile i - STAGES; the consumers wait k_full for S_i and vt_full for P_{i-1} V_{i-1}. The
 // producer issues K_{i+1} before V_i. Every wait is for a tile at least STAGES - 1 behind its waiter's, so no cycle
@@ -69,10 +72,12 @@ struct FwdFp8Params {
   Descale q_descale;  // per query head
   Descale k_descale;  // per K/V head
   Descale v_descale;  // per K/V head
+  int m_blocks;       // query blocks of BLOCK_M rows per (batch, head) (max_seqlen_q if packed)
+  int items;          // m_blocks * heads * batch: the work items a persistent grid walks (read only when PERSISTENT)
 };
 static_assert(sizeof(Descale) == 24 && alignof(FwdFp8Params) == 64 && sizeof(FwdFp8Params) == 1024,
               "FwdFp8Params is mirrored in cuflash/_tma.py (FwdFp8Params): maps at 0, 128, 256, FwdParams at 384, "
-              "descales at 904, 928, 952, 1024 bytes");
+              "descales at 904, 928, 952, m_blocks and items at 976 and 980, 1024 bytes");
 
 // Rows of a quantization block: a descale's block index is row / QUANT_BLOCK_ROWS (cuflash.fp8.quantize's blocks).
 constexpr int QUANT_BLOCK_ROWS = 128;
@@ -84,7 +89,7 @@ __host__ __device__ constexpr int fp8_key_of(int p) {
 }
 
 template <int HEAD_DIM_, int BLOCK_N_, int STAGES_, class OutT_, bool PINGPONG_ = false, bool Q_IN_REGS_ = false,
-          bool LATE_PACK_ = false, int CONSUMERS_ = 2>
+          bool LATE_PACK_ = false, int CONSUMERS_ = 2, bool PERSISTENT_ = false>
 struct FwdFp8Traits {
   using OutT = OutT_;                                 // f16 or bf16: O's type
   static constexpr int HEAD_DIM = HEAD_DIM_;
@@ -95,6 +100,7 @@ struct FwdFp8Traits {
   static constexpr bool PINGPONG = PINGPONG_;         // order the two consumers' GEMMs through named barriers
   static constexpr bool Q_IN_REGS = Q_IN_REGS_;      // Q as the A registers of S = Q K^T (read from shared memory once)
   static constexpr bool LATE_PACK = LATE_PACK_;      // P's packing and O's rescale at the next round's start
+  static constexpr bool PERSISTENT = PERSISTENT_;    // at most one CTA per SM walks work items (see the kernel)
   static constexpr int PINGPONG_BAR = 1;              // + consumer: its turn to issue GEMMs (0 is __syncthreads)
   static constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
   static constexpr int CONSUMER_WARPS = 4 * CONSUMERS;
@@ -120,7 +126,7 @@ struct FwdFp8Traits {
   static constexpr int PANELS = HEAD_DIM / BOX_BYTES;
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
-  static constexpr int BARRIERS = 1 + 6 * STAGES;
+  static constexpr int BARRIERS = (PERSISTENT ? 2 : 1) + 6 * STAGES;  // persistent: q_empty after the stages
   static constexpr int OFF_Q = 0;
   static constexpr int OFF_K = SMEM_Q;
   static constexpr int OFF_V = OFF_K + STAGES * SMEM_KV;
@@ -158,6 +164,7 @@ struct Fp8Smem {
   __device__ __forceinline__ u32 v_empty(int s) const { return bar(1 + 3 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_full(int s) const { return bar(1 + 4 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_empty(int s) const { return bar(1 + 5 * Tr::STAGES + s); }
+  __device__ __forceinline__ u32 q_empty() const { return bar(1 + 6 * Tr::STAGES); }  // persistent only
 };
 
 // V (BLOCK_N x HEAD_DIM bytes) -> V^T (HEAD_DIM x BLOCK_N bytes, keys permuted within 16-key groups by
@@ -305,13 +312,17 @@ __device__ __forceinline__ void fp8_probs_to_regs(const float (&s)[1][N_TILES][4
   }
 }
 
-// The TMA thread: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1} before V_i).
+// The TMA thread, one work item: Q, then K and V of the n_tiles key tiles from n_end - 1 down (K_0, then K_{i+1}
+// before V_i). t0: key tiles of the CTA's earlier items (tile t0 + i takes stage (t0 + i) % STAGES); q_phase: the
+// item's parity on q_full / q_empty (persistent: Q once the consumers have released the previous item's).
 template <class Tr>
 __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp8Smem<Tr>& sm, const Seq& seq,
-                                                 int row0, int head, int batch, int n_end, int n_tiles) {
+                                                 int row0, int head, int batch, int n_end, int n_tiles, int t0,
+                                                 u32 q_phase) {
   const int kv_head = head / p.fwd.seq.kv_group;
   const int q_batch = p.fwd.seq.cu_seqlens_q != nullptr ? 0 : batch;
   const int kv_batch = p.fwd.seq.cu_seqlens_k != nullptr ? 0 : batch;
+  if (Tr::PERSISTENT) mbarrier_wait_or_trap(sm.q_empty(), q_phase ^ 1);  // the first item passes at once
   mbarrier_arrive_expect_tx(sm.q_full(), Tr::SMEM_Q);
 #pragma unroll
   for (int panel = 0; panel < Tr::PANELS; ++panel)
@@ -320,8 +331,8 @@ __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp
   // K runs one tile ahead of V: K_{i+1} is issued before V_i, as the consumers need them together (S_{i+1} beside
   // P_i V_i), so a V stage still being transposed never holds back the next S GEMM's K
   auto load_k = [&](int i) {
-    const int stage = i % Tr::STAGES;
-    mbarrier_wait_or_trap(sm.k_empty(stage), ((i / Tr::STAGES) & 1) ^ 1);
+    const int stage = (t0 + i) % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.k_empty(stage), (((t0 + i) / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(sm.k_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
@@ -332,8 +343,8 @@ __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp
   load_k(0);
   for (int i = 0; i < n_tiles; ++i) {
     if (i + 1 < n_tiles) load_k(i + 1);
-    const int stage = i % Tr::STAGES;
-    mbarrier_wait_or_trap(sm.v_empty(stage), ((i / Tr::STAGES) & 1) ^ 1);
+    const int stage = (t0 + i) % Tr::STAGES;
+    mbarrier_wait_or_trap(sm.v_empty(stage), (((t0 + i) / Tr::STAGES) & 1) ^ 1);
     mbarrier_arrive_expect_tx(sm.v_full(stage), Tr::SMEM_KV);
 #pragma unroll
     for (int panel = 0; panel < Tr::PANELS; ++panel)
@@ -343,13 +354,13 @@ __device__ __forceinline__ void fwd_fp8_producer(const FwdFp8Params& p, const Fp
   }
 }
 
-// The transposers (producer warps 1-3): V_i -> V^T_i for every key tile.
+// The transposers (producer warps 1-3): V_i -> V^T_i for every key tile of one work item (t0: as the producer's).
 template <class Tr>
-__device__ __forceinline__ void fwd_fp8_transposer(const Fp8Smem<Tr>& sm, int n_tiles, int warp, int lane) {
+__device__ __forceinline__ void fwd_fp8_transposer(const Fp8Smem<Tr>& sm, int n_tiles, int warp, int lane, int t0) {
   const Fp8Transposer<Tr> transpose(warp, lane);
-  int stage = 0;
-  u32 phase = 0;
-  for (int i = 0; i < n_tiles; ++i) {
+  int stage = t0 % Tr::STAGES;
+  u32 phase = (t0 / Tr::STAGES) & 1;
+  for (int i = t0; i < t0 + n_tiles; ++i) {
     if constexpr (Tr::WIDE_CONSUMERS) {  // from i, two registers fewer across the loop (24 in all)
       stage = i % Tr::STAGES;
       phase = (i / Tr::STAGES) & 1;
@@ -372,7 +383,7 @@ template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
 __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp8Smem<Tr>& sm,
                                                  const Band<IS_CAUSAL, HAS_WINDOW>& band, int m_block, int row0,
                                                  int out_row0, int rows_q, int head, int batch, int n_end,
-                                                 int n_tiles) {
+                                                 int n_tiles, int t0, u32 q_phase) {
   const int ctid = threadIdx.x - 128;
   const int wg = ctid / 128, lane = ctid & 31, warp = ctid / 32;
   const int warp_row = row0 + warp * 16, wg_row = row0 + wg * 64;
@@ -437,15 +448,19 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
   };
   if (Tr::PINGPONG && wg == 1) named_barrier_arrive(Tr::PINGPONG_BAR, 256);
 
-  mbarrier_wait_or_trap(sm.q_full(), 0);
+  mbarrier_wait_or_trap(sm.q_full(), q_phase);
   if (Tr::Q_IN_REGS) {  // this warp's 16 rows of Q, k32 step by step: ldmatrix.x4 gives the e4m3 A fragment
 #pragma unroll
     for (int kk = 0; kk < (Tr::Q_IN_REGS ? Tr::QK_K_STEPS : 0); ++kk)
       ldmatrix_x4(q_regs[kk], sm.q() + Tr::TileQ::offset(warp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1),
                                                          16 * kk + 8 * (lane >> 4)));
   }
-  int stage = 0, n_block = n_end - 1;
-  u32 phase = 0;
+  int stage = t0 % Tr::STAGES, n_block = n_end - 1;
+  u32 phase = (t0 / Tr::STAGES) & 1;
+  // persistent: Q's buffer goes back to the producer once this consumer's last S GEMM of the item has retired
+  auto release_q = [&](bool last_s) {
+    if (Tr::PERSISTENT && last_s) release(sm.q_empty());
+  };
   // V descales: vd_cur of the tile whose P is in s_acc, vd_prev of the last P V GEMM issued (O's units)
   float vd_cur = v_descale(n_block), vd_prev = vd_cur;
   auto rescale_and_pack = [&](float units) {  // O *= alpha * units, then P (s_acc) -> the P V GEMM's A registers
@@ -482,6 +497,7 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
     wgmma_wait_group<0>();
     wgmma_fence_operand(s_acc[0]);
     release(sm.k_empty(stage));
+    release_q(n_tiles == 1);
     scores_to_probs(n_block, scale_q * kd);  // alpha = 0: O is still 0
     if (!Tr::LATE_PACK) fp8_probs_to_regs(s_acc, p_regs);
   }
@@ -509,6 +525,7 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
     wgmma_wait_group<1>();  // S_i
     wgmma_fence_operand(s_acc[0]);
     release(sm.k_empty(stage));
+    release_q(i == n_tiles - 1);
     scores_to_probs(n_block, scale_q * kd);
 
     if (!Tr::LATE_PACK) {
@@ -558,68 +575,154 @@ __device__ __forceinline__ void fwd_fp8_consumer(const FwdFp8Params& p, const Fp
   }
 }
 
+// One work item of a persistent grid: query block m_block of (batch, head), its sequence and the key tiles its rows
+// see. Every thread derives the same item from the same index: index = blockIdx.x, + gridDim.x, ... over m_blocks *
+// heads * batch items, query blocks fastest (causal: longest first).
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
+struct Fp8Item {
+  Seq seq;
+  Band<IS_CAUSAL, HAS_WINDOW> band;
+  int m_block, head, batch, row0, rows_q, out_row0, n_end, n_tiles;
+  bool live;  // false: past this sequence's end (varlen)
+
+  __device__ __forceinline__ void init(const FwdFp8Params& p, int index) {
+    const int bh = index / p.m_blocks, m_index = index - bh * p.m_blocks;
+    head = bh % p.fwd.heads;
+    batch = bh / p.fwd.heads;
+    m_block = IS_CAUSAL ? p.m_blocks - 1 - m_index : m_index;
+    seq = sequence(p.fwd.seq, batch);
+    row0 = m_block * Tr::BLOCK_M;
+    live = row0 < seq.len_q;
+    rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+    out_row0 = seq.q_row0 + row0;
+    band = Band<IS_CAUSAL, HAS_WINDOW>{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                      HAS_WINDOW ? p.fwd.mods.window_right : 0};
+    const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+    n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+    n_tiles = live ? max(n_end - n_begin, 0) : 0;
+  }
+
+  // rows that see no key: O = 0, lse = -inf, by threads tid = 0 .. nthreads - 1
+  static __device__ __forceinline__ void write_empty(const FwdFp8Params& p, int batch, int head, int out_row0,
+                                                     int rows_q, int tid, int nthreads) {
+    u16* o = p.fwd.o + batch * p.fwd.o_batch_stride + static_cast<long long>(out_row0) * p.fwd.o_row_stride +
+             head * p.fwd.o_head_stride;
+    for (int idx = tid; idx < rows_q * (Tr::HEAD_DIM / 8); idx += nthreads)
+      *reinterpret_cast<uint4*>(o + (idx / (Tr::HEAD_DIM / 8)) * p.fwd.o_row_stride + (idx % (Tr::HEAD_DIM / 8)) * 8) =
+          make_uint4(0, 0, 0, 0);
+    if (p.fwd.lse != nullptr)
+      for (int r = tid; r < rows_q; r += nthreads)
+        p.fwd.lse[batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0 + r] = neg_inf();
+  }
+};
+
+// Persistent (Tr::PERSISTENT): a grid of at most one CTA per SM whose roles walk the same items; the K/V, V^T rings
+// are not drained between items (each role counts the key tiles of its CTA's earlier items, t0, and tile t0 + i takes
+// stage (t0 + i) % STAGES with phase ((t0 + i) / STAGES) & 1, as one long key loop), Q has an empty barrier besides
+// its full one (count CONSUMER_WARPS: each consumer warp arrives once its last S GEMM of the item has retired, so the
+// next item's Q loads under the item's last P V GEMM and epilogue, which writes O from registers), and the item
+// with u earlier items that had key tiles waits q_full with parity u & 1 (the producer q_empty with (u & 1) ^ 1).
+// Items without a key tile touch no barrier: the consumers write their rows. The pingpong tokens balance within
+// each item (fwd_fp8_consumer), so they carry across items.
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
 __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __grid_constant__ FwdFp8Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  const AlignedSmem aligned = align_smem_1024(smem_raw);
-  unsigned char* smem = aligned.ptr;
-  const Fp8Smem<Tr> sm{aligned.base};
+  const Fp8Smem<Tr> sm{align_smem_1024(smem_raw).base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
-
-  const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
-  const int head = blockIdx.y, batch = blockIdx.z;
-  const Seq seq = sequence(p.fwd.seq, batch);
-  const int row0 = m_block * Tr::BLOCK_M;
-  if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
-  const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
-  const int out_row0 = seq.q_row0 + row0;
-  const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
-                                        HAS_WINDOW ? p.fwd.mods.window_right : 0};
-  const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
-  const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
-  const int n_tiles = n_end - n_begin;
-  if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf
-    u16* o = p.fwd.o + batch * p.fwd.o_batch_stride + static_cast<long long>(out_row0) * p.fwd.o_row_stride +
-             head * p.fwd.o_head_stride;
-    for (int idx = threadIdx.x; idx < rows_q * (Tr::HEAD_DIM / 8); idx += Tr::THREADS)
-      *reinterpret_cast<uint4*>(o + (idx / (Tr::HEAD_DIM / 8)) * p.fwd.o_row_stride + (idx % (Tr::HEAD_DIM / 8)) * 8) =
-          make_uint4(0, 0, 0, 0);
-    if (p.fwd.lse != nullptr)
-      for (int r = threadIdx.x; r < rows_q; r += Tr::THREADS)
-        p.fwd.lse[batch * p.fwd.lse_batch_stride + head * p.fwd.lse_head_stride + out_row0 + r] = neg_inf();
-    return;
-  }
-
-  if (threadIdx.x == 0) {
-    mbarrier_init(sm.q_full(), 1);
-#pragma unroll
-    for (int s = 0; s < Tr::STAGES; ++s) {
-      mbarrier_init(sm.k_full(s), 1);
-      mbarrier_init(sm.v_full(s), 1);
-      mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
-      mbarrier_init(sm.v_empty(s), Tr::TRANSPOSE_THREADS);
-      mbarrier_init(sm.vt_full(s), Tr::TRANSPOSE_THREADS);
-      mbarrier_init(sm.vt_empty(s), Tr::CONSUMER_WARPS);
-    }
-    fence_mbarrier_init();
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    setmaxnreg_dec<Tr::PRODUCER_REGS>();
+  using Item = Fp8Item<Tr, IS_CAUSAL, HAS_WINDOW>;
+  auto init_barriers = [&]() {
     if (threadIdx.x == 0) {
-      prefetch_tensormap(&p.tma_q);
-      prefetch_tensormap(&p.tma_k);
-      prefetch_tensormap(&p.tma_v);
-      fwd_fp8_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles);
-    } else if (threadIdx.x >= 32) {
-      fwd_fp8_transposer<Tr>(sm, n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31);
+      mbarrier_init(sm.q_full(), 1);
+      if (Tr::PERSISTENT) mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+#pragma unroll
+      for (int s = 0; s < Tr::STAGES; ++s) {
+        mbarrier_init(sm.k_full(s), 1);
+        mbarrier_init(sm.v_full(s), 1);
+        mbarrier_init(sm.k_empty(s), Tr::CONSUMER_WARPS);
+        mbarrier_init(sm.v_empty(s), Tr::TRANSPOSE_THREADS);
+        mbarrier_init(sm.vt_full(s), Tr::TRANSPOSE_THREADS);
+        mbarrier_init(sm.vt_empty(s), Tr::CONSUMER_WARPS);
+      }
+      fence_mbarrier_init();
+    }
+    __syncthreads();
+  };
+
+  if constexpr (!Tr::PERSISTENT) {  // one item: the grid is (m_blocks, heads, batch)
+    const int m_block = IS_CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // causal: longest first
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const Seq seq = sequence(p.fwd.seq, batch);
+    const int row0 = m_block * Tr::BLOCK_M;
+    if (row0 >= seq.len_q) return;  // varlen: past this sequence's end
+    const int rows_q = min(Tr::BLOCK_M, seq.len_q - row0);
+    const int out_row0 = seq.q_row0 + row0;
+    const Band<IS_CAUSAL, HAS_WINDOW> band{seq.len_k, seq.len_k - seq.len_q, HAS_WINDOW ? p.fwd.mods.window_left : 0,
+                                          HAS_WINDOW ? p.fwd.mods.window_right : 0};
+    const int n_begin = band.template key_block_begin<Tr::BLOCK_N>(row0);
+    const int n_end = band.template key_block_end<Tr::BLOCK_N>(row0 + rows_q - 1);
+    const int n_tiles = n_end - n_begin;
+    if (n_tiles <= 0) {  // these rows see no key: O = 0, lse = -inf
+      Item::write_empty(p, batch, head, out_row0, rows_q, threadIdx.x, Tr::THREADS);
+      return;
+    }
+    init_barriers();
+    if (threadIdx.x < 128) {
+      setmaxnreg_dec<Tr::PRODUCER_REGS>();
+      if (threadIdx.x == 0) {
+        prefetch_tensormap(&p.tma_q);
+        prefetch_tensormap(&p.tma_k);
+        prefetch_tensormap(&p.tma_v);
+        fwd_fp8_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles, 0, 0);
+      } else if (threadIdx.x >= 32) {
+        fwd_fp8_transposer<Tr>(sm, n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31, 0);
+      }
+    } else {
+      setmaxnreg_inc<Tr::CONSUMER_REGS>();
+      fwd_fp8_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, m_block, row0, out_row0, rows_q, head, batch, n_end,
+                                                  n_tiles, 0, 0);
     }
   } else {
-    setmaxnreg_inc<Tr::CONSUMER_REGS>();
-    fwd_fp8_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, band, m_block, row0, out_row0, rows_q, head, batch, n_end,
-                                                n_tiles);
+    init_barriers();
+    Item it;
+    // every role walks the CTA's items in order, with the key tiles (t0) and the items with tiles (u) before each
+    auto walk = [&](auto&& role) {
+      int t0 = 0;
+      u32 u = 0;
+      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
+        it.init(p, index);
+        role(t0, u & 1);
+        if (it.n_tiles > 0) {
+          t0 += it.n_tiles;
+          ++u;
+        }
+      }
+    };
+    if (threadIdx.x < 128) {
+      setmaxnreg_dec<Tr::PRODUCER_REGS>();
+      if (threadIdx.x == 0) {
+        prefetch_tensormap(&p.tma_q);
+        prefetch_tensormap(&p.tma_k);
+        prefetch_tensormap(&p.tma_v);
+        walk([&](int t0, u32 q_phase) {
+          if (it.n_tiles > 0)
+            fwd_fp8_producer<Tr>(p, sm, it.seq, it.row0, it.head, it.batch, it.n_end, it.n_tiles, t0, q_phase);
+        });
+      } else if (threadIdx.x >= 32) {
+        walk([&](int t0, u32) {
+          if (it.n_tiles > 0) fwd_fp8_transposer<Tr>(sm, it.n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31, t0);
+        });
+      }
+    } else {
+      setmaxnreg_inc<Tr::CONSUMER_REGS>();
+      walk([&](int t0, u32 q_phase) {
+        if (it.n_tiles > 0)
+          fwd_fp8_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, it.band, it.m_block, it.row0, it.out_row0, it.rows_q,
+                                                      it.head, it.batch, it.n_end, it.n_tiles, t0, q_phase);
+        else if (it.live)
+          Item::write_empty(p, it.batch, it.head, it.out_row0, it.rows_q, threadIdx.x - 128, Tr::CONSUMER_THREADS);
+      });
+    }
   }
 #else
   static_assert(Tr::HEAD_DIM < 0, "fwd_sm90_fp8_kernel uses TMA and FP8 wgmma: compile it for sm_90a");

@@ -270,7 +270,8 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             else:
                 ptr = d.ptr
             setattr(params, field, _tma.Descale(ptr, *d.strides, 0))
-        grid = cfg.grid(a.batch, a.heads_q, a.seqlen_q)
+        grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q,
+                                                           _families._sm_count(a.device))
         if key is not None and not keep:  # later calls of this signature replay the launch
             n = 10 if cu_seqlens is None else 12
             b = _plan.PlanBuilder(a.device, n)

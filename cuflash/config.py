@@ -321,6 +321,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for c, w in ((False, False), (True, False), (False, True))]
         out += [fwd_sm90_fp8_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_CAUSAL_LONG_KEYS
                 for dt in DTYPES]
+        out += [fwd_sm90_fp8_config(hd, dt, False, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES_SHORT
+                for dt in DTYPES]
         out += [fwd_sm90_tf32_config(hd, dt, c, w, b, alibi_mask=am) for dt in FWD_SM90_TF32_TILES
                 for hd in FWD_SM90_TF32_TILES[dt] for c, w in ((False, False), (True, False), (False, True))
                 for b in (False, True) for am in (False, True)]
@@ -564,10 +566,11 @@ FWD_SM90_WS_TILES_CAUSAL = {
 @dataclass(frozen=True)
 class FwdSm90Fp8Config:
     """One FP8 (e4m3) Hopper forward instantiation:
-    `fwd_sm90_fp8_kernel<FwdFp8Traits<HEAD_DIM, BLOCK_N, STAGES, OutT, PINGPONG, Q_IN_REGS, LATE_PACK, CONSUMERS>,
-    IS_CAUSAL, HAS_WINDOW>` (cuda/fwd_sm90_fp8.cuh): a producer warpgroup (one TMA thread, three warps transposing V)
-    and two or three consumer warpgroups of 64 query rows (BLOCK_M = 128 or 192, 384 or 512 threads, 1 CTA per SM).
-    dtype: the output's ("bf16" or "fp16"); window: a sliding window."""
+    `fwd_sm90_fp8_kernel<FwdFp8Traits<HEAD_DIM, BLOCK_N, STAGES, OutT, PINGPONG, Q_IN_REGS, LATE_PACK, CONSUMERS,
+    PERSISTENT>, IS_CAUSAL, HAS_WINDOW>` (cuda/fwd_sm90_fp8.cuh): a producer warpgroup (one TMA thread, three warps
+    transposing V) and two or three consumer warpgroups of 64 query rows (BLOCK_M = 128 or 192, 384 or 512 threads,
+    1 CTA per SM). dtype: the output's ("bf16" or "fp16"); window: a sliding window; persistent: at most one CTA per
+    SM walking the work items (query blocks of one (batch, head)) blockIdx.x, + gridDim.x, ...."""
 
     head_dim: int
     block_n: int
@@ -579,6 +582,7 @@ class FwdSm90Fp8Config:
     q_in_regs: bool = False  # Q as the A registers of S = Q K^T (read from shared memory once)
     late_pack: bool = False  # P's packing and O's rescale at the start of the next round of GEMMs
     consumers: int = 2  # consumer warpgroups of 64 query rows: 2, or 3 without pingpong
+    persistent: bool = False  # at most one CTA per SM walking the work items (FwdFp8Traits::PERSISTENT)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -593,6 +597,9 @@ class FwdSm90Fp8Config:
         if self.consumers not in (2, 3) or (self.consumers == 3 and self.pingpong):
             raise ValueError(f"consumers={self.consumers}, pingpong={self.pingpong}: two consumer warpgroups, or three "
                              f"without pingpong")
+        if self.persistent and self.wide_consumers:
+            raise ValueError("persistent=True at head_dim=256 with 128-key tiles: its producer warpgroup's 24 registers "
+                             "do not hold the item walk (the kernels spilled 24-104 bytes)")
 
     @property
     def block_m(self) -> int:
@@ -618,13 +625,15 @@ class FwdSm90Fp8Config:
         """FwdFp8Traits::SMEM_BYTES: Q, the K, V and V^T stages (1-byte elements), 1 + 6 * stages mbarriers, and 1024
         bytes to round the base up to the swizzle period."""
         kv = self.block_n * self.head_dim
-        return self.block_m * self.head_dim + 3 * self.stages * kv + 8 * (1 + 6 * self.stages) + 1024
+        return (self.block_m * self.head_dim + 3 * self.stages * kv + 8 * ((2 if self.persistent else 1) + 6 * self.stages) +
+                1024)
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
         # FwdFp8Traits' defaulted arguments, the trailing defaults left out
-        args = [_cpp_bool(self.pingpong), _cpp_bool(self.q_in_regs), _cpp_bool(self.late_pack), str(self.consumers)]
-        defaults = ["false", "false", "false", "2"]
+        args = [_cpp_bool(self.pingpong), _cpp_bool(self.q_in_regs), _cpp_bool(self.late_pack), str(self.consumers),
+                _cpp_bool(self.persistent)]
+        defaults = ["false", "false", "false", "2", "false"]
         while args and args[-1] == defaults[len(args) - 1]:
             args.pop()
         extra = "".join(f", {a}" for a in args)
@@ -632,7 +641,16 @@ class FwdSm90Fp8Config:
                 f"{t}{extra}>, {_cpp_bool(self.causal)}, {_cpp_bool(self.window)}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
+        """The work items as a grid (query blocks, heads, batch): the launch grid unless persistent."""
         return (math.ceil(seqlen_q / self.block_m), heads, batch)
+
+    def schedule(self, batch: int, heads: int, seqlen_q: int, num_sms: int) -> tuple[tuple[int, int, int], int, int]:
+        """(launch grid, m_blocks, items) of a launch (FwdFp8Params.m_blocks and .items): a persistent kernel's grid
+        holds one CTA per SM (at most one per item)."""
+        m_blocks = math.ceil(seqlen_q / self.block_m)
+        items = m_blocks * heads * batch
+        grid = (max(1, min(items, num_sms)), 1, 1) if self.persistent else (m_blocks, heads, batch)
+        return grid, m_blocks, items
 
 
 # FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs, late_pack, consumers). Key tiles divide the
@@ -672,6 +690,21 @@ FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
     64: (128, 2, True, True, True, 2),
     256: (128, 2, False, False, True, 2),
 }
+# Non-causal rows without a window of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid (at most one CTA per SM
+# walking the query blocks, FwdFp8Traits::PERSISTENT), whose CTAs start once per SM, not once per query block.
+# `tools/tune_tiles.py --dtype fp8 --head-dims 64 128 --n 1024 2048 4096 8192 16384 --causal both --only ', True\)$'`
+# (H200, 2026-12-01), TFLOP/s at N 1k / 2k / 4k / 8k / 16k against the one-item grid: D 64 (128, 2, three consumers,
+# persistent) 443 / 534 / 570 / 614 / 619 against 384 / 502 / 559 / 619 / 632 (two consumers with pingpong, Q in
+# registers: 410 / 461 / 504 / 526 / 534); D 128 (128, 2, late_pack, persistent) 623 / 727 / 780 / 820 / 797 against
+# 581 / 706 / 771 / 820 / 782 (with pingpong: 607 / 698 / 747 / 761 / 750, with 3 stages 611 / 693 / 737 / 752 /
+# 771). Causal rows on this grid (a static stride: every CTA its share of items of unequal length) ran slower at
+# every length (D 64 N 4k 278 against 454, D 128 N 16k 560 against 785); head dim 256's persistent kernels spilled
+# 12-104 bytes (its producer's 24 registers).
+FWD_SM90_FP8_TILES_SHORT = {
+    64: (128, 2, False, False, True, 3, True),
+    128: (128, 2, False, False, True, 2, True),
+}
+FWD_SM90_FP8_SHORT_KEYS = 4096
 # Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64). Three against two
 # consumers, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s: 247-248 / 301-302 / 344 /
 # 337 / 374-375 against 269-272 / 298 / 320-323 / 343-344 / 357-360 (a 192-row block one third full at 1792), and
@@ -680,9 +713,13 @@ FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1024}
 
 
 def fwd_sm90_fp8_table(head_dim: int, causal: bool, window: bool = False, seqlen_k: int | None = None) -> dict:
-    """The FP8 tile table a call takes: FWD_SM90_FP8_TILES_BANDED for a window or causal rows of at most
-    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys where it has the head dim, else FWD_SM90_FP8_TILES (seqlen_k: the longest key
-    sequence; None counts as short)."""
+    """The FP8 tile table a call takes: FWD_SM90_FP8_TILES_SHORT for non-causal rows without a window of at most
+    FWD_SM90_FP8_SHORT_KEYS keys, FWD_SM90_FP8_TILES_BANDED for a window or causal rows of at most
+    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where they have the head dim, else FWD_SM90_FP8_TILES (seqlen_k: the longest
+    key sequence; None counts as short)."""
+    if not causal and not window and head_dim in FWD_SM90_FP8_TILES_SHORT and (
+            seqlen_k is None or seqlen_k <= FWD_SM90_FP8_SHORT_KEYS):
+        return FWD_SM90_FP8_TILES_SHORT
     long = causal and not window and seqlen_k is not None and \
         seqlen_k > FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
     banded = (causal or window) and not long
@@ -693,8 +730,8 @@ def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = 
                         seqlen_k: int | None = None) -> FwdSm90Fp8Config:
     """The FP8 forward's config (seqlen_k: the longest key sequence; None counts as short)."""
     tiles = fwd_sm90_fp8_table(head_dim, causal, window, seqlen_k)
-    bn, stages, pingpong, q_in_regs, late_pack, consumers = tiles[head_dim]
-    return FwdSm90Fp8Config(head_dim, bn, stages, dtype, causal, window, pingpong, q_in_regs, late_pack, consumers)
+    return FwdSm90Fp8Config(head_dim, tiles[head_dim][0], tiles[head_dim][1], dtype, causal, window,
+                            *tiles[head_dim][2:])
 
 
 # The head dims fwd_sm90_ws_kernel is compiled for (FwdSm90WsConfig checks them)

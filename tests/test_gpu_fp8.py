@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import cuflash
-from cuflash import _compile
+from cuflash import _compile, config
 from cuflash import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -131,6 +131,11 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("out_dtype", ["bf16", "fp16"])
 def test_fp8_forward_matches_reference(case, out_dtype):
+    check_forward(case, out_dtype)
+
+
+def check_forward(case, out_dtype):
+    """attention_forward and attention on FP8 inputs of `case` against the float64 reference (the FP8 rule)."""
     d, sq, sk, h, hkv, causal, window, layout, scaling = case
     b = 2
     seed = seed_of("fp8", case, out_dtype)
@@ -229,6 +234,10 @@ VARLEN_LONG = ([130, 1700, 1, 300], [200, 1601, 64, 2000])  # causal D 64: the t
 def test_fp8_varlen_matches_per_sequence_reference(d, causal, lens):
     """Packed sequences (one empty, lengths off the 128-row blocks, q shorter and longer than k), GQA, per-block
     descales counted within each sequence: each sequence against the dense float64 reference of its own rows."""
+    check_varlen(d, causal, lens)
+
+
+def check_varlen(d, causal, lens):
     lens_q, lens_k = lens
     h, hkv = 4, 2
     cq, ck = np.concatenate([[0], np.cumsum(lens_q)]), np.concatenate([[0], np.cumsum(lens_k)])
@@ -259,6 +268,57 @@ def test_fp8_varlen_matches_per_sequence_reference(d, causal, lens):
         bound = 2.0 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max()) + 1e-5
         assert err <= bound, f"sequence {s} (d={d}, causal={causal}): {err:.3e} > {bound:.3e}"
         check_lse(cp.asarray(lse_host[:, rq][None]), cp.asarray(lse64), f"sequence {s}", atol=1e-2)
+
+
+# The persistent kernels (FwdFp8Traits::PERSISTENT: at most one CTA per SM walking the work items, the K/V rings and
+# the pingpong tokens carried from item to item, Q released after an item's last S GEMM): the tile tables patched to
+# each persistent instantiation, on grids of 3 CTAs (many items per CTA, every ring position and Q parity) and of
+# all SMs; dense calls of every band and descale kind, GQA, both layouts, and packed sequences (an empty one, items
+# past a sequence's end, which every role skips).
+PERSISTENT_TILES = [(64, (128, 2, False, False, True, 3, True)), (64, (128, 2, True, True, True, 2, True)),
+                    (128, (128, 2, True, False, False, 2, True)), (128, (128, 2, False, False, True, 2, True))]
+PERSISTENT_CASES = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling) less d
+    (1023, 1024, 2, 1, False, None, "bshd", "block"),
+    (640, 1500, 2, 2, False, None, "bhsd", "qk-spread"),
+    (300, 777, 4, 2, True, None, "bshd", "head"),
+    (257, 515, 4, 2, False, (100, 100), "bhsd", "v-spread"),
+    (1, 239, 4, 4, False, None, "bshd", "tensor"),
+]
+
+
+@pytest.fixture
+def persistent_tiles(monkeypatch, request):
+    """Patch every FP8 tile table entry of head dim d to `tiles` and the GPU's SM count to num_sms (None: as is)."""
+    d, tiles, num_sms = request.param
+    from cuflash import _families, _plan, config
+
+    for table in (config.FWD_SM90_FP8_TILES, config.FWD_SM90_FP8_TILES_BANDED, config.FWD_SM90_FP8_TILES_SHORT):
+        monkeypatch.setitem(table, d, tiles)
+    if num_sms is not None:
+        monkeypatch.setitem(_families._num_sms, cp.cuda.Device().id, num_sms)
+    _families._selected.clear()
+    _plan.plans.clear()
+    yield d, tiles
+    _families._selected.clear()
+    _plan.plans.clear()
+
+
+@pytest.mark.parametrize("persistent_tiles", [(d, t, n) for d, t in PERSISTENT_TILES for n in (3, None)],
+                         indirect=True, ids=lambda p: f"d{p[0]}-{'-'.join(map(str, p[1][:6]))}-sms{p[2]}")
+@pytest.mark.parametrize("case", PERSISTENT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_fp8_persistent_forward(persistent_tiles, case):
+    d, tiles = persistent_tiles
+    cfg = config.fwd_sm90_fp8_config(d, "bf16", case[4], case[5] is not None, seqlen_k=case[1])
+    assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers, cfg.persistent) == \
+        tiles, cfg
+    check_forward((d,) + case, "bf16")
+
+
+@pytest.mark.parametrize("persistent_tiles", [(d, t, 3) for d, t in PERSISTENT_TILES], indirect=True,
+                         ids=lambda p: f"d{p[0]}-{'-'.join(map(str, p[1][:6]))}-sms{p[2]}")
+@pytest.mark.parametrize("causal", [False, True])
+def test_fp8_persistent_varlen(persistent_tiles, causal):
+    check_varlen(persistent_tiles[0], causal, VARLEN_SHORT)
 
 
 PLANNED = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling, out_dtype)

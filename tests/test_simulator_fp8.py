@@ -132,12 +132,18 @@ def test_the_shipped_tiles():
     # FwdFp8Traits::WIDE_CONSUMERS (240-register consumers, the transposers' units by key group): head dim 256 only
     assert [C.fwd_sm90_fp8_config(d, "bf16", c).wide_consumers for d in (64, 128, 256) for c in (False, True)] == \
         [False, False, False, False, True, True]
+    # non-causal rows of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid at head dims 64 and 128
+    assert C.FWD_SM90_FP8_TILES_SHORT == {64: (128, 2, False, False, True, 3, True),
+                                          128: (128, 2, False, False, True, 2, True)}
+    assert C.FWD_SM90_FP8_SHORT_KEYS == 4096
     banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
+    short = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_SHORT}
     for d in C.FWD_SM90_FP8_TILES:
-        for causal, table in ((False, C.FWD_SM90_FP8_TILES), (True, banded)):
-            cfg = cuflash_config(Problem(1, 1, 256, 256, d, "fp8", causal))
-            assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == table[d], \
-                f"d{d} causal={causal}"
+        for causal, sk, table in ((False, 256, short), (False, 4096, short), (False, 4097, C.FWD_SM90_FP8_TILES),
+                                  (True, 256, banded)):
+            cfg = cuflash_config(Problem(1, 1, 256, sk, d, "fp8", causal))
+            got = (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers)
+            assert got + ((True,) if cfg.persistent else ()) == table[d], f"d{d} causal={causal} sk={sk}"
             assert cfg.block_m == 64 * cfg.consumers
     # causal rows of more than FWD_SM90_FP8_CAUSAL_LONG_KEYS keys take the unbanded tiles (a window keeps the band's)
     assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1024}
@@ -444,6 +450,8 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
     if d in C.FWD_SM90_FP8_TILES_BANDED:
         monkeypatch.setitem(C.FWD_SM90_FP8_TILES, d, C.FWD_SM90_FP8_TILES_BANDED[d])
+    if d in C.FWD_SM90_FP8_TILES_SHORT:  # (its persistent grid reads what the one-item grid reads)
+        monkeypatch.setitem(C.FWD_SM90_FP8_TILES_SHORT, d, C.FWD_SM90_FP8_TILES[d])
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
                   C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT, C.FWD_SM90_WS_TILES_CAUSAL_LONG):
         if d in table:  # (and 128 query rows per CTA, as the FP8 kernel's: no three-consumer entry)

@@ -165,6 +165,9 @@ def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
     assert config.fwd_sm90_fp8_table(64, False, window=True, seqlen_k=8192) is config.FWD_SM90_FP8_TILES_BANDED
     assert config.fwd_sm90_fp8_table(128, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES
     assert config.fwd_sm90_fp8_table(256, True, seqlen_k=1 << 20) is config.FWD_SM90_FP8_TILES_BANDED  # no long rule
+    assert config.fwd_sm90_fp8_table(128, False, seqlen_k=4096) is config.FWD_SM90_FP8_TILES_SHORT
+    assert config.fwd_sm90_fp8_table(128, False, seqlen_k=4097) is config.FWD_SM90_FP8_TILES
+    assert config.fwd_sm90_fp8_table(256, False, seqlen_k=1024) is config.FWD_SM90_FP8_TILES  # no persistent d256
     for d, cands in tune_tiles.FWD_SM90_FP8.items():
         assert d in config.FWD_SM90_FP8_TILES, d
         for causal in (False, True):
@@ -174,7 +177,7 @@ def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
                 assert cfg.smem_bytes <= 227 * 1024, (d, cand)
             shipped = config.fwd_sm90_fp8_config(d, "bf16", causal, seqlen_k=4096)
             assert (shipped.block_n, shipped.stages, shipped.pingpong, shipped.q_in_regs, shipped.late_pack,
-                    shipped.consumers) == table[d]
+                    shipped.consumers, shipped.persistent) == table[d] + (False,) * (7 - len(table[d]))
     out = subprocess.run([sys.executable, str(TOOLS / "tune_tiles.py"), "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "fp8" in out.stdout, out.stderr[-2000:]
