@@ -631,6 +631,11 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
   const Fp8Smem<Tr> sm{align_smem_1024(smem_raw).base};
   if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
   using Item = Fp8Item<Tr, IS_CAUSAL, HAS_WINDOW>;
+  auto prefetch_maps = [&]() {  // the TMA thread, before its first load
+    prefetch_tensormap(&p.tma_q);
+    prefetch_tensormap(&p.tma_k);
+    prefetch_tensormap(&p.tma_v);
+  };
   auto init_barriers = [&]() {
     if (threadIdx.x == 0) {
       mbarrier_init(sm.q_full(), 1);
@@ -670,9 +675,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
     if (threadIdx.x < 128) {
       setmaxnreg_dec<Tr::PRODUCER_REGS>();
       if (threadIdx.x == 0) {
-        prefetch_tensormap(&p.tma_q);
-        prefetch_tensormap(&p.tma_k);
-        prefetch_tensormap(&p.tma_v);
+        prefetch_maps();
         fwd_fp8_producer<Tr>(p, sm, seq, row0, head, batch, n_end, n_tiles, 0, 0);
       } else if (threadIdx.x >= 32) {
         fwd_fp8_transposer<Tr>(sm, n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31, 0);
@@ -701,9 +704,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
     if (threadIdx.x < 128) {
       setmaxnreg_dec<Tr::PRODUCER_REGS>();
       if (threadIdx.x == 0) {
-        prefetch_tensormap(&p.tma_q);
-        prefetch_tensormap(&p.tma_k);
-        prefetch_tensormap(&p.tma_v);
+        prefetch_maps();
         walk([&](int t0, u32 q_phase) {
           if (it.n_tiles > 0)
             fwd_fp8_producer<Tr>(p, sm, it.seq, it.row0, it.head, it.batch, it.n_end, it.n_tiles, t0, q_phase);
