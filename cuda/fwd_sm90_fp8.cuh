@@ -33,6 +33,8 @@
 // ---- the barrier protocol ----------------------------------------------------------------------------------
 //   q_full                count 1 + tx: the producer's Q load
 //   q_empty               PERSISTENT only, count CONSUMER_WARPS: the consumers' last S GEMM of the item retired
+//   item_full[2]          PERSISTENT only, count 1: the TMA thread has stored the slot's item index
+//   item_empty[2]         PERSISTENT only, count TRANSPOSE_THREADS + CONSUMER_THREADS: each has read the slot
 //   k_full[s], v_full[s]  count 1 + tx: the producer's K / V loads of the tile in stage s
 //   k_empty[s]            count CONSUMER_WARPS: the consumers' S GEMM of stage s retired
 //   v_empty[s]            count TRANSPOSE_THREADS: the transposers have read V of stage s
@@ -74,10 +76,14 @@ struct FwdFp8Params {
   Descale v_descale;  // per K/V head
   int m_blocks;       // query blocks of BLOCK_M rows per (batch, head) (max_seqlen_q if packed)
   int items;          // m_blocks * heads * batch: the work items a persistent grid walks (read only when PERSISTENT)
+  int* queue;         // persistent: null (CTA c takes items c, c + gridDim.x, ...) or a work queue, two int32
+                      // counters at zero (the next untaken item less gridDim.x; CTAs done), left at zero
 };
+// (no offsetof under NVRTC 13.0: the layout follows from the sizes, m_blocks at 976 after three 24-byte descales,
+// the 8-byte queue pointer right after items)
 static_assert(sizeof(Descale) == 24 && alignof(FwdFp8Params) == 64 && sizeof(FwdFp8Params) == 1024,
               "FwdFp8Params is mirrored in cuflash/_tma.py (FwdFp8Params): maps at 0, 128, 256, FwdParams at 384, "
-              "descales at 904, 928, 952, m_blocks and items at 976 and 980, 1024 bytes");
+              "descales at 904, 928, 952, m_blocks and items at 976 and 980, queue at 984, 1024 bytes");
 
 // Rows of a quantization block: a descale's block index is row / QUANT_BLOCK_ROWS (cuflash.fp8.quantize's blocks).
 constexpr int QUANT_BLOCK_ROWS = 128;
@@ -126,7 +132,9 @@ struct FwdFp8Traits {
   static constexpr int PANELS = HEAD_DIM / BOX_BYTES;
   static constexpr int SMEM_Q = TileQ::BYTES;
   static constexpr int SMEM_KV = TileKV::BYTES;
-  static constexpr int BARRIERS = (PERSISTENT ? 2 : 1) + 6 * STAGES;  // persistent: q_empty after the stages
+  // q_full, the stages' six barriers each; persistent: q_empty, item_full[2], item_empty[2] and one 8-byte word of
+  // the two item slots after them
+  static constexpr int BARRIERS = 1 + 6 * STAGES + (PERSISTENT ? 6 : 0);
   static constexpr int OFF_Q = 0;
   static constexpr int OFF_K = SMEM_Q;
   static constexpr int OFF_V = OFF_K + STAGES * SMEM_KV;
@@ -164,7 +172,11 @@ struct Fp8Smem {
   __device__ __forceinline__ u32 v_empty(int s) const { return bar(1 + 3 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_full(int s) const { return bar(1 + 4 * Tr::STAGES + s); }
   __device__ __forceinline__ u32 vt_empty(int s) const { return bar(1 + 5 * Tr::STAGES + s); }
-  __device__ __forceinline__ u32 q_empty() const { return bar(1 + 6 * Tr::STAGES); }  // persistent only
+  // persistent only: Q's empty barrier and the work item ring (two slots of item indices)
+  __device__ __forceinline__ u32 q_empty() const { return bar(1 + 6 * Tr::STAGES); }
+  __device__ __forceinline__ u32 item_full(int slot) const { return bar(2 + 6 * Tr::STAGES + slot); }
+  __device__ __forceinline__ u32 item_empty(int slot) const { return bar(4 + 6 * Tr::STAGES + slot); }
+  __device__ __forceinline__ u32 item_slot(int slot) const { return bar(6 + 6 * Tr::STAGES) + 4 * slot; }
 };
 
 // V (BLOCK_N x HEAD_DIM bytes) -> V^T (HEAD_DIM x BLOCK_N bytes, keys permuted within 16-key groups by
@@ -616,14 +628,42 @@ struct Fp8Item {
   }
 };
 
-// Persistent (Tr::PERSISTENT): a grid of at most one CTA per SM whose roles walk the same items; the K/V, V^T rings
-// are not drained between items (each role counts the key tiles of its CTA's earlier items, t0, and tile t0 + i takes
-// stage (t0 + i) % STAGES with phase ((t0 + i) / STAGES) & 1, as one long key loop), Q has an empty barrier besides
-// its full one (count CONSUMER_WARPS: each consumer warp arrives once its last S GEMM of the item has retired, so the
-// next item's Q loads under the item's last P V GEMM and epilogue, which writes O from registers), and the item
-// with u earlier items that had key tiles waits q_full with parity u & 1 (the producer q_empty with (u & 1) ^ 1).
-// Items without a key tile touch no barrier: the consumers write their rows. The pingpong tokens balance within
-// each item (fwd_fp8_consumer), so they carry across items.
+// The transposers' and consumers' walk of a persistent CTA's items: item u's index from slot u % 2 of the item ring
+// (wait item_full[slot] with parity (u / 2) & 1, read, arrive on item_empty[slot]); an index >= items ends the walk.
+// role(item, t0, q_phase): t0 the key tiles of the earlier items, q_phase the parity of the items with key tiles so
+// far. Each role runs its own loop (one loop shared by both roles made ptxas spill and serialize the wgmma, C7519).
+template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW, class Role>
+__device__ __forceinline__ void walk_items(const Fp8Smem<Tr>& sm, const FwdFp8Params& p, Role&& role) {
+  int t0 = 0;
+  u32 q_phase = 0;
+  for (u32 u = 0;; ++u) {
+    const int slot = u & 1;
+    mbarrier_try_wait_parity(sm.item_full(slot), (u >> 1) & 1);  // (a plain wait, as fwd_sm90_ws_kernel's consumers)
+    const int index = ld_shared_s32(sm.item_slot(slot));
+    mbarrier_arrive(sm.item_empty(slot));  // this thread has read the slot
+    if (index >= p.items) break;
+    Fp8Item<Tr, IS_CAUSAL, HAS_WINDOW> it;
+    it.init(p, index);
+    role(it, t0, q_phase);
+    if (it.n_tiles > 0) {
+      t0 += it.n_tiles;
+      q_phase ^= 1;
+    }
+  }
+}
+
+// Persistent (Tr::PERSISTENT): a grid of at most one CTA per SM. The TMA thread picks the CTA's items (blockIdx.x
+// first, then blockIdx.x + gridDim.x, ..., or, with a work queue (p.queue: causal rows, whose items differ in
+// length), the next untaken item, taken once it has issued the current item's loads; the last CTA to finish resets
+// the queue) and hands each index to the transposers and the consumers through a two-slot ring in shared memory
+// (walk_items; an index >= items ends every role). The K/V, V^T rings are not drained between items (each role
+// counts the key tiles of its CTA's earlier items, t0, and tile t0 + i takes stage (t0 + i) % STAGES with phase
+// ((t0 + i) / STAGES) & 1, as one long key loop), Q has an empty barrier besides its full one (count CONSUMER_WARPS:
+// each consumer warp arrives once its last S GEMM of the item has retired, so the next item's Q loads under the
+// item's last P V GEMM and epilogue, which writes O from registers), and the item with u earlier items that had key
+// tiles waits q_full with parity u & 1 (the producer q_empty with (u & 1) ^ 1). Items without a key tile touch no
+// barrier but the ring's: the consumers write their rows. The pingpong tokens balance within each item
+// (fwd_fp8_consumer), so they carry across items.
 template <class Tr, bool IS_CAUSAL, bool HAS_WINDOW>
 __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __grid_constant__ FwdFp8Params p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -639,7 +679,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
   auto init_barriers = [&]() {
     if (threadIdx.x == 0) {
       mbarrier_init(sm.q_full(), 1);
-      if (Tr::PERSISTENT) mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+      if (Tr::PERSISTENT) {
+        mbarrier_init(sm.q_empty(), Tr::CONSUMER_WARPS);
+        for (int slot = 0; slot < 2; ++slot) {
+          mbarrier_init(sm.item_full(slot), 1);
+          mbarrier_init(sm.item_empty(slot), Tr::TRANSPOSE_THREADS + Tr::CONSUMER_THREADS);
+        }
+      }
 #pragma unroll
       for (int s = 0; s < Tr::STAGES; ++s) {
         mbarrier_init(sm.k_full(s), 1);
@@ -687,36 +733,50 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
     }
   } else {
     init_barriers();
-    Item it;
-    // every role walks the CTA's items in order, with the key tiles (t0) and the items with tiles (u) before each
-    auto walk = [&](auto&& role) {
-      int t0 = 0;
-      u32 u = 0;
-      for (int index = blockIdx.x; index < p.items; index += gridDim.x) {
-        it.init(p, index);
-        role(t0, u & 1);
-        if (it.n_tiles > 0) {
-          t0 += it.n_tiles;
-          ++u;
-        }
-      }
-    };
     if (threadIdx.x < 128) {
+      // every thread of the producer warpgroup gives its registers back here, before the roles split (with the TMA
+      // thread's setmaxnreg in a branch of its own the kernel hung)
       setmaxnreg_dec<Tr::PRODUCER_REGS>();
       if (threadIdx.x == 0) {
         prefetch_maps();
-        walk([&](int t0, u32 q_phase) {
-          if (it.n_tiles > 0)
+        int index = blockIdx.x, t0 = 0;
+        u32 q_phase = 0;
+        for (u32 u = 0;; ++u) {
+          // pass the index on: the slot is free once the other roles have read what it held two items ago
+          const int slot = u & 1;
+          mbarrier_wait_or_trap(sm.item_empty(slot), ((u >> 1) & 1) ^ 1);
+          st_shared_s32(sm.item_slot(slot), index);
+          mbarrier_arrive(sm.item_full(slot));
+          if (index >= p.items) break;
+          Item it;
+          it.init(p, index);
+          if (it.n_tiles > 0) {
             fwd_fp8_producer<Tr>(p, sm, it.seq, it.row0, it.head, it.batch, it.n_end, it.n_tiles, t0, q_phase);
-        });
+            t0 += it.n_tiles;
+            q_phase ^= 1;
+          }
+          // the next item, taken once this item's loads are issued (the consumers are then STAGES tiles from its
+          // end, which hides the atomic's round trip), as fwd_sm90_ws_kernel takes its items
+          index = p.queue != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.queue, 1) : index + gridDim.x;
+        }
+        if (p.queue != nullptr) {
+          // leave the queue at zero for the next launch: the last CTA to finish (every CTA's last atomicAdd on
+          // queue[0] is ordered before its count on queue[1]) resets both counters
+          fence_acq_rel_gpu();
+          if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            fence_acq_rel_gpu();
+            atomicExch(p.queue, 0);
+            atomicExch(p.queue + 1, 0);
+          }
+        }
       } else if (threadIdx.x >= 32) {
-        walk([&](int t0, u32) {
+        walk_items<Tr, IS_CAUSAL, HAS_WINDOW>(sm, p, [&](const Item& it, int t0, u32) {
           if (it.n_tiles > 0) fwd_fp8_transposer<Tr>(sm, it.n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31, t0);
         });
       }
     } else {
       setmaxnreg_inc<Tr::CONSUMER_REGS>();
-      walk([&](int t0, u32 q_phase) {
+      walk_items<Tr, IS_CAUSAL, HAS_WINDOW>(sm, p, [&](const Item& it, int t0, u32 q_phase) {
         if (it.n_tiles > 0)
           fwd_fp8_consumer<Tr, IS_CAUSAL, HAS_WINDOW>(p, sm, it.band, it.m_block, it.row0, it.out_row0, it.rows_q,
                                                       it.head, it.batch, it.n_end, it.n_tiles, t0, q_phase);

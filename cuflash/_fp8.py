@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import numbers
 import threading
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
@@ -272,6 +273,9 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             setattr(params, field, _tma.Descale(ptr, *d.strides, 0))
         grid, params.m_blocks, params.items = cfg.schedule(a.batch, a.heads_q, a.seqlen_q,
                                                            _families._sm_count(a.device))
+        queue = cfg.uses_queue(a.packed)
+        if queue:  # two counters that each launch on the stream leaves at zero
+            params.queue = _families._queue_ptr(a.device, cp.cuda.get_current_stream().ptr)
         if key is not None and not keep:  # later calls of this signature replay the launch
             n = 10 if cu_seqlens is None else 12
             b = _plan.PlanBuilder(a.device, n)
@@ -287,6 +291,8 @@ def forward(a: Fp8Attention, arrays, *, with_lse: bool, cu_seqlens=None, key=Non
             b.alloc(o.shape, o.dtype, (params, "fwd.o"))
             if with_lse:
                 b.alloc(lse.shape, lse.dtype, (params, "fwd.lse"))
+            if queue:
+                b.per_stream(params, "queue", partial(_families._queue_ptr, a.device))
             b.launch(kernel, grid, params)
             _plan.plans.put(key, b.plan(aligned=(0, 1, 2), returns=(n, n + 1) if with_lse else n))
         kernel.launch(grid, params, cp.cuda.get_current_stream().ptr)

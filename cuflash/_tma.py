@@ -82,20 +82,21 @@ class Descale(ctypes.Structure):
 
 class FwdFp8Params(ctypes.Structure):
     """Mirror of cuflash::FwdFp8Params (cuda/fwd_sm90_fp8.cuh): the Q, K, V tensor maps (uint8) at 0, 128, 256,
-    FwdParams at 384, the q, k, v descales at 904, 928, 952, m_blocks and items at 976, 980; 1024 bytes in all."""
+    FwdParams at 384, the q, k, v descales at 904, 928, 952, m_blocks and items at 976, 980, the work queue's two int32
+    counters (or null) at 984; 1024 bytes in all."""
 
     _fields_ = [("tma_q", TmaDesc), ("tma_k", TmaDesc), ("tma_v", TmaDesc), ("fwd", _launch.FwdParams),
                 ("q_descale", Descale), ("k_descale", Descale), ("v_descale", Descale),
-                ("m_blocks", ctypes.c_int32), ("items", ctypes.c_int32),
-                ("_pad", ctypes.c_ubyte * (1024 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 3 * 24 - 8))]
+                ("m_blocks", ctypes.c_int32), ("items", ctypes.c_int32), ("queue", ctypes.c_void_p),
+                ("_pad", ctypes.c_ubyte * (1024 - 3 * TENSOR_MAP_BYTES - ctypes.sizeof(_launch.FwdParams) - 3 * 24 - 16))]
 
 
 # The C++ side static_asserts the same layouts.
 assert ctypes.sizeof(TmaDesc) == 128 and ctypes.sizeof(FwdWsParams) == 960 and ctypes.sizeof(BwdWsParams) == 1152
 assert ctypes.sizeof(Descale) == 24 and ctypes.sizeof(FwdFp8Params) == 1024
 assert (FwdFp8Params.fwd.offset, FwdFp8Params.q_descale.offset, FwdFp8Params.k_descale.offset,
-        FwdFp8Params.v_descale.offset, FwdFp8Params.m_blocks.offset, FwdFp8Params.items.offset) == (
-    384, 904, 928, 952, 976, 980)
+        FwdFp8Params.v_descale.offset, FwdFp8Params.m_blocks.offset, FwdFp8Params.items.offset,
+        FwdFp8Params.queue.offset) == (384, 904, 928, 952, 976, 980, 984)
 assert (FwdWsParams.tma_q.offset, FwdWsParams.tma_k.offset, FwdWsParams.tma_v.offset, FwdWsParams.fwd.offset,
         FwdWsParams.m_blocks.offset, FwdWsParams.items.offset) == (0, 128, 256, 384, 904, 908)
 assert (BwdWsParams.tma_q.offset, BwdWsParams.tma_do.offset, BwdWsParams.tma_k.offset, BwdWsParams.tma_v.offset,

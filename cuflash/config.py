@@ -319,8 +319,9 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
-        out += [fwd_sm90_fp8_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_CAUSAL_LONG_KEYS
-                for dt in DTYPES]
+        out += [fwd_sm90_fp8_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES for dt in DTYPES]
+        out += [fwd_sm90_fp8_config(hd, dt, c, seqlen_k=FWD_SM90_FP8_SHORT_KEYS) for hd in FWD_SM90_FP8_TILES
+                for dt in DTYPES for c in (False, True)]
         out += [fwd_sm90_fp8_config(hd, dt, False, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES_SHORT
                 for dt in DTYPES]
         out += [fwd_sm90_tf32_config(hd, dt, c, w, b, alibi_mask=am) for dt in FWD_SM90_TF32_TILES
@@ -622,11 +623,11 @@ class FwdSm90Fp8Config:
 
     @property
     def smem_bytes(self) -> int:
-        """FwdFp8Traits::SMEM_BYTES: Q, the K, V and V^T stages (1-byte elements), 1 + 6 * stages mbarriers, and 1024
-        bytes to round the base up to the swizzle period."""
+        """FwdFp8Traits::SMEM_BYTES: Q, the K, V and V^T stages (1-byte elements), 1 + 6 * stages mbarriers (persistent:
+        6 words more, q_empty and the work item ring), and 1024 bytes to round the base up to the swizzle period."""
         kv = self.block_n * self.head_dim
-        return (self.block_m * self.head_dim + 3 * self.stages * kv + 8 * ((2 if self.persistent else 1) + 6 * self.stages) +
-                1024)
+        barriers = 1 + 6 * self.stages + (6 if self.persistent else 0)
+        return self.block_m * self.head_dim + 3 * self.stages * kv + 8 * barriers + 1024
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
@@ -651,6 +652,12 @@ class FwdSm90Fp8Config:
         items = m_blocks * heads * batch
         grid = (max(1, min(items, num_sms)), 1, 1) if self.persistent else (m_blocks, heads, batch)
         return grid, m_blocks, items
+
+    def uses_queue(self, packed: bool) -> bool:
+        """Whether a persistent launch takes its work items from a queue (FwdFp8Params.queue: the TMA thread takes the
+        next untaken item once it has issued the loads of its current one) rather than on a fixed stride: items of
+        unequal cost (causal or windowed query blocks, packed sequences of different lengths)."""
+        return self.persistent and (self.causal or self.window or packed)
 
 
 # FP8 forward tiles per head dim: (block_n, stages, pingpong, q_in_regs, late_pack, consumers). Key tiles divide the
@@ -705,6 +712,21 @@ FWD_SM90_FP8_TILES_SHORT = {
     128: (128, 2, False, False, True, 2, True),
 }
 FWD_SM90_FP8_SHORT_KEYS = 4096
+# Causal rows (no window) of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid with a work queue (the TMA thread
+# takes the next untaken query block once it has issued its current one's loads; longest blocks first per (batch,
+# head)), FWD_SM90_FP8_TILES_SHORT_BANDED where the rows have at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys and the
+# table has the head dim, else FWD_SM90_FP8_TILES_SHORT_CAUSAL. `tools/tune_tiles.py --dtype fp8 --head-dims 64 128
+# --n 1024 2048 4096 16384 --causal yes` (H200, 2026-12-01, a build of the same design), TFLOP/s against the one-item
+# grid: D 64 N 1k 303 against 265 (two consumers, pingpong, Q in registers), 2k / 4k / 16k 411 / 476 / 572 against
+# 373 / 453 / 568 (three consumers); D 128 (late_pack) 442 / 586 / 697 / 794 against 395 / 544 / 657 / 812, so
+# longer causal rows keep the one-item grid.
+FWD_SM90_FP8_TILES_SHORT_CAUSAL = {
+    64: (128, 2, False, False, True, 3, True),
+    128: (128, 2, False, False, True, 2, True),
+}
+FWD_SM90_FP8_TILES_SHORT_BANDED = {
+    64: (128, 2, True, True, True, 2, True),
+}
 # Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64). Three against two
 # consumers, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s: 247-248 / 301-302 / 344 /
 # 337 / 374-375 against 269-272 / 298 / 320-323 / 343-344 / 357-360 (a 192-row block one third full at 1792), and
@@ -713,16 +735,22 @@ FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1024}
 
 
 def fwd_sm90_fp8_table(head_dim: int, causal: bool, window: bool = False, seqlen_k: int | None = None) -> dict:
-    """The FP8 tile table a call takes: FWD_SM90_FP8_TILES_SHORT for non-causal rows without a window of at most
-    FWD_SM90_FP8_SHORT_KEYS keys, FWD_SM90_FP8_TILES_BANDED for a window or causal rows of at most
-    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where they have the head dim, else FWD_SM90_FP8_TILES (seqlen_k: the longest
-    key sequence; None counts as short)."""
-    if not causal and not window and head_dim in FWD_SM90_FP8_TILES_SHORT and (
-            seqlen_k is None or seqlen_k <= FWD_SM90_FP8_SHORT_KEYS):
-        return FWD_SM90_FP8_TILES_SHORT
-    long = causal and not window and seqlen_k is not None and \
-        seqlen_k > FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
-    banded = (causal or window) and not long
+    """The FP8 tile table a call takes (seqlen_k: the longest key sequence; None counts as short). Rows without a
+    window of at most FWD_SM90_FP8_SHORT_KEYS keys take the persistent grid where a table has the head dim:
+    FWD_SM90_FP8_TILES_SHORT when not causal; causal, FWD_SM90_FP8_TILES_SHORT_BANDED up to
+    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, else FWD_SM90_FP8_TILES_SHORT_CAUSAL. Otherwise FWD_SM90_FP8_TILES_BANDED for a
+    window or causal rows of at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where it has the head dim, else
+    FWD_SM90_FP8_TILES."""
+    short = seqlen_k is None or seqlen_k <= FWD_SM90_FP8_SHORT_KEYS
+    within = seqlen_k is None or seqlen_k <= FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
+    if not window and short:
+        if not causal and head_dim in FWD_SM90_FP8_TILES_SHORT:
+            return FWD_SM90_FP8_TILES_SHORT
+        if causal and within and head_dim in FWD_SM90_FP8_TILES_SHORT_BANDED:
+            return FWD_SM90_FP8_TILES_SHORT_BANDED
+        if causal and head_dim in FWD_SM90_FP8_TILES_SHORT_CAUSAL:
+            return FWD_SM90_FP8_TILES_SHORT_CAUSAL
+    banded = window or (causal and within)
     return FWD_SM90_FP8_TILES_BANDED if banded and head_dim in FWD_SM90_FP8_TILES_BANDED else FWD_SM90_FP8_TILES
 
 

@@ -274,13 +274,15 @@ def check_varlen(d, causal, lens):
 # the pingpong tokens carried from item to item, Q released after an item's last S GEMM): the tile tables patched to
 # each persistent instantiation, on grids of 3 CTAs (many items per CTA, every ring position and Q parity) and of
 # all SMs; dense calls of every band and descale kind, GQA, both layouts, and packed sequences (an empty one, items
-# past a sequence's end, which every role skips).
+# past a sequence's end, which every role skips). Causal, windowed and packed calls take their items from a work
+# queue (FwdFp8Params.queue), which each launch must leave at zero.
 PERSISTENT_TILES = [(64, (128, 2, False, False, True, 3, True)), (64, (128, 2, True, True, True, 2, True)),
                     (128, (128, 2, True, False, False, 2, True)), (128, (128, 2, False, False, True, 2, True))]
 PERSISTENT_CASES = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling) less d
     (1023, 1024, 2, 1, False, None, "bshd", "block"),
     (640, 1500, 2, 2, False, None, "bhsd", "qk-spread"),
     (300, 777, 4, 2, True, None, "bshd", "head"),
+    (700, 300, 2, 1, True, None, "bhsd", "block"),  # causal, Sq > Sk: the queue hands out blocks that see no key
     (257, 515, 4, 2, False, (100, 100), "bhsd", "v-spread"),
     (1, 239, 4, 4, False, None, "bshd", "tensor"),
 ]
@@ -292,7 +294,8 @@ def persistent_tiles(monkeypatch, request):
     d, tiles, num_sms = request.param
     from cuflash import _families, _plan, config
 
-    for table in (config.FWD_SM90_FP8_TILES, config.FWD_SM90_FP8_TILES_BANDED, config.FWD_SM90_FP8_TILES_SHORT):
+    for table in (config.FWD_SM90_FP8_TILES, config.FWD_SM90_FP8_TILES_BANDED, config.FWD_SM90_FP8_TILES_SHORT,
+                  config.FWD_SM90_FP8_TILES_SHORT_CAUSAL, config.FWD_SM90_FP8_TILES_SHORT_BANDED):
         monkeypatch.setitem(table, d, tiles)
     if num_sms is not None:
         monkeypatch.setitem(_families._num_sms, cp.cuda.Device().id, num_sms)
@@ -312,6 +315,14 @@ def test_fp8_persistent_forward(persistent_tiles, case):
     assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers, cfg.persistent) == \
         tiles, cfg
     check_forward((d,) + case, "bf16")
+    if cfg.uses_queue(False):  # each launch leaves its work queue's two counters at zero for the next
+        from cuflash import _families
+
+        stream = cp.cuda.get_current_stream()
+        queue = _families._queue_ptr(cp.cuda.Device().id, stream.ptr)
+        counters = cp.ndarray((2,), cp.int32, cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(queue, 8, None), 0))
+        stream.synchronize()
+        assert counters.tolist() == [0, 0], f"the work queue was left at {counters.tolist()}"
 
 
 @pytest.mark.parametrize("persistent_tiles", [(d, t, 3) for d, t in PERSISTENT_TILES], indirect=True,

@@ -75,10 +75,11 @@ def closed_form(b, h, n, d, causal):
 
 def set_q_in_regs(monkeypatch, d, q_in_regs):
     """The library's FP8 tiles for d with q_in_regs set (the other fields as shipped), banded ones too."""
-    for table in (C.FWD_SM90_FP8_TILES, C.FWD_SM90_FP8_TILES_BANDED):
+    for table in (C.FWD_SM90_FP8_TILES, C.FWD_SM90_FP8_TILES_BANDED, C.FWD_SM90_FP8_TILES_SHORT,
+                  C.FWD_SM90_FP8_TILES_SHORT_CAUSAL, C.FWD_SM90_FP8_TILES_SHORT_BANDED):
         if d in table:
-            bn, stages, pingpong, _, late_pack, consumers = table[d]
-            monkeypatch.setitem(table, d, (bn, stages, pingpong, q_in_regs, late_pack, consumers))
+            bn, stages, pingpong, _, *rest = table[d]
+            monkeypatch.setitem(table, d, (bn, stages, pingpong, q_in_regs, *rest))
 
 
 def hand_counts(b, h, sq, sk, d, causal):
@@ -136,20 +137,28 @@ def test_the_shipped_tiles():
     assert C.FWD_SM90_FP8_TILES_SHORT == {64: (128, 2, False, False, True, 3, True),
                                           128: (128, 2, False, False, True, 2, True)}
     assert C.FWD_SM90_FP8_SHORT_KEYS == 4096
+    # causal rows of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid with a work queue (two consumers with
+    # pingpong and Q in registers at d64 up to FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, three above)
+    assert C.FWD_SM90_FP8_TILES_SHORT_CAUSAL == {64: (128, 2, False, False, True, 3, True),
+                                                 128: (128, 2, False, False, True, 2, True)}
+    assert C.FWD_SM90_FP8_TILES_SHORT_BANDED == {64: (128, 2, True, True, True, 2, True)}
     banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
     short = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_SHORT}
+    long_causal = {**C.FWD_SM90_FP8_TILES, 256: C.FWD_SM90_FP8_TILES_BANDED[256]}
+    short_causal = {**long_causal, **C.FWD_SM90_FP8_TILES_SHORT_CAUSAL}
+    short_banded = {**short_causal, **C.FWD_SM90_FP8_TILES_SHORT_BANDED}
     for d in C.FWD_SM90_FP8_TILES:
         for causal, sk, table in ((False, 256, short), (False, 4096, short), (False, 4097, C.FWD_SM90_FP8_TILES),
-                                  (True, 256, banded)):
+                                  (True, 256, short_banded), (True, 1024, short_banded), (True, 1025, short_causal),
+                                  (True, 4096, short_causal), (True, 4097, long_causal)):
             cfg = cuflash_config(Problem(1, 1, 256, sk, d, "fp8", causal))
             got = (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers)
             assert got + ((True,) if cfg.persistent else ()) == table[d], f"d{d} causal={causal} sk={sk}"
             assert cfg.block_m == 64 * cfg.consumers
-    # causal rows of more than FWD_SM90_FP8_CAUSAL_LONG_KEYS keys take the unbanded tiles (a window keeps the band's)
+            assert cfg.uses_queue(False) == (causal and cfg.persistent), f"d{d} causal={causal} sk={sk}"
+    # causal rows of more than FWD_SM90_FP8_SHORT_KEYS keys: the one-item grid, the banded tiles of d256 (three
+    # consumers at d64: FWD_SM90_FP8_CAUSAL_LONG_KEYS); a window keeps the banded tiles at every length
     assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1024}
-    for sk, want in ((1024, C.FWD_SM90_FP8_TILES_BANDED[64]), (1025, C.FWD_SM90_FP8_TILES[64])):
-        cfg = cuflash_config(Problem(1, 1, 1000, sk, 64, "fp8", True))
-        assert (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers) == want, sk
     windowed = cuflash_config(Problem(1, 1, 4096, 4096, 64, "fp8", False, window=(256, 0)))
     assert windowed.consumers == C.FWD_SM90_FP8_TILES_BANDED[64][5]
 
@@ -450,8 +459,9 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
     if d in C.FWD_SM90_FP8_TILES_BANDED:
         monkeypatch.setitem(C.FWD_SM90_FP8_TILES, d, C.FWD_SM90_FP8_TILES_BANDED[d])
-    if d in C.FWD_SM90_FP8_TILES_SHORT:  # (its persistent grid reads what the one-item grid reads)
-        monkeypatch.setitem(C.FWD_SM90_FP8_TILES_SHORT, d, C.FWD_SM90_FP8_TILES[d])
+    for table in (C.FWD_SM90_FP8_TILES_SHORT, C.FWD_SM90_FP8_TILES_SHORT_CAUSAL, C.FWD_SM90_FP8_TILES_SHORT_BANDED):
+        if d in table:  # (the persistent grid reads what the one-item grid reads)
+            monkeypatch.setitem(table, d, C.FWD_SM90_FP8_TILES[d])
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
                   C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT, C.FWD_SM90_WS_TILES_CAUSAL_LONG):
         if d in table:  # (and 128 query rows per CTA, as the FP8 kernel's: no three-consumer entry)

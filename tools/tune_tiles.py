@@ -7,7 +7,7 @@ output, so a wrong candidate shows up. On sm_90a the wgmma kernels are tuned (FW
 FWD_SM90_TILES; BWD_SM90_TILES), elsewhere the mma.sync ones (FWD_TILES, BWD_TILES). `--dtype fp32` / `tf32`
 tunes the float32 Hopper kernels instead (FWD_SM90_TF32_TILES, and unless --no-backward BWD_SM90_TF32_TILES and
 BWD_DQ_SM90_TF32_TILES, the backward timed whole; float32 inputs, precision "fp32" or "tf32"). `--dtype fp8` tunes the
-FP8 forward (FWD_SM90_FP8_TILES, or the banded table a short causal row takes) on block-scaled e4m3 inputs.
+FP8 forward (the table a call takes: config.fwd_sm90_fp8_table) on block-scaled e4m3 inputs.
 `--mods blocks|kpm|mask|bias|bias-kpm` times the forward of a call with a mask or a bias instead, on the
 warp-specialized forward's table for the call's modifier bits (MODS_KINDS: a BlockMask, a key padding mask, an
 element mask, a bias, a bias beside a key padding mask).
@@ -94,13 +94,14 @@ BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1)
                              64: [(64, 3, 2), (32, 3, 2), (32, 3, 3), (64, 2, 2), (32, 3, 2, 1)],
                              128: [(32, 3, 2), (64, 2, 1), (16, 3, 2), (32, 3, 2, 1), (32, 3, 2, 2)]}}
 BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
-# the FP8 forward (sm_90a): (block_n, stages, pingpong, q_in_regs, late_pack, consumers[, persistent]), the alternatives measured
-# against the table a call takes (config.fwd_sm90_fp8_table: FWD_SM90_FP8_TILES, or the banded tiles)
+# the FP8 forward (sm_90a): (block_n, stages, pingpong, q_in_regs, late_pack, consumers[, persistent]), the alternatives
+# measured against the table a call takes (config.fwd_sm90_fp8_table: the persistent tables for rows of up to
+# FWD_SM90_FP8_SHORT_KEYS keys, FWD_SM90_FP8_TILES or the banded tiles for longer ones)
 FWD_SM90_FP8 = {64: [(128, 2, True, True, True, 2), (128, 3, False, False, True, 3), (128, 2, False, False, True, 3, True),
-                     (128, 2, True, True, True, 2, True)],
+                     (128, 2, True, True, True, 2, True), (128, 2, False, False, True, 3)],
                 128: [(128, 2, False, False, False, 2), (128, 3, True, False, False, 2), (128, 2, True, False, False, 2, True),
                       (128, 2, False, False, True, 2, True), (128, 3, True, False, False, 2, True),
-                      (64, 3, False, False, False, 3), (64, 4, False, False, True, 3)],
+                      (64, 3, False, False, False, 3), (64, 4, False, False, True, 3), (128, 2, True, False, False, 2)],
                 256: [(64, 4, True, False, False, 2), (128, 2, False, False, True, 2), (128, 2, True, False, False, 2)]}
 
 
