@@ -359,9 +359,9 @@ def default_cases() -> list[Case]:
 
 
 def fp8_cases() -> list[Case]:
-    """The FP8 forward: every instantiation (head dim x output dtype x full and causal (persistent where the rows are
-    short, causal ones with a work queue), window, causal on rows of 1-4k keys (three consumers at head dim 64), full
-    and causal on long rows),
+    """The FP8 forward: every instantiation (head dim x output dtype x full (persistent where the rows are short),
+    causal and window (persistent with a work queue at head dims 64 and 128), causal past 1k keys (three consumers at
+    head dim 64) and full on long rows),
     each on a seqlen pair of _PAIRS (the long rows on their own), both layouts, every stride kind (padded, misaligned
     and transposed views are copied before the TMA loads), grouped-query heads; and packed sequences (with an empty
     one and causal rows that see no key)."""
@@ -374,15 +374,13 @@ def fp8_cases() -> list[Case]:
                 sq, sk = pairs[(j + hi) % len(pairs)]
                 cases.append(_case(1 + j % 2, sq, sk, 2, hd, dtype, causal, LAYOUTS[j % 2], STRIDES[j % 4],
                                    kind="fp8", kv_heads=1 if j % 3 == 0 else 0, mods=mods))
-    # causal rows of more than config.FWD_SM90_FP8_CAUSAL_LONG_KEYS keys: the unbanded tiles
+    # causal rows of more than config.FWD_SM90_FP8_CAUSAL_LONG_KEYS keys: three consumers at head dim 64
     cases += [_case(1, 1700, sk + 64, 2, hd, dtype, True, layout, "contiguous", kind="fp8", kv_heads=kv)
               for hd, sk in config.FWD_SM90_FP8_CAUSAL_LONG_KEYS.items()
               for dtype, layout, kv in (("fp16", "bshd", 0), ("bf16", "bhsd", 1))]
-    # rows of more than config.FWD_SM90_FP8_SHORT_KEYS keys: the one-item grid (shorter rows: persistent, causal ones
-    # with a work queue)
-    cases += [_case(1, 200, config.FWD_SM90_FP8_SHORT_KEYS + 16, 1, hd, dtype, causal, layout, "contiguous", kind="fp8")
-              for causal, table in ((False, config.FWD_SM90_FP8_TILES_SHORT), (True, config.FWD_SM90_FP8_TILES_SHORT_CAUSAL))
-              for hd in table for dtype, layout in (("fp16", "bshd"), ("bf16", "bhsd"))]
+    # non-causal rows of more than config.FWD_SM90_FP8_SHORT_KEYS keys: the one-item grid (shorter rows: persistent)
+    cases += [_case(1, 200, config.FWD_SM90_FP8_SHORT_KEYS + 16, 1, hd, dtype, False, layout, "contiguous", kind="fp8")
+              for hd in config.FWD_SM90_FP8_TILES_SHORT for dtype, layout in (("fp16", "bshd"), ("bf16", "bhsd"))]
     cases += [_case(4, 203, 113, 2, 128, "bf16", True, "bshd", "contiguous", kind="fp8_varlen", kv_heads=1),
               _case(4, 113, 203, 2, 64, "fp16", False, "bshd", "contiguous", kind="fp8_varlen"),
               _case(4, 130, 130, 2, 256, "bf16", False, "bshd", "contiguous", kind="fp8_varlen", mods=config.MOD_WINDOW)]

@@ -319,11 +319,8 @@ def all_fwd_configs(arch: str = DEFAULT_ARCH) -> list:
                 for m in MODS_BLOCKS_CHECKED[c]]
         out += [fwd_sm90_fp8_config(hd, dt, c, w) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
                 for c, w in ((False, False), (True, False), (False, True))]
-        out += [fwd_sm90_fp8_config(hd, dt, True, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES for dt in DTYPES]
-        out += [fwd_sm90_fp8_config(hd, dt, c, seqlen_k=FWD_SM90_FP8_SHORT_KEYS) for hd in FWD_SM90_FP8_TILES
-                for dt in DTYPES for c in (False, True)]
-        out += [fwd_sm90_fp8_config(hd, dt, False, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES_SHORT
-                for dt in DTYPES]
+        out += [fwd_sm90_fp8_config(hd, dt, c, seqlen_k=1 << 30) for hd in FWD_SM90_FP8_TILES for dt in DTYPES
+                for c in (False, True)]
         out += [fwd_sm90_tf32_config(hd, dt, c, w, b, alibi_mask=am) for dt in FWD_SM90_TF32_TILES
                 for hd in FWD_SM90_TF32_TILES[dt] for c, w in ((False, False), (True, False), (False, True))
                 for b in (False, True) for am in (False, True)]
@@ -680,9 +677,10 @@ class FwdSm90Fp8Config:
 # same day, N 1k / 2k / 4k / 8k / 16k, two rounds: non-causal 384-386 / 498 / 552 / 608-614 / 626-631 against two
 # consumers' 376-379 / 440-441 / 492-496 / 526-527 / 546-551, causal 245-247 / 368 / 443-445 / 518-525 / 557-561
 # against 269-272 / 359-362 / 432-433 / 485 / 526-527 (without late_pack: 364-373 / 449-450 / 490-491 / 536-541 /
-# 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). The banded kernels (causal, a window)
-# keep two consumers where the rows are short: a 192-row block wastes more of the band's edge tiles (causal N 1k
-# 0.91x); above 1k keys three consumers run the causal rows faster (FWD_SM90_FP8_CAUSAL_LONG_KEYS).
+# 549-554 non-causal; with 3 stages 385 / 492 / 546 / 604-605 / 623-624). Causal rows keep two consumers where
+# they are short: a 192-row block wastes more of the band's edge tiles (causal N 1k 0.91x); above 1k keys three
+# consumers run them faster (FWD_SM90_FP8_CAUSAL_LONG_KEYS). This table is the one-item grid's: non-causal rows of
+# more than FWD_SM90_FP8_SHORT_KEYS keys, and D 256 (causal or a window: FWD_SM90_FP8_TILES_BANDED).
 # D 256 since 2026-12-01 (the transposers' addresses as immediates, 24 producer registers and 240 per consumer thread:
 # FwdFp8Traits::WIDE_CONSUMERS) takes 128-key tiles, with pingpong (its banded kernels spilled 4-24 bytes: they take
 # late_pack): `tools/tune_tiles.py --dtype fp8 --head-dims 256 --n 1024 4096 16384 --causal both`, H200, N 1k / 4k /
@@ -693,8 +691,20 @@ FWD_SM90_FP8_TILES = {
     128: (128, 2, True, False, False, 2),
     256: (128, 2, True, False, False, 2),
 }
-FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
-    64: (128, 2, True, True, True, 2),
+# Causal rows and windows at every length: the persistent grid taking its query blocks from a work queue (the TMA
+# thread takes the next untaken one once it has issued its current one's loads; causal: longest first per (batch,
+# head)), at head dims 64 and 128; head dim 256 keeps the one-item grid (its persistent kernels spilled). On an H200,
+# 2026-12-01, one process (block-scaled inputs, FA shapes, TFLOP/s of the band's pairs), persistent with the queue
+# against the one-item grid's tiles of that time: causal D 64 N 2k / 4k (`tools/tune_tiles.py --dtype fp8`) 410 / 476
+# against 375 / 454, 8k / 16k 539 / 573 against 530 / 566 (three consumers on both grids); causal D 128 (late_pack
+# against pingpong) 441 / 582 / 703 at N 1k / 2k / 4k against 397 / 545 / 665, 782 / 809 at 8k / 16k against 753 /
+# 800; a window of (512, 0) at N 2k / 8k / 16k: D 64 251 / 257 / 257 (three consumers; 251 / 256 / 256 with two,
+# pingpong and Q in registers) against 225 / 232 / 230 (two, pingpong, Q in registers, the one-item banded tiles
+# then), D 128 380 / 401 / 395 against 351 / 367 / 359; a window of (1024, 1024): D 64 454 / 460 / 458 against 382 /
+# 389 / 389, D 128 648 / 678 / 692 against 625 / 652 / 651.
+FWD_SM90_FP8_TILES_BANDED = {
+    64: (128, 2, False, False, True, 3, True),
+    128: (128, 2, False, False, True, 2, True),
     256: (128, 2, False, False, True, 2),
 }
 # Non-causal rows without a window of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid (at most one CTA per SM
@@ -705,53 +715,40 @@ FWD_SM90_FP8_TILES_BANDED = {  # causal or a window, where they differ
 # registers: 410 / 461 / 504 / 526 / 534); D 128 (128, 2, late_pack, persistent) 623 / 727 / 780 / 820 / 797 against
 # 581 / 706 / 771 / 820 / 782 (with pingpong: 607 / 698 / 747 / 761 / 750, with 3 stages 611 / 693 / 737 / 752 /
 # 771). Causal rows on this grid (a static stride: every CTA its share of items of unequal length) ran slower at
-# every length (D 64 N 4k 278 against 454, D 128 N 16k 560 against 785); head dim 256's persistent kernels spilled
-# 12-104 bytes (its producer's 24 registers).
+# every length (D 64 N 4k 278 against 454, D 128 N 16k 560 against 785; with a work queue they run faster,
+# FWD_SM90_FP8_TILES_BANDED); head dim 256's persistent kernels spilled 12-104 bytes (its producer's 24 registers).
 FWD_SM90_FP8_TILES_SHORT = {
     64: (128, 2, False, False, True, 3, True),
     128: (128, 2, False, False, True, 2, True),
 }
 FWD_SM90_FP8_SHORT_KEYS = 4096
-# Causal rows (no window) of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid with a work queue (the TMA thread
-# takes the next untaken query block once it has issued its current one's loads; longest blocks first per (batch,
-# head)), FWD_SM90_FP8_TILES_SHORT_BANDED where the rows have at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys and the
-# table has the head dim, else FWD_SM90_FP8_TILES_SHORT_CAUSAL. `tools/tune_tiles.py --dtype fp8 --head-dims 64 128
-# --n 1024 2048 4096 16384 --causal yes` (H200, 2026-12-01, a build of the same design), TFLOP/s against the one-item
-# grid: D 64 N 1k 303 against 265 (two consumers, pingpong, Q in registers), 2k / 4k / 16k 411 / 476 / 572 against
-# 373 / 453 / 568 (three consumers); D 128 (late_pack) 442 / 586 / 697 / 794 against 395 / 544 / 657 / 812, so
-# longer causal rows keep the one-item grid.
-FWD_SM90_FP8_TILES_SHORT_CAUSAL = {
-    64: (128, 2, False, False, True, 3, True),
-    128: (128, 2, False, False, True, 2, True),
+# Causal rows (no window) of at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where the table has the head dim: the
+# persistent grid with the work queue, two consumer warpgroups (a 192-row block wastes more of the diagonal's tiles).
+# D 64 on an H200, 2026-12-01, one process, TFLOP/s at N 1024 / 1536: (128, 2, late_pack, two consumers, persistent)
+# 331 / 383 against 287 / 386 with three consumers, 304 / 353 with pingpong and Q in registers, 295 / 338 with
+# pingpong.
+FWD_SM90_FP8_TILES_CAUSAL_SHORT = {
+    64: (128, 2, False, False, True, 2, True),
 }
-FWD_SM90_FP8_TILES_SHORT_BANDED = {
-    64: (128, 2, True, True, True, 2, True),
-}
-# Causal rows of more keys than this take FWD_SM90_FP8_TILES (three consumers at head dim 64). Three against two
-# consumers, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s: 247-248 / 301-302 / 344 /
-# 337 / 374-375 against 269-272 / 298 / 320-323 / 343-344 / 357-360 (a 192-row block one third full at 1792), and
-# 1.02-1.10x from 4k. A window keeps the banded tiles.
+# Causal rows of more keys than this take FWD_SM90_FP8_TILES_BANDED (three consumers at head dim 64). Three against
+# two consumers on the one-item grid, H200, 2026-11-30, three rounds, N 1024 / 1280 / 1536 / 1792 / 2048, TFLOP/s:
+# 247-248 / 301-302 / 344 / 337 / 374-375 against 269-272 / 298 / 320-323 / 343-344 / 357-360 (a 192-row block one
+# third full at 1792), and 1.02-1.10x from 4k. A window takes FWD_SM90_FP8_TILES_BANDED at every length.
 FWD_SM90_FP8_CAUSAL_LONG_KEYS = {64: 1024}
 
 
 def fwd_sm90_fp8_table(head_dim: int, causal: bool, window: bool = False, seqlen_k: int | None = None) -> dict:
-    """The FP8 tile table a call takes (seqlen_k: the longest key sequence; None counts as short). Rows without a
-    window of at most FWD_SM90_FP8_SHORT_KEYS keys take the persistent grid where a table has the head dim:
-    FWD_SM90_FP8_TILES_SHORT when not causal; causal, FWD_SM90_FP8_TILES_SHORT_BANDED up to
-    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, else FWD_SM90_FP8_TILES_SHORT_CAUSAL. Otherwise FWD_SM90_FP8_TILES_BANDED for a
-    window or causal rows of at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where it has the head dim, else
-    FWD_SM90_FP8_TILES."""
+    """The FP8 tile table a call takes (seqlen_k: the longest key sequence; None counts as short): causal rows or a
+    window take FWD_SM90_FP8_TILES_BANDED (FWD_SM90_FP8_TILES_CAUSAL_SHORT for causal rows of at most
+    FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, where it has the head dim); other rows FWD_SM90_FP8_TILES_SHORT up to
+    FWD_SM90_FP8_SHORT_KEYS keys, where it has the head dim, else FWD_SM90_FP8_TILES."""
+    if causal or window:
+        within = seqlen_k is None or seqlen_k <= FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, -1)
+        if causal and not window and within and head_dim in FWD_SM90_FP8_TILES_CAUSAL_SHORT:
+            return FWD_SM90_FP8_TILES_CAUSAL_SHORT
+        return FWD_SM90_FP8_TILES_BANDED
     short = seqlen_k is None or seqlen_k <= FWD_SM90_FP8_SHORT_KEYS
-    within = seqlen_k is None or seqlen_k <= FWD_SM90_FP8_CAUSAL_LONG_KEYS.get(head_dim, seqlen_k)
-    if not window and short:
-        if not causal and head_dim in FWD_SM90_FP8_TILES_SHORT:
-            return FWD_SM90_FP8_TILES_SHORT
-        if causal and within and head_dim in FWD_SM90_FP8_TILES_SHORT_BANDED:
-            return FWD_SM90_FP8_TILES_SHORT_BANDED
-        if causal and head_dim in FWD_SM90_FP8_TILES_SHORT_CAUSAL:
-            return FWD_SM90_FP8_TILES_SHORT_CAUSAL
-    banded = window or (causal and within)
-    return FWD_SM90_FP8_TILES_BANDED if banded and head_dim in FWD_SM90_FP8_TILES_BANDED else FWD_SM90_FP8_TILES
+    return FWD_SM90_FP8_TILES_SHORT if short and head_dim in FWD_SM90_FP8_TILES_SHORT else FWD_SM90_FP8_TILES
 
 
 def fwd_sm90_fp8_config(head_dim: int, dtype: str, causal: bool, window: bool = False,

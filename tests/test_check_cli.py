@@ -68,9 +68,8 @@ def test_cases_have_the_required_variety():
     assert max(c.batch * c.heads for c in cases if c.kind == "dense" and c.heads_kv == c.heads) <= 2
     # (one head of 130 queries over 8244 keys: the Hopper forward's long-key tiles at head dim 64 start past 8192)
     assert max(c.batch * c.heads * max(c.seqlen_q, c.seqlen_k) for c in cases) <= 8244
-    # (and eight FP8 cases of one head, 200 queries over 4112 keys, causal or not: the one-item grid past the
-    # persistent grid's rows)
-    assert sum(c.batch * c.heads * max(c.seqlen_q, c.seqlen_k) > 4 * 1024 for c in cases) <= 12
+    # (and four FP8 cases of one head, 200 queries over 4112 keys: the one-item grid past the persistent grid's rows)
+    assert sum(c.batch * c.heads * max(c.seqlen_q, c.seqlen_k) > 4 * 1024 for c in cases) <= 8
     # the features: grouped-query (incl. multi-query) heads, packed sequences, kv caches dense and paged,
     # with and without split-KV
     assert {c.heads // c.heads_kv for c in cases} >= {1, 2, 4}

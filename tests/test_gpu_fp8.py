@@ -276,8 +276,9 @@ def check_varlen(d, causal, lens):
 # all SMs; dense calls of every band and descale kind, GQA, both layouts, and packed sequences (an empty one, items
 # past a sequence's end, which every role skips). Causal, windowed and packed calls take their items from a work
 # queue (FwdFp8Params.queue), which each launch must leave at zero.
-PERSISTENT_TILES = [(64, (128, 2, False, False, True, 3, True)), (64, (128, 2, True, True, True, 2, True)),
-                    (128, (128, 2, True, False, False, 2, True)), (128, (128, 2, False, False, True, 2, True))]
+PERSISTENT_TILES = [(64, (128, 2, False, False, True, 3, True)), (64, (128, 2, False, False, True, 2, True)),
+                    (64, (128, 2, True, True, True, 2, True)), (128, (128, 2, True, False, False, 2, True)),
+                    (128, (128, 2, False, False, True, 2, True))]
 PERSISTENT_CASES = [  # (d, sq, sk, heads, heads_kv, causal, window, layout, scaling) less d
     (1023, 1024, 2, 1, False, None, "bshd", "block"),
     (640, 1500, 2, 2, False, None, "bhsd", "qk-spread"),
@@ -295,7 +296,7 @@ def persistent_tiles(monkeypatch, request):
     from cuflash import _families, _plan, config
 
     for table in (config.FWD_SM90_FP8_TILES, config.FWD_SM90_FP8_TILES_BANDED, config.FWD_SM90_FP8_TILES_SHORT,
-                  config.FWD_SM90_FP8_TILES_SHORT_CAUSAL, config.FWD_SM90_FP8_TILES_SHORT_BANDED):
+                  config.FWD_SM90_FP8_TILES_CAUSAL_SHORT):
         monkeypatch.setitem(table, d, tiles)
     if num_sms is not None:
         monkeypatch.setitem(_families._num_sms, cp.cuda.Device().id, num_sms)

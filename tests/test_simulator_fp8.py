@@ -76,7 +76,7 @@ def closed_form(b, h, n, d, causal):
 def set_q_in_regs(monkeypatch, d, q_in_regs):
     """The library's FP8 tiles for d with q_in_regs set (the other fields as shipped), banded ones too."""
     for table in (C.FWD_SM90_FP8_TILES, C.FWD_SM90_FP8_TILES_BANDED, C.FWD_SM90_FP8_TILES_SHORT,
-                  C.FWD_SM90_FP8_TILES_SHORT_CAUSAL, C.FWD_SM90_FP8_TILES_SHORT_BANDED):
+                  C.FWD_SM90_FP8_TILES_CAUSAL_SHORT):
         if d in table:
             bn, stages, pingpong, _, *rest = table[d]
             monkeypatch.setitem(table, d, (bn, stages, pingpong, q_in_regs, *rest))
@@ -123,13 +123,16 @@ def test_fp8_element_sizes():
 
 
 def test_the_shipped_tiles():
-    """The tile tables the closed forms read: (block_n, stages, pingpong, q_in_regs, late_pack, consumers) per head
-    dim, the banded ones (causal, a window) where they differ: three consumer warpgroups at d64 without a band, Q in
-    registers at d64 with one, late_pack instead of pingpong at d256 with one (late_pack and pingpong move work
-    within and between consumers, not traffic); the analyzer counts the config it names."""
+    """The tile tables the closed forms read: (block_n, stages, pingpong, q_in_regs, late_pack, consumers[, persistent])
+    per head dim: the one-item grid's for long non-causal rows, the persistent grid's for short non-causal rows and
+    (with a work queue) for causal rows and windows at d64 and d128; three consumer warpgroups at d64 but on causal
+    rows of at most 1k keys (late_pack and pingpong move work within and between consumers, not traffic; the
+    persistent grid walks the same tiles); the analyzer counts the config it names."""
     assert C.FWD_SM90_FP8_TILES == {64: (128, 2, False, False, True, 3), 128: (128, 2, True, False, False, 2),
                                     256: (128, 2, True, False, False, 2)}
-    assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, True, True, True, 2), 256: (128, 2, False, False, True, 2)}
+    assert C.FWD_SM90_FP8_TILES_BANDED == {64: (128, 2, False, False, True, 3, True),
+                                           128: (128, 2, False, False, True, 2, True),
+                                           256: (128, 2, False, False, True, 2)}
     # FwdFp8Traits::WIDE_CONSUMERS (240-register consumers, the transposers' units by key group): head dim 256 only
     assert [C.fwd_sm90_fp8_config(d, "bf16", c).wide_consumers for d in (64, 128, 256) for c in (False, True)] == \
         [False, False, False, False, True, True]
@@ -137,30 +140,29 @@ def test_the_shipped_tiles():
     assert C.FWD_SM90_FP8_TILES_SHORT == {64: (128, 2, False, False, True, 3, True),
                                           128: (128, 2, False, False, True, 2, True)}
     assert C.FWD_SM90_FP8_SHORT_KEYS == 4096
-    # causal rows of up to FWD_SM90_FP8_SHORT_KEYS keys: the persistent grid with a work queue (two consumers with
-    # pingpong and Q in registers at d64 up to FWD_SM90_FP8_CAUSAL_LONG_KEYS keys, three above)
-    assert C.FWD_SM90_FP8_TILES_SHORT_CAUSAL == {64: (128, 2, False, False, True, 3, True),
-                                                 128: (128, 2, False, False, True, 2, True)}
-    assert C.FWD_SM90_FP8_TILES_SHORT_BANDED == {64: (128, 2, True, True, True, 2, True)}
-    banded = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_BANDED}
+    # causal rows of at most FWD_SM90_FP8_CAUSAL_LONG_KEYS keys at d64: two consumers (on the queue too)
+    assert C.FWD_SM90_FP8_TILES_CAUSAL_SHORT == {64: (128, 2, False, False, True, 2, True)}
+    assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1024}
     short = {**C.FWD_SM90_FP8_TILES, **C.FWD_SM90_FP8_TILES_SHORT}
-    long_causal = {**C.FWD_SM90_FP8_TILES, 256: C.FWD_SM90_FP8_TILES_BANDED[256]}
-    short_causal = {**long_causal, **C.FWD_SM90_FP8_TILES_SHORT_CAUSAL}
-    short_banded = {**short_causal, **C.FWD_SM90_FP8_TILES_SHORT_BANDED}
+    causal_short = {**C.FWD_SM90_FP8_TILES_BANDED, **C.FWD_SM90_FP8_TILES_CAUSAL_SHORT}
     for d in C.FWD_SM90_FP8_TILES:
+        banded = C.FWD_SM90_FP8_TILES_BANDED
         for causal, sk, table in ((False, 256, short), (False, 4096, short), (False, 4097, C.FWD_SM90_FP8_TILES),
-                                  (True, 256, short_banded), (True, 1024, short_banded), (True, 1025, short_causal),
-                                  (True, 4096, short_causal), (True, 4097, long_causal)):
+                                  (True, 256, causal_short), (True, 1024, causal_short), (True, 1025, banded),
+                                  (True, 1 << 20, banded)):
             cfg = cuflash_config(Problem(1, 1, 256, sk, d, "fp8", causal))
             got = (cfg.block_n, cfg.stages, cfg.pingpong, cfg.q_in_regs, cfg.late_pack, cfg.consumers)
             assert got + ((True,) if cfg.persistent else ()) == table[d], f"d{d} causal={causal} sk={sk}"
             assert cfg.block_m == 64 * cfg.consumers
             assert cfg.uses_queue(False) == (causal and cfg.persistent), f"d{d} causal={causal} sk={sk}"
-    # causal rows of more than FWD_SM90_FP8_SHORT_KEYS keys: the one-item grid, the banded tiles of d256 (three
-    # consumers at d64: FWD_SM90_FP8_CAUSAL_LONG_KEYS); a window keeps the banded tiles at every length
-    assert C.FWD_SM90_FP8_CAUSAL_LONG_KEYS == {64: 1024}
-    windowed = cuflash_config(Problem(1, 1, 4096, 4096, 64, "fp8", False, window=(256, 0)))
-    assert windowed.consumers == C.FWD_SM90_FP8_TILES_BANDED[64][5]
+    for d in C.FWD_SM90_FP8_TILES:  # a window: the banded tiles at every length, on the queue where persistent
+        for sk in (256, 4096, 1 << 20):
+            windowed = cuflash_config(Problem(1, 1, 256, sk, d, "fp8", False, window=(256, 0)))
+            got = (windowed.block_n, windowed.stages, windowed.pingpong, windowed.q_in_regs, windowed.late_pack,
+                   windowed.consumers)
+            assert got + ((True,) if windowed.persistent else ()) == C.FWD_SM90_FP8_TILES_BANDED[d], (d, sk)
+            lib = C.fwd_sm90_fp8_config(d, "bf16", False, True, seqlen_k=sk)  # (the analyzer's copy drops the flag)
+            assert lib.window and lib.uses_queue(False) == lib.persistent, (d, sk)
 
 
 @pytest.mark.parametrize("d", [64, 128, 256])
@@ -227,10 +229,11 @@ def test_b1_h1_n384_d64_three_consumers_by_the_numbers():
     assert c.sram_write_bytes == q_bytes + kv_bytes + 6 * 128 * 64 and c.bank_conflicts == 0
 
 
-def test_b1_h1_n256_d64_q_in_registers_by_the_numbers():
-    """B=1 H=1 N=256 D=64 with a window wider than the sequence (the banded tiles: two consumers, Q in registers):
-    each of the 2 CTAs' 8 consumer warps loads its 16 Q rows with one ldmatrix.x4 per k32 step (2), so Q is read
-    from shared memory once per CTA; S = Q K^T then reads only K."""
+def test_b1_h1_n256_d64_q_in_registers_by_the_numbers(monkeypatch):
+    """B=1 H=1 N=256 D=64 with a window wider than the sequence on two consumers with Q in registers (the banded
+    tiles until 2026-12-01, set here): each of the 2 CTAs' 8 consumer warps loads its 16 Q rows with one ldmatrix.x4
+    per k32 step (2), so Q is read from shared memory once per CTA; S = Q K^T then reads only K."""
+    monkeypatch.setitem(C.FWD_SM90_FP8_TILES_BANDED, 64, (128, 2, True, True, True, 2))
     p = Problem(1, 1, 256, 256, 64, "fp8", False, (256, 256))
     cfg = cuflash_config(p)
     assert cfg.q_in_regs and cfg.block_n == 128 and cfg.consumers == 2
@@ -457,11 +460,15 @@ def test_kv_traffic_is_half_the_16_bit_kernels(d, causal, sq, sk, monkeypatch):
     changes causal skipping; the FP8 kernel on its two-consumer tiles, 128 query rows per CTA as the bf16 kernel's)
     FP8 reads exactly half the K/V bytes and half the Q bytes of fwd_sm90_ws_kernel, and writes the same O (bf16) and
     lse. K/V bytes: the reads less Q and (FP8) the descale factors of the hand loop."""
-    if d in C.FWD_SM90_FP8_TILES_BANDED:
-        monkeypatch.setitem(C.FWD_SM90_FP8_TILES, d, C.FWD_SM90_FP8_TILES_BANDED[d])
-    for table in (C.FWD_SM90_FP8_TILES_SHORT, C.FWD_SM90_FP8_TILES_SHORT_CAUSAL, C.FWD_SM90_FP8_TILES_SHORT_BANDED):
-        if d in table:  # (the persistent grid reads what the one-item grid reads)
-            monkeypatch.setitem(table, d, C.FWD_SM90_FP8_TILES[d])
+    # every FP8 table on two consumers (d64: the short causal rows' tiles, one-item; the persistent grid and the
+    # queue walk the same tiles)
+    two = C.FWD_SM90_FP8_TILES_CAUSAL_SHORT[d][:6] if d in C.FWD_SM90_FP8_TILES_CAUSAL_SHORT else \
+        C.FWD_SM90_FP8_TILES[d]
+    assert two[5] == 2
+    for table in (C.FWD_SM90_FP8_TILES, C.FWD_SM90_FP8_TILES_BANDED, C.FWD_SM90_FP8_TILES_SHORT,
+                  C.FWD_SM90_FP8_TILES_CAUSAL_SHORT):
+        if d in table:
+            monkeypatch.setitem(table, d, two)
     for table in (C.FWD_SM90_WS_TILES, C.FWD_SM90_WS_TILES_CAUSAL, C.FWD_SM90_WS_TILES_SHORT,
                   C.FWD_SM90_WS_TILES_CAUSAL_PLAIN, C.FWD_SM90_WS_TILES_CAUSAL_SHORT, C.FWD_SM90_WS_TILES_CAUSAL_LONG):
         if d in table:  # (and 128 query rows per CTA, as the FP8 kernel's: no three-consumer entry)

@@ -155,20 +155,18 @@ def test_tune_tiles_mods_kinds_tune_the_table_their_calls_take(kind, table):
 
 def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
     """`tune_tiles.py --dtype fp8` swaps entries of config.fwd_sm90_fp8_table(d, causal, seqlen_k=n), the table the
-    FP8 forward's config comes from (the persistent tables for rows of up to 4096 keys, the banded tiles for windows),
-    and every candidate is a valid FwdSm90Fp8Config within the shared-memory limit."""
+    FP8 forward's config comes from (the banded tiles for causal rows and windows, the short ones for non-causal rows
+    of up to 4096 keys), and every candidate is a valid FwdSm90Fp8Config within the shared-memory limit."""
     from cuflash import config
 
     tune_tiles = import_tool("tune_tiles")
-    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1024) is config.FWD_SM90_FP8_TILES_SHORT_BANDED
-    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1025) is config.FWD_SM90_FP8_TILES_SHORT_CAUSAL
-    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=4097) is config.FWD_SM90_FP8_TILES
+    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1024) is config.FWD_SM90_FP8_TILES_CAUSAL_SHORT
+    assert config.fwd_sm90_fp8_table(64, True, seqlen_k=1025) is config.FWD_SM90_FP8_TILES_BANDED
     assert config.fwd_sm90_fp8_table(64, False, window=True, seqlen_k=1024) is config.FWD_SM90_FP8_TILES_BANDED
     assert config.fwd_sm90_fp8_table(64, False, window=True, seqlen_k=8192) is config.FWD_SM90_FP8_TILES_BANDED
-    assert config.fwd_sm90_fp8_table(128, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES_SHORT_CAUSAL
-    assert config.fwd_sm90_fp8_table(128, True, seqlen_k=4097) is config.FWD_SM90_FP8_TILES
-    assert config.fwd_sm90_fp8_table(256, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES_BANDED  # no persistent d256
-    assert config.fwd_sm90_fp8_table(256, True, seqlen_k=1 << 20) is config.FWD_SM90_FP8_TILES_BANDED  # no long rule
+    assert config.fwd_sm90_fp8_table(128, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES_BANDED
+    assert config.fwd_sm90_fp8_table(128, True, seqlen_k=1 << 20) is config.FWD_SM90_FP8_TILES_BANDED
+    assert config.fwd_sm90_fp8_table(256, True, seqlen_k=512) is config.FWD_SM90_FP8_TILES_BANDED
     assert config.fwd_sm90_fp8_table(128, False, seqlen_k=4096) is config.FWD_SM90_FP8_TILES_SHORT
     assert config.fwd_sm90_fp8_table(128, False, seqlen_k=4097) is config.FWD_SM90_FP8_TILES
     assert config.fwd_sm90_fp8_table(256, False, seqlen_k=1024) is config.FWD_SM90_FP8_TILES  # no persistent d256

@@ -95,10 +95,11 @@ BWD_DQ_SM90_TF32 = {"fp32": {32: [(32, 2, 2), (32, 3, 2), (64, 3, 2), (64, 2, 1)
                              128: [(32, 3, 2), (64, 2, 1), (16, 3, 2), (32, 3, 2, 1), (32, 3, 2, 2)]}}
 BWD_MMA = {64: [(32, 64, 4, 1)], 128: [(64, 64, 8, 2), (32, 64, 4, 1)]}
 # the FP8 forward (sm_90a): (block_n, stages, pingpong, q_in_regs, late_pack, consumers[, persistent]), the alternatives
-# measured against the table a call takes (config.fwd_sm90_fp8_table: the persistent tables for rows of up to
-# FWD_SM90_FP8_SHORT_KEYS keys, FWD_SM90_FP8_TILES or the banded tiles for longer ones)
+# measured against the table a call takes (config.fwd_sm90_fp8_table: the banded tiles for causal rows and windows,
+# the short ones for non-causal rows of up to FWD_SM90_FP8_SHORT_KEYS keys, else FWD_SM90_FP8_TILES)
 FWD_SM90_FP8 = {64: [(128, 2, True, True, True, 2), (128, 3, False, False, True, 3), (128, 2, False, False, True, 3, True),
-                     (128, 2, True, True, True, 2, True), (128, 2, False, False, True, 3)],
+                     (128, 2, True, True, True, 2, True), (128, 2, False, False, True, 3),
+                     (128, 2, False, False, True, 2, True)],
                 128: [(128, 2, False, False, False, 2), (128, 3, True, False, False, 2), (128, 2, True, False, False, 2, True),
                       (128, 2, False, False, True, 2, True), (128, 3, True, False, False, 2, True),
                       (64, 3, False, False, False, 3), (64, 4, False, False, True, 3), (128, 2, True, False, False, 2)],
