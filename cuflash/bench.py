@@ -1893,12 +1893,17 @@ class Fp8Record:
 def run_fp8(args, cuflash) -> list:
     """Each FA shape (batch = 16384 // N, heads = 2048 // D), causal as --causal: cuflash.attention on bf16 inputs,
     then on the same values quantized to e4m3 with 128-row block scaling (cuflash.fp8.quantize), in the same run;
-    fresh input sets rotate as in the default mode. TFLOP/s count 4 * B * H * D * (visible pairs)."""
+    fresh input sets rotate as in the default mode; --window applies to both calls. TFLOP/s count 4 * B * H * D *
+    (visible pairs)."""
     import cupy as cp
 
     from . import fp8
 
     causals = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    window = tuple(args.window) if args.window is not None else None
+    mods = {"window": window} if window else {}
+    if window:
+        print(f"note: window={window}: both the bf16 and the FP8 call take it; TFLOP/s count the band's pairs only")
     events, records = CupyEvents(), []
     for d, causal, n in itertools.product(args.head_dim, causals, args.seqlen):
         b, h = max(1, TOKENS // n), 2048 // d
@@ -1906,10 +1911,10 @@ def run_fp8(args, cuflash) -> list:
         rng = cp.random.RandomState(n + d)
         bf = [tuple(random_array(rng, (b, n, h, d), "bf16") for _ in range(3)) for _ in range(n_sets)]
         f8 = [tuple(y for x in s for y in fp8.quantize(x, scaling="block")) for s in bf]  # (q8, qd, k8, kd, v8, vd)
-        flops = 4.0 * b * h * d * visible_pairs(n, n, causal, None)
-        calls = {"bf16": lambda i: cuflash.attention(*bf[i], causal=causal),
+        flops = 4.0 * b * h * d * visible_pairs(n, n, causal, window)
+        calls = {"bf16": lambda i: cuflash.attention(*bf[i], causal=causal, **mods),
                  "fp8": lambda i: cuflash.attention(f8[i][0], f8[i][2], f8[i][4], causal=causal, q_descale=f8[i][1],
-                                                    k_descale=f8[i][3], v_descale=f8[i][5])}
+                                                    k_descale=f8[i][3], v_descale=f8[i][5], **mods)}
         line = []
         for method, call in calls.items():
             ms = median_ms(call, n_sets, events, args.reps, args.warmup)
@@ -2005,8 +2010,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help="also time bwd and fwd+bwd (--bias: fwd+bwd always)")
     p.add_argument("--deterministic", action="store_true", help="cuflash backward with deterministic=True")
     p.add_argument("--window", nargs=2, type=int, metavar=("LEFT", "RIGHT"), default=None,
-                   help="sliding window of the cuflash runs (-1 = unbounded); TFLOP/s count the band's pairs "
-                        "only; the other methods have no window and are skipped")
+                   help="sliding window of the cuflash runs, and of both calls of --fp8 (-1 = unbounded); TFLOP/s "
+                        "count the band's pairs only; the other methods have no window and are skipped")
     p.add_argument("--methods", nargs="+", choices=METHODS + BIAS_METHODS[1:2], default=None, metavar="METHOD",
                    help=f"methods to run (default: all that are available): {', '.join(METHODS)} (--bias: "
                         f"{', '.join(BIAS_METHODS)})")
@@ -2103,6 +2108,9 @@ def main(argv=None) -> int:
                      f"evoformer to --bias-shapes)")
     if args.bias and set(wide) - {"fp32"}:
         parser.error(f"--bias --dtype {' '.join(d for d in wide if d != 'fp32')}: --bias takes bf16, fp16 and fp32")
+    if args.window is not None and (args.decode or args.varlen):
+        parser.error(f"--window {' '.join(map(str, args.window))}: the default mode and --fp8 take a sliding window "
+                     f"(--decode and --varlen do not)")
     if args.fp8 and any(d not in (64, 128, 256) for d in args.head_dim):
         parser.error(f"--fp8 --head-dim {' '.join(map(str, args.head_dim))}: the FP8 forward has head dims 64, 128, 256")
     try:

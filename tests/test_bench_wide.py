@@ -48,6 +48,13 @@ def test_wide_dtypes_are_the_default_mode_only(mode, capsys):
     assert "--dtype fp32: the default mode and --bias only" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mode", ["--decode", "--varlen"])
+def test_window_is_refused_where_it_is_not_used(mode, capsys):
+    with pytest.raises(SystemExit):
+        bench.main([mode, "--window", "128", "0"])
+    assert "--window 128 0: the default mode and --fp8 take a sliding window" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("dtype", ["tf32", "fp64"])
 def test_bias_takes_fp32_but_no_other_wide_dtype(dtype, capsys):
     with pytest.raises(SystemExit):

@@ -444,3 +444,31 @@ def test_fp8_varlen_warm_calls_replay_the_full_path(d, causal, scaling):
         err = float(np.abs(o_host[None, rq] - o64).max())
         bound = 2.0 * float(np.abs(emul - o64).max()) + 2.0 ** -8 * float(np.abs(o64).max()) + 1e-5
         assert err <= bound, f"sequence {s} (d={d}, causal={causal}): {err:.3e} > {bound:.3e}"
+
+
+def test_fp8_bench_takes_the_window_in_both_calls():
+    """`python -m cuflash.bench --fp8 --window L R`: the bf16 and the FP8 call both take the window, and the TFLOP/s
+    count the band's pairs (a bench that dropped the window timed the full rows under the window's label)."""
+    import argparse
+    import types
+
+    from cuflash import bench
+
+    seen = []
+
+    def attention(*args, **kw):
+        seen.append((args[0].dtype.name, kw.get("window"), kw.get("causal")))
+        return cuflash.attention(*args, **kw)
+
+    spy = types.SimpleNamespace(attention=attention)
+    args = argparse.Namespace(head_dim=[64], seqlen=[1024], causal="no", window=[128, 0], reps=3, warmup=1)
+    records = bench.run_fp8(args, spy)
+    assert {(w, c) for _, w, c in seen} == {((128, 0), False)}, f"calls without the window: {set(seen)}"
+    names = {name for name, _, _ in seen}
+    assert len(names) == 2 and "bfloat16" in names, f"calls: {set(seen)}"  # the bf16 call and the e4m3 one
+    assert len(records) == 2
+    pairs = bench.visible_pairs(1024, 1024, False, (128, 0))
+    assert pairs < 1024 * 1024 // 4
+    for r in records:
+        want = 4.0 * r.batch * r.heads * r.head_dim * pairs / r.ms / 1e9
+        assert math.isclose(r.tflops, want, rel_tol=1e-9), (r, want)
