@@ -637,10 +637,7 @@ __device__ __forceinline__ void walk_items(const Fp8Smem<Tr>& sm, const FwdFp8Pa
   int t0 = 0;
   u32 q_phase = 0;
   for (u32 u = 0;; ++u) {
-    const int slot = u & 1;
-    mbarrier_try_wait_parity(sm.item_full(slot), (u >> 1) & 1);  // (a plain wait, as fwd_sm90_ws_kernel's consumers)
-    const int index = ld_shared_s32(sm.item_slot(slot));
-    mbarrier_arrive(sm.item_empty(slot));  // this thread has read the slot
+    const int index = item_ring_take(sm, u);
     if (index >= p.items) break;
     Fp8Item<Tr, IS_CAUSAL, HAS_WINDOW> it;
     it.init(p, index);
@@ -742,11 +739,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
         int index = blockIdx.x, t0 = 0;
         u32 q_phase = 0;
         for (u32 u = 0;; ++u) {
-          // pass the index on: the slot is free once the other roles have read what it held two items ago
-          const int slot = u & 1;
-          mbarrier_wait_or_trap(sm.item_empty(slot), ((u >> 1) & 1) ^ 1);
-          st_shared_s32(sm.item_slot(slot), index);
-          mbarrier_arrive(sm.item_full(slot));
+          item_ring_put(sm, u, index);  // the transposers and the consumers take it
           if (index >= p.items) break;
           Item it;
           it.init(p, index);

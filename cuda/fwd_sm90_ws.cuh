@@ -310,6 +310,27 @@ struct WsPipe {
   }
 };
 
+// The item ring of a persistent CTA (fwd_sm90_ws_kernel, fwd_sm90_fp8_kernel; Smem has item_full, item_empty and
+// item_slot): the producer's TMA thread puts item u's index into slot u % 2 once every reader has taken what the
+// slot held two items ago; each reading thread takes it and frees the slot. An index >= items ends every role.
+template <class Smem>
+__device__ __forceinline__ void item_ring_put(const Smem& sm, u32 u, int index) {
+  const int slot = u & 1;
+  mbarrier_wait_or_trap(sm.item_empty(slot), ((u >> 1) & 1) ^ 1);
+  st_shared_s32(sm.item_slot(slot), index);
+  mbarrier_arrive(sm.item_full(slot));
+}
+
+template <class Smem>
+__device__ __forceinline__ int item_ring_take(const Smem& sm, u32 u) {
+  const int slot = u & 1;
+  // a plain wait: the watchdog's trap branch here made ptxas spill 280-300 bytes at D 128 (NVRTC 13.5)
+  mbarrier_try_wait_parity(sm.item_full(slot), (u >> 1) & 1);
+  const int index = ld_shared_s32(sm.item_slot(slot));
+  mbarrier_arrive(sm.item_empty(slot));  // this thread has read the slot
+  return index;
+}
+
 // One work item: query rows row0 .. row0 + BLOCK_M - 1 (query block m_block) of one (batch, head), its
 // sequence (varlen), and the key tiles its rows see. Every thread of the CTA derives the same item from the same
 // index, so the producer and the consumers walk the same items and the same tiles.
@@ -871,11 +892,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
       prefetch_tensormap(&p.tma_v);
       int index = blockIdx.x;
       for (u32 u = 0;; ++u) {
-        // pass the index on: the slot is free once the consumers have read what it held two items ago
-        const int slot = u & 1;
-        mbarrier_wait_or_trap(sm.item_empty(slot), ((u >> 1) & 1) ^ 1);
-        st_shared_s32(sm.item_slot(slot), index);
-        mbarrier_arrive(sm.item_full(slot));
+        item_ring_put(sm, u, index);  // the consumers take it
         if (index >= p.items) break;
         Item it;
         it.init(p.fwd, index, p.m_blocks);
@@ -902,11 +919,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
     } else {  // consumer warpgroups
       setmaxnreg_inc<CONSUMER_REGS>();
       for (u32 u = 0;; ++u) {
-        const int slot = u & 1;
-        // a plain wait: the watchdog's trap branch here made ptxas spill 280-300 bytes at D 128 (NVRTC 13.5)
-        mbarrier_try_wait_parity(sm.item_full(slot), (u >> 1) & 1);
-        const int index = ld_shared_s32(sm.item_slot(slot));
-        mbarrier_arrive(sm.item_empty(slot));  // this thread has read the slot
+        const int index = item_ring_take(sm, u);
         if (index >= p.items) break;
         Item it;
         it.init(p.fwd, index, p.m_blocks);
