@@ -752,16 +752,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_fp8_kernel(const __gr
           // end, which hides the atomic's round trip), as fwd_sm90_ws_kernel takes its items
           index = p.queue != nullptr ? static_cast<int>(gridDim.x) + atomicAdd(p.queue, 1) : index + gridDim.x;
         }
-        if (p.queue != nullptr) {
-          // leave the queue at zero for the next launch: the last CTA to finish (every CTA's last atomicAdd on
-          // queue[0] is ordered before its count on queue[1]) resets both counters
-          fence_acq_rel_gpu();
-          if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            fence_acq_rel_gpu();
-            atomicExch(p.queue, 0);
-            atomicExch(p.queue + 1, 0);
-          }
-        }
+        if (p.queue != nullptr) work_queue_done(p.queue);
       } else if (threadIdx.x >= 32) {
         walk_items<Tr, IS_CAUSAL, HAS_WINDOW>(sm, p, [&](const Item& it, int t0, u32) {
           if (it.n_tiles > 0) fwd_fp8_transposer<Tr>(sm, it.n_tiles, threadIdx.x / 32 - 1, threadIdx.x & 31, t0);

@@ -331,6 +331,18 @@ __device__ __forceinline__ int item_ring_take(const Smem& sm, u32 u) {
   return index;
 }
 
+// The end of a persistent CTA's walk of a work queue (queue[0]: the next untaken item, queue[1]: the CTAs done): the
+// last CTA to finish (every CTA's last atomicAdd on queue[0] is ordered before its count on queue[1]) resets both
+// counters, which leaves the queue at zero for the next launch.
+__device__ __forceinline__ void work_queue_done(int* queue) {
+  fence_acq_rel_gpu();
+  if (atomicAdd(queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+    fence_acq_rel_gpu();
+    atomicExch(queue, 0);
+    atomicExch(queue + 1, 0);
+  }
+}
+
 // One work item: query rows row0 .. row0 + BLOCK_M - 1 (query block m_block) of one (batch, head), its
 // sequence (varlen), and the key tiles its rows see. Every thread of the CTA derives the same item from the same
 // index, so the producer and the consumers walk the same items and the same tiles.
@@ -906,16 +918,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_sm90_ws_kernel(const __gri
         // launch under ncu, against 2 % for the one-item grid)
         index = p.queue != nullptr ? gridDim.x + atomicAdd(p.queue, 1) : index + gridDim.x;
       }
-      if (p.queue != nullptr) {
-        // leave the queue at zero for the next launch: the last CTA to finish (every CTA's last atomicAdd on
-        // queue[0] is ordered before its count on queue[1]) resets both counters
-        fence_acq_rel_gpu();
-        if (atomicAdd(p.queue + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-          fence_acq_rel_gpu();
-          atomicExch(p.queue, 0);
-          atomicExch(p.queue + 1, 0);
-        }
-      }
+      if (p.queue != nullptr) work_queue_done(p.queue);
     } else {  // consumer warpgroups
       setmaxnreg_inc<CONSUMER_REGS>();
       for (u32 u = 0;; ++u) {
