@@ -38,12 +38,12 @@
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
 //   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
-//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it) and, at
-//                  HEAD_DIM 256, the previous step's dQ reductions have read their buffers (each warpgroup's thread
-//                  0 waited before it): then every thread issues its part of the next step's loads into the other
-//                  stage, over those buffers (walk's LATE_LOADS; at 192, whose buffers are their own, walk issues
-//                  the loads at the start of the step)
-//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
+//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
+//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it) and, at HEAD_DIM 256, the
+//                  previous step's dQ reductions have read their buffers (each warpgroup's thread 0 waited before
+//                  it): then every thread issues its part of the next step's loads into the other stage, over those
+//                  buffers (walk's LATE_LOADS; deterministic, without dQ, after the P^T barrier; at 192, whose
+//                  buffers are their own, walk issues the loads at the start of the step)
 //   bar.sync 1 + w per dQ chunk, warpgroup w's 128 threads: the chunk is in its buffer (fenced), thread 0 of the
 //                  warpgroup issues its bulk reduction; at HEAD_DIM 192 also before the chunk's stores: the
 //                  previous step's reduction has read the buffer (thread 0 waited)
@@ -193,11 +193,13 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     bwd_sm90_store_ds<Tr>(smem, Tr::OFF_P, key_row0, lane, p_regs);
     fence_proxy_async_shared();  // st.shared -> visible to warpgroup 1's wgmma (async proxy) after the barrier
   }
-  // HEAD_DIM 256: the previous step's dQ reductions have read their buffers (thread 0 of each warpgroup issued
-  // them): after the barrier the next step's loads may overwrite that step's stage, which holds them
-  if (Tr::DQ_IN_STAGE && !IS_DETERMINISTIC && (warp % 4) * 32 + lane == 0) cp_async_bulk_wait_group_read<0>();
+  // HEAD_DIM 256: the next step's Q, dO, lse_log2, delta go into the other stage (at 192 walk issued them), over the
+  // previous step's dQ buffers: unless deterministic after the dS^T barrier, before which thread 0 of each warpgroup
+  // waits until the reductions it issued have read them (after the P^T barrier, with the wait before it, the D 256
+  // backward was 1-3 % slower: the reductions had a warpgroup's dS^T less time); deterministic (no dQ) after this one
+  constexpr bool LOADS_AFTER_DS = Tr::DQ_IN_STAGE && !IS_DETERMINISTIC;
   __syncthreads();  // P^T is in shared memory
-  load_next();  // HEAD_DIM 256: the next step's Q, dO, lse_log2, delta into the other stage (at 192 walk issued them)
+  if (!LOADS_AFTER_DS) load_next();
   if (wg == 1) {
     // dV[:, half 1] += P^T dO_i[:, half 1], A = P^T from shared memory (keys x queries: K-major)
     wgmma_fence();
@@ -237,7 +239,9 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
   }
-  __syncthreads();  // dS^T is in shared memory
+  if (LOADS_AFTER_DS && (warp % 4) * 32 + lane == 0) cp_async_bulk_wait_group_read<0>();
+  __syncthreads();  // dS^T is in shared memory (and, LOADS_AFTER_DS, the previous step's dQ buffers are read)
+  if (LOADS_AFTER_DS) load_next();
   // dK[:, half] += dS^T Q_i[:, half], A = dS^T from shared memory (softmax_scale applied to dK once, at the end)
   wgmma_fence();
 #pragma unroll
@@ -295,7 +299,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
   }
   // (the reductions read their buffers while the next step computes: at HEAD_DIM 256 its thread 0 waits for them
-  // before the P^T barrier, after which the stage holding them is loaded; at 192 before the next dQ chunk goes to
+  // before the dS^T barrier, after which the stage holding them is loaded; at 192 before the next dQ chunk goes to
   // its buffer. A step's reductions take most of the next step to read their buffers: waiting here, before the
   // step's last barrier, cost the D 256 backward 15 % and the D 192 one 11-13 %.)
 }
@@ -337,7 +341,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
                                                                  smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg,
                                                                  warp, lane, dk_acc, dv_acc);
   };
-  if constexpr (Tr::DQ_IN_STAGE) {  // the next step's loads go over the dQ buffers: after the P^T barrier
+  if constexpr (Tr::DQ_IN_STAGE) {  // the next step's loads go over the dQ buffers: after the dS^T barrier
     kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, step);
   } else {  // at the start of the step (walk's order)
     kb.walk(p, smem_base, copy, qb, left,
