@@ -572,12 +572,9 @@ struct BwdKeyBlock {
   // from qb (first_step; `left` positions) in order, each first issuing the next step's loads into the other stage
   // (one cp.async group) and waiting for its own, then step(qb, stage, is_masked) between two CTA barriers.
   // is_masked: the step needs the band mask (the causal diagonal, a window edge) or this CTA holds the key tail.
-  // LATE_LOADS: the step issues the next step's loads itself, step(qb, stage, is_masked, load_next), calling
-  // load_next() once, after a CTA barrier (the previous step's stage, which the loads overwrite, may be read until
-  // then: bwd_sm90_split_kernel's dQ reductions read their buffers there).
   // (bwd_kernel keeps a loop of its own: its step is a template on is_masked, decided after the barrier; through
   // walk its SASS changed.)
-  template <bool LATE_LOADS = false, class Step>
+  template <class Step>
   __device__ __forceinline__ void walk(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
                                        QueryBlock<Tr> qb, int left, Step&& step) const {
     const bool is_key_tail = keys < Tr::BLOCK_N;
@@ -588,23 +585,12 @@ struct BwdKeyBlock {
       const bool more = advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
       const int m0 = qb.m_block * Tr::BLOCK_M;
       const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
-      auto load_next = [&] {
-        if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
-        cp_async_commit_group();
-      };
-      if constexpr (LATE_LOADS) {
-        cp_async_wait_group<0>();  // this step's loads (issued in the previous step, or load_first's)
-      } else {
-        load_next();
-        cp_async_wait_group<1>();
-      }
+      if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
+      cp_async_commit_group();
+      cp_async_wait_group<1>();
       fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
       __syncthreads();
-      if constexpr (LATE_LOADS) {
-        step(qb, stage, is_masked, load_next);
-      } else {
-        step(qb, stage, is_masked);
-      }
+      step(qb, stage, is_masked);
       __syncthreads();
       if (!more) break;
       stage ^= 1;

@@ -19,34 +19,25 @@
 //   both: dV[:, half w] += P^T dO[:, half w] (A: warpgroup 0's P^T registers, warpgroup 1's P^T tile), then
 //   dK[:, half w] += dS^T Q[:, half w] (A: the dS^T tile); B N-major
 //   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major) in chunks of DQ_CHUNK columns, each chunk
-//   to shared memory and added to dQ_acc by one bulk reduction (cp.reduce.async.bulk .add.f32), unless
-//   IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead). dQ_acc is in bwd_sm90_ws_kernel's accumulator order (its
-//   "dQ_acc layout": a warpgroup here is a consumer there, HALF its DQ_COLS), converted by bwd_convert_dq_ws_kernel.
+//   added to dQ_acc from the accumulator registers (red.global.add.v4.f32, one 16-byte add per n8 tile and thread),
+//   unless IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead). dQ_acc is in bwd_sm90_ws_kernel's accumulator order
+//   (its "dQ_acc layout": a warpgroup here is a consumer there, HALF its DQ_COLS), converted by
+//   bwd_convert_dq_ws_kernel.
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
 // BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. Score
 // modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
-// [keep bits: one word per thread of warpgroup 0] [HEAD_DIM 192: dQ chunks, one per warpgroup]
-// dQ's chunk buffers (dq_buffer): where 227 KB leave room (HEAD_DIM 192) their own; at HEAD_DIM 256 the step's
-// stage: warpgroup w's chunk 0 in its half of dO, chunk 1 in its half of Q (16 KB each, one 64 x 64 fp32 chunk),
-// whose last readers by then are this warpgroup's own dV and dK GEMMs (retired at the first dQ wait; dP^T and S^T,
-// which read all columns, retired before the P^T barrier).
+// [keep bits: one word per thread of warpgroup 0]
 // 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
+//   (walk issues the next step's loads into the other stage at the start of the step)
 //   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
 //   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
-//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it) and, at HEAD_DIM 256, the
-//                  previous step's dQ reductions have read their buffers (each warpgroup's thread 0 waited before
-//                  it): then every thread issues its part of the next step's loads into the other stage, over those
-//                  buffers (walk's LATE_LOADS; deterministic, without dQ, after the P^T barrier; at 192, whose
-//                  buffers are their own, walk issues the loads at the start of the step)
-//   bar.sync 1 + w per dQ chunk, warpgroup w's 128 threads: the chunk is in its buffer (fenced), thread 0 of the
-//                  warpgroup issues its bulk reduction; at HEAD_DIM 192 also before the chunk's stores: the
-//                  previous step's reduction has read the buffer (thread 0 waited)
+//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
 //   __syncthreads  end of step: every GEMM that read this stage, P^T or dS^T has retired (each warpgroup waited
 //                  for its own), so the next step may overwrite them
 #pragma once
@@ -98,32 +89,20 @@ struct BwdSm90SplitTraits {
   static constexpr int OFF_LSE = OFF_P + SMEM_DS;          // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_KEEP = OFF_LSE + 4 * SMEM_ROWVEC;  // dropout's keep bits (u32 per thread of warpgroup 0)
-  static constexpr int SMEM_DQ = BLOCK_M * DQ_CHUNK * 4;       // one dQ chunk, fp32
-  static constexpr int OFF_DQ = OFF_KEEP + 128 * 4;
-  static constexpr bool DQ_IN_STAGE = OFF_DQ + WARPGROUPS * DQ_CHUNKS * SMEM_DQ + 1024 > 227 * 1024;
-  static constexpr int SMEM_BYTES = (DQ_IN_STAGE ? OFF_DQ : OFF_DQ + WARPGROUPS * DQ_CHUNKS * SMEM_DQ) + 1024;
-  // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
-
-  // shared offset of warpgroup wg's dQ chunk buffer (see above) in a step of `stage`
-  static __device__ __forceinline__ u32 dq_buffer(int wg, int chunk, int stage) {
-    if (DQ_IN_STAGE) return OFF_Q + stage * 2 * SMEM_Q + (chunk == 0 ? SMEM_Q : 0) + TileQ::offset(0, wg * HALF);
-    return OFF_DQ + (wg * DQ_CHUNKS + chunk) * SMEM_DQ;
-  }
+  static constexpr int SMEM_BYTES = OFF_KEEP + 128 * 4 + 1024;  // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
 
   static_assert(HEAD_DIM == 192 || HEAD_DIM == 256, "head dims 192 and 256 (narrower ones: bwd_sm90_kernel)");
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
-  static_assert(DQ_CHUNK % PANEL_COLS == 0, "dQ's chunks of K start on panels");
+  static_assert(DQ_CHUNK % PANEL_COLS == 0 && HALF % DQ_CHUNK == 0, "dQ's chunks of K start on panels");
   static_assert(HALF % PANEL_COLS == 0, "a warpgroup's columns are whole panels");
   static_assert(OFF_DS % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && SMEM_DS % 1024 == 0,
                 "1024-byte swizzle periods");
-  static_assert(!DQ_IN_STAGE || (DQ_CHUNKS == 2 && SMEM_DQ == BLOCK_M * HALF * 2 && PANEL_COLS == 64),
-                "a dQ chunk fills a warpgroup's half of the dO or Q tile (whole panels)");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, class LoadNext>
-__device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked, LoadNext&& load_next,
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+__device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked,
                                                       const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                       const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
                                                       int stage, int m_block, int n0, long long vec_row, int wg,
@@ -193,13 +172,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     bwd_sm90_store_ds<Tr>(smem, Tr::OFF_P, key_row0, lane, p_regs);
     fence_proxy_async_shared();  // st.shared -> visible to warpgroup 1's wgmma (async proxy) after the barrier
   }
-  // HEAD_DIM 256: the next step's Q, dO, lse_log2, delta go into the other stage (at 192 walk issued them), over the
-  // previous step's dQ buffers: unless deterministic after the dS^T barrier, before which thread 0 of each warpgroup
-  // waits until the reductions it issued have read them (after the P^T barrier, with the wait before it, the D 256
-  // backward was 1-3 % slower: the reductions had a warpgroup's dS^T less time); deterministic (no dQ) after this one
-  constexpr bool LOADS_AFTER_DS = Tr::DQ_IN_STAGE && !IS_DETERMINISTIC;
   __syncthreads();  // P^T is in shared memory
-  if (!LOADS_AFTER_DS) load_next();
   if (wg == 1) {
     // dV[:, half 1] += P^T dO_i[:, half 1], A = P^T from shared memory (keys x queries: K-major)
     wgmma_fence();
@@ -239,9 +212,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
   }
-  if (LOADS_AFTER_DS && (warp % 4) * 32 + lane == 0) cp_async_bulk_wait_group_read<0>();
-  __syncthreads();  // dS^T is in shared memory (and, LOADS_AFTER_DS, the previous step's dQ buffers are read)
-  if (LOADS_AFTER_DS) load_next();
+  __syncthreads();  // dS^T is in shared memory
   // dK[:, half] += dS^T Q_i[:, half], A = dS^T from shared memory (softmax_scale applied to dK once, at the end)
   wgmma_fence();
 #pragma unroll
@@ -259,13 +230,15 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 
   // dQ_i[:, half] = dS K_j[:, half] in chunks of DQ_CHUNK columns (at HEAD_DIM 256 a whole half's 64 accumulators
   // beside dK and dV spilled): A = dS^T read M-major (queries are its contiguous dimension), B = K_j N-major; each
-  // chunk to its buffer in dQ_acc order (16-byte stores, consecutive threads consecutive chunks: no bank conflict),
-  // then one thread adds the buffer to dQ_acc with a bulk reduction (pad rows exist in dQ_acc: whole blocks).
-  // fp32 atomics per element (red.global.add) cost the D 256 backward a third of its time; a block through the
-  // TMA unit costs the warps a barrier and one instruction.
+  // chunk added to dQ_acc straight from the accumulators, one red.global.add.v4.f32 per n8 tile and thread, in dQ_acc
+  // order (consecutive threads consecutive 16 bytes: a warp's add covers 512 contiguous bytes; pad rows exist in
+  // dQ_acc: whole blocks). Through shared memory and one bulk reduction per chunk (cp.reduce.async.bulk, the warp-
+  // specialized kernel's way) the D 256 backward was 8-12 % slower, D 192 1-2 %: a step's reductions took most of
+  // the next step to read their buffers, which the next loads or chunk stores then waited for; red.global.add.v2.f32
+  // per pair of elements, twice the instructions, was slower than the bulk reductions (PERFORMANCE.md "Hopper
+  // wide-head backward").
   // vec_row: the block's first fp32 row (QueryBlock); this warpgroup's columns start at float4 wg * HALF / 8 * 128
-  float* dq = p.dq_accum + vec_row * Tr::HEAD_DIM + wg * Tr::HALF * Tr::BLOCK_M;
-  const int c = (warp % 4) * 32 + lane;  // this thread in its warpgroup
+  float* dq = p.dq_accum + vec_row * Tr::HEAD_DIM + wg * Tr::HALF * Tr::BLOCK_M + ((warp % 4) * 32 + lane) * 4;
   const u32 k_smem = smem_base + Tr::OFF_K;
 #pragma unroll 1
   for (int chunk = 0; chunk < Tr::DQ_CHUNKS; ++chunk) {
@@ -282,26 +255,11 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     wgmma_fence_operand(dv_acc);
     wgmma_fence_operand(dk_acc);
     wgmma_fence_operand(dq_acc);
-    const u32 buf = Tr::dq_buffer(wg, chunk, stage);
-    if (!Tr::DQ_IN_STAGE) {  // its own buffer: the previous step's reduction has read it
-      if (c == 0) cp_async_bulk_wait_group_read<0>();
-      named_barrier_sync(1 + wg, 128);
-    }
+    float* dst = dq + chunk * Tr::DQ_CHUNK * Tr::BLOCK_M;
 #pragma unroll
     for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
-      *reinterpret_cast<float4*>(smem + buf + (dt * 128 + c) * 16) =
-          make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
-    fence_proxy_async_shared();  // st.shared -> visible to the bulk reduction (async proxy)
-    named_barrier_sync(1 + wg, 128);  // this warpgroup's chunk is in its buffer
-    if (c == 0) {
-      cp_reduce_async_bulk_add_f32(dq + chunk * Tr::DQ_CHUNK * Tr::BLOCK_M, smem_base + buf, Tr::SMEM_DQ);
-      cp_async_bulk_commit_group();
-    }
+      red_add_v4_f32(dst + dt * 128 * 4, dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
   }
-  // (the reductions read their buffers while the next step computes: at HEAD_DIM 256 its thread 0 waits for them
-  // before the dS^T barrier, after which the stage holding them is loaded; at 192 before the next dQ chunk goes to
-  // its buffer. A step's reductions take most of the next step to read their buffers: waiting here, before the
-  // step's last barrier, cost the D 256 backward 15 % and the D 192 one 11-13 %.)
 }
 
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
@@ -334,21 +292,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  auto step = [&](const QueryBlock<Tr>& qb, int stage, bool is_masked, auto&& load_next) {
+  kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads);
-    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, load_next, kb.band, mods, smem,
-                                                                 smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg,
-                                                                 warp, lane, dk_acc, dv_acc);
-  };
-  if constexpr (Tr::DQ_IN_STAGE) {  // the next step's loads go over the dQ buffers: after the dS^T barrier
-    kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, step);
-  } else {  // at the start of the step (walk's order)
-    kb.walk(p, smem_base, copy, qb, left,
-            [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) { step(qb, stage, is_masked, [] {}); });
-  }
-  // the last reductions have written dQ_acc before the CTA ends
-  if (!IS_DETERMINISTIC && tid % 128 == 0) cp_async_bulk_wait_group<0>();
+    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
+                                                                 qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
+                                                                 dk_acc, dv_acc);
+  });
 
   // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's
   // columns), then 16-byte stores

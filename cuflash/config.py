@@ -1270,8 +1270,8 @@ class BwdSm90SplitConfig:
     `bwd_sm90_split_kernel<BwdSm90SplitTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: K/V-outer CTAs of
     64 keys and two warpgroups, each keeping dK and dV of one half of the head dim; query blocks of 64. Score
     modifiers: window, ALiBi, soft-capping, dropout (BWD_SM90_SPLIT_MODS; a bias or mask runs the mma.sync
-    backward). dQ by bulk reductions into dQ_acc in the accumulator order of `bwd_sm90_ws_kernel`, converted by
-    `bwd_convert_dq_ws_kernel` (convert_dq_config)."""
+    backward). dQ added into dQ_acc from the accumulator registers (red.global.add.v4.f32) in the accumulator order
+    of `bwd_sm90_ws_kernel`, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config)."""
 
     head_dim: int
     dtype: str
@@ -1304,24 +1304,13 @@ class BwdSm90SplitConfig:
         return 256
 
     @property
-    def dq_in_stage(self) -> bool:
-        """dQ's chunk buffers in the Q and dO tiles of the step's stage (BwdSm90SplitTraits::DQ_IN_STAGE): where a
-        buffer of its own (block_m x head_dim fp32) leaves no room, at head dim 256."""
-        return self._base_smem() + self.block_m * self.head_dim * 4 + 1024 > 227 * 1024
-
-    def _base_smem(self) -> int:
+    def smem_bytes(self) -> int:
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
         # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread
-        # of warpgroup 0)
-        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4
-
-    @property
-    def smem_bytes(self) -> int:
-        # + the dQ chunk buffers where they are their own, + 1024 to align the base
-        dq = 0 if self.dq_in_stage else self.block_m * self.head_dim * 4
-        return self._base_smem() + dq + 1024
+        # of warpgroup 0), + 1024 to align the base
+        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 1024
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)

@@ -467,7 +467,8 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
        at least one 4-byte read per visit, are not counted).
     3. bwd_convert_dq_kernel (where the main kernel adds dQ): reads dq_accum (head_dim columns of rows < Sq),
        writes dQ; bwd_convert_dq_ws_kernel after bwd_sm90_ws_kernel and bwd_sm90_split_kernel (whose dQ adds are
-       bulk reductions of the same bytes): the same, for every row of the BLOCK_M-row blocks that hold a row < Sq.
+       bulk reductions, or 16-byte red.global.add.v4.f32, of the same bytes): the same, for every row of the
+       BLOCK_M-row blocks that hold a row < Sq.
     3b. bwd_dq_kernel (deterministic, but for the ordered path), grid (ceil(Sq / BLOCK_M), heads, batch) of
        dq_config: per CTA that sees a key Q_i, dO_i, BLOCK_M lse_log2 and delta values, K_j and V_j per visited
        key tile; writes dQ_i.
@@ -607,15 +608,14 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, deterministic: bool) -
     its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
     each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)
     and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); unless deterministic the dQ GEMMs
-    read dS^T (each) and K (a half each), the warpgroups write the BLOCK_M x HEAD_DIM fp32 dQ tile to their chunk
-    buffers and the bulk reductions read it. Bank conflicts are not walked."""
+    read dS^T (each) and K (a half each); dQ leaves from their registers (red.global.add.v4.f32). Bank conflicts are
+    not walked."""
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     visits, _ = _bwd_visits(cfg, p, causal_skip)
     ctas, steps = int((visits > 0).sum()), int(visits.sum())
     q_tile, kv_tile, ds_tile, vecs = 2 * bm * hd, 2 * bn * hd, 2 * bn * bm, 128 * 8 * (bm // 8)
-    dq_tile = 0 if deterministic else 4 * bm * hd
-    write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile + dq_tile)
-    dq = 0 if deterministic else 2 * ds_tile + kv_tile + dq_tile
+    write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile)
+    dq = 0 if deterministic else 2 * ds_tile + kv_tile
     read = ctas * 2 * kv_tile + steps * (2 * (kv_tile + q_tile) + 2 * vecs + ds_tile + (q_tile + ds_tile)
                                          + (2 * ds_tile + q_tile) + dq)
     return read * p.batch_heads, write * p.batch_heads
