@@ -20,9 +20,16 @@
 //   dK[:, half w] += dS^T Q[:, half w] (A: the dS^T tile); B N-major
 //   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major) in chunks of DQ_CHUNK columns, each chunk
 //   added to dQ_acc from the accumulator registers (red.global.add.v4.f32, one 16-byte add per n8 tile and thread),
-//   unless IS_DETERMINISTIC (bwd_dq_kernel computes dQ instead). dQ_acc is in bwd_sm90_ws_kernel's accumulator order
+//   unless IS_DETERMINISTIC without ORDERED (bwd_dq_kernel computes dQ instead); ORDERED (deterministic): the same
+//   adds, each CTA's on a query block in its turn (below). dQ_acc is in bwd_sm90_ws_kernel's accumulator order
 //   (its "dQ_acc layout": a warpgroup here is a consumer there, HALF its DQ_COLS), converted by
 //   bwd_convert_dq_ws_kernel.
+//   ORDERED: one int32 counter per 64 rows of dQ_acc (BwdParams::dq_turns, zeroed by the preprocess) counts the key
+//   blocks that have added into the query block; thread 0 waits (ld.acquire) until it equals this CTA's turn
+//   (bwd.cuh ordered_dq_turn: ascending key blocks, or with causal or a window descending from the highest key block
+//   that sees the query block, the grid then launched last-first) under warpgroup 1's dS^T, before the dS^T
+//   barrier; after the dQ adds a CTA barrier, then thread 0 fences and increments the counter (red.release), as
+//   bwd_wide_kernel's ordered adds: every element of dQ_acc receives its adds in the same order on every run.
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
 // BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. Score
 // modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
@@ -101,8 +108,8 @@ struct BwdSm90SplitTraits {
 };
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
-__device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked,
+template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS>
+__device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked, int turn,
                                                       const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                       const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
                                                       int stage, int m_block, int n0, long long vec_row, int wg,
@@ -212,6 +219,8 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
   }
+  // ORDERED: this CTA's turn on the query block's dQ (waited for under warpgroup 1's dS^T; the barrier passes it on)
+  if (ORDERED && threadIdx.x == 0) wait_counter_or_trap(p.dq_turns + vec_row / 64, turn);
   __syncthreads();  // dS^T is in shared memory
   // dK[:, half] += dS^T Q_i[:, half], A = dS^T from shared memory (softmax_scale applied to dK once, at the end)
   wgmma_fence();
@@ -221,7 +230,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         dk_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_DS, 0, kk * 16),
         Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
   wgmma_commit_group();
-  if (IS_DETERMINISTIC) {  // dQ comes from bwd_dq_kernel instead
+  if (!ADDS_DQ) {  // dQ comes from bwd_dq_kernel instead
     wgmma_wait_group<0>();
     wgmma_fence_operand(dv_acc);
     wgmma_fence_operand(dk_acc);
@@ -260,14 +269,26 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
       red_add_v4_f32(dst + dt * 128 * 4, dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
   }
+  if (ORDERED) {  // every thread's adds are issued (the barrier): the next key block's turn
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      fence_acq_rel_gpu();
+      red_release_gpu_add(p.dq_turns + vec_row / 64, 1);
+    }
+  }
 }
 
-template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS>
+// ORDERED (deterministic only): dQ added here in a fixed order of key blocks (the file comment), else a deterministic
+// kernel leaves dQ to bwd_dq_kernel.
+template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, bool ORDERED = false>
 __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const BwdParams p) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert((MODS & ~(MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)) == 0,
                 "bwd_sm90_split_kernel takes the window, ALiBi, soft-capping and dropout (no bias, mask or block map)");
+  static_assert(!ORDERED || IS_DETERMINISTIC, "ORDERED is the deterministic mode's dQ");
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
+  // ordered with a band: key blocks launched last-first (their turns run from the highest key block down)
+  constexpr bool REVERSED = ORDERED && (IS_CAUSAL || HAS_WINDOW);
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const AlignedSmem aligned = align_smem_1024(smem_raw);
   const u32 smem_base = aligned.base;
@@ -275,7 +296,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform: its descriptors in uniform registers
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW> kb(p);
+  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, /*HAS_MAP=*/false, REVERSED> kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
   int left;
   QueryBlock<Tr> qb = kb.first_step(p, left);
@@ -295,9 +316,10 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
   kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads);
-    bwd_split_query_block<Tr, IS_CAUSAL, IS_DETERMINISTIC, MODS>(p, is_masked, kb.band, mods, smem, smem_base, stage,
-                                                                 qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
-                                                                 dk_acc, dv_acc);
+    const int turn = ORDERED ? kb.dq_turn(qb.m_block, kb.n0 / Tr::BLOCK_N, kb.last_key_block(), kb.dq_reach()) : 0;
+    bwd_split_query_block<Tr, IS_CAUSAL, !IS_DETERMINISTIC || ORDERED, ORDERED, MODS>(
+        p, is_masked, turn, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
+        dk_acc, dv_acc);
   });
 
   // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's

@@ -1281,8 +1281,15 @@ class BwdSm90SplitConfig:
     block_m: int = 64
     block_n: int = 64
     ctas_per_sm: int = 1
+    # deterministic: dQ added by this kernel in a fixed order of key blocks (turn counters, ordered_dq) rather than by
+    # bwd_dq_kernel after it; None: where deterministic at the head dims of BWD_SM90_SPLIT_ORDERED
+    ordered: bool | None = None
 
     def __post_init__(self):
+        if self.ordered is None:
+            object.__setattr__(self, "ordered", self.deterministic and self.head_dim in BWD_SM90_SPLIT_ORDERED)
+        if self.ordered and not self.deterministic:
+            raise ValueError("ordered=True needs deterministic=True (the ordered dQ adds are the deterministic mode's)")
         check_mods(self.mods, self.causal)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r}; allowed: {DTYPES}")
@@ -1316,13 +1323,19 @@ class BwdSm90SplitConfig:
         t = _cpp_type(self.dtype)
         b = _cpp_bool
         return (f"cuflash::bwd_sm90_split_kernel<cuflash::BwdSm90SplitTraits<{self.head_dim}, {t}>, {b(self.causal)}, "
-                f"{b(self.deterministic)}, {self.mods}>")
+                f"{b(self.deterministic)}, {self.mods}" + (", true>" if self.ordered else ">"))
 
     def grid(self, batch: int, heads: int, seqlen_k: int) -> tuple[int, int, int]:
         return (math.ceil(seqlen_k / self.block_n), heads, batch)
 
 
 BWD_SM90_SPLIT_HEAD_DIMS = (192, 256)
+# The head dims where the deterministic wide-head backward adds dQ itself in turns (BwdSm90SplitConfig.ordered)
+# instead of leaving it to bwd_dq_kernel. Measured on an H200 (2026-12-02, bf16 FA shapes, N 1k / 4k / 16k, TFLOP/s,
+# the default mode's beside): D 256 in turns 188 / 232 / 251 (causal 179 / 223 / 238) against 168 / 178 / 182 (142 /
+# 165 / 180) with bwd_dq_kernel, 0.72-0.85x the default mode against 0.58-0.68x; D 192 167 / 208 / 222 (161 / 201 /
+# 215) against 195 / 211 / 217 (162 / 199 / 224): no better, so it keeps bwd_dq_kernel.
+BWD_SM90_SPLIT_ORDERED = (256,)
 BWD_SM90_SPLIT_MODS = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT
 # The modifier sets of its kernels that the compile check builds beyond plain, causal and windowed: all of them
 # (non-causal with the window), the register-heaviest (as MODS_CHECKED). Every combination compiled spill-free at
@@ -1413,10 +1426,12 @@ def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
 def ordered_dq(main) -> bool:
     """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
     counted in turns (the warp-specialized kernel's bwd_sm90_ws_dq_writer; the float32 / float64 bwd_wide_kernel's
-    ORDERED adds), so that no bwd_dq_kernel runs after it. Mirrors BwdSm90WsTraits::ordered_dq: not with a bias or
+    and the wide-head bwd_sm90_split_kernel's ORDERED adds), so that no bwd_dq_kernel runs after it. Mirrors BwdSm90WsTraits::ordered_dq: not with a bias or
     dropout, nor with a mask at head dim 128 (their instantiations spilled with the dQ writer)."""
     if isinstance(main, BwdWideConfig):
         return main.deterministic
+    if isinstance(main, BwdSm90SplitConfig):
+        return main.ordered
     return (isinstance(main, BwdSm90WsConfig) and main.deterministic and not main.mods & (MOD_BIAS | MOD_DROPOUT)
             and not (main.head_dim >= 128 and main.mods & MOD_MASK))
 

@@ -598,7 +598,7 @@ def _tf32_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     return read * p.batch_heads, write * p.batch_heads
 
 
-def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, deterministic: bool) -> tuple[int, int]:
+def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, no_dq: bool) -> tuple[int, int]:
     """(read, write) shared-memory bytes of bwd_sm90_split_kernel (cuda/bwd_sm90_split.cuh: head dims 192 and 256;
     two warpgroups share a CTA's BLOCK_N = 64 keys, each with half the head dim of dK and dV), all batches and heads,
     counted in its program order (16-bit tiles, HEAD_DIM columns). Per CTA with a step (a CTA whose keys no query
@@ -607,15 +607,15 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, deterministic: bool) -
     lse_log2 and delta; warpgroup 0's S^T wgmma reads K and Q, warpgroup 1's dP^T reads V and dO; warpgroup 0 reads
     its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
     each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)
-    and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); unless deterministic the dQ GEMMs
-    read dS^T (each) and K (a half each); dQ leaves from their registers (red.global.add.v4.f32). Bank conflicts are
-    not walked."""
+    and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); where the kernel adds dQ (not no_dq:
+    not deterministic, or ordered) the dQ GEMMs read dS^T (each) and K (a half each); dQ leaves from their registers
+    (red.global.add.v4.f32). Bank conflicts are not walked."""
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     visits, _ = _bwd_visits(cfg, p, causal_skip)
     ctas, steps = int((visits > 0).sum()), int(visits.sum())
     q_tile, kv_tile, ds_tile, vecs = 2 * bm * hd, 2 * bn * hd, 2 * bn * bm, 128 * 8 * (bm // 8)
     write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile)
-    dq = 0 if deterministic else 2 * ds_tile + kv_tile
+    dq = 0 if no_dq else 2 * ds_tile + kv_tile
     read = ctas * 2 * kv_tile + steps * (2 * (kv_tile + q_tile) + 2 * vecs + ds_tile + (q_tile + ds_tile)
                                          + (2 * ds_tile + q_tile) + dq)
     return read * p.batch_heads, write * p.batch_heads
@@ -671,8 +671,8 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     elif tf32:  # counted from the program order, not walked
         c.sram_read_bytes, c.sram_write_bytes = _tf32_bwd_shared(p, cfg, causal_skip)
         c.bank_conflicts = None
-    elif split:  # the same, for the main kernel; bwd_dq_kernel (deterministic) walked
-        r, w = _split_bwd_shared(p, cfg, causal_skip, deterministic)
+    elif split:  # the same, for the main kernel; bwd_dq_kernel (deterministic, not ordered) walked
+        r, w = _split_bwd_shared(p, cfg, causal_skip, not main_adds_dq(cfg))
         c.sram_read_bytes = r + sum(x.read_bytes for x in walks)
         c.sram_write_bytes = w + sum(x.write_bytes for x in walks)
         c.bank_conflicts = None

@@ -75,10 +75,11 @@ def test_compiles_spill_free_with_its_products(cfg):
     count = opcode_counter(sass_or_skip(compiled.cubin))
     # per step, one warpgroup's path: S^T or dP^T (HEAD_DIM / 16 k steps), dV and dK (4 each), dQ chunks (4 each)
     assert count("HGMMA") >= cfg.head_dim // 16 + 8 + (0 if cfg.deterministic else 4)
-    # dQ: red.global.add.v4.f32 from the registers (one per n8 tile of a chunk; the chunk loop is rolled) exactly
-    # where not deterministic, no bulk reductions
+    # dQ: red.global.add.v4.f32 from the registers (one per n8 tile of a chunk; the chunk loop is rolled) where the
+    # kernel adds dQ (not deterministic, or ordered: then also the turn counter's red.release), no bulk reductions
     reds = count("REDG")
-    assert reds == (0 if cfg.deterministic else {192: 12, 256: 8}[cfg.head_dim]), reds
+    adds = not cfg.deterministic or cfg.ordered
+    assert reds == (0 if not adds else {192: 12, 256: 8}[cfg.head_dim] + (1 if cfg.ordered else 0)), reds
     assert count("UBLKRED") == 0, "dQ leaves from registers"
     assert count("LDL") == 0 and count("STL") == 0
 
@@ -92,5 +93,22 @@ def test_the_analyzer_counts_the_split_kernel(causal):
     c = simulate("cuflash", p, backward=True)
     assert (c.block_m, c.block_n) == (64, 64) and c.bank_conflicts is None
     assert c.sram_read_bytes > 0 and c.sram_write_bytes > 0
-    det = simulate("cuflash", p, backward=True, deterministic=True)
-    assert det.sram_read_bytes != c.sram_read_bytes  # the dQ GEMMs' reads leave, bwd_dq_kernel's walk comes in
+    det = simulate("cuflash", p, backward=True, deterministic=True)  # the same kernel, its dQ adds in turns
+    assert det.sram_read_bytes == c.sram_read_bytes and det.hbm_read_bytes > c.hbm_read_bytes  # + the counters
+    assert [k.name for k in cuflash_backward_kernels(p, deterministic=True)] == names
+
+
+@pytest.mark.parametrize("hd", [192, 256])
+def test_deterministic_adds_dq_in_turns_at_256(hd):
+    """Deterministic at head dim 256 the kernel adds dQ itself in a fixed order of key blocks (config.ordered_dq: turn
+    counters, no bwd_dq_kernel); at 192 (BWD_SM90_SPLIT_ORDERED) it leaves dQ to bwd_dq_kernel, unless asked."""
+    det = config.BwdSm90SplitConfig(hd, "bf16", True, True)
+    assert det.ordered == (hd == 256) and config.ordered_dq(det) == (hd == 256)
+    assert det.cpp_name().endswith(", true>") == (hd == 256)
+    asked = config.BwdSm90SplitConfig(hd, "bf16", True, True, ordered=True)
+    assert config.ordered_dq(asked) and asked.cpp_name().endswith(", true>") and config.turn_rows(asked) == 64
+    plain = config.BwdSm90SplitConfig(hd, "bf16", True, False)
+    assert not plain.ordered and not config.ordered_dq(plain) and plain.cpp_name().endswith(", 0>")
+    with pytest.raises(ValueError, match="ordered=True needs deterministic=True"):
+        config.BwdSm90SplitConfig(hd, "bf16", False, False, ordered=True)
+    assert config.ordered_dq(config.backward_kernel_config(hd, "bf16", False, True, "sm_90a")) == (hd == 256)

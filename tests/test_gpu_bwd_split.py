@@ -90,3 +90,42 @@ def test_split_and_mma_kernels_agree(causal, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv"), split, mma):
         a32, b32 = _xpref.to_float32(a), _xpref.to_float32(b)
         assert max_abs(a32 - b32) <= 0.02 * max_abs(b32), f"{name}: split and mma.sync kernels differ"
+
+
+# (Sq, Sk, H_q, H_kv, causal): a key tail, GQA steps, causal rows with Sq > Sk and Sq < Sk (the reversed grid and the
+# descending turns), and more CTAs than an H100 or H200 runs at once (2 x 8 x 16 = 256), so that some wait on turns of
+# CTAs of an earlier wave
+ORDERED_CASES = [(517, 700, 4, 2, False), (700, 517, 4, 4, True), (300, 1000, 2, 1, True), (1000, 1000, 8, 8, True),
+                 (1000, 1000, 8, 8, False)]
+
+
+@pytest.mark.parametrize("d", [192, 256])
+@pytest.mark.parametrize("sq,sk,hq,hkv,causal", ORDERED_CASES)
+def test_deterministic_dq_in_turns(sq, sk, hq, hkv, causal, d, monkeypatch):
+    """deterministic=True with the kernel adding dQ itself, each key block in its turn per query block
+    (config.ordered_dq; the default at head dim 256, asked for here at 192 too): bitwise equal over three runs and
+    within the rule; the other path (dQ from bwd_dq_kernel, the default at 192) within the rule on the same inputs,
+    dK and dV bitwise equal to it."""
+    q, k, v, dout, o, lse = problem(2, sq, sk, hq, hkv, d, "bf16", causal, key=("ordered",))
+    monkeypatch.setattr(config, "BWD_SM90_SPLIT_ORDERED", (d,))
+    monkeypatch.setattr(_families, "_selected", {})
+    monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
+    assert config.ordered_dq(config.backward_kernel_config(d, "bf16", causal, True, _compile.device_arch()))
+    runs = []
+    for _ in range(3):
+        poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+        runs.append([g.copy() for g in cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal,
+                                                                  deterministic=True)])
+    what = f"D={d} Sq={sq} Sk={sk} H {hq}/{hkv} causal={causal}"
+    for run in runs[1:]:
+        for name, a, b in zip(("dq", "dk", "dv"), run, runs[0]):
+            assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))), f"{name} repeats not bitwise, {what}"
+    check_backward(runs[0], q, k, v, dout, "bf16", causal, "ordered " + what)
+    monkeypatch.setattr(config, "BWD_SM90_SPLIT_ORDERED", ())
+    monkeypatch.setattr(_families, "_selected", {})
+    monkeypatch.setattr(_plan, "plans", _plan.PlanCache())
+    assert not config.ordered_dq(config.backward_kernel_config(d, "bf16", causal, True, _compile.device_arch()))
+    other = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, deterministic=True)
+    check_backward(other, q, k, v, dout, "bf16", causal, "bwd_dq_kernel " + what)
+    for name, a, b in zip(("dk", "dv"), runs[0][1:], other[1:]):
+        assert bool(cp.array_equal(a.view(cp.uint16), b.view(cp.uint16))), f"{name} differs between the paths, {what}"
