@@ -225,10 +225,14 @@ def test_every_mods_listing_covers_the_lighter_sets():
     assert mask128.cpp_name() in names and mask128.cpp_name() in shipped
     det128 = config.select("backward", 128, "bf16", False, "sm_90a", mods=config.MOD_MASK, deterministic=True)
     assert not config.ordered_dq(det128) and config.dq_config(128, "bf16", False, config.MOD_MASK).cpp_name() in names
-    # the wide-head backward, deterministic: bwd_dq_kernel after it, with each modifier set (its lighter sets spill)
-    split = config.select("backward", 256, "bf16", False, "sm_90a", mods=config.MOD_ALIBI, deterministic=True)
+    # the wide-head backward, deterministic: at head dim 192 bwd_dq_kernel after it, with each modifier set (its lighter
+    # sets spill); at 256 it adds dQ itself in turns (config.BWD_SM90_SPLIT_ORDERED), its ordered kernel listed
+    split = config.select("backward", 192, "bf16", False, "sm_90a", mods=config.MOD_ALIBI, deterministic=True)
     assert isinstance(split, config.BwdSm90SplitConfig) and not config.ordered_dq(split)
-    assert config.dq_config(256, "bf16", False, config.MOD_ALIBI).cpp_name() in names
+    assert config.dq_config(192, "bf16", False, config.MOD_ALIBI).cpp_name() in names
+    split256 = config.select("backward", 256, "bf16", False, "sm_90a", mods=config.MOD_ALIBI, deterministic=True)
+    assert isinstance(split256, config.BwdSm90SplitConfig) and config.ordered_dq(split256)
+    assert split256.cpp_name() in names and split256.cpp_name().endswith(", true>")
     for mods in (0, config.MOD_WINDOW, config.MOD_SOFTCAP | config.MOD_DROPOUT, config.MOD_BLOCKS):
         fwd = config.select("forward", 96, "fp16", False, "sm_90a", mods=mods)
         assert fwd.cpp_name() in names, mods
