@@ -1426,8 +1426,9 @@ def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
 def ordered_dq(main) -> bool:
     """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
     counted in turns (the warp-specialized kernel's bwd_sm90_ws_dq_writer; the float32 / float64 bwd_wide_kernel's
-    and the wide-head bwd_sm90_split_kernel's ORDERED adds), so that no bwd_dq_kernel runs after it. Mirrors BwdSm90WsTraits::ordered_dq: not with a bias or
-    dropout, nor with a mask at head dim 128 (their instantiations spilled with the dQ writer)."""
+    and the wide-head bwd_sm90_split_kernel's ORDERED adds), so that no bwd_dq_kernel runs after it. For the
+    warp-specialized kernel mirrors BwdSm90WsTraits::ordered_dq: not with a bias or dropout, nor with a mask at head
+    dim 128 (their instantiations spilled with the dQ writer)."""
     if isinstance(main, BwdWideConfig):
         return main.deterministic
     if isinstance(main, BwdSm90SplitConfig):

@@ -174,15 +174,16 @@ def test_cuflash_sm90_forward_reads_q_once_and_kv_once_per_block_m(sq, sk, d, ca
 def _bwd_expected(sq, sk, d, causal, deterministic, kernels, b=2, h=3, e=2):
     """cuda/bwd.cuh (main kernel: bwd_sm90.cuh where the tiles have one) by hand, one loop per kernel (no
     analyzer helper): (reads, writes, atomics, peak). Deterministic, bwd_sm90_ws_kernel (no bias or dropout here:
-    its ordered path) and bwd_sm90_split_kernel at head dim 256 add dQ as in the default mode, and per visit 1 to a counter (an int32 per 64 padded rows,
-    zeroed by the preprocess); the other main kernels leave dQ to bwd_dq_kernel."""
+    its ordered path) and bwd_sm90_split_kernel at head dim 256 add dQ as in the default mode, and per visit 1 to a
+    counter (an int32 per 64 padded rows, zeroed by the preprocess); the other main kernels leave dQ to
+    bwd_dq_kernel."""
     hd = config.kernel_head_dim(d)
     bm, bn = _expected_tiles(hd, causal, kernels, backward=True)
     main = config.backward_kernel_config(hd, "fp16", causal, False, kernels=kernels)
     acc_hd = main.head_dim  # dq_accum's columns: the main kernel's (d 32 and 96 run the 64 and 128 kernels)
-    # (the warp-specialized kernel and, at head dim 256, the wide-head split kernel add dQ in turns when deterministic)
-    ordered = deterministic and (isinstance(main, config.BwdSm90WsConfig) or (
-        isinstance(main, config.BwdSm90SplitConfig) and main.head_dim in config.BWD_SM90_SPLIT_ORDERED))
+    # (the deterministic kernel the library picks adds dQ in turns, or leaves it to bwd_dq_kernel)
+    ordered = deterministic and config.ordered_dq(config.backward_kernel_config(hd, "fp16", causal, True,
+                                                                                kernels=kernels))
     adds = not deterministic or ordered  # the main kernel adds dQ into dq_accum
     pad = -(-sq // config.SEQLEN_Q_PAD) * config.SEQLEN_Q_PAD
     turns = pad // 64 * 4 if ordered else 0  # the counters
