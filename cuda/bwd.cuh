@@ -365,10 +365,9 @@ struct QueryBlockCopy {
   const float* vec_gmem;  // lse_log2 or delta + this thread's 4 rows (add the block's first fp32 row)
   u32 vec_smem;           // their offset from smem_base (add the stage's)
   bool has_vec;
-  int first_chunk;        // Tr::ROLLED_QUERY_COPY: this thread's first Q / dO chunk (its index)
 
   __device__ __forceinline__ QueryBlockCopy(const BwdParams& p, int tid)
-      : q(tid, p.q_row_stride), dout(tid, p.do_row_stride), first_chunk(tid) {
+      : q(tid, p.q_row_stride), dout(tid, p.do_row_stride) {
     const bool is_delta = tid >= VEC_CHUNKS;
     const int c = is_delta ? tid - VEC_CHUNKS : tid;
     vec_gmem = (is_delta ? p.delta : p.lse_log2) + c * 4;
@@ -378,9 +377,13 @@ struct QueryBlockCopy {
 };
 
 // Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth). Q_i and
-// dO_i by the threads' TileCopy, or with Tr::ROLLED_QUERY_COPY by a rolled loop over the chunks in panel order:
-// bwd_sm90_split_kernel's 8-chunk fixed-column copies at head dim 256, unrolled, kept their row offsets (loop
-// invariants) in registers across the query loop, and it spilled.
+// dO_i by the threads' TileCopy, or with Tr::ROLLED_QUERY_COPY by a rolled loop over the thread's chunks in panel
+// order (bwd_sm90_split_kernel's 6 or 8 chunks per thread: unrolled, their row offsets, loop invariants, stayed in
+// registers across the query loop, and it spilled). The loop moves the thread's first chunk by whole panels, the
+// chunks of a panel (ROW_COPIES) unrolled at constant row steps: one pointer add per panel. Rolled over the chunk
+// index with each chunk's row, column and swizzled offset derived from it (signed divisions and the XOR), the copy
+// issued ~540 instructions per warp and step at head dim 256 and took 27 % of the kernel's warp time (ncu stall
+// samples, H200, 2026-12-02), the tensor cores idle under it.
 template <class Tr>
 __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage,
                                                      const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
@@ -390,14 +393,34 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
   if constexpr (Tr::ROLLED_QUERY_COPY) {
     using Tile = typename Tr::TileQ;
+    constexpr int T = Tr::THREADS;
+    static_assert(Tile::CHUNKS % T == 0 && Tile::template chunk_steps_exact<T>(), "whole chunk steps");
+    // chunks of a thread per panel (its chunk r of a panel: chunk_rows<T>(r) rows on), and panels moved per step
+    constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > T ? Tile::CHUNKS_PER_PANEL / T : 1;
+    constexpr int STEPS = Tile::CHUNKS / T / ROW_COPIES;
+    constexpr int STEP_COLS = Tile::template chunk_cols<T>(ROW_COPIES);
+    constexpr u32 STEP_SMEM = Tile::template chunk_smem<T>(ROW_COPIES);
+    // this thread's first chunk, chunk tid in panel order (from a fresh read of tid: not kept across the query loop)
+    const u32 tid = static_cast<u32>(tid_x_reread());
+    const int row0 = (tid % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
+    int col = (tid / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (tid % Tile::PANEL_CHUNKS) * 8;
+    u32 off = Tile::offset(row0, col);
+    const u16* q = qb.q + static_cast<long long>(row0) * p.q_row_stride + col;
+    const u16* dout = qb.dout + static_cast<long long>(row0) * p.do_row_stride + col;
 #pragma unroll 1
-    for (int idx = copy.first_chunk; idx < Tile::CHUNKS; idx += Tr::THREADS) {
-      int row, col;
-      Tile::panel_order(idx, row, col);
-      const bool valid = row < rows && col < p.head_dim;
-      const u32 off = Tile::offset(row, col);
-      cp_async_cg_16(q_smem + off, valid ? qb.q + row * p.q_row_stride + col : qb.q, valid);
-      cp_async_cg_16(do_smem + off, valid ? qb.dout + row * p.do_row_stride + col : qb.dout, valid);
+    for (int i = 0; i < STEPS; ++i) {
+#pragma unroll
+      for (int r = 0; r < ROW_COPIES; ++r) {
+        const int row_step = Tile::template chunk_rows<T>(r);
+        const bool valid = row0 + row_step < rows && col < p.head_dim;
+        const u32 soff = off + Tile::template chunk_smem<T>(r);
+        cp_async_cg_16(q_smem + soff, valid ? q + row_step * p.q_row_stride : qb.q, valid);
+        cp_async_cg_16(do_smem + soff, valid ? dout + row_step * p.do_row_stride : qb.dout, valid);
+      }
+      q += STEP_COLS;
+      dout += STEP_COLS;
+      off += STEP_SMEM;
+      col += STEP_COLS;
     }
   } else {
     copy.q.load(q_smem, qb.q, p.q_row_stride, rows, p.head_dim);

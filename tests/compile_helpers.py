@@ -37,3 +37,25 @@ def opcode_counter(text: str):
     """A function counting the SASS instructions whose opcode starts with a prefix."""
     ops = opcodes(text)
     return lambda prefix: sum(1 for o in ops if o.startswith(prefix))
+
+
+_LABEL = re.compile(r"^\s*(\.L_x_\d+):")
+_BRANCH = re.compile(r"\bBRA\s+`?\(?(\.L_x_\d+)")
+
+
+def sass_loops(text: str) -> list:
+    """The loops of a SASS listing: for every branch back to a label above it, the opcodes from the label to the
+    branch (nested loops each appear once, inside their outer loop's list as well)."""
+    label_at, lines = {}, []
+    for line in text.splitlines():
+        m = _LABEL.match(line)
+        if m:
+            label_at[m.group(1)] = len(lines)
+        elif _OPCODE.match(line):
+            lines.append(line)
+    loops = []
+    for i, line in enumerate(lines):
+        m = _BRANCH.search(line)
+        if m and label_at.get(m.group(1), i + 1) <= i:
+            loops.append([_OPCODE.match(x).group(1) for x in lines[label_at[m.group(1)]:i + 1]])
+    return loops
