@@ -597,7 +597,9 @@ struct BwdKeyBlock {
   // is_masked: the step needs the band mask (the causal diagonal, a window edge) or this CTA holds the key tail.
   // (bwd_kernel keeps a loop of its own: its step is a template on is_masked, decided after the barrier; through
   // walk its SASS changed.)
-  template <class Step>
+  // LATE_LOADS: the step issues the next step's loads itself, when it calls its fourth argument (bwd_sm90_split_kernel,
+  // after its dK GEMM: the copies then enter the load-store queue ahead of the step's dQ reductions, not behind them).
+  template <bool LATE_LOADS = false, class Step>
   __device__ __forceinline__ void walk(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
                                        QueryBlock<Tr> qb, int left, Step&& step) const {
     const bool is_key_tail = keys < Tr::BLOCK_N;
@@ -608,12 +610,22 @@ struct BwdKeyBlock {
       const bool more = advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
       const int m0 = qb.m_block * Tr::BLOCK_M;
       const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
-      if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
-      cp_async_commit_group();
-      cp_async_wait_group<1>();
+      auto load_next = [&] {
+        if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
+        cp_async_commit_group();
+      };
+      if constexpr (LATE_LOADS) {
+        cp_async_wait_group<0>();  // this step's group (committed by the step before, or load_first)
+      } else {
+        load_next();
+        cp_async_wait_group<1>();
+      }
       fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
       __syncthreads();
-      step(qb, stage, is_masked);
+      if constexpr (LATE_LOADS)
+        step(qb, stage, is_masked, load_next);
+      else
+        step(qb, stage, is_masked);
       __syncthreads();
       if (!more) break;
       stage ^= 1;

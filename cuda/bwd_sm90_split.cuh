@@ -31,8 +31,8 @@
 //   barrier; after the dQ adds a CTA barrier, then thread 0 fences and increments the counter (red.release), as
 //   bwd_wide_kernel's ordered adds: every element of dQ_acc receives its adds in the same order on every run.
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
-// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes. Score
-// modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
+// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes, issued from
+// inside the step (walk's LATE_LOADS; Tr::LOADS_AFTER_DK says where). Score modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
@@ -41,7 +41,8 @@
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
-//   (walk issues the next step's loads into the other stage at the start of the step)
+//   (the step issues the next step's loads into the other stage: after its S^T / dP^T GEMMs are issued at HEAD_DIM
+//   192, after its dK GEMM at 256; that stage's last readers retired before the previous step's last barrier)
 //   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
 //   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
 //   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
@@ -87,6 +88,9 @@ struct BwdSm90SplitTraits {
   static constexpr int SMEM_DS = TileDS::BYTES;
   static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
   static constexpr bool ROLLED_QUERY_COPY = true;  // bwd_load_query_block's rolled copy (unrolled: spills)
+  // where a step issues the next step's loads (walk's LATE_LOADS): under its S^T / dP^T GEMMs (HEAD_DIM 192), or
+  // after its dK GEMM, ahead of its dQ reductions (256): the faster of the two at each head dim (H200, 2026-12-02)
+  static constexpr bool LOADS_AFTER_DK = HEAD_DIM == 256;
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = SMEM_KV;
   static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
@@ -108,13 +112,13 @@ struct BwdSm90SplitTraits {
 };
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
-template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS>
+template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS, class LoadNext>
 __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked, int turn,
                                                       const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                       const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
                                                       int stage, int m_block, int n0, long long vec_row, int wg,
                                                       int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
-                                                      float (&dv_acc)[Tr::DKV_TILES][4]) {
+                                                      float (&dv_acc)[Tr::DKV_TILES][4], LoadNext&& load_next) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
   // a second P^T (undropped, times the softcap's derivative) for dS^T, in the dS^T tile
@@ -144,6 +148,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
           /*scale_d=*/kk > 0);
     wgmma_commit_group();
   }
+  if (!Tr::LOADS_AFTER_DK) load_next();  // the next step's Q, dO, lse_log2, delta into the other stage
   u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
   if (Mods::HAS_DROPOUT && wg == 0) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<0>();
@@ -230,6 +235,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         dk_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_DS, 0, kk * 16),
         Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
   wgmma_commit_group();
+  if (Tr::LOADS_AFTER_DK) load_next();
   if (!ADDS_DQ) {  // dQ comes from bwd_dq_kernel instead
     wgmma_wait_group<0>();
     wgmma_fence_operand(dv_acc);
@@ -313,13 +319,14 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
-  kb.walk(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage, bool is_masked) {
+  kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage,
+                                                                          bool is_masked, auto&& load_next) {
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads);
     const int turn = ORDERED ? kb.dq_turn(qb.m_block, kb.n0 / Tr::BLOCK_N, kb.last_key_block(), kb.dq_reach()) : 0;
     bwd_split_query_block<Tr, IS_CAUSAL, !IS_DETERMINISTIC || ORDERED, ORDERED, MODS>(
         p, is_masked, turn, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
-        dk_acc, dv_acc);
+        dk_acc, dv_acc, load_next);
   });
 
   // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's
