@@ -593,12 +593,14 @@ struct BwdKeyBlock {
 
   // The query loop of a synchronous wgmma K/V-outer kernel (bwd_sm90_kernel, bwd_sm90_split_kernel): the steps
   // from qb (first_step; `left` positions) in order, each first issuing the next step's loads into the other stage
-  // (one cp.async group) and waiting for its own, then step(qb, stage, is_masked) between two CTA barriers.
+  // (one cp.async group; with LATE_LOADS the step issues them, below) and waiting for its own, then
+  // step(qb, stage, is_masked) between two CTA barriers.
   // is_masked: the step needs the band mask (the causal diagonal, a window edge) or this CTA holds the key tail.
   // (bwd_kernel keeps a loop of its own: its step is a template on is_masked, decided after the barrier; through
   // walk its SASS changed.)
-  // LATE_LOADS: the step issues the next step's loads itself, when it calls its fourth argument (bwd_sm90_split_kernel,
-  // after its dK GEMM: the copies then enter the load-store queue ahead of the step's dQ reductions, not behind them).
+  // LATE_LOADS: the step issues the next step's loads itself, when it calls its fourth argument, and the next step
+  // waits for all of them (bwd_sm90_split_kernel, at the point its traits name: at head dim 256 after its dK GEMM, so
+  // that the copies enter the load-store path ahead of the step's dQ reds, not behind the last step's).
   template <bool LATE_LOADS = false, class Step>
   __device__ __forceinline__ void walk(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
                                        QueryBlock<Tr> qb, int left, Step&& step) const {

@@ -32,7 +32,8 @@
 //   bwd_wide_kernel's ordered adds: every element of dQ_acc receives its adds in the same order on every run.
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
 // BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes, issued from
-// inside the step (walk's LATE_LOADS; Tr::LOADS_AFTER_DK says where). Score modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
+// inside the step (walk's LATE_LOADS; Tr::LOADS_AFTER_DK says where). Score modifiers: window, ALiBi, soft-capping,
+// dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
