@@ -49,7 +49,8 @@ struct SmemTile {
   // Panel-order copies of at most 4 chunks per thread (and the same count for every thread) are fully
   // unrolled: a rolled `idx += THREADS` loop cost the d64 Hopper backward (64-byte panels, 2 and 4 chunks
   // per thread) 46 % more instructions and ~20 % of its speed (H100, 2026-11-22). Longer copies (d96,
-  // d192, d256 tiles: 6-16 chunks per thread) stay rolled: unrolled, their addresses spilled.
+  // d192, d256 tiles: 6-16 chunks per thread) stay rolled, over panel steps (load_tile_async): unrolled, their
+  // addresses spilled.
   template <int THREADS>
   static constexpr bool panel_order_unrolled() {
     return CHUNKS % THREADS == 0 && CHUNKS / THREADS <= 4;
@@ -150,6 +151,34 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
                        valid ? src + Tile::template chunk_rows<THREADS>(i) * row_stride + Tile::template chunk_cols<THREADS>(i)
                              : tile_gmem,
                        valid);
+      }
+    } else if constexpr (Tile::CHUNKS % THREADS == 0 && Tile::template chunk_steps_exact<THREADS>()) {
+      // rolled over panel steps: the thread's chunks of a panel (ROW_COPIES, at constant row steps) unrolled, and
+      // the loop moves the first of them by whole panels (STEP_COLS columns, STEP_SMEM bytes), so a chunk costs a
+      // few instructions; rolled over the chunk index with each chunk's row, column and swizzled offset derived
+      // anew, a copy took ~40 instructions per cp.async (and the same code in bwd_sm90_split_kernel's Q / dO copy
+      // 27 % of its time: ncu, H200, 2026-12-02). Unrolled whole, the row offsets of these 6-16 chunks spilled.
+      constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
+      constexpr int STEPS = Tile::CHUNKS / THREADS / ROW_COPIES;
+      constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
+      constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
+      const u32 t = static_cast<u32>(tid);  // unsigned: the divisions below are shifts
+      const int row0 = (t % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
+      int col = (t / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (t % Tile::PANEL_CHUNKS) * 8;
+      u32 dst = tile_smem + Tile::offset(row0, col);
+      const u16* src = tile_gmem + row0 * row_stride + col;
+#pragma unroll 1
+      for (int i = 0; i < STEPS; ++i) {
+#pragma unroll
+        for (int r = 0; r < ROW_COPIES; ++r) {
+          const int row_step = Tile::template chunk_rows<THREADS>(r);
+          const bool valid = row0 + row_step < rows_valid && col < cols_valid;
+          cp_async_cg_16(dst + Tile::template chunk_smem<THREADS>(r), valid ? src + row_step * row_stride : tile_gmem,
+                         valid);
+        }
+        src += STEP_COLS;
+        dst += STEP_SMEM;
+        col += STEP_COLS;
       }
     } else {
       for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {

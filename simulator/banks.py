@@ -335,16 +335,40 @@ def panel_order_unrolled(threads: int, rows: int, tile_cols: int) -> bool:
     return n_chunks % threads == 0 and n_chunks // threads <= 4
 
 
+def panel_steps(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> int | None:
+    """The trip count of load_tile_async's loop over panel steps (cuda/tiles.cuh), or None where the copy does not
+    take that loop: a panel-order copy of more than 4 chunks per thread, the same for every thread, whose chunk steps
+    are exact (SmemTile::chunk_steps_exact: the threads cover a whole number of panel rows of 8-row periods, and
+    either divide a panel's chunks or are a multiple of them). Each step issues the thread's chunks of
+    threads-worth of panel rows (ROW_COPIES, unrolled), so the loop runs CHUNKS / THREADS / ROW_COPIES times."""
+    pc = _config.panel_cols(tile_cols) if panel_cols is None else panel_cols
+    panel_chunks = pc // _config.CHUNK_ELEMS
+    chunks_per_panel = rows * panel_chunks
+    n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
+    if (fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols)
+            or n_chunks % threads):
+        return None
+    if not ((threads % chunks_per_panel == 0 or chunks_per_panel % threads == 0)
+            and threads % (8 * panel_chunks) == 0):
+        return None
+    row_copies = chunks_per_panel // threads if chunks_per_panel > threads else 1
+    return n_chunks // threads // row_copies
+
+
 def copy_code_blocks(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> np.ndarray | None:
     """Basic blocks with LDGSTS that each warp executes for one load_tile_async, or None when the copy
     is straight-line code (fixed_column, or a short panel-order copy that is fully unrolled: it shares
-    one block with the copies next to it). The rolled panel-order loop `for (idx = tid; idx < CHUNKS;
-    idx += THREADS)` has a per-thread trip count T; ptxas unrolls it by 4 with the remainder first: T % 4
-    single-copy blocks and T // 4 four-copy blocks, and a warp runs a block when any of its threads does
-    (checked against the SASS of every validated instantiation, CUDA 13.0 and 13.5). Returns [warp]
+    one block with the copies next to it). The loop over panel steps (panel_steps) is one block per
+    step. The rolled panel-order loop of the other copies, `for (idx = tid; idx < CHUNKS; idx += THREADS)`,
+    has a per-thread trip count T; ptxas unrolls it by 4 with the remainder first: T % 4 single-copy
+    blocks and T // 4 four-copy blocks, and a warp runs a block when any of its threads does (both
+    checked against the SASS of every validated instantiation, NVRTC 13.0 and 13.5). Returns [warp]
     counts. panel_cols: the tile's panel width when not the default (bwd_sm90_kernel at HEAD_DIM 64)."""
     if fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols):
         return None
+    steps = panel_steps(threads, rows, tile_cols, panel_cols)
+    if steps is not None:
+        return np.full(threads // WARP, steps, dtype=np.int64)
     n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
     tid = np.arange(threads).reshape(threads // WARP, WARP)
     trips = np.maximum(n_chunks - tid + threads - 1, 0) // threads

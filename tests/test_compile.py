@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from cuflash import _compile, config
-from cuflash.config import bwd_sm90_config, fwd_config, fwd_sm90_config
-from compile_helpers import nvrtc_or_skip
+from cuflash.config import bwd_sm90_config, dq_config, fwd_config, fwd_sm90_config
+from compile_helpers import nvrtc_or_skip, sass_loops, sass_or_skip
 
 
 
@@ -33,6 +33,33 @@ def test_representative_kernels_compile_without_spills(cfg, arch):
     spills = (res["spill_stores"], res["spill_loads"], res["stack"])
     assert spills == (0, 0, 0), f"{cfg} on {arch} spills (stores, loads, stack) = {spills}\n{compiled.log}"
     assert res["static_smem"] + cfg.smem_bytes <= 227 * 1024
+
+
+# tiles of more than 4 chunks per thread in panel order: fwd_kernel's K / V (every key step on sm_80) and bwd_dq_kernel's
+ROLLED_COPIES = [
+    (fwd_config(96, "bf16", False, "sm_80"), "sm_80"),
+    (fwd_config(256, "bf16", True, "sm_80"), "sm_80"),
+    (dq_config(192, "bf16", False), "sm_90a"),
+    (dq_config(256, "bf16", True), "sm_80"),
+]
+
+
+@pytest.mark.parametrize("cfg,arch", ROLLED_COPIES, ids=lambda x: x if isinstance(x, str) else
+                         f"{type(x).__name__}-d{x.head_dim}-{'causal' if x.causal else 'full'}")
+def test_rolled_tile_copies_step_by_panels(cfg, arch):
+    """load_tile_async's long panel-order copies loop over panel steps: a few instructions per cp.async (rolled
+    over the chunk index, each chunk's row, column and swizzle derived anew, they took 38-46), and one basic block,
+    so one set of the 3 predicated-off LDS the analyzer counts (banks.copy_code_blocks), per step."""
+    nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
+    text = sass_or_skip(compiled.cubin)
+    copies = [loop for loop in sass_loops(text) if "LDGSTS.E.BYPASS.128" in loop and len(loop) < 200]
+    assert copies, "no copy loop"
+    for loop in copies:
+        per_copy = len(loop) / loop.count("LDGSTS.E.BYPASS.128")
+        assert per_copy <= 12, (per_copy, loop)
+        assert loop.count("LDS") == 3 and loop[-1] == "BRA", loop
+    assert compiled.resources["spill_stores"] == 0 and compiled.resources["spill_loads"] == 0
 
 
 @pytest.fixture

@@ -118,14 +118,16 @@ def test_walk_bands_follow_the_panel_width(hd, two_lines):
 def test_copy_code_blocks_mirror_the_sass():
     """The basic blocks with LDGSTS per warp, as in the SASS of the kernels (nvcc 13.0 / NVRTC 13.5,
     sm_90a): fixed-column copies and short panel-order copies (<= 4 chunks per thread, unrolled) are
-    straight-line (None); longer panel-order loops run T % 4 + T // 4 blocks."""
+    straight-line (None); longer panel-order copies loop over panel steps, a block per step, and where
+    their steps are not exact run T % 4 + T // 4 blocks."""
     assert banks.copy_code_blocks(128, 128, 64) is None  # fwd d64 Q
     assert banks.copy_code_blocks(256, 32, 64) is None  # bwd d64 Q (32 rows, 8 chunks: one per thread)
     assert banks.copy_code_blocks(256, 128, 64, 32) is None  # bwd_sm90 d64 K over 64-byte panels: 4 unrolled
     assert banks.copy_code_blocks(256, 64, 64, 32) is None  # ... Q: 2 unrolled
-    assert banks.copy_code_blocks(128, 64, 256).tolist() == [4] * 4  # fwd d256 Q: T = 16
-    assert banks.copy_code_blocks(128, 32, 256).tolist() == [2] * 4  # fwd d256 K: T = 8
-    assert banks.copy_code_blocks(256, 128, 96).tolist() == [3] * 8  # fwd d96 Q: T = 6 -> 2 + 1
+    assert banks.copy_code_blocks(128, 64, 256).tolist() == [4] * 4  # fwd d256 Q: 16 chunks, 4 steps of 4 rows
+    assert banks.copy_code_blocks(128, 32, 256).tolist() == [4] * 4  # fwd d256 K: 8 chunks, 4 steps of 2 rows
+    assert banks.copy_code_blocks(256, 128, 96).tolist() == [3] * 8  # fwd d96 Q: 6 chunks, 3 steps of 2 rows
+    assert banks.copy_code_blocks(128, 64, 192).tolist() == [3] * 4  # bwd_dq d192 K: 12 chunks, 3 steps of 4 rows
     assert banks.copy_code_blocks(256, 64, 96) is None  # d96 K: T = 3, unrolled
     # uneven trip counts: a warp runs a block when any of its threads does
     assert banks.copy_code_blocks(64, 8, 96).tolist() == [2, 1]  # 96 chunks: T = 2 for tid < 32, else 1

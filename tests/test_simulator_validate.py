@@ -610,6 +610,12 @@ H100_2026_11_22 = {
     "fwd_kernel | b2 h8 N1024 d256 fp16": (421_888, 2_162_688),
     "fwd_kernel | b4 h8 N512 d32 fp16": (14_336, 118_784),
 }
+# targets whose kernel changed after that run, measured again (ncu 2025.3.1, NVIDIA H200, 2026-12-02, the section
+# "fwd_kernel (H200, 2026-12-02)" of docs/IO_VALIDATION.md): fwd_kernel's K / V copies at d256 loop over panel steps
+# since then, one block of 3 predicated-off LDS per step (4 steps of 2 rows, where the chunk loop ran 2 blocks of 4)
+REMEASURED = {
+    "fwd_kernel | b2 h8 N1024 d256 fp16": (815_104, 2_162_688),
+}
 
 
 def test_the_h100_calibration_covers_the_mma_targets():
@@ -621,8 +627,9 @@ def test_the_h100_calibration_covers_the_mma_targets():
                          ids=lambda t: t.name)
 def test_predictions_meet_the_h100_measurements(target):
     """Shared load instructions = LDS + 3 predicated-off LDS per cp.async basic block (no LDSM): exact.
-    cp.async wavefronts: inside the band; a point (exact) where every phase reads one global line."""
-    shared_ld, ldgsts = H100_2026_11_22[target.name]
+    cp.async wavefronts: inside the band; a point (exact) where every phase reads one global line. Targets whose
+    kernel changed after that run are compared with their new measurement (REMEASURED)."""
+    shared_ld, ldgsts = REMEASURED.get(target.name, H100_2026_11_22[target.name])
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
     assert pred["smsp__inst_executed_op_shared_ld.sum"][0] == shared_ld
     band = pred["smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum"][0]
