@@ -28,8 +28,10 @@
 //   blocks that have added into the query block; thread 0 waits (ld.acquire) until it equals this CTA's turn
 //   (bwd.cuh ordered_dq_turn: ascending key blocks, or with causal or a window descending from the highest key block
 //   that sees the query block, the grid then launched last-first) under warpgroup 1's dS^T, before the dS^T
-//   barrier; after the dQ adds a CTA barrier, then thread 0 fences and increments the counter (red.release), as
-//   bwd_wide_kernel's ordered adds: every element of dQ_acc receives its adds in the same order on every run.
+//   barrier; after the step's closing CTA barrier (every thread's adds issued) thread 0 fences and increments the
+//   counter (red.release), as bwd_wide_kernel's ordered adds, but in the next step, under its S^T GEMM (after the
+//   last step, at the kernel's end), so that neither the fence's wait for the adds nor an extra barrier stalls the
+//   CTA: every element of dQ_acc receives its adds in the same order on every run.
 // Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
 // BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes, issued from
 // inside the step (walk's LATE_LOADS; Tr::LOADS_AFTER_DK says where). Score modifiers: window, ALiBi, soft-capping,
@@ -37,7 +39,7 @@
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
-// [keep bits: one word per thread of warpgroup 0]
+// [keep bits: one word per thread of warpgroup 0] [deterministic: the dQ counter thread 0 releases next, 16 bytes]
 // 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
@@ -101,7 +103,8 @@ struct BwdSm90SplitTraits {
   static constexpr int OFF_LSE = OFF_P + SMEM_DS;          // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_KEEP = OFF_LSE + 4 * SMEM_ROWVEC;  // dropout's keep bits (u32 per thread of warpgroup 0)
-  static constexpr int SMEM_BYTES = OFF_KEEP + 128 * 4 + 1024;  // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
+  static constexpr int OFF_RELEASE = OFF_KEEP + 128 * 4;      // deterministic: the dQ counter to release (thread 0)
+  static constexpr int SMEM_BYTES = OFF_RELEASE + 16 + 1024;  // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
 
   static_assert(HEAD_DIM == 192 || HEAD_DIM == 256, "head dims 192 and 256 (narrower ones: bwd_sm90_kernel)");
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
@@ -148,6 +151,17 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
           acc, Tr::TileKV::desc_k_major(a_smem, 0, kk * 16), Tr::TileQ::desc_k_major(b_smem, 0, kk * 16),
           /*scale_d=*/kk > 0);
     wgmma_commit_group();
+  }
+  // ORDERED: the last step's dQ adds (issued before the barrier that ended it) released to the next key block, under
+  // this step's GEMM: thread 0's fence waits for them to reach the L2, here while the tensor cores work, not at the
+  // end of the last step with the CTA waiting at a barrier behind it
+  if (ORDERED && threadIdx.x == 0) {
+    const int release = ld_shared_s32(smem_base + Tr::OFF_RELEASE);
+    if (release >= 0) {
+      fence_acq_rel_gpu();
+      red_release_gpu_add(p.dq_turns + release, 1);
+    }
+    st_shared_s32(smem_base + Tr::OFF_RELEASE, static_cast<int>(vec_row / 64));  // this step's, for the next
   }
   if (!Tr::LOADS_AFTER_DK) load_next();  // the next step's Q, dO, lse_log2, delta into the other stage
   u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
@@ -276,13 +290,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
       red_add_v4_f32(dst + dt * 128 * 4, dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
   }
-  if (ORDERED) {  // every thread's adds are issued (the barrier): the next key block's turn
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      fence_acq_rel_gpu();
-      red_release_gpu_add(p.dq_turns + vec_row / 64, 1);
-    }
-  }
+  // (ORDERED: the next step releases these adds, or the kernel after its last step)
 }
 
 // ORDERED (deterministic only): dQ added here in a fixed order of key blocks (the file comment), else a deterministic
@@ -320,6 +328,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
 #pragma unroll
     for (int c = 0; c < 4; ++c) dk_acc[dt][c] = dv_acc[dt][c] = 0.f;
 
+  // ORDERED: the dq_turns counter of the last step's query block, released by the next step (thread 0's word of
+  // shared memory: a register across the query loop spilled the heaviest kernel)
+  if (ORDERED && threadIdx.x == 0) st_shared_s32(smem_base + Tr::OFF_RELEASE, -1);
   kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage,
                                                                           bool is_masked, auto&& load_next) {
     ScoreMods<MODS> mods;
@@ -329,6 +340,11 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
         p, is_masked, turn, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
         dk_acc, dv_acc, load_next);
   });
+  // ORDERED: the last step's adds (issued before walk's last barrier) to the next key block
+  if (ORDERED && threadIdx.x == 0) {
+    fence_acq_rel_gpu();
+    red_release_gpu_add(p.dq_turns + ld_shared_s32(smem_base + Tr::OFF_RELEASE), 1);
+  }
 
   // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's
   // columns), then 16-byte stores

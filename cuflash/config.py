@@ -1316,8 +1316,8 @@ class BwdSm90SplitConfig:
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
         # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread
-        # of warpgroup 0), + 1024 to align the base
-        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 1024
+        # of warpgroup 0), the deterministic mode's counter word (16 bytes), + 1024 to align the base
+        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 1024
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)
