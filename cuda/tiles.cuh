@@ -152,14 +152,18 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
                              : tile_gmem,
                        valid);
       }
-    } else if constexpr (Tile::CHUNKS % THREADS == 0 && Tile::template chunk_steps_exact<THREADS>()) {
+    } else if constexpr (Tile::template chunk_steps_exact<THREADS>() &&
+                         (Tile::CHUNKS % THREADS == 0 || THREADS % Tile::CHUNKS_PER_PANEL == 0)) {
       // rolled over panel steps: the thread's chunks of a panel (ROW_COPIES, at constant row steps) unrolled, and
       // the loop moves the first of them by whole panels (STEP_COLS columns, STEP_SMEM bytes), so a chunk costs a
       // few instructions; rolled over the chunk index with each chunk's row, column and swizzled offset derived
       // anew, a copy took ~40 instructions per cp.async (and the same code in bwd_sm90_split_kernel's Q / dO copy
       // 27 % of its time: ncu, H200, 2026-12-02). Unrolled whole, the row offsets of these 6-16 chunks spilled.
+      // Where the threads cover whole panels per step but not the tile evenly (32 x 96 over 256 threads: 3 panels,
+      // 2 per step), the last step's threads past the last panel copy nothing.
       constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
-      constexpr int STEPS = Tile::CHUNKS / THREADS / ROW_COPIES;
+      constexpr int STEPS = (Tile::CHUNKS / ROW_COPIES + THREADS - 1) / THREADS;
+      constexpr bool EVEN = Tile::CHUNKS % (THREADS * ROW_COPIES) == 0;
       constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
       constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
       const u32 t = static_cast<u32>(tid);  // unsigned: the divisions below are shifts
@@ -169,6 +173,7 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
       const u16* src = tile_gmem + row0 * row_stride + col;
 #pragma unroll 1
       for (int i = 0; i < STEPS; ++i) {
+        if (!EVEN && col >= Tile::HEAD_DIM) break;  // (uneven: the last step, past the last panel)
 #pragma unroll
         for (int r = 0; r < ROW_COPIES; ++r) {
           const int row_step = Tile::template chunk_rows<THREADS>(r);

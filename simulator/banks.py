@@ -337,22 +337,25 @@ def panel_order_unrolled(threads: int, rows: int, tile_cols: int) -> bool:
 
 def panel_steps(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> int | None:
     """The trip count of load_tile_async's loop over panel steps (cuda/tiles.cuh), or None where the copy does not
-    take that loop: a panel-order copy of more than 4 chunks per thread, the same for every thread, whose chunk steps
-    are exact (SmemTile::chunk_steps_exact: the threads cover a whole number of panel rows of 8-row periods, and
-    either divide a panel's chunks or are a multiple of them). Each step issues the thread's chunks of
-    threads-worth of panel rows (ROW_COPIES, unrolled), so the loop runs CHUNKS / THREADS / ROW_COPIES times."""
+    take that loop: a panel-order copy of more than 4 chunks per thread whose chunk steps are exact
+    (SmemTile::chunk_steps_exact: the threads cover a whole number of panel rows of 8-row periods, and either divide
+    a panel's chunks or are a multiple of them), the same count for every thread or whole panels per step. Each step
+    issues the thread's chunks of threads-worth of panel rows (ROW_COPIES, unrolled), so the loop runs
+    ceil(CHUNKS / ROW_COPIES / THREADS) times; where that does not divide, the last step's threads past the last
+    panel leave the loop."""
     pc = _config.panel_cols(tile_cols) if panel_cols is None else panel_cols
     panel_chunks = pc // _config.CHUNK_ELEMS
     chunks_per_panel = rows * panel_chunks
     n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
-    if (fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols)
-            or n_chunks % threads):
+    if fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols):
         return None
     if not ((threads % chunks_per_panel == 0 or chunks_per_panel % threads == 0)
             and threads % (8 * panel_chunks) == 0):
         return None
+    if n_chunks % threads and threads % chunks_per_panel:
+        return None
     row_copies = chunks_per_panel // threads if chunks_per_panel > threads else 1
-    return n_chunks // threads // row_copies
+    return -(-n_chunks // row_copies // threads)
 
 
 def copy_code_blocks(threads: int, rows: int, tile_cols: int, panel_cols: int | None = None) -> np.ndarray | None:
@@ -367,11 +370,11 @@ def copy_code_blocks(threads: int, rows: int, tile_cols: int, panel_cols: int | 
     if fixed_column(threads, rows, tile_cols, panel_cols) or panel_order_unrolled(threads, rows, tile_cols):
         return None
     steps = panel_steps(threads, rows, tile_cols, panel_cols)
-    if steps is not None:
-        return np.full(threads // WARP, steps, dtype=np.int64)
     n_chunks = rows * (tile_cols // _config.CHUNK_ELEMS)
     tid = np.arange(threads).reshape(threads // WARP, WARP)
     trips = np.maximum(n_chunks - tid + threads - 1, 0) // threads
+    if steps is not None:  # a warp runs the steps where any of its threads has a chunk (an uneven copy's last)
+        return np.full(threads // WARP, steps, dtype=np.int64) if n_chunks % threads == 0 else trips.max(axis=1)
     return (trips % 4).max(axis=1) + (trips // 4).max(axis=1)
 
 

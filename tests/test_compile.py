@@ -39,17 +39,19 @@ def test_representative_kernels_compile_without_spills(cfg, arch):
 ROLLED_COPIES = [
     (fwd_config(96, "bf16", False, "sm_80"), "sm_80"),
     (fwd_config(256, "bf16", True, "sm_80"), "sm_80"),
+    (fwd_config(96, "bf16", False, "sm_80", mods=63), "sm_80"),  # 32-key tiles over 256 threads: 1.5 chunks each
     (dq_config(192, "bf16", False), "sm_90a"),
     (dq_config(256, "bf16", True), "sm_80"),
 ]
 
 
 @pytest.mark.parametrize("cfg,arch", ROLLED_COPIES, ids=lambda x: x if isinstance(x, str) else
-                         f"{type(x).__name__}-d{x.head_dim}-{'causal' if x.causal else 'full'}")
+                         f"{type(x).__name__}-d{x.head_dim}-{'causal' if x.causal else 'full'}-mods{x.mods}")
 def test_rolled_tile_copies_step_by_panels(cfg, arch):
-    """load_tile_async's long panel-order copies loop over panel steps: a few instructions per cp.async (rolled
-    over the chunk index, each chunk's row, column and swizzle derived anew, they took 38-46), and one basic block,
-    so one set of the 3 predicated-off LDS the analyzer counts (banks.copy_code_blocks), per step."""
+    """load_tile_async's long panel-order copies loop over panel steps, also where the threads do not divide the
+    tile evenly: a few instructions per cp.async (rolled over the chunk index, each chunk's row, column and swizzle
+    derived anew, they took 38-46), and one basic block, so one set of the 3 predicated-off LDS the analyzer counts
+    (banks.copy_code_blocks), per step."""
     nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
     text = sass_or_skip(compiled.cubin)
@@ -57,7 +59,7 @@ def test_rolled_tile_copies_step_by_panels(cfg, arch):
     assert copies, "no copy loop"
     for loop in copies:
         per_copy = len(loop) / loop.count("LDGSTS.E.BYPASS.128")
-        assert per_copy <= 12, (per_copy, loop)
+        assert per_copy <= 16, (per_copy, loop)  # (8-11; an uneven copy's loop, with its exit test, 15)
         assert loop.count("LDS") == 3 and loop[-1] == "BRA", loop
     assert compiled.resources["spill_stores"] == 0 and compiled.resources["spill_loads"] == 0
 

@@ -131,6 +131,9 @@ def test_copy_code_blocks_mirror_the_sass():
     assert banks.copy_code_blocks(256, 64, 96) is None  # d96 K: T = 3, unrolled
     # uneven trip counts: a warp runs a block when any of its threads does
     assert banks.copy_code_blocks(64, 8, 96).tolist() == [2, 1]  # 96 chunks: T = 2 for tid < 32, else 1
+    # (both loops over panel steps: 3 panels of 32 over 64 threads, 2 per step; 32 x 96 over 256 threads, fwd d96
+    # with modifiers: the last step's second half of the threads leaves the loop)
+    assert banks.copy_code_blocks(256, 32, 96).tolist() == [2] * 4 + [1] * 4
     assert banks.copy_code_blocks(64, 10, 96).tolist() == [2, 2]  # 120 chunks: T = 2 for tid < 56
     vec = ("guarded", np.array([True, False, False, False]))
     per_warp = banks.guard_lds_per_warp(128, [(128, 64), (64, 64), vec, (64, 64), (64, 256)])
