@@ -250,22 +250,25 @@ def equal_values(a, b) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool((a == b).all())
 
 
-def float32_kernels_run(precision, d, causal, bits, sk) -> None:
-    """On sm_90a (wgmma kernels on) the forward and both backward kernels of this call are the TF32 ones."""
+def float32_kernels_run(precision, d, causal, bits, sk) -> bool:
+    """On sm_90a (wgmma kernels on) the forward and both backward kernels of this call are the TF32 ones (True);
+    elsewhere, or with CUFLASH_KERNELS=mma, the mma.sync float32 kernels run (False)."""
     arch = _launch.device_arch(cp.cuda.Device().id)
     if arch != "sm_90a" or config.KERNELS == "mma":
-        return
+        return False
     hd = config.kernel_head_dim(d, precision)
     fwd = config.select("forward", hd, precision, causal, arch, mods=bits, seqlen_k=sk)
     bwd = config.select("backward", hd, precision, causal, arch, mods=bits)
     assert isinstance(fwd, config.FwdSm90Tf32Config) and isinstance(bwd, config.BwdSm90Tf32Config), (fwd, bwd)
+    return True
 
 
 def compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, *, causal=False, window=None, alibi=False,
                     bias=False, block=(64, 64), keep=0.3, partial=0.3):
     """float32 (precision "fp32": 3xTF32, "tf32": one pass): the plain-mask call by the float32 rule against the
     float64 reference (tests/test_gpu_wide.py), then the BlockMask call, forward and backward, equal to it value for
-    value (the TF32 kernels are deterministic without a broadcast dbias)."""
+    value (the TF32 kernels are deterministic without a broadcast dbias; the mma.sync float32 backward adds dQ with
+    atomics in the default mode, so where it runs both backward calls are deterministic=True)."""
     from test_gpu_mods import mods_kwargs
     from test_gpu_wide import check_grads, check_outputs, references
 
@@ -282,7 +285,7 @@ def compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, *, causal=Fals
         kw["bias"] = cp.asarray(np.random.default_rng(seed + 5).standard_normal((b, hq, sq, sk)), dtype=cp.float32)
     bits = (config.MOD_MASK | (config.MOD_WINDOW if window is not None else 0) | (config.MOD_ALIBI if alibi else 0)
             | (config.MOD_BIAS if bias else 0))
-    float32_kernels_run(precision, d, causal, bits, sk)
+    det = not float32_kernels_run(precision, d, causal, bits, sk)
     what = (f"{precision} B={b} Sq={sq} Sk={sk} H={hq}/{hkv} D={d} mask={mask_shape} block={block} keep={keep} "
             f"causal={causal} window={window} alibi={alibi} bias={bias}")
     poison_pool(round_up(q.nbytes) + round_up(b * hq * sq * 8))
@@ -292,7 +295,8 @@ def compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, *, causal=Fals
     check_outputs(precision, o, lse, refs, what, lambda x: x.transpose(0, 2, 1, 3))
     grad_kw = dict(kw, dbias=True) if bias else kw
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
-    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, precision=precision, mask=m, **grad_kw)
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, precision=precision, mask=m,
+                                       deterministic=det, **grad_kw)
     check_grads(precision, grads, (q, k, v), refs, what, lambda x: x.transpose(0, 2, 1, 3), bias=kw.get("bias"))
 
     bm = cuflash.BlockMask(m)
@@ -302,7 +306,7 @@ def compare_float32(precision, b, sq, sk, hq, hkv, d, mask_shape, *, causal=Fals
     assert equal_values(lse_bm, lse), f"lse with a BlockMask differs: {what}"
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
     grads_bm = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal, precision=precision, mask=bm,
-                                          **grad_kw)
+                                          deterministic=det, **grad_kw)
     for name, x, y in zip(("dq", "dk", "dv", "dbias"), grads, grads_bm):
         assert equal_values(y, x), f"{name} with a BlockMask differs: {what}"
 
@@ -348,7 +352,9 @@ def test_float32_empty_tiles_are_not_read(precision, d):
     v_nan[:, 384:768] = cp.nan
     k[:, 384:768] = 0
     v[:, 384:768] = 0
-    float32_kernels_run(precision, d, False, config.MOD_MASK, sk)
+    if not float32_kernels_run(precision, d, False, config.MOD_MASK, sk):
+        pytest.skip("float32's mma.sync kernels (off Hopper, CUFLASH_KERNELS=mma) read every tile of a BlockMask "
+                    "(README); skipping empty tiles is the TF32 kernels' property")
     bm = cuflash.BlockMask(m)
     o, lse = cuflash.attention_forward(q, k, v, precision=precision, mask=bm)
     o_nan, lse_nan = cuflash.attention_forward(q, k_nan, v_nan, precision=precision, mask=bm)
@@ -370,8 +376,10 @@ def test_float32_varlen_with_a_blockmask():
     o, lse = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=m)
     o_bm, lse_bm = cuflash.attention_varlen_forward(q, k, v, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
     assert equal_values(o_bm, o) and equal_values(lse_bm, lse)
-    g = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=m)
-    g_bm = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=cuflash.BlockMask(m))
+    det = not float32_kernels_run("fp32", 64, False, config.MOD_MASK, 700)  # (mma.sync: dQ by atomics)
+    g = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=m, deterministic=det)
+    g_bm = cuflash.attention_varlen_backward(dout, q, k, v, o, lse, cu, cu, 700, 700, mask=cuflash.BlockMask(m),
+                                             deterministic=det)
     for name, x, y in zip(("dq", "dk", "dv"), g, g_bm):
         assert equal_values(y, x), f"{name} with a BlockMask differs (varlen)"
 
