@@ -175,12 +175,14 @@ __device__ __forceinline__ const u16* kv_tile_gmem(const FwdParams& p, const u16
 }
 
 // The rows of a paged decode cache's key tile that straddles pages (a page size or a first row that is not a
-// multiple of the tile's rows): row(r) is cache row key0 + r, for load_tile_rows_async. The tile's pages are looked
-// up once per warp, lane l loading entry first + l of the sequence's block-table row (a tile of ROWS rows spans at
-// most ROWS / 16 + 1 pages of 16 rows or more), and a row takes its page from that lane by a shuffle, its page and
-// row in the page found by at most ROWS / 16 subtractions from the tile's first row, with no division and no load.
-// (A division and a block-table load before each 16-byte copy made 16- and 48-row pages decode 2.5-2.8x slower
-// than 64-row ones.) Every lane of the warp must call row() equally often, as load_tile_rows_async does.
+// multiple of the tile's rows), for load_tile_rows_async: cache rows key0 + r. The tile's pages are looked up once
+// per warp, lane l loading entry first + l of the sequence's block-table row (a tile of ROWS rows spans at most
+// ROWS / 16 + 1 pages of 16 rows or more), and a row takes its page from that lane by a shuffle. rows() gives a
+// cursor over the K and V caches (their rows share pages) that keeps a row's place in its page and its page's lane:
+// seek() walks from the tile's first row by subtractions (at most ROWS / 16), advance<STEP>() by at most STEP / 16
+// of them, with no division and no load. (A division and a block-table load before each 16-byte copy made 16- and 48-row pages
+// decode 2.5-2.8x slower than 64-row ones.) Every lane of the warp must call ptr() equally often, as
+// load_tile_rows_async does.
 template <int ROWS>
 struct PagedTileRows {
   static_assert(ROWS / 16 + 1 <= 32, "a tile's pages are one per lane");
@@ -190,17 +192,44 @@ struct PagedTileRows {
     const int* table = p.block_table + static_cast<long long>(batch) * p.block_table_stride;
     const int first = key0 / page_size, last = (key0 + rows_valid - 1) / page_size;
     start = key0 - first * page_size;
-    my_page = first + lane <= last ? table[first + lane] : 0;
+    my_page = first + lane <= last ? table[first + lane] : 0;  // (page 0 past the tile's pages: valid memory)
   }
-  __device__ __forceinline__ const u16* row(const u16* cache_gmem, long long row_stride, long long page_stride,
-                                            int r) const {
-    int in_page = start + r, idx = 0;  // < ROWS + page_size: at most ROWS / 16 steps
-    while (in_page >= page_size) {
-      in_page -= page_size;
-      ++idx;
+  struct Cursor {  // K and V: tiles 0 and 1
+    static constexpr int TILES = 2;
+    static constexpr bool IN_BOUNDS = true;  // every row, valid or not, lies in a page of the cache
+    const u16* my_base[2];  // this lane's page of each cache
+    long long row_stride[2];
+    int page_size, in_page, idx;  // the row within its page, the page's lane
+    __device__ __forceinline__ void seek(int r) {  // r < ROWS: at most ROWS / 16 steps
+      idx = 0;
+      while (in_page + r >= page_size) {
+        r -= page_size;
+        ++idx;
+      }
+      in_page += r;
     }
-    const int page = __shfl_sync(0xffffffffu, my_page, idx);
-    return cache_gmem + page * page_stride + in_page * row_stride;
+    template <int STEP>
+    __device__ __forceinline__ void advance() {  // pages hold 16 rows or more
+      in_page += STEP;
+#pragma unroll
+      for (int k = 0; k < (STEP + 15) / 16; ++k)
+        if (in_page >= page_size) {
+          in_page -= page_size;
+          ++idx;
+        }
+    }
+    __device__ __forceinline__ const u16* ptr(int j) const {
+      const u64 base = reinterpret_cast<u64>(my_base[j]);
+      const u32 lo = __shfl_sync(0xffffffffu, static_cast<u32>(base), idx);
+      const u32 hi = __shfl_sync(0xffffffffu, static_cast<u32>(base >> 32), idx);
+      return reinterpret_cast<const u16*>((static_cast<u64>(hi) << 32) | lo) +
+             static_cast<u32>(in_page) * row_stride[j];
+    }
+  };
+  // a cursor over the K and V caches, from the tile's first row
+  __device__ __forceinline__ Cursor rows(const FwdParams& p, const u16* k_cache, const u16* v_cache) const {
+    return Cursor{{k_cache + my_page * p.k_page_stride, v_cache + my_page * p.v_page_stride},
+                  {p.k_row_stride, p.v_row_stride}, page_size, start, 0};
   }
 };
 
@@ -449,44 +478,49 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
 
   // prologue: Q and the first (last-indexed) K/V tile in one cp.async group
   int n_block = n_end - 1;
-  if (IS_DECODE && rows_per_pos > 1) {  // row r: position r / rows_per_pos, query head of the group r % rows_per_pos
-    const u16* q_pos0 = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride +
-                        static_cast<long long>(head) * rows_per_pos * p.q_head_stride;
-    load_tile_rows_async<typename Tr::TileQ, Tr::THREADS>(
-        q_smem,
-        [&](int r) {
-          const int row = row0 + r;
-          return q_pos0 + static_cast<long long>(row / rows_per_pos) * p.q_row_stride + (row % rows_per_pos) * p.q_head_stride;
-        },
-        rows_q, p.head_dim, tid);
-  } else {
-    load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
+  bool q_gathered = false;
+  if constexpr (IS_DECODE) {  // (a constexpr branch: prefill tiles need not suit load_tile_rows_async)
+    if (rows_per_pos > 1) {  // row r: position r / rows_per_pos, query head of the group r % rows_per_pos
+      const u16* q_pos0 = p.q + batch * p.q_batch_stride + static_cast<long long>(seq.q_row0) * p.q_row_stride +
+                          static_cast<long long>(head) * rows_per_pos * p.q_head_stride;
+      RowFnCursor q_rows([&](int r) {
+        const int row = row0 + r;
+        return q_pos0 + static_cast<long long>(row / rows_per_pos) * p.q_row_stride +
+               (row % rows_per_pos) * p.q_head_stride;
+      });
+      load_tile_rows_async<typename Tr::TileQ, Tr::THREADS>(q_smem, 0, q_rows, q_pos0, rows_q, p.head_dim, tid);
+      q_gathered = true;
+    }
   }
+  if (!q_gathered)
+    load_tile_async<typename Tr::TileQ, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
   // paged decode: a tile lies in one page unless the page size or the first row (leftpad) cuts it
   const bool is_gather = IS_DECODE && p.block_table != nullptr &&
                          (p.page_size % Tr::BLOCK_N != 0 || seq.k_row0 % Tr::BLOCK_N != 0);
   // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
   auto load_kv = [&](int stage, int n, int rows) {
-    if (IS_DECODE && is_gather) {
-      static_assert(!IS_DECODE || Tr::TileKV::CHUNKS % Tr::THREADS == 0,
-                    "every lane copies as many chunks (PagedTileRows)");
-      const PagedTileRows<Tr::BLOCK_N> pages(p, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
-      load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
-          k_smem0 + stage * Tr::SMEM_KV, [&](int r) { return pages.row(k_cache, p.k_row_stride, p.k_page_stride, r); },
-          rows, p.head_dim, tid);
-      load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(
-          v_smem0 + stage * Tr::SMEM_KV, [&](int r) { return pages.row(v_cache, p.v_row_stride, p.v_page_stride, r); },
-          rows, p.head_dim, tid);
-      return;
+    if constexpr (IS_DECODE) {
+      if (is_gather) {
+        const PagedTileRows<Tr::BLOCK_N> pages(p, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
+        auto kv_rows = pages.rows(p, k_cache, v_cache);
+        load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + stage * Tr::SMEM_KV, v_smem0 - k_smem0, kv_rows,
+                                                               k_cache, rows, p.head_dim, tid);
+        return;
+      }
+    }
+    long long k_stride = p.k_row_stride, v_stride = p.v_row_stride;
+    if constexpr (IS_DECODE) {  // opaque here: the chunks' row offsets are not kept across the key loop
+      asm volatile("" : "+l"(k_stride));
+      asm volatile("" : "+l"(v_stride));
     }
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         k_smem0 + stage * Tr::SMEM_KV,
-        kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, p.k_row_stride, p.k_page_stride, batch, seq.k_row0, n),
-        p.k_row_stride, rows, p.head_dim, tid);
+        kv_tile_gmem<Tr, IS_DECODE>(p, k_gmem, k_cache, k_stride, p.k_page_stride, batch, seq.k_row0, n),
+        k_stride, rows, p.head_dim, tid);
     load_tile_async<typename Tr::TileKV, Tr::THREADS>(
         v_smem0 + stage * Tr::SMEM_KV,
-        kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, p.v_row_stride, p.v_page_stride, batch, seq.k_row0, n),
-        p.v_row_stride, rows, p.head_dim, tid);
+        kv_tile_gmem<Tr, IS_DECODE>(p, v_gmem, v_cache, v_stride, p.v_page_stride, batch, seq.k_row0, n),
+        v_stride, rows, p.head_dim, tid);
   };
   load_kv(0, n_block, seq.len_k - n_block * Tr::BLOCK_N);
   cp_async_commit_group();

@@ -274,22 +274,69 @@ struct TileCopy {
   }
 };
 
-// The same copy for a tile whose rows are not evenly spaced in global memory: row r starts at
-// row_ptr(r) (the decode kernel's Q tile, whose rows are (position, query head) pairs; a paged cache's key tile that
-// straddles pages). Chunks in panel order; invalid chunks are zero-filled and read nothing (row_ptr(0) is only a
-// placeholder address). Every thread calls row_ptr once per chunk, valid or not, so row_ptr may shuffle within the
-// warp when CHUNKS is a multiple of THREADS (every lane then runs the loop as often).
-template <class Tile, int THREADS, class RowPtr>
-__device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, RowPtr row_ptr, int rows_valid, int cols_valid,
-                                                     int tid) {
-  for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
-    int row, col;
-    Tile::panel_order(idx, row, col);
-    const bool valid = row < rows_valid && col < cols_valid;
-    const u16* src = row_ptr(valid ? row : 0);
-    cp_async_cg_16(tile_smem + Tile::offset(row, col), valid ? src + col : src, valid);
+// The same copy for tiles whose rows are not evenly spaced in global memory (the decode kernel's Q tile, whose rows
+// are (position, query head) pairs; a paged cache's K and V tiles that straddle pages). A thread's chunks are those
+// of the panel-step copy above: ROW_COPIES rows at constant row steps from its first, and in each row STEPS chunks
+// whole panels apart, so it asks `rows` for one row pointer per row, not per chunk (per chunk, with the chunk's row
+// and column derived anew, a copy took 63-77 instructions per cp.async and 16-row pages decoded 1.6-1.9x slower
+// than 64-row ones). `rows` is a cursor over Rows::TILES tiles of the same rows (K and V), the shared-memory tile j
+// at tile_smem + j * tile_step: seek(row) once, advance<STEP>() to the next of the thread's rows, ptr(j) the row's
+// first element in tile j; every lane of the warp calls each of them equally often (a cursor may shuffle), the rows
+// past rows_valid included. Chunks outside rows_valid x cols_valid are zero-filled and read nothing: the row's
+// first element stands in (Rows::IN_BOUNDS: every row, valid or not, is readable), else `placeholder`.
+template <class Tile, int THREADS, class Rows>
+__device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, u32 tile_step, Rows& rows, const u16* placeholder,
+                                                     int rows_valid, int cols_valid, int tid) {
+  static_assert(Tile::template chunk_steps_exact<THREADS>() && Tile::CHUNKS % THREADS == 0,
+                "power-of-two steps, and as many chunks for every lane");
+  constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
+  constexpr int STEPS = Tile::CHUNKS / (ROW_COPIES * THREADS);
+  static_assert(STEPS * ROW_COPIES * THREADS == Tile::CHUNKS, "every thread copies whole rows of steps");
+  constexpr int ROW_STEP = Tile::template chunk_rows<THREADS>(1);  // (used only when ROW_COPIES > 1)
+  constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
+  constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
+  const u32 t = static_cast<u32>(tid);
+  int row = (t % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
+  const int col = (t / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (t % Tile::PANEL_CHUNKS) * 8;
+  u32 dst = tile_smem + Tile::offset(row, col);
+  rows.seek(row);
+#pragma unroll 1
+  for (int r = 0; r < ROW_COPIES; ++r) {
+    const bool row_ok = row < rows_valid;
+#pragma unroll
+    for (int j = 0; j < Rows::TILES; ++j) {
+      const u16* src = rows.ptr(j);
+#pragma unroll
+      for (int s = 0; s < STEPS; ++s) {
+        const bool valid = row_ok && col + s * STEP_COLS < cols_valid;
+        const u32 to = dst + j * tile_step + s * STEP_SMEM;
+        if constexpr (Rows::IN_BOUNDS)
+          cp_async_cg_16(to, src + (valid ? col + s * STEP_COLS : 0), valid);
+        else
+          cp_async_cg_16(to, valid ? src + col + s * STEP_COLS : placeholder, valid);
+      }
+    }
+    if (ROW_COPIES > 1) {
+      rows.template advance<ROW_STEP>();
+      row += ROW_STEP;
+      dst += ROW_STEP * Tile::PANEL_BYTES;  // a multiple of 8 rows: the swizzle is the same
+    }
   }
 }
+
+// A row cursor for load_tile_rows_async over the rows of one tile given by a function: ptr(0) is row_ptr(row).
+template <class RowPtr>
+struct RowFnCursor {
+  static constexpr int TILES = 1;
+  static constexpr bool IN_BOUNDS = false;  // rows past rows_valid may point anywhere
+  RowPtr row_ptr;
+  int row;
+  __device__ __forceinline__ explicit RowFnCursor(RowPtr f) : row_ptr(f), row(0) {}
+  __device__ __forceinline__ void seek(int r) { row = r; }
+  template <int STEP>
+  __device__ __forceinline__ void advance() { row += STEP; }
+  __device__ __forceinline__ const u16* ptr(int) const { return row_ptr(row); }
+};
 
 // Tile from shared memory to global memory, 16 bytes per thread and instruction, valid part only.
 template <class Tile, int THREADS>

@@ -64,6 +64,32 @@ def test_rolled_tile_copies_step_by_panels(cfg, arch):
     assert compiled.resources["spill_stores"] == 0 and compiled.resources["spill_loads"] == 0
 
 
+# the decode kernel at every head dim, with its heaviest modifier set: its row gathers (the GQA-packed Q tile, a paged
+# cache's tiles that straddle pages) and the dense K / V copies of its key loop
+DECODE_GATHERS = [(config.fwd_decode_config(d, "bf16", False, config.MODS_DECODE_CHECKED[False][0]), arch)
+                  for d in sorted(config.DECODE_TILES) for arch in ("sm_80", "sm_90a")]
+
+
+@pytest.mark.parametrize("cfg,arch", DECODE_GATHERS, ids=lambda x: x if isinstance(x, str) else f"d{x.head_dim}")
+def test_decode_row_gathers_take_one_row_pointer_per_row(cfg, arch):
+    """load_tile_rows_async asks its cursor for one pointer per row of the thread and copies the row's chunks from
+    it, K's and V's together: 9-20 instructions per cp.async for a paged tile's rows, up to 45 for the Q tile's (a
+    division by the GQA group size per row). A pointer and a row lookup per 16-byte chunk cost 63-77, and 16- and 48-row pages decoded 1.7-1.9x slower than 64-row ones on an H200 (1.00-1.24x
+    since). Spill-free: once the gather got cheaper, ptxas kept the dense copies' row offsets across the key loop and
+    spilled 28-68 bytes at head dim 128, until the row stride was made opaque at each copy (cuda/fwd.cuh)."""
+    nvrtc_or_skip()
+    compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
+    text = sass_or_skip(compiled.cubin)
+    copies = lambda loop: sum(op.startswith("LDGSTS") for op in loop)  # (sm_80 also takes the .ZFILL form)
+    gathers = [loop for loop in sass_loops(text) if copies(loop) and len(loop) < 200]
+    assert gathers, "no row-gather loop"  # (at head dim 96 a K / V tile's thread copies one row: no loop)
+    for loop in gathers:
+        per_copy = len(loop) / copies(loop)
+        q_tile = "IMAD.HI.U32" in loop  # the Q tile's rows: a division by the group size
+        assert per_copy <= (45 if q_tile else 24), (per_copy, loop)
+    assert compiled.resources["spill_stores"] == 0 and compiled.resources["spill_loads"] == 0
+
+
 @pytest.fixture
 def private_sources(tmp_path, monkeypatch):
     """A copy of cuda/ that the test may edit, and an empty cache directory, both under tmp_path."""
