@@ -180,8 +180,8 @@ __device__ __forceinline__ const u16* kv_tile_gmem(const FwdParams& p, const u16
 // ROWS / 16 + 1 pages of 16 rows or more), and a row takes its page from that lane by a shuffle. rows() gives a
 // cursor over the K and V caches (their rows share pages) that keeps a row's place in its page and its page's lane:
 // seek() walks from the tile's first row by subtractions (at most ROWS / 16), advance<STEP>() by at most STEP / 16
-// of them, with no division and no load. (A division and a block-table load before each 16-byte copy made 16- and 48-row pages
-// decode 2.5-2.8x slower than 64-row ones.) Every lane of the warp must call ptr() equally often, as
+// of them, with no division and no load. (A division and a block-table load before each 16-byte copy made 16- and
+// 48-row pages decode 2.5-2.8x slower than 64-row ones.) Every lane of the warp must call ptr() equally often, as
 // load_tile_rows_async does.
 template <int ROWS>
 struct PagedTileRows {

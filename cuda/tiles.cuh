@@ -130,6 +130,27 @@ struct SmemTile {
   }
 };
 
+// The panel-step order of a tile copy by THREADS threads (load_tile_async's rolled copies, load_tile_rows_async): a
+// thread's chunks are ROW_COPIES rows ROW_STEP apart in one panel, their columns in that panel, then STEPS such groups
+// whole panels apart (STEP_COLS columns, STEP_SMEM bytes in shared memory); first_row / first_col: its first chunk.
+// The chunks are those of panel order (chunk tid + i * THREADS), so a warp's copy instruction writes what panel
+// order's does. EVEN: every thread has STEPS groups (else the last step's threads past the last panel have none).
+template <class Tile, int THREADS>
+struct PanelSteps {
+  static_assert(Tile::template chunk_steps_exact<THREADS>(), "chunk_rows / chunk_cols need power-of-two sizes");
+  static constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
+  static constexpr int STEPS = (Tile::CHUNKS / ROW_COPIES + THREADS - 1) / THREADS;
+  static constexpr bool EVEN = Tile::CHUNKS % (THREADS * ROW_COPIES) == 0;
+  static constexpr int ROW_STEP = Tile::template chunk_rows<THREADS>(1);  // (meaningful when ROW_COPIES > 1)
+  static constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
+  static constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
+  // (t unsigned: the divisions are shifts)
+  static __device__ __forceinline__ int first_row(u32 t) { return (t % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS; }
+  static __device__ __forceinline__ int first_col(u32 t) {
+    return (t / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (t % Tile::PANEL_CHUNKS) * 8;
+  }
+};
+
 // Tile [ROWS, HEAD_DIM] from global memory (row r at gmem + r * row_stride) into shared memory,
 // 16 bytes per cp.async. Rows >= rows_valid and columns >= cols_valid are zero-filled without a
 // read, so a tail tile holds zeros (never NaN garbage that 0 * x would turn into NaN).
@@ -161,29 +182,24 @@ __device__ __forceinline__ void load_tile_async(u32 tile_smem, const u16* tile_g
       // 27 % of its time: ncu, H200, 2026-12-02). Unrolled whole, the row offsets of these 6-16 chunks spilled.
       // Where the threads cover whole panels per step but not the tile evenly (32 x 96 over 256 threads: 3 panels,
       // 2 per step), the last step's threads past the last panel copy nothing.
-      constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
-      constexpr int STEPS = (Tile::CHUNKS / ROW_COPIES + THREADS - 1) / THREADS;
-      constexpr bool EVEN = Tile::CHUNKS % (THREADS * ROW_COPIES) == 0;
-      constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
-      constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
-      const u32 t = static_cast<u32>(tid);  // unsigned: the divisions below are shifts
-      const int row0 = (t % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
-      int col = (t / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (t % Tile::PANEL_CHUNKS) * 8;
+      using PS = PanelSteps<Tile, THREADS>;
+      const int row0 = PS::first_row(static_cast<u32>(tid));
+      int col = PS::first_col(static_cast<u32>(tid));
       u32 dst = tile_smem + Tile::offset(row0, col);
       const u16* src = tile_gmem + row0 * row_stride + col;
 #pragma unroll 1
-      for (int i = 0; i < STEPS; ++i) {
-        if (!EVEN && col >= Tile::HEAD_DIM) break;  // (uneven: the last step, past the last panel)
+      for (int i = 0; i < PS::STEPS; ++i) {
+        if (!PS::EVEN && col >= Tile::HEAD_DIM) break;  // (uneven: the last step, past the last panel)
 #pragma unroll
-        for (int r = 0; r < ROW_COPIES; ++r) {
+        for (int r = 0; r < PS::ROW_COPIES; ++r) {
           const int row_step = Tile::template chunk_rows<THREADS>(r);
           const bool valid = row0 + row_step < rows_valid && col < cols_valid;
           cp_async_cg_16(dst + Tile::template chunk_smem<THREADS>(r), valid ? src + row_step * row_stride : tile_gmem,
                          valid);
         }
-        src += STEP_COLS;
-        dst += STEP_SMEM;
-        col += STEP_COLS;
+        src += PS::STEP_COLS;
+        dst += PS::STEP_SMEM;
+        col += PS::STEP_COLS;
       }
     } else {
       for (int idx = tid; idx < Tile::CHUNKS; idx += THREADS) {
@@ -275,9 +291,9 @@ struct TileCopy {
 };
 
 // The same copy for tiles whose rows are not evenly spaced in global memory (the decode kernel's Q tile, whose rows
-// are (position, query head) pairs; a paged cache's K and V tiles that straddle pages). A thread's chunks are those
-// of the panel-step copy above: ROW_COPIES rows at constant row steps from its first, and in each row STEPS chunks
-// whole panels apart, so it asks `rows` for one row pointer per row, not per chunk (per chunk, with the chunk's row
+// are (position, query head) pairs; a paged cache's K and V tiles that straddle pages). A thread's chunks are in
+// PanelSteps order: ROW_COPIES rows at constant row steps from its first, and in each row STEPS chunks whole panels
+// apart, so it asks `rows` for one row pointer per row, not per chunk (per chunk, with the chunk's row
 // and column derived anew, a copy took 63-77 instructions per cp.async and 16-row pages decoded 1.6-1.9x slower
 // than 64-row ones). `rows` is a cursor over Rows::TILES tiles of the same rows (K and V), the shared-memory tile j
 // at tile_smem + j * tile_step: seek(row) once, advance<STEP>() to the next of the thread's rows, ptr(j) the row's
@@ -287,39 +303,32 @@ struct TileCopy {
 template <class Tile, int THREADS, class Rows>
 __device__ __forceinline__ void load_tile_rows_async(u32 tile_smem, u32 tile_step, Rows& rows, const u16* placeholder,
                                                      int rows_valid, int cols_valid, int tid) {
-  static_assert(Tile::template chunk_steps_exact<THREADS>() && Tile::CHUNKS % THREADS == 0,
-                "power-of-two steps, and as many chunks for every lane");
-  constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > THREADS ? Tile::CHUNKS_PER_PANEL / THREADS : 1;
-  constexpr int STEPS = Tile::CHUNKS / (ROW_COPIES * THREADS);
-  static_assert(STEPS * ROW_COPIES * THREADS == Tile::CHUNKS, "every thread copies whole rows of steps");
-  constexpr int ROW_STEP = Tile::template chunk_rows<THREADS>(1);  // (used only when ROW_COPIES > 1)
-  constexpr int STEP_COLS = Tile::template chunk_cols<THREADS>(ROW_COPIES);
-  constexpr u32 STEP_SMEM = Tile::template chunk_smem<THREADS>(ROW_COPIES);
-  const u32 t = static_cast<u32>(tid);
-  int row = (t % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
-  const int col = (t / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (t % Tile::PANEL_CHUNKS) * 8;
+  using PS = PanelSteps<Tile, THREADS>;
+  static_assert(PS::EVEN, "every lane copies as many chunks (a cursor may shuffle)");
+  int row = PS::first_row(static_cast<u32>(tid));
+  const int col = PS::first_col(static_cast<u32>(tid));
   u32 dst = tile_smem + Tile::offset(row, col);
   rows.seek(row);
 #pragma unroll 1
-  for (int r = 0; r < ROW_COPIES; ++r) {
+  for (int r = 0; r < PS::ROW_COPIES; ++r) {
     const bool row_ok = row < rows_valid;
 #pragma unroll
     for (int j = 0; j < Rows::TILES; ++j) {
       const u16* src = rows.ptr(j);
 #pragma unroll
-      for (int s = 0; s < STEPS; ++s) {
-        const bool valid = row_ok && col + s * STEP_COLS < cols_valid;
-        const u32 to = dst + j * tile_step + s * STEP_SMEM;
+      for (int s = 0; s < PS::STEPS; ++s) {
+        const bool valid = row_ok && col + s * PS::STEP_COLS < cols_valid;
+        const u32 to = dst + j * tile_step + s * PS::STEP_SMEM;
         if constexpr (Rows::IN_BOUNDS)
-          cp_async_cg_16(to, src + (valid ? col + s * STEP_COLS : 0), valid);
+          cp_async_cg_16(to, src + (valid ? col + s * PS::STEP_COLS : 0), valid);
         else
-          cp_async_cg_16(to, valid ? src + col + s * STEP_COLS : placeholder, valid);
+          cp_async_cg_16(to, valid ? src + col + s * PS::STEP_COLS : placeholder, valid);
       }
     }
-    if (ROW_COPIES > 1) {
-      rows.template advance<ROW_STEP>();
-      row += ROW_STEP;
-      dst += ROW_STEP * Tile::PANEL_BYTES;  // a multiple of 8 rows: the swizzle is the same
+    if (PS::ROW_COPIES > 1) {
+      rows.template advance<PS::ROW_STEP>();
+      row += PS::ROW_STEP;
+      dst += PS::ROW_STEP * Tile::PANEL_BYTES;  // a multiple of 8 rows: the swizzle is the same
     }
   }
 }

@@ -74,8 +74,8 @@ DECODE_GATHERS = [(config.fwd_decode_config(d, "bf16", False, config.MODS_DECODE
 def test_decode_row_gathers_take_one_row_pointer_per_row(cfg, arch):
     """load_tile_rows_async asks its cursor for one pointer per row of the thread and copies the row's chunks from
     it, K's and V's together: 9-20 instructions per cp.async for a paged tile's rows, up to 45 for the Q tile's (a
-    division by the GQA group size per row). A pointer and a row lookup per 16-byte chunk cost 63-77, and 16- and 48-row pages decoded 1.7-1.9x slower than 64-row ones on an H200 (1.00-1.24x
-    since). Spill-free: once the gather got cheaper, ptxas kept the dense copies' row offsets across the key loop and
+    division by the GQA group size per row). A pointer and a row lookup per 16-byte chunk cost 63-77, and 16- and
+    48-row pages decoded 1.6-1.9x slower than a dense cache on an H200 (1.01-1.24x since). Spill-free: once the gather got cheaper, ptxas kept the dense copies' row offsets across the key loop and
     spilled 28-68 bytes at head dim 128, until the row stride was made opaque at each copy (cuda/fwd.cuh)."""
     nvrtc_or_skip()
     compiled = _compile.compile_kernel(cfg.cpp_name(), arch)
