@@ -3,7 +3,7 @@
 // One CTA computes O and lse for BLOCK_M query rows of one (batch, head). Each warp owns WARP_ROWS
 // of those rows and keeps their O accumulator in registers for the whole key loop, so O is written
 // to global memory exactly once. K/V tiles stream through a cp.async pipeline of Tr::STAGES buffers
-// (STAGES - 1 tiles in flight; every shipped kernel double-buffers: config.DECODE_STAGES says why).
+// (STAGES - 1 tiles in flight; the prefill kernels double-buffer, the decode kernels take config.DECODE_STAGES).
 // Sequences may be dense or packed (varlen), and K/V may have fewer heads than Q (GQA); seqs.cuh.
 //
 // IS_DECODE (attention_with_kvcache) adds what decoding needs, at run time:

@@ -226,7 +226,7 @@ DECODE_TILES = {
 # while another is used is not what limits a decode launch there. On an H200 (2026-11-29) 3 and 4 stages at one
 # CTA per SM were no faster either (B=1 32k 45.6 / 46.8 us against 44.9), but two CTAs per SM were (41.8 us: the
 # split factor's CTAs per SM, _families.decode_ctas_per_sm).
-DECODE_STAGES = 2
+DECODE_STAGES = {hd: 2 for hd in DECODE_TILES}  # per kernel head dim
 DECODE_PAGE_MULTIPLE = 16
 # The score modifiers of decoding (attention_with_kvcache): the window, ALiBi and the softcap. The compile check
 # builds all of them together (a window carries causal itself, so causal kernels take ALiBi and the softcap).
@@ -234,9 +234,14 @@ MODS_DECODE = MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP
 MODS_DECODE_CHECKED = {False: (MODS_DECODE,), True: (MODS_DECODE & ~MOD_WINDOW,)}
 
 
+def decode_stages(head_dim: int) -> int:
+    """K/V shared-memory stages of the decode kernel at a kernel head dim."""
+    return DECODE_STAGES[head_dim]
+
+
 def fwd_decode_config(head_dim: int, dtype: str, causal: bool, mods: int = 0) -> FwdConfig:
     bm, bn, warps = DECODE_TILES[head_dim]
-    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, stages=DECODE_STAGES, decode=True, mods=mods)
+    return FwdConfig(head_dim, bm, bn, warps, dtype, causal, stages=decode_stages(head_dim), decode=True, mods=mods)
 
 
 @dataclass(frozen=True)
