@@ -166,6 +166,23 @@ __device__ __forceinline__ const u16* kv_tile_gmem(const u16* seq_gmem, long lon
   return seq_gmem + static_cast<long long>(n_block) * Tr::BLOCK_N * row_stride;
 }
 
+// key / page_size for cache rows 0 <= key < 2^31 and page sizes 16 <= d < 2^31: one 32 x 32 -> 64-bit multiply and a
+// shift by a multiplier made once per CTA (a division by a run-time value is ~20 instructions, a MUFU reciprocal
+// among them, and a paged tile's block-table load waits on it). With s = ceil(log2 d) and m = floor(2^(31+s) / d)
+// + 1 = 2^(31+s) / d + e, 0 < e <= 1 (m < 2^32 as 2^s < 2d), key * m / 2^(31+s) exceeds key / d by key e / 2^(31+s)
+// < 1 / d, so the floor is key / d's (tests/test_compile.py checks the formula against integer division).
+struct PageDivisor {
+  u32 mul;
+  int shift;
+  __device__ __forceinline__ PageDivisor() : mul(0), shift(0) {}
+  __device__ __forceinline__ explicit PageDivisor(int d) : shift(31 + 32 - __clz(d - 1)) {
+    mul = static_cast<u32>((1ull << shift) / static_cast<u32>(d)) + 1u;
+  }
+  __device__ __forceinline__ int div(int key) const {
+    return static_cast<int>((static_cast<u64>(static_cast<u32>(key)) * mul) >> shift);
+  }
+};
+
 // The rows of a paged decode cache's key tile that straddles pages (a page size or a first row that is not a
 // multiple of the tile's rows), for load_tile_rows_async: cache rows key0 + r. The tile's pages are looked up once
 // per warp, lane l loading entry first + l of the sequence's block-table row (a tile of ROWS rows spans at most
@@ -179,10 +196,11 @@ template <int ROWS>
 struct PagedTileRows {
   static_assert(ROWS / 16 + 1 <= 32, "a tile's pages are one per lane");
   int start, page_size, my_page;  // start: the tile's first row within its first page
-  __device__ __forceinline__ PagedTileRows(const FwdParams& p, int batch, int key0, int rows_valid, int lane)
+  __device__ __forceinline__ PagedTileRows(const FwdParams& p, const PageDivisor& pages, int batch, int key0,
+                                           int rows_valid, int lane)
       : page_size(p.page_size) {
     const int* table = p.block_table + static_cast<long long>(batch) * p.block_table_stride;
-    const int first = key0 / page_size, last = (key0 + rows_valid - 1) / page_size;
+    const int first = pages.div(key0), last = pages.div(key0 + rows_valid - 1);
     start = key0 - first * page_size;
     my_page = first + lane <= last ? table[first + lane] : 0;  // (page 0 past the tile's pages: valid memory)
   }
@@ -489,12 +507,14 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
   // paged decode: a tile lies in one page unless the page size or the first row (leftpad) cuts it
   const bool is_gather = IS_DECODE && p.block_table != nullptr &&
                          (p.page_size % Tr::BLOCK_N != 0 || seq.k_row0 % Tr::BLOCK_N != 0);
+  PageDivisor pages;  // paged decode: key / page_size
+  if (IS_DECODE && p.block_table != nullptr) pages = PageDivisor(p.page_size);
   // key tile n's K and V into stage `stage` of the pipeline; rows: the tile's valid keys (BLOCK_N but at the tail)
   auto load_kv = [&](int stage, int n, int rows) {
     if constexpr (IS_DECODE) {
       if (is_gather) {
-        const PagedTileRows<Tr::BLOCK_N> pages(p, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
-        auto kv_rows = pages.rows(p, k_cache, v_cache);
+        const PagedTileRows<Tr::BLOCK_N> tile_pages(p, pages, batch, seq.k_row0 + n * Tr::BLOCK_N, rows, lane);
+        auto kv_rows = tile_pages.rows(p, k_cache, v_cache);
         load_tile_rows_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + stage * Tr::SMEM_KV, v_smem0 - k_smem0, kv_rows,
                                                                k_cache, rows, p.head_dim, tid);
         return;
@@ -511,8 +531,9 @@ __global__ void __launch_bounds__(Tr::THREADS, IS_DECODE ? 1 : 0) fwd_kernel(con
       // 64- and 256-row pages decoded 1.11-1.20x a dense cache's time at head dims 32 and 64 on an H200, 1.05-1.08x
       // since.)
       if (p.block_table != nullptr) {
-        const int key0 = seq.k_row0 + n * Tr::BLOCK_N, in_page = key0 % p.page_size;
-        const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + key0 / p.page_size];
+        const int key0 = seq.k_row0 + n * Tr::BLOCK_N, page_idx = pages.div(key0);
+        const int in_page = key0 - page_idx * p.page_size;
+        const int page = p.block_table[static_cast<long long>(batch) * p.block_table_stride + page_idx];
         load_tile_async<typename Tr::TileKV, Tr::THREADS>(k_smem0 + stage * Tr::SMEM_KV,
                                                           k_cache + page * p.k_page_stride + in_page * k_stride,
                                                           k_stride, rows, p.head_dim, tid);

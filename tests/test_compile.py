@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 
 from cuflash import _compile, config
@@ -356,3 +357,24 @@ def test_sass_check_finds_overwritten_loop_invariant_a_registers():
     in_loop = _sass(load + [".L_x_1:", "F2FP R88, R10, R11", mma, "@!P0 BRA `(.L_x_1)"])
     assert sass_clobbered_a_operands(after) == sass_clobbered_a_operands(carried) == []
     assert sass_clobbered_a_operands(in_loop) == []
+
+
+def test_page_divisor_formula_is_integer_division():
+    """cuda/fwd.cuh PageDivisor: key / d as (key * m) >> (31 + s), s = ceil(log2 d), m = floor(2^(31+s) / d) + 1,
+    for every page size the library takes (multiples of 16) and every key below 2^31: the formula, at the edges of
+    each quotient, at the largest keys and at random ones, against Python's integer division."""
+    src = (_compile.cuda_dir() / "fwd.cuh").read_text()
+    assert "shift(31 + 32 - __clz(d - 1))" in src and "(1ull << shift) / static_cast<u32>(d)) + 1u" in src
+    rng = np.random.default_rng(0)
+    sizes = list(range(16, 4097, 16)) + [16 * 12345, 48 * 1021, 1 << 20, (1 << 31) - 16, 1 << 30]
+    for d in sizes:
+        shift = 31 + (d - 1).bit_length()  # 32 - __clz(d - 1) = bits of d - 1 = ceil(log2 d)
+        mul = (1 << shift) // d + 1
+        assert mul < 1 << 32, d
+        top = (1 << 31) - 1
+        keys = [0, 1, d - 1, d, d + 1, top, top - 1, top - top % d, top - top % d - 1]
+        keys += [int(k) for k in rng.integers(0, 1 << 31, 200)]
+        q = np.arange(0, min(top // d, 3000) + 1, dtype=np.int64)
+        keys += [int(k) for k in np.concatenate([q * d, q * d - 1, q * d + d - 1]) if 0 <= k <= top]
+        bad = [k for k in keys if (k * mul) >> shift != k // d]
+        assert not bad, (d, bad[:5])
