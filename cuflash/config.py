@@ -225,8 +225,13 @@ DECODE_TILES = {
 # more; B=1 128k: 186.0 vs 191.0-196.2; B=8 128k: 1384 vs 1421-1429), so one 32 KB K/V tile in flight per SM
 # while another is used is not what limits a decode launch there. On an H200 (2026-11-29) 3 and 4 stages at one
 # CTA per SM were no faster either (B=1 32k 45.6 / 46.8 us against 44.9), but two CTAs per SM were (41.8 us: the
-# split factor's CTAs per SM, _families.decode_ctas_per_sm).
-DECODE_STAGES = {hd: 2 for hd in DECODE_TILES}  # per kernel head dim
+# split factor's CTAs per SM, _families.decode_ctas_per_sm). At head dims 32, 64 and 96, whose K and V stages are
+# 4-8 KB each and whose arithmetic per tile is short, three stages were faster on an H200 (2026-12-03, two CTAs per
+# SM, B 1 32k / B 8 8k / B 64 1k keys, against two stages in the same process, the kernel of 8df1573): D 32
+# 0.95-0.97x the time on dense caches and 0.96-0.98x on 64-row pages, D 64 0.98-1.00x and 0.97-1.00x, D 96 0.95x
+# and 0.95-0.96x at B 1 and 8 (1.00-1.01x at B 64); 16-row pages 0.97-1.01x; four stages no faster than three. At
+# 128 three stages read 1.01-1.02x, at 256 1.22-1.55x (an earlier build): those keep two.
+DECODE_STAGES = {32: 3, 64: 3, 96: 3, 128: 2, 192: 2, 256: 2}  # per kernel head dim
 DECODE_PAGE_MULTIPLE = 16
 # The score modifiers of decoding (attention_with_kvcache): the window, ALiBi and the softcap. The compile check
 # builds all of them together (a window carries causal itself, so causal kernels take ALiBi and the softcap).
