@@ -682,6 +682,15 @@ MAX_SPLITS = 128  # the merge keeps the lse of 4 x 32 splits in registers: cuda/
 #     243.2, 936.2); deeper pipelines (3 or 4 stages) at one CTA per SM were no faster (44.9-46.8 us at B=1 32k).
 # So from DECODE_TWO_CTAS_GBPS_PER_SM of peak DRAM bandwidth per SM on (between the two), two CTAs per SM.
 DECODE_TWO_CTAS_GBPS_PER_SM = 30.0
+# CTAs of the decode kernel one SM holds at most: the splits above plan waves of one or two CTAs per SM, and a decode
+# kernel whose registers and shared memory would let three share an SM (head dims 32 to 96) is launched with padded
+# shared memory so that two do (_launch._Kernel.at_most). Uncapped, a launch of a wave or more (large batches: no
+# split) ran as 1.3 waves of three CTAs per SM, the last 0.3 at one CTA per SM: on an H200 (2026-12-03, bf16, 32 / 8
+# heads, B 64, 1k / 8k / 32k keys, side by side in one process) capped launches took 0.80-0.98x the time of the
+# same kernels uncapped at head dims 32, 64 and 96 (0.72-0.91x with the 128-key tiles at 32); launches of less than
+# a wave (B 1 and 8) are unchanged. Leaving three and telling the split heuristic so was slower with the shipped tiles:
+# 1.10-1.29x the capped time at B 64 with 1k keys, 0.99-1.14x elsewhere. Not measured on an H100.
+DECODE_MAX_CTAS_PER_SM = 2
 _decode_ctas: dict = {}
 
 
@@ -930,6 +939,7 @@ def decode(p, arrays, cache_seqlens, *, key=None):
         rows_per_pos, grid_heads = (group, m.heads_kv) if group > 1 else (1, m.heads_q)
         hd = kernel_head_dim(m.head_dim)
         cfg, kernel = _kernel("decode", m.device, hd, m.dtype, p.causal, bits)
+        kernel = kernel.at_most(DECODE_MAX_CTAS_PER_SM, m.device)
         row_blocks = -(-m.seqlen_q * rows_per_pos // cfg.block_m)
         splits, work, o_accum, lse_accum, counters = _decode_splits(
             cp, m.device, stream, m, _band_keys(mods, max_len, m.seqlen_q), cfg.block_n,

@@ -158,6 +158,30 @@ class _Kernel:
         return max(1, driver.occupancyMaxActiveBlocksPerMultiprocessor(self.function.ptr, self.threads,
                                                                           self.smem_bytes))
 
+    def at_most(self, ctas_per_sm: int, device_id: int) -> _Kernel:
+        """This kernel launched so that one SM holds at most `ctas_per_sm` of its CTAs: itself when its registers,
+        shared memory and threads already allow no more, else a sibling (the same function) whose launches ask for
+        more dynamic shared memory than they use (capped_smem_bytes), made once per cap."""
+        siblings = self.__dict__.setdefault("_at_most", {})
+        kernel = siblings.get(ctas_per_sm)
+        if kernel is None:
+            kernel = self
+            if self.ctas_per_sm > ctas_per_sm:
+                from cupy.cuda import driver
+
+                smem = capped_smem_bytes(self.smem_bytes, ctas_per_sm, smem_per_sm(device_id),
+                                         reserved_smem_per_cta(device_id))
+                kernel = object.__new__(_Kernel)
+                kernel.module, kernel.function, kernel.threads, kernel.smem_bytes = (
+                    self.module, self.function, self.threads, smem)
+                if smem > max(48 * 1024, self.smem_bytes):
+                    driver.funcSetAttribute(self.function.ptr, _CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem)
+                if kernel.ctas_per_sm > ctas_per_sm:  # the driver's own count: the padding must have worked
+                    raise RuntimeError(f"{ctas_per_sm} CTAs per SM asked for, {kernel.ctas_per_sm} fit with {smem} "
+                                       f"bytes of shared memory each")
+            siblings[ctas_per_sm] = kernel
+        return kernel
+
     def launch(self, grid, params: ctypes.Structure, stream_ptr: int) -> None:
         args = (ctypes.c_void_p * 1)(ctypes.addressof(params))
         _driver().launchKernel(self.function.ptr, grid[0], grid[1], grid[2], self.threads, 1, 1, self.smem_bytes,
@@ -286,6 +310,33 @@ _lock = threading.Lock()
 def device_arch(device_id: int) -> str:
     """NVRTC target of a device ("sm_90a" on an H100), looked up once per device."""
     return _compile.device_arch(device_id)
+
+
+def capped_smem_bytes(smem_bytes: int, ctas_per_sm: int, smem_per_sm: int, reserved_per_cta: int) -> int:
+    """Dynamic shared memory to launch a kernel of `smem_bytes` with, so that an SM of `smem_per_sm` bytes (of which
+    each CTA also takes `reserved_per_cta`) holds at most `ctas_per_sm` of its CTAs: the least that leaves no room
+    for one more, or smem_bytes if that is already more. ValueError if not even `ctas_per_sm` would fit."""
+    if ctas_per_sm < 1 or (smem_bytes + reserved_per_cta) * ctas_per_sm > smem_per_sm:
+        raise ValueError(f"ctas_per_sm={ctas_per_sm} CTAs of {smem_bytes} bytes (+{reserved_per_cta} reserved) do "
+                         f"not fit {smem_per_sm} bytes of shared memory per SM")
+    return max(smem_bytes, smem_per_sm // (ctas_per_sm + 1) - reserved_per_cta + 1)
+
+
+@lru_cache(maxsize=None)
+def smem_per_sm(device_id: int) -> int:
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(runtime.cudaDevAttrMaxSharedMemoryPerMultiprocessor, device_id)
+
+
+_CUDA_DEV_ATTR_RESERVED_SHARED_MEMORY_PER_BLOCK = 111  # cudaDevAttrReservedSharedMemoryPerBlock
+
+
+@lru_cache(maxsize=None)
+def reserved_smem_per_cta(device_id: int) -> int:
+    from cupy.cuda import runtime
+
+    return runtime.deviceGetAttribute(_CUDA_DEV_ATTR_RESERVED_SHARED_MEMORY_PER_BLOCK, device_id)
 
 
 @lru_cache(maxsize=None)

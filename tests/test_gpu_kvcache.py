@@ -222,6 +222,30 @@ def test_kvcache_long_caches(cache, capacity, sq, hq, hkv, new_kv, causal, split
     p.check_caches(what)
 
 
+WIDE = [(d, cache) for d in sorted(config.DECODE_TILES) for cache in ("dense", "paged64", "paged256")]
+
+
+@pytest.mark.parametrize("d,cache", WIDE, ids=[f"d{d}-{cache}" for d, cache in WIDE])
+def test_every_decode_head_dim_over_more_than_a_wave(d, cache):
+    """Every kernel head dim's decode tile at a batch whose CTAs fill more than a wave at two CTAs per SM (96 x 4 K/V
+    heads), unsplit: 64-row pages are read row by row where the tile is wider than a page (head dim 32). The kernel
+    runs at most _families.DECODE_MAX_CTAS_PER_SM CTAs per SM (padded shared memory where it would fit more)."""
+    from cuflash import _families
+
+    p = Problem(batch=96, sq=1, hq=16, hkv=4, d=d, dtype="bf16", cache=cache, capacity=512, new_kv=True,
+                seqlens="int", guard=False, seed_key=("wide", d, cache))
+    what = f"batch 96 over {cache} cache of 512 keys, head dim {d}"
+    p.poison(0)
+    o, lse = p.call(causal=True, return_lse=True)
+    check_outputs(p, o, lse, True, what)
+    p.check_caches(what)
+    cfg, kernel = _families._kernel("decode", 0, d, "bf16", True)
+    capped = kernel.at_most(_families.DECODE_MAX_CTAS_PER_SM, 0)
+    assert capped.ctas_per_sm <= _families.DECODE_MAX_CTAS_PER_SM, (cfg.cpp_name(), capped.ctas_per_sm)
+    assert (capped is kernel) == (kernel.ctas_per_sm <= _families.DECODE_MAX_CTAS_PER_SM), cfg.cpp_name()
+    assert capped.smem_bytes >= cfg.smem_bytes and capped.function is kernel.function
+
+
 # --- split-KV, return_lse, check_inputs -----------------------------------------------------------------------------
 
 def split_problem(dtype):

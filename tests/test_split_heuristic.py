@@ -109,3 +109,23 @@ def test_degenerate_launches_are_not_split():
     assert num_splits_heuristic(10, 3, 132, 2) == 3  # short: one tile per split
     assert num_splits_heuristic(10, 1, 132, 2) == 1
     assert num_splits_heuristic(10_000, 4096, 132, 2) == 1
+
+
+@pytest.mark.parametrize("smem_per_sm,reserved", [(233472, 1024), (167936, 1024), (102400, 1024)])
+@pytest.mark.parametrize("smem", [0, 20480, 28672, 36864, 57344, 61440, 81920])
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_capped_shared_memory_leaves_room_for_exactly_n_ctas(smem_per_sm, reserved, smem, n):
+    """_launch.capped_smem_bytes (the decode launch's cap, _families.DECODE_MAX_CTAS_PER_SM): n CTAs of the result
+    fit an SM (each also taking `reserved`), n + 1 do not unless the kernel's own shared memory already keeps them
+    out, and the result never drops below the kernel's own; a cap that not even n CTAs fit is refused."""
+    from cuflash import _launch
+
+    if n * (smem + reserved) > smem_per_sm:
+        with pytest.raises(ValueError, match=f"ctas_per_sm={n}"):
+            _launch.capped_smem_bytes(smem, n, smem_per_sm, reserved)
+        return
+    got = _launch.capped_smem_bytes(smem, n, smem_per_sm, reserved)
+    fits = smem_per_sm // (got + reserved)
+    assert got >= smem and fits >= n
+    assert fits == n or got == smem, (got, fits)
+    assert got == smem or smem_per_sm // (got - 1 + reserved) > n  # the least that keeps the (n + 1)-th out
