@@ -211,10 +211,15 @@ def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH
 # (block_m, block_n, num_warps) per kernel head dim, one m16 row tile per warp. A paged cache's page size
 # must be a multiple of DECODE_PAGE_MULTIPLE (one 16-row step of the K/V tile): tiles read whole from one page
 # when the page size and the sequence's first row are multiples of block_n, else row by row.
+# At head dims 32 and 96 the key tiles are wider than the K/V bytes alone would ask (at 32, 256 keys spilled 72-144
+# bytes beside the modifiers; 128 keys make pages of 64 rows a gathered read there): on an H200 (2026-12-03, bf16, 32 / 8 heads, two CTAs per SM,
+# _families.DECODE_MAX_CTAS_PER_SM) 128-key tiles at 32 took 0.79-0.91x the time of 64-key ones (B 1 32k, B 8 8k
+# and 32k, B 64 1k-32k; 9.6 against 9.4 us at B 1 1k), 64-key tiles at 96 0.97-0.99x that of 32-key ones. At 64,
+# 128-key tiles took 1.00-1.02x the time of 64-key ones in three stages.
 DECODE_TILES = {
-    32: (64, 64, 4),
+    32: (64, 128, 4),
     64: (64, 64, 4),
-    96: (64, 32, 4),   # block_n 64 spilled 8 bytes on sm_80 (168 registers, a stack frame) once the kernels took MODS
+    96: (64, 64, 4),
     128: (64, 64, 4),
     192: (64, 32, 4),  # block_n 64: 252-254 registers, at the limit
     256: (64, 32, 4),  # block_n 64 spilled 104 bytes: O alone is 128 fp32 registers per thread
@@ -225,13 +230,13 @@ DECODE_TILES = {
 # more; B=1 128k: 186.0 vs 191.0-196.2; B=8 128k: 1384 vs 1421-1429), so one 32 KB K/V tile in flight per SM
 # while another is used is not what limits a decode launch there. On an H200 (2026-11-29) 3 and 4 stages at one
 # CTA per SM were no faster either (B=1 32k 45.6 / 46.8 us against 44.9), but two CTAs per SM were (41.8 us: the
-# split factor's CTAs per SM, _families.decode_ctas_per_sm). At head dims 32, 64 and 96, whose K and V stages are
-# 4-8 KB each and whose arithmetic per tile is short, three stages were faster on an H200 (2026-12-03, two CTAs per
-# SM, B 1 32k / B 8 8k / B 64 1k keys, against two stages in the same process, the kernel of 8df1573): D 32
-# 0.95-0.97x the time on dense caches and 0.96-0.98x on 64-row pages, D 64 0.98-1.00x and 0.97-1.00x, D 96 0.95x
-# and 0.95-0.96x at B 1 and 8 (1.00-1.01x at B 64); 16-row pages 0.97-1.01x; four stages no faster than three. At
-# 128 three stages read 1.01-1.02x, at 256 1.22-1.55x (an earlier build): those keep two.
-DECODE_STAGES = {32: 3, 64: 3, 96: 3, 128: 2, 192: 2, 256: 2}  # per kernel head dim
+# split factor's CTAs per SM, _families.decode_ctas_per_sm). At head dim 64, whose K and V stages are 8 KB each and
+# whose arithmetic per tile is short, three stages were faster on an H200 (2026-12-03, two CTAs per SM, B 1 32k /
+# B 8 8k / B 64 1k keys, against two stages in the same process): 0.98-1.00x the time on dense caches, 0.97-1.00x
+# on 64-row pages; four were no faster. With the 64-key tiles at 32 and 32-key tiles at 96 three stages read
+# 0.95-0.97x, but the larger tiles above in two stages were faster still (with three: 0.99-1.21x their time at
+# 32, 1.02-1.05x at 96). At 128 three stages read 1.01-1.02x, at 256 1.22-1.55x (an earlier build).
+DECODE_STAGES = {32: 2, 64: 3, 96: 2, 128: 2, 192: 2, 256: 2}  # per kernel head dim
 DECODE_PAGE_MULTIPLE = 16
 # The score modifiers of decoding (attention_with_kvcache): the window, ALiBi and the softcap. The compile check
 # builds all of them together (a window carries causal itself, so causal kernels take ALiBi and the softcap).
