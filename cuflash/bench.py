@@ -20,7 +20,7 @@ Peak memory: device memory above the inputs during one call (for bwd and fwd+bwd
 backward, so the tensors the forward saves count), from CuPy's memory pool or torch.cuda.max_memory_allocated.
 
 Decoding (--decode): attention_with_kvcache throughput, one query token per sequence (Sq = 1) over a dense
-KV cache of L keys, all valid (no new keys appended), bf16, D = 128,
+KV cache of L keys, all valid (no new keys appended), bf16, D = 128 (--head-dim: each one given),
 H_q = 32 over H_kv = 8 key/value heads (grouped-query, Llama-3-8B-like; --decode-heads 32:32 for multi-head),
 batch 1/8/64 x L 1k/8k/32k/128k, skipping shapes whose K/V exceed --decode-max-gb (20 GB). Reported: time,
 the K/V bytes read once (2 * B * L * H_kv * D * 2) per second, and that as a % of the device-copy ceiling
@@ -1304,35 +1304,36 @@ def print_decode_table(records: list[DecodeRecord], ceiling: float):
     print(f"\ndecode, Sq = 1: K/V read once = 2*B*L*H_kv*D*2 bytes; device-copy ceiling {ceiling:.0f} GB/s "
           f"(bytes read + written); cuflash num_splits=0, check_inputs=False, over the whole cache (cf) and with "
           f"cache_seqlens as an int32 array (+lens); sdpa: its fastest backend")
-    head = (f"{'dtype':<5} {'H_q/H_kv':>8} {'B':>3} {'L':>7} {'K/V MB':>8} | {'cf us':>8} {'GB/s':>6} {'%copy':>5} | "
+    head = (f"{'dtype':<5} {'H_q/H_kv':>8} {'D':>3} {'B':>3} {'L':>7} {'K/V MB':>8} | {'cf us':>8} {'GB/s':>6} {'%copy':>5} | "
             f"{'+lens us':>8} | {'sdpa us':>8} {'GB/s':>6} {'%copy':>5} {'backend':<9} | {'cf/sdpa':>7} "
             f"{'+lens/sdpa':>10}")
     print(head)
     print("-" * len(head))
-    index = {(r.method, r.dtype, r.batch, r.cache_len, r.heads_q, r.heads_kv): r for r in records}
-    keys = sorted({(r.dtype, r.heads_q, r.heads_kv, r.batch, r.cache_len) for r in records})
+    index = {(r.method, r.dtype, r.head_dim, r.batch, r.cache_len, r.heads_q, r.heads_kv): r for r in records}
+    keys = sorted({(r.dtype, r.heads_q, r.heads_kv, r.head_dim, r.batch, r.cache_len) for r in records})
 
     def speedup(a, b):
         return a.gbps / b.gbps if a is not None and a.gbps and b is not None and b.gbps else None
 
-    for dtype, hq, hkv, b, n in keys:
-        ours, lens, sd = (index.get((m, dtype, b, n, hq, hkv)) for m in ("cuflash", "cuflash-lens", "sdpa"))
+    for dtype, hq, hkv, d, b, n in keys:
+        ours, lens, sd = (index.get((m, dtype, d, b, n, hq, hkv)) for m in ("cuflash", "cuflash-lens", "sdpa"))
         first = ours or lens or sd
         if ours is not None and ours.note.startswith("skipped"):
-            print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | {ours.note}")
+            print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {d:>3} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | {ours.note}")
             continue
         cols = [(r.ms * 1e3 if r.ms else None, r.gbps, r.pct_of_copy) if r is not None else (None, None, None)
                 for r in (ours, sd)]
         lens_us = lens.ms * 1e3 if lens is not None and lens.ms else None
         backend = sd.note if sd is not None and sd.ms else ("-" if sd is None else "skipped")
-        print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | "
+        print(f"{dtype:<5} {f'{hq}/{hkv}':>8} {d:>3} {b:>3} {n:>7} {first.kv_bytes / 1e6:>8.0f} | "
               f"{_fmt(cols[0][0], '8.1f')} {_fmt(cols[0][1], '6.0f')} {_fmt(cols[0][2], '5.0f')} | "
               f"{_fmt(lens_us, '8.1f')} | "
               f"{_fmt(cols[1][0], '8.1f')} {_fmt(cols[1][1], '6.0f')} {_fmt(cols[1][2], '5.0f')} {backend:<9} | "
               f"{_fmt(speedup(ours, sd), '7.2f')} {_fmt(speedup(lens, sd), '10.2f')}")
     for r in records:
         if r.method == "sdpa" and r.note.startswith("skipped"):
-            print(f"sdpa skipped for B={r.batch} L={r.cache_len} H={r.heads_q}/{r.heads_kv}: {r.note[9:]}")
+            print(f"sdpa skipped for D={r.head_dim} B={r.batch} L={r.cache_len} H={r.heads_q}/{r.heads_kv}: "
+                  f"{r.note[9:]}")
 
 
 def run_decode(args, torch) -> tuple[list, float]:
@@ -1347,11 +1348,10 @@ def run_decode(args, torch) -> tuple[list, float]:
     print(f"split-KV launches aim at {_families.decode_ctas_per_sm(dev)} CTA(s) per SM: peak DRAM "
           f"{'not reported' if peak is None else f'{peak:.0f} GB/s'} over {_families._sm_count(dev)} SMs")
     records: list[DecodeRecord] = []
-    for dtype in args.dtype:
-        for b, n, hq, hkv, skip in decode_shapes(args.decode_batch, args.decode_cache, args.decode_heads,
-                                                 args.head_dim[0], args.decode_max_gb):
-            rec = DecodeRecord("cuflash", dtype, b, n, hq, hkv, args.head_dim[0],
-                               decode_kv_bytes(b, n, hkv, args.head_dim[0]))
+    for dtype, d in itertools.product(args.dtype, args.head_dim):
+        for b, n, hq, hkv, skip in decode_shapes(args.decode_batch, args.decode_cache, args.decode_heads, d,
+                                                 args.decode_max_gb):
+            rec = DecodeRecord("cuflash", dtype, b, n, hq, hkv, d, decode_kv_bytes(b, n, hkv, d))
             if skip:
                 records.append(DecodeRecord(**{**asdict(rec), "note": skip}))
                 continue
@@ -1362,11 +1362,11 @@ def run_decode(args, torch) -> tuple[list, float]:
                 why = "out of memory" if is_oom(e) else f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160]}"
                 if not any(r.method == "cuflash" for r in records[before:]):
                     records.append(DecodeRecord(**{**asdict(rec), "note": f"skipped: {why}"}))
-                print(f"    note: B={b} L={n} H={hq}/{hkv}: {why}")
+                print(f"    note: D={d} B={b} L={n} H={hq}/{hkv}: {why}")
             finally:
                 free_memory(torch)
             done = {r.method: r for r in records[before:] if r.gbps}
-            print(f"{dtype} B={b} L={n} H={hq}/{hkv}: " + ", ".join(
+            print(f"{dtype} D={d} B={b} L={n} H={hq}/{hkv}: " + ", ".join(
                 f"{m} {r.ms * 1e3:.1f} us {r.gbps:.0f} GB/s ({r.pct_of_copy:.0f}% of copy)" for m, r in done.items()),
                 flush=True)
     print_decode_table(records, ceiling)
@@ -1999,7 +1999,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'fp32': 3xTF32; the default mode and --bias), tf32 (float32, precision 'tf32'), fp64 "
                         "(float64): the default mode only")
     p.add_argument("--head-dim", nargs="+", type=_head_dim, default=None,
-                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}, the first one given is used; --bias: "
+                   help=f"default: 64 and 128 (--decode: {DECODE_HEAD_DIM}; --bias: "
                         f"the llm shapes' D, default {' '.join(map(str, LLM_BIAS_HEAD_DIMS))}, and the default "
                         f"evoformer shapes kept)")
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both", help="(--bias: not causal)")

@@ -76,6 +76,21 @@ def test_decode_table_shows_bandwidth_ceiling_share_and_ratio(capsys):
     assert "skipped: K/V 34.4 GB" in out
 
 
+def test_decode_table_keeps_head_dims_apart(capsys):
+    """`--decode --head-dim 64 128`: one row per head dim, each against the SDPA time of its own head dim."""
+    rows = []
+    for d, ours in ((64, 3000.0), (128, 1500.0)):
+        kv = bench.decode_kv_bytes(8, 8192, 8, d)
+        for method, gbps, note in (("cuflash", ours, ""), ("cuflash-lens", ours, ""), ("sdpa", 2000.0, "cudnn")):
+            rows.append(bench.DecodeRecord(method, "bf16", 8, 8192, 32, 8, d, kv, kv / gbps / 1e6, gbps,
+                                           100 * gbps / 3000, note))
+    bench.print_decode_table(rows, 3000.0)
+    out = [line for line in capsys.readouterr().out.splitlines() if line.startswith("bf16")]
+    assert len(out) == 2
+    assert " 32/8  64   8    8192 " in out[0] and out[0].endswith("   1.50       1.50")
+    assert " 32/8 128   8    8192 " in out[1] and out[1].endswith("   0.75       0.75")
+
+
 def test_varlen_lengths_hold_16k_tokens_within_the_bound():
     lengths = bench.varlen_lengths(4096, seed=4096)
     assert sum(lengths) == bench.TOKENS and all(1 <= n <= 4096 for n in lengths) and len(set(lengths)) > 1
