@@ -212,10 +212,10 @@ def fwd_config(head_dim: int, dtype: str, causal: bool, arch: str = DEFAULT_ARCH
 # must be a multiple of DECODE_PAGE_MULTIPLE (one 16-row step of the K/V tile): tiles read whole from one page
 # when the page size and the sequence's first row are multiples of block_n, else row by row.
 # At head dims 32 and 96 the key tiles are wider than the K/V bytes alone would ask (at 32, 256 keys spilled 72-144
-# bytes beside the modifiers; 128 keys make pages of 64 rows a gathered read there): on an H200 (2026-12-03, bf16, 32 / 8 heads, two CTAs per SM,
-# _families.DECODE_MAX_CTAS_PER_SM) 128-key tiles at 32 took 0.79-0.91x the time of 64-key ones (B 1 32k, B 8 8k
-# and 32k, B 64 1k-32k; 9.6 against 9.4 us at B 1 1k), 64-key tiles at 96 0.97-0.99x that of 32-key ones. At 64,
-# 128-key tiles took 1.00-1.02x the time of 64-key ones in three stages.
+# bytes beside the modifiers; 128 keys make pages of 64 rows a gathered read there): on an H200 (2026-12-03, bf16,
+# 32 / 8 heads, two CTAs per SM, _families.DECODE_MAX_CTAS_PER_SM) 128-key tiles at 32 took 0.79-0.91x the time
+# of 64-key ones (B 1 32k, B 8 8k and 32k, B 64 1k-32k; 9.6 against 9.4 us at B 1 1k), 64-key tiles at 96
+# 0.97-0.99x that of 32-key ones. At 64, 128-key tiles took 1.00-1.02x the time of 64-key ones in three stages.
 DECODE_TILES = {
     32: (64, 128, 4),
     64: (64, 64, 4),

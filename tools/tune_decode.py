@@ -4,7 +4,7 @@
         [--merge fused launch] [--batch 1 2 8] [--cache 32768 131072] [--head-dim 64 128] [--page-size 0 16 64]
 
 bf16, 32 query heads over 8 K/V heads, one query token (the shapes of `cuflash.bench --decode`), head dims 128
-unless named. For each candidate of config.DECODE_STAGES (the stage count of every head dim), of
+unless named. For each candidate of config.DECODE_STAGES[head dim] (the shipped count unless named), of
 config.DECODE_TILES[head dim] (block_m, block_n, warps; the shipped tile unless named) and of the split merge
 (`fused`: the last split of a row block merges, in the decode launch; `launch`: fwd_combine_kernel in a second
 launch) the plan cache is cleared and every (batch, cache length, num_splits) is timed like the benchmark does it
@@ -32,7 +32,8 @@ HQ, HKV = 32, 8
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--stages", nargs="+", type=int, default=[config.decode_stages(128)])
+    ap.add_argument("--stages", nargs="+", type=int, default=None,
+                    help="K/V stage counts to try (default: the shipped count of each head dim)")
     ap.add_argument("--splits", nargs="+", type=int, default=[0, 8, 16, 32])
     ap.add_argument("--tiles", nargs="+", type=lambda t: tuple(int(x) for x in t.split(",")), default=None,
                     metavar="BM,BN,WARPS", help="decode tiles to try (default: the shipped tile of each head dim)")
@@ -61,7 +62,7 @@ def main(argv=None) -> int:
         for d in args.head_dim:
             for b in args.batch:
                 for n in args.cache:
-                    _time_shape(args, torch, d, b, n)
+                    _time_shape(args, torch, d, b, n, shipped_stages[d], shipped_tiles[d])
     finally:
         config.DECODE_STAGES.update(shipped_stages)
         config.DECODE_TILES.update(shipped_tiles)
@@ -76,7 +77,8 @@ def _paged(kc, vc, page, seed):
     return kc.reshape(pages, page, *kc.shape[2:]), vc.reshape(pages, page, *vc.shape[2:]), table
 
 
-def _time_shape(args, torch, d, b, n):
+def _time_shape(args, torch, d, b, n, shipped_stages, shipped_tiles):
+    """Every candidate at head dim d, batch b, cache length n; the shipped stages and tiles of d where none are named."""
     ev = bench.CupyEvents()
     sets = bench.decode_inputs(b, n, HQ, HKV, d, "bf16", 2, seed=n + b)
     kv_bytes = bench.decode_kv_bytes(b, n, HKV, d)
@@ -102,7 +104,8 @@ def _time_shape(args, torch, d, b, n):
         if page:
             paged = [(q, *_paged(kc, vc, page, seed=i), lens) for i, (q, kc, vc, lens) in enumerate(sets)]
         first = None
-        for stages, tiles, merge in ((s, t, m) for s in args.stages for t in args.tiles or [config.DECODE_TILES[d]]
+        for stages, tiles, merge in ((s, t, m) for s in args.stages or [shipped_stages]
+                                     for t in args.tiles or [shipped_tiles]
                                      for m in args.merge):
             config.DECODE_STAGES[d] = stages
             config.DECODE_TILES[d] = tiles
