@@ -640,6 +640,9 @@ __device__ __forceinline__ void fwd_tf32_consumer(const FwdWsParams& p, const Tf
     exchange_s(i, n_block);
     scores_to_probs(n_block);
 
+    // 3xTF32: the softmax above runs under P_{i-1} V_{i-1} (the wait in a basic block of its own, ptx.cuh), 1.00-1.02x
+    // the forward's speed on an H200; one pass was 0.96-0.99x that way, the 16-bit kernels within noise
+    if (Tr::X3) end_basic_block(p.fwd.heads);
     wgmma_wait_group<0>();  // P_{i-1} V_{i-1}
     wgmma_fence_operand(o_tile[0]);
     release(sm.vt_empty(v_stage));

@@ -256,6 +256,19 @@ __device__ __forceinline__ int opaque(int x) {
   return y;
 }
 
+// Ends ptxas's basic block here: a branch on a kernel argument that is never negative (`never_negative`, e.g. the
+// head count) around a nanosleep that never runs. ptxas schedules a wgmma.wait_group at the top of its basic block,
+// ahead of any arithmetic that does not depend on it: in the forward kernels the wait for the previous key tile's
+// P V GEMM, written after the tile's softmax, lands ahead of the exponentials (SASS: WARPGROUP.DEPBAR.LE gsb0, 0x0
+// before the first MUFU.EX2), so the softmax runs after that GEMM rather than under it. The 3xTF32 forward calls
+// this between the two (fwd_sm90_tf32.cuh); the other forward kernels keep ptxas's order, which measured as fast
+// (docs/PERFORMANCE.md, "What did not pay"). (A __trap in the branch made ptxas spill 100-1400 bytes in most
+// forward kernels; a __syncwarp on a mask computed from the softmax made it guard the row-max shuffles with
+// divergence checks; a branch on a value ptxas can fold is folded away.)
+__device__ __forceinline__ void end_basic_block(int never_negative) {
+  if (never_negative < 0) asm volatile("nanosleep.u32 0;");
+}
+
 // ---- Hopper (sm_90a) warpgroup MMA: wgmma.* (PTX ISA 9.7.15) -------------------------------------
 // Only the sm_90a kernels (fwd_sm90.cuh, bwd_sm90.cuh) call these; compiling them for another target
 // fails in ptxas, and the Python side never asks for those kernels there.

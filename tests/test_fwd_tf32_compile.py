@@ -307,3 +307,54 @@ def test_forward_keeps_its_register_q(cfg):
     nvrtc_or_skip()
     text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
     assert sass_clobbered_a_operands(text) == [], cfg
+
+
+def _waits_for_pv(text: str) -> list:
+    """For every wait for all wgmma groups (WARPGROUP.DEPBAR.LE gsb0, 0x0) that follows a wait for all but one (0x1:
+    the key loop's S_i, with P_{i-1} V_{i-1} in flight), the MUFU.EX2 between the two and those after it up to the
+    next warpgroup MMA or wait."""
+    out, before, after = [], None, None
+    for line in text.splitlines():
+        if "HGMMA" in line or "WARPGROUP.DEPBAR" in line:
+            if after is not None:
+                out.append((before, after))
+                before = after = None
+            if re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x1\b", line):
+                before = 0
+            elif re.search(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x0\b", line) and before is not None:
+                after = 0
+            else:
+                before = None
+        elif "MUFU.EX2" in line:
+            if after is not None:
+                after += 1
+            elif before is not None:
+                before += 1
+    return out
+
+
+@pytest.mark.parametrize("cfg", [c for c in SHIPPED if c.q_regs and c.dtype == "fp32"], ids=_name)
+def test_3xtf32_softmax_runs_under_the_previous_pv_gemm(cfg):
+    """In the 3xTF32 forward's key loop the wait for P_{i-1} V_{i-1} comes after every exponential of tile i's
+    softmax (ptx.cuh end_basic_block): ptxas otherwise moves it to the top of its basic block, ahead of them."""
+    nvrtc_or_skip()
+    text = sass_or_skip(_compile.compile_kernel(cfg.cpp_name(), "sm_90a").cubin)
+    waits = _waits_for_pv(text)
+    assert waits, cfg
+    for before, after in waits:
+        assert before > 0 and after == 0, (cfg, waits)
+
+
+def test_pv_wait_parser_tells_the_orders_apart():
+    """_waits_for_pv on hand-made listings: the softmax ahead of the wait, and the wait hoisted into it."""
+    def listing(lines):
+        return "\n".join(f"        /*{16 * i:04x}*/                   {x} ;" for i, x in enumerate(lines))
+    mma = "HGMMA.64x64x8.F32.TF32 R24, gdesc[UR4], R24, gsb0"
+    ex2 = ["MUFU.EX2 R10, R10", "MUFU.EX2 R11, R11"]
+    under = listing([mma, "WARPGROUP.DEPBAR.LE gsb0, 0x1"] + ex2 + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "FMUL R1, R1, R2",
+                                                                     mma])
+    hoisted = listing([mma, "WARPGROUP.DEPBAR.LE gsb0, 0x1", "MUFU.EX2 R10, R10", "WARPGROUP.DEPBAR.LE gsb0, 0x0",
+                       "MUFU.EX2 R11, R11", mma])
+    assert _waits_for_pv(under) == [(2, 0)]
+    assert _waits_for_pv(hoisted) == [(1, 1)]
+    assert _waits_for_pv(listing([mma, "WARPGROUP.DEPBAR.LE gsb0, 0x0"] + ex2 + [mma])) == []
