@@ -159,6 +159,16 @@ def _check_inputs(q, k, v, refused: dict):
     return qi, ki, vi
 
 
+def _check_device(device: int) -> None:
+    """FP8 attention runs only on the Hopper FP8 kernels: refuse the call, before anything is allocated, where they
+    do not run (another GPU, or CUFLASH_KERNELS=mma)."""
+    arch = _launch.device_arch(device)
+    if not config.uses_wgmma(arch):
+        here = f"this GPU is {arch}" if arch != "sm_90a" else f"CUFLASH_KERNELS={config.KERNELS} turns them off"
+        raise TypeError(f"q.dtype=uint8 (FP8 e4m3 inputs) needs the Hopper FP8 kernels, which run on sm_90 GPUs "
+                        f"with CUFLASH_KERNELS=auto; {here}: pass float16, bfloat16 or float32 inputs instead")
+
+
 def _check_head_dim(d: int) -> None:
     if d not in HEAD_DIMS:
         raise ValueError(f"head_dim={d} (last dim of q) is not supported for FP8 inputs; allowed: "
@@ -175,17 +185,18 @@ def problem_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     cqi, cki = _validate.array_info(cu_seqlens_q, "cu_seqlens_q"), _validate.array_info(cu_seqlens_k, "cu_seqlens_k")
     m = _validate.check_varlen(qi, ki, vi, cqi, cki, max_seqlen_q, max_seqlen_k, fp8=True)
     _check_head_dim(m.head_dim)
-    if check_inputs:  # one device -> host copy of batch + 1 ints each (a synchronization)
-        cp = _launch.cupy()
-        with _launch.on_device(cp, m.device):
-            _validate.check_cu_seqlens_values(cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k), m.total_q,
-                                              m.total_k, m.max_seqlen_q, m.max_seqlen_k)
     scale = _validate.check_softmax_scale(softmax_scale, m.head_dim)
     out = _out_dtype(out_dtype)
     mods = _problem._mods(causal, window, None, None, 0.0, None, 0, m.batch, m.heads_q, m.device, "bf16",
                           m.max_seqlen_q, m.max_seqlen_k)
     descales = _descales((q_descale, k_descale, v_descale), m.batch, m.heads_q, m.heads_kv, m.max_seqlen_q,
                          m.max_seqlen_k, m.device)
+    _check_device(m.device)
+    if check_inputs:  # one device -> host copy of batch + 1 ints each (a synchronization)
+        cp = _launch.cupy()
+        with _launch.on_device(cp, m.device):
+            _validate.check_cu_seqlens_values(cp.asnumpy(cu_seqlens_q), cp.asnumpy(cu_seqlens_k), m.total_q,
+                                              m.total_k, m.max_seqlen_q, m.max_seqlen_k)
     return Fp8Attention("packed", m.batch, m.heads_q, m.heads_kv, m.head_dim, m.max_seqlen_q, m.max_seqlen_k,
                         _problem.packed_dims(qi), _problem.packed_dims(ki), _problem.packed_dims(vi), (qi, ki, vi),
                         scale, mods, m.device, out, descales, m.total_q, m.total_k)
@@ -216,6 +227,7 @@ def problem(q, k, v, causal, softmax_scale, layout, window, q_descale, k_descale
                           dq.seqlen, dk.seqlen)
     descales = _descales((q_descale, k_descale, v_descale), dq.batch, dq.heads, dk.heads, dq.seqlen, dk.seqlen,
                          qi.device)
+    _check_device(qi.device)
     return Fp8Attention(layout, dq.batch, dq.heads, dk.heads, dq.head_dim, dq.seqlen, dk.seqlen, dq, dk, dv,
                         (qi, ki, vi), scale, mods, qi.device, out, descales)
 

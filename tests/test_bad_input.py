@@ -511,3 +511,34 @@ def test_bad_fp8_call_is_rejected_before_the_gpu(call, exc, parts):
     msg = str(e.value)
     missing = [p for p in parts if p not in msg]
     assert not missing, f"message lacks {missing}: {msg!r}"
+
+
+@pytest.mark.usefixtures("fp8_metadata_only")
+@pytest.mark.parametrize("arch,kernels,why", [("sm_80", "auto", "this GPU is sm_80"),
+                                              ("sm_89", "auto", "this GPU is sm_89"),
+                                              ("sm_90a", "mma", "CUFLASH_KERNELS=mma turns them off")])
+def test_fp8_where_its_kernels_do_not_run_is_refused_before_the_gpu(monkeypatch, arch, kernels, why):
+    """FP8 inputs run on the Hopper FP8 kernels only: on another GPU, or with CUFLASH_KERNELS=mma, the call says so
+    after the argument checks and before anything is allocated; dense and packed. On sm_90a with the default kernels
+    the call goes on (and here reaches the fake GPU)."""
+    from cuflash import config
+
+    monkeypatch.setattr(_launch, "device_arch", lambda device: arch)
+    monkeypatch.setattr(config, "KERNELS", kernels)
+    a = fp8_fakes()
+    packed = [FakeCupyArray((48, 2, 128), U8) for _ in range(3)]
+    cu = FakeCupyArray((3,), np.int32)
+    calls = (lambda: att(a), lambda: fwd(a, q_descale=0.5),
+             lambda: cuflash.attention_varlen_forward(*packed, cu, cu, 24, 24, check_inputs=False))
+    for call in calls:
+        with pytest.raises(TypeError) as e:
+            call()
+        assert "q.dtype=uint8" in str(e.value) and why in str(e.value), str(e.value)
+    # an argument error still comes first
+    with pytest.raises(ValueError, match="v_descale=0.0"):
+        fwd(a, v_descale=0.0)
+    monkeypatch.setattr(_launch, "device_arch", lambda device: "sm_90a")
+    monkeypatch.setattr(config, "KERNELS", "auto")
+    for call in calls:
+        with pytest.raises(AssertionError, match="the GPU was used"):
+            call()
