@@ -22,8 +22,10 @@ KINDS = ("contiguous", "padded", "contiguous", "contiguous")  # q, k, v, dout: k
 
 @pytest.fixture(scope="module", autouse=True)
 def _hopper_only():
-    if _compile.device_arch() != "sm_90a":
-        pytest.skip("bwd_sm90_split_kernel needs an sm_90 GPU (wgmma)")
+    arch = _compile.device_arch()
+    if not config.uses_wgmma(arch):  # another GPU, or CUFLASH_KERNELS=mma: the wgmma kernels do not run
+        pytest.skip(f"bwd_sm90_split_kernel needs an sm_90 GPU (wgmma) with the wgmma kernels on "
+                    f"(here {arch}, CUFLASH_KERNELS={config.KERNELS})")
 
 
 def problem(b, sq, sk, hq, hkv, d, dtype, causal, key=()):
