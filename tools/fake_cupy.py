@@ -175,7 +175,7 @@ def _launch_kernel(func, gx, gy, gz, bx, by, bz, smem, stream, kernel_params, ex
 
 cupy = types.SimpleNamespace(
     empty=_empty, zeros=_zeros, full=_full, asnumpy=_asnumpy, arange=_arange, logical_and=_logical_and,
-    float32=np.float32, int32=np.int32, uint8=np.uint8, bool_=np.bool_, inf=np.inf,
+    float32=np.float32, float64=np.float64, int32=np.int32, uint8=np.uint8, bool_=np.bool_, inf=np.inf,
     ndarray=FakeArray,
     cuda=types.SimpleNamespace(Device=FakeDevice, get_current_stream=_get_current_stream,
                                runtime=types.SimpleNamespace(getDevice=_get_device)))
