@@ -96,7 +96,9 @@ def check_dtype(*infos: ArrayInfo, wide: bool = True) -> str:
     if first.dtype not in DTYPE_NAMES or (not wide and DTYPE_NAMES[first.dtype] in ("fp32", "fp64")):
         allowed = "float16, bfloat16 (ml_dtypes.bfloat16), float32 or float64" if wide else \
             "float16 or bfloat16 (ml_dtypes.bfloat16)"
-        raise TypeError(f"{first.name}.dtype={first.dtype} is not supported; allowed: {allowed}")
+        fp8 = (" (uint8 arrays are FP8 e4m3 inputs, which only the forward takes: attention, attention_forward and "
+               "the varlen forward functions)") if first.dtype == np.uint8 else ""
+        raise TypeError(f"{first.name}.dtype={first.dtype} is not supported{fp8}; allowed: {allowed}")
     for info in infos[1:]:
         if info.dtype != first.dtype:
             raise TypeError(f"{info.name}.dtype={info.dtype} differs from {first.name}.dtype={first.dtype}; "
