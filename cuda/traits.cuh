@@ -120,7 +120,8 @@ struct DqTraits : FwdTraits<HEAD_DIM_, BLOCK_M_, BLOCK_N_, WARPS_, 2, T_> {
 
 // wgmma.m64nNk16 takes N = 8..256 in steps of 8; ptx_wgmma.cuh instantiates these:
 __host__ __device__ constexpr bool is_wgmma_n(int n) {
-  return n == 16 || n == 32 || n == 48 || n == 64 || n == 96 || n == 128 || n == 192 || n == 256;
+  return n == 16 || n == 32 || n == 48 || n == 64 || n == 80 || n == 96 || n == 112 || n == 128 || n == 160 ||
+         n == 176 || n == 192 || n == 256;
 }
 
 // Forward (fwd_sm90.cuh): each warpgroup (4 warps) owns 64 query rows; S = Q K^T reads Q and K from

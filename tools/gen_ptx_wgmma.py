@@ -5,7 +5,7 @@
 
 An m64nNk16 wgmma with fp32 accumulators names N/2 accumulator registers in one asm statement, and an
 asm string must be a literal, so the wrappers are generated rather than written by hand. The N values
-are those the Hopper kernels use (S/dP tiles of 64 or 128 keys or queries, O/dK/dV/dQ tiles of the head
+are those the Hopper kernels use (S/dP tiles of 64 to 256 keys or queries, O/dK/dV/dQ tiles of the head
 dims and half head dims).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parents[1] / "cuda" / "ptx_wgmma.cuh"
-NS = (16, 32, 48, 64, 96, 128, 192, 256)
+NS = (16, 32, 48, 64, 80, 96, 112, 128, 160, 176, 192, 256)
 TYPES = (("f16", "f16"), ("bf16", "bf16"))  # (C++ tag, PTX type)
 # FP8: m64nNk32, both operands K-major (the instruction has no transpose operands for 8-bit types); the N values
 # of the FP8 forward (S tiles of 64 or 128 keys, O tiles of the head dims)
