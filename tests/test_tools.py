@@ -153,6 +153,34 @@ def test_tune_tiles_mods_kinds_tune_the_table_their_calls_take(kind, table):
         assert config.fwd_sm90_ws_table(128, False, mods, seqlen_k=256) is config.FWD_SM90_WS_TILES_MODS
 
 
+def test_tune_tiles_rounds_time_every_other_round_in_reverse(monkeypatch, capsys):
+    """`tune_tiles.py --rounds R`: the shipped tiles and each candidate (duplicates once) are timed R times, every other
+    round in reverse order, each output compared with the shipped tiles' output, and the table entry restored."""
+    import numpy as np
+
+    tune_tiles = import_tool("tune_tiles")
+    monkeypatch.setattr(tune_tiles, "cp", np)
+    monkeypatch.setattr(tune_tiles, "resources", lambda cfg, arch: "regs=?")
+    monkeypatch.setattr(tune_tiles, "ROUNDS", 3)
+    monkeypatch.setattr(tune_tiles, "ONLY", None)
+    shipped, b, c = (128, 2, True, True), (176, 2, False), (160, 2, False)
+    table = {128: shipped}
+    timed = []
+
+    def run():
+        timed.append(table[128])
+        value = {shipped: 0.0, b: 0.5, c: 2.0}[table[128]]
+        return (1.0, 100.0), [np.full(4, value, dtype=np.float32)]
+
+    tune_tiles.tune(table, [b, shipped, c], 128, "fwd ws", run, "sm_90a", lambda: None)
+    assert timed == [shipped, b, c, c, b, shipped, shipped, b, c]
+    assert table == {128: shipped}
+    rows = [line for line in capsys.readouterr().out.splitlines() if "tiles=" in line]
+    assert len(rows) == 9 and sum("(shipped)" in line for line in rows) == 3
+    assert all(line.endswith("diff=5.0e-01") for line in rows if str(b) in line)
+    assert all(line.endswith("diff=2.0e+00") for line in rows if str(c) in line)
+
+
 def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
     """`tune_tiles.py --dtype fp8` swaps entries of config.fwd_sm90_fp8_table(d, causal, seqlen_k=n), the table the
     FP8 forward's config comes from (the banded tiles for causal rows and windows, the short ones for non-causal rows

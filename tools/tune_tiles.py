@@ -52,14 +52,15 @@ FWD_SM90_WS = {32: [(192, 2, False), (256, 2, False), (128, 2, False), (256, 2, 
                128: [(128, 2, False), (128, 2, True), (128, 3, False), (128, 3, True), (192, 2, False),
                      (192, 2, True), (128, 2, False, True), (128, 2, True, True), (128, 3, False, True),
                      (192, 2, False, True), (64, 2, True, True), (64, 3, True, True), (64, 3, False, True),
-                     (64, 4, True, True)],
+                     (64, 4, True, True), (176, 2, False), (176, 2, True), (160, 2, False), (160, 2, False, True),
+                     (160, 2, True, True), (176, 2, False, True)],
                96: [(128, 2, False, True), (128, 2, True, True), (128, 2, True), (128, 2, False), (128, 3, False),
                     (192, 2, False)],
                192: [(64, 2, False), (64, 3, False), (96, 2, False), (64, 2, True), (96, 2, True), (48, 3, False),
                      (64, 2, False, True), (64, 2, True, True), (96, 2, False, True), (96, 2, True, True),
-                     (64, 3, False, True)],
+                     (64, 3, False, True), (112, 2, True), (112, 2, False)],
                256: [(64, 2, False), (64, 2, True), (48, 3, False), (64, 2, False, True), (64, 2, True, True),
-                     (48, 2, False, True), (48, 3, False, True), (48, 2, True, True)]}
+                     (48, 2, False, True), (48, 3, False, True), (48, 2, True, True), (80, 2, False), (80, 2, True)]}
 # mma.sync kernels (sm_80..sm_89, or CUFLASH_KERNELS=mma): forward (block_m, block_n, warps), backward
 # (block_m, block_n, warps, d_split)
 FWD_MMA = {64: [(128, 128, 8), (64, 64, 4)], 128: [(128, 128, 8), (128, 64, 8)]}
@@ -154,28 +155,35 @@ def resources(cfg, arch):
 
 
 ONLY = None  # --only: a compiled regex on str(candidate)
+ROUNDS = 1  # --rounds
 
 
 def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_cfg):
-    """Time table[d] = each candidate (shipped first), restore the table, print one row each."""
+    """Time table[d] = each candidate (shipped first), restore the table, print one row each. With --rounds R the
+    candidates are timed R times, every other round in reverse order (the shipped tiles last), so that a variant is not
+    always the first one timed after the inputs were made (which tends to read fastest)."""
     shipped = table[d]
     if ONLY is not None:
         candidates = [c for c in candidates if ONLY.search(str(c))]
+    order = list(dict.fromkeys([shipped] + candidates))
     ref = None
-    for cand in dict.fromkeys([shipped] + candidates):
-        table[d] = cand
-        _families._selected.clear()
-        _plan.plans.clear()  # plans hold the kernel of the old tile choice
-        try:
-            res = resources(make_cfg(), arch)
-            ms, out = run()
-            outs = [x.astype(cp.float32) for x in out]
-            ref = outs if ref is None else ref
-            diff = max(float(cp.abs(x - r).max()) for x, r in zip(outs, ref))
-            print(f"  {kind} tiles={cand}{' (shipped)' if cand == shipped else ''}: {ms[1]:.0f} TFLOP/s "
-                  f"({ms[0]:.3f} ms) {res} diff={diff:.1e}", flush=True)
-        except Exception as ex:  # noqa: BLE001 - a candidate that does not compile or run is reported
-            print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
+    for r in range(ROUNDS):
+        if ROUNDS > 1:
+            print(f"  round {r + 1} of {ROUNDS}", flush=True)
+        for cand in order if r % 2 == 0 else order[::-1]:
+            table[d] = cand
+            _families._selected.clear()
+            _plan.plans.clear()  # plans hold the kernel of the old tile choice
+            try:
+                res = resources(make_cfg(), arch)
+                ms, out = run()
+                outs = [x.astype(cp.float32) for x in out]
+                ref = outs if ref is None else ref  # the shipped tiles' output (the first timed in round 1)
+                diff = max(float(cp.abs(x - y).max()) for x, y in zip(outs, ref))
+                print(f"  {kind} tiles={cand}{' (shipped)' if cand == shipped else ''}: {ms[1]:.0f} TFLOP/s "
+                      f"({ms[0]:.3f} ms) {res} diff={diff:.1e}", flush=True)
+            except Exception as ex:  # noqa: BLE001 - a candidate that does not compile or run is reported
+                print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
     table[d] = shipped
     _families._selected.clear()
     _plan.plans.clear()
@@ -264,6 +272,8 @@ def main() -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[32, 64, 96, 128, 192, 256])
     ap.add_argument("--causal", choices=("no", "yes", "both"), default="both")
     ap.add_argument("--only", default=None, help="regex on the candidate tuple: time only the shipped tiles and these")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time the candidates this many times, every other round in reverse order (default 1)")
     ap.add_argument("--no-backward", action="store_true", help="tune the forward only")
     ap.add_argument("--dtype", choices=("bf16", "fp32", "tf32", "fp8"), default="bf16",
                     help="fp32 / tf32: the float32 Hopper kernels; fp8: the FP8 forward (sm_90a)")
@@ -271,8 +281,11 @@ def main() -> int:
                     help="time the forward with a bias or mask on the table its modifiers take (sm_90a, bf16; forward "
                          "only; TFLOP/s count the dense work): blocks, kpm, mask, bias or bias-kpm (MODS_KINDS)")
     args = ap.parse_args()
-    global ONLY
+    global ONLY, ROUNDS
     ONLY = re.compile(args.only) if args.only else None
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds}: at least 1")
+    ROUNDS = args.rounds
     arch = _compile.device_arch()
     wgmma = config.uses_wgmma(arch)
     print(f"arch {arch}, {'wgmma' if wgmma else 'mma.sync'} kernels")
