@@ -548,14 +548,21 @@ class FwdSm90WsConfig:
 # 160 registers each, 128-key tiles: 192 keys spilled 448 bytes) past FWD_SM90_WS_SHORT_KEYS, measured on an H200
 # (2026-11-28, bf16 FA shapes, A/B in one process, TFLOP/s, N 2k / 4k / 8k / 16k): (128, 2) 427 / 450 / 478 / 506
 # against 414 / 443 / 441 for the persistent (128, 2) and 457 at 16k for the two-consumer (192, 2); (128, 3) 425 /
-# 463 / 470 / 499, (96, 2) 400 / 428 / 449 / 468; at N 1k 345 against 384 (fewer, larger work items).
+# 463 / 470 / 499, (96, 2) 400 / 428 / 449 / 468; at N 1k 345 against 384 (fewer, larger work items). D 256 takes 80-key
+# tiles (FlashAttention-3's choice there; wgmma N 80, 225 KB of shared memory in two stages) since 2026-12-04, for plain
+# calls, causal ones too (FWD_SM90_WS_TILES_CAUSAL_PLAIN): on an H200 (bf16 FA shapes, H 8, `tools/tune_tiles.py
+# --head-dims 256 --n 1024 2048 4096 8192 16384 --causal both --rounds 4`, TFLOP/s, 80 / 64 in each of the four rounds)
+# non-causal N 1k 1.03-1.09x, 2k 0.93-1.12x (three rounds 1.05-1.12x), 4k 0.99-1.03x, 8k 1.05-1.07x, 16k 1.04-1.10x;
+# causal N 1k 0.86-0.99x (it keeps 64 there: FWD_SM90_WS_TILES_CAUSAL_SHORT), 2k 1.01-1.03x, 4k 1.01-1.09x, 8k
+# 1.02-1.06x, 16k 1.02-1.11x. Key tiles of 160 or 176 rows at D 128 and 112 at D 192 measured no faster than the tiles
+# here (docs/PERFORMANCE.md, What did not pay).
 FWD_SM90_WS_TILES = {
     32: (256, 2, True, True),
     64: (128, 2, False, False, 192),
     96: (128, 2, False, True),
     128: (192, 2, False),
     192: (96, 2, True),
-    256: (64, 2, False),
+    256: (80, 2, False),
 }
 # Causal (and a window, which masks tiles like causal): D 64 (128, 2) with pingpong 421 against 392 (192, 2), 389
 # (128, 2), 373 (128, 3), 371 (64, 2); D 128 (128, 3) 621 against 589 (128, 2), 588 (192, 2), 580 with pingpong,
@@ -883,19 +890,22 @@ FWD_SM90_WS_TILES_SHORT = {64: (128, 2, False, True, 192), 128: (128, 2, False, 
 # D 64 (128, 2) 308 / 376 / 422 / 457 / 474 against 274 / 350 / 414 / 452 / 477 for (128, 2, pingpong). With a
 # fixed stride instead of the queue the persistent kernel ran causal rows 5-40 % slower than the one-item grid, and
 # with the next item taken when the current one started, 2-8 % slower from 8k keys (a long item held the next back).
-# D 256 keeps the one-item grid (its persistent causal kernel spills 12 bytes); windows and other modifiers keep
-# the tables above (not measured persistent). D 32 (2026-11-28, H 64) (128, 2, pingpong) N 1k / 4k / 16k 185 / 253
-# / 282 against 182 / 239 / 261 without pingpong, 164 / 240 / 275 with pingpong on the one-item grid and 177 / 230 /
-# 249 for fwd_sm90_kernel; D 96 (H 21) N 2k / 8k 457 / 516 against 421 / 507 (128, 3) and 399 / 466 for the 128
+# D 256 keeps the one-item grid (its persistent causal kernel spills 12 bytes), on 80-key tiles since 2026-12-04 (as
+# FWD_SM90_WS_TILES at D 256; up to 1k keys FWD_SM90_WS_TILES_CAUSAL_SHORT); windows and other modifiers keep the tables
+# above (not measured persistent; a window on 80-key tiles spilled 4 bytes under NVRTC 13.5, and a BlockMask's 128 x 128
+# blocks map onto whole 64-key tiles, not onto 80-key ones). D 32 (2026-11-28, H 64) (128, 2, pingpong) N 1k / 4k / 16k
+# 185 / 253 / 282 against 182 / 239 / 261 without pingpong, 164 / 240 / 275 with pingpong on the one-item grid and 177 /
+# 230 / 249 for fwd_sm90_kernel; D 96 (H 21) N 2k / 8k 457 / 516 against 421 / 507 (128, 3) and 399 / 466 for the 128
 # kernel that ran it before.
 FWD_SM90_WS_TILES_CAUSAL_PLAIN = {32: (128, 2, True, True), 64: (128, 2, False, True), 96: (128, 2, True, True),
-                                  128: (128, 2, True, True)}
+                                  128: (128, 2, True, True), 256: (80, 2, False)}
 # Causal without other modifiers and short key sequences (seqlen_k at most the bound below): at D 192 the persistent
 # grid pays only there (H200, 2026-11-28, `tools/tune_tiles.py --head-dims 192 --causal yes`, TFLOP/s): (96, 2,
 # pingpong, persistent) N 1k / 2k / 4k / 16k 428 / 541 / 621 / 716 against 364 / 543 / 633 / 761 for the one-item
-# grid's (96, 2, pingpong) (and 418 / 536 / 604 / 691 for (64, 2, persistent)).
-FWD_SM90_WS_CAUSAL_SHORT_KEYS = {192: 2048}
-FWD_SM90_WS_TILES_CAUSAL_SHORT = {192: (96, 2, True, True)}
+# grid's (96, 2, pingpong) (and 418 / 536 / 604 / 691 for (64, 2, persistent)). At D 256 the 64-key tiles stay for
+# rows of up to 1k keys, where the 80-key tiles read 0.86-0.99x in four rounds (FWD_SM90_WS_TILES' comment).
+FWD_SM90_WS_CAUSAL_SHORT_KEYS = {192: 2048, 256: 1024}
+FWD_SM90_WS_TILES_CAUSAL_SHORT = {192: (96, 2, True, True), 256: (64, 2, False)}
 # Causal without other modifiers and long key sequences (seqlen_k above the bound below): at D 64 three consumer
 # warpgroups of 64 rows each (block_m 192, 160 registers each), where the persistent grid's causal kernel ran
 # (H200, 2026-11-28, bf16 FA shapes, A/B in one process, TFLOP/s): N 8k / 16k 457 / 474 against 436 / 447; N 1k /

@@ -141,6 +141,16 @@ def test_config_names_and_shared_memory():
     assert short.persistent and short.uses_queue(False) and not long.persistent and short.block_n == long.block_n == 96
     assert not config.fwd_sm90_ws_config(192, "bf16", False, seqlen_k=1024).persistent
     assert not config.fwd_sm90_ws_config(192, "bf16", False, config.MOD_WINDOW, seqlen_k=1024).persistent
+    # D 256: 80-key tiles for plain calls, but 64 for causal rows of up to 1k keys, windows and block maps (a
+    # BlockMask's 128 x 128 blocks cover whole 64-key tiles)
+    for n in (512, 1024, 1025, 16384):
+        assert config.fwd_sm90_ws_config(256, "bf16", False, seqlen_k=n).block_n == 80, n
+        assert config.fwd_sm90_ws_config(256, "bf16", True, seqlen_k=n).block_n == (64 if n <= 1024 else 80), n
+        assert config.fwd_sm90_ws_config(256, "bf16", False, config.MOD_WINDOW, seqlen_k=n).block_n == 64, n
+        for causal in (False, True):
+            assert config.fwd_sm90_ws_config(256, "bf16", causal, config.MOD_BLOCKS, seqlen_k=n).block_n == 64, n
+    d256 = config.fwd_sm90_ws_config(256, "fp16", False)
+    assert (d256.stages, d256.persistent, d256.smem_bytes <= 227 * 1024) == (2, False, True)
     d192 = config.FwdSm90WsConfig(192, 64, 3, "bf16", False, False)  # three 64-column panels
     assert d192.box_cols == 64 and d192.smem_bytes == 128 * 192 * 2 + 2 * 3 * 64 * 192 * 2 + 8 * 13 + 1024
     # D 64's long rows: three consumer warpgroups of 64 rows (block_m 192, 512 threads), 128-key tiles; short
