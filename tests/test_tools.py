@@ -170,13 +170,19 @@ def test_tune_tiles_rounds_time_every_other_round_in_reverse(monkeypatch, capsys
     def run():
         timed.append(table[128])
         value = {shipped: 0.0, b: 0.5, c: 2.0}[table[128]]
-        return (1.0, 100.0), [np.full(4, value, dtype=np.float32)]
+        rate = {shipped: 100.0, b: 110.0 + len(timed), c: 90.0}[table[128]]
+        return (1.0, rate), [np.full(4, value, dtype=np.float32)]
 
     tune_tiles.tune(table, [b, shipped, c], 128, "fwd ws", run, "sm_90a", lambda: None)
     assert timed == [shipped, b, c, c, b, shipped, shipped, b, c]
     assert table == {128: shipped}
-    rows = [line for line in capsys.readouterr().out.splitlines() if "tiles=" in line]
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line for line in lines if "tiles=" in line and "/ shipped" not in line]
     assert len(rows) == 9 and sum("(shipped)" in line for line in rows) == 3
+    # the summary: each candidate over the shipped tiles of the same round (b timed 2nd, 5th, 8th: 112, 115, 118)
+    assert [line for line in lines if "/ shipped" in line] == [
+        f"  fwd ws tiles={b} / shipped: 1.12-1.18x (1.12 1.15 1.18)", f"  fwd ws tiles={c} / shipped: 0.90-0.90x "
+        "(0.90 0.90 0.90)"]
     assert all(line.endswith("diff=5.0e-01") for line in rows if str(b) in line)
     assert all(line.endswith("diff=2.0e+00") for line in rows if str(c) in line)
 

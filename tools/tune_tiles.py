@@ -11,6 +11,8 @@ FP8 forward (the table a call takes: config.fwd_sm90_fp8_table) on block-scaled 
 `--mods blocks|kpm|mask|bias|bias-kpm` times the forward of a call with a mask or a bias instead, on the
 warp-specialized forward's table for the call's modifier bits (MODS_KINDS: a BlockMask, a key padding mask, an
 element mask, a bias, a bias beside a key padding mask).
+`--rounds R` times every candidate R times, every other round in reverse order, and ends with each candidate's
+TFLOP/s over the shipped tiles' of the same round (a single pass favours whichever is timed first).
 Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
@@ -167,6 +169,7 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
         candidates = [c for c in candidates if ONLY.search(str(c))]
     order = list(dict.fromkeys([shipped] + candidates))
     ref = None
+    rates = {cand: [] for cand in order}  # TFLOP/s per round (None: an error)
     for r in range(ROUNDS):
         if ROUNDS > 1:
             print(f"  round {r + 1} of {ROUNDS}", flush=True)
@@ -182,8 +185,16 @@ def tune(table: dict, candidates: list, d: int, kind: str, run, arch: str, make_
                 diff = max(float(cp.abs(x - y).max()) for x, y in zip(outs, ref))
                 print(f"  {kind} tiles={cand}{' (shipped)' if cand == shipped else ''}: {ms[1]:.0f} TFLOP/s "
                       f"({ms[0]:.3f} ms) {res} diff={diff:.1e}", flush=True)
+                rates[cand].append(ms[1])
             except Exception as ex:  # noqa: BLE001 - a candidate that does not compile or run is reported
                 print(f"  {kind} tiles={cand}: ERROR {str(ex).strip().splitlines()[0][:200]}", flush=True)
+                rates[cand].append(None)
+    if ROUNDS > 1:  # each candidate against the shipped tiles timed in the same round
+        for cand in order[1:]:
+            ratios = [c / s for c, s in zip(rates[cand], rates[shipped]) if c is not None and s]
+            if ratios:
+                print(f"  {kind} tiles={cand} / shipped: {min(ratios):.2f}-{max(ratios):.2f}x "
+                      f"({' '.join(f'{x:.2f}' for x in ratios)})", flush=True)
     table[d] = shipped
     _families._selected.clear()
     _plan.plans.clear()
