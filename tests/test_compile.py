@@ -222,6 +222,13 @@ def test_generated_wgmma_wrappers_are_up_to_date():
     spec.loader.exec_module(gen)
     assert (_compile.cuda_dir() / "ptx_wgmma.cuh").read_text() == gen.render(), \
         "cuda/ptx_wgmma.cuh differs from what tools/gen_ptx_wgmma.py writes: run the script"
+    # the kernels' static_asserts accept a tile size by cuda/traits.cuh is_wgmma_n: the N values the script generates
+    import re
+
+    body = re.search(r"constexpr bool is_wgmma_n\(int n\) \{(.*?)\}", (_compile.cuda_dir() / "traits.cuh").read_text(),
+                     re.S).group(1)
+    assert tuple(int(x) for x in re.findall(r"n == (\d+)", body)) == gen.NS, \
+        "is_wgmma_n in cuda/traits.cuh must list tools/gen_ptx_wgmma.py's NS"
 
 
 def test_split_cap_matches_the_merge_kernel():
