@@ -581,9 +581,9 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
             dqc = dq_config(hd, a.dtype, a.mods.causal, a.mods.bits)
             launches.append((_launch.get_kernel(dqc, a.device), dqc.grid(a.batch, a.heads_q, a.seqlen_q), params))
         elif (conv := config.convert_dq_config(main, a.dtype)).kind == "convert_dq_ws":
-            # dQ_acc in the ws and split kernels' order: one thread per 4 floats of their 64-row blocks
-            vecs = -(-a.seqlen_q // main.block_m) * main.block_m * acc_hd // 4
-            launches.append((_launch.get_kernel(conv, a.device), (-(-vecs // conv.threads), a.heads_q, a.batch), params))
+            # dQ_acc in the ws and split kernels' order: one CTA per block of their query rows
+            launches.append((_launch.get_kernel(conv, a.device), (-(-a.seqlen_q // main.block_m), a.heads_q, a.batch),
+                             params))
         else:  # row-major dQ_acc (conv: convert_dq)
             # 16-bit: one 16-byte chunk (8 elements) per thread; float32 / float64: one pair of elements
             chunks = a.seqlen_q * (a.head_dim // (2 if a.dtype in config.WIDE_DTYPES else 8))

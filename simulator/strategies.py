@@ -525,10 +525,10 @@ def cuflash_backward_kernels(p: Problem, causal_skip: bool = True, deterministic
         out.append(KernelTraffic(kernel_name(dcfg), dcfg.grid(p.batch, p.heads, sq), dcfg.threads, bh * reads,
                                  bh * sq * d * e))
     elif isinstance(cfg, (_config.BwdSm90WsConfig, _config.BwdSm90SplitConfig)):
-        # one thread per 4 floats of dQ_acc's BLOCK_M-row blocks (in the main kernel's accumulator order): head_dim
-        # columns of every row of the blocks that hold a row < Sq
+        # one CTA of 256 threads per BLOCK_M-row block of dQ_acc (in the main kernel's accumulator order, staged in
+        # shared memory to rows): head_dim columns of every row of the blocks that hold a row < Sq
         rows = -(-sq // cfg.block_m) * cfg.block_m
-        out.append(KernelTraffic("bwd_convert_dq_ws_kernel", (-(-rows * hd // 4 // 256), p.heads, p.batch), 256,
+        out.append(KernelTraffic("bwd_convert_dq_ws_kernel", (rows // cfg.block_m, p.heads, p.batch), 256,
                                  bh * rows * d * s4, bh * sq * d * e))
     else:  # one thread per 8 elements (a 16-byte chunk), per pair of elements in the wide kernel
         per_thread = 2 if wide else 8
