@@ -299,17 +299,27 @@ MIN_REPS = 5
 # first of two measurements of the same row (B 64, 1k keys: 113.9 us, then 99.0; 98.0-98.5 in five medians of
 # a process that timed the row alone).
 WARMUP_MIN_S = 0.05
+# --sustain S raises that floor for a whole run. Under back-to-back calls an H100 holds its 700 W power cap after
+# a fraction of a second, at SM clocks of 1.5-1.7 GHz instead of the 1.98 GHz boost (nvidia-smi, 2026-12-05):
+# a measurement of ~0.1 s catches the clock on its way down, and which method ran just before decides how far.
+# Seconds of warm-up time every method at the sustained clock, as a long training run sees it, and the timed calls
+# then span S seconds too (more than --reps where needed): the clock keeps swinging by hundreds of MHz while the
+# cap holds, so a median over 10-40 ms of calls still depends on when they ran.
+warmup_min_s = WARMUP_MIN_S
+timed_min_s = 0.0
+MAX_REPS = 20000
 
 
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events,
-    after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S; `reps` calls, or fewer (at least
-    MIN_REPS) when they would take longer than MEASURE_BUDGET_S; queued in batches of HOLD_BATCH behind a hold
+    after untimed calls in rounds of `warmup` for at least warmup_min_s; `reps` calls, or fewer (at least
+    MIN_REPS) when they would take longer than MEASURE_BUDGET_S, or more (at most MAX_REPS) when they would take
+    less than timed_min_s; queued in batches of HOLD_BATCH behind a hold
     (see HOLD_BATCH) sized from the host time of the warm-up calls."""
     host_s = []
     probe = (events.event(), events.event())
     start, done = time.perf_counter(), 0
-    while done == 0 or time.perf_counter() - start < WARMUP_MIN_S:
+    while done == 0 or time.perf_counter() - start < warmup_min_s:
         for _ in range(max(warmup, 1)):
             t0 = time.perf_counter()
             call(done % n_sets)
@@ -324,7 +334,9 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     events.record(probe[1])
     host_s.append(time.perf_counter() - t0)  # with the two event records of a timed call
     events.synchronize(probe[1])
-    reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / max(events.elapsed_ms(*probe), 1e-3))))
+    probe_ms = max(events.elapsed_ms(*probe), 1e-3)
+    reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / probe_ms)))
+    reps = min(MAX_REPS, max(reps, math.ceil(timed_min_s * 1e3 / probe_ms)))
     per_call_s = max(sorted(host_s)[len(host_s) // 2], host_s[-1])
     pairs = [(events.event(), events.event()) for _ in range(reps)]
     for first in range(0, reps, HOLD_BATCH):
@@ -2019,6 +2031,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run plain CuPy attention and torch SDPA next to cuflash (default; --no-compare: cuflash only)")
     p.add_argument("--reps", type=_positive, default=20, help="timed calls per measurement (median); default 20")
     p.add_argument("--warmup", type=_positive, default=3, help="untimed calls first; default 3")
+    p.add_argument("--sustain", type=_seconds, default=None, metavar="S",
+                   help=f"warm each measurement up for at least S seconds of back-to-back calls (default "
+                        f"{WARMUP_MIN_S:g}) and time calls for at least S seconds, so every method is timed at the "
+                        f"GPU's sustained, power-capped clock")
     p.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
                    help="with fp32 / tf32 / fp64: measure the cuBLAS GEMM ceilings of those dtypes first (SGEMM, "
                         "TF32 GEMM, DGEMM; default; --no-ceilings: not)")
@@ -2126,6 +2142,12 @@ def main(argv=None) -> int:
 
     import cuflash
 
+    global warmup_min_s, timed_min_s
+    warmup_min_s = args.sustain if args.sustain is not None else WARMUP_MIN_S
+    timed_min_s = args.sustain if args.sustain is not None else 0.0
+    if args.sustain is not None:
+        print(f"note: --sustain {args.sustain:g}: each measurement runs {args.sustain:g} s of untimed calls, then "
+              f"times calls for at least {args.sustain:g} s (median)")
     torch = None
     if args.compare:
         try:
@@ -2180,6 +2202,7 @@ def main_sweep(args, cuflash, torch) -> int:
             json.dump({"device": device_name, "compute_capability": dev.compute_capability,
                        "cupy": cp.__version__, "torch": torch.__version__ if torch is not None else None,
                        "cuflash": cuflash.__version__, "reps": args.reps, "warmup": args.warmup,
+                       "warmup_min_s": warmup_min_s, "timed_min_s": timed_min_s,
                        **({"ceilings": [asdict(c) for c in ceilings], "float32_matmul_checks": checks}
                           if wide else {}),
                        **({"time_limit_s": args.time_limit} if args.time_limit is not None else {}),
@@ -2225,7 +2248,8 @@ def main_decode_varlen(args, cuflash, torch) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "compute_capability": dev.compute_capability, "cupy": cp.__version__,
                        "torch": torch.__version__ if torch is not None else None, "cuflash": cuflash.__version__,
-                       "reps": args.reps, "warmup": args.warmup, **extra,
+                       "reps": args.reps, "warmup": args.warmup, "warmup_min_s": warmup_min_s,
+                       "timed_min_s": timed_min_s, **extra,
                        "records": [asdict(r) for r in records]}, f, indent=1)
         print(f"records written to {args.json}")
     if args.plot:

@@ -84,6 +84,28 @@ def test_reps_shrink_to_the_time_budget_but_not_below_the_minimum():
     assert len(timed_records) == 2 * bench.MIN_REPS
 
 
+def test_sustain_raises_the_warm_up_floor_and_the_timed_span(monkeypatch):
+    monkeypatch.setattr(bench, "warmup_min_s", 0.3)
+    monkeypatch.setattr(bench, "timed_min_s", 0.2)
+    events, calls = LoggingEvents(), []
+    t0 = time.perf_counter()
+    bench.median_ms(lambda i: calls.append(i), 1, events, 10, 3)
+    assert time.perf_counter() - t0 >= 0.3
+    timed = [e for kind, e in events.log if kind == "record" and e >= 2]  # events 0 and 1: the probe (1 ms)
+    assert len(timed) == 2 * 200  # 0.2 s of 1 ms calls, not --reps 10
+    monkeypatch.setattr(bench, "timed_min_s", 100.0)
+    events = LoggingEvents()
+    bench.median_ms(lambda i: None, 1, events, 10, 3)
+    assert len([e for kind, e in events.log if kind == "record" and e >= 2]) == 2 * bench.MAX_REPS
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon"])
+def test_sustain_must_be_a_positive_number_of_seconds(value, capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--sustain", value])
+    assert "--sustain" in capsys.readouterr().err
+
+
 def _elapsed_ms_of_hold(stream, stream_ptr, seconds):
     import cupy as cp
 
