@@ -304,22 +304,21 @@ WARMUP_MIN_S = 0.05
 # a measurement of ~0.1 s catches the clock on its way down, and which method ran just before decides how far.
 # Seconds of warm-up time every method at the sustained clock, as a long training run sees it, and the timed calls
 # then span S seconds too (more than --reps where needed): the clock keeps swinging by hundreds of MHz while the
-# cap holds, so a median over 10-40 ms of calls still depends on when they ran.
-warmup_min_s = WARMUP_MIN_S
-timed_min_s = 0.0
+# cap holds, so a median over 10-40 ms of calls still depends on when they ran. 0: neither applies.
+sustain_s = 0.0
 MAX_REPS = 20000
 
 
 def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events,
-    after untimed calls in rounds of `warmup` for at least warmup_min_s; `reps` calls, or fewer (at least
-    MIN_REPS) when they would take longer than MEASURE_BUDGET_S, or more (at most MAX_REPS) when they would take
-    less than timed_min_s; queued in batches of HOLD_BATCH behind a hold
+    after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S or sustain_s; `reps` calls, or fewer (at
+    least MIN_REPS) when they would take longer than MEASURE_BUDGET_S, or more (at most MAX_REPS) when they would
+    take less than sustain_s; queued in batches of HOLD_BATCH behind a hold
     (see HOLD_BATCH) sized from the host time of the warm-up calls."""
     host_s = []
     probe = (events.event(), events.event())
-    start, done = time.perf_counter(), 0
-    while done == 0 or time.perf_counter() - start < warmup_min_s:
+    start, done, warmup_s = time.perf_counter(), 0, max(WARMUP_MIN_S, sustain_s)
+    while done == 0 or time.perf_counter() - start < warmup_s:
         for _ in range(max(warmup, 1)):
             t0 = time.perf_counter()
             call(done % n_sets)
@@ -336,7 +335,7 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     events.synchronize(probe[1])
     probe_ms = max(events.elapsed_ms(*probe), 1e-3)
     reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / probe_ms)))
-    reps = min(MAX_REPS, max(reps, math.ceil(timed_min_s * 1e3 / probe_ms)))
+    reps = min(MAX_REPS, max(reps, math.ceil(sustain_s * 1e3 / probe_ms)))
     per_call_s = max(sorted(host_s)[len(host_s) // 2], host_s[-1])
     pairs = [(events.event(), events.event()) for _ in range(reps)]
     for first in range(0, reps, HOLD_BATCH):
@@ -2142,9 +2141,8 @@ def main(argv=None) -> int:
 
     import cuflash
 
-    global warmup_min_s, timed_min_s
-    warmup_min_s = args.sustain if args.sustain is not None else WARMUP_MIN_S
-    timed_min_s = args.sustain if args.sustain is not None else 0.0
+    global sustain_s
+    sustain_s = args.sustain or 0.0
     if args.sustain is not None:
         print(f"note: --sustain {args.sustain:g}: each measurement runs {args.sustain:g} s of untimed calls, then "
               f"times calls for at least {args.sustain:g} s (median)")
@@ -2202,7 +2200,7 @@ def main_sweep(args, cuflash, torch) -> int:
             json.dump({"device": device_name, "compute_capability": dev.compute_capability,
                        "cupy": cp.__version__, "torch": torch.__version__ if torch is not None else None,
                        "cuflash": cuflash.__version__, "reps": args.reps, "warmup": args.warmup,
-                       "warmup_min_s": warmup_min_s, "timed_min_s": timed_min_s,
+                       "sustain_s": sustain_s,
                        **({"ceilings": [asdict(c) for c in ceilings], "float32_matmul_checks": checks}
                           if wide else {}),
                        **({"time_limit_s": args.time_limit} if args.time_limit is not None else {}),
@@ -2248,8 +2246,7 @@ def main_decode_varlen(args, cuflash, torch) -> int:
         with open(args.json, "w") as f:
             json.dump({"device": device_name, "compute_capability": dev.compute_capability, "cupy": cp.__version__,
                        "torch": torch.__version__ if torch is not None else None, "cuflash": cuflash.__version__,
-                       "reps": args.reps, "warmup": args.warmup, "warmup_min_s": warmup_min_s,
-                       "timed_min_s": timed_min_s, **extra,
+                       "reps": args.reps, "warmup": args.warmup, "sustain_s": sustain_s, **extra,
                        "records": [asdict(r) for r in records]}, f, indent=1)
         print(f"records written to {args.json}")
     if args.plot:

@@ -85,15 +85,14 @@ def test_reps_shrink_to_the_time_budget_but_not_below_the_minimum():
 
 
 def test_sustain_raises_the_warm_up_floor_and_the_timed_span(monkeypatch):
-    monkeypatch.setattr(bench, "warmup_min_s", 0.3)
-    monkeypatch.setattr(bench, "timed_min_s", 0.2)
+    monkeypatch.setattr(bench, "sustain_s", 0.3)
     events, calls = LoggingEvents(), []
     t0 = time.perf_counter()
     bench.median_ms(lambda i: calls.append(i), 1, events, 10, 3)
     assert time.perf_counter() - t0 >= 0.3
     timed = [e for kind, e in events.log if kind == "record" and e >= 2]  # events 0 and 1: the probe (1 ms)
-    assert len(timed) == 2 * 200  # 0.2 s of 1 ms calls, not --reps 10
-    monkeypatch.setattr(bench, "timed_min_s", 100.0)
+    assert len(timed) == 2 * 300  # 0.3 s of 1 ms calls, not --reps 10
+    monkeypatch.setattr(bench, "MAX_REPS", 50)  # below the 300 calls that 0.3 s asks for
     events = LoggingEvents()
     bench.median_ms(lambda i: None, 1, events, 10, 3)
     assert len([e for kind, e in events.log if kind == "record" and e >= 2]) == 2 * bench.MAX_REPS
