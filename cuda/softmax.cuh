@@ -53,6 +53,62 @@ struct OnlineSoftmax {
       }
   }
 
+  // The float64 forward's update (update_lazy): a row keeps its max m while its scores stay below m + LAZY_LOG2, so
+  // P = exp2(x - m) may reach 2^LAZY_LOG2, and O and l are rescaled only on tiles where some row of the warp moves its
+  // max (a warp vote), on most inputs the first few. In float64 that range costs nothing (lse = (m + log2 l) ln 2
+  // holds for any m), and the multiplies of the rescale, D_TILES * 4 per row and tile, and its exponentials run on
+  // the FP64 pipe beside the DMMA: on an H100 the head-dim-128 forward gained 10-13 %. The 16-bit forward measured
+  // the same idea slower (docs/PERFORMANCE.md, "What did not pay").
+  static constexpr int LAZY_LOG2 = 8;
+  __device__ __forceinline__ void update_lazy(A (&s)[M_TILES][N_TILES][4], A (&o)[M_TILES][D_TILES][4], A scale_log2) {
+    A m_next[M_TILES][2];
+    bool moves = false;
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        A tile_max = neg_inf();
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt) tile_max = max_of(tile_max, max_of(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+        const A m_tile = quad_max(tile_max) * scale_log2;
+        const bool move = m_tile > row_max[mt][h] + A(LAZY_LOG2);  // false while both are -inf
+        m_next[mt][h] = move ? m_tile : row_max[mt][h];
+        moves |= move;
+      }
+    if (__any_sync(0xffffffffu, moves)) {
+#pragma unroll
+      for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // alpha = 0 on a row's first visible tile (m = -inf), 1 on rows that keep their max
+          const A alpha = m_next[mt][h] == neg_inf() ? A(1) : exp2_of(row_max[mt][h] - m_next[mt][h]);
+          row_max[mt][h] = m_next[mt][h];
+          row_sum[mt][h] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < D_TILES; ++dt) {
+            o[mt][dt][2 * h] *= alpha;
+            o[mt][dt][2 * h + 1] *= alpha;
+          }
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // a row without a visible key so far: m = -inf; 0 as the max so exp2(-inf - 0) = 0, not NaN
+        const A m_use = row_max[mt][h] == neg_inf() ? A(0) : row_max[mt][h];
+        A sum = A(0);
+#pragma unroll
+        for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+          for (int c = 2 * h; c < 2 * h + 2; ++c) {
+            s[mt][nt][c] = exp2_of(fma_of(s[mt][nt][c], scale_log2, -m_use));
+            sum += s[mt][nt][c];
+          }
+        row_sum[mt][h] += sum;
+      }
+  }
+
   // One key tile: m_new = max(m, rowmax(x)); O *= exp2(m - m_new); l = l * exp2(m - m_new) + rowsum(P);
   // S is overwritten by P = exp2(x - m_new).
   __device__ __forceinline__ void update(A (&s)[M_TILES][N_TILES][4], A (&o)[M_TILES][D_TILES][4], A scale_log2) {

@@ -345,7 +345,8 @@ __device__ __forceinline__ void fwd_wide_key_tile(const Band<IS_CAUSAL, ScoreMod
   if (IS_MASKED)
     apply_band_mask<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW, Tr::M_TILES, Tr::N_TILES>(
         s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, band, lane);
-  softmax.update(s_acc, o_acc, scale_log2);
+  if constexpr (sizeof(Acc) == 8) softmax.update_lazy(s_acc, o_acc, scale_log2);
+  else softmax.update(s_acc, o_acc, scale_log2);
   if constexpr (ScoreMods<MODS>::HAS_DROPOUT) apply_dropout(s_acc, row0 + warp_row0, n_block * Tr::BLOCK_N, mods, lane);
 
   // O += P V, P from the accumulators. The tile's P V is summed in zeroed registers, PV_TILES column tiles at a time

@@ -329,6 +329,37 @@ def test_float64_forward_long_sequences(sq, sk, causal):
     run_dense("fp64", 1, sq, sk, 1, 1, 32, causal=causal, backward=False, host_limit=1_100_000)
 
 
+@pytest.mark.parametrize("spread", [40.0, 1500.0], ids=["moving-max", "underflow"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_float64_scores_rising_across_key_tiles(spread, d, causal):
+    """The float64 forward keeps a row's max while its scores stay below it + 8 (log2 units) and rescales O only
+    on tiles where some row of a warp moves it (cuda/softmax.cuh, update_lazy). Scores that rise by `spread` (natural
+    units) from the last key to the first, the order the forward walks its key tiles, move the max past that margin
+    every few tiles (40: forward and backward by the float64 rule) or on every tile, with most exponentials below
+    float64's range (1500: the forward; the backward at head dim 128 misses the rule there, before this forward as
+    with it: docs/PERFORMANCE.md, "Known gaps", float64)."""
+    b, h, sq, sk = 1, 2, 130, 300
+    rng = np.random.default_rng(seed_of("wide-rising", spread, d, causal))
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    ramp = spread * np.arange(sk - 1, -1, -1) / (sk - 1)  # the score of key j is about ramp[j]
+    q = 0.5 * rng.standard_normal((b, sq, h, d)) + np.sqrt(d) * u
+    k = 0.5 * rng.standard_normal((b, sk, h, d)) + ramp[None, :, None, None] * u
+    v, dout = rng.standard_normal((b, sk, h, d)), rng.standard_normal((b, sq, h, d))
+    q, k, v, dout = (cp.asarray(x) for x in (q, k, v, dout))
+    what = f"fp64 scores rising by {spread} D={d} causal={causal}"
+    poison_pool(round_up(q.nbytes) + round_up(b * h * sq * 8))
+    o, lse = cuflash.attention_forward(q, k, v, causal=causal)
+    refs = references("fp64", q, k, v, dout, causal, {}, spread <= 100)
+    check_outputs("fp64", o, lse, refs, what, lambda x: x.transpose(0, 2, 1, 3))
+    if spread > 100:
+        return
+    poison_pool(round_up(8 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
+    grads = cuflash.attention_backward(dout, q, k, v, o, lse, causal=causal)
+    check_grads("fp64", grads, (q, k, v), refs, what, lambda x: x.transpose(0, 2, 1, 3))
+
+
 BWD_PAIRS = [(113, 203), (256, 512), (1023, 1024), (1, 239), (512, 256), (127, 513)]
 BWD_GRID = [(sq, sk, HEAD_DIMS[(i + 2 * j) % len(HEAD_DIMS)], LAYOUTS[(i + j) % 2], precision)
             for i, (sq, sk) in enumerate(BWD_PAIRS) for j, precision in enumerate(FLOATS32)]
