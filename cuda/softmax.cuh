@@ -53,6 +53,26 @@ struct OnlineSoftmax {
       }
   }
 
+  // The max over a quad's row (g or g + 8 of m tile mt: h = 0, 1) of a tile's scores
+  static __device__ __forceinline__ A tile_max(const A (&s)[M_TILES][N_TILES][4], int mt, int h) {
+    A x = neg_inf();
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt) x = max_of(x, max_of(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
+    return quad_max(x);
+  }
+  // S -> P = exp2(x * scale_log2 - m) on this thread's part of a row; returns its sum
+  static __device__ __forceinline__ A exp2_and_sum(A (&s)[M_TILES][N_TILES][4], int mt, int h, A scale_log2, A m) {
+    A sum = A(0);
+#pragma unroll
+    for (int nt = 0; nt < N_TILES; ++nt)
+#pragma unroll
+      for (int c = 2 * h; c < 2 * h + 2; ++c) {
+        s[mt][nt][c] = exp2_of(fma_of(s[mt][nt][c], scale_log2, -m));
+        sum += s[mt][nt][c];
+      }
+    return sum;
+  }
+
   // The float64 forward's update (update_lazy): a row keeps its max m while its scores stay below m + LAZY_LOG2, so
   // P = exp2(x - m) may reach 2^LAZY_LOG2, and O and l are rescaled only on tiles where some row of the warp moves its
   // max (a warp vote), on most inputs the first few. In float64 that range costs nothing (lse = (m + log2 l) ln 2
@@ -67,10 +87,7 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        A tile_max = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) tile_max = max_of(tile_max, max_of(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        const A m_tile = quad_max(tile_max) * scale_log2;
+        const A m_tile = tile_max(s, mt, h) * scale_log2;
         const bool move = m_tile > row_max[mt][h] + A(LAZY_LOG2);  // false while both are -inf
         m_next[mt][h] = move ? m_tile : row_max[mt][h];
         moves |= move;
@@ -97,15 +114,7 @@ struct OnlineSoftmax {
       for (int h = 0; h < 2; ++h) {
         // a row without a visible key so far: m = -inf; 0 as the max so exp2(-inf - 0) = 0, not NaN
         const A m_use = row_max[mt][h] == neg_inf() ? A(0) : row_max[mt][h];
-        A sum = A(0);
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int c = 2 * h; c < 2 * h + 2; ++c) {
-            s[mt][nt][c] = exp2_of(fma_of(s[mt][nt][c], scale_log2, -m_use));
-            sum += s[mt][nt][c];
-          }
-        row_sum[mt][h] += sum;
+        row_sum[mt][h] += exp2_and_sum(s, mt, h, scale_log2, m_use);
       }
   }
 
@@ -116,23 +125,12 @@ struct OnlineSoftmax {
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        A tile_max = neg_inf();
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt) tile_max = max_of(tile_max, max_of(s[mt][nt][2 * h], s[mt][nt][2 * h + 1]));
-        const A m_new = max_of(row_max[mt][h], quad_max(tile_max) * scale_log2);
+        const A m_new = max_of(row_max[mt][h], tile_max(s, mt, h) * scale_log2);
         // fully masked row so far: m_new == -inf; use 0 as the max so exp2(-inf - 0) = 0, not NaN
         const A m_use = (m_new == neg_inf()) ? A(0) : m_new;
         const A alpha = exp2_of(row_max[mt][h] - m_use);  // exp2(-inf) = 0 on the first visible tile
         row_max[mt][h] = m_new;
-        A sum = A(0);
-#pragma unroll
-        for (int nt = 0; nt < N_TILES; ++nt)
-#pragma unroll
-          for (int c = 2 * h; c < 2 * h + 2; ++c) {
-            s[mt][nt][c] = exp2_of(fma_of(s[mt][nt][c], scale_log2, -m_use));
-            sum += s[mt][nt][c];
-          }
-        row_sum[mt][h] = row_sum[mt][h] * alpha + sum;
+        row_sum[mt][h] = row_sum[mt][h] * alpha + exp2_and_sum(s, mt, h, scale_log2, m_use);
 #pragma unroll
         for (int dt = 0; dt < D_TILES; ++dt) {
           o[mt][dt][2 * h] *= alpha;
