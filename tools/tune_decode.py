@@ -113,8 +113,13 @@ def _time_shape(args, torch, d, b, n, shipped_stages, shipped_tiles):
             _plan.plans.clear()
             _families._selected.clear()  # the kernel chosen per signature: reload it with these stages / tiles
             cfg = config.fwd_decode_config(d, "bf16", False)
-            r = _compile.compile_kernel(cfg.cpp_name(), _compile.device_arch()).resources
             cache = f"{page}-row pages" if page else "dense"
+            try:
+                r = _compile.compile_kernel(cfg.cpp_name(), _compile.device_arch()).resources
+            except RuntimeError as e:  # a candidate that does not fit (shared memory, registers): say so, go on
+                why = next((ln.strip() for ln in str(e).splitlines() if "error" in ln), str(e).splitlines()[0])
+                print(f"  {cache}, stages {stages}, tiles {tiles}, merge {merge}: does not compile: {why}", flush=True)
+                continue
             row = [f"  {cache}, stages {stages}, tiles {tiles}, merge {merge} (regs {r['registers']}, "
                    f"spill {r['spill_stores']}):"]
             for ns in args.splits:
