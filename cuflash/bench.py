@@ -203,7 +203,12 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window) -> int:
 # batches behind a hold, one thread spinning on %globaltimer for as long as the host takes to launch the
 # batch (twice its measured launch time): the GPU then runs the batch's calls back to back, as a program that
 # keeps the GPU busy does, and each call's two events time its GPU work (nvbench's blocking kernel does the
-# same). Calls longer than their host path are timed the same with or without the hold.
+# same). Only the first batch waits for the host's whole launch time; a later batch waits for the host's lead
+# over the GPU, twice the batch's launch time less its GPU time, and not at all where the calls' GPU time is the
+# longer (the host, once ahead, stays ahead). A hold of the whole launch time before every batch left the GPU idle
+# for that long between batches, and under the power cap an idle GPU runs the next calls at a higher clock: the
+# idle share followed each method's host time (SDPA's is two to three times cuflash's), and so did the clock each
+# was timed at. The probe call that sizes the holds runs behind a hold too, so that it times GPU work.
 HOLD_BATCH = 32          # timed calls queued behind one hold
 HOLD_MAX_S = 0.05        # a hold never spins longer than this
 _HOLD_SOURCE = r"""
@@ -313,8 +318,8 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     """Median GPU time of call(i) (i selects the input set, rotating), each call between its own two events,
     after untimed calls in rounds of `warmup` for at least WARMUP_MIN_S or sustain_s; `reps` calls, or fewer (at
     least MIN_REPS) when they would take longer than MEASURE_BUDGET_S, or more (at most MAX_REPS) when they would
-    take less than sustain_s; queued in batches of HOLD_BATCH behind a hold
-    (see HOLD_BATCH) sized from the host time of the warm-up calls."""
+    take less than sustain_s; queued in batches of HOLD_BATCH behind holds (see HOLD_BATCH) sized from the host
+    time of the warm-up calls and the GPU time of a probe call."""
     host_s = []
     probe = (events.event(), events.event())
     start, done, warmup_s = time.perf_counter(), 0, max(WARMUP_MIN_S, sustain_s)
@@ -327,6 +332,7 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
         events.record(probe[1])  # (recorded again below, around the probe call)
         events.synchronize(probe[1])
     warmup = done
+    events.hold(2 * sorted(host_s)[len(host_s) // 2] + 20e-6)  # the probe's events time its GPU work
     t0 = time.perf_counter()
     events.record(probe[0])
     call(warmup % n_sets)
@@ -337,10 +343,12 @@ def median_ms(call, n_sets: int, events, reps: int, warmup: int) -> float:
     reps = max(MIN_REPS, min(reps, int(MEASURE_BUDGET_S * 1e3 / probe_ms)))
     reps = min(MAX_REPS, max(reps, math.ceil(sustain_s * 1e3 / probe_ms)))
     per_call_s = max(sorted(host_s)[len(host_s) // 2], host_s[-1])
+    lead_s = max(per_call_s - probe_ms * 1e-3, 0.0)  # what the host loses to the GPU per call
     pairs = [(events.event(), events.event()) for _ in range(reps)]
     for first in range(0, reps, HOLD_BATCH):
         batch = pairs[first:first + HOLD_BATCH]
-        events.hold(2 * per_call_s * len(batch) + 20e-6)
+        if first == 0 or lead_s > 0:
+            events.hold(2 * (per_call_s if first == 0 else lead_s) * len(batch) + 20e-6)
         for i, (start, stop) in enumerate(batch, first):
             events.record(start)
             call(i % n_sets)

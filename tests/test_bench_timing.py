@@ -32,8 +32,19 @@ class LoggingEvents:
         self.log.append(("hold", seconds))
 
 
-def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events():
-    events, calls = LoggingEvents(), []
+class ShortEvents(LoggingEvents):
+    """Pair k times (1 + k % 5) * 0.1 ms: calls shorter than their host path."""
+
+    def elapsed_ms(self, a, b):
+        return 0.1 * super().elapsed_ms(a, b)
+
+
+@pytest.mark.parametrize("host_bound", [True, False])
+def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events(host_bound):
+    """The probe call and the first batch wait behind holds of the host's launch time; later batches of calls
+    shorter than their host path (the probe: 0.1 ms of GPU time for 0.2 ms of host time) behind holds of the host's
+    lead over the GPU, and of longer calls (1 ms) behind none, so the GPU never idles between batches."""
+    events, calls = (ShortEvents() if host_bound else LoggingEvents()), []
     host_s = 200e-6
 
     def call(i):
@@ -47,7 +58,8 @@ def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events():
     assert time.perf_counter() - t0 >= bench.WARMUP_MIN_S
     # warm-up: rounds of `warmup` calls, each round closed by a synchronize, until WARMUP_MIN_S has passed
     last_sync = len(events.log) - 1 - events.log[::-1].index(("sync", 1))  # the probe's
-    warm = events.log[:last_sync - 3]  # ... record(0), call, record(1), sync(1)
+    warm = events.log[:last_sync - 4]  # ... hold, record(0), call, record(1), sync(1)
+    assert events.log[last_sync - 4][0] == "hold" and events.log[last_sync - 4][1] >= 2 * host_s
     rounds = [k for k, entry in enumerate(warm) if entry == ("sync", 1)]
     assert len(rounds) >= 2 and rounds[-1] == len(warm) - 1
     for begin, end in zip([-1] + rounds[:-1], rounds):
@@ -59,18 +71,21 @@ def test_timed_calls_run_in_batches_behind_holds_each_between_its_own_events():
     timed = events.log[last_sync + 1:]
     holds = [k for k, entry in enumerate(timed) if entry[0] == "hold"]
     batches = [bench.HOLD_BATCH] * (reps // bench.HOLD_BATCH) + [reps % bench.HOLD_BATCH]  # 32, 32, 6
-    assert len(holds) == len(batches) == 3 and holds[0] == 0
-    i = 0
-    for h, size in zip(holds, batches):
-        assert timed[h][1] >= 2 * host_s * size  # long enough for the host to queue the whole batch
-        triples = timed[h + 1:h + 1 + 3 * size]
-        for k in range(size):  # record(start), call, record(stop): pair 1 + i (pair 0 is the probe)
+    assert holds[0] == 0 and len(holds) == (len(batches) if host_bound else 1)
+    assert timed[0][1] >= 2 * host_s * batches[0]  # long enough for the host to queue the whole batch
+    i, k = 0, 1
+    for size in batches:
+        if host_bound and i:  # the host's lead over the GPU: at least (0.2 - 0.1) ms a call, twice
+            assert timed[k - 1][0] == "hold" and timed[k - 1][1] >= 2 * (host_s - 1e-4) * size
+            assert timed[k - 1][1] < timed[0][1] * size / batches[0]  # shorter than the host's whole launch time
+        for _ in range(size):  # record(start), call, record(stop): pair 1 + i (pair 0 is the probe)
             start = 2 * (1 + i)
-            assert triples[3 * k:3 * k + 3] == [("record", start), ("call", i % n_sets), ("record", start + 1)]
-            i += 1
+            assert timed[k:k + 3] == [("record", start), ("call", i % n_sets), ("record", start + 1)]
+            i, k = i + 1, k + 3
+        k += host_bound  # the next batch's hold
     assert i == reps and timed[-1] == ("sync", 2 * reps + 1)
-    expected = sorted(1.0 + k % 5 for k in range(1, reps + 1))[reps // 2]
-    assert ms == expected
+    expected = sorted((1.0 + k % 5) * (0.1 if host_bound else 1) for k in range(1, reps + 1))[reps // 2]
+    assert ms == pytest.approx(expected)
 
 
 def test_reps_shrink_to_the_time_budget_but_not_below_the_minimum():
@@ -145,3 +160,28 @@ def test_a_short_kernel_is_timed_as_gpu_work_not_as_the_host_path():
 
     ms = bench.median_ms(call, 1, bench.CupyEvents(), 40, 2)
     assert 0.019 <= ms < 0.2  # without the hold, each call's events would span the host's ~1 ms
+
+
+@pytest.mark.gpu
+def test_calls_longer_than_their_host_path_run_back_to_back_after_the_first_hold():
+    import cupy as cp
+
+    spin = cp.RawKernel(bench._HOLD_SOURCE, "cuflash_bench_hold")
+    made = []
+
+    class Kept(bench.CupyEvents):  # keeps the timed events, to read the span of the whole timed phase
+        def event(self):
+            made.append(super().event())
+            return made[-1]
+
+    def call(i):  # 1 ms of GPU work behind ~0.3 ms of host time per call
+        time.sleep(3e-4)
+        spin((1,), (1,), (cp.uint64(1_000_000),))
+
+    reps = 3 * bench.HOLD_BATCH
+    ms = bench.median_ms(call, 1, Kept(), reps, 2)
+    assert 0.99 <= ms < 1.2
+    first, last = made[2], made[-1]  # made[0:2]: the probe's pair
+    span = cp.cuda.get_elapsed_time(first, last)
+    # back to back: no hold between batches (each would idle the GPU for ~2 * 32 * 0.3 ms = 19 ms)
+    assert span < reps * ms + 5, (span, reps * ms)
