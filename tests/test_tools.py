@@ -217,3 +217,26 @@ def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
     out = subprocess.run([sys.executable, str(TOOLS / "tune_tiles.py"), "--help"], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
     assert out.returncode == 0 and "fp8" in out.stdout, out.stderr[-2000:]
+
+
+def test_ab_trees_alternates_the_order_and_checks_its_arguments(tmp_path):
+    """tools/ab_trees.py (this checkout against another, one process): each round times both checkouts, the other one
+    first every other round; the speedup is the other's median time over this one's; the FlashAttention shapes and
+    FLOP counts are the benchmark's; a DIR without a cuflash package, no rounds or a negative --sustain are refused
+    before any GPU work (the tool imports CuPy only to run)."""
+    ab = import_tool("ab_trees")
+    seen = []
+    times = ab.time_rounds({"this": "a", "other": "b"}, 3, lambda call: seen.append(call) or len(seen))
+    assert seen == ["a", "b", "b", "a", "a", "b"]
+    assert times == {"this": [1, 4, 5], "other": [2, 3, 6]}
+    assert ab.speedup([1.0, 2.0, 3.0], [3.0, 4.0, 8.0]) == 2.0
+    assert ab.fa_shape(1024, 128) == (16, 16) and ab.fa_shape(32768, 64) == (1, 32)
+    assert ab.tflops("fwd", 1, 1, 1000, 100, False, 1.0) == 4 * 1000 * 1000 * 100 / 1e9
+    assert ab.tflops("bwd", 1, 1, 1000, 100, True, 1.0) == 2.5 * 0.5 * 4 * 1000 * 1000 * 100 / 1e9
+    assert ab.parse_args(["--against", str(ROOT)]).passes == ["fwd", "bwd"]
+    for bad, message in ((["--against", str(tmp_path)], "does not exist (DIR must be a checkout of cuflash)"),
+                         (["--against", str(ROOT), "--rounds", "0"], "--rounds 0: at least 1"),
+                         (["--against", str(ROOT), "--sustain", "-1"], "--sustain -1.0: seconds, 0 or more")):
+        out = subprocess.run([sys.executable, str(TOOLS / "ab_trees.py"), *bad], capture_output=True, text=True,
+                             cwd=ROOT, timeout=120)
+        assert out.returncode == 2 and message in out.stderr, (bad, out.stderr[-2000:])

@@ -25,6 +25,7 @@
 #   tune          tools/tune_tiles.py $TUNE_ARGS
 #   tune_decode   tools/tune_decode.py $TUNE_DECODE_ARGS (decode pipeline depth and split factor)
 #   families      tools/bench_bwd_families.py $FAMILIES_ARGS (backward kernel families side by side)
+#   ab            tools/ab_trees.py --against $AB_AGAINST $AB_ARGS (this tree against another checkout; JSON kept)
 #   racecheck_ws  racecheck alone over the head-dim-64/128 16-bit cases (the Hopper ws backward), with its
 #                 distinct hazard sites
 #   ring_env      a light env for the ring stages: install, versions, NCCL, the GPUs' topology (no kernel cache fill)
@@ -150,6 +151,10 @@ stage_overhead() { TAIL="${OVERHEAD_TAIL:-5}" run_logged overhead 120 $PY tools/
 stage_tune_decode() { TAIL=60 run_logged tune_decode "${TUNE_TIMEOUT:-240}" $PY tools/tune_decode.py ${TUNE_DECODE_ARGS:-}; }
 stage_tune() { TAIL=60 run_logged tune "${TUNE_TIMEOUT:-240}" $PY tools/tune_tiles.py ${TUNE_ARGS:-}; }
 stage_families() { TAIL=16 run_logged families 180 $PY tools/bench_bwd_families.py ${FAMILIES_ARGS:-}; }
+stage_ab() {
+  TAIL=30 run_logged ab "${AB_TIMEOUT:-400}" $PY tools/ab_trees.py --against "${AB_AGAINST:?the other checkout}" \
+    ${AB_ARGS:-} --json "$OUT/ab.json"
+}
 stage_racecheck_ws() {
   TAIL=30 run_logged racecheck_ws 240 $PY -m cuflash.check sanitize --tools racecheck --only 'd(64|128)-(fp16|bf16)' \
     --out /tmp/racecheck_ws --deadline 200
