@@ -240,3 +240,70 @@ def test_ab_trees_alternates_the_order_and_checks_its_arguments(tmp_path):
         out = subprocess.run([sys.executable, str(TOOLS / "ab_trees.py"), *bad], capture_output=True, text=True,
                              cwd=ROOT, timeout=120)
         assert out.returncode == 2 and message in out.stderr, (bad, out.stderr[-2000:])
+
+
+def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
+    """ab_trees.compare with stand-ins for CuPy, the bench helpers and two checkouts: both checkouts get the same input
+    sets, the backward takes each checkout's own forward outputs, diff is the largest difference of the outputs, each
+    round times both (the other first every other round), and a record per shape and pass carries the times."""
+    import types
+
+    import numpy as np
+
+    ab = import_tool("ab_trees")
+    seen_inputs, timed = [], []
+
+    def tree(name, offset):
+        def attention(q, k, v, causal):
+            seen_inputs.append((name, id(q), id(k), id(v), causal))
+            return q + k + offset
+
+        def attention_forward(q, k, v, causal):
+            return attention(q, k, v, causal), np.full(2, offset)
+
+        def attention_backward(do, q, k, v, o, lse, causal):
+            return do + lse[0], q, k * (1 + 4 * lse[0])  # lse: this checkout's forward's
+        return types.SimpleNamespace(name=name, attention=attention, attention_forward=attention_forward,
+                                     attention_backward=attention_backward)
+
+    trees = {"this": tree("this", 0.0), "other": tree("other", 0.25)}
+    calls_of = {}
+
+    def median_ms(call, n_sets, events, reps, warmup):
+        owner = next(name for name, c in calls_of.items() if c is call)
+        timed.append(owner)
+        call(0)
+        return {"this": 1.0, "other": 2.0}[owner[0]]
+
+    def time_rounds(calls, rounds, measure):  # remember which call is whose, then the real alternation
+        calls_of.clear()
+        calls_of.update({(name, len(timed)): c for name, c in calls.items()})
+        return real_time_rounds(calls, rounds, measure)
+
+    real_time_rounds = ab.time_rounds
+    ab.time_rounds = time_rounds
+    rng_values = iter(range(1000))
+    fake_bench = types.SimpleNamespace(
+        sustain_s=0.0, CupyEvents=lambda: None, n_input_sets=lambda nbytes: 2, median_ms=median_ms,
+        random_array=lambda rng, dims, dtype: np.full((2, 3), float(next(rng_values)), dtype=np.float32))
+    fake_cp = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=lambda seed: seed), abs=np.abs,
+                                    get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    args = ab.parse_args(["--against", str(ROOT), "--head-dims", "128", "--n", "1024", "--causal", "yes", "--rounds",
+                          "3", "--sustain", "0.25"])
+    try:
+        records = ab.compare(args, trees, fake_cp, fake_bench, lambda x: np.asarray(x, dtype=np.float32))
+    finally:
+        ab.time_rounds = real_time_rounds
+    assert fake_bench.sustain_s == 0.25
+    # the forward outputs of both checkouts on both input sets, then the timed calls: always the same arrays
+    by_tree = {name: [x[1:] for x in seen_inputs if x[0] == name] for name in trees}
+    assert by_tree["this"] == by_tree["other"] and all(x[4] is True for x in seen_inputs)
+    assert [r["pass"] for r in records] == ["fwd", "bwd"]
+    fwd, bwd = records
+    # o + 0.25; dq + lse (0.25), dk: k * 2 on the first set (k = 1.0) where each takes its own lse
+    assert fwd["diff"] == 0.25 and bwd["diff"] == 1.0
+    assert fwd["this_ms"] == [1.0] * 3 and fwd["other_ms"] == [2.0] * 3 and fwd["this_over_other"] == 2.0
+    assert (fwd["batch"], fwd["heads"], fwd["seqlen"], fwd["head_dim"], fwd["causal"]) == (16, 16, 1024, 128, True)
+    assert [owner[0] for owner in timed] == ["this", "other", "other", "this", "this", "other"] * 2
+    out = capsys.readouterr().out
+    assert "fwd D 128 causal yes N 1024: this 1.000 / 1.000 / 1.000 ms" in out and "this/other 2.000" in out

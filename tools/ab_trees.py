@@ -92,20 +92,10 @@ def parse_args(argv=None):
     return args
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    import cupy as cp
-
-    import cuflash
-    from cuflash import _xpref, bench
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from launch_overhead import load_other_cuflash
-
-    other = load_other_cuflash(args.against)
-    trees = {"this": cuflash, "other": other}
-    print(f"this: {Path(cuflash.__file__).parent.parent}, other: {Path(other.__file__).parent.parent}; "
-          f"{args.dtype}, {args.rounds} rounds, sustain {args.sustain:g} s", flush=True)
+def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
+    """Every shape of args for both checkouts (trees: "this" and "other", cuflash modules): the rows printed and
+    the records of the JSON. cp: CuPy; bench: cuflash.bench (its random_array, n_input_sets, CupyEvents, median_ms,
+    sustain_s); to_float32: cuflash._xpref's."""
     bench.sustain_s = args.sustain
     events, records = bench.CupyEvents(), []
     for d in args.head_dims:
@@ -127,7 +117,7 @@ def main(argv=None) -> int:
                 for passname in args.passes:
                     first = {name: calls(name, passname, t)(0) for name, t in trees.items()}
                     got = {name: x if isinstance(x, tuple) else (x,) for name, x in first.items()}
-                    diff = max(float(cp.abs(_xpref.to_float32(a) - _xpref.to_float32(o)).max())
+                    diff = max(float(cp.abs(to_float32(a) - to_float32(o)).max())
                                for a, o in zip(got["this"], got["other"]))
                     del first, got
                     times = time_rounds({name: calls(name, passname, t) for name, t in trees.items()}, args.rounds,
@@ -144,6 +134,23 @@ def main(argv=None) -> int:
                                     "this_over_other": x, "diff": diff})
                 del sets, outs
                 cp.get_default_memory_pool().free_all_blocks()
+    return records
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import cupy as cp
+
+    import cuflash
+    from cuflash import _xpref, bench
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from launch_overhead import load_other_cuflash
+
+    other = load_other_cuflash(args.against)
+    print(f"this: {Path(cuflash.__file__).parent.parent}, other: {Path(other.__file__).parent.parent}; "
+          f"{args.dtype}, {args.rounds} rounds, sustain {args.sustain:g} s", flush=True)
+    records = compare(args, {"this": cuflash, "other": other}, cp, bench, _xpref.to_float32)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"against": str(Path(args.against).resolve()), "dtype": args.dtype, "rounds": args.rounds,
