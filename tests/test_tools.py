@@ -221,22 +221,20 @@ def test_tune_tiles_fp8_tunes_the_table_its_calls_take():
 
 def test_ab_trees_alternates_the_order_and_checks_its_arguments(tmp_path):
     """tools/ab_trees.py (this checkout against another, one process): each round times both checkouts, the other one
-    first every other round; the speedup is the other's median time over this one's; the FlashAttention shapes and
-    FLOP counts are the benchmark's; a DIR without a cuflash package, no rounds or a negative --sustain are refused
-    before any GPU work (the tool imports CuPy only to run)."""
+    first every other round; the speedup is the other's median time over this one's; a DIR without a cuflash package,
+    no rounds, a negative --sustain or a length beyond the FA shapes' 16k tokens are refused before any GPU work (the
+    tool imports CuPy only to run)."""
     ab = import_tool("ab_trees")
     seen = []
     times = ab.time_rounds({"this": "a", "other": "b"}, 3, lambda call: seen.append(call) or len(seen))
     assert seen == ["a", "b", "b", "a", "a", "b"]
     assert times == {"this": [1, 4, 5], "other": [2, 3, 6]}
     assert ab.speedup([1.0, 2.0, 3.0], [3.0, 4.0, 8.0]) == 2.0
-    assert ab.fa_shape(1024, 128) == (16, 16) and ab.fa_shape(32768, 64) == (1, 32)
-    assert ab.tflops("fwd", 1, 1, 1000, 100, False, 1.0) == 4 * 1000 * 1000 * 100 / 1e9
-    assert ab.tflops("bwd", 1, 1, 1000, 100, True, 1.0) == 2.5 * 0.5 * 4 * 1000 * 1000 * 100 / 1e9
     assert ab.parse_args(["--against", str(ROOT)]).passes == ["fwd", "bwd"]
     for bad, message in ((["--against", str(tmp_path)], "does not exist (DIR must be a checkout of cuflash)"),
                          (["--against", str(ROOT), "--rounds", "0"], "--rounds 0: at least 1"),
-                         (["--against", str(ROOT), "--sustain", "-1"], "--sustain -1.0: seconds, 0 or more")):
+                         (["--against", str(ROOT), "--sustain", "-1"], "--sustain -1.0: seconds, 0 or more"),
+                         (["--against", str(ROOT), "--n", "32768"], "--n 32768: a sequence length from 1 to 16384")):
         out = subprocess.run([sys.executable, str(TOOLS / "ab_trees.py"), *bad], capture_output=True, text=True,
                              cwd=ROOT, timeout=120)
         assert out.returncode == 2 and message in out.stderr, (bad, out.stderr[-2000:])
@@ -283,8 +281,10 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
     real_time_rounds = ab.time_rounds
     ab.time_rounds = time_rounds
     rng_values = iter(range(1000))
+    from cuflash import bench
+
     fake_bench = types.SimpleNamespace(
-        sustain_s=0.0, CupyEvents=lambda: None, n_input_sets=lambda nbytes: 2, median_ms=median_ms,
+        Shape=bench.Shape, sustain_s=0.0, CupyEvents=lambda: None, n_input_sets=lambda nbytes: 2, median_ms=median_ms,
         random_array=lambda rng, dims, dtype: np.full((2, 3), float(next(rng_values)), dtype=np.float32))
     fake_cp = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=lambda seed: seed), abs=np.abs,
                                     get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
@@ -307,3 +307,7 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
     assert [owner[0] for owner in timed] == ["this", "other", "other", "this", "this", "other"] * 2
     out = capsys.readouterr().out
     assert "fwd D 128 causal yes N 1024: this 1.000 / 1.000 / 1.000 ms" in out and "this/other 2.000" in out
+    # the benchmark's FLOP counts (bench.Shape): forward 4 B H N^2 D, backward 2.5x, half when causal; B 16, H 16
+    fwd_tf, bwd_tf = (factor * 0.5 * 4 * 16 * 16 * 1024 ** 2 * 128 / 1e9 for factor in (1.0, 2.5))
+    assert f"ms ({fwd_tf:.0f} TFLOP/s), other" in out and f"ms ({fwd_tf / 2:.0f}); this/other" in out
+    assert f"ms ({bwd_tf:.0f} TFLOP/s), other" in out

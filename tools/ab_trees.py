@@ -32,18 +32,6 @@ PASSES = ("fwd", "bwd")
 CAUSAL = {"no": False, "yes": True}
 
 
-def fa_shape(seqlen: int, head_dim: int) -> tuple[int, int]:
-    """(batch, heads) of the FlashAttention benchmark's shapes: 16k tokens per batch, 2048 / D heads."""
-    return max(1, 16384 // seqlen), 2048 // head_dim
-
-
-def tflops(passname: str, batch: int, heads: int, seqlen: int, head_dim: int, causal: bool, ms: float) -> float:
-    """The benchmark's count: forward 4 B H N^2 D, backward 2.5x that, half of either when causal."""
-    flops = 4.0 * batch * heads * seqlen * seqlen * head_dim * (0.5 if causal else 1.0) * (2.5 if passname == "bwd"
-                                                                                          else 1.0)
-    return flops / ms / 1e9
-
-
 def round_orders(rounds: int) -> list[tuple[str, str]]:
     """Which checkout runs first in each round: this one in even rounds, the other in odd ones."""
     return [("this", "other") if r % 2 == 0 else ("other", "this") for r in range(rounds)]
@@ -87,21 +75,22 @@ def parse_args(argv=None):
     if args.sustain < 0:
         p.error(f"--sustain {args.sustain}: seconds, 0 or more")
     for n in args.n:
-        if n < 1:
-            p.error(f"--n {n}: a sequence length of at least 1")
+        if not 1 <= n <= 16384:
+            p.error(f"--n {n}: a sequence length from 1 to 16384 (the FA shapes' batch = 16384 // N)")
     return args
 
 
 def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
     """Every shape of args for both checkouts (trees: "this" and "other", cuflash modules): the rows printed and
-    the records of the JSON. cp: CuPy; bench: cuflash.bench (its random_array, n_input_sets, CupyEvents, median_ms,
-    sustain_s); to_float32: cuflash._xpref's."""
+    the records of the JSON. cp: CuPy; bench: cuflash.bench (its Shape, random_array, n_input_sets, CupyEvents,
+    median_ms, sustain_s); to_float32: cuflash._xpref's."""
     bench.sustain_s = args.sustain
     events, records = bench.CupyEvents(), []
     for d in args.head_dims:
         for causal in (CAUSAL[c] for c in args.causal):
             for n in args.n:
-                b, h = fa_shape(n, d)
+                shape = bench.Shape(args.dtype, d, causal, n)  # the FA shape and its FLOP count
+                b, h = shape.batch, shape.heads
                 n_sets = bench.n_input_sets(4 * b * n * h * d * 2)
                 rng = cp.random.RandomState(n + d)
                 sets = [tuple(bench.random_array(rng, (b, n, h, d), args.dtype) for _ in range(4))
@@ -123,8 +112,7 @@ def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
                     times = time_rounds({name: calls(name, passname, t) for name, t in trees.items()}, args.rounds,
                                         lambda call: bench.median_ms(call, n_sets, events, args.reps, args.warmup))
                     x = speedup(times["this"], times["other"])
-                    rate = {name: tflops(passname, b, h, n, d, causal, statistics.median(ms))
-                            for name, ms in times.items()}
+                    rate = {name: shape.flops(passname) / statistics.median(ms) / 1e9 for name, ms in times.items()}
                     print(f"{passname} D {d} causal {'yes' if causal else 'no'} N {n}: this "
                           f"{' / '.join(f'{m:.3f}' for m in times['this'])} ms ({rate['this']:.0f} TFLOP/s), other "
                           f"{' / '.join(f'{m:.3f}' for m in times['other'])} ms ({rate['other']:.0f}); this/other "
