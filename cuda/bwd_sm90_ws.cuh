@@ -9,8 +9,10 @@
 //     step into a 2-stage circular buffer; in deterministic mode lane 0 of warp 1 is the dQ writer (below);
 //   warpgroups 1, 2 (consumers, 240 registers): consumer w owns keys 64w .. 64w + 63 and their dK, dV rows in
 //     registers; per step it runs bwd_sm90_dkdv_step (bwd_sm90.cuh: S^T, dP^T, P^T, dV += P^T dO, dS^T,
-//     dK += dS^T Q on asynchronous wgmma), stores dS^T, and computes its part of dQ_i = dS K_j (half the columns of
-//     a 64-query step, half the rows of a 128-query one: BwdSm90Traits::DQ_BY_ROWS).
+//     dK += dS^T Q on asynchronous wgmma), stores dS^T (stmatrix), and computes its part of dQ_i = dS K_j (half the
+//     columns of a 64-query step, half the rows of a 128-query one: BwdSm90Traits::DQ_BY_ROWS); at head dim 128
+//     in 64-query steps consumer 1 alone computes all of dQ_i (BwdSm90WsTraits::dq_one_wg, default mode) while
+//     consumer 0 goes on to the next step.
 // The math, the score modifiers, masks, dropout, block maps and GQA walk are bwd_sm90_kernel's (BwdKeyBlock,
 // QueryBlock: producer and consumers walk the same steps); what is new is who moves the data and when.
 //
@@ -45,7 +47,11 @@
 //               cp.reduce.async.bulk .add.f32 of the whole block into dQ_acc. Only the writer needs to wait, but
 //               with the other 7 warps passing by bar.arrive, compute-sanitizer's racecheck loses the ordering of
 //               later barriers and reports hazards that are none (tools/racecheck_named_barrier.py shows it on 20
-//               lines of CUDA); all 8 warps leave the step's last GEMM within a few cycles of each other anyway
+//               lines of CUDA); all 8 warps leave the step's last GEMM within a few cycles of each other anyway.
+//               With dq_one_wg consumer 1's 128 threads arrive on the mbarrier dq_full (count 128, one phase per
+//               step, parity i % 2) and wait for it, and its warp 4 is the writer: a bar.sync of those 128 threads
+//               alone made racecheck report the same kind of hazards (between the epilogue's dK / dV staging and
+//               its reads, which EPILOGUE_BAR orders)
 //   EPILOGUE_BAR  bar.sync by all, around staging dK, dV in the K, V tiles (the other consumer's last dQ GEMM
 //               reads all of K)
 // dS^T is double-buffered: consumer A may store dS^T of step i + 1 while consumer B's dQ GEMM of step i still
@@ -163,6 +169,14 @@ struct BwdSm90WsTraits : BwdSm90Traits<HEAD_DIM_, BLOCK_M_, 128, 1, T_> {
   // those leave dQ to bwd_dq_kernel. cuflash/config.py ordered_dq mirrors this.
   static constexpr bool ordered_dq(int mods, bool /*causal*/) {
     return !(mods & (MOD_BIAS | MOD_DROPOUT)) && !(HEAD_DIM_ >= 128 && (mods & MOD_MASK));
+  }
+  // dQ of a 64-query step at head dim 128 by one consumer, as one m64n128 wgmma chain (half the wgmma instructions
+  // of two m64n64 chains), the other consumer free to start the next step (bwd_sm90_ws_consumer), in the default
+  // mode (the deterministic mode's hand-offs keep both) and not causal with a bias and a mask together, where its
+  // hand-off made ptxas spill 4 bytes (NVRTC 13.0 and 13.5). cuflash/config.py bwd_ws_dq_one_wg mirrors this.
+  static constexpr bool dq_one_wg(int mods, bool causal, bool deterministic) {
+    return HEAD_DIM_ == 128 && BLOCK_M_ == 64 && !deterministic &&
+           !(causal && (mods & MOD_BIAS) && (mods & MOD_MASK));
   }
   static constexpr int Q_TX = 2 * Base::SMEM_Q + 2 * Base::SMEM_ROWVEC;  // transaction bytes of one step
   // named barriers (0 is __syncthreads)
@@ -338,8 +352,10 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
   // from lane 0, so ptxas knows it is warp-uniform (the K/V descriptors in uniform registers, as bwd_sm90_kernel)
   const int cwg = __shfl_sync(0xffffffffu, warp / 4, 0);
   const int key_row0 = cwg * 64 + (warp % 4) * 16;  // this warp's first key row in the tile
+  // dQ of a step by consumer 1 alone (Tr::dq_one_wg)
+  constexpr bool ONE_WG_DQ = Tr::dq_one_wg(MODS, IS_CAUSAL, IS_DETERMINISTIC);
   // issues the dQ reductions (deterministic: hands each block to the dQ writer, bwd_sm90_ws_dq_writer)
-  const bool is_writer = warp == 0;
+  const bool is_writer = warp == (ONE_WG_DQ ? 4 : 0);
   const u32 k_smem = sm.base + Tr::OFF_K;
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // this warp's 16 keys x HEAD_DIM, fp32
@@ -400,17 +416,16 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       wgmma_fence_operand(dk_acc);
       mbarrier_arrive(sm.q_empty(stage));
     } else {
-      // dS^T -> buffer `buf`, visible to the tensor cores after DS_BAR: bwd_sm90_store_ds's conflict-free stores,
-      // written out here (called, ptxas scheduled the head-dim-128 window instantiations differently)
+      // dS^T -> buffer `buf`, visible to the tensor cores after DS_BAR: one stmatrix.x4 per 16 x 16 fragment (its
+      // four 8 x 8 matrices are ds_regs[kk][0..3]: rows +0 / +8, columns +0 / +8), lane l giving the 16-byte row
+      // (l & 7) of matrix l >> 3; the 8 rows of a matrix are 8 distinct 16-byte bank groups of the swizzled tile
       const u32 ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;
       __syncwarp();  // every lane has read its parked P^T copy back (the stores below overwrite it)
 #pragma unroll
       for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-          *reinterpret_cast<u32*>(smem + ds_off +
-                                  Tr::TileDS::offset(key_row0 + g + (r & 1) * 8, kk * 16 + (r >> 1) * 8 + 2 * t)) =
-              ds_regs[kk][r];
+        stmatrix_x4(sm.base + ds_off +
+                        Tr::TileDS::offset(key_row0 + (lane & 7) + ((lane >> 3) & 1) * 8, kk * 16 + (lane >> 4) * 8),
+                    ds_regs[kk][0], ds_regs[kk][1], ds_regs[kk][2], ds_regs[kk][3]);
       fence_proxy_async_shared();
       if (is_writer) {  // the previous block's reduction has read the dQ buffer
         if (lane == 0) {
@@ -423,35 +438,79 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
       }
       named_barrier_sync(Tr::DS_BAR, Tr::CONSUMER_THREADS);
 
-      // dQ_i[rows dq_row0.., DQ_COLS columns from dq_col0] = dS K_j: A = dS^T read M-major, B = K_j read N-major,
-      // queued behind dV and dK
-      float dq_acc[Tr::DQ_TILES][4];
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
-        Wgmma<Tr::DQ_COLS, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
-            dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, Tr::dq_row0(cwg)),
-            Tr::TileKV::desc_mn_major(k_smem, kk * 16, Tr::dq_col0(cwg)), /*scale_d=*/kk > 0);
-      wgmma_commit_group();
-      wgmma_wait_group<0>();
-      wgmma_fence_operand(dv_acc);
-      wgmma_fence_operand(dk_acc);
-      wgmma_fence_operand(dq_acc);
-      // Q_i, dO_i, lse_log2_i, delta_i are read
-      mbarrier_arrive(sm.q_empty(stage));
-      // -> the dQ buffer in dQ_acc order (the file comment): 16-byte stores, consecutive threads consecutive chunks
-#pragma unroll
-      for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
-        *reinterpret_cast<float4*>(smem + Tr::OFF_DQ + ((cwg * Tr::DQ_TILES + dt) * 128 + (ctid & 127)) * 16) =
-            make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
-      fence_proxy_async_shared();
-      named_barrier_sync(Tr::DQ_BAR, Tr::CONSUMER_THREADS);
-      if (is_writer && lane == 0) {
-        if (ORDERED) {
-          mbarrier_arrive(sm.dq_full());
+      if constexpr (ONE_WG_DQ) {
+        // consumer 1 alone computes dQ_i = dS K_j, all HEAD_DIM columns in one m64n128 chain; consumer 0 goes on to
+        // the next step. The step's dV and dK GEMMs retire first: issued behind them, the chain made ptxas
+        // serialize the kernel's wgmma (C7512).
+        wgmma_wait_group<0>();
+        wgmma_fence_operand(dv_acc);
+        wgmma_fence_operand(dk_acc);
+        if (cwg == 0) {
+          mbarrier_arrive(sm.q_empty(stage));
         } else {
-          cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
-          cp_async_bulk_commit_group();
+          float dq_acc[2 * Tr::DQ_TILES][4];
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+            Wgmma<Tr::HEAD_DIM, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+                dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, 0),
+                Tr::TileKV::desc_mn_major(k_smem, kk * 16, 0), /*scale_d=*/kk > 0);
+          wgmma_commit_group();
+          wgmma_wait_group<0>();
+          wgmma_fence_operand(dv_acc);
+          wgmma_fence_operand(dk_acc);
+          wgmma_fence_operand(dq_acc);
+          mbarrier_arrive(sm.q_empty(stage));
+          // the dQ_acc order of two consumers (the file comment): fragment dt holds columns 8 dt ..
+#pragma unroll
+          for (int dt = 0; dt < 2 * Tr::DQ_TILES; ++dt)
+            *reinterpret_cast<float4*>(smem + Tr::OFF_DQ + (dt * 128 + (ctid & 127)) * 16) =
+                make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
+          // each thread's stores before its arrive on dq_full (one phase per step, parity buf); the writer thread
+          // alone waits for the phase and reduces (a bar.sync of consumer 1's 128 threads orders the same, but
+          // compute-sanitizer's racecheck then reported hazards that are none between the epilogue's staging and
+          // its reads, both behind bar.sync of all 256 consumer threads)
+          fence_proxy_async_shared();
+          mbarrier_arrive(sm.dq_full());
+          mbarrier_try_wait_parity(sm.dq_full(), buf);
+          if (is_writer) {
+            if (lane == 0) {
+              cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
+              cp_async_bulk_commit_group();
+            }
+          }
+        }
+      } else {
+        // dQ_i[rows dq_row0.., DQ_COLS columns from dq_col0] = dS K_j: A = dS^T read M-major, B = K_j read N-major,
+        // queued behind dV and dK
+        float dq_acc[Tr::DQ_TILES][4];
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+          Wgmma<Tr::DQ_COLS, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+              dq_acc, Tr::TileDS::desc_mn_major(sm.base + ds_off, kk * 16, Tr::dq_row0(cwg)),
+              Tr::TileKV::desc_mn_major(k_smem, kk * 16, Tr::dq_col0(cwg)), /*scale_d=*/kk > 0);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        wgmma_fence_operand(dv_acc);
+        wgmma_fence_operand(dk_acc);
+        wgmma_fence_operand(dq_acc);
+        // Q_i, dO_i, lse_log2_i, delta_i are read
+        mbarrier_arrive(sm.q_empty(stage));
+        // -> the dQ buffer in dQ_acc order (the file comment): 16-byte stores, consecutive threads consecutive chunks
+#pragma unroll
+        for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
+          *reinterpret_cast<float4*>(smem + Tr::OFF_DQ + ((cwg * Tr::DQ_TILES + dt) * 128 + (ctid & 127)) * 16) =
+              make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
+        fence_proxy_async_shared();
+        named_barrier_sync(Tr::DQ_BAR, Tr::CONSUMER_THREADS);
+        if (is_writer && lane == 0) {
+          if (ORDERED) {
+            mbarrier_arrive(sm.dq_full());
+          } else {
+            cp_reduce_async_bulk_add_f32(p.dq_accum + qb.vec_row * Tr::HEAD_DIM, sm.base + Tr::OFF_DQ, Tr::SMEM_DQ);
+            cp_async_bulk_commit_group();
+          }
         }
       }
       buf ^= 1;
@@ -513,6 +572,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_ws_kernel(const __gri
       mbarrier_init(sm.q_full(s), 1);
       mbarrier_init(sm.q_empty(s), Tr::CONSUMER_THREADS);
     }
+    if (Tr::dq_one_wg(MODS, IS_CAUSAL, IS_DETERMINISTIC)) mbarrier_init(sm.dq_full(), 128);  // consumer 1's dQ stores
     if (ORDERED) {
       mbarrier_init(sm.dq_full(), 1);
       mbarrier_init(sm.dq_empty(), 1);

@@ -11,6 +11,8 @@ one variant per process under `compute-sanitizer --tool racecheck`, and prints t
   whole-cta-384    384 threads, all of them in bar.sync 3, 384 (256 store and load)
   arrive-first     consumers-stay, after a bar.sync / bar.arrive hand-off on barrier 2 (one warp syncs, seven
                    arrive), the backward's dQ pattern
+  subset-sync      consumers-stay, after `bar.sync 2, 128` by the second 128 consumers alone (the first skip it),
+                   the head-dim-128 backward's dQ by one consumer warpgroup
 Each variant checks its loads (a wrong value exits 1), so a variant without hazards also ran correctly.
 
     python tools/racecheck_named_barrier.py            # needs a GPU and compute-sanitizer on PATH (or --sanitizer)
@@ -24,12 +26,13 @@ import subprocess
 import sys
 
 VARIANTS = {  # name: (threads, first consumer thread (the barrier counts threads from it on), producers exit,
-    #                  dQ hand-off first)
-    "consumers-exit": (384, 128, True, False),
-    "consumers-stay": (384, 128, False, False),
-    "whole-cta-256": (256, 0, False, False),
-    "whole-cta-384": (384, 0, False, False),
-    "arrive-first": (384, 128, False, True),
+    #                  barrier 2 first: 0 no, 1 the bar.sync / bar.arrive hand-off, 2 bar.sync by half the consumers)
+    "consumers-exit": (384, 128, True, 0),
+    "consumers-stay": (384, 128, False, 0),
+    "whole-cta-256": (256, 0, False, 0),
+    "whole-cta-384": (384, 0, False, 0),
+    "arrive-first": (384, 128, False, 1),
+    "subset-sync": (384, 128, False, 2),
 }
 
 SOURCE = r"""
@@ -40,10 +43,13 @@ extern "C" __global__ void staged_exchange(float* out, int first_consumer, int p
   const int c = tid - first_consumer;        // consumer index; the barrier counts every consumer
   const bool active = c >= 0 && c < 256;     // the 256 that store and load
   if (active) {
-    if (dq_handoff) {
+    if (dq_handoff == 1) {
       tile[c] = -1.0f;
       if (c < 32) asm volatile("bar.sync 2, 256;" ::: "memory");
       else asm volatile("bar.arrive 2, 256;" ::: "memory");
+    } else if (dq_handoff == 2 && c >= 128) {
+      tile[c] = -1.0f;
+      asm volatile("bar.sync 2, 128;" ::: "memory");
     }
     tile[c] = 2.0f * c + blockIdx.x;          // the staging store
   }
@@ -60,7 +66,7 @@ def run_variant(name: str) -> int:
     kernel = cp.RawKernel(SOURCE, "staged_exchange")
     blocks = 4
     out = cp.full(blocks * 256, -7.0, cp.float32)
-    kernel((blocks,), (threads,), (out, cp.int32(first), cp.int32(int(exits)), cp.int32(int(handoff))))
+    kernel((blocks,), (threads,), (out, cp.int32(first), cp.int32(int(exits)), cp.int32(handoff)))
     got = cp.asnumpy(out).reshape(blocks, 256)
     import numpy as np
 
