@@ -1448,6 +1448,15 @@ def bwd_stages_bias(head_dim: int, mods: int, causal: bool = False) -> bool:
     return bool(mods & MOD_BIAS) and not mods & (MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)
 
 
+def bwd_ws_dq_one_wg(cfg) -> bool:
+    """Whether warp-specialized backward config `cfg` computes a step's dQ in one consumer warpgroup (one m64n128
+    wgmma chain, the other consumer going on to the next step) rather than half in each: head dim 128 in 64-query
+    steps, not deterministic, and not causal with a bias and a mask together (there the hand-off made ptxas spill).
+    Mirrors BwdSm90WsTraits::dq_one_wg (cuda/bwd_sm90_ws.cuh)."""
+    return (isinstance(cfg, BwdSm90WsConfig) and cfg.head_dim == 128 and cfg.block_m == 64 and not cfg.deterministic
+            and not (cfg.causal and cfg.mods & MOD_BIAS and cfg.mods & MOD_MASK))
+
+
 def ordered_dq(main) -> bool:
     """Whether backward main kernel `main` (a config) is deterministic and adds dQ to dQ_acc itself, in a fixed order
     counted in turns (the warp-specialized kernel's bwd_sm90_ws_dq_writer; the float32 / float64 bwd_wide_kernel's

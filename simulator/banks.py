@@ -583,9 +583,9 @@ BWD_SM90_WS_ROLES = {
     "dk_wgmma": ("wgmma", "HGMMA"),
     # dS^T, dQ = dS K, its stores and the bulk reduction: unless deterministic, and deterministic on the ordered path
     # (config.ordered_dq: the producer warpgroup's dQ writer issues the same reduction in its turn)
-    "ds_store": ("st32", "STS"),  # dS^T into buffer k % 2
-    "dq_wgmma": ("wgmma", "HGMMA"),
-    "dq_store": ("st128", "STS"),  # dQ_i into the dQ buffer
+    "ds_store": ("stmatrix.x4", "STSM"),  # dS^T into buffer k % 2: one stmatrix.x4 per 16 keys x 16 queries
+    "dq_wgmma": ("wgmma", "HGMMA"),  # per consumer, or consumer 1 alone (config.bwd_ws_dq_one_wg)
+    "dq_store": ("st128", "STS"),  # dQ_i into the dQ buffer (config.bwd_ws_dq_one_wg: consumer 1's 4 warps)
     "dq_bulk": ("tma", "UBLKRED"),  # the dQ buffer read by the bulk reduction into dQ_acc
     # a staged 16-bit bias (config.bwd_stages_bias): each consumer warp copies its 16 keys of the block's rows (two
     # 16-byte chunks per row, bias_offset's layout) and reads them back as the S^T layout with ldmatrix .x4 .trans
@@ -1512,7 +1512,9 @@ def bwd_sm90_wgmma(cfg) -> dict[str, InstrStats]:
            "dpt_wgmma": wgmma_stats(wg * hd // 16, wg * (64 + bm) * hd * e),
            "dv_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e),
            "dk_wgmma": wgmma_stats(wg * bm // 16, wg * bm * hd * e)}
-    if main_adds_dq(cfg):
+    if main_adds_dq(cfg) and _config.bwd_ws_dq_one_wg(cfg):  # one warpgroup: all 64 rows x HEAD_DIM columns
+        out["dq_wgmma"] = wgmma_stats(bn // 16, bn * (bm + hd) * e)
+    elif main_adds_dq(cfg):
         out["dq_wgmma"] = wgmma_stats(wg * bn // 16, wg * bn * (min(bm, 64) + L.dq_cols) * e)
     return out
 
@@ -1612,9 +1614,11 @@ def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: in
     """Byte addresses of the thread-issued shared instructions of one CTA of bwd_sm90_ws_kernel (the 8 consumer
     warps; consumer warp w owns keys 16w .. 16w + 15), per role: the float2 lse_log2 / delta loads of `stage`, where
     the kernel adds dQ (schedules.main_adds_dq: unless deterministic, or on the ordered path) the dS^T stores into
-    buffer `stage` (visit k uses stage and buffer k % 2) and the dQ buffer's 16-byte stores (consumer cwg's thread c
-    writes n8 tile dt at float4 (cwg * DQ_TILES + dt) * 128 + c), and the epilogue (dK, dV staging; store_tile by
-    the 256 consumer threads)."""
+    buffer `stage` (visit k uses stage and buffer k % 2: stmatrix.x4 per 16 x 16 block, lane l giving row
+    (l & 7) + 8 ((l >> 3) & 1), columns 8 (l >> 4) ..) and the dQ buffer's 16-byte stores (consumer cwg's thread c
+    writes n8 tile dt at float4 (cwg * DQ_TILES + dt) * 128 + c; with config.bwd_ws_dq_one_wg consumer 1's thread c
+    writes all 2 DQ_TILES tiles, dt at float4 dt * 128 + c, the same order), and the epilogue (dK, dV staging;
+    store_tile by the 256 consumer threads)."""
     L = bwd_sm90_ws_layout(cfg)
     B = L.base
     hd, bm, bn, pc, nw = cfg.head_dim, cfg.block_m, cfg.block_n, B.panel_cols, 8
@@ -1623,12 +1627,15 @@ def bwd_sm90_ws_addresses(cfg, stage: int, keys: int | None = None, head_dim: in
            "delta_load": _per_warp(L.off_delta + stage * 2 * B.rowvec + (qt * 8 + 2 * (_L & 3)) * 4, nw)}
     key_row0 = (np.arange(nw) * 16).reshape(-1, 1, 1, 1)
     if main_adds_dq(cfg):
-        r = _ax(4, 2, 4)
-        out["ds_store"] = accumulator_store_addresses(B.off_ds + stage * B.smem_ds, bn, bm, key_row0 + (r & 1) * 8,
-                                                      _ax(bm // 16, 1, 4) * 16 + (r >> 1) * 8)
+        out["ds_store"] = frag_addresses("b_kn_trans", B.off_ds + stage * B.smem_ds, bn, bm,
+                                         key_row0.reshape(-1, 1), _ax(bm // 16, 1, 2) * 16)
         ctid = (np.arange(nw) * WARP).reshape(-1, 1, 1) + _L.reshape(1, 1, -1)
-        dt = np.arange(L.dq_tiles).reshape(1, -1, 1)
-        out["dq_store"] = L.off_dq + ((ctid // 128 * L.dq_tiles + dt) * 128 + ctid % 128) * 16
+        if _config.bwd_ws_dq_one_wg(cfg):
+            dt = np.arange(2 * L.dq_tiles).reshape(1, -1, 1)
+            out["dq_store"] = np.where(ctid >= 128, L.off_dq + (dt * 128 + ctid % 128) * 16, -1)
+        else:
+            dt = np.arange(L.dq_tiles).reshape(1, -1, 1)
+            out["dq_store"] = L.off_dq + ((ctid // 128 * L.dq_tiles + dt) * 128 + ctid % 128) * 16
     if L.off_bias >= 0:  # warp w: chunk i = lane + 32 j of its rows (row i / 2, half i % 2); ldmatrix j: block
         rows_w = L.off_bias + (stage * nw + np.arange(nw).reshape(-1, 1, 1)) * bm * BIAS_PITCH  # 2j + m / 2, half m % 2
         i = _ax(2 * bm // WARP, 1, 3) * WARP + _L.reshape(1, 1, -1)

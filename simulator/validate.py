@@ -564,7 +564,7 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
 def _shared_predictions(walk, notes: dict) -> dict:
     """The shared-memory rows of a kernel's walk (banks.*_kernel_shared). notes: SASS class -> text. The
     load rows count thread instructions only; a wgmma kernel's operand reads are named in the note."""
-    lds, ldsm, sts, ldgsts = (walk.by_sass(s) for s in ("LDS", "LDSM", "STS", "LDGSTS"))
+    lds, ldsm, sts, ldgsts, stsm = (walk.by_sass(s) for s in ("LDS", "LDSM", "STS", "LDGSTS", "STSM"))
 
     def by_role(sass: str) -> str:  # where predicted conflicts come from, to explain a miss
         parts = [f"{r} {s.conflicts:,}" for r, s in walk.roles.items()
@@ -587,8 +587,11 @@ def _shared_predictions(walk, notes: dict) -> dict:
         "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (
             lds.conflicts + ldsm.conflicts, f"LDS {lds.conflicts:,} + LDSM {ldsm.conflicts:,}" + by_role("LDS")),
         "smsp__inst_executed_op_shared_st.sum": (sts.instructions, notes["STS"]),
+        # stmatrix (STSM) is not an STS instruction but its wavefronts are in this counter (H100, 2026-12-06)
         "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum": (
-            sts.wavefronts, f"STS only; + LDGSTS would be {sts.wavefronts + ldgsts.wavefronts:,}"),
+            sts.wavefronts + stsm.wavefronts,
+            (f"STS {sts.wavefronts:,} + STSM {stsm.wavefronts:,}" if stsm.instructions else "STS only")
+            + f"; + LDGSTS would be {sts.wavefronts + stsm.wavefronts + ldgsts.wavefronts:,}"),
         "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum": (sts.conflicts, "STS only" + by_role("STS")),
         "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum": (
             lds.conflicts + ldsm.conflicts, f"LDS {lds.conflicts:,} + LDSM {ldsm.conflicts:,}; addresses only"),
@@ -708,8 +711,8 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         index = 1
         read_note = ("K, V once per CTA (TMA boxes); per visited query block Q, dO (TMA boxes) and BLOCK_M lse_log2, "
                      "delta (1-D bulk copies): all the kernel's global reads, in-bounds rows only")
-        notes = {"STS": "per visit dS^T (st.shared.b32) and the dQ block (16-byte stores, dQ_acc order) by the 8 "
-                        "consumer warps; dK, dV epilogue",
+        notes = {"STS": "per visit the dQ block (16-byte stores, dQ_acc order; at head dim 128 by consumer 1's 4 "
+                        "warps); dK, dV epilogue; not dS^T, stored by stmatrix (STSM, not counted here)",
                  "LDSM": "none: wgmma reads K, V, Q, dO, dS^T through descriptors",
                  "LDGSTS": "none: TMA and bulk copies load K, V, Q, dO, lse_log2, delta",
                  "guard": "none expected: no cp.async, and none before this kernel's fence.proxy.async in the "

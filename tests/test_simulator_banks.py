@@ -842,12 +842,27 @@ def test_bwd_sm90_ws_walk(cfg):
     assert walk.roles["dq_store"].instructions == (0 if no_dq else visits * 8 * L.dq_tiles)
     assert walk.roles["dq_store"].bytes == walk.bulk_read_bytes == dq
     assert walk.tma_write_bytes == visits * 2 * (L.base.smem_q + L.base.rowvec) + ctas * 2 * L.base.smem_kv
+    # dS^T by stmatrix.x4: one per 16 keys x 16 queries, 4 conflict-free wavefronts each
+    ds = walk.roles["ds_store"]
+    assert ds.instructions == (0 if no_dq else visits * 8 * cfg.block_m // 16), ds
+    assert ds.wavefronts == 4 * ds.instructions and ds.conflicts == 0 and ds.bytes == 512 * ds.instructions
     if cfg.block_m == 64:  # bwd_sm90_kernel with dQ as this kernel's: its default mode on the ordered path
         twin = dataclasses.replace(cfg.sync_equivalent(), deterministic=no_dq)
         sync = banks.bwd_kernel_shared(twin, 1, 2, 1024, 1000)
-        for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dq_wgmma", "ds_store", "dk_store", "dv_store"):
+        for role in ("st_wgmma", "dpt_wgmma", "dv_wgmma", "dk_wgmma", "dk_store", "dv_store"):
             assert walk.roles[role] == sync.roles[role], role
-        assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
+        assert ds.bytes == sync.roles["ds_store"].bytes  # the same dS^T, in 4x fewer instructions
+        dq_gemm, sync_dq = walk.roles["dq_wgmma"], sync.roles["dq_wgmma"]
+        if config.bwd_ws_dq_one_wg(cfg):
+            # consumer 1 alone: 8 m64n128 wgmma a visit reading dS once (64 x 128) and all of K: 48 KB at head dim
+            # 128 against the two consumers' 2 x 8 m64n64 reading 64 KB
+            assert cfg.head_dim == 128 and not cfg.deterministic
+            assert (dq_gemm.instructions, dq_gemm.bytes) == (visits * 8, visits * 128 * (64 + 128) * 2), dq_gemm
+            assert (sync_dq.instructions, sync_dq.bytes) == (visits * 16, visits * 2 * 128 * (64 + 64) * 2), sync_dq
+            assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512 - visits * 16384
+        else:
+            assert dq_gemm == sync_dq
+            assert walk.read_bytes == sync.read_bytes + dq + bias_instr * 512
         return
     # 128-query steps (no synchronous twin): per visit and consumer (64 keys), S^T and dP^T read its 64 rows of K
     # (V) and all 128 rows of Q (dO) in HEAD_DIM / 16 wgmma each; dV and dK all 128 rows of dO (Q) in 8; dQ its 64
@@ -860,8 +875,6 @@ def test_bwd_sm90_ws_walk(cfg):
     for role, (n, b) in want.items():
         s = walk.roles[role]
         assert (s.instructions, s.bytes) == (visits * 2 * n, visits * 2 * b), f"{role}: {s}"
-    assert walk.roles["ds_store"].instructions == (0 if no_dq else visits * 8 * 128 // 4)
-    assert walk.roles["ds_store"].conflicts == 0
 
 
 @pytest.mark.parametrize("cfg", SM90_FWD[::2] + SM90_BWD, ids=_cfg_id)
