@@ -466,10 +466,10 @@ __device__ __forceinline__ void bwd_sm90_ws_consumer(const BwdParams& p, const B
           for (int dt = 0; dt < 2 * Tr::DQ_TILES; ++dt)
             *reinterpret_cast<float4*>(smem + Tr::OFF_DQ + (dt * 128 + (ctid & 127)) * 16) =
                 make_float4(dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
-          // each thread's stores before its arrive on dq_full (one phase per step, parity buf); the writer thread
-          // alone waits for the phase and reduces (a bar.sync of consumer 1's 128 threads orders the same, but
-          // compute-sanitizer's racecheck then reported hazards that are none between the epilogue's staging and
-          // its reads, both behind bar.sync of all 256 consumer threads)
+          // each thread's stores before its arrive on dq_full (one phase per step, parity buf); all 128 wait for
+          // the phase (the writer warp alone waiting made ptxas spill), then the writer thread reduces. A bar.sync
+          // of consumer 1's 128 threads orders the same, but compute-sanitizer's racecheck then reported hazards
+          // that are none between the epilogue's staging and its reads, both behind bar.sync of all 256 consumers
           fence_proxy_async_shared();
           mbarrier_arrive(sm.dq_full());
           mbarrier_try_wait_parity(sm.dq_full(), buf);
