@@ -376,14 +376,8 @@ struct QueryBlockCopy {
   }
 };
 
-// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth). Q_i and
-// dO_i by the threads' TileCopy, or with Tr::ROLLED_QUERY_COPY by a rolled loop over the thread's chunks in panel
-// order (bwd_sm90_split_kernel's 6 or 8 chunks per thread: unrolled, their row offsets, loop invariants, stayed in
-// registers across the query loop, and it spilled). The loop moves the thread's first chunk by whole panels, the
-// chunks of a panel (ROW_COPIES) unrolled at constant row steps: one pointer add per panel. Rolled over the chunk
-// index with each chunk's row, column and swizzled offset derived from it (signed divisions and the XOR), the copy
-// issued ~540 instructions per warp and step at head dim 256 and took 27 % of the kernel's warp time (ncu stall
-// samples, H200, 2026-12-02), the tensor cores idle under it.
+// Q_i, dO_i, lse_log2_i and delta_i of one query block into the given stage (one cp.async group's worth): Q_i and
+// dO_i by the threads' TileCopy.
 template <class Tr>
 __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 smem_base, int stage,
                                                      const QueryBlock<Tr>& qb, const QueryBlockCopy<Tr>& copy,
@@ -391,41 +385,8 @@ __device__ __forceinline__ void bwd_load_query_block(const BwdParams& p, u32 sme
   const int rows = min(Tr::BLOCK_M, len_q - qb.m_block * Tr::BLOCK_M);
   const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
-  if constexpr (Tr::ROLLED_QUERY_COPY) {
-    using Tile = typename Tr::TileQ;
-    constexpr int T = Tr::THREADS;
-    static_assert(Tile::CHUNKS % T == 0 && Tile::template chunk_steps_exact<T>(), "whole chunk steps");
-    // chunks of a thread per panel (its chunk r of a panel: chunk_rows<T>(r) rows on), and panels moved per step
-    constexpr int ROW_COPIES = Tile::CHUNKS_PER_PANEL > T ? Tile::CHUNKS_PER_PANEL / T : 1;
-    constexpr int STEPS = Tile::CHUNKS / T / ROW_COPIES;
-    constexpr int STEP_COLS = Tile::template chunk_cols<T>(ROW_COPIES);
-    constexpr u32 STEP_SMEM = Tile::template chunk_smem<T>(ROW_COPIES);
-    // this thread's first chunk, chunk tid in panel order (from a fresh read of tid: not kept across the query loop)
-    const u32 tid = static_cast<u32>(tid_x_reread());
-    const int row0 = (tid % Tile::CHUNKS_PER_PANEL) / Tile::PANEL_CHUNKS;
-    int col = (tid / Tile::CHUNKS_PER_PANEL) * Tile::PANEL_COLS + (tid % Tile::PANEL_CHUNKS) * 8;
-    u32 off = Tile::offset(row0, col);
-    const u16* q = qb.q + static_cast<long long>(row0) * p.q_row_stride + col;
-    const u16* dout = qb.dout + static_cast<long long>(row0) * p.do_row_stride + col;
-#pragma unroll 1
-    for (int i = 0; i < STEPS; ++i) {
-#pragma unroll
-      for (int r = 0; r < ROW_COPIES; ++r) {
-        const int row_step = Tile::template chunk_rows<T>(r);
-        const bool valid = row0 + row_step < rows && col < p.head_dim;
-        const u32 soff = off + Tile::template chunk_smem<T>(r);
-        cp_async_cg_16(q_smem + soff, valid ? q + row_step * p.q_row_stride : qb.q, valid);
-        cp_async_cg_16(do_smem + soff, valid ? dout + row_step * p.do_row_stride : qb.dout, valid);
-      }
-      q += STEP_COLS;
-      dout += STEP_COLS;
-      off += STEP_SMEM;
-      col += STEP_COLS;
-    }
-  } else {
-    copy.q.load(q_smem, qb.q, p.q_row_stride, rows, p.head_dim);
-    copy.dout.load(do_smem, qb.dout, p.do_row_stride, rows, p.head_dim);
-  }
+  copy.q.load(q_smem, qb.q, p.q_row_stride, rows, p.head_dim);
+  copy.dout.load(do_smem, qb.dout, p.do_row_stride, rows, p.head_dim);
   // lse_log2 and delta of the block: BLOCK_M floats each, 4 per 16-byte chunk (pad rows included)
   if (copy.has_vec)
     cp_async_cg_16(smem_base + copy.vec_smem + stage * 2 * Tr::SMEM_ROWVEC, copy.vec_gmem + qb.vec_row, true);
@@ -591,17 +552,13 @@ struct BwdKeyBlock {
     cp_async_commit_group();
   }
 
-  // The query loop of a synchronous wgmma K/V-outer kernel (bwd_sm90_kernel, bwd_sm90_split_kernel): the steps
-  // from qb (first_step; `left` positions) in order, each first issuing the next step's loads into the other stage
-  // (one cp.async group; with LATE_LOADS the step issues them, below) and waiting for its own, then
-  // step(qb, stage, is_masked) between two CTA barriers.
+  // The query loop of the synchronous wgmma K/V-outer kernel (bwd_sm90_kernel): the steps from qb (first_step;
+  // `left` positions) in order, each first issuing the next step's loads into the other stage (one cp.async group)
+  // and waiting for its own, then step(qb, stage, is_masked) between two CTA barriers.
   // is_masked: the step needs the band mask (the causal diagonal, a window edge) or this CTA holds the key tail.
   // (bwd_kernel keeps a loop of its own: its step is a template on is_masked, decided after the barrier; through
-  // walk its SASS changed.)
-  // LATE_LOADS: the step issues the next step's loads itself, when it calls its fourth argument, and the next step
-  // waits for all of them (bwd_sm90_split_kernel, at the point its traits name: at head dim 256 after its dK GEMM, so
-  // that the copies enter the load-store path ahead of the step's dQ reds, not behind the last step's).
-  template <bool LATE_LOADS = false, class Step>
+  // walk its SASS changed. bwd_sm90_split_kernel loads by TMA and waits on mbarriers: its own loop too.)
+  template <class Step>
   __device__ __forceinline__ void walk(const BwdParams& p, u32 smem_base, const QueryBlockCopy<Tr>& copy,
                                        QueryBlock<Tr> qb, int left, Step&& step) const {
     const bool is_key_tail = keys < Tr::BLOCK_N;
@@ -612,22 +569,12 @@ struct BwdKeyBlock {
       const bool more = advance(p, qb_next, left_next);  // the next step (a block map skips empty tiles)
       const int m0 = qb.m_block * Tr::BLOCK_M;
       const bool is_masked = is_key_tail || band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, n0, n0 + Tr::BLOCK_N - 1);
-      auto load_next = [&] {
-        if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
-        cp_async_commit_group();
-      };
-      if constexpr (LATE_LOADS) {
-        cp_async_wait_group<0>();  // this step's group (committed by the step before, or load_first)
-      } else {
-        load_next();
-        cp_async_wait_group<1>();
-      }
+      if (more) bwd_load_query_block<Tr>(p, smem_base, stage ^ 1, qb_next, copy, seq.len_q);
+      cp_async_commit_group();
+      cp_async_wait_group<1>();
       fence_proxy_async_shared();  // the landed tiles are read by the tensor cores (async proxy)
       __syncthreads();
-      if constexpr (LATE_LOADS)
-        step(qb, stage, is_masked, load_next);
-      else
-        step(qb, stage, is_masked);
+      step(qb, stage, is_masked);
       __syncthreads();
       if (!more) break;
       stage ^= 1;

@@ -32,21 +32,28 @@
 //   counter (red.release), as bwd_wide_kernel's ordered adds, but in the next step, under its S^T GEMM (after the
 //   last step, at the kernel's end), so that neither the fence's wait for the adds nor an extra barrier stalls the
 //   CTA: every element of dQ_acc receives its adds in the same order on every run.
-// Loads, query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
-// BwdKeyBlock, QueryBlock): Q_i, dO_i of the next step are copied by cp.async while this step computes, issued from
-// inside the step (walk's LATE_LOADS; Tr::LOADS_AFTER_DK says where). Score modifiers: window, ALiBi, soft-capping,
-// dropout (a bias or mask runs on the mma.sync backward).
+// Query walk (GQA, varlen, causal and window bands), prologue and epilogue are bwd_sm90_kernel's (bwd.cuh
+// BwdKeyBlock, QueryBlock). Loads are TMA copies issued by thread 0, as bwd_sm90_ws_kernel's producer issues them
+// (the same tensor maps, BwdWsParams, and boxes of PANEL_COLS columns): K and V once, then per step Q_i, dO_i and
+// lse_log2_i, delta_i (1-D bulk copies) into a stage, completing on that stage's mbarrier (transaction bytes), which
+// every thread waits on before the step. Thread 0 issues the next step's copies right after its S^T GEMM, into the
+// other stage, whose last readers retired before the previous step's closing barrier. Rows of a box past the
+// sequence are zero-filled (dense) or the next sequence's (packed): their lse_log2 is +inf (pad rows, seqs.cuh), so
+// P = dS = 0 there, as in bwd_sm90_ws_kernel. (Copies by the 256 threads' cp.async queued behind the last step's dQ
+// reds in the load-store path: PERFORMANCE.md "Hopper wide-head backward".) Score modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
 // [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
 // [keep bits: one word per thread of warpgroup 0] [deterministic: the dQ counter thread 0 releases next, 16 bytes]
+// [mbarriers: kv_full, q_full[2]]
 // 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
-//   (the step issues the next step's loads into the other stage: after its S^T / dP^T GEMMs are issued at HEAD_DIM
-//   192, after its dK GEMM at 256; that stage's last readers retired before the previous step's last barrier)
-//   __syncthreads  the step's Q, dO, lse_log2, delta have landed (cp.async wait + async-proxy fence)
+//   (thread 0 issues the next step's loads into the other stage after its S^T GEMM; that stage's last readers
+//   retired before the previous step's closing barrier)
+//   q_full[stage]  every thread waits: the step's Q, dO, lse_log2, delta have landed (K and V: kv_full, before the
+//                  first step); the parity flips each time a stage comes round again
 //   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
 //   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
 //   __syncthreads  end of step: every GEMM that read this stage, P^T or dS^T has retired (each warpgroup waited
@@ -59,7 +66,8 @@
 #include "mask.cuh"
 #include "mods.cuh"
 #include "bwd.cuh"
-#include "bwd_sm90.cuh"  // bwd_sm90_store_ds
+#include "bwd_sm90.cuh"     // bwd_sm90_store_ds
+#include "bwd_sm90_ws.cuh"  // BwdWsParams (the tensor maps)
 
 namespace cuflash {
 
@@ -90,10 +98,9 @@ struct BwdSm90SplitTraits {
   static constexpr int SMEM_KV = TileKV::BYTES;
   static constexpr int SMEM_DS = TileDS::BYTES;
   static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
-  static constexpr bool ROLLED_QUERY_COPY = true;  // bwd_load_query_block's rolled copy (unrolled: spills)
-  // where a step issues the next step's loads (walk's LATE_LOADS): under its S^T / dP^T GEMMs (HEAD_DIM 192), or
-  // after its dK GEMM, ahead of its dQ reductions (256): the faster of the two at each head dim (H200, 2026-12-02)
-  static constexpr bool LOADS_AFTER_DK = HEAD_DIM == 256;
+  static constexpr int PANELS = HEAD_DIM / PANEL_COLS;  // TMA boxes per 16-bit tile
+  static constexpr int PANEL_BYTES = TileQ::PANEL_BYTES;
+  static constexpr int Q_TX = 2 * TileQ::BYTES + 2 * BLOCK_M * 4;  // transaction bytes of one step
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = SMEM_KV;
   static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
@@ -104,7 +111,8 @@ struct BwdSm90SplitTraits {
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_KEEP = OFF_LSE + 4 * SMEM_ROWVEC;  // dropout's keep bits (u32 per thread of warpgroup 0)
   static constexpr int OFF_RELEASE = OFF_KEEP + 128 * 4;      // deterministic: the dQ counter to release (thread 0)
-  static constexpr int SMEM_BYTES = OFF_RELEASE + 16 + 1024;  // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
+  static constexpr int OFF_BAR = OFF_RELEASE + 16;            // kv_full, q_full[2]
+  static constexpr int SMEM_BYTES = OFF_BAR + 8 * 3 + 1024;   // (cuflash/config.py BwdSm90SplitConfig.smem_bytes)
 
   static_assert(HEAD_DIM == 192 || HEAD_DIM == 256, "head dims 192 and 256 (narrower ones: bwd_sm90_kernel)");
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
@@ -113,7 +121,35 @@ struct BwdSm90SplitTraits {
   static_assert(OFF_DS % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && SMEM_DS % 1024 == 0,
                 "1024-byte swizzle periods");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
+  static_assert(OFF_LSE % 16 == 0 && OFF_DELTA % 16 == 0 && OFF_BAR % 8 == 0, "bulk copy and mbarrier alignment");
+  static_assert(Q_TX < (1 << 20) && 2 * SMEM_KV < (1 << 20), "expect_tx counts stay below 2^20");
 };
+
+// Thread 0's copies of one step (query block qb) into `stage`, completing on its q_full barrier: Q_i and dO_i by
+// their tensor maps (row coordinate q_row0 + m_block * BLOCK_M: a packed operand's map is one batch of all rows),
+// lse_log2_i and delta_i (BLOCK_M floats each, pad rows included) by 1-D bulk copies.
+template <class Tr, class KeyBlock>
+__device__ __forceinline__ void bwd_split_load_step(const BwdWsParams& P, u32 smem_base, int stage,
+                                                    const QueryBlock<Tr>& qb, const KeyBlock& kb) {
+  constexpr u32 PANEL_Q = Tr::BLOCK_M * Tr::PANEL_BYTES;
+  const u32 bar = smem_base + Tr::OFF_BAR + 8 * (1 + stage);
+  const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
+  const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  const int q_batch = P.bwd.seq.cu_seqlens_q != nullptr ? 0 : kb.batch;
+  const int row = kb.seq.q_row0 + qb.m_block * Tr::BLOCK_M;
+  mbarrier_arrive_expect_tx(bar, Tr::Q_TX);
+#pragma unroll
+  for (int panel = 0; panel < Tr::PANELS; ++panel) {
+    cp_async_bulk_tensor_4d_global_to_shared(q_smem + panel * PANEL_Q, &P.tma_q, bar, panel * Tr::PANEL_COLS, row,
+                                             qb.head, q_batch);
+    cp_async_bulk_tensor_4d_global_to_shared(do_smem + panel * PANEL_Q, &P.tma_do, bar, panel * Tr::PANEL_COLS, row,
+                                             qb.head, q_batch);
+  }
+  cp_async_bulk_global_to_shared(smem_base + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC, P.bwd.lse_log2 + qb.vec_row,
+                                 Tr::SMEM_ROWVEC, bar);
+  cp_async_bulk_global_to_shared(smem_base + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC, P.bwd.delta + qb.vec_row,
+                                 Tr::SMEM_ROWVEC, bar);
+}
 
 // One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
 template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS, class LoadNext>
@@ -163,7 +199,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
     st_shared_s32(smem_base + Tr::OFF_RELEASE, static_cast<int>(vec_row / 64));  // this step's, for the next
   }
-  if (!Tr::LOADS_AFTER_DK) load_next();  // the next step's Q, dO, lse_log2, delta into the other stage
+  load_next();  // thread 0: the next step's Q, dO, lse_log2, delta into the other stage (TMA)
   u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
   if (Mods::HAS_DROPOUT && wg == 0) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   wgmma_wait_group<0>();
@@ -250,7 +286,6 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         dk_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_DS, 0, kk * 16),
         Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
   wgmma_commit_group();
-  if (Tr::LOADS_AFTER_DK) load_next();
   if (!ADDS_DQ) {  // dQ comes from bwd_dq_kernel instead
     wgmma_wait_group<0>();
     wgmma_fence_operand(dv_acc);
@@ -296,11 +331,12 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 // ORDERED (deterministic only): dQ added here in a fixed order of key blocks (the file comment), else a deterministic
 // kernel leaves dQ to bwd_dq_kernel.
 template <class Tr, bool IS_CAUSAL, bool IS_DETERMINISTIC, int MODS, bool ORDERED = false>
-__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const BwdParams p) {
+__global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __grid_constant__ BwdWsParams P) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   static_assert((MODS & ~(MOD_WINDOW | MOD_ALIBI | MOD_SOFTCAP | MOD_DROPOUT)) == 0,
                 "bwd_sm90_split_kernel takes the window, ALiBi, soft-capping and dropout (no bias, mask or block map)");
   static_assert(!ORDERED || IS_DETERMINISTIC, "ORDERED is the deterministic mode's dQ");
+  const BwdParams& p = P.bwd;
   constexpr bool HAS_WINDOW = ScoreMods<MODS>::HAS_WINDOW;
   // ordered with a band: key blocks launched last-first (their turns run from the highest key block down)
   constexpr bool REVERSED = ORDERED && (IS_CAUSAL || HAS_WINDOW);
@@ -308,10 +344,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
   const AlignedSmem aligned = align_smem_1024(smem_raw);
   const u32 smem_base = aligned.base;
   unsigned char* smem = aligned.ptr;
+  // the host's shared memory size (cuflash/config.py BwdSm90SplitConfig.smem_bytes) must cover this layout
+  if (dynamic_smem_size() < Tr::SMEM_BYTES) __trap();
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int wg = __shfl_sync(0xffffffffu, warp / 4, 0);  // warp-uniform: its descriptors in uniform registers
-  const BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, /*HAS_MAP=*/false, REVERSED> kb(p);
+  using KeyBlock = BwdKeyBlock<Tr, IS_CAUSAL, HAS_WINDOW, /*HAS_MAP=*/false, REVERSED>;
+  const KeyBlock kb(p);
   if (kb.n0 >= kb.seq.len_k) return;  // varlen: past this sequence's keys
   int left;
   QueryBlock<Tr> qb = kb.first_step(p, left);
@@ -319,8 +358,30 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
     kb.zero_dk_dv(p, tid);
     return;
   }
-  const QueryBlockCopy<Tr> copy(p, tid);
-  kb.load_first(p, smem_base, copy, tid, qb);
+  const u32 kv_full = smem_base + Tr::OFF_BAR;
+  if (tid == 0) {
+    mbarrier_init(kv_full, 1);
+    mbarrier_init(kv_full + 8, 1);
+    mbarrier_init(kv_full + 16, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (tid == 0) {  // K_j, V_j and the first step's query block into stage 0
+    prefetch_tensormap(&P.tma_q);
+    prefetch_tensormap(&P.tma_do);
+    constexpr u32 PANEL_KV = Tr::BLOCK_N * Tr::PANEL_BYTES;
+    const int kv_batch = p.seq.cu_seqlens_k != nullptr ? 0 : kb.batch;
+    const int key0 = kb.seq.k_row0 + kb.n0;
+    mbarrier_arrive_expect_tx(kv_full, 2 * Tr::SMEM_KV);
+#pragma unroll
+    for (int panel = 0; panel < Tr::PANELS; ++panel) {
+      cp_async_bulk_tensor_4d_global_to_shared(smem_base + Tr::OFF_K + panel * PANEL_KV, &P.tma_k, kv_full,
+                                               panel * Tr::PANEL_COLS, key0, kb.kv_head, kv_batch);
+      cp_async_bulk_tensor_4d_global_to_shared(smem_base + Tr::OFF_V + panel * PANEL_KV, &P.tma_v, kv_full,
+                                               panel * Tr::PANEL_COLS, key0, kb.kv_head, kv_batch);
+    }
+    bwd_split_load_step<Tr>(P, smem_base, 0, qb, kb);
+  }
 
   float dk_acc[Tr::DKV_TILES][4], dv_acc[Tr::DKV_TILES][4];  // 16 keys x HALF columns of this warp, fp32
 #pragma unroll
@@ -331,16 +392,35 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
   // ORDERED: the dq_turns counter of the last step's query block, released by the next step (thread 0's word of
   // shared memory: a register across the query loop spilled the heaviest kernel)
   if (ORDERED && threadIdx.x == 0) st_shared_s32(smem_base + Tr::OFF_RELEASE, -1);
-  kb.template walk</*LATE_LOADS=*/true>(p, smem_base, copy, qb, left, [&](const QueryBlock<Tr>& qb, int stage,
-                                                                          bool is_masked, auto&& load_next) {
+  mbarrier_wait_or_trap(kv_full, 0);
+  // the query loop: the steps from qb (`left` positions), each waiting for its stage and ending at a CTA barrier
+  const bool is_key_tail = kb.keys < Tr::BLOCK_N;
+  int stage = 0;
+  u32 phase = 0;
+  for (;;) {
+    QueryBlock<Tr> qb_next = qb;
+    int left_next = left;
+    const bool more = kb.advance(p, qb_next, left_next);
+    const int m0 = qb.m_block * Tr::BLOCK_M;
+    const bool is_masked = is_key_tail || kb.band.needs_mask(m0, m0 + Tr::BLOCK_M - 1, kb.n0, kb.n0 + Tr::BLOCK_N - 1);
+    auto load_next = [&] {
+      if (more && threadIdx.x == 0) bwd_split_load_step<Tr>(P, smem_base, stage ^ 1, qb_next, kb);
+    };
+    mbarrier_try_wait_parity(smem_base + Tr::OFF_BAR + 8 * (1 + stage), phase);
     ScoreMods<MODS> mods;
     mods.init(p.mods, kb.batch, qb.head, p.heads);
     const int turn = ORDERED ? kb.dq_turn(qb.m_block, kb.n0 / Tr::BLOCK_N, kb.last_key_block(), kb.dq_reach()) : 0;
     bwd_split_query_block<Tr, IS_CAUSAL, !IS_DETERMINISTIC || ORDERED, ORDERED, MODS>(
         p, is_masked, turn, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
         dk_acc, dv_acc, load_next);
-  });
-  // ORDERED: the last step's adds (issued before walk's last barrier) to the next key block
+    __syncthreads();  // every GEMM that read this stage, P^T or dS^T has retired: the next step may overwrite them
+    if (!more) break;
+    stage ^= 1;
+    phase ^= stage == 0;
+    qb = qb_next;
+    left = left_next;
+  }
+  // ORDERED: the last step's adds (issued before the loop's last barrier) to the next key block
   if (ORDERED && threadIdx.x == 0) {
     fence_acq_rel_gpu();
     red_release_gpu_add(p.dq_turns + ld_shared_s32(smem_base + Tr::OFF_RELEASE), 1);
@@ -353,7 +433,7 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const Bw
   __syncthreads();
   kb.store_dk_dv(p, smem, tid_x_reread());
 #else
-  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_split_kernel uses wgmma: compile it for sm_90a");
+  static_assert(Tr::HEAD_DIM < 0, "bwd_sm90_split_kernel uses TMA and wgmma: compile it for sm_90a");
 #endif
 }
 

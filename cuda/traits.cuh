@@ -87,7 +87,6 @@ struct BwdTraits {
   static constexpr int SMEM_KV = TileKV::BYTES;
   static constexpr int SMEM_DS = TileDS::BYTES;
   static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
-  static constexpr bool ROLLED_QUERY_COPY = false;  // bwd_load_query_block: Q_i, dO_i by TileCopy
   // K, V, then 2 stages of (Q, dO), dS^T, then 2 stages of (lse_log2, delta)
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = SMEM_KV;
@@ -191,7 +190,6 @@ struct BwdSm90Traits {
   static constexpr int SMEM_KV = TileKV::BYTES;
   static constexpr int SMEM_DS = TileDS::BYTES;
   static constexpr int SMEM_ROWVEC = BLOCK_M * 4;  // lse_log2 or delta of one query block (fp32)
-  static constexpr bool ROLLED_QUERY_COPY = false;  // bwd_load_query_block: Q_i, dO_i by TileCopy
   // K, V, then 2 stages of (Q, dO), dS^T, then 2 stages of (lse_log2, delta)
   static constexpr int OFF_K = 0;
   static constexpr int OFF_V = SMEM_KV;

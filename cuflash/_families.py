@@ -396,9 +396,8 @@ def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, first: int, targets) -> 
 
 class _TmaMaps:
     """The tensor maps of a launch through TMA (the forward's Q, K, V: config.FwdSm90WsConfig, and in float32
-    config.FwdSm90Tf32Config; the backward's Q, dO, K, V: config.BwdSm90WsConfig), one per operand with its box
-    (rows, columns): a map holds its array's address, so
-    every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address tuples
+    config.FwdSm90Tf32Config; the backward's Q, dO, K, V: config.BwdSm90WsConfig, config.BwdSm90SplitConfig), one
+    per operand with its box (rows, columns): a map holds its array's address, so every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address tuples
     seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
     lookup and one copy instead of a cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
     share the cache: a hit is one dict read, a miss changes it under a lock. params_type: the kernel's argument
@@ -521,7 +520,8 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
         ordered = config.ordered_dq(main)  # deterministic dQ_acc: reductions in a fixed order, counted in turns
         has_acc = not tf32 and (ordered or not p.deterministic)
         # the kernels that read Q, dO, K, V through TMA, each with the maps of its own boxes
-        tma_cfgs = (main, dqc) if tf32 else (main,) if isinstance(main, config.BwdSm90WsConfig) else ()
+        tma_cfgs = (main, dqc) if tf32 else \
+            (main,) if isinstance(main, (config.BwdSm90WsConfig, config.BwdSm90SplitConfig)) else ()
 
         def make_maps():
             return [_TmaMaps(a.dtype, (d_q, d_do, d_k, d_v),
@@ -567,7 +567,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
             tiles = _block_map(a.mods, main.block_m, main.block_n, keep, transposed=True, padding=main_maps)
             if tiles is not None:
                 params.mods.block_map = tiles
-        # the warp-specialized kernel takes the tensor maps in front of (a copy of) the completed params
+        # the TMA kernels take the tensor maps in front of (a copy of) the completed params
         main_params = params if maps is None else maps.params(params, (q, dout, k, v))
         dq_params = None if dq_maps is None else dq_maps.params(params, (q, dout, k, v))
         if dq_params is not None:  # the TF32 dQ kernel (Q-outer) skips the key tiles of its own map, or reads none
@@ -599,7 +599,7 @@ def _backward(p, arrays, cp, cu_seqlens, key, dbias, dbias_zeroed=None, dbias_cl
             n = 14 if cu_seqlens is None else 16
             given_dbias = dbias is not None and dbias_zeroed is None
             b = _plan.PlanBuilder(a.device, n)
-            # every pointer goes to params and, for the warp-specialized kernel, to its copy of them
+            # every pointer goes to params and, for a TMA kernel, to its copy of them
             targets = ((params, ""),) if maps is None else ((params, ""), (main_params, "bwd."))
             if dq_params is not None:
                 targets += ((dq_params, "bwd."),)

@@ -1293,7 +1293,8 @@ def bwd_sm90_config(head_dim: int, dtype: str, causal: bool, deterministic: bool
 class BwdSm90SplitConfig:
     """Hopper backward main kernel at head dims 192 and 256:
     `bwd_sm90_split_kernel<BwdSm90SplitTraits<HEAD_DIM, T>, IS_CAUSAL, IS_DETERMINISTIC, MODS>`: K/V-outer CTAs of
-    64 keys and two warpgroups, each keeping dK and dV of one half of the head dim; query blocks of 64. Score
+    64 keys and two warpgroups, each keeping dK and dV of one half of the head dim; query blocks of 64, loaded by TMA
+    (the argument is _tma.BwdWsParams: Q, dO, K, V tensor maps of box_cols-wide boxes, then BwdParams). Score
     modifiers: window, ALiBi, soft-capping, dropout (BWD_SM90_SPLIT_MODS; a bias or mask runs the mma.sync
     backward). dQ added into dQ_acc from the accumulator registers (red.global.add.v4.f32) in the accumulator order
     of `bwd_sm90_ws_kernel`, converted by `bwd_convert_dq_ws_kernel` (convert_dq_config)."""
@@ -1341,8 +1342,15 @@ class BwdSm90SplitConfig:
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
         # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread
-        # of warpgroup 0), the deterministic mode's counter word (16 bytes), + 1024 to align the base
-        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 1024
+        # of warpgroup 0), the deterministic mode's counter word (16 bytes), three mbarriers (kv_full, q_full[2]),
+        # + 1024 to align the base
+        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 3 * 8 + 1024
+
+    @property
+    def box_cols(self) -> int:
+        """TMA box width in elements (BwdSm90SplitTraits::PANEL_COLS): whole panels per warpgroup half, 64 columns
+        with a 128-byte swizzle at head dim 256, 32 with a 64-byte one at 192."""
+        return panel_cols(self.head_dim // 2)
 
     def cpp_name(self) -> str:
         t = _cpp_type(self.dtype)

@@ -602,8 +602,8 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, no_dq: bool) -> tuple[
     """(read, write) shared-memory bytes of bwd_sm90_split_kernel (cuda/bwd_sm90_split.cuh: head dims 192 and 256;
     two warpgroups share a CTA's BLOCK_N = 64 keys, each with half the head dim of dK and dV), all batches and heads,
     counted in its program order (16-bit tiles, HEAD_DIM columns). Per CTA with a step (a CTA whose keys no query
-    sees stores zeros without shared memory): cp.async writes K and V once and the epilogue stages dK and dV in their
-    tiles and reads them back for the global stores. Per step: cp.async writes Q, dO and BLOCK_M floats each of
+    sees stores zeros without shared memory): TMA writes K and V once and the epilogue stages dK and dV in their
+    tiles and reads them back for the global stores. Per step: TMA writes Q, dO and BLOCK_M floats each of
     lse_log2 and delta; warpgroup 0's S^T wgmma reads K and Q, warpgroup 1's dP^T reads V and dO; warpgroup 0 reads
     its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
     each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)

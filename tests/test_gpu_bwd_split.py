@@ -49,7 +49,7 @@ def test_the_library_launches_the_split_backward_on_hopper(d, dtype):
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_many_query_blocks_and_gqa_steps(d, causal, dtype):
     """1000 queries = 16 query blocks per query head, 4 query heads per K/V head: 64 steps per CTA through the
-    2-stage cp.async ring; 700 keys = a key tail (700 = 10 x 64 + 60); head dims 160 and 200 zero-padded in the 192
+    2-stage TMA ring; 700 keys = a key tail (700 = 10 x 64 + 60); head dims 160 and 200 zero-padded in the 192
     and 256 kernels; poisoned pool (dQ_acc, dQ's pad rows)."""
     q, k, v, dout, o, lse = problem(2, 1000, 700, 8, 2, d, dtype, causal)
     poison_pool(round_up(4 * (q.nbytes + 2 * k.nbytes)) + (1 << 20))
