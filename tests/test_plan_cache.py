@@ -710,6 +710,41 @@ def test_backward_tma_maps_follow_the_arrays():
     assert len(_plan.plans) == 1, "the three calls share one plan"
 
 
+@pytest.mark.parametrize("d", [256, 200, 192])
+def test_wide_head_backward_takes_tma_maps_of_its_panels(d):
+    """The wide-head backward (bwd_sm90_split_kernel, kernel head dims 192 and 256; 200 runs the 256 kernel on the
+    faked sm_90a) reads Q, dO, K, V through TMA: its launch carries BwdWsParams with maps of the call's own arrays,
+    each over the call's head dim (columns past it read as zeros) in boxes of one panel (64 columns at 256, 32 at 192)
+    by 64 rows, and its BwdParams copy holds the same pointers as the conversion's; a replay launches the same bytes
+    as the full path."""
+    main = config.select("backward", config.kernel_head_dim(d), "fp16", True, "sm_90a")
+    assert isinstance(main, config.BwdSm90SplitConfig) and main.box_cols == (32 if main.head_dim == 192 else 64)
+    _plan.plans.clear()
+    for _ in range(2):
+        a = backward_args(d=d)
+        launches, (dq, dk, dv) = launches_of(lambda: cuflash.attention_backward(*a.values(), causal=True), 1 << 50)
+        names = [n for n, _, _ in launches]
+        assert names[1] == main.cpp_name() and "bwd_convert_dq_ws_kernel" in names[2], names
+        assert len(launches[1][2]) == ctypes.sizeof(_tma.BwdWsParams)
+        ws = _tma.BwdWsParams.from_buffer_copy(launches[1][2])
+        for m, x in ((ws.tma_q, a["q"]), (ws.tma_do, a["dout"]), (ws.tma_k, a["k"]), (ws.tma_v, a["v"])):
+            # words: address, dtype, rank, dims (head_dim, seqlen, heads, batch), 3 strides, box, the swizzle's enum
+            # (CU_TENSOR_MAP_SWIZZLE_128B = 3 for 64-column boxes, _64B = 2 for 32-column ones)
+            assert m.v[0] == x.data.ptr and m.v[2] == 4 and m.v[3] == d, list(m.v)
+            assert list(m.v[10:14]) == [main.box_cols, 64, 1, 1], list(m.v)
+            assert m.v[14] == {64: 3, 32: 2}[main.box_cols], list(m.v)
+        plain = _launch.BwdParams.from_buffer_copy(launches[2][2])
+        assert (ws.bwd.dq, ws.bwd.dk, ws.bwd.dv) == (plain.dq, plain.dk, plain.dv) == \
+            (dq.data.ptr, dk.data.ptr, dv.data.ptr)
+        assert ws.bwd.dq_accum == plain.dq_accum and ws.bwd.dq_accum and ws.bwd.head_dim == d
+    assert len(_plan.plans) == 1, "the two calls share one plan"
+
+    def call():
+        a = backward_args(d=d)
+        return lambda: cuflash.attention_backward(*a.values(), causal=True)
+
+    check_replay_equals_full_path(call(), call())
+
 
 @pytest.mark.parametrize("precision", ["fp32", "tf32"])
 def test_float32_backward_takes_the_tf32_kernels_with_their_own_maps(precision):

@@ -208,7 +208,7 @@ def ctypes_size(cfg) -> int:
         return ctypes.sizeof(_tma.FwdFp8Params)
     if "fwd_sm90_ws" in name or "fwd_sm90_tf32" in name:
         return ctypes.sizeof(_tma.FwdWsParams)
-    if "bwd_sm90_ws_kernel" in name or "sm90_tf32_kernel<cuflash::Bwd" in name:
+    if "bwd_sm90_ws_kernel" in name or "bwd_sm90_split_kernel" in name or "sm90_tf32_kernel<cuflash::Bwd" in name:
         return ctypes.sizeof(_tma.BwdWsParams)
     if "append" in name:
         return ctypes.sizeof(_launch.AppendParams)
