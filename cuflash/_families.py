@@ -397,9 +397,10 @@ def _bind_mods(b: _plan.PlanBuilder, m: _validate.Mods, first: int, targets) -> 
 class _TmaMaps:
     """The tensor maps of a launch through TMA (the forward's Q, K, V: config.FwdSm90WsConfig, and in float32
     config.FwdSm90Tf32Config; the backward's Q, dO, K, V: config.BwdSm90WsConfig, config.BwdSm90SplitConfig), one
-    per operand with its box (rows, columns): a map holds its array's address, so every call needs its own (a plan derives them from the addresses, `words`). The maps of the last address tuples
-    seen are kept (a loop over the same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict
-    lookup and one copy instead of a cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
+    per operand with its box (rows, columns): a map holds its array's address, so every call needs its own (a plan
+    derives them from the addresses, `words`). The maps of the last address tuples seen are kept (a loop over the
+    same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict lookup and one copy instead of a
+    cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
     share the cache: a hit is one dict read, a miss changes it under a lock. params_type: the kernel's argument
     struct (_tma.FwdWsParams, _tma.BwdWsParams), maps first, then the plain params in its field `inner`."""
 
