@@ -400,9 +400,9 @@ class _TmaMaps:
     per operand with its box (rows, columns): a map holds its array's address, so every call needs its own (a plan
     derives them from the addresses, `words`). The maps of the last address tuples seen are kept (a loop over the
     same buffers, or CuPy's pool handing the same blocks back, reuses them: one dict lookup and one copy instead of a
-    cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan
-    share the cache: a hit is one dict read, a miss changes it under a lock. params_type: the kernel's argument
-    struct (_tma.FwdWsParams, _tma.BwdWsParams), maps first, then the plain params in its field `inner`."""
+    cuTensorMapEncodeTiled call of ~1 us per map). Threads replaying one plan share the cache: a hit is one dict
+    read, a miss changes it under a lock. params_type: the kernel's argument struct (_tma.FwdWsParams,
+    _tma.BwdWsParams), maps first, then the plain params in its field `inner`."""
 
     CACHED = 16  # address tuples kept
 
