@@ -20,8 +20,11 @@
 //   dK[:, half w] += dS^T Q[:, half w] (A: the dS^T tile); B N-major
 //   both: dQ[:, half w] += dS K[:, half w] (dS^T read M-major, K N-major) in chunks of DQ_CHUNK columns, each chunk
 //   added to dQ_acc from the accumulator registers (red.global.add.v4.f32, one 16-byte add per n8 tile and thread),
-//   unless IS_DETERMINISTIC without ORDERED (bwd_dq_kernel computes dQ instead); ORDERED (deterministic): the same
-//   adds, each CTA's on a query block in its turn (below). dQ_acc is in bwd_sm90_ws_kernel's accumulator order
+//   one step late: in the next step, where the warpgroup would otherwise wait for the other (warpgroup 1 while
+//   warpgroup 0 computes P^T, warpgroup 0 while warpgroup 1 computes dS^T; two dS^T buffers, the step's and the
+//   last step's), and the last step's after the query loop. IS_DETERMINISTIC without ORDERED: no dQ (bwd_dq_kernel
+//   computes it); ORDERED (deterministic): the same adds within the step, each CTA's on a query block in its turn
+//   (below). dQ_acc is in bwd_sm90_ws_kernel's accumulator order
 //   (its "dQ_acc layout": a warpgroup here is a consumer there, HALF its DQ_COLS), converted by
 //   bwd_convert_dq_ws_kernel.
 //   ORDERED: one int32 counter per 64 rows of dQ_acc (BwdParams::dq_turns, zeroed by the preprocess) counts the key
@@ -43,7 +46,7 @@
 // reds in the load-store path: PERFORMANCE.md "Hopper wide-head backward".) Score modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
 //
 // ---- shared memory (BwdSm90SplitTraits) -------------------------------------------------------------------
-// [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [dS^T] [P^T] [stage 0: lse_log2, delta] [stage 1: lse_log2, delta]
+// [K] [V] [stage 0: Q, dO] [stage 1: Q, dO] [P^T] [dS^T 0] [dS^T 1] [stage 0: lse_log2, delta] [stage 1: ...]
 // [keep bits: one word per thread of warpgroup 0] [deterministic: the dQ counter thread 0 releases next, 16 bytes]
 // [mbarriers: kv_full, q_full[2]]
 // 16-bit tiles in the swizzled panels of tiles.cuh (64-column panels at HEAD_DIM 256, 32-column at 192, so that a
@@ -55,9 +58,9 @@
 //   q_full[stage]  every thread waits: the step's Q, dO, lse_log2, delta have landed (K and V: kv_full, before the
 //                  first step); the parity flips each time a stage comes round again
 //   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
-//   __syncthreads  dS^T is in shared memory (fenced: the dK and dQ wgmma read it)
-//   __syncthreads  end of step: every GEMM that read this stage, P^T or dS^T has retired (each warpgroup waited
-//                  for its own), so the next step may overwrite them
+//   __syncthreads  dS^T is in shared memory (fenced: the dK wgmma and the next step's dQ wgmma read it)
+//   __syncthreads  end of step: every GEMM that read this stage, P^T or the last step's dS^T has retired (each
+//                  warpgroup waited for its own), so the next step may overwrite them
 #pragma once
 #include "ptx.cuh"
 #include "ptx_wgmma.cuh"
@@ -105,9 +108,9 @@ struct BwdSm90SplitTraits {
   static constexpr int OFF_V = SMEM_KV;
   static constexpr int OFF_Q = 2 * SMEM_KV;                // + stage * 2 * SMEM_Q
   static constexpr int OFF_DO = OFF_Q + SMEM_Q;            // + stage * 2 * SMEM_Q
-  static constexpr int OFF_DS = 2 * SMEM_KV + 4 * SMEM_Q;
-  static constexpr int OFF_P = OFF_DS + SMEM_DS;
-  static constexpr int OFF_LSE = OFF_P + SMEM_DS;          // + stage * 2 * SMEM_ROWVEC
+  static constexpr int OFF_P = 2 * SMEM_KV + 4 * SMEM_Q;
+  static constexpr int OFF_DS = OFF_P + SMEM_DS;           // + buffer * SMEM_DS (two: the step's and the last step's)
+  static constexpr int OFF_LSE = OFF_DS + 2 * SMEM_DS;     // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_DELTA = OFF_LSE + SMEM_ROWVEC;  // + stage * 2 * SMEM_ROWVEC
   static constexpr int OFF_KEEP = OFF_LSE + 4 * SMEM_ROWVEC;  // dropout's keep bits (u32 per thread of warpgroup 0)
   static constexpr int OFF_RELEASE = OFF_KEEP + 128 * 4;      // deterministic: the dQ counter to release (thread 0)
@@ -118,7 +121,7 @@ struct BwdSm90SplitTraits {
   static_assert(is_wgmma_n(BLOCK_M) && is_wgmma_n(HALF) && is_wgmma_n(DQ_CHUNK), "wgmma N sizes");
   static_assert(DQ_CHUNK % PANEL_COLS == 0 && HALF % DQ_CHUNK == 0, "dQ's chunks of K start on panels");
   static_assert(HALF % PANEL_COLS == 0, "a warpgroup's columns are whole panels");
-  static_assert(OFF_DS % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && SMEM_DS % 1024 == 0,
+  static_assert(OFF_P % 1024 == 0 && SMEM_Q % 1024 == 0 && SMEM_KV % 1024 == 0 && SMEM_DS % 1024 == 0,
                 "1024-byte swizzle periods");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
   static_assert(OFF_LSE % 16 == 0 && OFF_DELTA % 16 == 0 && OFF_BAR % 8 == 0, "bulk copy and mbarrier alignment");
@@ -151,18 +154,65 @@ __device__ __forceinline__ void bwd_split_load_step(const BwdWsParams& P, u32 sm
                                  Tr::SMEM_ROWVEC, bar);
 }
 
-// One query block for warpgroup wg (see the file comment). Returns with every GEMM it issued retired.
+// dQ_i[:, half wg] = dS K_j[:, half wg] of one step (its dS^T tile at smem_base + ds_off) added to dQ_acc from the
+// block's first fp32 row vec_row (QueryBlock). Returns with every GEMM this warpgroup issued retired.
+template <class Tr>
+__device__ __forceinline__ void bwd_split_dq(const BwdParams& p, u32 smem_base, u32 ds_off, long long vec_row, int wg,
+                                             int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                             float (&dv_acc)[Tr::DKV_TILES][4]) {
+  using T = typename Tr::T;
+  // dQ_i[:, half] = dS K_j[:, half] in chunks of DQ_CHUNK columns (at HEAD_DIM 256 a whole half's 64 accumulators
+  // beside dK and dV spilled): A = dS^T read M-major (queries are its contiguous dimension), B = K_j N-major; each
+  // chunk added to dQ_acc straight from the accumulators, one red.global.add.v4.f32 per n8 tile and thread, in dQ_acc
+  // order (consecutive threads consecutive 16 bytes: a warp's add covers 512 contiguous bytes; pad rows exist in
+  // dQ_acc: whole blocks). Through shared memory and one bulk reduction per chunk (cp.reduce.async.bulk, the warp-
+  // specialized kernel's way) the D 256 backward was 8-12 % slower, D 192 1-2 %: a step's reductions took most of
+  // the next step to read their buffers, which the next loads or chunk stores then waited for; red.global.add.v2.f32
+  // per pair of elements, twice the instructions, was slower than the bulk reductions (PERFORMANCE.md "Hopper
+  // wide-head backward").
+  // this warpgroup's columns start at float4 wg * HALF / 8 * 128
+  float* dq = p.dq_accum + vec_row * Tr::HEAD_DIM + wg * Tr::HALF * Tr::BLOCK_M + ((warp % 4) * 32 + lane) * 4;
+  const u32 k_smem = smem_base + Tr::OFF_K;
+#pragma unroll 1
+  for (int chunk = 0; chunk < Tr::DQ_CHUNKS; ++chunk) {
+    const int col0 = wg * Tr::HALF + chunk * Tr::DQ_CHUNK;
+    float dq_acc[Tr::DQ_TILES][4];
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
+      Wgmma<Tr::DQ_CHUNK, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
+          dq_acc, Tr::TileDS::desc_mn_major(smem_base + ds_off, kk * 16, 0),
+          Tr::TileKV::desc_mn_major(k_smem, kk * 16, col0), /*scale_d=*/kk > 0);
+    wgmma_commit_group();
+    wgmma_wait_group<0>();  // (the first also retires the GEMMs issued before it)
+    wgmma_fence_operand(dv_acc);
+    wgmma_fence_operand(dk_acc);
+    wgmma_fence_operand(dq_acc);
+    float* dst = dq + chunk * Tr::DQ_CHUNK * Tr::BLOCK_M;
+#pragma unroll
+    for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
+      red_add_v4_f32(dst + dt * 128 * 4, dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
+  }
+}
+
+// One query block for warpgroup wg (see the file comment), its dS^T into buffer `buf`. DEFER (the default mode):
+// the step's dQ is left to the next step, and the last step's (buffer buf ^ 1, rows from prev_vec_row; none where
+// prev_vec_row < 0) computed here where this warpgroup would wait for the other: warpgroup 1 while warpgroup 0
+// computes P^T, warpgroup 0 while warpgroup 1 computes dS^T. Returns with every GEMM it issued retired.
 template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS, class LoadNext>
 __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked, int turn,
                                                       const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                       const ScoreMods<MODS>& mods, unsigned char* smem, u32 smem_base,
-                                                      int stage, int m_block, int n0, long long vec_row, int wg,
-                                                      int warp, int lane, float (&dk_acc)[Tr::DKV_TILES][4],
+                                                      int stage, int buf, int m_block, int n0, long long vec_row,
+                                                      long long prev_vec_row, int wg, int warp, int lane,
+                                                      float (&dk_acc)[Tr::DKV_TILES][4],
                                                       float (&dv_acc)[Tr::DKV_TILES][4], LoadNext&& load_next) {
   using T = typename Tr::T;
   using Mods = ScoreMods<MODS>;
   // a second P^T (undropped, times the softcap's derivative) for dS^T, in the dS^T tile
   constexpr bool HAS_PS = Mods::HAS_DROPOUT || Mods::HAS_SOFTCAP;
+  // dQ one step late (ORDERED adds in the step, in its turn)
+  constexpr bool DEFER = ADDS_DQ && !ORDERED;
   // the tiles' addresses from a value the optimizer cannot see through: else it keeps the K, V (loop invariants) and
   // per-stage Q, dO descriptors of every k step in registers across the query loop, which spilled
   smem_base = static_cast<u32>(opaque(static_cast<int>(smem_base)));
@@ -171,6 +221,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
   const int m0 = m_block * Tr::BLOCK_M;
   const u32 q_smem = smem_base + Tr::OFF_Q + stage * 2 * Tr::SMEM_Q;
   const u32 do_smem = smem_base + Tr::OFF_DO + stage * 2 * Tr::SMEM_Q;
+  const int ds_off = Tr::OFF_DS + buf * Tr::SMEM_DS;  // this step's dS^T; buf ^ 1: the last step's
   const float* lse_log2_smem = reinterpret_cast<const float*>(smem + Tr::OFF_LSE + stage * 2 * Tr::SMEM_ROWVEC);
   const float* delta_smem = reinterpret_cast<const float*>(smem + Tr::OFF_DELTA + stage * 2 * Tr::SMEM_ROWVEC);
   u32* keep_smem = reinterpret_cast<u32*>(smem + Tr::OFF_KEEP) + (warp % 4) * 32 + lane;  // this thread's position
@@ -202,6 +253,9 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
   load_next();  // thread 0: the next step's Q, dO, lse_log2, delta into the other stage (TMA)
   u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
   if (Mods::HAS_DROPOUT && wg == 0) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+  // warpgroup 1: the last step's dQ under its dP^T GEMM and warpgroup 0's P^T (retires dP^T too)
+  if (DEFER && wg == 1 && prev_vec_row >= 0)
+    bwd_split_dq<Tr>(p, smem_base, Tr::OFF_DS + (buf ^ 1) * Tr::SMEM_DS, prev_vec_row, wg, warp, lane, dk_acc, dv_acc);
   wgmma_wait_group<0>();
   wgmma_fence_operand(acc);
 
@@ -222,7 +276,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
       if (HAS_PS) {
         u32 ps_a[4];
         pack_k16_a<T>(ps, ps_a);
-        bwd_sm90_store_ds_step<Tr>(smem, Tr::OFF_DS, key_row0, kk, lane, ps_a);
+        bwd_sm90_store_ds_step<Tr>(smem, ds_off, key_row0, kk, lane, ps_a);
       }
     }
     // dV[:, half 0] += P^T dO_i[:, half 0]: dO_i is [query][d], the k dimension (queries) its rows: read N-major
@@ -258,7 +312,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const u32 pr =  // P^T's pair in A register 2 j + h of step kk
-              *reinterpret_cast<const u32*>(smem + (HAS_PS ? Tr::OFF_DS : Tr::OFF_P) +
+              *reinterpret_cast<const u32*>(smem + (HAS_PS ? ds_off : Tr::OFF_P) +
                                             ds_pair_offset<Tr>(key_row0, kk, 2 * j + h, lane));
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
@@ -271,9 +325,12 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
       }
       u32 ds_a[4];
       pack_k16_a<T>(ds, ds_a);
-      bwd_sm90_store_ds_step<Tr>(smem, Tr::OFF_DS, key_row0, kk, lane, ds_a);
+      bwd_sm90_store_ds_step<Tr>(smem, ds_off, key_row0, kk, lane, ds_a);
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
+  } else if (DEFER && prev_vec_row >= 0) {
+    // warpgroup 0: the last step's dQ under its dV GEMM and warpgroup 1's dS^T (retires dV too)
+    bwd_split_dq<Tr>(p, smem_base, Tr::OFF_DS + (buf ^ 1) * Tr::SMEM_DS, prev_vec_row, wg, warp, lane, dk_acc, dv_acc);
   }
   // ORDERED: this CTA's turn on the query block's dQ (waited for under warpgroup 1's dS^T; the barrier passes it on)
   if (ORDERED && threadIdx.x == 0) wait_counter_or_trap(p.dq_turns + vec_row / 64, turn);
@@ -283,48 +340,17 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
 #pragma unroll
   for (int kk = 0; kk < Tr::Q_K_STEPS; ++kk)
     Wgmma<Tr::HALF, T>::template ss</*TRANS_A=*/0, /*TRANS_B=*/1>(
-        dk_acc, Tr::TileDS::desc_k_major(smem_base + Tr::OFF_DS, 0, kk * 16),
+        dk_acc, Tr::TileDS::desc_k_major(smem_base + ds_off, 0, kk * 16),
         Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
   wgmma_commit_group();
-  if (!ADDS_DQ) {  // dQ comes from bwd_dq_kernel instead
+  if (!ADDS_DQ || DEFER) {  // dQ comes from the next step (DEFER) or from bwd_dq_kernel
     wgmma_wait_group<0>();
     wgmma_fence_operand(dv_acc);
     wgmma_fence_operand(dk_acc);
     return;
   }
 
-  // dQ_i[:, half] = dS K_j[:, half] in chunks of DQ_CHUNK columns (at HEAD_DIM 256 a whole half's 64 accumulators
-  // beside dK and dV spilled): A = dS^T read M-major (queries are its contiguous dimension), B = K_j N-major; each
-  // chunk added to dQ_acc straight from the accumulators, one red.global.add.v4.f32 per n8 tile and thread, in dQ_acc
-  // order (consecutive threads consecutive 16 bytes: a warp's add covers 512 contiguous bytes; pad rows exist in
-  // dQ_acc: whole blocks). Through shared memory and one bulk reduction per chunk (cp.reduce.async.bulk, the warp-
-  // specialized kernel's way) the D 256 backward was 8-12 % slower, D 192 1-2 %: a step's reductions took most of
-  // the next step to read their buffers, which the next loads or chunk stores then waited for; red.global.add.v2.f32
-  // per pair of elements, twice the instructions, was slower than the bulk reductions (PERFORMANCE.md "Hopper
-  // wide-head backward").
-  // vec_row: the block's first fp32 row (QueryBlock); this warpgroup's columns start at float4 wg * HALF / 8 * 128
-  float* dq = p.dq_accum + vec_row * Tr::HEAD_DIM + wg * Tr::HALF * Tr::BLOCK_M + ((warp % 4) * 32 + lane) * 4;
-  const u32 k_smem = smem_base + Tr::OFF_K;
-#pragma unroll 1
-  for (int chunk = 0; chunk < Tr::DQ_CHUNKS; ++chunk) {
-    const int col0 = wg * Tr::HALF + chunk * Tr::DQ_CHUNK;
-    float dq_acc[Tr::DQ_TILES][4];
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < Tr::DQ_K_STEPS; ++kk)
-      Wgmma<Tr::DQ_CHUNK, T>::template ss</*TRANS_A=*/1, /*TRANS_B=*/1>(
-          dq_acc, Tr::TileDS::desc_mn_major(smem_base + Tr::OFF_DS, kk * 16, 0),
-          Tr::TileKV::desc_mn_major(k_smem, kk * 16, col0), /*scale_d=*/kk > 0);
-    wgmma_commit_group();
-    wgmma_wait_group<0>();  // (the first also retires dV and dK)
-    wgmma_fence_operand(dv_acc);
-    wgmma_fence_operand(dk_acc);
-    wgmma_fence_operand(dq_acc);
-    float* dst = dq + chunk * Tr::DQ_CHUNK * Tr::BLOCK_M;
-#pragma unroll
-    for (int dt = 0; dt < Tr::DQ_TILES; ++dt)
-      red_add_v4_f32(dst + dt * 128 * 4, dq_acc[dt][0], dq_acc[dt][1], dq_acc[dt][2], dq_acc[dt][3]);
-  }
+  bwd_split_dq<Tr>(p, smem_base, ds_off, vec_row, wg, warp, lane, dk_acc, dv_acc);
   // (ORDERED: the next step releases these adds, or the kernel after its last step)
 }
 
@@ -395,8 +421,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __
   mbarrier_wait_or_trap(kv_full, 0);
   // the query loop: the steps from qb (`left` positions), each waiting for its stage and ending at a CTA barrier
   const bool is_key_tail = kb.keys < Tr::BLOCK_N;
-  int stage = 0;
+  int stage = 0, buf = 0;
   u32 phase = 0;
+  long long prev_vec_row = -1;  // the last step's query block (the default mode adds its dQ in the next step)
   for (;;) {
     QueryBlock<Tr> qb_next = qb;
     int left_next = left;
@@ -411,10 +438,13 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __
     mods.init(p.mods, kb.batch, qb.head, p.heads);
     const int turn = ORDERED ? kb.dq_turn(qb.m_block, kb.n0 / Tr::BLOCK_N, kb.last_key_block(), kb.dq_reach()) : 0;
     bwd_split_query_block<Tr, IS_CAUSAL, !IS_DETERMINISTIC || ORDERED, ORDERED, MODS>(
-        p, is_masked, turn, kb.band, mods, smem, smem_base, stage, qb.m_block, kb.n0, qb.vec_row, wg, warp, lane,
-        dk_acc, dv_acc, load_next);
-    __syncthreads();  // every GEMM that read this stage, P^T or dS^T has retired: the next step may overwrite them
+        p, is_masked, turn, kb.band, mods, smem, smem_base, stage, buf, qb.m_block, kb.n0, qb.vec_row, prev_vec_row,
+        wg, warp, lane, dk_acc, dv_acc, load_next);
+    // every GEMM that read this stage, P^T or the last step's dS^T has retired: the next step may overwrite them
+    __syncthreads();
     if (!more) break;
+    prev_vec_row = qb.vec_row;
+    buf ^= 1;
     stage ^= 1;
     phase ^= stage == 0;
     qb = qb_next;
@@ -425,6 +455,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __
     fence_acq_rel_gpu();
     red_release_gpu_add(p.dq_turns + ld_shared_s32(smem_base + Tr::OFF_RELEASE), 1);
   }
+  // the default mode: the last step's dQ (its K columns are this warpgroup's, which only it overwrites below)
+  if (!IS_DETERMINISTIC)
+    bwd_split_dq<Tr>(p, smem_base, Tr::OFF_DS + buf * Tr::SMEM_DS, qb.vec_row, wg, warp, lane, dk_acc, dv_acc);
 
   // epilogue: dK * softmax_scale and dV (* 1 / (1 - p) with dropout) into the K and V tiles (this warpgroup's
   // columns), then 16-byte stores

@@ -1341,10 +1341,10 @@ class BwdSm90SplitConfig:
         q = self.block_m * self.head_dim * ELEM_BYTES
         kv = self.block_n * self.head_dim * ELEM_BYTES
         ds = self.block_n * self.block_m * ELEM_BYTES
-        # K, V, 2 stages of (Q, dO), dS^T, P^T, 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread
-        # of warpgroup 0), the deterministic mode's counter word (16 bytes), three mbarriers (kv_full, q_full[2]),
-        # + 1024 to align the base
-        return 2 * kv + 4 * q + 2 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 3 * 8 + 1024
+        # K, V, 2 stages of (Q, dO), P^T, 2 dS^T buffers (the step's and the last step's, whose dQ the step computes),
+        # 2 stages of (lse_log2, delta), dropout's keep bits (a word per thread of warpgroup 0), the deterministic
+        # mode's counter word (16 bytes), three mbarriers (kv_full, q_full[2]), + 1024 to align the base
+        return 2 * kv + 4 * q + 3 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 3 * 8 + 1024
 
     @property
     def box_cols(self) -> int:

@@ -56,10 +56,10 @@ def test_config_checks_its_arguments():
 @pytest.mark.parametrize("hd", [192, 256])
 def test_shared_memory_fits_sm90(hd):
     c = config.BwdSm90SplitConfig(hd, "bf16", False, False)
-    # K, V (64 keys), 2 stages of Q, dO (64 rows), dS^T, P^T (64 x 64), 2 stages of lse_log2, delta, 128 keep-bit
-    # words, the deterministic counter's 16 bytes, three mbarriers, 1024 alignment (dQ leaves from registers: no
-    # buffer)
-    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 2 * 64 * 64 * 2 + 4 * 64 * 4 + 128 * 4 + 16 + 24 + 1024
+    # K, V (64 keys), 2 stages of Q, dO (64 rows), P^T and two dS^T buffers (64 x 64), 2 stages of lse_log2, delta,
+    # 128 keep-bit words, the deterministic counter's 16 bytes, three mbarriers, 1024 alignment (dQ leaves from
+    # registers: no buffer)
+    assert c.smem_bytes == 2 * 64 * hd * 2 + 4 * 64 * hd * 2 + 3 * 64 * 64 * 2 + 4 * 64 * 4 + 128 * 4 + 16 + 24 + 1024
     # TMA boxes of whole panels of a warpgroup's half: 64 columns (128-byte swizzle) at 256, 32 (64-byte) at 192
     assert c.box_cols == {192: 32, 256: 64}[hd]
     assert c.smem_bytes <= 227 * 1024 and c.threads == 256
@@ -80,11 +80,12 @@ def test_compiles_spill_free_with_its_products(cfg):
     # per step, one warpgroup's path: S^T or dP^T (HEAD_DIM / 16 k steps), dV and dK (4 each), dQ chunks (4 each)
     assert count("HGMMA") >= cfg.head_dim // 16 + 8 + (0 if cfg.deterministic else 4)
     # dQ: red.global.add.v4.f32 from the registers (one per n8 tile of a chunk; the chunk loop is rolled) where the
-    # kernel adds dQ (not deterministic, or ordered: then also the turn counter's red.release, issued by the next step
-    # and after the last one), no bulk reductions
+    # kernel adds dQ: not deterministic, from three sites (a step adds the last step's dQ, warpgroup 1 under its dP^T
+    # GEMM, warpgroup 0 under warpgroup 1's dS^T, and the last step's comes after the loop), or ordered, in the step,
+    # beside the turn counter's red.release (issued by the next step and after the last one); no bulk reductions
     reds = count("REDG")
-    adds = not cfg.deterministic or cfg.ordered
-    assert reds == (0 if not adds else {192: 12, 256: 8}[cfg.head_dim] + (2 if cfg.ordered else 0)), reds
+    per_site = {192: 12, 256: 8}[cfg.head_dim]
+    assert reds == (per_site + 2 if cfg.ordered else 0 if cfg.deterministic else 3 * per_site), reds
     assert count("UBLKRED") == 0, "dQ leaves from registers"
     assert count("LDL") == 0 and count("STL") == 0
     # loads by TMA from one thread: K and V once, Q_i and dO_i per step (one box per panel: the first step's copies
