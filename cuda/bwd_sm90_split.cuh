@@ -39,8 +39,9 @@
 // BwdKeyBlock, QueryBlock). Loads are TMA copies issued by thread 0, as bwd_sm90_ws_kernel's producer issues them
 // (the same tensor maps, BwdWsParams, and boxes of PANEL_COLS columns): K and V once, then per step Q_i, dO_i and
 // lse_log2_i, delta_i (1-D bulk copies) into a stage, completing on that stage's mbarrier (transaction bytes), which
-// every thread waits on before the step. Thread 0 issues the next step's copies right after its S^T GEMM, into the
-// other stage, whose last readers retired before the previous step's closing barrier. Rows of a box past the
+// every thread waits on before the step. Thread 0 issues the next step's copies into the other stage once its last
+// readers have retired: after the P^T barrier (the default mode), or after its S^T GEMM (the deterministic modes,
+// whose steps end at a CTA barrier). Rows of a box past the
 // sequence are zero-filled (dense) or the next sequence's (packed): their lse_log2 is +inf (pad rows, seqs.cuh), so
 // P = dS = 0 there, as in bwd_sm90_ws_kernel. (Copies by the 256 threads' cp.async queued behind the last step's dQ
 // reds in the load-store path: PERFORMANCE.md "Hopper wide-head backward".) Score modifiers: window, ALiBi, soft-capping, dropout (a bias or mask runs on the mma.sync backward).
@@ -53,14 +54,20 @@
 // half starts on a panel); dS^T and P^T are 64 x 64 tiles written in the layout bwd_sm90_store_ds writes.
 //
 // ---- synchronization per step (all 256 threads; a CTA has no other warps) ----------------------------------
-//   (thread 0 issues the next step's loads into the other stage after its S^T GEMM; that stage's last readers
-//   retired before the previous step's closing barrier)
 //   q_full[stage]  every thread waits: the step's Q, dO, lse_log2, delta have landed (K and V: kv_full, before the
 //                  first step); the parity flips each time a stage comes round again
-//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it)
-//   __syncthreads  dS^T is in shared memory (fenced: the dK wgmma and the next step's dQ wgmma read it)
-//   __syncthreads  end of step: every GEMM that read this stage, P^T or the last step's dS^T has retired (each
-//                  warpgroup waited for its own), so the next step may overwrite them
+//   __syncthreads  P^T is in shared memory (warpgroup 0 wrote it, fenced: warpgroup 1's dV wgmma reads it). Each
+//                  warpgroup has waited for every GEMM it issued in the last step (its dK GEMMs retire at this step's
+//                  first wait), so thread 0 then loads the next step into the other stage, the last step's
+//   __syncthreads  dS^T is in shared memory (fenced: the dK wgmma and the next step's dQ wgmma read it). Warpgroup 1
+//                  has retired its dV GEMM, the last reader of P^T; the last step's dQ, the last reader of the other
+//                  dS^T buffer, has retired (warpgroup 1's before the P^T barrier, warpgroup 0's before this one)
+//   The default mode has no third barrier: what the next step writes before its P^T barrier (P^T, the keep bits,
+//   with dropout or softcap the second P^T in the other dS^T buffer) was last read before this step's dS^T
+//   barrier, and what it writes after (its dS^T, the TMA copies) waits for that barrier.
+//   The deterministic modes end each step at a third __syncthreads, every GEMM of the step retired, and thread 0
+//   loads the next step after its S^T GEMM (ORDERED: the barrier also orders the step's dQ adds before thread 0's
+//   release of them).
 #pragma once
 #include "ptx.cuh"
 #include "ptx_wgmma.cuh"
@@ -198,7 +205,8 @@ __device__ __forceinline__ void bwd_split_dq(const BwdParams& p, u32 smem_base, 
 // One query block for warpgroup wg (see the file comment), its dS^T into buffer `buf`. DEFER (the default mode):
 // the step's dQ is left to the next step, and the last step's (buffer buf ^ 1, rows from prev_vec_row; none where
 // prev_vec_row < 0) computed here where this warpgroup would wait for the other: warpgroup 1 while warpgroup 0
-// computes P^T, warpgroup 0 while warpgroup 1 computes dS^T. Returns with every GEMM it issued retired.
+// computes P^T, warpgroup 0 while warpgroup 1 computes dS^T. Returns with every GEMM it issued retired, except
+// DEFER's dK GEMMs (the next step's first wait, or the last step's dQ after the query loop, retires them).
 template <class Tr, bool IS_CAUSAL, bool ADDS_DQ, bool ORDERED, int MODS, class LoadNext>
 __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool is_masked, int turn,
                                                       const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
@@ -250,14 +258,18 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     }
     st_shared_s32(smem_base + Tr::OFF_RELEASE, static_cast<int>(vec_row / 64));  // this step's, for the next
   }
-  load_next();  // thread 0: the next step's Q, dO, lse_log2, delta into the other stage (TMA)
+  // thread 0: the next step's Q, dO, lse_log2, delta into the other stage (TMA). DEFER: after the P^T barrier (the
+  // last step's dK GEMMs, which read that stage, retire at this step's first wait)
+  if (!DEFER) load_next();
   u32 keep = ~0u;  // dropout's keep bits of this thread's S^T elements (Philox), under the GEMM
   if (Mods::HAS_DROPOUT && wg == 0) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
   // warpgroup 1: the last step's dQ under its dP^T GEMM and warpgroup 0's P^T (retires dP^T too)
   if (DEFER && wg == 1 && prev_vec_row >= 0)
     bwd_split_dq<Tr>(p, smem_base, Tr::OFF_DS + (buf ^ 1) * Tr::SMEM_DS, prev_vec_row, wg, warp, lane, dk_acc, dv_acc);
-  wgmma_wait_group<0>();
+  wgmma_wait_group<0>();  // (DEFER: also the last step's dK GEMMs)
   wgmma_fence_operand(acc);
+  wgmma_fence_operand(dk_acc);
+  wgmma_fence_operand(dv_acc);
 
   // P^T (warpgroup 0) into A registers, and into shared memory, where warpgroup 1 reads it as its dV's A operand and
   // for dS^T (registers held across both exchanges spilled: warpgroup 0 takes dS^T for dK from shared memory too)
@@ -290,6 +302,7 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
     fence_proxy_async_shared();  // st.shared -> visible to warpgroup 1's wgmma (async proxy) after the barrier
   }
   __syncthreads();  // P^T is in shared memory
+  if (DEFER) load_next();  // every GEMM of the last step has retired: its stage is free
   if (wg == 1) {
     // dV[:, half 1] += P^T dO_i[:, half 1], A = P^T from shared memory (keys x queries: K-major)
     wgmma_fence();
@@ -328,6 +341,11 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
       bwd_sm90_store_ds_step<Tr>(smem, ds_off, key_row0, kk, lane, ds_a);
     }
     fence_proxy_async_shared();  // st.shared -> visible to the wgmma that read dS^T after the barrier
+    // DEFER: the dV GEMM (long done) retired before the dS^T barrier, after which warpgroup 0 may overwrite P^T
+    if (DEFER) {
+      wgmma_wait_group<0>();
+      wgmma_fence_operand(dv_acc);
+    }
   } else if (DEFER && prev_vec_row >= 0) {
     // warpgroup 0: the last step's dQ under its dV GEMM and warpgroup 1's dS^T (retires dV too)
     bwd_split_dq<Tr>(p, smem_base, Tr::OFF_DS + (buf ^ 1) * Tr::SMEM_DS, prev_vec_row, wg, warp, lane, dk_acc, dv_acc);
@@ -343,7 +361,9 @@ __device__ __forceinline__ void bwd_split_query_block(const BwdParams& p, bool i
         dk_acc, Tr::TileDS::desc_k_major(smem_base + ds_off, 0, kk * 16),
         Tr::TileQ::desc_mn_major(q_smem, kk * 16, wg * Tr::HALF), /*scale_d=*/1);
   wgmma_commit_group();
-  if (!ADDS_DQ || DEFER) {  // dQ comes from the next step (DEFER) or from bwd_dq_kernel
+  // DEFER: dQ comes from the next step, and the dK GEMMs retire there, at its first wait (no barrier ends the step)
+  if (DEFER) return;
+  if (!ADDS_DQ) {  // dQ comes from bwd_dq_kernel
     wgmma_wait_group<0>();
     wgmma_fence_operand(dv_acc);
     wgmma_fence_operand(dk_acc);
@@ -419,7 +439,8 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __
   // shared memory: a register across the query loop spilled the heaviest kernel)
   if (ORDERED && threadIdx.x == 0) st_shared_s32(smem_base + Tr::OFF_RELEASE, -1);
   mbarrier_wait_or_trap(kv_full, 0);
-  // the query loop: the steps from qb (`left` positions), each waiting for its stage and ending at a CTA barrier
+  // the query loop: the steps from qb (`left` positions), each waiting for its stage (deterministic: ending at a CTA
+  // barrier)
   const bool is_key_tail = kb.keys < Tr::BLOCK_N;
   int stage = 0, buf = 0;
   u32 phase = 0;
@@ -440,8 +461,9 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) bwd_sm90_split_kernel(const __
     bwd_split_query_block<Tr, IS_CAUSAL, !IS_DETERMINISTIC || ORDERED, ORDERED, MODS>(
         p, is_masked, turn, kb.band, mods, smem, smem_base, stage, buf, qb.m_block, kb.n0, qb.vec_row, prev_vec_row,
         wg, warp, lane, dk_acc, dv_acc, load_next);
-    // every GEMM that read this stage, P^T or the last step's dS^T has retired: the next step may overwrite them
-    __syncthreads();
+    // deterministic modes: every GEMM that read this stage, P^T or the last step's dS^T has retired, the next step
+    // may overwrite them (the default mode needs no barrier here: the file comment's synchronization)
+    if (IS_DETERMINISTIC) __syncthreads();
     if (!more) break;
     prev_vec_row = qb.vec_row;
     buf ^= 1;
