@@ -13,7 +13,9 @@ bwd_sm90_ws_kernel are what the library launches for 16-bit inputs on an H100 (t
 64, 96 and 128); a fwd_sm90_kernel or bwd_sm90_kernel driver takes the ws family out of the registry to reach the
 synchronous kernel (FWD_SM90_DRIVER_NOTE). bwd_sm90_ws_kernel is profiled in its default mode only, where it adds
 dQ by one bulk reduction (`cp.reduce.async.bulk .add.f32`) per visited query block: its deterministic mode's dQ
-writer polls a turn counter, a timing-dependent number of global reads. First every kernel instantiation the
+writer polls a turn counter, a timing-dependent number of global reads. The same holds for bwd_sm90_split_kernel, the
+library's 16-bit backward at kernel head dims 192 and 256 (TMA loads by one thread, dQ by `red.global.add.v4.f32`
+from registers; its shared memory is counted in program order, not walked, so its LDS / STS rows are reported only). First every kernel instantiation the
 targets need is compiled once outside ncu (NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a
 small driver (`python -c ...`: random CuPy inputs; the forward twice, or the forward once for o and lse and then
 the backward twice) runs under
@@ -40,7 +42,8 @@ MISSES_EXPLAINED, the analysis of the misses of the measuring run. For bwd_kerne
 bytes and L2 reduction sectors within 2%, reduction requests exact (they travel SM->L2 as writes, never as L2->SM
 reads). For the TMA kernels the TMA load bytes and sectors within 2% and the TMA load instructions exact
 (TMA_METRICS); for bwd_sm90_ws_kernel also its dQ bulk reductions: their SM->L2 bytes within 2%, their
-instructions exact and no LSU reduction (BULK_RED_METRICS).
+instructions exact and no LSU reduction (BULK_RED_METRICS); for bwd_sm90_split_kernel its 16-byte dQ reductions on
+the RED rows as bwd_kernel's.
 """
 from __future__ import annotations
 
@@ -70,17 +73,24 @@ from .strategies import cuflash_backward_kernels
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel",
-           "bwd_sm90_ws_kernel")
+           "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel")
 FORWARD_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel")
 # the wgmma kernels run with CUFLASH_KERNELS=auto (the library's default), the others with
 # CUFLASH_KERNELS=mma: bwd_dq_kernel and the elementwise kernels are the same in both families
-WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel")
+WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel",
+                 "bwd_sm90_split_kernel")
 # the kernels whose global loads are TMA boxes (cp.async.bulk.tensor) and 1-D bulk copies (cp.async.bulk), compared
 # on the TMA counters (TMA_METRICS)
-TMA_KERNELS = ("fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel")
+TMA_KERNELS = ("fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel")
 # the kernels that add dQ by bulk reductions (cp.reduce.async.bulk) instead of red.global, compared on the TMA
 # reduction counters (BULK_RED_METRICS)
 BULK_RED_KERNELS = ("bwd_sm90_ws_kernel",)
+# the kernels whose dQ adds are 16-byte reductions from registers (red.global.add.v4.f32), compared on the LSU
+# reduction counters (RED_METRICS) as bwd_kernel's 8-byte ones
+RED_V4_KERNELS = ("bwd_sm90_split_kernel",)
+# the kernels whose shared-memory accesses are counted in program order (strategies._split_bwd_shared), not walked
+# instruction by instruction: their LDS / STS rows are reported, not predicted
+UNWALKED_KERNELS = ("bwd_sm90_split_kernel",)
 
 
 class Band(float):
@@ -140,14 +150,19 @@ class Target:
             # added theirs: a number of global reads that depends on timing, so no read row could be predicted
             raise ValueError("bwd_sm90_ws_kernel targets run the default mode (dQ by bulk reductions): its "
                              "deterministic mode's turn-counter polls are timing-dependent reads")
+        if self.kernel == "bwd_sm90_split_kernel" and self.deterministic:
+            # at head dim 256 the deterministic mode polls turn counters as above; at 192 it leaves dQ to bwd_dq_kernel
+            raise ValueError("bwd_sm90_split_kernel targets run the default mode (dQ by red.global.add.v4.f32): its "
+                             "deterministic mode's turn-counter polls are timing-dependent reads")
         hd = _config.kernel_head_dim(self.case.head_dim)
         tiles = {"fwd_sm90_kernel": _config.FWD_SM90_TILES, "bwd_sm90_kernel": _config.BWD_SM90_TILES,
                  "fwd_sm90_ws_kernel": _config.FWD_SM90_WS_TILES,
-                 "bwd_sm90_ws_kernel": _config.bwd_sm90_ws_head_dims()}.get(self.kernel)
+                 "bwd_sm90_ws_kernel": _config.bwd_sm90_ws_head_dims(),
+                 "bwd_sm90_split_kernel": _config.BWD_SM90_SPLIT_HEAD_DIMS}.get(self.kernel)
         if tiles is not None and hd not in tiles:
             raise ValueError(f"{self.kernel} runs kernel head dims {', '.join(map(str, sorted(tiles)))} "
                              f"(got head_dim={self.case.head_dim}: the library launches the mma.sync kernel)")
-        if self.kernel == "bwd_sm90_ws_kernel":
+        if self.kernel in ("bwd_sm90_ws_kernel", "bwd_sm90_split_kernel"):
             # the driver runs the library's choice as it is: the registry (config.FAMILIES) must pick this kernel
             launched = _config.backward_kernel_config(hd, self.case.dtype, self.case.causal, False, ARCH, "auto")
             if launched != self.config():
@@ -190,6 +205,8 @@ class Target:
             return _config.fwd_sm90_ws_config(hd, c.dtype, c.causal, seqlen_k=c.seqlen_k)
         if self.kernel == "bwd_sm90_ws_kernel":  # the library's backward at kernel head dims 32, 64, 96 and 128
             return _config.bwd_sm90_ws_config(hd, c.dtype, c.causal, False)
+        if self.kernel == "bwd_sm90_split_kernel":  # the library's backward at kernel head dims 192 and 256
+            return _config.BwdSm90SplitConfig(hd, c.dtype, c.causal, False)
         if self.kernel in FORWARD_KERNELS:
             return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, self.kernels, seqlen_k=c.seqlen_k)
         if self.kernel == "bwd_dq_kernel":
@@ -249,6 +266,12 @@ _DEFAULT = _QUICK + [
     Target("bwd_sm90_ws_kernel", Case(1, 8, 2048, 2048, 128, "bf16", causal=True)),
     Target("bwd_sm90_ws_kernel", Case(2, 4, 1024, 1024, 64, "bf16", causal=True)),
     Target("bwd_sm90_ws_kernel", Case(2, 4, 1024, 1024, 128)),
+    # the wide-head backward (head dims 192 and 256, dQ by red.global.add.v4.f32 from registers), default mode: d256
+    # plain bf16 (four 64-column boxes per tile), d192 causal fp16 (six 32-column boxes) and with tails (1000 x 1500:
+    # the last Q, dO and K, V boxes partly out of bounds)
+    Target("bwd_sm90_split_kernel", Case(1, 8, 2048, 2048, 256, "bf16")),
+    Target("bwd_sm90_split_kernel", Case(2, 4, 1024, 1024, 192, causal=True)),
+    Target("bwd_sm90_split_kernel", Case(2, 4, 1000, 1500, 192, "bf16")),
 ]
 
 CASES = {
@@ -273,6 +296,8 @@ CASES = {
         # tails (the last query and key boxes partly out of bounds) and a working set near the L2's size
         Target("bwd_sm90_ws_kernel", Case(2, 4, 1000, 1500, 64, "bf16")),
         Target("bwd_sm90_ws_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
+        Target("bwd_sm90_split_kernel", Case(2, 4, 1000, 1500, 256, "bf16", causal=True)),
+        Target("bwd_sm90_split_kernel", Case(1, 16, 4096, 4096, 256, "bf16")),
     ],
 }
 
@@ -390,6 +415,18 @@ BULK_RED_METRICS = {
     "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": ("SM->L2 reduction bytes, op_red (TMA included?)", None),
     "lts__t_sectors_op_red.sum": ("L2 reduction sectors, all sources", None),
 }
+# the rows that a walk of every shared-memory instruction predicts (_shared_predictions, banks.*_kernel_shared)
+SHARED_WALK_METRICS = (
+    "smsp__inst_executed_op_shared_ld.sum", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum",
+    "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum", "smsp__inst_executed_op_shared_st.sum",
+    "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum", "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum",
+    "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum",
+    "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum", "smsp__inst_executed_op_ldsm.sum",
+    "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldsm.sum",
+    "smsp__sass_l1tex_data_bank_conflicts_pipe_lsu_mem_shared_op_ldsm.sum", "smsp__sass_inst_executed_op_ldgsts.sum",
+    "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum",
+)
+ABSENT_IN_UNWALKED = ("smsp__inst_executed_op_ldsm.sum", "smsp__sass_inst_executed_op_ldgsts.sum")
 GMMA_METRICS = {
     "sm__sass_inst_executed_op_shared_gmma.sum": ("wgmma instructions (HGMMA, per warp)", None),
     "sm__sass_data_bytes_mem_shared_op_gmma.sum": ("wgmma shared operand bytes", None),
@@ -412,7 +449,12 @@ def metrics_for(target: Target) -> dict:
         items = items[:at] + list(TMA_METRICS.items()) + items[at:]
         at = [m for m, _ in items].index("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
         out = dict(items[:at] + list(GMMA_METRICS.items()) + items[at:])
-    adds = (RED_METRICS if target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic
+    if target.kernel in UNWALKED_KERNELS:  # reported, not targeted: no instruction walk predicts them (but the
+        # instruction kinds such a kernel has none of: ldmatrix, cp.async)
+        out = {m: ((what, None) if m in SHARED_WALK_METRICS and m not in ABSENT_IN_UNWALKED else (what, tol))
+               for m, (what, tol) in out.items()}
+    adds = (RED_METRICS if (target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic)
+            or target.kernel in RED_V4_KERNELS
             else BULK_RED_METRICS if target.kernel in BULK_RED_KERNELS else None)
     if adds is not None:
         # after the SM->L2 write bytes, so the dQ adds sit next to the stores in the table
@@ -703,9 +745,10 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     # the main kernel's traffic with the profiled kernel's own config: bwd_sm90_kernel (the driver takes the
     # warp-specialized family out) has its own tiles, steps of 64 queries where bwd_sm90_ws_kernel takes 128 at head
     # dims 32 and 64; bwd_sm90_ws_kernel's is the library's choice (Target checks it)
-    main = cfg if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else None
+    main = cfg if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel") else None
     kt = {k.name: k for k in cuflash_backward_kernels(p, True, det, target.kernels, main)}[target.kernel]
     is_ws = target.kernel == "bwd_sm90_ws_kernel"
+    is_split = target.kernel == "bwd_sm90_split_kernel"
     if is_ws:
         walk = banks.bwd_kernel_shared(cfg, p.batch, p.heads, p.seqlen_q, p.seqlen_k, p.head_dim)
         index = 1
@@ -717,6 +760,12 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
                  "LDGSTS": "none: TMA and bulk copies load K, V, Q, dO, lse_log2, delta",
                  "guard": "none expected: no cp.async, and none before this kernel's fence.proxy.async in the "
                           "NVRTC 13.0 SASS"}
+        store_note = "dK, dV (valid keys)"
+    elif is_split:
+        walk = None
+        index = 1
+        read_note = ("K, V once per CTA with a visit (TMA boxes); per visited query block Q, dO (TMA boxes) and BLOCK_M "
+                     "lse_log2, delta (1-D bulk copies): all the kernel's global reads, in-bounds rows only")
         store_note = "dK, dV (valid keys)"
     elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
         is_wgmma = target.kernel in WGMMA_KERNELS
@@ -755,8 +804,13 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
         "dram__bytes_write.sum": (dram_w, "model incl. the final write-back; ncu sees only evictions during the kernel"),
         "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
         "launch__block_size": (cfg.threads, "12 warps: a TMA producer warpgroup, 2 consumer warpgroups" if is_ws
+                               else "8 warps: 2 warpgroups (thread 0 issues the TMA loads)" if is_split
                                else f"{cfg.num_warps} warps"),
     }
+    if is_split:
+        out.update(_split_predictions(cfg, p, kt))
+        out.update(_measured_only())
+        return {m: out[m] for m in metrics_for(target)}
     if is_ws:
         # one bulk reduction of the whole BLOCK_M x HEAD_DIM fp32 block per visit
         m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
@@ -806,6 +860,69 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
 
 
 WARP_RED_BYTES = 32 * 8  # red.global.add.v2.f32: 32 lanes x 2 floats
+WARP_RED_V4_BYTES = 32 * 16  # red.global.add.v4.f32: 32 lanes x 4 floats
+
+
+def _split_predictions(cfg, p: Problem, kt) -> dict:
+    """The rows particular to bwd_sm90_split_kernel (cuda/bwd_sm90_split.cuh, the default mode): its TMA loads, its
+    dQ adds (red.global.add.v4.f32 from the accumulator registers) and its wgmma, counted from the kernel's program
+    order per CTA and per visited query block; its LDS / STS are not walked (reported only), and it has no ldmatrix
+    and no cp.async.
+
+    Per CTA with a visit: thread 0 loads K and V, HEAD_DIM / box_cols TMA boxes each. Per visit: Q and dO, as many
+    boxes each, and lse_log2 and delta by one 1-D bulk copy each. Warpgroup w (of 2) issues per visit S^T (w = 0) or
+    dP^T (w = 1), HEAD_DIM / 16 m64n64k16 wgmma reading K and Q or V and dO from shared memory; dV += P^T dO[:, half]
+    and dK += dS^T Q[:, half], BLOCK_M / 16 wgmma each (warpgroup 0's dV takes P^T from registers, warpgroup 1's
+    from the P^T tile); dQ = dS K[:, half] in HALF / DQ_CHUNK chunks of BLOCK_N / 16 wgmma, each chunk reading the
+    whole dS^T tile. Each chunk leaves by DQ_CHUNK / 8 red.global.add.v4.f32 per thread (a warp's instruction adds
+    512 contiguous bytes of dQ_acc: 16 sectors)."""
+    hd, bm, bn, e, s4 = cfg.head_dim, cfg.block_m, cfg.block_n, p.elem_bytes, p.stat_bytes
+    half = hd // 2
+    chunk = half if half <= 96 else 64  # BwdSm90SplitTraits::DQ_CHUNK
+    chunks = half // chunk
+    panels = hd // cfg.box_cols
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+    visits_kb = np.maximum(m_end - m_begin, 0)
+    live, visits = int((visits_kb > 0).sum()) * p.batch_heads, int(visits_kb.sum()) * p.batch_heads
+    boxes, copies = live * 2 * panels + visits * 2 * panels, 2 * visits
+    red = kt.atomic_bytes
+    reds = visits * 2 * 4 * (half // 8)  # per visit: 2 warpgroups x 4 warps x HALF / 8 instructions per warp
+    assert reds * WARP_RED_V4_BYTES == red, (reds, red)
+    per_wg = hd // 16 + 2 * (bm // 16) + chunks * (bn // 16)  # S^T or dP^T, dV, dK, dQ per visit
+    q_t, kv_t, ds_t = bm * hd * e, bn * hd * e, bn * bm * e
+    gmma_bytes = visits * (2 * (kv_t + q_t)  # S^T: K, Q; dP^T: V, dO
+                           + q_t + ds_t  # dV: dO halves, warpgroup 1's P^T tile
+                           + q_t + 2 * ds_t  # dK: Q halves, dS^T (each)
+                           + kv_t + 2 * chunks * ds_t)  # dQ: K halves, dS^T per chunk (each)
+    box_note = (f"{boxes:,} boxes of {cfg.box_cols} columns; {copies:,} 1-D bulk copies of {bm * s4} B; read: "
+                "in-bounds rows only")
+    return {
+        "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum": (kt.read_bytes, box_note),
+        "l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum": (kt.read_bytes // SECTOR, "the TMA loads in 32-byte sectors"),
+        "lts__t_sectors_srcunit_tex_op_read.sum": (kt.read_bytes // SECTOR, "if the L2 counts TMA requests as unit TEX"),
+        "sm__sass_inst_executed_op_tma_ld.sum": (boxes + copies, f"per live CTA {panels} boxes of K and of V; per "
+                                                                 f"visit {panels} of Q and of dO and 2 bulk copies"),
+        "l1tex__tmain_requests.sum": (boxes + copies, "the UTMALDG boxes and the UBLKCP copies (+ prefetch.tensormap "
+                                                      "if counted)"),
+        "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (
+            reds, f"{visits:,} visits x 8 warps x {half // 8} RED.v4 of 512 B"),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, f"{visits:,} visits x {bm} x {hd} x 4 B (pad rows "
+                                                               "included)"),
+        "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
+        "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, "16 L2 sectors per warp instruction"),
+        "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a request"),
+        "sm__sass_inst_executed_op_shared_gmma.sum": (visits * 2 * per_wg * 4,
+                                                      f"{per_wg} wgmma per visit and warpgroup x 2 x 4 warps"),
+        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma_bytes, "per visit: K, Q (S^T), V, dO (dP^T), dO halves and "
+                                                                   "P^T (dV), Q halves and dS^T x 2 (dK), K halves and "
+                                                                   f"dS^T x {2 * chunks} (dQ)"),
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum": (gmma_bytes // 128, "one per 128 bytes"),
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (0, f"{cfg.box_cols * 2}-byte swizzle: none"),
+        "smsp__inst_executed_op_ldsm.sum": (0, "none: wgmma reads every tile through descriptors"),
+        "smsp__sass_inst_executed_op_ldgsts.sum": (0, "none: TMA and bulk copies load K, V, Q, dO, lse_log2, delta"),
+        **{m: (None, "not walked (shared bytes in program order: strategies._split_bwd_shared)")
+           for m in SHARED_WALK_METRICS if m not in ABSENT_IN_UNWALKED},
+    }
 
 
 def predict(target: Target | Case, l2_bytes: int, num_sms: int) -> dict[str, tuple[float | None, str]]:
@@ -1162,12 +1279,15 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "that provides o and lse; `bwd_dq_kernel`, the deterministic backward's Q-outer dQ kernel. These are",
         "the mma.sync kernels, run with `CUFLASH_KERNELS=mma`. On an H100 the library launches its wgmma",
         "kernels by default: for 16-bit inputs the warp-specialized TMA kernels `fwd_sm90_ws_kernel` and",
-        "`bwd_sm90_ws_kernel` (the backward in its default mode: dQ added to dq_accum by bulk reductions); the",
-        "synchronous `fwd_sm90_kernel` and `bwd_sm90_kernel` are profiled with the warp-specialized family taken",
-        "out of the registry. The four run with `CUFLASH_KERNELS=auto` and are compared on global traffic,",
-        "spills, cp.async and st.shared (their tensor-core operand reads are no thread instructions: the l1tex",
-        "shared-load wavefront and conflict rows are reported, not targeted, for them), the TMA kernels also on",
-        "the TMA counters.",
+        "`bwd_sm90_ws_kernel` (the backward in its default mode: dQ added to dq_accum by bulk reductions), and",
+        "at head dims 192 and 256 the wide-head backward `bwd_sm90_split_kernel` (TMA loads by one thread, dQ",
+        "added from registers by `red.global.add.v4.f32`, default mode); the synchronous `fwd_sm90_kernel` and",
+        "`bwd_sm90_kernel` are profiled with the warp-specialized family taken out of the registry. The five run",
+        "with `CUFLASH_KERNELS=auto` and are compared on global traffic, spills, cp.async and st.shared (their",
+        "tensor-core operand reads are no thread instructions: the l1tex shared-load wavefront and conflict rows",
+        "are reported, not targeted, for them), the TMA kernels also on the TMA counters.",
+        "`bwd_sm90_split_kernel`'s shared memory is counted in program order, not walked: its LDS / STS rows are",
+        "reported, not predicted.",
         "",
         "* global traffic: `l1tex__m_xbar2l1tex_read_bytes` (L2 -> SM) is what the kernel's global loads",
         "  become; the L2 absorbs K/V re-reads, so `dram__bytes_read` is compared with the LRU L2 model",
@@ -1175,10 +1295,11 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "  Stores: `l1tex__m_l1tex2xbar_write_bytes` (SM -> L2; for the backward main kernels it also carries",
         "  the dQ reductions' payload) and `l1tex__t_bytes_pipe_lsu_mem_global_op_st` (stores only). Spills",
         "  would add local stores; expected 0.",
-        "* TMA loads of `fwd_sm90_ws_kernel` and `bwd_sm90_ws_kernel` (one producer thread: tensor-map boxes,",
+        "* TMA loads of `fwd_sm90_ws_kernel`, `bwd_sm90_ws_kernel` and `bwd_sm90_split_kernel` (one thread: tensor-map boxes,",
         "  and in the backward 1-D bulk copies of lse_log2 and delta): TMA read bytes and sectors",
         "  (`..._op_tma_ld`, `..._pipe_tma`) and the UTMALDG / UBLKCP instruction count.",
-        "* dQ atomics of `bwd_kernel` and `bwd_sm90_kernel`: a RED is not a load, it sends its data SM -> L2",
+        "* dQ atomics of `bwd_kernel`, `bwd_sm90_kernel` (8 bytes a lane) and `bwd_sm90_split_kernel` (16 bytes",
+        "  a lane: 512 contiguous bytes a warp instruction): a RED is not a load, it sends its data SM -> L2",
         "  where the L2 adds it, so it is compared with the reduction counters (`..._op_red`: requests, bytes",
         "  at L1, SM -> L2 bytes, L2 sectors), not with the L2 -> SM reads.",
         "* dQ bulk reductions of `bwd_sm90_ws_kernel`: one `cp.reduce.async.bulk .add.f32` of the whole",

@@ -242,7 +242,8 @@ def test_backward_predictions_are_consistent(target):
     pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
     assert set(pred) == set(validate.metrics_for(target))
     # (a bwd_sm90_kernel target with its own tiles: 64-query steps where the ws kernel takes 128)
-    main = target.config() if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else None
+    main = target.config() if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel") \
+        else None
     launches = cuflash_backward_kernels(p, True, target.deterministic, target.kernels, main)
     kt = {k.name: k for k in launches}[target.kernel]
     v = {m: x for m, (x, _) in pred.items()}
@@ -257,11 +258,12 @@ def test_backward_predictions_are_consistent(target):
         assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum"] == red
         assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 0
         assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
-    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic:
+    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel", "bwd_sm90_split_kernel") and not target.deterministic:
         red = kt.atomic_bytes
         assert red > 0
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
-        assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] * 256 == red
+        per_red = 512 if target.kernel in validate.RED_V4_KERNELS else 256  # red.global.add.v4 / .v2 .f32
+        assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] * per_red == red
         assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == red
         assert v["lts__t_sectors_srcunit_tex_op_red.sum"] * 32 == red
         # the dq_accum rows the visited query blocks cover are read from DRAM before the L2 adds
@@ -269,10 +271,14 @@ def test_backward_predictions_are_consistent(target):
     else:
         assert not any(m in pred for m in validate.RED_METRICS)
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes
-    assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum")) > 0
     assert (v["smsp__sass_inst_executed_op_ldgsts.sum"] > 0) == (target.kernel not in validate.TMA_KERNELS)
     assert (v["smsp__inst_executed_op_ldsm.sum"] == 0) == (target.kernel in validate.WGMMA_KERNELS), \
         "wgmma reads its operands without ldmatrix"
+    if target.kernel in validate.UNWALKED_KERNELS:  # its LDS / STS rows are reported, not predicted
+        assert all(v[m] is None for m in validate.SHARED_WALK_METRICS
+                   if m in v and m not in validate.ABSENT_IN_UNWALKED)
+        return
+    assert min(v[m] for m in ("smsp__inst_executed_op_shared_ld.sum", "smsp__inst_executed_op_shared_st.sum")) > 0
     # the shared-memory rows come from the same walks as the strategy's bank-conflict count (which adds
     # bwd_dq_kernel's walk to bwd_kernel's in the deterministic backward)
     c = simulate("cuflash", p, backward=True, deterministic=target.deterministic, kernels=target.kernels)
@@ -415,8 +421,8 @@ metrics = args[args.index("--metrics") + 1].split(",")
 # the launches of the driver, and which of them the --kernel-name regex selects (one, or it is an error)
 pattern = args[args.index("--kernel-name") + 1].split(":", 1)[1]
 launched = ["fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_preprocess_kernel", "bwd_kernel",
-            "bwd_sm90_kernel", "bwd_sm90_ws_kernel", "bwd_convert_dq_kernel", "bwd_convert_dq_ws_kernel",
-            "bwd_dq_kernel"]
+            "bwd_sm90_kernel", "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel", "bwd_convert_dq_kernel",
+            "bwd_convert_dq_ws_kernel", "bwd_dq_kernel"]
 selected = [k for k in launched if re.search(pattern, k) and re.search(pattern, "void cuflash::%s<T>(P)" % k)]
 if len(selected) != 1:
     print("==ERROR== --kernel-name %s selects %s" % (pattern, selected), file=sys.stderr)
@@ -746,7 +752,8 @@ def test_ws_backward_predictions_meet_the_h200_measurements(target):
 
 # ---- the wgmma targets ---------------------------------------------------------------------------------
 
-SM90_TARGETS = [t for t in validate.CASES["full"] if t.kernel in validate.WGMMA_KERNELS]
+SM90_TARGETS = [t for t in validate.CASES["full"]
+                if t.kernel in validate.WGMMA_KERNELS and t.kernel not in validate.UNWALKED_KERNELS]
 
 
 @pytest.mark.parametrize("target", SM90_TARGETS, ids=lambda t: t.name)
@@ -816,6 +823,9 @@ def test_whole_run_of_the_wgmma_targets_against_a_fake_ncu(tmp_path):
     assert rows[("bwd_sm90_kernel", "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum")] == "info"
     assert rows[("bwd_sm90_ws_kernel", "smsp__sass_inst_executed_op_tma_red.sum")] == "yes"
     assert rows[("bwd_sm90_ws_kernel", "sm__sass_inst_executed_op_tma_ld.sum")] == "yes"
+    assert rows[("bwd_sm90_split_kernel", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum")] == "yes"
+    assert rows[("bwd_sm90_split_kernel", "sm__sass_inst_executed_op_tma_ld.sum")] == "yes"
+    assert rows[("bwd_sm90_split_kernel", "smsp__inst_executed_op_shared_st.sum")] == "info"
     calls = [json.loads(ln) for ln in log.read_text().splitlines()]
     assert [c[c.index("--kernel-name") + 1] for c in calls] == ["regex:" + validate.kernel_regex(k)
                                                                for k in validate.WGMMA_KERNELS]
@@ -994,3 +1004,102 @@ def test_ws_backward_from_raw(tmp_path):
     table = lambda t: t.split("| kernel |")[1].split("\nTargets met")[0]  # noqa: E731
     assert table(again.read_text()) == table(out.read_text())
     assert "Targets without measurements" not in again.read_text()
+
+
+# ---- the wide-head backward (bwd_sm90_split_kernel) ---------------------------------------------------------------
+
+SPLIT_BWD_TARGETS = [t for t in validate.CASES["full"] if t.kernel == "bwd_sm90_split_kernel"]
+
+
+def test_the_split_backward_targets_are_the_librarys_kernel():
+    """Head dims 192 and 256, both dtypes, causal and not, a tail; each target's config is the registry's choice for
+    attention_backward in the library's default family."""
+    default = [t for t in validate.CASES["default"] if t.kernel == "bwd_sm90_split_kernel"]
+    assert {t.case.head_dim for t in default} == {192, 256} and {t.case.dtype for t in default} == {"fp16", "bf16"}
+    assert {t.case.causal for t in default} == {False, True}
+    assert any(t.case.seqlen_q % 64 or t.case.seqlen_k % 64 for t in default), "a target with tails"
+    for t in SPLIT_BWD_TARGETS:
+        c = t.case
+        cfg = t.config()
+        assert isinstance(cfg, C.BwdSm90SplitConfig) and t.kernels == "auto" and not t.deterministic
+        assert C.select("backward", C.kernel_head_dim(c.head_dim), c.dtype, c.causal, "sm_90a", kernels="auto") == cfg
+
+
+def _split_hand_count(b, h, sq, sk, d, causal, e=2):
+    """bwd_sm90_split_kernel by hand, one loop over key blocks and query blocks (no analyzer helper): a CTA of 64
+    keys visits every 64-row query block whose last row sees its first key (causal, bottom-right); TMA reads K, V
+    once (d / box boxes each) and Q, dO per visit (in-bounds rows), two bulk copies read 64 floats of lse_log2 and
+    of delta per visit; each of the 2 warpgroups' 4 warps adds its 64 x d / 2 fp32 dQ half by d / 16 RED.v4 of 512
+    bytes per visit; per visit and warpgroup d / 16 wgmma of S^T or dP^T, 4 of dV, 4 of dK and 4 per dQ chunk (64
+    columns at d 256, the whole half at 192)."""
+    box = 64 if d == 256 else 32
+    chunks = 2 if d == 256 else 1
+    out = dict(reads=0, loads=0, visits=0, reds=0, gmma=0)
+    for n in range(-(-sk // 64)):
+        n0, keys = n * 64, min(64, sk - n * 64)
+        blocks = [m for m in range(-(-sq // 64)) if not causal or min((m + 1) * 64, sq) - 1 + sk - sq >= n0]
+        if not blocks:
+            continue
+        out["reads"] += 2 * keys * d * e
+        out["loads"] += 2 * (d // box)
+        for m in blocks:
+            rows = min(64, sq - m * 64)
+            out["reads"] += 2 * rows * d * e + 2 * 64 * 4
+            out["loads"] += 2 * (d // box) + 2
+            out["visits"] += 1
+            out["reds"] += 2 * 4 * (d // 2 // 8)
+            out["gmma"] += 2 * 4 * (d // 16 + 4 + 4 + 4 * chunks)
+    return {k: v * b * h for k, v in out.items()}
+
+
+@pytest.mark.parametrize("case", [
+    validate.Case(1, 2, 512, 512, 256, "bf16"),
+    validate.Case(2, 1, 256, 384, 192, causal=True),
+    validate.Case(1, 2, 200, 130, 256, causal=True),  # tails; rows without a key
+    validate.Case(2, 2, 1000, 1500, 192, "bf16"),
+], ids=lambda c: c.name)
+def test_split_backward_predictions_equal_the_hand_loop(case):
+    t = validate.Target("bwd_sm90_split_kernel", case)
+    want = _split_hand_count(case.batch, case.heads, case.seqlen_q, case.seqlen_k, case.head_dim, case.causal)
+    v = {m: x for m, (x, _) in validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == v["l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum"] \
+        == want["reads"]
+    assert v["sm__sass_inst_executed_op_tma_ld.sum"] == want["loads"]
+    assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == want["reds"]
+    red = want["visits"] * 64 * case.head_dim * 4
+    assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == red == want["reds"] * 512
+    assert v["lts__t_sectors_srcunit_tex_op_red.sum"] == red // 32
+    dk_dv = 2 * case.batch * case.heads * case.seqlen_k * case.head_dim * 2
+    assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == dk_dv
+    assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == dk_dv + red
+    assert v["sm__sass_inst_executed_op_shared_gmma.sum"] == want["gmma"]
+    assert v["smsp__inst_executed_op_ldsm.sum"] == v["smsp__sass_inst_executed_op_ldgsts.sum"] == 0
+    assert v["smsp__inst_executed_op_shared_st.sum"] is None  # not walked
+    assert v["launch__grid_size"] == -(-case.seqlen_k // 64) * case.batch * case.heads
+    assert v["launch__block_size"] == 256
+
+
+def test_split_backward_b1_h2_n256_d256_causal_by_hand():
+    """B=1 H=2 N=256 D=256 fp16 causal: 4 key blocks of 64, key block n sees query blocks n .. 3: 4 + 3 + 2 + 1 = 10
+    visits per head; four 64-column boxes per tile."""
+    t = validate.Target("bwd_sm90_split_kernel", validate.Case(1, 2, 256, 256, 256, causal=True))
+    v = {m: x for m, (x, _) in validate.predict(t, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    kv = 2 * 256 * 256 * 2  # 262,144 per head: K and V once
+    q_do = 10 * 2 * 64 * 256 * 2  # 655,360: Q and dO per visit
+    vec = 10 * 2 * 64 * 4  # 5,120: lse_log2 and delta per visit
+    assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == 2 * (kv + q_do + vec) == 1_845_248
+    # per head: 4 CTAs x (K, V: 4 boxes each) + 10 visits x (Q, dO: 4 boxes each + 2 bulk copies)
+    assert v["sm__sass_inst_executed_op_tma_ld.sum"] == 2 * (4 * 8 + 10 * 10) == 264
+    # per visit: 64 x 256 fp32 = 64 KB in 128 RED.v4 of 512 B (8 warps x 16)
+    assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 2 * 10 * 128 == 2_560
+    assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum"] == 2 * 10 * 65_536
+    # per visit and warpgroup: 16 (S^T or dP^T) + 4 (dV) + 4 (dK) + 2 x 4 (dQ) = 32 wgmma, x 4 warps x 2 warpgroups
+    assert v["sm__sass_inst_executed_op_shared_gmma.sum"] == 2 * 10 * 2 * 4 * 32 == 5_120
+    assert v["launch__grid_size"] == 8
+
+
+def test_split_backward_targets_reject_what_they_cannot_count():
+    with pytest.raises(ValueError, match="timing-dependent"):
+        validate.Target("bwd_sm90_split_kernel", validate.Case(1, 1, 256, 256, 256), deterministic=True)
+    with pytest.raises(ValueError, match="bwd_sm90_split_kernel runs kernel head dims"):
+        validate.Target("bwd_sm90_split_kernel", validate.Case(1, 1, 256, 256, 128))
