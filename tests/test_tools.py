@@ -311,3 +311,23 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
     fwd_tf, bwd_tf = (factor * 0.5 * 4 * 16 * 16 * 1024 ** 2 * 128 / 1e9 for factor in (1.0, 2.5))
     assert f"ms ({fwd_tf:.0f} TFLOP/s), other" in out and f"ms ({fwd_tf / 2:.0f}); this/other" in out
     assert f"ms ({bwd_tf:.0f} TFLOP/s), other" in out
+
+
+def test_fp64_chain_order_emulation(capsys):
+    """tools/fp64_chain_order.py: with S summed in the forward's order, dq stays within 1.2x plain float64's error
+    whatever the lse's roundings; S as two chains added is several times further (the head-dim-128 backward before
+    its S^T became one chain)."""
+    import numpy as np
+
+    if np.finfo(np.longdouble).nmant < 60:  # the reference needs x87 or quad long doubles
+        pytest.skip("np.longdouble is no wider than float64 here")
+    assert import_tool("fp64_chain_order").main() == 0
+    errors = {}
+    for line in capsys.readouterr().out.splitlines():
+        if "dq error" in line:
+            name, value = line.split("dq error")
+            errors[name.strip()] = float(value)
+    plain = errors.pop("plain float64 attention")
+    split = errors.pop("S as two chains of 64 added")
+    assert len(errors) == 3 and all(e <= 1.2 * plain for e in errors.values()), errors
+    assert split >= 5 * plain, (split, plain)
