@@ -1347,6 +1347,13 @@ class BwdSm90SplitConfig:
         return 2 * kv + 4 * q + 3 * ds + 4 * self.block_m * 4 + 128 * 4 + 16 + 3 * 8 + 1024
 
     @property
+    def dq_chunk(self) -> int:
+        """dQ columns per GEMM of a warpgroup (BwdSm90SplitTraits::DQ_CHUNK): its whole half up to 96 columns, else
+        64 (a half's 64 accumulators beside dK and dV spilled); each chunk reads the whole dS^T tile."""
+        half = self.head_dim // 2
+        return half if half <= 96 else 64
+
+    @property
     def box_cols(self) -> int:
         """TMA box width in elements (BwdSm90SplitTraits::PANEL_COLS): whole panels per warpgroup half, 64 columns
         with a 128-byte swizzle at head dim 256, 32 with a 64-byte one at 192."""

@@ -608,14 +608,15 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, no_dq: bool) -> tuple[
     its lse_log2 columns and writes P^T, warpgroup 1 reads its delta columns and P^T and writes dS^T (two floats of
     each vector per n8 tile and thread, 4 bytes of P^T and of dS^T per element); the dV GEMMs read dO (a half each)
     and, warpgroup 1's, P^T; the dK GEMMs read dS^T (each) and Q (a half each); where the kernel adds dQ (not no_dq:
-    not deterministic, or ordered) the dQ GEMMs read dS^T (each) and K (a half each); dQ leaves from their registers
+    not deterministic, or ordered) the dQ GEMMs read dS^T (each, once per chunk of cfg.dq_chunk columns) and K (a
+    half each); dQ leaves from their registers
     (red.global.add.v4.f32). Bank conflicts are not walked."""
     hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
     visits, _ = _bwd_visits(cfg, p, causal_skip)
     ctas, steps = int((visits > 0).sum()), int(visits.sum())
     q_tile, kv_tile, ds_tile, vecs = 2 * bm * hd, 2 * bn * hd, 2 * bn * bm, 128 * 8 * (bm // 8)
     write = ctas * 2 * kv_tile * 2 + steps * (2 * q_tile + 2 * 4 * bm + 2 * ds_tile)
-    dq = 0 if no_dq else 2 * ds_tile + kv_tile
+    dq = 0 if no_dq else 2 * (hd // 2 // cfg.dq_chunk) * ds_tile + kv_tile  # dS^T per chunk, each warpgroup
     read = ctas * 2 * kv_tile + steps * (2 * (kv_tile + q_tile) + 2 * vecs + ds_tile + (q_tile + ds_tile)
                                          + (2 * ds_tile + q_tile) + dq)
     return read * p.batch_heads, write * p.batch_heads

@@ -15,7 +15,8 @@ synchronous kernel (FWD_SM90_DRIVER_NOTE). bwd_sm90_ws_kernel is profiled in its
 dQ by one bulk reduction (`cp.reduce.async.bulk .add.f32`) per visited query block: its deterministic mode's dQ
 writer polls a turn counter, a timing-dependent number of global reads. The same holds for bwd_sm90_split_kernel, the
 library's 16-bit backward at kernel head dims 192 and 256 (TMA loads by one thread, dQ by `red.global.add.v4.f32`
-from registers; its shared memory is counted in program order, not walked, so its LDS / STS rows are reported only). First every kernel instantiation the
+from registers; its shared memory is counted in program order, not walked, so its LDS / STS rows are reported
+only). First every kernel instantiation the
 targets need is compiled once outside ncu (NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a
 small driver (`python -c ...`: random CuPy inputs; the forward twice, or the forward once for o and lse and then
 the backward twice) runs under
@@ -708,21 +709,39 @@ def _tma_predictions(walk, reads: int, count_note: str, gmma_note: str) -> dict:
                 f"memory (zero-filled rows included)"
                 + (f"; {copies.instructions:,} 1-D bulk copies, {copies.bytes:,} B" if copies.instructions else "")
                 + "; read: in-bounds rows only")
-    requests = "the UTMALDG boxes" + (", the UBLKCP copies" if copies.instructions else "") \
-        + (f" and {reds.instructions:,} UBLKRED reductions" if reds.instructions else "")
+    return _tma_rows(tma.instructions, copies.instructions, reds.instructions, reads, gmma.instructions, gmma.bytes,
+                     walk.config.box_cols, box_note, count_note, gmma_note)
+
+
+def _tma_rows(boxes: int, copies: int, bulk_reds: int, reads: int, gmma: int, gmma_bytes: int, box_cols: int,
+              box_note: str, count_note: str, gmma_note: str) -> dict:
+    """The TMA and wgmma rows from counts: UTMALDG boxes, UBLKCP copies, UBLKRED reductions, the global reads'
+    bytes, wgmma instructions per warpgroup and their shared operand bytes."""
+    requests = "the UTMALDG boxes" + (", the UBLKCP copies" if copies else "") \
+        + (f" and {bulk_reds:,} UBLKRED reductions" if bulk_reds else "")
     return {
         "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum": (reads, box_note),
         "l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum": (reads // SECTOR, "the TMA loads in 32-byte sectors"),
         "lts__t_sectors_srcunit_tex_op_read.sum": (reads // SECTOR, "if the L2 counts TMA requests as unit TEX"),
-        "sm__sass_inst_executed_op_tma_ld.sum": (tma.instructions + copies.instructions, count_note),
-        "l1tex__tmain_requests.sum": (tma.instructions + copies.instructions + reds.instructions,
-                                      requests + " (+ prefetch.tensormap if counted)"),
-        "sm__sass_inst_executed_op_shared_gmma.sum": (4 * gmma.instructions, f"{gmma.instructions:,} wgmma per "
-                                                                             "warpgroup x 4 warps"),
-        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma.bytes, gmma_note),
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum": (gmma.bytes // 128, "one per 128 bytes"),
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (
-            0, f"{walk.config.box_cols * 2}-byte swizzle: none"),
+        "sm__sass_inst_executed_op_tma_ld.sum": (boxes + copies, count_note),
+        "l1tex__tmain_requests.sum": (boxes + copies + bulk_reds, requests + " (+ prefetch.tensormap if counted)"),
+        "sm__sass_inst_executed_op_shared_gmma.sum": (4 * gmma, f"{gmma:,} wgmma per warpgroup x 4 warps"),
+        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma_bytes, gmma_note),
+        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum": (gmma_bytes // 128, "one per 128 bytes"),
+        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (0, f"{box_cols * 2}-byte swizzle: none"),
+    }
+
+
+def _red_rows(reds: int, red: int, per: str, sector_note: str) -> dict:
+    """The LSU reduction rows (RED_METRICS) of a kernel whose dQ adds are `reds` RED instructions of `red` bytes in
+    all, whole 32-byte sectors each."""
+    return {
+        "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (reds, per),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, "whole [BLOCK_M, HEAD_DIM] fp32 tile per visit, "
+                                                               "pad rows included"),
+        "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
+        "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, sector_note),
+        "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a request"),
     }
 
 
@@ -764,8 +783,8 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
     elif is_split:
         walk = None
         index = 1
-        read_note = ("K, V once per CTA with a visit (TMA boxes); per visited query block Q, dO (TMA boxes) and BLOCK_M "
-                     "lse_log2, delta (1-D bulk copies): all the kernel's global reads, in-bounds rows only")
+        read_note = ("K, V once per CTA with a visit (TMA boxes); per visited query block Q, dO (TMA boxes) and "
+                     "BLOCK_M lse_log2, delta (1-D bulk copies): all the kernel's global reads, in-bounds rows only")
         store_note = "dK, dV (valid keys)"
     elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel"):
         is_wgmma = target.kernel in WGMMA_KERNELS
@@ -844,16 +863,8 @@ def _predict_bwd(target: Target, l2_bytes: int, num_sms: int) -> dict:
             per_warp = L.dq_m_tiles * L.dq_d_tiles * 2
         reds = visits * cfg.num_warps * per_warp
         assert reds * WARP_RED_BYTES == red, (reds, red)
-        per = f"{visits:,} visits x {cfg.num_warps} warps x {per_warp} RED.v2 of 256 B"
-        out.update({
-            "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (reds, per),
-            "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, "whole [BLOCK_M, HEAD_DIM] fp32 tile per visit, "
-                                                                   "pad rows included; 8 full sectors per RED"),
-            "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
-            "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, "one L2 sector per 4 lanes"),
-            "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a "
-                                                        "request"),
-        })
+        out.update(_red_rows(reds, red, f"{visits:,} visits x {cfg.num_warps} warps x {per_warp} RED.v2 of 256 B",
+                             "one L2 sector per 4 lanes: 8 per RED"))
     out.update(_shared_predictions(walk, notes))
     out.update(_measured_only())
     return {m: out[m] for m in metrics_for(target)}
@@ -878,8 +889,7 @@ def _split_predictions(cfg, p: Problem, kt) -> dict:
     512 contiguous bytes of dQ_acc: 16 sectors)."""
     hd, bm, bn, e, s4 = cfg.head_dim, cfg.block_m, cfg.block_n, p.elem_bytes, p.stat_bytes
     half = hd // 2
-    chunk = half if half <= 96 else 64  # BwdSm90SplitTraits::DQ_CHUNK
-    chunks = half // chunk
+    chunks = half // cfg.dq_chunk
     panels = hd // cfg.box_cols
     m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
     visits_kb = np.maximum(m_end - m_begin, 0)
@@ -897,27 +907,12 @@ def _split_predictions(cfg, p: Problem, kt) -> dict:
     box_note = (f"{boxes:,} boxes of {cfg.box_cols} columns; {copies:,} 1-D bulk copies of {bm * s4} B; read: "
                 "in-bounds rows only")
     return {
-        "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum": (kt.read_bytes, box_note),
-        "l1tex__m_xbar2l1tex_read_sectors_pipe_tma.sum": (kt.read_bytes // SECTOR, "the TMA loads in 32-byte sectors"),
-        "lts__t_sectors_srcunit_tex_op_read.sum": (kt.read_bytes // SECTOR, "if the L2 counts TMA requests as unit TEX"),
-        "sm__sass_inst_executed_op_tma_ld.sum": (boxes + copies, f"per live CTA {panels} boxes of K and of V; per "
-                                                                 f"visit {panels} of Q and of dO and 2 bulk copies"),
-        "l1tex__tmain_requests.sum": (boxes + copies, "the UTMALDG boxes and the UBLKCP copies (+ prefetch.tensormap "
-                                                      "if counted)"),
-        "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (
-            reds, f"{visits:,} visits x 8 warps x {half // 8} RED.v4 of 512 B"),
-        "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, f"{visits:,} visits x {bm} x {hd} x 4 B (pad rows "
-                                                               "included)"),
-        "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
-        "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, "16 L2 sectors per warp instruction"),
-        "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a request"),
-        "sm__sass_inst_executed_op_shared_gmma.sum": (visits * 2 * per_wg * 4,
-                                                      f"{per_wg} wgmma per visit and warpgroup x 2 x 4 warps"),
-        "sm__sass_data_bytes_mem_shared_op_gmma.sum": (gmma_bytes, "per visit: K, Q (S^T), V, dO (dP^T), dO halves and "
-                                                                   "P^T (dV), Q halves and dS^T x 2 (dK), K halves and "
-                                                                   f"dS^T x {2 * chunks} (dQ)"),
-        "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_gmma.sum": (gmma_bytes // 128, "one per 128 bytes"),
-        "l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_gmma.sum": (0, f"{cfg.box_cols * 2}-byte swizzle: none"),
+        **_tma_rows(boxes, copies, 0, kt.read_bytes, visits * 2 * per_wg, gmma_bytes, cfg.box_cols, box_note,
+                    f"per live CTA {panels} boxes of K and of V; per visit {panels} of Q and of dO and 2 bulk copies",
+                    "per visit: K, Q (S^T), V, dO (dP^T), dO halves and P^T (dV), Q halves and dS^T x 2 (dK), K halves "
+                    f"and dS^T x {2 * chunks} (dQ)"),
+        **_red_rows(reds, red, f"{visits:,} visits x 8 warps x {half // 8} RED.v4 of 512 B",
+                    "16 L2 sectors per warp instruction"),
         "smsp__inst_executed_op_ldsm.sum": (0, "none: wgmma reads every tile through descriptors"),
         "smsp__sass_inst_executed_op_ldgsts.sum": (0, "none: TMA and bulk copies load K, V, Q, dO, lse_log2, delta"),
         **{m: (None, "not walked (shared bytes in program order: strategies._split_bwd_shared)")
@@ -1295,8 +1290,8 @@ def markdown(rows: list[Row], header: dict, dropped: dict, failures: dict) -> st
         "  Stores: `l1tex__m_l1tex2xbar_write_bytes` (SM -> L2; for the backward main kernels it also carries",
         "  the dQ reductions' payload) and `l1tex__t_bytes_pipe_lsu_mem_global_op_st` (stores only). Spills",
         "  would add local stores; expected 0.",
-        "* TMA loads of `fwd_sm90_ws_kernel`, `bwd_sm90_ws_kernel` and `bwd_sm90_split_kernel` (one thread: tensor-map boxes,",
-        "  and in the backward 1-D bulk copies of lse_log2 and delta): TMA read bytes and sectors",
+        "* TMA loads of `fwd_sm90_ws_kernel`, `bwd_sm90_ws_kernel` and `bwd_sm90_split_kernel` (one thread:",
+        "  tensor-map boxes, and in the backward 1-D bulk copies of lse_log2 and delta): TMA read bytes and sectors",
         "  (`..._op_tma_ld`, `..._pipe_tma`) and the UTMALDG / UBLKCP instruction count.",
         "* dQ atomics of `bwd_kernel`, `bwd_sm90_kernel` (8 bytes a lane) and `bwd_sm90_split_kernel` (16 bytes",
         "  a lane: 512 contiguous bytes a warp instruction): a RED is not a load, it sends its data SM -> L2",
