@@ -660,7 +660,7 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
   // group's partial sums through shared memory, every warp in the same order (slice 0 first), so all of them hold
   // the same S^T: each product is computed once instead of D_SPLIT times. For float32 the slices are whole bounded
   // chains (DKV_COLS is a multiple of CHAIN_K), so the sums are those of the unsplit chains; float64's one DMMA chain
-  // over the head dim becomes D_SPLIT chains added in order (rounded to nearest either way).
+  // over the head dim would become D_SPLIT chains added in order: its dP^T does, its S^T is split by queries (below).
   static_assert(Tr::D_SPLIT == 1 || M::CHAIN_K == 0 || Tr::DKV_COLS % M::CHAIN_K == 0, "slices of whole chains");
   Acc* xchg = reinterpret_cast<Acc*>(smem + Tr::OFF_XCHG);
   auto gemm_nt = [&](Acc (&acc)[Tr::Q_TILES][4], const E* a_s, const E* b_s) {
@@ -731,62 +731,131 @@ __device__ __forceinline__ void bwd_wide_query_block(const BwdParams& p,
     }
   };
 
-  Acc s_acc[Tr::Q_TILES][4];
-  gemm_nt(s_acc, k_s, q_s);
-  sum_slices(s_acc);
-  float dcap[Tr::Q_TILES][4];  // the softcap's derivative (float32 kernels with MOD_SOFTCAP)
-  if constexpr (Mods::CHANGES_SCORES) apply_score_mods_transposed(s_acc, dcap, n0 + key_row0, m0, band.diag, mods, lane);
-  if (IS_MASKED)
-    apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW, Tr::Q_TILES>(s_acc, n0 + key_row0, m0, band, lane);
-  // P^T = exp2(S^T * scale_log2 - lse_log2[query])
+  // float64 with D_SPLIT > 1: S^T split by queries, not by head dim, among the warps of a key group, so that each
+  // score is one DMMA chain over the head dim in column order, as the forward sums S: P^T = exp2(S^T scale_log2 -
+  // lse_log2) is then the forward's P to the last bit. (As D_SPLIT chains added at the end, S^T differed from the
+  // forward's S by rounding, ~1e-11 at scores of ~1500, and dQ, which multiplies dS by keys of that size, was 30-40x
+  // further from the exact gradient than plain float64 attention: test_float64_scores_rising_across_key_tiles in
+  // tests/test_gpu_wide.py.) A warp owns QS query tiles (where a group has more warps than query tiles, as the
+  // deterministic head dim 128 on sm_80, its first Q_TILES warps one tile each), computes their S^T and P^T and passes
+  // P^T through its exchange slot; every warp reads the group's whole P^T for dV on its own head-dim slice. dP^T has
+  // no forward to match and keeps the head-dim split (sum_slices), every warp computing the whole dS^T. On an H100 the
+  // head-dim-128 backward takes the time of the S^T split by head dim (and a chain passed from warp to warp of the
+  // group, 17 % more; dP^T split by queries too, 5 % more: a warp's one query tile per K fragment reads 1.5x the
+  // shared bytes per DMMA).
+  constexpr bool OWN_QUERIES = sizeof(Acc) == 8 && Tr::D_SPLIT > 1;
+  if constexpr (OWN_QUERIES) {
+    static_assert(!Mods::CHANGES_SCORES && !Mods::HAS_DROPOUT && !Mods::HAS_BIAS, "float64 takes the window alone");
+    constexpr int QS = Tr::Q_TILES >= Tr::D_SPLIT ? Tr::Q_TILES / Tr::D_SPLIT : 1;  // query tiles a warp owns
+    constexpr int OWNERS = Tr::Q_TILES / QS;                                         // owners in a key group
+    static_assert(Tr::Q_TILES % QS == 0 && OWNERS <= Tr::D_SPLIT, "whole query tiles per owner");
+    const int group = warp / Tr::D_SPLIT, slice = warp % Tr::D_SPLIT, qt0 = slice * QS;
+    // element i of warp w's P^T tiles in its exchange slot (sum_slices' slots, [warp][Q_TILES * 4][lane], so that
+    // a group's sums below never write into another group's P^T)
+    auto slot = [&](int w, int i) -> Acc& { return xchg[(w * Tr::Q_TILES * 4 + i) * 32 + lane]; };
+    if (OWNERS == Tr::D_SPLIT || slice < OWNERS) {
+      Acc p_own[QS][4];
+      zero_acc(p_own);
+#pragma unroll 4
+      for (int k0 = 0; k0 < Tr::HEAD_DIM; k0 += M::K) {
+        const typename M::A a = M::load_a([&](int r, int k) { return k_s[(key_row0 + r) * Tr::PITCH + k0 + k]; }, g, t);
 #pragma unroll
-  for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+        for (int qt = 0; qt < QS; ++qt)
+          M::mma(p_own[qt], a,
+                 M::load_b([&](int k, int n) { return q_s[((qt0 + qt) * 8 + n) * Tr::PITCH + k0 + k]; }, g, t));
+      }
+      if (IS_MASKED)
+        apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW, QS>(p_own, n0 + key_row0, m0 + qt0 * 8, band, lane);
 #pragma unroll
-    for (int c = 0; c < 4; ++c)
-      s_acc[qt][c] = exp2_of(fma_of(s_acc[qt][c], scale_log2, -lse_log2_s[qt * 8 + 2 * t + (c & 1)]));
-
-  u32 keep = ~0u;
-  if constexpr (Mods::HAS_DROPOUT) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
-  // dV += P^T dO (dropout: the kept P^T; 1 / (1 - p) applied at the end)
-  if constexpr (Mods::HAS_DROPOUT) {
-    Acc p_drop[Tr::Q_TILES][4];
+      for (int qt = 0; qt < QS; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          slot(warp, qt * 4 + c) =
+              exp2_of(fma_of(p_own[qt][c], scale_log2, -lse_log2_s[(qt0 + qt) * 8 + 2 * t + (c & 1)]));
+    }
+    // this warp's slice of dP^T while the group's other owners finish their P^T
+    Acc dp_acc[Tr::Q_TILES][4];
+    gemm_nt(dp_acc, v_s, do_s);
+    named_barrier_sync(1 + group, 32 * Tr::D_SPLIT);
+    Acc p_all[Tr::Q_TILES][4];
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) p_drop[qt][c] = ((keep >> (4 * qt + c)) & 1) ? s_acc[qt][c] : Acc(0);
-    gemm_acc(dv_acc, p_drop, do_s);
-  } else {
-    gemm_acc(dv_acc, s_acc, do_s);
-  }
-
-  Acc dp_acc[Tr::Q_TILES][4];
-  gemm_nt(dp_acc, v_s, do_s);
-  slots_free();
-  sum_slices(dp_acc);
-  // dS^T = P^T (dP^T - delta[query]) (dropout, softcap: ds_of)
+      for (int c = 0; c < 4; ++c) p_all[qt][c] = slot(group * Tr::D_SPLIT + qt / QS, (qt % QS) * 4 + c);
+    gemm_acc(dv_acc, p_all, do_s);  // dV += P^T dO
+    slots_free();
+    sum_slices(dp_acc);
+    // dS^T = P^T (dP^T - delta[query])
 #pragma unroll
-  for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const Acc delta = delta_s[qt * 8 + 2 * t + (c & 1)];
-      if constexpr (sizeof(Acc) == 4)
-        dp_acc[qt][c] = ds_of<MODS>(s_acc[qt][c], dp_acc[qt][c], delta, (keep >> (4 * qt + c)) & 1, p.mods.dropout_rp,
-                                    Mods::HAS_SOFTCAP ? dcap[qt][c] : 1.f);
-      else
-        dp_acc[qt][c] = s_acc[qt][c] * (dp_acc[qt][c] - delta);
+      for (int c = 0; c < 4; ++c) dp_acc[qt][c] = p_all[qt][c] * (dp_acc[qt][c] - delta_s[qt * 8 + 2 * t + (c & 1)]);
+    gemm_acc(dk_acc, dp_acc, q_s);  // dK += dS^T Q (softmax_scale applied at the end)
+    if (slice == 0) {  // dS [query][key] for the dQ GEMM, one warp per key group
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          ds_s[(qt * 8 + 2 * t + (c & 1)) * Tr::DS_PITCH + key_row0 + g + 8 * (c >> 1)] = dp_acc[qt][c];
     }
-  if constexpr (Mods::HAS_BIAS)
-    if (warp % Tr::D_SPLIT == 0) put_dbias_transposed(dp_acc, n0 + key_row0, m0, mods, lane);
-  // dK += dS^T Q (softmax_scale applied at the end)
-  gemm_acc(dk_acc, dp_acc, q_s);
-
-  // dS [query][key] into shared memory (one warp per key group), then dQ_acc += dS K over a warp grid
-  if (warp % Tr::D_SPLIT == 0) {
+  } else {
+    Acc s_acc[Tr::Q_TILES][4];
+    gemm_nt(s_acc, k_s, q_s);
+    sum_slices(s_acc);
+    float dcap[Tr::Q_TILES][4];  // the softcap's derivative (float32 kernels with MOD_SOFTCAP)
+    if constexpr (Mods::CHANGES_SCORES) apply_score_mods_transposed(s_acc, dcap, n0 + key_row0, m0, band.diag, mods, lane);
+    if (IS_MASKED)
+      apply_band_mask_transposed<IS_CAUSAL, Mods::HAS_WINDOW, Tr::Q_TILES>(s_acc, n0 + key_row0, m0, band, lane);
+    // P^T = exp2(S^T * scale_log2 - lse_log2[query])
 #pragma unroll
     for (int qt = 0; qt < Tr::Q_TILES; ++qt)
 #pragma unroll
       for (int c = 0; c < 4; ++c)
-        ds_s[(qt * 8 + 2 * t + (c & 1)) * Tr::DS_PITCH + key_row0 + g + 8 * (c >> 1)] = dp_acc[qt][c];
+        s_acc[qt][c] = exp2_of(fma_of(s_acc[qt][c], scale_log2, -lse_log2_s[qt * 8 + 2 * t + (c & 1)]));
+
+    u32 keep = ~0u;
+    if constexpr (Mods::HAS_DROPOUT) keep = dropout_keep_transposed<MODS, Tr::Q_TILES>(n0 + key_row0, m0, mods, lane);
+    // dV += P^T dO (dropout: the kept P^T; 1 / (1 - p) applied at the end)
+    if constexpr (Mods::HAS_DROPOUT) {
+      Acc p_drop[Tr::Q_TILES][4];
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) p_drop[qt][c] = ((keep >> (4 * qt + c)) & 1) ? s_acc[qt][c] : Acc(0);
+      gemm_acc(dv_acc, p_drop, do_s);
+    } else {
+      gemm_acc(dv_acc, s_acc, do_s);
+    }
+
+    Acc dp_acc[Tr::Q_TILES][4];
+    gemm_nt(dp_acc, v_s, do_s);
+    slots_free();
+    sum_slices(dp_acc);
+    // dS^T = P^T (dP^T - delta[query]) (dropout, softcap: ds_of)
+#pragma unroll
+    for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const Acc delta = delta_s[qt * 8 + 2 * t + (c & 1)];
+        if constexpr (sizeof(Acc) == 4)
+          dp_acc[qt][c] = ds_of<MODS>(s_acc[qt][c], dp_acc[qt][c], delta, (keep >> (4 * qt + c)) & 1, p.mods.dropout_rp,
+                                      Mods::HAS_SOFTCAP ? dcap[qt][c] : 1.f);
+        else
+          dp_acc[qt][c] = s_acc[qt][c] * (dp_acc[qt][c] - delta);
+      }
+    if constexpr (Mods::HAS_BIAS)
+      if (warp % Tr::D_SPLIT == 0) put_dbias_transposed(dp_acc, n0 + key_row0, m0, mods, lane);
+    // dK += dS^T Q (softmax_scale applied at the end)
+    gemm_acc(dk_acc, dp_acc, q_s);
+
+    // dS [query][key] into shared memory (one warp per key group), then dQ_acc += dS K over a warp grid
+    if (warp % Tr::D_SPLIT == 0) {
+#pragma unroll
+      for (int qt = 0; qt < Tr::Q_TILES; ++qt)
+#pragma unroll
+        for (int c = 0; c < 4; ++c)
+          ds_s[(qt * 8 + 2 * t + (c & 1)) * Tr::DS_PITCH + key_row0 + g + 8 * (c >> 1)] = dp_acc[qt][c];
+    }
   }
   // ordered: this CTA's turn on the block (the key blocks before it have added theirs), waited for by thread 0
   // before the barrier that opens the dQ GEMM (waited for after it, with the dQ tile live, the float64 kernels

@@ -1722,9 +1722,12 @@ BWD_WIDE_TILES_MODS = {
 # (D 64) and 31.9 / 29.8 (D 128) for the default mode, non-causal / causal): D 64 (16, 64, 8, 2) 19.4 / 19.2,
 # (32, 64, 8, 2) 23.8 / 21.9 (spill-free too, 238-252 registers: taken), and 28.3 / 26.1 on the default tile with
 # its spills; D 128 (16, 32, 8, 4) 17.0 / 15.5 against 25.7 / 23.9 on the default tile with its spills. The smaller
-# tiles, not the order of the adds, are most of the cost.
-BWD_WIDE_TILES_DET = {"fp64": {64: (32, 64, 8, 2), 128: (16, 32, 8, 4)}}
-BWD_WIDE_TILES_DET_SM80 = {"fp64": {64: (16, 64, 8, 2)}}  # (32, 64) needs 186 KiB of shared memory
+# tiles, not the order of the adds, are most of the cost. Since its key groups split S^T by queries (2026-12-07) the
+# ordered kernel at head dim 128 compiles spill-free on the default tile (248-255 registers) and takes it: on an H100
+# 0.79x the default mode's TFLOP/s where (16, 32, 8, 4) ran at 0.52-0.55x (docs/PERFORMANCE.md, "The float64 backward's
+# S^T in the forward's order").
+BWD_WIDE_TILES_DET = {"fp64": {64: (32, 64, 8, 2), 128: (16, 64, 8, 2)}}
+BWD_WIDE_TILES_DET_SM80 = {"fp64": {64: (16, 64, 8, 2), 128: (16, 32, 8, 4)}}  # (32, 64) needs 186 KiB of shared memory
 # The targets before sm_90 take these where a tile above needs more shared memory than an A100 CTA may have
 # (SMEM_LIMIT_SM80): spill-free there, not measured on an A100.
 FWD_WIDE_TILES_SM80 = {"tf32": {128: (128, 32, 8)}, "fp64": {64: (128, 32, 8), 128: (64, 16, 4)}}

@@ -308,10 +308,10 @@ def test_plot_hbm_vs_n_draws_each_strategy_once_per_dtype(tmp_path, monkeypatch)
     assert labels[0] == "fa2 (B_r=128, B_c=128)", "one dtype: the labels of before"
 
 
-# The deterministic wide backward's tiles (block_m, block_n) on sm_90a: fp32 at head dim 128 as in the default mode,
-# fp64 at head dims 64 (32 x 64) and 128 (16 x 32) its own (half of each warp's dK / dV columns), and the rows of
-# dQ_acc per turn counter (a 32-row query block has two counters, one release add per visit).
-DET_TILES = {("fp32", 128): (32, 64), ("fp64", 64): (32, 64), ("fp64", 128): (16, 32)}
+# The deterministic wide backward's tiles (block_m, block_n) on sm_90a: fp32 and fp64 at head dim 128 as in the
+# default mode, fp64 at head dim 64 its own (32 x 64, half of each warp's dK / dV columns), and the rows of dQ_acc per
+# turn counter (a 32-row query block has two counters, one release add per visit).
+DET_TILES = {("fp32", 128): (32, 64), ("fp64", 64): (32, 64), ("fp64", 128): (16, 64)}
 TURN_ROWS = 16
 
 

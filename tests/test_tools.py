@@ -316,7 +316,7 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
 def test_fp64_chain_order_emulation(capsys):
     """tools/fp64_chain_order.py: with S summed in the forward's order, dq stays within 1.2x plain float64's error
     whatever the lse's roundings; S as two chains added is several times further (the head-dim-128 backward before
-    its S^T became one chain)."""
+    its key groups split S^T by queries)."""
     import numpy as np
 
     if np.finfo(np.longdouble).nmant < 60:  # the reference needs x87 or quad long doubles

@@ -8,10 +8,12 @@ dq's largest error against an extended-precision (np.longdouble) reference, besi
 stored, not recomputed), for:
 
 * the backward's S summed as one chain in the forward's order, with lse_log2 from the rounded natural lse (what
-  cuda/wide.cuh does since S^T became one chain across a key group's warps), with lse_log2 = m + log2(l) unrounded
-  by the conversions, and with m and log2(l) kept apart: the lse's roundings do not matter;
-* S summed as two chains of 64 columns added at the end (the head-dim-128 backward before): S differs from the
-  forward's by ~1e-11 and dq is an order of magnitude further from the reference than plain float64's.
+  cuda/wide.cuh does since 2026-12-07: a key group's warps split S^T by queries, each score one chain over the head
+  dim), with lse_log2 = m + log2(l) unrounded by the conversions, and with m and log2(l) kept apart: the lse's
+  roundings do not matter;
+* S summed as two chains of 64 columns added at the end (the head-dim-128 backward before, its two warps per key
+  group splitting the head dim): S differs from the forward's by ~1e-11 and dq is an order of magnitude further from
+  the reference than plain float64's.
 """
 from __future__ import annotations
 
