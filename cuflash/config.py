@@ -1727,7 +1727,8 @@ BWD_WIDE_TILES_MODS = {
 # 0.79x the default mode's TFLOP/s where (16, 32, 8, 4) ran at 0.52-0.55x (docs/PERFORMANCE.md, "The float64 backward's
 # S^T in the forward's order").
 BWD_WIDE_TILES_DET = {"fp64": {64: (32, 64, 8, 2), 128: (16, 64, 8, 2)}}
-BWD_WIDE_TILES_DET_SM80 = {"fp64": {64: (16, 64, 8, 2), 128: (16, 32, 8, 4)}}  # (32, 64) needs 186 KiB of shared memory
+# (D 64 on (32, 64) needs 186 KiB of shared memory, D 128 on (16, 64) 223 KiB)
+BWD_WIDE_TILES_DET_SM80 = {"fp64": {64: (16, 64, 8, 2), 128: (16, 32, 8, 4)}}
 # The targets before sm_90 take these where a tile above needs more shared memory than an A100 CTA may have
 # (SMEM_LIMIT_SM80): spill-free there, not measured on an A100.
 FWD_WIDE_TILES_SM80 = {"tf32": {128: (128, 32, 8)}, "fp64": {64: (128, 32, 8), 128: (64, 16, 4)}}
