@@ -134,7 +134,7 @@ class Counts:
     block_n: int | None
     hbm_read_bytes: int = 0
     hbm_write_bytes: int = 0
-    sram_read_bytes: int | None = 0  # None: not modelled (cuflash's float32 / float64 kernels)
+    sram_read_bytes: int | None = 0  # None: not modelled
     sram_write_bytes: int | None = 0
     flops_matmul: int = 0
     flops_nonmatmul: int = 0

@@ -32,8 +32,9 @@ Strategies (docs/IO_ANALYSIS.md):
             bwd_dq_kernel.
             fp32, tf32, fp64: the wide kernels of cuda/wide.cuh (fwd_wide_kernel, bwd_wide_kernel and their
             preprocess / convert launches, with config.select's tiles, the same on every target; deterministic,
-            the ordered bwd_wide_kernel, its dQ atomics in a fixed order): global traffic and FLOPs only; their
-            shared memory is not modelled (sram_*_bytes, bank_conflicts: None).
+            the ordered bwd_wide_kernel, its dQ atomics in a fixed order): global traffic, FLOPs and their
+            shared-memory bytes counted in program order (_wide_fwd_shared, _wide_bwd_shared; bank_conflicts None:
+            not walked).
             On sm_90a the fp32 / tf32 forward at kernel head dims 32, 64 and 128 (no modifier but a window and a
             bias) is fwd_sm90_tf32_kernel (config.FwdSm90Tf32Config, _cuflash_tf32_fwd), and the backward at the same
             head dims (128: clusters of two CTAs, `_pair_kernel`) is bwd_sm90_tf32_kernel (dK, dV;
@@ -314,8 +315,8 @@ def _cuflash_wide_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     dim) and its columns of V, valid rows and columns only (load_wide_tile zero-fills the rest without a read); it
     writes its columns of O once and part 0 writes lse (stat_bytes: float32, float64 for fp64). So Q and K are read
     `parts` times, V once. FLOPs on whole tiles: each part computes S = Q K^T over HEAD_DIM and P V over its
-    HEAD_DIM / v_split columns (3xTF32's three passes count as one product). Shared memory and bank conflicts are
-    not modelled: sram_*_bytes and bank_conflicts are None."""
+    HEAD_DIM / v_split columns (3xTF32's three passes count as one product). Shared-memory bytes from its program
+    order (_wide_fwd_shared); bank conflicts are not walked (None)."""
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
     sq, d, e, s = p.seqlen_q, p.head_dim, p.elem_bytes, p.stat_bytes
     v_cols = cfg.head_dim // cfg.v_split
@@ -332,8 +333,28 @@ def _cuflash_wide_fwd(p: Problem, cfg, causal_skip: bool) -> Counts:
     c.flops_useful = 4 * d * allowed_pairs(p)
     c.launches = 1
     c = _scaled(c, p.batch_heads)
-    c.sram_read_bytes = c.sram_write_bytes = None
+    c.sram_read_bytes, c.sram_write_bytes = _wide_fwd_shared(p, cfg, causal_skip)
+    c.bank_conflicts = None
     return c
+
+
+def _wide_fwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
+    """(read, write) shared-memory bytes of fwd_wide_kernel (cuda/wide.cuh), all batches and heads, counted in its
+    program order: every element a thread loads or stores once per use, e the element size (4 or 8), kernel
+    HEAD_DIM columns. Per CTA that sees a key (`parts` CTAs per query block, _cuflash_wide_fwd): cp.async writes
+    its Q tile (BLOCK_M x HEAD_DIM, rows and columns past the data zero-filled, so whole tiles) once and, per
+    visited key tile, the K tile (BLOCK_N x HEAD_DIM) and its V columns (BLOCK_N x V_COLS). Per key tile each warp
+    (16 query rows) reads its Q rows and the whole K tile for S = Q K^T (A and B fragments, HEAD_DIM columns) and
+    the V tile for P V (P from its accumulators): WARPS x (16 + BLOCK_N) x HEAD_DIM + WARPS x BLOCK_N x V_COLS
+    elements. The softmax keeps to registers and shuffles; O and lse leave from registers."""
+    t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
+    hd, bm, bn, nw, e = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, p.elem_bytes
+    v_cols = hd // cfg.v_split
+    parts = -(-p.head_dim // v_cols)
+    ctas, tiles = parts * int(t.visits_q.sum()), parts * t.tiles
+    write = ctas * bm * hd * e + tiles * bn * (hd + v_cols) * e
+    read = tiles * nw * ((16 + bn) * hd + bn * v_cols) * e
+    return read * p.batch_heads, write * p.batch_heads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,13 +643,65 @@ def _split_bwd_shared(p: Problem, cfg, causal_skip: bool, no_dq: bool) -> tuple[
     return read * p.batch_heads, write * p.batch_heads
 
 
+def _wide_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
+    """(read, write) shared-memory bytes of bwd_wide_kernel (cuda/wide.cuh; fp32, tf32, fp64, ordered or not), all
+    batches and heads, counted in its program order: every element a thread loads or stores once per use (a value
+    two fragment slots share, as lse_log2[2t] for c = 0 and 2, once), e the element size, a the accumulator's
+    (sizeof(Acc): 4, 8 for fp64), kernel HEAD_DIM columns, whole tiles (cp.async zero-fills what lies past the data).
+
+    Per CTA with a step (a CTA whose keys no query sees stores zeros without shared memory): cp.async writes the K
+    and V tiles (BLOCK_N x HEAD_DIM) once. Per step (a visited query block): cp.async writes the Q and dO tiles
+    (BLOCK_M x HEAD_DIM) and BLOCK_M values each of lse_log2 and delta. A key group (16 keys) has D_SPLIT warps, each
+    with HEAD_DIM / D_SPLIT columns of dK and dV. Per warp:
+      S^T = K Q^T and dP^T = V dO^T over its head-dim slice: its 16 key rows and the BLOCK_M query rows of that slice;
+      with D_SPLIT > 1 each of the two sums passes through the exchange slots (sum_slices: the warp stores its
+      16 x BLOCK_M partial sums, reads the D_SPLIT - 1 others');
+      P^T and dS^T read two lse_log2 / delta values per n8 query tile and thread;
+      dV += P^T dO and dK += dS^T Q: BLOCK_M x HEAD_DIM / D_SPLIT of dO and of Q (A from its accumulators);
+      the group's first warp stores dS (16 x BLOCK_M, accumulator type) for the dQ GEMM, in which each warp of the
+      DQ_WARPS_M x DQ_WARPS_D grid reads its dS rows (A, all BLOCK_N keys) and its K^T columns (B).
+    float64 with D_SPLIT > 1 splits S^T by queries instead (the forward's order of sums): OWNERS warps of a group
+    (all, or the first Q_TILES where a group has more warps than n8 query tiles) each read the 16 key rows and their
+    BLOCK_M / OWNERS query rows over the whole head dim, read their lse_log2 values and store their P^T tiles in the
+    exchange slots, from which every warp of the group reads the whole 16 x BLOCK_M P^T; dP^T as above.
+    dK and dV leave from registers; dQ's adds go to global memory."""
+    hd, bm, bn, nw, ds = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.d_split
+    e, a = p.elem_bytes, p.stat_bytes
+    key_warps = nw // ds
+    q_tiles = bm // 8
+    dq_warps_m = min(nw, bm // 16)
+    dq_warps_d = nw // dq_warps_m
+    visits, _ = _bwd_visits(cfg, p, causal_skip)
+    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    own_queries = p.dtype == "fp64" and ds > 1
+    sums = 16 * bm * a  # one warp's 16 x BLOCK_M partial sums (or P^T)
+    slice_gemm = key_warps * (16 + bm) * hd * e  # S^T or dP^T over the warps' head-dim slices
+    vec = nw * 8 * bm * a  # each warp: 2 values per n8 query tile and thread
+    if own_queries:
+        qs = max(1, q_tiles // ds)
+        owners = q_tiles // qs
+        s_read = key_warps * (owners * 16 + bm) * hd * e + nw * sums + key_warps * 8 * bm * a
+        s_write = key_warps * sums
+    else:
+        s_read = slice_gemm + (nw * (ds - 1) * sums if ds > 1 else 0) + vec
+        s_write = nw * sums if ds > 1 else 0
+    dp_read = slice_gemm + (nw * (ds - 1) * sums if ds > 1 else 0) + vec
+    dp_write = nw * sums if ds > 1 else 0
+    dkv_read = 2 * key_warps * bm * hd * e  # dV (dO) and dK (Q), each warp its slice's columns
+    dq_read = dq_warps_d * bm * bn * a + dq_warps_m * hd * bn * e
+    step_write = 2 * bm * hd * e + 2 * bm * a + s_write + dp_write + key_warps * sums
+    write = ctas * 2 * bn * hd * e + steps * step_write
+    read = steps * (s_read + dp_read + dkv_read + dq_read)
+    return read * p.batch_heads, write * p.batch_heads
+
+
 def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
                  kernels: str = DEFAULT_KERNELS) -> Counts:
     """cuflash.attention_backward: the launches of cuflash_backward_kernels. Atomics count as a read and
     a write of their bytes (the accumulator's read-modify-write, as FA2's dQ); SRAM traffic and bank
     conflicts from walking every shared access of the main kernel (and bwd_dq_kernel). The wide kernels
-    (fp32, tf32, fp64): global traffic and FLOPs (3xTF32 counted as one product) only, their shared memory is
-    not modelled (sram_*_bytes and bank_conflicts None). The float32 Hopper backward (bwd_sm90_tf32_kernel and
+    (fp32, tf32, fp64): global traffic, FLOPs (3xTF32 counted as one product) and shared-memory bytes from their
+    program order (_wide_bwd_shared; bank_conflicts None: not walked). The float32 Hopper backward (bwd_sm90_tf32_kernel and
     bwd_dq_sm90_tf32_kernel): global traffic and FLOPs as a 16-bit deterministic backward's with bwd_dq_kernel (S^T
     and dP^T in the dK / dV kernel, S and dP again in the dQ kernel: 7 products instead of 5, 3xTF32's passes
     counted as one), shared-memory bytes from its program order (_tf32_bwd_shared), bank_conflicts None (not
@@ -667,8 +740,9 @@ def _cuflash_bwd(p: Problem, causal_skip: bool, deterministic: bool = False,
     c.flops_matmul *= p.batch_heads
     c.flops_nonmatmul = (NONMATMUL_FLOPS["flash_bwd_per_score"] * scores + 2 * p.seqlen_q * p.head_dim) * p.batch_heads
     c.flops_useful = 10 * p.head_dim * allowed_pairs(p) * p.batch_heads
-    if wide:  # the wide kernels' shared memory is not modelled
-        c.sram_read_bytes = c.sram_write_bytes = c.bank_conflicts = None
+    if wide:  # counted from the program order, not walked
+        c.sram_read_bytes, c.sram_write_bytes = _wide_bwd_shared(p, cfg, causal_skip)
+        c.bank_conflicts = None
     elif tf32:  # counted from the program order, not walked
         c.sram_read_bytes, c.sram_write_bytes = _tf32_bwd_shared(p, cfg, causal_skip)
         c.bank_conflicts = None

@@ -57,6 +57,84 @@ def test_fa2_element_traffic_scales_with_the_element_size(dtype, backward):
         assert wide.hbm_bytes == 2 * simulate("fa2", P(1000, 64, dtype="fp32"), backward=backward).hbm_bytes
 
 
+# Shared-memory bytes of the wide kernels by hand: their loops over warps, mma k-steps (k 8: TF32 m16n8k8, float64
+# m16n8k8 on sm_90a) and n8 tiles, each fragment element loaded once per use (A: 16 x 8, B: 8 x 8; an accumulator
+# fragment: 4 values per thread), cp.async tiles written whole.
+MMA_K = 8
+
+
+def _wide_fwd_shared_by_hand(cfg, seen, e, d):
+    """fwd_wide_kernel over the visited (query block, key block) pairs `seen`, all column parts."""
+    hd, bm, bn, nw = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps
+    v_cols = hd // cfg.v_split
+    read = write = 0
+    for part in range(cfg.v_split):
+        if part * v_cols >= d:
+            continue  # a part past the head dim returns at once
+        for i in range(seen.shape[0]):
+            if not seen[i].any():
+                continue
+            write += bm * hd * e  # Q
+            for j in np.flatnonzero(seen[i]):
+                write += bn * hd * e + bn * v_cols * e  # K, V's columns
+                for _warp in range(nw):
+                    for _k0 in range(0, hd, MMA_K):
+                        read += 16 * MMA_K * e  # A: the warp's Q rows
+                        read += (bn // 8) * 8 * MMA_K * e  # B: K, per n8 key tile
+                    for _nt in range(bn // 8):
+                        read += (v_cols // 8) * 8 * 8 * e  # B of P V: 8 keys x 8 columns per tile
+    return read, write
+
+
+def _wide_bwd_step_by_hand(cfg, e, a, fp64):
+    """bwd_wide_kernel, one step (query block) of one CTA: (read, write)."""
+    hd, bm, bn, nw, ds = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, cfg.d_split
+    q_tiles, cols = bm // 8, hd // ds
+    frag = 32 * 4 * a  # one n8 accumulator tile of a warp
+    read = 0
+    write = 2 * bm * hd * e + 2 * bm * a  # Q, dO, lse_log2, delta
+    for warp in range(nw):
+        slice_ = warp % ds
+        if fp64 and ds > 1:  # S^T by queries: owners of whole n8 query tiles, one chain over the head dim
+            qs = max(1, q_tiles // ds)
+            if slice_ < q_tiles // qs:
+                for _k0 in range(0, hd, MMA_K):
+                    read += 16 * MMA_K * e + qs * 8 * MMA_K * e
+                read += qs * 32 * 2 * a  # lse_log2
+                write += qs * frag  # P^T into the slot
+            read += q_tiles * frag  # the group's whole P^T
+        else:
+            for _k0 in range(0, cols, MMA_K):
+                read += 16 * MMA_K * e + q_tiles * 8 * MMA_K * e
+            if ds > 1:
+                write += q_tiles * frag
+                read += (ds - 1) * q_tiles * frag
+            read += q_tiles * 32 * 2 * a  # lse_log2
+        read += q_tiles * (cols // 8) * 8 * 8 * e  # dV += P^T dO
+        for _k0 in range(0, cols, MMA_K):  # dP^T
+            read += 16 * MMA_K * e + q_tiles * 8 * MMA_K * e
+        if ds > 1:
+            write += q_tiles * frag
+            read += (ds - 1) * q_tiles * frag
+        read += q_tiles * 32 * 2 * a  # delta
+        read += q_tiles * (cols // 8) * 8 * 8 * e  # dK += dS^T Q
+        if slice_ == 0:
+            write += q_tiles * frag  # dS for the dQ GEMM
+    dq_m = min(nw, bm // 16)
+    dq_d = nw // dq_m
+    for _warp in range(nw):  # dQ += dS K over the warp grid
+        for _k0 in range(0, bn, MMA_K):
+            read += (bm // 16 // dq_m) * 16 * MMA_K * a + (hd // 8 // dq_d) * 8 * MMA_K * e
+    return read, write
+
+
+def _wide_bwd_shared_by_hand(cfg, seen, e, a, fp64):
+    """bwd_wide_kernel over the visited (query block, key block) pairs `seen`."""
+    step_r, step_w = _wide_bwd_step_by_hand(cfg, e, a, fp64)
+    ctas = int(seen.any(axis=0).sum())
+    return int(seen.sum()) * step_r, ctas * 2 * cfg.block_n * cfg.head_dim * e + int(seen.sum()) * step_w
+
+
 def test_cuflash_wide_forward_is_a_hand_count_of_its_tiles():
     """fwd_wide_kernel, no mask: each query block reads Q once, K and V once per key tile; O and lse written once.
     (On sm_90a with the default kernels float32 runs fwd_sm90_tf32_kernel at this head dim: the same global
@@ -72,12 +150,16 @@ def test_cuflash_wide_forward_is_a_hand_count_of_its_tiles():
         assert c.hbm_read_bytes == b * h * (n * d + 2 * q_blocks * n * d) * e
         assert c.hbm_write_bytes == b * h * (n * d * e + n * s)
         assert c.flops_matmul == b * h * q_blocks * k_blocks * 4 * bm * bn * 64, "whole tiles"
-        assert c.sram_read_bytes is None and c.sram_write_bytes is None and c.bank_conflicts is None, "not modelled"
+        every = np.ones((q_blocks, k_blocks), dtype=bool)
+        assert (c.sram_read_bytes, c.sram_write_bytes) == tuple(
+            b * h * x for x in _wide_fwd_shared_by_hand(cfg, every, e, d)), "shared bytes in program order"
+        assert c.bank_conflicts is None, "not walked"
         assert c.launches == 1 and c.peak_extra_bytes == 0
         auto = simulate("cuflash", P(n, d, batch=b, heads=h, dtype=dtype))
         tf32 = config.select("forward", 64, dtype, False, "sm_90a")
         if dtype == "fp64":
-            assert auto.hbm_bytes == c.hbm_bytes and auto.sram_read_bytes is None
+            assert (auto.hbm_bytes, auto.sram_read_bytes, auto.sram_write_bytes) == \
+                (c.hbm_bytes, c.sram_read_bytes, c.sram_write_bytes)
         else:
             assert isinstance(tf32, config.FwdSm90Tf32Config) and auto.sram_read_bytes > 0
             assert auto.hbm_read_bytes == b * h * (n * d + 2 * math.ceil(n / tf32.block_m) * n * d) * e
@@ -119,8 +201,65 @@ def test_cuflash_wide_backward_is_a_hand_count_of_its_tiles():
     assert c.launches == 3
     assert c.peak_extra_bytes == b * h * (2 * pad + pad * hd) * s
     assert c.flops_matmul == b * h * visits * 2 * bm * bn * hd * (2 * cfg.d_split + 3)
-    assert c.sram_read_bytes is None and c.bank_conflicts is None
+    every = np.ones((q_blocks, k_blocks), dtype=bool)
+    assert (c.sram_read_bytes, c.sram_write_bytes) == tuple(
+        b * h * x for x in _wide_bwd_shared_by_hand(cfg, every, e, s, True))
+    assert c.bank_conflicts is None
 
+
+
+@pytest.mark.parametrize("dtype,d", [("fp32", 64), ("fp64", 64), ("fp64", 128), ("fp32", 256), ("fp32", 200)])
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (100, 20))])
+def test_cuflash_wide_shared_bytes_are_a_hand_count(dtype, d, causal, window):
+    """fwd_wide_kernel and bwd_wide_kernel (kernels="mma"), their shared-memory bytes against the kernels' loops by
+    hand over the blocks an element-by-element mask visits: float32 at head dim 256 splits O over two CTAs in the
+    forward (d 200: both parts hold columns) and gives each key group four warps in the backward (sum_slices of
+    three partial sums), float64 splits the backward's S^T by queries."""
+    b, h, sq, sk = 2, 3, 300, 517
+    e = s = 8 if dtype == "fp64" else 4
+    kd = config.kernel_head_dim(d, dtype)
+    p = Problem(b, h, sq, sk, d, dtype, causal, window)
+    vis = _visible(sq, sk, causal, window)
+    fcfg = config.select("forward", kd, dtype, causal, "sm_90a", kernels="mma",
+                         mods=config.MOD_WINDOW if window else 0)
+    c = simulate("cuflash", p, kernels="mma")
+    assert (c.block_m, c.block_n) == (fcfg.block_m, fcfg.block_n)
+    assert (c.sram_read_bytes, c.sram_write_bytes) == tuple(
+        b * h * x for x in _wide_fwd_shared_by_hand(fcfg, _seen(vis, fcfg.block_m, fcfg.block_n), e, d))
+    bcfg = config.select("backward", kd, dtype, causal, "sm_90a", kernels="mma",
+                         mods=config.MOD_WINDOW if window else 0)
+    c = simulate("cuflash", p, backward=True, kernels="mma")
+    assert (c.block_m, c.block_n) == (bcfg.block_m, bcfg.block_n)
+    assert (c.sram_read_bytes, c.sram_write_bytes) == tuple(
+        b * h * x for x in _wide_bwd_shared_by_hand(bcfg, _seen(vis, bcfg.block_m, bcfg.block_n), e, s,
+                                                    dtype == "fp64"))
+
+
+def test_cuflash_wide_backward_shared_bytes_with_idle_s_warps():
+    """The deterministic float64 backward at head dim 128 on sm_80 (16 x 32 tiles, four warps per key group, two n8
+    query tiles): the first two warps of a group compute S^T, all four read its P^T. By hand: per step and CTA (two
+    key groups) the S^T products read 2 groups x (2 owners x 16 + 16 query rows) x 128 columns, and every warp reads
+    the whole 16 x 16 P^T of its group."""
+    from cuflash.simulator.strategies import _wide_bwd_shared
+
+    cfg = config.bwd_wide_config(128, "fp64", False, 0, "sm_80", deterministic=True)
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.d_split) == (16, 32, 8, 4)
+    n = 64
+    p = Problem(1, 1, n, n, 128, "fp64", False)
+    steps, ctas = (n // 16) * (n // 32), n // 32
+    assert _wide_bwd_shared(p, cfg, True) == _wide_bwd_shared_by_hand(cfg, np.ones((n // 16, n // 32), dtype=bool),
+                                                                      8, 8, True)
+    read, write = _wide_bwd_shared(p, cfg, True)
+    s_products = 2 * (2 * 16 + 16) * 128 * 8
+    p_reads, p_writes, lse = 8 * 16 * 16 * 8, 2 * 16 * 16 * 8, 2 * 2 * 32 * 2 * 8
+    slices = 2 * 4 * (16 + 16) * 32 * 8  # dP^T over each warp's 32 columns
+    sums = 8 * 3 * 16 * 16 * 8  # dP^T's partial sums: three other slices per warp
+    vecs = 8 * 2 * 32 * 2 * 8  # delta: each warp, 2 n8 tiles
+    dkv = 2 * 8 * 16 * 32 * 8  # dV and dK: each warp its 32 columns of 16 rows of dO / Q
+    dq = 8 * (16 * 32 * 8 + 16 * 32 * 8)  # each warp: all 16 dS rows x 32 keys, 16 of K^T's columns x 32 keys
+    assert read == steps * (s_products + p_reads + lse + slices + sums + vecs + dkv + dq)
+    step_w = 2 * 16 * 128 * 8 + 2 * 16 * 8 + p_writes + 8 * 16 * 16 * 8 + 2 * 16 * 16 * 8
+    assert write == ctas * 2 * 32 * 128 * 8 + steps * step_w
 
 def test_cuflash_wide_backward_launch_names():
     """bwd_wide_kernel's three launches where the registry picks it (kernels="mma"; fp32 at head dim 256); on sm_90a
@@ -357,7 +496,10 @@ def test_cuflash_wide_deterministic_backward_is_a_hand_count(dtype, d, sq, sk, c
     assert c.peak_extra_bytes == b * h * (2 * pad * s + pad * d * s + turns), "lse_log2, delta, dq_accum, counters"
     # S^T, dP^T (the warps of a key group sum their head-dim slices), dV, dK, dQ
     assert c.flops_matmul == b * h * visits * 2 * bm * bn * d * 5
-    assert c.sram_read_bytes is None and c.bank_conflicts is None
+    # shared bytes: float64 splits S^T by queries (fp64 D 64 on 32 x 64: two query tiles per warp; D 128: one)
+    assert (c.sram_read_bytes, c.sram_write_bytes) == tuple(
+        b * h * x for x in _wide_bwd_shared_by_hand(cfg, steps, e, s, dtype == "fp64"))
+    assert c.bank_conflicts is None
     if dtype == "fp32":  # the default mode's tiles: the same traffic but the counters and their adds
         default = cuflash_backward_kernels(p, kernels=kernels)
         assert [(k.name, k.grid, k.read_bytes) for k in ks] == [(k.name, k.grid, k.read_bytes) for k in default]
