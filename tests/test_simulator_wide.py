@@ -93,6 +93,16 @@ def _wide_bwd_step_by_hand(cfg, e, a, fp64):
     frag = 32 * 4 * a  # one n8 accumulator tile of a warp
     read = 0
     write = 2 * bm * hd * e + 2 * bm * a  # Q, dO, lse_log2, delta
+
+    def by_head_dim():  # S^T or dP^T over the warp's head-dim slice, sum_slices, then lse_log2 or delta
+        r = w = 0
+        for _k0 in range(0, cols, MMA_K):
+            r += 16 * MMA_K * e + q_tiles * 8 * MMA_K * e
+        if ds > 1:
+            w += q_tiles * frag
+            r += (ds - 1) * q_tiles * frag
+        return r + q_tiles * 32 * 2 * a, w
+
     for warp in range(nw):
         slice_ = warp % ds
         if fp64 and ds > 1:  # S^T by queries: owners of whole n8 query tiles, one chain over the head dim
@@ -104,19 +114,11 @@ def _wide_bwd_step_by_hand(cfg, e, a, fp64):
                 write += qs * frag  # P^T into the slot
             read += q_tiles * frag  # the group's whole P^T
         else:
-            for _k0 in range(0, cols, MMA_K):
-                read += 16 * MMA_K * e + q_tiles * 8 * MMA_K * e
-            if ds > 1:
-                write += q_tiles * frag
-                read += (ds - 1) * q_tiles * frag
-            read += q_tiles * 32 * 2 * a  # lse_log2
+            r, w = by_head_dim()  # S^T
+            read, write = read + r, write + w
         read += q_tiles * (cols // 8) * 8 * 8 * e  # dV += P^T dO
-        for _k0 in range(0, cols, MMA_K):  # dP^T
-            read += 16 * MMA_K * e + q_tiles * 8 * MMA_K * e
-        if ds > 1:
-            write += q_tiles * frag
-            read += (ds - 1) * q_tiles * frag
-        read += q_tiles * 32 * 2 * a  # delta
+        r, w = by_head_dim()  # dP^T
+        read, write = read + r, write + w
         read += q_tiles * (cols // 8) * 8 * 8 * e  # dK += dS^T Q
         if slice_ == 0:
             write += q_tiles * frag  # dS for the dQ GEMM
