@@ -16,10 +16,13 @@ dQ by one bulk reduction (`cp.reduce.async.bulk .add.f32`) per visited query blo
 writer polls a turn counter, a timing-dependent number of global reads. The same holds for bwd_sm90_split_kernel, the
 library's 16-bit backward at kernel head dims 192 and 256 (TMA loads by one thread, dQ by `red.global.add.v4.f32`
 from registers; its shared memory is counted in program order, not walked, so its LDS / STS rows are reported
-only). First every kernel instantiation the
-targets need is compiled once outside ncu (NVRTC, cached on disk; `--no-prewarm` skips it). Then, per target, a
-small driver (`python -c ...`: random CuPy inputs; the forward twice, or the forward once for o and lse and then
-the backward twice) runs under
+only). The float32 and float64 kernels `fwd_wide_kernel` and `bwd_wide_kernel` (cuda/wide.cuh; fp32 as 3xTF32,
+CUFLASH_KERNELS=mma) are compared on their global traffic, cp.async instructions, dQ atomics and the shared bytes
+their threads request (the sass_data_bytes counters against the analyzer's program-order counts); their LDS / STS
+instructions and wavefronts are reported only, and the L2 model does not cover them. First every kernel
+instantiation the targets need is compiled once outside ncu (NVRTC, cached on disk; `--no-prewarm` skips it).
+Then, per target, a small driver (`python -c ...`: random CuPy inputs; the forward twice, or the forward once for
+o and lse and then the backward twice) runs under
 
     ncu --print-units base --cache-control all --clock-control none --csv
         --kernel-name regex:<kernel_regex(kernel)> --launch-skip 1 --launch-count 1 --metrics <METRICS>
@@ -44,7 +47,8 @@ bytes and L2 reduction sectors within 2%, reduction requests exact (they travel 
 reads). For the TMA kernels the TMA load bytes and sectors within 2% and the TMA load instructions exact
 (TMA_METRICS); for bwd_sm90_ws_kernel also its dQ bulk reductions: their SM->L2 bytes within 2%, their
 instructions exact and no LSU reduction (BULK_RED_METRICS); for bwd_sm90_split_kernel its 16-byte dQ reductions on
-the RED rows as bwd_kernel's.
+the RED rows as bwd_kernel's; for the wide kernels the shared bytes of loads, stores and cp.async within 2%
+(WIDE_METRICS), the cp.async instructions exact, and the backward's dQ atomics on the RED rows.
 """
 from __future__ import annotations
 
@@ -68,14 +72,18 @@ import numpy as np
 from cuflash import config as _config
 
 from . import banks, l2 as _l2
-from .model import H100_L2_BYTES, H100_SMS, STAT_BYTES, Problem
+from .model import H100_L2_BYTES, H100_SMS, Problem
 from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges, main_adds_dq
-from .strategies import cuflash_backward_kernels
+from .strategies import _Tiles, cuflash_backward_kernels
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel",
-           "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel")
-FORWARD_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel")
+           "bwd_sm90_ws_kernel", "bwd_sm90_split_kernel", "fwd_wide_kernel", "bwd_wide_kernel")
+FORWARD_KERNELS = ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel", "fwd_wide_kernel")
+# the float32 / float64 kernels of cuda/wide.cuh (CUFLASH_KERNELS=mma: on sm_90a float32 would otherwise take the TF32
+# wgmma kernels at head dims 32, 64 and 128): their shared memory is counted in program order
+# (strategies._wide_fwd_shared, _wide_bwd_shared) and compared on the per-thread shared byte counters (WIDE_METRICS)
+WIDE_KERNELS = ("fwd_wide_kernel", "bwd_wide_kernel")
 # the wgmma kernels run with CUFLASH_KERNELS=auto (the library's default), the others with
 # CUFLASH_KERNELS=mma: bwd_dq_kernel and the elementwise kernels are the same in both families
 WGMMA_KERNELS = ("fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel", "bwd_sm90_ws_kernel",
@@ -91,7 +99,7 @@ BULK_RED_KERNELS = ("bwd_sm90_ws_kernel",)
 RED_V4_KERNELS = ("bwd_sm90_split_kernel",)
 # the kernels whose shared-memory accesses are counted in program order (strategies._split_bwd_shared), not walked
 # instruction by instruction: their LDS / STS rows are reported, not predicted
-UNWALKED_KERNELS = ("bwd_sm90_split_kernel",)
+UNWALKED_KERNELS = ("bwd_sm90_split_kernel", "fwd_wide_kernel", "bwd_wide_kernel")
 
 
 class Band(float):
@@ -155,6 +163,20 @@ class Target:
             # at head dim 256 the deterministic mode polls turn counters as above; at 192 it leaves dQ to bwd_dq_kernel
             raise ValueError("bwd_sm90_split_kernel targets run the default mode (dQ by red.global.add.v4.f32): its "
                              "deterministic mode's turn-counter polls are timing-dependent reads")
+        if self.kernel in WIDE_KERNELS:
+            if self.case.dtype not in ("fp32", "fp64"):
+                raise ValueError(f"{self.kernel} targets take dtype 'fp32' (3xTF32) or 'fp64' "
+                                 f"(got {self.case.dtype!r})")
+            if self.deterministic:
+                # the ordered backward polls turn counters (ld.acquire) until its turn: timing-dependent reads
+                raise ValueError("bwd_wide_kernel targets run the default mode (dQ by atomics): its deterministic "
+                                 "mode's turn-counter polls are timing-dependent reads")
+            if _config.kernel_head_dim(self.case.head_dim, self.case.dtype) != self.case.head_dim:
+                raise ValueError(f"{self.kernel} targets take a kernel head dim (zero-padded columns are "
+                                 f"neither read nor counted per element): got head_dim={self.case.head_dim}")
+            if not isinstance(self.config(), (_config.FwdWideConfig, _config.BwdWideConfig)):
+                raise ValueError(f"the library launches {self.config().cpp_name()} for {self.case.name}")
+            return
         hd = _config.kernel_head_dim(self.case.head_dim)
         tiles = {"fwd_sm90_kernel": _config.FWD_SM90_TILES, "bwd_sm90_kernel": _config.BWD_SM90_TILES,
                  "fwd_sm90_ws_kernel": _config.FWD_SM90_WS_TILES,
@@ -197,7 +219,11 @@ class Target:
         fwd_sm90_ws_kernel (every 16-bit head dim), whose family the driver takes out
         (FWD_SM90_DRIVER_NOTE)."""
         c = self.case
-        hd = _config.kernel_head_dim(c.head_dim)
+        hd = _config.kernel_head_dim(c.head_dim, c.dtype)
+        if self.kernel == "fwd_wide_kernel":
+            return _config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, "mma", seqlen_k=c.seqlen_k)
+        if self.kernel == "bwd_wide_kernel":
+            return _config.backward_kernel_config(hd, c.dtype, c.causal, False, ARCH, "mma")
         if self.kernel == "fwd_sm90_kernel":
             return _config.fwd_sm90_config(hd, c.dtype, c.causal)
         if self.kernel == "bwd_sm90_kernel":  # the driver takes bwd_sm90_ws out (FWD_SM90_DRIVER_NOTE)
@@ -273,6 +299,13 @@ _DEFAULT = _QUICK + [
     Target("bwd_sm90_split_kernel", Case(1, 8, 2048, 2048, 256, "bf16")),
     Target("bwd_sm90_split_kernel", Case(2, 4, 1024, 1024, 192, causal=True)),
     Target("bwd_sm90_split_kernel", Case(2, 4, 1000, 1500, 192, "bf16")),
+    # the float32 / float64 kernels (CUFLASH_KERNELS=mma): the forward in 3xTF32 at d64 and in float64 at d128, causal
+    # with tails; the backward in float64 at d128 (two warps per key group splitting S^T by queries) and in 3xTF32 at
+    # d64, causal with tails
+    Target("fwd_wide_kernel", Case(2, 8, 1024, 1024, 64, "fp32")),
+    Target("fwd_wide_kernel", Case(1, 8, 1000, 1500, 128, "fp64", causal=True)),
+    Target("bwd_wide_kernel", Case(2, 4, 1024, 1024, 128, "fp64")),
+    Target("bwd_wide_kernel", Case(2, 4, 1000, 1500, 64, "fp32", causal=True)),
 ]
 
 CASES = {
@@ -299,6 +332,12 @@ CASES = {
         Target("bwd_sm90_ws_kernel", Case(1, 16, 4096, 4096, 128, "bf16", causal=True)),
         Target("bwd_sm90_split_kernel", Case(2, 4, 1000, 1500, 256, "bf16", causal=True)),
         Target("bwd_sm90_split_kernel", Case(1, 16, 4096, 4096, 256, "bf16")),
+        # float32 at d256 (O's columns over two CTAs in the forward, four warps per key group in the backward) and d128
+        # (two warps per key group, their partial sums through the exchange slots); float64 at d64 causal
+        Target("fwd_wide_kernel", Case(1, 8, 1024, 1024, 256, "fp32")),
+        Target("bwd_wide_kernel", Case(1, 8, 1024, 1024, 256, "fp32")),
+        Target("bwd_wide_kernel", Case(2, 4, 1024, 1024, 128, "fp32", causal=True)),
+        Target("bwd_wide_kernel", Case(2, 4, 1024, 1024, 64, "fp64", causal=True)),
     ],
 }
 
@@ -428,6 +467,13 @@ SHARED_WALK_METRICS = (
     "smsp__sass_l1tex_data_pipe_lsu_wavefronts_mem_shared_op_ldgsts.sum",
 )
 ABSENT_IN_UNWALKED = ("smsp__inst_executed_op_ldsm.sum", "smsp__sass_inst_executed_op_ldgsts.sum")
+# the wide kernels' shared traffic in bytes as their threads request it (each thread's loads and stores; cp.async
+# chunks zero-filled included), against strategies._wide_fwd_shared / _wide_bwd_shared
+WIDE_METRICS = {
+    "sm__sass_data_bytes_mem_shared_op_ld.sum": ("shared load bytes (LDS, per thread)", 0.02),
+    "sm__sass_data_bytes_mem_shared_op_st.sum": ("shared store bytes (STS, per thread)", 0.02),
+    "sm__sass_data_bytes_mem_shared_op_ldgsts.sum": ("cp.async shared bytes (LDGSTS, per thread)", 0.02),
+}
 GMMA_METRICS = {
     "sm__sass_inst_executed_op_shared_gmma.sum": ("wgmma instructions (HGMMA, per warp)", None),
     "sm__sass_data_bytes_mem_shared_op_gmma.sum": ("wgmma shared operand bytes", None),
@@ -451,10 +497,15 @@ def metrics_for(target: Target) -> dict:
         at = [m for m, _ in items].index("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
         out = dict(items[:at] + list(GMMA_METRICS.items()) + items[at:])
     if target.kernel in UNWALKED_KERNELS:  # reported, not targeted: no instruction walk predicts them (but the
-        # instruction kinds such a kernel has none of: ldmatrix, cp.async)
+        # instruction kinds such a kernel has none of: ldmatrix, cp.async; or counts exactly: cp.async)
         out = {m: ((what, None) if m in SHARED_WALK_METRICS and m not in ABSENT_IN_UNWALKED else (what, tol))
                for m, (what, tol) in out.items()}
-    adds = (RED_METRICS if (target.kernel in ("bwd_kernel", "bwd_sm90_kernel") and not target.deterministic)
+    if target.kernel in WIDE_KERNELS:  # their shared bytes after the shared rows; the L2 model does not cover them
+        items = [(m, (what, None) if m.startswith("dram__") else (what, tol)) for m, (what, tol) in out.items()]
+        at = [m for m, _ in items].index("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
+        out = dict(items[:at] + list(WIDE_METRICS.items()) + items[at:])
+    adds = (RED_METRICS if (target.kernel in ("bwd_kernel", "bwd_sm90_kernel", "bwd_wide_kernel")
+                            and not target.deterministic)
             or target.kernel in RED_V4_KERNELS
             else BULK_RED_METRICS if target.kernel in BULK_RED_KERNELS else None)
     if adds is not None:
@@ -562,11 +613,16 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
 
     Rows of Q, K, V, O are head_dim*elem_bytes contiguous bytes at a row stride of heads*head_dim
     elements (contiguous bshd inputs); lse rows are 4 bytes, contiguous per (batch, head), written by the
-    t == 0 lanes (8 rows per warp instruction) or, in a CTA that sees no key, 32 rows per instruction."""
+    t == 0 lanes (8 rows per warp instruction) or, in a CTA that sees no key, 32 rows per instruction (stat_bytes
+    each: 8 for fp64). fwd_wide_kernel at v_split > 1 reads Q and K once per column part, V once."""
     p = case.problem()
     cfg = case.config() if cfg is None else cfg
-    e, d, h = p.elem_bytes, p.head_dim, p.heads
+    e, d, h, stat = p.elem_bytes, p.head_dim, p.heads, p.stat_bytes
     row_bytes = d * e
+    # fwd_wide_kernel at v_split > 1: each column part's CTA reads Q and K whole, V its columns (parts: those that
+    # hold a column of the head dim)
+    v_split = getattr(cfg, "v_split", 1)
+    parts = -(-d // (cfg.head_dim // v_split))
 
     def rows_sectors(rows_total_per_bh: int) -> int:  # every row of every (b, h) once
         b = np.arange(p.batch)[:, None, None]
@@ -581,8 +637,10 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
     q_rows = int((block_sizes(p.seqlen_q, cfg.block_m) * live).sum())
     kv_rows = int(((np.minimum(n_end * cfg.block_n, p.seqlen_k) - n_begin * cfg.block_n) * live).sum())
     per_row = -(-row_bytes // SECTOR) if (row_bytes % SECTOR == 0 and (h * row_bytes) % SECTOR == 0) else None
+    if parts > 1 and (per_row is None or (d // parts * e) % SECTOR):
+        raise ValueError(f"column parts of {cfg.head_dim // v_split} need sector-aligned rows (head_dim={d})")
     if per_row is not None:  # every row starts on a sector boundary
-        reads = (q_rows + 2 * kv_rows) * per_row * p.batch_heads * SECTOR
+        reads = (parts * (q_rows + kv_rows) + kv_rows) * per_row * p.batch_heads * SECTOR
         o_writes = p.seqlen_q * per_row * p.batch_heads * SECTOR
     else:  # unaligned rows: average sectors per row from the actual addresses
         avg_q = rows_sectors(p.seqlen_q) / (p.seqlen_q * p.batch_heads)
@@ -598,8 +656,8 @@ def predicted_global_bytes(case: Case, cfg=None) -> tuple[int, int]:
         g0 = np.arange(0, rq, group)
         first_row = m_block * cfg.block_m + g0
         last_row = m_block * cfg.block_m + np.minimum(g0 + group, rq) - 1
-        base = (np.arange(p.batch_heads) * p.seqlen_q * STAT_BYTES)[:, None]
-        first, last = base + first_row * STAT_BYTES, base + last_row * STAT_BYTES + STAT_BYTES - 1
+        base = (np.arange(p.batch_heads) * p.seqlen_q * stat)[:, None]
+        first, last = base + first_row * stat, base + last_row * stat + stat - 1
         lse_sectors += int((last // SECTOR - first // SECTOR + 1).sum())
     return reads, o_writes + lse_sectors * SECTOR
 
@@ -920,10 +978,110 @@ def _split_predictions(cfg, p: Problem, kt) -> dict:
     }
 
 
+def _wide_ldgsts(cfg, p: Problem, backward: bool) -> tuple[int, int]:
+    """(cp.async warp instructions, shared bytes) of fwd_wide_kernel or bwd_wide_kernel: load_wide_tile issues one
+    16-byte cp.async per thread per chunk of a whole tile (ROWS x HEAD_DIM, zero-filled chunks included), so a tile
+    takes tile bytes / 512 warp instructions; the backward's lse_log2 and delta, BLOCK_M values each in 16-byte
+    chunks, one per thread of the first 2 x BLOCK_M x stat / 16 threads (one warp instruction per 32 of them)."""
+    e, a, bh = p.elem_bytes, p.stat_bytes, p.batch_heads
+    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
+    if not backward:
+        t = _Tiles(p, bm, bn, True)
+        v_cols = hd // cfg.v_split
+        parts = -(-p.head_dim // v_cols)
+        ctas, tiles = parts * int(t.visits_q.sum()), parts * t.tiles
+        nbytes = ctas * bm * hd * e + tiles * bn * (hd + v_cols) * e
+        return nbytes // 512 * bh, nbytes * bh
+    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+    visits_kb = np.maximum(m_end - m_begin, 0)
+    ctas, visits = int((visits_kb > 0).sum()), int(visits_kb.sum())
+    vec_chunks = 2 * bm * a // 16
+    tiles = ctas * 2 * bn * hd * e + visits * 2 * bm * hd * e
+    return (tiles // 512 + visits * -(-vec_chunks // 32)) * bh, (tiles + visits * vec_chunks * 16) * bh
+
+
+def _predict_wide(target: Target) -> dict:
+    """fwd_wide_kernel and bwd_wide_kernel (cuda/wide.cuh, float32 as 3xTF32 or float64): global reads and writes
+    as the 16-bit mma.sync kernels' (cp.async of valid rows and columns, 16-byte chunks; the backward's lse_log2 and
+    delta whole BLOCK_M vectors), the dQ adds (float32: red.global.add.v2.f32, 8 bytes a thread; float64: two
+    8-byte atomicAdd a thread, RED.E.ADD.F64, whose lanes t cover every other pair of a row's 64 bytes: two sectors
+    a row), cp.async instructions and bytes, and the shared bytes in program order (strategies._wide_fwd_shared,
+    _wide_bwd_shared: every element a thread loads or stores once per use); LDS / STS instructions, wavefronts and
+    bank conflicts are reported, not predicted, and the L2 model does not cover these kernels."""
+    from .strategies import _wide_bwd_shared, _wide_fwd_shared
+
+    case, cfg = target.case, target.config()
+    p = case.problem()
+    backward = target.is_backward
+    warps = cfg.num_warps
+    grid = cfg.grid(p.batch, p.heads, p.seqlen_k if backward else p.seqlen_q)
+    ldgsts, ldgsts_bytes = _wide_ldgsts(cfg, p, backward)
+    if backward:
+        kt = {k.name: k for k in cuflash_backward_kernels(p, True, False, "mma")}["bwd_wide_kernel"]
+        sram_r, sram_w = _wide_bwd_shared(p, cfg, True)
+        reads, writes, red = kt.read_bytes, kt.write_bytes, kt.atomic_bytes
+        read_note = ("K, V once per CTA; per visited query block Q, dO (valid rows) and BLOCK_M lse_log2, delta "
+                     "(cp.async)")
+        store_note = "dK, dV (valid keys)"
+    else:
+        sram_r, sram_w = _wide_fwd_shared(p, cfg, True)
+        reads, writes = predicted_global_bytes(case, cfg)
+        red = 0
+        read_note = "Q once per CTA, K and V once per visited tile (cp.async" + (
+            f"; Q and K once per column part, {cfg.v_split} parts)" if cfg.v_split > 1 else ")")
+        store_note = "O and lse once (32-byte sectors)"
+    out = {
+        "l1tex__m_xbar2l1tex_read_bytes.sum": (reads, read_note),
+        "l1tex__m_l1tex2xbar_write_bytes.sum": (
+            writes + red, store_note + (f" {writes:,} + dQ atomics' payload {red:,}" if red else "")),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": (writes, store_note),
+        "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": (0, "the kernels are spill-free"),
+        "dram__bytes_read.sum": (None, "not modelled: the L2 model covers the 16-bit kernels only"),
+        "dram__bytes_write.sum": (None, "not modelled"),
+        "launch__grid_size": (grid[0] * grid[1] * grid[2], f"grid {grid}"),
+        "launch__block_size": (cfg.threads, f"{warps} warps"),
+        "smsp__inst_executed_op_ldsm.sum": (0, "none: fragments by scalar LDS (4 or 8 bytes)"),
+        "smsp__sass_inst_executed_op_ldgsts.sum": (ldgsts, "whole tiles, one 16-byte chunk a thread per "
+                                                           "instruction (zero-fill included)"),
+        "sm__sass_data_bytes_mem_shared_op_ld.sum": (
+            sram_r, "per thread, program order: S (or S^T, dP^T) operands, P V (dV, dK) B operands"
+            + (", lse_log2 / delta, exchange slots, the dQ GEMM's dS and K" if backward else "")),
+        "sm__sass_data_bytes_mem_shared_op_st.sum": (
+            sram_w - ldgsts_bytes, "exchange slots (partial sums; float64: P^T) and dS" if backward
+            else "none: O leaves from registers"),
+        "sm__sass_data_bytes_mem_shared_op_ldgsts.sum": (ldgsts_bytes, "whole tiles, 16 bytes a thread"),
+        **{m: (None, "not walked (shared bytes in program order: strategies._wide_*_shared)")
+           for m in SHARED_WALK_METRICS if m not in ABSENT_IN_UNWALKED},
+    }
+    if red:
+        m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
+        visits = int(np.maximum(m_end - m_begin, 0).sum()) * p.batch_heads
+        dq_m = min(warps, cfg.block_m // 16)
+        tiles = (cfg.block_m // 16 // dq_m) * (cfg.head_dim // 8 // (warps // dq_m))  # m16n8 dQ tiles a warp
+        per_tile = 2 * (2 if p.dtype == "fp64" else 1)  # rows g and g + 8; float64: two scalar adds each
+        reds = visits * warps * tiles * per_tile
+        assert reds * WARP_RED_BYTES == red, (reds, red)
+        rows = _red_rows(reds, red, f"{visits:,} visits x {warps} warps x {tiles * per_tile} RED of 256 B",
+                         "one sector per row of 8 floats" if p.dtype != "fp64" else
+                         "two sectors per row: lanes t add doubles 2t or 2t + 1 of 8")
+        if p.dtype == "fp64":  # each row's four 8-byte adds of an instruction touch 64 bytes: two sectors
+            rows["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] = (
+                red, "whole [BLOCK_M, HEAD_DIM] float64 tile per visit, pad rows included")
+            rows["lts__t_sectors_srcunit_tex_op_red.sum"] = (2 * red // SECTOR, rows[
+                "lts__t_sectors_srcunit_tex_op_red.sum"][1])
+            rows["lts__t_sectors_op_red.sum"] = (2 * red // SECTOR, "as above; more if the L2 partitions both "
+                                                                    "count a request")
+        out.update(rows)
+    out.update(_measured_only())
+    return {m: out[m] for m in metrics_for(target)}
+
+
 def predict(target: Target | Case, l2_bytes: int, num_sms: int) -> dict[str, tuple[float | None, str]]:
     """{metric: (predicted value or None, note)} for one target (a bare Case means its fwd_kernel)."""
     if isinstance(target, Case):
         target = Target("fwd_kernel", target)
+    if target.kernel in WIDE_KERNELS:
+        return _predict_wide(target)
     if not target.is_backward:
         return _predict_fwd(target, l2_bytes, num_sms)
     return _predict_bwd(target, l2_bytes, num_sms)
@@ -933,9 +1091,13 @@ def kernel_configs(target: Target) -> list:
     """Every kernel instantiation the target's driver launches (to compile them before profiling), in the
     target's kernel family."""
     c = target.case
-    hd = _config.kernel_head_dim(c.head_dim)
+    hd = _config.kernel_head_dim(c.head_dim, c.dtype)
     if not target.is_backward:  # the profiled forward itself (fwd_sm90_kernel: also where ws is the default)
         return [target.config()]
+    if target.kernel == "bwd_wide_kernel":
+        main = target.config()
+        return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, "mma", seqlen_k=c.seqlen_k),
+                _config.ElementwiseConfig("preprocess", c.dtype), main, _config.convert_dq_config(main, c.dtype)]
     main = target.config() if target.kernel in ("bwd_sm90_kernel", "bwd_sm90_ws_kernel") else \
         _config.backward_kernel_config(hd, c.dtype, c.causal, target.deterministic, ARCH, target.kernels)
     return [_config.forward_kernel_config(hd, c.dtype, c.causal, ARCH, target.kernels, seqlen_k=c.seqlen_k),
@@ -948,8 +1110,8 @@ def kernel_configs(target: Target) -> list:
 # Running ncu
 # ----------------------------------------------------------------------------------------------
 
-# The profiled process: the forward twice (fwd_kernel, fwd_sm90_kernel, fwd_sm90_ws_kernel), or the forward once
-# (o, lse) and the backward twice (bwd_kernel, bwd_sm90_kernel, bwd_sm90_ws_kernel, bwd_dq_kernel); ncu's
+# The profiled process: the forward twice (fwd_kernel, fwd_sm90_kernel, fwd_sm90_ws_kernel, fwd_wide_kernel), or the
+# forward once (o, lse) and the backward twice (the backward kernels); ncu's
 # --launch-skip 1 --launch-count 1 picks the second launch of the target kernel. The kernel family comes from
 # CUFLASH_KERNELS, which _env sets per target; the driver stops if it did not arrive (ncu would otherwise profile
 # nothing). Inputs are drawn in fp32 and rounded with cuflash._xpref.to_lowp (bf16 without relying on CuPy
@@ -971,7 +1133,7 @@ if kernel in ("fwd_sm90_kernel", "bwd_sm90_kernel"):  # (FWD_SM90_DRIVER_NOTE)
     config.FAMILIES = tuple(f for f in config.FAMILIES if f.name not in ("fwd_sm90_ws", "bwd_sm90_ws"))
 rs = cp.random.RandomState(0)
 q, k, v = (_xpref.to_lowp(rs.standard_normal((b, s, h, d), dtype=cp.float32), dtype) for s in (sq, sk, sk))
-if kernel in ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel"):
+if kernel in ("fwd_kernel", "fwd_sm90_kernel", "fwd_sm90_ws_kernel", "fwd_wide_kernel"):
     for _ in range(2):  # warm-up, then the profiled launch
         o, lse = cuflash.attention_forward(q, k, v, causal=causal)
     res = o

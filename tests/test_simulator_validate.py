@@ -250,7 +250,8 @@ def test_backward_predictions_are_consistent(target):
     assert v["l1tex__m_xbar2l1tex_read_bytes.sum"] == kt.read_bytes
     assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum"] == kt.write_bytes
     assert v["launch__grid_size"] == int(np.prod(kt.grid)) and v["launch__block_size"] == target.config().threads
-    assert v["dram__bytes_read.sum"] > 0
+    wide = target.kernel in validate.WIDE_KERNELS
+    assert (v["dram__bytes_read.sum"] is None) if wide else v["dram__bytes_read.sum"] > 0, "the L2 model: 16-bit only"
     if target.kernel == "bwd_sm90_ws_kernel":  # dQ by bulk reductions: TMA writes, no LSU RED
         red = kt.atomic_bytes
         assert red > 0 and not any(m in pred for m in RED_ONLY)
@@ -258,22 +259,26 @@ def test_backward_predictions_are_consistent(target):
         assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_tma_red.sum"] == red
         assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == 0
         assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
-    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel", "bwd_sm90_split_kernel") and not target.deterministic:
+    elif target.kernel in ("bwd_kernel", "bwd_sm90_kernel", "bwd_sm90_split_kernel", "bwd_wide_kernel") \
+            and not target.deterministic:
         red = kt.atomic_bytes
         assert red > 0
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
-        per_red = 512 if target.kernel in validate.RED_V4_KERNELS else 256  # red.global.add.v4 / .v2 .f32
+        # red.global.add.v4 / .v2 .f32; float64: one 8-byte atomicAdd a thread per instruction
+        per_red = 512 if target.kernel in validate.RED_V4_KERNELS else 256
         assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] * per_red == red
         assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == red
-        assert v["lts__t_sectors_srcunit_tex_op_red.sum"] * 32 == red
-        # the dq_accum rows the visited query blocks cover are read from DRAM before the L2 adds
-        assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
+        # a float64 instruction's four lanes per row add every other 8 bytes of 64: two sectors per row
+        assert v["lts__t_sectors_srcunit_tex_op_red.sum"] * 32 == red * (2 if p.dtype == "fp64" else 1)
+        if not wide:  # the dq_accum rows the visited query blocks cover are read from DRAM before the L2 adds
+            assert v["dram__bytes_read.sum"] >= kt.read_bytes // 64 + p.seqlen_q * p.head_dim * 4 * p.batch_heads
     else:
         assert not any(m in pred for m in validate.RED_METRICS)
         assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes
     assert (v["smsp__sass_inst_executed_op_ldgsts.sum"] > 0) == (target.kernel not in validate.TMA_KERNELS)
-    assert (v["smsp__inst_executed_op_ldsm.sum"] == 0) == (target.kernel in validate.WGMMA_KERNELS), \
-        "wgmma reads its operands without ldmatrix"
+    no_ldsm = validate.WGMMA_KERNELS + validate.WIDE_KERNELS
+    assert (v["smsp__inst_executed_op_ldsm.sum"] == 0) == (target.kernel in no_ldsm), \
+        "wgmma reads its operands without ldmatrix, the wide kernels by scalar LDS"
     if target.kernel in validate.UNWALKED_KERNELS:  # its LDS / STS rows are reported, not predicted
         assert all(v[m] is None for m in validate.SHARED_WALK_METRICS
                    if m in v and m not in validate.ABSENT_IN_UNWALKED)
@@ -346,7 +351,7 @@ def _fake_cupy():
 
 DRIVER_TARGETS = validate.CASES["quick"] + [validate.Target("fwd_kernel", validate.Case(1, 2, 100, 150, 64, "bf16",
                                                                                       causal=True))]
-DRIVER_TARGETS += [t for t in validate.CASES["default"] if t.kernel in validate.WGMMA_KERNELS]
+DRIVER_TARGETS += [t for t in validate.CASES["default"] if t.kernel in validate.WGMMA_KERNELS + validate.WIDE_KERNELS]
 
 
 @pytest.mark.parametrize("target", DRIVER_TARGETS, ids=lambda t: t.name)
@@ -378,7 +383,8 @@ def test_driver_makes_the_launches_the_ncu_filter_expects(target, monkeypatch, c
         assert C.select("backward", C.kernel_head_dim(c.head_dim), c.dtype, c.causal, "sm_90a", kernels="auto") == \
             target.config(), target.name
     q_shape, k_shape = (c.batch, c.seqlen_q, c.heads, c.head_dim), (c.batch, c.seqlen_k, c.heads, c.head_dim)
-    want_fwd = ("fwd", q_shape, k_shape, "float16" if c.dtype == "fp16" else "bfloat16", c.causal)
+    names = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp64": "float64"}
+    want_fwd = ("fwd", q_shape, k_shape, names[c.dtype], c.causal)
     if not target.is_backward:
         assert calls == [want_fwd] * 2, "the forward twice: --launch-skip 1 profiles the second"
     else:
@@ -625,7 +631,8 @@ REMEASURED = {
 
 
 def test_the_h100_calibration_covers_the_mma_targets():
-    names = {t.name for t in validate.CASES["default"] if t.kernels == "mma"}
+    names = {t.name for t in validate.CASES["default"]
+             if t.kernels == "mma" and t.kernel not in validate.WIDE_KERNELS}
     assert names == set(H100_2026_11_22), "the 2026-11-22 run measured every mma.sync target of the default set"
 
 
@@ -1103,3 +1110,114 @@ def test_split_backward_targets_reject_what_they_cannot_count():
         validate.Target("bwd_sm90_split_kernel", validate.Case(1, 1, 256, 256, 256), deterministic=True)
     with pytest.raises(ValueError, match="bwd_sm90_split_kernel runs kernel head dims"):
         validate.Target("bwd_sm90_split_kernel", validate.Case(1, 1, 256, 256, 128))
+
+
+# ---- the float32 / float64 kernels (fwd_wide_kernel, bwd_wide_kernel) ----------------------------------------------
+
+WIDE_TARGETS = [t for t in validate.CASES["full"] if t.kernel in validate.WIDE_KERNELS]
+
+
+def test_the_wide_targets_are_the_librarys_kernels():
+    """fp32 (3xTF32) and fp64 in both directions, every wide target the kernel that the library launches under
+    CUFLASH_KERNELS=mma (the driver's family), and the backward's launches compiled before profiling."""
+    assert {(t.kernel, t.case.dtype) for t in validate.CASES["default"] if t in WIDE_TARGETS} == \
+        {(k, d) for k in validate.WIDE_KERNELS for d in ("fp32", "fp64")}
+    for t in WIDE_TARGETS:
+        assert t.kernels == "mma"
+        cfg = t.config()
+        op = "backward" if t.is_backward else "forward"
+        assert cfg == C.select(op, t.case.head_dim, t.case.dtype, t.case.causal, "sm_90a", kernels="mma"), t.name
+        names = [c.cpp_name() for c in validate.kernel_configs(t)]
+        assert cfg.cpp_name() in names
+        if t.is_backward:
+            assert [n.split("<")[0].split("::")[1] for n in names] == [
+                "fwd_wide_kernel", "bwd_wide_preprocess_kernel", "bwd_wide_kernel", "bwd_wide_convert_dq_kernel"]
+        code = validate.driver_code(t)
+        assert repr(t.case.dtype) in code and "'mma'" in code
+
+
+def test_wide_targets_reject_what_they_cannot_count():
+    with pytest.raises(ValueError, match="dtype"):
+        validate.Target("fwd_wide_kernel", validate.Case(1, 1, 64, 64, 64, "tf32"))
+    with pytest.raises(ValueError, match="dtype"):
+        validate.Target("bwd_wide_kernel", validate.Case(1, 1, 64, 64, 64, "fp16"))
+    with pytest.raises(ValueError, match="timing-dependent"):
+        validate.Target("bwd_wide_kernel", validate.Case(1, 1, 64, 64, 64, "fp64"), deterministic=True)
+    with pytest.raises(ValueError, match="kernel head dim"):
+        validate.Target("fwd_wide_kernel", validate.Case(1, 1, 64, 64, 72, "fp64"))
+
+
+@pytest.mark.parametrize("target", WIDE_TARGETS, ids=lambda t: t.name)
+def test_wide_predictions_are_the_analyzers_counts(target):
+    """The shared rows: loads = the analyzer's shared reads, stores + cp.async = its shared writes; the rows no
+    walk predicts are reported; the L2 model's rows are reported, not targeted."""
+    from cuflash.simulator.strategies import _wide_bwd_shared, _wide_fwd_shared
+
+    p, cfg = target.case.problem(), target.config()
+    pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
+    metrics = validate.metrics_for(target)
+    assert set(pred) == set(metrics)
+    v = {m: x for m, (x, _) in pred.items()}
+    r, w = (_wide_bwd_shared if target.is_backward else _wide_fwd_shared)(p, cfg, True)
+    assert v["sm__sass_data_bytes_mem_shared_op_ld.sum"] == r
+    assert v["sm__sass_data_bytes_mem_shared_op_st.sum"] + v["sm__sass_data_bytes_mem_shared_op_ldgsts.sum"] == w
+    assert (v["sm__sass_data_bytes_mem_shared_op_st.sum"] > 0) == target.is_backward, "the forward stores no STS"
+    assert all(metrics[m][1] == 0.02 for m in validate.WIDE_METRICS)
+    assert metrics["dram__bytes_read.sum"][1] is None and v["dram__bytes_read.sum"] is None
+    assert metrics["smsp__sass_inst_executed_op_ldgsts.sum"][1] == "exact"
+    assert metrics["smsp__inst_executed_op_shared_ld.sum"][1] is None, "LDS instructions: reported"
+    c = simulate("cuflash", p, backward=target.is_backward, kernels="mma")
+    assert (c.sram_read_bytes, c.sram_write_bytes) == (r, w)
+
+
+def _seen_blocks(sq, sk, causal, bm, bn):
+    """[query blocks, key blocks]: the block pair holds a visible (query, key) pair (causal: key <= query + sk - sq)."""
+    i, j = np.arange(sq)[:, None], np.arange(sk)[None, :]
+    vis = (j <= i + sk - sq) if causal else np.ones((sq, sk), dtype=bool)
+    return np.array([[vis[a:a + bm, b:b + bn].any() for b in range(0, sk, bn)] for a in range(0, sq, bm)])
+
+
+@pytest.mark.parametrize("dtype,d", [("fp32", 64), ("fp64", 128), ("fp32", 256)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_wide_cp_async_and_dq_adds_by_hand(dtype, d, causal):
+    """cp.async warp instructions and bytes, and the backward's dQ RED instructions, by hand over the visited blocks
+    (an element mask): load_wide_tile gives a tile of R rows x HEAD_DIM one 16-byte chunk per thread, R x HEAD_DIM x
+    e / 16 chunks, 32 per warp instruction; the backward adds lse_log2 and delta (BM values each, one warp
+    instruction) per step; each warp adds its m16n8 dQ tiles, two rows per thread, float64 as two 8-byte adds."""
+    b, h, sq, sk = 1, 2, 300, 517
+    e = 8 if dtype == "fp64" else 4
+    fwd = validate.Target("fwd_wide_kernel", validate.Case(b, h, sq, sk, d, dtype, causal))
+    cfg = fwd.config()
+    v_cols = cfg.head_dim // cfg.v_split
+    seen = _seen_blocks(sq, sk, causal, cfg.block_m, cfg.block_n)
+    chunks = 0
+    for _part in range(cfg.v_split):
+        for i in range(seen.shape[0]):
+            if seen[i].any():
+                chunks += cfg.block_m * cfg.head_dim * e // 16
+                chunks += int(seen[i].sum()) * cfg.block_n * (cfg.head_dim + v_cols) * e // 16
+    v = {m: x for m, (x, _) in validate.predict(fwd, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    assert v["smsp__sass_inst_executed_op_ldgsts.sum"] == b * h * chunks // 32
+    assert v["sm__sass_data_bytes_mem_shared_op_ldgsts.sum"] == b * h * chunks * 16
+    if d == 256:
+        return  # (the backward at 256: the same loops, in the full set)
+    bwd = validate.Target("bwd_wide_kernel", validate.Case(b, h, sq, sk, d, dtype, causal))
+    cfg = bwd.config()
+    seen = _seen_blocks(sq, sk, causal, cfg.block_m, cfg.block_n)
+    instr = chunk_bytes = reds = 0
+    for j in range(seen.shape[1]):
+        if not seen[:, j].any():
+            continue
+        instr += 2 * cfg.block_n * cfg.head_dim * e // 16 // 32  # K, V
+        for _i in np.flatnonzero(seen[:, j]):
+            instr += 2 * cfg.block_m * cfg.head_dim * e // 16 // 32 + 1  # Q, dO; lse_log2 and delta
+            chunk_bytes += 2 * cfg.block_m * cfg.head_dim * e + 2 * cfg.block_m * e
+            dq_m = min(cfg.num_warps, cfg.block_m // 16)
+            for _warp in range(cfg.num_warps):
+                tiles = (cfg.block_m // 16 // dq_m) * (cfg.head_dim // 8 // (cfg.num_warps // dq_m))
+                reds += tiles * 2 * (2 if dtype == "fp64" else 1)
+        chunk_bytes += 2 * cfg.block_n * cfg.head_dim * e
+    v = {m: x for m, (x, _) in validate.predict(bwd, validate.H100_L2_BYTES, validate.H100_SMS).items()}
+    assert v["smsp__sass_inst_executed_op_ldgsts.sum"] == b * h * instr
+    assert v["sm__sass_data_bytes_mem_shared_op_ldgsts.sum"] == b * h * chunk_bytes
+    assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == b * h * reds
