@@ -74,7 +74,7 @@ from cuflash import config as _config
 from . import banks, l2 as _l2
 from .model import H100_L2_BYTES, H100_SMS, Problem
 from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges, main_adds_dq
-from .strategies import _Tiles, cuflash_backward_kernels
+from .strategies import _Tiles, _wide_bwd_shared, _wide_fwd_shared, cuflash_backward_kernels
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel",
@@ -1008,8 +1008,6 @@ def _predict_wide(target: Target) -> dict:
     a row), cp.async instructions and bytes, and the shared bytes in program order (strategies._wide_fwd_shared,
     _wide_bwd_shared: every element a thread loads or stores once per use); LDS / STS instructions, wavefronts and
     bank conflicts are reported, not predicted, and the L2 model does not cover these kernels."""
-    from .strategies import _wide_bwd_shared, _wide_fwd_shared
-
     case, cfg = target.case, target.config()
     p = case.problem()
     backward = target.is_backward
