@@ -348,13 +348,29 @@ def _wide_fwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     the V tile for P V (P from its accumulators): WARPS x (16 + BLOCK_N) x HEAD_DIM + WARPS x BLOCK_N x V_COLS
     elements. The softmax keeps to registers and shuffles; O and lse leave from registers."""
     t = _Tiles(p, cfg.block_m, cfg.block_n, causal_skip)
-    hd, bm, bn, nw, e = cfg.head_dim, cfg.block_m, cfg.block_n, cfg.num_warps, p.elem_bytes
+    hd, bn, nw, e = cfg.head_dim, cfg.block_n, cfg.num_warps, p.elem_bytes
     v_cols = hd // cfg.v_split
-    parts = -(-p.head_dim // v_cols)
-    ctas, tiles = parts * int(t.visits_q.sum()), parts * t.tiles
-    write = ctas * bm * hd * e + tiles * bn * (hd + v_cols) * e
+    tiles = -(-p.head_dim // v_cols) * t.tiles  # key tiles of all column parts
+    write, _ = _wide_cp_async_bytes(p, cfg, causal_skip)
     read = tiles * nw * ((16 + bn) * hd + bn * v_cols) * e
     return read * p.batch_heads, write * p.batch_heads
+
+
+def _wide_cp_async_bytes(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
+    """(tile bytes, row-vector bytes) that cp.async writes into shared memory in fwd_wide_kernel (a FwdWideConfig) or
+    bwd_wide_kernel (a BwdWideConfig), one (batch, head): whole tiles of kernel HEAD_DIM columns (load_wide_tile
+    zero-fills what lies past the data). The forward: per CTA that sees a key (every column part) its Q tile, per
+    visited key tile K and its columns of V. The backward: per CTA with a step K and V, per step Q and dO; and its
+    row vectors, per step BLOCK_M values each of lse_log2 and delta (the forward: 0)."""
+    hd, bm, bn, e = cfg.head_dim, cfg.block_m, cfg.block_n, p.elem_bytes
+    if isinstance(cfg, _config.FwdWideConfig):
+        t = _Tiles(p, bm, bn, causal_skip)
+        v_cols = hd // cfg.v_split
+        parts = -(-p.head_dim // v_cols)
+        return parts * (int(t.visits_q.sum()) * bm * hd + t.tiles * bn * (hd + v_cols)) * e, 0
+    visits, _ = _bwd_visits(cfg, p, causal_skip)
+    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    return (ctas * 2 * bn + steps * 2 * bm) * hd * e, steps * 2 * bm * p.stat_bytes
 
 
 # ----------------------------------------------------------------------------------------------
@@ -689,8 +705,8 @@ def _wide_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     dp_write = nw * sums if ds > 1 else 0
     dkv_read = 2 * key_warps * bm * hd * e  # dV (dO) and dK (Q), each warp its slice's columns
     dq_read = dq_warps_d * bm * bn * a + dq_warps_m * hd * bn * e
-    step_write = 2 * bm * hd * e + 2 * bm * a + s_write + dp_write + key_warps * sums
-    write = ctas * 2 * bn * hd * e + steps * step_write
+    tiles, vecs = _wide_cp_async_bytes(p, cfg, causal_skip)
+    write = tiles + vecs + steps * (s_write + dp_write + key_warps * sums)  # cp.async, then the STS
     read = steps * (s_read + dp_read + dkv_read + dq_read)
     return read * p.batch_heads, write * p.batch_heads
 

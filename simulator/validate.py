@@ -74,7 +74,7 @@ from cuflash import config as _config
 from . import banks, l2 as _l2
 from .model import H100_L2_BYTES, H100_SMS, Problem
 from .schedules import ARCH, block_sizes, bwd_query_blocks, key_block_ranges, main_adds_dq
-from .strategies import _Tiles, _wide_bwd_shared, _wide_fwd_shared, cuflash_backward_kernels
+from .strategies import _wide_bwd_shared, _wide_cp_async_bytes, _wide_fwd_shared, cuflash_backward_kernels
 
 SECTOR = 32
 KERNELS = ("fwd_kernel", "bwd_kernel", "bwd_dq_kernel", "fwd_sm90_kernel", "bwd_sm90_kernel", "fwd_sm90_ws_kernel",
@@ -978,26 +978,15 @@ def _split_predictions(cfg, p: Problem, kt) -> dict:
     }
 
 
-def _wide_ldgsts(cfg, p: Problem, backward: bool) -> tuple[int, int]:
-    """(cp.async warp instructions, shared bytes) of fwd_wide_kernel or bwd_wide_kernel: load_wide_tile issues one
-    16-byte cp.async per thread per chunk of a whole tile (ROWS x HEAD_DIM, zero-filled chunks included), so a tile
-    takes tile bytes / 512 warp instructions; the backward's lse_log2 and delta, BLOCK_M values each in 16-byte
-    chunks, one per thread of the first 2 x BLOCK_M x stat / 16 threads (one warp instruction per 32 of them)."""
-    e, a, bh = p.elem_bytes, p.stat_bytes, p.batch_heads
-    hd, bm, bn = cfg.head_dim, cfg.block_m, cfg.block_n
-    if not backward:
-        t = _Tiles(p, bm, bn, True)
-        v_cols = hd // cfg.v_split
-        parts = -(-p.head_dim // v_cols)
-        ctas, tiles = parts * int(t.visits_q.sum()), parts * t.tiles
-        nbytes = ctas * bm * hd * e + tiles * bn * (hd + v_cols) * e
-        return nbytes // 512 * bh, nbytes * bh
-    m_begin, m_end = bwd_query_blocks(cfg, p.seqlen_q, p.seqlen_k)
-    visits_kb = np.maximum(m_end - m_begin, 0)
-    ctas, visits = int((visits_kb > 0).sum()), int(visits_kb.sum())
-    vec_chunks = 2 * bm * a // 16
-    tiles = ctas * 2 * bn * hd * e + visits * 2 * bm * hd * e
-    return (tiles // 512 + visits * -(-vec_chunks // 32)) * bh, (tiles + visits * vec_chunks * 16) * bh
+def _wide_ldgsts(cfg, p: Problem) -> tuple[int, int]:
+    """(cp.async warp instructions, shared bytes) of fwd_wide_kernel or bwd_wide_kernel (strategies'
+    _wide_cp_async_bytes): load_wide_tile issues one 16-byte cp.async per thread per chunk of a whole tile, so tiles
+    take their bytes / 512 warp instructions; the backward's lse_log2 and delta, BLOCK_M values each in 16-byte
+    chunks, one per thread of the first 2 x BLOCK_M x stat / 16 threads (a warp instruction per 32 of them) a step."""
+    tiles, vecs = _wide_cp_async_bytes(p, cfg, True)
+    step_vecs = 2 * cfg.block_m * p.stat_bytes  # a step's lse_log2 and delta bytes
+    instructions = tiles // 512 + vecs // step_vecs * -(-step_vecs // 16 // 32)
+    return instructions * p.batch_heads, (tiles + vecs) * p.batch_heads
 
 
 def _predict_wide(target: Target) -> dict:
@@ -1013,7 +1002,7 @@ def _predict_wide(target: Target) -> dict:
     backward = target.is_backward
     warps = cfg.num_warps
     grid = cfg.grid(p.batch, p.heads, p.seqlen_k if backward else p.seqlen_q)
-    ldgsts, ldgsts_bytes = _wide_ldgsts(cfg, p, backward)
+    ldgsts, ldgsts_bytes = _wide_ldgsts(cfg, p)
     if backward:
         kt = {k.name: k for k in cuflash_backward_kernels(p, True, False, "mma")}["bwd_wide_kernel"]
         sram_r, sram_w = _wide_bwd_shared(p, cfg, True)
