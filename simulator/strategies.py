@@ -688,7 +688,7 @@ def _wide_bwd_shared(p: Problem, cfg, causal_skip: bool) -> tuple[int, int]:
     dq_warps_m = min(nw, bm // 16)
     dq_warps_d = nw // dq_warps_m
     visits, _ = _bwd_visits(cfg, p, causal_skip)
-    ctas, steps = int((visits > 0).sum()), int(visits.sum())
+    steps = int(visits.sum())
     own_queries = p.dtype == "fp64" and ds > 1
     sums = 16 * bm * a  # one warp's 16 x BLOCK_M partial sums (or P^T)
     slice_gemm = key_warps * (16 + bm) * hd * e  # S^T or dP^T over the warps' head-dim slices
