@@ -285,6 +285,7 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
 
     fake_bench = types.SimpleNamespace(
         Shape=bench.Shape, sustain_s=0.0, CupyEvents=lambda: None, n_input_sets=lambda nbytes: 2, median_ms=median_ms,
+        cuflash_kwargs=bench.cuflash_kwargs,
         random_array=lambda rng, dims, dtype: np.full((2, 3), float(next(rng_values)), dtype=np.float32))
     fake_cp = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=lambda seed: seed), abs=np.abs,
                                     get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))

@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--against", required=True, metavar="DIR", help="the other checkout (DIR/cuflash, DIR/cuda)")
     p.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "tf32", "fp64"), default="bf16",
+                   help="as python -m cuflash.bench: fp32 / tf32 are float32 inputs at precision \"fp32\" / \"tf32\"")
     p.add_argument("--head-dims", nargs="+", type=int, default=[128, 64])
     p.add_argument("--n", nargs="+", type=int, default=[1024, 4096, 16384])
     p.add_argument("--causal", nargs="+", choices=tuple(CAUSAL), default=["no", "yes"])
@@ -95,13 +96,13 @@ def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
                 rng = cp.random.RandomState(n + d)
                 sets = [tuple(bench.random_array(rng, (b, n, h, d), args.dtype) for _ in range(4))
                         for _ in range(n_sets)]
-                outs = {name: [t.attention_forward(q, k, v, causal=causal) for q, k, v, _ in sets]
-                        for name, t in trees.items()}
+                kw = dict(causal=causal, **bench.cuflash_kwargs(args.dtype))
+                outs = {name: [t.attention_forward(q, k, v, **kw) for q, k, v, _ in sets] for name, t in trees.items()}
 
                 def calls(name, passname, t):
                     if passname == "fwd":
-                        return lambda i: t.attention(*sets[i][:3], causal=causal)
-                    return lambda i: t.attention_backward(sets[i][3], *sets[i][:3], *outs[name][i], causal=causal)
+                        return lambda i: t.attention(*sets[i][:3], **kw)
+                    return lambda i: t.attention_backward(sets[i][3], *sets[i][:3], *outs[name][i], **kw)
 
                 for passname in args.passes:
                     first = {name: calls(name, passname, t)(0) for name, t in trees.items()}
