@@ -1,6 +1,6 @@
 """This checkout's attention against another checkout's, timed in one process in alternating rounds:
-`python tools/ab_trees.py --against DIR [--pass fwd bwd] [--dtype bf16] [--head-dims 128 64] [--n 1024 4096 16384]
-[--causal no yes] [--rounds 2] [--sustain 0.5] [--json F]`.
+`python tools/ab_trees.py --against DIR [--pass fwd bwd] [--dtype bf16|fp16|fp32|tf32|fp64] [--head-dims 128 64]
+[--n 1024 4096 16384] [--causal no yes] [--rounds 2] [--sustain 0.5] [--json F]`.
 
 DIR is a checkout of the commit or variant to compare with (`git worktree add /tmp/base HEAD`, or a copy of the tree
 holding an uncommitted change): its cuflash package is loaded beside this one under another name, with its kernels
@@ -12,10 +12,11 @@ every other round: on a GPU at its power cap the clock moves by several percent 
 taken side by side, in both orders, compare. Separate processes would also do; one process keeps the inputs and the
 GPU's state the same for both.
 
-`fwd` times `attention`, `bwd` `attention_backward` (each checkout on its own forward's o and lse). `diff` is the
-largest absolute difference between the two checkouts' outputs (o; dq, dk, dv) on the first input set, so a variant
-that computes something else shows. `this/other` is the other checkout's median time over the rounds divided by
-this one's: above 1, this checkout is the faster. Results go to docs/PERFORMANCE.md.
+`fwd` times `attention`, `bwd` `attention_backward` (each checkout on its own forward's o and lse); float32 calls
+take the bench's precision (fp32: "fp32", tf32: "tf32"). `diff` is the largest absolute difference between the two
+checkouts' outputs (o; dq, dk, dv) on the first input set, so a variant that computes something else shows.
+`this/other` is the other checkout's median time over the rounds divided by this one's: above 1, this checkout is the
+faster. Results go to docs/PERFORMANCE.md.
 """
 from __future__ import annotations
 
