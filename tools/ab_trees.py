@@ -29,6 +29,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from cuflash.bench import DTYPES  # noqa: E402  (no CuPy: the bench's dtype names)
+
 PASSES = ("fwd", "bwd")
 CAUSAL = {"no": False, "yes": True}
 
@@ -57,7 +59,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--against", required=True, metavar="DIR", help="the other checkout (DIR/cuflash, DIR/cuda)")
     p.add_argument("--pass", dest="passes", nargs="+", choices=PASSES, default=list(PASSES))
-    p.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "tf32", "fp64"), default="bf16",
+    p.add_argument("--dtype", choices=DTYPES, default="bf16",
                    help="as python -m cuflash.bench: fp32 / tf32 are float32 inputs at precision \"fp32\" / \"tf32\"")
     p.add_argument("--head-dims", nargs="+", type=int, default=[128, 64])
     p.add_argument("--n", nargs="+", type=int, default=[1024, 4096, 16384])
