@@ -283,7 +283,10 @@ __device__ __forceinline__ void load_wide_tile(u32 smem, const E* gmem, long lon
 // V_SPLIT > 1: each CTA computes V_COLS = HEAD_DIM / V_SPLIT columns of O (grid.x = query blocks x V_SPLIT), so the
 // O accumulator fits the registers at head dim 256 in 3xTF32; S = Q K^T over the whole head dim is computed by each
 // of the V_SPLIT CTAs of a query block (1.5x the work at V_SPLIT 2).
-template <int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPS_, class M_, int V_SPLIT_ = 1>
+// STAGES: buffers of K and V. 2: the next tile's K and V load during this one; 1: one buffer each (half the shared
+// memory of K and V); the next K loads during this tile's softmax and P V, the next V during the next S (two CTA
+// barriers per tile either way).
+template <int HEAD_DIM_, int BLOCK_M_, int BLOCK_N_, int WARPS_, class M_, int V_SPLIT_ = 1, int STAGES_ = 2>
 struct WideFwdTraits {
   using M = M_;
   using E = typename M::E;
@@ -293,6 +296,7 @@ struct WideFwdTraits {
   static constexpr int BLOCK_N = BLOCK_N_;
   static constexpr int WARPS = WARPS_;
   static constexpr int V_SPLIT = V_SPLIT_;
+  static constexpr int STAGES = STAGES_;
   static constexpr int THREADS = 32 * WARPS;
   static constexpr int M_TILES = BLOCK_M / (16 * WARPS);
   static constexpr int WARP_ROWS = 16 * M_TILES;
@@ -304,23 +308,26 @@ struct WideFwdTraits {
   static constexpr int SMEM_Q = BLOCK_M * PITCH * sizeof(E);
   static constexpr int SMEM_K = BLOCK_N * PITCH * sizeof(E);
   static constexpr int SMEM_V = BLOCK_N * V_PITCH * sizeof(E);
-  static constexpr int SMEM_BYTES = SMEM_Q + 2 * SMEM_K + 2 * SMEM_V;  // Q, then 2 stages of K, then 2 of V
+  static constexpr int SMEM_BYTES = SMEM_Q + STAGES * (SMEM_K + SMEM_V);  // Q, then the stages of K, then of V
 
   static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= 256, "HEAD_DIM: a multiple of 32 (the pitch rule), at most 256");
   static_assert(V_SPLIT >= 1 && V_COLS % 32 == 0, "V_SPLIT parts of whole 32-column blocks");
+  static_assert(STAGES == 1 || STAGES == 2, "one or two buffers of K and V");
   static_assert(BLOCK_M % (16 * WARPS) == 0 && BLOCK_N % 8 == 0, "whole m16 row tiles per warp, n8 key tiles");
   static_assert((BLOCK_N / 8) % M::ACC_TILES == 0 && HEAD_DIM % M::K == 0, "whole mma k-steps over keys and head dim");
   static_assert(SMEM_BYTES <= 227 * 1024, "shared memory per CTA exceeds the sm_90 limit");
 };
 
-// One key tile: S = Q K^T, the modifiers and masks, the online softmax, O += P V (next tile's loads in flight).
-template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS>
+// One key tile: S = Q K^T, after_s() (the one-stage pipeline's barrier), the modifiers and masks, the online
+// softmax, O += P V (next tile's loads in flight).
+template <class Tr, bool IS_CAUSAL, bool IS_MASKED, int MODS, class AfterS>
 __device__ __forceinline__ void fwd_wide_key_tile(const Band<IS_CAUSAL, ScoreMods<MODS>::HAS_WINDOW>& band,
                                                   const ScoreMods<MODS>& mods, typename Tr::Acc scale_log2,
                                                   int n_block, const typename Tr::E* q_s, const typename Tr::E* k_s,
                                                   const typename Tr::E* v_s, int warp_row0, int row0, int lane,
                                                   typename Tr::Acc (&o_acc)[Tr::M_TILES][Tr::D_TILES][4],
-                                                  OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES, typename Tr::Acc>& softmax) {
+                                                  OnlineSoftmax<Tr::M_TILES, Tr::N_TILES, Tr::D_TILES, typename Tr::Acc>& softmax,
+                                                  AfterS after_s) {
   using M = typename Tr::M;
   using Acc = typename Tr::Acc;
   const int g = lane >> 2, t = lane & 3;
@@ -337,6 +344,7 @@ __device__ __forceinline__ void fwd_wide_key_tile(const Band<IS_CAUSAL, ScoreMod
         M::mma(acc[nt], a, M::load_b([&](int k, int n) { return k_s[(nt * 8 + n) * Tr::PITCH + k0 + k]; }, g, t));
     }
   });
+  after_s();
 
   if constexpr (ScoreMods<MODS>::CHANGES_SCORES) {  // float32 only (the float64 kernels take the window alone)
     float unused_dcap[Tr::M_TILES][Tr::N_TILES][4];
@@ -428,22 +436,35 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_wide_kernel(const FwdParam
     return;
   }
 
-  const u32 q_smem = smem_u32(smem), k_smem0 = q_smem + Tr::SMEM_Q, v_smem0 = k_smem0 + 2 * Tr::SMEM_K;
+  const u32 q_smem = smem_u32(smem), k_smem0 = q_smem + Tr::SMEM_Q, v_smem0 = k_smem0 + Tr::STAGES * Tr::SMEM_K;
   const E* q_s = reinterpret_cast<const E*>(smem);
   const E* k_s0 = reinterpret_cast<const E*>(smem + Tr::SMEM_Q);
-  const E* v_s0 = reinterpret_cast<const E*>(smem + Tr::SMEM_Q + 2 * Tr::SMEM_K);
+  const E* v_s0 = reinterpret_cast<const E*>(smem + Tr::SMEM_Q + Tr::STAGES * Tr::SMEM_K);
   load_wide_tile<E, Tr::BLOCK_M, Tr::HEAD_DIM, Tr::PITCH, Tr::THREADS>(q_smem, q_gmem, p.q_row_stride, rows_q, p.head_dim, tid);
-  auto load_kv = [&](int stage, int n) {
-    const int rows = min(Tr::BLOCK_N, seq.len_k - n * Tr::BLOCK_N);
+  auto load_k = [&](int stage, int n) {
     const long long key0 = static_cast<long long>(n) * Tr::BLOCK_N;
     load_wide_tile<E, Tr::BLOCK_N, Tr::HEAD_DIM, Tr::PITCH, Tr::THREADS>(
-        k_smem0 + stage * Tr::SMEM_K, k_gmem + key0 * p.k_row_stride, p.k_row_stride, rows, p.head_dim, tid);
+        k_smem0 + stage * Tr::SMEM_K, k_gmem + key0 * p.k_row_stride, p.k_row_stride,
+        min(Tr::BLOCK_N, seq.len_k - n * Tr::BLOCK_N), p.head_dim, tid);
+  };
+  auto load_v = [&](int stage, int n) {
+    const long long key0 = static_cast<long long>(n) * Tr::BLOCK_N;
     load_wide_tile<E, Tr::BLOCK_N, Tr::V_COLS, Tr::V_PITCH, Tr::THREADS>(
-        v_smem0 + stage * Tr::SMEM_V, v_gmem + key0 * p.v_row_stride, p.v_row_stride, rows, v_cols, tid);
+        v_smem0 + stage * Tr::SMEM_V, v_gmem + key0 * p.v_row_stride, p.v_row_stride,
+        min(Tr::BLOCK_N, seq.len_k - n * Tr::BLOCK_N), v_cols, tid);
   };
   int n_block = n_end - 1;
-  load_kv(0, n_block);
-  cp_async_commit_group();
+  load_k(0, n_block);
+  if constexpr (Tr::STAGES == 1) {  // Q and K as one group, V as the next: S waits for the first only
+    cp_async_commit_group();
+    load_v(0, n_block);
+    cp_async_commit_group();
+    cp_async_wait_group<1>();
+    __syncthreads();
+  } else {
+    load_v(0, n_block);
+    cp_async_commit_group();
+  }
 
   Acc o_acc[Tr::M_TILES][Tr::D_TILES][4];
 #pragma unroll
@@ -462,18 +483,40 @@ __global__ void __launch_bounds__(Tr::THREADS, 1) fwd_wide_kernel(const FwdParam
   // diagonal, the window's edges). One loop with the choice made per tile, not fwd_kernel's three loops: two inlined
   // copies of the key tile instead of three, which NVRTC 13.0 needed to keep the window kernels' accumulators in
   // registers (with three it spilled 280-420 bytes at head dim 256)
+  // One stage: the tile's K (and Q) have landed when a step starts, its V is awaited after S; the next K is issued
+  // once every warp is past S and awaited at the step's end, where every warp is past P V and the next V is issued.
   int stage = 0;
   auto step = [&](auto is_masked_tag) {
     constexpr bool IS_MASKED = decltype(is_masked_tag)::value;
-    if (n_block - 1 >= n_begin) load_kv(stage ^ 1, n_block - 1);
-    cp_async_commit_group();
-    cp_async_wait_group<1>();
-    __syncthreads();
+    const bool has_next = n_block - 1 >= n_begin;
+    if constexpr (Tr::STAGES == 2) {
+      if (has_next) {
+        load_k(stage ^ 1, n_block - 1);
+        load_v(stage ^ 1, n_block - 1);
+      }
+      cp_async_commit_group();
+      cp_async_wait_group<1>();
+      __syncthreads();
+    }
     fwd_wide_key_tile<Tr, IS_CAUSAL, IS_MASKED, MODS>(band, mods, scale_log2, n_block, q_s, k_s0 + stage * (Tr::SMEM_K / sizeof(E)),
                                                       v_s0 + stage * (Tr::SMEM_V / sizeof(E)), warp_row0, row0, lane,
-                                                      o_acc, softmax);
-    __syncthreads();
-    stage ^= 1;
+                                                      o_acc, softmax, [&] {
+                                                        if constexpr (Tr::STAGES == 1) {
+                                                          cp_async_wait_group<0>();  // this tile's V
+                                                          __syncthreads();           // ... seen by all; K free
+                                                          if (has_next) load_k(0, n_block - 1);
+                                                          cp_async_commit_group();
+                                                        }
+                                                      });
+    if constexpr (Tr::STAGES == 1) {
+      cp_async_wait_group<0>();  // the next K
+      __syncthreads();           // ... seen by all; V free
+      if (has_next) load_v(0, n_block - 1);
+      cp_async_commit_group();
+    } else {
+      __syncthreads();
+      stage ^= 1;
+    }
   };
   for (; n_block >= n_begin; --n_block) {
     if (band.needs_mask_right(row0, (n_block + 1) * Tr::BLOCK_N - 1) ||

@@ -1618,9 +1618,12 @@ class FwdWideConfig:
     causal: bool
     mods: int = 0
     v_split: int = 1  # CTAs per query block, each computing head_dim / v_split columns of O
+    stages: int = 2  # buffers of K and V
 
     def __post_init__(self):
         _check_wide(self.dtype, self.mods, self.causal)
+        if self.stages not in (1, 2):
+            raise ValueError(f"stages={self.stages}: 1 or 2")
 
     threads = property(lambda self: 32 * self.num_warps)
 
@@ -1628,11 +1631,11 @@ class FwdWideConfig:
     def smem_bytes(self) -> int:
         e = WIDE_ELEM_BYTES[self.dtype]
         row, v_row = (self.head_dim + WIDE_PITCH_PAD) * e, (self.head_dim // self.v_split + WIDE_PITCH_PAD) * e
-        return self.block_m * row + 2 * self.block_n * (row + v_row)  # Q, then 2 stages of K, then 2 of V
+        return self.block_m * row + self.stages * self.block_n * (row + v_row)  # Q, then the stages of K, then of V
 
     def cpp_name(self) -> str:
         return (f"cuflash::fwd_wide_kernel<cuflash::WideFwdTraits<{self.head_dim}, {self.block_m}, {self.block_n}, "
-                f"{self.num_warps}, cuflash::{WIDE_MATH[self.dtype]}, {self.v_split}>, "
+                f"{self.num_warps}, cuflash::{WIDE_MATH[self.dtype]}, {self.v_split}, {self.stages}>, "
                 f"{_cpp_bool(self.causal)}, {self.mods}>")
 
     def grid(self, batch: int, heads: int, seqlen_q: int) -> tuple[int, int, int]:
@@ -1693,12 +1696,15 @@ class BwdWideConfig:
 # takes smaller tiles than one-pass TF32 where registers bind; at head dim 256 its forward splits O's columns over
 # two CTAs (the fourth entry, v_split: 128 fp32 registers of O alone spilled at every tile).
 # The float64 tiles are the sm_90a ones measured on an H100 (docs/PERFORMANCE.md): the m16n8k8 DMMA of sm_90 runs
-# at twice m8n8k4's rate, and 8 warps per CTA (head dim 128: 16 keys per tile for 128 query rows) beat 4 warps there.
-# Forward: (block_m, block_n, num_warps[, v_split])
+# at twice m8n8k4's rate, and 8 warps per CTA beat 4 warps there.
+# Forward: (block_m, block_n, num_warps[, v_split[, stages]]). float64 at head dim 128: 32-key tiles in one stage of K
+# and V (two stages of 32 keys beside 128 query rows exceed 227 KiB): a sixth fewer shared bytes per DMMA than
+# 16-key tiles, and half the softmax rounds and barriers per key; 240-242 registers, spill-free; 1.07-1.12x the
+# two-stage 16-key tiles on an H100 (2026-12-07).
 FWD_WIDE_TILES = {
     "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 32, 8), 256: (64, 32, 4, 2)},
     "tf32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 64, 8), 256: (64, 16, 4)},
-    "fp64": {32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 16, 8)},
+    "fp64": {32: (128, 32, 8), 64: (128, 64, 8), 128: (128, 32, 8, 1, 1)},
 }
 FWD_WIDE_TILES_MODS = {
     "fp32": {32: (128, 64, 8), 64: (128, 64, 8), 128: (128, 16, 8), 256: (64, 8, 4, 2)},

@@ -385,3 +385,16 @@ def test_page_divisor_formula_is_integer_division():
         keys += [int(k) for k in np.concatenate([q * d, q * d - 1, q * d + d - 1]) if 0 <= k <= top]
         bad = [k for k in keys if (k * mul) >> shift != k // d]
         assert not bad, (d, bad[:5])
+
+
+def test_wide_forward_stages_set_the_shared_memory_and_the_kernel_name():
+    """FwdWideConfig.stages: the buffers of K and V (cuda/wide.cuh WideFwdTraits' STAGES), in the kernel name and the
+    shared memory; only 1 and 2 exist."""
+    two = config.FwdWideConfig(128, 128, 16, 8, "fp64", False)
+    one = config.FwdWideConfig(128, 128, 32, 8, "fp64", False, 0, 1, 1)
+    row = (128 + config.WIDE_PITCH_PAD) * 8
+    assert two.stages == 2 and two.smem_bytes == 128 * row + 2 * 16 * 2 * row
+    assert one.smem_bytes == 128 * row + 32 * 2 * row == two.smem_bytes
+    assert "cuflash::F64, 1, 2>" in two.cpp_name() and "cuflash::F64, 1, 1>" in one.cpp_name()
+    with pytest.raises(ValueError, match="stages=3: 1 or 2"):
+        config.FwdWideConfig(128, 128, 16, 8, "fp64", False, 0, 1, 3)
