@@ -288,6 +288,7 @@ def test_ab_trees_compares_both_checkouts_on_the_same_inputs(capsys):
         cuflash_kwargs=bench.cuflash_kwargs,
         random_array=lambda rng, dims, dtype: np.full((2, 3), float(next(rng_values)), dtype=np.float32))
     fake_cp = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=lambda seed: seed), abs=np.abs,
+                                    float64=np.float64,
                                     get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
     args = ab.parse_args(["--against", str(ROOT), "--head-dims", "128", "--n", "1024", "--causal", "yes", "--rounds",
                           "3", "--sustain", "0.25"])
@@ -332,3 +333,31 @@ def test_fp64_chain_order_emulation(capsys):
     split = errors.pop("S as two chains of 64 added")
     assert len(errors) == 3 and all(e <= 1.2 * plain for e in errors.values()), errors
     assert split >= 5 * plain, (split, plain)
+
+
+def test_ab_trees_compares_float64_outputs_in_float64():
+    """ab_trees' diff of float64 outputs: two checkouts 1e-12 apart (below float32's rounding at 1.0) show it."""
+    import types
+
+    import numpy as np
+
+    ab = import_tool("ab_trees")
+    from cuflash import bench
+
+    def tree(offset):
+        return types.SimpleNamespace(attention=lambda q, k, v, causal: q + offset,
+                                     attention_forward=lambda q, k, v, causal: (q + offset, np.zeros(2)),
+                                     attention_backward=lambda do, q, k, v, o, lse, causal: (o, k, v))
+
+    fake_bench = types.SimpleNamespace(
+        Shape=bench.Shape, sustain_s=0.0, CupyEvents=lambda: None, n_input_sets=lambda nbytes: 1,
+        median_ms=lambda call, n_sets, events, reps, warmup: call(0) is None or 1.0, cuflash_kwargs=bench.cuflash_kwargs,
+        random_array=lambda rng, dims, dtype: np.ones((2, 3), dtype=np.float64))
+    fake_cp = types.SimpleNamespace(random=types.SimpleNamespace(RandomState=lambda seed: seed), abs=np.abs,
+                                    float64=np.float64,
+                                    get_default_memory_pool=lambda: types.SimpleNamespace(free_all_blocks=lambda: None))
+    args = ab.parse_args(["--against", str(ROOT), "--dtype", "fp64", "--head-dims", "64", "--n", "1024", "--causal",
+                          "no", "--rounds", "1", "--sustain", "0"])
+    fwd, bwd = ab.compare(args, {"this": tree(0.0), "other": tree(1e-12)}, fake_cp, fake_bench,
+                          lambda x: np.asarray(x, dtype=np.float32))
+    assert 0.9e-12 < fwd["diff"] < 1.1e-12 and 0.9e-12 < bwd["diff"] < 1.1e-12, (fwd["diff"], bwd["diff"])

@@ -14,7 +14,8 @@ GPU's state the same for both.
 
 `fwd` times `attention`, `bwd` `attention_backward` (each checkout on its own forward's o and lse); float32 calls
 take the bench's precision (fp32: "fp32", tf32: "tf32"). `diff` is the largest absolute difference between the two
-checkouts' outputs (o; dq, dk, dv) on the first input set, so a variant that computes something else shows.
+checkouts' outputs (o; dq, dk, dv) on the first input set, in float64 for float64 outputs and in float32 otherwise,
+so a variant that computes something else shows.
 `this/other` is the other checkout's median time over the rounds divided by this one's: above 1, this checkout is the
 faster. Results go to docs/PERFORMANCE.md.
 """
@@ -90,6 +91,10 @@ def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
     median_ms, sustain_s); to_float32: cuflash._xpref's."""
     bench.sustain_s = args.sustain
     events, records = bench.CupyEvents(), []
+
+    def widen(x):  # float64 outputs compared as they are: float32 rounding would hide their differences
+        return x if x.dtype == cp.float64 else to_float32(x)
+
     for d in args.head_dims:
         for causal in (CAUSAL[c] for c in args.causal):
             for n in args.n:
@@ -110,8 +115,7 @@ def compare(args, trees: dict, cp, bench, to_float32) -> list[dict]:
                 for passname in args.passes:
                     first = {name: calls(name, passname, t)(0) for name, t in trees.items()}
                     got = {name: x if isinstance(x, tuple) else (x,) for name, x in first.items()}
-                    diff = max(float(cp.abs(to_float32(a) - to_float32(o)).max())
-                               for a, o in zip(got["this"], got["other"]))
+                    diff = max(float(cp.abs(widen(a) - widen(o)).max()) for a, o in zip(got["this"], got["other"]))
                     del first, got
                     times = time_rounds({name: calls(name, passname, t) for name, t in trees.items()}, args.rounds,
                                         lambda call: bench.median_ms(call, n_sets, events, args.reps, args.warmup))
