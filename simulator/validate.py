@@ -47,8 +47,8 @@ bytes and L2 reduction sectors within 2%, reduction requests exact (they travel 
 reads). For the TMA kernels the TMA load bytes and sectors within 2% and the TMA load instructions exact
 (TMA_METRICS); for bwd_sm90_ws_kernel also its dQ bulk reductions: their SM->L2 bytes within 2%, their
 instructions exact and no LSU reduction (BULK_RED_METRICS); for bwd_sm90_split_kernel its 16-byte dQ reductions on
-the RED rows as bwd_kernel's; for the wide kernels the shared bytes of loads, stores and cp.async within 2%
-(WIDE_METRICS), the cp.async instructions exact, and the backward's dQ atomics on the RED rows.
+the RED rows as bwd_kernel's; for the wide kernels the shared bytes of loads and stores within 2% (WIDE_METRICS;
+cp.async's shared bytes reported), the cp.async instructions exact, and the backward's dQ atomics on the RED rows.
 """
 from __future__ import annotations
 
@@ -472,7 +472,9 @@ ABSENT_IN_UNWALKED = ("smsp__inst_executed_op_ldsm.sum", "smsp__sass_inst_execut
 WIDE_METRICS = {
     "sm__sass_data_bytes_mem_shared_op_ld.sum": ("shared load bytes (LDS, per thread)", 0.02),
     "sm__sass_data_bytes_mem_shared_op_st.sum": ("shared store bytes (STS, per thread)", 0.02),
-    "sm__sass_data_bytes_mem_shared_op_ldgsts.sum": ("cp.async shared bytes (LDGSTS, per thread)", 0.02),
+    # reported, not targeted: on an H100 (2026-12-07) it read 0.28-0.51 of the bytes the copies write (143-256 bytes
+    # per 512-byte warp instruction, not a whole number of chunks), while the cp.async instruction count was exact
+    "sm__sass_data_bytes_mem_shared_op_ldgsts.sum": ("cp.async shared bytes (LDGSTS, per thread)", None),
 }
 GMMA_METRICS = {
     "sm__sass_inst_executed_op_shared_gmma.sum": ("wgmma instructions (HGMMA, per warp)", None),
@@ -1052,8 +1054,16 @@ def _predict_wide(target: Target) -> dict:
                          "one sector per row of 8 floats" if p.dtype != "fp64" else
                          "two sectors per row: lanes t add doubles 2t or 2t + 1 of 8")
         if p.dtype == "fp64":  # each row's four 8-byte adds of an instruction touch 64 bytes: two sectors
+            # ncu's byte counters carry 16 bytes a lane for RED.E.ADD.F64 (an H100, 2026-12-07: 2x the 8-byte
+            # payload at L1 and SM -> L2, with the request and L2 sector counts exact): the payload as counted
+            carried = 2 * red
             rows["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] = (
-                red, "whole [BLOCK_M, HEAD_DIM] float64 tile per visit, pad rows included")
+                carried, "whole [BLOCK_M, HEAD_DIM] float64 tile per visit, pad rows included; 16 bytes a lane "
+                         "as ncu counts a float64 RED")
+            rows["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum"] = (
+                carried, "the red payload, SM -> L2, 16 bytes a lane as ncu counts a float64 RED")
+            out["l1tex__m_l1tex2xbar_write_bytes.sum"] = (
+                writes + carried, store_note + f" {writes:,} + dQ atomics' payload {carried:,} (16 bytes a lane)")
             rows["lts__t_sectors_srcunit_tex_op_red.sum"] = (2 * red // SECTOR, rows[
                 "lts__t_sectors_srcunit_tex_op_red.sum"][1])
             rows["lts__t_sectors_op_red.sum"] = (2 * red // SECTOR, "as above; more if the L2 partitions both "

@@ -263,11 +263,14 @@ def test_backward_predictions_are_consistent(target):
             and not target.deterministic:
         red = kt.atomic_bytes
         assert red > 0
-        assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + red, "reds leave the SM as writes"
+        # ncu's byte counters carry a float64 RED's lane as 16 bytes (measured on an H100), the kernel adds 8
+        carried = red * (2 if p.dtype == "fp64" else 1)
+        assert v["l1tex__m_l1tex2xbar_write_bytes.sum"] == kt.write_bytes + carried, "reds leave the SM as writes"
         # red.global.add.v4 / .v2 .f32; float64: one 8-byte atomicAdd a thread per instruction
         per_red = 512 if target.kernel in validate.RED_V4_KERNELS else 256
         assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] * per_red == red
-        assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == red
+        assert v["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] == carried
+        assert v["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum"] == carried
         # a float64 instruction's four lanes per row add every other 8 bytes of 64: two sectors per row
         assert v["lts__t_sectors_srcunit_tex_op_red.sum"] * 32 == red * (2 if p.dtype == "fp64" else 1)
         if not wide:  # the dq_accum rows the visited query blocks cover are read from DRAM before the L2 adds
@@ -1162,7 +1165,8 @@ def test_wide_predictions_are_the_analyzers_counts(target):
     assert v["sm__sass_data_bytes_mem_shared_op_ld.sum"] == r
     assert v["sm__sass_data_bytes_mem_shared_op_st.sum"] + v["sm__sass_data_bytes_mem_shared_op_ldgsts.sum"] == w
     assert (v["sm__sass_data_bytes_mem_shared_op_st.sum"] > 0) == target.is_backward, "the forward stores no STS"
-    assert all(metrics[m][1] == 0.02 for m in validate.WIDE_METRICS)
+    ldgsts_bytes = "sm__sass_data_bytes_mem_shared_op_ldgsts.sum"  # measured below the copies' bytes: reported
+    assert all(metrics[m][1] == (None if m == ldgsts_bytes else 0.02) for m in validate.WIDE_METRICS)
     assert metrics["dram__bytes_read.sum"][1] is None and v["dram__bytes_read.sum"] is None
     assert metrics["smsp__sass_inst_executed_op_ldgsts.sum"][1] == "exact"
     assert metrics["smsp__inst_executed_op_shared_ld.sum"][1] is None, "LDS instructions: reported"
