@@ -12,9 +12,14 @@
 // masks and, for float32, the score modifiers (mods.cuh) and the online softmax are the same code.
 //
 // Shared memory: tiles are row-major, PITCH = HEAD_DIM + 4 elements per row. Every fragment read is one 4-byte
-// (float32) or 8-byte (float64) load per element, and that pitch makes each of them conflict-free: the reads
-// along k (row g, column t: bank 4g + t) and across rows (row t or 2t, column g: bank 8t + g) alike. The one
-// exception is dQ's B operand in float32 (row t, column g: 2-way).
+// (float32) or 8-byte (float64) load per element. In float32 that pitch makes each of them conflict-free: the reads
+// along k (row g, column t: bank 4g + t) and across rows (row t or 2t, column g: bank 8t + g) alike; the one
+// exception is dQ's B operand (row t, column g: 2-way). An 8-byte load is served half a warp (g < 4, g >= 4) at a
+// time: rows g stay conflict-free, rows 2t (the B operands read by load_b_acc: V in P V, dO and Q in the backward)
+// are 2-way (rows 0 and 4 share banks). A 2-double pad for the forward's V removed them (ncu: 29 % fewer shared
+// wavefronts) and ran no faster on an H100 (docs/PERFORMANCE.md, "What did not pay"). Rows whose start is 16 bytes
+// off a 32-byte sector (float32's 4-float pad, that 2-double pad) also make cp.async read more from L2 (ncu: 1.5x
+// and 1.24x the bytes; docs/IO_VALIDATION.md).
 //
 // A GEMM whose A operand is an accumulator (P V, P^T dO, dS^T Q) takes A straight from registers: in an n8 tile
 // a thread holds columns 2t and 2t + 1, and the reduction order inside an mma is free, so the mma's k index is
