@@ -1225,3 +1225,31 @@ def test_wide_cp_async_and_dq_adds_by_hand(dtype, d, causal):
     assert v["smsp__sass_inst_executed_op_ldgsts.sum"] == b * h * instr
     assert v["sm__sass_data_bytes_mem_shared_op_ldgsts.sum"] == b * h * chunk_bytes
     assert v["l1tex__t_requests_pipe_lsu_mem_global_op_red.sum"] == b * h * reds
+
+
+# ---- the float32 / float64 kernels measured on an H100, 2026-12-07 (docs/IO_VALIDATION.md, section 9) ----
+# (cp.async instructions, dQ RED requests, RED bytes at L1, SM->L2 write bytes, shared store bytes) of the backward
+# targets as ncu 2025.3.1 counted them; float64 REDs carry 16 bytes a lane on the byte counters
+H100_2026_12_07_WIDE_BWD = {
+    "bwd_wide_kernel | b2 h4 N1024 d128 fp64": (565_248, 524_288, 268_435_456, 285_212_672, 268_435_456),
+    "bwd_wide_kernel | b2 h4 N1000x1500 d64 fp32 causal": (84_096, 69_632, 17_825_792, 24_663_008, 35_651_584),
+}
+WIDE_BWD_METRICS = ("smsp__sass_inst_executed_op_ldgsts.sum", "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum",
+                    "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum", "l1tex__m_l1tex2xbar_write_bytes.sum",
+                    "sm__sass_data_bytes_mem_shared_op_st.sum")
+
+
+@pytest.mark.parametrize("name", sorted(H100_2026_12_07_WIDE_BWD))
+def test_wide_backward_predictions_meet_the_h100_measurements(name):
+    """The cp.async and RED instructions, the RED payload as counted, and the shared stores meet their targets; the
+    SM->L2 writes of the float64 target (dK, dV and the 16-byte-a-lane payload) too, the float32 one's stores are
+    the open miss of section 9 (+2.9 %)."""
+    target = next(t for t in validate.CASES["default"] if t.name == name)
+    pred = validate.predict(target, validate.H100_L2_BYTES, validate.H100_SMS)
+    measured = dict(zip(WIDE_BWD_METRICS, H100_2026_12_07_WIDE_BWD[name]))
+    rows = {r.metric: r for r in validate.build_rows(target, pred, measured, True)}
+    fp64 = target.case.dtype == "fp64"
+    met = [m for m in WIDE_BWD_METRICS if fp64 or m != "l1tex__m_l1tex2xbar_write_bytes.sum"]
+    assert all(rows[m].verdict == "yes" for m in met), {m: (pred[m][0], measured[m]) for m in met}
+    if not fp64:
+        assert rows["l1tex__m_l1tex2xbar_write_bytes.sum"].verdict == "NO"
