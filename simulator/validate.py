@@ -792,16 +792,21 @@ def _tma_rows(boxes: int, copies: int, bulk_reds: int, reads: int, gmma: int, gm
     }
 
 
-def _red_rows(reds: int, red: int, per: str, sector_note: str) -> dict:
+def _red_rows(reds: int, red: int, per: str, sector_note: str, *, sectors: int | None = None,
+              carried: int | None = None, tile: str = "fp32") -> dict:
     """The LSU reduction rows (RED_METRICS) of a kernel whose dQ adds are `reds` RED instructions of `red` bytes in
-    all, whole 32-byte sectors each."""
+    all: `sectors` L2 sectors (default: whole 32-byte sectors, red / 32) and `carried` bytes on ncu's L1 and SM -> L2
+    byte counters (default red; a float64 RED counts 16 bytes a lane there)."""
+    sectors = red // SECTOR if sectors is None else sectors
+    carried = red if carried is None else carried
+    as_counted = f"; {carried // red}x the bytes added, as ncu counts them" if carried != red else ""
     return {
         "l1tex__t_requests_pipe_lsu_mem_global_op_red.sum": (reds, per),
-        "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (red, "whole [BLOCK_M, HEAD_DIM] fp32 tile per visit, "
-                                                               "pad rows included"),
-        "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (red, "the red payload, SM -> L2"),
-        "lts__t_sectors_srcunit_tex_op_red.sum": (red // SECTOR, sector_note),
-        "lts__t_sectors_op_red.sum": (red // SECTOR, "as above; more if the L2 partitions both count a request"),
+        "l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum": (carried, f"whole [BLOCK_M, HEAD_DIM] {tile} tile per "
+                                                                   f"visit, pad rows included{as_counted}"),
+        "l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum": (carried, f"the red payload, SM -> L2{as_counted}"),
+        "lts__t_sectors_srcunit_tex_op_red.sum": (sectors, sector_note),
+        "lts__t_sectors_op_red.sum": (sectors, "as above; more if the L2 partitions both count a request"),
     }
 
 
@@ -980,6 +985,11 @@ def _split_predictions(cfg, p: Problem, kt) -> dict:
     }
 
 
+# ncu's L1 and SM -> L2 byte counters carry 16 bytes a lane for a float64 RED.E.ADD.F64, twice what it adds (an
+# H100, 2026-12-07, with the request and L2 sector counts as predicted)
+CARRIED_RED_FACTOR = {"fp64": 2}
+
+
 def _wide_ldgsts(cfg, p: Problem) -> tuple[int, int]:
     """(cp.async warp instructions, shared bytes) of fwd_wide_kernel or bwd_wide_kernel (strategies'
     _wide_cp_async_bytes): load_wide_tile issues one 16-byte cp.async per thread per chunk of a whole tile, so tiles
@@ -1019,10 +1029,12 @@ def _predict_wide(target: Target) -> dict:
         read_note = "Q once per CTA, K and V once per visited tile (cp.async" + (
             f"; Q and K once per column part, {cfg.v_split} parts)" if cfg.v_split > 1 else ")")
         store_note = "O and lse once (32-byte sectors)"
+    carried = red * CARRIED_RED_FACTOR.get(p.dtype, 1)  # the dQ adds' payload as ncu's byte counters count it
     out = {
         "l1tex__m_xbar2l1tex_read_bytes.sum": (reads, read_note),
         "l1tex__m_l1tex2xbar_write_bytes.sum": (
-            writes + red, store_note + (f" {writes:,} + dQ atomics' payload {red:,}" if red else "")),
+            writes + carried, store_note + (f" {writes:,} + dQ atomics' payload {carried:,}"
+                                            + (" (as ncu counts it)" if carried != red else "") if red else "")),
         "l1tex__t_bytes_pipe_lsu_mem_global_op_st.sum": (writes, store_note),
         "l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum": (0, "the kernels are spill-free"),
         "dram__bytes_read.sum": (None, "not modelled: the L2 model covers the 16-bit kernels only"),
@@ -1050,25 +1062,13 @@ def _predict_wide(target: Target) -> dict:
         per_tile = 2 * (2 if p.dtype == "fp64" else 1)  # rows g and g + 8; float64: two scalar adds each
         reds = visits * warps * tiles * per_tile
         assert reds * WARP_RED_BYTES == red, (reds, red)
-        rows = _red_rows(reds, red, f"{visits:,} visits x {warps} warps x {tiles * per_tile} RED of 256 B",
-                         "one sector per row of 8 floats" if p.dtype != "fp64" else
-                         "two sectors per row: lanes t add doubles 2t or 2t + 1 of 8")
-        if p.dtype == "fp64":  # each row's four 8-byte adds of an instruction touch 64 bytes: two sectors
-            # ncu's byte counters carry 16 bytes a lane for RED.E.ADD.F64 (an H100, 2026-12-07: 2x the 8-byte
-            # payload at L1 and SM -> L2, with the request and L2 sector counts exact): the payload as counted
-            carried = 2 * red
-            rows["l1tex__t_bytes_pipe_lsu_mem_global_op_red.sum"] = (
-                carried, "whole [BLOCK_M, HEAD_DIM] float64 tile per visit, pad rows included; 16 bytes a lane "
-                         "as ncu counts a float64 RED")
-            rows["l1tex__m_l1tex2xbar_write_bytes_mem_global_op_red.sum"] = (
-                carried, "the red payload, SM -> L2, 16 bytes a lane as ncu counts a float64 RED")
-            out["l1tex__m_l1tex2xbar_write_bytes.sum"] = (
-                writes + carried, store_note + f" {writes:,} + dQ atomics' payload {carried:,} (16 bytes a lane)")
-            rows["lts__t_sectors_srcunit_tex_op_red.sum"] = (2 * red // SECTOR, rows[
-                "lts__t_sectors_srcunit_tex_op_red.sum"][1])
-            rows["lts__t_sectors_op_red.sum"] = (2 * red // SECTOR, "as above; more if the L2 partitions both "
-                                                                    "count a request")
-        out.update(rows)
+        # float64: each row's four 8-byte adds of an instruction touch 64 bytes (two sectors), and ncu's byte
+        # counters carry 16 bytes a lane for RED.E.ADD.F64 (CARRIED_RED_FACTOR)
+        out.update(_red_rows(reds, red, f"{visits:,} visits x {warps} warps x {tiles * per_tile} RED of 256 B",
+                             "one sector per row of 8 floats" if p.dtype != "fp64" else
+                             "two sectors per row: lanes t add doubles 2t or 2t + 1 of 8",
+                             sectors=(2 if p.dtype == "fp64" else 1) * red // SECTOR, carried=carried,
+                             tile="float64" if p.dtype == "fp64" else "fp32"))
     out.update(_measured_only())
     return {m: out[m] for m in metrics_for(target)}
 
